@@ -1,0 +1,32 @@
+"""dcp_compile: rewrite attention models into their Decode Context Parallel (DCP) form.
+
+Public API (see README.md): ``DCPConfig``, ``DCPConfigError``, ``topology``, ``prove``,
+``compute_slot_mapping``, the layout formulas in ``dcp_compile.layout``, ``transform``.
+"""
+
+from .config import DCPConfig
+from .errors import (DCPConfigError, DCPError, DCPInputError, DCPProofError,
+                     DCPTransferError, DCPTransformError)
+from .topology import Topology, topology
+
+__all__ = [
+    "DCPConfig", "DCPConfigError", "DCPError", "DCPInputError", "DCPProofError",
+    "DCPTransferError", "DCPTransformError", "Topology", "topology",
+]
+
+
+def __getattr__(name):
+    # Heavier frontends load on first use so that `import dcp_compile` stays cheap.
+    if name == "prove":
+        from .proofs import prove
+        return prove
+    if name == "compute_slot_mapping":
+        from .metadata import compute_slot_mapping
+        return compute_slot_mapping
+    if name == "transform":
+        from .transform import transform
+        return transform
+    if name == "layout":
+        from . import layout
+        return layout
+    raise AttributeError(f"module 'dcp_compile' has no attribute {name!r}")

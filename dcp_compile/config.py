@@ -1,0 +1,173 @@
+"""DCPConfig: one validated description of a DCP layout (spec: Constraints, Decode Constraints)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import DCPConfigError
+
+MODES = ("decode", "prefill")
+KV_ROLES = (None, "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class DCPConfig:
+    """A tensor-parallel + decode-context-parallel layout for one engine.
+
+    Head counts may be left ``None`` when only the KV layout matters (proofs, slot mapping);
+    ``transform`` fills them from the model and validates again.
+    """
+
+    tp: int
+    dcp: int
+    mode: str = "decode"
+    block_size: int = 16
+    interleave_size: int | None = None
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    kv_role: str | None = None
+    attention_dp: bool = False
+
+    def __post_init__(self):
+        if self.interleave_size is None and _is_positive_int(self.block_size):
+            object.__setattr__(self, "interleave_size", self.block_size)
+        # Prefill DCP is the producer side of disaggregated inference (spec: Constraints).
+        if self.mode == "prefill" and _is_positive_int(self.dcp) and self.dcp > 1 \
+                and self.kv_role is None:
+            object.__setattr__(self, "kv_role", "kv_producer")
+        violations = _violations(self)
+        if violations:
+            raise DCPConfigError(violations)
+
+    # Derived sizes, named as in the specification.
+    @property
+    def vblock(self) -> int:
+        return self.block_size * self.dcp
+
+    @property
+    def stride(self) -> int:
+        return self.interleave_size * self.dcp
+
+    @property
+    def dcp_tp_size(self) -> int:
+        """Prefill: size of dcp_tp_group (TP / DCP), over which QKV and O are sharded."""
+        return self.tp // self.dcp
+
+    @property
+    def attention_shard(self) -> int:
+        """How many ways the attention weights (QKV/O heads) are split."""
+        return self.tp if self.mode == "decode" else self.dcp_tp_size
+
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.num_q_heads // self.attention_shard
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads a rank holds; 1 when TP replicates each KV head across several ranks."""
+        return max(1, self.num_kv_heads // self.attention_shard)
+
+    def replace(self, **changes) -> "DCPConfig":
+        return dataclasses.replace(self, **changes)
+
+    def layout_kwargs(self) -> dict:
+        """Keyword arguments of the :mod:`dcp_compile.layout` formulas."""
+        return dict(dcp=self.dcp, interleave=self.interleave_size, block=self.block_size)
+
+
+def _is_positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _violations(c: DCPConfig) -> list[str]:
+    out: list[str] = []
+    sizes = {"tp": c.tp, "dcp": c.dcp, "block_size": c.block_size,
+             "interleave_size": c.interleave_size}
+    for name in ("num_q_heads", "num_kv_heads", "head_dim"):
+        if getattr(c, name) is not None:
+            sizes[name] = getattr(c, name)
+    bad = [n for n, v in sizes.items() if not _is_positive_int(v)]
+    for n in bad:
+        out.append(f"{n} must be a positive integer: {n}={sizes[n]!r}. Pass an int >= 1.")
+    if c.mode not in MODES:
+        out.append(f"mode must be one of {MODES}: mode={c.mode!r}. "
+                   "Use mode='decode' or mode='prefill'.")
+    if c.kv_role not in KV_ROLES:
+        out.append(f"kv_role must be one of {KV_ROLES}: kv_role={c.kv_role!r}. "
+                   "Use None, 'kv_producer' or 'kv_consumer'.")
+    if bad or out:
+        return out  # the rules below need well-formed sizes
+
+    tp, dcp, B, I = c.tp, c.dcp, c.block_size, c.interleave_size
+    if B < I or B % I:
+        out.append(f"block_size must be a multiple of interleave_size (a block holds whole "
+                   f"interleave runs): block_size={B}, interleave_size={I}. "
+                   f"Use interleave_size in {_divisors(B)}.")
+    if tp % dcp:
+        out.append(f"TP % DCP == 0: tp={tp}, dcp={dcp}. Use dcp in {_divisors(tp)}.")
+    if c.attention_dp and dcp > 1:
+        out.append(f"DCP cannot currently be combined with attention DP: attention_dp=True, "
+                   f"dcp={dcp}. Set attention_dp=False, or dcp=1.")
+    if c.kv_role is not None and I != B:
+        out.append(f"cp_kv_cache_interleave_size must equal block_size for DI compatibility: "
+                   f"kv_role={c.kv_role!r}, interleave_size={I}, block_size={B}. "
+                   f"Use interleave_size={B}.")
+    if c.mode == "prefill" and dcp > 1 and c.kv_role != "kv_producer":
+        out.append(f"apply_prefill_dcp requires DI (kv_role=kv_producer) and DCP > 1: "
+                   f"mode='prefill', dcp={dcp}, kv_role={c.kv_role!r}. "
+                   f"Use kv_role='kv_producer' (or leave it None), or dcp=1.")
+    out.extend(_head_violations(c))
+    return out
+
+
+def _head_violations(c: DCPConfig) -> list[str]:
+    out: list[str] = []
+    hq, hkv, tp, dcp = c.num_q_heads, c.num_kv_heads, c.tp, c.dcp
+    if hq is None or hkv is None or tp % dcp:
+        return out
+    if hq % hkv:
+        out.append(f"num_q_heads must be a multiple of num_kv_heads (GQA groups): "
+                   f"num_q_heads={hq}, num_kv_heads={hkv}. Check the model config.")
+        return out
+    shard = c.attention_shard
+    where = "full TP" if c.mode == "decode" else "dcp_tp_group (TP/DCP)"
+    if hq % shard:
+        out.append(f"query heads must split evenly over {where}: num_q_heads={hq}, "
+                   f"shard={shard} (tp={tp}, dcp={dcp}). Use a tp that divides {hq}.")
+    if hkv % shard and shard % hkv:
+        out.append(f"KV heads must split over, or replicate evenly across, {where}: "
+                   f"num_kv_heads={hkv}, shard={shard}. Use a shard size that divides "
+                   f"or is a multiple of {hkv}.")
+    if c.mode != "decode" or dcp == 1:
+        return out
+    fix = _largest_valid_decode_dcp(c)
+    fix_text = f"Use dcp={fix}" if fix > 1 else "Use dcp=1"
+    if not tp > hkv:
+        out.append(f"decode DCP needs tp > num_kv_heads (KV must be replicated across the DCP "
+                   f"group): tp={tp}, num_kv_heads={hkv}. Use tp={2 * hkv} or more, or dcp=1.")
+        return out
+    if dcp > tp // hkv:
+        out.append(f"dcp <= tp // num_kv_heads: dcp={dcp}, tp={tp}, num_kv_heads={hkv}. "
+                   f"{fix_text}.")
+    if (hq // hkv) % dcp:
+        out.append(f"(num_q_heads // num_kv_heads) % dcp == 0: num_q_heads={hq}, "
+                   f"num_kv_heads={hkv}, dcp={dcp}. {fix_text}.")
+    if (tp // hkv) % dcp:
+        out.append(f"a DCP replica set must share one KV head ((tp // num_kv_heads) % dcp == 0): "
+                   f"tp={tp}, num_kv_heads={hkv}, dcp={dcp}. {fix_text}.")
+    return out
+
+
+def _largest_valid_decode_dcp(c: DCPConfig) -> int:
+    hq, hkv, tp = c.num_q_heads, c.num_kv_heads, c.tp
+    for d in range(tp, 1, -1):
+        if (tp % d == 0 and tp > hkv and d <= tp // hkv and (hq // hkv) % d == 0
+                and (tp // hkv) % d == 0):
+            return d
+    return 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

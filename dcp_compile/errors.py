@@ -1,0 +1,46 @@
+"""The library's exception types. Messages read `<what is wrong>: <values>. <how to fix it>.`"""
+
+from __future__ import annotations
+
+
+class DCPError(Exception):
+    """Base class of every error dcp_compile raises on purpose."""
+
+
+class DCPConfigError(DCPError, ValueError):
+    """A DCP configuration breaks one or more rules; ``violations`` lists every one of them."""
+
+    def __init__(self, violations):
+        if isinstance(violations, str):
+            violations = [violations]
+        self.violations = list(violations)
+        if len(self.violations) == 1:
+            msg = self.violations[0]
+        else:
+            msg = f"{len(self.violations)} DCP configuration rules are broken:\n" + "\n".join(
+                f"  - {v}" for v in self.violations)
+        super().__init__(msg)
+
+
+class DCPProofError(DCPError):
+    """A layout theorem failed to prove; the certificate carries the counterexample."""
+
+    def __init__(self, certificate):
+        self.certificate = certificate
+        failed = [t for t in certificate.theorems if t.status != "proven"]
+        lines = [f"  - {t.name}: {t.statement} (counterexample: {t.counterexample})"
+                 for t in failed]
+        super().__init__("layout proof failed for " + certificate.describe() + ":\n"
+                         + "\n".join(lines))
+
+
+class DCPInputError(DCPError, ValueError):
+    """Runtime inputs (positions, block tables, caches) that the layout cannot serve."""
+
+
+class DCPTransformError(DCPError):
+    """The model's graph cannot be rewritten (unknown attention, no attention, dynamic shapes)."""
+
+
+class DCPTransferError(DCPError):
+    """A disaggregated KV transfer cannot be planned or did not complete."""
