@@ -26,7 +26,4 @@ def __getattr__(name):
     if name == "transform":
         from .transform import transform
         return transform
-    if name == "layout":
-        from . import layout
-        return layout
     raise AttributeError(f"module 'dcp_compile' has no attribute {name!r}")

@@ -1,0 +1,272 @@
+"""The `dcp` custom ops: the primitives models call and DCP programs are built from.
+
+Every op is functional (a cache write returns the new caches; KV caches are program inputs),
+has a fake implementation (shapes only), and a reference implementation written in plain
+ATen-composable torch, which doubles as its decomposition (``DECOMPOSITIONS``) so that any
+backend can lower it. Index arithmetic comes from :mod:`dcp_compile.layout`, never re-derived.
+
+Tensor conventions (one batch of sequences, padded to a static shape):
+  q            [batch, q_len, q_heads, head_dim]
+  k, v         [batch, kv_len, kv_heads, head_dim]
+  positions    [batch, tokens] int64 global positions; -1 marks padding (writes nothing,
+               attends to nothing, output 0)
+  key_cache,
+  value_cache  [num_blocks, block_size, kv_heads, head_dim]; block num_blocks-1 is the
+               reserved garbage block that slot -1 writes land in and no block table names
+  block_table  [batch, max_blocks] int64; -1 marks an unallocated entry
+  rank         0-d int64 tensor: this rank's cp_rank (rank is data, see DESIGN.md)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import layout
+
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------
+# Layout metadata computed inside the graph (same formulas as the host and the proofs).
+# ----------------------------------------------------------------------------------------
+
+
+def _slot_mapping_impl(positions: Tensor, block_table: Tensor, rank: Tensor, dcp: int,
+                       interleave: int, block: int) -> Tensor:
+    kw = dict(dcp=dcp, interleave=interleave, block=block)
+    pos = positions.clamp(min=0)
+    # Block-table entry covering this position (one entry per vblock, same table on all ranks).
+    entry_index = (layout.local_slot(pos, **kw) // block).clamp(max=block_table.shape[1] - 1)
+    entry = torch.gather(block_table, 1, entry_index)
+    slots = layout.slot_mapping(pos, rank, entry, **kw)
+    return torch.where(positions >= 0, slots, torch.full_like(slots, -1))
+
+
+@torch.library.custom_op("dcp::slot_mapping", mutates_args=())
+def slot_mapping(positions: Tensor, block_table: Tensor, rank: Tensor, dcp: int,
+                 interleave: int, block: int) -> Tensor:
+    """Cache row each token is written to on ``rank``; -1 for padding or another rank's."""
+    return _slot_mapping_impl(positions, block_table, rank, dcp, interleave, block)
+
+
+@slot_mapping.register_fake
+def _(positions, block_table, rank, dcp, interleave, block):
+    return torch.empty_like(positions)
+
+
+def _local_filled_impl(n: Tensor, rank: Tensor, dcp: int, interleave: int,
+                       block: int) -> Tensor:
+    return layout.local_filled(n.clamp(min=0), rank, dcp=dcp, interleave=interleave,
+                               block=block)
+
+
+@torch.library.custom_op("dcp::local_filled", mutates_args=())
+def local_filled(n: Tensor, rank: Tensor, dcp: int, interleave: int, block: int) -> Tensor:
+    """Prior tokens (of the first n) that live in ``rank``'s shard (spec: local_filled)."""
+    return _local_filled_impl(n, rank, dcp, interleave, block)
+
+
+@local_filled.register_fake
+def _(n, rank, dcp, interleave, block):
+    return torch.empty_like(n)
+
+
+def _active_mask_impl(n: Tensor, rank: Tensor, dcp: int, interleave: int,
+                      block: int) -> Tensor:
+    owned = layout.dcp_active_mask(n.clamp(min=0), rank, dcp=dcp, interleave=interleave,
+                                   block=block)
+    return owned * (n >= 0).to(owned.dtype)
+
+
+@torch.library.custom_op("dcp::active_mask", mutates_args=())
+def active_mask(n: Tensor, rank: Tensor, dcp: int, interleave: int, block: int) -> Tensor:
+    """dcp_active_mask: 1 where this rank owns position n (and n is not padding), else 0."""
+    return _active_mask_impl(n, rank, dcp, interleave, block)
+
+
+@active_mask.register_fake
+def _(n, rank, dcp, interleave, block):
+    return torch.empty_like(n)
+
+
+# ----------------------------------------------------------------------------------------
+# KV cache write
+# ----------------------------------------------------------------------------------------
+
+
+def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
+                      slots: Tensor) -> tuple[Tensor, Tensor]:
+    num_blocks, block, heads, dim = key_cache.shape
+    garbage_row = (num_blocks - 1) * block
+    rows = torch.where(slots >= 0, slots, torch.full_like(slots, garbage_row)).reshape(-1)
+    new_k = key_cache.reshape(num_blocks * block, heads, dim).index_put(
+        (rows,), k.reshape(-1, heads, dim).to(key_cache.dtype))
+    new_v = value_cache.reshape(num_blocks * block, heads, dim).index_put(
+        (rows,), v.reshape(-1, heads, dim).to(value_cache.dtype))
+    return new_k.reshape(key_cache.shape), new_v.reshape(value_cache.shape)
+
+
+@torch.library.custom_op("dcp::cache_write", mutates_args=())
+def cache_write(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
+                slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Return the caches with k/v written at ``slots`` (slot -1 goes to the garbage block)."""
+    return _cache_write_impl(key_cache, value_cache, k, v, slots)
+
+
+@cache_write.register_fake
+def _(key_cache, value_cache, k, v, slots):
+    return torch.empty_like(key_cache), torch.empty_like(value_cache)
+
+
+# ----------------------------------------------------------------------------------------
+# Attention over (local prior cache shard) + (current keys), with LSE
+# ----------------------------------------------------------------------------------------
+
+
+def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
+                            k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
+                            block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
+                            interleave: int, scale: float) -> tuple[Tensor, Tensor]:
+    batch, q_len, q_heads, dim = q.shape
+    num_blocks, block, kv_heads, _ = key_cache.shape
+    max_blocks = block_table.shape[1]
+    # Prior keys: this rank's local slots [0, prior_len) of each sequence, read from the paged
+    # cache with a static shape (every slot the block table can address), validity masked.
+    local = torch.arange(max_blocks * block, device=q.device)
+    rows = block_table.clamp(min=0)[:, local // block] * block + local % block
+    k_prior = key_cache.reshape(num_blocks * block, kv_heads, dim)[rows]
+    v_prior = value_cache.reshape(num_blocks * block, kv_heads, dim)[rows]
+    prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
+    prior_valid = local.unsqueeze(0) < prior_len.unsqueeze(1)
+    prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
+                            torch.full_like(rows, -1))
+
+    keys = torch.cat([k_prior.to(q.dtype), k_cur.to(q.dtype)], dim=1)
+    values = torch.cat([v_prior.to(q.dtype), v_cur.to(q.dtype)], dim=1)
+    key_pos = torch.cat([prior_pos, k_pos], dim=1)
+    key_valid = key_pos >= 0
+    # Unwritten or poisoned rows must not leak through 0 * NaN: zero invalid values.
+    values = torch.where(key_valid[:, :, None, None], values, torch.zeros_like(values))
+
+    # Causal on global positions; padding queries attend to nothing.
+    allowed = (key_valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+               & (q_pos[:, :, None] >= 0))                                 # [b, i, j]
+    groups = q_heads // kv_heads
+    qf = q.float().reshape(batch, q_len, kv_heads, groups, dim)
+    scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
+    scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)                                  # [b, k, g, i]
+    # A row with no allowed key has lse = -inf: its probabilities are exactly 0, never NaN.
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe_lse[..., None])
+    out = torch.einsum("bkgij,bjkd->bikgd", probs, values.float())
+    out = out.reshape(batch, q_len, q_heads, dim).to(q.dtype)
+    lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    return out, lse
+
+
+@torch.library.custom_op("dcp::partial_attention", mutates_args=())
+def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_pos: Tensor,
+                      key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                      prior_len: Tensor, rank: Tensor, dcp: int, interleave: int,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of q over this rank's keys only; returns (out, lse float32, base e).
+
+    Keys are the local prior slots [0, prior_len) (global positions by the slot map of
+    ``rank``) plus the current keys whose ``k_pos >= 0``; causal on global positions.
+    """
+    return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                                   block_table, prior_len, rank, dcp, interleave, scale)
+
+
+@partial_attention.register_fake
+def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
+      dcp, interleave, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _lse_correct_impl(out: Tensor, lse: Tensor, lse_all: Tensor) -> Tensor:
+    # global_lse over the DCP group; a rank whose shard had no key (lse = -inf) gets weight 0,
+    # and a query no rank could see (global = -inf) gets 0, not exp(-inf + inf) = NaN.
+    global_lse = torch.logsumexp(lse_all, dim=0)
+    finite = torch.isfinite(global_lse) & torch.isfinite(lse)
+    weight = torch.where(finite, torch.exp(lse - torch.where(finite, global_lse,
+                                                             torch.zeros_like(global_lse))),
+                         torch.zeros_like(lse))
+    return out.float() * weight[..., None]
+
+
+@torch.library.custom_op("dcp::lse_correct", mutates_args=())
+def lse_correct(out: Tensor, lse: Tensor, lse_all: Tensor) -> Tensor:
+    """Scale a partial output by exp(local_lse - global_lse); ``lse_all`` is [W, *lse.shape]."""
+    return _lse_correct_impl(out, lse, lse_all)
+
+
+@lse_correct.register_fake
+def _(out, lse, lse_all):
+    return out.new_empty(out.shape, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# The model-facing op and the compiler's canonical attention node
+# ----------------------------------------------------------------------------------------
+
+
+def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
+                          value_cache: Tensor, positions: Tensor, block_table: Tensor,
+                          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    block = key_cache.shape[1]
+    rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
+    slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
+    new_kc, new_vc = _cache_write_impl(key_cache, value_cache, k, v, slots)
+    # A chunk is contiguous: its first position is the number of prior tokens.
+    prior_len = positions[:, 0].clamp(min=0)
+    out, _ = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
+                                     block_table, prior_len, rank0, 1, block, scale)
+    return out, new_kc, new_vc
+
+
+@torch.library.custom_op("dcp::paged_attention", mutates_args=())
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
+                    positions: Tensor, block_table: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Single-device paged attention: write k/v at the positions' slots, then causal
+    attention of each query over its sequence's cached tokens. Returns (out, caches)."""
+    return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
+                                 scale)
+
+
+@paged_attention.register_fake
+def _(q, k, v, key_cache, value_cache, positions, block_table, scale):
+    return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
+
+
+@torch.library.custom_op("dcp::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
+              positions: Tensor, block_table: Tensor,
+              scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The canonical attention node every accepted attention form becomes (one per layer).
+
+    Same semantics as ``paged_attention``; later passes target only this op.
+    """
+    return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
+                                 scale)
+
+
+@attention.register_fake
+def _(q, k, v, key_cache, value_cache, positions, block_table, scale):
+    return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
+
+
+# Decompositions to ATen: the reference implementations are plain torch code.
+DECOMPOSITIONS = {
+    torch.ops.dcp.slot_mapping.default: _slot_mapping_impl,
+    torch.ops.dcp.local_filled.default: _local_filled_impl,
+    torch.ops.dcp.active_mask.default: _active_mask_impl,
+    torch.ops.dcp.cache_write.default: _cache_write_impl,
+    torch.ops.dcp.partial_attention.default: _partial_attention_impl,
+    torch.ops.dcp.lse_correct.default: _lse_correct_impl,
+    torch.ops.dcp.paged_attention.default: _paged_attention_impl,
+    torch.ops.dcp.attention.default: _paged_attention_impl,
+}

@@ -1,0 +1,146 @@
+"""Host side of serving: sequences, block tables, padded static-shape step inputs, greedy loop.
+
+The engine is the same for the single-device model and for every transformed program: it
+builds ``(input_ids, positions, block_table)`` — identical on every rank — and hands them to
+an *executor*, which owns the caches (one set, or one per rank) and runs the step.
+
+Packing. A step is a padded batch ``[batch, tokens]``: row b holds sequence b's new tokens at
+positions ``prior_b, prior_b + 1, ...`` and -1 after them; unused rows are all -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dcp_compile.errors import DCPInputError
+
+from .kv_cache import BlockAllocator, check_step_inputs
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The static shapes a program is built for."""
+
+    batch: int = 4
+    context_len: int = 64      # tokens per sequence in a prompt (context/prefill) step
+    max_blocks: int = 8        # block-table entries per sequence
+    num_blocks: int = 40       # cache blocks per rank, including the garbage block
+
+
+class Executor(Protocol):
+    def step(self, kind: str, input_ids: torch.Tensor, positions: torch.Tensor,
+             block_table: torch.Tensor) -> torch.Tensor:
+        """Run one step of ``kind`` ("context" | "decode" | "prefill"); return logits."""
+
+
+class LocalExecutor:
+    """Runs ``fn(input_ids, positions, block_table, caches) -> (logits, caches)`` in-process."""
+
+    def __init__(self, fn, caches: list[torch.Tensor]):
+        self.fn = fn
+        self.caches = caches
+
+    @torch.no_grad()
+    def step(self, kind, input_ids, positions, block_table):
+        logits, self.caches = self.fn(input_ids, positions, block_table, self.caches)
+        self.caches = list(self.caches)
+        return logits
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]                 # generated tokens per sequence
+    logits: list[torch.Tensor] = field(default_factory=list)   # per step: [n, vocab]
+
+
+class Engine:
+    """Greedy serving loop over an executor, with static-shape padded steps."""
+
+    def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
+                 dcp: int = 1, prompt_kind: str = "context"):
+        self.executor = executor
+        self.shapes = shapes
+        self.block_size = block_size
+        self.dcp = dcp
+        self.prompt_kind = prompt_kind
+        self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp)
+        self.lengths: list[int] = []
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Run prompt chunks for sequences 0..n-1; returns logits of each chunk's last token.
+
+        The first call starts the sequences; later calls continue them (chunked prefill —
+        only program kinds that attend to a prior cache accept a non-empty prior).
+        """
+        n = len(prompts)
+        if not self.lengths:
+            self.lengths = [0] * n
+        self._check_batch(n)
+        S = self.shapes.context_len
+        if any(len(p) > S for p in prompts):
+            raise DCPInputError(
+                f"prompt chunk longer than the program's context_len: lengths="
+                f"{[len(p) for p in prompts]}, context_len={S}. Split it into chunks of at "
+                f"most {S} tokens or build the program with a larger context_len.")
+        input_ids = torch.zeros(self.shapes.batch, S, dtype=torch.int64)
+        positions = torch.full((self.shapes.batch, S), -1, dtype=torch.int64)
+        for b, chunk in enumerate(prompts):
+            start = self.lengths[b]
+            input_ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+            positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+        logits = self._run(self.prompt_kind, input_ids, positions,
+                           [len(c) for c in prompts])
+        last = torch.tensor([max(len(c) - 1, 0) for c in prompts])
+        return logits[torch.arange(n), last]
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """One new token per sequence; returns its logits [n, vocab]."""
+        n = len(tokens)
+        self._check_batch(n)
+        input_ids = torch.zeros(self.shapes.batch, 1, dtype=torch.int64)
+        positions = torch.full((self.shapes.batch, 1), -1, dtype=torch.int64)
+        input_ids[:n, 0] = torch.tensor(tokens, dtype=torch.int64)
+        positions[:n, 0] = torch.tensor(self.lengths[:n], dtype=torch.int64)
+        return self._run("decode", input_ids, positions, [1] * n)[:n, 0]
+
+    def generate(self, prompts: list[list[int]], steps: int) -> GenerateResult:
+        """Prefill the prompts, then greedy-decode ``steps`` tokens."""
+        logits = self.prefill(prompts)
+        result = GenerateResult(tokens=[[] for _ in prompts], logits=[logits])
+        for step in range(steps):
+            nxt = logits.argmax(-1).tolist()
+            for b, t in enumerate(nxt):
+                result.tokens[b].append(t)
+            if step == steps - 1:
+                break
+            logits = self.decode(nxt)
+            result.logits.append(logits)
+        return result
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_batch(self, n: int) -> None:
+        if n > self.shapes.batch:
+            raise DCPInputError(f"batch of {n} sequences exceeds the program's batch size "
+                                f"{self.shapes.batch}. Build it with batch >= {n}.")
+        if self.lengths and n != len(self.lengths):
+            raise DCPInputError(f"step has {n} sequences, engine holds {len(self.lengths)}. "
+                                f"Pass one entry per sequence.")
+
+    def _run(self, kind, input_ids, positions, new_tokens: list[int]) -> torch.Tensor:
+        seqs = list(range(len(new_tokens)))
+        for b, k in enumerate(new_tokens):
+            self.allocator.ensure(b, self.lengths[b] + k)
+        seq_ids = seqs + [None] * (self.shapes.batch - len(seqs))
+        block_table = self.allocator.table(seq_ids, self.shapes.max_blocks)
+        check_step_inputs(positions, block_table, num_blocks=self.shapes.num_blocks,
+                          block_size=self.block_size, dcp=self.dcp)
+        logits = self.executor.step(kind, input_ids, positions, block_table)
+        for b, k in enumerate(new_tokens):
+            self.lengths[b] += k
+        return logits

@@ -1,0 +1,125 @@
+"""Paged KV cache: tensor layout, block allocator and the reserved garbage block.
+
+Layout. Per layer one key cache and one value cache, each
+    [num_blocks, block_size, kv_heads, head_dim]
+and a program takes them as a flat list [k_0, v_0, k_1, v_1, ...]. Row ``block * block_size
++ offset`` of the flattened cache is one token's K (or V) for all of this rank's KV heads.
+Block ``num_blocks - 1`` is the garbage block: slot -1 writes (padding, positions another
+rank owns) land there and no block table may name it.
+
+Block tables. One row per sequence, one entry per ``block_size * dcp`` global positions (a
+vblock: each rank stores its ``block_size`` owned positions of that vblock in that block);
+the same table on every rank of a DCP group; -1 marks an unallocated entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dcp_compile.errors import DCPInputError
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def garbage_block(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    def bytes_per_rank(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_blocks * self.block_size * self.kv_heads \
+            * self.head_dim * elem
+
+    def allocate(self, fill: float = 0.0, device="cpu") -> list[torch.Tensor]:
+        """Fresh caches, flat [k_0, v_0, ...]. ``fill=nan`` poisons them for tests."""
+        if self.num_blocks < 2:
+            raise DCPInputError(f"a paged cache needs at least one usable block besides the "
+                                f"garbage block: num_blocks={self.num_blocks}. "
+                                f"Use num_blocks >= 2.")
+        return [torch.full(self.shape, fill, dtype=self.dtype, device=device)
+                for _ in range(2 * self.num_layers)]
+
+
+class BlockAllocator:
+    """Hands out blocks to sequences; never the garbage block (the last one)."""
+
+    def __init__(self, num_blocks: int, tokens_per_block: int):
+        if num_blocks < 2:
+            raise DCPInputError(f"num_blocks must leave one usable block besides the garbage "
+                                f"block: num_blocks={num_blocks}. Use num_blocks >= 2.")
+        self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.garbage_block = num_blocks - 1
+        self._free = list(range(num_blocks - 1))
+        self._tables: dict[int, list[int]] = {}
+
+    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Grow ``seq_id``'s table to cover positions [0, num_tokens)."""
+        table = self._tables.setdefault(seq_id, [])
+        need = -(-num_tokens // self.tokens_per_block)
+        if need - len(table) > len(self._free):
+            raise DCPInputError(
+                f"out of KV cache blocks: sequence {seq_id} needs {need} blocks for "
+                f"{num_tokens} tokens, {len(table)} held, {len(self._free)} free. "
+                f"Allocate more blocks (num_blocks) or shorten the sequences.")
+        while len(table) < need:
+            table.append(self._free.pop(0))
+        return table
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(self._tables.pop(seq_id, []))
+
+    def table(self, seq_ids: list[int | None], max_blocks: int) -> torch.Tensor:
+        """Block table rows for ``seq_ids`` (None = an empty batch slot), padded with -1."""
+        out = torch.full((len(seq_ids), max_blocks), -1, dtype=torch.int64)
+        for row, seq in enumerate(seq_ids):
+            blocks = self._tables.get(seq, []) if seq is not None else []
+            if len(blocks) > max_blocks:
+                raise DCPInputError(
+                    f"sequence {seq} holds {len(blocks)} blocks but the block table has room "
+                    f"for max_blocks={max_blocks}. Build the program with a larger "
+                    f"max_blocks (max context = max_blocks * block_size * dcp).")
+            out[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        return out
+
+
+def check_step_inputs(positions: torch.Tensor, block_table: torch.Tensor, *, num_blocks: int,
+                      block_size: int, dcp: int) -> None:
+    """Reject a step the cache cannot serve, before anything is written.
+
+    Every non-padding position must fall in an allocated block-table entry, and no entry may
+    name the garbage block.
+    """
+    if (block_table == num_blocks - 1).any():
+        seq = int((block_table == num_blocks - 1).any(dim=1).nonzero()[0])
+        raise DCPInputError(
+            f"block table of batch row {seq} references the garbage block "
+            f"{num_blocks - 1} (reserved for slot -1 writes): {block_table[seq].tolist()}. "
+            f"Allocate blocks with BlockAllocator, which never hands it out.")
+    if ((block_table < -1) | (block_table >= num_blocks)).any():
+        raise DCPInputError(f"block table entries must be -1 or in [0, {num_blocks - 1}): "
+                            f"{block_table.tolist()}. Fix the block table.")
+    vblock = block_size * dcp
+    entry = positions.clamp(min=0) // vblock
+    beyond = (positions >= 0) & ((entry >= block_table.shape[1])
+                                 | (torch.gather(block_table, 1, entry.clamp(
+                                     max=block_table.shape[1] - 1)) < 0))
+    if beyond.any():
+        row, col = (int(i) for i in beyond.nonzero()[0])
+        raise DCPInputError(
+            f"position {int(positions[row, col])} of batch row {row} is beyond its block "
+            f"table (entries cover {vblock} positions each: {block_table[row].tolist()}). "
+            f"Allocate blocks for it first.")

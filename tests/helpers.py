@@ -1,0 +1,27 @@
+"""Shared test helpers: seeded prompts and the one numerical comparison helper."""
+
+from __future__ import annotations
+
+import torch
+
+
+def prompts_of(lengths, *, vocab=256, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, *, atol: float,
+                        rtol: float = 0.0, what: str = "output") -> float:
+    """Assert closeness; on failure name the max error and the first index that differs."""
+    actual, expected = actual.detach().float(), expected.detach().float()
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values at " \
+        f"{(~torch.isfinite(actual)).nonzero()[0].tolist()}"
+    err = (actual - expected).abs()
+    bad = err > atol + rtol * expected.abs()
+    if bad.any():
+        first = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: max abs error {err.max():.3e} > atol {atol:g}; first "
+                             f"differing index {first}: {actual[tuple(first)]:.6g} vs "
+                             f"{expected[tuple(first)]:.6g}")
+    return float(err.max())
