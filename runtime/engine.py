@@ -37,16 +37,28 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """Runs ``fn(input_ids, positions, block_table, caches) -> (logits, caches)`` in-process."""
+    """Runs ``fn(input_ids, positions, block_table, caches) -> (logits, caches)`` in-process.
 
-    def __init__(self, fn, caches: list[torch.Tensor]):
+    ``fn`` is one callable for every step kind (the single-device model) or a mapping
+    kind -> callable (a loaded program). ``before_step(caches)`` is a test hook.
+    """
+
+    def __init__(self, fn, caches: list[torch.Tensor], *, before_step=None):
+        self.fns = fn if isinstance(fn, dict) else None
         self.fn = fn
         self.caches = caches
+        self.before_step = before_step
 
     @torch.no_grad()
     def step(self, kind, input_ids, positions, block_table):
-        logits, self.caches = self.fn(input_ids, positions, block_table, self.caches)
-        self.caches = list(self.caches)
+        if self.fns is not None and kind not in self.fns:
+            raise DCPInputError(f"this program has no {kind!r} step: it has "
+                                f"{sorted(self.fns)}.")
+        fn = self.fns[kind] if self.fns is not None else self.fn
+        if self.before_step is not None:
+            self.before_step(self.caches)
+        logits, caches = fn(input_ids, positions, block_table, self.caches)
+        self.caches = list(caches)
         return logits
 
 
@@ -81,6 +93,11 @@ class Engine:
         if not self.lengths:
             self.lengths = [0] * n
         self._check_batch(n)
+        if self.prompt_kind == "context" and any(self.lengths):
+            raise DCPInputError(
+                f"the decode engine's context step runs a first prompt chunk only (no prior "
+                f"context): sequences already hold {self.lengths} tokens. Send the whole "
+                f"prompt in one chunk, or prefill on a prefill-mode program.")
         S = self.shapes.context_len
         if any(len(p) > S for p in prompts):
             raise DCPInputError(

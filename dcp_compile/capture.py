@@ -1,0 +1,76 @@
+"""Capture: nn.Module -> ATen FX graph with fake values, attention kept whole.
+
+``torch.export`` (non-strict) at ATen level: parameters and buffers become placeholders
+(so a meta-device model transforms without allocating weights), our ``dcp`` custom ops stay
+single nodes, and every node carries ``meta['val']``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.export.graph_signature import InputKind
+from torch.fx import GraphModule
+
+from .errors import DCPTransformError
+
+
+@dataclass
+class Captured:
+    gm: GraphModule
+    params: dict[str, str]          # placeholder name -> parameter FQN
+    buffers: dict[str, str]         # placeholder name -> buffer FQN
+    user_inputs: list[str]          # placeholder names of the step inputs, in order
+
+
+def example_step_inputs(batch: int, tokens: int, max_blocks: int, cache_shape, num_layers: int,
+                        *, device, dtype) -> tuple:
+    """Example inputs of the step signature (values do not matter: shapes are static)."""
+    ids = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
+    positions = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
+    table = torch.zeros(batch, max_blocks, dtype=torch.int64, device=device)
+    caches = [torch.zeros(cache_shape, dtype=dtype, device=device)
+              for _ in range(2 * num_layers)]
+    return ids, positions, table, caches
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
+    try:
+        ep = torch.export.export(model, example_inputs, strict=False)
+    except Exception as e:
+        raise DCPTransformError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}. The model must be exportable with "
+            f"static shapes (no data-dependent control flow).") from e
+    sig = ep.graph_signature
+    params, buffers, user_inputs = {}, {}, []
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            params[spec.arg.name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffers[spec.arg.name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(spec.arg.name)
+        else:
+            raise DCPTransformError(f"unsupported captured input {spec.arg.name} of kind "
+                                    f"{spec.kind.name}. Register constants as buffers.")
+    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
+        raise DCPTransformError(
+            f"the model mutates its inputs or buffers in place "
+            f"({list(sig.buffers_to_mutate) + list(sig.user_inputs_to_mutate)}): KV caches "
+            f"must be written functionally (return the new caches, as dcp.paged_attention "
+            f"does).")
+    gm = ep.graph_module
+    gm.meta["dcp_captured"] = True
+    return Captured(gm=gm, params=params, buffers=buffers, user_inputs=user_inputs)
+
+
+def constant_values(model: torch.nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
+    """placeholder name -> the model's full (unsharded) parameter or buffer tensor."""
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    out = {}
+    for name, fqn in {**captured.params, **captured.buffers}.items():
+        out[name] = state[fqn]
+    return out

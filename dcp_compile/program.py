@@ -1,0 +1,95 @@
+"""DCPProgram: the SPMD result of a transform, and its per-rank loading.
+
+One GraphModule per step kind, shared by every rank. Per-rank state is only (a) the weight
+shards (``state_dict_for(rank)``, which includes the ``tp_rank`` input) and (b) the binding of
+collective roles to this rank's process groups (``load(rank, group_names)``).
+
+Program calling convention (every step kind):
+    graph(*weights_and_buffers, tp_rank, input_ids, positions, block_table, *kv_caches)
+        -> (logits, *new_kv_caches)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule
+
+from .config import DCPConfig
+from .topology import Topology
+
+
+@dataclass
+class DCPProgram:
+    config: DCPConfig
+    topology: Topology
+    certificate: Any
+    graphs: dict[str, GraphModule]
+    history: list                               # passes.manager.PassRecord, every step
+    shapes: Any                                 # runtime.engine.StepShapes
+    constants: dict[str, torch.Tensor]          # placeholder -> full weight/buffer
+    shards: dict[str, Any]                      # placeholder -> ShardSpec
+    weight_inputs: list[str]                    # placeholder names, in graph order
+    num_layers: int
+    dump_dir: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    # -- per-rank state --------------------------------------------------------------------
+
+    def state_dict_for(self, rank: int) -> dict[str, torch.Tensor]:
+        """This rank's weight shards (replicated weights as is) plus its ``tp_rank``."""
+        self.topology._check_rank(rank)
+        out = {}
+        for name in self.weight_inputs:
+            full = self.constants[name]
+            spec = self.shards.get(name)
+            out[name] = spec.shard(full, rank) if spec is not None else full
+        from passes.insert_rank import RANK_INPUT
+        out[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
+        return out
+
+    def cache_spec(self, dtype: torch.dtype | None = None):
+        """Shape of one rank's KV caches (KV heads after TP sharding/replication)."""
+        from runtime.kv_cache import KVCacheSpec
+        return KVCacheSpec(self.num_layers, self.shapes.num_blocks, self.config.block_size,
+                           self.config.kv_heads_per_rank, self.config.head_dim,
+                           dtype or self.facts.get("dtype", torch.float32))
+
+    def load(self, rank: int, group_names: dict[str, str]):
+        """This rank's runnable program: roles bound to real process-group names."""
+        from runtime.program import RankProgram
+        return RankProgram(self, rank, group_names)
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def collectives_per_layer(self, step: str) -> dict[str, int]:
+        """'<op>@<role>' -> how many per attention layer in ``step``'s graph."""
+        from passes.collectives import role_of
+        counts: dict[str, int] = {}
+        for n in self.graphs[step].graph.nodes:
+            role = role_of(n)
+            if role is not None:
+                key = f"{n.target._opname}@{role}"
+                counts[key] = counts.get(key, 0) + 1
+        return {k: v / self.num_layers for k, v in sorted(counts.items())}
+
+    def history_json(self) -> list[dict]:
+        return [r.to_json() for r in self.history]
+
+    def summary(self) -> str:
+        c = self.config
+        return json.dumps({"tp": c.tp, "dcp": c.dcp, "mode": c.mode,
+                           "block_size": c.block_size, "interleave_size": c.interleave_size,
+                           "steps": list(self.graphs), "proof_ok": self.certificate.ok},
+                          indent=None)
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A structurally independent copy (node args may then be edited per rank)."""
+    g = Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return GraphModule(gm, g)

@@ -1,0 +1,107 @@
+"""transform(): capture a model per step kind, run the pass pipeline, return a DCPProgram."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .capture import capture, constant_values, example_step_inputs
+from .config import DCPConfig
+from .errors import DCPTransformError
+from .program import DCPProgram
+from .topology import topology
+
+STEPS_BY_MODE = {"decode": ("context", "decode"), "prefill": ("prefill",)}
+
+
+def passes_for(ctx, first_user_input: str) -> list:
+    """The fixed pass order for one step kind."""
+    from passes.canonicalize_attention import CanonicalizeAttention
+    from passes.check_static_shapes import CheckStaticShapes
+    from passes.dcp_decode import DCPContext, DCPDecode
+    from passes.drop_export_asserts import DropExportAsserts
+    from passes.insert_rank import InsertRank
+    from passes.shard_tensor_parallel import ShardTensorParallel
+    from passes.validate_and_prove import ValidateAndProve
+
+    common = [DropExportAsserts(ctx), CheckStaticShapes(ctx), CanonicalizeAttention(ctx),
+              ValidateAndProve(ctx), InsertRank(ctx, first_user_input),
+              ShardTensorParallel(ctx)]
+    if ctx.step == "decode":
+        return common + [DCPDecode(ctx)]
+    if ctx.step == "context":
+        return common + [DCPContext(ctx)]
+    from passes.dcp_prefill import DCPPrefill
+    return common + [DCPPrefill(ctx)]
+
+
+def _model_facts(model) -> dict:
+    """Layer count and cache layout: from the model's own hooks (demo, HF adapter)."""
+    if not hasattr(model, "kv_cache_shape") or not hasattr(model, "num_layers"):
+        raise DCPTransformError(
+            f"{type(model).__name__} does not describe its KV cache: it needs "
+            f"`num_layers` and `kv_cache_shape(num_blocks, block_size)` (the built-in demo "
+            f"model has them; wrap Hugging Face models with dcp_compile.hf.prepare).")
+    return {"num_layers": model.num_layers}
+
+
+def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *,
+              block_size: int = 16, interleave_size: int | None = None,
+              kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
+              certificate=None) -> DCPProgram:
+    """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
+
+    ``shapes`` (runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
+    block-table width and cache blocks. The transform proves the layout first and never
+    returns a partially rewritten graph: any failure raises.
+    """
+    from passes.infra import TransformContext
+    from passes.manager import run_passes, write_code_dump
+    from runtime.engine import StepShapes
+
+    config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
+                       interleave_size=interleave_size, kv_role=kv_role)
+    shapes = shapes or StepShapes()
+    facts = _model_facts(model)
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    dtype = params[0].dtype if params else torch.float32
+    cache_shape = model.kv_cache_shape(shapes.num_blocks, block_size)
+    dump_path = Path(dump_dir) if dump_dir is not None else None
+
+    graphs, history, shards = {}, [], {}
+    constants, weight_inputs = None, None
+    for step in STEPS_BY_MODE[config.mode]:
+        tokens = 1 if step == "decode" else shapes.context_len
+        example = example_step_inputs(shapes.batch, tokens, shapes.max_blocks, cache_shape,
+                                      facts["num_layers"], device=device, dtype=dtype)
+        t0 = time.perf_counter()
+        captured = capture(model, example)
+        capture_seconds = time.perf_counter() - t0
+        ctx = TransformContext(config=config, step=step, model_facts=facts,
+                               certificate=certificate)
+        counter = [0]
+
+        def on_pass(record, gm, _step=step):
+            if dump_path is not None:
+                write_code_dump(dump_path, counter[0], record)
+            counter[0] += 1
+
+        gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0]),
+                                 step=step, on_pass=on_pass)
+        records[0].matched["capture_seconds"] = round(capture_seconds, 4)
+        config, certificate = ctx.config, ctx.certificate
+        graphs[step] = gm
+        history += records
+        shards.update(ctx.shards)
+        if constants is None:
+            constants = constant_values(model, captured)
+            weight_inputs = list(captured.params) + list(captured.buffers)
+    return DCPProgram(config=config, topology=topology(tp, dcp, mode, config=config),
+                      certificate=certificate, graphs=graphs, history=history,
+                      shapes=shapes, constants=constants, shards=shards,
+                      weight_inputs=weight_inputs, num_layers=facts["num_layers"],
+                      dump_dir=str(dump_path) if dump_path else None,
+                      facts={"dtype": dtype})

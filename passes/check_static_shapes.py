@@ -1,0 +1,25 @@
+"""Reject graphs with symbolic shapes: every DCP program has static shapes (DESIGN.md)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dcp_compile.errors import DCPTransformError
+
+from .infra import DCPPass
+
+
+class CheckStaticShapes(DCPPass):
+    name = "check_static_shapes"
+
+    def call(self, gm):
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
+                raise DCPTransformError(
+                    f"input or node {n.name} has a dynamic shape {tuple(v.shape)}: DCP "
+                    f"programs have static shapes (one graph per step kind, padded and "
+                    f"masked). Capture with static example inputs (no dynamic_shapes, "
+                    f"torch.compile(dynamic=False)).")
+        return PassResult(gm, False)

@@ -1,0 +1,47 @@
+"""Emit functional collectives (`_c10d_functional` + `wait_tensor`) on group *roles*.
+
+A collective names a role (``tp``, ``dcp``, ``world``, ``dcp_tp``, ``cp_kv``) through the
+placeholder group name ``dcp_role:<role>``; ``runtime.program.load`` binds each role to this
+rank's real process-group name, so the graph is the same for every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+ROLE_PREFIX = "dcp_role:"
+F = torch.ops._c10d_functional
+
+COLLECTIVE_TARGETS = (F.all_gather_into_tensor.default, F.reduce_scatter_tensor.default,
+                      F.all_reduce.default, F.all_to_all_single.default)
+
+
+def role_name(role: str) -> str:
+    return ROLE_PREFIX + role
+
+
+def role_of(node: Node) -> str | None:
+    """The role a collective node runs on (None for other nodes)."""
+    if node.op != "call_function" or node.target not in COLLECTIVE_TARGETS:
+        return None
+    name = node.args[-1]
+    return name[len(ROLE_PREFIX):] if isinstance(name, str) and name.startswith(
+        ROLE_PREFIX) else name
+
+
+def all_gather(g: Graph, x: Node, role: str, size: int) -> tuple[Node, Node]:
+    """Concatenate ``x`` of every rank of the role along dim 0: returns (collective, wait)."""
+    c = g.call_function(F.all_gather_into_tensor.default, (x, size, role_name(role)))
+    return c, g.call_function(F.wait_tensor.default, (c,))
+
+
+def reduce_scatter(g: Graph, x: Node, role: str, size: int) -> tuple[Node, Node]:
+    """Sum ``x`` over the role and keep this rank's 1/size slice of dim 0."""
+    c = g.call_function(F.reduce_scatter_tensor.default, (x, "sum", size, role_name(role)))
+    return c, g.call_function(F.wait_tensor.default, (c,))
+
+
+def all_reduce(g: Graph, x: Node, role: str) -> tuple[Node, Node]:
+    c = g.call_function(F.all_reduce.default, (x, "sum", role_name(role)))
+    return c, g.call_function(F.wait_tensor.default, (c,))

@@ -1,0 +1,170 @@
+"""The decode DCP rewrite (spec: "DCP Decode", "Decode Compute Pattern", "dcp_active_mask").
+
+Each `dcp.attention` node of the one-token decode step becomes, on group role ``dcp``:
+
+  slots   = dcp.slot_mapping(positions, block_table, cp_rank)   # -1 unless this rank owns it
+  caches  = dcp.cache_write(caches, k, v, slots)                # non-owners -> garbage block
+  q_all   = all_gather(q) over dcp -> [B, 1, W*hq, D]           # 2. AllGather Q
+  prior   = dcp.local_filled(N, cp_rank)                        # prior_mask: slots [0, prior)
+  active  = dcp.active_mask(N, cp_rank)                         # active slot gated
+  out,lse = dcp.partial_attention(q_all, ..., k_pos = active ? N : -1)   # 3-4
+  lse_all = all_gather(lse) over dcp                            # 5. AllGather LSE
+  out     = dcp.lse_correct(out, lse, lse_all)                  # 6-7. exp(local - global)
+  out     = reduce_scatter(out by head groups) over dcp         # 8. combine, scatter heads
+
+`cp_rank = tp_rank % dcp` is arithmetic on the rank input. With dcp = 1 the same nodes are
+emitted without the collectives (plain tensor parallelism).
+
+The context step (the decode engine's own first prompt chunk, ``DCPContext``) keeps plain TP
+attention — every rank of a replica set computes the same K/V — and writes only the positions
+the rank owns, so decode continues from the DCP layout.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dcp_compile.errors import DCPTransformError
+
+from . import collectives as C
+from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
+                    DCPPass, attention_nodes, getitem_users, val)
+from .insert_rank import RANK_INPUT
+
+aten = torch.ops.aten
+dcp_ops = torch.ops.dcp
+
+
+def cp_rank_node(gm: GraphModule, pass_: DCPPass) -> Node:
+    """cp_rank as data: decode tp_rank % DCP, prefill tp_rank // (TP / DCP)."""
+    cfg = pass_.ctx.config
+    rank = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        if cfg.mode == "decode":
+            node = gm.graph.call_function(aten.remainder.Scalar, (rank, cfg.dcp))
+        else:
+            node = gm.graph.call_function(aten.floor_divide.default,
+                                          (rank, cfg.tp // cfg.dcp))
+    node.name = "cp_rank"
+    return pass_.tag(node, KIND_MASK)
+
+
+def masked_cache_write(p: DCPPass, g: Graph, attn: Node, cp: Node, layer: int):
+    """Write k/v only where this rank owns the position (spec: slot_mapping -1 elsewhere)."""
+    cfg = p.ctx.config
+    q, k, v, kc, vc, positions, table = attn.args[:7]
+    slots = p.tag(g.call_function(dcp_ops.slot_mapping.default,
+                                  (positions, table, cp, cfg.dcp, cfg.interleave_size,
+                                   cfg.block_size)), KIND_MASK, layer)
+    write = p.tag(g.call_function(dcp_ops.cache_write.default, (kc, vc, k, v, slots)),
+                  KIND_CACHE_WRITE, layer)
+    return (g.call_function(operator.getitem, (write, 0)),
+            g.call_function(operator.getitem, (write, 1)))
+
+
+def replace_attention(attn: Node, out: Node, kc: Node, vc: Node) -> None:
+    users = getitem_users(attn)
+    for idx, new in ((0, out), (1, kc), (2, vc)):
+        if idx in users:
+            users[idx].replace_all_uses_with(new)
+            attn.graph.erase_node(users[idx])
+    attn.graph.erase_node(attn)
+
+
+class DCPDecode(DCPPass):
+    """Rewrite the one-token decode step's attention into the spec's DCP decode pattern."""
+
+    name = "dcp_decode"
+
+    def requires(self, gm):
+        for attn in attention_nodes(gm):
+            if val(attn.args[0]).shape[1] != 1:
+                raise DCPTransformError(f"decode step expects one token per sequence; "
+                                        f"attention {attn.name} has q of shape "
+                                        f"{tuple(val(attn.args[0]).shape)}.")
+
+    def call(self, gm):
+        cfg, g = self.ctx.config, gm.graph
+        W, I, B = cfg.dcp, cfg.interleave_size, cfg.block_size
+        cp = cp_rank_node(gm, self)
+        layers = attention_nodes(gm)
+        for layer, attn in enumerate(layers):
+            q, k, v, kc, vc, positions, table, scale = attn.args
+            b, s, hq, d = val(q).shape
+            with g.inserting_before(attn):
+                kc2, vc2 = masked_cache_write(self, g, attn, cp, layer)
+                n = g.call_function(aten.select.int, (positions, 1, 0))
+                prior = self.tag(g.call_function(dcp_ops.local_filled.default,
+                                                 (n, cp, W, I, B)), KIND_MASK, layer)
+                active = self.tag(g.call_function(dcp_ops.active_mask.default,
+                                                  (positions, cp, W, I, B)), KIND_MASK, layer)
+                owned = g.call_function(aten.eq.Scalar, (active, 1))
+                k_pos = g.call_function(aten.where.ScalarOther, (owned, positions, -1))
+                if W > 1:
+                    c, q_w = C.all_gather(g, q, "dcp", W)                 # [W*b, 1, hq, d]
+                    self.tag(c, KIND_COLLECTIVE, layer)
+                    q5 = g.call_function(aten.view.default, (q_w, [W, b, s, hq, d]))
+                    q5 = g.call_function(aten.permute.default, (q5, [1, 2, 0, 3, 4]))
+                    q_all = g.call_function(aten.reshape.default, (q5, [b, s, W * hq, d]))
+                else:
+                    q_all = q
+                pa = self.tag(g.call_function(
+                    dcp_ops.partial_attention.default,
+                    (q_all, positions, k, v, k_pos, kc2, vc2, table, prior, cp, W, I, scale)),
+                    KIND_ATTENTION, layer)
+                out = g.call_function(operator.getitem, (pa, 0))
+                if W > 1:
+                    lse = g.call_function(operator.getitem, (pa, 1))
+                    c, lse_w = C.all_gather(g, lse, "dcp", W)            # [W*b, 1, W*hq]
+                    self.tag(c, KIND_COLLECTIVE, layer)
+                    lse_all = g.call_function(aten.view.default, (lse_w, [W, b, s, W * hq]))
+                    fixed = self.tag(g.call_function(dcp_ops.lse_correct.default,
+                                                     (out, lse, lse_all)), KIND_LSE, layer)
+                    # Heads of replica-set rank j are the j-th group of W*hq: move them to
+                    # dim 0 so that the reduce-scatter sums over ranks and hands group j to j.
+                    f5 = g.call_function(aten.view.default, (fixed, [b, s, W, hq, d]))
+                    f5 = g.call_function(aten.permute.default, (f5, [2, 0, 1, 3, 4]))
+                    rs_in = g.call_function(aten.reshape.default, (f5, [W * b, s, hq, d]))
+                    c, summed = C.reduce_scatter(g, rs_in, "dcp", W)     # [b, 1, hq, d]
+                    self.tag(c, KIND_COLLECTIVE, layer)
+                    out = g.call_function(aten.to.dtype, (summed, val(q).dtype))
+            replace_attention(attn, out, kc2, vc2)
+        self.record(layers=len(layers), dcp=W, interleave_size=I, block_size=B)
+        return PassResult(gm, True)
+
+    def ensures(self, gm):
+        assert not attention_nodes(gm), "every dcp.attention must be rewritten"
+
+
+class DCPContext(DCPPass):
+    """Decode engine's prompt step: plain TP attention, owner-only cache writes, no prior."""
+
+    name = "dcp_context"
+
+    def call(self, gm):
+        cfg, g = self.ctx.config, gm.graph
+        W, I = cfg.dcp, cfg.interleave_size
+        cp = cp_rank_node(gm, self)
+        layers = attention_nodes(gm)
+        for layer, attn in enumerate(layers):
+            q, k, v, kc, vc, positions, table, scale = attn.args
+            with g.inserting_before(attn):
+                kc2, vc2 = masked_cache_write(self, g, attn, cp, layer)
+                n = g.call_function(aten.select.int, (positions, 1, 0))
+                no_prior = g.call_function(aten.mul.Tensor, (n, 0))   # first chunk: prior = 0
+                pa = self.tag(g.call_function(
+                    dcp_ops.partial_attention.default,
+                    (q, positions, k, v, positions, kc2, vc2, table, no_prior, cp, W, I,
+                     scale)), KIND_ATTENTION, layer)
+                out = g.call_function(operator.getitem, (pa, 0))
+            replace_attention(attn, out, kc2, vc2)
+        self.record(layers=len(layers))
+        return PassResult(gm, True)
+
+    def ensures(self, gm):
+        assert not attention_nodes(gm), "every dcp.attention must be rewritten"

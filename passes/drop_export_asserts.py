@@ -1,0 +1,21 @@
+"""Drop torch.export's `_assert_tensor_metadata` checks: no-ops that only clutter dumps."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.passes.infra.pass_base import PassResult
+
+from .infra import DCPPass
+
+
+class DropExportAsserts(DCPPass):
+    name = "drop_export_asserts"
+    TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+    def call(self, gm):
+        dropped = [n for n in gm.graph.nodes
+                   if n.op == "call_function" and n.target in self.TARGETS and not n.users]
+        for n in dropped:
+            gm.graph.erase_node(n)
+        self.record(dropped=len(dropped))
+        return PassResult(gm, bool(dropped))

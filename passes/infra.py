@@ -1,0 +1,117 @@
+"""Pass infrastructure: the DCP pass base class, the transform context and graph helpers.
+
+Built on torch's own ``PassBase`` (requires -> call -> ensures, returning a ``PassResult``).
+A pass here is also a plain FX pass: it has a ``name`` and is callable on a GraphModule, so a
+foreign pass manager (e.g. a Neuron plugin's) can run it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from dcp_compile.config import DCPConfig
+from dcp_compile.errors import DCPTransformError
+
+# Kinds of inserted nodes (for history, structure tests and dump highlighting).
+KIND_COLLECTIVE = "collective"
+KIND_SLICE = "slice"
+KIND_MASK = "mask"
+KIND_CACHE_WRITE = "cache_write"
+KIND_LSE = "lse_combine"
+KIND_ATTENTION = "attention"
+KIND_SHARD = "shard"
+KIND_RANK = "rank"
+
+
+@dataclass
+class TransformContext:
+    """What every pass may read: the layout, the step kind, and facts found so far."""
+
+    config: DCPConfig
+    step: str                                    # "context" | "decode" | "prefill"
+    model_facts: dict[str, Any] = field(default_factory=dict)
+    # Filled by passes: parameter placeholder name -> ShardSpec (see shard_tensor_parallel).
+    shards: dict[str, Any] = field(default_factory=dict)
+    certificate: Any = None
+
+
+class DCPPass(PassBase):
+    """A named rewrite with a context; records what it matched and what it inserted."""
+
+    name: str = "dcp_pass"
+
+    def __init__(self, ctx: TransformContext):
+        super().__init__()
+        self.ctx = ctx
+        self.matched: dict[str, Any] = {}
+        self.inserted: Counter = Counter()
+
+    # PassBase's __call__ runs requires -> call -> ensures.
+    def call(self, gm: GraphModule) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def record(self, **matched) -> None:
+        self.matched.update(matched)
+
+    def tag(self, node: Node, kind: str, layer: int | None = None) -> Node:
+        """Mark an inserted node with its kind (and layer) and count it."""
+        node.meta["dcp_kind"] = kind
+        node.meta["dcp_pass"] = self.name
+        if layer is not None:
+            node.meta["dcp_layer"] = layer
+        self.inserted[kind] += 1
+        return node
+
+
+# ------------------------------------------------------------------------------------------
+# Graph helpers shared by passes
+# ------------------------------------------------------------------------------------------
+
+
+def attention_nodes(gm: GraphModule, target=None) -> list[Node]:
+    target = target or torch.ops.dcp.attention.default
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def getitem_users(node: Node) -> dict[int, Node]:
+    """index -> the getitem node that reads that output of a multi-output node."""
+    out = {}
+    for user in node.users:
+        if user.op == "call_function" and user.target is __import__("operator").getitem:
+            out[user.args[1]] = user
+    return out
+
+
+def placeholder(gm: GraphModule, name: str) -> Node:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name == name:
+            return n
+    raise DCPTransformError(f"graph has no input named {name!r}: inputs are "
+                            f"{[n.name for n in gm.graph.nodes if n.op == 'placeholder']}.")
+
+
+def val(node: Node):
+    """The node's fake value (meta['val']), which the pass manager keeps accurate."""
+    v = node.meta.get("val")
+    if v is None:
+        raise DCPTransformError(f"node {node.name} has no meta['val']; the pass manager "
+                                f"re-propagates shapes after every pass.")
+    return v
+
+
+def source_of(node: Node) -> str:
+    """'file:line' of the user code a node came from, for error messages."""
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()
+                 .startswith("File ")]
+        if lines:
+            return lines[-1]
+    return node.meta.get("nn_module_stack", {}) and str(
+        list(node.meta["nn_module_stack"].values())[-1]) or "unknown source"

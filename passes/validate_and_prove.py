@@ -1,0 +1,46 @@
+"""Validate the config against the model's real head counts, then prove the layout.
+
+The transform refuses to emit a graph without a certificate: a broken rule raises
+DCPConfigError (every violation), a failed theorem raises DCPProofError (with a
+counterexample).
+"""
+
+from __future__ import annotations
+
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dcp_compile.errors import DCPProofError, DCPTransformError
+
+from .infra import DCPPass, attention_nodes, val
+
+
+class ValidateAndProve(DCPPass):
+    name = "validate_and_prove"
+
+    def call(self, gm):
+        heads = set()
+        for n in attention_nodes(gm):
+            q, k, kc = val(n.args[0]), val(n.args[1]), val(n.args[3])
+            heads.add((q.shape[2], k.shape[2], q.shape[3], kc.shape[1]))
+        if len(heads) != 1:
+            raise DCPTransformError(f"attention layers disagree on (q heads, kv heads, "
+                                    f"head_dim, block_size): {sorted(heads)}. DCP needs one "
+                                    f"layout for every layer.")
+        hq, hkv, dim, block = heads.pop()
+        cfg = self.ctx.config
+        if block != cfg.block_size:
+            raise DCPTransformError(f"the KV caches' block size differs from the config: "
+                                    f"cache block={block}, block_size={cfg.block_size}. "
+                                    f"Build caches with block_size={cfg.block_size}.")
+        # DCPConfig validates on construction: every violated rule, with a fix.
+        cfg = cfg.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim)
+        self.ctx.config = cfg
+        if self.ctx.certificate is None:
+            from dcp_compile.proofs import prove
+            self.ctx.certificate = prove(cfg.dcp, cfg.interleave_size, cfg.block_size)
+        if not self.ctx.certificate.ok:
+            raise DCPProofError(self.ctx.certificate)
+        self.record(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                    theorems=len(self.ctx.certificate.theorems))
+        gm.meta["dcp_certificate"] = self.ctx.certificate
+        return PassResult(gm, False)

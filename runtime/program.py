@@ -1,0 +1,52 @@
+"""RankProgram: a DCPProgram loaded on one rank (roles bound, weights attached)."""
+
+from __future__ import annotations
+
+import torch
+
+from passes.collectives import ROLE_PREFIX, role_of
+
+
+class RankProgram:
+    """Callable per step kind: ``step_fn(kind)(input_ids, positions, block_table, caches)``.
+
+    ``group_names`` maps each role the program uses to this rank's process-group name (as
+    returned by ``runtime.world.bind_roles``).
+    """
+
+    def __init__(self, program, rank: int, group_names: dict[str, str]):
+        from dcp_compile.program import copy_graph_module
+        self.program = program
+        self.rank = rank
+        state = program.state_dict_for(rank)
+        from passes.insert_rank import RANK_INPUT
+        self._prefix = [state[n] for n in program.weight_inputs] + [state[RANK_INPUT]]
+        self.graphs = {}
+        for kind, gm in program.graphs.items():
+            gm = copy_graph_module(gm)
+            for node in gm.graph.nodes:
+                role = role_of(node)
+                if role is None:
+                    continue
+                if role not in group_names:
+                    raise KeyError(f"program step {kind!r} uses role {role!r} but rank {rank} "
+                                   f"bound only {sorted(group_names)}; bind every role of "
+                                   f"the topology.")
+                node.args = node.args[:-1] + (group_names[role],)
+            gm.recompile()
+            self.graphs[kind] = gm
+
+    def run(self, kind: str, input_ids, positions, block_table, caches):
+        out = self.graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
+        return out[0], list(out[1:])
+
+    def step_fn(self, kind: str):
+        def fn(input_ids, positions, block_table, caches):
+            return self.run(kind, input_ids, positions, block_table, caches)
+        return fn
+
+    def step_fns(self) -> dict:
+        return {kind: self.step_fn(kind) for kind in self.graphs}
+
+
+__all__ = ["RankProgram", "ROLE_PREFIX", "torch"]
