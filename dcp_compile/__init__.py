@@ -24,6 +24,6 @@ def __getattr__(name):
         from .metadata import compute_slot_mapping
         return compute_slot_mapping
     if name == "transform":
-        from .transform import transform
+        from .pipeline import transform
         return transform
     raise AttributeError(f"module 'dcp_compile' has no attribute {name!r}")

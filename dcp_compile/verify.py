@@ -43,12 +43,17 @@ def prompt_kind(program: DCPProgram) -> str:
 
 def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
     """The single-device model through the same engine (dcp=1 block tables)."""
+    from dataclasses import replace
+
     from runtime.engine import Engine, LocalExecutor
     from runtime.kv_cache import KVCacheSpec
     c = program.config
-    spec = KVCacheSpec(program.num_layers, program.shapes.num_blocks, c.block_size,
+    # One block-table entry covers block_size tokens here, not block_size * dcp.
+    shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
+                     num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
+    spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
                        c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
-    engine = Engine(LocalExecutor(model, spec.allocate(fill=fill)), program.shapes,
+    engine = Engine(LocalExecutor(model, spec.allocate(fill=fill)), shapes,
                     block_size=c.block_size)
     with torch.no_grad():
         result = engine.generate(prompts, steps)
@@ -56,9 +61,15 @@ def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
 
 
 def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
-                         poison_garbage=False, timeout=300.0) -> list[RankRun]:
-    """Every rank runs the same engine loop over its loaded program (SPMD), on threads."""
-    from runtime.engine import Engine, LocalExecutor
+                         poison_garbage=False, timeout=300.0, from_reference=None
+                         ) -> list[RankRun]:
+    """Every rank runs the same engine loop over its loaded program (SPMD), on threads.
+
+    ``from_reference=(ref_engine, first_logits)`` skips the program's own prompt step: each
+    rank scatters the single-device engine's caches into its DCP layout and decodes from
+    there.
+    """
+    from runtime.engine import Engine, GenerateResult, LocalExecutor
     from runtime.world import bind_roles, run_threaded
 
     def rank_main(rank):
@@ -70,11 +81,31 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
         engine = Engine(executor, program.shapes, block_size=program.config.block_size,
                         dcp=program.config.dcp, prompt_kind=prompt_kind(program))
         with torch.no_grad():
-            result = engine.generate(prompts, steps)
+            if from_reference is None:
+                result = engine.generate(prompts, steps)
+            else:
+                ref_engine, first_logits = from_reference
+                _start_from_reference(program, rank, engine, ref_engine)
+                result = engine.continue_generate(first_logits, steps)
         table = engine.allocator.table(list(range(len(prompts))), program.shapes.max_blocks)
         return RankRun(rank, result, executor.caches, table, list(engine.lengths))
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
+
+
+def _start_from_reference(program, rank, engine, ref_engine) -> None:
+    from runtime.cache_layout import scatter_cache
+    lengths = list(ref_engine.lengths)
+    n = len(lengths)
+    engine.lengths = list(lengths)
+    for b, length in enumerate(lengths):
+        engine.allocator.ensure(b, length)
+    table = engine.allocator.table(list(range(n)), program.shapes.max_blocks)
+    ref_table = ref_engine.allocator.table(list(range(n)), ref_engine.shapes.max_blocks)
+    scatter_cache(ref_engine.executor.caches, ref_table, lengths, engine.executor.caches,
+                  table, cp_rank=program.topology.cp_rank(rank), dcp=program.config.dcp,
+                  interleave=program.config.interleave_size,
+                  kv_heads=program.topology.kv_heads_of(rank))
 
 
 def _poison_garbage(caches):

@@ -127,8 +127,11 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], steps: int) -> GenerateResult:
         """Prefill the prompts, then greedy-decode ``steps`` tokens."""
-        logits = self.prefill(prompts)
-        result = GenerateResult(tokens=[[] for _ in prompts], logits=[logits])
+        return self.continue_generate(self.prefill(prompts), steps)
+
+    def continue_generate(self, logits: torch.Tensor, steps: int) -> GenerateResult:
+        """Greedy-decode ``steps`` tokens from the logits of each sequence's last token."""
+        result = GenerateResult(tokens=[[] for _ in range(logits.shape[0])], logits=[logits])
         for step in range(steps):
             nxt = logits.argmax(-1).tolist()
             for b, t in enumerate(nxt):
