@@ -45,3 +45,18 @@ def reduce_scatter(g: Graph, x: Node, role: str, size: int) -> tuple[Node, Node]
 def all_reduce(g: Graph, x: Node, role: str) -> tuple[Node, Node]:
     c = g.call_function(F.all_reduce.default, (x, "sum", role_name(role)))
     return c, g.call_function(F.wait_tensor.default, (c,))
+
+
+def collective_summary(gm) -> list[dict]:
+    """Every collective of a graph: op, role, layer, bytes sent in and received out."""
+    out = []
+    for n in gm.graph.nodes:
+        role = role_of(n)
+        if role is None:
+            continue
+        src, dst = n.args[0].meta["val"], n.meta["val"]
+        out.append({"op": n.target._opname, "role": role, "layer": n.meta.get("dcp_layer"),
+                    "pass": n.meta.get("dcp_pass"), "shape_in": tuple(src.shape),
+                    "bytes_in": src.numel() * src.element_size(),
+                    "bytes_out": dst.numel() * dst.element_size()})
+    return out

@@ -15,6 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.config import DCPConfig
 from dcp_compile.errors import DCPTransformError
 

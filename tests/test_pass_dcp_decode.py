@@ -1,0 +1,80 @@
+"""dcp_decode / dcp_context: the picture of the rewrite for one layer, and bytes moved."""
+
+import pytest
+import torch
+
+from dcp_compile.errors import DCPTransformError
+from passes.canonicalize_attention import CanonicalizeAttention
+from passes.collectives import collective_summary
+from passes.dcp_decode import DCPContext, DCPDecode
+from passes.drop_export_asserts import DropExportAsserts
+from passes.insert_rank import InsertRank
+from passes.shard_tensor_parallel import ShardTensorParallel
+from passes.validate_and_prove import ValidateAndProve
+
+from passes_helpers import ctx_for, op_counts, run, tiny_graph
+
+
+def _before(tp, dcp, step, tokens, interleave=None):
+    model, cap = tiny_graph(tokens=tokens)
+    ctx = ctx_for(tp, dcp, step, interleave=interleave)
+    gm = run(cap.gm, [DropExportAsserts(ctx), CanonicalizeAttention(ctx), ValidateAndProve(ctx),
+                      InsertRank(ctx, cap.user_inputs[0]), ShardTensorParallel(ctx)])
+    return ctx, gm
+
+
+@pytest.mark.parametrize("tp,dcp", [(4, 2), (8, 4)])
+def test_decode_rewrite_structure_and_bytes(tp, dcp):
+    ctx, gm = _before(tp, dcp, "decode", tokens=1)
+    p = DCPDecode(ctx)
+    gm = run(gm, [p])
+    ops = op_counts(gm)
+    # Exactly the spec's pattern for one layer.
+    assert ops["dcp.attention.default"] == 0
+    assert ops["dcp.slot_mapping.default"] == 1
+    assert ops["dcp.cache_write.default"] == 1
+    assert ops["dcp.local_filled.default"] == 1
+    assert ops["dcp.active_mask.default"] == 1
+    assert ops["dcp.partial_attention.default"] == 1
+    assert ops["dcp.lse_correct.default"] == 1
+    on_dcp = [c for c in collective_summary(gm) if c["role"] == "dcp"]
+    assert [(c["op"], c["layer"]) for c in on_dcp] == [
+        ("all_gather_into_tensor", 0), ("all_gather_into_tensor", 0),
+        ("reduce_scatter_tensor", 0)]
+    cfg = ctx.config
+    batch, hq, d = 2, cfg.num_q_heads // tp, cfg.head_dim
+    q_gather, lse_gather, heads_rs = on_dcp
+    assert q_gather["bytes_in"] == batch * hq * d * 4               # this rank's q heads
+    assert q_gather["bytes_out"] == dcp * batch * hq * d * 4        # the replica set's
+    assert lse_gather["bytes_in"] == batch * dcp * hq * 4           # float32 LSE
+    assert heads_rs["bytes_in"] == dcp * batch * hq * d * 4         # corrected partials, f32
+    assert heads_rs["bytes_out"] == batch * hq * d * 4
+    assert p.inserted["collective"] == 3 and p.inserted["lse_combine"] == 1
+
+
+def test_decode_with_dcp1_emits_no_dcp_collectives():
+    ctx, gm = _before(4, 1, "decode", tokens=1)
+    gm = run(gm, [DCPDecode(ctx)])
+    assert not [c for c in collective_summary(gm) if c["role"] == "dcp"]
+    assert op_counts(gm)["dcp.partial_attention.default"] == 1
+
+
+def test_context_rewrite_is_plain_tp_with_owner_only_writes():
+    ctx, gm = _before(4, 2, "context", tokens=8)
+    gm = run(gm, [DCPContext(ctx)])
+    ops = op_counts(gm)
+    assert ops["dcp.slot_mapping.default"] == 1 and ops["dcp.cache_write.default"] == 1
+    assert not [c for c in collective_summary(gm) if c["role"] == "dcp"]
+
+
+def test_decode_rewrite_requires_one_token():
+    ctx, gm = _before(4, 2, "decode", tokens=3)
+    with pytest.raises(DCPTransformError, match="one token per sequence"):
+        DCPDecode(ctx)(gm)
+
+
+def test_cp_rank_is_arithmetic_on_the_rank_input():
+    ctx, gm = _before(4, 2, "decode", tokens=1)
+    gm = run(gm, [DCPDecode(ctx)])
+    cp = next(n for n in gm.graph.nodes if n.name == "cp_rank")
+    assert cp.target == torch.ops.aten.remainder.Scalar and cp.args[0].name == "tp_rank"
