@@ -65,16 +65,24 @@ class DCPProgram:
 
     # -- reports ---------------------------------------------------------------------------
 
-    def collectives_per_layer(self, step: str) -> dict[str, int]:
-        """'<op>@<role>' -> how many per attention layer in ``step``'s graph."""
+    def collectives_per_layer(self, step: str) -> dict[str, float]:
+        """'<op>@<role>' -> how many per decoder layer in ``step``'s graph (collectives of
+        the embedding and LM head, once per model, are in ``model_collectives``)."""
+        counts = self._collective_counts(step, per_model=False)
+        return {k: v / self.num_layers for k, v in counts.items()}
+
+    def model_collectives(self, step: str) -> dict[str, int]:
+        return self._collective_counts(step, per_model=True)
+
+    def _collective_counts(self, step: str, *, per_model: bool) -> dict[str, int]:
         from passes.collectives import role_of
         counts: dict[str, int] = {}
         for n in self.graphs[step].graph.nodes:
             role = role_of(n)
-            if role is not None:
+            if role is not None and (n.meta.get("dcp_scope") == "model") == per_model:
                 key = f"{n.target._opname}@{role}"
                 counts[key] = counts.get(key, 0) + 1
-        return {k: v / self.num_layers for k, v in sorted(counts.items())}
+        return dict(sorted(counts.items()))
 
     def history_json(self) -> list[dict]:
         return [r.to_json() for r in self.history]

@@ -15,7 +15,6 @@ their shard's shape; ``ctx.shards`` records how to cut each rank's shard on the 
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -221,6 +220,7 @@ class ShardTensorParallel(DCPPass):
             with g.inserting_before(lin.next):
                 c, w = C.all_gather(g, lin, tp_role, cfg.tp)         # [tp*B, S, V/tp]
                 self.tag(c, KIND_COLLECTIVE)
+                c.meta["dcp_scope"] = "model"
                 b, s = val(lin).shape[0], val(lin).shape[1]
                 v = g.call_function(torch.ops.aten.view.default,
                                     (w, [cfg.tp, b, s, vocab // cfg.tp]))
@@ -248,6 +248,7 @@ class ShardTensorParallel(DCPPass):
                 masked = g.call_function(torch.ops.aten.mul.Tensor, (emb, keep))
                 c, w = C.all_reduce(g, masked, tp_role)
                 self.tag(c, KIND_COLLECTIVE)
+                c.meta["dcp_scope"] = "model"
             emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
 
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
@@ -288,4 +289,4 @@ class ShardTensorParallel(DCPPass):
                 raise DCPTransformError(f"linear {n.name} was left unsharded.")
 
 
-__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan", "operator"]
+__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan"]
