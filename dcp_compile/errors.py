@@ -44,3 +44,17 @@ class DCPTransformError(DCPError):
 
 class DCPTransferError(DCPError):
     """A disaggregated KV transfer cannot be planned or did not complete."""
+
+
+class DCPWorldError(DCPError, RuntimeError):
+    """A distributed world could not run a program: a rank raised or timed out, a launch
+    failed, or the world does not match the topology.
+
+    ``failures`` maps each failing rank to its traceback or captured output; ``timed_out``
+    lists the ranks that did not finish in time.
+    """
+
+    def __init__(self, message, failures=None, timed_out=()):
+        self.failures = dict(failures or {})
+        self.timed_out = list(timed_out)
+        super().__init__(message)
