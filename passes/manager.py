@@ -59,8 +59,9 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
         modified = bool(result.modified) if result is not None else True
         try:
             gm.graph.lint()
-            gm.recompile()
-            repropagate(gm)
+            if modified:  # an unmodified graph keeps its (accurate) meta['val']
+                gm.recompile()
+                repropagate(gm)
         except DCPTransformError:
             raise
         except Exception as e:  # a pass left an ill-formed graph: say which one
