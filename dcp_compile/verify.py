@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .errors import DCPInputError
 from .program import DCPProgram
 
 
@@ -137,4 +138,223 @@ def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-
     return VerifyReport(ok=tokens_agree and first is None, max_abs_error=max_err,
                         tokens_agree=tokens_agree, tp=c.tp, dcp=c.dcp, mode=c.mode,
                         steps=steps, lengths=[len(p) for p in prompts], step_errors=errors,
+                        first_mismatch=first, seconds=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------
+# Prefill programs: chunked prefill (a first chunk, then chunks that attend to the prior
+# cache), compared chunk by chunk with the single-device model. A prefill program has no
+# decode graph; a *chunk plan* is a list of chunks, each one token list per sequence (an
+# empty list leaves that sequence out of the chunk).
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefillRun:
+    """One engine's chunked prefill: every step's full logits and positions, final caches."""
+
+    rank: int | None                      # None: the single-device reference
+    logits: list[torch.Tensor]            # per chunk: [batch, context_len, vocab]
+    positions: list[torch.Tensor]         # per chunk: [batch, context_len], -1 = padding
+    caches: list[torch.Tensor]
+    block_table: torch.Tensor
+    lengths: list[int]
+
+
+class _RecordingExecutor:
+    """Pass-through executor that keeps each step's full logits (the engine keeps the last
+    token's only)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.logits: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
+
+    @property
+    def caches(self):
+        return self.inner.caches
+
+    def step(self, kind, input_ids, positions, block_table):
+        logits = self.inner.step(kind, input_ids, positions, block_table)
+        self.logits.append(logits)
+        self.positions.append(positions.clone())
+        return logits
+
+
+def chunk_plan_of(prompts: list[list[int]], chunks: int, *, max_chunk: int | None = None
+                  ) -> list[list[list[int]]]:
+    """Split each prompt into ``chunks`` consecutive chunks at unaligned boundaries.
+
+    Cut i of a prompt of n tokens is at ``n*i // chunks``, moved one token right for odd i,
+    so prior lengths are rarely multiples of interleave * dcp. Short prompts give empty
+    chunks (that sequence sits the chunk out).
+    """
+    if not (isinstance(chunks, int) and chunks >= 1):
+        raise DCPInputError(f"chunks must be a positive int: chunks={chunks!r}. Pass >= 1.")
+    plan: list[list[list[int]]] = [[] for _ in range(chunks)]
+    for p in prompts:
+        n = len(p)
+        cuts = [0]
+        for i in range(1, chunks):
+            cuts.append(min(max(n * i // chunks + i % 2, cuts[-1]), n))
+        cuts.append(n)
+        for i in range(chunks):
+            plan[i].append(list(p[cuts[i]:cuts[i + 1]]))
+    if max_chunk is not None:
+        longest = max((len(c) for chunk in plan for c in chunk), default=0)
+        if longest > max_chunk:
+            raise DCPInputError(
+                f"a chunk of {longest} tokens exceeds the program's context_len={max_chunk} "
+                f"(prompt lengths {[len(p) for p in prompts]}, chunks={chunks}). Use more "
+                f"chunks or a larger context_len.")
+    return plan
+
+
+def _check_plan(chunk_plan) -> int:
+    if not chunk_plan or any(len(c) != len(chunk_plan[0]) for c in chunk_plan):
+        raise DCPInputError(f"a chunk plan is a non-empty list of chunks with one token list "
+                            f"per sequence each: sizes {[len(c) for c in chunk_plan]}. Give "
+                            f"every chunk the same number of sequences.")
+    return len(chunk_plan[0])
+
+
+def _run_chunks(engine, recorder, chunk_plan, rank, max_blocks) -> PrefillRun:
+    with torch.no_grad():
+        for chunk in chunk_plan:
+            engine.prefill(chunk)
+    n = len(chunk_plan[0])
+    table = engine.allocator.table(list(range(n)), max_blocks)
+    return PrefillRun(rank, recorder.logits, recorder.positions, recorder.caches, table,
+                      list(engine.lengths))
+
+
+def run_prefill_reference(model, program: DCPProgram, chunk_plan, *, fill=0.0) -> PrefillRun:
+    """The single-device model, chunk by chunk, through the same engine (dcp=1 tables)."""
+    from dataclasses import replace
+
+    from runtime.engine import Engine, LocalExecutor
+    from runtime.kv_cache import KVCacheSpec
+    _check_plan(chunk_plan)
+    c = program.config
+    shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
+                     num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
+    spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
+                       c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
+    recorder = _RecordingExecutor(LocalExecutor(model, spec.allocate(fill=fill)))
+    engine = Engine(recorder, shapes, block_size=c.block_size, prompt_kind="prefill")
+    return _run_chunks(engine, recorder, chunk_plan, None, shapes.max_blocks)
+
+
+def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_garbage=True,
+                         timeout=300.0) -> list[PrefillRun]:
+    """Every rank runs the same chunked prefill over its loaded program (SPMD), on threads.
+
+    ``fill=float('nan')`` poisons every cache row first: a row the program never writes
+    stays NaN, and one it reads without masking surfaces as NaN in the logits.
+    """
+    from runtime.engine import Engine, LocalExecutor
+    from runtime.world import bind_roles, run_threaded
+    _check_plan(chunk_plan)
+    if "prefill" not in program.graphs:
+        raise DCPInputError(f"run_threaded_prefill needs a prefill program: this one has "
+                            f"steps {sorted(program.graphs)}. Transform with mode='prefill'.")
+
+    def rank_main(rank):
+        loaded = program.load(rank, bind_roles(program.topology, rank))
+        recorder = _RecordingExecutor(LocalExecutor(
+            loaded.step_fns(), program.cache_spec().allocate(fill=fill),
+            before_step=_poison_garbage if poison_garbage else None))
+        engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
+                        dcp=program.config.dcp, prompt_kind="prefill")
+        return _run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
+
+    return run_threaded(program.config.tp, rank_main, timeout=timeout)
+
+
+def compare_prefill_logits(run: PrefillRun, ref: PrefillRun, *, atol: float
+                           ) -> tuple[list[float], list[float], dict | None, bool]:
+    """(last-token error per chunk, all-token error per chunk, first mismatch, argmax agree).
+
+    Only real tokens (position >= 0) are compared; a non-finite logit counts as inf.
+    """
+    last_errs, all_errs, first, agree = [], [], None, True
+    for t, (got, exp, pos) in enumerate(zip(run.logits, ref.logits, ref.positions)):
+        valid = pos >= 0
+        diff = (got.float() - exp.float()).abs().amax(-1)                 # [batch, tokens]
+        diff = torch.where(torch.isfinite(got).all(-1), diff, torch.full_like(diff, float("inf")))
+        lens = valid.sum(1)
+        rows = torch.nonzero(lens > 0).flatten()
+        last = (lens - 1).clamp(min=0)
+        last_diff = diff[rows, last[rows]]
+        last_errs.append(float(last_diff.max()) if len(rows) else 0.0)
+        all_errs.append(float(diff[valid].max()) if valid.any() else 0.0)
+        agree &= bool((got[rows, last[rows]].argmax(-1) == exp[rows, last[rows]].argmax(-1))
+                      .all())
+        bad = (diff > atol) & valid
+        if bad.any() and first is None:
+            b, i = (int(x) for x in bad.nonzero()[0])
+            first = {"rank": run.rank, "chunk": t, "row": b, "position": int(pos[b, i]),
+                     "error": float(diff[b, i])}
+    return last_errs, all_errs, first, agree
+
+
+def check_prefill_caches(program: DCPProgram, runs: list[PrefillRun], ref: PrefillRun, *,
+                         atol: float) -> dict | None:
+    """Each rank's cache holds exactly the positions its cp_rank owns, equal (within
+    ``atol``) to the single-device cache's entries for its KV heads; every other row except
+    the garbage block is still NaN (the rank caches must have been allocated with NaN).
+    Returns the first problem found, or None."""
+    from runtime.cache_layout import scatter_cache
+    c, topo = program.config, program.topology
+    for run in runs:
+        expected = program.cache_spec().allocate(fill=float("nan"))
+        scatter_cache(ref.caches, ref.block_table, ref.lengths, expected, run.block_table,
+                      cp_rank=topo.cp_rank(run.rank), dcp=c.dcp, interleave=c.interleave_size,
+                      kv_heads=topo.kv_heads_of(run.rank))
+        for i, (got, exp) in enumerate(zip(run.caches, expected)):
+            got, exp = got[:-1], exp[:-1]     # the garbage block takes padding's writes
+            written, owned = ~torch.isnan(got), ~torch.isnan(exp)
+            if not torch.equal(written, owned):
+                where = (written != owned).nonzero()[0].tolist()
+                return {"rank": run.rank, "cache": i, "row": where[:2],
+                        "problem": "written" if bool(written[tuple(where)]) else "unwritten"}
+            err = float((got[owned] - exp[owned]).abs().max()) if owned.any() else 0.0
+            if err > atol:
+                return {"rank": run.rank, "cache": i, "problem": "value", "error": err}
+    return None
+
+
+def verify_prefill(model, program: DCPProgram, chunk_plan, chunks: int | None = None, *,
+                   atol: float = 1e-4, check_cache: bool = True) -> VerifyReport:
+    """Chunked prefill both ways; compare every chunk's logits and the per-rank caches.
+
+    ``chunk_plan`` is a list of chunks (one token list per sequence each); with ``chunks``
+    given it is a list of whole prompts instead, split by :func:`chunk_plan_of`. The report's
+    ``steps`` is the number of chunks, ``step_errors`` the last-token logit error of each
+    chunk (max over ranks), ``tokens_agree`` whether every chunk's last-token argmax agrees;
+    ``ok`` also requires every real token's logits within ``atol`` and, with
+    ``check_cache``, each rank's cache to hold exactly its owned positions.
+    """
+    start = time.perf_counter()
+    if chunks is not None:
+        chunk_plan = chunk_plan_of(chunk_plan, chunks, max_chunk=program.shapes.context_len)
+    ref = run_prefill_reference(model, program, chunk_plan)
+    runs = run_threaded_prefill(program, chunk_plan,
+                                fill=float("nan") if check_cache else 0.0)
+    step_errors = [0.0] * len(chunk_plan)
+    first, agree, max_err = None, True, 0.0
+    for run in runs:
+        last, every, mismatch, same = compare_prefill_logits(run, ref, atol=atol)
+        step_errors = [max(a, b) for a, b in zip(step_errors, last)]
+        max_err = max([max_err] + every)
+        agree &= same
+        first = first or mismatch
+    if first is None and check_cache:
+        problem = check_prefill_caches(program, runs, ref, atol=atol)
+        if problem is not None:
+            first = {"cache": problem}
+    c = program.config
+    return VerifyReport(ok=agree and first is None, max_abs_error=max_err, tokens_agree=agree,
+                        tp=c.tp, dcp=c.dcp, mode=c.mode, steps=len(chunk_plan),
+                        lengths=list(ref.lengths), step_errors=step_errors,
                         first_mismatch=first, seconds=time.perf_counter() - start)

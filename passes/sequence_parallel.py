@@ -1,0 +1,335 @@
+"""Sequence parallelism between layers (spec: "DCP Prefill", Compute Pattern steps 1 and 9).
+
+Prefill only. After :mod:`passes.shard_tensor_parallel`, every full-TP reduction is an
+all-reduce over ``world`` (embedding, MLP down projection) and the O projection's is an
+all-reduce over ``dcp_tp``. This pass makes the residual stream between them
+sequence-parallel: each rank holds ``S_pad / TP`` tokens of every sequence.
+
+Packing (one layout for the whole prefill program). Tensors between layers are
+``[B, S, H]``: batch row b is one sequence's chunk, left-packed (positions
+``start, start + 1, ...``, then -1), exactly as the engine builds a step. Sequence
+parallelism splits the token dim of *each sequence*: rank r holds tokens
+``[r * S_pad/TP, (r + 1) * S_pad/TP)`` of every row, where ``S_pad`` is ``S`` rounded up to a
+multiple of TP (the graph pads with zero rows before a reduce-scatter and drops them after
+an all-gather; pad rows never reach attention or the logits). Sequences of different
+lengths in one chunk are rows with different numbers of -1 positions.
+
+Rewrite:
+  * all-reduce(world) of a partial sum [B, S, H]
+        -> pad to S_pad, reduce-scatter(world) along tokens -> [B, S_pad/TP, H]
+  * all-reduce(dcp_tp) after the O projection
+        -> kept, then this rank's SP slice (index_select of its S_pad/TP tokens: local, no
+           communication). :class:`passes.dcp_prefill.DCPPrefill` turns the pair into the
+           spec's step 9 reduce-scatter over dcp_tp.
+  * the sequence-parallel region — every node reached from those results through token-wise
+    ops (residual adds, RMSNorm: pointwise ops and reductions over the hidden dim) — keeps
+    its ops; only its token count changes.
+  * where the region meets a projection that needs the whole sequence (q/k/v — spec step 1,
+    the MLP's column projections, the LM head): all-gather(world) along tokens -> [B, S_pad,
+    H], drop the pad rows -> [B, S, H]. One gather per distinct input (q, k and v share one).
+
+Analysis (``plan``) is separate from the rewrite; a node in the region that is not
+token-wise (a view with an explicit token count, a reduction over tokens, a token-indexed
+side input) is an error naming the node, never a silently wrong graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dcp_compile.errors import DCPTransformError
+
+from . import collectives as C
+from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
+from .insert_rank import RANK_INPUT
+from .shard_tensor_parallel import _backward_sources, _forward_linears, _is_linear
+
+aten = torch.ops.aten
+F = torch.ops._c10d_functional
+
+# Non-pointwise ops that act on each token on its own (reductions only over the hidden dim).
+_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
+_LAST_DIM_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default,
+                        aten.amin.default, aten.var.correction}
+
+SP_META = "dcp_sequence_parallel"       # gm.meta: the SP layout (S, S_pad, tokens per rank)
+SP_SLICE = "dcp_sp_slice"               # node.meta: this rank's SP slice after o-proj
+SP_GATHER = "dcp_sp_gather"             # node.meta: full-sequence tensor after an SP gather
+SPEC_STEP = "dcp_spec_step"             # node.meta: the spec's Compute Pattern step (1..9)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ------------------------------------------------------------------------------------------
+# Token-dim (dim 1) collectives and padding; shapes are passed in (new nodes have no meta).
+# ------------------------------------------------------------------------------------------
+
+
+def all_gather_tokens(g: Graph, x: Node, role: str, size: int, shape) -> tuple[Node, Node]:
+    """[B, s, *rest] on each of ``size`` ranks -> [B, size * s, *rest] in rank order."""
+    b, s, *rest = shape
+    c, w = C.all_gather(g, x, role, size)                               # [size*B, s, ...]
+    v = g.call_function(aten.view.default, (w, [size, b, s, *rest]))
+    p = g.call_function(aten.permute.default, (v, [1, 0] + list(range(2, 3 + len(rest)))))
+    return c, g.call_function(aten.reshape.default, (p, [b, size * s, *rest]))
+
+
+def reduce_scatter_tokens(g: Graph, x: Node, role: str, size: int, shape
+                          ) -> tuple[Node, Node]:
+    """Sum [B, S, *rest] over the role; keep this rank's contiguous S/size tokens."""
+    b, s, *rest = shape
+    v = g.call_function(aten.view.default, (x, [b, size, s // size, *rest]))
+    p = g.call_function(aten.permute.default, (v, [1, 0] + list(range(2, 3 + len(rest)))))
+    r = g.call_function(aten.reshape.default, (p, [size * b, s // size, *rest]))
+    return C.reduce_scatter(g, r, role, size)                            # [B, S/size, ...]
+
+
+def pad_tokens(g: Graph, x: Node, ndim: int, tokens: int, padded: int) -> Node:
+    """Append zero rows along dim 1 (no node when nothing to pad)."""
+    if padded == tokens:
+        return x
+    return g.call_function(aten.constant_pad_nd.default,
+                           (x, [0, 0] * (ndim - 2) + [0, padded - tokens], 0.0))
+
+
+def unpad_tokens(g: Graph, x: Node, tokens: int, padded: int) -> Node:
+    if padded == tokens:
+        return x
+    return g.call_function(aten.slice.Tensor, (x, 1, 0, tokens))
+
+
+def layer_of(gm: GraphModule) -> dict[Node, int]:
+    """Each node -> index of the last attention node at or before it (-1 before the first)."""
+    out, layer = {}, -1
+    attn = set(attention_nodes(gm))
+    for n in gm.graph.nodes:
+        if n in attn:
+            layer += 1
+        out[n] = layer
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Analysis
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reduction:
+    all_reduce: Node
+    wait: Node
+    role: str
+
+
+@dataclass
+class SPPlan:
+    batch: int
+    tokens: int                       # S: the static chunk length
+    padded: int                       # S_pad: S rounded up to a multiple of TP
+    reductions: list[Reduction]
+    region: list[Node] = field(default_factory=list)
+    # region node -> the projections (linears) reading it, which need the whole sequence
+    frontier: dict[Node, list[Node]] = field(default_factory=dict)
+    roles: dict[Node, str] = field(default_factory=dict)   # frontier linear -> qkv|mlp|lm_head
+
+
+class SequenceParallel(DCPPass):
+    """Prefill: residual stream S/TP per rank; all-gather before projections, reduce-scatter
+    after them (Megatron-style sequence parallelism on the spec's world group)."""
+
+    name = "sequence_parallel"
+
+    def requires(self, gm):
+        if self.ctx.config.mode != "prefill":
+            raise DCPTransformError(f"sequence parallelism is the prefill layout: mode="
+                                    f"{self.ctx.config.mode!r}. Run it for mode='prefill'.")
+        if not attention_nodes(gm):
+            raise DCPTransformError("sequence_parallel needs the canonical dcp.attention "
+                                    "nodes (run canonicalize_attention first).")
+
+    def plan(self, gm: GraphModule) -> SPPlan:
+        cfg = self.ctx.config
+        attn = attention_nodes(gm)
+        b, s = val(attn[0].args[5]).shape
+        reductions = []
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or n.target != F.all_reduce.default:
+                continue
+            role = C.role_of(n)
+            waits = [u for u in n.users if u.target == F.wait_tensor.default]
+            if role not in ("world", "dcp_tp") or len(waits) != 1 or len(n.users) != 1:
+                raise DCPTransformError(
+                    f"all-reduce {n.name} on role {role!r} is not one of tensor parallelism's "
+                    f"reductions (world after embedding/MLP, dcp_tp after the O projection); "
+                    f"sequence parallelism cannot place it. Run shard_tensor_parallel first.")
+            shape = tuple(val(n.args[0]).shape)
+            if shape[:2] != (b, s):
+                raise DCPTransformError(
+                    f"all-reduce {n.name} reduces a tensor of shape {shape}, not [batch={b}, "
+                    f"tokens={s}, ...]: sequence parallelism splits dim 1 of [B, S, H].")
+            reductions.append(Reduction(n, waits[0], role))
+        if not any(r.role == "world" for r in reductions):
+            raise DCPTransformError("no all-reduce over 'world' found: sequence parallelism "
+                                    "needs the full-TP reductions of shard_tensor_parallel.")
+        plan = SPPlan(b, s, round_up(s, cfg.tp), reductions)
+        self._find_region(gm, plan, attn)
+        return plan
+
+    def _find_region(self, gm, plan: SPPlan, attn: list[Node]) -> None:
+        qkv = set()
+        for a in attn:
+            for i in range(3):
+                qkv |= _backward_sources(a.args[i])[0]
+        starts = [r.wait for r in plan.reductions]
+        seen, order, stack = set(starts), [], list(starts)
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                if u in seen:
+                    continue
+                if _is_linear(u):
+                    if u.args[0] is not n:
+                        raise DCPTransformError(
+                            f"linear {u.name} ({source_of(u)}) reads the sequence-parallel "
+                            f"tensor {n.name} as a weight or bias; only activations can be "
+                            f"gathered.")
+                    plan.frontier.setdefault(n, [])
+                    if u not in plan.frontier[n]:
+                        plan.frontier[n].append(u)
+                    fwd, reaches_output = _forward_linears(u)
+                    plan.roles[u] = ("qkv" if u in qkv else
+                                     "lm_head" if reaches_output and not fwd else "mlp")
+                    continue
+                if u.op == "output":
+                    raise DCPTransformError(
+                        f"the sequence-parallel tensor {n.name} reaches the graph output "
+                        f"directly: the output must come from a projection (the LM head).")
+                seen.add(u)
+                order.append(u)
+                stack.append(u)
+        for u in order:   # once the whole region is known: side inputs are those outside it
+            self._check_tokenwise(u, seen, plan)
+        plan.region = order
+
+    def _check_tokenwise(self, u: Node, region: set[Node], plan: SPPlan) -> None:
+        where = f"node {u.name} ({source_of(u)})"
+        if u.op != "call_function":
+            raise DCPTransformError(f"{where} consumes the sequence-parallel residual stream "
+                                    f"but is not a function call.")
+        out = val(u)
+        if not isinstance(out, torch.Tensor) or out.ndim < 3 or out.shape[1] != plan.tokens:
+            raise DCPTransformError(
+                f"{where} turns the residual stream into shape "
+                f"{tuple(getattr(out, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
+                f" ...] tensors between layers.")
+        target = u.target
+        pointwise = torch.Tag.pointwise in getattr(target, "tags", ())
+        if target in _LAST_DIM_REDUCTIONS:
+            dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
+            ndim = val(u.args[0]).ndim
+            if dims is None or any(d % ndim != ndim - 1 for d in dims):
+                raise DCPTransformError(
+                    f"{where} reduces over dims {dims} of the residual stream; sequence "
+                    f"parallelism allows reductions over the hidden dim (-1) only.")
+        elif not (pointwise or target in _TOKENWISE):
+            raise DCPTransformError(
+                f"{where} ({target}) is not token-wise: the residual stream between layers "
+                f"may only pass pointwise ops and reductions over the hidden dim when it is "
+                f"sequence-parallel. Move this op inside a projection, or extend "
+                f"passes.sequence_parallel.")
+        for a in u.all_input_nodes:
+            if a in region:
+                continue
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                continue
+            aligned = 1 - (out.ndim - v.ndim)   # a's dim that broadcasts against tokens
+            if aligned >= 0 and v.shape[aligned] != 1:
+                raise DCPTransformError(
+                    f"{where} combines the sequence-parallel residual stream with {a.name} of "
+                    f"shape {tuple(v.shape)}, which is indexed by token: every rank holds "
+                    f"only its S/TP tokens of the stream.")
+
+    # ------------------------------------------------------------------------------------
+    # Rewrite
+    # ------------------------------------------------------------------------------------
+
+    def call(self, gm):
+        cfg, g = self.ctx.config, gm.graph
+        plan = self.plan(gm)
+        b, s, sp = plan.batch, plan.tokens, plan.padded
+        per = sp // cfg.tp
+        layers = layer_of(gm)
+        rank = next(n for n in g.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+        first = next(n for n in g.nodes if n.op != "placeholder")
+        with g.inserting_before(first):
+            start = g.call_function(aten.mul.Tensor, (rank, per))
+            sp_index = g.call_function(aten.add.Tensor, (
+                g.call_function(aten.arange.default, (per,), {"dtype": torch.int64}), start))
+        sp_index.name = "sp_index"
+        self.tag(sp_index, KIND_SLICE)
+
+        for red in plan.reductions:
+            x = red.all_reduce.args[0]
+            shape = tuple(val(x).shape)
+            layer = layers[red.all_reduce]
+            if red.role == "world":
+                with g.inserting_before(red.all_reduce):
+                    padded = pad_tokens(g, x, len(shape), s, sp)
+                    c, w = reduce_scatter_tokens(g, padded, "world", cfg.tp,
+                                                 (b, sp) + shape[2:])
+                self.tag(c, KIND_COLLECTIVE, layer if layer >= 0 else None)
+                c.meta["dcp_sp"] = "reduce_scatter"
+                red.wait.replace_all_uses_with(w)
+                g.erase_node(red.wait)
+                g.erase_node(red.all_reduce)
+            else:  # dcp_tp after the O projection: this rank's tokens, until DCPPrefill
+                with g.inserting_before(red.wait.next):
+                    padded = pad_tokens(g, red.wait, len(shape), s, sp)
+                    sliced = g.call_function(aten.index_select.default, (padded, 1, sp_index))
+                sliced.meta[SP_SLICE] = True
+                self.tag(sliced, KIND_SLICE, layer)
+                red.wait.replace_all_uses_with(
+                    sliced, delete_user_cb=lambda u: u is not padded and u is not sliced)
+
+        counts = {"qkv": 0, "mlp": 0, "lm_head": 0}
+        for node, linears in plan.frontier.items():
+            shape = tuple(val(node).shape)
+            with g.inserting_before(node.next):
+                c, full = all_gather_tokens(g, node, "world", cfg.tp,
+                                            (b, per) + shape[2:])
+                full = unpad_tokens(g, full, s, sp)
+            roles = {plan.roles[lin] for lin in linears}
+            layer = min(layers[lin] + (1 if "qkv" in roles else 0) for lin in linears)
+            self.tag(c, KIND_COLLECTIVE, layer if "lm_head" not in roles else None)
+            c.meta["dcp_sp"] = "all_gather"
+            full.meta[SP_GATHER] = True
+            if "qkv" in roles:
+                c.meta[SPEC_STEP] = 1
+            for lin in linears:
+                lin.args = (full,) + tuple(lin.args[1:])
+            for r in roles:
+                counts[r] += 1
+        gm.meta[SP_META] = {"tokens": s, "padded": sp, "tokens_per_rank": per, "batch": b}
+        self.record(tokens=s, padded_tokens=sp, tokens_per_rank=per,
+                    region_nodes=len(plan.region),
+                    reduce_scatters=sum(r.role == "world" for r in plan.reductions),
+                    gathers=counts)
+        return PassResult(gm, True)
+
+    def ensures(self, gm):
+        for n in gm.graph.nodes:
+            if C.role_of(n) == "world" and n.target == F.all_reduce.default:
+                raise DCPTransformError(f"all-reduce {n.name} over world survived sequence "
+                                        f"parallelism.")
+
+
+__all__ = ["SequenceParallel", "SPPlan", "all_gather_tokens", "reduce_scatter_tokens",
+           "pad_tokens", "unpad_tokens", "round_up", "layer_of", "SP_META", "SP_SLICE",
+           "SP_GATHER", "SPEC_STEP"]
