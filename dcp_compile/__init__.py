@@ -6,12 +6,13 @@ Public API (see README.md): ``DCPConfig``, ``DCPConfigError``, ``topology``, ``p
 
 from .config import DCPConfig
 from .errors import (DCPConfigError, DCPError, DCPInputError, DCPProofError,
-                     DCPTransferError, DCPTransformError)
+                     DCPTransferError, DCPTransformError, DCPWorldError)
 from .topology import Topology, topology
 
 __all__ = [
     "DCPConfig", "DCPConfigError", "DCPError", "DCPInputError", "DCPProofError",
-    "DCPTransferError", "DCPTransformError", "Topology", "topology",
+    "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
+    "prove", "compute_slot_mapping", "transform",
 ]
 
 
