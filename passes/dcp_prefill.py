@@ -269,6 +269,7 @@ class DCPPrefill(DCPPass):
             for lin in plan.projections:   # 3. QKV projection on the owned tokens
                 lin.args = (h_own,) + tuple(lin.args[1:])
                 lin.meta[SPEC_STEP] = 3
+                lin.meta["dcp_layer"] = layer
             for n in plan.qkv_path:
                 if n.target in _VIEWS:
                     n.args = (n.args[0], [n.args[1][0], cap, *n.args[1][2:]]) + n.args[2:]
@@ -379,6 +380,7 @@ class DCPPrefill(DCPPass):
         o = plan.o_proj
         hidden = val(o).shape[-1]
         o.meta[SPEC_STEP] = 9
+        o.meta["dcp_layer"] = plan.layer
         with g.inserting_before(plan.o_reduce[0]):
             if group > 1:
                 c, result = reduce_scatter_tokens(g, o, "dcp_tp", group, (b, tokens, hidden))
