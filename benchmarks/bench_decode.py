@@ -142,7 +142,7 @@ def main():
         names = bind_roles(prog.topology, rank)
         loaded = prog.load(rank, names)
         ex = LocalExecutor(loaded.step_fns(), prog.cache_spec().allocate())
-        eng = Engine(ex, shapes, block_size=16, dcp=args.dcp)
+        eng = Engine(ex, shapes, block_size=16, dcp=args.dcp, prompt_kind="context")
         with torch.no_grad():
             logits = eng.prefill(prompts)
             tok = logits.argmax(-1).tolist()

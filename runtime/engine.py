@@ -69,10 +69,15 @@ class GenerateResult:
 
 
 class Engine:
-    """Greedy serving loop over an executor, with static-shape padded steps."""
+    """Greedy serving loop over an executor, with static-shape padded steps.
+
+    ``prompt_kind`` is the step kind prompt chunks run as: "prefill" (the single-device model,
+    prefill-mode programs; later chunks continue a sequence) or "context" (a decode-mode
+    program's own first-chunk-only prompt step).
+    """
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
-                 dcp: int = 1, prompt_kind: str = "context"):
+                 dcp: int = 1, prompt_kind: str = "prefill"):
         self.executor = executor
         self.shapes = shapes
         self.block_size = block_size

@@ -108,3 +108,15 @@ def test_prompt_longer_than_program_is_rejected_and_cache_untouched():
 def test_meta_device_model_has_shapes_only():
     m = demo_model(DemoConfig(num_layers=1), device="meta")
     assert all(p.is_meta for p in m.parameters())
+
+
+def test_context_prompt_step_refuses_a_second_chunk():
+    model = demo_model()
+    shapes = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
+    c = model.config
+    spec = KVCacheSpec(c.num_layers, shapes.num_blocks, 16, c.num_kv_heads, c.head_dim)
+    eng = Engine(LocalExecutor(model, spec.allocate()), shapes, block_size=16,
+                 prompt_kind="context")
+    eng.prefill(prompts_of((3, 2)))
+    with pytest.raises(DCPInputError, match="first prompt chunk only"):
+        eng.prefill(prompts_of((3, 2)))
