@@ -107,12 +107,12 @@ def val(node: Node):
 
 
 def source_of(node: Node) -> str:
-    """'file:line' of the user code a node came from, for error messages."""
-    trace = node.meta.get("stack_trace")
-    if trace:
-        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()
-                 .startswith("File ")]
-        if lines:
-            return lines[-1]
-    return node.meta.get("nn_module_stack", {}) and str(
-        list(node.meta["nn_module_stack"].values())[-1]) or "unknown source"
+    """'File "...", line N, in fn' of the user code a node came from, for error messages."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    if frames:
+        return frames[-1]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return f"module {list(stack.values())[-1][0]}"
+    return "source unknown"
