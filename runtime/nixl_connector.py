@@ -1,0 +1,726 @@
+"""Disaggregated prefill -> decode KV transfer over NIXL (spec: "Disaggregated Inference (NIXL
+Transfer)": NeuronNixlConnector, NeuronNixlAgentMetadata, Notification Handling).
+
+One NIXL agent per rank. Each rank registers its per-layer key and value caches (CPU tensors
+``[num_blocks, block_size, kv_heads_per_rank, head_dim]``, the last block the reserved garbage
+block) as DRAM with the UCX backend. A decode rank READs from the prefill ranks that
+:func:`runtime.transfer_plan.plan_transfer` names for it; the prefill side is passive.
+
+::
+
+    # prefill rank p (one per rank; caches filled by the prefill program)
+    pre = PrefillKVConnector(prefill_cfg, p, kv_caches, side_channel_port=PORT)
+    ...
+    pre.wait_for_readers(request_id, plan.readers_of(p))     # then free the request's blocks
+
+    # decode rank d
+    dec = DecodeKVConnector(prefill_cfg, decode_cfg, d, kv_caches, side_channel_port=PORT)
+    dec.handshake()                                            # metadata of all remote ranks
+    dec.read(TransferRequest("req-0", seq_len, prefill_block_table, decode_block_table))
+
+``start_read`` + ``get_finished`` is the same thing without blocking (vLLM's
+start_load_kv / get_finished shape), for engines that overlap the transfer with other work.
+
+Handshake (side channel). Each prefill rank serves its :class:`NeuronNixlAgentMetadata` --
+the NIXL agent metadata plus the spec's ``dcp_size`` extension and the cache geometry -- on a
+small TCP side channel at ``host:side_channel_port + tp_rank`` (vLLM's NIXL side channel uses
+the same base-port-plus-rank convention). Protocol: the client sends ``DCPKV-META 1\\n``; the
+server answers an 8-byte big-endian length and the JSON-serialised metadata (no pickle: the
+bytes come from the network). The decode rank fetches the metadata of every remote rank of its
+plan, checks it against the plan (tp, rank, dcp_size, KV heads, block size, head_dim, dtype,
+layers) and loads the agent metadata with ``add_remote_agent``.
+
+Notifications (spec: Notification Handling). Each decode rank notifies every remote rank of
+its plan once per request: the notification rides on the READ (NIXL delivers it after the data
+has been read), or, when the decode rank has nothing to read from that rank (a short
+sequence), it is sent on its own with ``send_notif``. A request with no reads at all still
+completes. The prefill rank counts notifications per request in ``wait_for_readers``.
+
+Failures are errors, never a silent partial cache: a remote rank that does not answer the
+handshake, metadata that does not match the plan, a NIXL error while posting or a transfer in
+ERR state, or a transfer that does not finish in time each raise :class:`DCPTransferError`
+within the given timeout, and the request is not reported finished.
+
+Environment. UCX reads its settings when the first agent is created: unless already set,
+``UCX_TLS=tcp,self,sm`` and, for a loopback side channel, ``UCX_NET_DEVICES=lo`` (so UCX does
+not advertise other interfaces). On CPU ``UCX_TLS`` must include ``tcp``. Agents run without
+NIXL's progress thread by default (it busy-polls a core per agent); a prefill rank must then
+call :meth:`PrefillKVConnector.poll` (``wait_for_readers`` does) while decode ranks read.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from dcp_compile import layout
+from dcp_compile.config import DCPConfig
+from dcp_compile.errors import DCPTransferError
+from dcp_compile.topology import topology
+
+from .transfer_plan import TransferPlan, plan_transfer
+
+__all__ = [
+    "NeuronNixlAgentMetadata",
+    "TransferRequest",
+    "TransferStats",
+    "PrefillKVConnector",
+    "DecodeKVConnector",
+    "fetch_metadata",
+    "configure_ucx_env",
+]
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_HELLO = b"DCPKV-META 1\n"
+_MD_FORMAT = "dcp-nixl-agent-metadata/1"
+_POLL_SLEEP = 0.0005
+
+
+# ---------------------------------------------------------------------------------------
+# Metadata (spec: NeuronNixlAgentMetadata = NixlAgentMetadata + dcp_size)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NeuronNixlAgentMetadata:
+    """What a prefill rank tells a decode rank in the handshake.
+
+    ``dcp_size`` is the spec's extension (0: not advertised, i.e. an engine without DCP);
+    the rest is the NIXL agent metadata and the geometry the decode side needs to address
+    remote rows. ``block_len`` is the bytes of one block of one layer's key (or value) cache.
+    """
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    tp_rank: int
+    tp_size: int
+    kv_caches_base_addr: tuple[tuple[int, int], ...]
+    num_blocks: int
+    block_size: int
+    block_len: int
+    kv_heads: tuple[int, ...]
+    head_dim: int
+    dtype: str
+    dcp_size: int = 0
+
+    def serialize(self) -> bytes:
+        d = asdict(self)
+        d["agent_metadata"] = base64.b64encode(self.agent_metadata).decode("ascii")
+        d["format"] = _MD_FORMAT
+        return json.dumps(d).encode()
+
+    @classmethod
+    def deserialize(cls, raw: bytes) -> "NeuronNixlAgentMetadata":
+        try:
+            d = json.loads(raw)
+            if d.pop("format", None) != _MD_FORMAT:
+                raise ValueError(f"format is not {_MD_FORMAT}")
+            d["agent_metadata"] = base64.b64decode(d["agent_metadata"])
+            d["kv_caches_base_addr"] = tuple(tuple(int(a) for a in kv)
+                                             for kv in d["kv_caches_base_addr"])
+            d["kv_heads"] = tuple(d["kv_heads"])
+            return cls(**d)
+        except (ValueError, TypeError, KeyError) as e:
+            raise DCPTransferError(f"handshake metadata is not readable: {e}. Connect to a "
+                                   f"PrefillKVConnector side channel of this version.") from e
+
+    @property
+    def effective_dcp(self) -> int:
+        return self.dcp_size if self.dcp_size > 0 else 1
+
+
+# ---------------------------------------------------------------------------------------
+# Side channel
+# ---------------------------------------------------------------------------------------
+
+
+class _SideChannelServer:
+    """Serves one payload to every client that says hello (a daemon thread)."""
+
+    def __init__(self, host: str, port: int, payload: bytes):
+        self._payload = payload
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise DCPTransferError(f"side channel cannot listen: {host}:{port}: {e}. Pick a free "
+                                   f"side_channel_port (base port + tp_rank must be free).") from e
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"dcp-kv-side-{port}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            with conn:
+                try:
+                    conn.settimeout(2.0)
+                    if _recv_exact(conn, len(_HELLO)) == _HELLO:
+                        conn.sendall(struct.pack(">Q", len(self._payload)) + self._payload)
+                except OSError:
+                    pass  # a client that hangs up is its own problem
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._sock.close()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = conn.recv(n - len(buf))
+        if not part:
+            raise ConnectionError(f"peer closed after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
+
+
+def fetch_metadata(host: str, port: int, deadline: float, *, what: str = "remote rank") -> bytes:
+    """The side-channel payload at host:port; retries until ``deadline`` (time.monotonic())."""
+    last = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.create_connection((host, port), timeout=left) as conn:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                conn.sendall(_HELLO)
+                (n,) = struct.unpack(">Q", _recv_exact(conn, 8))
+                return _recv_exact(conn, n)
+        except (OSError, ConnectionError) as e:
+            last = f"{type(e).__name__}: {e}"
+        time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+    raise DCPTransferError(f"{what} did not answer the handshake at {host}:{port} in time "
+                           f"(last error: {last}). Check that the prefill engine is running and "
+                           f"its side_channel_port, or raise handshake_timeout.")
+
+
+# ---------------------------------------------------------------------------------------
+# NIXL agent set-up
+# ---------------------------------------------------------------------------------------
+
+
+def configure_ucx_env(host: str = "127.0.0.1") -> None:
+    """Defaults for UCX on CPU: tcp (+ self, sm); loopback only when the host is loopback."""
+    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    if host in LOOPBACK_HOSTS:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    tls = os.environ["UCX_TLS"]
+    if "tcp" not in tls.split(",") and tls not in ("all", "^"):
+        raise DCPTransferError(f"UCX_TLS must include tcp for DRAM transfers on CPU: UCX_TLS="
+                               f"{tls!r}. Use UCX_TLS=tcp,self,sm.")
+
+
+def _nixl_api():
+    try:
+        from nixl import _api
+    except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
+        raise DCPTransferError(f"the nixl package is not usable: {type(e).__name__}: {e}. "
+                               f"Install it with `pip install nixl`.") from e
+    return _api
+
+
+def _make_agent(name: str, host: str, progress_thread: bool):
+    configure_ucx_env(host)
+    api = _nixl_api()
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(
+            enable_prog_thread=progress_thread, enable_listen_thread=False, backends=["UCX"]))
+    except Exception as e:
+        raise DCPTransferError(f"cannot create NIXL agent {name!r}: {type(e).__name__}: {e}. "
+                               f"Check that the UCX plugin loads (UCX_TLS="
+                               f"{os.environ.get('UCX_TLS')!r}).") from e
+
+
+@dataclass(frozen=True)
+class _CacheGeometry:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    element_size: int
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * self.element_size
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_heads * self.head_bytes
+
+    @property
+    def block_len(self) -> int:
+        return self.block_size * self.row_bytes
+
+
+def _check_caches(kv_caches, cfg: DCPConfig, rank: int, heads: list[int],
+                  side: str) -> tuple[list[torch.Tensor], _CacheGeometry]:
+    caches = []
+    for i, kv in enumerate(kv_caches):
+        if len(kv) != 2:
+            raise DCPTransferError(f"{side} rank {rank}: layer {i} must be a (key, value) pair: "
+                                   f"got {len(kv)} tensors. Pass [(k_cache, v_cache), ...].")
+        caches.extend(kv)
+    if not caches:
+        raise DCPTransferError(f"{side} rank {rank}: no KV caches given. Pass one (key, value) "
+                               f"pair per layer.")
+    t0 = caches[0]
+    want = ("num_blocks", cfg.block_size, len(heads), "head_dim")
+    for t in caches:
+        bad = (t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 4
+               or t.shape[1] != cfg.block_size or t.shape[2] != len(heads)
+               or t.shape != t0.shape or t.dtype != t0.dtype or t.shape[0] < 2)
+        if bad:
+            raise DCPTransferError(
+                f"{side} rank {rank}: KV caches must be contiguous CPU tensors of one shape "
+                f"[num_blocks >= 2, block_size, kv_heads_per_rank, head_dim] = {list(want)}: got "
+                f"{t.device.type} {t.dtype} {list(t.shape)} contiguous={t.is_contiguous()}. "
+                f"Allocate them per the layout (last block = garbage block).")
+    geo = _CacheGeometry(num_layers=len(caches) // 2, num_blocks=t0.shape[0],
+                         block_size=t0.shape[1], num_heads=t0.shape[2], head_dim=t0.shape[3],
+                         dtype=t0.dtype, element_size=t0.element_size())
+    return caches, geo
+
+
+class _RankAgent:
+    """One rank's NIXL agent with its caches registered as DRAM."""
+
+    def __init__(self, name: str, caches: list[torch.Tensor], host: str, progress_thread: bool):
+        self.name = name
+        self.caches = caches
+        # Landing place of the handshake's connection probe (never a cache row).
+        self.scratch = torch.zeros(64, dtype=torch.uint8)
+        self.agent = _make_agent(name, host, progress_thread)
+        try:
+            self._reg = self.agent.register_memory(caches + [self.scratch])
+        except Exception as e:
+            raise DCPTransferError(f"agent {name}: registering the KV caches as DRAM failed: "
+                                   f"{type(e).__name__}: {e}.") from e
+
+    def close(self):
+        reg, self._reg = self._reg, None
+        if reg is not None:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:
+                pass  # tearing down; the agent's destructor releases the rest
+
+
+# ---------------------------------------------------------------------------------------
+# Prefill side
+# ---------------------------------------------------------------------------------------
+
+
+class PrefillKVConnector:
+    """A prefill rank: registers its caches, serves its metadata, counts readers' notifications."""
+
+    def __init__(self, config: DCPConfig, rank: int,
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+                 engine_id: str = "prefill", host: str = "127.0.0.1",
+                 side_channel_port: int, progress_thread: bool = False):
+        if config.mode != "prefill":
+            raise DCPTransferError(f"PrefillKVConnector needs the prefill engine's config: "
+                                   f"mode={config.mode!r}. Pass DCPConfig(..., mode='prefill').")
+        topo = topology(config.tp, config.dcp, config.mode, config=config)
+        self.config, self.rank, self.engine_id = config, rank, engine_id
+        self.kv_heads = topo.kv_heads_of(rank)
+        caches, self.geometry = _check_caches(kv_caches, config, rank, self.kv_heads, "prefill")
+        self._agent = _RankAgent(f"{engine_id}-rank{rank}", caches, host, progress_thread)
+        self.metadata = NeuronNixlAgentMetadata(
+            engine_id=engine_id, agent_name=self._agent.name,
+            agent_metadata=self._agent.agent.get_agent_metadata(),
+            tp_rank=rank, tp_size=config.tp,
+            kv_caches_base_addr=tuple((caches[2 * i].data_ptr(), caches[2 * i + 1].data_ptr())
+                                      for i in range(self.geometry.num_layers)),
+            num_blocks=self.geometry.num_blocks, block_size=self.geometry.block_size,
+            block_len=self.geometry.block_len, kv_heads=tuple(self.kv_heads),
+            head_dim=self.geometry.head_dim, dtype=str(self.geometry.dtype).replace("torch.", ""),
+            dcp_size=config.dcp)
+        self.side_channel = (host, side_channel_port + rank)
+        self._server = _SideChannelServer(host, side_channel_port + rank,
+                                          self.metadata.serialize())
+        # request_id -> {(decode engine, decode rank): "read" | "empty"}
+        self.notifications: dict[str, dict[tuple[str, int], str]] = {}
+
+    def poll(self) -> None:
+        """Progress the agent (reads need it without a progress thread) and collect notifs."""
+        for _, msgs in self._agent.agent.get_new_notifs().items():
+            for m in msgs:
+                try:
+                    n = json.loads(m)
+                    key = (n["engine"], int(n["rank"]))
+                    self.notifications.setdefault(n["req"], {})[key] = n["status"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # not ours
+
+    def wait_for_readers(self, request_id: str, decode_ranks: Iterable[int], *,
+                         decode_engine_id: str = "decode", timeout: float = 30.0) -> dict:
+        """Block until every decode rank in ``decode_ranks`` has notified ``request_id``."""
+        want = {(decode_engine_id, int(d)) for d in decode_ranks}
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            got = self.notifications.get(request_id, {})
+            if want <= got.keys():
+                return {d: got[(decode_engine_id, d)] for _, d in sorted(want)}
+            if time.monotonic() > deadline:
+                missing = sorted(d for e, d in want - got.keys())
+                raise DCPTransferError(
+                    f"prefill rank {self.rank}: request {request_id!r} was not read by decode "
+                    f"ranks {missing} of engine {decode_engine_id!r} within {timeout:.1f} s. Keep "
+                    f"the request's blocks until they read them, or fail the request.")
+            time.sleep(_POLL_SLEEP)
+
+    def close(self) -> None:
+        self._server.close()
+        self._agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Decode side
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """One request's KV to pull: its length and the block table of each engine.
+
+    Block tables have one entry per vblock (``block_size * dcp`` global positions) of the
+    engine, the same on all its ranks, naming physical blocks (never the garbage block).
+    """
+
+    request_id: str
+    seq_len: int
+    prefill_block_table: Sequence[int] | torch.Tensor
+    decode_block_table: Sequence[int] | torch.Tensor
+
+
+@dataclass
+class TransferStats:
+    request_id: str
+    bytes: int = 0
+    descriptors: int = 0
+    reads: int = 0
+    notify_only: int = 0
+    seconds: float = 0.0
+    remote_ranks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    request: TransferRequest
+    deadline: float
+    start: float
+    handles: dict = field(default_factory=dict)  # remote rank -> nixl_xfer_handle
+    stats: TransferStats | None = None
+
+
+class DecodeKVConnector:
+    """A decode rank: reads its share of a request's KV from the prefill ranks of its plan."""
+
+    def __init__(self, prefill: DCPConfig, decode: DCPConfig, rank: int,
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+                 engine_id: str = "decode", host: str = "127.0.0.1", side_channel_port: int,
+                 handshake_timeout: float = 10.0, transfer_timeout: float = 30.0,
+                 progress_thread: bool = False, plan: TransferPlan | None = None):
+        self.plan = plan if plan is not None else plan_transfer(prefill, decode)
+        self.rank_plan = self.plan.rank(rank)
+        self.prefill, self.decode, self.rank, self.engine_id = prefill, decode, rank, engine_id
+        self.host, self.side_channel_port = host, side_channel_port
+        self.handshake_timeout, self.transfer_timeout = handshake_timeout, transfer_timeout
+        caches, self.geometry = _check_caches(kv_caches, decode, rank,
+                                              list(self.rank_plan.kv_heads), "decode")
+        self.kv_caches = [tuple(kv) for kv in kv_caches]
+        self._agent = _RankAgent(f"{engine_id}-rank{rank}", caches, host, progress_thread)
+        self._local_bases = np.array([t.data_ptr() for t in caches], dtype=np.uint64)
+        self.remotes: dict[int, tuple[str, NeuronNixlAgentMetadata]] = {}
+        self._pending: dict[str, _Pending] = {}
+        self.finished_stats: dict[str, TransferStats] = {}
+
+    # ------------------------------------------------------------------ handshake
+    def handshake(self, timeout: float | None = None) -> None:
+        """Fetch, check and load the metadata of every remote rank the plan names."""
+        timeout = self.handshake_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        for p in self.rank_plan.remote_ranks:
+            if p in self.remotes:
+                continue
+            raw = fetch_metadata(self.host, self.side_channel_port + p, deadline,
+                                 what=f"decode rank {self.rank}: prefill rank {p}")
+            md = NeuronNixlAgentMetadata.deserialize(raw)
+            self._check_remote(md, p)
+            try:
+                name = self._agent.agent.add_remote_agent(md.agent_metadata)
+            except Exception as e:
+                raise DCPTransferError(f"decode rank {self.rank}: loading the NIXL metadata of "
+                                       f"prefill rank {p} ({md.agent_name}) failed: "
+                                       f"{type(e).__name__}: {e}. Is the prefill process alive?"
+                                       ) from e
+            name = name.decode() if isinstance(name, bytes) else name
+            self._probe(p, name, md, deadline)
+            self.remotes[p] = (name, md)
+
+    def _probe(self, p: int, name: str, md: NeuronNixlAgentMetadata, deadline: float) -> None:
+        """Bring the UCX connection up now with a tiny READ of the remote garbage block.
+
+        Without a progress thread, a bare send_notif on a fresh endpoint waits for the
+        connection to be wired up by later progress and has no completion to wait on; a READ
+        does. After it, notify-only messages leave at once, and a remote that cannot be reached
+        fails here, in the handshake, with a bounded wait.
+        """
+        api = self._agent.agent
+        scratch = self._agent.scratch
+        garbage_row = md.kv_caches_base_addr[0][0] + (md.num_blocks - 1) * md.block_len
+        n = min(scratch.numel(), md.block_len)
+        try:
+            handle = api.initialize_xfer(
+                "READ", api.get_xfer_descs([(scratch.data_ptr(), n, 0)], "DRAM"),
+                api.get_xfer_descs([(garbage_row, n, 0)], "DRAM"), name, b"")
+            state = api.transfer(handle)
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(_POLL_SLEEP)
+                state = api.check_xfer_state(handle)
+        except Exception as e:
+            raise DCPTransferError(f"decode rank {self.rank}: connecting to prefill rank {p} "
+                                   f"({md.agent_name}) failed: {type(e).__name__}: {e}. Is the "
+                                   f"prefill process alive?") from e
+        try:
+            handle.release()
+        except Exception:
+            pass
+        if state != "DONE":
+            raise DCPTransferError(f"decode rank {self.rank}: connecting to prefill rank {p} "
+                                   f"({md.agent_name}) ended in state {state} before the handshake "
+                                   f"deadline. Is the prefill process alive and polling?")
+
+    def _check_remote(self, md: NeuronNixlAgentMetadata, p: int) -> None:
+        g, pc = self.geometry, self.prefill
+        remote_heads = tuple(topology(pc.tp, pc.dcp, pc.mode, config=pc).kv_heads_of(p))
+        expect = {
+            "tp_rank": (md.tp_rank, p), "tp_size": (md.tp_size, pc.tp),
+            "dcp_size": (md.effective_dcp, pc.dcp), "kv_heads": (md.kv_heads, remote_heads),
+            "block_size": (md.block_size, pc.block_size), "head_dim": (md.head_dim, g.head_dim),
+            "dtype": (md.dtype, str(g.dtype).replace("torch.", "")),
+            "num_layers": (len(md.kv_caches_base_addr), g.num_layers),
+            "block_len": (md.block_len,
+                          pc.block_size * len(remote_heads) * g.head_dim * g.element_size),
+        }
+        wrong = [f"{k} advertised {got!r}, plan expects {want!r}"
+                 for k, (got, want) in expect.items() if got != want]
+        if md.num_blocks < 2:
+            wrong.append(f"num_blocks advertised {md.num_blocks}, needs >= 2")
+        if wrong:
+            raise DCPTransferError(
+                f"decode rank {self.rank}: handshake metadata of prefill rank {p} "
+                f"({md.agent_name}, engine {md.engine_id!r}) does not match the transfer plan "
+                f"(prefill TP={pc.tp}/DCP={pc.dcp}): {'; '.join(wrong)}. Plan with the prefill "
+                f"engine's real layout, or connect to the right engine.")
+
+    # ------------------------------------------------------------------ reading
+    def start_read(self, request: TransferRequest, timeout: float | None = None) -> None:
+        """Post every READ of ``request`` (and the notify-only messages); do not wait."""
+        rid = request.request_id
+        if rid in self._pending or rid in self.finished_stats:
+            raise DCPTransferError(f"decode rank {self.rank}: request {rid!r} was already "
+                                   f"started. Use a new request id per transfer.")
+        missing = [p for p in self.rank_plan.remote_ranks if p not in self.remotes]
+        if missing:
+            raise DCPTransferError(f"decode rank {self.rank}: no handshake with prefill ranks "
+                                   f"{missing}. Call handshake() before start_read().")
+        now = time.monotonic()
+        timeout = self.transfer_timeout if timeout is None else timeout
+        pend = _Pending(request=request, deadline=now + timeout, start=now,
+                        stats=TransferStats(rid, remote_ranks=self.rank_plan.remote_ranks))
+        self._check_tables(request)
+        api = self._agent.agent
+        try:
+            for p, descs in self._descriptors(request).items():
+                name, _ = self.remotes[p]
+                notif = self._notif(rid, "read" if descs is not None else "empty")
+                if descs is None:  # spec: still notify when there is nothing to read
+                    api.send_notif(name, notif)
+                    pend.stats.notify_only += 1
+                    continue
+                local, remote, nbytes = descs
+                handle = api.initialize_xfer("READ", api.get_xfer_descs(local, "DRAM"),
+                                             api.get_xfer_descs(remote, "DRAM"), name, notif)
+                pend.handles[p] = handle
+                state = api.transfer(handle)
+                if state == "ERR":
+                    raise DCPTransferError("posting the READ returned ERR")
+                pend.stats.reads += 1
+                pend.stats.bytes += nbytes
+                pend.stats.descriptors += len(local)
+        except Exception as e:
+            self._fail(pend, f"posting failed: {type(e).__name__}: {e}", e)
+        self._pending[rid] = pend
+
+    def get_finished(self) -> set[str]:
+        """Requests whose reads all completed since the last call; raises on a failed one."""
+        done = set()
+        api = self._agent.agent
+        for rid, pend in list(self._pending.items()):
+            for p, handle in list(pend.handles.items()):
+                try:
+                    state = api.check_xfer_state(handle)
+                except Exception as e:
+                    del self._pending[rid]
+                    self._fail(pend, f"checking the READ from prefill rank {p} failed: "
+                                     f"{type(e).__name__}: {e}", e)
+                if state == "DONE":
+                    handle.release()
+                    del pend.handles[p]
+                elif state == "ERR":
+                    del self._pending[rid]
+                    self._fail(pend, f"the READ from prefill rank {p} is in ERR state")
+            if not pend.handles:
+                pend.stats.seconds = time.monotonic() - pend.start
+                self.finished_stats[rid] = pend.stats
+                del self._pending[rid]
+                done.add(rid)
+            elif time.monotonic() > pend.deadline:
+                del self._pending[rid]
+                self._fail(pend, f"READs from prefill ranks {sorted(pend.handles)} did not "
+                                 f"complete within {pend.deadline - pend.start:.1f} s")
+        return done
+
+    def wait(self, request_id: str) -> TransferStats:
+        """Block until ``request_id`` finished (bounded by its timeout); raise if it failed."""
+        while request_id not in self.finished_stats:
+            if request_id not in self._pending:
+                raise DCPTransferError(f"decode rank {self.rank}: request {request_id!r} is not "
+                                       f"in flight. Call start_read() first.")
+            self.get_finished()
+            if request_id not in self.finished_stats:
+                time.sleep(_POLL_SLEEP)
+        return self.finished_stats[request_id]
+
+    def read(self, request: TransferRequest, timeout: float | None = None) -> TransferStats:
+        """start_read + wait."""
+        self.start_read(request, timeout)
+        return self.wait(request.request_id)
+
+    def close(self) -> None:
+        for pend in self._pending.values():
+            self._release(pend)
+        self._pending.clear()
+        self._agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _notif(self, request_id: str, status: str) -> bytes:
+        return json.dumps({"req": request_id, "engine": self.engine_id, "rank": self.rank,
+                           "status": status}).encode()
+
+    def _fail(self, pend: _Pending, why: str, cause: Exception | None = None):
+        self._release(pend)
+        msg = (f"KV transfer of request {pend.request.request_id!r} to decode rank {self.rank} "
+               f"failed: {why}. The request's decode cache is incomplete and must not be used; "
+               f"retry the read or re-run its prefill.")
+        raise DCPTransferError(msg) from cause
+
+    @staticmethod
+    def _release(pend: _Pending):
+        for handle in pend.handles.values():
+            try:
+                handle.release()
+            except Exception:
+                pass  # NIXL keeps a handle it cannot abort in its leak list
+        pend.handles.clear()
+
+    def _check_tables(self, req: TransferRequest) -> None:
+        for side, table, cfg, nb in (
+                ("prefill", req.prefill_block_table, self.prefill,
+                 min((md.num_blocks for _, md in self.remotes.values()), default=None)),
+                ("decode", req.decode_block_table, self.decode, self.geometry.num_blocks)):
+            need = -(-req.seq_len // cfg.vblock)
+            t = torch.as_tensor(table, dtype=torch.int64).reshape(-1)[:need]
+            if nb is not None and t.numel() and int(t.max()) >= nb - 1:
+                raise DCPTransferError(
+                    f"request {req.request_id!r}: {side} block table names block {int(t.max())}, "
+                    f"but blocks are 0..{nb - 2} ({nb - 1} is the reserved garbage block). "
+                    f"Allocate blocks below {nb - 1}.")
+
+    def _descriptors(self, req: TransferRequest) -> dict:
+        """remote rank -> (local Nx3, remote Nx3, bytes), or None when nothing to read."""
+        g = self.geometry
+        out: dict = {}
+        for read in self.rank_plan.reads:
+            _, md = self.remotes[read.remote_rank]
+            chunks = self.plan.chunks(self.rank, read.remote_cp_rank, req.seq_len,
+                                      req.prefill_block_table, req.decode_block_table)
+            prev = out.get(read.remote_rank)
+            if len(chunks) == 0:
+                out.setdefault(read.remote_rank, None)
+                continue
+            remote_row_bytes = len(md.kv_heads) * g.head_bytes
+            r_rows = layout.physical_slot(chunks[:, 2], chunks[:, 1], block=self.prefill.block_size)
+            l_rows = layout.physical_slot(chunks[:, 4], chunks[:, 3], block=self.decode.block_size)
+            length = chunks[:, 5]
+            whole_rows = read.num_heads == len(md.kv_heads) == g.num_heads
+            if whole_rows:  # one descriptor per run: the rows are contiguous on both sides
+                r_off = r_rows * remote_row_bytes
+                l_off = l_rows * g.row_bytes
+                size = length * g.row_bytes
+            else:  # a head range is contiguous within a row only: one descriptor per token
+                idx = torch.repeat_interleave(torch.arange(len(chunks)), length)
+                step = torch.arange(len(idx)) - torch.repeat_interleave(
+                    torch.cumsum(length, 0) - length, length)
+                r_off = (r_rows[idx] + step) * remote_row_bytes \
+                    + read.remote_head_offset * g.head_bytes
+                l_off = (l_rows[idx] + step) * g.row_bytes + read.local_head_offset * g.head_bytes
+                size = torch.full_like(r_off, read.num_heads * g.head_bytes)
+            r_bases = np.array([a for kv in md.kv_caches_base_addr for a in kv], dtype=np.uint64)
+            local = _nx3(self._local_bases, l_off, size)
+            remote = _nx3(r_bases, r_off, size)
+            nbytes = int(size.sum()) * len(r_bases)
+            if prev is not None:
+                local = np.concatenate([prev[0], local])
+                remote = np.concatenate([prev[1], remote])
+                nbytes += prev[2]
+            out[read.remote_rank] = (local, remote, nbytes)
+        return out
+
+
+def _nx3(bases: np.ndarray, offsets: torch.Tensor, sizes: torch.Tensor) -> np.ndarray:
+    """NIXL's Nx3 descriptor array (address, length, device id) for every base x offset."""
+    off = offsets.numpy().astype(np.uint64)
+    addr = (bases[:, None] + off[None, :]).reshape(-1)
+    out = np.zeros((addr.size, 3), dtype=np.uint64)
+    out[:, 0] = addr
+    out[:, 1] = np.tile(sizes.numpy().astype(np.uint64), len(bases))
+    return out

@@ -1,0 +1,134 @@
+"""Real KV transfers over NIXL between processes on 127.0.0.1 (runtime/nixl_connector.py).
+
+Three processes (runtime/nixl_loopback.py): prefill engines, a prefill engine that dies on
+request, and decode engines of other topologies. Each rank has its own NIXL agent; UCX runs
+over tcp on loopback. Prefill caches are the reference KV scattered into their DCP layout;
+the decode engines pull by the plan and their whole caches must equal, bit for bit, the same
+reference scattered directly into the decode layout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.nixl_loopback import engine_config, free_port_base, loopback_env
+from runtime.transfer_plan import plan_transfer
+
+ROOT = Path(__file__).resolve().parents[1]
+FAILURE_BOUND = 1.0  # seconds a failing handshake / transfer may take to be reported
+
+# Prefill engines (num_kv_heads=4): A = TP4/DCP2 (2 heads per rank), B = TP4/DCP4 (4 heads),
+# C = standard TP2 (2 heads), D = standard TP1 that dies when told to.
+DECODE = {
+    "d-tp2": ("pA", 2, 1, "match"),        # DCP prefill -> standard decode
+    "d-tp4": ("pA", 4, 1, "split"),        # ... with head splitting
+    "d-tp1": ("pA", 1, 1, "merge"),        # ... with head merging
+    "d-tp8dcp2": ("pA", 8, 2, "split"),    # DCP prefill -> DCP decode, same degree
+    "dB-tp8dcp2": ("pB", 8, 2, "split"),   # P_DCP=4 > D_DCP=2
+    "dC-tp8dcp2": ("pC", 8, 2, "split"),   # standard prefill -> DCP decode
+}
+REQUESTS = {"long": 61, "vblock": 16, "short": 3, "empty": 0}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nixl")
+    base = free_port_base(40)
+    prefill = [{"engine_id": "pA", "tp": 4, "dcp": 2, "port": base},
+               {"engine_id": "pB", "tp": 4, "dcp": 4, "port": base + 10},
+               {"engine_id": "pC", "tp": 2, "dcp": 1, "port": base + 20},
+               {"engine_id": "pD", "tp": 1, "dcp": 1, "port": base + 30, "doomed": True}]
+    spec = {"num_kv_heads": 4, "head_dim": 8, "layers": 2, "dtype": "bfloat16",
+            "block_size": 4, "seed": 3, "timeout": 60, "failure_timeout": FAILURE_BOUND,
+            "prefill": prefill,
+            "decode": [{"engine_id": e, "prefill": p, "tp": tp, "dcp": dcp}
+                       for e, (p, tp, dcp, _) in DECODE.items()],
+            "requests": [{"id": k, "seq_len": n} for k, n in REQUESTS.items()],
+            "failures": ["no_answer", "silent", "metadata_mismatch", "remote_gone"],
+            "stop_file": str(tmp / "decode.json")}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    procs = {role: subprocess.Popen(
+        [sys.executable, "-m", "runtime.nixl_loopback", role, str(tmp / "spec.json"),
+         str(tmp / f"{role}.json")], cwd=ROOT, env=loopback_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for role in ("prefill", "prefill-doomed", "decode")}
+    deadline = time.monotonic() + 120
+    errs = {}
+    for role, p in procs.items():
+        try:
+            _, errs[role] = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, errs[role] = p.communicate()
+    out = {}
+    for role in ("prefill", "decode"):
+        path = tmp / f"{role}.json"
+        if not path.exists():
+            pytest.fail(f"{role} process wrote no result; stderr:\n{errs[role].decode()[-3000:]}")
+        out[role] = json.loads(path.read_text())
+        if "nixl_import_error" in out[role]:
+            pytest.skip(f"import nixl failed: {out[role]['nixl_import_error']}")
+        if "crash" in out[role]:
+            pytest.fail(f"{role} process crashed: {out[role]['traceback']}")
+    out["spec"] = spec
+    return out
+
+
+@pytest.mark.parametrize("engine", list(DECODE))
+def test_decode_caches_equal_direct_scatter_bit_for_bit(run, engine):
+    res = run["decode"]["engines"][engine]
+    p_id, tp, dcp, kind = DECODE[engine]
+    assert res["mismatches"] == []
+    assert res["kind"] == kind
+    spec = run["spec"]
+    p_eng = next(e for e in spec["prefill"] if e["engine_id"] == p_id)
+    plan = plan_transfer(engine_config(spec, p_eng, "prefill"),
+                         engine_config(spec, {"tp": tp, "dcp": dcp}, "decode"))
+    assert res["remote_ranks"] == [rp.remote_ranks for rp in plan.ranks]
+    long = res["requests"]["long"][0]
+    assert long["bytes"] == 2 * 2 * 61 * 4 * 8 * 2  # layers * (k, v) * tokens * heads * dim * bf16
+
+
+def test_decode_rank_with_nothing_to_read_still_notifies(run):
+    # 3 tokens < one block: decode dcp_rank 1 owns none of them.
+    short = run["decode"]["engines"]["d-tp8dcp2"]["requests"]["short"][0]
+    assert short["reads"] == [1, 0] * 4 and short["notify_only"] == [0, 1] * 4
+    got = {(d, st) for e, _, rid, de, d, st in run["prefill"]["notifications"]
+           if rid == "short" and de == "d-tp8dcp2"}
+    assert {d for d, st in got if st == "empty"} == {1, 3, 5, 7}
+    assert {d for d, st in got if st == "read"} == {0, 2, 4, 6}
+
+
+def test_request_without_transfers_completes_and_notifies(run):
+    for engine, res in run["decode"]["engines"].items():
+        empty = res["requests"]["empty"][0]
+        assert empty["bytes"] == 0 and set(empty["reads"]) == {0}, engine
+        assert min(empty["notify_only"]) >= 1, engine
+    assert run["prefill"]["missing_notifications"] == []
+    statuses = {st for *_, rid, de, d, st in run["prefill"]["notifications"] if rid == "empty"}
+    assert statuses == {"empty"}
+
+
+@pytest.mark.parametrize("kind", ["no_answer", "silent"])
+def test_remote_that_never_answers_fails_in_bounded_time(run, kind):
+    f = run["decode"]["failures"][kind]
+    assert f["error"] and "did not answer the handshake" in f["error"], f
+    assert f["seconds"] < FAILURE_BOUND + 1.0
+
+
+def test_handshake_metadata_inconsistent_with_plan(run):
+    f = run["decode"]["failures"]["metadata_mismatch"]
+    assert f["error"] and "does not match the transfer plan" in f["error"], f
+    assert "dcp_size advertised 2, plan expects 4" in f["error"]
+
+
+def test_remote_gone_after_handshake_is_an_error_not_a_partial_cache(run):
+    f = run["decode"]["failures"]["remote_gone"]
+    assert f["error"] and "must not be used" in f["error"], f
+    assert f["seconds"] < FAILURE_BOUND + 1.0
