@@ -1,0 +1,368 @@
+"""Hugging Face transformers frontend: run a transformers decoder with DCP paged attention.
+
+transformers (5.x) routes every attention call of a model that "supports the attention
+backend" through ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``, called as
+``fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)`` with
+query/key/value in ``[batch, heads, seq, head_dim]`` and the extra ``**kwargs`` of the
+model's forward passed through every decoder layer. We register ``"dcp_paged"`` there; it
+calls ``torch.ops.dcp.paged_attention`` with the layer's caches, which travel in one such
+keyword argument (``dcp_paged_step``), and hands the new caches back through the same object.
+No attention-mask function is registered for ``"dcp_paged"``, so transformers builds no
+mask (positions carry causality and padding).
+
+``prepare(hf_model)`` wraps a ``*ForCausalLM`` in a module with the demo model's step
+signature, which ``dcp_compile.transform`` captures::
+
+    forward(input_ids [B, S], positions [B, S], block_table [B, M], kv_caches)
+        -> (logits [B, S, vocab], new_kv_caches)
+
+The wrapper runs the model's own forward (embedding, rotary embedding, decoder layers, final
+norm, LM head). It switches the model's attention to ``"dcp_paged"`` only for the duration
+of its own call, so the Hugging Face model keeps its own attention everywhere else.
+
+What tensor parallelism needs from the model is checked when ``prepare`` runs (a trace on
+fake tensors): separate q/k/v linear projections (a fused QKV projection is rejected, by
+module name), normalisations inside attention only per head (over ``head_dim``, as Qwen3's
+q_norm/k_norm; OLMo2-style norms over all heads are rejected), no attention mask, softcap,
+sinks or sliding window the paged op cannot honour, and one attention call per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from . import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from .errors import DCPTransformError
+
+ATTN_IMPLEMENTATION = "dcp_paged"
+STEP_KWARG = "dcp_paged_step"
+
+# Attention keyword arguments that change the attention's result; the paged op computes plain
+# causal softmax attention, so any of these set means "not supported", never "ignored".
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "attention_chunk_size",
+                       "cu_seq_lens_q", "cu_seq_lens_k")
+
+
+@dataclass
+class PagedStep:
+    """One step's paged-attention state, passed to every layer through the model's kwargs.
+
+    ``kv_caches`` are the step's inputs (flat [k0, v0, k1, v1, ...]); each attention call
+    puts its layer's new caches in ``new_caches``. This is plain Python state around the
+    traced tensors: under torch.export the caches stay graph inputs and the new caches
+    become graph outputs because ``DCPCausalLM.forward`` returns them.
+    """
+
+    positions: Tensor
+    block_table: Tensor
+    kv_caches: list[Tensor]
+    num_layers: int
+    max_model_len: int | None
+    module_names: dict[int, str]
+    new_caches: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    attention_modules: dict[int, nn.Module] = field(default_factory=dict)
+
+    def collect(self, model_name: str) -> list[Tensor]:
+        missing = [i for i in range(self.num_layers) if i not in self.new_caches]
+        if missing:
+            raise DCPTransformError(
+                f"{model_name}: layers {missing} of {self.num_layers} did not call attention "
+                f"through transformers' AttentionInterface, so their KV caches would not be "
+                f"written. Only decoders whose every layer's attention goes through "
+                f"ALL_ATTENTION_FUNCTIONS are supported (no hybrid linear-attention layers).")
+        out = []
+        for i in range(self.num_layers):
+            out += list(self.new_caches[i])
+        return out
+
+
+def _name(step: PagedStep, module: nn.Module) -> str:
+    return step.module_names.get(id(module), type(module).__name__)
+
+
+def _check_kwargs(step: PagedStep, module, attention_mask, dropout, kwargs) -> None:
+    name = _name(step, module)
+    if attention_mask is not None:
+        raise DCPTransformError(
+            f"{name} received an attention mask of shape {tuple(attention_mask.shape)}: the "
+            f"model builds its own mask, which DCP paged attention cannot apply (it masks by "
+            f"positions only). Models whose masks go through transformers' "
+            f"create_causal_mask are supported.")
+    if dropout:
+        raise DCPTransformError(
+            f"{name} runs attention with dropout={dropout}: the model is in training mode. "
+            f"Call model.eval() before dcp_compile.hf.prepare.")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise DCPTransformError(
+            f"{name} is not causal (is_causal=False): DCP paged attention is causal decoder "
+            f"attention only. Use a causal decoder.")
+    for key in _UNSUPPORTED_KWARGS:
+        if kwargs.get(key) is not None:
+            raise DCPTransformError(
+                f"{name} passes {key}={_describe(kwargs[key])} to its attention function: DCP "
+                f"paged attention does not implement it and would compute a different "
+                f"attention. Use a model without {key}.")
+    window = kwargs.get("sliding_window")
+    if window is not None and (step.max_model_len is None or step.max_model_len > window):
+        raise DCPTransformError(
+            f"{name} uses sliding-window attention: sliding_window={window}, max_model_len="
+            f"{step.max_model_len}. DCP paged attention attends to the whole causal context, "
+            f"which equals the window only while sequences are no longer than it. Pass "
+            f"max_model_len <= {window} to dcp_compile.hf.prepare (and serve no longer "
+            f"sequences), or set config.sliding_window=None.")
+
+
+def _describe(value) -> str:
+    return f"tensor{tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+
+
+def _check_structure(step: PagedStep, module: nn.Module, num_q_heads: int,
+                     num_kv_heads: int, head_dim: int) -> None:
+    """Is a head-wise TP shard of this attention module exact? Raise naming what is not."""
+    name = _name(step, module)
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+    widths = [m.out_features for m in linears.values()]
+    if q_width == kv_width:
+        separate = widths.count(q_width) >= 3
+    else:
+        separate = widths.count(q_width) >= 1 and widths.count(kv_width) >= 2
+    if not separate:
+        combos = (("q, k and v", q_width + 2 * kv_width), ("k and v", 2 * kv_width),
+                  ("q and k or v", q_width + kv_width), ("q and a gate", 2 * q_width))
+        for child, m in linears.items():
+            holds = " or ".join(what for what, width in combos if width == m.out_features)
+            if holds and m.out_features not in (q_width, kv_width):
+                raise DCPTransformError(
+                    f"fused projection {name}.{child}: out_features={m.out_features} holds "
+                    f"{holds} (q={num_q_heads}x{head_dim}, k=v="
+                    f"{num_kv_heads}x{head_dim}); a head-wise tensor-parallel shard of a "
+                    f"fused weight would mix them. Split it into separate q_proj, k_proj and "
+                    f"v_proj linears.")
+        found = {n: tuple(m.weight.shape) for n, m in module.named_children()
+                 if any(True for _ in m.parameters())}
+        raise DCPTransformError(
+            f"{name} ({type(module).__name__}) has no separate q, k and v linear projections "
+            f"of widths q={q_width}, k=v={kv_width}: its projections are {found}. DCP shards "
+            f"attention by heads over separate q/k/v nn.Linear modules only.")
+    for pname, p in module.named_parameters(recurse=False):
+        raise DCPTransformError(
+            f"parameter {name}.{pname} of shape {tuple(p.shape)} is used by attention outside "
+            f"any projection (attention sinks or per-head scales): DCP does not shard it. "
+            f"Use a model without it.")
+    for child, m in module.named_children():
+        if isinstance(m, nn.Linear):
+            continue
+        for pname, p in m.named_parameters():
+            # A norm over head_dim is applied per head, so it is the same on any head shard;
+            # a norm over several heads (OLMo2's q_norm) would see only this rank's heads.
+            if p.dim() != 1 or p.shape[0] != head_dim:
+                raise DCPTransformError(
+                    f"{name}.{child} ({type(m).__name__}) has parameter {pname} of shape "
+                    f"{tuple(p.shape)}, not per head (head_dim={head_dim}): it normalises or "
+                    f"mixes across heads, and a tensor-parallel shard of the heads would "
+                    f"change its result. Only per-head norms (over head_dim, like Qwen3's "
+                    f"q_norm/k_norm) are supported.")
+
+
+def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs):
+    """transformers attention function ``"dcp_paged"`` -> ``torch.ops.dcp.paged_attention``.
+
+    query/key/value arrive as [B, H, S, D] (RoPE applied); the op takes [B, S, H, D] and
+    returns the layer's new caches, which go back through ``kwargs[STEP_KWARG]``.
+    """
+    step = kwargs.get(STEP_KWARG)
+    if step is None:
+        raise DCPTransformError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} called without its paged KV "
+            f"cache ({type(module).__name__}): it serves only models wrapped by "
+            f"dcp_compile.hf.prepare. Run the wrapper, or set the model's own attention back "
+            f"with model.set_attn_implementation('sdpa').")
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int) or not 0 <= layer < step.num_layers:
+        raise DCPTransformError(
+            f"{_name(step, module)} has layer_idx={layer!r}, expected an int in "
+            f"[0, {step.num_layers}): the layer's KV cache cannot be found. Only decoders "
+            f"whose attention modules carry their layer index are supported.")
+    if layer in step.new_caches:
+        raise DCPTransformError(
+            f"layer {layer} called attention twice in one step ({_name(step, module)} and "
+            f"{_name(step, step.attention_modules[layer])}): each layer must own one KV "
+            f"cache. Models that share attention across calls are not supported.")
+    _check_kwargs(step, module, attention_mask, dropout, kwargs)
+    _check_structure(step, module, query.shape[1], key.shape[1], query.shape[3])
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    out, key_cache, value_cache = torch.ops.dcp.paged_attention(
+        q, k, v, step.kv_caches[2 * layer], step.kv_caches[2 * layer + 1], step.positions,
+        step.block_table, float(scaling))
+    step.new_caches[layer] = (key_cache, value_cache)
+    step.attention_modules[layer] = module
+    # transformers expects [B, S, H, D] back (what sdpa_attention_forward returns).
+    return out, None
+
+
+def _register() -> None:
+    try:
+        from transformers import AttentionInterface
+    except ImportError as e:
+        raise ImportError("dcp_compile.hf needs transformers 5.x: pip install "
+                          "'dcp_compile[hf]' (or transformers>=5,<6).") from e
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+_register()
+
+# The attention switch edits the model's shared config: wrapper calls are serialised.
+_switch_lock = threading.RLock()
+
+
+def _attention_configs(hf_model: nn.Module) -> list:
+    """Every distinct config object the model's modules read ``_attn_implementation`` from."""
+    configs = {}
+    for m in hf_model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
+            configs[id(cfg)] = cfg
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def _paged_attention_enabled(configs: list):
+    """Route attention to ``"dcp_paged"`` for the duration of the block, then restore."""
+    with _switch_lock:
+        saved = [(c, c._attn_implementation_internal) for c in configs]
+        try:
+            for c, _ in saved:
+                c._attn_implementation_internal = ATTN_IMPLEMENTATION
+            yield
+        finally:
+            for c, old in saved:
+                c._attn_implementation_internal = old
+
+
+class DCPCausalLM(nn.Module):
+    """A transformers ``*ForCausalLM`` with the demo model's step signature (see module doc)."""
+
+    def __init__(self, hf_model: nn.Module, *, num_layers: int, num_kv_heads: int,
+                 head_dim: int, max_model_len: int | None):
+        super().__init__()
+        self.hf_model = hf_model
+        self._num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_model_len = max_model_len
+        self._module_names = {id(m): n for n, m in hf_model.named_modules()}
+        self._configs = _attention_configs(hf_model)
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+    # Facts transform() reads.
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, block_table: Tensor,
+                kv_caches: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        step = PagedStep(positions=positions, block_table=block_table,
+                         kv_caches=list(kv_caches), num_layers=self._num_layers,
+                         max_model_len=self.max_model_len, module_names=self._module_names)
+        with _paged_attention_enabled(self._configs):
+            # Padding rows (position -1) get RoPE of position 0; the op zeroes their output.
+            out = self.hf_model(input_ids=input_ids, position_ids=positions.clamp(min=0),
+                                use_cache=False, return_dict=True, **{STEP_KWARG: step})
+        return out.logits, step.collect(type(self.hf_model).__name__)
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCausalLM:
+    """Wrap a transformers causal LM for ``dcp_compile.transform``.
+
+    ``max_model_len`` bounds the sequence length the program will serve; it is needed only
+    for sliding-window models, which are exact while sequences fit in the window.
+    The model must be in eval mode; its weights stay shared with the wrapper (no copy).
+    Raises DCPTransformError, naming the module, for anything the DCP rewrite would shard
+    wrong (see the module docstring).
+    """
+    from transformers import PreTrainedModel
+
+    name = type(hf_model).__name__
+    if not isinstance(hf_model, PreTrainedModel):
+        raise DCPTransformError(f"{name} is not a transformers PreTrainedModel. Pass a "
+                                f"*ForCausalLM model (e.g. LlamaForCausalLM).")
+    if not getattr(hf_model, "_supports_attention_backend", False):
+        raise DCPTransformError(
+            f"{name} does not route its attention through transformers' AttentionInterface "
+            f"(_supports_attention_backend is False), so its attention cannot be replaced by "
+            f"DCP paged attention. Use a model class that supports attention backends.")
+    if hf_model.training:
+        raise DCPTransformError(f"{name} is in training mode: attention dropout would be "
+                                f"active. Call model.eval() first.")
+    cfg = _text_config(hf_model.config)
+    num_layers = getattr(cfg, "num_hidden_layers", None)
+    num_q_heads = getattr(cfg, "num_attention_heads", None)
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // num_q_heads
+                                                  if num_q_heads else None)
+    if not all(isinstance(x, int) for x in (num_layers, num_q_heads, num_kv_heads, head_dim)):
+        raise DCPTransformError(
+            f"{name}'s config does not describe its attention (num_hidden_layers="
+            f"{num_layers}, num_attention_heads={num_q_heads}, num_key_value_heads="
+            f"{num_kv_heads}, head_dim={head_dim}). Use a decoder config with those fields.")
+    wrapper = DCPCausalLM(hf_model, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, max_model_len=max_model_len)
+    _trace_check(wrapper)
+    return wrapper
+
+
+def _trace_check(wrapper: DCPCausalLM) -> None:
+    """Run one step on fake tensors: every check in the attention function fires here, at
+    prepare time, with no compute and no allocation (meta-device models work too)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    params = list(wrapper.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    name = type(wrapper.hf_model).__name__
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
+            positions = torch.arange(2, device=device).unsqueeze(0)
+            table = torch.zeros(1, 1, dtype=torch.int64, device=device)
+            caches = [torch.zeros(wrapper.kv_cache_shape(2, 2), dtype=dtype, device=device)
+                      for _ in range(2 * wrapper.num_layers)]
+            logits, new = wrapper(ids, positions, table, caches)
+    except DCPTransformError:
+        raise
+    except Exception as e:
+        raise DCPTransformError(
+            f"{name} could not run one step on fake tensors: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}. The step must have static shapes "
+            f"and no data-dependent Python control flow (e.g. rope_type='dynamic' recomputes "
+            f"RoPE frequencies from the largest position at run time).") from e
+    if len(new) != 2 * wrapper.num_layers or logits.dim() != 3:
+        raise DCPTransformError(
+            f"{name} did not produce logits [B, S, vocab] and "
+            f"{wrapper.num_layers} layers' caches (got logits of shape {tuple(logits.shape)} "
+            f"and {len(new)} caches). Pass a *ForCausalLM model.")
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "DCPCausalLM", "PagedStep", "paged_attention_forward",
+           "prepare"]

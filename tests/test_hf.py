@@ -1,0 +1,207 @@
+"""Hugging Face transformers models through dcp_compile.hf: the transformed program on a
+threaded world decodes the same greedy tokens, with the same logits, as the HF model's own
+``generate`` and full forward (default attention); what would shard wrong is rejected by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import dcp_compile  # noqa: E402
+from dcp_compile import hf  # noqa: E402
+from dcp_compile.errors import DCPTransformError  # noqa: E402
+from dcp_compile.verify import run_threaded_program  # noqa: E402
+from runtime.engine import StepShapes  # noqa: E402
+
+from helpers import assert_close_report, prompts_of  # noqa: E402
+
+TP, DCP, BLOCK = 4, 2, 4
+VOCAB = 256
+# vblock = BLOCK * DCP = 8: prompts of 1, 6 and 12 tokens plus the decoded ones span 1-3
+# vblocks, so a sequence crosses block and rank boundaries while it decodes.
+LENGTHS = (1, 6, 12)
+SHAPES = StepShapes(batch=4, context_len=12, max_blocks=4, num_blocks=12)
+STEPS = {"decode": 6, "prefill": 1}
+ATOL = 1e-4
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            max_position_embeddings=64)
+
+# id -> (config class, model class, config overrides, prepare kwargs)
+MODELS = {
+    "llama-gqa-8to2": ("LlamaConfig", "LlamaForCausalLM",
+                       dict(num_attention_heads=8, num_key_value_heads=2), {}),
+    "qwen2-qkv-bias": ("Qwen2Config", "Qwen2ForCausalLM",
+                       dict(num_attention_heads=8, num_key_value_heads=2), {}),
+    # Mistral's default 4096-token sliding window is exact for sequences no longer than it.
+    "mistral-head_dim16-window": ("MistralConfig", "MistralForCausalLM",
+                                  dict(num_attention_heads=8, num_key_value_heads=2,
+                                       head_dim=16), dict(max_model_len=4096)),
+    "llama-gqa-16to1": ("LlamaConfig", "LlamaForCausalLM",
+                        dict(num_attention_heads=16, num_key_value_heads=1), {}),
+    "qwen3-per-head-qk-norm": ("Qwen3Config", "Qwen3ForCausalLM",
+                               dict(num_attention_heads=8, num_key_value_heads=2,
+                                    head_dim=8), {}),
+    "qwen2-tied-embeddings": ("Qwen2Config", "Qwen2ForCausalLM",
+                              dict(num_attention_heads=8, num_key_value_heads=2,
+                                   tie_word_embeddings=True), {}),
+}
+# Tied embedding / LM head: capture.constant_values looks weights up in
+# model.named_parameters(), which lists a tied weight under one name only, while torch.export
+# names it by the other (KeyError). Only that KeyError is expected: any other failure (e.g.
+# a wrong embedding shard once capture is fixed) fails the test.
+TIED_XFAIL = pytest.mark.xfail(raises=KeyError, strict=False,
+                               reason="capture.constant_values drops tied weights' aliases")
+MODEL_PARAMS = [pytest.param(k, marks=TIED_XFAIL) if "tied" in k else k for k in MODELS]
+
+
+def build(config_name: str, model_name: str, overrides: dict, *, seed: int = 0):
+    """A tiny model with seeded weights large enough that greedy tokens are not near-ties;
+    norms and biases are random too, so a mis-sharded one could not go unnoticed."""
+    config = getattr(transformers, config_name)(**{**BASE, **overrides})
+    model = getattr(transformers, model_name)(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model
+
+
+def hf_reference(model, prompts, steps):
+    """Per prompt: HF greedy tokens (its own generate) and each step's logits from one
+    plain full forward over prompt + generated tokens."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, max_new_tokens=steps, do_sample=False)
+            new = out[0, len(p):].tolist()
+            full = model(torch.tensor([p + new[:-1]])).logits[0]
+            tokens.append(new)
+            logits.append(full[len(p) - 1:len(p) - 1 + steps])
+    return tokens, logits
+
+
+# Prefill passes that do not yet accept the HF graph: the identity slice of
+# slice_logits_to_keep (aten.alias on the residual stream) and the [B, H, S, D] transposes
+# around RoPE on the q/k/v path (the token dim leaves dim 1).
+PREFILL_PASSES = ("passes.sequence_parallel", "passes.dcp_prefill")
+
+
+def _raised_in(e: BaseException, modules) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") in modules:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def transform_or_xfail(wrapper, mode):
+    try:
+        return dcp_compile.transform(wrapper, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                                     shapes=SHAPES)
+    except (ImportError, NotImplementedError) as e:
+        if mode == "prefill":
+            pytest.xfail(f"prefill DCP is not implemented yet: {type(e).__name__}: {e}")
+        raise
+    except DCPTransformError as e:
+        if mode == "prefill" and _raised_in(e, PREFILL_PASSES):
+            pytest.xfail(f"prefill DCP does not accept this HF graph yet: {e}")
+        raise
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("model_id", MODEL_PARAMS)
+def test_transformed_hf_model_matches_hf_generate(model_id, mode):
+    config_name, model_name, overrides, prepare_kwargs = MODELS[model_id]
+    model = build(config_name, model_name, overrides)
+    own_attention = model.config._attn_implementation
+    wrapper = hf.prepare(model, **prepare_kwargs)
+    program = transform_or_xfail(wrapper, mode)
+
+    steps = STEPS[mode]
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    assert model.config._attn_implementation == own_attention   # HF's own attention, still
+    ref_tokens, ref_logits = hf_reference(model, prompts, steps)
+
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                assert_close_report(got[b], ref_logits[b][t], atol=ATOL,
+                                    what=f"rank {run.rank} step {t} seq {b} "
+                                         f"(len={LENGTHS[b]})")
+
+
+def test_wrapper_matches_hf_forward_single_device():
+    """The wrapper alone (paged attention, one device) equals HF's forward, incl. padding."""
+    model = build("LlamaConfig", "LlamaForCausalLM", MODELS["llama-gqa-8to2"][2])
+    wrapper = hf.prepare(model)
+    prompts = prompts_of((5, 3), vocab=VOCAB)
+    ids = torch.zeros(2, 5, dtype=torch.int64)
+    positions = torch.full((2, 5), -1, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+        positions[b, :len(p)] = torch.arange(len(p))
+    caches = [torch.zeros(wrapper.kv_cache_shape(5, BLOCK)) for _ in range(4)]
+    table = torch.tensor([[0, 1], [2, 3]])
+    with torch.no_grad():
+        logits, new = wrapper(ids, positions, table, caches)
+        for b, p in enumerate(prompts):
+            expected = model(torch.tensor([p])).logits[0]
+            assert_close_report(logits[b, :len(p)], expected, atol=ATOL, what=f"seq {b}")
+    assert len(new) == 4 and all(c.shape == caches[0].shape for c in new)
+    assert wrapper.num_layers == 2 and wrapper.kv_cache_shape(7, 4) == (7, 4, 2, 8)
+
+
+# -- rejected: never sharded wrong ---------------------------------------------------------
+
+def test_fused_qkv_rejected_naming_the_module():
+    model = build("Phi3Config", "Phi3ForCausalLM",
+                  dict(num_attention_heads=8, num_key_value_heads=2))
+    with pytest.raises(DCPTransformError, match=r"fused projection "
+                                                r"model\.layers\.0\.self_attn\.qkv_proj"):
+        hf.prepare(model)
+
+
+def test_norm_across_heads_rejected_naming_the_module():
+    # OLMo2 normalises q and k over all heads at once: a head shard would change it.
+    model = build("Olmo2Config", "Olmo2ForCausalLM",
+                  dict(num_attention_heads=8, num_key_value_heads=2))
+    with pytest.raises(DCPTransformError, match=r"model\.layers\.0\.self_attn\.q_norm"):
+        hf.prepare(model)
+
+
+def test_sliding_window_needs_max_model_len():
+    model = build("MistralConfig", "MistralForCausalLM",
+                  dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=32))
+    with pytest.raises(DCPTransformError,
+                       match=r"model\.layers\.0\.self_attn uses sliding-window attention"):
+        hf.prepare(model)
+    with pytest.raises(DCPTransformError, match="max_model_len <= 32"):
+        hf.prepare(model, max_model_len=64)
+    assert hf.prepare(model, max_model_len=32).max_model_len == 32
+
+
+def test_training_mode_rejected():
+    model = build("LlamaConfig", "LlamaForCausalLM", MODELS["llama-gqa-8to2"][2]).train()
+    with pytest.raises(DCPTransformError, match="training mode"):
+        hf.prepare(model)
+
+
+def test_paged_attention_outside_the_wrapper_is_an_error():
+    model = build("LlamaConfig", "LlamaForCausalLM", MODELS["llama-gqa-8to2"][2])
+    model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(DCPTransformError, match="dcp_compile.hf.prepare"):
+        model(torch.zeros(1, 2, dtype=torch.int64))
