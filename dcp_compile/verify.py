@@ -161,7 +161,7 @@ class PrefillRun:
     lengths: list[int]
 
 
-class _RecordingExecutor:
+class RecordingExecutor:
     """Pass-through executor that keeps each step's full logits (the engine keeps the last
     token's only)."""
 
@@ -218,7 +218,8 @@ def _check_plan(chunk_plan) -> int:
     return len(chunk_plan[0])
 
 
-def _run_chunks(engine, recorder, chunk_plan, rank, max_blocks) -> PrefillRun:
+def run_chunks(engine, recorder, chunk_plan, rank, max_blocks) -> PrefillRun:
+    """Feed ``chunk_plan`` to ``engine`` (whose executor is ``recorder``), chunk by chunk."""
     with torch.no_grad():
         for chunk in chunk_plan:
             engine.prefill(chunk)
@@ -240,9 +241,9 @@ def run_prefill_reference(model, program: DCPProgram, chunk_plan, *, fill=0.0) -
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
     spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
                        c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
-    recorder = _RecordingExecutor(LocalExecutor(model, spec.allocate(fill=fill)))
+    recorder = RecordingExecutor(LocalExecutor(model, spec.allocate(fill=fill)))
     engine = Engine(recorder, shapes, block_size=c.block_size, prompt_kind="prefill")
-    return _run_chunks(engine, recorder, chunk_plan, None, shapes.max_blocks)
+    return run_chunks(engine, recorder, chunk_plan, None, shapes.max_blocks)
 
 
 def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_garbage=True,
@@ -261,12 +262,12 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
 
     def rank_main(rank):
         loaded = program.load(rank, bind_roles(program.topology, rank))
-        recorder = _RecordingExecutor(LocalExecutor(
+        recorder = RecordingExecutor(LocalExecutor(
             loaded.step_fns(), program.cache_spec().allocate(fill=fill),
             before_step=_poison_garbage if poison_garbage else None))
         engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
                         dcp=program.config.dcp, prompt_kind="prefill")
-        return _run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
+        return run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
 
