@@ -68,8 +68,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
 
 def constant_values(model: torch.nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
     """placeholder name -> the model's full (unsharded) parameter or buffer tensor."""
-    state = dict(model.named_parameters())
-    state.update(dict(model.named_buffers()))
+    # Tied weights appear under every name export may have used for them.
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
     out = {}
     for name, fqn in {**captured.params, **captured.buffers}.items():
         out[name] = state[fqn]

@@ -57,19 +57,23 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises.
     """
+    from passes.dump import PassDump, dump_root_for
     from passes.infra import TransformContext
-    from passes.manager import run_passes, write_code_dump
+    from passes.manager import run_passes
     from runtime.engine import StepShapes
 
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role)
+    if type(model).__module__.startswith("transformers.") and hasattr(model, "config"):
+        from .hf import prepare  # a raw Hugging Face model: wrap it in the step signature
+        model = prepare(model)
     shapes = shapes or StepShapes()
     facts = _model_facts(model)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params else torch.float32
     cache_shape = model.kv_cache_shape(shapes.num_blocks, block_size)
-    dump_path = Path(dump_dir) if dump_dir is not None else None
+    dump_path = dump_root_for("transform", config.mode, dump_dir)  # or $DCP_COMPILE_DUMP
 
     graphs, history, shards = {}, [], {}
     constants, weight_inputs = None, None
@@ -82,16 +86,15 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
         capture_seconds = time.perf_counter() - t0
         ctx = TransformContext(config=config, step=step, model_facts=facts,
                                certificate=certificate)
-        counter = [0]
-
-        def on_pass(record, gm, _step=step):
-            if dump_path is not None:
-                write_code_dump(dump_path, counter[0], record)
-            counter[0] += 1
-
-        gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0]),
-                                 step=step, on_pass=on_pass)
-        records[0].matched["capture_seconds"] = round(capture_seconds, 4)
+        dump = (PassDump(dump_path, step, source="transform", config=config)
+                if dump_path is not None else None)
+        try:
+            gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0]),
+                                     step=step, on_pass=dump)
+            records[0].matched["capture_seconds"] = round(capture_seconds, 4)
+        finally:  # a failed pass leaves the dump up to it
+            if dump is not None:
+                dump.close(ctx.config, ctx.certificate)
         config, certificate = ctx.config, ctx.certificate
         graphs[step] = gm
         history += records
@@ -105,3 +108,24 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
                       weight_inputs=weight_inputs, num_layers=facts["num_layers"],
                       dump_dir=str(dump_path) if dump_path else None,
                       facts={"dtype": dtype})
+
+
+def transform_graph(gm: torch.fx.GraphModule, config: DCPConfig, step: str, *,
+                    first_user_input: str, model_facts: dict | None = None, certificate=None,
+                    on_pass=None):
+    """Run ``step``'s pass pipeline on an already captured ATen graph; the same passes, in
+    the same order, as ``transform()`` runs after its torch.export capture.
+
+    Entry point of the torch.compile backend (dcp_compile.backend), whose graph comes from
+    AOTAutograd. ``first_user_input`` names the placeholder the ``tp_rank`` input goes before.
+    Returns ``(gm, records, ctx)``: the rewritten graph, its PassRecords, and the
+    TransformContext (validated config, certificate, weight shards).
+    """
+    from passes.infra import TransformContext
+    from passes.manager import run_passes
+
+    ctx = TransformContext(config=config, step=step, model_facts=dict(model_facts or {}),
+                           certificate=certificate)
+    gm, records = run_passes(gm, passes_for(ctx, first_user_input), step=step,
+                             on_pass=on_pass)
+    return gm, records, ctx

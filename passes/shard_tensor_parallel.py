@@ -217,6 +217,8 @@ class ShardTensorParallel(DCPPass):
             vocab = val(lin).shape[-1]
             self._check_vocab(vocab, lin)
             self._shard_param(lin.args[1], ShardSpec(0, cfg.tp, cfg.tp), mode)
+            if len(lin.args) > 2 and lin.args[2] is not None:
+                self._shard_param(lin.args[2], ShardSpec(0, cfg.tp, cfg.tp), mode)
             with g.inserting_before(lin.next):
                 c, w = C.all_gather(g, lin, tp_role, cfg.tp)         # [tp*B, S, V/tp]
                 self.tag(c, KIND_COLLECTIVE)
@@ -230,7 +232,8 @@ class ShardTensorParallel(DCPPass):
 
         for emb in plan.vocab_embedding:
             weight, ids = emb.args[0], emb.args[1]
-            vocab = val(weight).shape[0]
+            # A weight tied to the LM head may already carry its shard's shape.
+            vocab = weight.meta.get("dcp_full_shape", val(weight).shape)[0]
             self._check_vocab(vocab, emb)
             per = vocab // cfg.tp
             self._shard_param(weight, ShardSpec(0, cfg.tp, cfg.tp), mode)

@@ -50,13 +50,7 @@ MODELS = {
                               dict(num_attention_heads=8, num_key_value_heads=2,
                                    tie_word_embeddings=True), {}),
 }
-# Tied embedding / LM head: capture.constant_values looks weights up in
-# model.named_parameters(), which lists a tied weight under one name only, while torch.export
-# names it by the other (KeyError). Only that KeyError is expected: any other failure (e.g.
-# a wrong embedding shard once capture is fixed) fails the test.
-TIED_XFAIL = pytest.mark.xfail(raises=KeyError, strict=False,
-                               reason="capture.constant_values drops tied weights' aliases")
-MODEL_PARAMS = [pytest.param(k, marks=TIED_XFAIL) if "tied" in k else k for k in MODELS]
+MODEL_PARAMS = list(MODELS)
 
 
 def build(config_name: str, model_name: str, overrides: dict, *, seed: int = 0):
@@ -205,3 +199,14 @@ def test_paged_attention_outside_the_wrapper_is_an_error():
     model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
     with pytest.raises(DCPTransformError, match="dcp_compile.hf.prepare"):
         model(torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_transform_accepts_a_raw_hf_model():
+    """transform() wraps a transformers model itself (dcp_compile.hf.prepare)."""
+    from dcp_compile.verify import verify
+    model = build(*MODELS["llama-gqa-8to2"][:2], MODELS["llama-gqa-8to2"][2])
+    shapes = StepShapes(batch=2, context_len=12, max_blocks=2, num_blocks=5)
+    program = dcp_compile.transform(model, tp=4, dcp=2, mode="decode", shapes=shapes)
+    prompts = [[1, 2, 3], list(range(5, 17))]
+    report = verify(dcp_compile.hf.prepare(model), program, prompts, 4)
+    assert report.ok, report
