@@ -57,7 +57,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises.
     """
-    from passes.dump import PassDump, dump_root_for
+    from passes.dump import dump_root_for, pass_dump
     from passes.infra import TransformContext
     from passes.manager import run_passes
     from runtime.engine import StepShapes
@@ -86,8 +86,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
         capture_seconds = time.perf_counter() - t0
         ctx = TransformContext(config=config, step=step, model_facts=facts,
                                certificate=certificate)
-        dump = (PassDump(dump_path, step, source="transform", config=config)
-                if dump_path is not None else None)
+        dump = pass_dump(dump_path, step, source="transform", config=config)
         try:
             gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0]),
                                      step=step, on_pass=dump)
