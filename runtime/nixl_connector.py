@@ -78,6 +78,7 @@ __all__ = [
     "DecodeKVConnector",
     "fetch_metadata",
     "configure_ucx_env",
+    "wait_all",
 ]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -426,13 +427,40 @@ class TransferRequest:
 
 @dataclass
 class TransferStats:
+    """One request on one decode rank. ``bytes`` crossed NIXL; ``kv_bytes`` is the KV it
+    needed (less than ``bytes`` when staged head splitting reads whole remote rows)."""
+
     request_id: str
     bytes: int = 0
+    kv_bytes: int = 0
     descriptors: int = 0
     reads: int = 0
     notify_only: int = 0
     seconds: float = 0.0
     remote_ranks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _RemoteRead:
+    """Everything read from one remote rank for one request: NIXL descriptor arrays."""
+
+    local: list = field(default_factory=list)   # Nx3 arrays, concatenated when posted
+    remote: list = field(default_factory=list)
+    bytes: int = 0
+    kv_bytes: int = 0
+
+
+@dataclass
+class _StagedCopy:
+    """After the READs: staging rows -> the head range of local cache rows (one tensor)."""
+
+    tensor: int
+    staging_offset: int    # bytes into the staging buffer
+    rows: torch.Tensor     # local cache rows, one per staged row
+    remote_heads: int
+    remote_head_offset: int
+    local_head_offset: int
+    num_heads: int
 
 
 @dataclass
@@ -442,16 +470,33 @@ class _Pending:
     start: float
     handles: dict = field(default_factory=dict)  # remote rank -> nixl_xfer_handle
     stats: TransferStats | None = None
+    staging: torch.Tensor | None = None
+    staging_reg: object = None
+    copies: list = field(default_factory=list)
 
 
 class DecodeKVConnector:
-    """A decode rank: reads its share of a request's KV from the prefill ranks of its plan."""
+    """A decode rank: reads its share of a request's KV from the prefill ranks of its plan.
+
+    Whole cache rows (matching heads) move as one descriptor per run of tokens. When only a
+    head range of a row moves (splitting or merging; the layout keeps a token's heads
+    together, so a head range is strided across tokens), ``partial_rows`` picks how:
+    ``"staged"`` (default) reads the remote runs whole into a registered bounce buffer and
+    copies the head range into the cache when the READs are done (one descriptor per run,
+    but up to head_ratio x the bytes when splitting); ``"descriptors"`` posts one descriptor
+    per token and head range (exact bytes, many small descriptors).
+    """
 
     def __init__(self, prefill: DCPConfig, decode: DCPConfig, rank: int,
                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                  engine_id: str = "decode", host: str = "127.0.0.1", side_channel_port: int,
                  handshake_timeout: float = 10.0, transfer_timeout: float = 30.0,
-                 progress_thread: bool = False, plan: TransferPlan | None = None):
+                 progress_thread: bool = False, plan: TransferPlan | None = None,
+                 partial_rows: str = "staged"):
+        if partial_rows not in ("staged", "descriptors"):
+            raise DCPTransferError(f"partial_rows must be 'staged' or 'descriptors': "
+                                   f"partial_rows={partial_rows!r}. Use one of them.")
+        self.partial_rows = partial_rows
         self.plan = plan if plan is not None else plan_transfer(prefill, decode)
         self.rank_plan = self.plan.rank(rank)
         self.prefill, self.decode, self.rank, self.engine_id = prefill, decode, rank, engine_id
@@ -464,6 +509,7 @@ class DecodeKVConnector:
         self._local_bases = np.array([t.data_ptr() for t in caches], dtype=np.uint64)
         self.remotes: dict[int, tuple[str, NeuronNixlAgentMetadata]] = {}
         self._pending: dict[str, _Pending] = {}
+        self._staging_pool: list = []  # (bounce buffer, its NIXL registration), reused
         self.finished_stats: dict[str, TransferStats] = {}
 
     # ------------------------------------------------------------------ handshake
@@ -563,22 +609,23 @@ class DecodeKVConnector:
         self._check_tables(request)
         api = self._agent.agent
         try:
-            for p, descs in self._descriptors(request).items():
+            reads = self._build_reads(request, pend)
+            for p, rr in reads.items():
                 name, _ = self.remotes[p]
-                notif = self._notif(rid, "read" if descs is not None else "empty")
-                if descs is None:  # spec: still notify when there is nothing to read
-                    api.send_notif(name, notif)
+                if rr is None:  # spec: still notify when there is nothing to read
+                    api.send_notif(name, self._notif(rid, "empty"))
                     pend.stats.notify_only += 1
                     continue
-                local, remote, nbytes = descs
+                local, remote = np.concatenate(rr.local), np.concatenate(rr.remote)
                 handle = api.initialize_xfer("READ", api.get_xfer_descs(local, "DRAM"),
-                                             api.get_xfer_descs(remote, "DRAM"), name, notif)
+                                             api.get_xfer_descs(remote, "DRAM"), name,
+                                             self._notif(rid, "read"))
                 pend.handles[p] = handle
-                state = api.transfer(handle)
-                if state == "ERR":
+                if api.transfer(handle) == "ERR":
                     raise DCPTransferError("posting the READ returned ERR")
                 pend.stats.reads += 1
-                pend.stats.bytes += nbytes
+                pend.stats.bytes += rr.bytes
+                pend.stats.kv_bytes += rr.kv_bytes
                 pend.stats.descriptors += len(local)
         except Exception as e:
             self._fail(pend, f"posting failed: {type(e).__name__}: {e}", e)
@@ -603,6 +650,7 @@ class DecodeKVConnector:
                     del self._pending[rid]
                     self._fail(pend, f"the READ from prefill rank {p} is in ERR state")
             if not pend.handles:
+                self._finish_staged(pend)
                 pend.stats.seconds = time.monotonic() - pend.start
                 self.finished_stats[rid] = pend.stats
                 del self._pending[rid]
@@ -613,16 +661,13 @@ class DecodeKVConnector:
                                  f"complete within {pend.deadline - pend.start:.1f} s")
         return done
 
-    def wait(self, request_id: str) -> TransferStats:
-        """Block until ``request_id`` finished (bounded by its timeout); raise if it failed."""
-        while request_id not in self.finished_stats:
-            if request_id not in self._pending:
-                raise DCPTransferError(f"decode rank {self.rank}: request {request_id!r} is not "
-                                       f"in flight. Call start_read() first.")
-            self.get_finished()
-            if request_id not in self.finished_stats:
-                time.sleep(_POLL_SLEEP)
-        return self.finished_stats[request_id]
+    def wait(self, request_id: str, poll_interval: float = 0.0) -> TransferStats:
+        """Block until ``request_id`` finished (bounded by its timeout); raise if it failed.
+
+        Without a progress thread the READs advance only while this rank polls, so the
+        default polls back to back (yielding the CPU between polls).
+        """
+        return wait_all([self], request_id, poll_interval)[0]
 
     def read(self, request: TransferRequest, timeout: float | None = None) -> TransferStats:
         """start_read + wait."""
@@ -633,6 +678,12 @@ class DecodeKVConnector:
         for pend in self._pending.values():
             self._release(pend)
         self._pending.clear()
+        for _, reg in self._staging_pool:
+            try:
+                self._agent.agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._staging_pool.clear()
         self._agent.close()
 
     def __enter__(self):
@@ -653,14 +704,28 @@ class DecodeKVConnector:
                f"retry the read or re-run its prefill.")
         raise DCPTransferError(msg) from cause
 
-    @staticmethod
-    def _release(pend: _Pending):
+    def _release(self, pend: _Pending):
         for handle in pend.handles.values():
             try:
                 handle.release()
             except Exception:
                 pass  # NIXL keeps a handle it cannot abort in its leak list
         pend.handles.clear()
+        if pend.staging is not None:  # back to the pool: registering anew costs a post
+            self._staging_pool.append((pend.staging, pend.staging_reg))
+        pend.staging, pend.staging_reg, pend.copies = None, None, []
+
+    def _finish_staged(self, pend: _Pending) -> None:
+        """Copy staged rows into their head ranges; only then is the request complete."""
+        g, caches = self.geometry, self._agent.caches
+        for c in pend.copies:
+            n = len(c.rows)
+            src = pend.staging[c.staging_offset:c.staging_offset + n * c.remote_heads
+                               * g.head_bytes].view(g.dtype).view(n, c.remote_heads, g.head_dim)
+            dst = caches[c.tensor].view(-1, g.num_heads, g.head_dim)
+            dst[c.rows, c.local_head_offset:c.local_head_offset + c.num_heads] = \
+                src[:, c.remote_head_offset:c.remote_head_offset + c.num_heads]
+        self._release(pend)
 
     def _check_tables(self, req: TransferRequest) -> None:
         for side, table, cfg, nb in (
@@ -675,45 +740,100 @@ class DecodeKVConnector:
                     f"but blocks are 0..{nb - 2} ({nb - 1} is the reserved garbage block). "
                     f"Allocate blocks below {nb - 1}.")
 
-    def _descriptors(self, req: TransferRequest) -> dict:
-        """remote rank -> (local Nx3, remote Nx3, bytes), or None when nothing to read."""
+    def _build_reads(self, req: TransferRequest, pend: _Pending) -> dict:
+        """remote rank -> _RemoteRead, or None when there is nothing to read from it."""
         g = self.geometry
-        out: dict = {}
+        out: dict = {p: None for p in self.rank_plan.remote_ranks}
+        staged = []
         for read in self.rank_plan.reads:
             _, md = self.remotes[read.remote_rank]
             chunks = self.plan.chunks(self.rank, read.remote_cp_rank, req.seq_len,
                                       req.prefill_block_table, req.decode_block_table)
-            prev = out.get(read.remote_rank)
             if len(chunks) == 0:
-                out.setdefault(read.remote_rank, None)
                 continue
-            remote_row_bytes = len(md.kv_heads) * g.head_bytes
+            rr = out[read.remote_rank] = out[read.remote_rank] or _RemoteRead()
+            r_row_bytes = len(md.kv_heads) * g.head_bytes
+            r_bases = np.array([a for kv in md.kv_caches_base_addr for a in kv], dtype=np.uint64)
             r_rows = layout.physical_slot(chunks[:, 2], chunks[:, 1], block=self.prefill.block_size)
             l_rows = layout.physical_slot(chunks[:, 4], chunks[:, 3], block=self.decode.block_size)
             length = chunks[:, 5]
-            whole_rows = read.num_heads == len(md.kv_heads) == g.num_heads
-            if whole_rows:  # one descriptor per run: the rows are contiguous on both sides
-                r_off = r_rows * remote_row_bytes
-                l_off = l_rows * g.row_bytes
+            rr.kv_bytes += int(length.sum()) * read.num_heads * g.head_bytes * len(r_bases)
+            if read.num_heads == len(md.kv_heads) == g.num_heads:
+                # Whole rows on both sides: one descriptor per run.
                 size = length * g.row_bytes
-            else:  # a head range is contiguous within a row only: one descriptor per token
+                rr.local.append(_nx3(self._local_bases, l_rows * g.row_bytes, size))
+                rr.remote.append(_nx3(r_bases, r_rows * r_row_bytes, size))
+                rr.bytes += int(size.sum()) * len(r_bases)
+            elif self.partial_rows == "descriptors":
+                # One descriptor per token and head range.
+                first = torch.cumsum(length, 0) - length
                 idx = torch.repeat_interleave(torch.arange(len(chunks)), length)
-                step = torch.arange(len(idx)) - torch.repeat_interleave(
-                    torch.cumsum(length, 0) - length, length)
-                r_off = (r_rows[idx] + step) * remote_row_bytes \
-                    + read.remote_head_offset * g.head_bytes
+                step = torch.arange(len(idx)) - first[idx]
+                r_off = (r_rows[idx] + step) * r_row_bytes + read.remote_head_offset * g.head_bytes
                 l_off = (l_rows[idx] + step) * g.row_bytes + read.local_head_offset * g.head_bytes
                 size = torch.full_like(r_off, read.num_heads * g.head_bytes)
-            r_bases = np.array([a for kv in md.kv_caches_base_addr for a in kv], dtype=np.uint64)
-            local = _nx3(self._local_bases, l_off, size)
-            remote = _nx3(r_bases, r_off, size)
-            nbytes = int(size.sum()) * len(r_bases)
-            if prev is not None:
-                local = np.concatenate([prev[0], local])
-                remote = np.concatenate([prev[1], remote])
-                nbytes += prev[2]
-            out[read.remote_rank] = (local, remote, nbytes)
+                rr.local.append(_nx3(self._local_bases, l_off, size))
+                rr.remote.append(_nx3(r_bases, r_off, size))
+                rr.bytes += int(size.sum()) * len(r_bases)
+            else:
+                staged.append((read, rr, r_bases, r_row_bytes, r_rows, l_rows, length))
+        if staged:
+            self._stage(staged, pend)
         return out
+
+    def _stage(self, staged: list, pend: _Pending) -> None:
+        """Whole remote runs -> one registered bounce buffer; copies recorded for the end."""
+        g = self.geometry
+        total = sum(int(length.sum()) * r_row_bytes * len(r_bases)
+                    for _, _, r_bases, r_row_bytes, _, _, length in staged)
+        fits = [i for i, (buf, _) in enumerate(self._staging_pool) if buf.numel() >= total]
+        if fits:
+            pend.staging, pend.staging_reg = self._staging_pool.pop(
+                min(fits, key=lambda i: self._staging_pool[i][0].numel()))
+        else:
+            pend.staging = torch.empty(total, dtype=torch.uint8)
+            pend.staging_reg = self._agent.agent.register_memory(pend.staging)
+        base = np.array([pend.staging.data_ptr()], dtype=np.uint64)
+        cursor = 0
+        for read, rr, r_bases, r_row_bytes, r_rows, l_rows, length in staged:
+            first = torch.cumsum(length, 0) - length
+            idx = torch.repeat_interleave(torch.arange(len(length)), length)
+            rows = l_rows[idx] + torch.arange(len(idx)) - first[idx]
+            size = length * r_row_bytes
+            n_bytes = int(size.sum())
+            for t, r_base in enumerate(r_bases):
+                rr.local.append(_nx3(base, cursor + first * r_row_bytes, size))
+                rr.remote.append(_nx3(np.array([r_base], dtype=np.uint64), r_rows * r_row_bytes,
+                                       size))
+                pend.copies.append(_StagedCopy(
+                    tensor=t, staging_offset=cursor, rows=rows,
+                    remote_heads=r_row_bytes // g.head_bytes,
+                    remote_head_offset=read.remote_head_offset,
+                    local_head_offset=read.local_head_offset, num_heads=read.num_heads))
+                cursor += n_bytes
+            rr.bytes += n_bytes * len(r_bases)
+
+
+def wait_all(connectors: Sequence[DecodeKVConnector], request_id: str,
+             poll_interval: float = 0.0) -> list[TransferStats]:
+    """Wait for ``request_id`` on several decode ranks of this process, polling them in turn.
+
+    Ranks that share a process (tests, benchmarks) must be progressed together: waiting on
+    one rank at a time would leave the others' READs idle.
+    """
+    waiting = list(connectors)
+    while waiting:
+        for c in list(waiting):
+            if request_id in c.finished_stats:
+                waiting.remove(c)
+                continue
+            if request_id not in c._pending:
+                raise DCPTransferError(f"decode rank {c.rank}: request {request_id!r} is not "
+                                       f"in flight. Call start_read() first.")
+            c.get_finished()
+        if waiting:
+            time.sleep(poll_interval)
+    return [c.finished_stats[request_id] for c in connectors]
 
 
 def _nx3(bases: np.ndarray, offsets: torch.Tensor, sizes: torch.Tensor) -> np.ndarray:

@@ -17,7 +17,8 @@ Spec (JSON)::
     {"num_kv_heads": 4, "head_dim": 8, "layers": 2, "dtype": "float32", "block_size": 4,
      "seed": 0, "timeout": 20,
      "prefill": [{"engine_id": "pA", "tp": 4, "dcp": 2, "port": 31000}],
-     "decode":  [{"engine_id": "d0", "prefill": "pA", "tp": 2, "dcp": 1}],
+     "decode":  [{"engine_id": "d0", "prefill": "pA", "tp": 2, "dcp": 1,
+                  "partial_rows": "staged"}],
      "requests": [{"id": "long", "seq_len": 61}, {"id": "empty", "seq_len": 0}],
      "failures": ["no_answer", "silent", "metadata_mismatch", "remote_gone"],
      "repeat": 1}
@@ -25,6 +26,7 @@ Spec (JSON)::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -49,11 +51,17 @@ SENTINEL = -7.25  # what a cache holds before anything is written to it
 
 def reference_kv(spec: dict, request_index: int, seq_len: int) -> list[tuple[torch.Tensor, ...]]:
     """Per layer (key, value), each [seq_len, num_kv_heads, head_dim], seeded per request."""
-    g = torch.Generator().manual_seed(spec["seed"] * 1000 + request_index)
-    shape = (seq_len, spec["num_kv_heads"], spec["head_dim"])
-    dtype = getattr(torch, spec["dtype"])
+    return _reference_kv(spec["seed"], request_index, seq_len, spec["num_kv_heads"],
+                         spec["head_dim"], spec["dtype"], spec["layers"])
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_kv(seed, request_index, seq_len, num_kv_heads, head_dim, dtype, layers):
+    g = torch.Generator().manual_seed(seed * 1000 + request_index)
+    shape = (seq_len, num_kv_heads, head_dim)
+    dtype = getattr(torch, dtype)
     return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-            for _ in range(spec["layers"])]
+            for _ in range(layers)]
 
 
 def engine_config(spec: dict, eng: dict, mode: str) -> DCPConfig:
@@ -173,7 +181,7 @@ def _rid(request_id: str, rep: int) -> str:
 
 
 def run_decode(spec: dict) -> dict:
-    from runtime.nixl_connector import DecodeKVConnector, TransferRequest
+    from runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
 
     out = {"engines": {}, "failures": {}}
     timeout = spec["timeout"]
@@ -185,7 +193,8 @@ def run_decode(spec: dict) -> dict:
         num_blocks, d_tables = block_tables(spec, d_cfg, dec["engine_id"])
         ranks = [DecodeKVConnector(p_cfg, d_cfg, d, new_caches(spec, d_cfg, d, num_blocks),
                                    engine_id=dec["engine_id"], side_channel_port=p_eng["port"],
-                                   handshake_timeout=timeout, transfer_timeout=timeout)
+                                   handshake_timeout=timeout, transfer_timeout=timeout,
+                                   partial_rows=dec.get("partial_rows", "staged"))
                  for d in range(d_cfg.tp)]
         t0 = time.perf_counter()
         for c in ranks:
@@ -198,12 +207,11 @@ def run_decode(spec: dict) -> dict:
                 for c in ranks:  # every rank posts, then all complete: ranks run side by side
                     c.start_read(TransferRequest(rid, req["seq_len"], p_tables[req["id"]],
                                                  d_tables[req["id"]]))
-                for c in ranks:
-                    c.wait(rid)
+                stats = wait_all(ranks, rid)
                 wall = time.perf_counter() - t0
-                stats = [c.finished_stats[rid] for c in ranks]
                 res["requests"].setdefault(req["id"], []).append({
                     "seconds": wall, "bytes": sum(s.bytes for s in stats),
+                    "kv_bytes": sum(s.kv_bytes for s in stats),
                     "descriptors": sum(s.descriptors for s in stats),
                     "reads": [s.reads for s in stats],
                     "notify_only": [s.notify_only for s in stats]})

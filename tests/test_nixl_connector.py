@@ -25,13 +25,16 @@ FAILURE_BOUND = 1.0  # seconds a failing handshake / transfer may take to be rep
 
 # Prefill engines (num_kv_heads=4): A = TP4/DCP2 (2 heads per rank), B = TP4/DCP4 (4 heads),
 # C = standard TP2 (2 heads), D = standard TP1 that dies when told to.
+# Decode engine -> (prefill engine, tp, dcp, kind, partial_rows).
 DECODE = {
-    "d-tp2": ("pA", 2, 1, "match"),        # DCP prefill -> standard decode
-    "d-tp4": ("pA", 4, 1, "split"),        # ... with head splitting
-    "d-tp1": ("pA", 1, 1, "merge"),        # ... with head merging
-    "d-tp8dcp2": ("pA", 8, 2, "split"),    # DCP prefill -> DCP decode, same degree
-    "dB-tp8dcp2": ("pB", 8, 2, "split"),   # P_DCP=4 > D_DCP=2
-    "dC-tp8dcp2": ("pC", 8, 2, "split"),   # standard prefill -> DCP decode
+    "d-tp2": ("pA", 2, 1, "match", "staged"),         # DCP prefill -> standard decode
+    "d-tp4": ("pA", 4, 1, "split", "staged"),         # ... with head splitting
+    "d-tp4-desc": ("pA", 4, 1, "split", "descriptors"),
+    "d-tp1": ("pA", 1, 1, "merge", "staged"),         # ... with head merging
+    "d-tp1-desc": ("pA", 1, 1, "merge", "descriptors"),
+    "d-tp8dcp2": ("pA", 8, 2, "split", "staged"),     # DCP prefill -> DCP decode, same degree
+    "dB-tp8dcp2": ("pB", 8, 2, "split", "staged"),    # P_DCP=4 > D_DCP=2
+    "dC-tp8dcp2": ("pC", 8, 2, "split", "descriptors"),  # standard prefill -> DCP decode
 }
 REQUESTS = {"long": 61, "vblock": 16, "short": 3, "empty": 0}
 
@@ -47,8 +50,8 @@ def run(tmp_path_factory):
     spec = {"num_kv_heads": 4, "head_dim": 8, "layers": 2, "dtype": "bfloat16",
             "block_size": 4, "seed": 3, "timeout": 60, "failure_timeout": FAILURE_BOUND,
             "prefill": prefill,
-            "decode": [{"engine_id": e, "prefill": p, "tp": tp, "dcp": dcp}
-                       for e, (p, tp, dcp, _) in DECODE.items()],
+            "decode": [{"engine_id": e, "prefill": p, "tp": tp, "dcp": dcp, "partial_rows": pr}
+                       for e, (p, tp, dcp, _, pr) in DECODE.items()],
             "requests": [{"id": k, "seq_len": n} for k, n in REQUESTS.items()],
             "failures": ["no_answer", "silent", "metadata_mismatch", "remote_gone"],
             "stop_file": str(tmp / "decode.json")}
@@ -83,7 +86,7 @@ def run(tmp_path_factory):
 @pytest.mark.parametrize("engine", list(DECODE))
 def test_decode_caches_equal_direct_scatter_bit_for_bit(run, engine):
     res = run["decode"]["engines"][engine]
-    p_id, tp, dcp, kind = DECODE[engine]
+    p_id, tp, dcp, kind, partial_rows = DECODE[engine]
     assert res["mismatches"] == []
     assert res["kind"] == kind
     spec = run["spec"]
@@ -92,7 +95,12 @@ def test_decode_caches_equal_direct_scatter_bit_for_bit(run, engine):
                          engine_config(spec, {"tp": tp, "dcp": dcp}, "decode"))
     assert res["remote_ranks"] == [rp.remote_ranks for rp in plan.ranks]
     long = res["requests"]["long"][0]
-    assert long["bytes"] == 2 * 2 * 61 * 4 * 8 * 2  # layers * (k, v) * tokens * heads * dim * bf16
+    kv_bytes = 2 * 2 * 61 * 4 * 8 * 2  # layers * (k, v) * tokens * heads * head_dim * bf16
+    assert long["kv_bytes"] == kv_bytes
+    # Staged splitting reads whole remote rows (2 heads for 1): twice the KV bytes.
+    staged_split = kind == "split" and partial_rows == "staged" and p_id == "pA"
+    assert long["bytes"] == kv_bytes * (2 if staged_split else 4 if engine == "dB-tp8dcp2"
+                                        else 1)
 
 
 def test_decode_rank_with_nothing_to_read_still_notifies(run):
