@@ -33,10 +33,12 @@ attention (k_pos = -1) and are never selected by the unshuffle. Pad tokens of th
 first chunk is ``start = 0``: ``local_filled(0, R) = 0`` masks every prior slot — the same
 graph, no branch.
 
-Token-indexed side inputs of the q/k/v paths (RoPE's cos/sin, computed from the full
-positions) are gathered with the same index; view shapes on those paths get C (and S_pad/W
-on the O path) in place of S. Anything else on those paths that is not token-wise is an error
-naming the node.
+The token dim is followed along the q/k/v paths (``trace_token_dim``: through views that
+keep it, transposes and permutes — Hugging Face's [B, H, S, D] around RoPE — and per-head
+norms), so views there get C in place of S (and S_pad/W on the O path), and token-indexed side
+inputs (RoPE's cos/sin, computed from the full positions) are gathered with the same index,
+once for all layers. An op on those paths that touches the token dim is an error naming the
+node.
 """
 
 from __future__ import annotations
@@ -64,13 +66,104 @@ dcp_ops = torch.ops.dcp
 F = torch.ops._c10d_functional
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-# Ops that keep dim 1 as the token dim when their dim arguments (at ``_DIM_ARG``) avoid it.
+# Ops whose argument at this index is a dim that must not be the token dim.
 _DIM_ARG = {aten.chunk.default: 2, aten.split.Tensor: 2, aten.split_with_sizes.default: 2,
             aten.cat.default: 1, aten.slice.Tensor: 1, aten.select.int: 1,
-            aten.narrow.default: 1, aten.unsqueeze.default: 1, aten.squeeze.dim: 1,
-            aten.transpose.int: (1, 2), aten.permute.default: 1}
-_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.clone.default,
-              aten.contiguous.default, operator.getitem}
+            aten.narrow.default: 1}
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
+               aten.var.correction}
+_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default,
+              aten.contiguous.default, aten.detach.default, operator.getitem}
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
+                    what: str) -> tuple[dict[Node, int], dict[Node, list[tuple[Node, int]]]]:
+    """Follow the token dim (of size ``tokens``) through ``path`` (graph order), starting
+    from ``sources`` (node -> its token dim). Returns (node -> token dim, token-indexed side
+    input -> [(user, dim)]). Any op that touches the token dim is an error naming the node:
+    slicing, gathering or re-viewing that dim cannot be moved across the interleave slice."""
+    td = dict(sources)
+    side: dict[Node, list[tuple[Node, int]]] = {}
+    for n in path:
+        where = f"node {n.name} ({source_of(n)}) on the {what} path"
+        out = n.meta.get("val")
+        ins = [a for a in n.all_input_nodes if a in td]
+        if not ins:
+            raise DCPTransformError(f"{where} has no input on the path.")
+        src = ins[0]
+        d = td[src]
+        src_val = val(src)
+        src_ndim = (src_val.ndim if isinstance(src_val, torch.Tensor)
+                    else out.ndim if isinstance(out, torch.Tensor) else None)
+        t = n.target
+        if t in _VIEWS:
+            shape = list(n.args[1])
+            in_shape = list(val(src).shape)
+            if len(shape) <= d or shape[:d] != in_shape[:d] or shape[d] != tokens:
+                raise DCPTransformError(
+                    f"{where} views {tuple(in_shape)} as {shape}: the token dim (dim {d}, "
+                    f"size {tokens}) and the dims before it must stay as they are.")
+        elif t == aten.transpose.int:
+            a, b = (_norm(x, src_ndim) for x in n.args[1:3])
+            d = b if d == a else a if d == b else d
+        elif t == aten.permute.default:
+            d = [_norm(x, src_ndim) for x in n.args[1]].index(d)
+        elif t == aten.unsqueeze.default:
+            d += 1 if _norm(n.args[1], src_ndim + 1) <= d else 0
+        elif t == aten.squeeze.dim:
+            k = _norm(n.args[1], src_ndim)
+            if k == d:
+                raise DCPTransformError(f"{where} squeezes the token dim.")
+            d -= 1 if k < d else 0
+        elif t in _DIM_ARG:
+            k = n.args[_DIM_ARG[t]] if len(n.args) > _DIM_ARG[t] else 0
+            ndim = val(n.args[0][0]).ndim if t == aten.cat.default else src_ndim
+            if _norm(k, ndim) in (0, d):
+                raise DCPTransformError(f"{where} ({t}) acts on dim {k}: the batch or token "
+                                        f"dim.")
+            if t == aten.select.int and _norm(k, ndim) < d:
+                d -= 1
+        elif t in _REDUCTIONS:
+            dims = [_norm(x, src_ndim) for x in (n.args[1] if len(n.args) > 1 else [])]
+            keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+            if not dims or d in dims or 0 in dims:
+                raise DCPTransformError(f"{where} reduces over dims {dims} including the "
+                                        f"batch or token dim.")
+            d -= 0 if keep else sum(x < d for x in dims)
+        elif not (torch.Tag.pointwise in getattr(t, "tags", ()) or t in _TOKENWISE):
+            raise DCPTransformError(f"{where} ({t}) is not known to keep tokens apart; the "
+                                    f"interleave slice cannot be moved past it.")
+        if isinstance(out, torch.Tensor):
+            if t not in _VIEWS and t not in (aten.transpose.int, aten.permute.default,
+                                             aten.unsqueeze.default, aten.squeeze.dim,
+                                             aten.select.int) and t not in _REDUCTIONS:
+                d += out.ndim - src_ndim           # broadcasting may add leading dims
+                for a in ins[1:]:
+                    if td[a] + out.ndim - val(a).ndim != d:
+                        raise DCPTransformError(f"{where} combines tensors whose token dims "
+                                                f"do not line up.")
+            if out.shape[d] != tokens:
+                raise DCPTransformError(f"{where} has shape {tuple(out.shape)}: expected "
+                                        f"{tokens} tokens at dim {d}.")
+            for a in n.all_input_nodes:
+                v = a.meta.get("val")
+                if a in td or not isinstance(v, torch.Tensor):
+                    continue
+                k = d - (out.ndim - v.ndim)
+                if k < 0 or v.shape[k] == 1:
+                    continue
+                if v.shape[k] != tokens or k == 0 or v.shape[0] != out.shape[0]:
+                    raise DCPTransformError(
+                        f"{where} reads {a.name} of shape {tuple(v.shape)}, which is neither "
+                        f"per-token [batch, ..., tokens at dim {k}, ...] nor broadcast over "
+                        f"tokens.")
+                side.setdefault(a, []).append((n, k))
+        td[n] = d
+    return td, side
 
 
 @dataclass
@@ -80,8 +173,10 @@ class LayerPlan:
     projections: tuple[Node, Node, Node]      # q, k, v linears
     hidden: Node                              # their common full-sequence input (step 1)
     qkv_path: list[Node]                      # projections -> attention q/k/v, graph order
-    side_inputs: dict[Node, list[Node]] = field(default_factory=dict)  # token input -> users
+    token_dim: dict[Node, int] = field(default_factory=dict)      # path node -> token dim
+    side_inputs: dict[Node, list[tuple[Node, int]]] = field(default_factory=dict)
     o_path: list[Node] = field(default_factory=list)              # attention out -> o_proj
+    o_token_dim: dict[Node, int] = field(default_factory=dict)
     o_proj: Node | None = None
     o_reduce: list[Node] = field(default_factory=list)   # all_reduce, wait, [pad], sp slice
 
@@ -121,8 +216,13 @@ class DCPPrefill(DCPPass):
                     f" Run sequence_parallel before dcp_prefill.")
             plan = LayerPlan(layer, attn, tuple(projs), hidden.pop(),
                              self._path(projs, [attn.args[i] for i in range(3)]))
-            for n in plan.qkv_path:
-                self._check_path_node(n, s, plan, set(plan.qkv_path) | set(projs))
+            plan.token_dim, plan.side_inputs = trace_token_dim(
+                plan.qkv_path, {p: 1 for p in projs}, s, f"q/k/v (layer {layer})")
+            for i, what in enumerate("qkv"):
+                if plan.token_dim.get(attn.args[i], 1) != 1:
+                    raise DCPTransformError(
+                        f"{what} reaches attention {attn.name} with its tokens at dim "
+                        f"{plan.token_dim[attn.args[i]]}; dcp.attention takes [B, S, H, D].")
             self._plan_output(plan, s)
             plans.append(plan)
         return plans
@@ -148,53 +248,6 @@ class DCPPrefill(DCPPass):
         order = {n: i for i, n in enumerate(sources[0].graph.nodes)}
         return sorted(up, key=order.__getitem__)
 
-    def _check_path_node(self, n: Node, s: int, plan: LayerPlan, path: set[Node]) -> None:
-        where = f"node {n.name} ({source_of(n)}) on the q/k/v path of layer {plan.layer}"
-        out = n.meta.get("val")
-        if isinstance(out, torch.Tensor) and (out.ndim < 2 or out.shape[1] != s):
-            raise DCPTransformError(f"{where} has shape {tuple(out.shape)}: the interleave "
-                                    f"slice needs [B, S={s}, ...] on the whole path.")
-        if n.target in _VIEWS:
-            shape = n.args[1]
-            if not (isinstance(shape, (list, tuple)) and len(shape) >= 2 and shape[1] == s):
-                raise DCPTransformError(f"{where} views to {shape}, which does not keep the "
-                                        f"token dim (S={s}) at dim 1.")
-            return
-        if n.target in _DIM_ARG:
-            self._check_dims(n, where)
-        elif not (torch.Tag.pointwise in getattr(n.target, "tags", ())
-                  or n.target in _TOKENWISE):
-            raise DCPTransformError(f"{where} ({n.target}) is not token-wise; the interleave "
-                                    f"slice cannot be moved past it.")
-        for a in n.all_input_nodes:
-            if a in path:
-                continue
-            v = a.meta.get("val")
-            if not isinstance(v, torch.Tensor) or not isinstance(out, torch.Tensor):
-                continue
-            aligned = 1 - (out.ndim - v.ndim)
-            if aligned == 1 and v.shape[1] == s:
-                plan.side_inputs.setdefault(a, []).append(n)
-            elif aligned >= 0 and v.shape[aligned] != 1:
-                raise DCPTransformError(f"{where} reads {a.name} of shape {tuple(v.shape)}, "
-                                        f"which is neither per-token [B, S, ...] nor "
-                                        f"broadcast over tokens.")
-
-    @staticmethod
-    def _check_dims(n: Node, where: str) -> None:
-        src = n.args[0][0] if n.target == aten.cat.default else n.args[0]
-        ndim = val(src).ndim + (1 if n.target == aten.unsqueeze.default else 0)
-        idx = _DIM_ARG[n.target]
-        if n.target == aten.permute.default:
-            perm = [d % ndim for d in n.args[1]]
-            if perm[:2] != [0, 1]:
-                raise DCPTransformError(f"{where} permutes the batch or token dim: {perm}.")
-            return
-        dims = [n.args[i] if len(n.args) > i else 0 for i in (idx if isinstance(idx, tuple)
-                                                                else (idx,))]
-        if any(d % ndim <= 1 for d in dims):
-            raise DCPTransformError(f"{where} acts on dims {dims} (batch or token).")
-
     def _plan_output(self, plan: LayerPlan, s: int) -> None:
         attn = plan.attn
         out = getitem_users(attn).get(0)
@@ -205,15 +258,14 @@ class DCPPrefill(DCPPass):
         plan.o_proj = o_lin.pop()
         plan.o_path = [] if plan.o_proj.args[0] is out else self._path(
             [out], [plan.o_proj.args[0]])
-        for n in plan.o_path:
-            where = f"node {n.name} ({source_of(n)}) between attention and O projection"
-            if n.target in _VIEWS:
-                if not (len(n.args[1]) >= 2 and n.args[1][1] == s):
-                    raise DCPTransformError(f"{where} views to {n.args[1]}; expected the token "
-                                            f"dim S={s} at dim 1.")
-            elif not (torch.Tag.pointwise in getattr(n.target, "tags", ())
-                      or n.target in _TOKENWISE):
-                raise DCPTransformError(f"{where} ({n.target}) is not token-wise.")
+        plan.o_token_dim, side = trace_token_dim(plan.o_path, {out: 1}, s,
+                                                 f"attention output (layer {plan.layer})")
+        if side or plan.o_token_dim.get(plan.o_proj.args[0], 1) != 1:
+            raise DCPTransformError(
+                f"the output of attention {attn.name} reaches its O projection "
+                f"{plan.o_proj.name} through token-indexed inputs "
+                f"{sorted(a.name for a in side)} or with tokens off dim 1; the O projection "
+                f"runs on this rank's S/W tokens.")
         ar = list(plan.o_proj.users)
         if len(ar) != 1 or ar[0].target != F.all_reduce.default or C.role_of(ar[0]) != "dcp_tp":
             raise DCPTransformError(
@@ -270,16 +322,18 @@ class DCPPrefill(DCPPass):
                 lin.args = (h_own,) + tuple(lin.args[1:])
                 lin.meta[SPEC_STEP] = 3
                 lin.meta["dcp_layer"] = layer
-            for n in plan.qkv_path:
-                if n.target in _VIEWS:
-                    n.args = (n.args[0], [n.args[1][0], cap, *n.args[1][2:]]) + n.args[2:]
+            _retoken_views(plan.qkv_path, plan.token_dim, cap)
             for side, users in plan.side_inputs.items():
+                dim = users[0][1]
+                if any(k != dim for _, k in users):
+                    raise DCPTransformError(f"{side.name} is read with its tokens at dims "
+                                            f"{sorted({k for _, k in users})}.")
                 if side not in gathered:   # RoPE's cos/sin: sliced once, shared by layers
-                    with g.inserting_before(users[0]):
+                    with g.inserting_before(users[0][0]):
                         gathered[side] = self._token_gather(
-                            g, side, m["index"], tuple(val(side).shape), cap)
+                            g, side, m["index"], tuple(val(side).shape), cap, dim)
                     self.tag(gathered[side], KIND_SLICE)
-                for user in users:
+                for user, _ in users:
                     user.replace_input_with(side, gathered[side])
 
             with g.inserting_before(attn):
@@ -323,10 +377,7 @@ class DCPPrefill(DCPPass):
                 out = g.call_function(aten.to.dtype, (out, dtype))
             replace_attention(attn, out, kc2, vc2)
 
-            for n in plan.o_path:
-                if n.target in _VIEWS:
-                    n.args = (n.args[0], [n.args[1][0], s_pad // W, *n.args[1][2:]]) \
-                        + n.args[2:]
+            _retoken_views(plan.o_path, plan.o_token_dim, s_pad // W)
             self._rewrite_o_reduction(g, plan, b, s_pad // W)
 
         _erase_unused(gm, [n for n in g.nodes if n.name == "sp_index"])
@@ -366,12 +417,16 @@ class DCPPrefill(DCPPass):
                 "prior": prior}
 
     @staticmethod
-    def _token_gather(g: Graph, x: Node, index: Node, shape, count: int) -> Node:
-        """x[b, index[b, j], ...] for j < count: rows of dim 1 picked per batch row."""
-        b, _, *rest = shape
-        ix = g.call_function(aten.view.default, (index, [b, count] + [1] * len(rest)))
-        ix = g.call_function(aten.expand.default, (ix, [b, count, *rest]))
-        return g.call_function(aten.gather.default, (x, 1, ix))
+    def _token_gather(g: Graph, x: Node, index: Node, shape, count: int, dim: int = 1
+                      ) -> Node:
+        """Pick ``index[b, j]`` (j < count) along the token dim ``dim`` of batch row b."""
+        view = [shape[0]] + [1] * (len(shape) - 1)
+        view[dim] = count
+        full = list(shape)
+        full[dim] = count
+        ix = g.call_function(aten.view.default, (index, view))
+        ix = g.call_function(aten.expand.default, (ix, full))
+        return g.call_function(aten.gather.default, (x, dim, ix))
 
     def _rewrite_o_reduction(self, g: Graph, plan: LayerPlan, b: int, tokens: int) -> None:
         """9. TP's all-reduce(dcp_tp) + SP slice -> reduce-scatter(dcp_tp) along tokens."""
@@ -403,6 +458,15 @@ class DCPPrefill(DCPPass):
                 raise DCPTransformError(f"attention {n.name} was not rewritten.")
             if n.target == F.all_reduce.default or n.meta.get(SP_SLICE):
                 raise DCPTransformError(f"{n.name} should have become a reduce-scatter.")
+
+
+def _retoken_views(path: list[Node], token_dim: dict[Node, int], count: int) -> None:
+    """Views on a path name the token count explicitly: give them the new count."""
+    for n in path:
+        if n.target in _VIEWS:
+            shape = list(n.args[1])
+            shape[token_dim[n]] = count
+            n.args = (n.args[0], shape) + tuple(n.args[2:])
 
 
 def _erase_unused(gm: GraphModule, nodes: list[Node]) -> None:

@@ -52,7 +52,8 @@ aten = torch.ops.aten
 F = torch.ops._c10d_functional
 
 # Non-pointwise ops that act on each token on its own (reductions only over the hidden dim).
-_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
+_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.alias.default,
+              aten.detach.default}
 _LAST_DIM_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default,
                         aten.amin.default, aten.var.correction}
 
