@@ -28,7 +28,16 @@ the same base-port-plus-rank convention). Protocol: the client sends ``DCPKV-MET
 server answers an 8-byte big-endian length and the JSON-serialised metadata (no pickle: the
 bytes come from the network). The decode rank fetches the metadata of every remote rank of its
 plan, checks it against the plan (tp, rank, dcp_size, KV heads, block size, head_dim, dtype,
-layers) and loads the agent metadata with ``add_remote_agent``.
+layers), loads the agent metadata with ``add_remote_agent`` and brings the connection up with
+a 64-byte READ of the remote garbage block (on a fresh UCX endpoint a bare notification is
+only wired up by later progress and has no completion to wait for; a READ has one).
+
+Reads. Per remote rank one NIXL READ (``initialize_xfer`` with Nx3 descriptor arrays) over
+all layers' key and value caches. Whole cache rows move as one descriptor per run of tokens
+(a block, or less at the end); a head range of a row (splitting / merging) is strided across
+tokens in this layout, so it is either staged (the remote run read whole into a pooled,
+registered bounce buffer, then copied into the head range; the default) or one descriptor
+per token (``partial_rows="descriptors"``).
 
 Notifications (spec: Notification Handling). Each decode rank notifies every remote rank of
 its plan once per request: the notification rides on the READ (NIXL delivers it after the data
@@ -44,8 +53,11 @@ within the given timeout, and the request is not reported finished.
 Environment. UCX reads its settings when the first agent is created: unless already set,
 ``UCX_TLS=tcp,self,sm`` and, for a loopback side channel, ``UCX_NET_DEVICES=lo`` (so UCX does
 not advertise other interfaces). On CPU ``UCX_TLS`` must include ``tcp``. Agents run without
-NIXL's progress thread by default (it busy-polls a core per agent); a prefill rank must then
-call :meth:`PrefillKVConnector.poll` (``wait_for_readers`` does) while decode ranks read.
+NIXL's progress thread by default (it busy-polls a core per agent, too much for a few cores):
+then a transfer advances only while both ends poll -- a prefill rank must call
+:meth:`PrefillKVConnector.poll` (``wait_for_readers`` does) while decode ranks read, and a
+decode rank polls in ``get_finished`` / ``wait`` (``wait_all`` for ranks sharing a process).
+Pass ``progress_thread=True`` where cores are plentiful or an engine cannot poll.
 """
 
 from __future__ import annotations
@@ -497,6 +509,11 @@ class DecodeKVConnector:
             raise DCPTransferError(f"partial_rows must be 'staged' or 'descriptors': "
                                    f"partial_rows={partial_rows!r}. Use one of them.")
         self.partial_rows = partial_rows
+        if plan is not None and (plan.prefill != prefill or plan.decode != decode):
+            raise DCPTransferError(f"the plan was made for other engines: plan prefill "
+                                   f"TP={plan.prefill.tp}/DCP={plan.prefill.dcp}, decode TP="
+                                   f"{plan.decode.tp}/DCP={plan.decode.dcp}. Pass "
+                                   f"plan_transfer(prefill, decode), or no plan.")
         self.plan = plan if plan is not None else plan_transfer(prefill, decode)
         self.rank_plan = self.plan.rank(rank)
         self.prefill, self.decode, self.rank, self.engine_id = prefill, decode, rank, engine_id
@@ -511,6 +528,7 @@ class DecodeKVConnector:
         self._pending: dict[str, _Pending] = {}
         self._staging_pool: list = []  # (bounce buffer, its NIXL registration), reused
         self.finished_stats: dict[str, TransferStats] = {}
+        self.failed: dict[str, str] = {}
 
     # ------------------------------------------------------------------ handshake
     def handshake(self, timeout: float | None = None) -> None:
@@ -595,7 +613,7 @@ class DecodeKVConnector:
     def start_read(self, request: TransferRequest, timeout: float | None = None) -> None:
         """Post every READ of ``request`` (and the notify-only messages); do not wait."""
         rid = request.request_id
-        if rid in self._pending or rid in self.finished_stats:
+        if rid in self._pending or rid in self.finished_stats or rid in self.failed:
             raise DCPTransferError(f"decode rank {self.rank}: request {rid!r} was already "
                                    f"started. Use a new request id per transfer.")
         missing = [p for p in self.rank_plan.remote_ranks if p not in self.remotes]
@@ -628,38 +646,61 @@ class DecodeKVConnector:
                 pend.stats.kv_bytes += rr.kv_bytes
                 pend.stats.descriptors += len(local)
         except Exception as e:
-            self._fail(pend, f"posting failed: {type(e).__name__}: {e}", e)
+            try:
+                self._fail(pend, f"posting failed: {type(e).__name__}: {e}", e)
+            except DCPTransferError as err:
+                self.failed[rid] = str(err)
+                raise
         self._pending[rid] = pend
 
     def get_finished(self) -> set[str]:
-        """Requests whose reads all completed since the last call; raises on a failed one."""
-        done = set()
-        api = self._agent.agent
+        """Requests whose reads all completed since the last call.
+
+        A failed request raises DCPTransferError after every other request was advanced; the
+        exception carries ``.finished`` (completed in this call) and ``.failed`` (request id ->
+        reason), and ``self.failed`` keeps the reasons. A failed request is never finished.
+        """
+        done, failed = set(), {}
         for rid, pend in list(self._pending.items()):
-            for p, handle in list(pend.handles.items()):
-                try:
-                    state = api.check_xfer_state(handle)
-                except Exception as e:
-                    del self._pending[rid]
-                    self._fail(pend, f"checking the READ from prefill rank {p} failed: "
-                                     f"{type(e).__name__}: {e}", e)
-                if state == "DONE":
-                    handle.release()
-                    del pend.handles[p]
-                elif state == "ERR":
-                    del self._pending[rid]
-                    self._fail(pend, f"the READ from prefill rank {p} is in ERR state")
-            if not pend.handles:
-                self._finish_staged(pend)
-                pend.stats.seconds = time.monotonic() - pend.start
-                self.finished_stats[rid] = pend.stats
+            try:
+                if self._advance(pend):
+                    done.add(rid)
+            except DCPTransferError as e:
+                failed[rid] = e
+        if failed:
+            self.failed.update({rid: str(e) for rid, e in failed.items()})
+            first = next(iter(failed.values()))
+            first.finished, first.failed = done, {rid: str(e) for rid, e in failed.items()}
+            raise first
+        return done
+
+    def _advance(self, pend: _Pending) -> bool:
+        """Poll one request's READs; True once all are done and staged rows are in place."""
+        rid, api = pend.request.request_id, self._agent.agent
+        for p, handle in list(pend.handles.items()):
+            try:
+                state = api.check_xfer_state(handle)
+            except Exception as e:
                 del self._pending[rid]
-                done.add(rid)
-            elif time.monotonic() > pend.deadline:
+                self._fail(pend, f"checking the READ from prefill rank {p} failed: "
+                                 f"{type(e).__name__}: {e}", e)
+            if state == "DONE":
+                handle.release()
+                del pend.handles[p]
+            elif state == "ERR":
+                del self._pending[rid]
+                self._fail(pend, f"the READ from prefill rank {p} is in ERR state")
+        if pend.handles:
+            if time.monotonic() > pend.deadline:
                 del self._pending[rid]
                 self._fail(pend, f"READs from prefill ranks {sorted(pend.handles)} did not "
                                  f"complete within {pend.deadline - pend.start:.1f} s")
-        return done
+            return False
+        self._finish_staged(pend)
+        pend.stats.seconds = time.monotonic() - pend.start
+        self.finished_stats[rid] = pend.stats
+        del self._pending[rid]
+        return True
 
     def wait(self, request_id: str, poll_interval: float = 0.0) -> TransferStats:
         """Block until ``request_id`` finished (bounded by its timeout); raise if it failed.
@@ -827,10 +868,17 @@ def wait_all(connectors: Sequence[DecodeKVConnector], request_id: str,
             if request_id in c.finished_stats:
                 waiting.remove(c)
                 continue
+            if request_id in c.failed:
+                raise DCPTransferError(c.failed[request_id])
             if request_id not in c._pending:
                 raise DCPTransferError(f"decode rank {c.rank}: request {request_id!r} is not "
                                        f"in flight. Call start_read() first.")
-            c.get_finished()
+            try:
+                c.get_finished()
+            except DCPTransferError as e:
+                if request_id in getattr(e, "failed", {request_id: None}):
+                    raise
+                # another request failed; it is recorded in c.failed for its own waiter
         if waiting:
             time.sleep(poll_interval)
     return [c.finished_stats[request_id] for c in connectors]

@@ -1,4 +1,4 @@
-"""Plan a disaggregated prefill -> decode KV transfer: remote ranks, heads and blocks per decode rank.
+"""Plan a prefill -> decode KV transfer: remote ranks, heads and blocks of each decode rank.
 
 Prints, for every decode rank, the prefill ranks it reads from (spec: "Remote Rank
 Computation"; see runtime/transfer_plan.py for where the plan departs from the spec's formula),
