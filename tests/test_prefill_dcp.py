@@ -103,6 +103,23 @@ def test_chunked_prefill_matches_single_device(case):
     _assert_matches(prog, runs, ref)
 
 
+def test_bf16_prefill_within_stated_tolerance():
+    """bf16 weights and caches: every real token's logits within 0.1 of the bf16
+    single-device model (8 mantissa bits; the LSE combine and reduce-scatters reorder sums;
+    the combine itself runs in float32), cache rows exactly the owned ones, within 0.05."""
+    plan = mixed_plan(36, 2, 16)
+    model = demo_model(DemoConfig(num_layers=2), dtype=torch.bfloat16)
+    prog = dcp_compile.transform(model, tp=4, dcp=2, mode="prefill", block_size=16,
+                                 shapes=shapes_for(plan, 36, 2, 16))
+    chunks = plan_tokens(plan, seed=1)
+    ref = run_prefill_reference(model, prog, chunks)
+    runs = run_threaded_prefill(prog, chunks, fill=float("nan"))
+    for run in runs:
+        _, every, first, _ = compare_prefill_logits(run, ref, atol=0.1)
+        assert first is None and max(every) <= 0.1, (run.rank, every)
+    assert check_prefill_caches(prog, runs, ref, atol=0.05) is None
+
+
 class _PadIds:
     """Executor wrapper: random token ids wherever the position is padding."""
 
