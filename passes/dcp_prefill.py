@@ -234,7 +234,7 @@ class DCPPrefill(DCPPass):
         while stack:
             n = stack.pop()
             for u in n.users:
-                if u not in down and u.op == "call_function" \
+                if u not in down and u.op == "call_function" and not _is_linear(u) \
                         and u.target != dcp_ops.attention.default:
                     down.add(u)
                     stack.append(u)

@@ -176,6 +176,18 @@ def test_token_mixing_in_the_residual_stream_is_refused():
         SequenceParallel(ctx)(gm)
 
 
+def test_token_mixing_on_the_qkv_path_is_refused(monkeypatch):
+    """An op that moves tokens between the projections and attention (here a roll along the
+    token dim inside RoPE) cannot follow the interleave slice: named error."""
+    from dcp_compile import models
+    plain = models.rotate_half
+    monkeypatch.setattr(models, "rotate_half", lambda x: plain(x).roll(1, dims=1))
+    ctx, gm = _sharded(4, 2, 16, 8, model=demo_model(DemoConfig(num_layers=1)))
+    gm = run(gm, [SequenceParallel(ctx)])
+    with pytest.raises(DCPTransformError, match=r"node roll .* on the q/k/v \(layer 0\) path"):
+        DCPPrefill(ctx)(gm)
+
+
 def test_decode_mode_is_refused():
     ctx = ctx_for(4, 2, "decode")
     _, cap = tiny_graph()
