@@ -20,6 +20,8 @@ import pytest
 from runtime.nixl_loopback import engine_config, free_port_base, loopback_env
 from runtime.transfer_plan import plan_transfer
 
+pytestmark = pytest.mark.multiprocess  # three engine processes, ~10-20 s on two cores
+
 ROOT = Path(__file__).resolve().parents[1]
 FAILURE_BOUND = 1.0  # seconds a failing handshake / transfer may take to be reported
 
