@@ -107,6 +107,7 @@ class PassDump:
         self._prev_file: str | None = None
         # entry index -> (inserted by kind, new node names, removed node names)
         self._changes: dict[int, tuple[dict, list, list]] = {}
+        self._certs: dict[int, Any] = {}   # entry index -> certificate known after it
         self._renders: list[tuple[subprocess.Popen, Path, dict]] = []
         if self.dir is not None:
             if self.dir.exists():  # a new transform of this step replaces the old entries
@@ -146,6 +147,7 @@ class PassDump:
         self.entries.append(entry)
         self.records.append(record)
         self._changes[index] = (inserted, new, removed)
+        self._certs[index] = gm.meta.get("dcp_certificate")
         self._prev_body, self._prev_names, self._prev_file = body, names, files["code"]
 
         if self.dir is not None:
@@ -192,7 +194,7 @@ class PassDump:
         return {"step": self.step, "index": entry["index"], "pass": record.name,
                 "history": record.to_json(),
                 "inserted_nodes": inserted, "new_nodes": new, "removed_nodes": removed,
-                "certificate": _certificate_json(self._certificate)}
+                "certificate": _certificate_json(self._certs.get(entry["index"]))}
 
     def _write_entry_json(self, entry, record) -> None:
         data = self._entry_json(entry, record)
@@ -493,7 +495,10 @@ def render_index(steps: list[dict], subdumps: list[str], *, title: str) -> str:
                        "kinds": KIND_COLOURS, "kind_labels": KIND_LABELS,
                        "new_colour": NEW_COLOUR})
     data = data.replace("</", "<\\/")  # never close the <script> early
-    return _PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", data)
+    links = " ".join(f'<a href="{html.escape(d)}/index.html" style="margin-right:12px">'
+                     f'{html.escape(d)}/</a>' for d in subdumps)
+    return (_PAGE.replace("__TITLE__", html.escape(title)).replace("__LINKS__", links)
+            .replace("__DATA__", data))
 
 
 _PAGE = r"""<!DOCTYPE html>
@@ -557,7 +562,7 @@ _PAGE = r"""<!DOCTYPE html>
 <header>
   <h1 id="title"></h1>
   <div class="legend" id="legend"></div>
-  <div id="links"></div>
+  <div id="links">__LINKS__</div>
 </header>
 <nav class="tabs" id="tabs"></nav>
 <main id="main"></main>
@@ -588,11 +593,6 @@ _PAGE = r"""<!DOCTYPE html>
   });
   legend.appendChild(el("span", {}, [el("i", {style: "background:" + data.new_colour}),
     document.createTextNode("other node new in this pass")]));
-  var links = document.getElementById("links");
-  data.subdumps.forEach(function (d) {
-    links.appendChild(el("a", {href: d + "/index.html", text: d + "/",
-                               style: "margin-right:12px"}));
-  });
 
   function badges(inserted) {
     var box = el("div");
@@ -659,6 +659,8 @@ _PAGE = r"""<!DOCTYPE html>
          badges(e.inserted), thumb]));
     });
     main.appendChild(strip);
+    var chosen = strip.children[ei];
+    if (chosen) strip.scrollLeft = Math.max(0, chosen.offsetLeft - strip.offsetLeft - 40);
     var cur = step.entries[ei], prev = step.entries[Math.max(ei - 1, 0)];
     var cmp = el("div", {class: "compare"});
     cmp.appendChild(pane(ei ? "before: " + ("0" + prev.index).slice(-2) + " " + prev.pass
