@@ -37,10 +37,14 @@ def _slot_mapping_impl(positions: Tensor, block_table: Tensor, rank: Tensor, dcp
     kw = dict(dcp=dcp, interleave=interleave, block=block)
     pos = positions.clamp(min=0)
     # Block-table entry covering this position (one entry per vblock, same table on all ranks).
-    entry_index = (layout.local_slot(pos, **kw) // block).clamp(max=block_table.shape[1] - 1)
-    entry = torch.gather(block_table, 1, entry_index)
-    slots = layout.slot_mapping(pos, rank, entry, **kw)
-    return torch.where(positions >= 0, slots, torch.full_like(slots, -1))
+    entry_index = layout.local_slot(pos, **kw) // block
+    in_table = entry_index < block_table.shape[1]
+    entry = torch.gather(block_table, 1, entry_index.clamp(max=block_table.shape[1] - 1))
+    slots = layout.slot_mapping(pos, rank, entry.clamp(min=0), **kw)
+    # Padding, and positions with no allocated block (the engine rejects those before a step;
+    # this keeps a direct caller from writing into another block), write nowhere: -1.
+    writable = (positions >= 0) & in_table & (entry >= 0)
+    return torch.where(writable, slots, torch.full_like(slots, -1))
 
 
 @torch.library.custom_op("dcp::slot_mapping", mutates_args=())

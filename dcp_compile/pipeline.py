@@ -34,7 +34,8 @@ def passes_for(ctx, first_user_input: str) -> list:
     if ctx.step == "context":
         return common + [DCPContext(ctx)]
     from passes.dcp_prefill import DCPPrefill
-    return common + [DCPPrefill(ctx)]
+    from passes.sequence_parallel import SequenceParallel
+    return common + [SequenceParallel(ctx), DCPPrefill(ctx)]
 
 
 def _model_facts(model) -> dict:

@@ -146,14 +146,17 @@ def test_inserted_nodes_are_tagged_by_kind():
     assert p.matched["side_inputs_sliced"] == 2
 
 
-def test_transform_runs_sequence_parallel_as_the_first_stage():
+def test_transform_runs_sequence_parallel_right_before_dcp_prefill():
     model = demo_model(DemoConfig(num_layers=1))
     from runtime.engine import StepShapes
     prog = dcp_compile.transform(model, tp=4, dcp=2, mode="prefill", block_size=8,
                                  shapes=StepShapes(batch=2, context_len=24, max_blocks=2,
                                                    num_blocks=5))
+    names = [r.name for r in prog.history]
+    assert names.index("sequence_parallel") + 1 == names.index("dcp_prefill")
+    sp = next(r for r in prog.history if r.name == "sequence_parallel")
+    assert sp.matched["tokens_per_rank"] == 6
     rec = next(r for r in prog.history if r.name == "dcp_prefill")
-    assert rec.matched["sequence_parallel"]["tokens_per_rank"] == 6
     assert rec.matched["owned_capacity"] == 8 + min(24 % 16, 8)
     assert list(prog.graphs) == ["prefill"]
     per_layer = prog.collectives_per_layer("prefill")
