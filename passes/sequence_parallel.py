@@ -287,6 +287,8 @@ class SequenceParallel(DCPPass):
                                                  (b, sp) + shape[2:])
                 self.tag(c, KIND_COLLECTIVE, layer if layer >= 0 else None)
                 c.meta["dcp_sp"] = "reduce_scatter"
+                if layer < 0:  # the embedding's: once per model, not per layer
+                    c.meta["dcp_scope"] = "model"
                 red.wait.replace_all_uses_with(w)
                 g.erase_node(red.wait)
                 g.erase_node(red.all_reduce)
@@ -310,6 +312,8 @@ class SequenceParallel(DCPPass):
             layer = min(layers[lin] + (1 if "qkv" in roles else 0) for lin in linears)
             self.tag(c, KIND_COLLECTIVE, layer if "lm_head" not in roles else None)
             c.meta["dcp_sp"] = "all_gather"
+            if "lm_head" in roles:
+                c.meta["dcp_scope"] = "model"
             full.meta[SP_GATHER] = True
             if "qkv" in roles:
                 c.meta[SPEC_STEP] = 1
