@@ -65,6 +65,9 @@ KIND_LABELS = {KIND_COLLECTIVE: "collective", KIND_SLICE: "slice", KIND_MASK: "m
                KIND_ATTENTION: "attention", KIND_SHARD: "weight shard", KIND_RANK: "rank"}
 
 _DOT_TIMEOUT = 120.0
+# Graphviz takes minutes on graphs of many thousand nodes: above this, DOT text only.
+MAX_RENDERED_NODES = 2500
+_MAX_RENDERS_RUNNING = 2
 
 
 def env_dump_root() -> Path | None:
@@ -155,9 +158,8 @@ class PassDump:
             if index:
                 (self.dir / files["diff"]).write_text(diff)
             (self.dir / files["dot"]).write_text(dot)
-            render = start_svg_render(self.dir / files["dot"], self.dir / f"{stem}.svg")
-            if render is not None:  # Graphviz runs beside the next passes; close() waits
-                self._renders.append((render, self.dir / f"{stem}.svg", files))
+            if len(names) <= MAX_RENDERED_NODES:
+                self._start_render(self.dir / files["dot"], self.dir / f"{stem}.svg", files)
             self._write_entry_json(entry, record)
             self._write_manifest()
         _trace_artifacts(self.step, stem, text, diff, dot, self._entry_json(entry, record))
@@ -188,6 +190,18 @@ class PassDump:
         return write_index(self.root)
 
     # -- files -----------------------------------------------------------------------------
+
+    def _start_render(self, dot_file: Path, svg_file: Path, files: dict) -> None:
+        """Graphviz runs beside the next passes (at most two at a time); close() waits."""
+        running = [r for r in self._renders if r[0].poll() is None]
+        if len(running) >= _MAX_RENDERS_RUNNING:
+            try:
+                running[0][0].wait(timeout=_DOT_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                running[0][0].kill()   # finish_svg_render reports it
+        render = start_svg_render(dot_file, svg_file)
+        if render is not None:
+            self._renders.append((render, svg_file, files))
 
     def _entry_json(self, entry, record) -> dict:
         inserted, new, removed = self._changes[entry["index"]]
@@ -493,7 +507,7 @@ def write_index(root: str | Path) -> Path:
 def render_index(steps: list[dict], subdumps: list[str], *, title: str) -> str:
     data = json.dumps({"title": title, "steps": steps, "subdumps": subdumps,
                        "kinds": KIND_COLOURS, "kind_labels": KIND_LABELS,
-                       "new_colour": NEW_COLOUR})
+                       "new_colour": NEW_COLOUR, "max_rendered": MAX_RENDERED_NODES})
     data = data.replace("</", "<\\/")  # never close the <script> early
     links = " ".join(f'<a href="{html.escape(d)}/index.html" style="margin-right:12px">'
                      f'{html.escape(d)}/</a>' for d in subdumps)
@@ -607,9 +621,9 @@ _PAGE = r"""<!DOCTYPE html>
   function picture(entry, fit) {
     var box = el("div", {class: "pic" + (fit ? " fit" : "")});
     if (entry.svg) box.innerHTML = entry.svg;
-    else box.appendChild(el("pre", {text: "Graphviz `dot` was not on PATH when this dump " +
-      "was written: the picture is DOT text (render it with `dot -Tsvg`).\n\n" +
-      (entry.dot || "")}));
+    else box.appendChild(el("pre", {text: "No SVG: Graphviz `dot` was not on PATH when this " +
+      "dump was written (or the graph has over " + data.max_rendered + " nodes). The picture " +
+      "is DOT text; render it with `dot -Tsvg`.\n\n" + (entry.dot || "")}));
     return box;
   }
   function diffView(text) {
@@ -654,8 +668,8 @@ _PAGE = r"""<!DOCTYPE html>
                                    onclick: function () { showStep(si, i); }},
         [el("h3", {text: ("0" + e.index).slice(-2) + " " + e.pass}),
          el("div", {class: "unchanged", text: (i === 0 ? "captured graph" : e.modified ?
-           "changed the graph" : "left the graph as it was") + " \u00b7 " + e.nodes + " nodes \u00b7 " +
-           (e.seconds * 1000).toFixed(1) + " ms"}),
+           "changed the graph" : "left the graph as it was") + " \u00b7 " + e.nodes +
+           " nodes \u00b7 " + (e.seconds * 1000).toFixed(1) + " ms"}),
          badges(e.inserted), thumb]));
     });
     main.appendChild(strip);
