@@ -12,7 +12,7 @@ from .topology import Topology, topology
 __all__ = [
     "DCPConfig", "DCPConfigError", "DCPError", "DCPInputError", "DCPProofError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
-    "prove", "compute_slot_mapping", "transform",
+    "prove", "compute_slot_mapping", "transform", "backend",
 ]
 
 
@@ -24,6 +24,9 @@ def __getattr__(name):
     if name == "compute_slot_mapping":
         from .metadata import compute_slot_mapping
         return compute_slot_mapping
+    if name == "backend":  # the torch.compile backend module (callable: backend(tp=..))
+        import importlib
+        return importlib.import_module(".backend", __name__)
     if name == "transform":
         from .pipeline import transform
         return transform

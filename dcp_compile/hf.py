@@ -238,7 +238,9 @@ def _attention_configs(hf_model: nn.Module) -> list:
 @contextlib.contextmanager
 def _paged_attention_enabled(configs: list):
     """Route attention to ``"dcp_paged"`` for the duration of the block, then restore."""
-    with _switch_lock:
+    # Dynamo cannot trace a lock; under torch.compile the switch happens at trace time only.
+    lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _switch_lock
+    with lock:
         saved = [(c, c._attn_implementation_internal) for c in configs]
         try:
             for c, _ in saved:
