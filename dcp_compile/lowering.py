@@ -9,17 +9,23 @@ torch-mlir -> StableHLO -> neuronx-cc), run here as far as anything real reaches
                          (a collective of a role whose groups have one rank is the identity and
                          is elided)
    3 decompose           make_fx with ops.DECOMPOSITIONS and torch-mlir's own table: ATen only
+                         (plus exact integer floor division / remainder: torch-mlir would
+                         lower them through f64 / to a truncating stablehlo.remainder)
    4 import              torch-mlir's FxImporter: torch dialect; a marker is a torch.operator
    5 emit_collectives    each marker -> stablehlo.all_gather | reduce_scatter | all_reduce |
                          all_to_all with *every* group of its role (the full partition of
-                         range(tp)), a channel handle and use_global_device_ids, built through
-                         the MLIR Python bindings between torch_c casts
+                         range(tp)), a channel handle and use_global_device_ids (all_to_all has
+                         neither: see emit_collectives), built through the MLIR Python
+                         bindings between torch_c casts
    6 torch-mlir          torchdynamo-export-to-torch-backend-pipeline (our stablehlo ops are
                          opaque to it), then torch-backend-to-stablehlo-backend-pipeline
-   7 finalize            rewrite rules: arith.constant -> stablehlo.constant, static
-                         dynamic_iota -> iota; canonicalize; then the contract: only stablehlo
-                         and func ops, static shapes, no custom_call
-   8 serialize           text and a StableHLO portable artifact (VHLO bytecode), round-tripped
+   7 finalize            rewrite rules (FINALIZE_RULES): arith.constant -> stablehlo.constant,
+                         static dynamic_iota -> iota, constant folding of reshape/convert (no
+                         f64 left); canonicalize; then the contract: only stablehlo and func
+                         ops, static shapes, no custom_call
+   8 serialize           text and a StableHLO portable artifact (VHLO bytecode). VHLO keeps a
+                         collective's channel id but not its channel type (it reads back as 0);
+                         XLA uses only the id for collectives.
 
 One module serves every rank: the rank is its ``tp_rank`` input (``mhlo.num_replicas = tp``,
 replica groups name global device ids = tp ranks). KV caches are inputs and are returned
@@ -491,13 +497,46 @@ def mark_collectives(gm: GraphModule, step: str, groups: dict[str, list[list[int
 # ------------------------------------------------------------------------------------------
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) or (isinstance(x, torch.Tensor) and not x.is_floating_point()
+                                  and not x.is_complex())
+
+
+def _floor_adjust(a, b):
+    """(a // b, a mod b) on integers from truncating division (stablehlo.divide) alone."""
+    q = torch.div(a, b, rounding_mode="trunc")
+    r = a - q * b
+    wrong_sign = (r != 0) & ((r < 0) != (b < 0))
+    return torch.where(wrong_sign, q - 1, q), torch.where(wrong_sign, r + b, r)
+
+
+def _int_div_mode(a, b, *, rounding_mode=None):
+    # torch-mlir lowers an integer floor division through f64 (no f64 on NeuronCores).
+    if rounding_mode != "floor" or not (_is_int(a) and _is_int(b)):
+        return NotImplemented
+    return _floor_adjust(a, b)[0]
+
+
+def _int_remainder(a, b):
+    # torch-mlir lowers an integer remainder to stablehlo.remainder, which truncates: wrong
+    # sign for a negative dividend (torch.remainder(-7, 4) = 1, stablehlo gives -3).
+    if not (_is_int(a) and _is_int(b)):
+        return NotImplemented
+    return _floor_adjust(a, b)[1]
+
+
 def decomposition_table() -> dict:
-    """torch-mlir's FX decomposition table plus every dcp op's reference implementation."""
+    """torch-mlir's FX decomposition table, every dcp op's reference implementation, and
+    exact integer floor division / remainder (see _int_div_mode, _int_remainder)."""
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
     from .ops import DECOMPOSITIONS
+    aten = torch.ops.aten
     table = dict(get_decomposition_table())
     table.update(DECOMPOSITIONS)
+    table.update({aten.div.Tensor_mode: _int_div_mode, aten.div.Scalar_mode: _int_div_mode,
+                  aten.remainder.Tensor: _int_remainder,
+                  aten.remainder.Scalar: _int_remainder})
     return table
 
 
@@ -554,7 +593,9 @@ def _resolve_site_shapes(decomposed: GraphModule,
 
 def _rank_input_shapes(program, step: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Per-rank shapes of the KV cache inputs, from the program's cache_spec() — the shapes
-    every rank is run with (the same on every rank)."""
+    every rank is run with (the same on every rank). The graph's own cache placeholders may
+    carry the single-device KV head count in meta['val'] (ShardTensorParallel leaves them so
+    at the time of writing; nothing downstream of them checks heads in fake mode)."""
     spec = program.cache_spec(program.facts.get("dtype"))
     return {n.name: (tuple(spec.shape), spec.dtype) for n in program.graphs[step].graph.nodes
             if n.op == "placeholder" and n.name.startswith("kv_caches")}
@@ -798,10 +839,62 @@ def _is_ranked(t) -> bool:
     return t.typeid == ir.RankedTensorType.static_typeid
 
 
+def _convert_constant(op):
+    """convert of a constant -> the converted constant (torch-mlir's f64 scalars become f32
+    in the module, not at run time: NeuronCores have no f64)."""
+    import numpy as np
+    from torch_mlir import ir
+    source = op.operands[0].owner
+    if not isinstance(source, (ir.Operation, ir.OpView)) or \
+            source.operation.name != "stablehlo.constant":
+        return None
+    result_type = ir.RankedTensorType(op.results[0].type)
+    element = str(result_type.element_type)
+    if element == "bf16":
+        import ml_dtypes     # numpy's bfloat16
+        target = ml_dtypes.bfloat16
+    else:
+        target = {"f32": np.float32, "f16": np.float16, "f64": np.float64, "i64": np.int64,
+                  "i32": np.int32, "i1": np.bool_}.get(element)
+    try:
+        value = np.array(ir.DenseElementsAttr(source.operation.attributes["value"]))
+    except Exception:   # element types numpy cannot take (bf16 sources): leave the convert
+        return None
+    if target is None or value.dtype.kind not in "fiub":
+        return None
+    if target is not np.bool_ and value.dtype.kind == "f" and np.dtype(target).kind in "iu":
+        return None     # float -> int conversion rounding: leave it to the compiler
+    converted = value.astype(target).reshape(result_type.shape)
+    attr = (ir.DenseElementsAttr.get(converted, type=result_type.element_type)
+            if element == "bf16" else ir.DenseElementsAttr.get(converted, type=result_type))
+    return ir.Operation.create("stablehlo.constant", results=[result_type],
+                               attributes={"value": attr}, ip=ir.InsertionPoint(op),
+                               loc=op.location)
+
+
+def _reshape_constant(op):
+    """reshape of a constant -> the reshaped constant (lets _convert_constant fold next)."""
+    from torch_mlir import ir
+    source = op.operands[0].owner
+    if not isinstance(source, (ir.Operation, ir.OpView)) or \
+            source.operation.name != "stablehlo.constant":
+        return None
+    value = ir.DenseElementsAttr(source.operation.attributes["value"])
+    if not value.is_splat:
+        return None
+    result_type = ir.RankedTensorType(op.results[0].type)
+    attr = ir.DenseElementsAttr.get_splat(result_type, value.get_splat_value())
+    return ir.Operation.create("stablehlo.constant", results=[result_type],
+                               attributes={"value": attr}, ip=ir.InsertionPoint(op),
+                               loc=op.location)
+
+
 # op name -> rule(op) returning the replacement op (same results) or None to leave it.
 FINALIZE_RULES: dict[str, Callable] = {
     "arith.constant": _arith_constant,
     "stablehlo.dynamic_iota": _dynamic_iota,
+    "stablehlo.reshape": _reshape_constant,
+    "stablehlo.convert": _convert_constant,
 }
 
 

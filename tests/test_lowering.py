@@ -159,6 +159,7 @@ def test_modules_parse_back_round_trip_and_keep_the_contract(tp, dcp, mode, tmp_
         assert all(name.split(".")[0] in ("stablehlo", "func") for name in counts), counts
         assert "stablehlo.custom_call" not in text and "?" not in text.split("{", 1)[0]
         assert not any(t in text for t in ("tensor<?", "x?x", "<*x"))
+        assert "f64" not in text          # torch-mlir's f64 scalars are folded (no f64 on Neuron)
         # Portable artifact: deserialize, serialize again, deserialize: a fixpoint, with the
         # same ops and the same collectives (VHLO keeps a collective's channel id, not the
         # channel type, which XLA ignores for collectives).
@@ -201,6 +202,7 @@ def test_bf16_program_lowers_with_bf16_collectives(tmp_path_factory):
     prog, result = lowered_for(8, 4, "decode", tmp_path_factory, dtype=torch.bfloat16)
     for step, m in result.modules.items():
         assert "xbf16>" in m.text.split("\n", 2)[1]              # bf16 weights and caches
+        assert "f64" not in m.text
         assert deserialize(m.artifact) is not None
         by_kind: dict = {}
         for c in collectives_in(m.text):
@@ -244,6 +246,48 @@ def test_every_collective_kind_and_reduction_lowers_on_its_roles_groups():
         ("all_gather", 0, [[0, 1], [2, 3]], 4, True, (2, 3), "bf16")]
     assert "stablehlo.maximum" in m.text and "split_count = 2" in m.text
     assert [c.role for c in m.collectives] == ["dcp", "tp", "dcp", "dcp"]
+
+
+def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
+    """A Neuron plugin's own pass manager (here torch's) runs our passes as plain FX passes
+    in pipeline.passes_for's order, re-propagating meta['val'] between them as our manager
+    does; the graph it gets lowers to the same module as transform()'s."""
+    from torch.fx.passes.infra.pass_base import PassResult
+    from torch.fx.passes.infra.pass_manager import PassManager
+
+    from dcp_compile.capture import capture, example_step_inputs
+    from dcp_compile.config import DCPConfig
+    from dcp_compile.lowering import lower_graph
+    from dcp_compile.pipeline import passes_for
+    from passes.infra import TransformContext
+    from passes.manager import repropagate
+
+    model, prog = program_for(8, 4, "decode")
+    example = example_step_inputs(SHAPES.batch, 1, SHAPES.max_blocks,
+                                  model.kv_cache_shape(SHAPES.num_blocks, 16), LAYERS,
+                                  device="cpu", dtype=torch.float32)
+    captured = capture(model, example)
+    ctx = TransformContext(config=DCPConfig(tp=8, dcp=4, mode="decode", block_size=16),
+                           step="decode", model_facts={"num_layers": LAYERS})
+    ours = passes_for(ctx, captured.user_inputs[0])
+    assert all(callable(p) and isinstance(p.name, str) for p in ours)
+
+    def reprop(gm):
+        gm.graph.lint()
+        gm.recompile()
+        repropagate(gm)
+        return PassResult(gm, False)
+
+    pm = PassManager(passes=[f for p in ours for f in (p, reprop)])
+    gm = pm(captured.gm).graph_module
+    mine = lower_graph(gm, step="decode", groups=prog.topology.groups, tp=8,
+                       input_shapes={n: (tuple(prog.cache_spec().shape), torch.float32)
+                                     for n in captured.user_inputs if n.startswith("kv")})
+    reference = lower(prog, steps=["decode"])["decode"]
+    strip = lambda m: [(c.kind, c.dim, c.replica_groups, c.channel_handle, c.role)  # noqa: E731
+                       for c in m.collectives]
+    assert strip(mine) == strip(reference)
+    assert mine.op_counts() == reference.op_counts()
 
 
 # ------------------------------------------------------------------------------------------
@@ -404,6 +448,21 @@ def test_lse_combination_in_the_interpreter_matches_eager_and_never_nans(lowered
     row = 1                                                   # position 0: only its owner
     owner = layout.owner(0, **kw)
     assert_close_report(total[row], parts[owner][0][row], atol=1e-5, what="single-owner row")
+
+
+@needs_interpreter
+def test_integer_floor_division_and_remainder_are_exact_for_negative_operands():
+    # torch-mlir alone lowers integer remainder to a truncating stablehlo.remainder
+    # (-7 % 4 -> -3, torch says 1) and floor division through f64.
+    def f(a, b):
+        return a // b, a % b, a // 4, a % 4, torch.remainder(a, -3)
+
+    a = torch.tensor([[-7, 7, 0, 33, -32, -1]])
+    b = torch.tensor([[2, -2, 3, 4, 8, 5]])
+    m = lower_function(f, [a, b], name="int_division")
+    assert "f64" not in m.text
+    for got, ref in zip(run_interpreter(m, [a, b]), f(a, b)):
+        assert torch.equal(got, ref), (got, ref)
 
 
 def test_interpreter_refuses_modules_with_collectives(tmp_path_factory):
