@@ -8,7 +8,8 @@ two-core machine responsive). Results go to OUT.json (NIXL logs to stdout).
 
 Caches are built from a reference: per request and layer a random key and value
 ``[seq_len, num_kv_heads, head_dim]`` (seeded, so both processes regenerate it), scattered into
-each rank's layout with the layout formulas (``owner``, ``local_slot``, ``physical_slot``).
+each rank's layout by :func:`runtime.cache_layout.scatter_cache` (the layout formulas
+``owner``, ``local_slot``, ``physical_slot``).
 The decode process checks its caches, bit for bit, against the same scatter into its own
 layout -- the whole cache, so a stray write anywhere (the garbage block included) fails.
 
@@ -36,10 +37,10 @@ import traceback
 
 import torch
 
-from dcp_compile import layout
 from dcp_compile.config import DCPConfig
 from dcp_compile.errors import DCPTransferError
 from dcp_compile.topology import topology
+from runtime.cache_layout import scatter_cache
 
 SENTINEL = -7.25  # what a cache holds before anything is written to it
 
@@ -91,21 +92,29 @@ def new_caches(spec: dict, cfg: DCPConfig, rank: int, num_blocks: int) -> list[t
 
 
 def scatter_reference(ref, cfg: DCPConfig, rank: int, caches, table: list[int]) -> None:
-    """Write the positions and KV heads ``rank`` owns into its caches (its own layout)."""
+    """Write the positions and KV heads ``rank`` owns into its caches (its own layout).
+
+    The reference ``[seq_len, heads, head_dim]`` is viewed as a single-device paged cache
+    (block ``j`` = positions ``j*block_size ...``) and scattered with
+    :func:`runtime.cache_layout.scatter_cache`, the one host-side scatter every test uses.
+    """
     topo = topology(cfg.tp, cfg.dcp, cfg.mode, config=cfg)
-    kw = cfg.layout_kwargs()
     seq_len = ref[0][0].shape[0]
-    pos = torch.arange(seq_len)
-    pos = pos[layout.owner(pos, **kw) == topo.cp_rank(rank)]
-    if not len(pos):
+    if not seq_len:
         return
-    slot = layout.local_slot(pos, **kw)
-    rows = layout.physical_slot(slot, torch.as_tensor(table)[slot // cfg.block_size],
-                                block=cfg.block_size)
-    heads = torch.as_tensor(topo.kv_heads_of(rank))
-    for (k_ref, v_ref), (k, v) in zip(ref, caches):
-        for src, dst in ((k_ref, k), (v_ref, v)):
-            dst.view(-1, *dst.shape[2:])[rows] = src[pos][:, heads]
+    block = cfg.block_size
+    n_blocks = -(-seq_len // block)
+
+    def paged(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros((n_blocks * block, *t.shape[1:]))
+        out[:seq_len] = t
+        return out.view(n_blocks, block, *t.shape[1:])
+
+    scatter_cache([paged(t) for kv in ref for t in kv], torch.arange(n_blocks)[None], [seq_len],
+                  [t for kv in caches for t in kv],
+                  torch.as_tensor(table, dtype=torch.int64)[None],
+                  cp_rank=topo.cp_rank(rank), dcp=cfg.dcp, interleave=cfg.interleave_size,
+                  kv_heads=topo.kv_heads_of(rank))
 
 
 def filled_caches(spec, cfg, engine_id, rank):
