@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import dcp_compile

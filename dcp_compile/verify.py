@@ -70,7 +70,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     rank scatters the single-device engine's caches into its DCP layout and decodes from
     there.
     """
-    from runtime.engine import Engine, GenerateResult, LocalExecutor
+    from runtime.engine import Engine, LocalExecutor
     from runtime.world import bind_roles, run_threaded
 
     def rank_main(rank):

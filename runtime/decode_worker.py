@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
     import dcp_compile
     from dcp_compile.models import demo_model
-    from runtime.engine import Engine, LocalExecutor, StepShapes
+    from runtime.engine import Engine, LocalExecutor
     from runtime.launch import init_distributed_from_env
     from runtime.world import bind_roles
 

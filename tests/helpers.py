@@ -25,3 +25,20 @@ def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, *, atol: f
                              f"differing index {first}: {actual[tuple(first)]:.6g} vs "
                              f"{expected[tuple(first)]:.6g}")
     return float(err.max())
+
+
+def single_device_reference(lengths, steps, *, seed=0):
+    """Greedy generation of the demo model on one device, with the decode workers' prompts
+    and shapes (runtime.decode_worker): what every multi-process decode test compares to."""
+    from dcp_compile.models import demo_model
+    from runtime.decode_worker import prompt_tokens, shapes_for
+    from runtime.engine import Engine, LocalExecutor
+    from runtime.kv_cache import KVCacheSpec
+
+    model = demo_model()
+    shapes = shapes_for(lengths, steps, 1)
+    c = model.config
+    spec = KVCacheSpec(c.num_layers, shapes.num_blocks, 16, c.num_kv_heads, c.head_dim)
+    with torch.no_grad():
+        return Engine(LocalExecutor(model, spec.allocate()), shapes,
+                      block_size=16).generate(prompt_tokens(lengths, seed), steps)

@@ -21,13 +21,12 @@ from dcp_compile.backend import (BackendOptions, build_program, kv_cache_spec,
 from dcp_compile.errors import DCPConfigError, DCPTransformError, DCPWorldError
 from dcp_compile.models import DemoConfig, DemoLlama, demo_model
 from runtime.backend_worker import PrintingDemo
-from runtime.decode_worker import prompt_tokens, shapes_for
 from runtime.engine import Engine, LocalExecutor, StepShapes
 from runtime.kv_cache import KVCacheSpec
 from runtime.launch import run_torchrun
 from runtime.world import run_threaded
 
-from helpers import assert_close_report, prompts_of
+from helpers import assert_close_report, prompts_of, single_device_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = StepShapes(batch=3, context_len=17, max_blocks=2, num_blocks=7)
@@ -303,13 +302,7 @@ def test_torchrun_gloo_compiled_model_decodes_the_single_device_tokens(tmp_path)
                  timeout=400, env={"DCP_COMPILE_DUMP": str(dump)})
     got = json.loads(out.read_text())
 
-    model = demo_model()
-    shapes = shapes_for(lengths, steps, 1)
-    c = model.config
-    spec = KVCacheSpec(c.num_layers, shapes.num_blocks, 16, c.num_kv_heads, c.head_dim)
-    with torch.no_grad():
-        ref = Engine(LocalExecutor(model, spec.allocate()), shapes,
-                     block_size=16).generate(prompt_tokens(lengths, 0), steps)
+    ref = single_device_reference(lengths, steps)
     assert got["tokens"] == ref.tokens
     for t, (g, r) in enumerate(zip(got["logits"], ref.logits)):
         assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")

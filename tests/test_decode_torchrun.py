@@ -5,13 +5,9 @@ import json
 import pytest
 import torch
 
-from dcp_compile.models import demo_model
-from runtime.decode_worker import prompt_tokens, shapes_for
-from runtime.engine import Engine, LocalExecutor
-from runtime.kv_cache import KVCacheSpec
 from runtime.launch import run_torchrun
 
-from helpers import assert_close_report
+from helpers import assert_close_report, single_device_reference
 
 
 @pytest.mark.multiprocess
@@ -22,14 +18,7 @@ def test_torchrun_gloo_decode_matches_single_device(tmp_path):
                  ["--dcp", "2", "--steps", str(steps), "--lengths",
                   ",".join(map(str, lengths)), "--out", str(out)], timeout=300)
     got = json.loads(out.read_text())
-
-    model = demo_model()
-    shapes = shapes_for(lengths, steps, 1)
-    c = model.config
-    spec = KVCacheSpec(c.num_layers, shapes.num_blocks, 16, c.num_kv_heads, c.head_dim)
-    with torch.no_grad():
-        ref = Engine(LocalExecutor(model, spec.allocate()), shapes,
-                     block_size=16).generate(prompt_tokens(lengths, 0), steps)
+    ref = single_device_reference(lengths, steps)
     assert got["tokens"] == ref.tokens
     for t, (g, r) in enumerate(zip(got["logits"], ref.logits)):
         assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")
