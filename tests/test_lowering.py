@@ -465,10 +465,76 @@ def test_integer_floor_division_and_remainder_are_exact_for_negative_operands():
         assert torch.equal(got, ref), (got, ref)
 
 
-def test_interpreter_refuses_modules_with_collectives(tmp_path_factory):
-    _, result = lowered_for(4, 2, "decode", tmp_path_factory)
-    with pytest.raises(DCPLoweringError, match="cannot run .*stablehlo.all_"):
+# The whole DCP program, lowered, on interpreter replicas with real StableHLO collectives.
+# The interpreter runs replicas on one thread per CPU and aborts a collective after 3 s, so:
+# two ranks (this machine has two CPUs), tiny shapes, one child process per run.
+SPMD_SHAPES = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
+
+
+def _interpreter_world(tp: int, dcp: int, mode: str, out: str) -> None:
+    """Child process: serve prompts with the lowered modules on the interpreter's replicas,
+    and with the single-device model; save both."""
+    from dcp_compile.lowering import InterpreterExecutor
+    from dcp_compile.verify import prompt_kind, run_reference
+    from runtime.engine import Engine
+
+    from helpers import prompts_of
+    model = demo_model(DemoConfig(num_layers=1, num_kv_heads=1))      # tp=2 > kv heads
+    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES)
+    lowered = lower(prog)
+    prompts, steps = prompts_of((3, 7)), 3
+    engine = Engine(InterpreterExecutor(prog, lowered), SPMD_SHAPES,
+                    block_size=prog.config.block_size, dcp=prog.config.dcp,
+                    prompt_kind=prompt_kind(prog))
+    ref, _ = run_reference(model, prog, prompts, steps if mode == "decode" else 1)
+    if mode == "decode":
+        got = engine.generate(prompts, steps)
+        result = {"tokens": got.tokens, "logits": got.logits}
+    else:                      # a prefill program has no decode step: the prompt's logits
+        result = {"logits": [engine.prefill(prompts)]}
+    collectives = {step: [(c.kind, c.role, c.replica_groups) for c in m.collectives]
+                   for step, m in lowered.modules.items()}
+    torch.save({"result": result, "ref_tokens": ref.tokens, "ref_logits": ref.logits,
+                "collectives": collectives}, out)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_lowered_program_on_interpreter_replicas_matches_the_single_device_model(mode,
+                                                                                tmp_path):
+    import os
+    import subprocess
+    import sys
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the interpreter needs one CPU per rank (2)")
+    out = tmp_path / "world.pt"
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_lowering as t; "
+            f"t._interpreter_world(2, 2, {mode!r}, {str(out)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = torch.load(out)
+    kinds = {(kind, role) for coll in r["collectives"].values() for kind, role, _ in coll}
+    if mode == "decode":     # the spec's decode collectives ran, on real data
+        assert {("all_gather", "dcp"), ("reduce_scatter", "dcp"), ("all_reduce", "tp")} <= kinds
+        assert r["result"]["tokens"] == r["ref_tokens"]
+    else:
+        assert {("all_gather", "cp_kv"), ("reduce_scatter", "cp_kv")} <= kinds
+    for t, (got, exp) in enumerate(zip(r["result"]["logits"], r["ref_logits"])):
+        assert_close_report(got, exp, atol=1e-4, what=f"{mode} step {t} logits")
+
+
+def test_interpreter_refuses_what_would_abort_it(tmp_path_factory):
+    import os
+    from dcp_compile.lowering import run_interpreter_spmd
+    _, result = lowered_for(8, 4, "decode", tmp_path_factory)
+    with pytest.raises(DCPLoweringError, match=r"collectives span replicas \[0, 1, .*7\], "
+                                               r"but 1 rank"):
         run_interpreter(result["decode"], [])
+    if len(os.sched_getaffinity(0)) < 8:
+        with pytest.raises(DCPLoweringError, match="8 ranks would deadlock"):
+            run_interpreter_spmd(result["decode"], [[]] * 8)
 
 
 # ------------------------------------------------------------------------------------------
