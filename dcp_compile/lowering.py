@@ -656,7 +656,7 @@ def _lower_decomposed(dgm: GraphModule, *, step: str, sites: list[CollectiveSite
         finalize(module)
         _run_pipeline(module, _PIPELINE_CLEANUP, "cleanup", dgm, step)
         check_contract(module, step)
-        _annotate(module, step, tp, input_names, output_names, dgm, module_attrs)
+        _annotate(module, step, tp, input_names, output_names, module_attrs)
     text = module.operation.get_asm(large_elements_limit=None)
     seconds["finalize"] = time.perf_counter() - t
 
@@ -943,7 +943,7 @@ def check_contract(module, step: str) -> None:
 
 
 def _annotate(module, step: str, tp: int, input_names: list[str], output_names: list[str],
-              dgm: GraphModule, module_attrs: dict[str, Any] | None) -> None:
+              module_attrs: dict[str, Any] | None) -> None:
     """Module: name, replica count; func: argument/result names, cache aliasing."""
     from torch_mlir import ir
     i32 = ir.IntegerType.get_signless(32)
