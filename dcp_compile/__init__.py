@@ -12,7 +12,7 @@ from .topology import Topology, topology
 __all__ = [
     "DCPConfig", "DCPConfigError", "DCPError", "DCPInputError", "DCPProofError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
-    "prove", "compute_slot_mapping", "transform", "backend",
+    "prove", "compute_slot_mapping", "transform", "backend", "lower",
 ]
 
 
@@ -27,6 +27,9 @@ def __getattr__(name):
     if name == "backend":  # the torch.compile backend module (callable: backend(tp=..))
         import importlib
         return importlib.import_module(".backend", __name__)
+    if name == "lower":
+        from .lowering import lower
+        return lower
     if name == "transform":
         from .pipeline import transform
         return transform

@@ -194,6 +194,17 @@ class ShardTensorParallel(DCPPass):
         g = gm.graph
         rank = next(n for n in g.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
 
+        # Each rank's KV caches hold only its KV heads: the cache inputs take that shape.
+        for attn in attention_nodes(gm):
+            for cache in attn.args[3:5]:
+                full = cache.meta["val"]
+                if full.shape[2] != cfg.kv_heads_per_rank:
+                    with mode:
+                        cache.meta["val"] = torch.empty(
+                            (*full.shape[:2], cfg.kv_heads_per_rank, *full.shape[3:]),
+                            dtype=full.dtype, device=full.device)
+                    cache.meta["dcp_full_shape"] = tuple(full.shape)
+
         for lin, spec in plan.column.items():
             self._shard_param(lin.args[1], spec, mode)
             if len(lin.args) > 2 and lin.args[2] is not None:

@@ -89,3 +89,10 @@ def test_fused_qkv_is_rejected_naming_the_projection():
     cap = capture(m, ex)
     with pytest.raises(DCPTransformError, match="fused projection linear"):
         _shard(4, 1, cap)
+
+
+def test_cache_inputs_take_the_per_rank_kv_head_shape():
+    _, cap = tiny_graph()
+    _, _, gm = _shard(8, 4, cap)                      # 2 KV heads over 8 ranks: 1 per rank
+    caches = [n for n in gm.graph.nodes if n.op == "placeholder" and "kv_caches" in n.name]
+    assert caches and all(n.meta["val"].shape[2] == 1 for n in caches)
