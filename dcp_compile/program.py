@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx import Graph, GraphModule
+from torch.fx import GraphModule
 
 from .config import DCPConfig
 from .topology import Topology
@@ -93,11 +93,3 @@ class DCPProgram:
                            "block_size": c.block_size, "interleave_size": c.interleave_size,
                            "steps": list(self.graphs), "proof_ok": self.certificate.ok},
                           indent=None)
-
-
-def copy_graph_module(gm: GraphModule) -> GraphModule:
-    """A structurally independent copy (node args may then be edited per rank)."""
-    g = Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    return GraphModule(gm, g)

@@ -136,7 +136,7 @@ def bind_xla_collectives(gm: GraphModule, groups: dict[str, list[list[int]]]) ->
     ``groups`` is the topology's role -> every group of the role (``Topology.groups``). The
     graph stays the same for every rank: groups are the full partition, never this rank's.
     """
-    from dcp_compile.program import copy_graph_module
+    from runtime.program import copy_graph_module
     from passes.collectives import role_of
 
     F = torch.ops._c10d_functional

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+from torch.fx import Graph, GraphModule
 
-from passes.collectives import ROLE_PREFIX, role_of
+from passes.collectives import role_of
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A structurally independent copy (node args may then be edited per rank)."""
+    g = Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return GraphModule(gm, g)
 
 
 class RankProgram:
@@ -15,7 +23,6 @@ class RankProgram:
     """
 
     def __init__(self, program, rank: int, group_names: dict[str, str]):
-        from dcp_compile.program import copy_graph_module
         self.program = program
         self.rank = rank
         state = program.state_dict_for(rank)
@@ -48,5 +55,3 @@ class RankProgram:
     def step_fns(self) -> dict:
         return {kind: self.step_fn(kind) for kind in self.graphs}
 
-
-__all__ = ["RankProgram", "ROLE_PREFIX", "torch"]

@@ -29,9 +29,9 @@ def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, *, atol: f
 
 def single_device_reference(lengths, steps, *, seed=0):
     """Greedy generation of the demo model on one device, with the decode workers' prompts
-    and shapes (runtime.decode_worker): what every multi-process decode test compares to."""
+    and shapes (dcp_compile.workers.decode): what every multi-process decode test compares to."""
     from dcp_compile.models import demo_model
-    from runtime.decode_worker import prompt_tokens, shapes_for
+    from dcp_compile.workers.decode import prompt_tokens, shapes_for
     from runtime.engine import Engine, LocalExecutor
     from runtime.kv_cache import KVCacheSpec
 

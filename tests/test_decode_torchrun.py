@@ -14,7 +14,7 @@ from helpers import assert_close_report, single_device_reference
 def test_torchrun_gloo_decode_matches_single_device(tmp_path):
     lengths, steps = [1, 31, 33, 32], 16
     out = tmp_path / "tokens.json"
-    run_torchrun(4, "runtime.decode_worker",
+    run_torchrun(4, "dcp_compile.workers.decode",
                  ["--dcp", "2", "--steps", str(steps), "--lengths",
                   ",".join(map(str, lengths)), "--out", str(out)], timeout=300)
     got = json.loads(out.read_text())

@@ -1,6 +1,6 @@
 """Disaggregated prefill -> decode end to end: real processes, KV over NIXL on 127.0.0.1.
 
-Three torchrun/gloo worlds run at the same time (runtime/disagg_worker.py), each with its own
+Three torchrun/gloo worlds run at the same time (dcp_compile/workers/disagg.py), each with its own
 master port: a prefill world (TP=4/DCP=2, the prefill DCP program, a two-chunk prompt plan)
 and two decode worlds of other topologies, a standard TP=2 decode (dcp=1) and a TP=4/DCP=2
 decode. Each decode rank pulls its KV from the prefill ranks its transfer plan names, over
@@ -37,12 +37,12 @@ from dcp_compile.errors import DCPWorldError
 from dcp_compile.models import DemoConfig, demo_model
 from dcp_compile.topology import topology
 from runtime.cache_layout import gather_cache, scatter_cache
-from runtime.disagg_worker import prefill_chunks
+from dcp_compile.workers.disagg import prefill_chunks
 from runtime.engine import Engine, LocalExecutor, StepShapes
 from runtime.kv_cache import KVCacheSpec
 from runtime.launch import run_torchrun
 from runtime.nixl_loopback import free_port_base
-from runtime.prefill_worker import plan_tokens
+from dcp_compile.workers.prefill import plan_tokens
 from runtime.transfer_plan import plan_transfer
 
 from helpers import assert_close_report
@@ -99,7 +99,7 @@ def worlds(tmp_path_factory):
 
     def launch(name, nproc, args):
         try:
-            outputs[name] = run_torchrun(nproc, "runtime.disagg_worker", [str(a) for a in args],
+            outputs[name] = run_torchrun(nproc, "dcp_compile.workers.disagg", [str(a) for a in args],
                                          timeout=LAUNCH_TIMEOUT, env=_loopback_env()).stdout
         except DCPWorldError as e:
             errors[name] = e

@@ -553,7 +553,7 @@ def _(x):
 
 
 def _with_graph(prog, step, edit):
-    from dcp_compile.program import copy_graph_module
+    from runtime.program import copy_graph_module
     gm = copy_graph_module(prog.graphs[step])
     edit(gm)
     gm.recompile()

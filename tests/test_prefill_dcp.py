@@ -30,10 +30,10 @@ from dcp_compile import layout
 from dcp_compile.config import DCPConfig
 from dcp_compile.errors import DCPConfigError, DCPInputError
 from dcp_compile.models import DemoConfig, demo_model
-from dcp_compile.program import copy_graph_module
+from runtime.program import copy_graph_module
 from dcp_compile.verify import (check_prefill_caches, compare_prefill_logits,
                                 run_prefill_reference, run_threaded_prefill, verify_prefill)
-from runtime.prefill_worker import plan_tokens, shapes_for
+from dcp_compile.workers.prefill import plan_tokens, shapes_for
 
 from helpers import assert_close_report, prompts_of
 
@@ -270,12 +270,12 @@ def test_chunk_beyond_the_block_table_is_refused_and_writes_nothing():
 def test_torchrun_gloo_prefill_matches_single_device(tmp_path):
     """Real processes: 4 gloo ranks (tp=4, dcp=2), two layers, a mixed chunked prefill."""
     from runtime.launch import run_torchrun
-    from runtime.prefill_worker import build_program, parse
+    from dcp_compile.workers.prefill import build_program, parse
     S, plan = 36, mixed_plan(36, 2, 8)
     argv = ["--dcp", "2", "--tp", "4", "--block-size", "8", "--context-len", str(S),
             "--layers", "2", "--plan", json.dumps(plan), "--seed", "5",
             "--out-dir", str(tmp_path)]
-    run_torchrun(4, "runtime.prefill_worker", argv, timeout=300)
+    run_torchrun(4, "dcp_compile.workers.prefill", argv, timeout=300)
     model, prog = build_program(parse(argv), plan)
     ref = run_prefill_reference(model, prog, plan_tokens(plan, 5))
     from dcp_compile.verify import PrefillRun

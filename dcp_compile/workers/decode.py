@@ -1,6 +1,6 @@
 """One rank of a real multi-process DCP decode world (torchrun + gloo).
 
-    torchrun --nproc-per-node 4 -m runtime.decode_worker --dcp 2 --steps 16 --out tokens.json
+    torchrun --nproc-per-node 4 -m dcp_compile.workers.decode --dcp 2 --steps 16 --out tokens.json
 
 Every process transforms the demo model itself (deterministic: the same SPMD program on every
 rank), binds its process groups, loads its weight shard and runs the greedy engine — the

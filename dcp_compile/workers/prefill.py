@@ -1,6 +1,6 @@
 """One rank of a real multi-process prefill DCP world (torchrun + gloo).
 
-    torchrun --nproc-per-node 4 -m runtime.prefill_worker --dcp 2 --block-size 8 \
+    torchrun --nproc-per-node 4 -m dcp_compile.workers.prefill --dcp 2 --block-size 8 \
         --context-len 36 --plan '[[36,31,1],[33,7,0],[17,36,2]]' --out-dir OUT
 
 Every process transforms the demo model itself (deterministic: the same SPMD program on every

@@ -1,6 +1,6 @@
 """One rank of a real multi-process world running a model compiled with backend "dcp".
 
-    torchrun --nproc-per-node 4 -m runtime.backend_worker --dcp 2 --steps 8 --out result.json
+    torchrun --nproc-per-node 4 -m dcp_compile.workers.backend --dcp 2 --steps 8 --out result.json
 
 Every process compiles the single-device demo model with
 ``torch.compile(model, backend="dcp", options={"tp": WORLD, "dcp": DCP}, fullgraph=True)``
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     from dcp_compile.backend import kv_cache_spec
     from dcp_compile.models import demo_model
-    from runtime.decode_worker import prompt_tokens, shapes_for
+    from dcp_compile.workers.decode import prompt_tokens, shapes_for
     from runtime.engine import Engine, LocalExecutor
     from runtime.launch import init_distributed_from_env
 

@@ -1,21 +1,21 @@
 """Disaggregated prefill -> decode with real processes: two torchrun/gloo worlds, KV over NIXL.
 
-One rank of either world (``python -m runtime.disagg_worker prefill|decode ...``, launched by
+One rank of either world (``python -m dcp_compile.workers.disagg prefill|decode ...``, launched by
 torchrun; both worlds run at the same time, each with its own master port)::
 
     # prefill world: TP=4/DCP=2 prefill program, chunked prompts, then serves its KV
-    torchrun --nproc-per-node 4 -m runtime.disagg_worker prefill --dcp 2 --block-size 8 \\
+    torchrun --nproc-per-node 4 -m dcp_compile.workers.disagg prefill --dcp 2 --block-size 8 \\
         --plan '[[20,11,5],[17,9,0]]' --port 31000 \\
         --decoders '[{"engine_id": "d-tp2", "tp": 2, "dcp": 1}]' \\
         --handoff OUT/handoff.pt --out-dir OUT
     # decode world: standard TP=2 decode, pulls the KV by the plan, then greedy-decodes
-    torchrun --nproc-per-node 2 -m runtime.disagg_worker decode --dcp 1 --block-size 8 \\
+    torchrun --nproc-per-node 2 -m dcp_compile.workers.disagg decode --dcp 1 --block-size 8 \\
         --engine-id d-tp2 --prefill-tp 4 --prefill-dcp 2 --prefill-port 31000 \\
         --batch 3 --max-context 48 --steps 8 --handoff OUT/handoff.pt --out-dir OUT
 
 Prefill rank. Transforms the demo model (``mode="prefill"``; every rank builds the same SPMD
 program), runs the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
-:func:`runtime.prefill_worker.plan_tokens`) through the engine, registers its final caches
+:func:`dcp_compile.workers.prefill.plan_tokens`) through the engine, registers its final caches
 with a :class:`~runtime.nixl_connector.PrefillKVConnector` (side channel at ``--port +
 rank``), and after a gloo barrier (every side channel is up) rank 0 writes the *handoff*
 (what a router passes to the decode engine: per sequence the request id, prompt length and
@@ -86,7 +86,7 @@ def prefill_chunks(engine, chunk_plan) -> torch.Tensor:
 
 def prefill_shapes(chunk_plan_lengths: list[list[int]], dcp: int, block_size: int):
     """Static shapes of the prefill program for a plan of chunk lengths."""
-    from runtime.prefill_worker import shapes_for
+    from dcp_compile.workers.prefill import shapes_for
     context_len = max(n for chunk in chunk_plan_lengths for n in chunk)
     return shapes_for(chunk_plan_lengths, context_len, dcp, block_size)
 
@@ -153,7 +153,7 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     from dcp_compile.models import demo_model
     from runtime.engine import Engine, LocalExecutor
     from runtime.nixl_connector import PrefillKVConnector
-    from runtime.prefill_worker import plan_tokens
+    from dcp_compile.workers.prefill import plan_tokens
     from runtime.transfer_plan import plan_transfer
     from runtime.world import bind_roles
 
