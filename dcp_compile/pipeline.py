@@ -51,12 +51,13 @@ def _model_facts(model) -> dict:
 def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *,
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
-              certificate=None) -> DCPProgram:
+              certificate=None, progress: bool = False) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
     block-table width and cache blocks. The transform proves the layout first and never
-    returns a partially rewritten graph: any failure raises.
+    returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
+    capture and pass on stderr as it finishes (useful for large models).
     """
     from passes.dump import dump_root_for, pass_dump
     from passes.infra import TransformContext
@@ -85,12 +86,15 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
         t0 = time.perf_counter()
         captured = capture(model, example)
         capture_seconds = time.perf_counter() - t0
+        if progress:
+            _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
+                    f"({capture_seconds:.1f}s)")
         ctx = TransformContext(config=config, step=step, model_facts=facts,
                                certificate=certificate)
         dump = pass_dump(dump_path, step, source="transform", config=config)
         try:
             gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0]),
-                                     step=step, on_pass=dump)
+                                     step=step, on_pass=_with_progress(dump, progress))
             records[0].matched["capture_seconds"] = round(capture_seconds, 4)
         finally:  # a failed pass leaves the dump up to it
             if dump is not None:
@@ -108,6 +112,26 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
                       weight_inputs=weight_inputs, num_layers=facts["num_layers"],
                       dump_dir=str(dump_path) if dump_path else None,
                       facts={"dtype": dtype})
+
+
+def _report(line: str) -> None:
+    import sys
+    print(line, file=sys.stderr, flush=True)
+
+
+def _with_progress(on_pass, progress: bool):
+    """Chain a progress line per finished pass in front of the dump callback."""
+    if not progress:
+        return on_pass
+
+    def callback(record, gm):
+        if record.name != "capture":
+            done = dict(record.inserted) or {k: v for k, v in record.matched.items() if v}
+            _report(f"[{record.step}] {record.name}: {done or 'checked'} "
+                    f"({record.seconds:.2f}s)")
+        if on_pass is not None:
+            on_pass(record, gm)
+    return callback
 
 
 def transform_graph(gm: torch.fx.GraphModule, config: DCPConfig, step: str, *,

@@ -116,3 +116,12 @@ def test_dynamic_shapes_are_rejected():
     ep = torch.export.export(M(), (x,), dynamic_shapes={"x": {0: torch.export.Dim("n")}})
     with pytest.raises(DCPTransformError, match="dynamic shape"):
         CheckStaticShapes(ctx_for(4, 2, "decode"))(ep.graph_module)
+
+
+def test_progress_reports_every_capture_and_pass(capsys):
+    model = demo_model(DemoConfig(num_layers=1))
+    prog = dcp_compile.transform(model, tp=4, dcp=2, shapes=SMALL, progress=True)
+    err = capsys.readouterr().err
+    for record in prog.history:
+        assert f"[{record.step}] {record.name}:" in err
+    assert err.count("captured") == 2

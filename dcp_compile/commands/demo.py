@@ -63,7 +63,7 @@ def run(args) -> int:
               file=sys.stderr)
         program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=mode,
                                         shapes=shapes, dump_dir=out_dir / mode,
-                                        certificate=cert)
+                                        certificate=cert, progress=True)
         transform_s = time.perf_counter() - t0
         print(f"[{mode}] running {args.tp} ranks on threads vs the single-device model...",
               file=sys.stderr)

@@ -43,7 +43,7 @@ def run(args) -> int:
         model, tp=args.tp, dcp=args.dcp, mode=args.mode, block_size=args.block_size,
         interleave_size=args.interleave_size, dump_dir=out,
         shapes=StepShapes(batch=2, context_len=8 * args.tp, max_blocks=4,
-                          num_blocks=9))
+                          num_blocks=9), progress=True)
     seconds = time.perf_counter() - t0
     entries = []
     for step in program.graphs:

@@ -44,7 +44,8 @@ def run(args) -> int:
                         max_blocks=args.max_blocks, num_blocks=args.num_blocks)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     shapes=shapes, block_size=args.block_size,
-                                    interleave_size=args.interleave_size, kv_role=args.kv_role)
+                                    interleave_size=args.interleave_size, kv_role=args.kv_role,
+                                    progress=True)
     result = lower(program, target="stablehlo", out_dir=args.out,
                    target_version=args.target_version)
     print(json.dumps(result.to_json()) if args.json else result.format_table())

@@ -57,7 +57,8 @@ def run(args) -> int:
           f"interleave={interleave} block={args.block_size}", file=sys.stderr)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     block_size=args.block_size,
-                                    interleave_size=args.interleave_size, shapes=shapes)
+                                    interleave_size=args.interleave_size, shapes=shapes,
+                                    progress=True)
     print(f"running {args.tp} ranks on threads vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
     if args.mode == "decode":
