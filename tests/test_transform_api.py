@@ -125,3 +125,25 @@ def test_progress_reports_every_capture_and_pass(capsys):
     for record in prog.history:
         assert f"[{record.step}] {record.name}:" in err
     assert err.count("captured") == 2
+
+
+def test_biased_lm_head_and_row_projection_are_sharded_correctly():
+    """An LM head with a bias (vocab-sharded with its weight) and an O projection with a bias
+    (added once, after the all-reduce) still match the single-device model."""
+    from dcp_compile.verify import verify
+
+    model = demo_model(DemoConfig(num_layers=1))
+    g = torch.Generator().manual_seed(3)
+    head = nn.Linear(128, 256, bias=True)
+    o = nn.Linear(128, 128, bias=True)
+    with torch.no_grad():
+        for lin, old in ((head, model.lm_head), (o, model.layers[0].self_attn.o_proj)):
+            lin.weight.copy_(old.weight)
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g))
+    model.lm_head, model.layers[0].self_attn.o_proj = head, o
+    shapes = StepShapes(batch=2, context_len=20, max_blocks=2, num_blocks=5)
+    prog = dcp_compile.transform(model, tp=4, dcp=2, shapes=shapes)
+    assert prog.shards["p_lm_head_bias"].pieces == 4
+    assert "p_layers_0_self_attn_o_proj_bias" not in prog.shards      # replicated, added once
+    report = verify(model, prog, [[1, 2, 3], list(range(20))], 4)
+    assert report.ok, report
