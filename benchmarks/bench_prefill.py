@@ -256,7 +256,7 @@ def main():
     tot_w, tot_g = sum(w[2] for w in want), sum(g_[2] for g_ in got0)
     print(f"{'total per layer':<26} {len(want):<22} {tot_w:>11} {len(got0):<22} {tot_g:>11} "
           f"(ratio {tot_g / tot_w:.2f})")
-    print(f"model level (embedding reduce-scatter, final gathers): "
+    print("model level (embedding reduce-scatter, final gathers): "
           + ", ".join(f"{x['op']}@{x['role']} {x['bytes_in']} B" for x in model_level))
 
 

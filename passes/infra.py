@@ -7,6 +7,7 @@ foreign pass manager (e.g. a Neuron plugin's) can run it.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +85,7 @@ def getitem_users(node: Node) -> dict[int, Node]:
     """index -> the getitem node that reads that output of a multi-output node."""
     out = {}
     for user in node.users:
-        if user.op == "call_function" and user.target is __import__("operator").getitem:
+        if user.op == "call_function" and user.target is operator.getitem:
             out[user.args[1]] = user
     return out
 
