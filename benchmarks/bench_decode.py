@@ -126,10 +126,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = demo_model(DemoConfig(num_layers=2))
-    vblock = 16 * args.dcp
-    max_blocks = -(-(args.context + args.steps + 1) // vblock)
-    shapes = StepShapes(batch=args.batch, context_len=args.context, max_blocks=max_blocks,
-                        num_blocks=args.batch * max_blocks + 1)
+    shapes = StepShapes.fitting(args.batch, args.context, args.context + args.steps + 1,
+                                block_size=16, dcp=args.dcp)
     prog = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode="decode",
                                  shapes=shapes)
     g = torch.Generator().manual_seed(0)
@@ -147,7 +145,7 @@ def main():
             tok = logits.argmax(-1).tolist()
             t_prog = timed(lambda: eng.decode(tok), args.steps)
             # Hand-written, same caches and block table layout, fixed position.
-            table = eng.allocator.table(list(range(args.batch)), max_blocks)
+            table = eng.allocator.table(list(range(args.batch)), shapes.max_blocks)
             ids = torch.tensor(tok)[:, None]
             pos = torch.tensor(eng.lengths)[:, None]
             caches = list(ex.caches)
@@ -164,7 +162,7 @@ def main():
     spec = KVCacheSpec(2, (shapes.num_blocks - 1) * args.dcp + 1, 16,
                        model.config.num_kv_heads, model.config.head_dim)
     eng = Engine(LocalExecutor(model, spec.allocate()),
-                 StepShapes(args.batch, args.context, max_blocks * args.dcp,
+                 StepShapes(args.batch, args.context, shapes.max_blocks * args.dcp,
                             (shapes.num_blocks - 1) * args.dcp + 1), block_size=16)
     with torch.no_grad():
         tok = eng.prefill(prompts).argmax(-1).tolist()

@@ -174,9 +174,7 @@ def main():
     tp, W, I, S, b = args.tp, args.dcp, args.block, args.chunk, args.batch
     torch.set_num_threads(1)
     model = demo_model(DemoConfig(num_layers=args.layers))
-    max_blocks = -(-2 * S // (I * W))
-    shapes = StepShapes(batch=b, context_len=S, max_blocks=max_blocks,
-                        num_blocks=b * max_blocks + 1)
+    shapes = StepShapes.fitting(b, S, 2 * S, block_size=I, dcp=W)
     t0 = time.perf_counter()
     prog = dcp_compile.transform(model, tp=tp, dcp=W, mode="prefill", block_size=I,
                                  shapes=shapes)
@@ -193,10 +191,10 @@ def main():
                                               prog.cache_spec().allocate()))
         eng = Engine(rec, shapes, block_size=I, dcp=W, prompt_kind="prefill")
         with torch.no_grad():
-            run_chunks(eng, rec, [chunk1], rank, max_blocks)      # the prior: S tokens
+            run_chunks(eng, rec, [chunk1], rank, shapes.max_blocks)      # the prior: S tokens
             for s in range(b):
                 eng.allocator.ensure(s, 2 * S)
-            table = eng.allocator.table(list(range(b)), max_blocks)
+            table = eng.allocator.table(list(range(b)), shapes.max_blocks)
             caches = list(rec.caches)
             t_prog = timed(lambda: loaded.run("prefill", chunk2, pos2, table, caches),
                            args.reps)
@@ -211,7 +209,7 @@ def main():
     t_prog, t_hand, got, diff_hand = res[0]
 
     c = model.config
-    ref_shapes = StepShapes(b, S, max_blocks * W, (shapes.num_blocks - 1) * W + 1)
+    ref_shapes = StepShapes(b, S, shapes.max_blocks * W, (shapes.num_blocks - 1) * W + 1)
     spec = KVCacheSpec(args.layers, ref_shapes.num_blocks, I, c.num_kv_heads, c.head_dim)
     ex = LocalExecutor(model, spec.allocate())
     eng = Engine(ex, ref_shapes, block_size=I, prompt_kind="prefill")

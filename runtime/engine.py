@@ -29,6 +29,17 @@ class StepShapes:
     max_blocks: int = 8        # block-table entries per sequence
     num_blocks: int = 40       # cache blocks per rank, including the garbage block
 
+    @classmethod
+    def fitting(cls, batch: int, context_len: int, max_tokens: int, *, block_size: int,
+                dcp: int, spare_blocks: int = 0) -> "StepShapes":
+        """Shapes for ``batch`` sequences of up to ``max_tokens`` tokens each (prompt +
+        generated), prompt chunks of ``context_len``: one block-table entry per vblock
+        (``block_size * dcp`` positions), blocks for every sequence, ``spare_blocks`` more,
+        and the garbage block."""
+        max_blocks = -(-max_tokens // (block_size * dcp))
+        return cls(batch=batch, context_len=context_len, max_blocks=max_blocks,
+                   num_blocks=batch * max_blocks + spare_blocks + 1)
+
 
 class Executor(Protocol):
     def step(self, kind: str, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -41,9 +41,7 @@ def lengths_for(dcp: int, interleave: int, block: int) -> list[int]:
 def program_for(model_name: str, tp: int, dcp: int, interleave: int, max_len: int,
                 dtype: torch.dtype = torch.float32):
     model = demo_model(MODELS[model_name], dtype=dtype)
-    max_blocks = -(-(max_len + STEPS) // (16 * dcp))
-    shapes = StepShapes(batch=4, context_len=max_len, max_blocks=max_blocks,
-                        num_blocks=4 * max_blocks + 1)
+    shapes = StepShapes.fitting(4, max_len, max_len + STEPS, block_size=16, dcp=dcp)
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes,
                                  interleave_size=interleave)
     return model, prog

@@ -124,14 +124,13 @@ def worlds(tmp_path_factory):
 def reference():
     """The single-device model through the engine: same chunk plan, then greedy decode."""
     c = DemoConfig(num_layers=2)
-    max_blocks = -(-MAX_CONTEXT // BLOCK)
-    shapes = StepShapes(batch=len(LENGTHS), context_len=max(max(chunk) for chunk in PLAN),
-                        max_blocks=max_blocks, num_blocks=len(LENGTHS) * max_blocks + 1)
+    shapes = StepShapes.fitting(len(LENGTHS), max(max(chunk) for chunk in PLAN), MAX_CONTEXT,
+                                block_size=BLOCK, dcp=1)
     spec = KVCacheSpec(c.num_layers, shapes.num_blocks, BLOCK, c.num_kv_heads, c.head_dim)
     engine = Engine(LocalExecutor(demo_model(c), spec.allocate()), shapes, block_size=BLOCK)
     first_logits = prefill_chunks(engine, plan_tokens(PLAN))
     caches = [t.clone() for t in engine.executor.caches]
-    table = engine.allocator.table(list(range(len(LENGTHS))), max_blocks)
+    table = engine.allocator.table(list(range(len(LENGTHS))), shapes.max_blocks)
     assert engine.lengths == LENGTHS
     with torch.no_grad():
         result = engine.continue_generate(first_logits, STEPS)

@@ -55,9 +55,8 @@ def run(args) -> int:
         prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
                    for n in lengths]
         total = max(lengths) + args.steps if mode == "decode" else max(lengths) * args.chunks
-        max_blocks = -(-total // (16 * args.dcp))
-        shapes = StepShapes(batch=len(prompts), context_len=max(lengths),
-                            max_blocks=max_blocks, num_blocks=len(prompts) * max_blocks + 1)
+        shapes = StepShapes.fitting(len(prompts), max(lengths), total, block_size=16,
+                                    dcp=args.dcp)
         t0 = time.perf_counter()
         print(f"[{mode}] transforming demo model (tp={args.tp}, dcp={args.dcp})...",
               file=sys.stderr)

@@ -49,10 +49,8 @@ def run(args) -> int:
         total = max(lengths) + args.steps
     else:
         total = max(lengths) * args.chunks
-    vblock = args.block_size * args.dcp
-    max_blocks = -(-total // vblock)
-    shapes = StepShapes(batch=max(len(prompts), 1), context_len=max(lengths),
-                        max_blocks=max_blocks, num_blocks=len(prompts) * max_blocks + 1)
+    shapes = StepShapes.fitting(len(prompts), max(lengths), total,
+                                block_size=args.block_size, dcp=args.dcp)
     print(f"transforming demo model: tp={args.tp} dcp={args.dcp} mode={args.mode} "
           f"interleave={interleave} block={args.block_size}", file=sys.stderr)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,

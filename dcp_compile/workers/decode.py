@@ -18,7 +18,6 @@ import torch
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dcp", type=int, required=True)
-    ap.add_argument("--mode", default="decode", choices=["decode"])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--lengths", default="1,31,33,32")
     ap.add_argument("--interleave-size", type=int, default=None)
@@ -65,9 +64,8 @@ def prompt_tokens(lengths, seed) -> list[list[int]]:
 
 def shapes_for(lengths, steps, dcp):
     from runtime.engine import StepShapes
-    max_blocks = -(-(max(lengths) + steps) // (16 * dcp))
-    return StepShapes(batch=len(lengths), context_len=max(lengths), max_blocks=max_blocks,
-                      num_blocks=len(lengths) * max_blocks + 1)
+    return StepShapes.fitting(len(lengths), max(lengths), max(lengths) + steps,
+                              block_size=16, dcp=dcp)
 
 
 if __name__ == "__main__":

@@ -96,9 +96,8 @@ def decode_shapes(batch: int, max_context: int, dcp: int, block_size: int,
     """Static shapes of the decode program: ``max_context`` tokens (prompt + generated) per
     sequence. ``context_len`` (the program's own prompt step, not run here) is one block."""
     from runtime.engine import StepShapes
-    max_blocks = -(-max_context // (block_size * dcp))
-    return StepShapes(batch=batch, context_len=block_size, max_blocks=max_blocks,
-                      num_blocks=batch * max_blocks + reserve_blocks + 1)
+    return StepShapes.fitting(batch, block_size, max_context, block_size=block_size, dcp=dcp,
+                              spare_blocks=reserve_blocks)
 
 
 def demo_config(layers: int):

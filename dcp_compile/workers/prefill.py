@@ -33,9 +33,8 @@ def shapes_for(plan: list[list[int]], context_len: int, dcp: int, block: int):
     """Static shapes that hold the plan: batch = sequences, blocks for the longest total."""
     from runtime.engine import StepShapes
     totals = [sum(chunk[b] for chunk in plan) for b in range(len(plan[0]))]
-    max_blocks = -(-max(totals) // (block * dcp))
-    return StepShapes(batch=len(plan[0]), context_len=context_len, max_blocks=max_blocks,
-                      num_blocks=len(totals) * max_blocks + 1)
+    return StepShapes.fitting(len(totals), context_len, max(totals), block_size=block,
+                              dcp=dcp)
 
 
 def build_program(args, plan):
