@@ -63,7 +63,9 @@ Pass ``progress_thread=True`` where cores are plentiful or an engine cannot poll
 from __future__ import annotations
 
 import base64
+import collections
 import json
+import logging
 import os
 import socket
 import struct
@@ -88,15 +90,29 @@ __all__ = [
     "TransferStats",
     "PrefillKVConnector",
     "DecodeKVConnector",
+    "RejectedNotification",
+    "agent_name",
     "fetch_metadata",
     "configure_ucx_env",
     "wait_all",
 ]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-_HELLO = b"DCPKV-META 1\n"
-_MD_FORMAT = "dcp-nixl-agent-metadata/1"
+_HELLO = b"DCPKV-META 2\n"
+_MD_FORMAT = "dcp-nixl-agent-metadata/2"
 _POLL_SLEEP = 0.0005
+MAX_MESSAGE = 1 << 20                # bytes a side-channel message may announce
+SIDE_CHANNEL_CLIENT_TIMEOUT = 5.0    # seconds one client's whole exchange may take
+SIDE_CHANNEL_MAX_CLIENTS = 64        # exchanges served at once (a thread each)
+_EPOCH_BYTES = 8                     # one int64 block epoch (see PrefillKVConnector.hold)
+_NOTIF_STATUSES = ("read", "empty")
+
+log = logging.getLogger(__name__)
+
+
+def agent_name(engine_id: str, rank: int) -> str:
+    """The NIXL agent name of ``rank`` of engine ``engine_id`` (both sides use it)."""
+    return f"{engine_id}-rank{rank}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,7 +126,9 @@ class NeuronNixlAgentMetadata:
 
     ``dcp_size`` is the spec's extension (0: not advertised, i.e. an engine without DCP);
     the rest is the NIXL agent metadata and the geometry the decode side needs to address
-    remote rows. ``block_len`` is the bytes of one block of one layer's key (or value) cache.
+    remote rows. ``block_len`` is the bytes of one block of one layer's key (or value) cache;
+    ``block_epochs_addr`` is the registered int64 array of block epochs (one per block) that a
+    decode rank reads after its data to prove the blocks were not freed meanwhile.
     """
 
     engine_id: str
@@ -125,6 +143,7 @@ class NeuronNixlAgentMetadata:
     kv_heads: tuple[int, ...]
     head_dim: int
     dtype: str
+    block_epochs_addr: int
     dcp_size: int = 0
 
     def serialize(self) -> bytes:
@@ -159,10 +178,22 @@ class NeuronNixlAgentMetadata:
 
 
 class _SideChannelServer:
-    """Serves one payload to every client that says hello (a daemon thread)."""
+    """Serves one payload to every client that says hello, each client on its own thread.
 
-    def __init__(self, host: str, port: int, payload: bytes):
-        self._payload = payload
+    A client gets ``client_timeout`` seconds for the whole exchange (one deadline, not one
+    per recv), so an idle or trickling client holds one handler thread at most that long and
+    never delays another client. At most ``max_clients`` exchanges run at once; a client
+    beyond that is closed at once (bounded threads; the channel has no authentication).
+    """
+
+    def __init__(self, host: str, port: int, payload: bytes, *,
+                 client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT,
+                 max_clients: int = SIDE_CHANNEL_MAX_CLIENTS):
+        self._payload = struct.pack(">Q", len(payload)) + payload
+        self._client_timeout = client_timeout
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._clients: set[socket.socket] = set()
+        self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -174,42 +205,74 @@ class _SideChannelServer:
         self._sock.listen(64)
         self._sock.settimeout(0.2)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"dcp-kv-side-{port}",
+        self._thread = threading.Thread(target=self._accept, name=f"dcp-kv-side-{port}",
                                         daemon=True)
         self._thread.start()
 
-    def _serve(self):
+    def _accept(self):
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
             except (socket.timeout, OSError):
                 continue
-            with conn:
-                try:
-                    conn.settimeout(2.0)
-                    if _recv_exact(conn, len(_HELLO)) == _HELLO:
-                        conn.sendall(struct.pack(">Q", len(self._payload)) + self._payload)
-                except OSError:
-                    pass  # a client that hangs up is its own problem
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # too many exchanges at once: this client retries
+                continue
+            with self._lock:
+                self._clients.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name=f"dcp-kv-side-client-{self._sock.getsockname()[1]}").start()
+
+    def _serve(self, conn: socket.socket):
+        deadline = time.monotonic() + self._client_timeout
+        try:
+            if _recv_exact(conn, len(_HELLO), deadline) == _HELLO:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                conn.sendall(self._payload)
+        except (OSError, ConnectionError):
+            pass  # a client that hangs up, stalls or speaks another protocol is dropped
+        finally:
+            with self._lock:
+                self._clients.discard(conn)
+            conn.close()
+            self._slots.release()
 
     def close(self):
         self._stop.set()
         self._thread.join(timeout=2.0)
         self._sock.close()
+        with self._lock:
+            clients = list(self._clients)
+        for conn in clients:  # wakes their handler threads, which then exit
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes before ``deadline`` (time.monotonic()): the remaining time is recomputed
+    for every recv, so a peer that trickles bytes cannot stretch the exchange."""
     buf = bytearray()
     while len(buf) < n:
-        part = conn.recv(n - len(buf))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"deadline passed after {len(buf)} of {n} bytes")
+        conn.settimeout(left)
+        part = conn.recv(min(n - len(buf), 1 << 16))
         if not part:
             raise ConnectionError(f"peer closed after {len(buf)} of {n} bytes")
         buf += part
     return bytes(buf)
 
 
-def fetch_metadata(host: str, port: int, deadline: float, *, what: str = "remote rank") -> bytes:
-    """The side-channel payload at host:port; retries until ``deadline`` (time.monotonic())."""
+def fetch_metadata(host: str, port: int, deadline: float, *, what: str = "remote rank",
+                   max_message: int = MAX_MESSAGE) -> bytes:
+    """The side-channel payload at host:port; retries until ``deadline`` (time.monotonic()).
+
+    The whole exchange (connect, hello, length, payload) shares the one deadline. A length
+    prefix above ``max_message`` is refused before anything is allocated.
+    """
     last = "no attempt"
     while True:
         left = deadline - time.monotonic()
@@ -219,8 +282,13 @@ def fetch_metadata(host: str, port: int, deadline: float, *, what: str = "remote
             with socket.create_connection((host, port), timeout=left) as conn:
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
                 conn.sendall(_HELLO)
-                (n,) = struct.unpack(">Q", _recv_exact(conn, 8))
-                return _recv_exact(conn, n)
+                (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline))
+                if n > max_message:
+                    raise DCPTransferError(
+                        f"{what}: the side channel at {host}:{port} announced a message of {n} "
+                        f"bytes, above the limit of {max_message} bytes. Connect to a "
+                        f"PrefillKVConnector side channel (its metadata is a few KiB).")
+                return _recv_exact(conn, n, deadline)
         except (OSError, ConnectionError) as e:
             last = f"{type(e).__name__}: {e}"
         time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
@@ -321,14 +389,15 @@ def _check_caches(kv_caches, cfg: DCPConfig, rank: int, heads: list[int],
 class _RankAgent:
     """One rank's NIXL agent with its caches registered as DRAM."""
 
-    def __init__(self, name: str, caches: list[torch.Tensor], host: str, progress_thread: bool):
+    def __init__(self, name: str, caches: list[torch.Tensor], host: str, progress_thread: bool,
+                 extra: Sequence[torch.Tensor] = ()):
         self.name = name
         self.caches = caches
         # Landing place of the handshake's connection probe (never a cache row).
         self.scratch = torch.zeros(64, dtype=torch.uint8)
         self.agent = _make_agent(name, host, progress_thread)
         try:
-            self._reg = self.agent.register_memory(caches + [self.scratch])
+            self._reg = self.agent.register_memory(caches + [self.scratch, *extra])
         except Exception as e:
             raise DCPTransferError(f"agent {name}: registering the KV caches as DRAM failed: "
                                    f"{type(e).__name__}: {e}.") from e
@@ -347,13 +416,51 @@ class _RankAgent:
 # ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RejectedNotification:
+    """A notification the prefill side ignored: who sent it, what it claimed, and why."""
+
+    sender: str                 # the sending agent's name, as NIXL reports it
+    request_id: str | None      # what the payload claimed (None: unreadable)
+    reason: str
+    message: bytes              # the payload's first 256 bytes
+
+
+@dataclass
+class _Lease:
+    """A request's blocks, held for its planned readers (see PrefillKVConnector.hold)."""
+
+    request_id: str
+    epoch: int
+    blocks: tuple[int, ...]
+    readers: dict               # (decode engine id, decode rank) -> expected agent name
+    deadline: float
+    timeout: float
+    notified: dict = field(default_factory=dict)  # (engine, rank) -> "read" | "empty"
+    outcome: str = "held"       # -> "read" (all readers notified) | "expired" | "released"
+
+
 class PrefillKVConnector:
-    """A prefill rank: registers its caches, serves its metadata, counts readers' notifications."""
+    """A prefill rank: registers its caches, serves its metadata, holds requests' blocks for
+    their readers and accepts their notifications.
+
+    Blocks are leased per request (:meth:`hold`): a lease names the blocks, the readers the
+    transfer plan names (decode engine id, decode rank) and a deadline, and gets an *epoch*
+    that the decode side's :class:`TransferRequest` carries. The lease ends when every reader
+    has notified (outcome ``"read"``), at its deadline (``"expired"``) or by :meth:`release`;
+    only then are blocks no other lease holds freed and handed to ``on_free(request_id,
+    blocks)`` for reuse. Block epochs live in a registered int64 array (``epochs[b]``: the
+    epoch of the lease that acquired block ``b`` while it is held; minus the free stamp once
+    it is freed; 0 if never held). Epochs and free stamps come from one increasing counter, so
+    a decode rank that reads ``epochs[b]`` after its data and finds ``0 < epochs[b] <= epoch``
+    knows the block was held, never freed, from the lease's start until its data was read.
+    """
 
     def __init__(self, config: DCPConfig, rank: int,
                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                  engine_id: str = "prefill", host: str = "127.0.0.1",
-                 side_channel_port: int, progress_thread: bool = False):
+                 side_channel_port: int, progress_thread: bool = False,
+                 on_free=None, side_channel_client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT):
         if config.mode != "prefill":
             raise DCPTransferError(f"PrefillKVConnector needs the prefill engine's config: "
                                    f"mode={config.mode!r}. Pass DCPConfig(..., mode='prefill').")
@@ -361,7 +468,11 @@ class PrefillKVConnector:
         self.config, self.rank, self.engine_id = config, rank, engine_id
         self.kv_heads = topo.kv_heads_of(rank)
         caches, self.geometry = _check_caches(kv_caches, config, rank, self.kv_heads, "prefill")
-        self._agent = _RankAgent(f"{engine_id}-rank{rank}", caches, host, progress_thread)
+        self.block_epochs = torch.zeros(self.geometry.num_blocks, dtype=torch.int64)
+        self._refs = [0] * self.geometry.num_blocks
+        self._clock = 0  # the last epoch or free stamp issued
+        self._agent = _RankAgent(agent_name(engine_id, rank), caches, host, progress_thread,
+                                 extra=[self.block_epochs])
         self.metadata = NeuronNixlAgentMetadata(
             engine_id=engine_id, agent_name=self._agent.name,
             agent_metadata=self._agent.agent.get_agent_metadata(),
@@ -371,41 +482,179 @@ class PrefillKVConnector:
             num_blocks=self.geometry.num_blocks, block_size=self.geometry.block_size,
             block_len=self.geometry.block_len, kv_heads=tuple(self.kv_heads),
             head_dim=self.geometry.head_dim, dtype=str(self.geometry.dtype).replace("torch.", ""),
-            dcp_size=config.dcp)
+            block_epochs_addr=self.block_epochs.data_ptr(), dcp_size=config.dcp)
         self.side_channel = (host, side_channel_port + rank)
         self._server = _SideChannelServer(host, side_channel_port + rank,
-                                          self.metadata.serialize())
-        # request_id -> {(decode engine, decode rank): "read" | "empty"}
+                                          self.metadata.serialize(),
+                                          client_timeout=side_channel_client_timeout)
+        self.on_free = on_free
+        self.leases: dict[str, _Lease] = {}
+        self.released: dict[str, _Lease] = {}  # request id -> its last ended lease
+        # request_id -> {(decode engine, decode rank): "read" | "empty"}, accepted ones only
         self.notifications: dict[str, dict[tuple[str, int], str]] = {}
+        self.rejected: collections.deque[RejectedNotification] = collections.deque(maxlen=1000)
+        self.rejected_count = 0
 
+    # ------------------------------------------------------------------ leases
+    def hold(self, request_id: str, blocks: Iterable[int], readers: Iterable[tuple[str, int]],
+             *, timeout: float, epoch: int | None = None) -> int:
+        """Hold ``blocks`` (the request's prefill block table) until every reader notified, or
+        ``timeout`` seconds; returns the lease's epoch (pass it in the TransferRequest).
+
+        ``readers``: (decode engine id, decode rank) pairs, e.g. ``[(eng, d) for d in
+        plan.readers_of(rank)]``. ``epoch`` (default: the next) must exceed every epoch and
+        free stamp this connector issued; SPMD ranks that hold the same requests in the same
+        order get the same epochs either way.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise DCPTransferError(f"prefill rank {self.rank}: request id must be a non-empty "
+                                   f"string: {request_id!r}. Pass the router's request id.")
+        if request_id in self.leases:
+            raise DCPTransferError(f"prefill rank {self.rank}: request {request_id!r} is already "
+                                   f"held (epoch {self.leases[request_id].epoch}). Release it "
+                                   f"first, or use a new request id.")
+        blocks = tuple(int(b) for b in torch.as_tensor(blocks, dtype=torch.int64).reshape(-1))
+        usable = self.geometry.num_blocks - 1  # the last block is the garbage block
+        bad = [b for b in blocks if not 0 <= b < usable]
+        if bad or len(set(blocks)) != len(blocks):
+            raise DCPTransferError(
+                f"prefill rank {self.rank}: request {request_id!r} names blocks {list(blocks)}: "
+                f"{'out of range ' + str(bad) if bad else 'some twice'} (usable 0..{usable - 1}; "
+                f"{usable} is the garbage block). Pass the request's own block table.")
+        readers = {(str(e), int(d)): agent_name(str(e), int(d)) for e, d in readers}
+        if not readers:
+            raise DCPTransferError(f"prefill rank {self.rank}: request {request_id!r} has no "
+                                   f"readers. Pass [(decode engine id, rank) for rank in "
+                                   f"plan.readers_of({self.rank})].")
+        if not timeout > 0:
+            raise DCPTransferError(f"prefill rank {self.rank}: lease timeout must be > 0 "
+                                   f"seconds: {timeout!r}. Pass how long readers may take.")
+        epoch = self._clock + 1 if epoch is None else epoch
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch <= self._clock:
+            raise DCPTransferError(f"prefill rank {self.rank}: epoch {epoch!r} of request "
+                                   f"{request_id!r} does not exceed the last issued {self._clock}. "
+                                   f"Pass a larger epoch, or none.")
+        self._clock = epoch
+        for b in blocks:
+            if self._refs[b] == 0:
+                self.block_epochs[b] = epoch
+            self._refs[b] += 1
+        self.leases[request_id] = _Lease(request_id, epoch, blocks, readers,
+                                         time.monotonic() + timeout, timeout)
+        return epoch
+
+    def release(self, request_id: str) -> list[int]:
+        """End a request's lease now (e.g. the request was cancelled); returns freed blocks."""
+        lease = self.leases.get(request_id)
+        if lease is None:
+            raise DCPTransferError(f"prefill rank {self.rank}: request {request_id!r} is not "
+                                   f"held. Release only requests that hold() returned for.")
+        return self._end(lease, "released")
+
+    def _end(self, lease: _Lease, outcome: str) -> list[int]:
+        del self.leases[lease.request_id]
+        lease.outcome = outcome
+        self.released[lease.request_id] = lease
+        freed = []
+        for b in lease.blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                freed.append(b)
+        if freed:  # stamped before anyone can reuse them: a later read sees the stamp
+            self._clock += 1
+            self.block_epochs[freed] = -self._clock
+        if outcome == "expired":
+            missing = sorted(set(lease.readers) - set(lease.notified))
+            log.warning("prefill rank %d: request %r (epoch %d) expired after %.1f s without "
+                        "notifications from %s; blocks %s freed", self.rank, lease.request_id,
+                        lease.epoch, lease.timeout, missing, freed)
+        if self.on_free is not None:
+            self.on_free(lease.request_id, freed)
+        return freed
+
+    # ------------------------------------------------------------------ notifications
     def poll(self) -> None:
-        """Progress the agent (reads need it without a progress thread) and collect notifs."""
-        for _, msgs in self._agent.agent.get_new_notifs().items():
+        """Progress the agent (reads need it without a progress thread), take notifications,
+        and end leases whose deadline passed."""
+        for sender, msgs in self._agent.agent.get_new_notifs().items():
+            sender = sender.decode(errors="replace") if isinstance(sender, bytes) else str(sender)
             for m in msgs:
-                try:
-                    n = json.loads(m)
-                    key = (n["engine"], int(n["rank"]))
-                    self.notifications.setdefault(n["req"], {})[key] = n["status"]
-                except (ValueError, KeyError, TypeError):
-                    continue  # not ours
+                self._take_notif(sender, bytes(m))
+        now = time.monotonic()
+        for lease in [l for l in self.leases.values() if now > l.deadline]:
+            self._end(lease, "expired")
 
-    def wait_for_readers(self, request_id: str, decode_ranks: Iterable[int], *,
-                         decode_engine_id: str = "decode", timeout: float = 30.0) -> dict:
-        """Block until every decode rank in ``decode_ranks`` has notified ``request_id``."""
-        want = {(decode_engine_id, int(d)) for d in decode_ranks}
-        deadline = time.monotonic() + timeout
+    def _take_notif(self, sender: str, raw: bytes) -> None:
+        """Accept a notification only as the plan's reader, for the lease's request and epoch."""
+        try:
+            n = json.loads(raw)
+            rid, epoch, key, status = n["req"], n["epoch"], (n["engine"], n["rank"]), n["status"]
+            if not (isinstance(rid, str) and isinstance(key[0], str) and type(epoch) is int
+                    and type(key[1]) is int):
+                raise TypeError("fields of the wrong type")
+        except (ValueError, KeyError, TypeError) as e:
+            return self._reject(sender, None, raw, f"not a readable notification ({e})")
+        lease = self.leases.get(rid)
+        if lease is None:
+            ended = self.released.get(rid)
+            reason = (f"request {rid!r} is not held"
+                      + (f" (its lease of epoch {ended.epoch} ended: {ended.outcome})"
+                         if ended else ""))
+        elif epoch != lease.epoch:
+            reason = f"epoch {epoch} is not the lease's epoch {lease.epoch}"
+        elif key not in lease.readers:
+            reason = f"reader {key} is not one the plan names ({sorted(lease.readers)})"
+        elif sender != lease.readers[key]:
+            reason = (f"sent by agent {sender!r}, but reader {key} is agent "
+                      f"{lease.readers[key]!r}")
+        elif status not in _NOTIF_STATUSES:
+            reason = f"status {status!r} is not one of {_NOTIF_STATUSES}"
+        else:
+            lease.notified[key] = status
+            self.notifications.setdefault(rid, {})[key] = status
+            if len(lease.notified) == len(lease.readers):
+                self._end(lease, "read")
+            return None
+        return self._reject(sender, rid, raw, reason)
+
+    def _reject(self, sender: str, request_id, raw: bytes, reason: str) -> None:
+        self.rejected_count += 1
+        self.rejected.append(RejectedNotification(sender, request_id, reason, raw[:256]))
+        log.warning("prefill rank %d: ignored a notification from agent %r: %s", self.rank,
+                    sender, reason)
+
+    def wait_for_readers(self, request_id: str, timeout: float | None = None) -> dict:
+        """Poll until ``request_id``'s lease ends; its readers' statuses if they all read.
+
+        Raises DCPTransferError when the lease expired or was released first (its blocks
+        are freed: re-run the prefill), or after ``timeout`` seconds (default: the lease's
+        own deadline bounds the wait).
+        """
+        if request_id not in self.leases and request_id not in self.released:
+            raise DCPTransferError(f"prefill rank {self.rank}: request {request_id!r} was never "
+                                   f"held. Call hold() first.")
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll()
-            got = self.notifications.get(request_id, {})
-            if want <= got.keys():
-                return {d: got[(decode_engine_id, d)] for _, d in sorted(want)}
-            if time.monotonic() > deadline:
-                missing = sorted(d for e, d in want - got.keys())
+            lease = self.leases.get(request_id)
+            if lease is None:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(set(lease.readers) - set(lease.notified))
                 raise DCPTransferError(
-                    f"prefill rank {self.rank}: request {request_id!r} was not read by decode "
-                    f"ranks {missing} of engine {decode_engine_id!r} within {timeout:.1f} s. Keep "
-                    f"the request's blocks until they read them, or fail the request.")
+                    f"prefill rank {self.rank}: request {request_id!r} was not read by {missing} "
+                    f"within {timeout:.1f} s (its lease runs until its own deadline). Wait "
+                    f"longer, or release() it.")
             time.sleep(_POLL_SLEEP)
+        lease = self.released[request_id]
+        if lease.outcome != "read":
+            missing = sorted(set(lease.readers) - set(lease.notified))
+            raise DCPTransferError(
+                f"prefill rank {self.rank}: request {request_id!r} (epoch {lease.epoch}) "
+                f"{lease.outcome} before readers {missing} notified (lease timeout "
+                f"{lease.timeout:.1f} s); its blocks were freed and a late read fails. Raise "
+                f"the lease timeout, or re-run the prefill.")
+        return {key: lease.notified[key] for key in sorted(lease.readers)}
 
     def close(self) -> None:
         self._server.close()
@@ -429,12 +678,15 @@ class TransferRequest:
 
     Block tables have one entry per vblock (``block_size * dcp`` global positions) of the
     engine, the same on all its ranks, naming physical blocks (never the garbage block).
+    ``epoch`` is the one :meth:`PrefillKVConnector.hold` returned for the request (the router
+    passes it with the prefill block table); reads are verified against it.
     """
 
     request_id: str
     seq_len: int
     prefill_block_table: Sequence[int] | torch.Tensor
     decode_block_table: Sequence[int] | torch.Tensor
+    epoch: int
 
 
 @dataclass
@@ -481,10 +733,14 @@ class _Pending:
     deadline: float
     start: float
     handles: dict = field(default_factory=dict)  # remote rank -> nixl_xfer_handle
+    phase: dict = field(default_factory=dict)    # remote rank -> "data" | "check"
     stats: TransferStats | None = None
     staging: torch.Tensor | None = None
     staging_reg: object = None
     copies: list = field(default_factory=list)
+    epoch_blocks: np.ndarray | None = None       # prefill blocks whose epochs are checked
+    epochs: torch.Tensor | None = None           # landing place of those epochs, per remote
+    epochs_reg: object = None
 
 
 class DecodeKVConnector:
@@ -522,11 +778,11 @@ class DecodeKVConnector:
         caches, self.geometry = _check_caches(kv_caches, decode, rank,
                                               list(self.rank_plan.kv_heads), "decode")
         self.kv_caches = [tuple(kv) for kv in kv_caches]
-        self._agent = _RankAgent(f"{engine_id}-rank{rank}", caches, host, progress_thread)
+        self._agent = _RankAgent(agent_name(engine_id, rank), caches, host, progress_thread)
         self._local_bases = np.array([t.data_ptr() for t in caches], dtype=np.uint64)
         self.remotes: dict[int, tuple[str, NeuronNixlAgentMetadata]] = {}
         self._pending: dict[str, _Pending] = {}
-        self._staging_pool: list = []  # (bounce buffer, its NIXL registration), reused
+        self._buffers: list = []  # (registered bounce buffer, its NIXL registration), reused
         self.finished_stats: dict[str, TransferStats] = {}
         self.failed: dict[str, str] = {}
 
@@ -620,6 +876,10 @@ class DecodeKVConnector:
         if missing:
             raise DCPTransferError(f"decode rank {self.rank}: no handshake with prefill ranks "
                                    f"{missing}. Call handshake() before start_read().")
+        if type(request.epoch) is not int or request.epoch <= 0:
+            raise DCPTransferError(f"decode rank {self.rank}: request {rid!r} has epoch "
+                                   f"{request.epoch!r}. Pass the positive epoch that "
+                                   f"PrefillKVConnector.hold() returned for it.")
         now = time.monotonic()
         timeout = self.transfer_timeout if timeout is None else timeout
         pend = _Pending(request=request, deadline=now + timeout, start=now,
@@ -628,17 +888,25 @@ class DecodeKVConnector:
         api = self._agent.agent
         try:
             reads = self._build_reads(request, pend)
+            need = -(-request.seq_len // self.prefill.vblock)
+            pend.epoch_blocks = (torch.as_tensor(request.prefill_block_table, dtype=torch.int64)
+                                 .reshape(-1)[:need].numpy().astype(np.uint64))
+            if need:
+                pend.epochs, pend.epochs_reg = self._take_buffer(
+                    len(reads) * need * _EPOCH_BYTES)
             for p, rr in reads.items():
                 name, _ = self.remotes[p]
                 if rr is None:  # spec: still notify when there is nothing to read
-                    api.send_notif(name, self._notif(rid, "empty"))
                     pend.stats.notify_only += 1
+                    if need:  # the epochs are checked all the same (and carry the notif)
+                        self._post_epoch_check(pend, p, "empty")
+                    else:
+                        api.send_notif(name, self._notif(request, "empty"))
                     continue
                 local, remote = np.concatenate(rr.local), np.concatenate(rr.remote)
                 handle = api.initialize_xfer("READ", api.get_xfer_descs(local, "DRAM"),
-                                             api.get_xfer_descs(remote, "DRAM"), name,
-                                             self._notif(rid, "read"))
-                pend.handles[p] = handle
+                                             api.get_xfer_descs(remote, "DRAM"), name, b"")
+                pend.handles[p], pend.phase[p] = handle, "data"
                 if api.transfer(handle) == "ERR":
                     raise DCPTransferError("posting the READ returned ERR")
                 pend.stats.reads += 1
@@ -687,6 +955,13 @@ class DecodeKVConnector:
             if state == "DONE":
                 handle.release()
                 del pend.handles[p]
+                if pend.phase.pop(p) == "data":  # data in: now its blocks' epochs
+                    try:
+                        self._post_epoch_check(pend, p, "read")
+                    except Exception as e:
+                        del self._pending[rid]
+                        self._fail(pend, f"posting the epoch READ to prefill rank {p} failed: "
+                                         f"{type(e).__name__}: {e}", e)
             elif state == "ERR":
                 del self._pending[rid]
                 self._fail(pend, f"the READ from prefill rank {p} is in ERR state")
@@ -696,6 +971,7 @@ class DecodeKVConnector:
                 self._fail(pend, f"READs from prefill ranks {sorted(pend.handles)} did not "
                                  f"complete within {pend.deadline - pend.start:.1f} s")
             return False
+        self._check_epochs(pend)
         self._finish_staged(pend)
         pend.stats.seconds = time.monotonic() - pend.start
         self.finished_stats[rid] = pend.stats
@@ -719,12 +995,12 @@ class DecodeKVConnector:
         for pend in self._pending.values():
             self._release(pend)
         self._pending.clear()
-        for _, reg in self._staging_pool:
+        for _, reg in self._buffers:
             try:
                 self._agent.agent.deregister_memory(reg)
             except Exception:
                 pass
-        self._staging_pool.clear()
+        self._buffers.clear()
         self._agent.close()
 
     def __enter__(self):
@@ -734,8 +1010,9 @@ class DecodeKVConnector:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _notif(self, request_id: str, status: str) -> bytes:
-        return json.dumps({"req": request_id, "engine": self.engine_id, "rank": self.rank,
+    def _notif(self, request: TransferRequest, status: str) -> bytes:
+        return json.dumps({"req": request.request_id, "epoch": request.epoch,
+                           "engine": self.engine_id, "rank": self.rank,
                            "status": status}).encode()
 
     def _fail(self, pend: _Pending, why: str, cause: Exception | None = None):
@@ -752,9 +1029,11 @@ class DecodeKVConnector:
             except Exception:
                 pass  # NIXL keeps a handle it cannot abort in its leak list
         pend.handles.clear()
-        if pend.staging is not None:  # back to the pool: registering anew costs a post
-            self._staging_pool.append((pend.staging, pend.staging_reg))
+        for buf, reg in ((pend.staging, pend.staging_reg), (pend.epochs, pend.epochs_reg)):
+            if buf is not None:  # back to the pool: registering anew costs a post
+                self._buffers.append((buf, reg))
         pend.staging, pend.staging_reg, pend.copies = None, None, []
+        pend.epochs, pend.epochs_reg = None, None
 
     def _finish_staged(self, pend: _Pending) -> None:
         """Copy staged rows into their head ranges; only then is the request complete."""
@@ -822,18 +1101,59 @@ class DecodeKVConnector:
             self._stage(staged, pend)
         return out
 
+    def _take_buffer(self, nbytes: int) -> tuple[torch.Tensor, object]:
+        """A registered uint8 buffer of at least ``nbytes`` from the pool (or a new one)."""
+        fits = [i for i, (buf, _) in enumerate(self._buffers) if buf.numel() >= nbytes]
+        if fits:
+            return self._buffers.pop(min(fits, key=lambda i: self._buffers[i][0].numel()))
+        buf = torch.empty(max(nbytes, _EPOCH_BYTES), dtype=torch.uint8)
+        return buf, self._agent.agent.register_memory(buf)
+
+    def _post_epoch_check(self, pend: _Pending, p: int, status: str) -> None:
+        """READ prefill rank p's epochs of the request's blocks, after its data; the READ
+        carries the notification, which NIXL delivers once the epochs have been read (so the
+        prefill side cannot free the blocks before they are checked)."""
+        api, (name, md) = self._agent.agent, self.remotes[p]
+        blocks = pend.epoch_blocks
+        n = len(blocks)
+        slot = self.rank_plan.remote_ranks.index(p)
+        size = torch.full((n,), _EPOCH_BYTES, dtype=torch.int64)
+        local = _nx3(np.array([pend.epochs.data_ptr()], dtype=np.uint64),
+                     (slot * n + torch.arange(n)) * _EPOCH_BYTES, size)
+        remote = _nx3(np.array([md.block_epochs_addr], dtype=np.uint64),
+                      torch.from_numpy(blocks.astype(np.int64)) * _EPOCH_BYTES, size)
+        handle = api.initialize_xfer("READ", api.get_xfer_descs(local, "DRAM"),
+                                     api.get_xfer_descs(remote, "DRAM"), name,
+                                     self._notif(pend.request, status))
+        pend.handles[p], pend.phase[p] = handle, "check"
+        if api.transfer(handle) == "ERR":
+            raise DCPTransferError("posting the epoch READ returned ERR")
+
+    def _check_epochs(self, pend: _Pending) -> None:
+        """Every block read must still be held since the request's epoch: ``0 < e <= epoch``."""
+        if pend.epochs is None:
+            return
+        remotes, blocks = self.rank_plan.remote_ranks, pend.epoch_blocks
+        got = pend.epochs[:len(remotes) * len(blocks) * _EPOCH_BYTES].view(torch.int64)
+        got = got.view(len(remotes), len(blocks))
+        epoch = pend.request.epoch
+        bad = ((got <= 0) | (got > epoch)).nonzero()
+        if len(bad):
+            i, j = bad[0].tolist()
+            e = int(got[i, j])
+            state = ("freed" if e < 0 else "never held" if e == 0 else
+                     f"freed and held again by a later lease (epoch {e})")
+            del self._pending[pend.request.request_id]
+            self._fail(pend, f"prefill rank {remotes[i]} does not hold block {int(blocks[j])} "
+                             f"since epoch {epoch}: it was {state} ({len(bad)} block epochs "
+                             f"wrong); the bytes read may be another request's KV")
+
     def _stage(self, staged: list, pend: _Pending) -> None:
         """Whole remote runs -> one registered bounce buffer; copies recorded for the end."""
         g = self.geometry
         total = sum(int(length.sum()) * r_row_bytes * len(r_bases)
                     for _, _, r_bases, r_row_bytes, _, _, length in staged)
-        fits = [i for i, (buf, _) in enumerate(self._staging_pool) if buf.numel() >= total]
-        if fits:
-            pend.staging, pend.staging_reg = self._staging_pool.pop(
-                min(fits, key=lambda i: self._staging_pool[i][0].numel()))
-        else:
-            pend.staging = torch.empty(total, dtype=torch.uint8)
-            pend.staging_reg = self._agent.agent.register_memory(pend.staging)
+        pend.staging, pend.staging_reg = self._take_buffer(total)
         base = np.array([pend.staging.data_ptr()], dtype=np.uint64)
         cursor = 0
         for read, rr, r_bases, r_row_bytes, r_rows, l_rows, length in staged:
