@@ -32,8 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.nixl_loopback import (block_tables, engine_config, filled_caches,  # noqa: E402
-                                   free_port_base, loopback_env, new_caches)
+from runtime.nixl_loopback import (_rid, block_tables, engine_config,  # noqa: E402
+                                   filled_caches, free_port_base, loopback_env, new_caches,
+                                   request_epoch)
 
 # (name, prefill tp, prefill dcp, decode tp, decode dcp)
 TOPOLOGIES = [
@@ -67,7 +68,12 @@ def main(argv=None) -> int:
     prefill.append({"engine_id": "floor", "tp": 1, "dcp": 1, "port": base + 20 * len(TOPOLOGIES)})
     spec = {"num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "layers": args.layers,
             "dtype": args.dtype, "block_size": args.block_size, "seed": 0, "timeout": 3600,
-            "prefill": prefill, "decode": [],
+            "prefill": prefill,
+            # The prefill process holds the request (+1 warm-up repeat) for these readers.
+            "decode": [{"engine_id": f"bench-{mode}", "prefill": f"p{i}", "tp": dtp, "dcp": ddcp}
+                       for i, (_, _, _, dtp, ddcp) in enumerate(TOPOLOGIES)
+                       for mode in ("staged", "descriptors")],
+            "repeat": args.repeat + 1,
             "requests": [{"id": "long", "seq_len": args.seq_len}],
             "stop_file": str(tmp / "done")}
     (tmp / "spec.json").write_text(json.dumps(spec))
@@ -129,13 +135,14 @@ def _measure(spec, p_eng, d_eng, args, mode) -> dict:
     for c in ranks:
         c.handshake()
     times, stats = [], None
-    for rep in range(-1, args.repeat):  # rep -1 warms up (first use of each connection)
-        rid = f"long-{rep}"
+    for rep in range(args.repeat + 1):  # rep 0 warms up (first use of each connection)
+        rid = _rid("long", rep)
         t0 = time.perf_counter()
         for c in ranks:
-            c.start_read(TransferRequest(rid, args.seq_len, p_tables["long"], d_tables["long"]))
+            c.start_read(TransferRequest(rid, args.seq_len, p_tables["long"], d_tables["long"],
+                                         request_epoch(spec, rep, 0)))
         stats = wait_all(ranks, rid)
-        if rep >= 0:
+        if rep > 0:
             times.append(time.perf_counter() - t0)
     verified = "skipped"
     if not args.no_verify:

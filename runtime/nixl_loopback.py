@@ -130,12 +130,20 @@ def filled_caches(spec, cfg, engine_id, rank):
 # ---------------------------------------------------------------------------------------
 
 
+def request_epoch(spec: dict, rep: int, index: int) -> int:
+    """The lease epoch of request ``index`` in repeat ``rep`` (both processes compute it)."""
+    return rep * len(spec["requests"]) + index + 1
+
+
 def run_prefill(spec: dict, doomed: bool = False) -> dict:
-    """Serve the spec's prefill engines until every planned notification arrived.
+    """Hold every request of the spec for its planned readers (one lease per request and
+    repeat, readers from every decode engine of the spec) and serve until every planned
+    notification arrived.
 
     ``doomed=True`` serves only the engines marked ``"doomed"``, and the process dies
-    (``os._exit``, like a crash) as soon as any of their ranks is told ``kill``: the
-    decode side's "remote gone" failure scenario.
+    (``os._exit``, like a crash) as soon as any of their ranks is told ``kill`` (a
+    notification the connector rejects, but records): the decode side's "remote gone"
+    failure scenario.
     """
     from runtime.nixl_connector import PrefillKVConnector
     from runtime.transfer_plan import plan_transfer
@@ -148,8 +156,9 @@ def run_prefill(spec: dict, doomed: bool = False) -> dict:
             conns[(eng["engine_id"], r)] = PrefillKVConnector(
                 cfg, r, filled_caches(spec, cfg, eng["engine_id"], r),
                 engine_id=eng["engine_id"], side_channel_port=eng["port"])
-    # What every prefill rank must hear: each request, from each decode rank that planned it.
-    want = []
+    # What every prefill rank must hear: each request, from each decode rank that planned it;
+    # the same (engine, rank) -> lease: epoch, request, its block table and its readers.
+    want, leases = [], {}
     hosted = {e["engine_id"]: e for e in engines}
     for dec in spec["decode"]:
         p_eng = hosted.get(dec["prefill"])
@@ -158,16 +167,24 @@ def run_prefill(spec: dict, doomed: bool = False) -> dict:
         plan = plan_transfer(engine_config(spec, p_eng, "prefill"),
                              engine_config(spec, dec, "decode"))
         for rep in range(spec.get("repeat", 1)):
-            for req in spec["requests"]:
+            for i, req in enumerate(spec["requests"]):
+                rid = _rid(req["id"], rep)
                 for p in range(plan.prefill.tp):
                     for d in plan.readers_of(p):
-                        want.append((p_eng["engine_id"], p, _rid(req["id"], rep),
-                                     dec["engine_id"], d))
+                        want.append((p_eng["engine_id"], p, rid, dec["engine_id"], d))
+                        leases.setdefault((p_eng["engine_id"], p), {}).setdefault(
+                            (request_epoch(spec, rep, i), rid, req["id"]), []).append(
+                            (dec["engine_id"], d))
+    for (e, p), held in leases.items():  # in epoch order: hold() needs increasing epochs
+        _, tables = block_tables(spec, conns[(e, p)].config, e)
+        for (epoch, rid, req_id), readers in sorted(held.items()):
+            conns[(e, p)].hold(rid, tables[req_id], readers, timeout=spec["timeout"],
+                               epoch=epoch)
     deadline = time.monotonic() + spec["timeout"]
     while True:
         for c in conns.values():
             c.poll()
-            if doomed and "kill" in c.notifications:
+            if doomed and any(r.request_id == "kill" for r in c.rejected):
                 os._exit(0)
         missing = [w for w in want
                    if (w[3], w[4]) not in conns[(w[0], w[1])].notifications.get(w[2], {})]
@@ -210,12 +227,13 @@ def run_decode(spec: dict) -> dict:
             c.handshake()
         res = {"handshake_s": time.perf_counter() - t0, "requests": {}}
         for rep in range(spec.get("repeat", 1)):
-            for req in spec["requests"]:
+            for i, req in enumerate(spec["requests"]):
                 rid = _rid(req["id"], rep)
                 t0 = time.perf_counter()
                 for c in ranks:  # every rank posts, then all complete: ranks run side by side
                     c.start_read(TransferRequest(rid, req["seq_len"], p_tables[req["id"]],
-                                                 d_tables[req["id"]]))
+                                                 d_tables[req["id"]],
+                                                 request_epoch(spec, rep, i)))
                 stats = wait_all(ranks, rid)
                 wall = time.perf_counter() - t0
                 res["requests"].setdefault(req["id"], []).append({
@@ -282,11 +300,11 @@ def _failure(spec: dict, kind: str) -> dict:
         if kind == "remote_gone":
             name = conn.remotes[conn.rank_plan.remote_ranks[0]][0]
             conn._agent.agent.send_notif(name, json.dumps(
-                {"req": "kill", "engine": "x", "rank": 0, "status": "kill"}).encode())
+                {"req": "kill", "epoch": 1, "engine": "x", "rank": 0, "status": "kill"}).encode())
             _wait_refused("127.0.0.1", port + conn.rank_plan.remote_ranks[0], 10.0)
             t0 = time.monotonic()
         conn.read(TransferRequest("fail", req["seq_len"], p_tables[req["id"]],
-                                  d_tables[req["id"]]))
+                                  d_tables[req["id"]], request_epoch(spec, 0, 0)))
         result = {"error": None}
     except DCPTransferError as e:
         result = {"error": str(e)}

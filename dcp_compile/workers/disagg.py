@@ -18,8 +18,10 @@ program), runs the prompt chunks of ``--plan`` (chunk -> tokens per sequence, to
 :func:`dcp_compile.workers.prefill.plan_tokens`) through the engine, registers its final caches
 with a :class:`~runtime.nixl_connector.PrefillKVConnector` (side channel at ``--port +
 rank``), and after a gloo barrier (every side channel is up) rank 0 writes the *handoff*
-(what a router passes to the decode engine: per sequence the request id, prompt length and
-the prefill block table, plus each sequence's last-token logits). Then every rank polls its
+(what a router passes to the decode engine: per sequence the request id, prompt length, the
+prefill block table and the epoch of its lease, plus each sequence's last-token logits).
+Each rank holds every request's blocks (:meth:`PrefillKVConnector.hold`) for the decode
+ranks the plans name before the barrier. Then every rank polls its
 agent (without NIXL's progress thread a READ advances only while the prefill side polls)
 until every decode rank that :meth:`TransferPlan.readers_of` names, of every engine in
 ``--decoders``, has notified every request, and exits. With ``--out-dir`` each rank also
@@ -182,14 +184,23 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     conn = PrefillKVConnector(cfg, rank, _pairs(caches), engine_id=args.engine_id, host=HOST,
                               side_channel_port=args.port)
     try:
-        dist.barrier()  # every rank's side channel is up before anyone is told to read
         request_ids = [f"{args.engine_id}-seq{b}" for b in range(n)]
+        # Hold each request's blocks for the decode ranks the plans name (epoch b + 1 on every
+        # rank: the handoff's epochs hold for all of them).
+        epochs = []
+        for b, rid in enumerate(request_ids):
+            need = -(-engine.lengths[b] // cfg.vblock)
+            readers = [(eng, d) for eng, p in plans.items() for d in p.readers_of(rank)]
+            epochs.append(conn.hold(rid, table[b, :need].tolist(), readers,
+                                    timeout=args.timeout, epoch=b + 1))
+        dist.barrier()  # every rank's side channel is up before anyone is told to read
         if rank == 0:
             requests = []
             for b, rid in enumerate(request_ids):
                 need = -(-engine.lengths[b] // cfg.vblock)
                 requests.append({"request_id": rid, "seq_len": engine.lengths[b],
-                                 "prefill_block_table": table[b, :need].tolist()})
+                                 "prefill_block_table": table[b, :need].tolist(),
+                                 "epoch": epochs[b]})
             _save({"engine_id": args.engine_id, "host": HOST, "port": args.port,
                    "tp": cfg.tp, "dcp": cfg.dcp, "block_size": cfg.block_size,
                    "requests": requests, "first_logits": first_logits}, args.handoff)
@@ -203,6 +214,10 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
                        if (eng, d) not in conn.notifications.get(rid, {})}
             if not missing:
                 break
+            expired = [rid for rid in request_ids
+                       if rid in conn.released and conn.released[rid].outcome != "read"]
+            if expired:  # a lease ended before its readers notified: wait_for_readers says why
+                conn.wait_for_readers(expired[0])
             _check_abort(args.abort_file, f"prefill rank {rank}")
             if time.monotonic() > deadline:
                 raise DCPTransferError(
@@ -289,7 +304,8 @@ def run_decode_rank(args, rank: int, world: int) -> None:
         for b, r in enumerate(requests):
             need = -(-r["seq_len"] // cfg.vblock)
             conn.start_read(TransferRequest(r["request_id"], r["seq_len"],
-                                            r["prefill_block_table"], table[b, :need].tolist()))
+                                            r["prefill_block_table"], table[b, :need].tolist(),
+                                            r["epoch"]))
         stats = [wait_all([conn], r["request_id"])[0] for r in requests]
         t2 = time.monotonic()
         if args.out_dir:
