@@ -106,6 +106,7 @@ SIDE_CHANNEL_CLIENT_TIMEOUT = 5.0    # seconds one client's whole exchange may t
 SIDE_CHANNEL_MAX_CLIENTS = 64        # exchanges served at once (a thread each)
 _EPOCH_BYTES = 8                     # one int64 block epoch (see PrefillKVConnector.hold)
 _NOTIF_STATUSES = ("read", "empty")
+_DRAIN_SECONDS = 0.5                 # progress after a failed transfer, before teardown
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +394,7 @@ class _RankAgent:
                  extra: Sequence[torch.Tensor] = ()):
         self.name = name
         self.caches = caches
+        self.peer_failed = False  # a transfer failed: drain before the agent is destroyed
         # Landing place of the handshake's connection probe (never a cache row).
         self.scratch = torch.zeros(64, dtype=torch.uint8)
         self.agent = _make_agent(name, host, progress_thread)
@@ -402,7 +404,21 @@ class _RankAgent:
             raise DCPTransferError(f"agent {name}: registering the KV caches as DRAM failed: "
                                    f"{type(e).__name__}: {e}.") from e
 
+    def drain(self, seconds: float = _DRAIN_SECONDS) -> None:
+        """Progress the agent for a while. After a peer failed, UCX discards its endpoints
+        during progress; destroying the agent before that aborts the process (UCX assertion
+        ``ucs_arbiter_group_is_empty``, seen in about 1 of 3 runs after a killed peer)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                self.agent.get_new_notifs()
+            except Exception:
+                return
+            time.sleep(_POLL_SLEEP)
+
     def close(self):
+        if self.peer_failed:
+            self.drain()
         reg, self._reg = self._reg, None
         if reg is not None:
             try:
@@ -1016,6 +1032,7 @@ class DecodeKVConnector:
                            "status": status}).encode()
 
     def _fail(self, pend: _Pending, why: str, cause: Exception | None = None):
+        self._agent.peer_failed = True
         self._release(pend)
         msg = (f"KV transfer of request {pend.request.request_id!r} to decode rank {self.rank} "
                f"failed: {why}. The request's decode cache is incomplete and must not be used; "

@@ -174,6 +174,7 @@ def test_read_after_deadline_freed_and_reused_blocks_fails_never_completes(engin
     assert ok == {0: "finished", 1: "finished"}
     for d in decs:
         _assert_holds(pre, d, TransferRequest("B", SEQ, [0, 1], [2, 3], epoch_b), [2, 3])
+    _drive(pre, decs, lambda: "B" in pre.released, "lease B ending")  # notifs in flight
     assert pre.released["B"].outcome == "read" and freed[-1] == ("B", [0, 1])
 
 
