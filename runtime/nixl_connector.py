@@ -9,14 +9,18 @@ block) as DRAM with the UCX backend. A decode rank READs from the prefill ranks 
 ::
 
     # prefill rank p (one per rank; caches filled by the prefill program)
-    pre = PrefillKVConnector(prefill_cfg, p, kv_caches, side_channel_port=PORT)
-    ...
-    pre.wait_for_readers(request_id, plan.readers_of(p))     # then free the request's blocks
+    pre = PrefillKVConnector(prefill_cfg, p, kv_caches, side_channel_port=PORT,
+                             on_free=allocator_free)             # blocks come back here
+    epoch = pre.hold("req-0", prefill_block_table,
+                     [("decode", d) for d in plan.readers_of(p)], timeout=60)
+    ...                                   # the router passes (id, table, epoch) to decode
+    pre.poll()                            # repeatedly; ends the lease when all readers notified
 
     # decode rank d
-    dec = DecodeKVConnector(prefill_cfg, decode_cfg, d, kv_caches, side_channel_port=PORT)
+    dec = DecodeKVConnector(prefill_cfg, decode_cfg, d, kv_caches, engine_id="decode",
+                            side_channel_port=PORT)
     dec.handshake()                                            # metadata of all remote ranks
-    dec.read(TransferRequest("req-0", seq_len, prefill_block_table, decode_block_table))
+    dec.read(TransferRequest("req-0", seq_len, prefill_block_table, decode_block_table, epoch))
 
 ``start_read`` + ``get_finished`` is the same thing without blocking (vLLM's
 start_load_kv / get_finished shape), for engines that overlap the transfer with other work.
@@ -24,9 +28,13 @@ start_load_kv / get_finished shape), for engines that overlap the transfer with 
 Handshake (side channel). Each prefill rank serves its :class:`NeuronNixlAgentMetadata` --
 the NIXL agent metadata plus the spec's ``dcp_size`` extension and the cache geometry -- on a
 small TCP side channel at ``host:side_channel_port + tp_rank`` (vLLM's NIXL side channel uses
-the same base-port-plus-rank convention). Protocol: the client sends ``DCPKV-META 1\\n``; the
+the same base-port-plus-rank convention). Protocol: the client sends ``DCPKV-META 2\\n``; the
 server answers an 8-byte big-endian length and the JSON-serialised metadata (no pickle: the
-bytes come from the network). The decode rank fetches the metadata of every remote rank of its
+bytes come from the network). The server runs each client on its own thread (at most 64 at
+once) with one deadline for its whole exchange; the client too has one deadline for the whole
+handshake (the remaining time is recomputed for every recv) and refuses a length above 1 MiB
+before allocating. The channel has no authentication: bind it to loopback or a trusted
+network. The decode rank fetches the metadata of every remote rank of its
 plan, checks it against the plan (tp, rank, dcp_size, KV heads, block size, head_dim, dtype,
 layers), loads the agent metadata with ``add_remote_agent`` and brings the connection up with
 a 64-byte READ of the remote garbage block (on a fresh UCX endpoint a bare notification is
@@ -39,16 +47,30 @@ tokens in this layout, so it is either staged (the remote run read whole into a 
 registered bounce buffer, then copied into the head range; the default) or one descriptor
 per token (``partial_rows="descriptors"``).
 
+Leases and epochs. The prefill side holds a request's blocks (:meth:`PrefillKVConnector.hold`)
+until the readers the plan names have notified, or until the lease's deadline frees them; the
+lease's epoch travels with the request. After a remote rank's data READ completes, the decode
+rank READs that rank's epochs of the request's blocks (a registered int64 per block) and the
+request completes only if every block was held, never freed, since the epoch; otherwise it
+fails with DCPTransferError (the blocks may hold another request's KV by now).
+
 Notifications (spec: Notification Handling). Each decode rank notifies every remote rank of
-its plan once per request: the notification rides on the READ (NIXL delivers it after the data
-has been read), or, when the decode rank has nothing to read from that rank (a short
-sequence), it is sent on its own with ``send_notif``. A request with no reads at all still
-completes. The prefill rank counts notifications per request in ``wait_for_readers``.
+its plan once per request, with the request id and epoch: the notification rides on the
+epoch READ (NIXL delivers it after the epochs were read, so the prefill side cannot free the
+blocks before they are checked), also when the decode rank has nothing to read from that rank
+(a short sequence); a request of length 0 notifies with ``send_notif``. The prefill rank
+accepts a notification only for a held request, its epoch, a reader the lease names and from
+that reader's own agent name; anything else is ignored, counted (``rejected_count``) and
+logged. Agent names are self-declared by the peers: this stops misrouted or stale
+notifications, not a malicious peer on the network.
 
 Failures are errors, never a silent partial cache: a remote rank that does not answer the
 handshake, metadata that does not match the plan, a NIXL error while posting or a transfer in
-ERR state, or a transfer that does not finish in time each raise :class:`DCPTransferError`
-within the given timeout, and the request is not reported finished.
+ERR state, a peer that died, blocks freed before their epochs were checked, or a transfer
+that does not finish in time each raise :class:`DCPTransferError` within the given timeout,
+and the request is not reported finished. After a failed transfer ``close()`` progresses the
+agent for 0.5 s before destroying it (UCX aborts the process when an endpoint to a dead
+peer is destroyed before it was discarded).
 
 Environment. UCX reads its settings when the first agent is created: unless already set,
 ``UCX_TLS=tcp,self,sm`` and, for a loopback side channel, ``UCX_NET_DEVICES=lo`` (so UCX does
