@@ -3,7 +3,8 @@ DCPTransferError within its bound, or is ignored and counted, never in a complet
 
 Prefill and decode agents share this process (UCX over tcp on 127.0.0.1) and the test drives
 their progress by hand, so every interleaving below is forced, not raced; only the killed
-peer runs in a subprocess. Bounds are generous (seconds) and asserted only as upper bounds.
+peer runs in a subprocess (marked multiprocess). Bounds are generous (seconds) and asserted
+only as upper bounds.
 """
 
 from __future__ import annotations
@@ -407,6 +408,7 @@ def test_side_channel_drops_a_client_at_its_deadline_and_beyond_its_capacity():
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess  # a prefill process (~5 s to start)
 def test_prefill_killed_mid_transfer_is_an_error_never_a_completion(tmp_path):
     """A prefill process holds a request; the decode side posts its READs, the process is
     killed (SIGKILL) before the reads are checked: the request fails within its bound."""
