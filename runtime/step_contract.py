@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from dcp_compile.errors import DCPConfigError, DCPInputError
+from dcp_compile.errors import DCPConfigError, DCPInputError, DCPTransformError
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.
@@ -119,12 +119,17 @@ class StepContract:
         ids, pos, table = (n.meta["val"] for n in
                            placeholders[len(program.weight_inputs) + 1:][:3])
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
-        logits = out.meta.get("val") if hasattr(out, "meta") else None
+        logits = out.meta.get("val")
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            raise DCPTransformError(
+                f"program step {kind!r} returns no [batch, tokens, vocab] logits value to "
+                f"read the vocabulary from: {out.name} has meta['val']={logits!r}. Load a "
+                f"program built by dcp_compile.transform or the 'dcp' backend.")
         spec = program.cache_spec()
         return cls(kind=kind, batch=int(pos.shape[0]), tokens=int(pos.shape[1]),
                    max_blocks=int(table.shape[1]), num_blocks=spec.num_blocks,
                    block_size=program.config.block_size, dcp=program.config.dcp,
-                   vocab_size=int(logits.shape[-1]) if logits is not None else None,
+                   vocab_size=int(logits.shape[-1]),
                    max_model_len=max_model_len, cache_count=2 * spec.num_layers,
                    cache_shape=tuple(spec.shape), cache_dtype=spec.dtype,
                    device=torch.device(device) if device is not None else None)
@@ -389,7 +394,8 @@ def _allocated_entry(c, s):
 def _allocated_prefix(c, s):
     p, t = s.positions, s.block_table
     last = p.max(dim=1).values                                          # [B]; -1: no tokens
-    need = torch.arange(t.shape[1]) <= (last.clamp(min=0) // c.vblock).unsqueeze(1)
+    need = torch.arange(t.shape[1], device=t.device) <= (last.clamp(min=0)
+                                                         // c.vblock).unsqueeze(1)
     hit = _first(need & (last >= 0).unsqueeze(1) & (t < 0))
     if hit is None:
         return None
