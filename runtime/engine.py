@@ -101,6 +101,10 @@ class Engine:
     ``prompt_kind`` is the step kind prompt chunks run as: "prefill" (the single-device model,
     prefill-mode programs; later chunks continue a sequence) or "context" (a decode-mode
     program's own first-chunk-only prompt step).
+
+    Every step it builds is checked against the step contract (``runtime.step_contract``),
+    plus what only the engine knows: each row continues its sequence. ``vocab_size`` adds
+    the token-id rule (a loaded program checks it itself).
     """
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,

@@ -393,7 +393,7 @@ def _allocated_entry(c, s):
 
 def _allocated_prefix(c, s):
     p, t = s.positions, s.block_table
-    last = p.max(dim=1).values                                          # [B]; -1: no tokens
+    last = p.amax(dim=1)                                                # [B]; -1: no tokens
     need = torch.arange(t.shape[1], device=t.device) <= (last.clamp(min=0)
                                                          // c.vblock).unsqueeze(1)
     hit = _first(need & (last >= 0).unsqueeze(1) & (t < 0))
