@@ -300,26 +300,35 @@ def _single_device_engine(shapes, cache_blocks, block=BLOCK):
                   vocab_size=CFG.vocab_size)
 
 
-def test_engine_shapes_exceeding_the_caches_are_refused():
+# id: (build the engine -> caches it was given, words of the message)
+ENGINE_PROBES = {
+    "engine-shapes-exceed-caches": (
+        lambda caches: Engine(LocalExecutor(programs()[0], caches), SHAPES, block_size=BLOCK),
+        lambda: KVCacheSpec(1, 6, BLOCK, 1, 8).allocate(),
+        ["StepShapes.num_blocks=10", "kv_caches[0] has 6 blocks of 4", "num_blocks <= 6"]),
+    "engine-block-size-mismatch": (
+        lambda caches: Engine(LocalExecutor(programs()[0], caches), SHAPES, block_size=BLOCK),
+        lambda: KVCacheSpec(1, NB, 8, 1, 8).allocate(),
+        ["block_size=4", "has 10 blocks of 8"]),
+    "engine-over-program-exceeds-caches": (
+        lambda caches: Engine(LocalExecutor({}, caches), StepShapes(B, S, M, NB + 3),
+                              block_size=BLOCK, dcp=W),
+        lambda: programs()[1].cache_spec().allocate(),
+        ["StepShapes.num_blocks=13", "has 10 blocks"]),
+}
+
+
+@pytest.mark.parametrize("probe", ENGINE_PROBES, ids=list(ENGINE_PROBES))
+def test_engine_shapes_must_fit_its_caches(probe):
+    build, allocate, words = ENGINE_PROBES[probe]
+    caches = allocate()
+    snapshot = [c.clone() for c in caches]
     with pytest.raises(DCPInputError) as info:
-        _single_device_engine(StepShapes(batch=2, context_len=8, max_blocks=4, num_blocks=10),
-                              cache_blocks=6)
-    assert info.value.rule == "engine-shapes"
-    assert "StepShapes.num_blocks=10" in str(info.value) and "6 blocks" in str(info.value)
-
-
-def test_engine_block_size_must_match_the_caches():
-    with pytest.raises(DCPInputError, match="has 6 blocks of 8"):
-        _single_device_engine(StepShapes(batch=2, context_len=8, max_blocks=4, num_blocks=6),
-                              cache_blocks=6, block=8)
-
-
-def test_engine_over_a_program_refuses_shapes_beyond_its_caches():
-    _, prefill, _ = programs()
-    caches = prefill.cache_spec().allocate()
-    with pytest.raises(DCPInputError, match="engine shapes exceed the caches"):
-        Engine(LocalExecutor({}, caches), StepShapes(2, 8, 4, NB + 3), block_size=BLOCK,
-               dcp=W)
+        build(caches)
+    assert info.value.rule == "engine-shapes" and info.value.field == "shapes"
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, caches))
 
 
 def test_engine_refuses_a_position_gap_before_any_write():
