@@ -73,8 +73,11 @@ class StepContract:
                                                 and self.num_blocks >= 2):
             bad.append(f"num_blocks={self.num_blocks!r} (needs >= 2: one usable block "
                        f"besides the garbage block)")
+        unknown = sorted(set(self.rules or ()) - set(RULE_NAMES))
+        if unknown:
+            bad.append(f"rules={unknown} (not in RULES: {list(RULE_NAMES)})")
         if bad:
-            raise DCPConfigError(f"step contract fields must be positive ints: "
+            raise DCPConfigError(f"step contract fields must be positive ints and known rules: "
                                  f"{', '.join(bad)}. Pass the program's static shapes.")
         table_len = (self.max_blocks * self.vblock if self.max_blocks is not None else None)
         if self.max_model_len is None:

@@ -381,6 +381,8 @@ def test_contract_wrap_bound_is_checked_once_at_construction():
         StepContract(num_blocks=2 ** 60, block_size=16)
     with pytest.raises(DCPConfigError, match="max_model_len exceeds"):
         StepContract(max_blocks=2, block_size=4, dcp=2, max_model_len=17)
+    with pytest.raises(DCPConfigError, match="rules=\\['no-such-rule'\\]"):
+        StepContract(rules=("shared-block", "no-such-rule"))
 
 
 # ----------------------------------------------------------------------------------------
