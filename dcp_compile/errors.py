@@ -35,7 +35,15 @@ class DCPProofError(DCPError):
 
 
 class DCPInputError(DCPError, ValueError):
-    """Runtime inputs (positions, block tables, caches) that the layout cannot serve."""
+    """Runtime inputs (positions, block tables, caches) that the layout cannot serve.
+
+    A step-contract violation (runtime.step_contract) also carries ``rule`` (the rule's
+    name), ``field`` (the input) and ``index`` (the offending element, e.g. ``(row, col)``).
+    """
+
+    def __init__(self, message="", *, rule=None, field=None, index=None):
+        super().__init__(message)
+        self.rule, self.field, self.index = rule, field, index
 
 
 class DCPTransformError(DCPError):

@@ -9,13 +9,16 @@ so does a padding position (given as -1).
 
 The arithmetic is :func:`dcp_compile.layout.slot_mapping` / ``local_slot`` evaluated on
 tensors — the same functions the graph runs and the proofs prove. This module only adds the
-input checks: everything is validated before anything is computed, so a bad input raises
-``DCPInputError`` and never yields a partly filled mapping.
+input checks (block ids and position placement are the step contract's rules,
+``runtime.step_contract.SLOT_MAPPING_RULES``): everything is validated before anything is
+computed, so a bad input raises ``DCPInputError`` and never yields a partly filled mapping.
 """
 
 from __future__ import annotations
 
 import torch
+
+from runtime.step_contract import SLOT_MAPPING_RULES, StepContract
 
 from . import layout
 from .errors import DCPConfigError, DCPInputError
@@ -24,7 +27,6 @@ from .proofs import layout_config
 __all__ = ["compute_slot_mapping"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-_SHOWN = 4  # offending entries quoted in an error message
 
 
 def compute_slot_mapping(block_table, positions, cp_rank, dcp, block_size, interleave_size,
@@ -55,13 +57,15 @@ def compute_slot_mapping(block_table, positions, cp_rank, dcp, block_size, inter
     _check_shapes(table, pos)
     table, pos = table.to(torch.int64), pos.to(torch.int64).to(table.device)
 
+    # Block ids and position placement: the step contract's rules, checked in one place.
+    StepContract(num_blocks=num_blocks, block_size=block_size, dcp=dcp,
+                 rules=SLOT_MAPPING_RULES).check(None, pos, table)
+
     kw = dict(dcp=dcp, interleave=interleave_size, block=block_size)
     valid = pos >= 0
     safe_pos = torch.where(valid, pos, torch.zeros_like(pos))
     # Block-table index of each position: its local slot's block (spec: one entry per vblock).
     entry_index = layout.local_slot(safe_pos, **kw) // block_size
-    _check_table(table, num_blocks)
-    _check_positions(table, pos, valid, entry_index, kw)
 
     max_blocks = table.shape[1]
     if max_blocks == 0:  # every position is padding (checked above)
@@ -135,62 +139,3 @@ def _check_shapes(table, pos):
                             f"same batch: block_table shape={tuple(table.shape)}, positions "
                             f"shape={tuple(pos.shape)}. Pass one block-table row per "
                             f"sequence (or 1-D for both).")
-
-
-def _check_table(table, num_blocks):
-    bad = (table < -1).nonzero().tolist()
-    if bad:
-        raise DCPInputError(f"block table entries must be block ids >= 0 or -1 "
-                            f"(unallocated): {_entries(table, bad)}. Fix the block table.")
-    if num_blocks is None:
-        return
-    garbage = num_blocks - 1
-    bad = (table >= num_blocks).nonzero().tolist()
-    if bad:
-        raise DCPInputError(f"block table entry beyond the cache: {_entries(table, bad)}, "
-                            f"num_blocks={num_blocks}. Allocate blocks in [0, {garbage}).")
-    bad = (table == garbage).nonzero().tolist()
-    if bad:
-        raise DCPInputError(f"block table references the garbage block (the last block, "
-                            f"which receives every -1 write): {_entries(table, bad)}, "
-                            f"num_blocks={num_blocks}, garbage block={garbage}. Allocate "
-                            f"blocks in [0, {garbage}) only.")
-
-
-def _check_positions(table, pos, valid, entry_index, kw):
-    bad = (pos < -1).nonzero().tolist()
-    if bad:
-        raise DCPInputError(f"positions must be >= 0, or -1 for padding: "
-                            f"{_at(pos, bad)}. Fix the positions.")
-    vblock = kw["block"] * kw["dcp"]
-    max_blocks = table.shape[1]
-    beyond = valid & (entry_index >= max_blocks)
-    bad = beyond.nonzero().tolist()
-    if bad:
-        raise DCPInputError(
-            f"position beyond the sequence's block table (entry j covers positions "
-            f"[j*{vblock}, (j+1)*{vblock})): {_at(pos, bad, entry_index)}, table width "
-            f"{max_blocks}. Allocate blocks for every position, or mark it -1 (padding).")
-    if max_blocks == 0:
-        return
-    entry = torch.gather(table, 1, entry_index.clamp(max=max_blocks - 1))
-    bad = (valid & (entry < 0)).nonzero().tolist()
-    if bad:
-        raise DCPInputError(
-            f"position beyond the sequence's block table (its entry is -1, unallocated; "
-            f"entry j covers positions [j*{vblock}, (j+1)*{vblock})): "
-            f"{_at(pos, bad, entry_index)}. Allocate the block before writing the position.")
-
-
-def _at(pos, idx, entry_index=None) -> str:
-    def one(b, t):
-        s = f"sequence {b} token {t} position {int(pos[b, t])}"
-        return s if entry_index is None else s + f" -> entry {int(entry_index[b, t])}"
-    more = f" (and {len(idx) - _SHOWN} more)" if len(idx) > _SHOWN else ""
-    return ", ".join(one(b, t) for b, t in idx[:_SHOWN]) + more
-
-
-def _entries(table, idx) -> str:
-    more = f" (and {len(idx) - _SHOWN} more)" if len(idx) > _SHOWN else ""
-    return ", ".join(f"sequence {b} entry {j} = {int(table[b, j])}"
-                     for b, j in idx[:_SHOWN]) + more

@@ -32,6 +32,11 @@ NEG_INF = float("-inf")
 # ----------------------------------------------------------------------------------------
 
 
+def max_block_id(block: int) -> int:
+    """Largest block id whose cache rows ``id * block + offset`` cannot wrap int64."""
+    return (2 ** 63 - 1) // block - 1
+
+
 def _slot_mapping_impl(positions: Tensor, block_table: Tensor, rank: Tensor, dcp: int,
                        interleave: int, block: int) -> Tensor:
     kw = dict(dcp=dcp, interleave=interleave, block=block)
@@ -40,10 +45,10 @@ def _slot_mapping_impl(positions: Tensor, block_table: Tensor, rank: Tensor, dcp
     entry_index = layout.local_slot(pos, **kw) // block
     in_table = entry_index < block_table.shape[1]
     entry = torch.gather(block_table, 1, entry_index.clamp(max=block_table.shape[1] - 1))
-    slots = layout.slot_mapping(pos, rank, entry.clamp(min=0), **kw)
-    # Padding, and positions with no allocated block (the engine rejects those before a step;
-    # this keeps a direct caller from writing into another block), write nowhere: -1.
-    writable = (positions >= 0) & in_table & (entry >= 0)
+    # Padding, unallocated (-1) entries and ids whose row arithmetic could wrap write nowhere
+    # (-1); the step contract rejects the last two on the host, this holds without it.
+    writable = (positions >= 0) & in_table & (entry >= 0) & (entry <= max_block_id(block))
+    slots = layout.slot_mapping(pos, rank, torch.where(writable, entry, 0), **kw)
     return torch.where(writable, slots, torch.full_like(slots, -1))
 
 
@@ -103,7 +108,11 @@ def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tens
                       slots: Tensor) -> tuple[Tensor, Tensor]:
     num_blocks, block, heads, dim = key_cache.shape
     garbage_row = (num_blocks - 1) * block
-    rows = torch.where(slots >= 0, slots, torch.full_like(slots, garbage_row)).reshape(-1)
+    # Slot -1, and any slot outside the usable blocks (a block id the cache does not have, or
+    # the garbage block itself), lands in the garbage block: a write never reaches a block
+    # its table does not name, whatever the inputs.
+    usable = (slots >= 0) & (slots < garbage_row)
+    rows = torch.where(usable, slots, torch.full_like(slots, garbage_row)).reshape(-1)
     new_k = key_cache.reshape(num_blocks * block, heads, dim).index_put(
         (rows,), k.reshape(-1, heads, dim).to(key_cache.dtype))
     new_v = value_cache.reshape(num_blocks * block, heads, dim).index_put(
@@ -138,11 +147,15 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     # Prior keys: this rank's local slots [0, prior_len) of each sequence, read from the paged
     # cache with a static shape (every slot the block table can address), validity masked.
     local = torch.arange(max_blocks * block, device=q.device)
-    rows = block_table.clamp(min=0)[:, local // block] * block + local % block
+    # Only entries naming a usable block are read; -1 (unallocated), the garbage block and ids
+    # beyond the cache read the garbage block instead and are masked out, never block 0.
+    entries = block_table[:, local // block]
+    allocated = (entries >= 0) & (entries < num_blocks - 1)
+    rows = torch.where(allocated, entries, num_blocks - 1) * block + local % block
     k_prior = key_cache.reshape(num_blocks * block, kv_heads, dim)[rows]
     v_prior = value_cache.reshape(num_blocks * block, kv_heads, dim)[rows]
     prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
-    prior_valid = local.unsqueeze(0) < prior_len.unsqueeze(1)
+    prior_valid = (local.unsqueeze(0) < prior_len.unsqueeze(1)) & allocated
     prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
                             torch.full_like(rows, -1))
 

@@ -15,9 +15,10 @@ from typing import Protocol
 
 import torch
 
-from dcp_compile.errors import DCPInputError
+from dcp_compile.errors import DCPConfigError, DCPInputError
 
-from .kv_cache import BlockAllocator, check_step_inputs
+from .kv_cache import BlockAllocator
+from .step_contract import StepContract, check_engine_caches
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,18 @@ class StepShapes:
     max_blocks: int = 8        # block-table entries per sequence
     num_blocks: int = 40       # cache blocks per rank, including the garbage block
 
+    def __post_init__(self):
+        # Typed and O(1): a bad shape is a config error here, not a raw torch error later.
+        bad = [f"{name}={getattr(self, name)!r}" for name, least in _SHAPE_MINIMA
+               if not (isinstance(getattr(self, name), int)
+                       and not isinstance(getattr(self, name), bool)
+                       and getattr(self, name) >= least)]
+        if bad:
+            raise DCPConfigError(
+                f"StepShapes fields must be ints with batch, context_len, max_blocks >= 1 "
+                f"and num_blocks >= 2 (one usable block besides the garbage block): "
+                f"{', '.join(bad)}. Pass positive ints.")
+
     @classmethod
     def fitting(cls, batch: int, context_len: int, max_tokens: int, *, block_size: int,
                 dcp: int, spare_blocks: int = 0) -> "StepShapes":
@@ -39,6 +52,9 @@ class StepShapes:
         max_blocks = -(-max_tokens // (block_size * dcp))
         return cls(batch=batch, context_len=context_len, max_blocks=max_blocks,
                    num_blocks=batch * max_blocks + spare_blocks + 1)
+
+
+_SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2))
 
 
 class Executor(Protocol):
@@ -85,15 +101,25 @@ class Engine:
     ``prompt_kind`` is the step kind prompt chunks run as: "prefill" (the single-device model,
     prefill-mode programs; later chunks continue a sequence) or "context" (a decode-mode
     program's own first-chunk-only prompt step).
+
+    Every step it builds is checked against the step contract (``runtime.step_contract``),
+    plus what only the engine knows: each row continues its sequence. ``vocab_size`` adds
+    the token-id rule (a loaded program checks it itself).
     """
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
-                 dcp: int = 1, prompt_kind: str = "prefill"):
+                 dcp: int = 1, prompt_kind: str = "prefill", vocab_size: int | None = None):
         self.executor = executor
         self.shapes = shapes
         self.block_size = block_size
         self.dcp = dcp
         self.prompt_kind = prompt_kind
+        # An executor that shows its caches must hold every block the shapes promise.
+        check_engine_caches(shapes.num_blocks, block_size, getattr(executor, "caches", None))
+        self.contracts = {kind: StepContract(
+            kind=kind, batch=shapes.batch, tokens=1 if kind == "decode" else shapes.context_len,
+            max_blocks=shapes.max_blocks, num_blocks=shapes.num_blocks, block_size=block_size,
+            dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")}
         self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp)
         self.lengths: list[int] = []
 
@@ -174,8 +200,10 @@ class Engine:
             self.allocator.ensure(b, self.lengths[b] + k)
         seq_ids = seqs + [None] * (self.shapes.batch - len(seqs))
         block_table = self.allocator.table(seq_ids, self.shapes.max_blocks)
-        check_step_inputs(positions, block_table, num_blocks=self.shapes.num_blocks,
-                          block_size=self.block_size, dcp=self.dcp)
+        # The step contract, plus the engine's own knowledge: each row continues its sequence.
+        seq_lens = torch.full((self.shapes.batch,), -1, dtype=torch.int64)
+        seq_lens[:len(seqs)] = torch.tensor(self.lengths[:len(seqs)], dtype=torch.int64)
+        self.contracts[kind].check(input_ids, positions, block_table, seq_lens=seq_lens)
         logits = self.executor.step(kind, input_ids, positions, block_table)
         for b, k in enumerate(new_tokens):
             self.lengths[b] += k

@@ -5,7 +5,8 @@ Layout. Per layer one key cache and one value cache, each
 and a program takes them as a flat list [k_0, v_0, k_1, v_1, ...]. Row ``block * block_size
 + offset`` of the flattened cache is one token's K (or V) for all of this rank's KV heads.
 Block ``num_blocks - 1`` is the garbage block: slot -1 writes (padding, positions another
-rank owns) land there and no block table may name it.
+rank owns, unallocated entries) land there, no block table may name it and attention never
+reads it.
 
 Block tables. One row per sequence, one entry per ``block_size * dcp`` global positions (a
 vblock: each rank stores its ``block_size`` owned positions of that vblock in that block);
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from dcp_compile.errors import DCPInputError
+
+from .step_contract import SLOT_MAPPING_RULES, StepContract
 
 
 @dataclass(frozen=True)
@@ -98,28 +101,7 @@ class BlockAllocator:
 
 def check_step_inputs(positions: torch.Tensor, block_table: torch.Tensor, *, num_blocks: int,
                       block_size: int, dcp: int) -> None:
-    """Reject a step the cache cannot serve, before anything is written.
-
-    Every non-padding position must fall in an allocated block-table entry, and no entry may
-    name the garbage block.
-    """
-    if (block_table == num_blocks - 1).any():
-        seq = int((block_table == num_blocks - 1).any(dim=1).nonzero()[0])
-        raise DCPInputError(
-            f"block table of batch row {seq} references the garbage block "
-            f"{num_blocks - 1} (reserved for slot -1 writes): {block_table[seq].tolist()}. "
-            f"Allocate blocks with BlockAllocator, which never hands it out.")
-    if ((block_table < -1) | (block_table >= num_blocks)).any():
-        raise DCPInputError(f"block table entries must be -1 or in [0, {num_blocks - 1}): "
-                            f"{block_table.tolist()}. Fix the block table.")
-    vblock = block_size * dcp
-    entry = positions.clamp(min=0) // vblock
-    beyond = (positions >= 0) & ((entry >= block_table.shape[1])
-                                 | (torch.gather(block_table, 1, entry.clamp(
-                                     max=block_table.shape[1] - 1)) < 0))
-    if beyond.any():
-        row, col = (int(i) for i in beyond.nonzero()[0])
-        raise DCPInputError(
-            f"position {int(positions[row, col])} of batch row {row} is beyond its block "
-            f"table (entries cover {vblock} positions each: {block_table[row].tolist()}). "
-            f"Allocate blocks for it first.")
+    """Block ids and position placement only (``SLOT_MAPPING_RULES``); a step's full check is
+    ``runtime.step_contract.StepContract.check``, which the Engine and programs run."""
+    StepContract(num_blocks=num_blocks, block_size=block_size, dcp=dcp,
+                 rules=SLOT_MAPPING_RULES).check(None, positions, block_table)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from torch.fx import Graph, GraphModule
 
+from dcp_compile.errors import DCPInputError
 from passes.collectives import role_of
+
+from .step_contract import StepContract
 
 
 def copy_graph_module(gm: GraphModule) -> GraphModule:
@@ -20,14 +23,25 @@ class RankProgram:
 
     ``group_names`` maps each role the program uses to this rank's process-group name (as
     returned by ``runtime.world.bind_roles``).
+
+    Every step checks its inputs against the step contract (``runtime.step_contract``)
+    before the graph runs, so a bad input raises ``DCPInputError`` with no cache written and
+    no collective entered. What the caller still owns: each row's first position is its
+    sequence's length, and the caches hold that sequence's KV below it (the Engine checks
+    the first part; a gap would attend to whatever the sequence's blocks held before).
     """
 
-    def __init__(self, program, rank: int, group_names: dict[str, str]):
+    def __init__(self, program, rank: int, group_names: dict[str, str], *,
+                 max_model_len: int | None = None):
         self.program = program
         self.rank = rank
         state = program.state_dict_for(rank)
         from passes.insert_rank import RANK_INPUT
         self._prefix = [state[n] for n in program.weight_inputs] + [state[RANK_INPUT]]
+        device = self._prefix[0].device
+        self.contracts = {kind: StepContract.for_program(program, kind, device=device,
+                                                         max_model_len=max_model_len)
+                          for kind in program.graphs}
         self.graphs = {}
         for kind, gm in program.graphs.items():
             gm = copy_graph_module(gm)
@@ -44,6 +58,11 @@ class RankProgram:
             self.graphs[kind] = gm
 
     def run(self, kind: str, input_ids, positions, block_table, caches):
+        if kind not in self.graphs:
+            raise DCPInputError(f"this program has no {kind!r} step: it has "
+                                f"{sorted(self.graphs)}. Run one of those.")
+        caches = list(caches)
+        self.contracts[kind].check(input_ids, positions, block_table, caches)
         out = self.graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
         return out[0], list(out[1:])
 

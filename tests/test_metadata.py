@@ -122,19 +122,22 @@ GOOD = dict(block_table=[[3, 5], [7, -1]], positions=[[0, 17], [4, -1]], cp_rank
 
 ERRORS = {
     "position-beyond-table": (dict(positions=[[0, 32], [4, -1]]),
-                              "position beyond the sequence's block table", "position 32"),
+                              "positions[0, 1] = 32 is beyond its block table",
+                              "entry 2 is past the 2-entry table"),
     "position-in-unallocated-entry": (dict(positions=[[0, 17], [16, -1]]),
-                                      "beyond the sequence's block table", "entry is -1"),
+                                      "positions[1, 0] = 16 is beyond its block table",
+                                      "block_table[1, 1] = -1 is unallocated"),
     "garbage-block": (dict(block_table=[[3, 9], [7, -1]], num_blocks=10),
-                      "garbage block", "= 9"),
+                      "is the garbage block", "block_table[0, 1] = 9"),
     "garbage-block-unused-entry": (dict(block_table=[[3, 5], [7, 9]], num_blocks=10),
-                                   "garbage block", "sequence 1 entry 1 = 9"),
+                                   "garbage block", "block_table[1, 1] = 9"),
     "entry-beyond-cache": (dict(block_table=[[3, 12], [7, -1]], num_blocks=10),
-                           "beyond the cache", "= 12"),
-    "entry-below-minus-one": (dict(block_table=[[3, -2], [7, -1]]), "block ids >= 0 or -1",
-                              "= -2"),
-    "position-below-minus-one": (dict(positions=[[0, -5], [4, -1]]), "positions must be >= 0",
-                                 "position -5"),
+                           "outside the cache", "block_table[0, 1] = 12"),
+    "entry-below-minus-one": (dict(block_table=[[3, -2], [7, -1]]), "block id in",
+                              "block_table[0, 1] = -2 is below -1"),
+    "position-below-minus-one": (dict(positions=[[0, -5], [4, -1]]),
+                                 "positions are >= 0, or -1 for padding",
+                                 "positions[0, 1] = -5"),
     "dcp=0": (dict(dcp=0), "dcp must be a positive integer", "dcp=0"),
     "negative-block-size": (dict(block_size=-8), "block_size must be a positive integer",
                             "block_size=-8"),
@@ -176,7 +179,7 @@ def test_good_reference_input_is_valid():
     assert got.tolist() == brute(GOOD["block_table"], GOOD["positions"], 1, 2, 4, 8)
 
 
-def test_error_lists_several_offenders_and_counts_the_rest():
+def test_error_names_the_first_offender_and_counts_the_rest():
     positions = [[100 + i for i in range(10)]]
-    with pytest.raises(DCPInputError, match=r"and 6 more"):
+    with pytest.raises(DCPInputError, match=r"positions\[0, 0\] = 100 \(and 9 more\)"):
         compute_slot_mapping([[1]], positions, 0, 2, 4, 4)

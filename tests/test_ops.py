@@ -1,9 +1,10 @@
 """The dcp custom ops on their edge cases: empty shards, -inf LSE, garbage writes, fakes."""
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import dcp_compile.ops  # noqa: F401
+import dcp_compile.ops
 
 ops = torch.ops.dcp
 
@@ -63,3 +64,47 @@ def test_fake_implementations_give_shapes_only():
                                          torch.empty(2, dtype=torch.long),
                                          torch.empty((), dtype=torch.long), 2, 4, 0.3)
         assert out.shape == q.shape and lse.shape == (2, 3, 4) and lse.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------
+# Safe by construction: whatever the block table holds, a write never reaches a block the
+# table does not name for that position, and attention never reads an unallocated entry.
+# ----------------------------------------------------------------------------------------
+
+def test_slot_mapping_masks_entries_whose_row_arithmetic_would_wrap():
+    pos = torch.tensor([[0, 1]])
+    for entry in (2 ** 62, 2 ** 63 - 1, dcp_compile.ops.max_block_id(4) + 1):
+        got = ops.slot_mapping(pos, torch.tensor([[entry]]), torch.tensor(0), 1, 4, 4)
+        assert got.tolist() == [[-1, -1]], entry
+    edge = dcp_compile.ops.max_block_id(4)
+    got = ops.slot_mapping(pos, torch.tensor([[edge]]), torch.tensor(0), 1, 4, 4)
+    assert got.tolist() == [[edge * 4, edge * 4 + 1]]      # largest id: exact, no wrap
+
+
+def test_cache_write_sends_slots_outside_the_usable_blocks_to_the_garbage_block():
+    kc, vc = _cache(fill=float("nan")), _cache(fill=float("nan"))
+    k = torch.ones(1, 4, 1, 2)
+    # 12..15 is the garbage block itself, 16 and 2**40 are past the cache.
+    new_k, _ = ops.cache_write(kc, vc, k, k, torch.tensor([[13, 16, 2 ** 40, -1]]))
+    flat = new_k.reshape(-1, 1, 2)
+    assert torch.isnan(flat[:12]).all()                          # usable blocks untouched
+    assert torch.isfinite(flat[12]).all()                        # all of it went to garbage
+
+
+@pytest.mark.parametrize("entry", [-1, 3, 7, 2 ** 62],
+                         ids=["unallocated", "garbage-block", "beyond-cache", "block-2**62"])
+def test_partial_attention_never_reads_an_entry_that_names_no_usable_block(entry):
+    """Prior slots under such an entry are masked, not read from block 0 (another
+    sequence's KV, here huge values that would dominate the output)."""
+    kc, vc = _cache(blocks=4), _cache(blocks=4)
+    kc[0], vc[0] = 50.0, 1e6                       # block 0: someone else's KV
+    kc[1], vc[1] = 0.1, 2.0                        # block 1: this sequence's entry 1
+    kc[3], vc[3] = float("nan"), float("nan")      # the garbage block
+    q = torch.ones(1, 1, 1, 2)
+    k_cur = torch.zeros(1, 1, 1, 2)
+    table = torch.tensor([[entry, 1]])
+    out, lse = ops.partial_attention(q, torch.tensor([[8]]), k_cur, k_cur, torch.tensor([[-1]]),
+                                     kc, vc, table, torch.tensor([8]), torch.tensor(0), 1, 4,
+                                     1.0)
+    assert torch.allclose(out, torch.full_like(out, 2.0))      # only block 1's values
+    assert torch.isfinite(lse).all()
