@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .errors import DCPConfigError
 
 MODES = ("decode", "prefill")
 KV_ROLES = (None, "kv_producer", "kv_consumer")
+
+# Largest accepted value of each size: far above any deployment, and small enough that every
+# rule below (divisor lists, suggested fixes) and every group table stays cheap.
+SIZE_LIMITS = {"tp": 2**16, "dcp": 2**16, "block_size": 2**20, "interleave_size": 2**20,
+               "num_q_heads": 2**16, "num_kv_heads": 2**16, "head_dim": 2**16}
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,13 @@ def _violations(c: DCPConfig) -> list[str]:
     bad = [n for n, v in sizes.items() if not _is_positive_int(v)]
     for n in bad:
         out.append(f"{n} must be a positive integer: {n}={sizes[n]!r}. Pass an int >= 1.")
+    for n, v in sizes.items():
+        if n not in bad and v > SIZE_LIMITS[n]:
+            bad.append(n)
+            out.append(f"{n} is too large: {n}={v}. Use {n} <= {SIZE_LIMITS[n]}.")
+    if not isinstance(c.attention_dp, bool):
+        out.append(f"attention_dp must be a bool: attention_dp={c.attention_dp!r}. "
+                   "Pass True or False.")
     if c.mode not in MODES:
         out.append(f"mode must be one of {MODES}: mode={c.mode!r}. "
                    "Use mode='decode' or mode='prefill'.")
@@ -162,12 +175,14 @@ def _head_violations(c: DCPConfig) -> list[str]:
 
 def _largest_valid_decode_dcp(c: DCPConfig) -> int:
     hq, hkv, tp = c.num_q_heads, c.num_kv_heads, c.tp
-    for d in range(tp, 1, -1):
-        if (tp % d == 0 and tp > hkv and d <= tp // hkv and (hq // hkv) % d == 0
+    for d in reversed(_divisors(tp)):
+        if (d > 1 and tp > hkv and d <= tp // hkv and (hq // hkv) % d == 0
                 and (tp // hkv) % d == 0):
             return d
     return 1
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in increasing order, in O(sqrt(n)) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]

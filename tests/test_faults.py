@@ -66,3 +66,76 @@ def test_hung_thread_rank_is_named_and_not_leaked_silently():
             t.join(30)
     assert leaked_ranks() == []
     assert run_threaded(2, lambda r: r) == [0, 1]  # later worlds are unaffected
+
+
+# --- configuration sizes --------------------------------------------------------------------
+
+def _bounded(fn, *args, seconds=60.0):
+    """fn(*args) on a daemon thread; its outcome, or a failure if it has not returned within
+    ``seconds`` (a bound on a hang, not a timing measurement)."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn.__name__}{args} still running after {seconds} s"
+    return out
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(tp=2**40, dcp=1), "tp"),
+    (dict(tp=2**40, dcp=3), "tp"),          # used to list the divisors of 2**40
+    (dict(tp=8, dcp=2**40), "dcp"),
+    (dict(tp=4, dcp=2, block_size=2**62, interleave_size=3), "block_size"),
+    (dict(tp=8, dcp=2, num_q_heads=2**40, num_kv_heads=8), "num_q_heads"),
+])
+def test_huge_sizes_are_refused_at_once(kwargs, field):
+    from dcp_compile.config import SIZE_LIMITS, DCPConfig
+    from dcp_compile.errors import DCPConfigError
+    err = _bounded(lambda: DCPConfig(**kwargs)).get("error")
+    assert isinstance(err, DCPConfigError)
+    assert f"{field} is too large: {field}={kwargs[field]}. Use {field} <= " \
+           f"{SIZE_LIMITS[field]}." in str(err)
+
+
+def test_largest_sizes_validate_with_suggested_fixes():
+    """At the limits the rules (divisor lists, the suggested dcp) still run in O(sqrt)."""
+    from dcp_compile.config import DCPConfig
+    from dcp_compile.errors import DCPConfigError
+    err = _bounded(lambda: DCPConfig(tp=2**16, dcp=2**15, num_q_heads=2**16,
+                                     num_kv_heads=4)).get("error")
+    assert isinstance(err, DCPConfigError) and "Use dcp=16384." in str(err)
+    err = _bounded(lambda: DCPConfig(tp=2**16 - 1, dcp=2)).get("error")
+    assert "Use dcp in [1, 3, 5, 15, 17, 51, 85, 255, 257, 771, 1285, 3855, 4369, 13107, " \
+           "21845, 65535]." in str(err)
+
+
+@pytest.mark.parametrize("field", ["tp", "dcp", "block_size", "num_q_heads", "num_kv_heads",
+                                   "head_dim"])
+@pytest.mark.parametrize("value", [True, 2.0, "4", -1, 0, None])
+def test_config_sizes_are_typed(field, value):
+    from dcp_compile.config import DCPConfig
+    from dcp_compile.errors import DCPConfigError
+    kwargs = dict(tp=4, dcp=2, num_q_heads=8, num_kv_heads=2, head_dim=16)
+    kwargs[field] = value
+    if value is None and field not in ("tp", "dcp", "block_size"):
+        DCPConfig(**kwargs)  # head counts may be left out
+        return
+    with pytest.raises(DCPConfigError, match=f"{field} must be a positive integer: "
+                                             f"{field}={value!r}"):
+        DCPConfig(**kwargs)
+
+
+def test_attention_dp_and_mode_are_typed():
+    from dcp_compile.config import DCPConfig
+    from dcp_compile.errors import DCPConfigError
+    with pytest.raises(DCPConfigError, match="attention_dp must be a bool: attention_dp=1"):
+        DCPConfig(tp=4, dcp=1, attention_dp=1)
+    with pytest.raises(DCPConfigError, match=r"mode must be one of .*: mode=\['decode'\]"):
+        DCPConfig(tp=4, dcp=1, mode=["decode"])
