@@ -136,17 +136,19 @@ def _violations(c: DCPConfig) -> list[str]:
 
 
 def _head_violations(c: DCPConfig) -> list[str]:
+    """Head rules; the KV-head ones apply as soon as num_kv_heads is known (a topology, a
+    transfer plan), the query-head ones once num_q_heads is known too."""
     out: list[str] = []
     hq, hkv, tp, dcp = c.num_q_heads, c.num_kv_heads, c.tp, c.dcp
-    if hq is None or hkv is None or tp % dcp:
+    if hkv is None or tp % dcp:
         return out
-    if hq % hkv:
+    if hq is not None and hq % hkv:
         out.append(f"num_q_heads must be a multiple of num_kv_heads (GQA groups): "
                    f"num_q_heads={hq}, num_kv_heads={hkv}. Check the model config.")
         return out
     shard = c.attention_shard
     where = "full TP" if c.mode == "decode" else "dcp_tp_group (TP/DCP)"
-    if hq % shard:
+    if hq is not None and hq % shard:
         out.append(f"query heads must split evenly over {where}: num_q_heads={hq}, "
                    f"shard={shard} (tp={tp}, dcp={dcp}). Use a tp that divides {hq}.")
     if hkv % shard and shard % hkv:
@@ -164,7 +166,7 @@ def _head_violations(c: DCPConfig) -> list[str]:
     if dcp > tp // hkv:
         out.append(f"dcp <= tp // num_kv_heads: dcp={dcp}, tp={tp}, num_kv_heads={hkv}. "
                    f"{fix_text}.")
-    if (hq // hkv) % dcp:
+    if hq is not None and (hq // hkv) % dcp:
         out.append(f"(num_q_heads // num_kv_heads) % dcp == 0: num_q_heads={hq}, "
                    f"num_kv_heads={hkv}, dcp={dcp}. {fix_text}.")
     if (tp // hkv) % dcp:
@@ -176,8 +178,8 @@ def _head_violations(c: DCPConfig) -> list[str]:
 def _largest_valid_decode_dcp(c: DCPConfig) -> int:
     hq, hkv, tp = c.num_q_heads, c.num_kv_heads, c.tp
     for d in reversed(_divisors(tp)):
-        if (d > 1 and tp > hkv and d <= tp // hkv and (hq // hkv) % d == 0
-                and (tp // hkv) % d == 0):
+        if (d > 1 and tp > hkv and d <= tp // hkv and (tp // hkv) % d == 0
+                and (hq is None or (hq // hkv) % d == 0)):
             return d
     return 1
 
