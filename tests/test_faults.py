@@ -139,3 +139,70 @@ def test_attention_dp_and_mode_are_typed():
         DCPConfig(tp=4, dcp=1, attention_dp=1)
     with pytest.raises(DCPConfigError, match=r"mode must be one of .*: mode=\['decode'\]"):
         DCPConfig(tp=4, dcp=1, mode=["decode"])
+
+
+# --- dumps only touch files they wrote ------------------------------------------------------
+
+def _dump_steps(root, passes):
+    """Dump a tiny graph through ``passes`` (names) into ``root``/decode, like a transform."""
+    from torch.fx import Graph, GraphModule
+
+    from passes import dump as D
+    from passes.manager import PassRecord
+    g = Graph()
+    g.output(g.call_function(torch.ops.aten.relu.default, (g.placeholder("x"),)))
+    gm = GraphModule(torch.nn.Module(), g)
+    dump = D.PassDump(root, "decode", source="unit")
+    for name in passes:
+        dump(PassRecord(name, "decode", False, {}, {}, 0.0), gm)
+    return dump.close()
+
+
+def test_dump_into_a_users_folder_keeps_the_users_files(tmp_path):
+    """The old dump deleted every `NN_*` file and manifest.json of the step folder."""
+    mine = {tmp_path / "notes.txt": "user notes", tmp_path / "decode" / "00_plan.txt": "plan",
+            tmp_path / "decode" / "99_results.csv": "a,b", tmp_path / "other" / "x.py": "1"}
+    for path, text in mine.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    _dump_steps(tmp_path, ["capture", "pass_a", "pass_b"])
+    assert (tmp_path / "decode" / "02_pass_b.py").exists()
+    _dump_steps(tmp_path, ["capture"])  # a re-dump replaces what the dump wrote, only
+    for path, text in mine.items():
+        assert path.read_text() == text
+    assert (tmp_path / "decode" / "00_capture.py").exists()
+    assert not (tmp_path / "decode" / "02_pass_b.py").exists()  # its own stale entry is gone
+    assert (tmp_path / "index.html").exists()
+
+
+@pytest.mark.parametrize("name", ["index.html", "decode/manifest.json", "decode/00_capture.py",
+                                  "certificate.json"])
+def test_dump_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, name):
+    from dcp_compile.errors import DCPConfigError
+    from passes.dump import PassDump
+    theirs = tmp_path / name
+    theirs.parent.mkdir(parents=True, exist_ok=True)
+    theirs.write_text("not the dump's")
+    if name == "certificate.json":  # written at close() only, when a certificate is known
+        dump = PassDump(tmp_path, "decode", source="unit")
+        with pytest.raises(DCPConfigError, match="holds a file the dump did not write"):
+            dump.close(certificate=_certificate())
+    else:
+        with pytest.raises(DCPConfigError, match=f"holds a file the dump did not write: "
+                                                 f"{theirs}"):
+            _dump_steps(tmp_path, ["capture"])
+    assert theirs.read_text() == "not the dump's"
+
+
+def _certificate():
+    from dcp_compile import prove
+    return prove(2, 16, 16)
+
+
+def test_a_foreign_ledger_is_refused(tmp_path):
+    from dcp_compile.errors import DCPConfigError
+    from passes.dump import LEDGER
+    (tmp_path / "decode").mkdir()
+    (tmp_path / "decode" / LEDGER).write_text("{\"not\": \"a list\"}")
+    with pytest.raises(DCPConfigError, match="ledger is not one the dump wrote"):
+        _dump_steps(tmp_path, ["capture"])
