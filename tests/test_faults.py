@@ -206,3 +206,70 @@ def test_a_foreign_ledger_is_refused(tmp_path):
     (tmp_path / "decode" / LEDGER).write_text("{\"not\": \"a list\"}")
     with pytest.raises(DCPConfigError, match="ledger is not one the dump wrote"):
         _dump_steps(tmp_path, ["capture"])
+
+
+# --- torchrun: the rank that stopped answering is named, not its victims --------------------
+
+@pytest.mark.multiprocess
+def test_hung_torchrun_rank_is_named_not_its_victim():
+    """Rank 1 sleeps outside any collective; rank 0's all_reduce times out (5 s) and torchrun
+    reports rank 0 as the root cause. The launcher must name rank 1 (from the stacks each
+    rank dumps when terminated) and call rank 0 its victim."""
+    from runtime import launch
+    with pytest.raises(DCPWorldError) as info:
+        launch.run_torchrun(2, "tests.fault_worker",
+                            ["--hang-rank", "1", "--collective-timeout", "5"],
+                            timeout=600, cwd=ROOT)
+    err = info.value
+    head = str(err).splitlines()[0]
+    assert "rank 1 stopped answering (rank 1 at fault_worker.py" in head, head
+    assert "in stop_answering, outside any collective" in head, head
+    assert "ranks [0] stopped after it (rank 0 timed out in all_reduce)" in head, head
+    assert "rank 0 failed" not in head
+    assert list(err.failures) == [1, 0]
+    assert "[stacks when terminated]" in err.failures[1]
+
+
+def _dump(*frames):
+    """A faulthandler dump of one thread, ``frames`` innermost first as (path, line, func)."""
+    body = "".join(f'  File "{p}", line {n} in {f}\n' for p, n, f in frames)
+    return "Current thread 0x00007f00 (most recent call first):\n" + body
+
+
+_RUNPY = [("<frozen runpy>", 88, "_run_code"), ("<frozen runpy>", 198, "_run_module_as_main")]
+_TD = "/site-packages/torch/distributed/"
+_IN_ALL_REDUCE = _dump((_TD + "distributed_c10d.py", 3252, "all_reduce"),
+                       (_TD + "c10d_logger.py", 83, "wrapper"),
+                       ("/w/worker.py", 39, "main"), *_RUNPY)
+_IN_BARRIER = _dump((_TD + "distributed_c10d.py", 4000, "barrier"),
+                    (_TD + "c10d_logger.py", 83, "wrapper"), ("/w/worker.py", 41, "main"), *_RUNPY)
+_SLEEPING = ("Thread 0x00007f01 (most recent call first):\n"
+             '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+             '  File "/usr/lib/python3.11/threading.py", line 1000 in _bootstrap\n\n'
+             + _dump(("/w/worker.py", 24, "stop_answering"), ("/w/worker.py", 38, "main"),
+                     *_RUNPY))
+
+
+def _launch_timeout_error(stacks):
+    from runtime import launch
+    proc = subprocess.CompletedProcess(["python", "-m", "w"], -15, "", "")
+    return launch._launch_error(len(stacks), "w", proc, {r: "" for r in stacks}, True, 30.0,
+                                stacks)
+
+
+def test_launch_timeout_names_the_rank_outside_collectives():
+    """The launcher's own timeout killed every rank: ranks 0 and 2 in collectives, rank 1 in
+    the worker's code (with a helper thread of its own)."""
+    err = _launch_timeout_error({0: _IN_ALL_REDUCE, 1: _SLEEPING, 2: _IN_BARRIER})
+    head = str(err).splitlines()[0]
+    assert ("did not finish in 30.0 s and was killed: rank 1 stopped answering (rank 1 at "
+            "worker.py:24 in stop_answering, outside any collective); ranks [0, 2] stopped "
+            "after it (rank 0 killed in all_reduce; rank 2 killed in barrier)") in head, head
+    assert list(err.failures) == [1, 0, 2] and err.timed_out == [0, 1, 2]
+
+
+def test_launch_timeout_with_every_rank_in_a_collective_says_so():
+    err = _launch_timeout_error({0: _IN_ALL_REDUCE, 1: _IN_BARRIER})
+    head = str(err).splitlines()[0]
+    assert ("every failing rank was waiting in a collective (rank 0 killed in all_reduce; "
+            "rank 1 killed in barrier): the ranks issued different collectives") in head, head
