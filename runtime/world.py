@@ -326,9 +326,8 @@ def _raise_failures(world_size: int, raised: dict[int, BaseException], hung: dic
         lines.append(f"Ranks {stopped} were stopped in a collective because of it.")
     for r in primary + sorted(leaked or hung):
         lines.append(f"--- rank {r} ---\n{failures[r].rstrip()}")
-    err = DCPWorldError("\n".join(lines), failures=failures, timed_out=sorted(hung))
-    err.leaked = list(leaked)
-    raise err from exc
+    raise DCPWorldError("\n".join(lines), failures=failures, timed_out=sorted(hung),
+                        leaked=leaked) from exc
 
 
 def bind_roles(topology: Topology, rank: int, *, aliases: bool = False,
