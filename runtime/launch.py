@@ -264,7 +264,7 @@ def _where(frames: list[tuple[str, str, str]]) -> str:
     return f"{Path(path).name}:{line} in {func}"
 
 
-def _rank_state(rank: int, code: int | None, log: str, stack: str | None) -> tuple[str, str]:
+def _rank_state(code: int | None, log: str, stack: str | None) -> tuple[str, str]:
     """``(kind, where)`` of a rank that did not finish: kind "error" (it raised on its own),
     "waiting" (timed out, killed or dropped inside a collective: a victim), "hung" (killed
     outside any collective: it stopped answering) or "unknown"."""
@@ -309,7 +309,7 @@ def _launch_error(nproc, module, proc, logs, timed_out, timeout, stacks=None) ->
     codes, root = _failed_ranks(combined)
     ranks = sorted(set(codes) | set(logs) | set(stacks)) if timed_out else \
         (sorted(codes) or sorted(logs))
-    states = {r: _rank_state(r, None if timed_out else codes.get(r), logs.get(r, ""),
+    states = {r: _rank_state(None if timed_out else codes.get(r), logs.get(r, ""),
                              stacks.get(r)) for r in ranks}
     errors = [r for r in ranks if states[r][0] == "error"]
     hung = [r for r in ranks if states[r][0] == "hung"]
