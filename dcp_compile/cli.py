@@ -34,13 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0],
                            description=module.__doc__)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _validate=getattr(module, "validate", None),
+                       _parser=p)
     return parser
 
 
 def main(argv=None) -> int:
+    """Parse and check every option before any work, with no traceback: a bad value (the
+    argparse ``type=`` validators of commands/options.py) exits 2 as argparse does; a layout
+    that DCPConfig refuses (the command's ``validate(args)``) prints the usage and the
+    message and returns 2. A DCPError raised while working prints ``error: ...``, returns 2."""
     args = build_parser().parse_args(argv)
     from .errors import DCPError
+    if args._validate is not None:
+        try:
+            args._validate(args)
+        except DCPError as e:
+            args._parser.print_usage(sys.stderr)
+            print(f"{args._parser.prog}: error: {e}", file=sys.stderr)
+            return 2
     try:
         return int(args._run(args) or 0)
     except DCPError as e:

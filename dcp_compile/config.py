@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .errors import DCPConfigError
 
 MODES = ("decode", "prefill")
 KV_ROLES = (None, "kv_producer", "kv_consumer")
+
+# Largest accepted value of each size: far above any deployment, and small enough that every
+# rule below (divisor lists, suggested fixes) and every group table stays cheap.
+SIZE_LIMITS = {"tp": 2**16, "dcp": 2**16, "block_size": 2**20, "interleave_size": 2**20,
+               "num_q_heads": 2**16, "num_kv_heads": 2**16, "head_dim": 2**16}
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,13 @@ def _violations(c: DCPConfig) -> list[str]:
     bad = [n for n, v in sizes.items() if not _is_positive_int(v)]
     for n in bad:
         out.append(f"{n} must be a positive integer: {n}={sizes[n]!r}. Pass an int >= 1.")
+    for n, v in sizes.items():
+        if n not in bad and v > SIZE_LIMITS[n]:
+            bad.append(n)
+            out.append(f"{n} is too large: {n}={v}. Use {n} <= {SIZE_LIMITS[n]}.")
+    if not isinstance(c.attention_dp, bool):
+        out.append(f"attention_dp must be a bool: attention_dp={c.attention_dp!r}. "
+                   "Pass True or False.")
     if c.mode not in MODES:
         out.append(f"mode must be one of {MODES}: mode={c.mode!r}. "
                    "Use mode='decode' or mode='prefill'.")
@@ -123,17 +136,19 @@ def _violations(c: DCPConfig) -> list[str]:
 
 
 def _head_violations(c: DCPConfig) -> list[str]:
+    """Head rules; the KV-head ones apply as soon as num_kv_heads is known (a topology, a
+    transfer plan), the query-head ones once num_q_heads is known too."""
     out: list[str] = []
     hq, hkv, tp, dcp = c.num_q_heads, c.num_kv_heads, c.tp, c.dcp
-    if hq is None or hkv is None or tp % dcp:
+    if hkv is None or tp % dcp:
         return out
-    if hq % hkv:
+    if hq is not None and hq % hkv:
         out.append(f"num_q_heads must be a multiple of num_kv_heads (GQA groups): "
                    f"num_q_heads={hq}, num_kv_heads={hkv}. Check the model config.")
         return out
     shard = c.attention_shard
     where = "full TP" if c.mode == "decode" else "dcp_tp_group (TP/DCP)"
-    if hq % shard:
+    if hq is not None and hq % shard:
         out.append(f"query heads must split evenly over {where}: num_q_heads={hq}, "
                    f"shard={shard} (tp={tp}, dcp={dcp}). Use a tp that divides {hq}.")
     if hkv % shard and shard % hkv:
@@ -151,7 +166,7 @@ def _head_violations(c: DCPConfig) -> list[str]:
     if dcp > tp // hkv:
         out.append(f"dcp <= tp // num_kv_heads: dcp={dcp}, tp={tp}, num_kv_heads={hkv}. "
                    f"{fix_text}.")
-    if (hq // hkv) % dcp:
+    if hq is not None and (hq // hkv) % dcp:
         out.append(f"(num_q_heads // num_kv_heads) % dcp == 0: num_q_heads={hq}, "
                    f"num_kv_heads={hkv}, dcp={dcp}. {fix_text}.")
     if (tp // hkv) % dcp:
@@ -162,12 +177,14 @@ def _head_violations(c: DCPConfig) -> list[str]:
 
 def _largest_valid_decode_dcp(c: DCPConfig) -> int:
     hq, hkv, tp = c.num_q_heads, c.num_kv_heads, c.tp
-    for d in range(tp, 1, -1):
-        if (tp % d == 0 and tp > hkv and d <= tp // hkv and (hq // hkv) % d == 0
-                and (tp // hkv) % d == 0):
+    for d in reversed(_divisors(tp)):
+        if (d > 1 and tp > hkv and d <= tp // hkv and (tp // hkv) % d == 0
+                and (hq is None or (hq // hkv) % d == 0)):
             return d
     return 1
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in increasing order, in O(sqrt(n)) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]

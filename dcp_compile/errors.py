@@ -59,10 +59,12 @@ class DCPWorldError(DCPError, RuntimeError):
     failed, or the world does not match the topology.
 
     ``failures`` maps each failing rank to its traceback or captured output; ``timed_out``
-    lists the ranks that did not finish in time.
+    lists the ranks that did not finish in time; ``leaked``, the thread ranks that could not
+    be stopped and still run (``runtime.world.leaked_ranks()``).
     """
 
-    def __init__(self, message, failures=None, timed_out=()):
+    def __init__(self, message, failures=None, timed_out=(), leaked=()):
         self.failures = dict(failures or {})
         self.timed_out = list(timed_out)
+        self.leaked = list(leaked)
         super().__init__(message)

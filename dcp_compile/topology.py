@@ -80,7 +80,7 @@ class Topology:
         return "\n".join(lines)
 
     def _check_rank(self, rank: int) -> None:
-        if not (isinstance(rank, int) and 0 <= rank < self.tp):
+        if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < self.tp):
             raise ValueError(f"rank out of range: rank={rank!r}, tp={self.tp}. "
                              f"Use 0 <= rank < {self.tp}.")
 

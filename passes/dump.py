@@ -25,6 +25,12 @@ every entry is also emitted as structured-trace artifacts (``dcp_<step>_NN_<pass
 
 ``DCP_COMPILE_DUMP=DIR`` turns dumps on for ``transform()`` (``DIR/transform-<mode>/``) and
 the torch.compile backend (``DIR/backend-<mode>/``); ``DIR/index.html`` links them.
+
+A dump only ever replaces or deletes files it wrote: every directory it writes into keeps a
+ledger (``.dcp-dump-files.json``) of the files the dump wrote there. A re-dump of a step
+deletes that step's listed files and nothing else; a file of that name that the dump did not
+write (a user's ``index.html``, ``decode/manifest.json``) is never overwritten: the dump
+refuses with :class:`DCPConfigError` naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import difflib
 import html
 import json
 import os
-import re
 import shutil
 import subprocess
 import time
@@ -42,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from torch.fx import GraphModule, Node
+
+from dcp_compile.errors import DCPConfigError
 
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_RANK, KIND_SHARD, KIND_SLICE)
@@ -68,6 +75,65 @@ _DOT_TIMEOUT = 120.0
 # Graphviz takes minutes on graphs of many thousand nodes: above this, DOT text only.
 MAX_RENDERED_NODES = 2500
 _MAX_RENDERS_RUNNING = 2
+
+
+LEDGER = ".dcp-dump-files.json"
+
+
+class OwnedDir:
+    """A directory the dump writes into, with the ledger of the files it wrote there: the
+    dump replaces or deletes only those, and refuses to overwrite any other file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.ledger = self.path / LEDGER
+
+    def owned(self) -> set[str]:
+        """Names of the files the dump wrote in this directory."""
+        if not self.ledger.exists():
+            return set()
+        try:
+            names = json.loads(self.ledger.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            names = None
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise DCPConfigError(f"the dump's ledger is not one the dump wrote: {self.ledger}. "
+                                 "Point dump_dir at a new or empty directory.")
+        return set(names)
+
+    def claim(self, name: str) -> Path:
+        """The path of file ``name``, after checking the dump may write it (it is listed, or
+        does not exist yet: it is then listed before it is written)."""
+        names = self.owned()
+        target = self.path / name
+        if name not in names:
+            if target.exists() or target.is_symlink():
+                raise DCPConfigError(
+                    f"the dump directory holds a file the dump did not write: {target}. Move "
+                    f"it, or point dump_dir at a new or empty directory (a dump replaces only "
+                    f"the files listed in {LEDGER}).")
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._save(names | {name})
+        elif target.is_symlink():
+            raise DCPConfigError(f"a file the dump wrote was replaced by a link: {target}. "
+                                 "Remove the link, or point dump_dir elsewhere.")
+        return target
+
+    def write_text(self, name: str, text: str) -> Path:
+        target = self.claim(name)
+        target.write_text(text)
+        return target
+
+    def remove_owned(self) -> None:
+        """Delete every file the dump wrote here (and only those); the directory stays."""
+        for name in sorted(self.owned()):
+            target = self.path / name
+            if target.is_file() and not target.is_symlink():
+                target.unlink()
+        self._save(set())
+
+    def _save(self, names: set[str]) -> None:
+        self.ledger.write_text(json.dumps(sorted(names), indent=0))
 
 
 def env_dump_root() -> Path | None:
@@ -101,6 +167,7 @@ class PassDump:
         self.source = source
         self.config = config
         self.dir = self.root / step if self.root is not None else None
+        self._files = OwnedDir(self.dir) if self.dir is not None else None
         self.entries: list[dict] = []
         self.records: list = []
         self._created = time.time()
@@ -113,12 +180,9 @@ class PassDump:
         self._certs: dict[int, Any] = {}   # entry index -> certificate known after it
         self._renders: list[tuple[subprocess.Popen, Path, dict]] = []
         if self.dir is not None:
-            if self.dir.exists():  # a new transform of this step replaces the old entries
-                for f in self.dir.iterdir():
-                    if f.is_file() and (re.match(r"\d\d_", f.name)
-                                        or f.name in ("manifest.json", "certificate.json")):
-                        f.unlink()
+            # A new transform of this step replaces the files an earlier dump wrote, only.
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._files.remove_owned()
 
     # -- the callback ----------------------------------------------------------------------
 
@@ -154,12 +218,13 @@ class PassDump:
         self._prev_body, self._prev_names, self._prev_file = body, names, files["code"]
 
         if self.dir is not None:
-            (self.dir / files["code"]).write_text(text)
+            self._files.write_text(files["code"], text)
             if index:
-                (self.dir / files["diff"]).write_text(diff)
-            (self.dir / files["dot"]).write_text(dot)
+                self._files.write_text(files["diff"], diff)
+            self._files.write_text(files["dot"], dot)
             if len(names) <= MAX_RENDERED_NODES:
-                self._start_render(self.dir / files["dot"], self.dir / f"{stem}.svg", files)
+                self._start_render(self.dir / files["dot"], self._files.claim(f"{stem}.svg"),
+                                   files)
             self._write_entry_json(entry, record)
             self._write_manifest()
         _trace_artifacts(self.step, stem, text, diff, dot, self._entry_json(entry, record))
@@ -185,8 +250,8 @@ class PassDump:
         self._write_manifest()
         if self._certificate is not None:
             cert = json.dumps(_certificate_json(self._certificate), indent=2)
-            (self.dir / "certificate.json").write_text(cert)
-            (self.root / "certificate.json").write_text(cert)
+            self._files.write_text("certificate.json", cert)
+            OwnedDir(self.root).write_text("certificate.json", cert)
         return write_index(self.root)
 
     # -- files -----------------------------------------------------------------------------
@@ -212,13 +277,13 @@ class PassDump:
 
     def _write_entry_json(self, entry, record) -> None:
         data = self._entry_json(entry, record)
-        (self.dir / entry["files"]["json"]).write_text(json.dumps(data, indent=2))
+        self._files.write_text(entry["files"]["json"], json.dumps(data, indent=2))
 
     def _write_manifest(self) -> None:
         manifest = {"step": self.step, "source": self.source,
                     "config": _config_json(self.config), "created": self._created,
                     "entries": self.entries}
-        (self.dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        self._files.write_text("manifest.json", json.dumps(manifest, indent=2))
 
 
 def tracing_enabled() -> bool:
@@ -462,6 +527,8 @@ def load_steps(root: str | Path) -> list[dict]:
     root = Path(root)
     steps = []
     for manifest in sorted(root.glob("*/manifest.json")):
+        if not _wrote(manifest.parent, "manifest.json"):
+            continue  # not a dump's step folder
         try:
             data = json.loads(manifest.read_text())
         except (OSError, json.JSONDecodeError):
@@ -494,14 +561,21 @@ def write_index(root: str | Path) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     steps = load_steps(root)
-    subdumps = sorted(p.parent.name for p in root.glob("*/index.html"))
-    out = root / "index.html"
-    out.write_text(render_index(steps, subdumps,
-                                title=f"dcp_compile dump: {root.resolve().name}"))
+    subdumps = sorted(p.parent.name for p in root.glob("*/index.html")
+                      if _wrote(p.parent, "index.html"))
+    out = OwnedDir(root).write_text("index.html", render_index(
+        steps, subdumps, title=f"dcp_compile dump: {root.resolve().name}"))
     env = env_dump_root()
     if env is not None and root.resolve().parent == env.resolve():
         write_index(env)  # the DCP_COMPILE_DUMP root links every sub-dump
     return out
+
+
+def _wrote(d: Path, name: str) -> bool:
+    try:
+        return name in OwnedDir(d).owned()
+    except DCPConfigError:
+        return False
 
 
 def render_index(steps: list[dict], subdumps: list[str], *, title: str) -> str:

@@ -4,10 +4,18 @@ A worker module calls :func:`init_distributed_from_env` (torchrun sets RANK, WOR
 MASTER_ADDR, MASTER_PORT), then ``runtime.world.bind_roles`` and runs its program. The
 launching side builds the command with :func:`torchrun_command` or runs it with
 :func:`run_torchrun`, which raises :class:`DCPWorldError` with the output of the failing ranks.
+
+Hangs: a rank that stops answering makes its peers wait in a collective until the
+collective's timeout, and torchrun then reports the peer that gave up first ("rank 0
+failed"). So under :func:`run_torchrun` every rank dumps its Python stacks when it is
+terminated (``faulthandler`` on SIGTERM, set up by :func:`init_distributed_from_env`): a rank
+killed outside any ``torch.distributed`` call is the one that stopped answering, and the
+error names it first; ranks that timed out or were killed inside a collective are its victims.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import ipaddress
 import os
 import re
@@ -30,6 +38,9 @@ LOOPBACK = "127.0.0.1"
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 # Lines of each failing rank's output quoted in an error.
 _TAIL_LINES = 60
+# Set by run_torchrun: the directory where each rank dumps its stacks when terminated.
+STACK_DIR_ENV = "DCP_STACK_DIR"
+_stack_file = []  # the open dump file of this rank (faulthandler writes to its descriptor)
 
 
 def loopback_interface() -> str | None:
@@ -92,7 +103,19 @@ def init_distributed_from_env(*, timeout: float = 120.0) -> tuple[int, int]:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
+    _dump_stacks_when_terminated(rank)
     return rank, world_size
+
+
+def _dump_stacks_when_terminated(rank: int) -> None:
+    """Under run_torchrun, write this rank's Python stacks to ``$DCP_STACK_DIR/rank<r>.txt``
+    when SIGTERM arrives (then terminate as before): the launcher reads where it was."""
+    stack_dir = os.environ.get(STACK_DIR_ENV)
+    if not stack_dir or _stack_file:
+        return
+    f = open(Path(stack_dir) / f"rank{rank}.txt", "w")  # noqa: SIM115 - open for the process
+    _stack_file.append(f)
+    faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
 
 
 def torchrun_command(nproc: int, module: str, args: Sequence[str] = (), *,
@@ -138,16 +161,19 @@ def run_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
         child_env.setdefault("GLOO_SOCKET_IFNAME", iface)
     child_env.update(env or {})
     for attempt in range(2):
-        with tempfile.TemporaryDirectory(prefix="dcp-torchrun-") as log_dir:
+        with tempfile.TemporaryDirectory(prefix="dcp-torchrun-") as tmp:
+            log_dir, stack_dir = Path(tmp) / "logs", Path(tmp) / "stacks"
+            stack_dir.mkdir()
             cmd = torchrun_command(nproc, module, args, log_dir=log_dir)
-            proc, timed_out = _run(cmd, child_env, cwd, timeout)
+            proc, timed_out = _run(cmd, {**child_env, STACK_DIR_ENV: str(stack_dir)}, cwd,
+                                   timeout)
             if proc.returncode == 0 and not timed_out:
                 return proc
-            logs = _rank_logs(Path(log_dir))
+            logs, stacks = _rank_logs(log_dir), _rank_stacks(stack_dir)
         if (attempt == 0 and not timed_out
                 and re.search(r"EADDRINUSE|[Aa]ddress already in use", proc.stdout + proc.stderr)):
             continue
-        raise _launch_error(nproc, module, proc, logs, timed_out, timeout)
+        raise _launch_error(nproc, module, proc, logs, timed_out, timeout, stacks)
     raise AssertionError("unreachable")
 
 
@@ -194,6 +220,72 @@ _RANK_EXIT = re.compile(
     r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 # What a gloo rank says when a peer process died under it.
 _PEER_DIED = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash")
+# What a gloo rank says when its collective's timeout passed with a peer not answering.
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for \w+ operation|[Tt]imed out.*(gloo|recv|"
+                        r"send)")
+# A frame in a Python traceback / a faulthandler dump.
+_TB_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_FH_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+# torch.distributed frames that are wrappers, not the call a rank is blocked in.
+_WRAPPERS = ("wrapper", "_wrapper", "inner")
+
+
+def _rank_stacks(stack_dir: Path) -> dict[int, str]:
+    """Each rank's faulthandler dump (written when it was terminated), if any."""
+    stacks = {}
+    for f in stack_dir.glob("rank*.txt"):
+        text = f.read_text(errors="replace").strip()
+        if text and f.stem[4:].isdigit():
+            stacks[int(f.stem[4:])] = text
+    return stacks
+
+
+def _collective_of(frames: list[tuple[str, str, str]]) -> str | None:
+    """The innermost torch.distributed call among ``frames`` (innermost first), if any."""
+    for path, _, func in frames:
+        if "torch/distributed/" in path.replace(os.sep, "/") and func not in _WRAPPERS:
+            return func
+    return None
+
+
+def _main_thread_frames(dump: str) -> list[tuple[str, str, str]]:
+    """Frames (innermost first) of the main thread in a faulthandler dump: the thread whose
+    outermost frame runs the module (``_run_module_as_main`` / ``<module>``)."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump)
+    parsed = [_FH_FRAME.findall(b) for b in blocks]
+    for frames in parsed:
+        if frames and frames[-1][2] in ("_run_module_as_main", "<module>"):
+            return frames
+    return next((f for f in parsed if f), [])
+
+
+def _where(frames: list[tuple[str, str, str]]) -> str:
+    path, line, func = frames[0]
+    return f"{Path(path).name}:{line} in {func}"
+
+
+def _rank_state(code: int | None, log: str, stack: str | None) -> tuple[str, str]:
+    """``(kind, where)`` of a rank that did not finish: kind "error" (it raised on its own),
+    "waiting" (timed out, killed or dropped inside a collective: a victim), "hung" (killed
+    outside any collective: it stopped answering) or "unknown"."""
+    if code is not None and code > 0:
+        tb = _TB_FRAME.findall(log)[::-1]
+        coll = _collective_of(tb)
+        if _TIMED_OUT.search(log) and coll:
+            return "waiting", f"timed out in {coll}"
+        if _PEER_DIED.search(log):
+            return "waiting", f"peer gone during {coll or 'a collective'}"
+        return "error", ""
+    if stack:
+        frames = _main_thread_frames(stack)
+        coll = _collective_of(frames)
+        if coll:
+            return "waiting", f"killed in {coll}"
+        if frames:
+            return "hung", _where(frames)
+    if _PEER_DIED.search(log):
+        return "waiting", "peer gone"
+    return "unknown", ""
 
 
 def _failed_ranks(torchrun_output: str) -> tuple[dict[int, int], int | None]:
@@ -209,30 +301,55 @@ def _tail(text: str, n: int = _TAIL_LINES) -> str:
     return "\n".join((["..."] if len(lines) > n else []) + lines[-n:])
 
 
-def _launch_error(nproc, module, proc, logs, timed_out, timeout) -> DCPWorldError:
+def _launch_error(nproc, module, proc, logs, timed_out, timeout, stacks=None) -> DCPWorldError:
+    """The culprits first: ranks that raised on their own, else ranks that stopped answering
+    (terminated outside any collective); then the ranks that waited for them."""
+    stacks = stacks or {}
     combined = proc.stdout + proc.stderr
     codes, root = _failed_ranks(combined)
+    ranks = sorted(set(codes) | set(logs) | set(stacks)) if timed_out else \
+        (sorted(codes) or sorted(logs))
+    states = {r: _rank_state(None if timed_out else codes.get(r), logs.get(r, ""),
+                             stacks.get(r)) for r in ranks}
+    errors = [r for r in ranks if states[r][0] == "error"]
+    hung = [r for r in ranks if states[r][0] == "hung"]
+    waiting = [r for r in ranks if states[r][0] == "waiting"]
     if timed_out:
         head = (f"torchrun of {module} on {nproc} ranks did not finish in {timeout} s and was "
                 "killed")
-        causes, collateral = sorted(logs), []
     else:
-        # Once one rank dies, its peers fail in their next collective ("Connection closed by
-        # peer") or are killed by torchrun (negative exit code): those are collateral.
-        failed = sorted(codes) or sorted(logs)
-        collateral = [r for r in failed
-                      if codes.get(r, 1) < 0 or _PEER_DIED.search(logs.get(r, ""))]
-        causes = [r for r in failed if r not in collateral]
-        if not causes:
-            causes = [root] if root is not None else failed
-            collateral = [r for r in collateral if r not in causes]
-        head = (f"torchrun of {module} on {nproc} ranks failed (exit code {proc.returncode}): "
-                f"rank{'s' if len(causes) > 1 else ''} {', '.join(map(str, causes))} failed")
-        if collateral:
-            head += f"; ranks {collateral} stopped after it (peer gone or killed)"
-        if codes:
-            head += f"; exit codes {dict(sorted(codes.items()))}"
-    failures = {r: _tail(logs.get(r, "")) or "(no output)" for r in causes + collateral}
+        head = f"torchrun of {module} on {nproc} ranks failed (exit code {proc.returncode})"
+    if errors:
+        causes = errors
+        head += f": rank{'s' if len(causes) > 1 else ''} {', '.join(map(str, causes))} failed"
+    elif hung:
+        causes = hung
+        head += (f": rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} stopped "
+                 "answering (" + "; ".join(f"rank {r} at {states[r][1]}" for r in hung)
+                 + ", outside any collective)")
+    elif waiting:
+        causes = waiting
+        head += (": every failing rank was waiting in a collective ("
+                 + "; ".join(f"rank {r} {states[r][1]}" for r in waiting)
+                 + "): the ranks issued different collectives, or a rank returned early")
+        waiting = []
+    else:
+        causes = [root] if root is not None and root in ranks else ranks
+    collateral = [r for r in ranks if r not in causes]
+    if collateral and (errors or hung):
+        victims = [f"rank {r} {states[r][1]}" if states[r][0] == "waiting" else f"rank {r}"
+                   for r in collateral]
+        head += f"; ranks {collateral} stopped after it (" + "; ".join(victims) + ")"
+    elif collateral:
+        head += f"; ranks {collateral} stopped after it (peer gone or killed)"
+    if codes and not timed_out:
+        head += f"; exit codes {dict(sorted(codes.items()))}"
+    failures = {}
+    for r in causes + collateral:
+        text = _tail(logs.get(r, ""))
+        if r in stacks and states[r][0] in ("hung", "waiting", "unknown"):
+            text += f"\n[stacks when terminated]\n{_tail(stacks[r])}"
+        failures[r] = text.strip() or "(no output)"
     lines = [head + "."]
     for r in causes:
         lines.append(f"--- rank {r} ---\n{failures[r]}")
@@ -240,4 +357,4 @@ def _launch_error(nproc, module, proc, logs, timed_out, timeout) -> DCPWorldErro
         lines.append(f"--- torchrun output ---\n{_tail(combined)}")
     lines.append("command: " + " ".join(proc.args))
     return DCPWorldError("\n".join(lines), failures=failures,
-                         timed_out=sorted(logs) if timed_out else ())
+                         timed_out=ranks if timed_out else ())

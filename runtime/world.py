@@ -23,12 +23,24 @@ Threaded-PG facts our programs rely on (each one is tested in ``tests/test_world
 - The threaded PG is more permissive than gloo in one way (an all_gather of a 0-d tensor
   works here, fails on gloo: gather shape-(1,) tensors) and stricter in another
   (reduce_scatter supports only ``sum``/``avg`` here; gloo also ``max``/``min``/``product``).
-- A rank that fails before ``bind_roles`` leaves the others waiting in ``new_group`` (a store
-  barrier the termination event cannot interrupt) until the timeout.
+- Creating a group (``init_process_group``, ``new_group``) waits in a store barrier, in C++,
+  that the PG's termination event cannot interrupt. Each world therefore gets its own
+  :class:`_WorldStore`, whose waits end as soon as the world stops: a rank that fails before
+  ``bind_roles`` stops the others at once, and no rank thread is left inside C++ (a daemon
+  thread that wakes in C++ while the interpreter exits aborts the process with "terminate
+  called without an active exception").
+
+Hangs: after ``timeout`` the world is stopped; ranks blocked in a collective or a store wait
+end within ``_STOP_GRACE``. A rank stuck elsewhere (pure Python, a long op) cannot be stopped:
+it is reported by name in :class:`DCPWorldError` (``timed_out``, and ``leaked``), stays
+listed by :func:`leaked_ranks` while it runs, is a daemon thread (it never blocks exit) and
+cannot touch later worlds; at exit it is waited for briefly and named on stderr if still
+running.
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -45,7 +57,7 @@ if TYPE_CHECKING:
     from dcp_compile.topology import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "ROLE_ALIAS_PREFIX", "bind_roles", "current_rank",
-           "each_rank_in_turn", "run_threaded"]
+           "each_rank_in_turn", "leaked_ranks", "run_threaded"]
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds a threaded world may run before ``run_threaded`` gives up on it."""
@@ -58,13 +70,92 @@ _STOP_GRACE = 0.5
 # The SystemExit message the threaded PG raises in ranks woken by another rank's failure.
 _TERMINATED = "Test termination event occurs."
 
+# Longest sleep of a store wait between checks of its key and of the world's stop.
+_POLL = 0.01
+# Seconds the interpreter waits at exit for leaked rank threads before naming them.
+_EXIT_GRACE = 2.0
+
 _world_lock = threading.Lock()
+# (world number, rank, thread) of every rank thread that outlived its world's stop.
+_leaked: list[tuple[int, int, threading.Thread]] = []
+_worlds_started = [0]
 # Guards which world may raise the threaded PG's (class-wide) termination event: a rank
 # thread left behind by an earlier world must not stop the collectives of the current one.
 _live_lock = threading.Lock()
 _live_world: list[object | None] = [None]
 _serial_lock = threading.Lock()
 _tls = threading.local()
+
+
+class _WorldStopped(BaseException):
+    """Ends a rank's wait in the world's store once the world has stopped (a BaseException,
+    so that torch's store barrier, which retries on RuntimeError, lets it through)."""
+
+
+class _WorldStore(dist.Store):
+    """The store of one threaded world: a HashStore whose ``wait`` polls, so that it ends
+    (with :class:`_WorldStopped`) as soon as the world stops instead of sleeping in C++."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._store = dist.HashStore()
+        self.stopped = threading.Event()
+
+    def set(self, key, value):
+        self._store.set(key, value)
+
+    def get(self, key):
+        return self._store.get(key)
+
+    def add(self, key, amount):
+        return self._store.add(key, amount)
+
+    def compare_set(self, key, expected, desired):
+        return self._store.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        return self._store.check(keys)
+
+    def delete_key(self, key):
+        return self._store.delete_key(key)
+
+    def num_keys(self):
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout):
+        self._store.set_timeout(timeout)
+
+    def wait(self, keys, timeout=None):
+        limit = (timeout if timeout is not None else self._store.timeout).total_seconds()
+        deadline, pause = time.monotonic() + limit, 0.0005
+        while not self._store.check(keys):
+            if self.stopped.is_set():
+                raise _WorldStopped(_TERMINATED)
+            if time.monotonic() >= deadline:
+                # What the C++ stores raise: torch's barrier catches it and retries.
+                raise RuntimeError(f"Wait timeout after {limit} s for keys {keys}")
+            self.stopped.wait(pause)
+            pause = min(2 * pause, _POLL)
+
+
+def leaked_ranks() -> list[tuple[int, int]]:
+    """``(world number, rank)`` of rank threads that outlived their world's stop and are
+    still running (worlds are numbered from 1 in the order they started)."""
+    return [(w, r) for w, r, t in _leaked if t.is_alive()]
+
+
+def _join_leaked_at_exit() -> None:
+    deadline = time.monotonic() + _EXIT_GRACE
+    for _, _, t in _leaked:
+        t.join(max(0.0, deadline - time.monotonic()))
+    still = leaked_ranks()
+    if still:
+        print(f"dcp_compile: threaded-world rank threads still running at exit "
+              f"(world, rank): {still}. They timed out and could not be stopped; as daemon "
+              "threads they end with the process.", file=sys.stderr)
+
+
+atexit.register(_join_leaked_at_exit)
 
 
 def each_rank_in_turn(fn: Callable[..., Any], *args: Any) -> Any:
@@ -103,8 +194,11 @@ def run_threaded(world_size: int, fn: Callable[..., Any], *args: Any,
     termination event) and :class:`DCPWorldError` is raised from the first failing rank's
     exception, naming that rank and carrying every failing rank's traceback in ``failures``.
     If the world has not finished after ``timeout`` seconds, the same error lists the hung
-    ranks in ``timed_out`` with the stack each is stuck in. Threads are daemons: a rank stuck
-    in pure Python (not in a collective) cannot be stopped and is left behind.
+    ranks in ``timed_out`` with the stack each is stuck in, and the world is stopped: ranks in
+    a collective or a group creation end. A rank stuck elsewhere (pure Python, a long op)
+    cannot be stopped: the error names it first (``leaked``: it stopped answering, the others
+    were its victims), and it is left running as a daemon thread, listed by
+    :func:`leaked_ranks` until it ends.
     """
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg)
@@ -124,7 +218,9 @@ def run_threaded(world_size: int, fn: Callable[..., Any], *args: Any,
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         world = _install_threaded_pg()
         ProcessLocalGroup.reset()
-        store = dist.HashStore()
+        store = _WorldStore()
+        _worlds_started[0] += 1
+        world_number = _worlds_started[0]
         pg_timeout = timedelta(seconds=timeout)
         results: list[Any] = [None] * world_size
         raised: dict[int, BaseException] = {}
@@ -133,6 +229,7 @@ def run_threaded(world_size: int, fn: Callable[..., Any], *args: Any,
         _live_world[0] = token
 
         def stop_world(exc: BaseException) -> None:
+            store.stopped.set()  # ranks waiting in a group creation
             with _live_lock:
                 if _live_world[0] is token:
                     ProcessLocalGroup.exception_handle(exc)  # wake ranks in collectives
@@ -172,6 +269,9 @@ def run_threaded(world_size: int, fn: Callable[..., Any], *args: Any,
             stop = time.monotonic() + _STOP_GRACE
             for t in threads:
                 t.join(max(0.0, stop - time.monotonic()))
+        leaked = [r for r, t in enumerate(threads) if t.is_alive()]
+        _leaked[:] = [x for x in _leaked if x[2].is_alive()]
+        _leaked.extend((world_number, r, threads[r]) for r in leaked)
     finally:
         with _live_lock:
             _live_world[0] = None
@@ -180,44 +280,54 @@ def run_threaded(world_size: int, fn: Callable[..., Any], *args: Any,
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         _world_lock.release()
 
-    _raise_failures(world_size, raised, hung, timeout)
+    _raise_failures(world_size, dict(raised), hung, leaked, timeout)
     return results
 
 
 def _is_termination(exc: BaseException) -> bool:
-    return isinstance(exc, SystemExit) and str(exc.code) == _TERMINATED
+    return (isinstance(exc, _WorldStopped)
+            or isinstance(exc, SystemExit) and str(exc.code) == _TERMINATED)
 
 
 def _raise_failures(world_size: int, raised: dict[int, BaseException], hung: dict[int, str],
-                    timeout: float) -> None:
+                    leaked: list[int], timeout: float) -> None:
+    """One DCPWorldError naming the culprits first: ranks that raised, else ranks that could
+    not be stopped (hung outside any collective); then the ranks stopped because of them."""
     if not raised and not hung:
         return
     failures = {r: "".join(traceback.format_exception(e)) for r, e in sorted(raised.items())}
     for r, stack in hung.items():
         failures[r] = f"rank {r} still running after {timeout} s; stuck at:\n{stack}"
     primary = sorted(r for r, e in raised.items() if not _is_termination(e))
-    stopped = sorted(r for r, e in raised.items() if _is_termination(e))
+    stopped = sorted(r for r, e in raised.items() if _is_termination(e) and r not in leaked)
+    finished = sorted(set(range(world_size)) - set(raised) - set(hung))
+    exc = raised[primary[0]] if primary else None
     if primary:
         r0 = primary[0]
-        exc = raised[r0]
         head = (f"rank {r0} of {world_size} raised {type(exc).__name__}: {exc}"
                 if len(primary) == 1 else
                 f"ranks {primary} of {world_size} raised; first, rank {r0}: "
                 f"{type(exc).__name__}: {exc}")
     else:
-        exc = None
         head = f"threaded world of {world_size} ranks did not finish in {timeout} s"
     lines = [head + "."]
-    if hung:
-        lines.append(f"Ranks still running after {timeout} s: {sorted(hung)}. A rank blocked "
-                     "in a collective or in new_group usually means the ranks issued "
-                     "different collectives or a member never reached it.")
+    if leaked:
+        lines.append(f"Rank{'s' if len(leaked) > 1 else ''} {leaked} stopped answering: "
+                     f"still running {timeout} s after the start, outside any collective, and "
+                     f"could not be stopped; left running as daemon threads (see "
+                     f"runtime.world.leaked_ranks()), they cannot touch later worlds.")
+    elif hung:
+        lines.append(f"Ranks still running after {timeout} s: {sorted(hung)}, each blocked in "
+                     "a collective or a group creation"
+                     + (f" that ranks {finished} (which returned) never issued"
+                        if finished else "")
+                     + ": the ranks issued different collectives or a member never reached it.")
     if stopped:
         lines.append(f"Ranks {stopped} were stopped in a collective because of it.")
-    for r in primary + sorted(hung):
+    for r in primary + sorted(leaked or hung):
         lines.append(f"--- rank {r} ---\n{failures[r].rstrip()}")
-    err = DCPWorldError("\n".join(lines), failures=failures, timed_out=sorted(hung))
-    raise err from exc
+    raise DCPWorldError("\n".join(lines), failures=failures, timed_out=sorted(hung),
+                        leaked=leaked) from exc
 
 
 def bind_roles(topology: Topology, rank: int, *, aliases: bool = False,

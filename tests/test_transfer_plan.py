@@ -222,8 +222,9 @@ def test_brute_force_coverage_over_topologies(heads):
     ((8, 2, 8, 4, 2), ["prefill dcp=2, decode dcp=4", "Use decode dcp in [1, 2]"]),
     ((8, 4, 8, 3, 8), ["TP % DCP"]),
     ((2, 1, 2, 1, 3), ["num_kv_heads=3", "shard=2"]),
-    ((4, 2, 4, 2, 4), ["share its KV heads", "decode tp=4, dcp=2, num_kv_heads=4",
-                       "Use decode tp=8"]),
+    # DCPConfig refuses the decode layout itself (KV-head rules need no query heads).
+    ((4, 2, 4, 2, 4), ["decode engine's layout is invalid", "decode DCP needs tp > num_kv_heads",
+                       "tp=4, num_kv_heads=4", "Use tp=8"]),
 ], ids=["pdcp-not-multiple", "tp-not-multiple-of-dcp", "heads-3-over-2", "decode-no-replica"])
 def test_unservable_configurations(sizes, words):
     with pytest.raises(DCPTransferError) as e:

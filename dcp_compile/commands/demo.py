@@ -9,16 +9,25 @@ import sys
 import time
 from pathlib import Path
 
+from .options import (add_layout_arguments, check_layout, choice_list, output_dir,
+                      positive_int)
+
 
 def add_arguments(p):
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--dcp", type=int, default=4)
-    p.add_argument("--modes", default="decode,prefill",
+    add_layout_arguments(p, tp_default=8, dcp_default=4, block_size=False, mode=False)
+    p.add_argument("--modes", type=choice_list("decode", "prefill"),
+                   default=["decode", "prefill"],
                    help="comma-separated modes to run (default: decode,prefill)")
-    p.add_argument("--steps", type=int, default=16, help="greedy decode steps")
-    p.add_argument("--chunks", type=int, default=3, help="prompt chunks in prefill mode")
-    p.add_argument("--out", default="dcp_dump", help="where the pass-by-pass dump goes")
+    p.add_argument("--steps", type=positive_int, default=16, help="greedy decode steps")
+    p.add_argument("--chunks", type=positive_int, default=3,
+                   help="prompt chunks in prefill mode")
+    p.add_argument("--out", type=output_dir, default=Path("dcp_dump"),
+                   help="where the pass-by-pass dump goes")
     p.add_argument("--json", action="store_true")
+
+
+def validate(args) -> None:
+    check_layout(args, modes=args.modes, **_demo_heads())
 
 
 def _kv_bytes(program, lengths_total: int) -> tuple[int, int]:
@@ -49,7 +58,7 @@ def run(args) -> int:
     print(dcp_compile.topology(args.tp, args.dcp, "decode",
                                num_kv_heads=model.config.num_kv_heads).format_table())
     print()
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+    for mode in args.modes:
         lengths = default_lengths(args.dcp, 16, 16)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
@@ -96,3 +105,9 @@ def run(args) -> int:
             print(f"  pass-by-pass dump written to {r['dump']}/")
     print("demo " + ("PASSED" if ok else "FAILED: the transformed program differs"))
     return 0 if ok else 1
+
+
+def _demo_heads() -> dict:
+    from dcp_compile.models import DemoConfig
+    c = DemoConfig()
+    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

@@ -14,18 +14,21 @@ import sys
 import time
 from pathlib import Path
 
+from .options import add_layout_arguments, check_layout, output_dir, positive_int
+
 
 def add_arguments(p):
-    p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
-    p.add_argument("--dcp", type=int, default=4, help="decode context parallel size (default 4)")
-    p.add_argument("--mode", choices=["decode", "prefill"], default="decode")
-    p.add_argument("--out", default="dcp_dump", help="dump directory (default ./dcp_dump)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--interleave-size", type=int, default=None,
-                   help="cp_kv_cache_interleave_size (default: the block size)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers of the demo model")
+    add_layout_arguments(p, tp_default=8, dcp_default=4)
+    p.add_argument("--out", type=output_dir, default=Path("dcp_dump"),
+                   help="dump directory (default ./dcp_dump)")
+    p.add_argument("--layers", type=positive_int, default=2,
+                   help="decoder layers of the demo model")
     p.add_argument("--json", action="store_true",
                    help="print the dump's entries (step, pass, files) as JSON")
+
+
+def validate(args) -> None:
+    check_layout(args, **_demo_heads())
 
 
 def run(args) -> int:
@@ -71,3 +74,9 @@ def run(args) -> int:
     print(f"dump written to {out}/ ({pictures}, {seconds:.1f} s); open "
           f"{(out / 'index.html').resolve()}")
     return 0
+
+
+def _demo_heads() -> dict:
+    from dcp_compile.models import DemoConfig
+    c = DemoConfig()
+    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

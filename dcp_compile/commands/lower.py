@@ -10,25 +10,29 @@ from __future__ import annotations
 
 import json
 
+from .options import add_layout_arguments, check_layout, output_dir, positive_int
+
 
 def add_arguments(p):
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--dcp", type=int, required=True)
-    p.add_argument("--mode", choices=["decode", "prefill"], default="decode")
-    p.add_argument("--out", required=True, help="directory for the modules and lowering.json")
-    p.add_argument("--layers", type=int, default=2, help="demo model layers (default 2)")
+    add_layout_arguments(p)
+    p.add_argument("--out", type=output_dir, required=True,
+                   help="directory for the modules and lowering.json")
+    p.add_argument("--layers", type=positive_int, default=2, help="demo model layers (default 2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--context-len", type=int, default=64,
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--context-len", type=positive_int, default=64,
                    help="tokens per sequence in a prompt (context/prefill) step")
-    p.add_argument("--max-blocks", type=int, default=8)
-    p.add_argument("--num-blocks", type=int, default=40)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--interleave-size", type=int, default=None)
-    p.add_argument("--kv-role", default=None, help="prefill DCP: disaggregated role")
+    p.add_argument("--max-blocks", type=positive_int, default=8)
+    p.add_argument("--num-blocks", type=positive_int, default=40)
+    p.add_argument("--kv-role", choices=["kv_producer", "kv_consumer"], default=None,
+                   help="prefill DCP: disaggregated role")
     p.add_argument("--target-version", default=None,
                    help="StableHLO version of the portable artifact (default: current)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def validate(args) -> None:
+    check_layout(args, **_demo_heads())
 
 
 def run(args) -> int:
@@ -50,3 +54,9 @@ def run(args) -> int:
                    target_version=args.target_version)
     print(json.dumps(result.to_json()) if args.json else result.format_table())
     return 0
+
+
+def _demo_heads() -> dict:
+    from dcp_compile.models import DemoConfig
+    c = DemoConfig()
+    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import json
 
+from .options import positive_int
+
 # Largest KV head count tried when --num-kv-heads is not given (Llama-style GQA models).
 _DEFAULT_MAX_KV_HEADS = 8
 
 
 def add_arguments(p):
-    p.add_argument("--prefill-tp", type=int, required=True)
-    p.add_argument("--prefill-dcp", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, required=True)
-    p.add_argument("--decode-dcp", type=int, default=1)
-    p.add_argument("--num-kv-heads", type=int, default=None,
+    p.add_argument("--prefill-tp", type=positive_int, required=True)
+    p.add_argument("--prefill-dcp", type=positive_int, default=1)
+    p.add_argument("--decode-tp", type=positive_int, required=True)
+    p.add_argument("--decode-dcp", type=positive_int, default=1)
+    p.add_argument("--num-kv-heads", type=positive_int, default=None,
                    help=f"model's KV heads (default: the largest count <= "
                         f"{_DEFAULT_MAX_KV_HEADS} that both engines can serve)")
-    p.add_argument("--block-size", type=int, default=16,
+    p.add_argument("--block-size", type=positive_int, default=16,
                    help="KV cache block size of both engines (= cp_kv_cache_interleave_size)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

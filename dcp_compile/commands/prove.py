@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import json
 
+from .options import positive_int
+
 
 def add_arguments(p):
-    p.add_argument("--dcp", type=int, required=True, help="decode context parallel size W")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size B")
-    p.add_argument("--interleave-size", type=int, default=None,
+    p.add_argument("--dcp", type=positive_int, required=True,
+                   help="decode context parallel size W")
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size B")
+    p.add_argument("--interleave-size", type=positive_int, default=None,
                    help="cp_kv_cache_interleave_size I (default: the block size)")
     p.add_argument("--json", action="store_true", help="print the certificate as JSON")
+
+
+def validate(args) -> None:
+    from dcp_compile.proofs import layout_config
+    layout_config(args.dcp, args.interleave_size or args.block_size, args.block_size)
 
 
 def run(args) -> int:

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import json
 
+from .options import add_layout_arguments, positive_int
+
 
 def add_arguments(p):
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--dcp", type=int, required=True)
-    p.add_argument("--mode", choices=["decode", "prefill"], default="decode")
-    p.add_argument("--num-kv-heads", type=int, default=None,
-                   help="also show which KV heads each rank holds")
+    add_layout_arguments(p, block_size=False)
+    p.add_argument("--num-kv-heads", type=positive_int, default=None,
+                   help="also show which KV heads each rank holds (checked against the "
+                        "layout rules)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _config(args):
+    from dcp_compile.config import DCPConfig
+    return DCPConfig(tp=args.tp, dcp=args.dcp, mode=args.mode, num_kv_heads=args.num_kv_heads)
+
+
+def validate(args) -> None:
+    _config(args)
 
 
 def run(args) -> int:
     from dcp_compile.topology import topology
-    topo = topology(args.tp, args.dcp, args.mode, num_kv_heads=args.num_kv_heads)
+    config = _config(args)  # the layout comes from a validated DCPConfig
+    topo = topology(config.tp, config.dcp, config.mode, config=config)
     print(json.dumps(topo.to_json()) if args.json else topo.format_table())
     return 0

@@ -8,19 +8,23 @@ from __future__ import annotations
 import json
 import sys
 
+from .options import (add_layout_arguments, check_layout, non_negative_float, positive_int,
+                      positive_int_list)
+
 
 def add_arguments(p):
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--dcp", type=int, required=True)
-    p.add_argument("--mode", choices=["decode", "prefill"], default="decode")
-    p.add_argument("--steps", type=int, default=16, help="decode steps (decode mode)")
-    p.add_argument("--chunks", type=int, default=3, help="prompt chunks (prefill mode)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--interleave-size", type=int, default=None)
-    p.add_argument("--lengths", type=str, default=None,
+    add_layout_arguments(p)
+    p.add_argument("--steps", type=positive_int, default=16, help="decode steps (decode mode)")
+    p.add_argument("--chunks", type=positive_int, default=3,
+                   help="prompt chunks (prefill mode)")
+    p.add_argument("--lengths", type=positive_int_list, default=None,
                    help="comma-separated prompt lengths (default: edge cases for the layout)")
-    p.add_argument("--atol", type=float, default=1e-4)
+    p.add_argument("--atol", type=non_negative_float, default=1e-4)
     p.add_argument("--json", action="store_true")
+
+
+def validate(args) -> None:
+    check_layout(args, **_demo_heads())
 
 
 def default_lengths(dcp: int, interleave: int, block: int) -> list[int]:
@@ -39,8 +43,7 @@ def run(args) -> int:
     from runtime.engine import StepShapes
 
     interleave = args.interleave_size or args.block_size
-    lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
-               else default_lengths(args.dcp, interleave, args.block_size))
+    lengths = args.lengths or default_lengths(args.dcp, interleave, args.block_size)
     model = demo_model()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
@@ -73,3 +76,9 @@ def run(args) -> int:
         if report.first_mismatch:
             print(f"first mismatch: {report.first_mismatch}")
     return 0 if report.ok else 1
+
+
+def _demo_heads() -> dict:
+    from dcp_compile.models import DemoConfig
+    c = DemoConfig()
+    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
