@@ -1,0 +1,130 @@
+"""Ordinary models: which kind of model transform() got, and the capture of a cache-less one.
+
+Kinds (``model_kind``), as data in the order they are tried:
+  * ``paged``: the step signature ``forward(input_ids, positions, block_table, kv_caches)``
+    (the demo model, ``hf.prepare``'s wrapper); captured as today.
+  * ``hf_prepare``: a Hugging Face model whose attention is already ``"dcp_paged"``; wrapped
+    with ``hf.prepare`` (the fast path).
+  * ``ordinary``: any other causal LM, ``forward(input_ids (, position_ids)) -> logits`` (or
+    an object with ``.logits``); Hugging Face models with ``attn_implementation`` "sdpa" or
+    "eager" included. Captured with :func:`capture_ordinary`; the pass
+    ``passes.insert_paged_cache`` then adds the KV cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from .capture import Captured, capture
+from .errors import DCPTransformError
+
+PAGED_ARGS = ("block_table", "kv_caches")          # a forward with these is a paged step
+HF_ORDINARY_ATTENTION = ("sdpa", "eager")
+HF_PAGED_ATTENTION = "dcp_paged"
+
+
+def _forward_params(model: nn.Module) -> dict:
+    try:
+        return dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def is_hf(model) -> bool:
+    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
+
+
+def model_kind(model: nn.Module) -> str:
+    """'paged' | 'hf_prepare' | 'ordinary' (see module doc); refuses what fits none."""
+    if hasattr(model, "kv_cache_shape") and hasattr(model, "num_layers"):
+        return "paged"
+    if is_hf(model):
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl == HF_PAGED_ATTENTION:
+            return "hf_prepare"
+        if impl in HF_ORDINARY_ATTENTION:
+            _check_hf_config(model)
+            return "ordinary"
+        raise DCPTransformError(
+            f"{type(model).__name__} uses attn_implementation={impl!r}, which the compiler "
+            f"does not read. Build it with attn_implementation='sdpa' or 'eager' (the KV "
+            f"cache is inserted from the graph), or wrap it with dcp_compile.hf.prepare.")
+    params = _forward_params(model)
+    if any(name in params for name in PAGED_ARGS):
+        return "paged"          # a paged step without the hooks: _model_facts says so
+    return "ordinary"
+
+
+# Hugging Face config fields that change attention in ways the paged op does not compute.
+# The graph shows a window only when it is shorter than the captured chunk, so read it here.
+_HF_REFUSED = (
+    ("sliding_window", "sliding-window attention"),
+    ("attn_logit_softcapping", "attention logit soft-capping"),
+    ("attention_chunk_size", "chunked attention"),
+)
+
+
+def _check_hf_config(model) -> None:
+    cfg = model.config
+    get = getattr(cfg, "get_text_config", None)
+    cfg = get() if callable(get) else cfg
+    for key, what in _HF_REFUSED:
+        value = getattr(cfg, key, None)
+        if value is None:
+            continue
+        if key == "sliding_window" and getattr(cfg, "use_sliding_window", True) is False:
+            continue
+        raise DCPTransformError(
+            f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
+            f"computes plain causal attention, so the program would differ from the model. "
+            f"Set config.{key}=None if the model is exact without it (e.g. sequences no "
+            f"longer than the window), or use dcp_compile.hf.prepare(max_model_len=...) for "
+            f"windowed models served within the window.")
+
+
+class OrdinaryStep(nn.Module):
+    """``forward(input_ids (, position_ids)) -> logits`` around any causal LM."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        params = _forward_params(model)
+        self.takes_positions = "position_ids" in params
+        self.hf = is_hf(model)
+        first = next(iter(params), None)
+        if first is None:
+            raise DCPTransformError(
+                f"{type(model).__name__}.forward takes no arguments. An ordinary causal LM "
+                f"takes forward(input_ids (, position_ids)).")
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None):
+        kwargs = {"position_ids": position_ids} if self.takes_positions else {}
+        if self.hf:
+            kwargs.update(use_cache=False, return_dict=True)
+        out = self.model(input_ids, **kwargs)
+        logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
+        if not isinstance(logits, Tensor):
+            raise DCPTransformError(
+                f"{type(self.model).__name__}.forward returned {type(out).__name__}, not "
+                f"logits: an ordinary causal LM returns the logits tensor [B, S, vocab] or "
+                f"an object with .logits.")
+        if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+            raise DCPTransformError(
+                f"{type(self.model).__name__} returned logits of shape "
+                f"{tuple(logits.shape)} for input_ids {tuple(input_ids.shape)}: expected "
+                f"[B, S, vocab]. Return the logits of every token.")
+        return logits
+
+
+def capture_ordinary(step: OrdinaryStep, batch: int, tokens: int, *,
+                     device) -> Captured:
+    """Capture one step kind of an ordinary model (positions 0..S-1 as the example)."""
+    ids = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
+    example = (ids,)
+    if step.takes_positions:
+        example += (torch.arange(tokens, device=device).expand(batch, tokens).clone(),)
+    with torch.no_grad():
+        return capture(step, example)

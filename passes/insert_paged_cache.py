@@ -1,0 +1,556 @@
+"""Insert the paged KV cache into an ordinary causal LM's graph.
+
+Input: the torch.export graph of ``forward(input_ids [B, S] (, position_ids [B, S])) ->
+logits`` -- a model with no cache and no project API (dcp_compile.ordinary captures it).
+Output: a graph with the step signature of every other captured model (program.py)::
+
+    (weights..., input_ids, positions, block_table, kv_caches_0, ...) -> (logits, *new caches)
+
+with each attention replaced by one ``dcp.paged_attention`` over the layer's cache
+``[num_blocks, block_size, kv_heads, head_dim]``; canonicalize_attention and every later pass
+then run unchanged.
+
+Recognised attention (rules as data: KERNELS, CASTS, REPEATS):
+  * ``aten.scaled_dot_product_attention`` (is_causal, an explicit mask, enable_gqa) and the
+    flash / efficient / cudnn kernels;
+  * eager attention: ``q @ k^T`` (* or / a constant scale) (+ additive mask, masked_fill or
+    where) -> softmax over the last dim in any dtype (casts around it) -> ``@ v``.
+  K and V are taken before GQA head repetition (expand + reshape, repeat_interleave, or
+  none): the cache holds kv heads. Masks are checked by evaluating them (they may depend only
+  on the positions, constants and buffers): exactly causal is accepted and replaced by
+  causality on positions; anything else is refused. Positions come from the
+  ``position_ids`` input or an ``arange(S).unsqueeze(0)`` in the graph.
+Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
+attention, masks that are not causal (sliding windows included) or depend on the tokens,
+logit soft-capping, cross-attention (K/V not computed from this step's tokens), dropout.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import GraphModule, Node
+from torch.fx.operator_schemas import normalize_function
+from torch.fx.passes.infra.pass_base import PassResult
+
+import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.errors import DCPTransformError
+
+from .infra import DCPPass, source_of, val
+
+aten = torch.ops.aten
+
+# SDPA-family kernels: name -> (mask argument, result is a tuple whose item 0 is the output).
+KERNELS = {
+    "scaled_dot_product_attention": ("attn_mask", False),
+    "_scaled_dot_product_flash_attention": (None, True),
+    "_scaled_dot_product_flash_attention_for_cpu": ("attn_mask", True),
+    "_scaled_dot_product_efficient_attention": ("attn_bias", True),
+    "_scaled_dot_product_cudnn_attention": ("attn_bias", True),
+}
+_KERNEL_OF = {getattr(aten, name).default: name for name in KERNELS if hasattr(aten, name)}
+
+# Ops that leave a value's meaning unchanged on the attention path (dtype casts, copies).
+CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.clone.default,
+         aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default}
+SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+MATMUL = {aten.matmul.default}
+# Additive masks below this are "masked out": exp underflows to exactly 0 in any float dtype.
+MASKED_OUT = -1e4
+
+PLACEHOLDER_NAMES = ("positions", "block_table")
+
+
+@dataclass
+class Site:
+    """One attention: q [B, Hq, S, D]; k, v [B, Hkv, S, D] (before head repetition)."""
+
+    node: Node                   # reported in errors
+    out: Node                    # the node producing the [B, Hq, S, D] attention output
+    q: Node
+    k: Node
+    v: Node
+    scale: float
+    causal: bool                 # is_causal=True (no mask)
+    mask: Node | None = None     # see mask_kind
+    mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
+
+
+@dataclass
+class Plan:
+    sites: list[Site]
+    tokens: int
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    position_input: Node | None
+    seq_aranges: list[Node] = field(default_factory=list)
+
+
+def _fail(node: Node, why: str, fix: str):
+    raise DCPTransformError(f"{why} at node {node.name} ({source_of(node)}). {fix}.")
+
+
+def _call(n, targets) -> bool:
+    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
+
+
+def _skip_casts(n: Node) -> Node:
+    while _call(n, CASTS):
+        n = n.args[0]
+    return n
+
+
+def _is_dropout_noop(n: Node) -> bool:
+    return _call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
+
+
+def _strip_repeat(n: Node) -> Node:
+    """K/V before GQA head repetition (the cache stores kv heads, not q heads)."""
+    n = _skip_casts(n)
+    # repeat_kv: x[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv * g, S, D)
+    if _call(n, RESHAPES):
+        e = _skip_casts(n.args[0])
+        if _call(e, {aten.expand.default}):
+            u = e.args[0]
+            if _call(u, {aten.unsqueeze.default}) and u.args[1] == 2 and len(val(e).shape) == 5:
+                return _skip_casts(u.args[0])
+    if _call(n, {aten.repeat_interleave.self_int}):
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
+        if dim == 1:
+            return _skip_casts(n.args[0])
+    return n
+
+
+def _kwargs(n: Node) -> dict:
+    pair = normalize_function(n.target, n.args, n.kwargs, normalize_to_only_use_kwargs=True)
+    if pair is None:
+        _fail(n, f"cannot read the arguments of {n.target}", "Report this model")
+    return pair.kwargs
+
+
+def _number(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+class InsertPagedCache(DCPPass):
+    """Ordinary causal LM graph -> paged step graph (see module doc)."""
+
+    name = "insert_paged_cache"
+
+    def __init__(self, ctx, *, token_input: str, position_input: str | None,
+                 constants: Callable[[], dict] | None = None):
+        super().__init__(ctx)
+        self.token_input = token_input
+        self.position_input = position_input
+        self.constants = constants          # placeholder -> tensor, for evaluating masks
+        self._constants = None
+
+    # -- analysis --------------------------------------------------------------------------
+
+    def plan(self, gm: GraphModule) -> Plan:
+        ids = next(n for n in gm.graph.nodes if n.op == "placeholder"
+                   and n.name == self.token_input)
+        batch, tokens = val(ids).shape
+        pos = None
+        if self.position_input is not None:
+            pos = next(n for n in gm.graph.nodes if n.op == "placeholder"
+                       and n.name == self.position_input)
+        per_token = self._depends_on(gm, ids)
+        sites = []
+        for n in gm.graph.nodes:
+            if _call(n, _KERNEL_OF):
+                sites.append(self._sdpa_site(n))
+            elif _call(n, SOFTMAX):
+                site = self._eager_site(n)
+                if site is not None:        # None: a softmax that does not feed `@ v`
+                    sites.append(site)
+        if not sites:
+            raise DCPTransformError(
+                "the model has no attention this compiler recognises (no "
+                "scaled_dot_product_attention and no q @ k^T -> softmax -> @ v): there is "
+                "nothing to put a KV cache under. Use a causal decoder with SDPA or eager "
+                "attention.")
+        shapes = set()
+        for s in sites:
+            self._check_site(s, per_token, batch, tokens, pos)
+            shapes.add((tuple(val(s.k).shape[1:2]) + tuple(val(s.k).shape[3:]),
+                        val(s.k).dtype))
+        if len(shapes) != 1:
+            raise DCPTransformError(
+                f"attention layers disagree on (kv heads, head_dim) and dtype: "
+                f"{sorted(map(str, shapes))}. DCP needs one KV cache layout for every layer.")
+        (kv_heads, head_dim), dtype = shapes.pop()
+        return Plan(sites=sites, tokens=tokens, batch=batch, kv_heads=kv_heads,
+                    head_dim=head_dim, dtype=dtype, position_input=pos)
+
+    @staticmethod
+    def _depends_on(gm, root: Node) -> set[Node]:
+        out = {root}
+        for n in gm.graph.nodes:
+            if any(a in out for a in n.all_input_nodes):
+                out.add(n)
+        return out
+
+    def _sdpa_site(self, n: Node) -> Site:
+        name = _KERNEL_OF[n.target]
+        mask_arg, is_tuple = KERNELS[name]
+        kw = _kwargs(n)
+        if kw.get("dropout_p", 0.0):
+            _fail(n, f"attention with dropout_p={kw['dropout_p']}",
+                  "Put the model in eval mode (model.eval()) without attention dropout")
+        out = n
+        if is_tuple:
+            items = {}
+            for u in n.users:
+                if u.target is not operator.getitem:
+                    _fail(n, f"{name} result used whole", "Use its output only")
+                items[u.args[1]] = u
+            if set(items) - {0}:
+                _fail(n, f"{name} outputs {sorted(set(items) - {0})} (log-sum-exp, ...) are "
+                      f"used", "Only the attention output can be kept with a paged cache")
+            if 0 not in items:
+                _fail(n, f"{name} output unused", "Remove the dead attention")
+            out = items[0]
+        q, k, v = kw["query"], kw["key"], kw["value"]
+        dim = val(q).shape[-1]
+        scale = kw.get("scale")
+        mask = kw.get(mask_arg) if mask_arg else None
+        if isinstance(mask, Node):
+            kind = "keep" if val(mask).dtype == torch.bool else "additive"
+        else:
+            kind = ""
+        return Site(node=n, out=out, q=q, k=_strip_repeat(k), v=_strip_repeat(v),
+                    scale=float(scale) if scale is not None else dim ** -0.5,
+                    causal=bool(kw.get("is_causal", False)), mask=mask if kind else None,
+                    mask_kind=kind)
+
+    def _eager_site(self, sm: Node) -> Site | None:
+        if not self._feeds_matmul(sm):
+            return None
+        if sm.args[1] not in (-1, len(val(sm).shape) - 1):
+            _fail(sm, f"softmax over dim {sm.args[1]}", "Attention softmax must be over the "
+                  "keys (the last dim)")
+        # Forward: casts / no-op dropout, then `@ v`.
+        probs, user = sm, None
+        while True:
+            users = list(probs.users)
+            if len(users) != 1:
+                _fail(sm, f"attention probabilities used by {len(users)} nodes "
+                      f"({[u.name for u in users]})", "Only `softmax(...) @ v` is recognised "
+                      "(do not return attention weights)")
+            user = users[0]
+            if _call(user, CASTS) or _is_dropout_noop(user):
+                probs = user
+                continue
+            break
+        if _call(user, {aten.dropout.default}):
+            _fail(user, "attention dropout in training mode", "Call model.eval()")
+        if not _call(user, MATMUL) or user.args[0] is not probs:
+            _fail(sm, f"softmax feeds {user.target}, not `probs @ v`", "Attention must be "
+                  "softmax(scores) @ v")
+        v = user.args[1]
+        # Backward: scale, mask, casts, down to `q @ k^T`.
+        x, scale, mask, kind = _skip_casts(sm.args[0]), 1.0, None, ""
+        while not _call(x, MATMUL):
+            if _call(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
+                a, b = x.args
+                c = _number(b) if isinstance(a, Node) else _number(a)
+                if c is None:
+                    _fail(x, f"attention scores scaled by a tensor ({x.target})",
+                          "Scale scores by a Python number (a per-layer constant)")
+                scale *= (1.0 / c) if x.target in (aten.div.Tensor, aten.div.Scalar) else c
+                x = a if isinstance(a, Node) else b
+            elif _call(x, {aten.add.Tensor}) and mask is None:
+                a, b = x.args
+                if not (isinstance(a, Node) and isinstance(b, Node)):
+                    _fail(x, "a constant added to the attention scores", "Remove it")
+                x, mask = (a, b) if self._reaches_matmul(a) else (b, a)
+                kind = "additive"
+            elif _call(x, {aten.masked_fill.Scalar}) and mask is None:
+                if _number(x.args[2]) is None or x.args[2] > MASKED_OUT:
+                    _fail(x, f"masked_fill of the scores with {x.args[2]}", "Fill with -inf")
+                x, mask, kind = x.args[0], x.args[1], "drop"
+            elif _call(x, {aten.where.self, aten.where.ScalarOther}) and mask is None:
+                other = x.args[2]
+                if isinstance(other, Node) or other > MASKED_OUT:
+                    _fail(x, "where() on the scores with a non -inf alternative", "Use -inf")
+                x, mask, kind = x.args[1], x.args[0], "keep"
+            elif _call(x, CASTS):
+                x = x.args[0]
+            elif _call(x, {aten.tanh.default}) or _call(x, {aten.softcap} if hasattr(
+                    aten, "softcap") else set()):
+                _fail(x, "attention logit soft-capping", "The paged attention op has no "
+                      "soft-capping: use a model without attn_logit_softcapping")
+            else:
+                _fail(x, f"unrecognised op {x.target} between `q @ k^T` and softmax",
+                      "Only a constant scale, a causal mask and dtype casts are recognised")
+        q, kt = x.args
+        kt = _skip_casts(kt)
+        dims = kt.args[1:] if _call(kt, {aten.transpose.int}) else None
+        nd = len(val(kt).shape)
+        if dims is None or {d % nd for d in dims} != {nd - 2, nd - 1}:
+            _fail(x, "the right operand of `q @ k` is not k.transpose(-2, -1)",
+                  "Write scores as q @ k.transpose(-2, -1)")
+        return Site(node=sm, out=user, q=_skip_casts(q), k=_strip_repeat(kt.args[0]),
+                    v=_strip_repeat(v), scale=scale, causal=False, mask=mask,
+                    mask_kind=kind)
+
+    @staticmethod
+    def _feeds_matmul(sm: Node) -> bool:
+        n = sm
+        while len(n.users) == 1:
+            (n,) = n.users
+            if _call(n, MATMUL):
+                return True
+            if not (_call(n, CASTS) or _call(n, {aten.dropout.default})):
+                return False
+        return any(_call(u, MATMUL) for u in n.users)
+
+    def _reaches_matmul(self, n: Node) -> bool:
+        while True:
+            n = _skip_casts(n)
+            if _call(n, MATMUL):
+                return True
+            if _call(n, {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar,
+                         aten.tanh.default}):
+                n = n.args[0] if isinstance(n.args[0], Node) else n.args[1]
+                continue
+            return False
+
+    def _check_site(self, s: Site, per_token: set, batch: int, tokens: int, pos) -> None:
+        for what, t in (("query", s.q), ("key", s.k), ("value", s.v)):
+            shape = val(t).shape
+            if len(shape) != 4 or shape[0] != batch:
+                _fail(s.node, f"attention {what} {t.name} has shape {tuple(shape)}, not "
+                      f"[batch={batch}, heads, tokens, head_dim]", "Attention must be over "
+                      "[B, H, S, D] tensors of this step's tokens")
+            if shape[2] != tokens or t not in per_token:
+                _fail(s.node, f"cross-attention: the {what} ({t.name}, shape "
+                      f"{tuple(shape)}) is not computed from this step's {tokens} tokens",
+                      "A paged KV cache holds the keys and values of the sequence's own "
+                      "tokens; only causal self-attention can be cached")
+        hq, hkv = val(s.q).shape[1], val(s.k).shape[1]
+        if val(s.v).shape[1] != hkv or hq % hkv:
+            _fail(s.node, f"head counts q={hq}, k={hkv}, v={val(s.v).shape[1]} are not a "
+                  f"GQA grouping", "K and V need the same heads, dividing Q's")
+        if s.mask is not None:
+            self._check_mask(s, tokens, pos)
+        elif not s.causal and tokens > 1:
+            _fail(s.node, f"non-causal attention (is_causal=False, no mask) over {tokens} "
+                  f"tokens: every token attends to later ones (an encoder)",
+                  "Only causal decoders can be served from a KV cache")
+        # tokens == 1 with no mask: one query, one key -- causal and full attention agree.
+
+    # -- masks -----------------------------------------------------------------------------
+
+    def _check_mask(self, s: Site, tokens: int, pos) -> None:
+        allowed = self._evaluate_mask(s, tokens, pos)
+        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+        if allowed.shape[-2:] != causal.shape:
+            _fail(s.mask, f"attention mask of shape {tuple(allowed.shape)} for {tokens} "
+                  f"queries and keys", "Use a [..., S, S] causal mask")
+        if bool((allowed == causal).all()):
+            return
+        rows = allowed.reshape(-1, tokens, tokens)
+        if bool(rows.all()):
+            why = "a bidirectional mask (every token sees every token, an encoder)"
+        elif bool((rows <= causal).all()) and bool(rows.diagonal(dim1=-2, dim2=-1).all()):
+            why = ("a causal mask that also hides some earlier tokens (a sliding window or "
+                   "a padding mask)")
+        else:
+            why = "a mask that is not causal"
+        _fail(s.mask, f"attention {s.node.name} applies {why}",
+              "The paged cache replaces the mask by causality on positions; sliding windows "
+              "and custom masks are not supported: use a plain causal decoder")
+
+    def _evaluate_mask(self, s: Site, tokens: int, pos) -> torch.Tensor:
+        """The mask's value at positions 0..S-1, as 'query i may attend key j' booleans."""
+        need, stack = [], [s.mask]
+        seen = set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            need.append(n)
+            stack.extend(n.all_input_nodes)
+        order = {n: i for i, n in enumerate(s.mask.graph.nodes)}
+        env = {}
+        for n in sorted(need, key=order.get):
+            if n.op == "placeholder":
+                env[n] = self._placeholder_value(n, s, tokens, pos)
+            elif n.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                if "device" in kwargs:
+                    kwargs = {**kwargs, "device": torch.device("cpu")}
+                try:
+                    env[n] = n.target(*args, **kwargs)
+                except Exception as e:
+                    _fail(n, f"the attention mask of {s.node.name} could not be evaluated "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                          "Build the mask from positions or torch.arange only")
+            else:
+                _fail(n, f"attention mask built from {n.op} {n.target}", "Build the mask "
+                      "from positions or torch.arange only")
+        m = env[s.mask]
+        if s.mask_kind == "keep":
+            return m.bool()
+        if s.mask_kind == "drop":
+            return ~m.bool()
+        if not m.is_floating_point():
+            _fail(s.mask, f"additive attention mask of dtype {m.dtype}", "Use a float mask")
+        bias = ~((m == 0) | (m <= MASKED_OUT))
+        if bool(bias.any()):
+            _fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
+                  f"-inf (e.g. {m[bias].flatten()[0].item():g}): a position bias such as "
+                  f"ALiBi", "The paged op has no attention bias: use a model without one")
+        return m == 0
+
+    def _placeholder_value(self, n: Node, s: Site, tokens: int, pos):
+        if n.name == self.token_input:
+            _fail(s.mask, f"the attention mask of {s.node.name} depends on the token ids "
+                  f"(data-dependent mask)", "Masks may depend only on positions: padding is "
+                  "expressed by position -1 in a DCP program")
+        if pos is not None and n is pos:
+            b = val(n).shape[0]
+            return torch.arange(tokens).expand(b, tokens).clone()
+        if self._constants is None and self.constants is not None:
+            self._constants = self.constants()
+        t = (self._constants or {}).get(n.name)
+        if t is None or t.is_meta:
+            _fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value "
+                  f"is not available here (meta device or not a weight/buffer)",
+                  "Build causal masks from torch.arange, or transform a model with real "
+                  "weights")
+        return t.detach().cpu()
+
+    # -- rewrite ---------------------------------------------------------------------------
+
+    def call(self, gm):
+        plan = self.plan(gm)
+        g = gm.graph
+        ids = next(n for n in g.nodes if n.op == "placeholder" and n.name == self.token_input)
+        mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
+        cfg = self.ctx.config
+        num_blocks = self.ctx.model_facts["num_blocks"]
+        max_blocks = self.ctx.model_facts["max_blocks"]
+        device = val(ids).device
+        cache_shape = (num_blocks, cfg.block_size, plan.kv_heads, plan.head_dim)
+
+        def new_input(name, shape, dtype, anchor):
+            with g.inserting_after(anchor):
+                p = g.placeholder(name)
+            with mode:
+                p.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
+            return p
+
+        anchor = plan.position_input or ids
+        positions = new_input("positions", (plan.batch, plan.tokens), torch.int64, anchor)
+        table = new_input("block_table", (plan.batch, max_blocks), torch.int64, positions)
+        caches, last = [], table
+        for i in range(2 * len(plan.sites)):
+            last = new_input(f"kv_caches_{i}", cache_shape, plan.dtype, last)
+            caches.append(last)
+        first_op = next(n for n in g.nodes if n.op != "placeholder")
+        with g.inserting_before(first_op):
+            # Padding (position -1) gets the embedding of position 0; the op zeroes its output.
+            clamped = g.call_function(aten.clamp_min.default, (positions, 0))
+        if plan.position_input is not None:
+            plan.position_input.replace_all_uses_with(clamped)
+
+        new_caches = []
+        for layer, s in enumerate(plan.sites):
+            with g.inserting_before(s.out):
+                q, k, v = (self._bshd(g, t) for t in (s.q, s.k, s.v))
+                attn = g.call_function(torch.ops.dcp.paged_attention.default,
+                                       (q, k, v, caches[2 * layer], caches[2 * layer + 1],
+                                        positions, table, s.scale))
+                out, kc, vc = (g.call_function(operator.getitem, (attn, i)) for i in range(3))
+                bhsd = g.call_function(aten.transpose.int, (out, 1, 2))
+            if val(s.out).dtype != val(s.q).dtype:
+                with g.inserting_after(bhsd):
+                    bhsd = g.call_function(aten.to.dtype, (bhsd, val(s.out).dtype))
+            s.out.replace_all_uses_with(bhsd)
+            new_caches += [kc, vc]
+            self.tag(attn, "cache_attention", layer)
+        output = next(n for n in g.nodes if n.op == "output")
+        logits = output.args[0]
+        logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+        output.args = ((logits, *new_caches),)
+        _drop_dead(g)           # masks and repeated K/V die with the attention they fed
+        self._replace_aranges(g, plan, clamped)
+        if plan.position_input is not None:
+            g.erase_node(plan.position_input)
+        self.ctx.model_facts.update(num_layers=len(plan.sites), num_kv_heads=plan.kv_heads,
+                                    head_dim=plan.head_dim, cache_dtype=plan.dtype)
+        self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
+                    forms=sorted({_form(s) for s in plan.sites}),
+                    positions="position_ids" if plan.position_input is not None else "arange")
+        return PassResult(gm, True)
+
+    @staticmethod
+    def _bshd(g, t: Node) -> Node:
+        """[B, H, S, D] -> [B, S, H, D]; a transpose(1, 2) the model made is undone, not
+        stacked (keeps the token dim at 1 for the prefill passes)."""
+        if _call(t, {aten.transpose.int}) and {d % 4 for d in t.args[1:]} == {1, 2}:
+            return t.args[0]
+        return g.call_function(aten.transpose.int, (t, 1, 2))
+
+    def _replace_aranges(self, g, plan: Plan, clamped: Node) -> None:
+        """A surviving ``arange(S)`` (start 0, step 1) is the model's positions: its
+        ``unsqueeze(0)`` becomes the positions input; any other use is refused."""
+        for n in list(g.nodes):
+            if not _is_seq_arange(n, plan.tokens):
+                continue
+            for u in list(n.users):
+                if _call(u, {aten.unsqueeze.default}) and u.args[1] == 0:
+                    with g.inserting_before(u):
+                        cast = g.call_function(aten.to.dtype, (clamped, val(u).dtype))
+                    u.replace_all_uses_with(cast)
+                    g.erase_node(u)
+                else:
+                    _fail(u, f"torch.arange({plan.tokens}) (positions over the sequence) is "
+                          f"used by {u.target}", "Pass position_ids to forward, or build "
+                          "positions as torch.arange(S).unsqueeze(0)")
+            plan.seq_aranges.append(n)
+            g.erase_node(n)
+
+    def ensures(self, gm):
+        assert not any(_call(n, _KERNEL_OF) for n in gm.graph.nodes)
+
+
+def _is_seq_arange(n: Node, tokens: int) -> bool:
+    if _call(n, {aten.arange.default}):
+        return n.args[0] == tokens
+    if _call(n, {aten.arange.start, aten.arange.start_step}):
+        step = n.args[2] if len(n.args) > 2 else 1
+        return n.args[0] == 0 and n.args[1] == tokens and step == 1
+    return False
+
+
+def _drop_dead(g) -> None:
+    """Remove nodes nothing reads. Export's metadata asserts, and the ops torch calls impure
+    only because they are seeded (dropout, the SDPA kernels), die with what they read."""
+    removable = {aten._assert_tensor_metadata.default, aten.dropout.default, *_KERNEL_OF}
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(g.nodes)):
+            if n.op == "call_function" and not n.users and (not n.is_impure()
+                                                            or n.target in removable):
+                g.erase_node(n)
+                changed = True
+
+
+def _form(s: Site) -> str:
+    kind = "sdpa" if s.node.target in _KERNEL_OF else "eager"
+    mask = "is_causal" if s.causal else (f"{s.mask_kind} mask" if s.mask is not None
+                                        else "one token")
+    return f"{kind} ({mask})"
