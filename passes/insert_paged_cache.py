@@ -434,8 +434,11 @@ class InsertPagedCache(DCPPass):
     # -- rewrite ---------------------------------------------------------------------------
 
     def call(self, gm):
-        plan = self.plan(gm)
         g = gm.graph
+        for n in list(g.nodes):  # export's metadata asserts would hold dead values alive
+            if _call(n, {aten._assert_tensor_metadata.default}):
+                g.erase_node(n)
+        plan = self.plan(gm)
         ids = next(n for n in g.nodes if n.op == "placeholder" and n.name == self.token_input)
         mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
         cfg = self.ctx.config
@@ -458,12 +461,6 @@ class InsertPagedCache(DCPPass):
         for i in range(2 * len(plan.sites)):
             last = new_input(f"kv_caches_{i}", cache_shape, plan.dtype, last)
             caches.append(last)
-        first_op = next(n for n in g.nodes if n.op != "placeholder")
-        with g.inserting_before(first_op):
-            # Padding (position -1) gets the embedding of position 0; the op zeroes its output.
-            clamped = g.call_function(aten.clamp_min.default, (positions, 0))
-        if plan.position_input is not None:
-            plan.position_input.replace_all_uses_with(clamped)
 
         new_caches = []
         for layer, s in enumerate(plan.sites):
@@ -485,6 +482,12 @@ class InsertPagedCache(DCPPass):
         logits = logits[0] if isinstance(logits, (tuple, list)) else logits
         output.args = ((logits, *new_caches),)
         _drop_dead(g)           # masks and repeated K/V die with the attention they fed
+        first_op = next(n for n in g.nodes if n.op != "placeholder")
+        with g.inserting_before(first_op):
+            # Padding (position -1) gets the embedding of position 0; the op zeroes its output.
+            clamped = g.call_function(aten.clamp_min.default, (positions, 0))
+        if plan.position_input is not None:
+            plan.position_input.replace_all_uses_with(clamped)
         self._replace_aranges(g, plan, clamped)
         if plan.position_input is not None:
             g.erase_node(plan.position_input)
@@ -536,9 +539,9 @@ def _is_seq_arange(n: Node, tokens: int) -> bool:
 
 
 def _drop_dead(g) -> None:
-    """Remove nodes nothing reads. Export's metadata asserts, and the ops torch calls impure
-    only because they are seeded (dropout, the SDPA kernels), die with what they read."""
-    removable = {aten._assert_tensor_metadata.default, aten.dropout.default, *_KERNEL_OF}
+    """Remove nodes nothing reads; the ops torch calls impure only because they are seeded
+    (dropout, the SDPA kernels) die with what they read."""
+    removable = {aten.dropout.default, *_KERNEL_OF}
     changed = True
     while changed:
         changed = False
