@@ -474,6 +474,10 @@ class InsertPagedCache(DCPPass):
             if val(s.out).dtype != val(s.q).dtype:
                 with g.inserting_after(bhsd):
                     bhsd = g.call_function(aten.to.dtype, (bhsd, val(s.out).dtype))
+            for n in (q, k, v, attn, out, kc, vc, bhsd):  # errors downstream name the source
+                for key in ("stack_trace", "nn_module_stack"):
+                    if key in s.node.meta and key not in n.meta:
+                        n.meta[key] = s.node.meta[key]
             s.out.replace_all_uses_with(bhsd)
             new_caches += [kc, vc]
             self.tag(attn, "cache_attention", layer)

@@ -1,0 +1,224 @@
+"""Ordinary models in, paged DCP programs out (passes/insert_paged_cache).
+
+Each model has no KV cache and no project API; transform() inserts the cache. The program,
+run by the engine on a threaded world (tp=4, dcp=2), must decode the same greedy tokens with
+the same fp32 logits (1e-4) as the model's own plain forward over the full token sequence.
+What cannot be served from a paged cache is refused by name and source line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import dcp_compile
+from dcp_compile.errors import DCPTransformError
+from dcp_compile.models import DemoConfig
+from dcp_compile.plain_models import plain_llama
+from dcp_compile.verify import run_threaded_program
+from runtime.engine import StepShapes
+
+from helpers import assert_close_report, prompts_of
+
+TP, DCP, BLOCK = 4, 2, 4
+VOCAB = 256
+LENGTHS = (1, 6, 12)            # 1-3 vblocks of 8: sequences cross block and rank boundaries
+SHAPES = StepShapes(batch=4, context_len=12, max_blocks=4, num_blocks=12)
+STEPS = {"decode": 8, "prefill": 1}
+ATOL = 1e-4
+CFG = DemoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_q_heads=8,
+                 num_kv_heads=2, head_dim=8, intermediate_size=96)
+HF_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=2, bos_token_id=None,
+               eos_token_id=None, pad_token_id=None, max_position_embeddings=64)
+
+
+def hf_model(config_name: str, model_name: str, **overrides):
+    transformers = pytest.importorskip("transformers")
+    from test_hf import build
+    return build(config_name, model_name, overrides)
+
+
+# id -> factory of a model with no cache. HF models get a random-weights config only.
+MODELS = {
+    "plain-sdpa-is_causal": lambda: plain_llama(CFG, attention="sdpa"),
+    "plain-sdpa-bool-mask-enable_gqa-arange": lambda: plain_llama(
+        CFG, attention="sdpa_mask", gqa="enable_gqa", position_ids=False),
+    "plain-eager-additive-mask": lambda: plain_llama(CFG, attention="eager"),
+    "plain-eager-repeat_interleave": lambda: plain_llama(CFG, attention="eager",
+                                                         gqa="repeat_interleave"),
+    "hf-llama-sdpa": lambda: hf_model("LlamaConfig", "LlamaForCausalLM",
+                                      attn_implementation="sdpa"),
+    "hf-qwen2-eager": lambda: hf_model("Qwen2Config", "Qwen2ForCausalLM",
+                                       attn_implementation="eager"),
+}
+# The prefill passes do not yet take Hugging Face graphs (tests/test_hf.py: the alias of
+# slice_logits_to_keep and the [B, H, S, D] RoPE); the same graphs reach them from here.
+PREFILL_XFAIL = {"hf-llama-sdpa", "hf-qwen2-eager"}
+
+
+def full_forward_reference(model, prompts, steps):
+    """Greedy tokens and per-step logits from the model's own forward, no cache."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(steps):
+                seq.append(int(_logits(model, seq)[-1].argmax()))
+            tokens.append(seq[len(p):])
+            logits.append(_logits(model, seq[:-1])[len(p) - 1:])
+    return tokens, logits
+
+
+def _logits(model, seq):
+    out = model(torch.tensor([seq]))
+    return (out if isinstance(out, torch.Tensor) else out.logits)[0]
+
+
+def transform(model, mode):
+    return dcp_compile.transform(model, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                                 shapes=SHAPES)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_ordinary_model_matches_its_own_forward(model_id, mode):
+    model = MODELS[model_id]()
+    try:
+        program = transform(model, mode)
+    except DCPTransformError as e:
+        if mode == "prefill" and model_id in PREFILL_XFAIL:
+            pytest.xfail(f"prefill passes do not take this HF graph yet: {e}")
+        raise
+    inserted = next(r for r in program.history if r.name == "insert_paged_cache")
+    assert inserted.matched["layers"] == 2
+    spec = program.cache_spec()
+    assert (spec.num_layers, spec.head_dim) == (2, 8)
+
+    steps = STEPS[mode]
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, steps)
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                assert_close_report(got[b], ref_logits[b][t], atol=ATOL,
+                                    what=f"rank {run.rank} step {t} seq {b}")
+
+
+def test_fused_qkv_is_refused_by_tensor_parallel_sharding():
+    """The cache goes in; head-wise TP of one fused [q; k; v] weight is refused for now."""
+    model = plain_llama(CFG, attention="sdpa", fused_qkv=True)
+    with pytest.raises(DCPTransformError, match="fused projection"):
+        transform(model, "decode")
+
+
+def test_per_layer_scale():
+    """Each layer's own softmax scale is found and kept (eager attention)."""
+    model = plain_llama(CFG, attention="eager")
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.scale = 0.2 + 0.1 * i
+    program = transform(model, "decode")
+    prompts = prompts_of((5,), vocab=VOCAB)
+    runs = run_threaded_program(program, prompts, 3)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, 3)
+    assert runs[0].result.tokens == ref_tokens
+    for t, got in enumerate(runs[0].result.logits):
+        assert_close_report(got[0], ref_logits[0][t], atol=ATOL, what=f"step {t}")
+
+
+# ---------------------------------------------------------------------------------------
+# Refused: every error names the node and the source line.
+# ---------------------------------------------------------------------------------------
+
+
+class TinyAttentionLM(nn.Module):
+    """One attention layer whose attention is ``attend(q, k, v, x, input_ids)``."""
+
+    def __init__(self, attend):
+        super().__init__()
+        self.attend = attend
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.q, self.k, self.v = (nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.o = nn.Linear(32, 32, bias=False)
+        self.memory = nn.Parameter(torch.randn(12, 32))
+        self.head = nn.Linear(32, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        heads = lambda t: t.view(t.shape[0], t.shape[1], 4, 8).transpose(1, 2)  # noqa: E731
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        out = self.attend(self, q, k, v, input_ids)
+        return self.head(self.o(out.transpose(1, 2).reshape(b, s, 32)))
+
+
+def _encoder(m, q, k, v, ids):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _cross(m, q, k, v, ids):
+    mem = m.memory.expand(q.shape[0], -1, -1)
+    return F.scaled_dot_product_attention(q, m.k(mem).view(q.shape[0], 12, 4, 8).transpose(1, 2),
+                                          m.v(mem).view(q.shape[0], 12, 4, 8).transpose(1, 2))
+
+
+def _token_mask(m, q, k, v, ids):
+    s = ids.shape[1]
+    keep = torch.ones(s, s, dtype=torch.bool).tril() & (ids != 0)[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def _window(m, q, k, v, ids):
+    s = ids.shape[1]
+    i = torch.arange(s)
+    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4)
+    scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def _softcap(m, q, k, v, ids):
+    s = ids.shape[1]
+    scores = torch.tanh((q @ k.transpose(-2, -1)) / 30.0) * 30.0
+    scores = scores + torch.full((s, s), float("-inf")).triu(1)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+REFUSED = {
+    "encoder-non-causal-sdpa": (_encoder, "non-causal attention"),
+    "cross-attention": (_cross, "cross-attention"),
+    "token-dependent-mask": (_token_mask, "depends on the token ids"),
+    "sliding-window-mask": (_window, "sliding window"),
+    "logit-softcapping": (_softcap, "soft-capping"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_with_node_and_source_line(case):
+    attend, why = REFUSED[case]
+    model = TinyAttentionLM(attend).eval()
+    with pytest.raises(DCPTransformError, match=why) as e:
+        dcp_compile.transform(model, tp=4, dcp=1, mode="decode", block_size=BLOCK,
+                              shapes=SHAPES)
+    message = str(e.value)
+    assert "at node " in message and "test_ordinary_models.py" in message, message
+    assert "line " in message, message
+
+
+def test_hf_gemma2_window_and_softcapping_refused_by_config():
+    model = hf_model("Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager",
+                     head_dim=8, sliding_window=4)
+    with pytest.raises(DCPTransformError, match="sliding-window attention"):
+        transform(model, "decode")
+
+
+def test_paged_signature_without_hooks_still_needs_them():
+    class PagedNoHooks(nn.Module):
+        def forward(self, input_ids, positions, block_table, kv_caches):
+            raise AssertionError("not reached")
+
+    with pytest.raises(DCPTransformError, match="does not describe its KV cache"):
+        transform(PagedNoHooks(), "decode")
