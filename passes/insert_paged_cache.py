@@ -479,6 +479,8 @@ class InsertPagedCache(DCPPass):
                     if key in s.node.meta and key not in n.meta:
                         n.meta[key] = s.node.meta[key]
             s.out.replace_all_uses_with(bhsd)
+            _fold_layout_noops(bhsd, out if bhsd.args[0] is out else None,
+                               tuple(val(s.out).shape))
             new_caches += [kc, vc]
             self.tag(attn, "cache_attention", layer)
         output = next(n for n in g.nodes if n.op == "output")
@@ -540,6 +542,18 @@ def _is_seq_arange(n: Node, tokens: int) -> bool:
         step = n.args[2] if len(n.args) > 2 else 1
         return n.args[0] == 0 and n.args[1] == tokens and step == 1
     return False
+
+
+def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:
+    """Users of the [B, H, S, D] output that only undo it: an identity reshape (Hugging
+    Face's SDPA path) reads ``bhsd`` itself, a transpose(1, 2) reads the op's own [B, S, H, D]
+    output. Keeps the token dim at 1 on the output path, as the prefill passes need."""
+    for u in list(bhsd.users):
+        if _call(u, RESHAPES) and tuple(val(u).shape) == shape:
+            u.replace_all_uses_with(bhsd)
+    for u in list(bhsd.users) if bshd is not None else []:
+        if _call(u, {aten.transpose.int}) and {d % 4 for d in u.args[1:]} == {1, 2}:
+            u.replace_all_uses_with(bshd)
 
 
 def _drop_dead(g) -> None:

@@ -54,9 +54,6 @@ MODELS = {
     "hf-qwen2-eager": lambda: hf_model("Qwen2Config", "Qwen2ForCausalLM",
                                        attn_implementation="eager"),
 }
-# The prefill passes do not yet take Hugging Face graphs (tests/test_hf.py: the alias of
-# slice_logits_to_keep and the [B, H, S, D] RoPE); the same graphs reach them from here.
-PREFILL_XFAIL = {"hf-llama-sdpa", "hf-qwen2-eager"}
 
 
 def full_forward_reference(model, prompts, steps):
@@ -86,12 +83,7 @@ def transform(model, mode):
 @pytest.mark.parametrize("model_id", list(MODELS))
 def test_ordinary_model_matches_its_own_forward(model_id, mode):
     model = MODELS[model_id]()
-    try:
-        program = transform(model, mode)
-    except DCPTransformError as e:
-        if mode == "prefill" and model_id in PREFILL_XFAIL:
-            pytest.xfail(f"prefill passes do not take this HF graph yet: {e}")
-        raise
+    program = transform(model, mode)
     inserted = next(r for r in program.history if r.name == "insert_paged_cache")
     assert inserted.matched["layers"] == 2
     spec = program.cache_spec()
