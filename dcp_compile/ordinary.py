@@ -128,3 +128,37 @@ def capture_ordinary(step: OrdinaryStep, batch: int, tokens: int, *,
         example += (torch.arange(tokens, device=device).expand(batch, tokens).clone(),)
     with torch.no_grad():
         return capture(step, example)
+
+
+class FullForwardReference(nn.Module):
+    """An ordinary model behind the paged step signature, for the engine's single-device
+    reference: each step recomputes the model's own full forward over the sequence so far
+    (no cache; the caches pass through untouched), so the reference is independent of the
+    cache insertion. A sequence is known by its first block (stable while it lives)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.step = OrdinaryStep(model)
+        self.history: dict[int, dict[int, int]] = {}     # first block -> position -> token
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, block_table, kv_caches):
+        logits = None
+        for b in range(input_ids.shape[0]):
+            valid = positions[b] >= 0
+            if not bool(valid.any()):
+                continue
+            seen = self.history.setdefault(int(block_table[b, 0]), {})
+            for p, t in zip(positions[b][valid].tolist(), input_ids[b][valid].tolist()):
+                seen[p] = t
+            last = int(positions[b][valid].max())
+            seq = torch.tensor([[seen[p] for p in range(last + 1)]], device=input_ids.device)
+            args = (seq, torch.arange(last + 1, device=seq.device)[None]) \
+                if self.step.takes_positions else (seq,)
+            full = self.step(*args)[0]
+            if logits is None:
+                logits = full.new_zeros(*input_ids.shape, full.shape[-1])
+            logits[b, valid] = full[positions[b][valid]]
+        if logits is None:
+            raise DCPTransformError("a reference step with no tokens: every position is -1.")
+        return logits, list(kv_caches)

@@ -1,4 +1,5 @@
-"""Write the pass-by-pass dump of the built-in demo model for a (tp, dcp, mode).
+"""Write the pass-by-pass dump of a model (the built-in demo model, --model or --hf-config)
+for a (tp, dcp, mode).
 
 For every step kind (decode mode: context and decode; prefill mode: prefill) and every pass
 in order: the graph as readable code, its diff against the previous pass, a picture (SVG when
@@ -14,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from .model_arg import add_model_arguments, load_model
+
 
 def add_arguments(p):
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default 8)")
@@ -26,18 +29,20 @@ def add_arguments(p):
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the demo model")
     p.add_argument("--json", action="store_true",
                    help="print the dump's entries (step, pass, files) as JSON")
+    add_model_arguments(p)
 
 
 def run(args) -> int:
     import dcp_compile
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models import DemoConfig
     from passes.dump import dot_executable
     from runtime.engine import StepShapes
 
-    model = demo_model(DemoConfig(num_layers=args.layers))
+    loaded = load_model(args, demo_config=DemoConfig(num_layers=args.layers))
+    model = loaded.model
     out = Path(args.out)
     t0 = time.perf_counter()
-    print(f"transforming the demo model (tp={args.tp}, dcp={args.dcp}, mode={args.mode}) "
+    print(f"transforming {loaded.label} (tp={args.tp}, dcp={args.dcp}, mode={args.mode}) "
           f"and dumping every pass to {out}/ ...", file=sys.stderr)
     program = dcp_compile.transform(
         model, tp=args.tp, dcp=args.dcp, mode=args.mode, block_size=args.block_size,

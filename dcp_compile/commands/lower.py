@@ -1,4 +1,4 @@
-"""Lower the demo model's DCP program to StableHLO: one module per step kind, with collectives.
+"""Lower a model's DCP program (the demo model, --model or --hf-config) to StableHLO: one module per step kind, with collectives.
 
 Writes DIR/<step>.stablehlo.mlir (text), DIR/<step>.stablehlo.mlirbc (StableHLO portable
 artifact) and DIR/lowering.json, then prints per collective its kind, dimension, role,
@@ -9,6 +9,8 @@ tp ranks). One module serves every rank: the rank is its ``tp_rank`` input.
 from __future__ import annotations
 
 import json
+
+from .model_arg import add_model_arguments, load_model
 
 
 def add_arguments(p):
@@ -29,6 +31,7 @@ def add_arguments(p):
     p.add_argument("--target-version", default=None,
                    help="StableHLO version of the portable artifact (default: current)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_model_arguments(p)
 
 
 def run(args) -> int:
@@ -36,10 +39,11 @@ def run(args) -> int:
 
     import dcp_compile
     from dcp_compile.lowering import lower
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models import DemoConfig
     from runtime.engine import StepShapes
 
-    model = demo_model(DemoConfig(num_layers=args.layers), dtype=getattr(torch, args.dtype))
+    model = load_model(args, demo_config=DemoConfig(num_layers=args.layers),
+                       dtype=getattr(torch, args.dtype)).model
     shapes = StepShapes(batch=args.batch, context_len=args.context_len,
                         max_blocks=args.max_blocks, num_blocks=args.num_blocks)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,

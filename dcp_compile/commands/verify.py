@@ -1,4 +1,5 @@
-"""Transform the demo model, run it on a threaded world and compare with the single device.
+"""Transform a model (the demo model, --model or --hf-config), run it on a threaded world and
+compare with the single device (an ordinary model: its own full forward).
 
 Prints the max absolute logit error and whether greedy tokens agree; exits 1 on mismatch.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+from .model_arg import add_model_arguments, load_model
 
 
 def add_arguments(p):
@@ -21,6 +24,7 @@ def add_arguments(p):
                    help="comma-separated prompt lengths (default: edge cases for the layout)")
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--json", action="store_true")
+    add_model_arguments(p)
 
 
 def default_lengths(dcp: int, interleave: int, block: int) -> list[int]:
@@ -34,16 +38,16 @@ def run(args) -> int:
     import torch
 
     import dcp_compile
-    from dcp_compile.models import demo_model
     from dcp_compile import verify as V
     from runtime.engine import StepShapes
 
     interleave = args.interleave_size or args.block_size
     lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
                else default_lengths(args.dcp, interleave, args.block_size))
-    model = demo_model()
+    loaded = load_model(args)
+    model = loaded.model
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+    prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
                for n in lengths]
     if args.mode == "decode":
         total = max(lengths) + args.steps
@@ -51,7 +55,7 @@ def run(args) -> int:
         total = max(lengths) * args.chunks
     shapes = StepShapes.fitting(len(prompts), max(lengths), total,
                                 block_size=args.block_size, dcp=args.dcp)
-    print(f"transforming demo model: tp={args.tp} dcp={args.dcp} mode={args.mode} "
+    print(f"transforming {loaded.label}: tp={args.tp} dcp={args.dcp} mode={args.mode} "
           f"interleave={interleave} block={args.block_size}", file=sys.stderr)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     block_size=args.block_size,
@@ -60,9 +64,11 @@ def run(args) -> int:
     print(f"running {args.tp} ranks on threads vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
     if args.mode == "decode":
-        report = V.verify(model, program, prompts, args.steps, atol=args.atol)
+        report = V.verify(loaded.make_reference(), program, prompts, args.steps,
+                          atol=args.atol)
     else:
-        report = V.verify_prefill(model, program, prompts, args.chunks, atol=args.atol)
+        report = V.verify_prefill(loaded.make_reference(), program, prompts, args.chunks,
+                                  atol=args.atol, check_cache=loaded.reference_has_cache)
     if args.json:
         print(json.dumps(report.to_json()))
     else:
