@@ -59,30 +59,43 @@ def model_kind(model: nn.Module) -> str:
 
 
 # Hugging Face config fields that change attention in ways the paged op does not compute.
-# The graph shows a window only when it is shorter than the captured chunk, so read it here.
-_HF_REFUSED = (
-    ("sliding_window", "sliding-window attention"),
-    ("attn_logit_softcapping", "attention logit soft-capping"),
-    ("attention_chunk_size", "chunked attention"),
-)
+_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
+
+
+def _text_config(model):
+    cfg = model.config
+    get = getattr(cfg, "get_text_config", None)
+    return get() if callable(get) else cfg
 
 
 def _check_hf_config(model) -> None:
-    cfg = model.config
-    get = getattr(cfg, "get_text_config", None)
-    cfg = get() if callable(get) else cfg
+    cfg = _text_config(model)
     for key, what in _HF_REFUSED:
         value = getattr(cfg, key, None)
-        if value is None:
-            continue
-        if key == "sliding_window" and getattr(cfg, "use_sliding_window", True) is False:
-            continue
-        raise DCPTransformError(
-            f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
-            f"computes plain causal attention, so the program would differ from the model. "
-            f"Set config.{key}=None if the model is exact without it (e.g. sequences no "
-            f"longer than the window), or use dcp_compile.hf.prepare(max_model_len=...) for "
-            f"windowed models served within the window.")
+        if value is not None:
+            raise DCPTransformError(
+                f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
+                f"does not compute it, so the program would differ from the model. Use a "
+                f"model without {key}.")
+
+
+def declared_windows(model) -> list[int] | None:
+    """Per-layer sliding windows a Hugging Face config declares (0: full attention); None
+    for other models. The graph shows a window only when it is shorter than the captured
+    chunk, so the config is read too (insert_paged_cache checks the two agree)."""
+    if not is_hf(model):
+        return None
+    cfg = _text_config(model)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(layers, int):
+        return None
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return [0] * layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [int(window)] * layers
+    return [int(window) if t == "sliding_attention" else 0 for t in types]
 
 
 class OrdinaryStep(nn.Module):

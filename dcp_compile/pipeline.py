@@ -130,11 +130,14 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
 def _insert_cache_pass(ctx, step_model, captured, shapes):
     """The cache insertion for an ordinary model's captured step (passes/insert_paged_cache)."""
     from passes.insert_paged_cache import InsertPagedCache
+
+    from .ordinary import declared_windows
     ctx.model_facts.update(num_blocks=shapes.num_blocks, max_blocks=shapes.max_blocks)
     inputs = captured.user_inputs
     return InsertPagedCache(ctx, token_input=inputs[0],
                             position_input=inputs[1] if len(inputs) > 1 else None,
-                            constants=lambda: constant_values(step_model, captured))
+                            constants=lambda: constant_values(step_model, captured),
+                            windows=declared_windows(step_model.model))
 
 
 def _report(line: str) -> None:

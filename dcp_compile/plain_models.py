@@ -13,6 +13,8 @@ Options (each one an attention form the cache insertion recognises):
               "enable_gqa" (SDPA's own GQA; sdpa attentions only)
   fused_qkv   one [q; k; v] projection split after the matmul
   position_ids  False: forward(input_ids) only; positions are ``arange(S)``
+  window      eager only: a sliding window (key j visible to query i iff i - window < j <= i)
+  softcap     eager only: logit soft-capping ``tanh(scores / softcap) * softcap`` (Gemma 2)
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ def repeat_kv(x: Tensor, groups: int) -> Tensor:
 
 
 class PlainAttention(nn.Module):
-    def __init__(self, cfg: DemoConfig, attention: str, gqa: str, fused_qkv: bool):
+    def __init__(self, cfg: DemoConfig, attention: str, gqa: str, fused_qkv: bool,
+                 window: int = 0, softcap: float = 0.0):
         super().__init__()
         self.cfg, self.attention, self.gqa, self.fused_qkv = cfg, attention, gqa, fused_qkv
+        self.window, self.softcap = window, softcap
         self.scale = cfg.head_dim ** -0.5
         q_w, kv_w = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         if fused_qkv:
@@ -78,7 +82,13 @@ class PlainAttention(nn.Module):
                                                  enable_gqa=gqa)
         else:
             mask = torch.full((s, s), float("-inf"), device=x.device).triu(1)
-            scores = q @ k.transpose(-2, -1) * self.scale + mask
+            if self.window:
+                mask = mask + torch.full((s, s), float("-inf"),
+                                         device=x.device).tril(-self.window)
+            scores = q @ k.transpose(-2, -1) * self.scale
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores + mask
             out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -100,15 +110,19 @@ class PlainLlama(nn.Module):
     """The demo model's architecture as an ordinary PyTorch causal LM (see module doc)."""
 
     def __init__(self, cfg: DemoConfig = DemoConfig(), *, attention: str = "sdpa",
-                 gqa: str = "repeat_kv", fused_qkv: bool = False):
+                 gqa: str = "repeat_kv", fused_qkv: bool = False, window: int = 0,
+                 softcap: float = 0.0):
         super().__init__()
-        if attention not in ATTENTIONS or gqa not in GQA_FORMS:
-            raise ValueError(f"attention must be one of {ATTENTIONS} and gqa one of "
-                             f"{GQA_FORMS}: got attention={attention!r}, gqa={gqa!r}.")
+        if attention not in ATTENTIONS or gqa not in GQA_FORMS or \
+                ((window or softcap) and attention != "eager"):
+            raise ValueError(f"attention must be one of {ATTENTIONS} (eager for window and "
+                             f"softcap) and gqa one of {GQA_FORMS}: got attention="
+                             f"{attention!r}, gqa={gqa!r}, window={window}, softcap={softcap}.")
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            PlainDecoderLayer(cfg, attention=attention, gqa=gqa, fused_qkv=fused_qkv)
+            PlainDecoderLayer(cfg, attention=attention, gqa=gqa, fused_qkv=fused_qkv,
+                              window=window, softcap=softcap)
             for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

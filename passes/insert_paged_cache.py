@@ -40,7 +40,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.errors import DCPTransformError
 
-from .infra import DCPPass, source_of, val
+from .infra import KIND_ATTENTION, DCPPass, source_of, val
 
 aten = torch.ops.aten
 
@@ -79,6 +79,8 @@ class Site:
     causal: bool                 # is_causal=True (no mask)
     mask: Node | None = None     # see mask_kind
     mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
+    softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
+    window: int = 0              # keys with q_pos - k_pos < window (0: no window)
 
 
 @dataclass
@@ -145,8 +147,12 @@ class InsertPagedCache(DCPPass):
     name = "insert_paged_cache"
 
     def __init__(self, ctx, *, token_input: str, position_input: str | None,
-                 constants: Callable[[], dict] | None = None):
+                 constants: Callable[[], dict] | None = None,
+                 windows: list[int] | None = None):
         super().__init__(ctx)
+        # Per-layer sliding windows the model declares (Hugging Face config): a window no
+        # shorter than the captured chunk leaves no trace in the graph's mask.
+        self.windows = windows
         self.token_input = token_input
         self.position_input = position_input
         self.constants = constants          # placeholder -> tensor, for evaluating masks
@@ -178,8 +184,19 @@ class InsertPagedCache(DCPPass):
                 "nothing to put a KV cache under. Use a causal decoder with SDPA or eager "
                 "attention.")
         shapes = set()
-        for s in sites:
+        # Windows: declared by the config, or found in an earlier step's mask (a one-token
+        # decode step's mask cannot show one).
+        declared = self.windows if self.windows is not None else \
+            self.ctx.model_facts.get("windows")
+        if declared is not None and len(declared) != len(sites):
+            raise DCPTransformError(
+                f"the model declares {len(declared)} attention layers (config layer_types / "
+                f"num_hidden_layers, or an earlier step) but this step's graph has "
+                f"{len(sites)} attention sites. Every layer must attend once through SDPA or "
+                f"eager attention.")
+        for layer, s in enumerate(sites):
             self._check_site(s, per_token, batch, tokens, pos)
+            self._set_window(s, declared[layer] if declared else 0, layer, tokens)
             shapes.add((tuple(val(s.k).shape[1:2]) + tuple(val(s.k).shape[3:]),
                         val(s.k).dtype))
         if len(shapes) != 1:
@@ -257,9 +274,14 @@ class InsertPagedCache(DCPPass):
                   "softmax(scores) @ v")
         v = user.args[1]
         # Backward: scale, mask, casts, down to `q @ k^T`.
-        x, scale, mask, kind = _skip_casts(sm.args[0]), 1.0, None, ""
+        x, scale, mask, kind, softcap = _skip_casts(sm.args[0]), 1.0, None, "", 0.0
         while not _call(x, MATMUL):
-            if _call(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
+            cap = _softcap_of(x)
+            if cap is not None:
+                if scale != 1.0:
+                    _fail(x, "scores scaled after soft-capping", "Scale before the tanh cap")
+                softcap, x = cap
+            elif _call(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
                 a, b = x.args
                 c = _number(b) if isinstance(a, Node) else _number(a)
                 if c is None:
@@ -284,10 +306,9 @@ class InsertPagedCache(DCPPass):
                 x, mask, kind = x.args[1], x.args[0], "keep"
             elif _call(x, CASTS):
                 x = x.args[0]
-            elif _call(x, {aten.tanh.default}) or _call(x, {aten.softcap} if hasattr(
-                    aten, "softcap") else set()):
-                _fail(x, "attention logit soft-capping", "The paged attention op has no "
-                      "soft-capping: use a model without attn_logit_softcapping")
+            elif _call(x, {aten.tanh.default}):
+                _fail(x, "tanh on the attention scores that is not soft-capping "
+                      "(tanh(s / c) * c)", "Write the cap as tanh(scores / c) * c")
             else:
                 _fail(x, f"unrecognised op {x.target} between `q @ k^T` and softmax",
                       "Only a constant scale, a causal mask and dtype casts are recognised")
@@ -300,7 +321,7 @@ class InsertPagedCache(DCPPass):
                   "Write scores as q @ k.transpose(-2, -1)")
         return Site(node=sm, out=user, q=_skip_casts(q), k=_strip_repeat(kt.args[0]),
                     v=_strip_repeat(v), scale=scale, causal=False, mask=mask,
-                    mask_kind=kind)
+                    mask_kind=kind, softcap=softcap)
 
     @staticmethod
     def _feeds_matmul(sm: Node) -> bool:
@@ -358,17 +379,33 @@ class InsertPagedCache(DCPPass):
                   f"queries and keys", "Use a [..., S, S] causal mask")
         if bool((allowed == causal).all()):
             return
+        i = torch.arange(tokens)
+        for w in range(1, tokens):
+            if bool((allowed == (causal & (i[:, None] - i[None, :] < w))).all()):
+                s.window = w
+                return
         rows = allowed.reshape(-1, tokens, tokens)
         if bool(rows.all()):
             why = "a bidirectional mask (every token sees every token, an encoder)"
         elif bool((rows <= causal).all()) and bool(rows.diagonal(dim1=-2, dim2=-1).all()):
-            why = ("a causal mask that also hides some earlier tokens (a sliding window or "
-                   "a padding mask)")
+            why = ("a causal mask that also hides some earlier tokens, not as a sliding "
+                   "window (the same for every query)")
         else:
             why = "a mask that is not causal"
         _fail(s.mask, f"attention {s.node.name} applies {why}",
-              "The paged cache replaces the mask by causality on positions; sliding windows "
-              "and custom masks are not supported: use a plain causal decoder")
+              "The paged cache replaces the mask by causality (and a sliding window) on "
+              "positions; other masks are not supported: use a causal decoder")
+
+    def _set_window(self, s: Site, declared: int, layer: int, tokens: int) -> None:
+        if not declared:
+            return
+        if s.window and s.window != declared:
+            _fail(s.node, f"layer {layer}'s mask is a window of {s.window} tokens but the "
+                  f"config declares sliding_window={declared}", "Fix the config")
+        if not s.window and declared < tokens and (s.mask is not None or tokens > 1):
+            _fail(s.node, f"the config declares sliding_window={declared} for layer {layer} "
+                  f"but its mask over {tokens} tokens is fully causal", "Fix the config")
+        s.window = declared
 
     def _evaluate_mask(self, s: Site, tokens: int, pos) -> torch.Tensor:
         """The mask's value at positions 0..S-1, as 'query i may attend key j' booleans."""
@@ -466,9 +503,11 @@ class InsertPagedCache(DCPPass):
         for layer, s in enumerate(plan.sites):
             with g.inserting_before(s.out):
                 q, k, v = (self._bshd(g, t) for t in (s.q, s.k, s.v))
+                params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap))
+                          if x}
                 attn = g.call_function(torch.ops.dcp.paged_attention.default,
                                        (q, k, v, caches[2 * layer], caches[2 * layer + 1],
-                                        positions, table, s.scale))
+                                        positions, table, s.scale), params)
                 out, kc, vc = (g.call_function(operator.getitem, (attn, i)) for i in range(3))
                 bhsd = g.call_function(aten.transpose.int, (out, 1, 2))
             if val(s.out).dtype != val(s.q).dtype:
@@ -482,7 +521,7 @@ class InsertPagedCache(DCPPass):
             _fold_layout_noops(bhsd, out if bhsd.args[0] is out else None,
                                tuple(val(s.out).shape))
             new_caches += [kc, vc]
-            self.tag(attn, "cache_attention", layer)
+            self.tag(attn, KIND_ATTENTION, layer)
         output = next(n for n in g.nodes if n.op == "output")
         logits = output.args[0]
         logits = logits[0] if isinstance(logits, (tuple, list)) else logits
@@ -497,6 +536,8 @@ class InsertPagedCache(DCPPass):
         self._replace_aranges(g, plan, clamped)
         if plan.position_input is not None:
             g.erase_node(plan.position_input)
+        if plan.tokens > 1 or "windows" not in self.ctx.model_facts:
+            self.ctx.model_facts["windows"] = [s.window for s in plan.sites]
         self.ctx.model_facts.update(num_layers=len(plan.sites), num_kv_heads=plan.kv_heads,
                                     head_dim=plan.head_dim, cache_dtype=plan.dtype)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
@@ -533,6 +574,28 @@ class InsertPagedCache(DCPPass):
 
     def ensures(self, gm):
         assert not any(_call(n, _KERNEL_OF) for n in gm.graph.nodes)
+
+
+def _softcap_of(x: Node):
+    """``tanh(y / c) * c`` (or ``tanh(y * (1/c)) * c``) -> (c, y); anything else -> None."""
+    if not _call(x, {aten.mul.Tensor, aten.mul.Scalar}):
+        return None
+    a, c = x.args if isinstance(x.args[0], Node) else x.args[::-1]
+    t = _skip_casts(a) if isinstance(a, Node) else None
+    if _number(c) is None or not _call(t, {aten.tanh.default}):
+        return None
+    d = t.args[0]
+    if _call(d, {aten.div.Tensor, aten.div.Scalar}) and _number(d.args[1]) is not None:
+        inner = d.args[1]
+    elif _call(d, {aten.mul.Tensor, aten.mul.Scalar}) and _number(d.args[1]) is not None \
+            and d.args[1] != 0:
+        inner = 1.0 / d.args[1]
+    else:
+        return None
+    if abs(inner - c) > 1e-6 * abs(c):
+        _fail(x, f"tanh(scores / {inner:g}) * {c:g}: cap inside and outside differ",
+              "Use one soft-capping constant")
+    return float(c), d.args[0]
 
 
 def _is_seq_arange(n: Node, tokens: int) -> bool:
@@ -574,4 +637,5 @@ def _form(s: Site) -> str:
     kind = "sdpa" if s.node.target in _KERNEL_OF else "eager"
     mask = "is_causal" if s.causal else (f"{s.mask_kind} mask" if s.mask is not None
                                         else "one token")
-    return f"{kind} ({mask})"
+    extra = "".join(f", {k}" for k, x in (("window", s.window), ("softcap", s.softcap)) if x)
+    return f"{kind} ({mask}{extra})"

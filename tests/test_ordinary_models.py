@@ -49,10 +49,17 @@ MODELS = {
     "plain-eager-additive-mask": lambda: plain_llama(CFG, attention="eager"),
     "plain-eager-repeat_interleave": lambda: plain_llama(CFG, attention="eager",
                                                          gqa="repeat_interleave"),
+    "plain-eager-window-softcap": lambda: plain_llama(CFG, attention="eager", window=4,
+                                                      softcap=3.0),
     "hf-llama-sdpa": lambda: hf_model("LlamaConfig", "LlamaForCausalLM",
                                       attn_implementation="sdpa"),
     "hf-qwen2-eager": lambda: hf_model("Qwen2Config", "Qwen2ForCausalLM",
                                        attn_implementation="eager"),
+    # Alternating 4-token sliding window and full layers, logit soft-capping, per-layer
+    # query_pre_attn_scalar scale: sequences of up to 20 tokens leave the window.
+    "hf-gemma2-eager-window-softcap": lambda: hf_model(
+        "Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager", head_dim=8,
+        sliding_window=4, attn_logit_softcapping=3.0, query_pre_attn_scalar=16),
 }
 
 
@@ -164,18 +171,20 @@ def _token_mask(m, q, k, v, ids):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
-def _window(m, q, k, v, ids):
+def _hide_first_token(m, q, k, v, ids):
     s = ids.shape[1]
     i = torch.arange(s)
-    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4)
+    keep = (i[None, :] <= i[:, None]) & ((i[None, :] > 0) | (i[:, None] == 0))
     scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
-def _softcap(m, q, k, v, ids):
+def _alibi(m, q, k, v, ids):
     s = ids.shape[1]
-    scores = torch.tanh((q @ k.transpose(-2, -1)) / 30.0) * 30.0
-    scores = scores + torch.full((s, s), float("-inf")).triu(1)
+    i = torch.arange(s)
+    bias = -(i[:, None] - i[None, :]).abs().float() * 0.5
+    scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5 + bias.masked_fill(i[None, :] > i[:, None],
+                                                                     float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
@@ -183,8 +192,8 @@ REFUSED = {
     "encoder-non-causal-sdpa": (_encoder, "non-causal attention"),
     "cross-attention": (_cross, "cross-attention"),
     "token-dependent-mask": (_token_mask, "depends on the token ids"),
-    "sliding-window-mask": (_window, "sliding window"),
-    "logit-softcapping": (_softcap, "soft-capping"),
+    "causal-mask-hiding-a-token": (_hide_first_token, "not as a sliding window"),
+    "alibi-bias": (_alibi, "ALiBi"),
 }
 
 
@@ -198,13 +207,6 @@ def test_refused_with_node_and_source_line(case):
     message = str(e.value)
     assert "at node " in message and "test_ordinary_models.py" in message, message
     assert "line " in message, message
-
-
-def test_hf_gemma2_window_and_softcapping_refused_by_config():
-    model = hf_model("Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager",
-                     head_dim=8, sliding_window=4)
-    with pytest.raises(DCPTransformError, match="sliding-window attention"):
-        transform(model, "decode")
 
 
 def test_paged_signature_without_hooks_still_needs_them():
