@@ -139,8 +139,15 @@ def capture_ordinary(step: OrdinaryStep, batch: int, tokens: int, *,
     example = (ids,)
     if step.takes_positions:
         example += (torch.arange(tokens, device=device).expand(batch, tokens).clone(),)
-    with torch.no_grad():
-        return capture(step, example)
+    try:
+        with torch.no_grad():
+            return capture(step, example)
+    except DCPTransformError as e:
+        raise DCPTransformError(
+            f"{e} ({type(step.model).__name__} was taken as an ordinary causal LM, "
+            f"forward(input_ids [B, S] (, position_ids)) -> logits [B, S, vocab]: it has no "
+            f"paged step signature; a model that manages its own paged KV cache describes it "
+            f"with `num_layers` and `kv_cache_shape(num_blocks, block_size)`.)") from e
 
 
 class FullForwardReference(nn.Module):
