@@ -216,3 +216,32 @@ def test_paged_signature_without_hooks_still_needs_them():
 
     with pytest.raises(DCPTransformError, match="does not describe its KV cache"):
         transform(PagedNoHooks(), "decode")
+
+
+def test_window_and_softcap_of_the_paged_op_match_dense_attention():
+    """dcp.paged_attention(window, softcap) equals dense masked attention over the chunk."""
+    from dcp_compile.ops import _paged_attention_impl
+    g = torch.Generator().manual_seed(0)
+    b, s, hq, hkv, d, window, cap = 2, 10, 4, 2, 8, 3, 2.5
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for h in (hq, hkv, hkv))
+    positions = torch.arange(s).expand(b, s).clone()
+    table = torch.arange(2 * 3).view(b, 3)
+    caches = [torch.zeros(7, 4, hkv, d) for _ in range(2)]
+    out, _, _ = _paged_attention_impl(q, k, v, *caches, positions, table, 0.3, window, cap)
+    i = torch.arange(s)
+    keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    kr, vr = (t.repeat_interleave(hq // hkv, dim=2).transpose(1, 2) for t in (k, v))
+    scores = q.transpose(1, 2) @ kr.transpose(-2, -1) * 0.3
+    scores = (torch.tanh(scores / cap) * cap).masked_fill(~keep, float("-inf"))
+    ref = (torch.softmax(scores, dim=-1) @ vr).transpose(1, 2)
+    assert_close_report(out, ref, atol=1e-5, what="paged attention with window and softcap")
+
+
+def test_cli_verify_takes_a_model_factory_and_an_hf_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from dcp_compile.cli import main
+    base = ["verify", "--tp", "4", "--dcp", "2", "--block-size", "4", "--lengths", "3,9"]
+    assert main(base + ["--steps", "2", "--model", "dcp_compile.plain_models:plain_llama"]) == 0
+    transformers.Qwen2Config(**HF_BASE).save_pretrained(tmp_path)
+    assert main(base + ["--mode", "prefill", "--chunks", "2", "--hf-config",
+                        str(tmp_path)]) == 0
