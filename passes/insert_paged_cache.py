@@ -10,19 +10,23 @@ with each attention replaced by one ``dcp.paged_attention`` over the layer's cac
 ``[num_blocks, block_size, kv_heads, head_dim]``; canonicalize_attention and every later pass
 then run unchanged.
 
-Recognised attention (rules as data: KERNELS, CASTS, REPEATS):
+Recognised attention (rules as data: KERNELS, CASTS, RESHAPES):
   * ``aten.scaled_dot_product_attention`` (is_causal, an explicit mask, enable_gqa) and the
     flash / efficient / cudnn kernels;
-  * eager attention: ``q @ k^T`` (* or / a constant scale) (+ additive mask, masked_fill or
-    where) -> softmax over the last dim in any dtype (casts around it) -> ``@ v``.
+  * eager attention: ``q @ k^T`` (* or / a constant scale) (soft-cap ``tanh(s / c) * c``)
+    (+ additive mask, masked_fill or where) -> softmax over the last dim in any dtype (casts
+    around it) -> ``@ v``.
   K and V are taken before GQA head repetition (expand + reshape, repeat_interleave, or
   none): the cache holds kv heads. Masks are checked by evaluating them (they may depend only
-  on the positions, constants and buffers): exactly causal is accepted and replaced by
-  causality on positions; anything else is refused. Positions come from the
-  ``position_ids`` input or an ``arange(S).unsqueeze(0)`` in the graph.
+  on the positions, constants and buffers): causal, or causal within a sliding window, is
+  accepted and replaced by the op's causality (and ``window``) on positions. Windows a
+  Hugging Face config declares per layer are used too (a window no shorter than the captured
+  chunk leaves no trace in the mask), and a one-token decode step reuses the windows found
+  in the prompt step. Positions come from the ``position_ids`` input or an
+  ``arange(S).unsqueeze(0)`` in the graph.
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
-attention, masks that are not causal (sliding windows included) or depend on the tokens,
-logit soft-capping, cross-attention (K/V not computed from this step's tokens), dropout.
+attention, masks that are neither causal nor a window or that depend on the tokens, additive
+biases (ALiBi), cross-attention (K/V not computed from this step's tokens), dropout.
 """
 
 from __future__ import annotations
