@@ -233,9 +233,10 @@ class InsertPagedCache(DCPPass):
                 if u.target is not operator.getitem:
                     _fail(n, f"{name} result used whole", "Use its output only")
                 items[u.args[1]] = u
-            if set(items) - {0}:
-                _fail(n, f"{name} outputs {sorted(set(items) - {0})} (log-sum-exp, ...) are "
-                      f"used", "Only the attention output can be kept with a paged cache")
+            used = sorted(i for i, u in items.items() if i != 0 and u.users)
+            if used:
+                _fail(n, f"{name} outputs {used} (log-sum-exp, ...) are used",
+                      "Only the attention output can be kept with a paged cache")
             if 0 not in items:
                 _fail(n, f"{name} output unused", "Remove the dead attention")
             out = items[0]

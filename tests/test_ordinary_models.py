@@ -144,15 +144,45 @@ class TinyAttentionLM(nn.Module):
         self.q, self.k, self.v = (nn.Linear(32, 32, bias=False) for _ in range(3))
         self.o = nn.Linear(32, 32, bias=False)
         self.memory = nn.Parameter(torch.randn(12, 32))
+        self.register_buffer("tril", torch.ones(1, 1, 32, 32).tril())   # nanoGPT's mask
         self.head = nn.Linear(32, VOCAB, bias=False)
 
     def forward(self, input_ids):
         x = self.embed(input_ids)
         b, s, _ = x.shape
-        heads = lambda t: t.view(t.shape[0], t.shape[1], 4, 8).transpose(1, 2)  # noqa: E731
+        heads = lambda t: t.view(t.shape[0], t.shape[1], -1, 8).transpose(1, 2)  # noqa: E731
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         out = self.attend(self, q, k, v, input_ids)
-        return self.head(self.o(out.transpose(1, 2).reshape(b, s, 32)))
+        return self.head(x + self.o(out.transpose(1, 2).reshape(b, s, -1)))
+
+
+def _flash_for_cpu(m, q, k, v, ids):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+
+
+def _buffer_mask(m, q, k, v, ids):
+    s = ids.shape[1]
+    scores = (q @ k.transpose(-2, -1)) / 8 ** 0.5
+    scores = scores.masked_fill(m.tril[:, :, :s, :s] == 0, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("attend", [_flash_for_cpu, _buffer_mask])
+def test_attention_kernel_and_buffer_mask_forms(attend):
+    """The flash kernel called directly, and a causal mask read from a registered buffer
+    (nanoGPT), on a model whose positions come from nowhere (no RoPE)."""
+    torch.manual_seed(0)
+    model = TinyAttentionLM(attend).eval()
+    program = dcp_compile.transform(model, tp=2, dcp=1, mode="decode", block_size=BLOCK,
+                                    shapes=SHAPES)
+    prompts = prompts_of((3, 9), vocab=VOCAB)
+    runs = run_threaded_program(program, prompts, 3)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, 3)
+    for run in runs:
+        assert run.result.tokens == ref_tokens
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                assert_close_report(got[b], ref_logits[b][t], atol=ATOL, what=f"{t} {b}")
 
 
 def _encoder(m, q, k, v, ids):
