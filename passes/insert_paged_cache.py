@@ -32,7 +32,7 @@ biases (ALiBi), cross-attention (K/V not computed from this step's tokens), drop
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -96,7 +96,6 @@ class Plan:
     head_dim: int
     dtype: torch.dtype
     position_input: Node | None
-    seq_aranges: list[Node] = field(default_factory=list)
 
 
 def _fail(node: Node, why: str, fix: str):
@@ -574,7 +573,6 @@ class InsertPagedCache(DCPPass):
                     _fail(u, f"torch.arange({plan.tokens}) (positions over the sequence) is "
                           f"used by {u.target}", "Pass position_ids to forward, or build "
                           "positions as torch.arange(S).unsqueeze(0)")
-            plan.seq_aranges.append(n)
             g.erase_node(n)
 
     def ensures(self, gm):

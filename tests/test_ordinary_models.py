@@ -36,7 +36,7 @@ HF_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidde
 
 
 def hf_model(config_name: str, model_name: str, **overrides):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from test_hf import build
     return build(config_name, model_name, {**HF_BASE, **overrides})
 
