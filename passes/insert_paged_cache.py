@@ -67,8 +67,6 @@ MATMUL = {aten.matmul.default}
 # Additive masks below this are "masked out": exp underflows to exactly 0 in any float dtype.
 MASKED_OUT = -1e4
 
-PLACEHOLDER_NAMES = ("positions", "block_table")
-
 
 @dataclass
 class Site:
@@ -125,7 +123,9 @@ def _strip_repeat(n: Node) -> Node:
         if _call(e, {aten.expand.default}):
             u = e.args[0]
             if _call(u, {aten.unsqueeze.default}) and u.args[1] == 2 and len(val(e).shape) == 5:
-                return _skip_casts(u.args[0])
+                b, h, g, s, d = val(e).shape
+                if tuple(val(n).shape) == (b, h * g, s, d):   # heads repeated, nothing else
+                    return _skip_casts(u.args[0])
     if _call(n, {aten.repeat_interleave.self_int}):
         dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
         if dim == 1:
@@ -288,11 +288,17 @@ class InsertPagedCache(DCPPass):
             elif _call(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
                 a, b = x.args
                 c = _number(b) if isinstance(a, Node) else _number(a)
+                if x.target in (aten.div.Tensor, aten.div.Scalar) and not isinstance(a, Node):
+                    c = None                                  # number / scores: not a scale
                 if c is None:
                     _fail(x, f"attention scores scaled by a tensor ({x.target})",
                           "Scale scores by a Python number (a per-layer constant)")
                 scale *= (1.0 / c) if x.target in (aten.div.Tensor, aten.div.Scalar) else c
                 x = a if isinstance(a, Node) else b
+            elif softcap and _call(x, {aten.add.Tensor, aten.masked_fill.Scalar,
+                                       aten.where.self, aten.where.ScalarOther}):
+                _fail(x, "attention mask applied before soft-capping (masked scores become "
+                      "-cap, not -inf)", "Apply the mask after tanh(scores / c) * c")
             elif _call(x, {aten.add.Tensor}) and mask is None:
                 a, b = x.args
                 if not (isinstance(a, Node) and isinstance(b, Node)):
@@ -305,7 +311,8 @@ class InsertPagedCache(DCPPass):
                 x, mask, kind = x.args[0], x.args[1], "drop"
             elif _call(x, {aten.where.self, aten.where.ScalarOther}) and mask is None:
                 other = x.args[2]
-                if isinstance(other, Node) or other > MASKED_OUT:
+                if not isinstance(x.args[1], Node) or isinstance(other, Node) \
+                        or other > MASKED_OUT:
                     _fail(x, "where() on the scores with a non -inf alternative", "Use -inf")
                 x, mask, kind = x.args[1], x.args[0], "keep"
             elif _call(x, CASTS):
