@@ -368,6 +368,8 @@ class InsertPagedCache(DCPPass):
                       f"{tuple(shape)}) is not computed from this step's {tokens} tokens",
                       "A paged KV cache holds the keys and values of the sequence's own "
                       "tokens; only causal self-attention can be cached")
+        for what, t in (("key", s.k), ("value", s.v)):
+            self._check_per_token(s, what, t, per_token, batch, tokens)
         hq, hkv = val(s.q).shape[1], val(s.k).shape[1]
         if val(s.v).shape[1] != hkv or hq % hkv:
             _fail(s.node, f"head counts q={hq}, k={hkv}, v={val(s.v).shape[1]} are not a "
@@ -379,6 +381,32 @@ class InsertPagedCache(DCPPass):
                   f"tokens: every token attends to later ones (an encoder)",
                   "Only causal decoders can be served from a KV cache")
         # tokens == 1 with no mask: one query, one key -- causal and full attention agree.
+
+    def _check_per_token(self, s: Site, what: str, t: Node, per_token: set, batch: int,
+                         tokens: int) -> None:
+        """K/V must be per-token projections: walking back from them to the linears that
+        produce them, every op acts on each token on its own (a cache holds one K/V row per
+        token, computed once, when the token is in the step)."""
+        stack, seen = [t], set()
+        while stack:
+            n = stack.pop()
+            if n in seen or n not in per_token or n.op != "call_function":
+                continue
+            seen.add(n)
+            if n.target == aten.linear.default:
+                continue                                       # the projection
+            if n.target == aten.embedding.default:
+                _fail(s.node, f"the {what} reaches the token embedding {n.name} without a "
+                      f"projection", "K and V must be linear projections of the hidden state")
+            rule = _PER_TOKEN_RULES.get(n.target)
+            pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ())
+            if not pointwise and (rule is None or not rule(n, batch, tokens)):
+                _fail(n, f"the {what} of attention {s.node.name} is computed through "
+                      f"{n.target}, which this compiler cannot show acts on each token on its "
+                      f"own", "K and V must be per-token projections (linear, RoPE, per-head "
+                      "norms, views): an op that mixes tokens (shift, convolution, cumsum over "
+                      "the sequence) cannot be served from a KV cache")
+            stack.extend(n.all_input_nodes)
 
     # -- masks -----------------------------------------------------------------------------
 
@@ -584,6 +612,49 @@ class InsertPagedCache(DCPPass):
 
     def ensures(self, gm):
         assert not any(_call(n, _KERNEL_OF) for n in gm.graph.nodes)
+
+
+def _keeps_tokens(n: Node, batch: int, tokens: int) -> bool:
+    """A view-like op whose result still has the batch first and a dim of the token count
+    (it only regroups features of each token)."""
+    shape = tuple(val(n).shape)
+    return len(shape) >= 2 and shape[0] == batch and tokens in shape[1:3]
+
+
+def _on_last_dim(index: int):
+    """An op slicing / joining / reducing over the dim at args[index] (default -1): per
+    token only when that is the last (feature) dim."""
+    def rule(n: Node, batch: int, tokens: int) -> bool:
+        src = n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]
+        dims = n.args[index] if len(n.args) > index else n.kwargs.get("dim", -1)
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        ndim = len(val(src).shape)
+        return all(isinstance(d, int) and d % ndim == ndim - 1 for d in dims)
+    return rule
+
+
+def _view_rule(n: Node, batch: int, tokens: int) -> bool:
+    return _keeps_tokens(n, batch, tokens)
+
+
+# Non-pointwise ops allowed between a K/V projection and attention (per-token rules).
+_PER_TOKEN_RULES = {
+    **{t: _view_rule for t in (*RESHAPES, aten.transpose.int, aten.permute.default,
+                               aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
+                               aten.clone.default, aten.contiguous.default, aten.alias.default,
+                               aten.detach.default, aten.to.dtype, aten._to_copy.default,
+                               aten.to.dtype_layout, aten.type_as.default)},
+    aten.slice.Tensor: _on_last_dim(1),
+    aten.chunk.default: _on_last_dim(2),
+    aten.split.Tensor: _on_last_dim(2),
+    aten.split_with_sizes.default: _on_last_dim(2),
+    aten.cat.default: _on_last_dim(1),
+    aten.mean.dim: _on_last_dim(1),
+    aten.sum.dim_IntList: _on_last_dim(1),
+    aten.var.correction: _on_last_dim(1),
+    aten.pow.Tensor_Scalar: _view_rule,
+    operator.getitem: lambda n, b, t: True,     # an item of chunk / split (checked there)
+}
 
 
 def _softcap_of(x: Node):

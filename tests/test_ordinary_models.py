@@ -201,6 +201,12 @@ def _token_mask(m, q, k, v, ids):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
+def _token_shift_keys(m, q, k, v, ids):
+    """RWKV-style token shift: token t's key is the previous token's."""
+    k = torch.cat([torch.zeros_like(k[:, :, :1]), k[:, :, :-1]], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def _hide_first_token(m, q, k, v, ids):
     s = ids.shape[1]
     i = torch.arange(s)
@@ -222,6 +228,7 @@ REFUSED = {
     "encoder-non-causal-sdpa": (_encoder, "non-causal attention"),
     "cross-attention": (_cross, "cross-attention"),
     "token-dependent-mask": (_token_mask, "depends on the token ids"),
+    "token-shifted-keys": (_token_shift_keys, "acts on each token on its own"),
     "causal-mask-hiding-a-token": (_hide_first_token, "not as a sliding window"),
     "alibi-bias": (_alibi, "ALiBi"),
 }
