@@ -26,7 +26,8 @@ Recognised attention (rules as data: KERNELS, CASTS, RESHAPES):
   ``arange(S).unsqueeze(0)`` in the graph.
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
 attention, masks that are neither causal nor a window or that depend on the tokens, additive
-biases (ALiBi), cross-attention (K/V not computed from this step's tokens), dropout.
+biases (ALiBi), cross-attention (K/V not computed from this step's tokens), K/V that are
+not per-token projections (_PER_TOKEN_RULES: e.g. a token shift), dropout.
 """
 
 from __future__ import annotations
