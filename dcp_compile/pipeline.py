@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from .capture import capture, constant_values, example_step_inputs
-from .ordinary import capture_ordinary
 from .config import DCPConfig
 from .errors import DCPTransformError
+from .ordinary import capture_ordinary
 from .program import DCPProgram
 from .topology import topology
 
@@ -29,9 +29,9 @@ def passes_for(ctx, first_user_input: str, *, insert_cache=None) -> list:
     from passes.validate_and_prove import ValidateAndProve
 
     first = [insert_cache] if insert_cache is not None else []
-    common = first + [DropExportAsserts(ctx), CheckStaticShapes(ctx), CanonicalizeAttention(ctx),
-              ValidateAndProve(ctx), InsertRank(ctx, first_user_input),
-              ShardTensorParallel(ctx)]
+    common = first + [DropExportAsserts(ctx), CheckStaticShapes(ctx),
+                      CanonicalizeAttention(ctx), ValidateAndProve(ctx),
+                      InsertRank(ctx, first_user_input), ShardTensorParallel(ctx)]
     if ctx.step == "decode":
         return common + [DCPDecode(ctx)]
     if ctx.step == "context":
