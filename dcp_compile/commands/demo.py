@@ -1,6 +1,6 @@
-"""The main job: transform the built-in demo model (or --model / --hf-config) (tp=8, dcp=4) in decode and prefill mode,
+"""The main job: transform the built-in demo model (tp=8, dcp=4) in decode and prefill mode,
 run it on a threaded world, check it against the single-device model, print a summary and
-write the pass-by-pass dump."""
+write the pass-by-pass dump (--model / --hf-config: your model instead)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Write the pass-by-pass dump of a model (the built-in demo model, --model or --hf-config)
-for a (tp, dcp, mode).
+"""Write the pass-by-pass dump of a model for a (tp, dcp, mode).
+
+The model is the built-in demo model, --model or --hf-config.
 
 For every step kind (decode mode: context and decode; prefill mode: prefill) and every pass
 in order: the graph as readable code, its diff against the previous pass, a picture (SVG when

@@ -1,4 +1,6 @@
-"""Lower a model's DCP program (the demo model, --model or --hf-config) to StableHLO: one module per step kind, with collectives.
+"""Lower a model's DCP program to StableHLO: one module per step kind, with collectives.
+
+The model is the demo model, --model or --hf-config.
 
 Writes DIR/<step>.stablehlo.mlir (text), DIR/<step>.stablehlo.mlirbc (StableHLO portable
 artifact) and DIR/lowering.json, then prints per collective its kind, dimension, role,

@@ -1,5 +1,7 @@
-"""Transform a model (the demo model, --model or --hf-config), run it on a threaded world and
-compare with the single device (an ordinary model: its own full forward).
+"""Transform a model, run it on a threaded world and compare with the single device.
+
+The model is the demo model, --model or --hf-config; an ordinary model is compared with its
+own full forward.
 
 Prints the max absolute logit error and whether greedy tokens agree; exits 1 on mismatch.
 """
