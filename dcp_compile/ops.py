@@ -140,7 +140,8 @@ def _(key_cache, value_cache, k, v, slots):
 def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
                             k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
                             block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
-                            interleave: int, scale: float) -> tuple[Tensor, Tensor]:
+                            interleave: int, scale: float, window: int = 0,
+                            softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -169,9 +170,15 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     # Causal on global positions; padding queries attend to nothing.
     allowed = (key_valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
                & (q_pos[:, :, None] >= 0))                                 # [b, i, j]
+    if window > 0:
+        # Sliding window on global positions: a per-position mask, so each rank applies it
+        # to its own keys and the LSE combine is unchanged.
+        allowed = allowed & (q_pos[:, :, None] - key_pos[:, None, :] < window)
     groups = q_heads // kv_heads
     qf = q.float().reshape(batch, q_len, kv_heads, groups, dim)
     scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
+    if softcap > 0:  # logit soft-capping (Gemma 2): on the scaled scores, before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)                                  # [b, k, g, i]
     # A row with no allowed key has lse = -inf: its probabilities are exactly 0, never NaN.
@@ -187,19 +194,23 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
 def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_pos: Tensor,
                       key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                       prior_len: Tensor, rank: Tensor, dcp: int, interleave: int,
-                      scale: float) -> tuple[Tensor, Tensor]:
+                      scale: float, window: int = 0,
+                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
     ``rank``) plus the current keys whose ``k_pos >= 0``; causal on global positions.
+    ``window > 0``: only keys with ``q_pos - k_pos < window``; ``softcap > 0``: scores
+    ``tanh(s / softcap) * softcap``.
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
-                                   block_table, prior_len, rank, dcp, interleave, scale)
+                                   block_table, prior_len, rank, dcp, interleave, scale,
+                                   window, softcap)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale):
+      dcp, interleave, scale, window=0, softcap=0.0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -232,7 +243,8 @@ def _(out, lse, lse_all):
 
 def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           value_cache: Tensor, positions: Tensor, block_table: Tensor,
-                          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                          scale: float, window: int = 0,
+                          softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
@@ -240,39 +252,42 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
     # A chunk is contiguous: its first position is the number of prior tokens.
     prior_len = positions[:, 0].clamp(min=0)
     out, _ = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
-                                     block_table, prior_len, rank0, 1, block, scale)
+                                     block_table, prior_len, rank0, 1, block, scale,
+                                     window, softcap)
     return out, new_kc, new_vc
 
 
 @torch.library.custom_op("dcp::paged_attention", mutates_args=())
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
                     positions: Tensor, block_table: Tensor,
-                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    scale: float, window: int = 0,
+                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale)
+                                 scale, window, softcap)
 
 
 @paged_attention.register_fake
-def _(q, k, v, key_cache, value_cache, positions, block_table, scale):
+def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
 @torch.library.custom_op("dcp::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
               positions: Tensor, block_table: Tensor,
-              scale: float) -> tuple[Tensor, Tensor, Tensor]:
+              scale: float, window: int = 0,
+              softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale)
+                                 scale, window, softcap)
 
 
 @attention.register_fake
-def _(q, k, v, key_cache, value_cache, positions, block_table, scale):
+def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 

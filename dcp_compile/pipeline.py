@@ -10,14 +10,16 @@ import torch
 from .capture import capture, constant_values, example_step_inputs
 from .config import DCPConfig
 from .errors import DCPTransformError
+from .ordinary import capture_ordinary
 from .program import DCPProgram
 from .topology import topology
 
 STEPS_BY_MODE = {"decode": ("context", "decode"), "prefill": ("prefill",)}
 
 
-def passes_for(ctx, first_user_input: str) -> list:
-    """The fixed pass order for one step kind."""
+def passes_for(ctx, first_user_input: str, *, insert_cache=None) -> list:
+    """The fixed pass order for one step kind (``insert_cache``: the InsertPagedCache pass
+    that runs first on an ordinary model's graph)."""
     from passes.canonicalize_attention import CanonicalizeAttention
     from passes.check_static_shapes import CheckStaticShapes
     from passes.dcp_decode import DCPContext, DCPDecode
@@ -26,9 +28,10 @@ def passes_for(ctx, first_user_input: str) -> list:
     from passes.shard_tensor_parallel import ShardTensorParallel
     from passes.validate_and_prove import ValidateAndProve
 
-    common = [DropExportAsserts(ctx), CheckStaticShapes(ctx), CanonicalizeAttention(ctx),
-              ValidateAndProve(ctx), InsertRank(ctx, first_user_input),
-              ShardTensorParallel(ctx)]
+    first = [insert_cache] if insert_cache is not None else []
+    common = first + [DropExportAsserts(ctx), CheckStaticShapes(ctx),
+                      CanonicalizeAttention(ctx), ValidateAndProve(ctx),
+                      InsertRank(ctx, first_user_input), ShardTensorParallel(ctx)]
     if ctx.step == "decode":
         return common + [DCPDecode(ctx)]
     if ctx.step == "context":
@@ -66,40 +69,50 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
 
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role)
-    if type(model).__module__.startswith("transformers.") and hasattr(model, "config"):
-        from .hf import prepare  # a raw Hugging Face model: wrap it in the step signature
+    from .ordinary import OrdinaryStep, model_kind
+    kind = model_kind(model)
+    if kind == "hf_prepare":
+        from .hf import prepare  # attention already "dcp_paged": the fast path
         model = prepare(model)
+    ordinary = kind == "ordinary"
+    if ordinary:  # no cache, no hooks: the insert_paged_cache pass adds the cache
+        model = OrdinaryStep(model)
     shapes = shapes or StepShapes()
-    facts = _model_facts(model)
+    facts = {} if ordinary else _model_facts(model)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params else torch.float32
-    cache_shape = model.kv_cache_shape(shapes.num_blocks, block_size)
+    cache_shape = None if ordinary else model.kv_cache_shape(shapes.num_blocks, block_size)
     dump_path = dump_root_for("transform", config.mode, dump_dir)  # or $DCP_COMPILE_DUMP
 
     graphs, history, shards = {}, [], {}
     constants, weight_inputs = None, None
     for step in STEPS_BY_MODE[config.mode]:
         tokens = 1 if step == "decode" else shapes.context_len
-        example = example_step_inputs(shapes.batch, tokens, shapes.max_blocks, cache_shape,
-                                      facts["num_layers"], device=device, dtype=dtype)
         t0 = time.perf_counter()
-        captured = capture(model, example)
+        if ordinary:
+            captured = capture_ordinary(model, shapes.batch, tokens, device=device)
+        else:
+            captured = capture(model, example_step_inputs(
+                shapes.batch, tokens, shapes.max_blocks, cache_shape, facts["num_layers"],
+                device=device, dtype=dtype))
         capture_seconds = time.perf_counter() - t0
         if progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
                     f"({capture_seconds:.1f}s)")
         ctx = TransformContext(config=config, step=step, model_facts=facts,
                                certificate=certificate)
+        insert_cache = _insert_cache_pass(ctx, model, captured, shapes) if ordinary else None
         dump = pass_dump(dump_path, step, source="transform", config=config)
         try:
-            gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0]),
+            gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0],
+                                                             insert_cache=insert_cache),
                                      step=step, on_pass=_with_progress(dump, progress))
             records[0].matched["capture_seconds"] = round(capture_seconds, 4)
         finally:  # a failed pass leaves the dump up to it
             if dump is not None:
                 dump.close(ctx.config, ctx.certificate)
-        config, certificate = ctx.config, ctx.certificate
+        config, certificate, facts = ctx.config, ctx.certificate, ctx.model_facts
         graphs[step] = gm
         history += records
         shards.update(ctx.shards)
@@ -111,7 +124,20 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
                       shapes=shapes, constants=constants, shards=shards,
                       weight_inputs=weight_inputs, num_layers=facts["num_layers"],
                       dump_dir=str(dump_path) if dump_path else None,
-                      facts={"dtype": dtype})
+                      facts={"dtype": facts.get("cache_dtype", dtype)})
+
+
+def _insert_cache_pass(ctx, step_model, captured, shapes):
+    """The cache insertion for an ordinary model's captured step (passes/insert_paged_cache)."""
+    from passes.insert_paged_cache import InsertPagedCache
+
+    from .ordinary import declared_windows
+    ctx.model_facts.update(num_blocks=shapes.num_blocks, max_blocks=shapes.max_blocks)
+    inputs = captured.user_inputs
+    return InsertPagedCache(ctx, token_input=inputs[0],
+                            position_input=inputs[1] if len(inputs) > 1 else None,
+                            constants=lambda: constant_values(step_model, captured),
+                            windows=declared_windows(step_model.model))
 
 
 def _report(line: str) -> None:

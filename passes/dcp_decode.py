@@ -115,8 +115,8 @@ class DCPDecode(DCPPass):
                     q_all = q
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
-                    (q_all, positions, k, v, k_pos, kc2, vc2, table, prior, cp, W, I, scale)),
-                    KIND_ATTENTION, layer)
+                    (q_all, positions, k, v, k_pos, kc2, vc2, table, prior, cp, W, I, scale),
+                    dict(attn.kwargs)), KIND_ATTENTION, layer)   # window, softcap
                 out = g.call_function(operator.getitem, (pa, 0))
                 if W > 1:
                     lse = g.call_function(operator.getitem, (pa, 1))
@@ -160,7 +160,7 @@ class DCPContext(DCPPass):
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q, positions, k, v, positions, kc2, vc2, table, no_prior, cp, W, I,
-                     scale)), KIND_ATTENTION, layer)
+                     scale), dict(attn.kwargs)), KIND_ATTENTION, layer)
                 out = g.call_function(operator.getitem, (pa, 0))
             replace_attention(attn, out, kc2, vc2)
         self.record(layers=len(layers))

@@ -359,7 +359,7 @@ class DCPPrefill(DCPPass):
                 pa = self._step(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_full, positions, k, v, m["k_pos"], kc2, vc2, table, m["prior"], cp, W,
-                     I, scale)), 7, KIND_ATTENTION, layer)
+                     I, scale), dict(attn.kwargs)), 7, KIND_ATTENTION, layer)  # window, softcap
                 out = g.call_function(operator.getitem, (pa, 0))
                 if W > 1:
                     lse = g.call_function(operator.getitem, (pa, 1))

@@ -53,7 +53,7 @@ F = torch.ops._c10d_functional
 
 # Non-pointwise ops that act on each token on its own (reductions only over the hidden dim).
 _TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.alias.default,
-              aten.detach.default}
+              aten.detach.default, aten.type_as.default}
 _LAST_DIM_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default,
                         aten.amin.default, aten.var.correction}
 

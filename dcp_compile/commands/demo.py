@@ -1,6 +1,6 @@
 """The main job: transform the built-in demo model (tp=8, dcp=4) in decode and prefill mode,
 run it on a threaded world, check it against the single-device model, print a summary and
-write the pass-by-pass dump."""
+write the pass-by-pass dump (--model / --hf-config: your model instead)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from .options import (add_layout_arguments, check_layout, choice_list, output_dir,
-                      positive_int)
+from .model_arg import add_model_arguments, load_model
+from .options import (add_layout_arguments, check_layout, choice_list, model_heads,
+                      output_dir, positive_int)
 
 
 def add_arguments(p):
@@ -24,10 +25,11 @@ def add_arguments(p):
     p.add_argument("--out", type=output_dir, default=Path("dcp_dump"),
                    help="where the pass-by-pass dump goes")
     p.add_argument("--json", action="store_true")
+    add_model_arguments(p)
 
 
 def validate(args) -> None:
-    check_layout(args, modes=args.modes, **_demo_heads())
+    check_layout(args, modes=args.modes, **model_heads(args))
 
 
 def _kv_bytes(program, lengths_total: int) -> tuple[int, int]:
@@ -44,30 +46,30 @@ def run(args) -> int:
     import dcp_compile
     from dcp_compile import verify as V
     from dcp_compile.commands.verify import default_lengths
-    from dcp_compile.models import demo_model
     from runtime.engine import StepShapes
 
-    model = demo_model()
+    loaded = load_model(args)
+    model = loaded.model
     out_dir = Path(args.out)
     rows, ok = [], True
     cert = dcp_compile.prove(args.dcp, 16, 16)
     print(cert.format_table())
     print()
     print(dcp_compile.topology(args.tp, args.dcp, "prefill",
-                               num_kv_heads=model.config.num_kv_heads).format_table())
+                               num_kv_heads=loaded.num_kv_heads).format_table())
     print(dcp_compile.topology(args.tp, args.dcp, "decode",
-                               num_kv_heads=model.config.num_kv_heads).format_table())
+                               num_kv_heads=loaded.num_kv_heads).format_table())
     print()
     for mode in args.modes:
         lengths = default_lengths(args.dcp, 16, 16)
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
                    for n in lengths]
         total = max(lengths) + args.steps if mode == "decode" else max(lengths) * args.chunks
         shapes = StepShapes.fitting(len(prompts), max(lengths), total, block_size=16,
                                     dcp=args.dcp)
         t0 = time.perf_counter()
-        print(f"[{mode}] transforming demo model (tp={args.tp}, dcp={args.dcp})...",
+        print(f"[{mode}] transforming {loaded.label} (tp={args.tp}, dcp={args.dcp})...",
               file=sys.stderr)
         program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=mode,
                                         shapes=shapes, dump_dir=out_dir / mode,
@@ -76,9 +78,10 @@ def run(args) -> int:
         print(f"[{mode}] running {args.tp} ranks on threads vs the single-device model...",
               file=sys.stderr)
         if mode == "decode":
-            report = V.verify(model, program, prompts, args.steps)
+            report = V.verify(loaded.make_reference(), program, prompts, args.steps)
         else:
-            report = V.verify_prefill(model, program, prompts, args.chunks)
+            report = V.verify_prefill(loaded.make_reference(), program, prompts, args.chunks,
+                                      check_cache=loaded.reference_has_cache)
         ok &= report.ok
         step = "decode" if mode == "decode" else "prefill"
         kv_rank, kv_single = _kv_bytes(program, sum(report.lengths))
@@ -106,8 +109,3 @@ def run(args) -> int:
     print("demo " + ("PASSED" if ok else "FAILED: the transformed program differs"))
     return 0 if ok else 1
 
-
-def _demo_heads() -> dict:
-    from dcp_compile.models import DemoConfig
-    c = DemoConfig()
-    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

@@ -1,4 +1,6 @@
-"""Write the pass-by-pass dump of the built-in demo model for a (tp, dcp, mode).
+"""Write the pass-by-pass dump of a model for a (tp, dcp, mode).
+
+The model is the built-in demo model, --model or --hf-config.
 
 For every step kind (decode mode: context and decode; prefill mode: prefill) and every pass
 in order: the graph as readable code, its diff against the previous pass, a picture (SVG when
@@ -14,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from .options import add_layout_arguments, check_layout, output_dir, positive_int
+from .model_arg import add_model_arguments, load_model
+from .options import add_layout_arguments, check_layout, model_heads, output_dir, positive_int
 
 
 def add_arguments(p):
@@ -25,22 +28,24 @@ def add_arguments(p):
                    help="decoder layers of the demo model")
     p.add_argument("--json", action="store_true",
                    help="print the dump's entries (step, pass, files) as JSON")
+    add_model_arguments(p)
 
 
 def validate(args) -> None:
-    check_layout(args, **_demo_heads())
+    check_layout(args, **model_heads(args))
 
 
 def run(args) -> int:
     import dcp_compile
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models import DemoConfig
     from passes.dump import dot_executable
     from runtime.engine import StepShapes
 
-    model = demo_model(DemoConfig(num_layers=args.layers))
+    loaded = load_model(args, demo_config=DemoConfig(num_layers=args.layers))
+    model = loaded.model
     out = Path(args.out)
     t0 = time.perf_counter()
-    print(f"transforming the demo model (tp={args.tp}, dcp={args.dcp}, mode={args.mode}) "
+    print(f"transforming {loaded.label} (tp={args.tp}, dcp={args.dcp}, mode={args.mode}) "
           f"and dumping every pass to {out}/ ...", file=sys.stderr)
     program = dcp_compile.transform(
         model, tp=args.tp, dcp=args.dcp, mode=args.mode, block_size=args.block_size,
@@ -75,8 +80,3 @@ def run(args) -> int:
           f"{(out / 'index.html').resolve()}")
     return 0
 
-
-def _demo_heads() -> dict:
-    from dcp_compile.models import DemoConfig
-    c = DemoConfig()
-    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

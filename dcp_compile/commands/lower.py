@@ -1,4 +1,6 @@
-"""Lower the demo model's DCP program to StableHLO: one module per step kind, with collectives.
+"""Lower a model's DCP program to StableHLO: one module per step kind, with collectives.
+
+The model is the demo model, --model or --hf-config.
 
 Writes DIR/<step>.stablehlo.mlir (text), DIR/<step>.stablehlo.mlirbc (StableHLO portable
 artifact) and DIR/lowering.json, then prints per collective its kind, dimension, role,
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import json
 
-from .options import add_layout_arguments, check_layout, output_dir, positive_int
+from .model_arg import add_model_arguments, load_model
+from .options import add_layout_arguments, check_layout, model_heads, output_dir, positive_int
 
 
 def add_arguments(p):
@@ -29,10 +32,11 @@ def add_arguments(p):
     p.add_argument("--target-version", default=None,
                    help="StableHLO version of the portable artifact (default: current)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_model_arguments(p)
 
 
 def validate(args) -> None:
-    check_layout(args, **_demo_heads())
+    check_layout(args, **model_heads(args))
 
 
 def run(args) -> int:
@@ -40,10 +44,11 @@ def run(args) -> int:
 
     import dcp_compile
     from dcp_compile.lowering import lower
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models import DemoConfig
     from runtime.engine import StepShapes
 
-    model = demo_model(DemoConfig(num_layers=args.layers), dtype=getattr(torch, args.dtype))
+    model = load_model(args, demo_config=DemoConfig(num_layers=args.layers),
+                       dtype=getattr(torch, args.dtype)).model
     shapes = StepShapes(batch=args.batch, context_len=args.context_len,
                         max_blocks=args.max_blocks, num_blocks=args.num_blocks)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
@@ -55,8 +60,3 @@ def run(args) -> int:
     print(json.dumps(result.to_json()) if args.json else result.format_table())
     return 0
 
-
-def _demo_heads() -> dict:
-    from dcp_compile.models import DemoConfig
-    c = DemoConfig()
-    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

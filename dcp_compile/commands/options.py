@@ -106,3 +106,13 @@ def check_layout(args, *, modes=None, **heads) -> None:
                   block_size=getattr(args, "block_size", 16),
                   interleave_size=getattr(args, "interleave_size", None),
                   kv_role=getattr(args, "kv_role", None), **heads)
+
+
+def model_heads(args) -> dict:
+    """Head counts to validate the layout against before work starts: the demo model's. A
+    ``--model`` / ``--hf-config`` model's own heads are checked when it is transformed."""
+    if getattr(args, "model", None) or getattr(args, "hf_config", None):
+        return {}
+    from dcp_compile.models import DemoConfig
+    c = DemoConfig()
+    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

@@ -1,4 +1,7 @@
-"""Transform the demo model, run it on a threaded world and compare with the single device.
+"""Transform a model, run it on a threaded world and compare with the single device.
+
+The model is the demo model, --model or --hf-config; an ordinary model is compared with its
+own full forward.
 
 Prints the max absolute logit error and whether greedy tokens agree; exits 1 on mismatch.
 """
@@ -8,8 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
-from .options import (add_layout_arguments, check_layout, non_negative_float, positive_int,
-                      positive_int_list)
+from .model_arg import add_model_arguments, load_model
+from .options import (add_layout_arguments, check_layout, model_heads, non_negative_float,
+                      positive_int, positive_int_list)
 
 
 def add_arguments(p):
@@ -21,10 +25,11 @@ def add_arguments(p):
                    help="comma-separated prompt lengths (default: edge cases for the layout)")
     p.add_argument("--atol", type=non_negative_float, default=1e-4)
     p.add_argument("--json", action="store_true")
+    add_model_arguments(p)
 
 
 def validate(args) -> None:
-    check_layout(args, **_demo_heads())
+    check_layout(args, **model_heads(args))
 
 
 def default_lengths(dcp: int, interleave: int, block: int) -> list[int]:
@@ -38,15 +43,15 @@ def run(args) -> int:
     import torch
 
     import dcp_compile
-    from dcp_compile.models import demo_model
     from dcp_compile import verify as V
     from runtime.engine import StepShapes
 
     interleave = args.interleave_size or args.block_size
     lengths = args.lengths or default_lengths(args.dcp, interleave, args.block_size)
-    model = demo_model()
+    loaded = load_model(args)
+    model = loaded.model
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+    prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
                for n in lengths]
     if args.mode == "decode":
         total = max(lengths) + args.steps
@@ -54,7 +59,7 @@ def run(args) -> int:
         total = max(lengths) * args.chunks
     shapes = StepShapes.fitting(len(prompts), max(lengths), total,
                                 block_size=args.block_size, dcp=args.dcp)
-    print(f"transforming demo model: tp={args.tp} dcp={args.dcp} mode={args.mode} "
+    print(f"transforming {loaded.label}: tp={args.tp} dcp={args.dcp} mode={args.mode} "
           f"interleave={interleave} block={args.block_size}", file=sys.stderr)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     block_size=args.block_size,
@@ -63,9 +68,11 @@ def run(args) -> int:
     print(f"running {args.tp} ranks on threads vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
     if args.mode == "decode":
-        report = V.verify(model, program, prompts, args.steps, atol=args.atol)
+        report = V.verify(loaded.make_reference(), program, prompts, args.steps,
+                          atol=args.atol)
     else:
-        report = V.verify_prefill(model, program, prompts, args.chunks, atol=args.atol)
+        report = V.verify_prefill(loaded.make_reference(), program, prompts, args.chunks,
+                                  atol=args.atol, check_cache=loaded.reference_has_cache)
     if args.json:
         print(json.dumps(report.to_json()))
     else:
@@ -77,8 +84,3 @@ def run(args) -> int:
             print(f"first mismatch: {report.first_mismatch}")
     return 0 if report.ok else 1
 
-
-def _demo_heads() -> dict:
-    from dcp_compile.models import DemoConfig
-    c = DemoConfig()
-    return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

@@ -1,0 +1,125 @@
+"""The model a command runs: the built-in demo model, ``--model PKG.MODULE:FACTORY`` or
+``--hf-config PATH_OR_DIR`` (a Hugging Face config.json; random weights, never a download).
+
+``load_model(args)`` returns a :class:`LoadedModel`: the model to transform and the
+single-device reference the verify commands compare against (an ordinary model's reference
+is its own full forward, recomputed every step: dcp_compile.ordinary.FullForwardReference).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dcp_compile.errors import DCPInputError
+
+
+def add_model_arguments(p) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", metavar="PKG.MODULE:FACTORY", default=None,
+                   help="a function returning the model to transform (default: the "
+                        "built-in demo model); an ordinary causal LM forward(input_ids) works")
+    g.add_argument("--hf-config", metavar="PATH_OR_DIR", default=None,
+                   help="a Hugging Face config.json (or its directory): the causal LM it "
+                        "describes, with random weights (seed 0); nothing is downloaded")
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    label: str
+    vocab_size: int
+    make_reference: Callable[[], object]   # a fresh single-device reference per comparison
+    num_kv_heads: int | None = None        # for topology tables, when known up front
+    reference_has_cache: bool = True       # False: a full-forward reference (no caches)
+
+
+def load_model(args, *, demo_config=None, dtype=None) -> LoadedModel:
+    import torch
+
+    if getattr(args, "model", None):
+        model = _from_factory(args.model)
+        label = args.model
+    elif getattr(args, "hf_config", None):
+        model = _from_hf_config(args.hf_config)
+        label = f"{type(model).__name__} from {args.hf_config}"
+    else:
+        from dcp_compile.models import demo_model
+        model = demo_model(demo_config, dtype=dtype or torch.float32)
+        return LoadedModel(model, "demo model", model.config.vocab_size, lambda: model,
+                           model.config.num_kv_heads)
+    if dtype is not None:
+        model = model.to(dtype)
+    model = model.eval()
+    from dcp_compile.ordinary import FullForwardReference, model_kind
+    ordinary = model_kind(model) == "ordinary"
+    make_reference = (lambda: FullForwardReference(model)) if ordinary else (lambda: model)
+    return LoadedModel(model, label, _vocab_size(model), make_reference,
+                       _config_int(model, "num_key_value_heads", "num_kv_heads"),
+                       reference_has_cache=not ordinary)
+
+
+def _from_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise DCPInputError(f"--model must be PKG.MODULE:FACTORY: got {spec!r}. Name a "
+                            f"function returning the model, e.g. mypkg.models:build.")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise DCPInputError(f"--model {spec}: {type(e).__name__}: {e}. Name an importable "
+                            f"module and a function in it.") from e
+    model = factory()
+    import torch
+    if not isinstance(model, torch.nn.Module):
+        raise DCPInputError(f"--model {spec} returned {type(model).__name__}, not an "
+                            f"nn.Module. The factory must return the model.")
+    return model
+
+
+def _from_hf_config(path: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")   # a config path never means a download
+    import torch
+    import transformers
+    p = Path(path)
+    if not p.exists():
+        raise DCPInputError(f"--hf-config {path}: no such file or directory. Give a "
+                            f"config.json or the directory holding it.")
+    data = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    if "model_type" not in data:
+        raise DCPInputError(f"--hf-config {path} has no model_type. Use a transformers "
+                            f"config.json.")
+    config = transformers.AutoConfig.for_model(**data)
+    if getattr(config, "_attn_implementation_internal", None) is None:
+        config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _config_int(model, *names):
+    cfg = getattr(model, "config", None)
+    get = getattr(cfg, "get_text_config", None)
+    cfg = get() if callable(get) else cfg
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _vocab_size(model) -> int:
+    v = _config_int(model, "vocab_size")
+    if v is not None:
+        return v
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is None:
+        linears = [m for m in model.modules() if hasattr(m, "out_features")]
+        out = linears[-1] if linears else None
+    if out is None:
+        raise DCPInputError(f"cannot tell {type(model).__name__}'s vocabulary size (no "
+                            f"config.vocab_size, no output linear). Give the model a config.")
+    return getattr(out, "out_features", None) or out.weight.shape[0]

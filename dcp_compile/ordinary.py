@@ -1,0 +1,184 @@
+"""Ordinary models: which kind of model transform() got, and the capture of a cache-less one.
+
+Kinds (``model_kind``), as data in the order they are tried:
+  * ``paged``: the step signature ``forward(input_ids, positions, block_table, kv_caches)``
+    (the demo model, ``hf.prepare``'s wrapper); captured as today.
+  * ``hf_prepare``: a Hugging Face model whose attention is already ``"dcp_paged"``; wrapped
+    with ``hf.prepare`` (the fast path).
+  * ``ordinary``: any other causal LM, ``forward(input_ids (, position_ids)) -> logits`` (or
+    an object with ``.logits``); Hugging Face models with ``attn_implementation`` "sdpa" or
+    "eager" included. Captured with :func:`capture_ordinary`; the pass
+    ``passes.insert_paged_cache`` then adds the KV cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from .capture import Captured, capture
+from .errors import DCPTransformError
+
+PAGED_ARGS = ("block_table", "kv_caches")          # a forward with these is a paged step
+HF_ORDINARY_ATTENTION = ("sdpa", "eager")
+HF_PAGED_ATTENTION = "dcp_paged"
+
+
+def _forward_params(model: nn.Module) -> dict:
+    try:
+        return dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def is_hf(model) -> bool:
+    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
+
+
+def model_kind(model: nn.Module) -> str:
+    """'paged' | 'hf_prepare' | 'ordinary' (see module doc); refuses what fits none."""
+    if hasattr(model, "kv_cache_shape") and hasattr(model, "num_layers"):
+        return "paged"
+    if is_hf(model):
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl == HF_PAGED_ATTENTION:
+            return "hf_prepare"
+        if impl in HF_ORDINARY_ATTENTION:
+            _check_hf_config(model)
+            return "ordinary"
+        raise DCPTransformError(
+            f"{type(model).__name__} uses attn_implementation={impl!r}, which the compiler "
+            f"does not read. Build it with attn_implementation='sdpa' or 'eager' (the KV "
+            f"cache is inserted from the graph), or wrap it with dcp_compile.hf.prepare.")
+    params = _forward_params(model)
+    if any(name in params for name in PAGED_ARGS):
+        return "paged"          # a paged step without the hooks: _model_facts says so
+    return "ordinary"
+
+
+# Hugging Face config fields that change attention in ways the paged op does not compute.
+_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
+
+
+def _text_config(model):
+    cfg = model.config
+    get = getattr(cfg, "get_text_config", None)
+    return get() if callable(get) else cfg
+
+
+def _check_hf_config(model) -> None:
+    cfg = _text_config(model)
+    for key, what in _HF_REFUSED:
+        value = getattr(cfg, key, None)
+        if value is not None:
+            raise DCPTransformError(
+                f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
+                f"does not compute it, so the program would differ from the model. Use a "
+                f"model without {key}.")
+
+
+def declared_windows(model) -> list[int] | None:
+    """Per-layer sliding windows a Hugging Face config declares (0: full attention); None
+    for other models. The graph shows a window only when it is shorter than the captured
+    chunk, so the config is read too (insert_paged_cache checks the two agree)."""
+    if not is_hf(model):
+        return None
+    cfg = _text_config(model)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(layers, int):
+        return None
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return [0] * layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [int(window)] * layers
+    return [int(window) if t == "sliding_attention" else 0 for t in types]
+
+
+class OrdinaryStep(nn.Module):
+    """``forward(input_ids (, position_ids)) -> logits`` around any causal LM."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        params = _forward_params(model)
+        self.takes_positions = "position_ids" in params
+        self.hf = is_hf(model)
+        first = next(iter(params), None)
+        if first is None:
+            raise DCPTransformError(
+                f"{type(model).__name__}.forward takes no arguments. An ordinary causal LM "
+                f"takes forward(input_ids (, position_ids)).")
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None):
+        kwargs = {"position_ids": position_ids} if self.takes_positions else {}
+        if self.hf:
+            kwargs.update(use_cache=False, return_dict=True)
+        out = self.model(input_ids, **kwargs)
+        logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
+        if not isinstance(logits, Tensor):
+            raise DCPTransformError(
+                f"{type(self.model).__name__}.forward returned {type(out).__name__}, not "
+                f"logits: an ordinary causal LM returns the logits tensor [B, S, vocab] or "
+                f"an object with .logits.")
+        if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+            raise DCPTransformError(
+                f"{type(self.model).__name__} returned logits of shape "
+                f"{tuple(logits.shape)} for input_ids {tuple(input_ids.shape)}: expected "
+                f"[B, S, vocab]. Return the logits of every token.")
+        return logits
+
+
+def capture_ordinary(step: OrdinaryStep, batch: int, tokens: int, *,
+                     device) -> Captured:
+    """Capture one step kind of an ordinary model (positions 0..S-1 as the example)."""
+    ids = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
+    example = (ids,)
+    if step.takes_positions:
+        example += (torch.arange(tokens, device=device).expand(batch, tokens).clone(),)
+    try:
+        with torch.no_grad():
+            return capture(step, example)
+    except DCPTransformError as e:
+        raise DCPTransformError(
+            f"{e} ({type(step.model).__name__} was taken as an ordinary causal LM, "
+            f"forward(input_ids [B, S] (, position_ids)) -> logits [B, S, vocab]: it has no "
+            f"paged step signature; a model that manages its own paged KV cache describes it "
+            f"with `num_layers` and `kv_cache_shape(num_blocks, block_size)`.)") from e
+
+
+class FullForwardReference(nn.Module):
+    """An ordinary model behind the paged step signature, for the engine's single-device
+    reference: each step recomputes the model's own full forward over the sequence so far
+    (no cache; the caches pass through untouched), so the reference is independent of the
+    cache insertion. A sequence is known by its first block (stable while it lives)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.step = OrdinaryStep(model)
+        self.history: dict[int, dict[int, int]] = {}     # first block -> position -> token
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, block_table, kv_caches):
+        logits = None
+        for b in range(input_ids.shape[0]):
+            valid = positions[b] >= 0
+            if not bool(valid.any()):
+                continue
+            seen = self.history.setdefault(int(block_table[b, 0]), {})
+            for p, t in zip(positions[b][valid].tolist(), input_ids[b][valid].tolist()):
+                seen[p] = t
+            last = int(positions[b][valid].max())
+            seq = torch.tensor([[seen[p] for p in range(last + 1)]], device=input_ids.device)
+            args = (seq, torch.arange(last + 1, device=seq.device)[None]) \
+                if self.step.takes_positions else (seq,)
+            full = self.step(*args)[0]
+            if logits is None:
+                logits = full.new_zeros(*input_ids.shape, full.shape[-1])
+            logits[b, valid] = full[positions[b][valid]]
+        if logits is None:
+            raise DCPTransformError("a reference step with no tokens: every position is -1.")
+        return logits, list(kv_caches)
