@@ -106,6 +106,14 @@ def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     return g.call_function(aten.to.dtype, (summed, model_dtype))
 
 
+def bitcast(g: Graph, x: Node, src: torch.dtype, dst: torch.dtype) -> Node:
+    """Reinterpret the bits of ``x``'s (``src``) last dim as ``dst``; nothing if equal."""
+    if src == dst:
+        return x
+    x = g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+    return g.call_function(aten.view.dtype, (x, dst))
+
+
 def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, shape,
                        model_dtype) -> Node:
     """One all-to-all hands rank j every rank's partial output and LSE of head group j
@@ -119,9 +127,7 @@ def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     o5 = g.call_function(aten.to.dtype, (o5, wire))
     l5 = g.call_function(aten.view.default, (lse, [b, s, W, hq, 1]))
     l5 = g.call_function(aten.permute.default, (l5, [2, 0, 1, 3, 4]))     # [W, b, s, hq, 1]
-    l5 = g.call_function(aten.clone.default, (l5,),
-                         {"memory_format": torch.contiguous_format})
-    l5 = g.call_function(aten.view.dtype, (l5, wire))                     # [.., lse_width]
+    l5 = bitcast(g, l5, torch.float32, wire)                              # [.., lse_width]
     packed = g.call_function(aten.cat.default, ([o5, l5], -1))
     send = g.call_function(aten.reshape.default, (packed, [W * b, s, hq, d + lse_width]))
     c, recv = C.all_to_all(g, send, "dcp", W, b)            # dim 0: source rank, then row
@@ -129,10 +135,8 @@ def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     r5 = g.call_function(aten.view.default, (recv, [W, b, s, hq, d + lse_width]))
     parts = g.call_function(aten.slice.Tensor, (r5, -1, 0, d))
     lse_bits = g.call_function(aten.slice.Tensor, (r5, -1, d, d + lse_width))
-    lse_bits = g.call_function(aten.clone.default, (lse_bits,),
-                               {"memory_format": torch.contiguous_format})
-    lses = g.call_function(aten.view.dtype, (lse_bits, torch.float32))    # [W, b, s, hq, 1]
-    lses = g.call_function(aten.view.default, (lses, [W, b, s, hq]))
+    lses = bitcast(g, lse_bits, wire, torch.float32)                      # [W, b, s, hq, 1]
+    lses = g.call_function(aten.reshape.default, (lses, [W, b, s, hq]))
     merged = p.tag(g.call_function(dcp_ops.lse_merge.default, (parts, lses)), KIND_LSE,
                    layer)
     return g.call_function(aten.to.dtype, (merged, model_dtype))
