@@ -14,6 +14,9 @@ a second code path in the passes:
                                                         cache inputs are returned as outputs
   dcp.partial_attention   -> dcp.partial_attention_live reads the block-table entries the
                                                         batch's longest prior uses
+
+and computes the layout metadata every layer repeats (slot mapping, prior length, active
+mask) once per step (``SHARED_PER_STEP``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,32 @@ def _live_span_attention(gm: GraphModule, node: Node) -> None:
     node.target = dcp_ops.partial_attention_live.default
 
 
+# Pure ops on the step's inputs that every layer recomputes with the same arguments (the DCP
+# layout metadata of positions / block table / cp_rank): an eager step computes each once.
+# None of their inputs is written during the step (only the caches are).
+SHARED_PER_STEP = (dcp_ops.slot_mapping.default, dcp_ops.local_filled.default,
+                   dcp_ops.active_mask.default, torch.ops.aten.select.int,
+                   torch.ops.aten.eq.Scalar, torch.ops.aten.where.ScalarOther)
+
+
+def share_per_step_metadata(gm: GraphModule) -> int:
+    """Replace each repeat of a SHARED_PER_STEP call (same op, same arguments) by its first
+    occurrence; returns how many were removed."""
+    first: dict = {}
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in SHARED_PER_STEP:
+            continue
+        key = (node.target, node.args, tuple(sorted(node.kwargs.items())))
+        if key in first:
+            node.replace_all_uses_with(first[key])
+            gm.graph.erase_node(node)
+            removed += 1
+        else:
+            first[key] = node
+    return removed
+
+
 # Op of the program graph -> rewrite into its eager kernel.
 EAGER_KERNELS = {
     dcp_ops.cache_write.default: _in_place_cache_write,
@@ -68,7 +97,8 @@ EAGER_KERNELS = {
 
 def specialize_for_eager(gm: GraphModule) -> dict[str, int]:
     """Swap every functional cache write and static-span attention of ``gm`` (a copy owned by
-    the caller) for its eager kernel; returns how many of each op were swapped."""
+    the caller) for its eager kernel, and compute the per-step layout metadata once; returns
+    how many of each op were swapped (and how many repeated metadata ops were dropped)."""
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
         rewrite = EAGER_KERNELS.get(node.target) if node.op == "call_function" else None
@@ -76,6 +106,9 @@ def specialize_for_eager(gm: GraphModule) -> dict[str, int]:
             key = node.target._opname
             rewrite(gm, node)
             counts[key] = counts.get(key, 0) + 1
+    shared = share_per_step_metadata(gm)
+    if shared:
+        counts["shared_metadata"] = shared
     gm.graph.lint()
     gm.recompile()
     return counts
