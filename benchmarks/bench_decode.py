@@ -122,13 +122,16 @@ def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, t
 
 
 def timed(fn, steps):
+    """Median (wall seconds, this thread's CPU seconds) per call. On a shared machine the
+    CPU time is the steadier number: it leaves out waiting for other ranks and processes."""
     fn()                                                        # warm-up
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def shapes_for(batch, context, dcp, capacity=1):
@@ -176,9 +179,26 @@ def run_steps(prog, model, context, steps, *, hand=False, profile=None):
     return run_threaded(c.tp, rank_main, timeout=3600)[0]
 
 
+# Fraction of a collective's input a rank sends to the other W - 1 ranks of its group.
+SENT_FRACTION = {"all_gather_into_tensor": lambda w: w - 1,
+                 "reduce_scatter_tensor": lambda w: (w - 1) / w,
+                 "all_to_all_single": lambda w: (w - 1) / w}
+
+
 def dcp_bytes_per_layer(prog) -> int:
-    return sum(x["bytes_in"] + x["bytes_out"] for x in collective_summary(prog.graphs["decode"])
-               if x["role"] == "dcp" and x["layer"] == 0)
+    """Bytes one rank sends to the others of its DCP group in one layer's decode step."""
+    w = prog.config.dcp
+    return int(sum(x["bytes_in"] * SENT_FRACTION[x["op"]](w)
+                   for x in collective_summary(prog.graphs["decode"])
+                   if x["role"] == "dcp" and x["layer"] == 0))
+
+
+def ms(t) -> str:
+    return f"{t[0] * 1e3:.2f}/{t[1] * 1e3:.2f}"
+
+
+def ratio(a, b) -> str:
+    return f"{a[0] / b[0]:.2f}/{a[1] / b[1]:.2f}"
 
 
 def load() -> str:
@@ -194,6 +214,8 @@ def main():
     ap.add_argument("--capacity-context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile-rows", type=int, default=15)
+    ap.add_argument("--sections", default="capacity,context,kv,profile",
+                    help="comma-separated subset of capacity,context,kv,profile")
     args = ap.parse_args()
     torch.set_num_threads(1)
     # 16 q heads, head_dim 64 (hidden 1024). One KV head: tp=4 with dcp in {1, 2, 4} needs
@@ -211,42 +233,64 @@ def main():
     def transform(dcp, shapes, combine="all_gather"):
         return dcp_compile.transform(model, tp=tp, dcp=dcp, shapes=shapes, combine=combine)
 
-    # 1. capacity
+    sections = set(args.sections.split(","))
+    if "capacity" in sections:
+        capacity_table(args, model, transform, b, tp)
+    if sections & {"context", "kv", "profile"}:
+        progs = context_tables(args, model, transform, b, tp, "context" in sections)
+    if "kv" in sections:
+        kv_table(args, cfg, progs)
+    if "profile" in sections:
+        longest = max(args.contexts)
+        print(f"\nprofile: rank 0 of tp={tp}, dcp=2, context={longest}, {args.steps} steps")
+        print(run_steps(progs[2], model, longest, args.steps,
+                        profile=args.profile_rows)["profile"])
+
+
+def capacity_table(args, model, transform, b, tp):
     ctx = args.capacity_context
     print(f"\n1. step time vs cache capacity (tp={tp}, dcp=2, context={ctx})")
-    print(f"{'capacity':>9} {'blocks/rank':>12} {'ms/step':>9} {'vs 1x':>7}  load")
+    print(f"{'capacity':>9} {'blocks/rank':>12} {'wall ms':>9} {'vs 1x':>7} {'cpu ms':>8} "
+          f"{'vs 1x':>7}  load")
     base = None
     for cap in (1, 8, 64):
         prog = transform(2, shapes_for(b, ctx, 2, cap))
         t = run_steps(prog, model, ctx, args.steps)["program"]
         base = base or t
-        print(f"{cap:>8}x {prog.shapes.num_blocks:>12} {t * 1e3:>9.2f} {t / base:>7.2f}  "
-              f"{load()}")
+        print(f"{cap:>8}x {prog.shapes.num_blocks:>12} {t[0] * 1e3:>9.2f} {t[0] / base[0]:>7.2f} "
+              f"{t[1] * 1e3:>8.2f} {t[1] / base[1]:>7.2f}  {load()}")
 
-    # 2-4. context sweep per dcp, program vs hand-written, combine
+
+def context_tables(args, model, transform, b, tp, run):
+    """2-4: context sweep per dcp, program vs hand-written, combines (``run=False``: only
+    build the programs)."""
     longest = max(args.contexts)
-    print(f"\n2-4. step time vs context at tp={tp} (program | hand-written | ratio); "
-          f"all_to_all combine where dcp > 1")
-    print(f"{'dcp':>3} {'context':>8} {'program ms':>11} {'hand ms':>8} {'prog/hand':>10} "
-          f"{'a2a ms':>8} {'a2a/ag':>7} {'max|diff|':>10}  load")
-    progs = {}
+    progs = {dcp: transform(dcp, shapes_for(b, longest, dcp)) for dcp in (1, 2, 4)}
+    if not run:
+        return progs
+    print(f"\n2-4. step time vs context at tp={tp}: program (all_gather combine), hand-written, "
+          f"program with the all_to_all combine; wall ms / rank-0 CPU ms")
+    print(f"{'dcp':>3} {'context':>8} {'program':>15} {'hand':>15} {'prog/hand':>11} "
+          f"{'all_to_all':>15} {'a2a/ag':>11} {'max|diff|':>9}  load")
     for dcp in (1, 2, 4):
-        progs[dcp] = transform(dcp, shapes_for(b, longest, dcp))
         a2a = transform(dcp, shapes_for(b, longest, dcp), "all_to_all") if dcp > 1 else None
         for context in args.contexts:
             r = run_steps(progs[dcp], model, context, args.steps, hand=True)
             t_a2a = run_steps(a2a, model, context, args.steps)["program"] if a2a else None
-            a2a_cols = (f"{t_a2a * 1e3:>8.2f} {t_a2a / r['program']:>7.2f}" if a2a
-                        else f"{'-':>8} {'-':>7}")
-            print(f"{dcp:>3} {context:>8} {r['program'] * 1e3:>11.2f} {r['hand'] * 1e3:>8.2f} "
-                  f"{r['program'] / r['hand']:>10.2f} {a2a_cols} {r['diff']:>10.1e}  {load()}")
+            a2a_cols = (f"{ms(t_a2a):>15} {ratio(t_a2a, r['program']):>11}" if a2a
+                        else f"{'-':>15} {'-':>11}")
+            print(f"{dcp:>3} {context:>8} {ms(r['program']):>15} {ms(r['hand']):>15} "
+                  f"{ratio(r['program'], r['hand']):>11} {a2a_cols} {r['diff']:>9.1e}  {load()}")
         if a2a:
             print(f"    dcp={dcp} collectives per layer: all_gather "
                   f"{progs[dcp].collectives_per_layer('decode')} ({dcp_bytes_per_layer(progs[dcp])}"
-                  f" B/rank/layer over dcp), all_to_all {a2a.collectives_per_layer('decode')} "
-                  f"({dcp_bytes_per_layer(a2a)} B)")
+                  f" B sent/rank/layer over dcp), all_to_all {a2a.collectives_per_layer('decode')} "
+                  f"({dcp_bytes_per_layer(a2a)} B sent)")
+    return progs
 
-    # 5. KV per rank
+
+def kv_table(args, cfg, progs):
+    longest = max(args.contexts)
     print(f"\n5. KV tokens and bytes per rank at context {longest} (per row; fp32, "
           f"{cfg.num_layers} layers, K and V)")
     per_token = 2 * cfg.num_layers * cfg.head_dim * 4
@@ -259,10 +303,6 @@ def main():
               f"bytes per rank {toks[0] * kv * per_token} + one garbage block "
               f"{BLOCK * kv * per_token // (2 * cfg.num_layers)} B per cache = "
               f"{toks[0] * kv * per_token / single:.3f} of the single device's {single} B")
-
-    # Profile
-    print(f"\nprofile: rank 0 of tp={tp}, dcp=2, context={longest}, {args.steps} steps")
-    print(run_steps(progs[2], model, longest, args.steps, profile=args.profile_rows)["profile"])
 
 
 if __name__ == "__main__":
