@@ -83,8 +83,8 @@ def test_in_place_rewrite_refuses_a_cache_read_outside_its_write():
     g.output((kc2, old))
     gm = torch.fx.GraphModule({}, g)
     with pytest.raises(DCPTransformError, match=r"cannot write the KV cache in place at node "
-                                                r"cache_write_default: its cache operand kc is used by "
-                                                r"\[.sum_default.\]"):
+                                                r"cache_write_default: its cache operand kc "
+                                                r"is used by \[.sum_default.\]"):
         specialize_for_eager(gm)
 
 
