@@ -1,18 +1,28 @@
-"""Decode step time: transformed program vs a hand-written eager DCP decode vs single device.
+"""Decode step time of transformed programs on the threaded world, side by side in one run.
 
-The hand-written version is written here from the specification's "Decode Compute Pattern"
-(it does not use the passes): TP-sharded projections, owner-only cache write, Q all-gather,
-local attention with the local_filled prior mask and the dcp_active_mask-gated active
-token, LSE all-gather, exp(local - global) correction, reduce-scatter of heads. Both DCP
-versions run in the same threaded world on the same weights and caches; the single-device
-model runs eagerly in this process. Prints step times and the ratios side by side.
+Tables (all ratios come from this one run; read them with the load average printed next to
+them — the machine is shared, single numbers are noisy):
 
-    python3 benchmarks/bench_decode.py [--tp 4 --dcp 2 --context 256 --steps 20]
+  1. step time vs cache capacity at a fixed context (1x, 8x, 64x the blocks needed; the block
+     table widened with it): the goal is flat (<= 1.1x), which in-place cache writes and
+     live-span attention (runtime.eager) give on eager backends;
+  2. step time vs context length at tp=4 for dcp = 1, 2, 4;
+  3. program vs a hand-written eager DCP step (written here from the spec's "Decode Compute
+     Pattern", without the passes; it also writes in place and reads the live span);
+  4. combine="all_gather" vs "all_to_all": step time and DCP bytes per layer;
+  5. KV tokens and bytes per rank vs the single device.
+Then a torch.profiler table of one rank's decode steps.
+
+Caches are filled with random KV (no prompt step: a 16k-token prompt chunk would dominate
+the run); every step decodes at the same position, which is what a step costs.
+
+    python3 benchmarks/bench_decode.py [--contexts 1024 4096 16384 --steps 6 --layers 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -22,19 +32,21 @@ import torch.nn.functional as F
 import dcp_compile
 from dcp_compile import layout
 from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
-from runtime.engine import Engine, LocalExecutor, StepShapes
-from runtime.kv_cache import KVCacheSpec
-from runtime.world import run_threaded
+from passes.collectives import collective_summary
+from runtime.engine import StepShapes
+from runtime.world import bind_roles, run_threaded
 
 FC = torch.ops._c10d_functional
+BLOCK = 16
 
 
 def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, table,
                       caches):
-    """One decode step of the demo model on ``rank``, from the spec, eager."""
+    """One decode step of the demo model on ``rank``, from the spec, eager, caches written
+    in place, attention over the live block-table span only."""
     c = model.config
     hq, d = c.num_q_heads // tp, c.head_dim
-    kv_rep = tp // c.num_kv_heads
+    kv_rep = max(1, tp // c.num_kv_heads)
     kv_head = rank // kv_rep
     cp = rank % dcp
     kw = dict(dcp=dcp, interleave=cfg.interleave_size, block=cfg.block_size)
@@ -48,7 +60,12 @@ def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, t
     x = FC.wait_tensor(FC.all_reduce(x, "sum", groups["tp"]))
     cos, sin = rope_cos_sin(positions, model.inv_freq, x.dtype)
     n = positions[:, 0].clamp(min=0)
-    new_caches = []
+    filled = layout.local_filled(n, cp, **kw)
+    live = -(-int(filled.max()) // B)
+    slots = torch.arange(live * B)
+    rows = table[:, :live].clamp(min=0)[:, slots // B] * B + slots % B
+    own = layout.owner(n, **kw) == cp
+    ls = layout.local_slot(n, **kw)
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
         h = layer.input_layernorm(x)
@@ -57,21 +74,17 @@ def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, t
         v = F.linear(h, a.v_proj.weight[kv_head * d:(kv_head + 1) * d]).view(b, 1, 1, d)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        kc, vc = caches[2 * i].clone(), caches[2 * i + 1].clone()
-        # 1. owner-only cache write (others -> garbage block)
-        own = layout.owner(n, **kw) == cp
-        ls = layout.local_slot(n, **kw)
+        kc, vc = caches[2 * i], caches[2 * i + 1]
+        # 1. owner-only cache write, in place (others -> garbage block)
         row = table.gather(1, (ls // B)[:, None])[:, 0] * B + ls % B
         row = torch.where(own, row, (kc.shape[0] - 1) * B)
         kc.view(-1, 1, d)[row] = k[:, 0]
         vc.view(-1, 1, d)[row] = v[:, 0]
         # 2. all-gather Q across the DCP group
-        qa = FC.wait_tensor(FC.all_gather_into_tensor(q, dcp, groups["dcp"]))
+        qa = FC.wait_tensor(FC.all_gather_into_tensor(q, dcp, groups["dcp"])) if dcp > 1 \
+            else q
         qa = qa.view(dcp, b, hq, d).permute(1, 0, 2, 3).reshape(b, dcp * hq, d)
         # 3. local attention over [0, local_filled) + the active token if owned
-        filled = layout.local_filled(n, cp, **kw)
-        slots = torch.arange(table.shape[1] * B)
-        rows = table.clamp(min=0)[:, slots // B] * B + slots % B
         keys = torch.cat([kc.view(-1, d)[rows], k[:, 0]], 1)               # [b, L+1, d]
         vals = torch.cat([vc.view(-1, d)[rows], v[:, 0]], 1)
         valid = torch.cat([slots[None] < filled[:, None], own[:, None]], 1)
@@ -81,14 +94,16 @@ def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, t
         lse = torch.logsumexp(s, -1)                                          # 4.
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
         o = torch.einsum("bhj,bjd->bhd", p, vals)
-        # 5-7. all-gather LSE, correct by exp(local - global)
-        lse_all = FC.wait_tensor(FC.all_gather_into_tensor(lse, dcp, groups["dcp"]))
-        glob = torch.logsumexp(lse_all.view(dcp, b, dcp * hq), 0)
-        w = torch.where(torch.isfinite(lse) & torch.isfinite(glob), torch.exp(lse - glob), 0.0)
-        o = o * w[..., None]
-        # 8. reduce-scatter: sum over the group, each rank keeps its heads
-        o = o.view(b, dcp, hq, d).permute(1, 0, 2, 3).reshape(dcp * b, hq, d).contiguous()
-        o = FC.wait_tensor(FC.reduce_scatter_tensor(o, "sum", dcp, groups["dcp"]))
+        if dcp > 1:
+            # 5-7. all-gather LSE, correct by exp(local - global)
+            lse_all = FC.wait_tensor(FC.all_gather_into_tensor(lse, dcp, groups["dcp"]))
+            glob = torch.logsumexp(lse_all.view(dcp, b, dcp * hq), 0)
+            w = torch.where(torch.isfinite(lse) & torch.isfinite(glob), torch.exp(lse - glob),
+                            0.0)
+            o = o * w[..., None]
+            # 8. reduce-scatter: sum over the group, each rank keeps its heads
+            o = o.view(b, dcp, hq, d).permute(1, 0, 2, 3).reshape(dcp * b, hq, d).contiguous()
+            o = FC.wait_tensor(FC.reduce_scatter_tensor(o, "sum", dcp, groups["dcp"]))
         out = F.linear(o.reshape(b, 1, hq * d), a.o_proj.weight[:, rank * hq * d:
                                                                    (rank + 1) * hq * d])
         x = x + FC.wait_tensor(FC.all_reduce(out, "sum", groups["tp"]))
@@ -99,81 +114,195 @@ def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, t
         g = F.silu(F.linear(h, m.gate_proj.weight[sl])) * F.linear(h, m.up_proj.weight[sl])
         x = x + FC.wait_tensor(FC.all_reduce(F.linear(g, m.down_proj.weight[:, sl]), "sum",
                                              groups["tp"]))
-        new_caches += [kc, vc]
     logits = F.linear(model.norm(x), model.lm_head.weight[rank * vocab_per:
                                                           (rank + 1) * vocab_per])
     logits = FC.wait_tensor(FC.all_gather_into_tensor(logits, tp, groups["tp"]))
     logits = logits.view(tp, b, 1, vocab_per).permute(1, 2, 0, 3).reshape(b, 1, -1)
-    return logits, new_caches
+    return logits, caches
 
 
 def timed(fn, steps):
-    times = []
+    """Median (wall seconds, this thread's CPU seconds) per call. On a shared machine the
+    CPU time is the steadier number: it leaves out waiting for other ranks and processes."""
+    fn()                                                        # warm-up
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:] if len(times) > 4 else times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def shapes_for(batch, context, dcp, capacity=1):
+    """Block table and cache sized ``capacity`` times what ``context`` + 1 tokens need."""
+    need = -(-(context + 1) // (BLOCK * dcp))
+    return StepShapes(batch=batch, context_len=BLOCK, max_blocks=need * capacity,
+                      num_blocks=batch * need * capacity + 1)
+
+
+def run_steps(prog, model, context, steps, *, hand=False, profile=None):
+    """Median decode step time (rank 0) of ``prog`` (and of the hand-written step)."""
+    c, shapes = prog.config, prog.shapes
+    b = shapes.batch
+
+    def rank_main(rank):
+        names = bind_roles(prog.topology, rank)
+        loaded = prog.load(rank, names)
+        g = torch.Generator().manual_seed(rank)
+        caches = [torch.randn(t.shape, generator=g, dtype=t.dtype)
+                  for t in prog.cache_spec().allocate()]
+        table = torch.arange(b * shapes.max_blocks).view(b, shapes.max_blocks)
+        ids = torch.randint(0, model.config.vocab_size, (b, 1), generator=g)
+        pos = torch.full((b, 1), context)
+        out = {}
+        with torch.no_grad():
+            out["program"] = timed(lambda: loaded.run("decode", ids, pos, table, caches), steps)
+            if hand:
+                hw = lambda: hand_written_step(model, c, rank, c.tp, c.dcp, names, ids, pos,
+                                               table, caches)
+                out["hand"] = timed(hw, steps)
+                out["diff"] = float((hw()[0] - loaded.run("decode", ids, pos, table,
+                                                          caches)[0]).abs().max())
+            if profile and rank == 0:
+                from torch.profiler import ProfilerActivity, profile as prof
+                with prof(activities=[ProfilerActivity.CPU]) as p:
+                    for _ in range(steps):
+                        loaded.run("decode", ids, pos, table, caches)
+                out["profile"] = p.key_averages().table(sort_by="self_cpu_time_total",
+                                                        row_limit=profile)
+            else:
+                for _ in range(steps if profile else 0):   # keep the collectives matched
+                    loaded.run("decode", ids, pos, table, caches)
+        return out
+
+    return run_threaded(c.tp, rank_main, timeout=3600)[0]
+
+
+# Fraction of a collective's input a rank sends to the other W - 1 ranks of its group.
+SENT_FRACTION = {"all_gather_into_tensor": lambda w: w - 1,
+                 "reduce_scatter_tensor": lambda w: (w - 1) / w,
+                 "all_to_all_single": lambda w: (w - 1) / w}
+
+
+def dcp_bytes_per_layer(prog) -> int:
+    """Bytes one rank sends to the others of its DCP group in one layer's decode step."""
+    w = prog.config.dcp
+    return int(sum(x["bytes_in"] * SENT_FRACTION[x["op"]](w)
+                   for x in collective_summary(prog.graphs["decode"])
+                   if x["role"] == "dcp" and x["layer"] == 0))
+
+
+def ms(t) -> str:
+    return f"{t[0] * 1e3:.2f}/{t[1] * 1e3:.2f}"
+
+
+def ratio(a, b) -> str:
+    return f"{a[0] / b[0]:.2f}/{a[1] / b[1]:.2f}"
+
+
+def load() -> str:
+    return "load %.1f %.1f %.1f" % os.getloadavg()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--dcp", type=int, default=2)
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--capacity-context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profile-rows", type=int, default=15)
+    ap.add_argument("--sections", default="capacity,context,kv,profile",
+                    help="comma-separated subset of capacity,context,kv,profile")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = demo_model(DemoConfig(num_layers=2))
-    shapes = StepShapes.fitting(args.batch, args.context, args.context + args.steps + 1,
-                                block_size=16, dcp=args.dcp)
-    prog = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode="decode",
-                                 shapes=shapes)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist()
-               for _ in range(args.batch)]
+    # 16 q heads, head_dim 64 (hidden 1024). One KV head: tp=4 with dcp in {1, 2, 4} needs
+    # tp > KV heads (decode DCP replicates a KV head over its replica set); each rank then
+    # holds one KV head, as it would with 4 KV heads at tp=4, dcp=1.
+    cfg = DemoConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=1, head_dim=64,
+                     intermediate_size=2816, num_layers=args.layers, vocab_size=1024)
+    model = demo_model(cfg)
+    tp, b = args.tp, args.batch
+    print(f"decode step, demo model hidden={cfg.hidden_size}, {cfg.num_q_heads} q heads, "
+          f"{cfg.num_kv_heads} KV head, head_dim={cfg.head_dim}, {cfg.num_layers} layers, "
+          f"batch={b}, fp32, {tp} ranks on threads of one shared {os.cpu_count()}-core "
+          f"machine ({load()} at start); median of {args.steps} steps")
 
-    def rank_main(rank):
-        from runtime.world import bind_roles
-        names = bind_roles(prog.topology, rank)
-        loaded = prog.load(rank, names)
-        ex = LocalExecutor(loaded.step_fns(), prog.cache_spec().allocate())
-        eng = Engine(ex, shapes, block_size=16, dcp=args.dcp, prompt_kind="context")
-        with torch.no_grad():
-            logits = eng.prefill(prompts)
-            tok = logits.argmax(-1).tolist()
-            t_prog = timed(lambda: eng.decode(tok), args.steps)
-            # Hand-written, same caches and block table layout, fixed position.
-            table = eng.allocator.table(list(range(args.batch)), shapes.max_blocks)
-            ids = torch.tensor(tok)[:, None]
-            pos = torch.tensor(eng.lengths)[:, None]
-            caches = list(ex.caches)
-            t_hand = timed(lambda: hand_written_step(model, prog.config, rank, args.tp,
-                                                     args.dcp, names, ids, pos, table,
-                                                     caches), args.steps)
-            ref_logits, _ = hand_written_step(model, prog.config, rank, args.tp, args.dcp,
-                                              names, ids, pos, table, caches)
-            got_logits, _ = loaded.run("decode", ids, pos, table, caches)
-        return t_prog, t_hand, float((ref_logits - got_logits).abs().max())
+    def transform(dcp, shapes, combine="all_gather"):
+        return dcp_compile.transform(model, tp=tp, dcp=dcp, shapes=shapes, combine=combine)
 
-    res = run_threaded(args.tp, rank_main, timeout=600)
-    t_prog, t_hand, diff = res[0]
-    spec = KVCacheSpec(2, (shapes.num_blocks - 1) * args.dcp + 1, 16,
-                       model.config.num_kv_heads, model.config.head_dim)
-    eng = Engine(LocalExecutor(model, spec.allocate()),
-                 StepShapes(args.batch, args.context, shapes.max_blocks * args.dcp,
-                            (shapes.num_blocks - 1) * args.dcp + 1), block_size=16)
-    with torch.no_grad():
-        tok = eng.prefill(prompts).argmax(-1).tolist()
-        t_single = timed(lambda: eng.decode(tok), args.steps)
-    print(f"decode step, demo model (2 layers), batch={args.batch}, context={args.context}, "
-          f"tp={args.tp}, dcp={args.dcp}, {args.tp} ranks on threads of one 2-core machine")
-    print(f"{'version':<28} {'ms/step':>9} {'vs hand-written':>16} {'vs single device':>17}")
-    for name, t in (("transformed program", t_prog), ("hand-written eager DCP", t_hand),
-                    ("single device (eager)", t_single)):
-        print(f"{name:<28} {t * 1e3:>9.2f} {t / t_hand:>16.2f} {t / t_single:>17.2f}")
-    print(f"max |logits(program) - logits(hand-written)| = {diff:.2e}")
+    sections = set(args.sections.split(","))
+    if "capacity" in sections:
+        capacity_table(args, model, transform, b, tp)
+    if sections & {"context", "kv", "profile"}:
+        progs = context_tables(args, model, transform, b, tp, "context" in sections)
+    if "kv" in sections:
+        kv_table(args, cfg, progs)
+    if "profile" in sections:
+        longest = max(args.contexts)
+        print(f"\nprofile: rank 0 of tp={tp}, dcp=2, context={longest}, {args.steps} steps")
+        print(run_steps(progs[2], model, longest, args.steps,
+                        profile=args.profile_rows)["profile"])
+
+
+def capacity_table(args, model, transform, b, tp):
+    ctx = args.capacity_context
+    print(f"\n1. step time vs cache capacity (tp={tp}, dcp=2, context={ctx})")
+    print(f"{'capacity':>9} {'blocks/rank':>12} {'wall ms':>9} {'vs 1x':>7} {'cpu ms':>8} "
+          f"{'vs 1x':>7}  load")
+    base = None
+    for cap in (1, 8, 64):
+        prog = transform(2, shapes_for(b, ctx, 2, cap))
+        t = run_steps(prog, model, ctx, args.steps)["program"]
+        base = base or t
+        print(f"{cap:>8}x {prog.shapes.num_blocks:>12} {t[0] * 1e3:>9.2f} {t[0] / base[0]:>7.2f} "
+              f"{t[1] * 1e3:>8.2f} {t[1] / base[1]:>7.2f}  {load()}")
+
+
+def context_tables(args, model, transform, b, tp, run):
+    """2-4: context sweep per dcp, program vs hand-written, combines (``run=False``: only
+    build the programs)."""
+    longest = max(args.contexts)
+    progs = {dcp: transform(dcp, shapes_for(b, longest, dcp)) for dcp in (1, 2, 4)}
+    if not run:
+        return progs
+    print(f"\n2-4. step time vs context at tp={tp}: program (all_gather combine), hand-written, "
+          f"program with the all_to_all combine; wall ms / rank-0 CPU ms")
+    print(f"{'dcp':>3} {'context':>8} {'program':>15} {'hand':>15} {'prog/hand':>11} "
+          f"{'all_to_all':>15} {'a2a/ag':>11} {'max|diff|':>9}  load")
+    for dcp in (1, 2, 4):
+        a2a = transform(dcp, shapes_for(b, longest, dcp), "all_to_all") if dcp > 1 else None
+        for context in args.contexts:
+            r = run_steps(progs[dcp], model, context, args.steps, hand=True)
+            t_a2a = run_steps(a2a, model, context, args.steps)["program"] if a2a else None
+            a2a_cols = (f"{ms(t_a2a):>15} {ratio(t_a2a, r['program']):>11}" if a2a
+                        else f"{'-':>15} {'-':>11}")
+            print(f"{dcp:>3} {context:>8} {ms(r['program']):>15} {ms(r['hand']):>15} "
+                  f"{ratio(r['program'], r['hand']):>11} {a2a_cols} {r['diff']:>9.1e}  {load()}")
+        if a2a:
+            print(f"    dcp={dcp} collectives per layer: all_gather "
+                  f"{progs[dcp].collectives_per_layer('decode')} ({dcp_bytes_per_layer(progs[dcp])}"
+                  f" B sent/rank/layer over dcp), all_to_all {a2a.collectives_per_layer('decode')} "
+                  f"({dcp_bytes_per_layer(a2a)} B sent)")
+    return progs
+
+
+def kv_table(args, cfg, progs):
+    longest = max(args.contexts)
+    print(f"\n5. KV tokens and bytes per rank at context {longest} (per row; fp32, "
+          f"{cfg.num_layers} layers, K and V)")
+    per_token = 2 * cfg.num_layers * cfg.head_dim * 4
+    single = longest * cfg.num_kv_heads * per_token
+    for dcp in (1, 2, 4):
+        kw = progs[dcp].config.layout_kwargs()
+        toks = [int(layout.local_filled(torch.tensor(longest), r, **kw)) for r in range(dcp)]
+        kv = progs[dcp].config.kv_heads_per_rank
+        print(f"  dcp={dcp}: tokens per rank {toks} (context/dcp = {longest / dcp:g}), "
+              f"bytes per rank {toks[0] * kv * per_token} + one garbage block "
+              f"{BLOCK * kv * per_token // (2 * cfg.num_layers)} B per cache = "
+              f"{toks[0] * kv * per_token / single:.3f} of the single device's {single} B")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ from .errors import DCPConfigError
 
 MODES = ("decode", "prefill")
 KV_ROLES = (None, "kv_producer", "kv_consumer")
+# Decode combine of the partial outputs (passes/dcp_decode.py): LSE all-gather + reduce-scatter,
+# or one all-to-all of outputs and LSEs merged locally; and the partial outputs' wire dtype
+# ("model": the model's dtype; the LSE always travels as float32).
+COMBINES = ("all_gather", "all_to_all")
+COMBINE_DTYPES = ("float32", "model")
 
 # Largest accepted value of each size: far above any deployment, and small enough that every
 # rule below (divisor lists, suggested fixes) and every group table stays cheap.
@@ -35,6 +40,8 @@ class DCPConfig:
     head_dim: int | None = None
     kv_role: str | None = None
     attention_dp: bool = False
+    combine: str = "all_gather"
+    combine_dtype: str = "float32"
 
     def __post_init__(self):
         if self.interleave_size is None and _is_positive_int(self.block_size):
@@ -110,6 +117,7 @@ def _violations(c: DCPConfig) -> list[str]:
     if c.kv_role not in KV_ROLES:
         out.append(f"kv_role must be one of {KV_ROLES}: kv_role={c.kv_role!r}. "
                    "Use None, 'kv_producer' or 'kv_consumer'.")
+    out.extend(_combine_violations(c))
     if bad or out:
         return out  # the rules below need well-formed sizes
 
@@ -132,6 +140,20 @@ def _violations(c: DCPConfig) -> list[str]:
                    f"mode='prefill', dcp={dcp}, kv_role={c.kv_role!r}. "
                    f"Use kv_role='kv_producer' (or leave it None), or dcp=1.")
     out.extend(_head_violations(c))
+    return out
+
+
+def _combine_violations(c: DCPConfig) -> list[str]:
+    out = []
+    for name, allowed in (("combine", COMBINES), ("combine_dtype", COMBINE_DTYPES)):
+        if getattr(c, name) not in allowed:
+            out.append(f"{name} must be one of {allowed}: {name}={getattr(c, name)!r}. "
+                       f"Use {name}={allowed[0]!r} (the default) or {allowed[1]!r}.")
+    if not out and c.mode != "decode" and (c.combine, c.combine_dtype) != (
+            COMBINES[0], COMBINE_DTYPES[0]):
+        out.append(f"combine and combine_dtype choose the decode combine only: mode={c.mode!r}, "
+                   f"combine={c.combine!r}, combine_dtype={c.combine_dtype!r}. Leave them at "
+                   f"their defaults for mode={c.mode!r}.")
     return out
 
 

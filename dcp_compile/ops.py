@@ -104,15 +104,21 @@ def _(n, rank, dcp, interleave, block):
 # ----------------------------------------------------------------------------------------
 
 
-def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
-                      slots: Tensor) -> tuple[Tensor, Tensor]:
-    num_blocks, block, heads, dim = key_cache.shape
+def _write_rows(key_cache: Tensor, slots: Tensor) -> Tensor:
+    """Flat cache row each token is written to (shared by cache_write and cache_write_)."""
+    num_blocks, block = key_cache.shape[:2]
     garbage_row = (num_blocks - 1) * block
     # Slot -1, and any slot outside the usable blocks (a block id the cache does not have, or
     # the garbage block itself), lands in the garbage block: a write never reaches a block
     # its table does not name, whatever the inputs.
     usable = (slots >= 0) & (slots < garbage_row)
-    rows = torch.where(usable, slots, torch.full_like(slots, garbage_row)).reshape(-1)
+    return torch.where(usable, slots, torch.full_like(slots, garbage_row)).reshape(-1)
+
+
+def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
+                      slots: Tensor) -> tuple[Tensor, Tensor]:
+    num_blocks, block, heads, dim = key_cache.shape
+    rows = _write_rows(key_cache, slots)
     new_k = key_cache.reshape(num_blocks * block, heads, dim).index_put(
         (rows,), k.reshape(-1, heads, dim).to(key_cache.dtype))
     new_v = value_cache.reshape(num_blocks * block, heads, dim).index_put(
@@ -383,3 +389,82 @@ def _(positions, capacity, dcp, interleave, block):
 
 DECOMPOSITIONS[torch.ops.dcp.interleave_slice_index.default] = _interleave_slice_index_impl
 DECOMPOSITIONS[torch.ops.dcp.q_unshuffle_index.default] = _q_unshuffle_index_impl
+
+
+# ----------------------------------------------------------------------------------------
+# Combining partial outputs locally (decode combine="all_to_all")
+# ----------------------------------------------------------------------------------------
+
+
+def _lse_merge_impl(out_parts: Tensor, lse_parts: Tensor) -> Tensor:
+    # The same correction as lse_correct, each part against the logsumexp of all W parts.
+    return _lse_correct_impl(out_parts, lse_parts, lse_parts.unsqueeze(1)).sum(0)
+
+
+@torch.library.custom_op("dcp::lse_merge", mutates_args=())
+def lse_merge(out_parts: Tensor, lse_parts: Tensor) -> Tensor:
+    """Sum over dim 0 of W partial outputs [W, ..., D], each weighted by
+    exp(lse - logsumexp(lse_parts, 0)); ``lse_parts`` is [W, ...]. Returns float32."""
+    return _lse_merge_impl(out_parts, lse_parts)
+
+
+@lse_merge.register_fake
+def _(out_parts, lse_parts):
+    return out_parts.new_empty(out_parts.shape[1:], dtype=torch.float32)
+
+
+DECOMPOSITIONS[torch.ops.dcp.lse_merge.default] = _lse_merge_impl
+
+
+# ----------------------------------------------------------------------------------------
+# Eager kernels: what a program loaded on an eager backend (threads, torchrun) runs instead
+# of the functional ops above (runtime.eager). Program graphs and StableHLO never hold them.
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dcp::cache_write_", mutates_args=("key_cache", "value_cache"))
+def cache_write_(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
+                 slots: Tensor) -> None:
+    """cache_write in place: only the written rows are touched, nothing is copied."""
+    num_blocks, block, heads, dim = key_cache.shape
+    rows = _write_rows(key_cache, slots)
+    # view, never reshape: a reshape of a non-contiguous cache would copy and lose the write.
+    key_cache.view(num_blocks * block, heads, dim).index_copy_(
+        0, rows, k.reshape(-1, heads, dim).to(key_cache.dtype))
+    value_cache.view(num_blocks * block, heads, dim).index_copy_(
+        0, rows, v.reshape(-1, heads, dim).to(value_cache.dtype))
+
+
+@cache_write_.register_fake
+def _(key_cache, value_cache, k, v, slots):
+    return None
+
+
+def live_entries(prior_len: Tensor, block: int, max_blocks: int) -> int:
+    """Block-table entries the longest row's prior slots [0, prior_len) span (host value)."""
+    live = int(prior_len.clamp(min=0).max()) if prior_len.numel() else 0
+    return min(max_blocks, -(-live // block))
+
+
+@torch.library.custom_op("dcp::partial_attention_live", mutates_args=())
+def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
+                           k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
+                           block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
+                           interleave: int, scale: float) -> tuple[Tensor, Tensor]:
+    """partial_attention reading only the block-table entries some row's prior uses.
+
+    Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
+    entries past the longest prior changes nothing but the work: a step costs its context,
+    not the block table's (or the cache's) capacity. The width is data (a host sync), which
+    is why only eager backends run this; static-shape backends keep the full span.
+    """
+    entries = live_entries(prior_len, key_cache.shape[1], block_table.shape[1])
+    return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                                   block_table[:, :entries], prior_len, rank, dcp,
+                                   interleave, scale)
+
+
+@partial_attention_live.register_fake
+def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
+      dcp, interleave, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)

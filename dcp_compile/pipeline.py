@@ -54,13 +54,15 @@ def _model_facts(model) -> dict:
 def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *,
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
-              certificate=None, progress: bool = False) -> DCPProgram:
+              certificate=None, progress: bool = False, combine: str = "all_gather",
+              combine_dtype: str = "float32") -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
-    capture and pass on stderr as it finishes (useful for large models).
+    capture and pass on stderr as it finishes (useful for large models). ``combine`` and
+    ``combine_dtype`` choose the decode combine (DCPConfig; README "Decode step cost").
     """
     from passes.dump import dump_root_for, pass_dump
     from passes.infra import TransformContext
@@ -68,7 +70,8 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     from runtime.engine import StepShapes
 
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
-                       interleave_size=interleave_size, kv_role=kv_role)
+                       interleave_size=interleave_size, kv_role=kv_role, combine=combine,
+                       combine_dtype=combine_dtype)
     from .ordinary import OrdinaryStep, model_kind
     kind = model_kind(model)
     if kind == "hf_prepare":

@@ -42,6 +42,14 @@ def reduce_scatter(g: Graph, x: Node, role: str, size: int) -> tuple[Node, Node]
     return c, g.call_function(F.wait_tensor.default, (c,))
 
 
+def all_to_all(g: Graph, x: Node, role: str, size: int, rows: int) -> tuple[Node, Node]:
+    """Split dim 0 of ``x`` (``size * rows`` rows) into ``size`` equal parts, send part j to
+    rank j of the role, and concatenate the parts received in rank order."""
+    splits = [rows] * size
+    c = g.call_function(F.all_to_all_single.default, (x, splits, splits, role_name(role)))
+    return c, g.call_function(F.wait_tensor.default, (c,))
+
+
 def all_reduce(g: Graph, x: Node, role: str) -> tuple[Node, Node]:
     c = g.call_function(F.all_reduce.default, (x, "sum", role_name(role)))
     return c, g.call_function(F.wait_tensor.default, (c,))

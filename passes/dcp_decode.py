@@ -12,6 +12,11 @@ Each `dcp.attention` node of the one-token decode step becomes, on group role ``
   out     = dcp.lse_correct(out, lse, lse_all)                  # 6-7. exp(local - global)
   out     = reduce_scatter(out by head groups) over dcp         # 8. combine, scatter heads
 
+That is ``combine="all_gather"`` (the default, 3 DCP collectives per layer). With
+``combine="all_to_all"`` steps 5-8 are one all-to-all of the partial outputs (head group j
+to rank j) packed with their LSEs, then ``dcp.lse_merge`` locally (2 per layer).
+``combine_dtype="model"`` sends the partial outputs in the model's dtype (LSE stays float32).
+
 `cp_rank = tp_rank % dcp` is arithmetic on the rank input. With dcp = 1 the same nodes are
 emitted without the collectives (plain tensor parallelism).
 
@@ -76,6 +81,71 @@ def replace_attention(attn: Node, out: Node, kc: Node, vc: Node) -> None:
     attn.graph.erase_node(attn)
 
 
+def wire_dtype(cfg, model_dtype: torch.dtype) -> torch.dtype:
+    """dtype the partial outputs travel in (combine_dtype); the LSE is always float32."""
+    return torch.float32 if cfg.combine_dtype == "float32" else model_dtype
+
+
+def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, shape,
+                       model_dtype) -> Node:
+    """Spec steps 5-8: all-gather the LSEs, correct locally, reduce-scatter the heads."""
+    W, (b, s, hq, d) = p.ctx.config.dcp, shape
+    c, lse_w = C.all_gather(g, lse, "dcp", W)                            # [W*b, 1, W*hq]
+    p.tag(c, KIND_COLLECTIVE, layer)
+    lse_all = g.call_function(aten.view.default, (lse_w, [W, b, s, W * hq]))
+    fixed = p.tag(g.call_function(dcp_ops.lse_correct.default, (out, lse, lse_all)),
+                  KIND_LSE, layer)
+    fixed = g.call_function(aten.to.dtype, (fixed, wire_dtype(p.ctx.config, model_dtype)))
+    # Heads of replica-set rank j are the j-th group of W*hq: move them to dim 0 so that the
+    # reduce-scatter sums over ranks and hands group j to j.
+    f5 = g.call_function(aten.view.default, (fixed, [b, s, W, hq, d]))
+    f5 = g.call_function(aten.permute.default, (f5, [2, 0, 1, 3, 4]))
+    rs_in = g.call_function(aten.reshape.default, (f5, [W * b, s, hq, d]))
+    c, summed = C.reduce_scatter(g, rs_in, "dcp", W)                      # [b, 1, hq, d]
+    p.tag(c, KIND_COLLECTIVE, layer)
+    return g.call_function(aten.to.dtype, (summed, model_dtype))
+
+
+def bitcast(g: Graph, x: Node, src: torch.dtype, dst: torch.dtype) -> Node:
+    """Reinterpret the bits of ``x``'s (``src``) last dim as ``dst``; nothing if equal."""
+    if src == dst:
+        return x
+    x = g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+    return g.call_function(aten.view.dtype, (x, dst))
+
+
+def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, shape,
+                       model_dtype) -> Node:
+    """One all-to-all hands rank j every rank's partial output and LSE of head group j
+    (packed in one tensor: the float32 LSE bit-cast to the wire dtype's width), merged
+    locally by exp(lse - logsumexp(lses)) (cf. vLLM's DCP all-to-all combine)."""
+    W, (b, s, hq, d) = p.ctx.config.dcp, shape
+    wire = wire_dtype(p.ctx.config, model_dtype)
+    lse_width = 4 // wire.itemsize                  # wire elements holding one float32
+    o5 = g.call_function(aten.view.default, (out, [b, s, W, hq, d]))
+    o5 = g.call_function(aten.permute.default, (o5, [2, 0, 1, 3, 4]))     # [W, b, s, hq, d]
+    o5 = g.call_function(aten.to.dtype, (o5, wire))
+    l5 = g.call_function(aten.view.default, (lse, [b, s, W, hq, 1]))
+    l5 = g.call_function(aten.permute.default, (l5, [2, 0, 1, 3, 4]))     # [W, b, s, hq, 1]
+    l5 = bitcast(g, l5, torch.float32, wire)                              # [.., lse_width]
+    packed = g.call_function(aten.cat.default, ([o5, l5], -1))
+    send = g.call_function(aten.reshape.default, (packed, [W * b, s, hq, d + lse_width]))
+    c, recv = C.all_to_all(g, send, "dcp", W, b)            # dim 0: source rank, then row
+    p.tag(c, KIND_COLLECTIVE, layer)
+    r5 = g.call_function(aten.view.default, (recv, [W, b, s, hq, d + lse_width]))
+    parts = g.call_function(aten.slice.Tensor, (r5, -1, 0, d))
+    lse_bits = g.call_function(aten.slice.Tensor, (r5, -1, d, d + lse_width))
+    lses = bitcast(g, lse_bits, wire, torch.float32)                      # [W, b, s, hq, 1]
+    lses = g.call_function(aten.reshape.default, (lses, [W, b, s, hq]))
+    merged = p.tag(g.call_function(dcp_ops.lse_merge.default, (parts, lses)), KIND_LSE,
+                   layer)
+    return g.call_function(aten.to.dtype, (merged, model_dtype))
+
+
+# DCPConfig.combine -> how the partial outputs of a replica set are combined.
+COMBINES = {"all_gather": combine_all_gather, "all_to_all": combine_all_to_all}
+
+
 class DCPDecode(DCPPass):
     """Rewrite the one-token decode step's attention into the spec's DCP decode pattern."""
 
@@ -120,21 +190,11 @@ class DCPDecode(DCPPass):
                 out = g.call_function(operator.getitem, (pa, 0))
                 if W > 1:
                     lse = g.call_function(operator.getitem, (pa, 1))
-                    c, lse_w = C.all_gather(g, lse, "dcp", W)            # [W*b, 1, W*hq]
-                    self.tag(c, KIND_COLLECTIVE, layer)
-                    lse_all = g.call_function(aten.view.default, (lse_w, [W, b, s, W * hq]))
-                    fixed = self.tag(g.call_function(dcp_ops.lse_correct.default,
-                                                     (out, lse, lse_all)), KIND_LSE, layer)
-                    # Heads of replica-set rank j are the j-th group of W*hq: move them to
-                    # dim 0 so that the reduce-scatter sums over ranks and hands group j to j.
-                    f5 = g.call_function(aten.view.default, (fixed, [b, s, W, hq, d]))
-                    f5 = g.call_function(aten.permute.default, (f5, [2, 0, 1, 3, 4]))
-                    rs_in = g.call_function(aten.reshape.default, (f5, [W * b, s, hq, d]))
-                    c, summed = C.reduce_scatter(g, rs_in, "dcp", W)     # [b, 1, hq, d]
-                    self.tag(c, KIND_COLLECTIVE, layer)
-                    out = g.call_function(aten.to.dtype, (summed, val(q).dtype))
+                    out = COMBINES[cfg.combine](self, g, out, lse, layer, (b, s, hq, d),
+                                                val(q).dtype)
             replace_attention(attn, out, kc2, vc2)
-        self.record(layers=len(layers), dcp=W, interleave_size=I, block_size=B)
+        self.record(layers=len(layers), dcp=W, interleave_size=I, block_size=B,
+                    combine=cfg.combine, combine_dtype=cfg.combine_dtype)
         return PassResult(gm, True)
 
     def ensures(self, gm):

@@ -7,6 +7,7 @@ from torch.fx import Graph, GraphModule
 from dcp_compile.errors import DCPInputError
 from passes.collectives import role_of
 
+from .eager import specialize_for_eager
 from .step_contract import StepContract
 
 
@@ -29,6 +30,10 @@ class RankProgram:
     no collective entered. What the caller still owns: each row's first position is its
     sequence's length, and the caches hold that sequence's KV below it (the Engine checks
     the first part; a gap would attend to whatever the sequence's blocks held before).
+
+    The graphs run eagerly, so loading swaps in the eager kernels (``runtime.eager``): each
+    step writes the caches it is given in place (and returns those same tensors) and its
+    attention reads only the live block-table span. ``eager_kernels[kind]`` counts the swaps.
     """
 
     def __init__(self, program, rank: int, group_names: dict[str, str], *,
@@ -42,9 +47,10 @@ class RankProgram:
         self.contracts = {kind: StepContract.for_program(program, kind, device=device,
                                                          max_model_len=max_model_len)
                           for kind in program.graphs}
-        self.graphs = {}
+        self.graphs, self.eager_kernels = {}, {}
         for kind, gm in program.graphs.items():
             gm = copy_graph_module(gm)
+            self.eager_kernels[kind] = specialize_for_eager(gm)
             for node in gm.graph.nodes:
                 role = role_of(node)
                 if role is None:

@@ -1,0 +1,114 @@
+"""Eager kernels for a loaded program: in-place cache writes and live-span attention.
+
+A DCP program's graphs are functional and static-shaped, which is what export and the
+StableHLO lowering need: ``dcp.cache_write`` returns new caches (XLA aliases them to the
+inputs) and ``dcp.partial_attention`` reads every slot the block table can address. Run
+eagerly, the first copies every layer's caches on every step and the second reads the whole
+block-table span, so a step would cost what the cache holds, not what the context holds.
+
+Loading a program for an eager backend (``RankProgram``: threads, torchrun) therefore swaps
+those ops for their eager kernels, by the table ``EAGER_KERNELS`` — a backend property, not
+a second code path in the passes:
+
+  dcp.cache_write         -> dcp.cache_write_          writes the owned rows in place; the
+                                                        cache inputs are returned as outputs
+  dcp.partial_attention   -> dcp.partial_attention_live reads the block-table entries the
+                                                        batch's longest prior uses
+
+and computes the layout metadata every layer repeats (slot mapping, prior length, active
+mask) once per step (``SHARED_PER_STEP``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from dcp_compile import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.errors import DCPTransformError
+
+dcp_ops = torch.ops.dcp
+
+
+def _in_place_cache_write(gm: GraphModule, node: Node) -> None:
+    """Replace ``caches' = cache_write(caches, ...)`` by ``cache_write_(caches, ...)`` and
+    every use of caches' by the (now written) cache inputs."""
+    kc, vc = node.args[:2]
+    for cache in (kc, vc):
+        others = [u.name for u in cache.users if u is not node]
+        if cache.op != "placeholder" or others:
+            raise DCPTransformError(
+                f"cannot write the KV cache in place at node {node.name}: its cache operand "
+                f"{cache.name} is {'used by ' + str(others) if others else 'not a program input'}"
+                f", so overwriting it would change what they read. Keep each cache input "
+                f"read only through its cache_write (as the DCP passes emit).")
+    with gm.graph.inserting_before(node):
+        write = gm.graph.call_function(dcp_ops.cache_write_.default, node.args)
+    write.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise DCPTransformError(
+                f"cannot write the KV cache in place at node {node.name}: its result is used "
+                f"whole by {user.name} instead of through getitem. Index the (key, value) "
+                f"result.")
+        user.replace_all_uses_with((kc, vc)[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+
+
+def _live_span_attention(gm: GraphModule, node: Node) -> None:
+    node.target = dcp_ops.partial_attention_live.default
+
+
+# Pure ops on the step's inputs that every layer recomputes with the same arguments (the DCP
+# layout metadata of positions / block table / cp_rank): an eager step computes each once.
+# None of their inputs is written during the step (only the caches are).
+SHARED_PER_STEP = (dcp_ops.slot_mapping.default, dcp_ops.local_filled.default,
+                   dcp_ops.active_mask.default, torch.ops.aten.select.int,
+                   torch.ops.aten.eq.Scalar, torch.ops.aten.where.ScalarOther)
+
+
+def share_per_step_metadata(gm: GraphModule) -> int:
+    """Replace each repeat of a SHARED_PER_STEP call (same op, same arguments) by its first
+    occurrence; returns how many were removed."""
+    first: dict = {}
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in SHARED_PER_STEP:
+            continue
+        key = (node.target, node.args, tuple(sorted(node.kwargs.items())))
+        if key in first:
+            node.replace_all_uses_with(first[key])
+            gm.graph.erase_node(node)
+            removed += 1
+        else:
+            first[key] = node
+    return removed
+
+
+# Op of the program graph -> rewrite into its eager kernel.
+EAGER_KERNELS = {
+    dcp_ops.cache_write.default: _in_place_cache_write,
+    dcp_ops.partial_attention.default: _live_span_attention,
+}
+
+
+def specialize_for_eager(gm: GraphModule) -> dict[str, int]:
+    """Swap every functional cache write and static-span attention of ``gm`` (a copy owned by
+    the caller) for its eager kernel, and compute the per-step layout metadata once; returns
+    how many of each op were swapped (and how many repeated metadata ops were dropped)."""
+    counts: dict[str, int] = {}
+    for node in list(gm.graph.nodes):
+        rewrite = EAGER_KERNELS.get(node.target) if node.op == "call_function" else None
+        if rewrite is not None:
+            key = node.target._opname
+            rewrite(gm, node)
+            counts[key] = counts.get(key, 0) + 1
+    shared = share_per_step_metadata(gm)
+    if shared:
+        counts["shared_metadata"] = shared
+    gm.graph.lint()
+    gm.recompile()
+    return counts
