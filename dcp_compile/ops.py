@@ -450,7 +450,8 @@ def live_entries(prior_len: Tensor, block: int, max_blocks: int) -> int:
 def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
                            k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
                            block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
-                           interleave: int, scale: float) -> tuple[Tensor, Tensor]:
+                           interleave: int, scale: float, window: int = 0,
+                           softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -461,10 +462,10 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     entries = live_entries(prior_len, key_cache.shape[1], block_table.shape[1])
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table[:, :entries], prior_len, rank, dcp,
-                                   interleave, scale)
+                                   interleave, scale, window, softcap)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale):
+      dcp, interleave, scale, window=0, softcap=0.0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
