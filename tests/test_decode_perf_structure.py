@@ -249,3 +249,13 @@ def test_lowered_all_to_all_program_on_interpreter_replicas_matches_single_devic
     assert r["tokens"] == r["ref_tokens"]
     for t, (got, exp) in enumerate(zip(r["logits"], r["ref_logits"])):
         assert_close_report(got, exp, atol=1e-4, what=f"all_to_all step {t} logits")
+
+
+def test_live_span_kernel_takes_every_argument_of_the_op_it_replaces():
+    # The eager swap keeps the node's arguments: the live kernel must accept each of them
+    # (a window / softcap the static op takes and the live one did not broke Gemma-style
+    # models on the eager backends).
+    static = torch.ops.dcp.partial_attention.default._schema.arguments
+    live = torch.ops.dcp.partial_attention_live.default._schema.arguments
+    assert [(a.name, str(a.type)) for a in static] == \
+        [(a.name, str(a.type)) for a in live]
