@@ -27,7 +27,7 @@ class PassRecord:
     matched: dict[str, Any]
     inserted: dict[str, int]
     seconds: float
-    code: str = field(default="", repr=False)
+    code: str = field(default="", repr=False)  # the graph's Python; kept when dumping
     propagated: int = 0  # nodes whose meta['val'] was recomputed after the pass
 
     def to_json(self) -> dict:
@@ -153,7 +153,7 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
                on_pass: Callable[[PassRecord, GraphModule], None] | None = None,
                check_propagation: bool | None = None
                ) -> tuple[GraphModule, list[PassRecord]]:
-    """Run ``passes`` in order; after each: lint, recompile, re-propagate, record, dump.
+    """Run ``passes`` in order; after each: lint, re-propagate, record, dump (recompile).
 
     Shapes are re-propagated only from the nodes a pass changed (see ``changed_nodes``).
     ``check_propagation`` (default: env DCP_COMPILE_FULL_PROPAGATION=1) then also
@@ -162,6 +162,9 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
     if check_propagation is None:
         check_propagation = os.environ.get(FULL_PROPAGATION_ENV, "") not in ("", "0")
     history: list[PassRecord] = []
+    # Python code is regenerated per pass only for the dump/progress callback (which shows
+    # it); otherwise once at the end: recompiling is a large share of a pass's time.
+    stale_code = False
     if on_pass is not None:
         on_pass(PassRecord("capture", step, True, {}, {}, 0.0, gm.code), gm)
     for p in passes:
@@ -176,7 +179,10 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
         try:
             gm.graph.lint()
             if modified:  # an unmodified graph keeps its (accurate) meta['val']
-                gm.recompile()
+                if on_pass is not None:
+                    gm.recompile()
+                else:
+                    stale_code = True
                 propagated = propagate_changed(gm, changed_nodes(gm, before))
         except DCPTransformError:
             raise
@@ -193,11 +199,13 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
                     f"changed a node without changing its op/target/args/kwargs or "
                     f"meta['val']; replace the node instead of mutating it.")
         record = PassRecord(name, step, modified, dict(getattr(p, "matched", {})),
-                            dict(getattr(p, "inserted", {})), seconds, gm.code,
-                            propagated=propagated)
+                            dict(getattr(p, "inserted", {})), seconds,
+                            gm.code if on_pass is not None else "", propagated=propagated)
         history.append(record)
         if on_pass is not None:
             on_pass(record, gm)
+    if stale_code:
+        gm.recompile()
     return gm, history
 
 
