@@ -40,7 +40,7 @@ import itertools
 import json
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import sympy
@@ -81,7 +81,7 @@ class Theorem:
     method: str
     status: str  # "proven" | "failed"
     counterexample: dict | None = None
-    cases: int = 0
+    cases: int = 0  # pieces of the symbolic domain the proof checked
 
     @property
     def proven(self) -> bool:
@@ -154,7 +154,10 @@ class Certificate:
         lines.append(f"method: {METHOD}.")
         lines.append(f"result: {'all theorems proven' if self.ok else 'PROOF FAILED'} "
                      f"({self.seconds:.2f} s)")
-        return "\n".join(lines)# ----------------------------------------------------------------------------------------
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
 # Claims: what one theorem asserts for one case
 # ----------------------------------------------------------------------------------------
 
@@ -485,11 +488,9 @@ class _Outcome:
     """What checking one theorem found."""
 
     pieces: int = 0
-    candidates: list = None   # (case, {symbol: int}) points where a piece's residual is not 0
+    # (case, {symbol: int}) corners of pieces whose residual is not 0
+    candidates: list = field(default_factory=list)
     stuck: tuple | None = None  # (case, reason) of the first claim no rule could reduce
-
-    def __post_init__(self):
-        self.candidates = []
 
 
 class _Memo:

@@ -50,7 +50,8 @@ def _expr(rng, depth=0):
         rel = rng.choice([sympy.Ge, sympy.Gt, sympy.Le, sympy.Lt])
         return sympy.Piecewise((a, rel(a, b, evaluate=False)), (b - 1, True), evaluate=False)
     if shape == 6:
-        return a * sympy.Piecewise((1, sympy.Eq(b, 0, evaluate=False)), (0, True), evaluate=False) + b
+        is_zero = sympy.Eq(b, 0, evaluate=False)
+        return a * sympy.Piecewise((1, is_zero), (0, True), evaluate=False) + b
     return (sympy.floor(_div(sympy.Max(a, 0, evaluate=False), d), evaluate=False)
             - sympy.Mod(a, d, evaluate=False))
 
