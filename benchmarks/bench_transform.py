@@ -82,13 +82,18 @@ def time_passes_full_propagation(model, args, shapes) -> float:
         manager.propagate_changed = real
 
 
-def time_lower(prog) -> float | str:
+def time_lower(prog) -> tuple[float | str, dict]:
+    """Lowering seconds (or why it failed) and its phases summed over the step graphs."""
     t0 = time.perf_counter()
     try:
-        dcp_compile.lower(prog)
+        result = dcp_compile.lower(prog)
     except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
-        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
-    return time.perf_counter() - t0
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}", {}
+    phases: dict[str, float] = {}
+    for module in result.modules.values():
+        for phase, sec in module.seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + sec
+    return time.perf_counter() - t0, phases
 
 
 def time_prove(dcp: int) -> float:
@@ -120,7 +125,7 @@ def main():
         model = demo_model(llama3_8b(layers), device="meta")
         export = time_export(model, shapes, "decode")
         prog, capture, passes, total = time_transform(model, args, shapes)
-        lower = "skipped" if args.no_lower else time_lower(prog)
+        lower, phases = ("skipped", {}) if args.no_lower else time_lower(prog)
         prove = time_prove(args.dcp)
         row = dict(export=export, capture=capture, passes=passes, transform=total,
                    lower=lower, prove=prove)
@@ -138,6 +143,9 @@ def main():
                   f"(incremental: {passes:.2f} s)", flush=True)
         if isinstance(lower, str) and lower.startswith("failed"):
             print(f"{'':>6} lower {lower}")
+        if phases:
+            print(f"{'':>6} lower phases: " + ", ".join(f"{k} {v:.2f} s"
+                                                        for k, v in phases.items()))
     if len(rows) > 1:
         first, last = min(rows), max(rows)
         scale = rows[last]["transform"] / rows[first]["transform"]
