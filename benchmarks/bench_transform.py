@@ -70,7 +70,7 @@ def time_passes_full_propagation(model, args, shapes) -> float:
     """The passes again, re-propagating the whole graph after each (the old manager)."""
     from passes import manager
 
-    def full(gm, changed):
+    def full(gm, changed, before=None):
         manager.repropagate(gm)
         return len(gm.graph.nodes)
 

@@ -81,10 +81,12 @@ def changed_nodes(gm: GraphModule, before: dict) -> list[Node]:
     return out
 
 
-def propagate_changed(gm: GraphModule, changed: list[Node]) -> int:
+def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None = None
+                      ) -> int:
     """Re-run fake propagation on ``changed`` nodes and, in graph order, on every node one
-    of whose inputs got a different value (shape, dtype, stride, device). Returns how many
-    nodes were recomputed. A placeholder keeps the value its pass gave it."""
+    of whose inputs got a different value (shape, dtype, stride, device) than before the
+    pass (``before``: its ``snapshot``; without it every changed node counts as different).
+    Returns how many nodes were recomputed. A placeholder keeps the value its pass gave it."""
     changed = set(changed)
     if not changed:
         return 0
@@ -107,7 +109,10 @@ def propagate_changed(gm: GraphModule, changed: list[Node]) -> int:
                         f"node {a.name} ({a.op} {a.target}) has no meta['val'] to propagate "
                         f"from. A pass that adds a placeholder must give it a fake value.")
                 interp.env[a] = a.meta["val"]
-            old = n.meta.get("val", _MISSING)
+            # Users saw the value from before the pass (a pass may have replaced it).
+            old = before[n][4] if before is not None and n in before else _MISSING
+            if n not in changed:
+                old = n.meta.get("val", _MISSING)
             interp.run_node(n)
             count += 1
             if not same_value(old, n.meta.get("val", _MISSING)):
@@ -183,7 +188,7 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
                     gm.recompile()
                 else:
                     stale_code = True
-                propagated = propagate_changed(gm, changed_nodes(gm, before))
+                propagated = propagate_changed(gm, changed_nodes(gm, before), before)
         except DCPTransformError:
             raise
         except Exception as e:  # a pass left an ill-formed graph: say which one

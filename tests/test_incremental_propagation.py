@@ -72,10 +72,10 @@ def test_check_catches_a_pass_whose_changes_are_not_propagated(checked, monkeypa
     """A manager that skipped propagation after the pass that shards weights and caches."""
     real = manager.propagate_changed
 
-    def skip_after_sharding(gm, changed):
+    def skip_after_sharding(gm, changed, before=None):
         if any(n.op == "placeholder" and "dcp_full_shape" in n.meta for n in changed):
             return 0
-        return real(gm, changed)
+        return real(gm, changed, before)
 
     monkeypatch.setattr(manager, "propagate_changed", skip_after_sharding)
     with pytest.raises(DCPTransformError, match="after pass shard_tensor_parallel .* "
@@ -108,4 +108,23 @@ def test_changed_nodes_sees_new_nodes_new_args_and_replaced_values():
     n = manager.propagate_changed(gm, manager.changed_nodes(gm, before))
     assert n == len(gm.graph.nodes) - 1  # every node depends on x
     assert tuple(out.meta["val"][0].shape) == (4, 3)
+    assert manager.propagation_mismatches(gm) == []
+
+
+def test_a_value_the_pass_set_itself_still_reaches_the_users():
+    """A pass that rewires a node and writes its new meta['val'] itself: the users saw the
+    value from before the pass, so they must be recomputed too."""
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.relu(x + 1) * 2 + y.sum()
+
+    gm = torch.export.export(M(), (torch.zeros(2, 3), torch.zeros(4, 3))).graph_module
+    manager.repropagate(gm)
+    before = manager.snapshot(gm)
+    y = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    add.args = (y, 1)
+    with manager._fake_mode(gm):
+        add.meta["val"] = torch.empty(4, 3)  # what the pass knows the new value is
+    manager.propagate_changed(gm, manager.changed_nodes(gm, before), before)
     assert manager.propagation_mismatches(gm) == []
