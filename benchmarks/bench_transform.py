@@ -1,10 +1,21 @@
-"""Transform cost for a Llama-3-8B-shaped model on the meta device (no weights allocated).
+"""Compile-time cost for a Llama-3-8B-shaped model on the meta device (no weights allocated).
 
-Hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256; tp=16, dcp=2. Prints, per layer
-count, capture time vs passes time side by side and the peak resident memory growth, so the
-scaling from 8 to 32 to 80 layers is visible in one run.
+Hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256; tp=16, dcp=2, decode mode (two
+step graphs: context and decode). For each layer count, one run prints, in seconds and as a
+ratio to plain ``torch.export`` of the same model with the same step inputs:
 
-    python3 benchmarks/bench_transform.py [--layers 8,32,80]
+  export    torch.export.export(model, step inputs, strict=False) for both steps, alone
+  capture   our capture (torch.export + signature checks) inside transform()
+  passes    our pass pipeline (incremental shape propagation; includes validate_and_prove)
+  transform capture + passes, end to end
+  lower     dcp_compile.lower(program) to StableHLO (mostly make_fx decomposition)
+  prove     a cold layout proof (no certificate cache) for the same dcp/block/interleave
+
+A 1-layer transform runs first, untimed, so one-time costs (imports, op registration) are not
+charged to the first row. ``--full-propagation`` also times the passes with a full shape
+re-propagation after every pass (the pass manager's old behaviour), for comparison.
+
+    python3 benchmarks/bench_transform.py [--layers 8,32,80] [--no-lower]
 """
 
 from __future__ import annotations
@@ -12,11 +23,16 @@ from __future__ import annotations
 import argparse
 import resource
 import time
-import tracemalloc
+
+import torch
 
 import dcp_compile
+from dcp_compile.capture import example_step_inputs
 from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.pipeline import STEPS_BY_MODE
 from runtime.engine import StepShapes
+
+BLOCK = 16
 
 
 def llama3_8b(layers: int) -> DemoConfig:
@@ -25,29 +41,116 @@ def llama3_8b(layers: int) -> DemoConfig:
                       rope_theta=500000.0)
 
 
+def time_export(model, shapes: StepShapes, mode: str) -> float:
+    """Plain torch.export of every step graph transform() captures, with the same inputs."""
+    cache_shape = model.kv_cache_shape(shapes.num_blocks, BLOCK)
+    dtype = next(model.parameters()).dtype
+    total = 0.0
+    for step in STEPS_BY_MODE[mode]:
+        tokens = 1 if step == "decode" else shapes.context_len
+        example = example_step_inputs(shapes.batch, tokens, shapes.max_blocks, cache_shape,
+                                      model.num_layers, device="meta", dtype=dtype)
+        t0 = time.perf_counter()
+        torch.export.export(model, example, strict=False)
+        total += time.perf_counter() - t0
+    return total
+
+
+def time_transform(model, args, shapes):
+    t0 = time.perf_counter()
+    prog = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode="decode",
+                                 block_size=BLOCK, shapes=shapes)
+    total = time.perf_counter() - t0
+    capture = sum(r.matched.get("capture_seconds", 0.0) for r in prog.history)
+    passes = sum(r.seconds for r in prog.history)
+    return prog, capture, passes, total
+
+
+def time_passes_full_propagation(model, args, shapes) -> float:
+    """The passes again, re-propagating the whole graph after each (the old manager)."""
+    from passes import manager
+
+    def full(gm, changed, before=None):
+        manager.repropagate(gm)
+        return len(gm.graph.nodes)
+
+    real = manager.propagate_changed
+    manager.propagate_changed = full
+    try:
+        return time_transform(model, args, shapes)[2]
+    finally:
+        manager.propagate_changed = real
+
+
+def time_lower(prog) -> tuple[float | str, dict]:
+    """Lowering seconds (or why it failed) and its phases summed over the step graphs."""
+    t0 = time.perf_counter()
+    try:
+        result = dcp_compile.lower(prog)
+    except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash
+        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}", {}
+    phases: dict[str, float] = {}
+    for module in result.modules.values():
+        for phase, sec in module.seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + sec
+    return time.perf_counter() - t0, phases
+
+
+def time_prove(dcp: int) -> float:
+    from dcp_compile import layout, proofs
+    t0 = time.perf_counter()
+    proofs._prove(dcp, BLOCK, BLOCK, layout)  # uncached: the cold proof
+    return time.perf_counter() - t0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="8,32,80")
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--dcp", type=int, default=2)
+    ap.add_argument("--no-lower", action="store_true", help="skip the lowering column")
+    ap.add_argument("--full-propagation", action="store_true",
+                    help="also time the passes with a full re-propagation after each")
     args = ap.parse_args()
     shapes = StepShapes(batch=8, context_len=1024, max_blocks=256, num_blocks=2049)
-    print(f"{'layers':>6} {'capture s':>10} {'passes s':>9} {'passes/capture':>15} "
-          f"{'total s':>8} {'py peak MB':>11} {'maxrss MB':>10}")
+    dcp_compile.transform(demo_model(llama3_8b(1), device="meta"), tp=args.tp, dcp=args.dcp,
+                          mode="decode", block_size=BLOCK, shapes=shapes)  # warm-up
+
+    cols = ["export", "capture", "passes", "transform", "lower", "prove"]
+    print(f"seconds (x torch.export), tp={args.tp} dcp={args.dcp} block={BLOCK}, decode "
+          f"mode = context + decode graphs")
+    print(f"{'layers':>6} " + " ".join(f"{c:>16}" for c in cols) + f" {'maxrss MB':>10}")
+    rows = {}
     for layers in [int(x) for x in args.layers.split(",")]:
         model = demo_model(llama3_8b(layers), device="meta")
-        tracemalloc.start()
-        t0 = time.perf_counter()
-        prog = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode="decode",
-                                     shapes=shapes)
-        total = time.perf_counter() - t0
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        capture = sum(r.matched.get("capture_seconds", 0.0) for r in prog.history)
-        passes = sum(r.seconds for r in prog.history)
+        export = time_export(model, shapes, "decode")
+        prog, capture, passes, total = time_transform(model, args, shapes)
+        lower, phases = ("skipped", {}) if args.no_lower else time_lower(prog)
+        prove = time_prove(args.dcp)
+        row = dict(export=export, capture=capture, passes=passes, transform=total,
+                   lower=lower, prove=prove)
+        rows[layers] = row
+        cells = []
+        for c in cols:
+            v = row[c]
+            cells.append(f"{v:>7.2f} ({v / export:>5.2f}x)" if isinstance(v, float)
+                         else f"{v[:16]:>16}")
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"{layers:>6} {capture:>10.2f} {passes:>9.2f} {passes / capture:>15.2f} "
-              f"{total:>8.2f} {peak / 2**20:>11.1f} {rss:>10.0f}")
+        print(f"{layers:>6} " + " ".join(cells) + f" {rss:>10.0f}", flush=True)
+        if args.full_propagation:
+            full = time_passes_full_propagation(model, args, shapes)
+            print(f"{'':>6} passes with full re-propagation after each pass: {full:.2f} s "
+                  f"(incremental: {passes:.2f} s)", flush=True)
+        if isinstance(lower, str) and lower.startswith("failed"):
+            print(f"{'':>6} lower {lower}")
+        if phases:
+            print(f"{'':>6} lower phases: " + ", ".join(f"{k} {v:.2f} s"
+                                                        for k, v in phases.items()))
+    if len(rows) > 1:
+        first, last = min(rows), max(rows)
+        scale = rows[last]["transform"] / rows[first]["transform"]
+        print(f"transform {last} layers / {first} layers: {scale:.2f}x "
+              f"(layers ratio {last / first:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -56,10 +56,12 @@ def clamp(x, lo=None, hi=None):
     if _is_tensor(x):
         return torch.clamp(x, min=lo, max=hi)
     if _is_sympy(x, lo, hi):
+        # Unevaluated: sympy's own Max/Min simplification queries its assumption system
+        # (tens of ms a call); the prover decides them on its integer boxes instead.
         if lo is not None:
-            x = sympy.Max(x, lo)
+            x = sympy.Max(x, lo, evaluate=False)
         if hi is not None:
-            x = sympy.Min(x, hi)
+            x = sympy.Min(x, hi, evaluate=False)
         return x
     if lo is not None:
         x = builtins.max(x, lo)
@@ -74,10 +76,11 @@ def indicator_eq(a, b):
         a_t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
         return torch.eq(a_t, b).to(torch.int64)
     if _is_sympy(a, b):
-        diff = sympy.simplify(sympy.sympify(a) - sympy.sympify(b))
-        if diff.is_number:
+        diff = sympy.sympify(a) - sympy.sympify(b)
+        if diff.is_Number:
             return sympy.Integer(1 if diff == 0 else 0)
-        return sympy.Piecewise((1, sympy.Eq(diff, 0)), (0, True))
+        # Left to the prover to decide on its integer boxes (no sympy.simplify: too slow).
+        return sympy.Piecewise((1, sympy.Eq(diff, 0, evaluate=False)), (0, True))
     return int(a == b)
 
 

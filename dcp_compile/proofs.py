@@ -5,21 +5,31 @@ properties the rewritten graph relies on: exactly one rank owns each position, `
 counts owned positions, local slots are dense and invert to global positions, the prefill
 interleave slice partitions a chunk in order, and ``slot_mapping`` writes only on the owner.
 
-Method. Every formula in :mod:`dcp_compile.layout` depends on N only through N // vblock
-(linearly) and N mod vblock, with ``vblock = block_size * dcp`` a multiple of every period
-involved (block_size is a multiple of interleave_size). Write N = k * vblock + j with ``k`` a
-sympy integer symbol (k >= 0) and enumerate j over one period [0, vblock) and every rank.
-sympy reduces floor(k + c) to k + floor(c) and Mod(k * vblock + j, d) to j mod d for every
-divisor d of vblock, so each theorem's residual (lhs - rhs) becomes an expression in k, and
-the theorem is *proven* only when that residual simplifies to exactly 0 for every (j, rank)
-case. Local slots are written s = k * block_size + t, prefill chunks S = m * dcp * I with m
-symbolic, and a block-table entry is a symbol e >= 0. The formulas are the very functions in
-``layout.py`` (they accept sympy values), so the proof covers the code that runs.
+Method. The formulas in :mod:`dcp_compile.layout` are built from ``//``, ``%``, ``*``, ``+``,
+``-`` and clamps, with periods that all divide ``vblock = block_size * dcp`` (block_size is a
+multiple of interleave_size). So every position is written in the mixed radix of the layout,
 
-When a residual does not vanish, the same claim is evaluated with Python ints for small k
-(and the other symbols) to find a concrete counterexample; if none is found the theorem is
-still reported ``failed`` ("could not prove") — a theorem is never ``proven`` without a
-symbolic 0. Brute force over small N is how the tests check this prover, not a proof.
+    N = k*vblock + u*(I*W) + o*I + t,   k >= 0, 0 <= u < B/I, 0 <= o < W, 0 <= t < I,
+
+(every N >= 0 has exactly one such form: t is the offset in an interleave run, o the run's
+owner, u the stride row in the vblock, k the vblock), with ``k, u, o, t`` and the rank ``r``
+sympy integer symbols — nothing is enumerated by block size. Local slots are
+``s = k*B + u*I + t``, prefill chunks ``S = m*W*I`` (m >= 1), block-table entries ``e >= 0``.
+The formulas are the very functions in ``layout.py`` (they accept sympy values), evaluated
+once per theorem; each theorem's residual (lhs - rhs) is then reduced by
+:mod:`dcp_compile.integer_reduction` on a partition of that box into pieces, using only
+integer lemmas whose side conditions it decides on each piece (floor(Q + R) = Q + n when
+n <= R < n + 1, Mod(a, d) = a - d*floor(a/d), Max/Min/[a = b] by the sign of a - b). A
+theorem is *proven* only when the residual is exactly 0 on every piece. The number of pieces
+depends on dcp (ranks and run owners), not on block_size or interleave_size.
+
+A piece with a non-zero residual yields its corners as candidate counterexamples; each is
+evaluated again with Python ints on the formulas and reported only when the claim really fails
+there. When a rule cannot be applied (e.g. a broken formula divides by a non-divisor of the
+vblock), the claim is evaluated with ints on a grid of small and boundary values; if no
+counterexample is found the theorem is reported ``failed`` ("could not prove") — a theorem
+is never ``proven`` without a symbolic 0. Brute force over small N is how the tests check
+this prover, not a proof.
 """
 
 from __future__ import annotations
@@ -30,13 +40,14 @@ import itertools
 import json
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import sympy
 
 from .config import DCPConfig
 from .errors import DCPConfigError
+from .integer_reduction import Stuck, affine, affine_range, corners, reduce_on_box
 
 __all__ = ["Theorem", "Certificate", "prove", "prove_config", "layout_config", "layout_with",
            "theorem_names"]
@@ -47,11 +58,16 @@ PROVEN, FAILED = "proven", "failed"
 _FORMULAS = ("owner", "local_filled", "dcp_active_mask", "local_slot", "global_position",
              "slot_mapping", "interleave_slice_index", "q_unshuffle_index")
 
-# Concrete values tried per free symbol when a residual does not simplify to 0.
+# Values tried per unbounded symbol when a claim cannot be reduced (bounded symbols try
+# their ends and middle).
 _SEARCH = {"k": range(0, 8), "m": range(1, 6), "e": (0, 1, 2, 7)}
 
+METHOD = ("N = k*vblock + u*(I*W) + o*I + t with integers k >= 0, 0 <= u < B/I, 0 <= o < W, "
+          "0 <= t < I (slots s = k*B + u*I + t); k, u, o, t, rank symbolic; residuals "
+          "reduced piecewise by floor(Q + R) = Q + n (n <= R < n+1), Mod(a, d) = "
+          "a - d*floor(a/d), Max/Min/[a = b] by sign; proven when every piece's residual is 0")
 
-# ----------------------------------------------------------------------------------------
+
 # Certificate
 # ----------------------------------------------------------------------------------------
 
@@ -65,7 +81,7 @@ class Theorem:
     method: str
     status: str  # "proven" | "failed"
     counterexample: dict | None = None
-    cases: int = 0
+    cases: int = 0  # pieces of the symbolic domain the proof checked
 
     @property
     def proven(self) -> bool:
@@ -127,16 +143,15 @@ class Certificate:
     def format_table(self) -> str:
         name_w = max(len(t.name) for t in self.theorems)
         lines = [self.describe(), "",
-                 f"{'theorem':<{name_w}}  {'status':<6}  {'cases':>5}  statement",
-                 f"{'-' * name_w}  ------  -----  ---------"]
+                 f"{'theorem':<{name_w}}  {'status':<6}  {'pieces':>6}  statement",
+                 f"{'-' * name_w}  ------  ------  ---------"]
         for t in self.theorems:
-            lines.append(f"{t.name:<{name_w}}  {t.status:<6}  {t.cases:>5}  {t.statement}")
+            lines.append(f"{t.name:<{name_w}}  {t.status:<6}  {t.cases:>6}  {t.statement}")
             if t.counterexample is not None:
                 lines.append(f"{'':<{name_w}}  counterexample: "
                              f"{json.dumps(t.counterexample, default=str)}")
         lines.append("")
-        lines.append("method: N = k*vblock + j, k >= 0 a sympy integer symbol, j and rank "
-                     "enumerated; a theorem is proven when every residual simplifies to 0.")
+        lines.append(f"method: {METHOD}.")
         lines.append(f"result: {'all theorems proven' if self.ok else 'PROOF FAILED'} "
                      f"({self.seconds:.2f} s)")
         return "\n".join(lines)
@@ -171,34 +186,6 @@ def _parts(claim) -> tuple:
     return claim if isinstance(claim, tuple) else (claim,)
 
 
-class _Undecidable(Exception):
-    """A value a claim must branch on (the active mask) did not simplify to a number."""
-
-
-def _sym_zero(expr, simplify=True) -> bool:
-    """True only when sympy reduces ``expr`` to exactly 0."""
-    expr = sympy.sympify(expr)
-    if expr == 0:
-        return True
-    return simplify and sympy.simplify(expr) == 0
-
-
-def _sym_decided(relation, expr, simplify=True) -> bool:
-    """True only when sympy decides ``relation(expr, 0)`` (e.g. Ge) is true."""
-    expr = sympy.sympify(expr)
-    if relation(expr, 0) is sympy.true:
-        return True
-    return simplify and relation(sympy.simplify(expr), 0) is sympy.true
-
-
-def _holds_symbolically(claim, simplify=True) -> bool:
-    if isinstance(claim, _Eq):
-        return _sym_zero(sympy.sympify(claim.lhs) - sympy.sympify(claim.rhs), simplify)
-    v = sympy.sympify(claim.value)
-    return (_sym_decided(sympy.Ge, v - claim.lo, simplify)
-            and _sym_decided(sympy.Gt, claim.hi - v, simplify))
-
-
 def _holds_concretely(claim) -> bool:
     if isinstance(claim, _Eq):
         return bool(claim.lhs == claim.rhs)
@@ -217,28 +204,26 @@ def _jsonable(x):
     return int(x) if x.is_Integer else str(x)
 
 
-def _concrete(x):
-    """``x`` as an int when sympy reduced it to an integer; raise _Undecidable otherwise."""
+def _int_or_none(x):
+    """``x`` as an int when it is one (Python or sympy), else None."""
+    if isinstance(x, int):
+        return x
     x = sympy.sympify(x)
-    if x.is_Integer:
-        return int(x)
-    raise _Undecidable(str(x))
+    return int(x) if x.is_Integer else None
 
 
 def _eq01(a, b):
     """The specification's indicator [a == b] (0/1), for ints and sympy values."""
     if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
-        d = sympy.simplify(sympy.sympify(a) - b)
-        if d.is_number:
+        d = sympy.sympify(a) - sympy.sympify(b)
+        if d.is_Number:
             return sympy.Integer(int(d == 0))
-        return sympy.Piecewise((1, sympy.Eq(d, 0)), (0, True))
+        return sympy.Piecewise((1, sympy.Eq(d, 0, evaluate=False)), (0, True))
     return int(a == b)
 
 
 # ----------------------------------------------------------------------------------------
-# The theorems. Each is a name, a statement in the specification's words, the cases it
-# enumerates (values may contain the symbols k, m, e) and a claim over one case. A claim
-# calls only the formulas object, so a broken formula is caught (and the real one proven).
+# The domain: symbols with ranges (a box), and the cases each theorem evaluates
 # ----------------------------------------------------------------------------------------
 
 
@@ -247,13 +232,16 @@ class _Ctx:
     W: int
     I: int
     B: int
-    k: sympy.Symbol
-    m: sympy.Symbol
-    e: sympy.Symbol
+    symbols: dict  # name -> sympy integer Symbol
 
     @property
     def vblock(self) -> int:
         return self.B * self.W
+
+    @property
+    def U(self) -> int:
+        """Stride rows per vblock: B / I."""
+        return self.B // self.I
 
     @property
     def kw(self) -> dict:
@@ -263,33 +251,65 @@ class _Ctx:
     def kw_slice(self) -> dict:
         return dict(dcp=self.W, interleave=self.I)
 
+    def ranges(self) -> dict:
+        """name -> (lo, hi) inclusive; hi None for unbounded."""
+        return {"k": (0, None), "u": (0, self.U - 1), "o": (0, self.W - 1),
+                "t": (0, self.I - 1), "r": (0, self.W - 1), "e": (0, None), "m": (1, None)}
+
+    @functools.cached_property
+    def box(self) -> dict:
+        return {self.symbols[n]: rng for n, rng in self.ranges().items()}
+
+    @functools.cached_property
+    def enumerable(self) -> frozenset:
+        """Symbols the reducer may split value by value: their ranges are dcp, not block."""
+        return frozenset((self.symbols["o"], self.symbols["r"]))
+
+    def v(self, name):
+        """The symbol, or its only value when its range has one (e.g. t when I = 1)."""
+        lo, hi = self.ranges()[name]
+        return sympy.Integer(lo) if lo == hi else self.symbols[name]
+
+    @property
+    def e(self):
+        return self.v("e")
+
+    @property
+    def m(self):
+        return self.v("m")
+
     def positions(self, with_rank=True) -> Iterable[dict]:
-        """N = k*vblock + j for j in one period (x every rank)."""
-        for j in range(self.vblock):
-            if not with_rank:
-                yield {"N": self.k * self.vblock + j}
-                continue
-            for r in range(self.W):
-                yield {"N": self.k * self.vblock + j, "rank": r}
+        """One case: N = k*vblock + u*stride + o*I + t (x rank r)."""
+        N = (self.v("k") * self.vblock + self.v("u") * self.I * self.W
+             + self.v("o") * self.I + self.v("t"))
+        yield {"N": N, "rank": self.v("r")} if with_rank else {"N": N}
 
     def slots(self, var="slot") -> Iterable[dict]:
-        """s = k*block_size + t (a block of local slots maps onto one vblock)."""
-        for t in range(self.B):
-            for r in range(self.W):
-                yield {var: self.k * self.B + t, "rank": r}
+        """One case: s = k*block_size + u*I + t (a block of local slots maps onto a vblock)."""
+        yield {var: self.v("k") * self.B + self.v("u") * self.I + self.v("t"),
+               "rank": self.v("r")}
 
     def position_method(self, with_rank=True) -> str:
-        ranks = f", rank in [0, {self.W})" if with_rank else ""
-        return f"N = k*{self.vblock} + j, k >= 0 symbolic, j in [0, {self.vblock}){ranks}"
+        rank = f", rank in [0, {self.W})" if with_rank else ""
+        return (f"N = k*{self.vblock} + u*{self.I * self.W} + o*{self.I} + t, k >= 0, "
+                f"u in [0, {self.U}), o in [0, {self.W}), t in [0, {self.I}){rank}, "
+                f"all symbolic")
 
     def slot_method(self, var="slot") -> str:
-        return (f"{var} = k*{self.B} + t, k >= 0 symbolic, t in [0, {self.B}), "
-                f"rank in [0, {self.W})")
+        return (f"{var} = k*{self.B} + u*{self.I} + t, k >= 0, u in [0, {self.U}), "
+                f"t in [0, {self.I}), rank in [0, {self.W}), all symbolic")
 
     @property
     def chunk(self):
         """Prefill chunk length S = m * W * I (the model runner's view needs W*I | S)."""
         return self.m * self.W * self.I
+
+
+# ----------------------------------------------------------------------------------------
+# The theorems. Each is a name, a statement in the specification's words, the cases it
+# evaluates (values contain the box's symbols) and a claim over one case. A claim calls only
+# the formulas object, so a broken formula is caught (and the real one proven).
+# ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -349,8 +369,8 @@ def _local_filled_sum(f, c, x):
 
 @_theorem("local_filled_empty",
           "an empty sequence fills no slot: local_filled(0, r) = 0",
-          cases=lambda c: ({"N": 0, "rank": r} for r in range(c.W)),
-          method=lambda c: f"N = 0, rank in [0, {c.W})")
+          cases=lambda c: ({"N": 0, "rank": c.v("r")},),
+          method=lambda c: f"N = 0, rank in [0, {c.W}) symbolic")
 def _local_filled_empty(f, c, x):
     return _Eq(f.local_filled(x["N"], x["rank"], **c.kw), 0)
 
@@ -412,11 +432,10 @@ def _interleave_slice_owned(f, c, x):
           "rank r's slice of a chunk of S = m*dcp*interleave_size tokens runs from "
           "interleave_slice_index(0, r) = r*I to interleave_slice_index(S/dcp - 1, r) = "
           "S - 1 - (dcp-1-r)*I; with the order above, every kept index lies in [0, S)",
-          cases=lambda c: ({"end": end, "j": j, "rank": r, "S": c.chunk}
-                           for r in range(c.W)
+          cases=lambda c: ({"end": end, "j": j, "rank": c.v("r"), "S": c.chunk}
                            for end, j in (("first", 0), ("last", c.chunk / c.W - 1))),
           method=lambda c: f"S = m*{c.W * c.I}, m >= 1 symbolic, j in {{0, S/{c.W} - 1}}, "
-                           f"rank in [0, {c.W})")
+                           f"rank in [0, {c.W}) symbolic")
 def _interleave_slice_within_chunk(f, c, x):
     j, r, S = x["j"], x["rank"], x["S"]
     expected = r * c.I if x["end"] == "first" else S - 1 - (c.W - 1 - r) * c.I
@@ -428,7 +447,7 @@ def _interleave_slice_within_chunk(f, c, x):
           "interleave_slice_index(j, r), S) = r*(S/dcp) + j, so the slices of all ranks "
           "partition the chunk [0, S) and the gathered Q returns to global order",
           cases=lambda c: ({**x, "S": c.chunk} for x in c.slots("j")),
-          method=lambda c: f"{c.slot_method('j')}, S = m*{c.W * c.I}, m >= 1 symbolic")
+          method=lambda c: f"{c.slot_method('j')}, S = m*{c.W * c.I}, m >= 1")
 def _q_unshuffle_inverts(f, c, x):
     j, r, S = x["j"], x["rank"], x["S"]
     p = f.interleave_slice_index(j, r, **c.kw_slice)
@@ -446,17 +465,32 @@ def _slot_mapping_owner_writes(f, c, x):
     N, r, e = x["N"], x["rank"], x["block_table_entry"]
     mask = f.dcp_active_mask(N, r, **c.kw)
     slot = f.slot_mapping(N, r, e, **c.kw)
-    owned = _concrete(mask)
+    owned = _int_or_none(mask)
     if owned == 1:
         return _Range(slot, e * c.B, (e + 1) * c.B, "owner writes inside block e")
     if owned == 0:
         return _Eq(slot, -1, "non-owner writes -1")
-    return _Range(mask, 0, 2, "dcp_active_mask is 0 or 1")
+    if owned is not None:
+        return _Range(mask, 0, 2, "dcp_active_mask is 0 or 1")
+    # A symbolic mask: the same three statements, weighted by it (decided piece by piece).
+    return (_Range(mask, 0, 2, "dcp_active_mask is 0 or 1"),
+            _Range(mask * (slot - e * c.B), 0, c.B, "owner writes inside block e"),
+            _Eq((1 - mask) * (slot + 1), 0, "non-owner writes -1"))
 
 
 # ----------------------------------------------------------------------------------------
 # The prover
 # ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    """What checking one theorem found."""
+
+    pieces: int = 0
+    # (case, {symbol: int}) corners of pieces whose residual is not 0
+    candidates: list = field(default_factory=list)
+    stuck: tuple | None = None  # (case, reason) of the first claim no rule could reduce
 
 
 class _Memo:
@@ -486,67 +520,115 @@ class _Memo:
         return fn
 
 
+
+
+def _check_part(part, ctx: _Ctx, out: _Outcome, case: dict) -> None:
+    """Reduce one claim on the box; add its pieces, or the corners where it fails."""
+    if isinstance(part, _Eq):
+        forms = [(sympy.sympify(part.lhs) - sympy.sympify(part.rhs), "zero")]
+    else:
+        v = sympy.sympify(part.value)
+        forms = [(v - part.lo, "nonneg"), (part.hi - v, "positive")]
+    for form, need in forms:
+        if form == 0:
+            out.pieces += 1
+            continue
+        free = form.free_symbols
+        box = {s: rng for s, rng in ctx.box.items() if s in free}
+        for piece, reduced in reduce_on_box(form, box, ctx.enumerable):
+            out.pieces += 1
+            lin = affine(reduced)
+            if lin is None:  # a polynomial: its corners are candidates, then the grid
+                if sympy.expand(reduced) != 0:
+                    out.candidates += _points(case, reduced.free_symbols, piece)
+                    raise Stuck(f"residual {reduced} is not affine on {piece}")
+                continue
+            coeffs, const = lin
+            lo, hi = affine_range(coeffs, const, piece)
+            holds = {"zero": lo == hi == 0,
+                     "nonneg": lo is not None and lo >= 0,
+                     "positive": lo is not None and lo > 0}[need]
+            if not holds:
+                out.candidates += _points(case, coeffs, piece)
+
+
+def _points(case, symbols, piece) -> list:
+    """The piece's corners in ``symbols`` (the residual's), its low end in the others."""
+    low = {s: lo for s, (lo, _) in piece.items()}
+    return [(case, {**low, **p}) for p in corners(symbols, piece)]
+
+
 def _prove_one(spec: _Spec, formulas, raw_formulas, ctx: _Ctx) -> Theorem:
-    """Prove one theorem over all its cases.
-
-    Pass 1 keeps the cases whose residual sympy does not reduce to 0 on construction (the
-    real layout has none). Pass 2 looks for a concrete counterexample among them with ints,
-    which is cheap; only if there is none does pass 3 spend ``sympy.simplify`` on them.
-    """
-    cases = list(spec.cases(ctx))
-    method = spec.method(ctx) + "; every residual simplifies to 0"
-    pending = []  # (case, claim parts or the exception sympy raised)
-    for case in cases:
+    """Prove one theorem: reduce each claim piecewise; search counterexamples if it fails."""
+    out = _Outcome()
+    for case in spec.cases(ctx):
         try:
-            parts = _parts(spec.claim(formulas, ctx, case))
+            # Unevaluated construction: sympy's own floor/Mod/Max evaluation queries its
+            # assumption system at every step (slow) and cannot use the box anyway.
+            with sympy.evaluate(False):
+                parts = _parts(spec.claim(formulas, ctx, case))
         except Exception as exc:  # noqa: BLE001 - a formula sympy cannot handle is unproven
-            pending.append((case, exc))
+            out.stuck = out.stuck or (case, f"{type(exc).__name__}: {exc}")
             continue
-        if not all(_holds_symbolically(p, simplify=False) for p in parts):
-            pending.append((case, parts))
-    for case, _ in pending:
-        cex = _search_counterexample(spec, raw_formulas, ctx, case)
-        if cex is not None:
-            return Theorem(spec.name, spec.statement, method, FAILED, cex, len(cases))
-    undecided = []  # (case, residual text)
-    for case, parts in pending:
-        if isinstance(parts, Exception):
-            undecided.append((case, f"{type(parts).__name__}: {parts}"))
-            continue
-        failing = [p for p in parts if not _holds_symbolically(p)]
-        if failing:
-            undecided.append((case, _residual_text(failing[0])))
-    if not undecided:
-        return Theorem(spec.name, spec.statement, method, PROVEN, None, len(cases))
-    case, residual = undecided[0]
-    cex = {"could_not_prove": True, "undecided_cases": len(undecided),
-           "case": {n: str(v) for n, v in case.items()}, "residual": residual,
-           "searched": {s: [min(r), max(r)] for s, r in _SEARCH.items()}}
-    return Theorem(spec.name, spec.statement, method, FAILED, cex, len(cases))
+        for part in parts:
+            try:
+                _check_part(part, ctx, out, case)
+            except Stuck as exc:
+                what = f"{part.what}: " if part.what else ""
+                out.stuck = out.stuck or (case, what + str(exc))
+    method = f"{spec.method(ctx)}; residual 0 on every one of {out.pieces} pieces"
+    if not out.candidates and out.stuck is None:
+        return Theorem(spec.name, spec.statement, method, PROVEN, None, out.pieces)
+    points = list(out.candidates)
+    if out.stuck is not None:
+        points += _grid(out.stuck[0], ctx)
+    cex = _first_counterexample(spec, raw_formulas, ctx, points)
+    if cex is None:
+        case, reason = out.stuck or (out.candidates[0][0], "the reduced residual is not 0 "
+                                     "but no corner fails with ints (a reducer defect)")
+        cex = {"could_not_prove": True, "case": {n: str(v) for n, v in case.items()},
+               "residual": reason,
+               "searched": {s: [min(r), max(r)] for s, r in _SEARCH.items()}}
+    return Theorem(spec.name, spec.statement, method, FAILED, cex, out.pieces)
 
 
-def _residual_text(claim) -> str:
-    what = f"{claim.what}: " if claim.what else ""
-    if isinstance(claim, _Eq):
-        return what + f"lhs - rhs = {sympy.simplify(sympy.sympify(claim.lhs) - claim.rhs)}"
-    return what + f"{sympy.simplify(claim.value)} not provably in [{claim.lo}, {claim.hi})"
-
-
-def _search_counterexample(spec, formulas, ctx, case) -> dict | None:
-    """Evaluate one unproven case with Python ints for small values of its symbols."""
+def _grid(case, ctx: _Ctx) -> list:
+    """Small and boundary values of every symbol of a case that no rule could reduce."""
     free = sorted({s for v in case.values() if isinstance(v, sympy.Basic)
                    for s in v.free_symbols}, key=lambda s: s.name)
-    for values in itertools.product(*(_SEARCH[s.name] for s in free)):
-        env = dict(zip(free, values))
-        concrete = {name: (int(v.subs(env)) if isinstance(v, sympy.Basic) else v)
-                    for name, v in case.items()}
+    axes = []
+    for s in free:
+        lo, hi = ctx.box[s]
+        if hi is None:
+            axes.append(_SEARCH[s.name])
+        else:
+            axes.append(sorted({lo, lo + 1, (lo + hi) // 2, hi - 1, hi} & set(range(lo, hi + 1))))
+    return [(case, dict(zip(free, values))) for values in itertools.product(*axes)]
+
+
+def _concrete_case(case, point, ctx) -> dict:
+    """The case at ``point``; symbols the point leaves free take their lowest value."""
+    env = {s: sympy.Integer(point.get(s, lo)) for s, (lo, _) in ctx.box.items()}
+    return {name: (int(v.xreplace(env)) if isinstance(v, sympy.Basic) else v)
+            for name, v in case.items()}
+
+
+def _first_counterexample(spec, formulas, ctx, points) -> dict | None:
+    """The smallest (in case order: N, rank, ...) point where the claim fails with ints."""
+    concrete = {}
+    for case, point in points:
+        c = _concrete_case(case, point, ctx)
+        key = tuple(v for v in c.values() if isinstance(v, int)) + (str(c),)
+        concrete.setdefault(key, c)
+    for key in sorted(concrete):
+        c = concrete[key]
         try:
-            parts = _parts(spec.claim(formulas, ctx, concrete))
+            parts = _parts(spec.claim(formulas, ctx, c))
             bad = next((p for p in parts if not _holds_concretely(p)), None)
         except Exception as exc:  # noqa: BLE001 - report, don't crash the certificate
-            return {**concrete, "error": f"{type(exc).__name__}: {exc}"}
+            return {**c, "error": f"{type(exc).__name__}: {exc}"}
         if bad is not None:
-            return {**concrete, **_describe_claim(bad)}
+            return {**c, **_describe_claim(bad)}
     return None
 
 
@@ -576,12 +658,14 @@ def _prove_real_layout(dcp, interleave_size, block_size, _fns) -> Certificate:
     return _prove(dcp, interleave_size, block_size, layout)
 
 
+def _symbols() -> dict:
+    return {n: sympy.Symbol(n, integer=True, nonnegative=True) for n in "kuotre"} | {
+        "m": sympy.Symbol("m", integer=True, positive=True)}
+
+
 def _prove(dcp, interleave_size, block_size, formulas) -> Certificate:
     start = time.perf_counter()
-    ctx = _Ctx(W=dcp, I=interleave_size, B=block_size,
-               k=sympy.Symbol("k", integer=True, nonnegative=True),
-               m=sympy.Symbol("m", integer=True, positive=True),
-               e=sympy.Symbol("e", integer=True, nonnegative=True))
+    ctx = _Ctx(W=dcp, I=interleave_size, B=block_size, symbols=_symbols())
     memo = _Memo(formulas)
     theorems = tuple(_prove_one(spec, memo, formulas, ctx) for spec in _THEOREMS)
     return Certificate(dcp, interleave_size, block_size, theorems,

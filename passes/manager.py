@@ -1,7 +1,9 @@
-"""The pass manager: fixed order, lint + shape re-propagation after each pass, history, dump."""
+"""The pass manager: fixed order, lint + incremental shape propagation after each pass,
+history, dump."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 from torch._guards import detect_fake_mode
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.errors import DCPTransformError
@@ -25,54 +27,190 @@ class PassRecord:
     matched: dict[str, Any]
     inserted: dict[str, int]
     seconds: float
-    code: str = field(default="", repr=False)
+    code: str = field(default="", repr=False)  # the graph's Python; kept when dumping
+    propagated: int = 0  # nodes whose meta['val'] was recomputed after the pass
 
     def to_json(self) -> dict:
         return {"name": self.name, "step": self.step, "modified": self.modified,
                 "matched": _jsonable(self.matched), "inserted": dict(self.inserted),
-                "seconds": round(self.seconds, 6)}
+                "seconds": round(self.seconds, 6), "propagated": self.propagated}
 
 
-def repropagate(gm: GraphModule) -> None:
-    """Recompute every node's meta['val'] from the placeholders' fake values."""
+FULL_PROPAGATION_ENV = "DCP_COMPILE_FULL_PROPAGATION"
+_MISSING = object()
+
+
+def _fake_mode(gm: GraphModule):
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode(inputs)
     if mode is None:
         raise DCPTransformError("graph inputs carry no fake tensors; capture with "
                                 "torch.export so that every node has meta['val'].")
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    return mode
+
+
+def repropagate(gm: GraphModule) -> None:
+    """Recompute every node's meta['val'] from the placeholders' fake values."""
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, _fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
+
+
+# ------------------------------------------------------------------------------------------
+# Incremental propagation: only the nodes a pass touched, and users whose inputs changed
+# ------------------------------------------------------------------------------------------
+
+
+def snapshot(gm: GraphModule) -> dict:
+    """What a pass may change about each node: op, target, args, kwargs, meta['val']."""
+    return {n: (n.op, n.target, n.args, n.kwargs, n.meta.get("val", _MISSING))
+            for n in gm.graph.nodes}
+
+
+def changed_nodes(gm: GraphModule, before: dict) -> list[Node]:
+    """Nodes inserted since ``before``, or with another op/target/args/kwargs, or whose
+    meta['val'] a pass replaced (placeholders of sharded weights and caches) or that have
+    none yet (export leaves the output node without one). get_attr nodes always count: a
+    pass may swap the module attribute they read."""
+    out = []
+    for n in gm.graph.nodes:
+        old = before.get(n)
+        val = n.meta.get("val", _MISSING)
+        if (old is None or val is not old[4] or val is _MISSING or n.op == "get_attr"
+                or (n.op, n.target, n.args, n.kwargs) != old[:4]):
+            out.append(n)
+    return out
+
+
+def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None = None
+                      ) -> int:
+    """Re-run fake propagation on ``changed`` nodes and, in graph order, on every node one
+    of whose inputs got a different value (shape, dtype, stride, device) than before the
+    pass (``before``: its ``snapshot``; without it every changed node counts as different).
+    Returns how many nodes were recomputed. A placeholder keeps the value its pass gave it."""
+    changed = set(changed)
+    if not changed:
+        return 0
+    mode = _fake_mode(gm)
+    interp = FakeTensorProp(gm, mode)
+    dirty: set[Node] = set()
+    count = 0
+    with mode:
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                if n in changed:
+                    dirty.add(n)
+                continue
+            inputs = n.all_input_nodes
+            if n not in changed and not any(a in dirty for a in inputs):
+                continue
+            for a in inputs:
+                if "val" not in a.meta:
+                    raise DCPTransformError(
+                        f"node {a.name} ({a.op} {a.target}) has no meta['val'] to propagate "
+                        f"from. A pass that adds a placeholder must give it a fake value.")
+                interp.env[a] = a.meta["val"]
+            # Users saw the value from before the pass (a pass may have replaced it).
+            old = before[n][4] if before is not None and n in before else _MISSING
+            if n not in changed:
+                old = n.meta.get("val", _MISSING)
+            interp.run_node(n)
+            count += 1
+            if not same_value(old, n.meta.get("val", _MISSING)):
+                dirty.add(n)
+    interp.env.clear()
+    return count
+
+
+def same_value(a, b) -> bool:
+    """Equal fake metadata: shape, dtype, stride and device of tensors; == otherwise."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and a.stride() == b.stride())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a is _MISSING \
+            or b is _MISSING:
+        return False
+    return type(a) is type(b) and a == b
+
+
+def propagation_mismatches(gm: GraphModule) -> list[str]:
+    """Re-propagate the whole graph and list the nodes whose meta['val'] differed from the
+    incremental result (the incremental values are replaced by the full ones)."""
+    before = {n: n.meta.get("val", _MISSING) for n in gm.graph.nodes}
+    repropagate(gm)
+    return [f"{n.name} ({n.target}): incremental {_describe(before[n])} vs full "
+            f"{_describe(n.meta.get('val', _MISSING))}"
+            for n in gm.graph.nodes if not same_value(before[n], n.meta.get("val", _MISSING))]
+
+
+def _describe(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{tuple(v.shape)}/{v.dtype}/stride {v.stride()}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_describe(x) for x in v) + ")"
+    return "missing" if v is _MISSING else repr(v)
 
 
 def run_passes(gm: GraphModule, passes: list, *, step: str,
-               on_pass: Callable[[PassRecord, GraphModule], None] | None = None
+               on_pass: Callable[[PassRecord, GraphModule], None] | None = None,
+               check_propagation: bool | None = None
                ) -> tuple[GraphModule, list[PassRecord]]:
-    """Run ``passes`` in order; after each: lint, recompile, re-propagate, record, dump."""
+    """Run ``passes`` in order; after each: lint, re-propagate, record, dump (recompile).
+
+    Shapes are re-propagated only from the nodes a pass changed (see ``changed_nodes``).
+    ``check_propagation`` (default: env DCP_COMPILE_FULL_PROPAGATION=1) then also
+    re-propagates the whole graph and raises if any node's value differs.
+    """
+    if check_propagation is None:
+        check_propagation = os.environ.get(FULL_PROPAGATION_ENV, "") not in ("", "0")
     history: list[PassRecord] = []
+    # Python code is regenerated per pass only for the dump/progress callback (which shows
+    # it); otherwise once at the end: recompiling is a large share of a pass's time.
+    stale_code = False
     if on_pass is not None:
         on_pass(PassRecord("capture", step, True, {}, {}, 0.0, gm.code), gm)
     for p in passes:
         name = getattr(p, "name", type(p).__name__)
         start = time.perf_counter()
+        before = snapshot(gm)
         result = p(gm)
         if result is not None:
             gm = result.graph_module
         modified = bool(result.modified) if result is not None else True
+        propagated = 0
         try:
             gm.graph.lint()
             if modified:  # an unmodified graph keeps its (accurate) meta['val']
-                gm.recompile()
-                repropagate(gm)
+                if on_pass is not None:
+                    gm.recompile()
+                else:
+                    stale_code = True
+                propagated = propagate_changed(gm, changed_nodes(gm, before), before)
         except DCPTransformError:
             raise
         except Exception as e:  # a pass left an ill-formed graph: say which one
             raise DCPTransformError(f"pass {name} left an invalid graph for step {step!r}: "
                                     f"{type(e).__name__}: {e}") from e
+        seconds = time.perf_counter() - start
+        if check_propagation:
+            bad = propagation_mismatches(gm)
+            if bad:
+                raise DCPTransformError(
+                    f"incremental shape propagation after pass {name} (step {step!r}) "
+                    f"differs from a full one on {len(bad)} nodes: {bad[:5]}. The pass "
+                    f"changed a node without changing its op/target/args/kwargs or "
+                    f"meta['val']; replace the node instead of mutating it.")
         record = PassRecord(name, step, modified, dict(getattr(p, "matched", {})),
-                            dict(getattr(p, "inserted", {})),
-                            time.perf_counter() - start, gm.code)
+                            dict(getattr(p, "inserted", {})), seconds,
+                            gm.code if on_pass is not None else "", propagated=propagated)
         history.append(record)
         if on_pass is not None:
             on_pass(record, gm)
+    if stale_code:
+        gm.recompile()
     return gm, history
 
 

@@ -36,6 +36,29 @@ def test_real_layout_is_proven(dcp, interleave, block):
     assert (cert.dcp, cert.interleave_size, cert.block_size) == (dcp, interleave, block)
 
 
+# The proof's pieces depend on dcp, not on block or interleave size (benchmarks/bench_prove.py
+# prints the times); every big configuration must prove, whatever it costs here.
+BIG = [(dcp, interleave, block) for dcp in (2, 8, 16) for block in (64, 256, 1024)
+       for interleave in (1, 16, block)]
+
+
+@pytest.mark.parametrize("dcp,interleave,block", BIG,
+                         ids=[f"dcp{d}-I{i}-B{b}" for d, i, b in BIG])
+def test_big_configs_are_proven(dcp, interleave, block):
+    cert = prove(dcp, interleave, block)
+    assert cert.ok, cert.format_table()
+    pieces = {t.name: t.cases for t in cert.theorems}
+    assert all(n >= 1 for n in pieces.values())
+
+
+def test_pieces_do_not_grow_with_block_size():
+    """Enumerating offsets would multiply the pieces by 64 from block 64 to 4096."""
+    def pieces(block):
+        return sum(t.cases for t in prove(8, 16, block).theorems)
+    assert pieces(4096) <= 1.5 * pieces(64)
+    assert pieces(4096) == pieces(1024)
+
+
 def test_prove_config_and_cache():
     cfg = DCPConfig(tp=8, dcp=4, block_size=16)
     cert = prove_config(cfg)
