@@ -679,7 +679,7 @@ class Analysis:
         if t == EMBEDDING:
             return R if self.P(n.args[0]) is not None else None
         if t == ATTENTION:
-            return self._attention_fw(n)
+            return self._attention_fw(n, strict)
         ps = [self.P(a) for a in ins]
         if any(p == "rank" for p in ps):
             return R  # rank arithmetic (inserted masks) is per-rank by design
@@ -753,11 +753,13 @@ class Analysis:
                    "Column-parallel needs a replicated input, row-parallel an input sharded "
                    "like the weight's columns")
 
-    def _attention_fw(self, n):
+    def _attention_fw(self, n, strict):
         q, k, v, kc, vc = n.args[:5]
         ps = [self.P(a) for a in (q, k, v, kc, vc)]
         if any(p is None for p in ps):
-            return None
+            # Its output is sharded by q heads whatever comes in (checked in the strict pass):
+            # known early, so that an output gate can learn its cut from it.
+            return None if strict else (self.q_shard, self.kv_shard, self.kv_shard)
         want = [self.q_shard, self.kv_shard, self.kv_shard, self.kv_shard, self.kv_shard]
         for what, a, p, w in zip(("q", "k", "v", "key_cache", "value_cache"),
                                  (q, k, v, kc, vc), ps, want):
