@@ -120,6 +120,14 @@ R = Replicate()
 Placement = object  # Replicate | Shard | Partial | tuple of those (multi-output ops)
 
 
+def canon(p):
+    """A shard whose every segment is whole on every rank (pieces 1: an MQA KV head) is
+    replicated data."""
+    if isinstance(p, Shard) and all(s.pieces == 1 for s in p.segs):
+        return R
+    return p
+
+
 def show(p) -> str:
     if isinstance(p, tuple):
         return "(" + ", ".join(show(x) for x in p) + ")"
@@ -265,7 +273,7 @@ def dims_forward(specs, p, in_shape):
     if len(hits) != 1:
         raise Refusal(f"the sharded dim {p.dim} maps to {len(hits)} output dims")
     j, segs = hits[0]
-    return Shard(j, tuple(segs), p.axis)
+    return canon(Shard(j, tuple(segs), p.axis))
 
 
 def dims_backward(specs, req, in_shape):
@@ -412,7 +420,7 @@ def _split_fw(n, P):
         return tuple(q for _ in bounds)
     if n.target == aten.unbind.int:
         raise Refusal("unbinds the sharded dim")
-    return tuple(Shard(d, _covering(p.segs, a, b), p.axis) for a, b in bounds)
+    return tuple(canon(Shard(d, _covering(p.segs, a, b), p.axis)) for a, b in bounds)
 
 
 def _slice_bounds(n):
@@ -441,7 +449,7 @@ def _slice_fw(n, P):
         return replace(p, dim=p.dim - (n.target == aten.select.int and d < p.dim))
     if n.target == aten.select.int or step != 1:
         raise Refusal("selects inside the sharded dim")
-    return Shard(d, _covering(p.segs, start, end), p.axis)
+    return canon(Shard(d, _covering(p.segs, start, end), p.axis))
 
 
 def _slice_bw(n, req):
@@ -610,7 +618,7 @@ def head_shards(config) -> tuple[Shard, Shard]:
     hq, hkv = config.num_q_heads, config.num_kv_heads
     q = Shard(2, (Seg(hq, a),), "attn")
     kv = Shard(2, (Seg(hkv, min(hkv, a), max(1, a // hkv)),), "attn")
-    return q, kv
+    return q, canon(kv)
 
 
 class Analysis:
@@ -735,6 +743,8 @@ class Analysis:
         px = R if isinstance(px, Partial) else px
         kind = self.linears.get(n)
         last = len(shape_of(n)) - 1
+        if px == R and pw == R and kind == "replicated":
+            return R
         if px == R and isinstance(pw, Shard) and pw.dim == 0:
             if b is not None and self.P(b) != replace(pw, dim=0):
                 raise _err(n, f"bias {b.name} is {show(self.P(b))}, weight {show(pw)}",
@@ -806,6 +816,11 @@ class Analysis:
             if n.target == EMBEDDING or n.target == ATTENTION:
                 continue
             rule = rule_for(n.target)
+            if req == R:   # replicated output from replicated inputs, for any op
+                for a in tensor_args(n):
+                    if self.P(a) is None or a in self.params:
+                        changed |= self.require(a, R, n)
+                continue
             if rule is None or rule.backward is None:
                 raise self._refuse(n, tensor_args(n), f"required to be {show(req)}, and the "
                                                        f"op has no backward rule")
@@ -847,13 +862,19 @@ class Analysis:
         if len(dims) != 1 or not reqs:
             return None
         d = dims.pop()
-        if any(r.dim != d for r in reqs):
+        if all(r == R for r in reqs):
+            return R if len(reqs) == len(runs) else None
+        if any(r != R and r.dim != d for r in reqs):
             same = set(reqs)   # split off the sharded dim: all pieces alike
             if len(same) == 1 and all(r[2] is not None for r in runs):
                 return same.pop()
             return None
         if any(r[2] is None for r in runs):
             return None        # wait until every run is known
+        axis = next(r.axis for r in reqs if isinstance(r, Shard))
+        group = self.cfg.attention_shard if axis == "attn" else self.cfg.tp
+        runs = [(a, b, Shard(d, (Seg(b - a, 1, group),), axis) if r == R else r, dd)
+                for a, b, r, dd in runs]    # a replicated run: whole on every rank
         runs.sort()
         pos, segs = 0, []
         for a, b, r, _ in runs:
@@ -881,6 +902,13 @@ class Analysis:
         if self.P(x) != R and not isinstance(self.P(x), Partial):
             return False
         last = len(shape_of(n)) - 1
+        if req == R:   # an MQA KV projection: every rank computes the one head
+            self._check_weight(n, w)
+            self.decide(w, R, n)
+            if b is not None:
+                self.decide(b, R, n)
+            self.linears[n] = "replicated"
+            return True
         if not isinstance(req, Shard) or req.dim != last:
             raise _err(n, f"linear output is required to be {show(req)}",
                        "Only the output features of a projection can be cut")

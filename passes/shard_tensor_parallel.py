@@ -192,6 +192,8 @@ class ShardTensorParallel(DCPPass):
         for emb in pl.embeddings:
             self._vocab_embedding(g, emb, rank)
 
+        # MQA: the one KV head's projection runs whole on every rank (required replicated).
+        self.replicated = {n.name for n, k in pl.linears.items() if k == "replicated"}
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
         self.matched = {"projections": dict(sorted(plan.roles.items()))}
         return PassResult(gm, True)
@@ -307,7 +309,8 @@ class ShardTensorParallel(DCPPass):
 
     def ensures(self, gm):
         for n in gm.graph.nodes:
-            if _is_linear(n) and n.args[1].name not in self.ctx.shards:
+            if _is_linear(n) and n.args[1].name not in self.ctx.shards \
+                    and n.name not in self.replicated:
                 raise DCPTransformError(f"linear {n.name} ({source_of(n)}) was left "
                                         f"unsharded.")
 

@@ -161,20 +161,13 @@ def test_wrapper_matches_hf_forward_single_device():
 
 # -- rejected: never sharded wrong ---------------------------------------------------------
 
-def test_fused_qkv_rejected_naming_the_module():
-    model = build("Phi3Config", "Phi3ForCausalLM",
-                  dict(num_attention_heads=8, num_key_value_heads=2))
-    with pytest.raises(DCPTransformError, match=r"fused projection "
-                                                r"model\.layers\.0\.self_attn\.qkv_proj"):
-        hf.prepare(model)
-
-
-def test_norm_across_heads_rejected_naming_the_module():
-    # OLMo2 normalises q and k over all heads at once: a head shard would change it.
-    model = build("Olmo2Config", "Olmo2ForCausalLM",
-                  dict(num_attention_heads=8, num_key_value_heads=2))
-    with pytest.raises(DCPTransformError, match=r"model\.layers\.0\.self_attn\.q_norm"):
-        hf.prepare(model)
+def test_fused_qkv_and_norms_across_heads_are_left_to_the_placement_analysis():
+    # Phi3's fused qkv_proj and OLMo2's q_norm over all heads prepare; transform() shards
+    # them segment-aware (numerics: tests/test_sharding_models.py).
+    hf.prepare(build("Phi3Config", "Phi3ForCausalLM",
+                     dict(num_attention_heads=8, num_key_value_heads=2)))
+    hf.prepare(build("Olmo2Config", "Olmo2ForCausalLM",
+                     dict(num_attention_heads=8, num_key_value_heads=2)))
 
 
 def test_sliding_window_needs_max_model_len():
