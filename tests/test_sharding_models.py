@@ -47,3 +47,82 @@ def test_feature_model_decode_matches_single_device(name):
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes)
     report = verify(model, prog, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2]], STEPS)
     assert report.tokens_agree and report.max_abs_error < 1e-4, report
+
+
+# -- Hugging Face architectures with these features, built from config with random weights --
+
+HF_MODELS = {  # id: (config class, model class, overrides, tp, dcp)
+    # fused qkv_proj ([q; k; v] rows cut by slicing) and fused gate_up_proj (chunk)
+    "phi3-fused-qkv-gate-up": ("Phi3Config", "Phi3ForCausalLM",
+                               dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    # query_key_value per head ([h, 3, d]), parallel residual, partial rotary
+    "gpt-neox-per-head-qkv": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                              dict(num_attention_heads=4, rotary_pct=0.5), 4, 1),
+    # q_norm / k_norm over the whole projection (all heads), before the head view
+    "olmo2-qk-norm-across-heads": ("Olmo2Config", "Olmo2ForCausalLM",
+                                   dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+}
+
+
+@pytest.mark.parametrize("model_id", list(HF_MODELS))
+def test_hf_model_decode_matches_its_own_forward(model_id):
+    pytest.importorskip("transformers")
+    from dcp_compile import hf
+    from dcp_compile.verify import run_threaded_program
+    from helpers import assert_close_report, prompts_of
+    from test_hf import build, hf_reference
+
+    config_name, model_name, overrides, tp, dcp = HF_MODELS[model_id]
+    model = build(config_name, model_name, overrides)
+    shapes = StepShapes.fitting(4, 12, 12 + STEPS, block_size=4, dcp=dcp)
+    program = dcp_compile.transform(hf.prepare(model), tp=tp, dcp=dcp, mode="decode",
+                                    block_size=4, shapes=shapes)
+    prompts = prompts_of((1, 6, 12), vocab=256)
+    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
+    ref_tokens, ref_logits = hf_reference(model, prompts, STEPS)
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                assert_close_report(got[b], ref_logits[b][t], atol=1e-4,
+                                    what=f"rank {run.rank} step {t} seq {b}")
+
+
+# -- refused, by op and source line: never a silently wrong program ------------------------
+
+class AmaxAcrossHeads(FeatureLM):
+    """q scaled by its max over all heads: no sharded form (a max is not a sum)."""
+
+    def __init__(self):
+        super().__init__(FeatureConfig(**GQA, layers=1))
+        attn = self.layers[0].self_attn
+        project = attn.project
+
+        def scaled(x):
+            q, k, v, gate = project(x)
+            return q / q.amax(dim=(2, 3), keepdim=True), k, v, gate
+        attn.project = scaled
+
+
+class ReplicatedSpanningHeads(FeatureLM):
+    """q plus a tensor computed in the graph over all heads: every rank holds all of it, and
+    only a broadcast over heads is placeable (a parameter or buffer would be cut instead)."""
+
+    def __init__(self):
+        super().__init__(FeatureConfig(**GQA, layers=1))
+        attn = self.layers[0].self_attn
+        project = attn.project
+
+        def shifted(x):
+            q, k, v, gate = project(x)
+            return q + torch.arange(64, dtype=q.dtype).view(8, 8), k, v, gate
+        attn.project = shifted
+
+
+@pytest.mark.parametrize("model_cls,pattern", [
+    (AmaxAcrossHeads, r"aten\.amax\.default.*not a sum.*sharding_models\.py"),
+    (ReplicatedSpanningHeads, r"aten\.add\.Tensor.*spans the sharded dim.*sharding_models\.py"),
+], ids=["amax-over-heads", "full-width-add"])
+def test_unplaceable_op_is_refused_naming_op_and_source(model_cls, pattern):
+    with pytest.raises(DCPTransformError, match=pattern):
+        dcp_compile.transform(model_cls(), tp=4, dcp=2, mode="decode", shapes=SHAPES)
