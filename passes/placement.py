@@ -556,7 +556,35 @@ def _softmax_fw(n, P):
     return p
 
 
+_ALONG_DIMS = {aten.roll.default: 2, aten.flip.default: 1, aten.cumsum.default: 1}
+
+
+def _along_dims(n):
+    nd = len(shape_of(n.args[0]))
+    dims = _arg(n, _ALONG_DIMS[n.target], "dims", None)
+    if n.target == aten.roll.default and (dims is None or dims == []):
+        return set(range(nd))           # roll without dims rolls the flattened tensor
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return {norm_dim(d, nd) for d in dims}
+
+
+def _along_fw(n, P):
+    """An op that moves or accumulates elements along some dims (roll, flip, cumsum)."""
+    p = P(n.args[0])
+    if isinstance(p, Shard) and p.dim in _along_dims(n):
+        raise Refusal(f"moves elements along the sharded dim {p.dim}")
+    return p
+
+
+def _along_bw(n, req):
+    if req.dim in _along_dims(n):
+        raise Refusal(f"moves elements along dim {req.dim}")
+    return {n.args[0]: req}
+
+
 RULES: dict = {}
+for _op in _ALONG_DIMS:
+    RULES[_op] = Rule("along dims (roll, flip, cumsum)", _along_fw, _along_bw)
 for _op in DIM_MAPS:
     RULES[_op] = Rule("dim map (torch.distributed.tensor view ops)", _dims_fw, _dims_bw)
 for _op in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
@@ -1090,3 +1118,47 @@ def analyze(gm: GraphModule, config) -> PlacementPlan:
 
 __all__ = ["Seg", "Shard", "Replicate", "Partial", "R", "Rule", "RULES", "rule_for",
            "PlacementPlan", "analyze", "head_shards", "show", "DIM_MAPS"]
+
+
+# ------------------------------------------------------------------------------------------
+# The token dim (prefill): the same rules, with tokens as the "sharded" dim
+# ------------------------------------------------------------------------------------------
+
+# Collectives act on each element on its own across ranks: every dim passes through.
+for _op in (torch.ops._c10d_functional.all_reduce.default,
+            torch.ops._c10d_functional.wait_tensor.default):
+    DIM_MAPS[_op] = _identity
+    RULES[_op] = Rule("dim map (collective, elementwise across ranks)", _dims_fw, _dims_bw)
+
+
+def token_dim(n: Node, dims: dict[Node, int], tokens: int) -> int:
+    """Where the token dim (size ``tokens``, at ``dims[a]`` of each input ``a`` that carries
+    it) is in ``n``'s output, if ``n`` keeps tokens apart: the op's placement rule must map a
+    token-sharded input to an output sharded on one dim of exactly ``tokens`` elements.
+    Inputs without tokens are replicated (broadcast); a per-token side input aligned with the
+    token dim counts as token-sharded (callers gather or refuse it). Refusal otherwise."""
+    rule = rule_for(n.target)
+    if rule is None:
+        raise Refusal(f"{n.target} has no placement rule")
+    seg = (Seg(tokens, tokens),)
+    out_nd = fake(n).ndim if isinstance(fake(n), torch.Tensor) else None
+    first = next(iter(dims))
+    first_nd = fake(first).ndim if isinstance(fake(first), torch.Tensor) else out_nd
+    j = None if out_nd is None else dims[first] + out_nd - first_nd
+
+    def P(a):
+        if a in dims:
+            return Shard(dims[a], seg, "seq")
+        v = fake(a)
+        if j is not None and isinstance(v, torch.Tensor):
+            k = j - (out_nd - v.ndim)
+            if 0 <= k < v.ndim and v.shape[k] == tokens and tokens > 1:
+                return Shard(k, seg, "seq")
+        return R
+
+    out = rule.forward(n, P)
+    outs = out if isinstance(out, tuple) else (out,)
+    if not outs or any(not isinstance(o, Shard) or o.segs != seg for o in outs) \
+            or len({o.dim for o in outs}) != 1:
+        raise Refusal(f"{n.target} does not keep the token dim whole ({show(out)})")
+    return outs[0].dim

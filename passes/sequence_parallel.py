@@ -46,16 +46,13 @@ from dcp_compile.errors import DCPTransformError
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
 from .insert_rank import RANK_INPUT
+from .placement import Refusal, token_dim
 from .shard_tensor_parallel import _backward_sources, _forward_linears, _is_linear
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
-
-# Non-pointwise ops that act on each token on its own (reductions only over the hidden dim).
-_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.alias.default,
-              aten.detach.default}
-_LAST_DIM_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default,
-                        aten.amin.default, aten.var.correction}
+_LITERAL_SHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                   aten.expand.default, aten.unflatten.int}
 
 SP_META = "dcp_sequence_parallel"       # gm.meta: the SP layout (S, S_pad, tokens per rank)
 SP_SLICE = "dcp_sp_slice"               # node.meta: this rank's SP slice after o-proj
@@ -160,7 +157,8 @@ class SequenceParallel(DCPPass):
         b, s = val(attn[0].args[5]).shape
         reductions = []
         for n in gm.graph.nodes:
-            if n.op != "call_function" or n.target != F.all_reduce.default:
+            if n.op != "call_function" or n.target != F.all_reduce.default \
+                    or n.meta.get("dcp_norm_reduce"):   # a norm over heads: not TP's sum
                 continue
             role = C.role_of(n)
             waits = [u for u in n.users if u.target == F.wait_tensor.default]
@@ -230,20 +228,23 @@ class SequenceParallel(DCPPass):
                 f"{tuple(getattr(out, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
                 f" ...] tensors between layers.")
         target = u.target
-        pointwise = torch.Tag.pointwise in getattr(target, "tags", ())
-        if target in _LAST_DIM_REDUCTIONS:
-            dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
-            ndim = val(u.args[0]).ndim
-            if dims is None or any(d % ndim != ndim - 1 for d in dims):
-                raise DCPTransformError(
-                    f"{where} reduces over dims {dims} of the residual stream; sequence "
-                    f"parallelism allows reductions over the hidden dim (-1) only.")
-        elif not (pointwise or target in _TOKENWISE):
+        if target in _LITERAL_SHAPES:
             raise DCPTransformError(
-                f"{where} ({target}) is not token-wise: the residual stream between layers "
-                f"may only pass pointwise ops and reductions over the hidden dim when it is "
-                f"sequence-parallel. Move this op inside a projection, or extend "
-                f"passes.sequence_parallel.")
+                f"{where} ({target}) names the residual stream's shape literally; with "
+                f"sequence parallelism each rank holds S/TP tokens of it. Keep views inside "
+                f"attention and the MLP.")
+        # Token-wise by the placement rules (passes.placement): tokens in, tokens out at dim 1.
+        try:
+            d = token_dim(u, {a: 1 for a in u.all_input_nodes if a in region}, plan.tokens)
+        except Refusal as e:
+            d, why = None, str(e)
+        if d != 1 or out.shape[0] != plan.batch:
+            raise DCPTransformError(
+                f"{where} ({target}) is not token-wise"
+                f"{': ' + why if d is None else f' (tokens move to dim {d})'}: the residual "
+                f"stream between layers may only pass ops that keep each token apart when it "
+                f"is sequence-parallel. Move this op inside a projection, or add its rule to "
+                f"passes.placement.RULES.")
         for a in u.all_input_nodes:
             if a in region:
                 continue
