@@ -422,7 +422,8 @@ class DCPPrefill(DCPPass):
                 continue
             if n.target == dcp_ops.attention.default:
                 raise DCPTransformError(f"attention {n.name} was not rewritten.")
-            if n.target == F.all_reduce.default or n.meta.get(SP_SLICE):
+            if (n.target == F.all_reduce.default and not n.meta.get("dcp_norm_reduce")) \
+                    or n.meta.get(SP_SLICE):
                 raise DCPTransformError(f"{n.name} should have become a reduce-scatter.")
 
 
