@@ -121,9 +121,10 @@ Placement = object  # Replicate | Shard | Partial | tuple of those (multi-output
 
 
 def canon(p):
-    """A shard whose every segment is whole on every rank (pieces 1: an MQA KV head) is
-    replicated data."""
-    if isinstance(p, Shard) and all(s.pieces == 1 for s in p.segs):
+    """A shard whose every segment is whole on several ranks (pieces 1, replicas > 1: an MQA
+    KV head) is replicated data. (Pieces 1 on a group of 1 stays a shard: the O projection of
+    a dcp_tp group of one rank is still row-parallel, with a trivial sum.)"""
+    if isinstance(p, Shard) and all(s.pieces == 1 and s.replicas > 1 for s in p.segs):
         return R
     return p
 
@@ -582,7 +583,28 @@ def _along_bw(n, req):
     return {n.args[0]: req}
 
 
+def _layer_norm_fw(n, P):
+    """layer_norm / rms_norm over the last len(normalized_shape) dims: fine when those dims
+    are not sharded (and the affine parameters are whole on every rank)."""
+    p = P(n.args[0])
+    for a in tensor_args(n)[1:]:
+        if P(a) != R:
+            raise Refusal(f"norm parameter {a.name} is {show(P(a))}")
+    if isinstance(p, Shard) and p.dim >= len(shape_of(n.args[0])) - len(n.args[1]):
+        raise Refusal(f"normalises over the sharded dim {p.dim} (only mean-of-squares "
+                      f"written out, as in RMSNorm, becomes an all-reduce)")
+    return p
+
+
+def _layer_norm_bw(n, req):
+    if req.dim >= len(shape_of(n.args[0])) - len(n.args[1]):
+        raise Refusal("normalises over the required dim")
+    return {n.args[0]: req}
+
+
 RULES: dict = {}
+for _op in (aten.layer_norm.default, aten.rms_norm.default):
+    RULES[_op] = Rule("layer norm over the last dims", _layer_norm_fw, _layer_norm_bw)
 for _op in _ALONG_DIMS:
     RULES[_op] = Rule("along dims (roll, flip, cumsum)", _along_fw, _along_bw)
 for _op in DIM_MAPS:

@@ -277,6 +277,7 @@ class SequenceParallel(DCPPass):
         sp_index.name = "sp_index"
         self.tag(sp_index, KIND_SLICE)
 
+        replaced = {}   # a reduction's wait -> what its users read now
         for red in plan.reductions:
             x = red.all_reduce.args[0]
             shape = tuple(val(x).shape)
@@ -291,6 +292,7 @@ class SequenceParallel(DCPPass):
                 if layer < 0:  # the embedding's: once per model, not per layer
                     c.meta["dcp_scope"] = "model"
                 red.wait.replace_all_uses_with(w)
+                replaced[red.wait] = w
                 g.erase_node(red.wait)
                 g.erase_node(red.all_reduce)
             else:  # dcp_tp after the O projection: this rank's tokens, until DCPPrefill
@@ -301,10 +303,12 @@ class SequenceParallel(DCPPass):
                 self.tag(sliced, KIND_SLICE, layer)
                 red.wait.replace_all_uses_with(
                     sliced, delete_user_cb=lambda u: u is not padded and u is not sliced)
+                replaced[red.wait] = sliced
 
         counts = {"qkv": 0, "mlp": 0, "lm_head": 0}
         for node, linears in plan.frontier.items():
             shape = tuple(val(node).shape)
+            node = replaced.get(node, node)   # a projection reading a reduction directly
             with g.inserting_before(node.next):
                 c, full = all_gather_tokens(g, node, "world", cfg.tp,
                                             (b, per) + shape[2:])
