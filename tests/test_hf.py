@@ -85,33 +85,9 @@ def hf_reference(model, prompts, steps):
     return tokens, logits
 
 
-# Prefill passes that do not yet accept the HF graph: the identity slice of
-# slice_logits_to_keep (aten.alias on the residual stream) and the [B, H, S, D] transposes
-# around RoPE on the q/k/v path (the token dim leaves dim 1).
-PREFILL_PASSES = ("passes.sequence_parallel", "passes.dcp_prefill")
-
-
-def _raised_in(e: BaseException, modules) -> bool:
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__") in modules:
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def transform_or_xfail(wrapper, mode):
-    try:
-        return dcp_compile.transform(wrapper, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
-                                     shapes=SHAPES)
-    except (ImportError, NotImplementedError) as e:
-        if mode == "prefill":
-            pytest.xfail(f"prefill DCP is not implemented yet: {type(e).__name__}: {e}")
-        raise
-    except DCPTransformError as e:
-        if mode == "prefill" and _raised_in(e, PREFILL_PASSES):
-            pytest.xfail(f"prefill DCP does not accept this HF graph yet: {e}")
-        raise
+    return dcp_compile.transform(wrapper, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                                 shapes=SHAPES)
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])

@@ -88,14 +88,29 @@ HF_MODELS = {  # id: (config class, model class, overrides, tp, dcp)
 }
 
 
-@pytest.mark.parametrize("model_id", list(HF_MODELS))
+# Families whose prefill used to be refused by the token-wise op lists (embedding scale,
+# LayerNorm, parallel blocks, logit scale, partial rotary, [B, H, S, D] RoPE transposes).
+HF_PREFILL_FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",
+              dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8), 4, 2),
+    "cohere": ("CohereConfig", "CohereForCausalLM",
+               dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM",
+             dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    "phi": ("PhiConfig", "PhiForCausalLM",
+            dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+}
+
+
+@pytest.mark.parametrize("model_id", list(HF_MODELS) + list(HF_PREFILL_FAMILIES))
 def test_hf_model_prefill_matches_single_device(model_id):
     pytest.importorskip("transformers")
     from dcp_compile import hf
     from helpers import prompts_of
     from test_hf import build
 
-    config_name, model_name, overrides, tp, dcp = HF_MODELS[model_id]
+    config_name, model_name, overrides, tp, dcp = {**HF_MODELS,
+                                                   **HF_PREFILL_FAMILIES}[model_id]
     model = build(config_name, model_name, overrides)
     shapes = StepShapes.fitting(3, 12, 24, block_size=4, dcp=dcp)
     wrapper = hf.prepare(model)      # its single-device forward equals HF's (test_hf.py)
