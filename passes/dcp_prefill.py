@@ -60,7 +60,7 @@ from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
 from .sequence_parallel import (SP_GATHER, SP_META, SP_SLICE, SPEC_STEP, SequenceParallel,
                                 pad_tokens, reduce_scatter_tokens)
-from .shard_tensor_parallel import _backward_sources, _forward_linears, _is_linear
+from .shard_tensor_parallel import PROJECTIONS_META, _is_linear
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp
@@ -165,10 +165,15 @@ class DCPPrefill(DCPPass):
         sp = gm.meta[SP_META]
         s = sp["tokens"]
         plans = []
+        by_name = {n.name: n for n in gm.graph.nodes}
         for layer, attn in enumerate(attention_nodes(gm)):
+            sites = attn.meta.get(PROJECTIONS_META)
+            if sites is None:
+                raise DCPTransformError(f"attention {attn.name} has no projections recorded; "
+                                        f"run shard_tensor_parallel before dcp_prefill.")
             projs = []
             for i, what in enumerate("qkv"):
-                lin, _ = _backward_sources(attn.args[i])
+                lin = [by_name[x] for x in sites[what]]
                 if len(lin) != 1:
                     raise DCPTransformError(
                         f"{what} of attention {attn.name} ({source_of(attn)}) comes from "
@@ -189,7 +194,7 @@ class DCPPrefill(DCPPass):
                     raise DCPTransformError(
                         f"{what} reaches attention {attn.name} with its tokens at dim "
                         f"{plan.token_dim[attn.args[i]]}; dcp.attention takes [B, S, H, D].")
-            self._plan_output(plan, s)
+            self._plan_output(plan, s, by_name.get(sites["o"]))
             plans.append(plan)
         return plans
 
@@ -214,14 +219,13 @@ class DCPPrefill(DCPPass):
         order = {n: i for i, n in enumerate(sources[0].graph.nodes)}
         return sorted(up, key=order.__getitem__)
 
-    def _plan_output(self, plan: LayerPlan, s: int) -> None:
+    def _plan_output(self, plan: LayerPlan, s: int, o_proj: Node | None) -> None:
         attn = plan.attn
         out = getitem_users(attn).get(0)
-        o_lin, _ = _forward_linears(out) if out is not None else (set(), False)
-        if len(o_lin) != 1:
+        if o_proj is None or out is None:
             raise DCPTransformError(f"the output of attention {attn.name} ({source_of(attn)}) "
-                                    f"reaches {len(o_lin)} linears; expected one O projection.")
-        plan.o_proj = o_lin.pop()
+                                    f"does not reach exactly one row-parallel O projection.")
+        plan.o_proj = o_proj
         plan.o_path = [] if plan.o_proj.args[0] is out else self._path(
             [out], [plan.o_proj.args[0]])
         plan.o_token_dim, side = trace_token_dim(plan.o_path, {out: 1}, s,

@@ -649,6 +649,8 @@ class PlacementPlan:
     roles: dict[str, str] = field(default_factory=dict)   # linear/embedding name -> role
     embeddings: list[Node] = field(default_factory=list)
     kv_shard: Shard | None = None
+    # attention node -> {"q"/"k"/"v": linears behind it, "o": its row-parallel O projection}
+    attention: dict[Node, dict] = field(default_factory=dict)
 
     def of(self, n: Node):
         return self.placements.get(n)
@@ -1077,7 +1079,20 @@ class Analysis:
             self.known[p] = params[p]
         roles = self._roles(embeddings)
         return PlacementPlan(self.known, params, dict(self.linears), roles, embeddings,
-                             self.kv_shard)
+                             self.kv_shard, self._projections())
+
+    def _projections(self) -> dict[Node, dict]:
+        out = {}
+        for at in self.attn:
+            sites = {w: sorted(_linears_behind(at.args[i]), key=self.order.__getitem__)
+                     for i, w in enumerate("qkv")}
+            ahead = _linears_ahead(at)
+            o = ahead[0] if len(ahead) == 1 else None
+            if o is not None and not (self.linears.get(o) == "row"
+                                      and self.decided[o.args[1]].axis == "attn"):
+                o = None
+            out[at] = {**sites, "o": o}
+        return out
 
     def _roles(self, embeddings) -> dict[str, str]:
         roles = {}
@@ -1113,6 +1128,21 @@ def _linears_behind(start: Node) -> set[Node]:
             out.add(n)
         elif n.op == "call_function" and n.target != ATTENTION:
             stack.extend(n.all_input_nodes)
+    return out
+
+
+def _linears_ahead(start: Node) -> list[Node]:
+    """Linears reached forward from ``start`` before any other linear or attention."""
+    out, seen, stack = [], set(), list(start.users)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target == LINEAR:
+            out.append(n)
+        elif n.op == "call_function" and n.target != ATTENTION:
+            stack.extend(n.users)
     return out
 
 

@@ -47,7 +47,7 @@ from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
 from .insert_rank import RANK_INPUT
 from .placement import Refusal, token_dim
-from .shard_tensor_parallel import _backward_sources, _forward_linears, _is_linear
+from .shard_tensor_parallel import ROLE_META, _is_linear
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
@@ -100,6 +100,19 @@ def unpad_tokens(g: Graph, x: Node, tokens: int, padded: int) -> Node:
     if padded == tokens:
         return x
     return g.call_function(aten.slice.Tensor, (x, 1, 0, tokens))
+
+
+def _sp_role(lin: Node) -> str:
+    """qkv | mlp | lm_head, from the role the placement analysis gave the linear."""
+    role = lin.meta.get(ROLE_META)
+    if role is None:
+        raise DCPTransformError(f"linear {lin.name} ({source_of(lin)}) has no tensor-parallel "
+                                f"role; run shard_tensor_parallel before sequence_parallel.")
+    if role in ("lm_head",):
+        return "lm_head"
+    if role.startswith("mlp"):
+        return "mlp"
+    return "qkv"     # q/k/v (fused or not) and other attention column projections
 
 
 def layer_of(gm: GraphModule) -> dict[Node, int]:
@@ -181,10 +194,6 @@ class SequenceParallel(DCPPass):
         return plan
 
     def _find_region(self, gm, plan: SPPlan, attn: list[Node]) -> None:
-        qkv = set()
-        for a in attn:
-            for i in range(3):
-                qkv |= _backward_sources(a.args[i])[0]
         starts = [r.wait for r in plan.reductions]
         seen, order, stack = set(starts), [], list(starts)
         while stack:
@@ -201,9 +210,7 @@ class SequenceParallel(DCPPass):
                     plan.frontier.setdefault(n, [])
                     if u not in plan.frontier[n]:
                         plan.frontier[n].append(u)
-                    fwd, reaches_output = _forward_linears(u)
-                    plan.roles[u] = ("qkv" if u in qkv else
-                                     "lm_head" if reaches_output and not fwd else "mlp")
+                    plan.roles[u] = _sp_role(u)
                     continue
                 if u.op == "output":
                     raise DCPTransformError(

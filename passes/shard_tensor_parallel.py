@@ -90,41 +90,8 @@ def _is_linear(n: Node) -> bool:
     return n.op == "call_function" and n.target == LINEAR and n.args[1].op == "placeholder"
 
 
-def _backward_sources(start: Node) -> tuple[set[Node], set[Node]]:
-    """(linears, other sources) reached walking back from ``start``, stopping at linears."""
-    linears, others, seen, stack = set(), set(), set(), [start]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if _is_linear(n):
-            linears.add(n)
-        elif n.op == "placeholder" or (n.op == "call_function"
-                                       and n.target == torch.ops.dcp.attention.default):
-            others.add(n)
-        else:
-            stack.extend(n.all_input_nodes)
-    return linears, others
-
-
-def _forward_linears(start: Node) -> tuple[set[Node], bool]:
-    """(linears reached walking forward, stopping at linears; whether output is reached)."""
-    linears, seen, stack, reaches_output = set(), set(), list(start.users), False
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if _is_linear(n):
-            linears.add(n)
-        elif n.op == "output":
-            reaches_output = True
-        else:
-            stack.extend(n.users)
-    return linears, reaches_output
-
-
+ROLE_META = "dcp_tp_role"                 # linear node.meta: its role (q_proj, mlp_row, ...)
+PROJECTIONS_META = "dcp_projections"      # attention node.meta: q/k/v/o linear names
 
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 _SHAPED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -192,6 +159,13 @@ class ShardTensorParallel(DCPPass):
         for emb in pl.embeddings:
             self._vocab_embedding(g, emb, rank)
 
+        # What later passes (sequence_parallel, dcp_prefill) need to know of the roles.
+        for lin in pl.linears:
+            lin.meta[ROLE_META] = plan.roles[lin.name]
+        for attn, sites in pl.attention.items():
+            attn.meta[PROJECTIONS_META] = {
+                k: (v.name if isinstance(v, Node) else None) if k == "o"
+                else [x.name for x in v] for k, v in sites.items()}
         # MQA: the one KV head's projection runs whole on every rank (required replicated).
         self.replicated = {n.name for n, k in pl.linears.items() if k == "replicated"}
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
@@ -315,4 +289,4 @@ class ShardTensorParallel(DCPPass):
                                         f"unsharded.")
 
 
-__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan"]
+__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan", "ROLE_META", "PROJECTIONS_META"]
