@@ -220,3 +220,32 @@ def test_show_reads_like_the_docs():
     assert show(QKV) == "Segmented(dim=2, [64/4, 16/2x2, 16/2x2], attn)"
     assert show(None) == "unknown" and show(R) == "Replicate"
     assert DCPConfig(tp=4, dcp=2).attention_shard == 4
+
+
+# -- token-wise (prefill) from the same rules ----------------------------------------------
+
+@pytest.mark.parametrize("fn,shape,target,dim", [
+    (lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)), (2, 6, 16),
+     aten.rsqrt.default, 1),
+    (lambda x: x.transpose(1, 2), (2, 6, 4, 8), aten.transpose.int, 2),
+    (lambda x: x.mean(-1, keepdim=True), (2, 6, 16), aten.mean.dim, 1),
+    (lambda x: torch.stack((x, -x), dim=-1), (2, 6, 16), aten.stack.default, 1),
+], ids=["rms-statistic-over-hidden", "transpose-around-rope", "mean-over-hidden",
+        "stack-for-interleaved-rope"])
+def test_token_wise_ops_keep_the_token_dim(fn, shape, target, dim):
+    from passes.placement import token_dim
+    _, n = node_of(fn, shape, target=target)
+    assert token_dim(n, {n.all_input_nodes[0]: 1}, 6) == dim
+
+
+@pytest.mark.parametrize("fn,shape,target", [
+    (lambda x: x.mean(1), (2, 6, 16), aten.mean.dim),
+    (lambda x: x.reshape(12, 16), (2, 6, 16), aten.view.default),
+    (lambda x: x.roll(1, 1), (2, 6, 16), aten.roll.default),
+    (lambda x: torch.cumsum(x, 1), (2, 6, 16), aten.cumsum.default),
+], ids=["mean-over-tokens", "view-merging-batch-and-tokens", "roll-tokens", "cumsum-tokens"])
+def test_token_mixing_ops_are_not_token_wise(fn, shape, target):
+    from passes.placement import token_dim
+    _, n = node_of(fn, shape, target=target)
+    with pytest.raises(Refusal):
+        token_dim(n, {n.all_input_nodes[0]: 1}, 6)
