@@ -122,9 +122,11 @@ Placement = object  # Replicate | Shard | Partial | tuple of those (multi-output
 
 def canon(p):
     """A shard whose every segment is whole on several ranks (pieces 1, replicas > 1: an MQA
-    KV head) is replicated data. (Pieces 1 on a group of 1 stays a shard: the O projection of
-    a dcp_tp group of one rank is still row-parallel, with a trivial sum.)"""
-    if isinstance(p, Shard) and all(s.pieces == 1 and s.replicas > 1 for s in p.segs):
+    KV head) is replicated data, and so is a single head on a group of one rank. (Pieces 1 of
+    wider segments on a group of 1 stay a shard: the O projection of a dcp_tp group of one
+    rank is still row-parallel, with a trivial sum.)"""
+    if isinstance(p, Shard) and all(s.pieces == 1 and (s.replicas > 1 or s.size == 1)
+                                    for s in p.segs):
         return R
     return p
 
