@@ -20,11 +20,12 @@ The wrapper runs the model's own forward (embedding, rotary embedding, decoder l
 norm, LM head). It switches the model's attention to ``"dcp_paged"`` only for the duration
 of its own call, so the Hugging Face model keeps its own attention everywhere else.
 
-What tensor parallelism needs from the model is checked when ``prepare`` runs (a trace on
-fake tensors): separate q/k/v linear projections (a fused QKV projection is rejected, by
-module name), normalisations inside attention only per head (over ``head_dim``, as Qwen3's
-q_norm/k_norm; OLMo2-style norms over all heads are rejected), no attention mask, softcap,
-sinks or sliding window the paged op cannot honour, and one attention call per layer.
+What the paged op needs from the model is checked when ``prepare`` runs (a trace on fake
+tensors): no attention mask, softcap, sinks, attention parameters outside the projections or
+sliding window the paged op cannot honour, and one attention call per layer. How the
+projections are laid out (separate or fused q/k/v, gates, norms over all heads) is the
+placement analysis' business at transform time (passes.placement), which refuses by op and
+source line what it cannot shard.
 """
 
 from __future__ import annotations
@@ -121,53 +122,20 @@ def _describe(value) -> str:
     return f"tensor{tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 
-def _check_structure(step: PagedStep, module: nn.Module, num_q_heads: int,
-                     num_kv_heads: int, head_dim: int) -> None:
-    """Is a head-wise TP shard of this attention module exact? Raise naming what is not."""
+def _check_structure(step: PagedStep, module: nn.Module) -> None:
+    """Attention parameters outside any projection are refused by name.
+
+    Fused projections ([q; k; v], [h, 3, d], [3, h, d], [q; gate]) and norms over all heads
+    (OLMo2's q_norm/k_norm) are not refused here: the placement analysis
+    (passes.placement) cuts them segment by segment and all-reduces the norm's statistic,
+    and refuses, naming the op, whatever it cannot place.
+    """
     name = _name(step, module)
-    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
-    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
-    widths = [m.out_features for m in linears.values()]
-    if q_width == kv_width:
-        separate = widths.count(q_width) >= 3
-    else:
-        separate = widths.count(q_width) >= 1 and widths.count(kv_width) >= 2
-    if not separate:
-        combos = (("q, k and v", q_width + 2 * kv_width), ("k and v", 2 * kv_width),
-                  ("q and k or v", q_width + kv_width), ("q and a gate", 2 * q_width))
-        for child, m in linears.items():
-            holds = " or ".join(what for what, width in combos if width == m.out_features)
-            if holds and m.out_features not in (q_width, kv_width):
-                raise DCPTransformError(
-                    f"fused projection {name}.{child}: out_features={m.out_features} holds "
-                    f"{holds} (q={num_q_heads}x{head_dim}, k=v="
-                    f"{num_kv_heads}x{head_dim}); a head-wise tensor-parallel shard of a "
-                    f"fused weight would mix them. Split it into separate q_proj, k_proj and "
-                    f"v_proj linears.")
-        found = {n: tuple(m.weight.shape) for n, m in module.named_children()
-                 if any(True for _ in m.parameters())}
-        raise DCPTransformError(
-            f"{name} ({type(module).__name__}) has no separate q, k and v linear projections "
-            f"of widths q={q_width}, k=v={kv_width}: its projections are {found}. DCP shards "
-            f"attention by heads over separate q/k/v nn.Linear modules only.")
     for pname, p in module.named_parameters(recurse=False):
         raise DCPTransformError(
             f"parameter {name}.{pname} of shape {tuple(p.shape)} is used by attention outside "
             f"any projection (attention sinks or per-head scales): DCP does not shard it. "
             f"Use a model without it.")
-    for child, m in module.named_children():
-        if isinstance(m, nn.Linear):
-            continue
-        for pname, p in m.named_parameters():
-            # A norm over head_dim is applied per head, so it is the same on any head shard;
-            # a norm over several heads (OLMo2's q_norm) would see only this rank's heads.
-            if p.dim() != 1 or p.shape[0] != head_dim:
-                raise DCPTransformError(
-                    f"{name}.{child} ({type(m).__name__}) has parameter {pname} of shape "
-                    f"{tuple(p.shape)}, not per head (head_dim={head_dim}): it normalises or "
-                    f"mixes across heads, and a tensor-parallel shard of the heads would "
-                    f"change its result. Only per-head norms (over head_dim, like Qwen3's "
-                    f"q_norm/k_norm) are supported.")
 
 
 def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -197,7 +165,7 @@ def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
             f"{_name(step, step.attention_modules[layer])}): each layer must own one KV "
             f"cache. Models that share attention across calls are not supported.")
     _check_kwargs(step, module, attention_mask, dropout, kwargs)
-    _check_structure(step, module, query.shape[1], key.shape[1], query.shape[3])
+    _check_structure(step, module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))

@@ -55,25 +55,20 @@ from dcp_compile.ops import owned_capacity
 
 from . import collectives as C
 from .dcp_decode import cp_rank_node, replace_attention
+from .placement import Refusal, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
 from .sequence_parallel import (SP_GATHER, SP_META, SP_SLICE, SPEC_STEP, SequenceParallel,
                                 pad_tokens, reduce_scatter_tokens)
-from .shard_tensor_parallel import _backward_sources, _forward_linears, _is_linear
+from .shard_tensor_parallel import PROJECTIONS_META, _is_linear
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp
 F = torch.ops._c10d_functional
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-# Ops whose argument at this index is a dim that must not be the token dim.
-_DIM_ARG = {aten.chunk.default: 2, aten.split.Tensor: 2, aten.split_with_sizes.default: 2,
-            aten.cat.default: 1, aten.slice.Tensor: 1, aten.select.int: 1,
-            aten.narrow.default: 1}
-_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
-               aten.var.correction}
-_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default,
-              aten.contiguous.default, aten.detach.default, operator.getitem}
+# Ops that name sizes literally: on the q/k/v and O paths their token count is rewritten.
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.expand.default}
 
 
 def _norm(d: int, ndim: int) -> int:
@@ -107,48 +102,19 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
                 raise DCPTransformError(
                     f"{where} views {tuple(in_shape)} as {shape}: the token dim (dim {d}, "
                     f"size {tokens}) and the dims before it must stay as they are.")
-        elif t == aten.transpose.int:
-            a, b = (_norm(x, src_ndim) for x in n.args[1:3])
-            d = b if d == a else a if d == b else d
-        elif t == aten.permute.default:
-            d = [_norm(x, src_ndim) for x in n.args[1]].index(d)
-        elif t == aten.unsqueeze.default:
-            d += 1 if _norm(n.args[1], src_ndim + 1) <= d else 0
-        elif t == aten.squeeze.dim:
-            k = _norm(n.args[1], src_ndim)
-            if k == d:
-                raise DCPTransformError(f"{where} squeezes the token dim.")
-            d -= 1 if k < d else 0
-        elif t in _DIM_ARG:
-            k = n.args[_DIM_ARG[t]] if len(n.args) > _DIM_ARG[t] else 0
-            ndim = val(n.args[0][0]).ndim if t == aten.cat.default else src_ndim
-            if _norm(k, ndim) in (0, d):
-                raise DCPTransformError(f"{where} ({t}) acts on dim {k}: the batch or token "
-                                        f"dim.")
-            if t == aten.select.int and _norm(k, ndim) < d:
-                d -= 1
-        elif t in _REDUCTIONS:
-            dims = [_norm(x, src_ndim) for x in (n.args[1] if len(n.args) > 1 else [])]
-            keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-            if not dims or d in dims or 0 in dims:
-                raise DCPTransformError(f"{where} reduces over dims {dims} including the "
-                                        f"batch or token dim.")
-            d -= 0 if keep else sum(x < d for x in dims)
-        elif not (torch.Tag.pointwise in getattr(t, "tags", ()) or t in _TOKENWISE):
-            raise DCPTransformError(f"{where} ({t}) is not known to keep tokens apart; the "
-                                    f"interleave slice cannot be moved past it.")
+        elif t == aten.unflatten.int and n.args[1] % src_ndim <= d:
+            raise DCPTransformError(f"{where} unflattens a dim at or before the token dim.")
+        # Whether the op keeps tokens apart, and where they go: the placement rules
+        # (passes.placement), with the token dim as the sharded one.
+        try:
+            d = token_dim(n, {a: td[a] for a in ins}, tokens)
+        except Refusal as e:
+            raise DCPTransformError(f"{where} ({t}) does not keep tokens apart ({e}); the "
+                                    f"interleave slice cannot be moved past it.") from None
+        if d == 0 or (isinstance(out, torch.Tensor) and isinstance(src_val, torch.Tensor)
+                      and src_val.ndim and out.shape[0] != src_val.shape[0]):
+            raise DCPTransformError(f"{where} ({t}) moves or reduces the batch dim.")
         if isinstance(out, torch.Tensor):
-            if t not in _VIEWS and t not in (aten.transpose.int, aten.permute.default,
-                                             aten.unsqueeze.default, aten.squeeze.dim,
-                                             aten.select.int) and t not in _REDUCTIONS:
-                d += out.ndim - src_ndim           # broadcasting may add leading dims
-                for a in ins[1:]:
-                    if td[a] + out.ndim - val(a).ndim != d:
-                        raise DCPTransformError(f"{where} combines tensors whose token dims "
-                                                f"do not line up.")
-            if out.shape[d] != tokens:
-                raise DCPTransformError(f"{where} has shape {tuple(out.shape)}: expected "
-                                        f"{tokens} tokens at dim {d}.")
             for a in n.all_input_nodes:
                 v = a.meta.get("val")
                 if a in td or not isinstance(v, torch.Tensor):
@@ -199,10 +165,15 @@ class DCPPrefill(DCPPass):
         sp = gm.meta[SP_META]
         s = sp["tokens"]
         plans = []
+        by_name = {n.name: n for n in gm.graph.nodes}
         for layer, attn in enumerate(attention_nodes(gm)):
+            sites = attn.meta.get(PROJECTIONS_META)
+            if sites is None:
+                raise DCPTransformError(f"attention {attn.name} has no projections recorded; "
+                                        f"run shard_tensor_parallel before dcp_prefill.")
             projs = []
             for i, what in enumerate("qkv"):
-                lin, _ = _backward_sources(attn.args[i])
+                lin = [by_name[x] for x in sites[what]]
                 if len(lin) != 1:
                     raise DCPTransformError(
                         f"{what} of attention {attn.name} ({source_of(attn)}) comes from "
@@ -223,7 +194,7 @@ class DCPPrefill(DCPPass):
                     raise DCPTransformError(
                         f"{what} reaches attention {attn.name} with its tokens at dim "
                         f"{plan.token_dim[attn.args[i]]}; dcp.attention takes [B, S, H, D].")
-            self._plan_output(plan, s)
+            self._plan_output(plan, s, by_name.get(sites["o"]))
             plans.append(plan)
         return plans
 
@@ -248,14 +219,13 @@ class DCPPrefill(DCPPass):
         order = {n: i for i, n in enumerate(sources[0].graph.nodes)}
         return sorted(up, key=order.__getitem__)
 
-    def _plan_output(self, plan: LayerPlan, s: int) -> None:
+    def _plan_output(self, plan: LayerPlan, s: int, o_proj: Node | None) -> None:
         attn = plan.attn
         out = getitem_users(attn).get(0)
-        o_lin, _ = _forward_linears(out) if out is not None else (set(), False)
-        if len(o_lin) != 1:
+        if o_proj is None or out is None:
             raise DCPTransformError(f"the output of attention {attn.name} ({source_of(attn)}) "
-                                    f"reaches {len(o_lin)} linears; expected one O projection.")
-        plan.o_proj = o_lin.pop()
+                                    f"does not reach exactly one row-parallel O projection.")
+        plan.o_proj = o_proj
         plan.o_path = [] if plan.o_proj.args[0] is out else self._path(
             [out], [plan.o_proj.args[0]])
         plan.o_token_dim, side = trace_token_dim(plan.o_path, {out: 1}, s,
@@ -456,7 +426,8 @@ class DCPPrefill(DCPPass):
                 continue
             if n.target == dcp_ops.attention.default:
                 raise DCPTransformError(f"attention {n.name} was not rewritten.")
-            if n.target == F.all_reduce.default or n.meta.get(SP_SLICE):
+            if (n.target == F.all_reduce.default and not n.meta.get("dcp_norm_reduce")) \
+                    or n.meta.get(SP_SLICE):
                 raise DCPTransformError(f"{n.name} should have become a reduce-scatter.")
 
 

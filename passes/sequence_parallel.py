@@ -46,16 +46,13 @@ from dcp_compile.errors import DCPTransformError
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
 from .insert_rank import RANK_INPUT
-from .shard_tensor_parallel import _backward_sources, _forward_linears, _is_linear
+from .placement import Refusal, token_dim
+from .shard_tensor_parallel import ROLE_META, _is_linear
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
-
-# Non-pointwise ops that act on each token on its own (reductions only over the hidden dim).
-_TOKENWISE = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.alias.default,
-              aten.detach.default, aten.type_as.default}
-_LAST_DIM_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default,
-                        aten.amin.default, aten.var.correction}
+_LITERAL_SHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                   aten.expand.default, aten.unflatten.int}
 
 SP_META = "dcp_sequence_parallel"       # gm.meta: the SP layout (S, S_pad, tokens per rank)
 SP_SLICE = "dcp_sp_slice"               # node.meta: this rank's SP slice after o-proj
@@ -103,6 +100,19 @@ def unpad_tokens(g: Graph, x: Node, tokens: int, padded: int) -> Node:
     if padded == tokens:
         return x
     return g.call_function(aten.slice.Tensor, (x, 1, 0, tokens))
+
+
+def _sp_role(lin: Node) -> str:
+    """qkv | mlp | lm_head, from the role the placement analysis gave the linear."""
+    role = lin.meta.get(ROLE_META)
+    if role is None:
+        raise DCPTransformError(f"linear {lin.name} ({source_of(lin)}) has no tensor-parallel "
+                                f"role; run shard_tensor_parallel before sequence_parallel.")
+    if role in ("lm_head",):
+        return "lm_head"
+    if role.startswith("mlp"):
+        return "mlp"
+    return "qkv"     # q/k/v (fused or not) and other attention column projections
 
 
 def layer_of(gm: GraphModule) -> dict[Node, int]:
@@ -160,7 +170,8 @@ class SequenceParallel(DCPPass):
         b, s = val(attn[0].args[5]).shape
         reductions = []
         for n in gm.graph.nodes:
-            if n.op != "call_function" or n.target != F.all_reduce.default:
+            if n.op != "call_function" or n.target != F.all_reduce.default \
+                    or n.meta.get("dcp_norm_reduce"):   # a norm over heads: not TP's sum
                 continue
             role = C.role_of(n)
             waits = [u for u in n.users if u.target == F.wait_tensor.default]
@@ -183,10 +194,6 @@ class SequenceParallel(DCPPass):
         return plan
 
     def _find_region(self, gm, plan: SPPlan, attn: list[Node]) -> None:
-        qkv = set()
-        for a in attn:
-            for i in range(3):
-                qkv |= _backward_sources(a.args[i])[0]
         starts = [r.wait for r in plan.reductions]
         seen, order, stack = set(starts), [], list(starts)
         while stack:
@@ -203,9 +210,7 @@ class SequenceParallel(DCPPass):
                     plan.frontier.setdefault(n, [])
                     if u not in plan.frontier[n]:
                         plan.frontier[n].append(u)
-                    fwd, reaches_output = _forward_linears(u)
-                    plan.roles[u] = ("qkv" if u in qkv else
-                                     "lm_head" if reaches_output and not fwd else "mlp")
+                    plan.roles[u] = _sp_role(u)
                     continue
                 if u.op == "output":
                     raise DCPTransformError(
@@ -230,20 +235,23 @@ class SequenceParallel(DCPPass):
                 f"{tuple(getattr(out, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
                 f" ...] tensors between layers.")
         target = u.target
-        pointwise = torch.Tag.pointwise in getattr(target, "tags", ())
-        if target in _LAST_DIM_REDUCTIONS:
-            dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
-            ndim = val(u.args[0]).ndim
-            if dims is None or any(d % ndim != ndim - 1 for d in dims):
-                raise DCPTransformError(
-                    f"{where} reduces over dims {dims} of the residual stream; sequence "
-                    f"parallelism allows reductions over the hidden dim (-1) only.")
-        elif not (pointwise or target in _TOKENWISE):
+        if target in _LITERAL_SHAPES:
             raise DCPTransformError(
-                f"{where} ({target}) is not token-wise: the residual stream between layers "
-                f"may only pass pointwise ops and reductions over the hidden dim when it is "
-                f"sequence-parallel. Move this op inside a projection, or extend "
-                f"passes.sequence_parallel.")
+                f"{where} ({target}) names the residual stream's shape literally; with "
+                f"sequence parallelism each rank holds S/TP tokens of it. Keep views inside "
+                f"attention and the MLP.")
+        # Token-wise by the placement rules (passes.placement): tokens in, tokens out at dim 1.
+        try:
+            d = token_dim(u, {a: 1 for a in u.all_input_nodes if a in region}, plan.tokens)
+        except Refusal as e:
+            d, why = None, str(e)
+        if d != 1 or out.shape[0] != plan.batch:
+            raise DCPTransformError(
+                f"{where} ({target}) is not token-wise"
+                f"{': ' + why if d is None else f' (tokens move to dim {d})'}: the residual "
+                f"stream between layers may only pass ops that keep each token apart when it "
+                f"is sequence-parallel. Move this op inside a projection, or add its rule to "
+                f"passes.placement.RULES.")
         for a in u.all_input_nodes:
             if a in region:
                 continue
@@ -276,6 +284,7 @@ class SequenceParallel(DCPPass):
         sp_index.name = "sp_index"
         self.tag(sp_index, KIND_SLICE)
 
+        replaced = {}   # a reduction's wait -> what its users read now
         for red in plan.reductions:
             x = red.all_reduce.args[0]
             shape = tuple(val(x).shape)
@@ -290,6 +299,7 @@ class SequenceParallel(DCPPass):
                 if layer < 0:  # the embedding's: once per model, not per layer
                     c.meta["dcp_scope"] = "model"
                 red.wait.replace_all_uses_with(w)
+                replaced[red.wait] = w
                 g.erase_node(red.wait)
                 g.erase_node(red.all_reduce)
             else:  # dcp_tp after the O projection: this rank's tokens, until DCPPrefill
@@ -300,10 +310,12 @@ class SequenceParallel(DCPPass):
                 self.tag(sliced, KIND_SLICE, layer)
                 red.wait.replace_all_uses_with(
                     sliced, delete_user_cb=lambda u: u is not padded and u is not sliced)
+                replaced[red.wait] = sliced
 
         counts = {"qkv": 0, "mlp": 0, "lm_head": 0}
         for node, linears in plan.frontier.items():
             shape = tuple(val(node).shape)
+            node = replaced.get(node, node)   # a projection reading a reduction directly
             with g.inserting_before(node.next):
                 c, full = all_gather_tokens(g, node, "world", cfg.tp,
                                             (b, per) + shape[2:])

@@ -1,16 +1,20 @@
-"""Tensor-parallel sharding (spec: "Weight Loading").
+"""Tensor-parallel sharding (spec: "Weight Loading"), following the placement analysis.
 
-Analysis finds each projection's role from the graph's structure (not from names):
-  * q/k/v projections: the linears feeding a `dcp.attention` node -> column-parallel by heads
-    over the attention shard (decode: full TP; prefill: dcp_tp_group). When there are fewer
-    KV heads than shards, each KV head is replicated across consecutive ranks.
-  * o projection: the linear reading the attention output -> row-parallel + all-reduce.
-  * MLP: a linear whose input is computed only from other linears (SwiGLU's down) is
-    row-parallel + all-reduce, and those linears (gate, up) are column-parallel.
-  * embedding -> vocab-parallel (masked lookup + all-reduce); LM head -> vocab-column +
-    all-gather.
-Any other linear is an error: nothing is silently left unsharded. Weight placeholders get
-their shard's shape; ``ctx.shards`` records how to cut each rank's shard on the host.
+:func:`passes.placement.analyze` decides, before anything changes, how every tensor is laid
+out over the ranks (see its docstring for where the roles come from: q/k/v column-parallel
+by heads — segment by segment for fused projections —, O and MLP-down row-parallel, MLP
+column projections, vocab-parallel embedding and LM head). This pass only follows it:
+  * every sharded parameter gets its shard's shape; ``ctx.shards`` records how to cut each
+    rank's shard on the host (``ShardSpec``: a fused weight's shard is the concatenation of
+    its slice of each segment);
+  * literal sizes along a sharded dim (view/reshape/expand/unflatten shapes, split sizes,
+    chunk counts, slice bounds) become the local ones;
+  * a pending sum (row-parallel linear, a mean/sum over a sharded dim such as RMSNorm over
+    all heads) is all-reduced at once: local mean x local/global count (/ replicas) summed;
+  * embedding: masked lookup + all-reduce; LM head: all-gather of the vocab shards.
+Decode shards attention over full TP (all-reduce role ``tp``); prefill over dcp_tp_group
+(``dcp_tp``), the MLP and vocab over full TP (``world``). Any refusal happens in the analysis,
+so a graph is never partly rewritten.
 """
 
 from __future__ import annotations
@@ -26,169 +30,103 @@ from dcp_compile.errors import DCPTransformError
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, attention_nodes, \
-    getitem_users, source_of, val
+    source_of, val
 from .insert_rank import RANK_INPUT
+from .placement import Partial, PlacementPlan, Shard, _slice_bounds, _split_ranges, \
+    analyze
 
-LINEAR = torch.ops.aten.linear.default
-EMBEDDING = torch.ops.aten.embedding.default
+aten = torch.ops.aten
+LINEAR = aten.linear.default
+EMBEDDING = aten.embedding.default
 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How rank r's shard of a weight is cut: piece (r % group) // replicas of ``pieces``."""
+    """How rank r's shard of a weight is cut along ``dim``: of each segment (size, pieces,
+    replicas) — one segment of the whole dim unless ``segments`` is given (a fused weight) —
+    piece ``(r % group) // replicas``, concatenated in segment order."""
 
     dim: int
     pieces: int
     group: int
     replicas: int = 1
+    segments: tuple[tuple[int, int, int], ...] = ()
+
+    def _segs(self, size: int):
+        return self.segments or ((size, self.pieces, self.replicas),)
 
     def index(self, rank: int) -> int:
         return (rank % self.group) // self.replicas
 
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        size = full.shape[self.dim] // self.pieces
-        return full.narrow(self.dim, self.index(rank) * size, size).contiguous()
+        parts, offset = [], 0
+        for size, pieces, replicas in self._segs(full.shape[self.dim]):
+            n = size // pieces
+            i = (rank % self.group) // replicas
+            parts.append(full.narrow(self.dim, offset + i * n, n))
+            offset += size
+        return (torch.cat(parts, self.dim) if len(parts) > 1 else parts[0]).contiguous()
 
     def shape(self, full_shape) -> tuple[int, ...]:
         s = list(full_shape)
-        s[self.dim] //= self.pieces
+        s[self.dim] = sum(size // pieces for size, pieces, _ in self._segs(s[self.dim]))
         return tuple(s)
+
+    @staticmethod
+    def of(placement: Shard, group: int) -> "ShardSpec":
+        first = placement.segs[0]
+        segments = () if len(placement.segs) == 1 else tuple(
+            (s.size, s.pieces, s.replicas) for s in placement.segs)
+        return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
 
 
 @dataclass
 class ShardPlan:
-    column: dict[Node, ShardSpec]       # linear node -> spec of its weight (dim 0)
-    row: dict[Node, tuple[ShardSpec, str]]   # linear node -> (spec (dim 1), all-reduce role)
-    vocab_embedding: list[Node]
-    vocab_head: list[Node]
-    roles: dict[str, str]               # linear name -> what it was found to be
+    placements: PlacementPlan
+    roles: dict[str, str]               # linear/embedding name -> what it was found to be
 
 
 def _is_linear(n: Node) -> bool:
     return n.op == "call_function" and n.target == LINEAR and n.args[1].op == "placeholder"
 
 
-def _backward_sources(start: Node) -> tuple[set[Node], set[Node]]:
-    """(linears, other sources) reached walking back from ``start``, stopping at linears."""
-    linears, others, seen, stack = set(), set(), set(), [start]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if _is_linear(n):
-            linears.add(n)
-        elif n.op == "placeholder" or (n.op == "call_function"
-                                       and n.target == torch.ops.dcp.attention.default):
-            others.add(n)
-        else:
-            stack.extend(n.all_input_nodes)
-    return linears, others
+ROLE_META = "dcp_tp_role"                 # linear node.meta: its role (q_proj, mlp_row, ...)
+PROJECTIONS_META = "dcp_projections"      # attention node.meta: q/k/v/o linear names
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+_SHAPED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+           aten.expand.default)
 
 
-def _forward_linears(start: Node) -> tuple[set[Node], bool]:
-    """(linears reached walking forward, stopping at linears; whether output is reached)."""
-    linears, seen, stack, reaches_output = set(), set(), list(start.users), False
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if _is_linear(n):
-            linears.add(n)
-        elif n.op == "output":
-            reaches_output = True
-        else:
-            stack.extend(n.users)
-    return linears, reaches_output
+def _local_shape(n: Node, p) -> list[int]:
+    shape = list(val(n).shape)
+    if isinstance(p, Shard):
+        shape[p.dim] = p.local
+    return shape
 
 
 class ShardTensorParallel(DCPPass):
     name = "shard_tensor_parallel"
 
-    # -- analysis --------------------------------------------------------------------------
-
     def plan(self, gm: GraphModule) -> ShardPlan:
+        placements = analyze(gm, self.ctx.config)
+        return ShardPlan(placements, placements.roles)
+
+    def _role(self, axis: str) -> str:
+        if self.ctx.config.mode == "decode":
+            return "tp"
+        return "dcp_tp" if axis == "attn" else "world"
+
+    def _group(self, axis: str) -> int:
         cfg = self.ctx.config
-        shard = cfg.attention_shard
-        q_spec = ShardSpec(0, shard, shard)
-        if cfg.num_kv_heads >= shard:
-            kv_spec = ShardSpec(0, shard, shard)
-        else:  # fewer KV heads than shards: consecutive ranks hold the same head
-            kv_spec = ShardSpec(0, cfg.num_kv_heads, shard, shard // cfg.num_kv_heads)
-        o_spec = ShardSpec(1, shard, shard)
-        o_role = "tp" if cfg.mode == "decode" else "dcp_tp"
-        full = ShardSpec(0, cfg.tp, cfg.tp)
-        tp_role = "tp" if cfg.mode == "decode" else "world"
-
-        column, row, roles = {}, {}, {}
-        for attn in attention_nodes(gm):
-            found = []
-            for idx, what in ((0, "q"), (1, "k"), (2, "v")):
-                lin, _ = _backward_sources(attn.args[idx])
-                if len(lin) != 1:
-                    raise DCPTransformError(
-                        f"{what} of attention node {attn.name} ({source_of(attn)}) comes from "
-                        f"{len(lin)} projections ({sorted(x.name for x in lin)}); expected one "
-                        f"linear per q, k and v. Fused or mixed projections are not sharded.")
-                found.append(lin.pop())
-            if len(set(found)) != 3:
-                raise DCPTransformError(
-                    f"attention node {attn.name} ({source_of(attn)}) reads q, k and v from a "
-                    f"fused projection {found[0].name}: a head-wise shard of a fused weight "
-                    f"would be wrong. Split the projection into q_proj, k_proj and v_proj.")
-            for lin, spec, what in zip(found, (q_spec, kv_spec, kv_spec), "qkv"):
-                column[lin] = spec
-                roles[lin.name] = f"{what}_proj"
-            out = getitem_users(attn).get(0)
-            o_lin, _ = _forward_linears(out) if out is not None else (set(), False)
-            if len(o_lin) != 1:
-                raise DCPTransformError(
-                    f"the output of attention node {attn.name} ({source_of(attn)}) reaches "
-                    f"{len(o_lin)} linears; expected exactly one output projection.")
-            o = o_lin.pop()
-            row[o] = (o_spec, o_role)
-            roles[o.name] = "o_proj"
-
-        linears = [n for n in gm.graph.nodes if _is_linear(n)]
-        for n in linears:
-            if n in column or n in row:
-                continue
-            srcs, others = _backward_sources(n.args[0])
-            if srcs and not others:
-                row[n] = (ShardSpec(1, cfg.tp, cfg.tp), tp_role)
-                roles[n.name] = "mlp_row"
-                for s in srcs:
-                    if s in row or (s in column and column[s] != full):
-                        raise DCPTransformError(f"linear {s.name} ({source_of(s)}) is both an "
-                                                f"attention and an MLP projection.")
-                    column[s] = full
-                    roles[s.name] = "mlp_column"
-        head, emb = [], []
-        for n in linears:
-            if n in column or n in row:
-                continue
-            fwd, reaches_output = _forward_linears(n)
-            if reaches_output and not fwd:
-                head.append(n)
-                roles[n.name] = "lm_head"
-            else:
-                raise DCPTransformError(
-                    f"cannot tell how to shard linear {n.name} ({source_of(n)}): it is not a "
-                    f"q/k/v/o projection, an MLP pair or the LM head. Refusing to leave it "
-                    f"unsharded.")
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target == EMBEDDING:
-                emb.append(n)
-                roles[n.name] = "embedding"
-        return ShardPlan(column, row, emb, head, roles)
+        return cfg.attention_shard if axis == "attn" else cfg.tp
 
     # -- rewrite ---------------------------------------------------------------------------
 
     def call(self, gm):
         cfg = self.ctx.config
         plan = self.plan(gm)
-        tp_role = "tp" if cfg.mode == "decode" else "world"
+        pl = plan.placements
         mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
                                  if n.op == "placeholder"])
         g = gm.graph
@@ -205,69 +143,120 @@ class ShardTensorParallel(DCPPass):
                             dtype=full.dtype, device=full.device)
                     cache.meta["dcp_full_shape"] = tuple(full.shape)
 
-        for lin, spec in plan.column.items():
-            self._shard_param(lin.args[1], spec, mode)
-            if len(lin.args) > 2 and lin.args[2] is not None:
-                self._shard_param(lin.args[2], ShardSpec(0, spec.pieces, spec.group,
-                                                         spec.replicas), mode)
-        for lin, (spec, role) in plan.row.items():
-            self._shard_param(lin.args[1], spec, mode)
-            bias = lin.args[2] if len(lin.args) > 2 else None
-            with g.inserting_before(lin.next):
-                if bias is not None:  # add the bias once, after the reduction
-                    lin.args = (lin.args[0], lin.args[1])
-                c, w = C.all_reduce(g, lin, role)
-                self.tag(c, KIND_COLLECTIVE)
-                result = w
-                if bias is not None:
-                    with g.inserting_before(w.next):
-                        result = g.call_function(torch.ops.aten.add.Tensor, (w, bias))
-            lin.replace_all_uses_with(result, delete_user_cb=lambda u: u is not c)
+        for p, shard in pl.params.items():
+            self._shard_param(p, ShardSpec.of(shard, self._group(shard.axis)), mode)
 
-        for lin in plan.vocab_head:
-            vocab = val(lin).shape[-1]
-            self._check_vocab(vocab, lin)
-            self._shard_param(lin.args[1], ShardSpec(0, cfg.tp, cfg.tp), mode)
-            if len(lin.args) > 2 and lin.args[2] is not None:
-                self._shard_param(lin.args[2], ShardSpec(0, cfg.tp, cfg.tp), mode)
-            with g.inserting_before(lin.next):
-                c, w = C.all_gather(g, lin, tp_role, cfg.tp)         # [tp*B, S, V/tp]
-                self.tag(c, KIND_COLLECTIVE)
-                c.meta["dcp_scope"] = "model"
-                b, s = val(lin).shape[0], val(lin).shape[1]
-                v = g.call_function(torch.ops.aten.view.default,
-                                    (w, [cfg.tp, b, s, vocab // cfg.tp]))
-                p = g.call_function(torch.ops.aten.permute.default, (v, [1, 2, 0, 3]))
-                full = g.call_function(torch.ops.aten.reshape.default, (p, [b, s, vocab]))
-            lin.replace_all_uses_with(full, delete_user_cb=lambda u: u is not c)
+        for n in list(g.nodes):
+            if n.op != "call_function":
+                continue
+            self._localize(n, pl)
+        for n in list(g.nodes):
+            p = pl.of(n)
+            if isinstance(p, Partial):
+                self._reduce(g, n, p)
+            elif pl.linears.get(n) == "lm_head":
+                self._gather_vocab(g, n)
+        for emb in pl.embeddings:
+            self._vocab_embedding(g, emb, rank)
 
-        for emb in plan.vocab_embedding:
-            weight, ids = emb.args[0], emb.args[1]
-            # A weight tied to the LM head may already carry its shard's shape.
-            vocab = weight.meta.get("dcp_full_shape", val(weight).shape)[0]
-            self._check_vocab(vocab, emb)
-            per = vocab // cfg.tp
-            self._shard_param(weight, ShardSpec(0, cfg.tp, cfg.tp), mode)
-            with g.inserting_before(emb):
-                start = g.call_function(torch.ops.aten.mul.Tensor, (rank, per))
-                local = g.call_function(torch.ops.aten.sub.Tensor, (ids, start))
-                ge = g.call_function(torch.ops.aten.ge.Scalar, (local, 0))
-                lt = g.call_function(torch.ops.aten.lt.Scalar, (local, per))
-                inside = self.tag(g.call_function(torch.ops.aten.logical_and.default,
-                                                  (ge, lt)), KIND_MASK)
-                safe = g.call_function(torch.ops.aten.where.ScalarOther, (inside, local, 0))
-            emb.args = (weight, safe) + tuple(emb.args[2:])
-            with g.inserting_before(emb.next):
-                keep = g.call_function(torch.ops.aten.unsqueeze.default, (inside, -1))
-                masked = g.call_function(torch.ops.aten.mul.Tensor, (emb, keep))
-                c, w = C.all_reduce(g, masked, tp_role)
-                self.tag(c, KIND_COLLECTIVE)
-                c.meta["dcp_scope"] = "model"
-            emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
-
+        # What later passes (sequence_parallel, dcp_prefill) need to know of the roles.
+        for lin in pl.linears:
+            lin.meta[ROLE_META] = plan.roles[lin.name]
+        for attn, sites in pl.attention.items():
+            attn.meta[PROJECTIONS_META] = {
+                k: (v.name if isinstance(v, Node) else None) if k == "o"
+                else [x.name for x in v] for k, v in sites.items()}
+        # MQA: the one KV head's projection runs whole on every rank (required replicated).
+        self.replicated = {n.name for n, k in pl.linears.items() if k == "replicated"}
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
         self.matched = {"projections": dict(sorted(plan.roles.items()))}
         return PassResult(gm, True)
+
+    def _localize(self, n: Node, pl: PlacementPlan) -> None:
+        """Literal sizes along a sharded dim -> this rank's sizes."""
+        t, out = n.target, pl.of(n)
+        if t in _SHAPED and isinstance(out, Shard):
+            n.args = (n.args[0], _local_shape(n, out)) + tuple(n.args[2:])
+        elif t == aten.unflatten.int and isinstance(out, Shard):
+            d = n.args[1] % val(n.args[0]).ndim
+            local = _local_shape(n, out)
+            n.args = (n.args[0], d, local[d:d + len(n.args[2])])
+        elif t in _SPLITS:
+            x = pl.of(n.args[0])
+            if isinstance(x, Shard) and _split_ranges(n)[0] == x.dim:
+                n.target = aten.split_with_sizes.default
+                n.args = (n.args[0], [o.local for o in out], x.dim)
+                n.kwargs = {}
+        elif t in (aten.slice.Tensor, aten.narrow.default):
+            x = pl.of(n.args[0])
+            d, start, _, _ = _slice_bounds(n)
+            if isinstance(x, Shard) and d == x.dim:
+                pos, local_start = 0, 0
+                for s in x.segs:          # whole segments before ``start`` (the analysis
+                    if pos >= start:      # refused any cut inside one)
+                        break
+                    pos += s.size
+                    local_start += s.local
+                n.target = aten.slice.Tensor
+                n.args = (n.args[0], d, local_start, local_start + out.local)
+                n.kwargs = {}
+
+    def _reduce(self, g, n: Node, p: Partial) -> None:
+        """A pending sum: scale the local value, all-reduce it (bias of a row linear after)."""
+        is_linear = n.target == LINEAR
+        bias = n.args[2] if is_linear and len(n.args) > 2 else None
+        if bias is not None:  # add the bias once, after the reduction
+            n.args = (n.args[0], n.args[1])
+        with g.inserting_before(n.next):
+            x = first = n
+            if p.scale != 1.0:
+                x = first = g.call_function(aten.mul.Tensor, (n, p.scale))
+            c, w = C.all_reduce(g, x, self._role(p.axis))
+            self.tag(c, KIND_COLLECTIVE)
+            if not is_linear:
+                c.meta["dcp_norm_reduce"] = True
+            result = w
+            if bias is not None:
+                result = g.call_function(aten.add.Tensor, (w, bias))
+        keep = {c, first}
+        n.replace_all_uses_with(result, delete_user_cb=lambda u: u not in keep)
+
+    def _gather_vocab(self, g, lin: Node) -> None:
+        cfg = self.ctx.config
+        shape = list(val(lin).shape)
+        vocab = shape[-1]
+        with g.inserting_before(lin.next):
+            c, w = C.all_gather(g, lin, self._role("mlp"), cfg.tp)   # [tp*B, ..., V/tp]
+            self.tag(c, KIND_COLLECTIVE)
+            c.meta["dcp_scope"] = "model"
+            v = g.call_function(aten.view.default,
+                                (w, [cfg.tp] + shape[:-1] + [vocab // cfg.tp]))
+            nd = len(shape)
+            perm = list(range(1, nd)) + [0, nd]
+            p = g.call_function(aten.permute.default, (v, perm))
+            full = g.call_function(aten.reshape.default, (p, shape))
+        lin.replace_all_uses_with(full, delete_user_cb=lambda u: u is not c)
+
+    def _vocab_embedding(self, g, emb: Node, rank: Node) -> None:
+        cfg = self.ctx.config
+        weight, ids = emb.args[0], emb.args[1]
+        vocab = weight.meta.get("dcp_full_shape", val(weight).shape)[0]
+        per = vocab // cfg.tp
+        with g.inserting_before(emb):
+            start = g.call_function(aten.mul.Tensor, (rank, per))
+            local = g.call_function(aten.sub.Tensor, (ids, start))
+            ge = g.call_function(aten.ge.Scalar, (local, 0))
+            lt = g.call_function(aten.lt.Scalar, (local, per))
+            inside = self.tag(g.call_function(aten.logical_and.default, (ge, lt)), KIND_MASK)
+            safe = g.call_function(aten.where.ScalarOther, (inside, local, 0))
+        emb.args = (weight, safe) + tuple(emb.args[2:])
+        with g.inserting_before(emb.next):
+            keep = g.call_function(aten.unsqueeze.default, (inside, -1))
+            masked = g.call_function(aten.mul.Tensor, (emb, keep))
+            c, w = C.all_reduce(g, masked, self._role("mlp"))
+        self.tag(c, KIND_COLLECTIVE)
+        c.meta["dcp_scope"] = "model"
+        emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
 
     def _shard_param(self, p: Node, spec: ShardSpec, mode) -> None:
         if p.op != "placeholder":
@@ -280,10 +269,11 @@ class ShardTensorParallel(DCPPass):
                                         f"supported. Untie them.")
             return
         full = p.meta["val"]
-        if full.shape[spec.dim] % spec.pieces:
-            raise DCPTransformError(f"weight {p.name} of shape {tuple(full.shape)} does not "
-                                    f"split into {spec.pieces} pieces along dim {spec.dim}. "
-                                    f"Pick a tp that divides it.")
+        for size, pieces, _ in spec._segs(full.shape[spec.dim]):
+            if size % pieces:
+                raise DCPTransformError(f"weight {p.name} of shape {tuple(full.shape)} does "
+                                        f"not split into {pieces} pieces along dim "
+                                        f"{spec.dim}. Pick a tp that divides it.")
         with mode:
             p.meta["val"] = torch.empty(spec.shape(full.shape), dtype=full.dtype,
                                         device=full.device)
@@ -291,16 +281,12 @@ class ShardTensorParallel(DCPPass):
         self.ctx.shards[p.name] = spec
         self.tag(p, KIND_SHARD)
 
-    def _check_vocab(self, vocab: int, node: Node) -> None:
-        if vocab % self.ctx.config.tp:
-            raise DCPTransformError(f"vocabulary of {vocab} does not split over tp="
-                                    f"{self.ctx.config.tp} ({node.name}, {source_of(node)}). "
-                                    f"Pad the vocabulary to a multiple of tp.")
-
     def ensures(self, gm):
         for n in gm.graph.nodes:
-            if _is_linear(n) and n.args[1].name not in self.ctx.shards:
-                raise DCPTransformError(f"linear {n.name} was left unsharded.")
+            if _is_linear(n) and n.args[1].name not in self.ctx.shards \
+                    and n.name not in self.replicated:
+                raise DCPTransformError(f"linear {n.name} ({source_of(n)}) was left "
+                                        f"unsharded.")
 
 
-__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan"]
+__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan", "ROLE_META", "PROJECTIONS_META"]

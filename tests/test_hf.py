@@ -85,33 +85,9 @@ def hf_reference(model, prompts, steps):
     return tokens, logits
 
 
-# Prefill passes that do not yet accept the HF graph: the identity slice of
-# slice_logits_to_keep (aten.alias on the residual stream) and the [B, H, S, D] transposes
-# around RoPE on the q/k/v path (the token dim leaves dim 1).
-PREFILL_PASSES = ("passes.sequence_parallel", "passes.dcp_prefill")
-
-
-def _raised_in(e: BaseException, modules) -> bool:
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__") in modules:
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def transform_or_xfail(wrapper, mode):
-    try:
-        return dcp_compile.transform(wrapper, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
-                                     shapes=SHAPES)
-    except (ImportError, NotImplementedError) as e:
-        if mode == "prefill":
-            pytest.xfail(f"prefill DCP is not implemented yet: {type(e).__name__}: {e}")
-        raise
-    except DCPTransformError as e:
-        if mode == "prefill" and _raised_in(e, PREFILL_PASSES):
-            pytest.xfail(f"prefill DCP does not accept this HF graph yet: {e}")
-        raise
+    return dcp_compile.transform(wrapper, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                                 shapes=SHAPES)
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
@@ -161,20 +137,13 @@ def test_wrapper_matches_hf_forward_single_device():
 
 # -- rejected: never sharded wrong ---------------------------------------------------------
 
-def test_fused_qkv_rejected_naming_the_module():
-    model = build("Phi3Config", "Phi3ForCausalLM",
-                  dict(num_attention_heads=8, num_key_value_heads=2))
-    with pytest.raises(DCPTransformError, match=r"fused projection "
-                                                r"model\.layers\.0\.self_attn\.qkv_proj"):
-        hf.prepare(model)
-
-
-def test_norm_across_heads_rejected_naming_the_module():
-    # OLMo2 normalises q and k over all heads at once: a head shard would change it.
-    model = build("Olmo2Config", "Olmo2ForCausalLM",
-                  dict(num_attention_heads=8, num_key_value_heads=2))
-    with pytest.raises(DCPTransformError, match=r"model\.layers\.0\.self_attn\.q_norm"):
-        hf.prepare(model)
+def test_fused_qkv_and_norms_across_heads_are_left_to_the_placement_analysis():
+    # Phi3's fused qkv_proj and OLMo2's q_norm over all heads prepare; transform() shards
+    # them segment-aware (numerics: tests/test_sharding_models.py).
+    hf.prepare(build("Phi3Config", "Phi3ForCausalLM",
+                     dict(num_attention_heads=8, num_key_value_heads=2)))
+    hf.prepare(build("Olmo2Config", "Olmo2ForCausalLM",
+                     dict(num_attention_heads=8, num_key_value_heads=2)))
 
 
 def test_sliding_window_needs_max_model_len():

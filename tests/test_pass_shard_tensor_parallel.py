@@ -64,7 +64,7 @@ def test_prefill_mode_shards_attention_over_dcp_tp():
 
 
 class FusedQKV(nn.Module):
-    """Attention whose q, k and v come out of one fused projection: must be refused."""
+    """Attention whose q, k and v come out of one fused projection laid out [3, h, d]."""
 
     def __init__(self):
         super().__init__()
@@ -82,12 +82,41 @@ class FusedQKV(nn.Module):
         return self.head(x + self.o(out.reshape(b, s, -1))), [kc, vc]
 
 
-def test_fused_qkv_is_rejected_naming_the_projection():
+def test_fused_qkv_is_cut_segment_by_segment():
     m = FusedQKV()
     ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
           torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, 4, 8)] * 2)
     cap = capture(m, ex)
-    with pytest.raises(DCPTransformError, match="fused projection linear"):
+    ctx, p, gm = _shard(4, 1, cap)
+    spec = ctx.shards["p_qkv_weight"]
+    # [3, h, d] rows: rank r holds heads r of q, of k and of v (one 8-row piece of each).
+    assert spec == ShardSpec(0, 4, 4, 1, segments=((32, 4, 1),) * 3)
+    full = torch.arange(96.0)[:, None].expand(96, 32)
+    assert spec.shard(full, 1)[:, 0].tolist() == list(range(8, 16)) + list(range(40, 48)) \
+        + list(range(72, 80))
+    assert p.matched["projections"]["linear"] == "qkv_proj"
+
+
+class MeanOverHeads(FusedQKV):
+    """A statistic over every head of q (amax) has no sharded form: refused by name."""
+
+    def forward(self, ids, positions, table, caches):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, -1, 8).unbind(2)
+        q = q / q.amax(dim=(2, 3), keepdim=True)
+        out, kc, vc = torch.ops.dcp.paged_attention(q, k, v, caches[0], caches[1], positions,
+                                                    table, 0.35)
+        return self.head(x + self.o(out.reshape(b, s, -1))), [kc, vc]
+
+
+def test_reduction_over_heads_without_sharded_form_is_refused_with_source():
+    m = MeanOverHeads()
+    ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+          torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, 4, 8)] * 2)
+    cap = capture(m, ex)
+    with pytest.raises(DCPTransformError, match=r"aten.amax.default.*sharded dim.*"
+                                                r"test_pass_shard_tensor_parallel.py"):
         _shard(4, 1, cap)
 
 

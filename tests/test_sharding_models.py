@@ -1,0 +1,184 @@
+"""Sound sharding: models with fused projections, output gates, norms across heads and literal
+head counts transform and match their own single-device forward (fp32 logits within 1e-4,
+the same greedy tokens), or transform() refuses. Decode (context + 8 decode steps) and
+chunked prefill (two unaligned chunks, every token's logits and each rank's cache) on the
+threaded world."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile.errors import DCPTransformError
+from dcp_compile.verify import verify, verify_prefill
+from runtime.engine import StepShapes
+
+from sharding_models import FeatureConfig, FeatureLM
+
+STEPS = 8
+GQA = dict(num_q_heads=8, num_kv_heads=2)       # tp=4, dcp=2: KV heads replicated twice
+MHA = dict(num_q_heads=4, num_kv_heads=4)       # tp=4, dcp=1: plain tensor parallelism
+
+FEATURES = {
+    "fused-gate-up": (FeatureConfig(mlp="fused", **GQA), 4, 2),
+    "fused-qkv-rows": (FeatureConfig(qkv="fused_rows", **GQA), 4, 2),
+    "fused-qkv-slices": (FeatureConfig(qkv="fused_slices", mlp="fused", **GQA), 4, 2),
+    "fused-qkv-per-head-h3d": (FeatureConfig(qkv="per_head", **MHA), 4, 1),
+    "fused-qkv-3hd": (FeatureConfig(qkv="three_first", **MHA), 4, 1),
+    "q-output-gate": (FeatureConfig(q_gate=True, **GQA), 4, 2),
+    "qk-norm-across-heads": (FeatureConfig(qk_norm="across", **GQA), 4, 2),
+    "qk-norm-across-heads-mha": (FeatureConfig(qk_norm="across", **MHA), 4, 1),
+    "qk-norm-per-head": (FeatureConfig(qk_norm="per_head", **GQA), 4, 2),
+    "literal-head-counts": (FeatureConfig(literal_heads=True, qkv="fused_rows", **GQA), 4, 2),
+    "literal-heads-h3d": (FeatureConfig(literal_heads=True, qkv="per_head", **MHA), 4, 1),
+    "interleaved-rope": (FeatureConfig(rope="interleaved", **GQA), 4, 2),
+    "everything": (FeatureConfig(qkv="fused_slices", mlp="fused", qk_norm="across",
+                                 literal_heads=True, rope="interleaved", **GQA), 4, 2),
+}
+
+SHAPES = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=2)
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_feature_model_decode_matches_single_device(name):
+    cfg, tp, dcp = FEATURES[name]
+    model = FeatureLM(cfg)
+    shapes = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=dcp)
+    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes)
+    report = verify(model, prog, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2]], STEPS)
+    assert report.tokens_agree and report.max_abs_error < 1e-4, report
+
+
+# The output gate is computed on the rank's owned (interleaved) tokens in prefill, but the
+# attention output it multiplies arrives on contiguous S/W tokens after the reduce-scatter:
+# refused by name, not gathered.
+PREFILL_REFUSED = {"q-output-gate": r"token-indexed inputs \['sigmoid'\]"}
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6], [7, 2, 5]]
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_feature_model_prefill_matches_single_device(name):
+    cfg, tp, dcp = FEATURES[name]
+    model = FeatureLM(cfg)
+    shapes = StepShapes.fitting(2, 16, 40, block_size=8, dcp=dcp)
+    if name in PREFILL_REFUSED:
+        with pytest.raises(DCPTransformError, match=PREFILL_REFUSED[name]):
+            dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill", block_size=8,
+                                  shapes=shapes)
+        return
+    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill", block_size=8,
+                                 shapes=shapes)
+    report = verify_prefill(model, prog, PROMPTS, 2)    # two chunks, unaligned prior
+    assert report.ok and report.max_abs_error < 1e-4, report
+
+
+# -- Hugging Face architectures with these features, built from config with random weights --
+
+HF_MODELS = {  # id: (config class, model class, overrides, tp, dcp)
+    # fused qkv_proj ([q; k; v] rows cut by slicing) and fused gate_up_proj (chunk)
+    "phi3-fused-qkv-gate-up": ("Phi3Config", "Phi3ForCausalLM",
+                               dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    # query_key_value per head ([h, 3, d]), parallel residual, partial rotary
+    "gpt-neox-per-head-qkv": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                              dict(num_attention_heads=4, rotary_pct=0.5), 4, 1),
+    # q_norm / k_norm over the whole projection (all heads), before the head view
+    "olmo2-qk-norm-across-heads": ("Olmo2Config", "Olmo2ForCausalLM",
+                                   dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+}
+
+
+# Families whose prefill used to be refused by the token-wise op lists (embedding scale,
+# LayerNorm, parallel blocks, logit scale, partial rotary, [B, H, S, D] RoPE transposes).
+HF_PREFILL_FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",
+              dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8), 4, 2),
+    "cohere": ("CohereConfig", "CohereForCausalLM",
+               dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM",
+             dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    "phi": ("PhiConfig", "PhiForCausalLM",
+            dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+}
+
+
+@pytest.mark.parametrize("model_id", list(HF_MODELS) + list(HF_PREFILL_FAMILIES))
+def test_hf_model_prefill_matches_single_device(model_id):
+    pytest.importorskip("transformers")
+    from dcp_compile import hf
+    from helpers import prompts_of
+    from test_hf import build
+
+    config_name, model_name, overrides, tp, dcp = {**HF_MODELS,
+                                                   **HF_PREFILL_FAMILIES}[model_id]
+    model = build(config_name, model_name, overrides)
+    shapes = StepShapes.fitting(3, 12, 24, block_size=4, dcp=dcp)
+    wrapper = hf.prepare(model)      # its single-device forward equals HF's (test_hf.py)
+    prog = dcp_compile.transform(wrapper, tp=tp, dcp=dcp, mode="prefill", block_size=4,
+                                 shapes=shapes)
+    report = verify_prefill(wrapper, prog, prompts_of((1, 6, 20), vocab=256), 2)
+    assert report.ok and report.max_abs_error < 1e-4, report
+
+
+@pytest.mark.parametrize("model_id", list(HF_MODELS))
+def test_hf_model_decode_matches_its_own_forward(model_id):
+    pytest.importorskip("transformers")
+    from dcp_compile import hf
+    from dcp_compile.verify import run_threaded_program
+    from helpers import assert_close_report, prompts_of
+    from test_hf import build, hf_reference
+
+    config_name, model_name, overrides, tp, dcp = HF_MODELS[model_id]
+    model = build(config_name, model_name, overrides)
+    shapes = StepShapes.fitting(4, 12, 12 + STEPS, block_size=4, dcp=dcp)
+    program = dcp_compile.transform(hf.prepare(model), tp=tp, dcp=dcp, mode="decode",
+                                    block_size=4, shapes=shapes)
+    prompts = prompts_of((1, 6, 12), vocab=256)
+    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
+    ref_tokens, ref_logits = hf_reference(model, prompts, STEPS)
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                assert_close_report(got[b], ref_logits[b][t], atol=1e-4,
+                                    what=f"rank {run.rank} step {t} seq {b}")
+
+
+# -- refused, by op and source line: never a silently wrong program ------------------------
+
+class AmaxAcrossHeads(FeatureLM):
+    """q scaled by its max over all heads: no sharded form (a max is not a sum)."""
+
+    def __init__(self):
+        super().__init__(FeatureConfig(**GQA, layers=1))
+        attn = self.layers[0].self_attn
+        project = attn.project
+
+        def scaled(x):
+            q, k, v, gate = project(x)
+            return q / q.amax(dim=(2, 3), keepdim=True), k, v, gate
+        attn.project = scaled
+
+
+class ReplicatedSpanningHeads(FeatureLM):
+    """q plus a tensor computed in the graph over all heads: every rank holds all of it, and
+    only a broadcast over heads is placeable (a parameter or buffer would be cut instead)."""
+
+    def __init__(self):
+        super().__init__(FeatureConfig(**GQA, layers=1))
+        attn = self.layers[0].self_attn
+        project = attn.project
+
+        def shifted(x):
+            q, k, v, gate = project(x)
+            return q + torch.arange(64, dtype=q.dtype).view(8, 8), k, v, gate
+        attn.project = shifted
+
+
+@pytest.mark.parametrize("model_cls,pattern", [
+    (AmaxAcrossHeads, r"aten\.amax\.default.*not a sum.*sharding_models\.py"),
+    (ReplicatedSpanningHeads, r"aten\.add\.Tensor.*spans the sharded dim.*sharding_models\.py"),
+], ids=["amax-over-heads", "full-width-add"])
+def test_unplaceable_op_is_refused_naming_op_and_source(model_cls, pattern):
+    with pytest.raises(DCPTransformError, match=pattern):
+        dcp_compile.transform(model_cls(), tp=4, dcp=2, mode="decode", shapes=SHAPES)
