@@ -47,6 +47,8 @@ MODELS = {
     "plain-sdpa-bool-mask-enable_gqa-arange": lambda: plain_llama(
         CFG, attention="sdpa_mask", gqa="enable_gqa", position_ids=False),
     "plain-eager-additive-mask": lambda: plain_llama(CFG, attention="eager"),
+    # One fused [q; k; v] weight: the placement analysis cuts it segment by segment.
+    "plain-sdpa-fused-qkv": lambda: plain_llama(CFG, attention="sdpa", fused_qkv=True),
     "plain-eager-repeat_interleave": lambda: plain_llama(CFG, attention="eager",
                                                          gqa="repeat_interleave"),
     "plain-eager-window-softcap": lambda: plain_llama(CFG, attention="eager", window=4,
@@ -106,13 +108,6 @@ def test_ordinary_model_matches_its_own_forward(model_id, mode):
             for b in range(len(prompts)):
                 assert_close_report(got[b], ref_logits[b][t], atol=ATOL,
                                     what=f"rank {run.rank} step {t} seq {b}")
-
-
-def test_fused_qkv_is_refused_by_tensor_parallel_sharding():
-    """The cache goes in; head-wise TP of one fused [q; k; v] weight is refused for now."""
-    model = plain_llama(CFG, attention="sdpa", fused_qkv=True)
-    with pytest.raises(DCPTransformError, match="fused projection"):
-        transform(model, "decode")
 
 
 def test_per_layer_scale():
