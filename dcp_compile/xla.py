@@ -130,11 +130,18 @@ def host_devices(n: int) -> list:
     return list(devices[:n])
 
 
-def compile_module(text: str, devices: list, *, step: str, path: str | None = None):
-    """Compile one StableHLO module (text) for ``len(devices)`` replicas, one partition.
+def compile_module(source: str | bytes, devices: list, *, step: str,
+                   path: str | None = None):
+    """Compile one StableHLO module for ``len(devices)`` replicas, one partition: ``source``
+    is its text or its portable artifact (VHLO bytecode, read back to text for the check).
 
     jax has no public API for compiling an externally built module; this is the one place
     that uses jax.extend's backend client (``compile_and_load``), as jax's own pxla does."""
+    if isinstance(source, (bytes, bytearray)):
+        from .lowering import deserialize
+        text = str(deserialize(bytes(source)))
+    else:
+        text = source
     check_xla_cpu_forms(text, step=step, path=path)
     import numpy as np
     from jax.extend import backend as jb
@@ -143,7 +150,7 @@ def compile_module(text: str, devices: list, *, step: str, path: str | None = No
     options = jb.get_compile_options(num_replicas=n, num_partitions=1,
                                      device_assignment=np.array(devices).reshape(n, 1))
     try:
-        return client.compile_and_load(text, devices, options)
+        return client.compile_and_load(source, devices, options)
     except Exception as e:        # jaxlib's XlaRuntimeError
         where = f" ({path})" if path else ""
         raise DCPXLAError(f"XLA rejected the lowered {step!r} module{where}: "
@@ -210,12 +217,17 @@ class XLAExecutor:
     (``StepContract.for_program``) before anything runs; ``step`` returns rank 0's logits
     after checking that every rank computed the same ones. The caches live on the devices;
     ``caches`` copies them to the host (one list per rank). ``compile_seconds[step]`` is
-    each module's XLA compile time.
+    each module's XLA compile time. ``source="artifact"`` compiles each module's portable
+    artifact (.mlirbc bytes) instead of its text; ``fill`` is the caches' initial value.
     """
 
-    def __init__(self, program, lowered, *, fill: float = 0.0):
+    SOURCES = ("text", "artifact")
+
+    def __init__(self, program, lowered, *, fill: float = 0.0, source: str = "text"):
         from passes.insert_rank import RANK_INPUT
         from runtime.step_contract import StepContract
+        if source not in self.SOURCES:
+            raise DCPXLAError(f"unknown module source {source!r}. Use one of {self.SOURCES}.")
         self.lowered = lowered
         self.tp = program.topology.tp
         for step, m in lowered.modules.items():      # refuse before compiling anything
@@ -225,8 +237,8 @@ class XLAExecutor:
         self.executables, self.compile_seconds = {}, {}
         for step, m in lowered.modules.items():
             t = time.perf_counter()
-            self.executables[step] = compile_module(m.text, self.devices, step=step,
-                                                    path=m.paths.get("text"))
+            self.executables[step] = compile_module(getattr(m, source), self.devices,
+                                                    step=step, path=m.paths.get(source))
             self.compile_seconds[step] = time.perf_counter() - t
         self.contracts = {kind: StepContract.for_program(program, kind)
                           for kind in lowered.modules}
@@ -282,7 +294,8 @@ def lower_for_xla(program, out_dir: str | Path | None = None):
     return lowered
 
 
-def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=None):
+def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=None,
+           source: str = "text"):
     """dcp_compile.verify.verify with the program lowered and run on XLA:CPU replicas."""
     from runtime.engine import Engine
 
@@ -290,7 +303,7 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
     start = time.perf_counter()
     lowered = lowered or lower_for_xla(program)
     ref, _ = V.run_reference(model, program, prompts, steps)
-    engine = Engine(XLAExecutor(program, lowered), program.shapes,
+    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
                     prompt_kind=V.prompt_kind(program))
     with torch.no_grad():
@@ -311,7 +324,8 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
 
 
 def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
-                   atol: float = 1e-4, check_cache: bool = True, lowered=None):
+                   atol: float = 1e-4, check_cache: bool = True, lowered=None,
+                   source: str = "text"):
     """dcp_compile.verify.verify_prefill with the program lowered and run on XLA:CPU
     replicas: every chunk's logits, and each rank's cache (allocated NaN) holding exactly
     its owned positions."""
@@ -323,7 +337,8 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
         chunk_plan = V.chunk_plan_of(chunk_plan, chunks, max_chunk=program.shapes.context_len)
     lowered = lowered or lower_for_xla(program)
     ref = V.run_prefill_reference(model, program, chunk_plan)
-    executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0)
+    executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0,
+                           source=source)
     recorder = V.RecordingExecutor(executor)
     engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
                     dcp=program.config.dcp, prompt_kind="prefill")
