@@ -294,20 +294,26 @@ def lower_for_xla(program, out_dir: str | Path | None = None):
     return lowered
 
 
+def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"):
+    """Greedy-decode ``steps`` tokens with the lowered program on XLA (GenerateResult)."""
+    from runtime.engine import Engine
+
+    from .verify import prompt_kind
+    lowered = lowered or lower_for_xla(program)
+    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
+                    block_size=program.config.block_size, dcp=program.config.dcp,
+                    prompt_kind=prompt_kind(program))
+    with torch.no_grad():
+        return engine.generate(prompts, steps)
+
+
 def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=None,
            source: str = "text"):
     """dcp_compile.verify.verify with the program lowered and run on XLA:CPU replicas."""
-    from runtime.engine import Engine
-
     from . import verify as V
     start = time.perf_counter()
-    lowered = lowered or lower_for_xla(program)
     ref, _ = V.run_reference(model, program, prompts, steps)
-    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
-                    block_size=program.config.block_size, dcp=program.config.dcp,
-                    prompt_kind=V.prompt_kind(program))
-    with torch.no_grad():
-        got = engine.generate(prompts, steps)
+    got = generate(program, prompts, steps, lowered=lowered, source=source)
     errors, first = [], None
     for t, (g, e) in enumerate(zip(got.logits, ref.logits)):
         err = float((g.float() - e.float()).abs().max()) if torch.isfinite(g).all() \
