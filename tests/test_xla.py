@@ -215,6 +215,19 @@ def test_missing_jax_names_the_extra(monkeypatch):
         X.host_devices(2)
 
 
+def test_cli_verify_backend_xla():
+    """`dcp-compile verify --backend xla` (fresh process: it sets the device count itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "dcp_compile.cli", "verify", "--tp", "4",
+                           "--dcp", "2", "--steps", "2", "--backend", "xla", "--json"],
+                          env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["tp"] == 4 and report["max_abs_error"] <= FP32_ATOL, report
+
+
 if __name__ == "__main__":        # child process of _in_xla_process
     import ast
     name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]
