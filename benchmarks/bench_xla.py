@@ -108,8 +108,9 @@ def main() -> int:
     print(f"transform: {time.perf_counter() - t:.2f} s")
     t = time.perf_counter()
     lowered = X.lower_for_xla(program)
-    print(f"lower to StableHLO: {time.perf_counter() - t:.2f} s "
-          f"({', '.join(f'{s} {sum(m.seconds.values()):.2f} s' for s, m in lowered.modules.items())})")
+    per_module = ", ".join(f"{s} {sum(m.seconds.values()):.2f} s"
+                           for s, m in lowered.modules.items())
+    print(f"lower to StableHLO: {time.perf_counter() - t:.2f} s ({per_module})")
     executor = X.XLAExecutor(program, lowered)
     for step, s in executor.compile_seconds.items():
         print(f"XLA compile {step}: {s:.2f} s "

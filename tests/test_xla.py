@@ -97,14 +97,32 @@ def case_wrong_rank(tp, dcp) -> dict:
     """The comparison can fail: replicas fed each other's tp_rank compute wrong logits."""
     from dcp_compile.verify import run_reference
     from runtime.engine import Engine
+    from dcp_compile.errors import DCPInputError
     model, prog = _program(tp, dcp, "decode")
     executor = X.XLAExecutor(prog, X.lower_for_xla(prog))
+    ids, pos = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
+    try:                              # the step contract runs before anything executes
+        executor.step("decode", ids, pos, torch.full((2, 2), 99, dtype=torch.int64))
+        refused = None
+    except DCPInputError as e:
+        refused = e.rule
     executor.prefix[-1] = executor.replicas.per_rank(
         [torch.tensor((r + 1) % tp, dtype=torch.int64) for r in range(tp)])
     engine = Engine(executor, SHAPES, block_size=16, dcp=dcp, prompt_kind="context")
     ref, _ = run_reference(model, prog, _prompts(), 1)
     got = engine.prefill(_prompts())
-    return {"error": float((got - ref.logits[0]).abs().max())}
+    return {"error": float((got - ref.logits[0]).abs().max()), "refused": refused}
+
+
+def case_rejected_module() -> str:
+    """A module XLA rejects: its error, naming the step, comes back as DCPXLAError."""
+    bad = _MODULE.format(op="stablehlo.add %arg0, %arg0 : tensor<2x4xf32>").replace(
+        "-> tensor<2x4xf32> {", "-> tensor<4x2xf32> {")
+    try:
+        X.compile_module(bad, X.host_devices(2), step="decode", path="bad.mlir")
+    except X.DCPXLAError as e:
+        return str(e)
+    return "compiled"
 
 
 def _xla_ready() -> bool:
@@ -167,6 +185,12 @@ def test_portable_artifact_on_xla(tmp_path):
 def test_a_wrong_rank_is_caught(tmp_path):
     got = _in_xla_process("case_wrong_rank", 4, 2, tmp_path=tmp_path)
     assert got["error"] > 1e-2, got
+    assert got["refused"] is not None, got       # a block id past the cache: refused
+
+
+def test_a_module_xla_rejects_raises_with_the_step_and_path(tmp_path):
+    message = _in_xla_process("case_rejected_module", tmp_path=tmp_path)
+    assert message.startswith("XLA rejected the lowered 'decode' module (bad.mlir)"), message
 
 
 # -- collective forms XLA:CPU aborts on: refused before compiling ---------------------------
