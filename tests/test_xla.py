@@ -110,8 +110,10 @@ def case_wrong_rank(tp, dcp) -> dict:
         [torch.tensor((r + 1) % tp, dtype=torch.int64) for r in range(tp)])
     engine = Engine(executor, SHAPES, block_size=16, dcp=dcp, prompt_kind="context")
     ref, _ = run_reference(model, prog, _prompts(), 1)
+    before = executor._caches[0]
     got = engine.prefill(_prompts())
-    return {"error": float((got - ref.logits[0]).abs().max()), "refused": refused}
+    return {"error": float((got - ref.logits[0]).abs().max()), "refused": refused,
+            "donated": before.is_deleted()}
 
 
 def case_rejected_module() -> str:
@@ -186,6 +188,7 @@ def test_a_wrong_rank_is_caught(tmp_path):
     got = _in_xla_process("case_wrong_rank", 4, 2, tmp_path=tmp_path)
     assert got["error"] > 1e-2, got
     assert got["refused"] is not None, got       # a block id past the cache: refused
+    assert got["donated"], got     # the step consumed the cache buffers (tf.aliasing_output)
 
 
 def test_a_module_xla_rejects_raises_with_the_step_and_path(tmp_path):
