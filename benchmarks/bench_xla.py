@@ -1,11 +1,11 @@
-"""The lowered program on XLA:CPU vs the eager threaded program (vs the StableHLO interpreter
-where this machine has a CPU per rank), same model, shapes and prompts, one run.
+"""The lowered program on XLA:CPU vs the eager threaded program, same model, shapes and
+prompts, one run (``--interpreter``: also vs the StableHLO reference interpreter, at tp=2).
 
 Prints: transform and lowering time, XLA compile time per module, and the mean time of each
 step kind (prompt step, decode step) on each executor, with the XLA / eager ratio. The
 machine is shared: read the numbers next to the printed load average.
 
-    python3 benchmarks/bench_xla.py [--tp 4 --dcp 2 --steps 16 --layers 2]
+    python3 benchmarks/bench_xla.py [--tp 4 --dcp 2 --steps 16 --layers 2] [--interpreter]
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ def main() -> int:
     ap.add_argument("--dcp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--interpreter", action="store_true",
+                    help="also time the StableHLO interpreter (at tp=2/dcp=2, small shapes)")
     args = ap.parse_args()
     X.request_host_devices(args.tp)
 
@@ -127,16 +129,36 @@ def main() -> int:
     print(f"(decode: mean of {len(xla_times.get('decode', [])) - 1} steps after the first; "
           f"greedy tokens agree: {xla_tokens == eager_tokens})")
 
-    cpus = len(os.sched_getaffinity(0))
-    if cpus >= args.tp:
-        from dcp_compile.lowering import InterpreterExecutor
-        t_int, _ = on_executor(InterpreterExecutor(program, lowered, isolate=True), program,
-                               prompts, 2)
-        for label, kind, _ in rows:
-            print(f"StableHLO interpreter {label}: {mean_ms(t_int, kind):.0f} ms")
-    else:
-        print(f"StableHLO interpreter: not run (it needs a CPU per rank: {args.tp} > {cpus})")
+    if args.interpreter:
+        interpreter_row(args.layers)
     return 0
+
+
+def interpreter_row(layers: int) -> None:
+    """XLA vs eager threads vs the StableHLO reference interpreter at tp=2/dcp=2 (the
+    interpreter needs a CPU per rank) on small shapes: one prompt step, one decode step."""
+    import torch
+
+    import dcp_compile
+    from dcp_compile.lowering import InterpreterExecutor
+    from dcp_compile.models import DemoConfig, demo_model
+    from runtime.engine import StepShapes
+    shapes = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
+    model = demo_model(DemoConfig(num_layers=layers, num_kv_heads=1))
+    program = dcp_compile.transform(model, tp=2, dcp=2, shapes=shapes)
+    lowered = X.lower_for_xla(program)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 7)]
+    times = {"XLA:CPU": on_executor(X.XLAExecutor(program, lowered), program, prompts, 5)[0],
+             "eager threads": eager_threaded(program, prompts, 5)[0],
+             "interpreter": on_executor(InterpreterExecutor(program, lowered, isolate=True),
+                                        program, prompts, 2)[0]}
+    print("\ntp=2 dcp=2, batch 2, context 8 (one prompt step; decode: mean after the first, "
+          "the interpreter's one step):")
+    print(f"{'':<16}" + "".join(f"{k:>16}" for k in times))
+    for kind in ("context", "decode"):
+        print(f"{kind + ' step':<16}" + "".join(f"{mean_ms(t, kind, kind == 'decode'):>14.1f}ms"
+                                               for t in times.values()))
 
 
 if __name__ == "__main__":
