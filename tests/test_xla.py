@@ -242,6 +242,22 @@ def test_missing_jax_names_the_extra(monkeypatch):
         X.host_devices(2)
 
 
+@pytest.mark.parametrize("command", ["verify", "demo"])
+def test_cli_backend_xla_without_jax_exits_2_naming_the_extra(command, capsys, monkeypatch):
+    from dcp_compile import cli
+    monkeypatch.setitem(sys.modules, "jax", None)
+    parser = cli.build_parser()
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.set_defaults(_run=lambda args: pytest.fail("started work without jax"))
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    try:
+        code = cli.main([command, "--tp", "4", "--dcp", "2", "--backend", "xla"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "--backend xla cannot run here" in err and "'.[xla]'" in err, err
+
+
 def test_cli_verify_backend_xla():
     """`dcp-compile verify --backend xla` (fresh process: it sets the device count itself)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

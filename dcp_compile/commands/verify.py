@@ -44,12 +44,15 @@ def check_backend(args) -> None:
     initialises its CPU backend."""
     if args.backend != "xla":
         return
+    import importlib.util
+
     from dcp_compile.errors import DCPConfigError
-    from dcp_compile.lowering import interpreter_available
     from dcp_compile.xla import request_host_devices, xla_available
-    for ok, why in (xla_available(), interpreter_available()):
-        if not ok:
-            raise DCPConfigError(f"--backend xla cannot run here: {why}.")
+    ok, why = xla_available()
+    if ok and importlib.util.find_spec("torch_mlir") is None:
+        ok, why = False, "lowering needs torch-mlir: pip install -e '.[stablehlo]'"
+    if not ok:
+        raise DCPConfigError(f"--backend xla cannot run here: {why}.")
     request_host_devices(args.tp)
 
 
