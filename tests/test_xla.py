@@ -8,6 +8,7 @@ this process, each case runs in a fresh child process instead (``_in_xla_process
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -48,18 +49,19 @@ def _prompts():
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+@functools.lru_cache(maxsize=None)
 def _program(tp, dcp, mode, dtype="f32", combine="all_gather"):
+    """(model, program, lowered), shared by the cases that use the same program."""
     model = demo_model(DemoConfig(num_layers=1), dtype=DTYPES[dtype])
     options = {} if combine == "all_gather" else {"combine": combine}
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SHAPES, **options)
-    return model, prog
+    return model, prog, X.lower_for_xla(prog)
 
 
 def case_verify(tp, dcp, mode, dtype, combine="all_gather", source="text") -> dict:
     """One verification on XLA; returns the report (runs here or in a child process)."""
-    model, prog = _program(tp, dcp, mode, dtype, combine)
+    model, prog, lowered = _program(tp, dcp, mode, dtype, combine)
     atol = FP32_ATOL if dtype == "f32" else BF16_ATOL
-    lowered = X.lower_for_xla(prog)
     kinds = {step: sorted({(c.kind, c.channel_handle is not None) for c in m.collectives})
              for step, m in lowered.modules.items()}
     if mode == "decode" and dtype == "bf16":
@@ -98,8 +100,8 @@ def case_wrong_rank(tp, dcp) -> dict:
     from dcp_compile.verify import run_reference
     from runtime.engine import Engine
     from dcp_compile.errors import DCPInputError
-    model, prog = _program(tp, dcp, "decode")
-    executor = X.XLAExecutor(prog, X.lower_for_xla(prog))
+    model, prog, lowered = _program(tp, dcp, "decode")
+    executor = X.XLAExecutor(prog, lowered)
     ids, pos = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
     try:                              # the step contract runs before anything executes
         executor.step("decode", ids, pos, torch.full((2, 2), 99, dtype=torch.int64))
