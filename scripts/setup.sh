@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if ! $PY -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
     $PY -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-$PY -m pip install --quiet --disable-pip-version-check -e ".[test,hf,nixl,stablehlo]"
+$PY -m pip install --quiet --disable-pip-version-check -e ".[test,hf,nixl,stablehlo,xla]"
 # Debian packages: headless Chromium for tests/test_dump.py (it opens the pass-by-pass dump's
 # index.html; the test skips, saying why, when Chromium could not be installed) and Graphviz
 # for the dump's SVG pictures (without `dot` they are DOT text).

@@ -12,6 +12,7 @@ from pathlib import Path
 from .model_arg import add_model_arguments, load_model
 from .options import (add_layout_arguments, check_layout, choice_list, model_heads,
                       output_dir, positive_int)
+from .verify import add_backend_argument, check_backend, verifier
 
 
 def add_arguments(p):
@@ -25,11 +26,13 @@ def add_arguments(p):
     p.add_argument("--out", type=output_dir, default=Path("dcp_dump"),
                    help="where the pass-by-pass dump goes")
     p.add_argument("--json", action="store_true")
+    add_backend_argument(p)
     add_model_arguments(p)
 
 
 def validate(args) -> None:
     check_layout(args, modes=args.modes, **model_heads(args))
+    check_backend(args)
 
 
 def _kv_bytes(program, lengths_total: int) -> tuple[int, int]:
@@ -44,7 +47,6 @@ def run(args) -> int:
     import torch
 
     import dcp_compile
-    from dcp_compile import verify as V
     from dcp_compile.commands.verify import default_lengths
     from runtime.engine import StepShapes
 
@@ -75,17 +77,20 @@ def run(args) -> int:
                                         shapes=shapes, dump_dir=out_dir / mode,
                                         certificate=cert, progress=True)
         transform_s = time.perf_counter() - t0
-        print(f"[{mode}] running {args.tp} ranks on threads vs the single-device model...",
-              file=sys.stderr)
+        print(f"[{mode}] running {args.tp} ranks on {args.backend} vs the single-device "
+              f"model...", file=sys.stderr)
+        V, extra = verifier(args.backend), {}
+        if args.backend == "xla":      # the lowered modules go next to the dump
+            extra["lowered"] = V.lower_for_xla(program, out_dir=out_dir / mode / "stablehlo")
         if mode == "decode":
-            report = V.verify(loaded.make_reference(), program, prompts, args.steps)
+            report = V.verify(loaded.make_reference(), program, prompts, args.steps, **extra)
         else:
             report = V.verify_prefill(loaded.make_reference(), program, prompts, args.chunks,
-                                      check_cache=loaded.reference_has_cache)
+                                      check_cache=loaded.reference_has_cache, **extra)
         ok &= report.ok
         step = "decode" if mode == "decode" else "prefill"
         kv_rank, kv_single = _kv_bytes(program, sum(report.lengths))
-        rows.append({"mode": mode, "tp": args.tp, "dcp": args.dcp,
+        rows.append({"mode": mode, "backend": args.backend, "tp": args.tp, "dcp": args.dcp,
                      "proofs": f"{sum(t.status == 'proven' for t in cert.theorems)}/"
                                f"{len(cert.theorems)}",
                      "collectives_per_layer": program.collectives_per_layer(step),
@@ -98,7 +103,8 @@ def run(args) -> int:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
-            print(f"mode={r['mode']:<8} tp={r['tp']} dcp={r['dcp']} proofs={r['proofs']} "
+            print(f"mode={r['mode']:<8} backend={r['backend']} tp={r['tp']} dcp={r['dcp']} "
+                  f"proofs={r['proofs']} "
                   f"max_abs_error={r['max_abs_error']:.2e} tokens_agree={r['tokens_agree']} "
                   f"ok={r['ok']}")
             print(f"  KV bytes per rank {r['kv_bytes_per_rank']} vs single device "

@@ -1,7 +1,8 @@
 """Transform a model, run it on a threaded world and compare with the single device.
 
 The model is the demo model, --model or --hf-config; an ordinary model is compared with its
-own full forward.
+own full forward. ``--backend xla`` lowers the program to StableHLO and runs it compiled by
+XLA:CPU on tp host devices instead (the ``[xla]`` extra).
 
 Prints the max absolute logit error and whether greedy tokens agree; exits 1 on mismatch.
 """
@@ -25,11 +26,48 @@ def add_arguments(p):
                    help="comma-separated prompt lengths (default: edge cases for the layout)")
     p.add_argument("--atol", type=non_negative_float, default=1e-4)
     p.add_argument("--json", action="store_true")
+    add_backend_argument(p)
     add_model_arguments(p)
+
+
+BACKENDS = ("threads", "xla")
+
+
+def add_backend_argument(p) -> None:
+    p.add_argument("--backend", choices=BACKENDS, default="threads",
+                   help="threads: the FX program, one eager rank per thread; xla: the program "
+                        "lowered to StableHLO, compiled by XLA:CPU, one host device per rank")
+
+
+def check_backend(args) -> None:
+    """--backend xla needs jax and torch-mlir; ask XLA for tp host devices before jax
+    initialises its CPU backend."""
+    if args.backend != "xla":
+        return
+    import importlib.util
+
+    from dcp_compile.errors import DCPConfigError
+    from dcp_compile.xla import request_host_devices, xla_available
+    ok, why = xla_available()
+    if ok and importlib.util.find_spec("torch_mlir") is None:
+        ok, why = False, "lowering needs torch-mlir: pip install -e '.[stablehlo]'"
+    if not ok:
+        raise DCPConfigError(f"--backend xla cannot run here: {why}.")
+    request_host_devices(args.tp)
+
+
+def verifier(backend: str):
+    """The module whose verify / verify_prefill run the program on ``backend``."""
+    if backend == "xla":
+        from dcp_compile import xla
+        return xla
+    from dcp_compile import verify
+    return verify
 
 
 def validate(args) -> None:
     check_layout(args, **model_heads(args))
+    check_backend(args)
 
 
 def default_lengths(dcp: int, interleave: int, block: int) -> list[int]:
@@ -43,7 +81,6 @@ def run(args) -> int:
     import torch
 
     import dcp_compile
-    from dcp_compile import verify as V
     from runtime.engine import StepShapes
 
     interleave = args.interleave_size or args.block_size
@@ -65,8 +102,10 @@ def run(args) -> int:
                                     block_size=args.block_size,
                                     interleave_size=args.interleave_size, shapes=shapes,
                                     progress=True)
-    print(f"running {args.tp} ranks on threads vs the single-device model "
+    where = "threads" if args.backend == "threads" else "XLA:CPU devices (lowered StableHLO)"
+    print(f"running {args.tp} ranks on {where} vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
+    V = verifier(args.backend)
     if args.mode == "decode":
         report = V.verify(loaded.make_reference(), program, prompts, args.steps,
                           atol=args.atol)
@@ -77,7 +116,8 @@ def run(args) -> int:
         print(json.dumps(report.to_json()))
     else:
         status = "OK" if report.ok else "MISMATCH"
-        print(f"{status}: tp={report.tp} dcp={report.dcp} mode={report.mode} "
+        print(f"{status}: backend={args.backend} tp={report.tp} dcp={report.dcp} "
+              f"mode={report.mode} "
               f"lengths={report.lengths} max_abs_error={report.max_abs_error:.3e} "
               f"tokens_agree={report.tokens_agree} ({report.seconds:.1f}s)")
         if report.first_mismatch:

@@ -1,0 +1,279 @@
+"""Lowered programs on a real XLA compiler (PJRT CPU through jaxlib): compiled once per step
+for tp replicas, run SPMD on host devices, compared with the single-device model.
+
+XLA:CPU needs its host device count (XLA_FLAGS) before jax initialises its CPU backend; this
+module asks for MAX_TP devices at import. If jax was initialised with fewer devices earlier in
+this process, each case runs in a fresh child process instead (``_in_xla_process``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if __name__ == "__main__":        # child process of _in_xla_process: this worktree first
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+pytest.importorskip("jax", reason="XLA tests need jax/jaxlib (pip install -e '.[xla]')")
+pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stablehlo extra)")
+
+import dcp_compile  # noqa: E402
+from dcp_compile import xla as X  # noqa: E402
+from dcp_compile.errors import DCPTransformError  # noqa: E402
+from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
+from runtime.engine import StepShapes  # noqa: E402
+
+MAX_TP = 8
+X.request_host_devices(MAX_TP)
+
+SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
+LENGTHS = (3, 7)
+DECODE_STEPS, CHUNKS = 4, 2
+FP32_ATOL = 1e-4
+# bf16 weights and caches: 8 mantissa bits, and the partial / combined attention and the
+# sharded matmuls sum in another order than the single device (same bound as the threaded
+# bf16 test in test_decode_dcp.py). Measured on XLA: <= 0.032.
+BF16_ATOL = 0.1
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@functools.lru_cache(maxsize=None)
+def _program(tp, dcp, mode, dtype="f32", combine="all_gather"):
+    """(model, program, lowered), shared by the cases that use the same program."""
+    model = demo_model(DemoConfig(num_layers=1), dtype=DTYPES[dtype])
+    options = {} if combine == "all_gather" else {"combine": combine}
+    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SHAPES, **options)
+    return model, prog, X.lower_for_xla(prog)
+
+
+def case_verify(tp, dcp, mode, dtype, combine="all_gather", source="text") -> dict:
+    """One verification on XLA; returns the report (runs here or in a child process)."""
+    model, prog, lowered = _program(tp, dcp, mode, dtype, combine)
+    atol = FP32_ATOL if dtype == "f32" else BF16_ATOL
+    kinds = {step: sorted({(c.kind, c.channel_handle is not None) for c in m.collectives})
+             for step, m in lowered.modules.items()}
+    if mode == "decode" and dtype == "bf16":
+        return {"bf16": _bf16_decode(model, prog, lowered), "kinds": kinds}
+    if mode == "decode":
+        report = X.verify(model, prog, _prompts(), DECODE_STEPS, atol=atol, lowered=lowered,
+                          source=source)
+    else:
+        report = X.verify_prefill(model, prog, _prompts(), CHUNKS, atol=atol, lowered=lowered,
+                                  source=source)
+    return {"report": report.to_json(), "kinds": kinds}
+
+
+def _bf16_decode(model, prog, lowered) -> dict:
+    """bf16 greedy decode: logits within BF16_ATOL at every step up to and including the
+    first where a token differs; a differing token is allowed only where the reference's top
+    two logits are closer than that tolerance (a near tie bf16 rounding may flip)."""
+    from dcp_compile.verify import run_reference
+    ref, _ = run_reference(model, prog, _prompts(), DECODE_STEPS)
+    got = X.generate(prog, _prompts(), DECODE_STEPS, lowered=lowered)
+    errors, flips = [], []
+    for t, (g, e) in enumerate(zip(got.logits, ref.logits)):
+        errors.append(float((g.float() - e.float()).abs().max()))
+        top2 = e.float().topk(2, dim=-1).values
+        for b in range(len(LENGTHS)):
+            if got.tokens[b][t] != ref.tokens[b][t]:
+                flips.append({"step": t, "row": b,
+                              "margin": float(top2[b, 0] - top2[b, 1])})
+        if flips:
+            break                   # the sequences differ from here on
+    return {"errors": errors, "flips": flips, "steps": len(errors)}
+
+
+def case_wrong_rank(tp, dcp) -> dict:
+    """The comparison can fail: replicas fed each other's tp_rank compute wrong logits."""
+    from dcp_compile.verify import run_reference
+    from runtime.engine import Engine
+    from dcp_compile.errors import DCPInputError
+    model, prog, lowered = _program(tp, dcp, "decode")
+    executor = X.XLAExecutor(prog, lowered)
+    ids, pos = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
+    try:                              # the step contract runs before anything executes
+        executor.step("decode", ids, pos, torch.full((2, 2), 99, dtype=torch.int64))
+        refused = None
+    except DCPInputError as e:
+        refused = e.rule
+    executor.prefix[-1] = executor.replicas.per_rank(
+        [torch.tensor((r + 1) % tp, dtype=torch.int64) for r in range(tp)])
+    engine = Engine(executor, SHAPES, block_size=16, dcp=dcp, prompt_kind="context")
+    ref, _ = run_reference(model, prog, _prompts(), 1)
+    before = executor._caches[0]
+    got = engine.prefill(_prompts())
+    return {"error": float((got - ref.logits[0]).abs().max()), "refused": refused,
+            "donated": before.is_deleted()}
+
+
+def case_rejected_module() -> str:
+    """A module XLA rejects: its error, naming the step, comes back as DCPXLAError."""
+    bad = _MODULE.format(op="stablehlo.add %arg0, %arg0 : tensor<2x4xf32>").replace(
+        "-> tensor<2x4xf32> {", "-> tensor<4x2xf32> {")
+    try:
+        X.compile_module(bad, X.host_devices(2), step="decode", path="bad.mlir")
+    except X.DCPXLAError as e:
+        return str(e)
+    return "compiled"
+
+
+def _xla_ready() -> bool:
+    import jax
+    return len(jax.devices("cpu")) >= MAX_TP
+
+
+def _in_xla_process(case: str, *args, tmp_path) -> dict:
+    if _xla_ready():
+        return globals()[case](*args)
+    out = tmp_path / "case.pt"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_TP}"
+    proc = subprocess.run([sys.executable, __file__, case, repr(args), str(out)], env=env,
+                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+CASES = [pytest.param(8, 4, "decode", "f32", id="tp8-dcp4-decode-f32"),
+         pytest.param(8, 4, "prefill", "f32", id="tp8-dcp4-prefill-f32"),
+         pytest.param(4, 2, "decode", "f32", id="tp4-dcp2-decode-f32"),
+         pytest.param(4, 2, "prefill", "f32", id="tp4-dcp2-prefill-f32"),
+         pytest.param(8, 4, "decode", "bf16", id="tp8-dcp4-decode-bf16"),
+         pytest.param(4, 2, "prefill", "bf16", id="tp4-dcp2-prefill-bf16")]
+
+
+@pytest.mark.parametrize("tp,dcp,mode,dtype", CASES)
+def test_lowered_program_on_xla_matches_the_single_device_model(tp, dcp, mode, dtype,
+                                                                 tmp_path):
+    got = _in_xla_process("case_verify", tp, dcp, mode, dtype, tmp_path=tmp_path)
+    if "bf16" in got:
+        bf16 = got["bf16"]
+        assert max(bf16["errors"]) <= BF16_ATOL, bf16
+        assert all(f["margin"] < 2 * BF16_ATOL for f in bf16["flips"]), bf16
+        return
+    report = got["report"]
+    assert report["ok"], report
+    assert report["tokens_agree"], report
+    assert report["max_abs_error"] <= (FP32_ATOL if dtype == "f32" else BF16_ATOL), report
+    # Every collective ran as XLA:CPU runs it: all_gather / reduce_scatter / all_reduce with
+    # a channel (and global device ids); DCP collectives actually present.
+    step = "decode" if mode == "decode" else "prefill"
+    assert ("all_gather", True) in got["kinds"][step], got["kinds"]
+
+
+def test_all_to_all_combine_on_xla(tmp_path):
+    got = _in_xla_process("case_verify", 4, 2, "decode", "f32", "all_to_all", tmp_path=tmp_path)
+    assert got["report"]["ok"], got["report"]
+    assert ("all_to_all", False) in got["kinds"]["decode"], got["kinds"]    # no channel
+
+
+def test_portable_artifact_on_xla(tmp_path):
+    """The .mlirbc artifact (VHLO bytecode) compiles and runs like the text."""
+    got = _in_xla_process("case_verify", 4, 2, "decode", "f32", "all_gather", "artifact",
+                          tmp_path=tmp_path)
+    assert got["report"]["ok"], got["report"]
+
+
+def test_a_wrong_rank_is_caught(tmp_path):
+    got = _in_xla_process("case_wrong_rank", 4, 2, tmp_path=tmp_path)
+    assert got["error"] > 1e-2, got
+    assert got["refused"] is not None, got       # a block id past the cache: refused
+    assert got["donated"], got     # the step consumed the cache buffers (tf.aliasing_output)
+
+
+def test_a_module_xla_rejects_raises_with_the_step_and_path(tmp_path):
+    message = _in_xla_process("case_rejected_module", tmp_path=tmp_path)
+    assert message.startswith("XLA rejected the lowered 'decode' module (bad.mlir)"), message
+
+
+# -- collective forms XLA:CPU aborts on: refused before compiling ---------------------------
+
+_MODULE = """module @m attributes {{mhlo.num_replicas = 2 : i32}} {{
+  func.func @main(%arg0: tensor<2x4xf32>) -> tensor<2x4xf32> {{
+    %0 = {op}
+    return %0 : tensor<2x4xf32>
+  }}
+}}"""
+_CH = "channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, "
+_A2A = ('"stablehlo.all_to_all"(%arg0) <{{{ch}concat_dimension = 0 : i64, replica_groups = '
+        'dense<[[0, 1]]> : tensor<1x2xi64>, split_count = 2 : i64, split_dimension = 0 : i64}}>'
+        ' : (tensor<2x4xf32>) -> tensor<2x4xf32>')
+_PERMUTE = ('"stablehlo.collective_permute"(%arg0) <{{{ch}source_target_pairs = dense<[[0, 1], '
+            '[1, 0]]> : tensor<2x2xi64>}}> : (tensor<2x4xf32>) -> tensor<2x4xf32>')
+_BROADCAST = ('"stablehlo.collective_broadcast"(%arg0) <{replica_groups = dense<[[0, 1]]> : '
+              'tensor<1x2xi64>}> : (tensor<2x4xf32>) -> tensor<2x4xf32>')
+
+
+@pytest.mark.parametrize("op,name", [
+    pytest.param(_A2A.format(ch=_CH), "all_to_all with a channel_handle", id="all_to_all"),
+    pytest.param(_PERMUTE.format(ch=_CH), "collective_permute with a channel_handle",
+                 id="collective_permute"),
+    pytest.param(_BROADCAST, "collective_broadcast", id="collective_broadcast")])
+def test_forms_xla_cpu_aborts_on_are_refused(op, name):
+    text = _MODULE.format(op=op)
+    with pytest.raises(DCPTransformError, match=f"step 'decode' line 3 has stablehlo.{name}"):
+        X.check_xla_cpu_forms(text, step="decode")
+    # ... by the executor too, before it asks for devices or compiles anything.
+    lowered = SimpleNamespace(modules={"decode": SimpleNamespace(text=text, paths={})})
+    with pytest.raises(DCPTransformError, match="XLA:CPU"):
+        X.XLAExecutor(SimpleNamespace(topology=SimpleNamespace(tp=2)), lowered)
+
+
+def test_forms_xla_cpu_runs_pass_the_check():
+    X.check_xla_cpu_forms(_MODULE.format(op=_A2A.format(ch="")))           # no channel
+    X.check_xla_cpu_forms(_MODULE.format(op=_PERMUTE.format(ch="")))
+
+
+def test_missing_jax_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)
+    ok, why = X.xla_available()
+    assert not ok and "'.[xla]'" in why
+    with pytest.raises(X.DCPXLAError, match=r"pip install -e '\.\[xla\]'"):
+        X.host_devices(2)
+
+
+@pytest.mark.parametrize("command", ["verify", "demo"])
+def test_cli_backend_xla_without_jax_exits_2_naming_the_extra(command, capsys, monkeypatch):
+    from dcp_compile import cli
+    monkeypatch.setitem(sys.modules, "jax", None)
+    parser = cli.build_parser()
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.set_defaults(_run=lambda args: pytest.fail("started work without jax"))
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    try:
+        code = cli.main([command, "--tp", "4", "--dcp", "2", "--backend", "xla"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "--backend xla cannot run here" in err and "'.[xla]'" in err, err
+
+
+def test_cli_verify_backend_xla():
+    """`dcp-compile verify --backend xla` (fresh process: it sets the device count itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "dcp_compile.cli", "verify", "--tp", "4",
+                           "--dcp", "2", "--steps", "2", "--backend", "xla", "--json"],
+                          env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["tp"] == 4 and report["max_abs_error"] <= FP32_ATOL, report
+
+
+if __name__ == "__main__":        # child process of _in_xla_process
+    import ast
+    name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]
+    torch.save(globals()[name](*args), out)
