@@ -51,14 +51,23 @@ def _model_facts(model) -> dict:
 def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *,
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
-              certificate=None, progress: bool = False) -> DCPProgram:
+              certificate=None, progress: bool = False,
+              check: bool | None = None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models).
+
+    ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
+    seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
+    a program whose logits differ (dcp_compile.check: steps, inputs, tolerance). ``None``:
+    on when the weights are real and the model within the bound of
+    ``check.skip_reasons`` (small enough that this takes about a second), off otherwise;
+    ``True`` on a meta model raises.
     """
+    from . import check as checking
     from passes.dump import dump_root_for, pass_dump
     from passes.infra import TransformContext
     from passes.manager import run_passes
@@ -71,6 +80,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
         model = prepare(model)
     shapes = shapes or StepShapes()
     facts = _model_facts(model)
+    check = checking.resolve(check, model, tp, shapes)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params else torch.float32
@@ -106,12 +116,19 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
         if constants is None:
             constants = constant_values(model, captured)
             weight_inputs = list(captured.params) + list(captured.buffers)
-    return DCPProgram(config=config, topology=topology(tp, dcp, mode, config=config),
-                      certificate=certificate, graphs=graphs, history=history,
-                      shapes=shapes, constants=constants, shards=shards,
-                      weight_inputs=weight_inputs, num_layers=facts["num_layers"],
-                      dump_dir=str(dump_path) if dump_path else None,
-                      facts={"dtype": dtype})
+    program = DCPProgram(config=config, topology=topology(tp, dcp, mode, config=config),
+                         certificate=certificate, graphs=graphs, history=history,
+                         shapes=shapes, constants=constants, shards=shards,
+                         weight_inputs=weight_inputs, num_layers=facts["num_layers"],
+                         dump_dir=str(dump_path) if dump_path else None,
+                         facts={"dtype": dtype})
+    if check:
+        report = checking.check_program(model, program)     # raises: no program returned
+        program.facts["check"] = report.to_json()
+        if progress:
+            _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
+                    f"{report.tolerance:.2g} ({report.seconds:.2f}s)")
+    return program
 
 
 def _report(line: str) -> None:
