@@ -78,17 +78,19 @@ def test_a_program_that_does_not_run_is_refused(monkeypatch):
         dcp_compile.transform(_model(), tp=4, dcp=2, shapes=SHAPES, check=True)
 
 
-@pytest.mark.parametrize("mode,steps", [
-    ("decode", ["context", "decode"]),
-    ("prefill", ["prefill chunk 1", "prefill chunk 2 (after chunk 1)"])])
-def test_small_real_model_is_checked_by_default(mode, steps):
-    prog = dcp_compile.transform(_model(), tp=4, dcp=2, mode=mode, shapes=SHAPES)
+@pytest.mark.parametrize("mode,steps,lengths", [
+    ("decode", ["context", "decode"], [[9, 7, 1], [1, 1, 1]]),
+    ("prefill", ["prefill chunk 1", "prefill chunk 2 (after chunk 1)"], [[9, 7, 1], [7, 1, 20]])])
+def test_small_real_model_is_checked_by_default(mode, steps, lengths):
+    shapes = StepShapes.fitting(3, 20, 40, block_size=4, dcp=2)
+    prog = dcp_compile.transform(_model(), tp=4, dcp=2, mode=mode, block_size=4,
+                                 shapes=shapes)
     report = prog.facts["check"]
     assert report["ok"] and report["steps"] == steps
     assert max(report["step_errors"]) <= report["tolerance"] < 2e-4
-    # Rows of mixed lengths: one past the interleave period (16 * 2), one token, the longest.
-    assert report["lengths"][0] == [20, 20, 1] or 1 in report["lengths"][0]
-    assert len(set(report["lengths"][0])) > 1
+    # Rows straddle the interleave period (4 * 2), plus one token; prefill's second chunk
+    # continues every row, up to a full context_len.
+    assert report["lengths"] == lengths
 
 
 def test_meta_model_is_not_checked_by_default_and_check_true_is_an_error():
