@@ -12,6 +12,11 @@ A mismatch fails the test, printing the drawn model, unless the model has a feat
 sharding work): then ``transform(check=True)`` must refuse it with DCPCheckError, so that no
 user ever gets that wrong program by default. Empty the set once sharding is sound.
 
+Measured on main before the sound-sharding work (500 models, derandomized): check=False
+373 refused / 94 equal (max error 3.2e-6) / 33 silent mismatches (errors 0.47 to 5.2), every
+one with a KNOWN_UNSOUND_FEATURES feature (each of the three alone suffices); check=True 373
+refused + 33 refused by the check / 94 equal / 0 mismatches. ~0.47 s CPU per model.
+
 Environment: ``DCP_FUZZ_EXAMPLES`` (default ``DEFAULT_EXAMPLES``) models; ``DCP_FUZZ_CHECK=1``
 builds every program with ``check=True`` instead (then a mismatch is never allowed);
 ``DCP_FUZZ_STATS=path`` writes the counts (drawn / refused / equal / mismatched, per
@@ -39,7 +44,7 @@ from runtime.engine import StepShapes
 from helpers import prompts_of
 from model_grammar import ModelSpec, build, model_specs
 
-DEFAULT_EXAMPLES = 200
+DEFAULT_EXAMPLES = 300          # ~0.47 s CPU per model today: ~2.4 min; 500 = ~4 min
 EXAMPLES = int(os.environ.get("DCP_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
 WITH_CHECK = os.environ.get("DCP_FUZZ_CHECK") == "1"
 ATOL = 1e-4
