@@ -28,8 +28,9 @@ for bf16/fp16 about 2.5x and 4x their measured error.
 weights (not on the meta device, not fake tensors), at most ``MAX_PARAMETERS`` parameters,
 tp at most ``MAX_TP``, prompt steps of at most ``MAX_STEP_TOKENS`` tokens (batch x
 context_len), and transform() not called inside a running distributed job (a torchrun worker
-would run the whole world in every process). Within that bound one step per mode takes about
-a second on two CPU cores (demo model, tp=8/dcp=4: 0.4 to 1.5 s per mode).
+would run the whole world in every process). Within that bound one step per mode takes
+seconds on two CPU cores (demo model, tp=8/dcp=4: 1.4 to 2.0 s per mode, about twice the
+transform itself).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
     a program whose logits differ (dcp_compile.check: steps, inputs, tolerance). ``None``:
     on when the weights are real and the model within the bound of
-    ``check.skip_reasons`` (small enough that this takes about a second), off otherwise;
+    ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
     ``True`` on a meta model raises.
     """
     from . import check as checking
