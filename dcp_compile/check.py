@@ -36,7 +36,7 @@ transform itself).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -70,7 +70,6 @@ class CheckReport:
     seconds: float = 0.0
     first_mismatch: dict | None = None  # {"step", "rank", "row", "position", "error"}
     ok: bool = True
-    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
