@@ -50,6 +50,15 @@ class DCPTransformError(DCPError):
     """The model's graph cannot be rewritten (unknown attention, no attention, dynamic shapes)."""
 
 
+class DCPCheckError(DCPTransformError):
+    """transform(check=...) ran the program against the model and they differ (or the
+    program did not run); ``report`` is the dcp_compile.check.CheckReport."""
+
+    def __init__(self, message, report=None):
+        self.report = report
+        super().__init__(message)
+
+
 class DCPTransferError(DCPError):
     """A disaggregated KV transfer cannot be planned or did not complete."""
 

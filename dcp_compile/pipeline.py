@@ -55,7 +55,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
               certificate=None, progress: bool = False, combine: str = "all_gather",
-              combine_dtype: str = "float32") -> DCPProgram:
+              combine_dtype: str = "float32", check: bool | None = None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
@@ -63,7 +63,15 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
     ``combine_dtype`` choose the decode combine (DCPConfig; README "Decode step cost").
+
+    ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
+    seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
+    a program whose logits differ (dcp_compile.check: steps, inputs, tolerance). ``None``:
+    on when the weights are real and the model within the bound of
+    ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
+    ``True`` on a meta model raises.
     """
+    from . import check as checking
     from passes.dump import dump_root_for, pass_dump
     from passes.infra import TransformContext
     from passes.manager import run_passes
@@ -72,7 +80,8 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
                        combine_dtype=combine_dtype)
-    from .ordinary import OrdinaryStep, model_kind
+    from .ordinary import FullForwardReference, OrdinaryStep, model_kind
+    user_model = model
     kind = model_kind(model)
     if kind == "hf_prepare":
         from .hf import prepare  # attention already "dcp_paged": the fast path
@@ -82,6 +91,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
         model = OrdinaryStep(model)
     shapes = shapes or StepShapes()
     facts = {} if ordinary else _model_facts(model)
+    check = checking.resolve(check, model, tp, shapes)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params else torch.float32
@@ -122,12 +132,20 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
         if constants is None:
             constants = constant_values(model, captured)
             weight_inputs = list(captured.params) + list(captured.buffers)
-    return DCPProgram(config=config, topology=topology(tp, dcp, mode, config=config),
-                      certificate=certificate, graphs=graphs, history=history,
-                      shapes=shapes, constants=constants, shards=shards,
-                      weight_inputs=weight_inputs, num_layers=facts["num_layers"],
-                      dump_dir=str(dump_path) if dump_path else None,
-                      facts={"dtype": facts.get("cache_dtype", dtype)})
+    program = DCPProgram(config=config, topology=topology(tp, dcp, mode, config=config),
+                         certificate=certificate, graphs=graphs, history=history,
+                         shapes=shapes, constants=constants, shards=shards,
+                         weight_inputs=weight_inputs, num_layers=facts["num_layers"],
+                         dump_dir=str(dump_path) if dump_path else None,
+                         facts={"dtype": facts.get("cache_dtype", dtype)})
+    if check:  # an ordinary model's reference is its own full forward (no cache)
+        reference = FullForwardReference(user_model) if ordinary else model
+        report = checking.check_program(reference, program)  # raises: no program
+        program.facts["check"] = report.to_json()
+        if progress:
+            _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
+                    f"{report.tolerance:.2g} ({report.seconds:.2f}s)")
+    return program
 
 
 def _insert_cache_pass(ctx, step_model, captured, shapes):

@@ -42,20 +42,26 @@ def prompt_kind(program: DCPProgram) -> str:
     return "context" if "context" in program.graphs else "prefill"
 
 
-def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
-    """The single-device model through the same engine (dcp=1 block tables)."""
+def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
+    """An engine over the single-device model for ``program``'s shapes: the same sequences
+    fit (dcp=1 block tables: one entry per block_size tokens, dcp times as many blocks).
+    ``executor_for(caches)`` builds the executor around the freshly allocated caches."""
     from dataclasses import replace
 
-    from runtime.engine import Engine, LocalExecutor
+    from runtime.engine import Engine
     from runtime.kv_cache import KVCacheSpec
     c = program.config
-    # One block-table entry covers block_size tokens here, not block_size * dcp.
     shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
     spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
                        c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
-    engine = Engine(LocalExecutor(model, spec.allocate(fill=fill)), shapes,
-                    block_size=c.block_size)
+    return Engine(executor_for(spec.allocate(fill=fill)), shapes, block_size=c.block_size)
+
+
+def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
+    """The single-device model through the same engine (dcp=1 block tables)."""
+    from runtime.engine import LocalExecutor
+    engine = reference_engine(program, lambda caches: LocalExecutor(model, caches), fill=fill)
     with torch.no_grad():
         result = engine.generate(prompts, steps)
     return result, engine
@@ -231,19 +237,11 @@ def run_chunks(engine, recorder, chunk_plan, rank, max_blocks) -> PrefillRun:
 
 def run_prefill_reference(model, program: DCPProgram, chunk_plan, *, fill=0.0) -> PrefillRun:
     """The single-device model, chunk by chunk, through the same engine (dcp=1 tables)."""
-    from dataclasses import replace
-
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.kv_cache import KVCacheSpec
+    from runtime.engine import LocalExecutor
     _check_plan(chunk_plan)
-    c = program.config
-    shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
-                     num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
-    spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
-                       c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
-    recorder = RecordingExecutor(LocalExecutor(model, spec.allocate(fill=fill)))
-    engine = Engine(recorder, shapes, block_size=c.block_size, prompt_kind="prefill")
-    return run_chunks(engine, recorder, chunk_plan, None, shapes.max_blocks)
+    engine = reference_engine(
+        program, lambda caches: RecordingExecutor(LocalExecutor(model, caches)), fill=fill)
+    return run_chunks(engine, engine.executor, chunk_plan, None, engine.shapes.max_blocks)
 
 
 def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_garbage=True,
