@@ -183,13 +183,17 @@ class ShardTensorParallel(DCPPass):
             n.args = (n.args[0], d, local[d:d + len(n.args[2])])
         elif t in _SPLITS:
             x = pl.of(n.args[0])
-            if isinstance(x, Shard) and _split_ranges(n)[0] == x.dim:
+            d, bounds = _split_ranges(n)
+            if isinstance(x, Shard) and d == x.dim:
+                # A piece made only of whole replicated segments (an MQA K or V of a fused
+                # QKV) is Replicate: every rank keeps all of it.
                 n.target = aten.split_with_sizes.default
-                n.args = (n.args[0], [o.local for o in out], x.dim)
+                n.args = (n.args[0], [o.local if isinstance(o, Shard) else end - start
+                                      for o, (start, end) in zip(out, bounds)], x.dim)
                 n.kwargs = {}
         elif t in (aten.slice.Tensor, aten.narrow.default):
             x = pl.of(n.args[0])
-            d, start, _, _ = _slice_bounds(n)
+            d, start, end, _ = _slice_bounds(n)
             if isinstance(x, Shard) and d == x.dim:
                 pos, local_start = 0, 0
                 for s in x.segs:          # whole segments before ``start`` (the analysis
@@ -198,7 +202,8 @@ class ShardTensorParallel(DCPPass):
                     pos += s.size
                     local_start += s.local
                 n.target = aten.slice.Tensor
-                n.args = (n.args[0], d, local_start, local_start + out.local)
+                width = out.local if isinstance(out, Shard) else end - start  # Replicate:
+                n.args = (n.args[0], d, local_start, local_start + width)      # whole piece
                 n.kwargs = {}
 
     def _reduce(self, g, n: Node, p: Partial) -> None:

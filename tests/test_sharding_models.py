@@ -19,11 +19,15 @@ from sharding_models import FeatureConfig, FeatureLM
 STEPS = 8
 GQA = dict(num_q_heads=8, num_kv_heads=2)       # tp=4, dcp=2: KV heads replicated twice
 MHA = dict(num_q_heads=4, num_kv_heads=4)       # tp=4, dcp=1: plain tensor parallelism
+MQA = dict(num_q_heads=4, num_kv_heads=1)       # tp=2, dcp=1: the one KV head on every rank
 
 FEATURES = {
     "fused-gate-up": (FeatureConfig(mlp="fused", **GQA), 4, 2),
     "fused-qkv-rows": (FeatureConfig(qkv="fused_rows", **GQA), 4, 2),
     "fused-qkv-slices": (FeatureConfig(qkv="fused_slices", mlp="fused", **GQA), 4, 2),
+    # K and V pieces of the fused output are replicated, not sharded (found by the fuzz;
+    # the same model taking q/k/v by slices instead of split is refused, not wrong).
+    "fused-qkv-rows-mqa": (FeatureConfig(qkv="fused_rows", **MQA), 2, 1),
     "fused-qkv-per-head-h3d": (FeatureConfig(qkv="per_head", **MHA), 4, 1),
     "fused-qkv-3hd": (FeatureConfig(qkv="three_first", **MHA), 4, 1),
     "q-output-gate": (FeatureConfig(q_gate=True, **GQA), 4, 2),
