@@ -891,7 +891,7 @@ class Analysis:
     def _from_range_users(self, n: Node):
         """A tensor whose users split it (split/chunk/unbind via getitem, or slices) into runs
         along one dim, each run required sharded there: it is the concatenation (segmented)."""
-        runs, dim = [], None
+        runs = []
         for u in n.users:
             if u.op != "call_function":
                 return None
