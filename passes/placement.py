@@ -1119,23 +1119,10 @@ class Analysis:
         return roles
 
 
-def _linears_behind(start: Node) -> set[Node]:
-    out, seen, stack = set(), set(), [start]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target == LINEAR:
-            out.add(n)
-        elif n.op == "call_function" and n.target != ATTENTION:
-            stack.extend(n.all_input_nodes)
-    return out
-
-
-def _linears_ahead(start: Node) -> list[Node]:
-    """Linears reached forward from ``start`` before any other linear or attention."""
-    out, seen, stack = [], set(), list(start.users)
+def _linears_reached(starts: list[Node], onward) -> list[Node]:
+    """Linears reached from ``starts`` following ``onward`` (inputs or users), stopping at
+    each linear and at attention."""
+    out, seen, stack = [], set(), list(starts)
     while stack:
         n = stack.pop()
         if n in seen:
@@ -1144,8 +1131,18 @@ def _linears_ahead(start: Node) -> list[Node]:
         if n.op == "call_function" and n.target == LINEAR:
             out.append(n)
         elif n.op == "call_function" and n.target != ATTENTION:
-            stack.extend(n.users)
+            stack.extend(onward(n))
     return out
+
+
+def _linears_behind(start: Node) -> set[Node]:
+    """Linears ``start`` is computed from, back to the nearest linear or attention."""
+    return set(_linears_reached([start], lambda n: n.all_input_nodes))
+
+
+def _linears_ahead(start: Node) -> list[Node]:
+    """Linears reached forward from ``start`` before any other linear or attention."""
+    return _linears_reached(list(start.users), lambda n: n.users)
 
 
 def _reaches_output_directly(start: Node) -> bool:
