@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from .calling_convention import RANK_INPUT, role_of
 from .config import DCPConfig
 from .topology import Topology
 
@@ -47,7 +48,6 @@ class DCPProgram:
             full = self.constants[name]
             spec = self.shards.get(name)
             out[name] = spec.shard(full, rank) if spec is not None else full
-        from passes.insert_rank import RANK_INPUT
         out[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
         return out
 
@@ -75,7 +75,6 @@ class DCPProgram:
         return self._collective_counts(step, per_model=True)
 
     def _collective_counts(self, step: str, *, per_model: bool) -> dict[str, int]:
-        from passes.collectives import role_of
         counts: dict[str, int] = {}
         for n in self.graphs[step].graph.nodes:
             role = role_of(n)

@@ -84,10 +84,10 @@ from math import gcd
 
 import torch
 
-from dcp_compile import layout
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPConfigError, DCPTransferError
-from dcp_compile.topology import Topology, topology
+from . import layout
+from .config import DCPConfig
+from .errors import DCPConfigError, DCPTransferError
+from .topology import Topology, topology
 
 __all__ = [
     "CHUNK_COLUMNS",

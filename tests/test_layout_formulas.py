@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from dcp_compile import layout
+from runtime import layout
 
 WS = (1, 2, 3, 4, 8)
 IS = (1, 2, 4, 16)

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (pip install torch-mlir)")
 
 import dcp_compile  # noqa: E402
-from dcp_compile import layout  # noqa: E402
+from runtime import layout  # noqa: E402
 from dcp_compile.lowering import (COLLECTIVE_OPS, DCPLoweringError, collectives_in,  # noqa: E402
                                   deserialize, interpreter_available, lower,
                                   lower_function, op_counts, run_interpreter)
@@ -256,7 +256,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from torch.fx.passes.infra.pass_manager import PassManager
 
     from dcp_compile.capture import capture, example_step_inputs
-    from dcp_compile.config import DCPConfig
+    from runtime.config import DCPConfig
     from dcp_compile.lowering import lower_graph
     from dcp_compile.pipeline import passes_for
     from passes.infra import TransformContext
