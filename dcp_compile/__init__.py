@@ -35,10 +35,12 @@ class _OldPathLoader(importlib.abc.Loader):
         self.new = new
 
     def create_module(self, spec):
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__  # the import machinery overwrites it with the alias's
+        return module
 
     def exec_module(self, module):
-        pass  # the new module ran when it was imported
+        module.__spec__ = self.spec  # the new module ran when it was imported
 
 
 class _OldPathFinder(importlib.abc.MetaPathFinder):
