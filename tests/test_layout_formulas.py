@@ -1,4 +1,4 @@
-"""Every formula in dcp_compile.layout against an independent brute force.
+"""Every formula in runtime.layout against an independent brute force.
 
 The brute force builds the layout the way the specification describes it — vblocks of
 block_size * dcp positions, dealt out in runs of interleave_size positions round-robin over the
