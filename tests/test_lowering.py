@@ -21,12 +21,13 @@ pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (pip install
 
 import dcp_compile  # noqa: E402
 from runtime import layout  # noqa: E402
-from dcp_compile.lowering import (COLLECTIVE_OPS, DCPLoweringError, collectives_in,  # noqa: E402
-                                  deserialize, interpreter_available, lower,
-                                  lower_function, op_counts, run_interpreter)
+from dcp_compile.lowering import (COLLECTIVE_OPS, collectives_in, deserialize,  # noqa: E402
+                                  interpreter_available, lower, lower_function, op_counts,
+                                  run_interpreter)
 from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
 from passes.collectives import role_of  # noqa: E402
 from runtime.engine import StepShapes  # noqa: E402
+from runtime.errors import DCPLoweringError  # noqa: E402
 
 from helpers import assert_close_report  # noqa: E402
 
