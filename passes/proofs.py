@@ -17,7 +17,7 @@ sympy integer symbols — nothing is enumerated by block size. Local slots are
 ``s = k*B + u*I + t``, prefill chunks ``S = m*W*I`` (m >= 1), block-table entries ``e >= 0``.
 The formulas are the very functions in ``layout.py`` (they accept sympy values), evaluated
 once per theorem; each theorem's residual (lhs - rhs) is then reduced by
-:mod:`dcp_compile.integer_reduction` on a partition of that box into pieces, using only
+:mod:`passes.integer_reduction` on a partition of that box into pieces, using only
 integer lemmas whose side conditions it decides on each piece (floor(Q + R) = Q + n when
 n <= R < n + 1, Mod(a, d) = a - d*floor(a/d), Max/Min/[a = b] by the sign of a - b). A
 theorem is *proven* only when the residual is exactly 0 on every piece. The number of pieces
