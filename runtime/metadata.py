@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.step_contract import SLOT_MAPPING_RULES, StepContract
-
 from . import layout
 from .config import layout_config
 from .errors import DCPConfigError, DCPInputError
+from .step_contract import SLOT_MAPPING_RULES, StepContract
 
 __all__ = ["compute_slot_mapping"]
 
