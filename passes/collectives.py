@@ -11,8 +11,8 @@ import torch
 from torch.fx import Graph, Node
 
 # The role naming convention is the runtime's (it binds the roles when loading a program).
-from runtime.calling_convention import (COLLECTIVE_TARGETS, ROLE_PREFIX,  # noqa: F401
-                                        role_name, role_of)
+from runtime.names import ROLE_PREFIX  # noqa: F401
+from runtime.roles import COLLECTIVE_TARGETS, role_name, role_of  # noqa: F401
 
 F = torch.ops._c10d_functional
 

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .calling_convention import RANK_INPUT, role_of
 from .config import DCPConfig
+from .names import RANK_INPUT
+from .roles import role_of
 from .topology import Topology
 
 

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .calling_convention import RANK_INPUT, role_of
 from .errors import DCPNeuronError
+from .names import RANK_INPUT
+from .roles import role_of
 
 __all__ = ["DCPNeuronError", "NeuronStepModule", "bind_xla_collectives", "collective_calls",
            "neuron_available", "use_xla_module", "xla_all_gather", "xla_all_reduce",

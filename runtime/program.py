@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch.fx import Graph, GraphModule
 
-from .calling_convention import RANK_INPUT, role_of
-from .errors import DCPInputError
 from .eager import specialize_for_eager
+from .errors import DCPInputError
+from .names import RANK_INPUT
+from .roles import role_of
 from .step_contract import StepContract
 
 
