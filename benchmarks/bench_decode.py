@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import dcp_compile
-from dcp_compile import layout
+from runtime import layout
 from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from passes.collectives import collective_summary
 from runtime.engine import StepShapes

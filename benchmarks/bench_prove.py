@@ -2,7 +2,7 @@
 
 Each configuration is proven in a fresh process state (no certificate cache): wall and CPU
 seconds, and the number of pieces the symbolic proof split the domain into (independent of
-block_size by construction; see dcp_compile/proofs.py).
+block_size by construction; see passes/proofs.py).
 
     python3 benchmarks/bench_prove.py [--dcp 2,8,16] [--block 16,64,128,256,1024]
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import dcp_compile.layout  # noqa: F401  (import cost is not proof cost)
-from dcp_compile.proofs import prove
+import runtime.layout  # noqa: F401  (import cost is not proof cost)
+from passes.proofs import prove
 
 
 def main():

@@ -97,7 +97,8 @@ def time_lower(prog) -> tuple[float | str, dict]:
 
 
 def time_prove(dcp: int) -> float:
-    from dcp_compile import layout, proofs
+    from passes import proofs
+    from runtime import layout
     t0 = time.perf_counter()
     proofs._prove(dcp, BLOCK, BLOCK, layout)  # uncached: the cold proof
     return time.perf_counter() - t0

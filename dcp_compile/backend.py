@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from . import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from .config import DCPConfig
-from .errors import DCPConfigError, DCPError, DCPTransformError, DCPWorldError
+from runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from runtime.config import DCPConfig
+from runtime.errors import DCPConfigError, DCPError, DCPTransformError, DCPWorldError
 
 __all__ = ["BackendOptions", "DCPCompiledStep", "build_program", "dcp_backend",
            "kv_cache_spec", "make_backend"]
@@ -221,8 +221,8 @@ def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
     from passes.dump import dump_root_for, pass_dump
 
     from .pipeline import transform_graph
-    from .program import DCPProgram
-    from .topology import topology
+    from runtime.dcp_program import DCPProgram
+    from runtime.topology import topology
 
     _check_whole_step(gm)
     capture = _capture_aten(gm, example_inputs, opts.mode)

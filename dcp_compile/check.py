@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import DCPCheckError, DCPTransformError
-from .program import DCPProgram
+from runtime.errors import DCPCheckError, DCPTransformError
+from runtime.dcp_program import DCPProgram
 
 SEED = 0
 
@@ -262,7 +262,7 @@ def compare(ref, runs, steps: list[CheckStep], dtype: torch.dtype
 
 def check_program(model, program: DCPProgram) -> CheckReport:
     """Run one step of each emitted graph both ways; raise DCPCheckError if they differ."""
-    from .errors import DCPWorldError
+    from runtime.errors import DCPWorldError
     start = time.perf_counter()
     steps = steps_for(program, vocab_size(program))
     report = CheckReport(mode=program.config.mode, steps=[s.name for s in steps],

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from . import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from .errors import DCPTransformError
+from runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from runtime.errors import DCPTransformError
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"

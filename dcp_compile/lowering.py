@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
-from .errors import DCPError
+from runtime.errors import DCPLoweringError
 
 TARGETS = ("stablehlo",)
 FUNC_NAME = "main"
@@ -60,11 +60,6 @@ _PIPELINE_STABLEHLO = ("builtin.module(torch-backend-to-stablehlo-backend-pipeli
 _PIPELINE_CLEANUP = "builtin.module(func.func(canonicalize))"
 COLLECTIVE_OPS = ("stablehlo.all_gather", "stablehlo.reduce_scatter", "stablehlo.all_reduce",
                   "stablehlo.all_to_all")
-
-
-class DCPLoweringError(DCPError):
-    """A program (or function) cannot be lowered to StableHLO; the message names the op, the
-    node and the pass that introduced it."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -199,7 +194,7 @@ class LoweringResult:
 def lower(program, target: str = "stablehlo", out_dir: str | Path | None = None, *,
           steps: Sequence[str] | None = None, target_version: str | None = None,
           elide_trivial: bool = True) -> LoweringResult:
-    """Lower every step kind of ``program`` (a :class:`~dcp_compile.program.DCPProgram`).
+    """Lower every step kind of ``program`` (a :class:`~runtime.dcp_program.DCPProgram`).
 
     With ``out_dir``, writes ``<step>.stablehlo.mlir`` (text), ``<step>.stablehlo.mlirbc``
     (portable artifact for ``target_version``, default: this StableHLO's current version) and
@@ -330,7 +325,7 @@ def _op_name(target) -> str:
 
 def check_lowerable(gm: GraphModule, step: str) -> None:
     """Raise DCPLoweringError for the first op without a lowering or shape that is not static."""
-    from .ops import DECOMPOSITIONS
+    from runtime.ops import DECOMPOSITIONS
     collectives = _collective_targets()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "call_function"):
@@ -355,7 +350,7 @@ def check_lowerable(gm: GraphModule, step: str) -> None:
         raise DCPLoweringError(
             f"cannot lower op {_op_name(target)} at node {name} (introduced by pass "
             f"{pass_name}, step {step!r}): it has no decomposition to ATen. Add one to "
-            f"dcp_compile.ops.DECOMPOSITIONS (a plain-torch reference implementation), or "
+            f"runtime.ops.DECOMPOSITIONS (a plain-torch reference implementation), or "
             f"emit ATen ops in pass {pass_name}.")
 
 
@@ -530,7 +525,7 @@ def decomposition_table() -> dict:
     exact integer floor division / remainder (see _int_div_mode, _int_remainder)."""
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-    from .ops import DECOMPOSITIONS
+    from runtime.ops import DECOMPOSITIONS
     aten = torch.ops.aten
     table = dict(get_decomposition_table())
     table.update(DECOMPOSITIONS)
@@ -573,7 +568,7 @@ def decompose(gm: GraphModule, step: str, *,
             raise DCPLoweringError(
                 f"cannot lower op {_op_name(node.target)} from node {name} (introduced by pass "
                 f"{pass_name}, step {step!r}): it is still there after decomposition. Give it "
-                f"a decomposition to ATen (dcp_compile.ops.DECOMPOSITIONS).")
+                f"a decomposition to ATen (runtime.ops.DECOMPOSITIONS).")
     return out
 
 

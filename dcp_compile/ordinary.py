@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .capture import Captured, capture
-from .errors import DCPTransformError
+from runtime.errors import DCPTransformError
 
 PAGED_ARGS = ("block_table", "kv_caches")          # a forward with these is a paged step
 HF_ORDINARY_ATTENTION = ("sdpa", "eager")

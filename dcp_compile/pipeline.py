@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from .capture import capture, constant_values, example_step_inputs
-from .config import DCPConfig
-from .errors import DCPTransformError
+from runtime.config import DCPConfig
+from runtime.errors import DCPTransformError
 from .ordinary import capture_ordinary
-from .program import DCPProgram
-from .topology import topology
+from runtime.dcp_program import DCPProgram
+from runtime.topology import topology
 
 STEPS_BY_MODE = {"decode": ("context", "decode"), "prefill": ("prefill",)}
 

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .errors import DCPInputError
-from .program import DCPProgram
+from runtime.errors import DCPInputError
+from runtime.dcp_program import DCPProgram
 
 
 @dataclass

@@ -26,15 +26,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import DCPError, DCPTransformError
+from runtime.errors import DCPTransformError, DCPXLAError
 
 EXTRA = "xla"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-class DCPXLAError(DCPError):
-    """jaxlib is missing, the host has too few XLA devices, or XLA rejected a module (the
-    message names the step and the module's path)."""
 
 
 # ------------------------------------------------------------------------------------------

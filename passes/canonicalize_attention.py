@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 
 from .infra import KIND_ATTENTION, DCPPass, source_of
 

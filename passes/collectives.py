@@ -10,24 +10,11 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-ROLE_PREFIX = "dcp_role:"
+# The role naming convention is the runtime's (it binds the roles when loading a program).
+from runtime.names import ROLE_PREFIX  # noqa: F401
+from runtime.roles import COLLECTIVE_TARGETS, role_name, role_of  # noqa: F401
+
 F = torch.ops._c10d_functional
-
-COLLECTIVE_TARGETS = (F.all_gather_into_tensor.default, F.reduce_scatter_tensor.default,
-                      F.all_reduce.default, F.all_to_all_single.default)
-
-
-def role_name(role: str) -> str:
-    return ROLE_PREFIX + role
-
-
-def role_of(node: Node) -> str | None:
-    """The role a collective node runs on (None for other nodes)."""
-    if node.op != "call_function" or node.target not in COLLECTIVE_TARGETS:
-        return None
-    name = node.args[-1]
-    return name[len(ROLE_PREFIX):] if isinstance(name, str) and name.startswith(
-        ROLE_PREFIX) else name
 
 
 def all_gather(g: Graph, x: Node, role: str, size: int) -> tuple[Node, Node]:

@@ -33,7 +33,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,

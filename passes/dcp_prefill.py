@@ -50,8 +50,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dcp_compile.errors import DCPTransformError
-from dcp_compile.ops import owned_capacity
+from runtime.errors import DCPTransformError
+from runtime.ops import owned_capacity
 
 from . import collectives as C
 from .dcp_decode import cp_rank_node, replace_attention

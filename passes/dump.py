@@ -48,7 +48,7 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
-from dcp_compile.errors import DCPConfigError
+from runtime.errors import DCPConfigError
 
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_RANK, KIND_SHARD, KIND_SLICE)

@@ -16,9 +16,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPTransformError
+import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+from runtime.config import DCPConfig
+from runtime.errors import DCPTransformError
 
 # Kinds of inserted nodes (for history, structure tests and dump highlighting).
 KIND_COLLECTIVE = "collective"

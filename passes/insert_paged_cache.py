@@ -42,8 +42,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 from torch.fx.passes.infra.pass_base import PassResult
 
-import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.errors import DCPTransformError
+import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+from runtime.errors import DCPTransformError
 
 from .infra import KIND_ATTENTION, DCPPass, source_of, val
 

@@ -14,7 +14,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 
 
 @dataclass

@@ -50,7 +50,7 @@ from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDi
                                                      dim_unsqueeze, expand, view_groups)
 from torch.fx import GraphModule, Node
 
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 
 from .infra import attention_nodes, source_of
 from .insert_rank import RANK_INPUT

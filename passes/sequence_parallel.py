@@ -41,7 +41,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val

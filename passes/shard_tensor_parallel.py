@@ -26,7 +26,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, attention_nodes, \

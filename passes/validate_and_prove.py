@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dcp_compile.errors import DCPProofError, DCPTransformError
+from runtime.errors import DCPProofError, DCPTransformError
 
 from .infra import DCPPass, attention_nodes, val
 
@@ -36,7 +36,7 @@ class ValidateAndProve(DCPPass):
         cfg = cfg.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim)
         self.ctx.config = cfg
         if self.ctx.certificate is None:
-            from dcp_compile.proofs import prove
+            from .proofs import prove
             self.ctx.certificate = prove(cfg.dcp, cfg.interleave_size, cfg.block_size)
         if not self.ctx.certificate.ok:
             raise DCPProofError(self.ctx.certificate)

@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from dcp_compile.topology import topology
+    from .topology import topology
 
     from .launch import init_distributed_from_env
     from .world import bind_roles

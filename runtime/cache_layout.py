@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile import layout
+from . import layout
 
 
 def _rows(positions: torch.Tensor, table_row: torch.Tensor, *, block: int, dcp: int,

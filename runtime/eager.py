@@ -26,8 +26,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from dcp_compile import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.errors import DCPTransformError
+from . import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from .errors import DCPTransformError
 
 dcp_ops = torch.ops.dcp
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from dcp_compile.errors import DCPConfigError, DCPInputError
+from .errors import DCPConfigError, DCPInputError
 
 from .kv_cache import BlockAllocator
 from .step_contract import StepContract, check_engine_caches

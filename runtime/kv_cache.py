@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp_compile.errors import DCPInputError
+from .errors import DCPInputError
 
 from .step_contract import SLOT_MAPPING_RULES, StepContract
 

@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from dcp_compile.errors import DCPWorldError
+from .errors import DCPWorldError
 
 __all__ = ["free_port", "init_distributed_from_env", "loopback_interface", "run_torchrun",
            "torchrun_command"]

@@ -29,15 +29,13 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from dcp_compile.errors import DCPError
+from .errors import DCPNeuronError
+from .names import RANK_INPUT
+from .roles import role_of
 
 __all__ = ["DCPNeuronError", "NeuronStepModule", "bind_xla_collectives", "collective_calls",
            "neuron_available", "use_xla_module", "xla_all_gather", "xla_all_reduce",
            "xla_all_to_all", "xla_reduce_scatter"]
-
-
-class DCPNeuronError(DCPError, RuntimeError):
-    """The Neuron route cannot run here (packages missing) or cannot bind a program."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -137,7 +135,6 @@ def bind_xla_collectives(gm: GraphModule, groups: dict[str, list[list[int]]]) ->
     graph stays the same for every rank: groups are the full partition, never this rank's.
     """
     from runtime.program import copy_graph_module
-    from passes.collectives import role_of
 
     F = torch.ops._c10d_functional
     out = copy_graph_module(gm)
@@ -189,7 +186,6 @@ class NeuronStepModule(torch.nn.Module):
 
     def __init__(self, program, step: str, rank: int):
         super().__init__()
-        from passes.insert_rank import RANK_INPUT
         if step not in program.graphs:
             raise DCPNeuronError(f"program has no step {step!r}: it has "
                                  f"{list(program.graphs)}.")

@@ -99,10 +99,10 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from dcp_compile import layout
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPTransferError
-from dcp_compile.topology import topology
+from . import layout
+from .config import DCPConfig
+from .errors import DCPTransferError
+from .topology import topology
 
 from .transfer_plan import TransferPlan, plan_transfer
 

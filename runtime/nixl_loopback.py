@@ -37,9 +37,9 @@ import traceback
 
 import torch
 
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPTransferError
-from dcp_compile.topology import topology
+from .config import DCPConfig
+from .errors import DCPTransferError
+from .topology import topology
 from runtime.cache_layout import scatter_cache
 
 SENTINEL = -7.25  # what a cache holds before anything is written to it

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch.fx import Graph, GraphModule
 
-from dcp_compile.errors import DCPInputError
-from passes.collectives import role_of
-
 from .eager import specialize_for_eager
+from .errors import DCPInputError
+from .names import RANK_INPUT
+from .roles import role_of
 from .step_contract import StepContract
 
 
@@ -41,7 +41,6 @@ class RankProgram:
         self.program = program
         self.rank = rank
         state = program.state_dict_for(rank)
-        from passes.insert_rank import RANK_INPUT
         self._prefix = [state[n] for n in program.weight_inputs] + [state[RANK_INPUT]]
         device = self._prefix[0].device
         self.contracts = {kind: StepContract.for_program(program, kind, device=device,

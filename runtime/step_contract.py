@@ -3,7 +3,7 @@
 One table of named rules (``RULES``) serves every entry that hands inputs to a step: the
 Engine (``runtime.engine``), a loaded program's ``RankProgram.run`` (and so the threaded
 verifiers and the torch.compile backend's runtime step, which call it), and the host slot
-mapping ``dcp_compile.metadata.compute_slot_mapping`` (a subset: ``SLOT_MAPPING_RULES``).
+mapping ``runtime.metadata.compute_slot_mapping`` (a subset: ``SLOT_MAPPING_RULES``).
 A violation is a ``DCPInputError`` carrying ``rule``, ``field`` and ``index`` whose message
 names the element, its value, the rule and the fix, e.g.
 
@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from dcp_compile.errors import DCPConfigError, DCPInputError, DCPTransformError
+from .errors import DCPConfigError, DCPInputError, DCPTransformError
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.

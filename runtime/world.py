@@ -3,7 +3,7 @@
 ``run_threaded`` puts every rank on its own thread of this process, with torch's threaded
 process group (``torch.testing._internal.distributed.multi_threaded_pg``): collectives move
 real data between the threads, and ``torch.ops._c10d_functional.*`` resolve group names per
-thread. ``bind_roles`` creates the process groups of a :class:`~dcp_compile.topology.Topology`
+thread. ``bind_roles`` creates the process groups of a :class:`~runtime.topology.Topology`
 in whatever world is initialised (threaded here, gloo under torchrun — see ``runtime.launch``).
 
 Threaded-PG facts our programs rely on (each one is tested in ``tests/test_world.py``):
@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from dcp_compile.errors import DCPWorldError
+from .errors import DCPWorldError
 
 if TYPE_CHECKING:
-    from dcp_compile.topology import Topology
+    from .topology import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "ROLE_ALIAS_PREFIX", "bind_roles", "current_rank",
            "each_rank_in_turn", "leaked_ranks", "run_threaded"]

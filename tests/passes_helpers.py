@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from dcp_compile.capture import capture, example_step_inputs
-from dcp_compile.config import DCPConfig
+from runtime.config import DCPConfig
 from dcp_compile.models import DemoConfig, demo_model
 from passes.infra import TransformContext
 from passes.manager import repropagate

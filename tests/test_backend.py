@@ -18,7 +18,7 @@ import dcp_compile
 from dcp_compile import verify as V
 from dcp_compile.backend import (BackendOptions, build_program, kv_cache_spec,
                                  merge_programs)
-from dcp_compile.errors import DCPConfigError, DCPTransformError, DCPWorldError
+from runtime.errors import DCPConfigError, DCPTransformError, DCPWorldError
 from dcp_compile.models import DemoConfig, DemoLlama, demo_model
 from dcp_compile.workers.backend import PrintingDemo
 from runtime.engine import Engine, LocalExecutor, StepShapes

@@ -12,8 +12,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dcp_compile
-from dcp_compile.config import COMBINE_DTYPES, COMBINES
-from dcp_compile.errors import DCPConfigError, DCPTransformError
+from runtime.config import COMBINE_DTYPES, COMBINES
+from runtime.errors import DCPConfigError, DCPTransformError
 from dcp_compile.models import DemoConfig, demo_model
 from dcp_compile.verify import run_reference
 from runtime.eager import specialize_for_eager

@@ -32,10 +32,10 @@ import threading
 import pytest
 import torch
 
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPWorldError
+from runtime.config import DCPConfig
+from runtime.errors import DCPWorldError
 from dcp_compile.models import DemoConfig, demo_model
-from dcp_compile.topology import topology
+from runtime.topology import topology
 from runtime.cache_layout import gather_cache, scatter_cache
 from dcp_compile.workers.disagg import prefill_chunks
 from runtime.engine import Engine, LocalExecutor, StepShapes

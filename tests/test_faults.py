@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_compile.errors import DCPWorldError
+from runtime.errors import DCPWorldError
 from runtime.world import leaked_ranks, run_threaded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,8 +96,8 @@ def _bounded(fn, *args, seconds=60.0):
     (dict(tp=8, dcp=2, num_q_heads=2**40, num_kv_heads=8), "num_q_heads"),
 ])
 def test_huge_sizes_are_refused_at_once(kwargs, field):
-    from dcp_compile.config import SIZE_LIMITS, DCPConfig
-    from dcp_compile.errors import DCPConfigError
+    from runtime.config import SIZE_LIMITS, DCPConfig
+    from runtime.errors import DCPConfigError
     err = _bounded(lambda: DCPConfig(**kwargs)).get("error")
     assert isinstance(err, DCPConfigError)
     assert f"{field} is too large: {field}={kwargs[field]}. Use {field} <= " \
@@ -106,8 +106,8 @@ def test_huge_sizes_are_refused_at_once(kwargs, field):
 
 def test_largest_sizes_validate_with_suggested_fixes():
     """At the limits the rules (divisor lists, the suggested dcp) still run in O(sqrt)."""
-    from dcp_compile.config import DCPConfig
-    from dcp_compile.errors import DCPConfigError
+    from runtime.config import DCPConfig
+    from runtime.errors import DCPConfigError
     err = _bounded(lambda: DCPConfig(tp=2**16, dcp=2**15, num_q_heads=2**16,
                                      num_kv_heads=4)).get("error")
     assert isinstance(err, DCPConfigError) and "Use dcp=16384." in str(err)
@@ -120,8 +120,8 @@ def test_largest_sizes_validate_with_suggested_fixes():
                                    "head_dim"])
 @pytest.mark.parametrize("value", [True, 2.0, "4", -1, 0, None])
 def test_config_sizes_are_typed(field, value):
-    from dcp_compile.config import DCPConfig
-    from dcp_compile.errors import DCPConfigError
+    from runtime.config import DCPConfig
+    from runtime.errors import DCPConfigError
     kwargs = dict(tp=4, dcp=2, num_q_heads=8, num_kv_heads=2, head_dim=16)
     kwargs[field] = value
     if value is None and field not in ("tp", "dcp", "block_size"):
@@ -133,8 +133,8 @@ def test_config_sizes_are_typed(field, value):
 
 
 def test_attention_dp_and_mode_are_typed():
-    from dcp_compile.config import DCPConfig
-    from dcp_compile.errors import DCPConfigError
+    from runtime.config import DCPConfig
+    from runtime.errors import DCPConfigError
     with pytest.raises(DCPConfigError, match="attention_dp must be a bool: attention_dp=1"):
         DCPConfig(tp=4, dcp=1, attention_dp=1)
     with pytest.raises(DCPConfigError, match=r"mode must be one of .*: mode=\['decode'\]"):
@@ -178,7 +178,7 @@ def test_dump_into_a_users_folder_keeps_the_users_files(tmp_path):
 @pytest.mark.parametrize("name", ["index.html", "decode/manifest.json", "decode/00_capture.py",
                                   "certificate.json"])
 def test_dump_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, name):
-    from dcp_compile.errors import DCPConfigError
+    from runtime.errors import DCPConfigError
     from passes.dump import PassDump
     theirs = tmp_path / name
     theirs.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ def _certificate():
 
 
 def test_a_foreign_ledger_is_refused(tmp_path):
-    from dcp_compile.errors import DCPConfigError
+    from runtime.errors import DCPConfigError
     from passes.dump import LEDGER
     (tmp_path / "decode").mkdir()
     (tmp_path / "decode" / LEDGER).write_text("{\"not\": \"a list\"}")

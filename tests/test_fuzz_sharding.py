@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcp_compile
-from dcp_compile.errors import DCPCheckError, DCPConfigError, DCPTransformError, DCPWorldError
+from runtime.errors import DCPCheckError, DCPConfigError, DCPTransformError, DCPWorldError
 from dcp_compile.verify import verify, verify_prefill
 from runtime.engine import StepShapes
 

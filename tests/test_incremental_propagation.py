@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 from dcp_compile.models import demo_model
 from passes import manager
 from runtime.engine import StepShapes

@@ -20,13 +20,14 @@ import torch
 pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (pip install torch-mlir)")
 
 import dcp_compile  # noqa: E402
-from dcp_compile import layout  # noqa: E402
-from dcp_compile.lowering import (COLLECTIVE_OPS, DCPLoweringError, collectives_in,  # noqa: E402
-                                  deserialize, interpreter_available, lower,
-                                  lower_function, op_counts, run_interpreter)
+from runtime import layout  # noqa: E402
+from dcp_compile.lowering import (COLLECTIVE_OPS, collectives_in, deserialize,  # noqa: E402
+                                  interpreter_available, lower, lower_function, op_counts,
+                                  run_interpreter)
 from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
 from passes.collectives import role_of  # noqa: E402
 from runtime.engine import StepShapes  # noqa: E402
+from runtime.errors import DCPLoweringError  # noqa: E402
 
 from helpers import assert_close_report  # noqa: E402
 
@@ -256,7 +257,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from torch.fx.passes.infra.pass_manager import PassManager
 
     from dcp_compile.capture import capture, example_step_inputs
-    from dcp_compile.config import DCPConfig
+    from runtime.config import DCPConfig
     from dcp_compile.lowering import lower_graph
     from dcp_compile.pipeline import passes_for
     from passes.infra import TransformContext

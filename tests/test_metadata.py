@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from dcp_compile.errors import DCPInputError
-from dcp_compile.metadata import compute_slot_mapping
+from runtime.errors import DCPInputError
+from runtime.metadata import compute_slot_mapping
 
 
 def brute_slot(pos, table_row, rank, W, I, B):

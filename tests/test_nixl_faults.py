@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPTransferError
+from runtime.config import DCPConfig
+from runtime.errors import DCPTransferError
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 8, 6   # 5 usable blocks + the garbage block

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dcp_compile.capture import capture
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 from passes.canonicalize_attention import CanonicalizeAttention
 
 from passes_helpers import ctx_for, run, tiny_graph

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dcp_compile.capture import capture, example_step_inputs
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 from dcp_compile.models import DemoConfig, demo_model
 from passes.canonicalize_attention import CanonicalizeAttention
 from passes.collectives import collective_summary

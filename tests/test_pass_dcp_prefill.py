@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile import layout
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPTransformError
+from runtime import layout
+from runtime.config import DCPConfig
+from runtime.errors import DCPTransformError
 from dcp_compile.models import DemoConfig, demo_model
-from dcp_compile.ops import owned_capacity
+from runtime.ops import owned_capacity
 from passes.canonicalize_attention import CanonicalizeAttention
 from passes.collectives import collective_summary
 from passes.dcp_prefill import DCPPrefill

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from dcp_compile.capture import capture
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 from passes.canonicalize_attention import CanonicalizeAttention
 from passes.collectives import collective_summary
 from passes.drop_export_asserts import DropExportAsserts

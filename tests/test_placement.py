@@ -12,8 +12,8 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dcp_compile.capture import capture
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPTransformError
+from runtime.config import DCPConfig
+from runtime.errors import DCPTransformError
 from passes.canonicalize_attention import CanonicalizeAttention
 from passes.drop_export_asserts import DropExportAsserts
 from passes.insert_rank import InsertRank

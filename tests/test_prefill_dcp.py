@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile import layout
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPConfigError, DCPInputError
+from runtime import layout
+from runtime.config import DCPConfig
+from runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.models import DemoConfig, demo_model
 from runtime.program import copy_graph_module
 from dcp_compile.verify import (check_prefill_caches, compare_prefill_logits,

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from dcp_compile import cli, layout
-from dcp_compile.config import DCPConfig
-from dcp_compile.errors import DCPConfigError, DCPProofError
-from dcp_compile.proofs import Certificate, layout_with, prove, prove_config, theorem_names
+from dcp_compile import cli
+from runtime.config import DCPConfig
+from runtime.errors import DCPConfigError, DCPProofError
+from runtime import layout
+from passes.proofs import Certificate, layout_with, prove, prove_config, theorem_names
 
 REQUIRED = {
     "exactly_one_owner", "local_filled_sum", "local_filled_empty", "local_filled_step",

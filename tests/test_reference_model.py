@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dcp_compile.errors import DCPInputError
+from runtime.errors import DCPInputError
 from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from runtime.engine import Engine, LocalExecutor, StepShapes
 from runtime.kv_cache import BlockAllocator, KVCacheSpec, check_step_inputs

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile.errors import DCPTransformError
+from runtime.errors import DCPTransformError
 from dcp_compile.verify import verify, verify_prefill
 from runtime.engine import StepShapes
 

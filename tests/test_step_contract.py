@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import dcp_compile
-from dcp_compile.errors import DCPConfigError, DCPInputError
+from runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.models import DemoConfig, demo_model
 from runtime.engine import Engine, LocalExecutor, StepShapes
 from runtime.kv_cache import KVCacheSpec

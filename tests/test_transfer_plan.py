@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 
-from dcp_compile import layout
+from runtime import layout
 from dcp_compile.cli import main as cli_main
-from dcp_compile.errors import DCPTransferError
-from dcp_compile.topology import topology
+from runtime.errors import DCPTransferError
+from runtime.topology import topology
 from runtime.transfer_plan import (CHUNK_COLUMNS, engine_configs, plan_transfer,
                                    spec_remote_ranks)
 

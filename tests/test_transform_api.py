@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dcp_compile
-from dcp_compile.errors import DCPConfigError, DCPTransformError
+from runtime.errors import DCPConfigError, DCPTransformError
 from dcp_compile.models import DemoConfig, DemoLlama, demo_model
 from passes.check_static_shapes import CheckStaticShapes
 from runtime.engine import StepShapes

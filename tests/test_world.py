@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcp_compile.errors import DCPWorldError
-from dcp_compile.topology import topology
+from runtime.errors import DCPWorldError
+from runtime.topology import topology
 from runtime import launch
 from runtime._selftest_worker import (KINDS, check_collectives, collective_graph, expected,
                                       rank_input)

@@ -15,8 +15,8 @@ import threading
 
 import torch
 
-from dcp_compile.errors import DCPWorldError
-from dcp_compile.topology import topology
+from runtime.errors import DCPWorldError
+from runtime.topology import topology
 from runtime.world import bind_roles, leaked_ranks, run_threaded
 
 F = torch.ops._c10d_functional

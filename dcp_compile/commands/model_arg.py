@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dcp_compile.errors import DCPInputError
+from runtime.errors import DCPInputError
 
 
 def add_model_arguments(p) -> None:

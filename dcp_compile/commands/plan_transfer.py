@@ -30,7 +30,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from dcp_compile.errors import DCPTransferError
+    from runtime.errors import DCPTransferError
     from runtime.transfer_plan import engine_configs, plan_transfer
 
     sizes = dict(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,

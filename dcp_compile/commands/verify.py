@@ -46,7 +46,7 @@ def check_backend(args) -> None:
         return
     import importlib.util
 
-    from dcp_compile.errors import DCPConfigError
+    from runtime.errors import DCPConfigError
     from dcp_compile.xla import request_host_devices, xla_available
     ok, why = xla_available()
     if ok and importlib.util.find_spec("torch_mlir") is None:

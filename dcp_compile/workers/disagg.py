@@ -109,7 +109,7 @@ def demo_config(layers: int):
 
 def engine_config(program_config, *, tp: int, dcp: int, mode: str):
     """The other engine's DCPConfig: same model (heads, head_dim) and block size."""
-    from dcp_compile.config import DCPConfig
+    from runtime.config import DCPConfig
     c = program_config
     return DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=c.block_size,
                      num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
@@ -127,7 +127,7 @@ def _save(obj, path: str) -> None:
 
 
 def _check_abort(abort_file: str | None, what: str) -> None:
-    from dcp_compile.errors import DCPTransferError
+    from runtime.errors import DCPTransferError
     if abort_file and os.path.exists(abort_file):
         with open(abort_file, errors="replace") as f:
             reason = f.read().strip() or "(no reason given)"
@@ -150,7 +150,7 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     import dcp_compile
-    from dcp_compile.errors import DCPTransferError
+    from runtime.errors import DCPTransferError
     from dcp_compile.models import demo_model
     from runtime.engine import Engine, LocalExecutor
     from runtime.nixl_connector import PrefillKVConnector
@@ -245,7 +245,7 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
 
 
 def _wait_for_handoff(args, rank: int) -> dict:
-    from dcp_compile.errors import DCPTransferError
+    from runtime.errors import DCPTransferError
     deadline = time.monotonic() + args.timeout
     while not os.path.exists(args.handoff):
         _check_abort(args.abort_file, f"decode rank {rank} ({args.engine_id})")
@@ -259,7 +259,7 @@ def _wait_for_handoff(args, rank: int) -> dict:
 
 def run_decode_rank(args, rank: int, world: int) -> None:
     import dcp_compile
-    from dcp_compile.errors import DCPTransferError
+    from runtime.errors import DCPTransferError
     from dcp_compile.models import demo_model
     from runtime.engine import Engine, LocalExecutor
     from runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all

@@ -86,7 +86,7 @@ class DCPConfig:
         return dataclasses.replace(self, **changes)
 
     def layout_kwargs(self) -> dict:
-        """Keyword arguments of the :mod:`dcp_compile.layout` formulas."""
+        """Keyword arguments of the :mod:`runtime.layout` formulas."""
         return dict(dcp=self.dcp, interleave=self.interleave_size, block=self.block_size)
 
 
@@ -210,3 +210,14 @@ def _divisors(n: int) -> list[int]:
     """Divisors of ``n`` in increasing order, in O(sqrt(n)) steps."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def layout_config(dcp, interleave_size, block_size) -> DCPConfig:
+    """The DCPConfig of a bare KV layout (tp = dcp); DCPConfigError names only these sizes."""
+    try:
+        return DCPConfig(tp=dcp, dcp=dcp, block_size=block_size,
+                         interleave_size=interleave_size)
+    except DCPConfigError as e:
+        # tp is a stand-in here: its copy of dcp's complaint would only confuse.
+        raise DCPConfigError([v for v in e.violations if not v.startswith("tp ")]
+                             or e.violations) from None

@@ -63,6 +63,20 @@ class DCPTransferError(DCPError):
     """A disaggregated KV transfer cannot be planned or did not complete."""
 
 
+class DCPLoweringError(DCPError):
+    """A program (or function) cannot be lowered to StableHLO; the message names the op, the
+    node and the pass that introduced it."""
+
+
+class DCPXLAError(DCPError):
+    """jaxlib is missing, the host has too few XLA devices, or XLA rejected a module (the
+    message names the step and the module's path)."""
+
+
+class DCPNeuronError(DCPError, RuntimeError):
+    """The Neuron route cannot run here (packages missing) or cannot bind a program."""
+
+
 class DCPWorldError(DCPError, RuntimeError):
     """A distributed world could not run a program: a rank raised or timed out, a launch
     failed, or the world does not match the topology.

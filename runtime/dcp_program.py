@@ -19,6 +19,8 @@ import torch
 from torch.fx import GraphModule
 
 from .config import DCPConfig
+from .names import RANK_INPUT
+from .roles import role_of
 from .topology import Topology
 
 
@@ -47,7 +49,6 @@ class DCPProgram:
             full = self.constants[name]
             spec = self.shards.get(name)
             out[name] = spec.shard(full, rank) if spec is not None else full
-        from passes.insert_rank import RANK_INPUT
         out[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
         return out
 
@@ -75,7 +76,6 @@ class DCPProgram:
         return self._collective_counts(step, per_model=True)
 
     def _collective_counts(self, step: str, *, per_model: bool) -> dict[str, int]:
-        from passes.collectives import role_of
         counts: dict[str, int] = {}
         for n in self.graphs[step].graph.nodes:
             role = role_of(n)

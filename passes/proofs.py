@@ -17,7 +17,7 @@ sympy integer symbols — nothing is enumerated by block size. Local slots are
 ``s = k*B + u*I + t``, prefill chunks ``S = m*W*I`` (m >= 1), block-table entries ``e >= 0``.
 The formulas are the very functions in ``layout.py`` (they accept sympy values), evaluated
 once per theorem; each theorem's residual (lhs - rhs) is then reduced by
-:mod:`dcp_compile.integer_reduction` on a partition of that box into pieces, using only
+:mod:`passes.integer_reduction` on a partition of that box into pieces, using only
 integer lemmas whose side conditions it decides on each piece (floor(Q + R) = Q + n when
 n <= R < n + 1, Mod(a, d) = a - d*floor(a/d), Max/Min/[a = b] by the sign of a - b). A
 theorem is *proven* only when the residual is exactly 0 on every piece. The number of pieces
@@ -45,8 +45,7 @@ from typing import Any, Callable, Iterable
 
 import sympy
 
-from .config import DCPConfig
-from .errors import DCPConfigError
+from runtime.config import DCPConfig, layout_config
 from .integer_reduction import Stuck, affine, affine_range, corners, reduce_on_box
 
 __all__ = ["Theorem", "Certificate", "prove", "prove_config", "layout_config", "layout_with",
@@ -130,7 +129,7 @@ class Certificate:
     def raise_if_failed(self) -> "Certificate":
         """Raise DCPProofError (carrying this certificate) unless every theorem is proven."""
         if not self.ok:
-            from .errors import DCPProofError
+            from runtime.errors import DCPProofError
             raise DCPProofError(self)
         return self
 
@@ -646,7 +645,7 @@ def prove(dcp: int, interleave_size: int, block_size: int, *, formulas=None) -> 
             raise TypeError(f"formulas lacks layout functions: {missing}. Pass an object "
                             f"with every function of dcp_compile.layout (see layout_with).")
         return _prove(dcp, interleave_size, block_size, formulas)
-    from . import layout
+    from runtime import layout
     # Keyed on the function objects too, so a patched layout is proven afresh.
     fns = tuple(getattr(layout, name) for name in layout.__all__)
     return _prove_real_layout(dcp, interleave_size, block_size, fns)
@@ -654,7 +653,7 @@ def prove(dcp: int, interleave_size: int, block_size: int, *, formulas=None) -> 
 
 @functools.lru_cache(maxsize=64)
 def _prove_real_layout(dcp, interleave_size, block_size, _fns) -> Certificate:
-    from . import layout
+    from runtime import layout
     return _prove(dcp, interleave_size, block_size, layout)
 
 
@@ -670,17 +669,6 @@ def _prove(dcp, interleave_size, block_size, formulas) -> Certificate:
     theorems = tuple(_prove_one(spec, memo, formulas, ctx) for spec in _THEOREMS)
     return Certificate(dcp, interleave_size, block_size, theorems,
                        seconds=time.perf_counter() - start)
-
-
-def layout_config(dcp, interleave_size, block_size) -> DCPConfig:
-    """The DCPConfig of a bare KV layout (tp = dcp); DCPConfigError names only these sizes."""
-    try:
-        return DCPConfig(tp=dcp, dcp=dcp, block_size=block_size,
-                         interleave_size=interleave_size)
-    except DCPConfigError as e:
-        # tp is a stand-in here: its copy of dcp's complaint would only confuse.
-        raise DCPConfigError([v for v in e.violations if not v.startswith("tp ")]
-                             or e.violations) from None
 
 
 def prove_config(config: DCPConfig, *, formulas=None) -> Certificate:
@@ -699,7 +687,7 @@ def layout_with(**overrides) -> types.ModuleType:
     ``dcp_active_mask`` and ``slot_mapping`` call — the way to test the prover on a
     deliberately broken formula. The real module is untouched.
     """
-    from . import layout
+    from runtime import layout
     spec = importlib.util.spec_from_file_location("dcp_compile._layout_copy", layout.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
