@@ -58,7 +58,7 @@ from .dcp_decode import cp_rank_node, replace_attention
 from .placement import Refusal, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
-from .sequence_parallel import (SP_GATHER, SP_META, SP_SLICE, SPEC_STEP, SequenceParallel,
+from .sequence_parallel import (SP_GATHER, SP_META, SP_SLICE, SPEC_STEP,
                                 pad_tokens, reduce_scatter_tokens)
 from .shard_tensor_parallel import PROJECTIONS_META, _is_linear
 
@@ -158,6 +158,11 @@ class DCPPrefill(DCPPass):
                                     f"{self.ctx.config.mode!r}.")
         if not attention_nodes(gm):
             raise DCPTransformError("dcp_prefill found no dcp.attention node to rewrite.")
+        if SP_META not in gm.meta:
+            raise DCPTransformError(
+                f"dcp_prefill needs sequence_parallel's token layout: the graph has no "
+                f"gm.meta[{SP_META!r}]. Run sequence_parallel before dcp_prefill "
+                f"(passes.pipeline.PIPELINE['prefill']).")
 
     # -- analysis --------------------------------------------------------------------------
 
@@ -255,13 +260,6 @@ class DCPPrefill(DCPPass):
     # -- rewrite ---------------------------------------------------------------------------
 
     def call(self, gm):
-        if SP_META not in gm.meta:
-            # transform.passes_for names DCPPrefill alone: sequence parallelism is its stage 1.
-            from .manager import run_passes
-            sp = SequenceParallel(self.ctx)
-            gm, _ = run_passes(gm, [sp], step=self.ctx.step)
-            self.inserted.update(sp.inserted)
-            self.matched["sequence_parallel"] = dict(sp.matched)
         cfg, g = self.ctx.config, gm.graph
         W, I, B, tp = cfg.dcp, cfg.interleave_size, cfg.block_size, cfg.tp
         sp = gm.meta[SP_META]
@@ -453,4 +451,4 @@ def _erase_unused(gm: GraphModule, nodes: list[Node]) -> None:
         stack.extend(inputs)
 
 
-__all__ = ["DCPPrefill", "LayerPlan", "owned_capacity", "Graph", "GraphModule", "_is_linear"]
+__all__ = ["DCPPrefill", "LayerPlan"]

@@ -4,7 +4,8 @@ A dump root holds one folder per step kind, and one ``index.html`` that shows th
 
     DIR/index.html                       the passes side by side (self-contained, no network)
     DIR/certificate.json                 the proof certificate of the last step written
-    DIR/<step>/manifest.json             step, source, config, and the entries in pass order
+    DIR/<step>/manifest.json             step, source, config, the step's pipeline (pass names
+                                         in order) and the entries in pass order
     DIR/<step>/NN_<pass>.py              the graph after the pass, readable (shapes annotated)
     DIR/<step>/NN_<pass>.diff            unified diff against the previous entry (not for 00)
     DIR/<step>/NN_<pass>.dot             the graph as Graphviz DOT, inserted nodes coloured
@@ -280,8 +281,10 @@ class PassDump:
         self._files.write_text(entry["files"]["json"], json.dumps(data, indent=2))
 
     def _write_manifest(self) -> None:
+        from .pipeline import PIPELINE, pass_names  # the passes this step runs, in order
         manifest = {"step": self.step, "source": self.source,
                     "config": _config_json(self.config), "created": self._created,
+                    "pipeline": pass_names(self.step) if self.step in PIPELINE else None,
                     "entries": self.entries}
         self._files.write_text("manifest.json", json.dumps(manifest, indent=2))
 

@@ -71,6 +71,15 @@ class DCPPass(PassBase):
         return node
 
 
+def ensure(ok: bool, pass_name: str, what: str, values) -> None:
+    """A pass's post-condition (its ``ensures``): raise, never ``assert``, which ``python -O``
+    strips. ``what`` says what is wrong, ``values`` names the offending nodes or values."""
+    if not ok:
+        raise DCPTransformError(
+            f"pass {pass_name} broke its post-condition, {what}: {values}. This is a bug in "
+            f"the pass; report it with the model that triggers it.")
+
+
 # ------------------------------------------------------------------------------------------
 # Graph helpers shared by passes
 # ------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.errors import DCPTransformError
 
-from .infra import KIND_ATTENTION, DCPPass, source_of, val
+from .infra import KIND_ATTENTION, DCPPass, ensure, source_of, val
 
 aten = torch.ops.aten
 
@@ -612,7 +612,8 @@ class InsertPagedCache(DCPPass):
             g.erase_node(n)
 
     def ensures(self, gm):
-        assert not any(_call(n, _KERNEL_OF) for n in gm.graph.nodes)
+        left = [n.name for n in gm.graph.nodes if _call(n, _KERNEL_OF)]
+        ensure(not left, self.name, "attention kernels left without a paged cache", left)
 
 
 def _keeps_tokens(n: Node, batch: int, tokens: int) -> bool:

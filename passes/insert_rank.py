@@ -6,7 +6,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .infra import KIND_RANK, DCPPass
+from .infra import KIND_RANK, DCPPass, ensure
 
 RANK_INPUT = "tp_rank"
 
@@ -33,4 +33,5 @@ class InsertRank(DCPPass):
         return PassResult(gm, True)
 
     def ensures(self, gm):
-        assert sum(n.name == RANK_INPUT for n in gm.graph.nodes) == 1
+        ranks = [n.name for n in gm.graph.nodes if n.name == RANK_INPUT]
+        ensure(len(ranks) == 1, self.name, f"not exactly one {RANK_INPUT} input", ranks)
