@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from runtime.names import META_SCOPE, SCOPE_MODEL
+
 from .config import DCPConfig
 from .topology import Topology
 
@@ -47,7 +49,7 @@ class DCPProgram:
             full = self.constants[name]
             spec = self.shards.get(name)
             out[name] = spec.shard(full, rank) if spec is not None else full
-        from passes.insert_rank import RANK_INPUT
+        from runtime.names import RANK_INPUT
         out[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
         return out
 
@@ -79,7 +81,7 @@ class DCPProgram:
         counts: dict[str, int] = {}
         for n in self.graphs[step].graph.nodes:
             role = role_of(n)
-            if role is not None and (n.meta.get("dcp_scope") == "model") == per_model:
+            if role is not None and (n.meta.get(META_SCOPE) == SCOPE_MODEL) == per_model:
                 key = f"{n.target._opname}@{role}"
                 counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items()))

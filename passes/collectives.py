@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-ROLE_PREFIX = "dcp_role:"
+from runtime.names import META_LAYER, META_PASS, ROLE_PREFIX
+
 F = torch.ops._c10d_functional
 
 COLLECTIVE_TARGETS = (F.all_gather_into_tensor.default, F.reduce_scatter_tensor.default,
@@ -63,8 +64,8 @@ def collective_summary(gm) -> list[dict]:
         if role is None:
             continue
         src, dst = n.args[0].meta["val"], n.meta["val"]
-        out.append({"op": n.target._opname, "role": role, "layer": n.meta.get("dcp_layer"),
-                    "pass": n.meta.get("dcp_pass"), "shape_in": tuple(src.shape),
+        out.append({"op": n.target._opname, "role": role, "layer": n.meta.get(META_LAYER),
+                    "pass": n.meta.get(META_PASS), "shape_in": tuple(src.shape),
                     "bytes_in": src.numel() * src.element_size(),
                     "bytes_out": dst.numel() * dst.element_size()})
     return out

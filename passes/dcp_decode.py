@@ -34,11 +34,11 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.errors import DCPTransformError
+from runtime.names import RANK_INPUT
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     DCPPass, attention_nodes, ensure, getitem_users, val)
-from .insert_rank import RANK_INPUT
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp

@@ -52,15 +52,16 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.errors import DCPTransformError
 from dcp_compile.ops import owned_capacity
+from runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, SP_GATHER, SP_META,
+                           SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
 from .dcp_decode import cp_rank_node, replace_attention
 from .placement import Refusal, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
-from .sequence_parallel import (SP_GATHER, SP_META, SP_SLICE, SPEC_STEP,
-                                pad_tokens, reduce_scatter_tokens)
-from .shard_tensor_parallel import PROJECTIONS_META, _is_linear
+from .sequence_parallel import pad_tokens, reduce_scatter_tokens
+from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp
@@ -289,7 +290,7 @@ class DCPPrefill(DCPPass):
             for lin in plan.projections:   # 3. QKV projection on the owned tokens
                 lin.args = (h_own,) + tuple(lin.args[1:])
                 lin.meta[SPEC_STEP] = 3
-                lin.meta["dcp_layer"] = layer
+                lin.meta[META_LAYER] = layer
             _retoken_views(plan.qkv_path, plan.token_dim, cap)
             for side, users in plan.side_inputs.items():
                 dim = users[0][1]
@@ -403,7 +404,7 @@ class DCPPrefill(DCPPass):
         o = plan.o_proj
         hidden = val(o).shape[-1]
         o.meta[SPEC_STEP] = 9
-        o.meta["dcp_layer"] = plan.layer
+        o.meta[META_LAYER] = plan.layer
         with g.inserting_before(plan.o_reduce[0]):
             if group > 1:
                 c, result = reduce_scatter_tokens(g, o, "dcp_tp", group, (b, tokens, hidden))
@@ -424,7 +425,7 @@ class DCPPrefill(DCPPass):
                 continue
             if n.target == dcp_ops.attention.default:
                 raise DCPTransformError(f"attention {n.name} was not rewritten.")
-            if (n.target == F.all_reduce.default and not n.meta.get("dcp_norm_reduce")) \
+            if (n.target == F.all_reduce.default and not n.meta.get(META_NORM_REDUCE)) \
                     or n.meta.get(SP_SLICE):
                 raise DCPTransformError(f"{n.name} should have become a reduce-scatter.")
 

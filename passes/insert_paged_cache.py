@@ -44,6 +44,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import dcp_compile.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.errors import DCPTransformError
+from runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .infra import KIND_ATTENTION, DCPPass, ensure, source_of, val
 
@@ -532,11 +533,11 @@ class InsertPagedCache(DCPPass):
             return p
 
         anchor = plan.position_input or ids
-        positions = new_input("positions", (plan.batch, plan.tokens), torch.int64, anchor)
-        table = new_input("block_table", (plan.batch, max_blocks), torch.int64, positions)
+        positions = new_input(POSITIONS, (plan.batch, plan.tokens), torch.int64, anchor)
+        table = new_input(BLOCK_TABLE, (plan.batch, max_blocks), torch.int64, positions)
         caches, last = [], table
         for i in range(2 * len(plan.sites)):
-            last = new_input(f"kv_caches_{i}", cache_shape, plan.dtype, last)
+            last = new_input(cache_input(i), cache_shape, plan.dtype, last)
             caches.append(last)
 
         new_caches = []

@@ -6,9 +6,9 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .infra import KIND_RANK, DCPPass, ensure
+from runtime.names import RANK_INPUT
 
-RANK_INPUT = "tp_rank"
+from .infra import KIND_RANK, DCPPass, ensure
 
 
 class InsertRank(DCPPass):

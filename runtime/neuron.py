@@ -189,7 +189,7 @@ class NeuronStepModule(torch.nn.Module):
 
     def __init__(self, program, step: str, rank: int):
         super().__init__()
-        from passes.insert_rank import RANK_INPUT
+        from runtime.names import RANK_INPUT
         if step not in program.graphs:
             raise DCPNeuronError(f"program has no step {step!r}: it has "
                                  f"{list(program.graphs)}.")

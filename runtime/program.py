@@ -41,7 +41,7 @@ class RankProgram:
         self.program = program
         self.rank = rank
         state = program.state_dict_for(rank)
-        from passes.insert_rank import RANK_INPUT
+        from runtime.names import RANK_INPUT
         self._prefix = [state[n] for n in program.weight_inputs] + [state[RANK_INPUT]]
         device = self._prefix[0].device
         self.contracts = {kind: StepContract.for_program(program, kind, device=device,
