@@ -86,9 +86,6 @@ class DCPProgram:
                 counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items()))
 
-    def history_json(self) -> list[dict]:
-        return [r.to_json() for r in self.history]
-
     def summary(self) -> str:
         c = self.config
         return json.dumps({"tp": c.tp, "dcp": c.dcp, "mode": c.mode,

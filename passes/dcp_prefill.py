@@ -72,10 +72,6 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.expand.default}
 
 
-def _norm(d: int, ndim: int) -> int:
-    return d % ndim if ndim else 0
-
-
 def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
                     what: str) -> tuple[dict[Node, int], dict[Node, list[tuple[Node, int]]]]:
     """Follow the token dim (of size ``tokens``) through ``path`` (graph order), starting
