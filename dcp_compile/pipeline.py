@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from passes.pipeline import STEPS_BY_MODE, passes_for
+
 from .capture import capture, constant_values, example_step_inputs
 from .config import DCPConfig
 from .errors import DCPTransformError
@@ -14,14 +16,6 @@ from .ordinary import capture_ordinary
 from .program import DCPProgram
 from .topology import topology
 
-STEPS_BY_MODE = {"decode": ("context", "decode"), "prefill": ("prefill",)}
-
-
-def passes_for(ctx, first_user_input: str, *, insert_cache=None) -> list:
-    """``ctx.step``'s passes in their fixed order (``passes.pipeline.PIPELINE``);
-    ``insert_cache``: the InsertPagedCache pass that runs first on an ordinary model's graph."""
-    from passes.pipeline import passes_for as build
-    return build(ctx, first_user_input, insert_cache=insert_cache)
 
 
 def _model_facts(model) -> dict:

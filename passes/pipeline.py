@@ -27,6 +27,10 @@ from .sequence_parallel import SequenceParallel
 from .shard_tensor_parallel import ShardTensorParallel
 from .validate_and_prove import ValidateAndProve
 
+# Mode -> the step kinds a program of that mode holds (transform() captures each).
+STEPS_BY_MODE: dict[str, tuple[str, ...]] = {"decode": ("context", "decode"),
+                                             "prefill": ("prefill",)}
+
 # Step kind -> its passes, in order.
 PIPELINE: dict[str, tuple[type[DCPPass], ...]] = {
     "context": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
