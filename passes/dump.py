@@ -54,6 +54,7 @@ from runtime.names import META_CERTIFICATE, META_KIND, META_PASS
 
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_RANK, KIND_SHARD, KIND_SLICE)
+from .pipeline import PIPELINE, pass_names
 
 ENV_VAR = "DCP_COMPILE_DUMP"
 
@@ -282,7 +283,6 @@ class PassDump:
         self._files.write_text(entry["files"]["json"], json.dumps(data, indent=2))
 
     def _write_manifest(self) -> None:
-        from .pipeline import PIPELINE, pass_names  # the passes this step runs, in order
         manifest = {"step": self.step, "source": self.source,
                     "config": _config_json(self.config), "created": self._created,
                     "pipeline": pass_names(self.step) if self.step in PIPELINE else None,
