@@ -29,11 +29,11 @@ STEPS = pipeline.STEPS_BY_MODE
 
 
 def readme_pipeline() -> dict[str, list[str]]:
-    """The README's "Passes" list: ``- `step`: `pass`, `pass`, ...`` lines."""
+    """The README's "Passes" list: ``- `step`: `pass`, `pass`, ...`` items (may wrap)."""
     text = (ROOT / "README.md").read_text()
     section = text.split("\n## Passes\n", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^- `(\w+)`: (.+)$", section, flags=re.M)
-    return {step: re.findall(r"`(\w+)`", passes) for step, passes in rows}
+    items = re.findall(r"^- `(\w+)`: (.+?)(?=^- |^$)", section, flags=re.M | re.S)
+    return {step: re.findall(r"`(\w+)`", passes) for step, passes in items}
 
 
 def test_every_modes_step_kinds_have_a_row():
