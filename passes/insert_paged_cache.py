@@ -579,8 +579,7 @@ class InsertPagedCache(DCPPass):
             g.erase_node(plan.position_input)
         if plan.tokens > 1 or "windows" not in self.ctx.model_facts:
             self.ctx.model_facts["windows"] = [s.window for s in plan.sites]
-        self.ctx.model_facts.update(num_layers=len(plan.sites), num_kv_heads=plan.kv_heads,
-                                    head_dim=plan.head_dim, cache_dtype=plan.dtype)
+        self.ctx.model_facts.update(num_layers=len(plan.sites), cache_dtype=plan.dtype)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({_form(s) for s in plan.sites}),
                     positions="position_ids" if plan.position_input is not None else "arange")
