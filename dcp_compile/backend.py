@@ -27,8 +27,8 @@ What happens per compile (Dynamo compiles once per input shape):
 3. The placeholders are put in the program calling convention (weights, then input_ids,
    positions, block_table, kv_caches in layer order) and the step kind is picked from the
    attention's token dimension: decode mode compiles "context" (S > 1) and "decode"
-   (S == 1) graphs, prefill mode "prefill". Then the same passes as ``transform()`` run
-   (``pipeline.transform_graph``).
+   (S == 1) graphs, prefill mode "prefill". Then the same passes as ``transform()`` run:
+   the step kind's row of ``passes.pipeline.PIPELINE`` (``pipeline.transform_graph``).
 4. The result is a :class:`DCPCompiledStep`: on its first call on a rank it binds the
    topology's process groups (``runtime.world.bind_roles``, once per world) and cuts this
    rank's weight shards from the weights Dynamo passes in; every call runs this rank's

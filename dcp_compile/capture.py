@@ -62,7 +62,6 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             f"must be written functionally (return the new caches, as dcp.paged_attention "
             f"does).")
     gm = ep.graph_module
-    gm.meta["dcp_captured"] = True
     return Captured(gm=gm, params=params, buffers=buffers, user_inputs=user_inputs)
 
 

@@ -46,6 +46,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from runtime.errors import DCPLoweringError
+from runtime.names import META_LAYER, META_NODE, META_PASS, ROLE_PREFIX, is_cache_input
+
 
 TARGETS = ("stablehlo",)
 FUNC_NAME = "main"
@@ -243,7 +245,7 @@ def lower_graph(gm: GraphModule, *, step: str, groups: dict[str, list[list[int]]
     seconds["decompose"] = time.perf_counter() - t
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     output_names = _output_names(gm)
-    caches = [n for n in input_names if n.startswith("kv_caches")]
+    caches = [n for n in input_names if is_cache_input(n)]
     if len(output_names) == 1 + len(caches):
         # DCPProgram's calling convention: (logits, *new_kv_caches).
         output_names = ["logits"] + [f"new_{n}" for n in caches]
@@ -314,9 +316,9 @@ def _wait_target():
 def provenance(node: Node) -> tuple[str, str]:
     """(FX node name, pass that introduced it) — 'capture' for nodes of the model's own graph."""
     custom = node.meta.get("custom") or {}
-    if "dcp_node" in custom:
-        return custom["dcp_node"], custom["dcp_pass"]
-    return node.name, node.meta.get("dcp_pass") or "capture"
+    if META_NODE in custom:
+        return custom[META_NODE], custom[META_PASS]
+    return node.name, node.meta.get(META_PASS) or "capture"
 
 
 def _op_name(target) -> str:
@@ -393,7 +395,6 @@ def _(x, kind, role, group_size, site):
 
 
 def _role_of(node: Node) -> str:
-    from passes.collectives import ROLE_PREFIX
     name = node.args[-1]
     if isinstance(name, str) and name.startswith(ROLE_PREFIX):
         return name[len(ROLE_PREFIX):]
@@ -445,7 +446,7 @@ def find_collectives(gm: GraphModule, step: str,
         out = node.meta["val"]
         found.append((node, CollectiveSite(
             site=len(found), kind=kind, role=role, group_size=size, reduce=reduce, node=name,
-            pass_name=pass_name, layer=node.meta.get("dcp_layer"), in_shape=tuple(x.shape),
+            pass_name=pass_name, layer=node.meta.get(META_LAYER), in_shape=tuple(x.shape),
             out_shape=tuple(out.shape), dtype=x.dtype)))
     return found
 
@@ -460,8 +461,8 @@ def mark_collectives(gm: GraphModule, step: str, groups: dict[str, list[list[int
     out = copy_graph_module(gm)
     for node in out.graph.nodes:
         name, pass_name = provenance(node)
-        node.meta["custom"] = {**(node.meta.get("custom") or {}), "dcp_node": name,
-                               "dcp_pass": pass_name}
+        node.meta["custom"] = {**(node.meta.get("custom") or {}), META_NODE: name,
+                               META_PASS: pass_name}
     wait = _wait_target()
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target == wait:
@@ -593,7 +594,7 @@ def _rank_input_shapes(program, step: str) -> dict[str, tuple[tuple[int, ...], t
     at the time of writing; nothing downstream of them checks heads in fake mode)."""
     spec = program.cache_spec(program.facts.get("dtype"))
     return {n.name: (tuple(spec.shape), spec.dtype) for n in program.graphs[step].graph.nodes
-            if n.op == "placeholder" and n.name.startswith("kv_caches")}
+            if n.op == "placeholder" and is_cache_input(n.name)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -951,7 +952,7 @@ def _annotate(module, step: str, tp: int, input_names: list[str], output_names: 
                       if isinstance(value, int) else ir.StringAttr.get(str(value)))
     func = next(op for op in _walk(module.operation) if op.name == "func.func")
     # Cache k of the inputs comes back as result 1 + k (calling convention of DCPProgram).
-    cache_inputs = [i for i, n in enumerate(input_names) if n.startswith("kv_caches")]
+    cache_inputs = [i for i, n in enumerate(input_names) if is_cache_input(n)]
     alias = {i: 1 + k for k, i in enumerate(cache_inputs)} if len(output_names) == \
         1 + len(cache_inputs) else {}
     arg_attrs = []
@@ -1226,7 +1227,7 @@ class InterpreterExecutor:
     """
 
     def __init__(self, program, lowered: LoweringResult, *, isolate: bool = False):
-        from passes.insert_rank import RANK_INPUT
+        from runtime.names import RANK_INPUT
         self.lowered, self.isolate = lowered, isolate
         self.tp = program.topology.tp
         self.prefix = []

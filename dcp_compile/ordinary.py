@@ -18,10 +18,12 @@ import inspect
 import torch
 from torch import Tensor, nn
 
+from runtime.names import BLOCK_TABLE, KV_CACHES
+
 from .capture import Captured, capture
 from runtime.errors import DCPTransformError
 
-PAGED_ARGS = ("block_table", "kv_caches")          # a forward with these is a paged step
+PAGED_ARGS = (BLOCK_TABLE, KV_CACHES)          # a forward with these is a paged step
 HF_ORDINARY_ATTENTION = ("sdpa", "eager")
 HF_PAGED_ATTENTION = "dcp_paged"
 

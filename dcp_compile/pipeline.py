@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from passes.pipeline import STEPS_BY_MODE, passes_for
+
 from .capture import capture, constant_values, example_step_inputs
 from runtime.config import DCPConfig
 from runtime.errors import DCPTransformError
@@ -14,31 +16,6 @@ from .ordinary import capture_ordinary
 from runtime.dcp_program import DCPProgram
 from runtime.topology import topology
 
-STEPS_BY_MODE = {"decode": ("context", "decode"), "prefill": ("prefill",)}
-
-
-def passes_for(ctx, first_user_input: str, *, insert_cache=None) -> list:
-    """The fixed pass order for one step kind (``insert_cache``: the InsertPagedCache pass
-    that runs first on an ordinary model's graph)."""
-    from passes.canonicalize_attention import CanonicalizeAttention
-    from passes.check_static_shapes import CheckStaticShapes
-    from passes.dcp_decode import DCPContext, DCPDecode
-    from passes.drop_export_asserts import DropExportAsserts
-    from passes.insert_rank import InsertRank
-    from passes.shard_tensor_parallel import ShardTensorParallel
-    from passes.validate_and_prove import ValidateAndProve
-
-    first = [insert_cache] if insert_cache is not None else []
-    common = first + [DropExportAsserts(ctx), CheckStaticShapes(ctx),
-                      CanonicalizeAttention(ctx), ValidateAndProve(ctx),
-                      InsertRank(ctx, first_user_input), ShardTensorParallel(ctx)]
-    if ctx.step == "decode":
-        return common + [DCPDecode(ctx)]
-    if ctx.step == "context":
-        return common + [DCPContext(ctx)]
-    from passes.dcp_prefill import DCPPrefill
-    from passes.sequence_parallel import SequenceParallel
-    return common + [SequenceParallel(ctx), DCPPrefill(ctx)]
 
 
 def _model_facts(model) -> dict:

@@ -219,7 +219,7 @@ class XLAExecutor:
     SOURCES = ("text", "artifact")
 
     def __init__(self, program, lowered, *, fill: float = 0.0, source: str = "text"):
-        from passes.insert_rank import RANK_INPUT
+        from runtime.names import RANK_INPUT
         from runtime.step_contract import StepContract
         if source not in self.SOURCES:
             raise DCPXLAError(f"unknown module source {source!r}. Use one of {self.SOURCES}.")

@@ -15,7 +15,7 @@ import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 from runtime.errors import DCPTransformError
 
-from .infra import KIND_ATTENTION, DCPPass, source_of
+from .infra import KIND_ATTENTION, DCPPass, ensure, source_of
 
 ACCEPTED = (torch.ops.dcp.paged_attention.default, torch.ops.dcp.attention.default)
 
@@ -72,5 +72,6 @@ class CanonicalizeAttention(DCPPass):
         return PassResult(gm, True)
 
     def ensures(self, gm):
-        assert not any(n.target == torch.ops.dcp.paged_attention.default
-                       for n in gm.graph.nodes)
+        left = [n.name for n in gm.graph.nodes
+                if n.target == torch.ops.dcp.paged_attention.default]
+        ensure(not left, self.name, "dcp.paged_attention nodes left uncanonicalised", left)

@@ -11,8 +11,8 @@ import torch
 from torch.fx import Graph, Node
 
 # The role naming convention is the runtime's (it binds the roles when loading a program).
-from runtime.names import ROLE_PREFIX  # noqa: F401
 from runtime.roles import COLLECTIVE_TARGETS, role_name, role_of  # noqa: F401
+from runtime.names import META_LAYER, META_PASS, ROLE_PREFIX  # noqa: F401
 
 F = torch.ops._c10d_functional
 
@@ -50,8 +50,8 @@ def collective_summary(gm) -> list[dict]:
         if role is None:
             continue
         src, dst = n.args[0].meta["val"], n.meta["val"]
-        out.append({"op": n.target._opname, "role": role, "layer": n.meta.get("dcp_layer"),
-                    "pass": n.meta.get("dcp_pass"), "shape_in": tuple(src.shape),
+        out.append({"op": n.target._opname, "role": role, "layer": n.meta.get(META_LAYER),
+                    "pass": n.meta.get(META_PASS), "shape_in": tuple(src.shape),
                     "bytes_in": src.numel() * src.element_size(),
                     "bytes_out": dst.numel() * dst.element_size()})
     return out

@@ -52,15 +52,16 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from runtime.errors import DCPTransformError
 from runtime.ops import owned_capacity
+from runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, SP_GATHER, SP_META,
+                           SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
 from .dcp_decode import cp_rank_node, replace_attention
 from .placement import Refusal, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
-from .sequence_parallel import (SP_GATHER, SP_META, SP_SLICE, SPEC_STEP, SequenceParallel,
-                                pad_tokens, reduce_scatter_tokens)
-from .shard_tensor_parallel import PROJECTIONS_META, _is_linear
+from .sequence_parallel import pad_tokens, reduce_scatter_tokens
+from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp
@@ -69,10 +70,6 @@ F = torch.ops._c10d_functional
 # Ops that name sizes literally: on the q/k/v and O paths their token count is rewritten.
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.expand.default}
-
-
-def _norm(d: int, ndim: int) -> int:
-    return d % ndim if ndim else 0
 
 
 def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
@@ -158,6 +155,11 @@ class DCPPrefill(DCPPass):
                                     f"{self.ctx.config.mode!r}.")
         if not attention_nodes(gm):
             raise DCPTransformError("dcp_prefill found no dcp.attention node to rewrite.")
+        if SP_META not in gm.meta:
+            raise DCPTransformError(
+                f"dcp_prefill needs sequence_parallel's token layout: the graph has no "
+                f"gm.meta[{SP_META!r}]. Run sequence_parallel before dcp_prefill "
+                f"(passes.pipeline.PIPELINE['prefill']).")
 
     # -- analysis --------------------------------------------------------------------------
 
@@ -255,13 +257,6 @@ class DCPPrefill(DCPPass):
     # -- rewrite ---------------------------------------------------------------------------
 
     def call(self, gm):
-        if SP_META not in gm.meta:
-            # transform.passes_for names DCPPrefill alone: sequence parallelism is its stage 1.
-            from .manager import run_passes
-            sp = SequenceParallel(self.ctx)
-            gm, _ = run_passes(gm, [sp], step=self.ctx.step)
-            self.inserted.update(sp.inserted)
-            self.matched["sequence_parallel"] = dict(sp.matched)
         cfg, g = self.ctx.config, gm.graph
         W, I, B, tp = cfg.dcp, cfg.interleave_size, cfg.block_size, cfg.tp
         sp = gm.meta[SP_META]
@@ -291,7 +286,7 @@ class DCPPrefill(DCPPass):
             for lin in plan.projections:   # 3. QKV projection on the owned tokens
                 lin.args = (h_own,) + tuple(lin.args[1:])
                 lin.meta[SPEC_STEP] = 3
-                lin.meta["dcp_layer"] = layer
+                lin.meta[META_LAYER] = layer
             _retoken_views(plan.qkv_path, plan.token_dim, cap)
             for side, users in plan.side_inputs.items():
                 dim = users[0][1]
@@ -405,7 +400,7 @@ class DCPPrefill(DCPPass):
         o = plan.o_proj
         hidden = val(o).shape[-1]
         o.meta[SPEC_STEP] = 9
-        o.meta["dcp_layer"] = plan.layer
+        o.meta[META_LAYER] = plan.layer
         with g.inserting_before(plan.o_reduce[0]):
             if group > 1:
                 c, result = reduce_scatter_tokens(g, o, "dcp_tp", group, (b, tokens, hidden))
@@ -426,7 +421,7 @@ class DCPPrefill(DCPPass):
                 continue
             if n.target == dcp_ops.attention.default:
                 raise DCPTransformError(f"attention {n.name} was not rewritten.")
-            if (n.target == F.all_reduce.default and not n.meta.get("dcp_norm_reduce")) \
+            if (n.target == F.all_reduce.default and not n.meta.get(META_NORM_REDUCE)) \
                     or n.meta.get(SP_SLICE):
                 raise DCPTransformError(f"{n.name} should have become a reduce-scatter.")
 
@@ -453,4 +448,4 @@ def _erase_unused(gm: GraphModule, nodes: list[Node]) -> None:
         stack.extend(inputs)
 
 
-__all__ = ["DCPPrefill", "LayerPlan", "owned_capacity", "Graph", "GraphModule", "_is_linear"]
+__all__ = ["DCPPrefill", "LayerPlan"]

@@ -4,7 +4,8 @@ A dump root holds one folder per step kind, and one ``index.html`` that shows th
 
     DIR/index.html                       the passes side by side (self-contained, no network)
     DIR/certificate.json                 the proof certificate of the last step written
-    DIR/<step>/manifest.json             step, source, config, and the entries in pass order
+    DIR/<step>/manifest.json             step, source, config, the step's pipeline (pass names
+                                         in order) and the entries in pass order
     DIR/<step>/NN_<pass>.py              the graph after the pass, readable (shapes annotated)
     DIR/<step>/NN_<pass>.diff            unified diff against the previous entry (not for 00)
     DIR/<step>/NN_<pass>.dot             the graph as Graphviz DOT, inserted nodes coloured
@@ -49,9 +50,11 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from runtime.errors import DCPConfigError
+from runtime.names import META_CERTIFICATE, META_KIND, META_PASS
 
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_RANK, KIND_SHARD, KIND_SLICE)
+from .pipeline import PIPELINE, pass_names
 
 ENV_VAR = "DCP_COMPILE_DUMP"
 
@@ -196,7 +199,7 @@ class PassDump:
         new = sorted(names - self._prev_names) if index else []
         removed = sorted(self._prev_names - names) if index else []
         inserted = inserted_nodes(gm, record.name)
-        self._certificate = gm.meta.get("dcp_certificate") or self._certificate
+        self._certificate = gm.meta.get(META_CERTIFICATE) or self._certificate
         files = {"code": f"{stem}.py", "dot": f"{stem}.dot", "json": f"{stem}.json",
                  "diff": f"{stem}.diff" if index else None, "svg": None}
         # The graphs' code only (not the header): an unchanged graph has an empty diff.
@@ -214,7 +217,7 @@ class PassDump:
         self.entries.append(entry)
         self.records.append(record)
         self._changes[index] = (inserted, new, removed)
-        self._certs[index] = gm.meta.get("dcp_certificate")
+        self._certs[index] = gm.meta.get(META_CERTIFICATE)
         self._prev_body, self._prev_names, self._prev_file = body, names, files["code"]
 
         if self.dir is not None:
@@ -282,6 +285,7 @@ class PassDump:
     def _write_manifest(self) -> None:
         manifest = {"step": self.step, "source": self.source,
                     "config": _config_json(self.config), "created": self._created,
+                    "pipeline": pass_names(self.step) if self.step in PIPELINE else None,
                     "entries": self.entries}
         self._files.write_text("manifest.json", json.dumps(manifest, indent=2))
 
@@ -359,8 +363,8 @@ def inserted_nodes(gm: GraphModule, pass_name: str) -> dict[str, list[str]]:
     """kind -> names of the nodes ``pass_name`` inserted (its meta['dcp_pass'] tags)."""
     out: dict[str, list[str]] = {}
     for n in gm.graph.nodes:
-        if n.meta.get("dcp_pass") == pass_name and "dcp_kind" in n.meta:
-            out.setdefault(n.meta["dcp_kind"], []).append(n.name)
+        if n.meta.get(META_PASS) == pass_name and META_KIND in n.meta:
+            out.setdefault(n.meta[META_KIND], []).append(n.name)
     return out
 
 
@@ -414,7 +418,7 @@ def graph_to_dot(gm: GraphModule, *, title: str, pass_name: str | None = None,
     for n in gm.graph.nodes:
         parts = [n.name, _short_target(n), _shape_text(n)]
         label = "\\n".join(_dot_escape(p) for p in parts if p)   # DOT's line break
-        kind, origin = n.meta.get("dcp_kind"), n.meta.get("dcp_pass")
+        kind, origin = n.meta.get(META_KIND), n.meta.get(META_PASS)
         attrs = [f'label="{label}"']
         if kind is not None and origin == pass_name:
             attrs += [f'fillcolor="{KIND_COLOURS.get(kind, NEW_COLOUR)}"', "penwidth=2.5",

@@ -19,6 +19,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from runtime.config import DCPConfig
 from runtime.errors import DCPTransformError
+from runtime.names import META_KIND, META_LAYER, META_PASS
 
 # Kinds of inserted nodes (for history, structure tests and dump highlighting).
 KIND_COLLECTIVE = "collective"
@@ -63,12 +64,21 @@ class DCPPass(PassBase):
 
     def tag(self, node: Node, kind: str, layer: int | None = None) -> Node:
         """Mark an inserted node with its kind (and layer) and count it."""
-        node.meta["dcp_kind"] = kind
-        node.meta["dcp_pass"] = self.name
+        node.meta[META_KIND] = kind
+        node.meta[META_PASS] = self.name
         if layer is not None:
-            node.meta["dcp_layer"] = layer
+            node.meta[META_LAYER] = layer
         self.inserted[kind] += 1
         return node
+
+
+def ensure(ok: bool, pass_name: str, what: str, values) -> None:
+    """A pass's post-condition (its ``ensures``): raise, never ``assert``, which ``python -O``
+    strips. ``what`` says what is wrong, ``values`` names the offending nodes or values."""
+    if not ok:
+        raise DCPTransformError(
+            f"pass {pass_name} broke its post-condition, {what}: {values}. This is a bug in "
+            f"the pass; report it with the model that triggers it.")
 
 
 # ------------------------------------------------------------------------------------------

@@ -44,8 +44,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from runtime.errors import DCPTransformError
+from runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
-from .infra import KIND_ATTENTION, DCPPass, source_of, val
+from .infra import KIND_ATTENTION, DCPPass, ensure, source_of, val
 
 aten = torch.ops.aten
 
@@ -532,11 +533,11 @@ class InsertPagedCache(DCPPass):
             return p
 
         anchor = plan.position_input or ids
-        positions = new_input("positions", (plan.batch, plan.tokens), torch.int64, anchor)
-        table = new_input("block_table", (plan.batch, max_blocks), torch.int64, positions)
+        positions = new_input(POSITIONS, (plan.batch, plan.tokens), torch.int64, anchor)
+        table = new_input(BLOCK_TABLE, (plan.batch, max_blocks), torch.int64, positions)
         caches, last = [], table
         for i in range(2 * len(plan.sites)):
-            last = new_input(f"kv_caches_{i}", cache_shape, plan.dtype, last)
+            last = new_input(cache_input(i), cache_shape, plan.dtype, last)
             caches.append(last)
 
         new_caches = []
@@ -578,8 +579,7 @@ class InsertPagedCache(DCPPass):
             g.erase_node(plan.position_input)
         if plan.tokens > 1 or "windows" not in self.ctx.model_facts:
             self.ctx.model_facts["windows"] = [s.window for s in plan.sites]
-        self.ctx.model_facts.update(num_layers=len(plan.sites), num_kv_heads=plan.kv_heads,
-                                    head_dim=plan.head_dim, cache_dtype=plan.dtype)
+        self.ctx.model_facts.update(num_layers=len(plan.sites), cache_dtype=plan.dtype)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({_form(s) for s in plan.sites}),
                     positions="position_ids" if plan.position_input is not None else "arange")
@@ -612,7 +612,8 @@ class InsertPagedCache(DCPPass):
             g.erase_node(n)
 
     def ensures(self, gm):
-        assert not any(_call(n, _KERNEL_OF) for n in gm.graph.nodes)
+        left = [n.name for n in gm.graph.nodes if _call(n, _KERNEL_OF)]
+        ensure(not left, self.name, "attention kernels left without a paged cache", left)
 
 
 def _keeps_tokens(n: Node, batch: int, tokens: int) -> bool:

@@ -8,7 +8,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from runtime.names import RANK_INPUT
 
-from .infra import KIND_RANK, DCPPass
+from .infra import KIND_RANK, DCPPass, ensure
 
 
 class InsertRank(DCPPass):
@@ -33,4 +33,5 @@ class InsertRank(DCPPass):
         return PassResult(gm, True)
 
     def ensures(self, gm):
-        assert sum(n.name == RANK_INPUT for n in gm.graph.nodes) == 1
+        ranks = [n.name for n in gm.graph.nodes if n.name == RANK_INPUT]
+        ensure(len(ranks) == 1, self.name, f"not exactly one {RANK_INPUT} input", ranks)

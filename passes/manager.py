@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -212,15 +211,6 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
     if stale_code:
         gm.recompile()
     return gm, history
-
-
-def write_code_dump(dump_dir: str | Path, index: int, record: PassRecord) -> Path:
-    """The graph after a pass as readable Python, one file per (step, pass)."""
-    path = Path(dump_dir) / record.step / f"{index:02d}_{record.name}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# step={record.step} pass={record.name} "
-                    f"inserted={dict(record.inserted)}\n" + record.code)
-    return path
 
 
 def _jsonable(x):

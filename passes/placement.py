@@ -51,9 +51,9 @@ from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDi
 from torch.fx import GraphModule, Node
 
 from runtime.errors import DCPTransformError
+from runtime.names import RANK_INPUT
 
 from .infra import attention_nodes, source_of
-from .insert_rank import RANK_INPUT
 
 aten = torch.ops.aten
 

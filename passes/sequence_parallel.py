@@ -42,22 +42,18 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from runtime.errors import DCPTransformError
+from runtime.names import (META_NORM_REDUCE, META_SCOPE, RANK_INPUT, ROLE_META, SCOPE_MODEL,
+                           SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
-from .insert_rank import RANK_INPUT
 from .placement import Refusal, token_dim
-from .shard_tensor_parallel import ROLE_META, _is_linear
+from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
 _LITERAL_SHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                    aten.expand.default, aten.unflatten.int}
-
-SP_META = "dcp_sequence_parallel"       # gm.meta: the SP layout (S, S_pad, tokens per rank)
-SP_SLICE = "dcp_sp_slice"               # node.meta: this rank's SP slice after o-proj
-SP_GATHER = "dcp_sp_gather"             # node.meta: full-sequence tensor after an SP gather
-SPEC_STEP = "dcp_spec_step"             # node.meta: the spec's Compute Pattern step (1..9)
 
 
 def round_up(n: int, m: int) -> int:
@@ -171,7 +167,7 @@ class SequenceParallel(DCPPass):
         reductions = []
         for n in gm.graph.nodes:
             if n.op != "call_function" or n.target != F.all_reduce.default \
-                    or n.meta.get("dcp_norm_reduce"):   # a norm over heads: not TP's sum
+                    or n.meta.get(META_NORM_REDUCE):   # a norm over heads: not TP's sum
                 continue
             role = C.role_of(n)
             waits = [u for u in n.users if u.target == F.wait_tensor.default]
@@ -295,9 +291,8 @@ class SequenceParallel(DCPPass):
                     c, w = reduce_scatter_tokens(g, padded, "world", cfg.tp,
                                                  (b, sp) + shape[2:])
                 self.tag(c, KIND_COLLECTIVE, layer if layer >= 0 else None)
-                c.meta["dcp_sp"] = "reduce_scatter"
                 if layer < 0:  # the embedding's: once per model, not per layer
-                    c.meta["dcp_scope"] = "model"
+                    c.meta[META_SCOPE] = SCOPE_MODEL
                 red.wait.replace_all_uses_with(w)
                 replaced[red.wait] = w
                 g.erase_node(red.wait)
@@ -323,9 +318,8 @@ class SequenceParallel(DCPPass):
             roles = {plan.roles[lin] for lin in linears}
             layer = min(layers[lin] + (1 if "qkv" in roles else 0) for lin in linears)
             self.tag(c, KIND_COLLECTIVE, layer if "lm_head" not in roles else None)
-            c.meta["dcp_sp"] = "all_gather"
             if "lm_head" in roles:
-                c.meta["dcp_scope"] = "model"
+                c.meta[META_SCOPE] = SCOPE_MODEL
             full.meta[SP_GATHER] = True
             if "qkv" in roles:
                 c.meta[SPEC_STEP] = 1
@@ -348,5 +342,4 @@ class SequenceParallel(DCPPass):
 
 
 __all__ = ["SequenceParallel", "SPPlan", "all_gather_tokens", "reduce_scatter_tokens",
-           "pad_tokens", "unpad_tokens", "round_up", "layer_of", "SP_META", "SP_SLICE",
-           "SP_GATHER", "SPEC_STEP"]
+           "pad_tokens", "unpad_tokens", "round_up", "layer_of"]

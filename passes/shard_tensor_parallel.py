@@ -27,11 +27,12 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from runtime.errors import DCPTransformError
+from runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
+                           RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, attention_nodes, \
     source_of, val
-from .insert_rank import RANK_INPUT
 from .placement import Partial, PlacementPlan, Shard, _slice_bounds, _split_ranges, \
     analyze
 
@@ -90,8 +91,6 @@ def _is_linear(n: Node) -> bool:
     return n.op == "call_function" and n.target == LINEAR and n.args[1].op == "placeholder"
 
 
-ROLE_META = "dcp_tp_role"                 # linear node.meta: its role (q_proj, mlp_row, ...)
-PROJECTIONS_META = "dcp_projections"      # attention node.meta: q/k/v/o linear names
 
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 _SHAPED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -141,7 +140,7 @@ class ShardTensorParallel(DCPPass):
                         cache.meta["val"] = torch.empty(
                             (*full.shape[:2], cfg.kv_heads_per_rank, *full.shape[3:]),
                             dtype=full.dtype, device=full.device)
-                    cache.meta["dcp_full_shape"] = tuple(full.shape)
+                    cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
         for p, shard in pl.params.items():
             self._shard_param(p, ShardSpec.of(shard, self._group(shard.axis)), mode)
@@ -219,7 +218,7 @@ class ShardTensorParallel(DCPPass):
             c, w = C.all_reduce(g, x, self._role(p.axis))
             self.tag(c, KIND_COLLECTIVE)
             if not is_linear:
-                c.meta["dcp_norm_reduce"] = True
+                c.meta[META_NORM_REDUCE] = True
             result = w
             if bias is not None:
                 result = g.call_function(aten.add.Tensor, (w, bias))
@@ -233,7 +232,7 @@ class ShardTensorParallel(DCPPass):
         with g.inserting_before(lin.next):
             c, w = C.all_gather(g, lin, self._role("mlp"), cfg.tp)   # [tp*B, ..., V/tp]
             self.tag(c, KIND_COLLECTIVE)
-            c.meta["dcp_scope"] = "model"
+            c.meta[META_SCOPE] = SCOPE_MODEL
             v = g.call_function(aten.view.default,
                                 (w, [cfg.tp] + shape[:-1] + [vocab // cfg.tp]))
             nd = len(shape)
@@ -245,7 +244,7 @@ class ShardTensorParallel(DCPPass):
     def _vocab_embedding(self, g, emb: Node, rank: Node) -> None:
         cfg = self.ctx.config
         weight, ids = emb.args[0], emb.args[1]
-        vocab = weight.meta.get("dcp_full_shape", val(weight).shape)[0]
+        vocab = weight.meta.get(META_FULL_SHAPE, val(weight).shape)[0]
         per = vocab // cfg.tp
         with g.inserting_before(emb):
             start = g.call_function(aten.mul.Tensor, (rank, per))
@@ -260,7 +259,7 @@ class ShardTensorParallel(DCPPass):
             masked = g.call_function(aten.mul.Tensor, (emb, keep))
             c, w = C.all_reduce(g, masked, self._role("mlp"))
         self.tag(c, KIND_COLLECTIVE)
-        c.meta["dcp_scope"] = "model"
+        c.meta[META_SCOPE] = SCOPE_MODEL
         emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
 
     def _shard_param(self, p: Node, spec: ShardSpec, mode) -> None:
@@ -282,7 +281,7 @@ class ShardTensorParallel(DCPPass):
         with mode:
             p.meta["val"] = torch.empty(spec.shape(full.shape), dtype=full.dtype,
                                         device=full.device)
-        p.meta["dcp_full_shape"] = tuple(full.shape)
+        p.meta[META_FULL_SHAPE] = tuple(full.shape)
         self.ctx.shards[p.name] = spec
         self.tag(p, KIND_SHARD)
 
@@ -294,4 +293,4 @@ class ShardTensorParallel(DCPPass):
                                         f"unsharded.")
 
 
-__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan", "ROLE_META", "PROJECTIONS_META"]
+__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan"]

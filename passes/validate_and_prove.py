@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch.fx.passes.infra.pass_base import PassResult
 
 from runtime.errors import DCPProofError, DCPTransformError
+from runtime.names import META_CERTIFICATE
 
 from .infra import DCPPass, attention_nodes, val
 
@@ -42,5 +43,5 @@ class ValidateAndProve(DCPPass):
             raise DCPProofError(self.ctx.certificate)
         self.record(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
                     theorems=len(self.ctx.certificate.theorems))
-        gm.meta["dcp_certificate"] = self.ctx.certificate
+        gm.meta[META_CERTIFICATE] = self.ctx.certificate
         return PassResult(gm, False)

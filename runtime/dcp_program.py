@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from runtime.names import META_SCOPE, SCOPE_MODEL
+
 from .config import DCPConfig
 from .names import RANK_INPUT
 from .roles import role_of
@@ -79,13 +81,10 @@ class DCPProgram:
         counts: dict[str, int] = {}
         for n in self.graphs[step].graph.nodes:
             role = role_of(n)
-            if role is not None and (n.meta.get("dcp_scope") == "model") == per_model:
+            if role is not None and (n.meta.get(META_SCOPE) == SCOPE_MODEL) == per_model:
                 key = f"{n.target._opname}@{role}"
                 counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items()))
-
-    def history_json(self) -> list[dict]:
-        return [r.to_json() for r in self.history]
 
     def summary(self) -> str:
         c = self.config

@@ -9,9 +9,50 @@ Here, in the lowest package, because the runtime binds inputs by name; ``passes`
 from __future__ import annotations
 
 # -- Graph inputs (placeholder names) ---------------------------------------------------------
+# A program's calling convention: weights..., RANK_INPUT, INPUT_IDS, POSITIONS, BLOCK_TABLE,
+# then one input per KV cache (cache_input(0), cache_input(1), ...: K and V of each layer).
 
 RANK_INPUT = "tp_rank"            # 0-d int64: this rank (insert_rank adds it)
+INPUT_IDS = "input_ids"
+POSITIONS = "positions"
+BLOCK_TABLE = "block_table"
+KV_CACHES = "kv_caches"           # the forward argument; its inputs are kv_caches_<i>
+STEP_INPUTS = (INPUT_IDS, POSITIONS, BLOCK_TABLE)
+
+
+def cache_input(i: int) -> str:
+    """The name of the ``i``-th KV cache input (K of layer i // 2 when i is even, else V)."""
+    return f"{KV_CACHES}_{i}"
+
+
+def is_cache_input(name: str) -> bool:
+    return name.startswith(KV_CACHES)
+
+
+# -- node.meta keys ---------------------------------------------------------------------------
+
+META_KIND = "dcp_kind"            # an inserted node's kind (passes.infra KIND_*)
+META_PASS = "dcp_pass"            # the pass that inserted the node
+META_LAYER = "dcp_layer"          # the attention layer the node belongs to
+META_SCOPE = "dcp_scope"          # "model" (SCOPE_MODEL): a collective once per model, not layer
+SCOPE_MODEL = "model"
+META_FULL_SHAPE = "dcp_full_shape"    # a sharded placeholder's unsharded shape
+META_NORM_REDUCE = "dcp_norm_reduce"  # an all-reduce of a norm over sharded heads, not TP's sum
+ROLE_META = "dcp_tp_role"             # a linear's tensor-parallel role (q_proj, mlp_row, ...)
+PROJECTIONS_META = "dcp_projections"  # an attention's q/k/v/o linear names
+SP_SLICE = "dcp_sp_slice"             # this rank's sequence-parallel slice after the O proj.
+SP_GATHER = "dcp_sp_gather"           # full-sequence tensor after a sequence-parallel gather
+SPEC_STEP = "dcp_spec_step"           # the specification's prefill Compute Pattern step (1..9)
+
+# In torch's meta["custom"] (make_fx copies it onto the nodes a node decomposes into): the
+# lowering's provenance of a node, META_NODE (its FX node's name) and META_PASS.
+META_NODE = "dcp_node"
 
 # -- Collective group names -------------------------------------------------------------------
 
 ROLE_PREFIX = "dcp_role:"         # a collective's group in a graph: ROLE_PREFIX + role name
+
+# -- gm.meta keys -----------------------------------------------------------------------------
+
+META_CERTIFICATE = "dcp_certificate"  # the layout proof certificate (validate_and_prove)
+SP_META = "dcp_sequence_parallel"     # the sequence-parallel layout (tokens, padding, per rank)

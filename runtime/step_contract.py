@@ -29,11 +29,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from .errors import DCPConfigError, DCPInputError, DCPTransformError
+from runtime.names import BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.
 INT64_SAFE = 2 ** 62
-INPUTS = ("input_ids", "positions", "block_table")
 
 
 class StepInputs(NamedTuple):
@@ -176,8 +176,8 @@ def _msg(what: str, rule: str, fix: str) -> str:
 
 
 def _input_type(c, s):
-    for name, t in zip(INPUTS, s[:3]):
-        if t is None and name == "input_ids":
+    for name, t in zip(STEP_INPUTS, s[:3]):
+        if t is None and name == INPUT_IDS:
             continue
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
@@ -190,9 +190,9 @@ def _input_type(c, s):
 def _input_shape(c, s):
     if c.batch is None:
         return None
-    want = {"input_ids": (c.batch, c.tokens), "positions": (c.batch, c.tokens),
-            "block_table": (c.batch, c.max_blocks)}
-    for name, t in zip(INPUTS, s[:3]):
+    want = {INPUT_IDS: (c.batch, c.tokens), POSITIONS: (c.batch, c.tokens),
+            BLOCK_TABLE: (c.batch, c.max_blocks)}
+    for name, t in zip(STEP_INPUTS, s[:3]):
         if t is not None and tuple(t.shape) != want[name]:
             return (name,), _msg(
                 f"{name} has shape {tuple(t.shape)}, the {c.kind} step takes {want[name]}",
@@ -205,7 +205,7 @@ def _input_shape(c, s):
 def _input_device(c, s):
     if c.device is None:
         return None
-    for name, t in zip(INPUTS, s[:3]):
+    for name, t in zip(STEP_INPUTS, s[:3]):
         if t is not None and t.device != c.device:
             return (name,), _msg(f"{name} is on {t.device}, the program runs on {c.device}",
                                  "step inputs live where the program's caches do",
@@ -216,7 +216,7 @@ def _input_device(c, s):
 def _cache_count(c, s):
     if s.caches is None or c.cache_count is None or len(s.caches) == c.cache_count:
         return None
-    return ("kv_caches",), _msg(
+    return (KV_CACHES,), _msg(
         f"kv_caches has {len(s.caches)} tensors, the program takes {c.cache_count} "
         f"({c.cache_count // 2} layers x key, value)",
         "a step takes every layer's key and value cache",
@@ -236,7 +236,7 @@ def _cache_spec(c, s):
                 dtype, shape, device = x
                 return f"{dtype} {list(shape) if shape is not None else ''} on " \
                        f"{device if device is not None else 'any device'}"
-            return ("kv_caches", i), _msg(
+            return (KV_CACHES, i), _msg(
                 f"kv_caches[{i}] is {show(got)}, the program's cache is {show(want)}",
                 "caches match the program's cache spec exactly: count, shape, dtype and "
                 "device (a cache is never converted)",
@@ -453,20 +453,20 @@ RULES: tuple[Rule, ...] = (
     Rule("input-type", "inputs", _input_type),
     Rule("input-shape", "inputs", _input_shape),
     Rule("input-device", "inputs", _input_device),
-    Rule("cache-count", "kv_caches", _cache_count),
-    Rule("cache-spec", "kv_caches", _cache_spec),
-    Rule("block-id-range", "block_table", _block_id_range),
-    Rule("garbage-block", "block_table", _garbage_block),
-    Rule("shared-block", "block_table", _shared_block),
-    Rule("position-range", "positions", _position_range),
-    Rule("padding-at-end", "positions", _padding_at_end),
-    Rule("contiguous", "positions", _contiguous),
-    Rule("first-chunk", "positions", _first_chunk),
-    Rule("max-model-len", "positions", _max_model_len),
-    Rule("allocated-entry", "positions", _allocated_entry),
-    Rule("allocated-prefix", "block_table", _allocated_prefix),
-    Rule("continues-sequence", "positions", _continues_sequence),
-    Rule("token-range", "input_ids", _token_range),
+    Rule("cache-count", KV_CACHES, _cache_count),
+    Rule("cache-spec", KV_CACHES, _cache_spec),
+    Rule("block-id-range", BLOCK_TABLE, _block_id_range),
+    Rule("garbage-block", BLOCK_TABLE, _garbage_block),
+    Rule("shared-block", BLOCK_TABLE, _shared_block),
+    Rule("position-range", POSITIONS, _position_range),
+    Rule("padding-at-end", POSITIONS, _padding_at_end),
+    Rule("contiguous", POSITIONS, _contiguous),
+    Rule("first-chunk", POSITIONS, _first_chunk),
+    Rule("max-model-len", POSITIONS, _max_model_len),
+    Rule("allocated-entry", POSITIONS, _allocated_entry),
+    Rule("allocated-prefix", BLOCK_TABLE, _allocated_prefix),
+    Rule("continues-sequence", POSITIONS, _continues_sequence),
+    Rule("token-range", INPUT_IDS, _token_range),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 

@@ -20,12 +20,12 @@ from dcp_compile.backend import (BackendOptions, build_program, kv_cache_spec,
                                  merge_programs)
 from runtime.errors import DCPConfigError, DCPTransformError, DCPWorldError
 from dcp_compile.models import DemoConfig, DemoLlama, demo_model
-from dcp_compile.workers.backend import PrintingDemo
 from runtime.engine import Engine, LocalExecutor, StepShapes
 from runtime.kv_cache import KVCacheSpec
 from runtime.launch import run_torchrun
 from runtime.world import run_threaded
 
+from backend_worker import PrintingDemo
 from helpers import assert_close_report, prompts_of, single_device_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -296,7 +296,7 @@ def test_torchrun_gloo_compiled_model_decodes_the_single_device_tokens(tmp_path)
     a graph break raises DCPTransformError on every rank."""
     lengths, steps = [1, 31, 33, 32], 8
     out, dump = tmp_path / "result.json", tmp_path / "dump"
-    run_torchrun(4, "dcp_compile.workers.backend",
+    run_torchrun(4, "tests.backend_worker",
                  ["--dcp", "2", "--steps", str(steps), "--lengths",
                   ",".join(map(str, lengths)), "--out", str(out)],
                  timeout=400, env={"DCP_COMPILE_DUMP": str(dump)})

@@ -1,0 +1,81 @@
+"""The pipeline as data: each step kind's passes, in the order they run.
+
+``PIPELINE`` is the one place the order is written. ``transform()`` and the torch.compile
+backend build their passes from it (:func:`passes_for`), the dump records it in each step's
+``manifest.json``, and a test checks the README's "Passes" list against it.
+
+Step kinds: ``context`` (the decode engine's prompt step), ``decode`` (one token per
+sequence) and ``prefill`` (the prefill engine's chunk; ``sequence_parallel`` lays out the
+tokens ``dcp_prefill`` rewrites). ``insert_paged_cache`` (in ``OPTIONAL``) runs only on an
+ordinary model's graph, which has no cache yet; its caller builds it, because its arguments
+come from the model (``dcp_compile.ordinary``).
+"""
+
+from __future__ import annotations
+
+from runtime.errors import DCPTransformError
+
+from .canonicalize_attention import CanonicalizeAttention
+from .check_static_shapes import CheckStaticShapes
+from .dcp_decode import DCPContext, DCPDecode
+from .dcp_prefill import DCPPrefill
+from .drop_export_asserts import DropExportAsserts
+from .infra import DCPPass, TransformContext
+from .insert_paged_cache import InsertPagedCache
+from .insert_rank import InsertRank
+from .sequence_parallel import SequenceParallel
+from .shard_tensor_parallel import ShardTensorParallel
+from .validate_and_prove import ValidateAndProve
+
+# Mode -> the step kinds a program of that mode holds (transform() captures each).
+STEPS_BY_MODE: dict[str, tuple[str, ...]] = {"decode": ("context", "decode"),
+                                             "prefill": ("prefill",)}
+
+# Step kind -> its passes, in order.
+PIPELINE: dict[str, tuple[type[DCPPass], ...]] = {
+    "context": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
+                ValidateAndProve, InsertRank, ShardTensorParallel, DCPContext),
+    "decode": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
+               ValidateAndProve, InsertRank, ShardTensorParallel, DCPDecode),
+    "prefill": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
+                ValidateAndProve, InsertRank, ShardTensorParallel, SequenceParallel,
+                DCPPrefill),
+}
+
+# Passes that run only when the caller built one (their arguments come from the model).
+OPTIONAL: frozenset[type[DCPPass]] = frozenset({InsertPagedCache})
+
+# Passes built from more than the context: pass -> its extra constructor arguments, from the
+# name of the graph's first step input (the rank input goes before it).
+_EXTRA_ARGS = {InsertRank: lambda first_user_input: (first_user_input,)}
+
+
+def pass_names(step: str) -> list[str]:
+    """``step``'s pass names in order, the optional ones included."""
+    return [cls.name for cls in _passes_of(step)]
+
+
+def passes_for(ctx: TransformContext, first_user_input: str, *,
+               insert_cache: DCPPass | None = None) -> list[DCPPass]:
+    """``ctx.step``'s passes, built in ``PIPELINE`` order. ``insert_cache``: the
+    InsertPagedCache its caller built for an ordinary model's graph (None: the graph already
+    takes its caches)."""
+    given = {InsertPagedCache: insert_cache}
+    built = []
+    for cls in _passes_of(ctx.step):
+        if cls in OPTIONAL:
+            if given.get(cls) is not None:
+                built.append(given[cls])
+            continue
+        extra = _EXTRA_ARGS.get(cls)
+        built.append(cls(ctx, *extra(first_user_input)) if extra else cls(ctx))
+    return built
+
+
+def _passes_of(step: str) -> tuple[type[DCPPass], ...]:
+    try:
+        return PIPELINE[step]
+    except KeyError:
+        raise DCPTransformError(
+            f"no pipeline for step kind {step!r}: the step kinds are {sorted(PIPELINE)}. "
+            f"Name one of them (passes.pipeline.PIPELINE).") from None
