@@ -31,27 +31,20 @@ notifications), :mod:`runtime.nixl_handshake` the metadata and its side channel,
 ``start_read`` + ``get_finished`` is the same thing without blocking (vLLM's
 start_load_kv / get_finished shape), for engines that overlap the transfer with other work.
 
-Handshake (side channel). Each prefill rank serves its :class:`NeuronNixlAgentMetadata` --
-the NIXL agent metadata plus the spec's ``dcp_size`` extension and the cache geometry -- on a
-small TCP side channel at ``host:side_channel_port + tp_rank`` (vLLM's NIXL side channel uses
-the same base-port-plus-rank convention). Protocol: the client sends ``DCPKV-META 2\\n``; the
-server answers an 8-byte big-endian length and the JSON-serialised metadata (no pickle: the
-bytes come from the network). The server runs each client on its own thread (at most 64 at
-once) with one deadline for its whole exchange; the client too has one deadline for the whole
-handshake (the remaining time is recomputed for every recv) and refuses a length above 1 MiB
-before allocating. The channel has no authentication: bind it to loopback or a trusted
-network. The decode rank fetches the metadata of every remote rank of its
-plan, checks it against the plan (tp, rank, dcp_size, KV heads, block size, head_dim, dtype,
-layers), loads the agent metadata with ``add_remote_agent`` and brings the connection up with
-a 64-byte READ of the remote garbage block (on a fresh UCX endpoint a bare notification is
-only wired up by later progress and has no completion to wait for; a READ has one).
+Handshake (:mod:`runtime.nixl_handshake`). Each prefill rank serves its
+:class:`NeuronNixlAgentMetadata` on a TCP side channel at ``host:side_channel_port +
+tp_rank``. The decode rank fetches the metadata of every remote rank of its plan (one
+deadline for the whole handshake), checks it against the plan (tp, rank, dcp_size, KV heads,
+block size, head_dim, dtype, layers), loads the agent metadata with ``add_remote_agent`` and
+brings the connection up with a 64-byte READ of the remote garbage block (on a fresh UCX
+endpoint a bare notification is only wired up by later progress and has no completion to
+wait for; a READ has one).
 
-Reads. Per remote rank one NIXL READ (``initialize_xfer`` with Nx3 descriptor arrays) over
-all layers' key and value caches. Whole cache rows move as one descriptor per run of tokens
-(a block, or less at the end); a head range of a row (splitting / merging) is strided across
-tokens in this layout, so it is either staged (the remote run read whole into a pooled,
-registered bounce buffer, then copied into the head range; the default) or one descriptor
-per token (``partial_rows="descriptors"``).
+Reads (:mod:`runtime.nixl_descriptors`). Per remote rank one NIXL READ (``initialize_xfer``
+with Nx3 descriptor arrays) over all layers' key and value caches: whole cache rows as one
+descriptor per run of tokens; a head range of a row (splitting / merging) either staged
+through a pooled, registered bounce buffer (the default) or one descriptor per token
+(``partial_rows="descriptors"``).
 
 Leases and epochs. The prefill side holds a request's blocks (:meth:`PrefillKVConnector.hold`)
 until the readers the plan names have notified, or until the lease's deadline frees them; the
@@ -78,11 +71,9 @@ and the request is not reported finished. After a failed transfer ``close()`` pr
 agent for 0.5 s before destroying it (UCX aborts the process when an endpoint to a dead
 peer is destroyed before it was discarded).
 
-Environment. UCX reads its settings when the first agent is created: unless already set,
-``UCX_TLS=tcp,self,sm`` and, for a loopback side channel, ``UCX_NET_DEVICES=lo`` (so UCX does
-not advertise other interfaces). On CPU ``UCX_TLS`` must include ``tcp``. Agents run without
-NIXL's progress thread by default (it busy-polls a core per agent, too much for a few cores):
-then a transfer advances only while both ends poll -- a prefill rank must call
+Progress (:mod:`runtime.nixl_agent`, which also sets UCX's environment). Agents run
+without NIXL's progress thread by default (it busy-polls a core per agent): then a transfer
+advances only while both ends poll -- a prefill rank must call
 :meth:`PrefillKVConnector.poll` (``wait_for_readers`` does) while decode ranks read, and a
 decode rank polls in ``get_finished`` / ``wait`` (``wait_all`` for ranks sharing a process).
 Pass ``progress_thread=True`` where cores are plentiful or an engine cannot poll.
