@@ -32,9 +32,9 @@ What happens per compile (Dynamo compiles once per input shape):
 4. The result is a :class:`DCPCompiledStep` (``runtime.compiled_step``): on its first call
    on a rank it binds the topology's process groups (``runtime.world.bind_roles``, once per
    world) and cuts this rank's weight shards from the weights Dynamo passes in; every call
-   runs this rank's program. It needs an initialised torch.distributed world of ``tp`` ranks (torchrun +
-   ``runtime.launch.init_distributed_from_env``, or a threaded world) and this rank's KV
-   caches (:func:`kv_cache_spec`).
+   runs this rank's program. It needs an initialised torch.distributed world of ``tp`` ranks
+   (torchrun + ``runtime.launch.init_distributed_from_env``, or a threaded world) and this
+   rank's KV caches (:func:`kv_cache_spec`).
 """
 
 from __future__ import annotations
