@@ -194,7 +194,7 @@ _certificates_lock = threading.Lock()
 
 
 def build_step(gm: GraphModule, example_inputs: list, opts: BackendOptions
-               ) -> "DCPCompiledStep":
+               ) -> DCPCompiledStep:
     """Compile one Dynamo graph into this process's runnable step (all ranks share it)."""
     program, capture = build_program(gm, example_inputs, opts)
     return DCPCompiledStep(program, capture.step,
