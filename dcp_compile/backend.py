@@ -27,19 +27,19 @@ What happens per compile (Dynamo compiles once per input shape):
 3. The placeholders are put in the program calling convention (weights, then input_ids,
    positions, block_table, kv_caches in layer order) and the step kind is picked from the
    attention's token dimension: decode mode compiles "context" (S > 1) and "decode"
-   (S == 1) graphs, prefill mode "prefill". Then the same passes as ``transform()`` run:
-   the step kind's row of ``passes.pipeline.PIPELINE`` (``pipeline.transform_graph``).
-4. The result is a :class:`DCPCompiledStep`: on its first call on a rank it binds the
-   topology's process groups (``runtime.world.bind_roles``, once per world) and cuts this
-   rank's weight shards from the weights Dynamo passes in; every call runs this rank's
-   program. It needs an initialised torch.distributed world of ``tp`` ranks (torchrun +
-   ``runtime.launch.init_distributed_from_env``, or a threaded world) and this rank's KV
-   caches (:func:`kv_cache_spec`).
+   (S == 1) graphs, prefill mode "prefill". Steps 1-3 are :mod:`dcp_compile.dynamo_capture`.
+   Then the same passes as ``transform()`` run: the step kind's row of
+   ``passes.pipeline.PIPELINE`` (``pipeline.transform_graph``).
+4. The result is a :class:`DCPCompiledStep` (``runtime.compiled_step``): on its first call
+   on a rank it binds the topology's process groups (``runtime.world.bind_roles``, once per
+   world) and cuts this rank's weight shards from the weights Dynamo passes in; every call
+   runs this rank's program. It needs an initialised torch.distributed world of ``tp`` ranks
+   (torchrun + ``runtime.launch.init_distributed_from_env``, or a threaded world) and this
+   rank's KV caches (:func:`kv_cache_spec`).
 """
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import types
@@ -50,8 +50,11 @@ import torch
 from torch.fx import GraphModule
 
 from runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from runtime.compiled_step import DCPCompiledStep
 from runtime.config import DCPConfig
-from runtime.errors import DCPConfigError, DCPError, DCPTransformError, DCPWorldError
+from runtime.errors import DCPConfigError, DCPError, DCPTransformError
+
+from .dynamo_capture import capture_dynamo, check_whole_step
 
 __all__ = ["BackendOptions", "DCPCompiledStep", "build_program", "dcp_backend",
            "kv_cache_spec", "make_backend"]
@@ -191,21 +194,8 @@ _certificates: dict[tuple[int, int, int], Any] = {}
 _certificates_lock = threading.Lock()
 
 
-@dataclass
-class _Capture:
-    gm: GraphModule
-    weights: list[tuple[str, int]]       # (placeholder name, Dynamo argument index)
-    user: list[tuple[str, int]]          # input_ids, positions, block_table, caches...
-    step: str
-    shapes: Any                          # runtime.engine.StepShapes
-    num_layers: int
-    block_size: int
-    kv_heads: int                        # heads of the KV caches passed in
-    dtype: torch.dtype
-
-
 def build_step(gm: GraphModule, example_inputs: list, opts: BackendOptions
-               ) -> "DCPCompiledStep":
+               ) -> DCPCompiledStep:
     """Compile one Dynamo graph into this process's runnable step (all ranks share it)."""
     program, capture = build_program(gm, example_inputs, opts)
     return DCPCompiledStep(program, capture.step,
@@ -224,8 +214,8 @@ def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
     from runtime.dcp_program import DCPProgram
     from runtime.topology import topology
 
-    _check_whole_step(gm)
-    capture = _capture_aten(gm, example_inputs, opts.mode)
+    check_whole_step(gm)
+    capture = capture_dynamo(gm, example_inputs, opts.mode)
     tp = opts.resolved_tp()
     block = opts.block_size or capture.block_size
     config = DCPConfig(tp=tp, dcp=opts.dcp, mode=opts.mode, block_size=block,
@@ -261,187 +251,6 @@ def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
     return program, capture
 
 
-def _check_whole_step(gm: GraphModule) -> None:
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is not None and getattr(reason, "graph_break", False):
-        where = reason.user_stack[-1] if reason.user_stack else None
-        at = f" at {where.filename}:{where.lineno} ({where.line})" if where else ""
-        lines = [ln.strip() for ln in str(reason.reason).splitlines() if ln.strip()]
-        why = " - ".join(lines[:2]) or "graph break"
-        raise DCPTransformError(
-            f"graph break in the compiled model{at}: {why.rstrip('.')}. Backend 'dcp' "
-            f"shards the whole step or nothing; a partial graph would leave the rest of the "
-            f"model running eagerly, unsharded. Remove the break (no print, .item(), "
-            f"data-dependent branch or unsupported call in forward), and compile with "
-            f"fullgraph=True to see every break.")
-
-
-def _source_name(node) -> str:
-    """Dynamo's source of a graph input (``L['self']._modules['lm_head']._parameters[
-    'weight']``), or, once Dynamo has dropped that meta, its flat placeholder name."""
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    return source.name if source is not None and hasattr(source, "name") else node.name
-
-
-def _input_kind(source: str, example) -> str:
-    if "._parameters[" in source or "_parameters_" in source \
-            or isinstance(example, torch.nn.Parameter):
-        return "param"
-    if "._buffers[" in source or "_buffers_" in source:
-        return "buffer"
-    return "input"
-
-
-def _readable_name(source: str, kind: str) -> str:
-    """Dynamo source -> transform()'s placeholder names (p_<fqn>, b_<fqn>, input names)."""
-    parts = [a or b for a, b in re.findall(r"\['([^']*)'\]|\[(\d+)\]", source)]
-    parts = [p for p in parts if p not in ("self",)]
-    if parts:
-        name = "_".join(parts)
-    else:  # a flat name: L_self_modules_lm_head_parameters_weight_ -> lm_head_weight
-        name = re.sub(r"^[lL]_(self_)?", "", source).strip("_")
-        name = re.sub(r"(^|_)(modules|parameters|buffers)_", r"\1", name)
-    name = re.sub(r"\W", "_", name).strip("_") or "arg"
-    if name[0].isdigit():
-        name = f"arg_{name}"
-    return {"param": f"p_{name}", "buffer": f"b_{name}"}.get(kind, name)
-
-
-def _capture_aten(gm: GraphModule, example_inputs: list, mode: str) -> _Capture:
-    from torch._functorch.aot_autograd import aot_export_module
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    from passes.manager import repropagate
-    from runtime.engine import StepShapes
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    kinds = []
-    for node, example in zip(placeholders, example_inputs):
-        source = _source_name(node)
-        if not isinstance(example, torch.Tensor):
-            raise DCPTransformError(
-                f"graph input {source} is a {type(example).__name__}, not a tensor: the "
-                f"graph has dynamic shapes or non-tensor inputs. DCP programs have static "
-                f"shapes: compile with torch.compile(..., dynamic=False).")
-        kinds.append(_input_kind(source, example))
-    if next(gm.parameters(), None) is not None:
-        raise DCPTransformError(
-            "the Dynamo graph holds parameters as attributes (torch._dynamo.config."
-            "inline_inbuilt_nn_modules is off): backend 'dcp' needs them as graph inputs. "
-            "Leave inline_inbuilt_nn_modules at its default (True).")
-
-    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-    fakes = [x if isinstance(x, FakeTensor) else fake_mode.from_tensor(x, static_shapes=True)
-             for x in example_inputs]
-    for x in fakes:
-        if any(not isinstance(s, int) for s in x.shape):
-            raise DCPTransformError(
-                f"graph input of shape {tuple(x.shape)} is dynamic: DCP programs have static "
-                f"shapes (one graph per step kind). Compile with "
-                f"torch.compile(..., dynamic=False).")
-    try:
-        with torch.no_grad(), fake_mode:
-            aten, sig = aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
-    except DCPError:
-        raise
-    except Exception as e:
-        raise DCPTransformError(f"AOTAutograd could not lower the Dynamo graph to ATen: "
-                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                                f". The model must trace with static shapes and no "
-                                f"data-dependent control flow.") from e
-    if sig.user_inputs_to_mutate or sig.buffers_to_mutate:
-        raise DCPTransformError(
-            f"the model mutates its inputs or buffers in place "
-            f"({list(sig.user_inputs_to_mutate) + list(sig.buffers_to_mutate)}): KV caches "
-            f"must be written functionally (return the new caches, as dcp.paged_attention "
-            f"does).")
-
-    new = [n for n in aten.graph.nodes if n.op == "placeholder"]
-    if len(new) != len(placeholders):
-        raise DCPTransformError(f"AOTAutograd changed the number of graph inputs "
-                                f"({len(placeholders)} -> {len(new)}); cannot map them back.")
-    taken: set[str] = set()
-    by_index = {}
-    for i, (node, old, kind, fake) in enumerate(zip(new, placeholders, kinds, fakes)):
-        name = _readable_name(_source_name(old), kind)
-        base, k = name, 1
-        while name in taken:
-            name, k = f"{base}_{k}", k + 1
-        taken.add(name)
-        node.target = name
-        node._rename(name)
-        node.meta["val"] = fake
-        by_index[i] = (node, kind)
-    aten.recompile()
-    repropagate(aten)
-
-    attention = [n for n in aten.graph.nodes if n.op == "call_function" and n.target in (
-        torch.ops.dcp.paged_attention.default, torch.ops.dcp.attention.default)]
-    weights = [(node.name, i) for i, (node, kind) in by_index.items() if kind != "input"]
-    inputs = {node: i for i, (node, kind) in by_index.items() if kind == "input"}
-    if not attention:
-        # The pipeline's canonicalization names the problem (no or unrecognised attention).
-        user = [(n.name, i) for n, i in inputs.items()] or [(new[0].name, 0)]
-        return _Capture(aten, weights, user, "decode" if mode == "decode" else "prefill",
-                        StepShapes(), 0, 16, 0, torch.float32)
-    user = _step_inputs(attention, inputs)
-    _reorder_placeholders(aten, [by_index[i][0] for _, i in weights]
-                          + [by_index[i][0] for _, i in user])
-
-    q, kc = attention[0].args[0].meta["val"], attention[0].args[3].meta["val"]
-    batch, tokens = q.shape[0], q.shape[1]
-    if mode == "prefill":
-        step = "prefill"
-    else:
-        step = "decode" if tokens == 1 else "context"
-    table = attention[0].args[6].meta["val"]
-    shapes = StepShapes(batch=batch, context_len=tokens, max_blocks=table.shape[1],
-                        num_blocks=kc.shape[0])
-    return _Capture(aten, weights, user, step, shapes, len(attention), kc.shape[1],
-                    kc.shape[2], kc.dtype)
-
-
-def _step_inputs(attention, inputs: dict) -> list[tuple[str, int]]:
-    """Dynamo indices of (input_ids, positions, block_table, k_0, v_0, k_1, ...)."""
-    def placeholder_arg(node, idx, what):
-        arg = node.args[idx]
-        if getattr(arg, "op", None) != "placeholder" or arg not in inputs:
-            raise DCPTransformError(
-                f"attention node {node.name} reads its {what} from {getattr(arg, 'name', arg)}"
-                f", not from a step input: backend 'dcp' needs the step signature "
-                f"forward(input_ids, positions, block_table, kv_caches) with positions, the "
-                f"block table and the caches passed to the attention op as they come in.")
-        return arg
-
-    positions = {placeholder_arg(n, 5, "positions") for n in attention}
-    tables = {placeholder_arg(n, 6, "block table") for n in attention}
-    if len(positions) != 1 or len(tables) != 1:
-        raise DCPTransformError("attention layers read different positions or block tables: "
-                                "every layer must attend with the step's own.")
-    caches = []
-    for n in attention:
-        caches += [placeholder_arg(n, 3, "key cache"), placeholder_arg(n, 4, "value cache")]
-    known = positions | tables | set(caches)
-    rest = [n for n in inputs if n not in known]
-    if len(rest) != 1:
-        raise DCPTransformError(
-            f"the compiled step has inputs {[n.name for n in inputs]}; backend 'dcp' needs "
-            f"exactly input_ids besides positions, block_table and the KV caches (found "
-            f"{[n.name for n in rest]}). Use the step signature forward(input_ids, positions, "
-            f"block_table, kv_caches) (Hugging Face models: dcp_compile.hf.prepare).")
-    order = rest + [positions.pop(), tables.pop()] + caches
-    return [(n.name, inputs[n]) for n in order]
-
-
-def _reorder_placeholders(gm: GraphModule, order: list) -> None:
-    anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    for node in order:
-        anchor.prepend(node)
-    gm.recompile()
-
-
 def _certificate_for(config: DCPConfig):
     with _certificates_lock:
         return _certificates.get((config.dcp, config.interleave_size, config.block_size))
@@ -466,89 +275,8 @@ def _writes_dump() -> bool:
 
 
 # ------------------------------------------------------------------------------------------
-# Run: this rank's program inside the initialised world
+# Several compiled steps as one program
 # ------------------------------------------------------------------------------------------
-
-# (id of the default group, topology key) -> (default group, role -> group name): bind once
-# per world. The group object is kept so that its id cannot be reused by a later world.
-_bound: dict[tuple, tuple[Any, dict[str, str]]] = {}
-_bound_lock = threading.Lock()
-
-
-def _group_names(topo, rank: int) -> dict[str, str]:
-    import torch.distributed as dist
-
-    from runtime.world import bind_roles
-    world = dist.group.WORLD
-    key = (id(world), rank, topo.tp, topo.dcp, topo.mode,
-           tuple((r, tuple(map(tuple, g))) for r, g in topo.groups.items()))
-    with _bound_lock:
-        hit = _bound.get(key)
-    if hit is not None and hit[0] is world:
-        return hit[1]
-    names = bind_roles(topo, rank)  # collective: every rank reaches it on its first call
-    with _bound_lock:
-        _bound[key] = (world, names)
-    return names
-
-
-class DCPCompiledStep:
-    """What backend "dcp" hands Dynamo for one graph: runs this rank's program of one step.
-
-    ``program`` is the DCPProgram (one graph, ``step``), with history, certificate and
-    weight shard specs. Weights are cut per rank on that rank's first call, from the
-    weights Dynamo passes in; later weight updates are not seen (recompile instead).
-    """
-
-    def __init__(self, program, step: str, *, weight_args: list[int], user_args: list[int]):
-        self.program = program
-        self.step = step
-        self.weight_args = weight_args
-        self.user_args = user_args
-        self._loaded: dict[tuple, Any] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, *args):
-        rank = self._rank()
-        loaded = self._loaded.get((id(_world()), rank))
-        if loaded is None:
-            loaded = self._load(rank, args)
-        ids, positions, table, *caches = (args[i] for i in self.user_args)
-        logits, new_caches = loaded.run(self.step, ids, positions, table, caches)
-        return (logits, *new_caches)
-
-    def _rank(self) -> int:
-        import torch.distributed as dist
-        tp = self.program.config.tp
-        if not (dist.is_available() and dist.is_initialized()):
-            raise DCPWorldError(
-                f"a model compiled with backend 'dcp' (tp={tp}) runs one rank of a "
-                f"torch.distributed world, and none is initialised. Launch {tp} ranks with "
-                f"torchrun and call runtime.launch.init_distributed_from_env() first (or run "
-                f"inside runtime.world.run_threaded).")
-        if dist.get_world_size() != tp:
-            raise DCPWorldError(f"world size does not match the compiled program: "
-                                f"world_size={dist.get_world_size()}, tp={tp}. Launch {tp} "
-                                f"ranks, or compile with options={{'tp': "
-                                f"{dist.get_world_size()}}}.")
-        return dist.get_rank()
-
-    def _load(self, rank: int, args):
-        program = self.program
-        with self._lock:
-            if not program.constants:
-                program.constants = {name: args[i] for name, i in
-                                     zip(program.weight_inputs, self.weight_args)}
-        names = _group_names(program.topology, rank)
-        loaded = program.load(rank, names)
-        with self._lock:
-            self._loaded[(id(_world()), rank)] = loaded
-        return loaded
-
-
-def _world():
-    import torch.distributed as dist
-    return dist.group.WORLD
 
 
 def merge_programs(*programs):

@@ -55,14 +55,19 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
         else:
             raise DCPTransformError(f"unsupported captured input {spec.arg.name} of kind "
                                     f"{spec.kind.name}. Register constants as buffers.")
-    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
-        raise DCPTransformError(
-            f"the model mutates its inputs or buffers in place "
-            f"({list(sig.buffers_to_mutate) + list(sig.user_inputs_to_mutate)}): KV caches "
-            f"must be written functionally (return the new caches, as dcp.paged_attention "
-            f"does).")
+    refuse_mutation(list(sig.buffers_to_mutate) + list(sig.user_inputs_to_mutate))
     gm = ep.graph_module
     return Captured(gm=gm, params=params, buffers=buffers, user_inputs=user_inputs)
+
+
+def refuse_mutation(mutated: list) -> None:
+    """Both capture frontends (this one and :mod:`dcp_compile.dynamo_capture`): a step that
+    writes an input or buffer in place cannot be sharded as a pure function of its inputs."""
+    if mutated:
+        raise DCPTransformError(
+            f"the model mutates its inputs or buffers in place ({mutated}): KV caches "
+            f"must be written functionally (return the new caches, as dcp.paged_attention "
+            f"does).")
 
 
 def constant_values(model: torch.nn.Module, captured: Captured) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from .config import DCPConfig
 from .errors import DCPTransferError
 from .topology import topology
 from runtime.cache_layout import scatter_cache
+from runtime.transfer_plan import table_entries
 
 SENTINEL = -7.25  # what a cache holds before anything is written to it
 
@@ -72,7 +73,7 @@ def engine_config(spec: dict, eng: dict, mode: str) -> DCPConfig:
 
 def block_tables(spec: dict, cfg: DCPConfig, engine_id: str) -> tuple[int, dict[str, list[int]]]:
     """(num_blocks, request id -> block table): shuffled blocks, distinct across requests."""
-    need = {r["id"]: -(-r["seq_len"] // cfg.vblock) for r in spec["requests"]}
+    need = {r["id"]: table_entries(r["seq_len"], cfg) for r in spec["requests"]}
     usable = sum(need.values()) + 3
     g = torch.Generator().manual_seed(sum(map(ord, engine_id)) + spec["seed"])
     order = torch.randperm(usable, generator=g).tolist()

@@ -97,6 +97,7 @@ __all__ = [
     "engine_configs",
     "plan_transfer",
     "spec_remote_ranks",
+    "table_entries",
     "transfer_violations",
 ]
 
@@ -216,8 +217,8 @@ class TransferPlan:
         p, d = self.prefill, self.decode
         period = _lcm(p.vblock, d.vblock)
         n = 4 * period
-        ident_p = list(range(-(-n // p.vblock)))
-        ident_d = list(range(-(-n // d.vblock)))
+        ident_p = list(range(table_entries(n, p)))
+        ident_d = list(range(table_entries(n, d)))
         c = self.chunks(decode_rank, remote_cp_rank, n, ident_p, ident_d)
         out = {"tokens_per_chunk": int(c[0, 5]) if len(c) else 0}
         rb, lb = c[:, 1].tolist(), c[:, 3].tolist()
@@ -446,6 +447,12 @@ def spec_remote_ranks(prefill: DCPConfig, decode: DCPConfig, decode_rank: int):
 # ---------------------------------------------------------------------------------------
 
 
+def table_entries(seq_len: int, cfg: DCPConfig) -> int:
+    """Block-table entries a sequence of ``seq_len`` positions uses: one per vblock
+    (``block_size * dcp`` global positions), the same on every rank of the engine."""
+    return -(-seq_len // cfg.vblock)
+
+
 def _topo(cfg: DCPConfig) -> Topology:
     return topology(cfg.tp, cfg.dcp, cfg.mode, num_kv_heads=cfg.num_kv_heads, config=cfg)
 
@@ -461,7 +468,7 @@ def _run_length(cfg: DCPConfig) -> int:
 
 def _block_table(table, seq_len: int, cfg: DCPConfig, side: str) -> torch.Tensor:
     t = torch.as_tensor(table if table is not None else [], dtype=torch.int64).reshape(-1)
-    need = -(-seq_len // cfg.vblock)
+    need = table_entries(seq_len, cfg)
     if t.numel() < need:
         raise DCPTransferError(f"{side} block table too short for the sequence: seq_len={seq_len}"
                                f", {t.numel()} entries, {need} needed (one per vblock of "

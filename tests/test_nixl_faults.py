@@ -355,7 +355,7 @@ def test_trickling_peer_bounds_the_connector_handshake():
 
 
 def test_huge_length_prefix_is_refused_before_allocating():
-    from runtime.nixl_connector import MAX_MESSAGE, fetch_metadata
+    from runtime.nixl_handshake import MAX_MESSAGE, fetch_metadata
     fake = _FakeSideChannel(_huge)
     try:
         t0 = time.monotonic()
@@ -385,11 +385,11 @@ def test_idle_clients_do_not_hold_the_side_channel():
 
 
 def test_side_channel_drops_a_client_at_its_deadline_and_beyond_its_capacity():
-    from runtime.nixl_connector import _SideChannelServer, fetch_metadata
+    from runtime.nixl_handshake import SideChannelServer, fetch_metadata
     from runtime.nixl_loopback import free_port_base
     port = free_port_base(1)
-    server = _SideChannelServer("127.0.0.1", port, b"payload", client_timeout=0.5,
-                                max_clients=1)
+    server = SideChannelServer("127.0.0.1", port, b"payload", client_timeout=0.5,
+                               max_clients=1)
     try:
         idle = socket.create_connection(("127.0.0.1", port), timeout=3 * BOUND)
         time.sleep(0.1)  # let the server take it (its one slot)
