@@ -17,8 +17,8 @@ from ..infra import attention_nodes, source_of
 from ..insert_rank import RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
-from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, reaches_output_directly,
-                   attention_projections, head_shards, linear_roles)
+from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
+                   head_shards, linear_roles, reaches_output_directly)
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 
 aten = torch.ops.aten

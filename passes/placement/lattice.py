@@ -84,6 +84,8 @@ class Refusal(Exception):
 
 
 def scale_segs(segs, num, den=1):
+    """Each segment's size times num / den (a view regrouping the dim); Refusal unless every
+    size and piece stays whole."""
     out = []
     for s in segs:
         if (s.size * num) % den or (s.local * num) % den:

@@ -330,4 +330,3 @@ def rule_for(target) -> Rule | None:
     if r is None and torch.Tag.pointwise in getattr(target, "tags", ()):
         return POINTWISE
     return r
-
