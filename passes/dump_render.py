@@ -227,4 +227,3 @@ def render_index(steps: list[dict], subdumps: list[str], *, title: str) -> str:
                      f'{html.escape(d)}/</a>' for d in subdumps)
     return (_page().replace("__TITLE__", html.escape(title)).replace("__LINKS__", links)
             .replace("__DATA__", data))
-
