@@ -10,20 +10,14 @@ with each attention replaced by one ``dcp.paged_attention`` over the layer's cac
 ``[num_blocks, block_size, kv_heads, head_dim]``; canonicalize_attention and every later pass
 then run unchanged.
 
-Recognised attention (rules as data: KERNELS, CASTS, RESHAPES):
-  * ``aten.scaled_dot_product_attention`` (is_causal, an explicit mask, enable_gqa) and the
-    flash / efficient / cudnn kernels;
-  * eager attention: ``q @ k^T`` (* or / a constant scale) (soft-cap ``tanh(s / c) * c``)
-    (+ additive mask, masked_fill or where) -> softmax over the last dim in any dtype (casts
-    around it) -> ``@ v``.
-  K and V are taken before GQA head repetition (expand + reshape, repeat_interleave, or
-  none): the cache holds kv heads. Masks are checked by evaluating them (they may depend only
-  on the positions, constants and buffers): causal, or causal within a sliding window, is
-  accepted and replaced by the op's causality (and ``window``) on positions. Windows a
-  Hugging Face config declares per layer are used too (a window no shorter than the captured
-  chunk leaves no trace in the mask), and a one-token decode step reuses the windows found
-  in the prompt step. Positions come from the ``position_ids`` input or an
-  ``arange(S).unsqueeze(0)`` in the graph.
+Attention is found by :mod:`passes.attention_patterns` (SDPA and its kernels, eager
+``softmax(q @ k^T) @ v``; K and V before GQA head repetition: the cache holds kv heads).
+Masks are checked by evaluating them (they may depend only on the positions, constants and
+buffers): causal, or causal within a sliding window, is accepted and replaced by the op's
+causality (and ``window``) on positions. Windows a Hugging Face config declares per layer are
+used too (a window no shorter than the captured chunk leaves no trace in the mask), and a
+one-token decode step reuses the windows found in the prompt step. Positions come from the
+``position_ids`` input or an ``arange(S).unsqueeze(0)`` in the graph.
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
 attention, masks that are neither causal nor a window or that depend on the tokens, additive
 biases (ALiBi), cross-attention (K/V not computed from this step's tokens), K/V that are
@@ -39,52 +33,17 @@ from typing import Callable
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
-from torch.fx.operator_schemas import normalize_function
 from torch.fx.passes.infra.pass_base import PassResult
 
 import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from runtime.errors import DCPTransformError
 from runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
-from .infra import KIND_ATTENTION, DCPPass, ensure, source_of, val
+from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,
+                                 is_call, site_form)
+from .infra import KIND_ATTENTION, DCPPass, ensure, val
 
 aten = torch.ops.aten
-
-# SDPA-family kernels: name -> (mask argument, result is a tuple whose item 0 is the output).
-KERNELS = {
-    "scaled_dot_product_attention": ("attn_mask", False),
-    "_scaled_dot_product_flash_attention": (None, True),
-    "_scaled_dot_product_flash_attention_for_cpu": ("attn_mask", True),
-    "_scaled_dot_product_efficient_attention": ("attn_bias", True),
-    "_scaled_dot_product_cudnn_attention": ("attn_bias", True),
-}
-_KERNEL_OF = {getattr(aten, name).default: name for name in KERNELS if hasattr(aten, name)}
-
-# Ops that leave a value's meaning unchanged on the attention path (dtype casts, copies).
-CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.clone.default,
-         aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default}
-SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
-RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
-MATMUL = {aten.matmul.default}
-# Additive masks below this are "masked out": exp underflows to exactly 0 in any float dtype.
-MASKED_OUT = -1e4
-
-
-@dataclass
-class Site:
-    """One attention: q [B, Hq, S, D]; k, v [B, Hkv, S, D] (before head repetition)."""
-
-    node: Node                   # reported in errors
-    out: Node                    # the node producing the [B, Hq, S, D] attention output
-    q: Node
-    k: Node
-    v: Node
-    scale: float
-    causal: bool                 # is_causal=True (no mask)
-    mask: Node | None = None     # see mask_kind
-    mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
-    softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
-    window: int = 0              # keys with q_pos - k_pos < window (0: no window)
 
 
 @dataclass
@@ -96,54 +55,6 @@ class Plan:
     head_dim: int
     dtype: torch.dtype
     position_input: Node | None
-
-
-def _fail(node: Node, why: str, fix: str):
-    raise DCPTransformError(f"{why} at node {node.name} ({source_of(node)}). {fix}.")
-
-
-def _call(n, targets) -> bool:
-    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
-
-
-def _skip_casts(n: Node) -> Node:
-    while _call(n, CASTS):
-        n = n.args[0]
-    return n
-
-
-def _is_dropout_noop(n: Node) -> bool:
-    return _call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
-
-
-def _strip_repeat(n: Node) -> Node:
-    """K/V before GQA head repetition (the cache stores kv heads, not q heads)."""
-    n = _skip_casts(n)
-    # repeat_kv: x[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv * g, S, D)
-    if _call(n, RESHAPES):
-        e = _skip_casts(n.args[0])
-        if _call(e, {aten.expand.default}):
-            u = e.args[0]
-            if _call(u, {aten.unsqueeze.default}) and u.args[1] == 2 and len(val(e).shape) == 5:
-                b, h, g, s, d = val(e).shape
-                if tuple(val(n).shape) == (b, h * g, s, d):   # heads repeated, nothing else
-                    return _skip_casts(u.args[0])
-    if _call(n, {aten.repeat_interleave.self_int}):
-        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
-        if dim == 1:
-            return _skip_casts(n.args[0])
-    return n
-
-
-def _kwargs(n: Node) -> dict:
-    pair = normalize_function(n.target, n.args, n.kwargs, normalize_to_only_use_kwargs=True)
-    if pair is None:
-        _fail(n, f"cannot read the arguments of {n.target}", "Report this model")
-    return pair.kwargs
-
-
-def _number(x):
-    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 class InsertPagedCache(DCPPass):
@@ -174,14 +85,7 @@ class InsertPagedCache(DCPPass):
             pos = next(n for n in gm.graph.nodes if n.op == "placeholder"
                        and n.name == self.position_input)
         per_token = self._depends_on(gm, ids)
-        sites = []
-        for n in gm.graph.nodes:
-            if _call(n, _KERNEL_OF):
-                sites.append(self._sdpa_site(n))
-            elif _call(n, SOFTMAX):
-                site = self._eager_site(n)
-                if site is not None:        # None: a softmax that does not feed `@ v`
-                    sites.append(site)
+        sites = find_sites(gm)
         if not sites:
             raise DCPTransformError(
                 "the model has no attention this compiler recognises (no "
@@ -220,168 +124,30 @@ class InsertPagedCache(DCPPass):
                 out.add(n)
         return out
 
-    def _sdpa_site(self, n: Node) -> Site:
-        name = _KERNEL_OF[n.target]
-        mask_arg, is_tuple = KERNELS[name]
-        kw = _kwargs(n)
-        if kw.get("dropout_p", 0.0):
-            _fail(n, f"attention with dropout_p={kw['dropout_p']}",
-                  "Put the model in eval mode (model.eval()) without attention dropout")
-        out = n
-        if is_tuple:
-            items = {}
-            for u in n.users:
-                if u.target is not operator.getitem:
-                    _fail(n, f"{name} result used whole", "Use its output only")
-                items[u.args[1]] = u
-            used = sorted(i for i, u in items.items() if i != 0 and u.users)
-            if used:
-                _fail(n, f"{name} outputs {used} (log-sum-exp, ...) are used",
-                      "Only the attention output can be kept with a paged cache")
-            if 0 not in items:
-                _fail(n, f"{name} output unused", "Remove the dead attention")
-            out = items[0]
-        q, k, v = kw["query"], kw["key"], kw["value"]
-        dim = val(q).shape[-1]
-        scale = kw.get("scale")
-        mask = kw.get(mask_arg) if mask_arg else None
-        if isinstance(mask, Node):
-            kind = "keep" if val(mask).dtype == torch.bool else "additive"
-        else:
-            kind = ""
-        return Site(node=n, out=out, q=q, k=_strip_repeat(k), v=_strip_repeat(v),
-                    scale=float(scale) if scale is not None else dim ** -0.5,
-                    causal=bool(kw.get("is_causal", False)), mask=mask if kind else None,
-                    mask_kind=kind)
-
-    def _eager_site(self, sm: Node) -> Site | None:
-        if not self._feeds_matmul(sm):
-            return None
-        if sm.args[1] not in (-1, len(val(sm).shape) - 1):
-            _fail(sm, f"softmax over dim {sm.args[1]}", "Attention softmax must be over the "
-                  "keys (the last dim)")
-        # Forward: casts / no-op dropout, then `@ v`.
-        probs, user = sm, None
-        while True:
-            users = list(probs.users)
-            if len(users) != 1:
-                _fail(sm, f"attention probabilities used by {len(users)} nodes "
-                      f"({[u.name for u in users]})", "Only `softmax(...) @ v` is recognised "
-                      "(do not return attention weights)")
-            user = users[0]
-            if _call(user, CASTS) or _is_dropout_noop(user):
-                probs = user
-                continue
-            break
-        if _call(user, {aten.dropout.default}):
-            _fail(user, "attention dropout in training mode", "Call model.eval()")
-        if not _call(user, MATMUL) or user.args[0] is not probs:
-            _fail(sm, f"softmax feeds {user.target}, not `probs @ v`", "Attention must be "
-                  "softmax(scores) @ v")
-        v = user.args[1]
-        # Backward: scale, mask, casts, down to `q @ k^T`.
-        x, scale, mask, kind, softcap = _skip_casts(sm.args[0]), 1.0, None, "", 0.0
-        while not _call(x, MATMUL):
-            cap = _softcap_of(x)
-            if cap is not None:
-                if scale != 1.0:
-                    _fail(x, "scores scaled after soft-capping", "Scale before the tanh cap")
-                softcap, x = cap
-            elif _call(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
-                a, b = x.args
-                c = _number(b) if isinstance(a, Node) else _number(a)
-                if x.target in (aten.div.Tensor, aten.div.Scalar) and not isinstance(a, Node):
-                    c = None                                  # number / scores: not a scale
-                if c is None:
-                    _fail(x, f"attention scores scaled by a tensor ({x.target})",
-                          "Scale scores by a Python number (a per-layer constant)")
-                scale *= (1.0 / c) if x.target in (aten.div.Tensor, aten.div.Scalar) else c
-                x = a if isinstance(a, Node) else b
-            elif softcap and _call(x, {aten.add.Tensor, aten.masked_fill.Scalar,
-                                       aten.where.self, aten.where.ScalarOther}):
-                _fail(x, "attention mask applied before soft-capping (masked scores become "
-                      "-cap, not -inf)", "Apply the mask after tanh(scores / c) * c")
-            elif _call(x, {aten.add.Tensor}) and mask is None:
-                a, b = x.args
-                if not (isinstance(a, Node) and isinstance(b, Node)):
-                    _fail(x, "a constant added to the attention scores", "Remove it")
-                x, mask = (a, b) if self._reaches_matmul(a) else (b, a)
-                kind = "additive"
-            elif _call(x, {aten.masked_fill.Scalar}) and mask is None:
-                if _number(x.args[2]) is None or x.args[2] > MASKED_OUT:
-                    _fail(x, f"masked_fill of the scores with {x.args[2]}", "Fill with -inf")
-                x, mask, kind = x.args[0], x.args[1], "drop"
-            elif _call(x, {aten.where.self, aten.where.ScalarOther}) and mask is None:
-                other = x.args[2]
-                if not isinstance(x.args[1], Node) or isinstance(other, Node) \
-                        or other > MASKED_OUT:
-                    _fail(x, "where() on the scores with a non -inf alternative", "Use -inf")
-                x, mask, kind = x.args[1], x.args[0], "keep"
-            elif _call(x, CASTS):
-                x = x.args[0]
-            elif _call(x, {aten.tanh.default}):
-                _fail(x, "tanh on the attention scores that is not soft-capping "
-                      "(tanh(s / c) * c)", "Write the cap as tanh(scores / c) * c")
-            else:
-                _fail(x, f"unrecognised op {x.target} between `q @ k^T` and softmax",
-                      "Only a constant scale, a causal mask and dtype casts are recognised")
-        q, kt = x.args
-        kt = _skip_casts(kt)
-        dims = kt.args[1:] if _call(kt, {aten.transpose.int}) else None
-        nd = len(val(kt).shape)
-        if dims is None or {d % nd for d in dims} != {nd - 2, nd - 1}:
-            _fail(x, "the right operand of `q @ k` is not k.transpose(-2, -1)",
-                  "Write scores as q @ k.transpose(-2, -1)")
-        return Site(node=sm, out=user, q=_skip_casts(q), k=_strip_repeat(kt.args[0]),
-                    v=_strip_repeat(v), scale=scale, causal=False, mask=mask,
-                    mask_kind=kind, softcap=softcap)
-
-    @staticmethod
-    def _feeds_matmul(sm: Node) -> bool:
-        n = sm
-        while len(n.users) == 1:
-            (n,) = n.users
-            if _call(n, MATMUL):
-                return True
-            if not (_call(n, CASTS) or _call(n, {aten.dropout.default})):
-                return False
-        return any(_call(u, MATMUL) for u in n.users)
-
-    def _reaches_matmul(self, n: Node) -> bool:
-        while True:
-            n = _skip_casts(n)
-            if _call(n, MATMUL):
-                return True
-            if _call(n, {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar,
-                         aten.tanh.default}):
-                n = n.args[0] if isinstance(n.args[0], Node) else n.args[1]
-                continue
-            return False
-
     def _check_site(self, s: Site, per_token: set, batch: int, tokens: int, pos) -> None:
         for what, t in (("query", s.q), ("key", s.k), ("value", s.v)):
             shape = val(t).shape
             if len(shape) != 4 or shape[0] != batch:
-                _fail(s.node, f"attention {what} {t.name} has shape {tuple(shape)}, not "
-                      f"[batch={batch}, heads, tokens, head_dim]", "Attention must be over "
-                      "[B, H, S, D] tensors of this step's tokens")
+                fail(s.node, f"attention {what} {t.name} has shape {tuple(shape)}, not "
+                     f"[batch={batch}, heads, tokens, head_dim]", "Attention must be over "
+                     "[B, H, S, D] tensors of this step's tokens")
             if shape[2] != tokens or t not in per_token:
-                _fail(s.node, f"cross-attention: the {what} ({t.name}, shape "
-                      f"{tuple(shape)}) is not computed from this step's {tokens} tokens",
-                      "A paged KV cache holds the keys and values of the sequence's own "
-                      "tokens; only causal self-attention can be cached")
+                fail(s.node, f"cross-attention: the {what} ({t.name}, shape "
+                     f"{tuple(shape)}) is not computed from this step's {tokens} tokens",
+                     "A paged KV cache holds the keys and values of the sequence's own "
+                     "tokens; only causal self-attention can be cached")
         for what, t in (("key", s.k), ("value", s.v)):
             self._check_per_token(s, what, t, per_token, batch, tokens)
         hq, hkv = val(s.q).shape[1], val(s.k).shape[1]
         if val(s.v).shape[1] != hkv or hq % hkv:
-            _fail(s.node, f"head counts q={hq}, k={hkv}, v={val(s.v).shape[1]} are not a "
-                  f"GQA grouping", "K and V need the same heads, dividing Q's")
+            fail(s.node, f"head counts q={hq}, k={hkv}, v={val(s.v).shape[1]} are not a "
+                 f"GQA grouping", "K and V need the same heads, dividing Q's")
         if s.mask is not None:
             self._check_mask(s, tokens, pos)
         elif not s.causal and tokens > 1:
-            _fail(s.node, f"non-causal attention (is_causal=False, no mask) over {tokens} "
-                  f"tokens: every token attends to later ones (an encoder)",
-                  "Only causal decoders can be served from a KV cache")
+            fail(s.node, f"non-causal attention (is_causal=False, no mask) over {tokens} "
+                 f"tokens: every token attends to later ones (an encoder)",
+                 "Only causal decoders can be served from a KV cache")
         # tokens == 1 with no mask: one query, one key -- causal and full attention agree.
 
     def _check_per_token(self, s: Site, what: str, t: Node, per_token: set, batch: int,
@@ -398,16 +164,16 @@ class InsertPagedCache(DCPPass):
             if n.target == aten.linear.default:
                 continue                                       # the projection
             if n.target == aten.embedding.default:
-                _fail(s.node, f"the {what} reaches the token embedding {n.name} without a "
-                      f"projection", "K and V must be linear projections of the hidden state")
+                fail(s.node, f"the {what} reaches the token embedding {n.name} without a "
+                     f"projection", "K and V must be linear projections of the hidden state")
             rule = _PER_TOKEN_RULES.get(n.target)
             pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ())
             if not pointwise and (rule is None or not rule(n, batch, tokens)):
-                _fail(n, f"the {what} of attention {s.node.name} is computed through "
-                      f"{n.target}, which this compiler cannot show acts on each token on its "
-                      f"own", "K and V must be per-token projections (linear, RoPE, per-head "
-                      "norms, views): an op that mixes tokens (shift, convolution, cumsum over "
-                      "the sequence) cannot be served from a KV cache")
+                fail(n, f"the {what} of attention {s.node.name} is computed through "
+                     f"{n.target}, which this compiler cannot show acts on each token on its "
+                     f"own", "K and V must be per-token projections (linear, RoPE, per-head "
+                     "norms, views): an op that mixes tokens (shift, convolution, cumsum over "
+                     "the sequence) cannot be served from a KV cache")
             stack.extend(n.all_input_nodes)
 
     # -- masks -----------------------------------------------------------------------------
@@ -416,8 +182,8 @@ class InsertPagedCache(DCPPass):
         allowed = self._evaluate_mask(s, tokens, pos)
         causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
         if allowed.shape[-2:] != causal.shape:
-            _fail(s.mask, f"attention mask of shape {tuple(allowed.shape)} for {tokens} "
-                  f"queries and keys", "Use a [..., S, S] causal mask")
+            fail(s.mask, f"attention mask of shape {tuple(allowed.shape)} for {tokens} "
+                 f"queries and keys", "Use a [..., S, S] causal mask")
         if bool((allowed == causal).all()):
             return
         i = torch.arange(tokens)
@@ -433,19 +199,19 @@ class InsertPagedCache(DCPPass):
                    "window (the same for every query)")
         else:
             why = "a mask that is not causal"
-        _fail(s.mask, f"attention {s.node.name} applies {why}",
-              "The paged cache replaces the mask by causality (and a sliding window) on "
-              "positions; other masks are not supported: use a causal decoder")
+        fail(s.mask, f"attention {s.node.name} applies {why}",
+             "The paged cache replaces the mask by causality (and a sliding window) on "
+             "positions; other masks are not supported: use a causal decoder")
 
     def _set_window(self, s: Site, declared: int, layer: int, tokens: int) -> None:
         if not declared:
             return
         if s.window and s.window != declared:
-            _fail(s.node, f"layer {layer}'s mask is a window of {s.window} tokens but the "
-                  f"config declares sliding_window={declared}", "Fix the config")
+            fail(s.node, f"layer {layer}'s mask is a window of {s.window} tokens but the "
+                 f"config declares sliding_window={declared}", "Fix the config")
         if not s.window and declared < tokens and (s.mask is not None or tokens > 1):
-            _fail(s.node, f"the config declares sliding_window={declared} for layer {layer} "
-                  f"but its mask over {tokens} tokens is fully causal", "Fix the config")
+            fail(s.node, f"the config declares sliding_window={declared} for layer {layer} "
+                 f"but its mask over {tokens} tokens is fully causal", "Fix the config")
         s.window = declared
 
     def _evaluate_mask(self, s: Site, tokens: int, pos) -> torch.Tensor:
@@ -471,31 +237,31 @@ class InsertPagedCache(DCPPass):
                 try:
                     env[n] = n.target(*args, **kwargs)
                 except Exception as e:
-                    _fail(n, f"the attention mask of {s.node.name} could not be evaluated "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                          "Build the mask from positions or torch.arange only")
+                    fail(n, f"the attention mask of {s.node.name} could not be evaluated "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                         "Build the mask from positions or torch.arange only")
             else:
-                _fail(n, f"attention mask built from {n.op} {n.target}", "Build the mask "
-                      "from positions or torch.arange only")
+                fail(n, f"attention mask built from {n.op} {n.target}", "Build the mask "
+                     "from positions or torch.arange only")
         m = env[s.mask]
         if s.mask_kind == "keep":
             return m.bool()
         if s.mask_kind == "drop":
             return ~m.bool()
         if not m.is_floating_point():
-            _fail(s.mask, f"additive attention mask of dtype {m.dtype}", "Use a float mask")
+            fail(s.mask, f"additive attention mask of dtype {m.dtype}", "Use a float mask")
         bias = ~((m == 0) | (m <= MASKED_OUT))
         if bool(bias.any()):
-            _fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
-                  f"-inf (e.g. {m[bias].flatten()[0].item():g}): a position bias such as "
-                  f"ALiBi", "The paged op has no attention bias: use a model without one")
+            fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
+                 f"-inf (e.g. {m[bias].flatten()[0].item():g}): a position bias such as "
+                 f"ALiBi", "The paged op has no attention bias: use a model without one")
         return m == 0
 
     def _placeholder_value(self, n: Node, s: Site, tokens: int, pos):
         if n.name == self.token_input:
-            _fail(s.mask, f"the attention mask of {s.node.name} depends on the token ids "
-                  f"(data-dependent mask)", "Masks may depend only on positions: padding is "
-                  "expressed by position -1 in a DCP program")
+            fail(s.mask, f"the attention mask of {s.node.name} depends on the token ids "
+                 f"(data-dependent mask)", "Masks may depend only on positions: padding is "
+                 "expressed by position -1 in a DCP program")
         if pos is not None and n is pos:
             b = val(n).shape[0]
             return torch.arange(tokens).expand(b, tokens).clone()
@@ -503,10 +269,10 @@ class InsertPagedCache(DCPPass):
             self._constants = self.constants()
         t = (self._constants or {}).get(n.name)
         if t is None or t.is_meta:
-            _fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value "
-                  f"is not available here (meta device or not a weight/buffer)",
-                  "Build causal masks from torch.arange, or transform a model with real "
-                  "weights")
+            fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value "
+                 f"is not available here (meta device or not a weight/buffer)",
+                 "Build causal masks from torch.arange, or transform a model with real "
+                 "weights")
         return t.detach().cpu()
 
     # -- rewrite ---------------------------------------------------------------------------
@@ -514,7 +280,7 @@ class InsertPagedCache(DCPPass):
     def call(self, gm):
         g = gm.graph
         for n in list(g.nodes):  # export's metadata asserts would hold dead values alive
-            if _call(n, {aten._assert_tensor_metadata.default}):
+            if is_call(n, {aten._assert_tensor_metadata.default}):
                 g.erase_node(n)
         plan = self.plan(gm)
         ids = next(n for n in g.nodes if n.op == "placeholder" and n.name == self.token_input)
@@ -581,7 +347,7 @@ class InsertPagedCache(DCPPass):
             self.ctx.model_facts["windows"] = [s.window for s in plan.sites]
         self.ctx.model_facts.update(num_layers=len(plan.sites), cache_dtype=plan.dtype)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
-                    forms=sorted({_form(s) for s in plan.sites}),
+                    forms=sorted({site_form(s) for s in plan.sites}),
                     positions="position_ids" if plan.position_input is not None else "arange")
         return PassResult(gm, True)
 
@@ -589,7 +355,7 @@ class InsertPagedCache(DCPPass):
     def _bshd(g, t: Node) -> Node:
         """[B, H, S, D] -> [B, S, H, D]; a transpose(1, 2) the model made is undone, not
         stacked (keeps the token dim at 1 for the prefill passes)."""
-        if _call(t, {aten.transpose.int}) and {d % 4 for d in t.args[1:]} == {1, 2}:
+        if is_call(t, {aten.transpose.int}) and {d % 4 for d in t.args[1:]} == {1, 2}:
             return t.args[0]
         return g.call_function(aten.transpose.int, (t, 1, 2))
 
@@ -600,19 +366,19 @@ class InsertPagedCache(DCPPass):
             if not _is_seq_arange(n, plan.tokens):
                 continue
             for u in list(n.users):
-                if _call(u, {aten.unsqueeze.default}) and u.args[1] == 0:
+                if is_call(u, {aten.unsqueeze.default}) and u.args[1] == 0:
                     with g.inserting_before(u):
                         cast = g.call_function(aten.to.dtype, (clamped, val(u).dtype))
                     u.replace_all_uses_with(cast)
                     g.erase_node(u)
                 else:
-                    _fail(u, f"torch.arange({plan.tokens}) (positions over the sequence) is "
-                          f"used by {u.target}", "Pass position_ids to forward, or build "
-                          "positions as torch.arange(S).unsqueeze(0)")
+                    fail(u, f"torch.arange({plan.tokens}) (positions over the sequence) is "
+                         f"used by {u.target}", "Pass position_ids to forward, or build "
+                         "positions as torch.arange(S).unsqueeze(0)")
             g.erase_node(n)
 
     def ensures(self, gm):
-        left = [n.name for n in gm.graph.nodes if _call(n, _KERNEL_OF)]
+        left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
         ensure(not left, self.name, "attention kernels left without a paged cache", left)
 
 
@@ -659,32 +425,10 @@ _PER_TOKEN_RULES = {
 }
 
 
-def _softcap_of(x: Node):
-    """``tanh(y / c) * c`` (or ``tanh(y * (1/c)) * c``) -> (c, y); anything else -> None."""
-    if not _call(x, {aten.mul.Tensor, aten.mul.Scalar}):
-        return None
-    a, c = x.args if isinstance(x.args[0], Node) else x.args[::-1]
-    t = _skip_casts(a) if isinstance(a, Node) else None
-    if _number(c) is None or not _call(t, {aten.tanh.default}):
-        return None
-    d = t.args[0]
-    if _call(d, {aten.div.Tensor, aten.div.Scalar}) and _number(d.args[1]) is not None:
-        inner = d.args[1]
-    elif _call(d, {aten.mul.Tensor, aten.mul.Scalar}) and _number(d.args[1]) is not None \
-            and d.args[1] != 0:
-        inner = 1.0 / d.args[1]
-    else:
-        return None
-    if abs(inner - c) > 1e-6 * abs(c):
-        _fail(x, f"tanh(scores / {inner:g}) * {c:g}: cap inside and outside differ",
-              "Use one soft-capping constant")
-    return float(c), d.args[0]
-
-
 def _is_seq_arange(n: Node, tokens: int) -> bool:
-    if _call(n, {aten.arange.default}):
+    if is_call(n, {aten.arange.default}):
         return n.args[0] == tokens
-    if _call(n, {aten.arange.start, aten.arange.start_step}):
+    if is_call(n, {aten.arange.start, aten.arange.start_step}):
         step = n.args[2] if len(n.args) > 2 else 1
         return n.args[0] == 0 and n.args[1] == tokens and step == 1
     return False
@@ -695,17 +439,17 @@ def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:
     Face's SDPA path) reads ``bhsd`` itself, a transpose(1, 2) reads the op's own [B, S, H, D]
     output. Keeps the token dim at 1 on the output path, as the prefill passes need."""
     for u in list(bhsd.users):
-        if _call(u, RESHAPES) and tuple(val(u).shape) == shape:
+        if is_call(u, RESHAPES) and tuple(val(u).shape) == shape:
             u.replace_all_uses_with(bhsd)
     for u in list(bhsd.users) if bshd is not None else []:
-        if _call(u, {aten.transpose.int}) and {d % 4 for d in u.args[1:]} == {1, 2}:
+        if is_call(u, {aten.transpose.int}) and {d % 4 for d in u.args[1:]} == {1, 2}:
             u.replace_all_uses_with(bshd)
 
 
 def _drop_dead(g) -> None:
     """Remove nodes nothing reads; the ops torch calls impure only because they are seeded
     (dropout, the SDPA kernels) die with what they read."""
-    removable = {aten.dropout.default, *_KERNEL_OF}
+    removable = {aten.dropout.default, *KERNEL_OF}
     changed = True
     while changed:
         changed = False
@@ -714,11 +458,3 @@ def _drop_dead(g) -> None:
                                                             or n.target in removable):
                 g.erase_node(n)
                 changed = True
-
-
-def _form(s: Site) -> str:
-    kind = "sdpa" if s.node.target in _KERNEL_OF else "eager"
-    mask = "is_causal" if s.causal else (f"{s.mask_kind} mask" if s.mask is not None
-                                        else "one token")
-    extra = "".join(f", {k}" for k, x in (("window", s.window), ("softcap", s.softcap)) if x)
-    return f"{kind} ({mask}{extra})"

@@ -33,8 +33,7 @@ from runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJEC
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, attention_nodes, \
     source_of, val
-from .placement import Partial, PlacementPlan, Shard, _slice_bounds, _split_ranges, \
-    analyze
+from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -182,7 +181,7 @@ class ShardTensorParallel(DCPPass):
             n.args = (n.args[0], d, local[d:d + len(n.args[2])])
         elif t in _SPLITS:
             x = pl.of(n.args[0])
-            d, bounds = _split_ranges(n)
+            d, bounds = split_ranges(n)
             if isinstance(x, Shard) and d == x.dim:
                 # A piece made only of whole replicated segments (an MQA K or V of a fused
                 # QKV) is Replicate: every rank keeps all of it.
@@ -192,7 +191,7 @@ class ShardTensorParallel(DCPPass):
                 n.kwargs = {}
         elif t in (aten.slice.Tensor, aten.narrow.default):
             x = pl.of(n.args[0])
-            d, start, end, _ = _slice_bounds(n)
+            d, start, end, _ = slice_bounds(n)
             if isinstance(x, Shard) and d == x.dim:
                 pos, local_start = 0, 0
                 for s in x.segs:          # whole segments before ``start`` (the analysis

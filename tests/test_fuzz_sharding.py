@@ -52,7 +52,7 @@ BLOCK = 4                        # = interleave size; the period is BLOCK * dcp
 CONTEXT_LEN = 12
 
 # Features whose raw sharding is known to be silently wrong (the test then demands that
-# check=True refuses them). Empty since the placement analysis (passes/placement.py): before
+# check=True refuses them). Empty since the placement analysis (passes/placement/): before
 # it, a fused gate/up split by chunk, a [q ; gate] q projection split by chunk and a norm over
 # all q/k heads without a gain were wrong (33 of 500 models, errors 0.47 to 5.2).
 KNOWN_UNSOUND_FEATURES: set[str] = set()

@@ -1,0 +1,312 @@
+"""Attention forms in an ordinary model's graph, found and read into a :class:`Site` (q, k, v,
+scale, mask, soft-cap); :mod:`passes.insert_paged_cache` checks the sites and puts the
+paged KV cache under them.
+
+Recognised attention (rules as data: RECOGNISERS, KERNELS, CASTS, RESHAPES):
+  * ``aten.scaled_dot_product_attention`` (is_causal, an explicit mask, enable_gqa) and the
+    flash / efficient / cudnn kernels;
+  * eager attention: ``q @ k^T`` (* or / a constant scale) (soft-cap ``tanh(s / c) * c``)
+    (+ additive mask, masked_fill or where) -> softmax over the last dim in any dtype (casts
+    around it) -> ``@ v``.
+  K and V are taken before GQA head repetition (expand + reshape, repeat_interleave, or
+  none): the cache holds kv heads.
+A form read only in part (dropout, a tensor scale, an unknown op between ``q @ k^T`` and the
+softmax, attention weights returned) is a DCPTransformError naming the node.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.operator_schemas import normalize_function
+
+from runtime.errors import DCPTransformError
+
+from .infra import source_of, val
+
+aten = torch.ops.aten
+
+# SDPA-family kernels: name -> (mask argument, result is a tuple whose item 0 is the output).
+KERNELS = {
+    "scaled_dot_product_attention": ("attn_mask", False),
+    "_scaled_dot_product_flash_attention": (None, True),
+    "_scaled_dot_product_flash_attention_for_cpu": ("attn_mask", True),
+    "_scaled_dot_product_efficient_attention": ("attn_bias", True),
+    "_scaled_dot_product_cudnn_attention": ("attn_bias", True),
+}
+KERNEL_OF = {getattr(aten, name).default: name for name in KERNELS if hasattr(aten, name)}
+
+# Ops that leave a value's meaning unchanged on the attention path (dtype casts, copies).
+CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.clone.default,
+         aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default}
+SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+MATMUL = {aten.matmul.default}
+# Additive masks below this are "masked out": exp underflows to exactly 0 in any float dtype.
+MASKED_OUT = -1e4
+
+
+@dataclass
+class Site:
+    """One attention: q [B, Hq, S, D]; k, v [B, Hkv, S, D] (before head repetition)."""
+
+    node: Node                   # reported in errors
+    out: Node                    # the node producing the [B, Hq, S, D] attention output
+    q: Node
+    k: Node
+    v: Node
+    scale: float
+    causal: bool                 # is_causal=True (no mask)
+    mask: Node | None = None     # see mask_kind
+    mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
+    softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
+    window: int = 0              # keys with q_pos - k_pos < window (0: no window)
+
+
+def fail(node: Node, why: str, fix: str):
+    raise DCPTransformError(f"{why} at node {node.name} ({source_of(node)}). {fix}.")
+
+
+def is_call(n, targets) -> bool:
+    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
+
+
+def skip_casts(n: Node) -> Node:
+    while is_call(n, CASTS):
+        n = n.args[0]
+    return n
+
+
+def _is_dropout_noop(n: Node) -> bool:
+    return is_call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
+
+
+def strip_repeat(n: Node) -> Node:
+    """K/V before GQA head repetition (the cache stores kv heads, not q heads)."""
+    n = skip_casts(n)
+    # repeat_kv: x[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv * g, S, D)
+    if is_call(n, RESHAPES):
+        e = skip_casts(n.args[0])
+        if is_call(e, {aten.expand.default}):
+            u = e.args[0]
+            if is_call(u, {aten.unsqueeze.default}) and u.args[1] == 2 and len(val(e).shape) == 5:
+                b, h, g, s, d = val(e).shape
+                if tuple(val(n).shape) == (b, h * g, s, d):   # heads repeated, nothing else
+                    return skip_casts(u.args[0])
+    if is_call(n, {aten.repeat_interleave.self_int}):
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
+        if dim == 1:
+            return skip_casts(n.args[0])
+    return n
+
+
+def _kwargs(n: Node) -> dict:
+    pair = normalize_function(n.target, n.args, n.kwargs, normalize_to_only_use_kwargs=True)
+    if pair is None:
+        fail(n, f"cannot read the arguments of {n.target}", "Report this model")
+    return pair.kwargs
+
+
+def number(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def softcap_of(x: Node):
+    """``tanh(y / c) * c`` (or ``tanh(y * (1/c)) * c``) -> (c, y); anything else -> None."""
+    if not is_call(x, {aten.mul.Tensor, aten.mul.Scalar}):
+        return None
+    a, c = x.args if isinstance(x.args[0], Node) else x.args[::-1]
+    t = skip_casts(a) if isinstance(a, Node) else None
+    if number(c) is None or not is_call(t, {aten.tanh.default}):
+        return None
+    d = t.args[0]
+    if is_call(d, {aten.div.Tensor, aten.div.Scalar}) and number(d.args[1]) is not None:
+        inner = d.args[1]
+    elif is_call(d, {aten.mul.Tensor, aten.mul.Scalar}) and number(d.args[1]) is not None \
+            and d.args[1] != 0:
+        inner = 1.0 / d.args[1]
+    else:
+        return None
+    if abs(inner - c) > 1e-6 * abs(c):
+        fail(x, f"tanh(scores / {inner:g}) * {c:g}: cap inside and outside differ",
+             "Use one soft-capping constant")
+    return float(c), d.args[0]
+
+
+# ------------------------------------------------------------------------------------------
+# The forms
+# ------------------------------------------------------------------------------------------
+
+
+def sdpa_site(n: Node) -> Site:
+    """``scaled_dot_product_attention`` or one of its kernels (KERNELS)."""
+    name = KERNEL_OF[n.target]
+    mask_arg, is_tuple = KERNELS[name]
+    kw = _kwargs(n)
+    if kw.get("dropout_p", 0.0):
+        fail(n, f"attention with dropout_p={kw['dropout_p']}",
+             "Put the model in eval mode (model.eval()) without attention dropout")
+    out = n
+    if is_tuple:
+        items = {}
+        for u in n.users:
+            if u.target is not operator.getitem:
+                fail(n, f"{name} result used whole", "Use its output only")
+            items[u.args[1]] = u
+        used = sorted(i for i, u in items.items() if i != 0 and u.users)
+        if used:
+            fail(n, f"{name} outputs {used} (log-sum-exp, ...) are used",
+                 "Only the attention output can be kept with a paged cache")
+        if 0 not in items:
+            fail(n, f"{name} output unused", "Remove the dead attention")
+        out = items[0]
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    dim = val(q).shape[-1]
+    scale = kw.get("scale")
+    mask = kw.get(mask_arg) if mask_arg else None
+    if isinstance(mask, Node):
+        kind = "keep" if val(mask).dtype == torch.bool else "additive"
+    else:
+        kind = ""
+    return Site(node=n, out=out, q=q, k=strip_repeat(k), v=strip_repeat(v),
+                scale=float(scale) if scale is not None else dim ** -0.5,
+                causal=bool(kw.get("is_causal", False)), mask=mask if kind else None,
+                mask_kind=kind)
+
+
+def eager_site(sm: Node) -> Site | None:
+    """``softmax(q @ k^T * scale (+ mask)) @ v`` read from its softmax; None when the softmax
+    does not feed a matmul (not attention)."""
+    if not _feeds_matmul(sm):
+        return None
+    if sm.args[1] not in (-1, len(val(sm).shape) - 1):
+        fail(sm, f"softmax over dim {sm.args[1]}", "Attention softmax must be over the "
+             "keys (the last dim)")
+    # Forward: casts / no-op dropout, then `@ v`.
+    probs, user = sm, None
+    while True:
+        users = list(probs.users)
+        if len(users) != 1:
+            fail(sm, f"attention probabilities used by {len(users)} nodes "
+                 f"({[u.name for u in users]})", "Only `softmax(...) @ v` is recognised "
+                 "(do not return attention weights)")
+        user = users[0]
+        if is_call(user, CASTS) or _is_dropout_noop(user):
+            probs = user
+            continue
+        break
+    if is_call(user, {aten.dropout.default}):
+        fail(user, "attention dropout in training mode", "Call model.eval()")
+    if not is_call(user, MATMUL) or user.args[0] is not probs:
+        fail(sm, f"softmax feeds {user.target}, not `probs @ v`", "Attention must be "
+             "softmax(scores) @ v")
+    v = user.args[1]
+    # Backward: scale, mask, casts, down to `q @ k^T`.
+    x, scale, mask, kind, softcap = skip_casts(sm.args[0]), 1.0, None, "", 0.0
+    while not is_call(x, MATMUL):
+        cap = softcap_of(x)
+        if cap is not None:
+            if scale != 1.0:
+                fail(x, "scores scaled after soft-capping", "Scale before the tanh cap")
+            softcap, x = cap
+        elif is_call(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
+            a, b = x.args
+            c = number(b) if isinstance(a, Node) else number(a)
+            if x.target in (aten.div.Tensor, aten.div.Scalar) and not isinstance(a, Node):
+                c = None                                  # number / scores: not a scale
+            if c is None:
+                fail(x, f"attention scores scaled by a tensor ({x.target})",
+                     "Scale scores by a Python number (a per-layer constant)")
+            scale *= (1.0 / c) if x.target in (aten.div.Tensor, aten.div.Scalar) else c
+            x = a if isinstance(a, Node) else b
+        elif softcap and is_call(x, {aten.add.Tensor, aten.masked_fill.Scalar,
+                                     aten.where.self, aten.where.ScalarOther}):
+            fail(x, "attention mask applied before soft-capping (masked scores become "
+                 "-cap, not -inf)", "Apply the mask after tanh(scores / c) * c")
+        elif is_call(x, {aten.add.Tensor}) and mask is None:
+            a, b = x.args
+            if not (isinstance(a, Node) and isinstance(b, Node)):
+                fail(x, "a constant added to the attention scores", "Remove it")
+            x, mask = (a, b) if _reaches_matmul(a) else (b, a)
+            kind = "additive"
+        elif is_call(x, {aten.masked_fill.Scalar}) and mask is None:
+            if number(x.args[2]) is None or x.args[2] > MASKED_OUT:
+                fail(x, f"masked_fill of the scores with {x.args[2]}", "Fill with -inf")
+            x, mask, kind = x.args[0], x.args[1], "drop"
+        elif is_call(x, {aten.where.self, aten.where.ScalarOther}) and mask is None:
+            other = x.args[2]
+            if not isinstance(x.args[1], Node) or isinstance(other, Node) \
+                    or other > MASKED_OUT:
+                fail(x, "where() on the scores with a non -inf alternative", "Use -inf")
+            x, mask, kind = x.args[1], x.args[0], "keep"
+        elif is_call(x, CASTS):
+            x = x.args[0]
+        elif is_call(x, {aten.tanh.default}):
+            fail(x, "tanh on the attention scores that is not soft-capping "
+                 "(tanh(s / c) * c)", "Write the cap as tanh(scores / c) * c")
+        else:
+            fail(x, f"unrecognised op {x.target} between `q @ k^T` and softmax",
+                 "Only a constant scale, a causal mask and dtype casts are recognised")
+    q, kt = x.args
+    kt = skip_casts(kt)
+    dims = kt.args[1:] if is_call(kt, {aten.transpose.int}) else None
+    nd = len(val(kt).shape)
+    if dims is None or {d % nd for d in dims} != {nd - 2, nd - 1}:
+        fail(x, "the right operand of `q @ k` is not k.transpose(-2, -1)",
+             "Write scores as q @ k.transpose(-2, -1)")
+    return Site(node=sm, out=user, q=skip_casts(q), k=strip_repeat(kt.args[0]),
+                v=strip_repeat(v), scale=scale, causal=False, mask=mask,
+                mask_kind=kind, softcap=softcap)
+
+
+def _feeds_matmul(sm: Node) -> bool:
+    n = sm
+    while len(n.users) == 1:
+        (n,) = n.users
+        if is_call(n, MATMUL):
+            return True
+        if not (is_call(n, CASTS) or is_call(n, {aten.dropout.default})):
+            return False
+    return any(is_call(u, MATMUL) for u in n.users)
+
+
+def _reaches_matmul(n: Node) -> bool:
+    while True:
+        n = skip_casts(n)
+        if is_call(n, MATMUL):
+            return True
+        if is_call(n, {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar,
+                       aten.tanh.default}):
+            n = n.args[0] if isinstance(n.args[0], Node) else n.args[1]
+            continue
+        return False
+
+
+# Recognisers as data: (the ops a form is found at, node -> its Site, or None when the node
+# turns out not to be attention, e.g. a softmax that does not feed ``@ v``).
+RECOGNISERS = ((KERNEL_OF, sdpa_site), (SOFTMAX, eager_site))
+
+
+def find_sites(gm: GraphModule) -> list[Site]:
+    """Every attention of the graph, in graph order."""
+    sites = []
+    for n in gm.graph.nodes:
+        for targets, recognise in RECOGNISERS:
+            if is_call(n, targets):
+                site = recognise(n)
+                if site is not None:
+                    sites.append(site)
+                break
+    return sites
+
+
+def site_form(s: Site) -> str:
+    """How a site was written, for the pass history (e.g. "sdpa (is_causal, window)")."""
+    kind = "sdpa" if s.node.target in KERNEL_OF else "eager"
+    mask = "is_causal" if s.causal else (f"{s.mask_kind} mask" if s.mask is not None
+                                        else "one token")
+    extra = "".join(f", {k}" for k, x in (("window", s.window), ("softcap", s.softcap)) if x)
+    return f"{kind} ({mask}{extra})"

@@ -1,0 +1,447 @@
+"""The placement analysis driver: requirements from attention run backward to the weights,
+placements run forward from them, until nothing changes; then a strict forward check. Any op
+without a rule for its inputs, any conflict, is a DCPTransformError naming the op, the
+placements and the source line (see :mod:`passes.placement`)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+
+import torch
+from torch.fx import GraphModule, Node
+
+from runtime.errors import DCPTransformError
+
+from ..infra import attention_nodes, source_of
+from runtime.names import RANK_INPUT
+from .lattice import R, Partial, Refusal, Seg, Shard, show
+from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
+from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
+                   head_shards, linear_roles, reaches_output_directly)
+from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
+
+aten = torch.ops.aten
+
+
+def _replicated(p) -> bool:
+    return all(_replicated(x) for x in p) if isinstance(p, tuple) else p == R
+
+
+def _err(n: Node, what: str, fix: str) -> DCPTransformError:
+    return DCPTransformError(f"{what}: node {n.name} ({n.target}) at {source_of(n)}. {fix}.")
+
+
+class Analysis:
+    def __init__(self, gm: GraphModule, config):
+        self.gm, self.cfg = gm, config
+        self.nodes = list(gm.graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        rank = [n for n in self.nodes if n.op == "placeholder" and n.name == RANK_INPUT]
+        first_user = self.order[rank[0]] if rank else None
+        self.params = {n for n in self.nodes if n.op == "placeholder" and (
+            first_user is None and n.name.startswith(("p_", "b_", "c_"))
+            or first_user is not None and self.order[n] < first_user)}
+        self.attn = attention_nodes(gm)
+        self.q_shard, self.kv_shard = head_shards(config)
+        self.known: dict[Node, object] = {}
+        self.req: dict[Node, object] = {}
+        self.decided: dict[Node, object] = {}     # param -> placement
+        self.linears: dict[Node, str] = {}
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def P(self, n: Node):
+        if n in self.params:
+            return self.decided.get(n, R)
+        return self.known.get(n)
+
+    def decide(self, param: Node, p, why: Node) -> None:
+        old = self.decided.get(param)
+        if old is not None and old != p:
+            raise _err(why, f"parameter {param.name} is needed as {show(old)} and as {show(p)}",
+                       "Tied or shared weights must be cut the same way; untie them")
+        self.decided[param] = p
+
+    def require(self, n: Node, p, why: Node) -> bool:
+        if p is None:
+            return False
+        old = self.req.get(n)
+        if old is not None and old != p:
+            raise _err(why, f"{n.name} is required to be {show(old)} and {show(p)}",
+                       "The model mixes layouts that no single weight cut serves")
+        self.req[n] = p
+        return old is None
+
+    def _refuse(self, n: Node, ins, reason: str):
+        placed = ", ".join(f"{a.name}={show(self.P(a))}" for a in ins)
+        return _err(n, f"no placement rule for {n.target} with inputs [{placed}] ({reason})",
+                    "Write this op as an elementwise/view/split/sum op over replicated or "
+                    "head-sharded tensors, or add a rule to passes.placement.RULES")
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, n: Node, strict: bool):
+        """This node's placement from its inputs', or None when an input is still unknown."""
+        if n.op == "placeholder":
+            if n in self.params:
+                return self.decided.get(n, R)
+            if n.name == RANK_INPUT:
+                return "rank"
+            return R
+        if n.op == "output":
+            return None
+        ins = tensor_args(n)
+        t = n.target
+        if t == LINEAR:
+            return self._linear_fw(n, strict)
+        if t == EMBEDDING:
+            return R if self.P(n.args[0]) is not None else None
+        if t == ATTENTION:
+            return self._attention_fw(n, strict)
+        ps = [self.P(a) for a in ins]
+        if any(p == "rank" for p in ps):
+            return R  # rank arithmetic (inserted masks) is per-rank by design
+        if any(p is None for p in ps):
+            if not strict and rule_for(t) is POINTWISE:
+                self._sideways(n, ins)
+            return None
+        ps = [R if isinstance(p, Partial) else p for p in ps]  # reduced at once
+        if all(_replicated(p) for p in ps):
+            return R if not isinstance(fake(n), (tuple, list)) else tuple(R for _ in fake(n))
+        rule = rule_for(t)
+        if rule is None:
+            raise self._refuse(n, ins, "no rule for this op")
+        try:
+            if rule is POINTWISE and not strict:
+                self._adopt_params(n, ins)
+            return rule.forward(n, lambda a: R if isinstance(self.P(a), Partial) else self.P(a))
+        except Refusal as e:
+            raise self._refuse(n, ins, str(e)) from None
+
+    def _adopt_params(self, n, ins):
+        """A parameter combined elementwise with a sharded tensor (a norm weight over all
+        heads) takes the same cut."""
+        sh = [self.P(a) for a in ins if isinstance(self.P(a), Shard)]
+        if not sh:
+            return
+        out_nd = fake(n).ndim
+        a0 = next(a for a in ins if isinstance(self.P(a), Shard))
+        j = sh[0].dim + out_nd - fake(a0).ndim
+        for a in ins:
+            if a in self.params and a not in self.decided:
+                k = j - (out_nd - fake(a).ndim)
+                if k >= 0 and fake(a).shape[k] != 1:
+                    self.decide(a, replace(sh[0], dim=k), n)
+
+    def _sideways(self, n, ins):
+        """Pointwise op with a known sharded operand and unknown ones: they must match it."""
+        known = [a for a in ins if isinstance(self.P(a), Shard)]
+        if not known:
+            return
+        out_nd = fake(n).ndim
+        p = self.P(known[0])
+        self.require(n, replace(p, dim=p.dim + out_nd - fake(known[0]).ndim), n)
+
+    def _linear_fw(self, n, strict):
+        x, w = n.args[0], n.args[1]
+        b = n.args[2] if len(n.args) > 2 else None
+        px, pw = self.P(x), self.decided.get(w)
+        if pw is None and strict:
+            pw = R
+        if px is None or pw is None or (b is not None and self.P(b) is None):
+            return None
+        px = R if isinstance(px, Partial) else px
+        kind = self.linears.get(n)
+        last = len(shape_of(n)) - 1
+        if px == R and pw == R and kind == "replicated":
+            return R
+        if px == R and isinstance(pw, Shard) and pw.dim == 0:
+            if b is not None and self.P(b) != replace(pw, dim=0):
+                raise _err(n, f"bias {b.name} is {show(self.P(b))}, weight {show(pw)}",
+                           "A column-parallel bias must be cut like the weight's rows")
+            if kind == "lm_head":
+                return R   # all-gathered over the vocab
+            return replace(pw, dim=last)
+        if isinstance(px, Shard) and isinstance(pw, Shard) and pw.dim == 1 \
+                and px.dim == len(shape_of(x)) - 1 and replace(px, dim=1) == pw:
+            if b is not None and self.P(b) != R:
+                raise _err(n, f"row-parallel bias {b.name} is {show(self.P(b))}",
+                           "The bias is added once after the all-reduce; keep it replicated")
+            return Partial(pw.axis)
+        raise _err(n, f"linear with input {show(px)} and weight {show(pw)} has no "
+                      f"tensor-parallel form",
+                   "Column-parallel needs a replicated input, row-parallel an input sharded "
+                   "like the weight's columns")
+
+    def _attention_fw(self, n, strict):
+        q, k, v, kc, vc = n.args[:5]
+        ps = [self.P(a) for a in (q, k, v, kc, vc)]
+        if any(p is None for p in ps):
+            # Its output is sharded by q heads whatever comes in (checked in the strict pass):
+            # known early, so that an output gate can learn its cut from it.
+            return None if strict else (self.q_shard, self.kv_shard, self.kv_shard)
+        want = [self.q_shard, self.kv_shard, self.kv_shard, self.kv_shard, self.kv_shard]
+        for what, a, p, w in zip(("q", "k", "v", "key_cache", "value_cache"),
+                                 (q, k, v, kc, vc), ps, want):
+            if p != w:
+                raise _err(n, f"attention {what} ({a.name}) is {show(p)}, expected {show(w)}",
+                           "q, k and v must each come from projections cut by heads; check "
+                           "that nothing mixes heads between the projection and attention")
+        for a in n.args[5:7]:
+            if self.P(a) not in (R, None):
+                raise _err(n, f"attention input {a.name} is {show(self.P(a))}",
+                           "positions and block tables must be replicated")
+        return (self.q_shard, self.kv_shard, self.kv_shard)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def backward_sweep(self) -> bool:
+        changed = False
+        for n in reversed(self.nodes):
+            if n.op != "call_function" and n not in self.params:
+                if n.op == "placeholder" and isinstance(self.req.get(n), Shard) \
+                        and n.name not in {a.name for at in self.attn for a in at.args[3:5]}:
+                    raise _err(n, f"input {n.name} is replicated but needed as "
+                                  f"{show(self.req[n])}", "Only weights can be cut")
+                continue
+            if n in self.params:
+                if n in self.req and n not in self.decided:
+                    self.decide(n, self.req[n], n)
+                    changed = True
+                continue
+            if n in self.known or n.target == operator.getitem or n.target in (
+                    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                    aten.unbind.int):
+                continue   # split outputs: their input collects them (_from_range_users)
+            req = self.req.get(n)
+            if req is None:
+                req = self._from_range_users(n)
+                if req is not None:
+                    changed |= self.require(n, req, n)
+            if req is None:
+                continue
+            if n.target == LINEAR:
+                changed |= self._decide_column(n, req)
+                continue
+            if n.target == EMBEDDING or n.target == ATTENTION:
+                continue
+            rule = rule_for(n.target)
+            if req == R:   # replicated output from replicated inputs, for any op
+                for a in tensor_args(n):
+                    if self.P(a) is None or a in self.params:
+                        changed |= self.require(a, R, n)
+                continue
+            if rule is None or rule.backward is None:
+                raise self._refuse(n, tensor_args(n), f"required to be {show(req)}, and the "
+                                                       f"op has no backward rule")
+            try:
+                need = rule.backward(n, req)
+            except Refusal as e:
+                raise self._refuse(n, tensor_args(n), f"required to be {show(req)}: {e}") \
+                    from None
+            for a, p in need.items():
+                if p is not None and (self.P(a) is None or a in self.params):
+                    changed |= self.require(a, p, n)
+        return changed
+
+    def _from_range_users(self, n: Node):
+        """A tensor whose users split it (split/chunk/unbind via getitem, or slices) into runs
+        along one dim, each run required sharded there: it is the concatenation (segmented)."""
+        runs = []
+        for u in n.users:
+            if u.op != "call_function":
+                return None
+            if u.target in (aten.split.Tensor, aten.split_with_sizes.default,
+                            aten.chunk.default):
+                d, bounds = split_ranges(u)
+                items = {g.args[1]: g for g in u.users}
+                for i, (a, b) in enumerate(bounds):
+                    g = items.get(i)
+                    runs.append((a, b, self.req.get(g) if g is not None else None, d))
+            elif u.target in (aten.slice.Tensor, aten.narrow.default):
+                d, a, b, step = slice_bounds(u)
+                runs.append((a, b, self.req.get(u) if step == 1 else None, d))
+            elif u.target == aten.unbind.int:
+                return self._same_for_all(u, n)
+            else:
+                return None
+        if not runs:
+            return None
+        dims = {r[3] for r in runs}
+        reqs = [r[2] for r in runs if r[2] is not None]
+        if len(dims) != 1 or not reqs:
+            return None
+        d = dims.pop()
+        if all(r == R for r in reqs):
+            return R if len(reqs) == len(runs) else None
+        if any(r != R and r.dim != d for r in reqs):
+            same = set(reqs)   # split off the sharded dim: all pieces alike
+            if len(same) == 1 and all(r[2] is not None for r in runs):
+                return same.pop()
+            return None
+        if any(r[2] is None for r in runs):
+            return None        # wait until every run is known
+        axis = next(r.axis for r in reqs if isinstance(r, Shard))
+        group = self.cfg.attention_shard if axis == "attn" else self.cfg.tp
+        runs = [(a, b, Shard(d, (Seg(b - a, 1, group),), axis) if r == R else r, dd)
+                for a, b, r, dd in runs]    # a replicated run: whole on every rank
+        runs.sort()
+        pos, segs = 0, []
+        for a, b, r, _ in runs:
+            if a != pos or r.full != b - a:
+                return None    # overlapping or gapped runs: not a partition
+            segs.extend(r.segs)
+            pos = b
+        if pos != shape_of(n)[d] or len({r.axis for _, _, r, _ in runs}) != 1:
+            return None
+        return Shard(d, tuple(segs), reqs[0].axis)
+
+    def _same_for_all(self, u, n):
+        reqs = [self.req.get(g) for g in u.users]
+        if not reqs or any(r is None for r in reqs) or len(set(reqs)) != 1:
+            return None
+        r = reqs[0]
+        d = norm_dim(node_arg(u, 1, "dim", 0), len(shape_of(n)))
+        return replace(r, dim=r.dim + (d <= r.dim))
+
+    def _decide_column(self, n: Node, req) -> bool:
+        x, w = n.args[0], n.args[1]
+        b = n.args[2] if len(n.args) > 2 else None
+        if n in self.linears:
+            return False
+        if self.P(x) != R and not isinstance(self.P(x), Partial):
+            return False
+        last = len(shape_of(n)) - 1
+        if req == R:   # an MQA KV projection: every rank computes the one head
+            self._check_weight(n, w)
+            self.decide(w, R, n)
+            if b is not None:
+                self.decide(b, R, n)
+            self.linears[n] = "replicated"
+            return True
+        if not isinstance(req, Shard) or req.dim != last:
+            raise _err(n, f"linear output is required to be {show(req)}",
+                       "Only the output features of a projection can be cut")
+        self._check_weight(n, w)
+        self.decide(w, replace(req, dim=0), n)
+        if b is not None:
+            self.decide(b, replace(req, dim=0), n)
+        self.linears[n] = "column"
+        return True
+
+    def _check_weight(self, n, w):
+        if w not in self.params:
+            raise _err(n, f"linear weight {w.name} is not a parameter",
+                       "Use nn.Linear weights directly (no transposed or computed weights)")
+
+    def _decide_row(self, n: Node, px: Shard) -> None:
+        self._check_weight(n, n.args[1])
+        self.decide(n.args[1], replace(px, dim=1), n)
+        self.linears[n] = "row"
+
+    # -- driver ----------------------------------------------------------------------------
+
+    def forward_sweep(self) -> bool:
+        changed = False
+        for n in self.nodes:
+            if n in self.known:
+                continue
+            p = self.forward(n, strict=False)
+            if p is not None:
+                self.known[n] = p
+                changed = True
+        for n in self.nodes:  # a linear reading a sharded input is row-parallel
+            if n.target == LINEAR and n not in self.linears and isinstance(
+                    self.P(n.args[0]), Shard):
+                px = self.P(n.args[0])
+                if px.dim != len(shape_of(n.args[0])) - 1:
+                    raise _err(n, f"linear input is {show(px)}", "Only the input features "
+                               "of a row-parallel projection can be cut")
+                self._decide_row(n, px)
+                changed = True
+        return changed
+
+    def run(self) -> PlacementPlan:
+        if not self.attn:
+            raise DCPTransformError("placement analysis found no dcp.attention node. Run "
+                                    "canonicalize_attention first.")
+        for at in self.attn:
+            for i, want in ((0, self.q_shard), (1, self.kv_shard), (2, self.kv_shard)):
+                self.require(at.args[i], want, at)
+            for c in at.args[3:5]:
+                self.known[c] = self.kv_shard
+        while True:
+            while self.forward_sweep() | self.backward_sweep():
+                pass
+            pending = [n for n in self.nodes if n.target == LINEAR and n not in self.linears]
+            down = [n for n in pending if self.P(n.args[0]) is None]
+            if down:   # an MLP's down projection: row-parallel over full TP
+                n = down[0]
+                k = shape_of(n.args[0])[-1]
+                px = Shard(len(shape_of(n.args[0])) - 1, (Seg(k, self.cfg.tp),), "mlp")
+                if k % self.cfg.tp:
+                    raise _err(n, f"linear input features {k} do not split over "
+                                  f"tp={self.cfg.tp}", "Pick a tp that divides them")
+                self._decide_row(n, px)
+                self.require(n.args[0], px, n)
+                continue
+            break
+        for n in pending:
+            if n in self.linears:
+                continue
+            if not reaches_output_directly(n):
+                raise _err(n, "cannot tell how to shard this linear: it is not a q/k/v/o "
+                              "projection, an MLP pair or the LM head",
+                           "Refusing to leave it unsharded; restructure the model")
+            vocab = shape_of(n)[-1]
+            if vocab % self.cfg.tp:
+                raise _err(n, f"vocabulary of {vocab} does not split over tp={self.cfg.tp}",
+                           "Pad the vocabulary to a multiple of tp")
+            self._check_weight(n, n.args[1])
+            spec = Shard(0, (Seg(vocab, self.cfg.tp),), "mlp")
+            self.decide(n.args[1], spec, n)
+            if len(n.args) > 2 and n.args[2] is not None:
+                self.decide(n.args[2], spec, n)
+            self.linears[n] = "lm_head"
+        embeddings = [n for n in self.nodes if n.target == EMBEDDING]
+        for e in embeddings:
+            vocab = shape_of(e.args[0])[0]
+            if vocab % self.cfg.tp:
+                raise _err(e, f"vocabulary of {vocab} does not split over tp={self.cfg.tp}",
+                           "Pad the vocabulary to a multiple of tp")
+            self.decide(e.args[0], Shard(0, (Seg(vocab, self.cfg.tp),), "mlp"), e)
+        return self.check(embeddings)
+
+    def check(self, embeddings) -> PlacementPlan:
+        """Strict forward pass: every node placed by a rule, every requirement met."""
+        self.known = {}
+        for c in {c for at in self.attn for c in at.args[3:5]}:
+            self.known[c] = self.kv_shard
+        for n in self.nodes:
+            if n in self.known:
+                continue
+            p = self.forward(n, strict=True)
+            if p is None and n.op != "output":
+                raise _err(n, "no placement could be derived", "Report this model")
+            self.known[n] = p
+        out = next(n for n in self.nodes if n.op == "output")
+        for a in tensor_args(out):
+            p = self.known[a]
+            if p != R and not (isinstance(p, Shard) and p == self.kv_shard
+                               and a.target == operator.getitem
+                               and a.args[0].target == ATTENTION):
+                raise _err(a, f"graph output {a.name} is {show(p)}",
+                           "Outputs other than the KV caches must be replicated")
+        params = {p: s for p, s in self.decided.items() if isinstance(s, Shard)}
+        for p in params:
+            self.known[p] = params[p]
+        roles = linear_roles(self.attn, self.linears, self.decided, embeddings)
+        return PlacementPlan(self.known, params, dict(self.linears), roles, embeddings,
+                             self.kv_shard, attention_projections(self.attn, self.linears,
+                                                                  self.decided, self.order))
+
+
+def analyze(gm: GraphModule, config) -> PlacementPlan:
+    """Every node's placement over the tensor-parallel ranks, or DCPTransformError."""
+    return Analysis(gm, config).run()

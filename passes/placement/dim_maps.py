@@ -1,0 +1,160 @@
+"""Dim maps of shape ops (torch.distributed.tensor's DimSpec), applied to placements in both
+directions: forward (the input's shard -> the output's) and backward (the output's required
+shard -> the input's, checked to round-trip)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDim, Split,
+                                                     dim_squeeze, dim_transpose,
+                                                     dim_unsqueeze, expand, view_groups)
+
+from .lattice import Refusal, Seg, Shard, canon, scale_segs
+from .node_args import norm_dim, shape_of
+
+aten = torch.ops.aten
+
+
+def _spec_size(spec, in_shape) -> int:
+    if isinstance(spec, InputDim):
+        return in_shape[spec.input_dim]
+    if isinstance(spec, Flatten):
+        return math.prod(_spec_size(s, in_shape) for s in spec.input_dims)
+    if isinstance(spec, Split):
+        return spec.group_shape[spec.split_id]
+    return 1
+
+
+def _forward_spec(spec, shard: Shard, in_shape):
+    """Segments of ``shard`` along the output dim described by ``spec``; None when that dim
+    does not carry the shard."""
+    if isinstance(spec, InputDim):
+        return shard.segs if spec.input_dim == shard.dim else None
+    if isinstance(spec, Flatten):
+        sizes = [_spec_size(s, in_shape) for s in spec.input_dims]
+        hits = [(i, _forward_spec(s, shard, in_shape)) for i, s in enumerate(spec.input_dims)]
+        hits = [(i, s) for i, s in hits if s is not None]
+        if not hits:
+            return None
+        i, segs = hits[0]
+        outer, inner = math.prod(sizes[:i]), math.prod(sizes[i + 1:])
+        return scale_segs(segs, inner) * outer
+    if isinstance(spec, Split):
+        segs = _forward_spec(spec.input_dim, shard, in_shape)
+        if segs is None or _split_landing(spec, segs) != spec.split_id:
+            return None
+        return _split_segs(spec, segs, spec.split_id)
+    if isinstance(spec, Broadcast) and _forward_spec(spec.dim, shard, in_shape) is not None:
+        raise Refusal("broadcasts the sharded dim")
+    if hasattr(spec, "input_dim") or hasattr(spec, "dim"):
+        inner = getattr(spec, "input_dim", None) or getattr(spec, "dim", None)
+        if _forward_spec(inner, shard, in_shape) is not None:
+            raise Refusal(f"{type(spec).__name__} of the sharded dim")
+    return None
+
+
+def _split_segs(spec: Split, segs, j):
+    gs = spec.group_shape
+    outer, inner, n = math.prod(gs[:j]), math.prod(gs[j + 1:]), gs[j]
+    if outer == 1:
+        out = scale_segs(segs, 1, inner)
+    else:  # the shard sits inside a repeated block: each block must be one whole segment
+        if len(segs) != outer or len(set(segs)) != 1:
+            raise Refusal("segments do not repeat with the outer dims")
+        out = scale_segs(segs[:1], 1, inner)
+    if sum(s.size for s in out) != n or any(s.size % s.pieces for s in out):
+        raise Refusal("pieces do not align with the dim")
+    return out
+
+
+def _split_landing(spec: Split, segs) -> int | None:
+    """Which dim of a split group carries the shard: the first one its pieces align with."""
+    for j in range(len(spec.group_shape)):
+        try:
+            _split_segs(spec, segs, j)
+            return j
+        except Refusal:
+            continue
+    raise Refusal(f"no dim of the view {spec.group_shape} holds the shard "
+                  f"[{', '.join(map(str, segs))}] whole")
+
+
+def _backward_spec(spec, segs, in_shape) -> tuple[int, tuple[Seg, ...]]:
+    """(input dim, its segments) so that the output dim ``spec`` carries ``segs``."""
+    if isinstance(spec, InputDim):
+        return spec.input_dim, segs
+    if isinstance(spec, Split):
+        gs, j = spec.group_shape, spec.split_id
+        outer, inner = math.prod(gs[:j]), math.prod(gs[j + 1:])
+        return _backward_spec(spec.input_dim, scale_segs(segs, inner) * outer, in_shape)
+    if isinstance(spec, Flatten):
+        sizes = [_spec_size(s, in_shape) for s in spec.input_dims]
+        i = next(i for i, s in enumerate(sizes) if s > 1)
+        return _backward_spec(spec.input_dims[i], scale_segs(segs, 1, math.prod(sizes[i + 1:])),
+                              in_shape)
+    raise Refusal(f"{type(spec).__name__} cannot carry a shard")
+
+
+def dims_forward(specs, p, in_shape):
+    if not isinstance(p, Shard):
+        return p
+    hits = [(j, _forward_spec(s, p, in_shape)) for j, s in enumerate(specs)]
+    hits = [(j, s) for j, s in hits if s is not None]
+    if len(hits) != 1:
+        raise Refusal(f"the sharded dim {p.dim} maps to {len(hits)} output dims")
+    j, segs = hits[0]
+    return canon(Shard(j, tuple(segs), p.axis))
+
+
+def dims_backward(specs, req, in_shape):
+    if not isinstance(req, Shard):
+        return req
+    d, segs = _backward_spec(specs[req.dim], req.segs, in_shape)
+    got = dims_forward(specs, Shard(d, tuple(segs), req.axis), in_shape)
+    if got != req:  # the inverse must round-trip, or the view cannot carry the shard
+        raise Refusal(f"no input placement gives {req} (closest: {got})")
+    return Shard(d, tuple(segs), req.axis)
+
+
+def _identity(n):
+    return tuple(InputDim(i) for i in range(len(shape_of(n.args[0]))))
+
+
+def _permute(n):
+    nd = len(shape_of(n.args[0]))
+    return tuple(InputDim(norm_dim(d, nd)) for d in n.args[1])
+
+
+DIM_MAPS: dict = {
+    aten.view.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
+    aten.reshape.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
+    aten._unsafe_view.default: lambda n: view_groups(list(shape_of(n.args[0])),
+                                                     list(shape_of(n))),
+    aten.unflatten.int: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
+    aten.flatten.using_ints: lambda n: view_groups(list(shape_of(n.args[0])),
+                                                   list(shape_of(n))),
+    aten.transpose.int: lambda n: dim_transpose(len(shape_of(n.args[0])), n.args[1], n.args[2]),
+    aten.t.default: lambda n: dim_transpose(2, 0, 1),
+    aten.permute.default: _permute,
+    aten.unsqueeze.default: lambda n: dim_unsqueeze(len(shape_of(n.args[0])), n.args[1]),
+    aten.squeeze.dim: lambda n: dim_squeeze(shape_of(n.args[0]), n.args[1]),
+    aten.squeeze.dims: lambda n: dim_squeeze(shape_of(n.args[0]), tuple(n.args[1])),
+    aten.squeeze.default: lambda n: dim_squeeze(shape_of(n.args[0])),
+    aten.expand.default: lambda n: expand(shape_of(n.args[0]), shape_of(n)),
+}
+# Ops that keep every dim as it is (type conversions, copies, eval-mode dropout).
+for _op in (aten.clone.default, aten.contiguous.default, aten.alias.default,
+            aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+            aten._to_copy.default, aten.lift_fresh_copy.default, aten.dropout.default,
+            aten.type_as.default):
+    DIM_MAPS[_op] = _identity
+
+
+# Collectives act on each element on its own across ranks: every dim passes through (the
+# token dim of prefill meets them after the tensor-parallel rewrite).
+COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,
+               torch.ops._c10d_functional.wait_tensor.default)
+for _op in COLLECTIVES:
+    DIM_MAPS[_op] = _identity

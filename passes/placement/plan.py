@@ -1,0 +1,126 @@
+"""What the placement analysis decided (:class:`PlacementPlan`), the shards attention needs,
+and the role of each projection, found by walking from attention to the nearest linears."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+
+from .lattice import Seg, Shard, canon
+
+aten = torch.ops.aten
+LINEAR = aten.linear.default
+EMBEDDING = aten.embedding.default
+ATTENTION = torch.ops.dcp.attention.default
+
+
+@dataclass
+class PlacementPlan:
+    placements: dict[Node, object]              # every node: its placement (Partial: pending)
+    params: dict[Node, Shard]                   # parameter placeholders that are sharded
+    linears: dict[Node, str]                    # linear -> column | row | lm_head
+    roles: dict[str, str] = field(default_factory=dict)   # linear/embedding name -> role
+    embeddings: list[Node] = field(default_factory=list)
+    kv_shard: Shard | None = None
+    # attention node -> {"q"/"k"/"v": linears behind it, "o": its row-parallel O projection}
+    attention: dict[Node, dict] = field(default_factory=dict)
+
+    def of(self, n: Node):
+        return self.placements.get(n)
+
+
+def head_shards(config) -> tuple[Shard, Shard]:
+    """What dcp.attention needs of q and of k/v ([B, S, H, D], heads at dim 2)."""
+    a = config.attention_shard
+    hq, hkv = config.num_q_heads, config.num_kv_heads
+    q = Shard(2, (Seg(hq, a),), "attn")
+    kv = Shard(2, (Seg(hkv, min(hkv, a), max(1, a // hkv)),), "attn")
+    return q, canon(kv)
+
+
+def attention_projections(attn: list[Node], linears: dict[Node, str], decided: dict,
+                          order: dict[Node, int]) -> dict[Node, dict]:
+    """attention node -> {"q"/"k"/"v": the linears behind it, "o": its row-parallel O
+    projection (None when there is no single one)}."""
+    out = {}
+    for at in attn:
+        sites = {w: sorted(_linears_behind(at.args[i]), key=order.__getitem__)
+                 for i, w in enumerate("qkv")}
+        ahead = _linears_ahead(at)
+        o = ahead[0] if len(ahead) == 1 else None
+        if o is not None and not (linears.get(o) == "row"
+                                  and decided[o.args[1]].axis == "attn"):
+            o = None
+        out[at] = {**sites, "o": o}
+    return out
+
+
+def linear_roles(attn: list[Node], linears: dict[Node, str], decided: dict,
+                 embeddings: list[Node]) -> dict[str, str]:
+    """linear/embedding name -> role (q_proj, kv_proj, o_proj, mlp_column, lm_head, ...)."""
+    roles = {}
+    feeds = {}
+    for at in attn:
+        for i, what in enumerate("qkv"):
+            for lin in _linears_behind(at.args[i]):
+                feeds.setdefault(lin, set()).add(what)
+    for n, kind in linears.items():
+        if kind == "lm_head":
+            roles[n.name] = "lm_head"
+        elif kind == "row":
+            roles[n.name] = "o_proj" if decided[n.args[1]].axis == "attn" else "mlp_row"
+        elif n in feeds:
+            roles[n.name] = "".join(w for w in "qkv" if w in feeds[n]) + "_proj"
+        else:
+            roles[n.name] = "mlp_column" if decided[n.args[1]].axis == "mlp" \
+                else "attention_column"
+    for e in embeddings:
+        roles[e.name] = "embedding"
+    return roles
+
+
+def _linears_reached(starts: list[Node], onward) -> list[Node]:
+    """Linears reached from ``starts`` following ``onward`` (inputs or users), stopping at
+    each linear and at attention."""
+    out, seen, stack = [], set(), list(starts)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target == LINEAR:
+            out.append(n)
+        elif n.op == "call_function" and n.target != ATTENTION:
+            stack.extend(onward(n))
+    return out
+
+
+def _linears_behind(start: Node) -> set[Node]:
+    """Linears ``start`` is computed from, back to the nearest linear or attention."""
+    return set(_linears_reached([start], lambda n: n.all_input_nodes))
+
+
+def _linears_ahead(start: Node) -> list[Node]:
+    """Linears reached forward from ``start`` before any other linear or attention."""
+    return _linears_reached(list(start.users), lambda n: n.users)
+
+
+def reaches_output_directly(start: Node) -> bool:
+    """Does ``start`` reach the graph output without passing another linear or attention?"""
+    seen, stack, reaches, other = set(), list(start.users), False, False
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            reaches = True
+        elif n.target in (LINEAR, ATTENTION):
+            other = True
+        else:
+            stack.extend(n.users)
+    return reaches and not other

@@ -1,0 +1,332 @@
+"""Placement rules by op family, as data: ``RULES`` maps an op to a forward rule (input
+placements -> output placement) and a backward rule (a placement required of the output ->
+what each input must be); ``rule_for`` finds pointwise ops by their torch tag. A rule that
+cannot place an op raises :class:`Refusal`."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
+from .lattice import R, Partial, Refusal, Shard, canon, show
+from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
+
+aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------------------------
+# Rules: forward (node, placements of its tensor inputs) -> placement; backward
+# (node, required output placement) -> {input: required placement}.
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    forward: Callable
+    backward: Callable | None = None
+
+
+def _dims_fw(n, P):
+    return dims_forward(DIM_MAPS[n.target](n), P(n.args[0]), shape_of(n.args[0]))
+
+
+def _dims_bw(n, req):
+    return {n.args[0]: dims_backward(DIM_MAPS[n.target](n), req, shape_of(n.args[0]))}
+
+
+def _pointwise_fw(n, P):
+    """Broadcasting elementwise op: every sharded operand must agree; a replicated operand
+    may only be broadcast (size 1) along the sharded dim."""
+    out_nd = fake(n).ndim
+    shard = None
+    for a in tensor_args(n):
+        p = P(a)
+        if isinstance(p, Shard):
+            q = replace(p, dim=p.dim + out_nd - fake(a).ndim)
+            if shard is not None and q != shard:
+                raise Refusal(f"operands are sharded differently ({shard} and {q})")
+            shard = q
+        elif p != R:
+            raise Refusal(f"operand {a.name} is {show(p)}")
+    if shard is None:
+        return R
+    if fake(n).shape[shard.dim] != shard.full:
+        raise Refusal("the sharded dim is broadcast")
+    for a in tensor_args(n):
+        if P(a) == R:
+            k = shard.dim - (out_nd - fake(a).ndim)
+            if k >= 0 and fake(a).shape[k] != 1:
+                raise Refusal(f"replicated operand {a.name} of shape {shape_of(a)} spans the "
+                              f"sharded dim {shard.dim}")
+    return shard
+
+
+def _pointwise_bw(n, req):
+    out_nd = fake(n).ndim
+    need = {}
+    for a in tensor_args(n):
+        k = req.dim - (out_nd - fake(a).ndim)
+        need[a] = None if k < 0 or fake(a).shape[k] == 1 else replace(req, dim=k)
+    return need
+
+
+# -- splitting along a dim: split / chunk / unbind (outputs via getitem), slice, select ----
+
+def split_ranges(n) -> tuple[int, list[tuple[int, int]]]:
+    """(dim, [start, end) of each output) of a split-like op, on full sizes."""
+    x = n.args[0]
+    nd = len(shape_of(x))
+    t = n.target
+    if t == aten.unbind.int:
+        d = norm_dim(node_arg(n, 1, "dim", 0), nd)
+        return d, [(i, i + 1) for i in range(shape_of(x)[d])]
+    d = norm_dim(node_arg(n, 2, "dim", 0), nd)
+    sizes = [tuple(v.shape)[d] for v in fake(n)]
+    bounds, start = [], 0
+    for s in sizes:
+        bounds.append((start, start + s))
+        start += s
+    return d, bounds
+
+
+def _covering(segs, start, end):
+    """The segments exactly covering [start, end), or Refusal."""
+    out, pos = [], 0
+    for s in segs:
+        if pos >= start and pos + s.size <= end:
+            out.append(s)
+        elif pos < end and pos + s.size > start:
+            raise Refusal(f"[{start}, {end}) cuts segment {s} at offset {pos}")
+        pos += s.size
+    if sum(s.size for s in out) != end - start:
+        raise Refusal(f"[{start}, {end}) is not a run of whole segments")
+    return tuple(out)
+
+
+def _split_fw(n, P):
+    p = P(n.args[0])
+    if not isinstance(p, Shard):
+        return tuple(p for _ in fake(n))
+    d, bounds = split_ranges(n)
+    if d != p.dim:
+        q = replace(p, dim=p.dim - (n.target == aten.unbind.int and d < p.dim))
+        return tuple(q for _ in bounds)
+    if n.target == aten.unbind.int:
+        raise Refusal("unbinds the sharded dim")
+    return tuple(canon(Shard(d, _covering(p.segs, a, b), p.axis)) for a, b in bounds)
+
+
+def slice_bounds(n):
+    x = n.args[0]
+    nd = len(shape_of(x))
+    size = lambda d: shape_of(x)[d]  # noqa: E731
+    if n.target == aten.select.int:
+        d = norm_dim(n.args[1], nd)
+        i = n.args[2] % size(d)
+        return d, i, i + 1, 1
+    if n.target == aten.narrow.default:
+        d = norm_dim(n.args[1], nd)
+        return d, n.args[2] % size(d), n.args[2] % size(d) + n.args[3], 1
+    d = norm_dim(node_arg(n, 1, "dim", 0), nd)
+    start, end, step = node_arg(n, 2, "start"), node_arg(n, 3, "end"), node_arg(n, 4, "step", 1)
+    start, end, _ = slice(start, end, step).indices(size(d))
+    return d, start, max(end, start), step
+
+
+def _slice_fw(n, P):
+    p = P(n.args[0])
+    if not isinstance(p, Shard):
+        return p
+    d, start, end, step = slice_bounds(n)
+    if d != p.dim:
+        return replace(p, dim=p.dim - (n.target == aten.select.int and d < p.dim))
+    if n.target == aten.select.int or step != 1:
+        raise Refusal("selects inside the sharded dim")
+    return canon(Shard(d, _covering(p.segs, start, end), p.axis))
+
+
+def _slice_bw(n, req):
+    d, *_ = slice_bounds(n)
+    k = req.dim + (n.target == aten.select.int and d <= req.dim)
+    if k == d:
+        return {}   # a run of segments: combined over all of the input's range users
+    return {n.args[0]: replace(req, dim=k)}
+
+
+def _getitem_fw(n, P):
+    p = P(n.args[0])
+    return p[n.args[1]] if isinstance(p, tuple) else p
+
+
+def _cat_fw(n, P):
+    xs = [x for x in n.args[0] if isinstance(x, Node)]
+    ps = [P(x) for x in xs]
+    nd = fake(n).ndim
+    d = norm_dim(node_arg(n, 1, "dim", 0), nd)
+    if all(p == R for p in ps):
+        return R
+    if not all(isinstance(p, Shard) for p in ps):
+        raise Refusal(f"mixes placements {[show(p) for p in ps]}")
+    if n.target == aten.stack.default:
+        if len(set(ps)) != 1:
+            raise Refusal("stacks tensors sharded differently")
+        return replace(ps[0], dim=ps[0].dim + (d <= ps[0].dim))
+    if all(p.dim == d for p in ps) and len({p.axis for p in ps}) == 1:
+        return Shard(d, tuple(s for p in ps for s in p.segs), ps[0].axis)
+    if len(set(ps)) != 1 or ps[0].dim == d:
+        raise Refusal(f"concatenates tensors sharded differently {[show(p) for p in ps]}")
+    return ps[0]
+
+
+def _cat_bw(n, req):
+    xs = [x for x in n.args[0] if isinstance(x, Node)]
+    d = norm_dim(node_arg(n, 1, "dim", 0), fake(n).ndim)
+    if n.target == aten.stack.default:
+        if req.dim == d:
+            raise Refusal("the stacked dim cannot be sharded")
+        return {x: replace(req, dim=req.dim - (d < req.dim)) for x in xs}
+    if req.dim != d:
+        return {x: req for x in xs}
+    out, pos = {}, 0
+    for x in xs:
+        size = shape_of(x)[d]
+        out[x] = Shard(d, _covering(req.segs, pos, pos + size), req.axis)
+        pos += size
+    return out
+
+
+# -- reductions --------------------------------------------------------------------------
+
+def _reduced_dims(n) -> tuple[list[int], bool]:
+    nd = len(shape_of(n.args[0]))
+    dims = node_arg(n, 1, "dim")
+    if dims is None or dims == []:
+        dims = list(range(nd))
+    elif isinstance(dims, int):
+        dims = [dims]
+    keep = node_arg(n, 2, "keepdim", False) if n.target != aten.var.correction else \
+        n.kwargs.get("keepdim", False)
+    return sorted(norm_dim(d, nd) for d in dims), bool(keep)
+
+
+SUMMABLE = {aten.mean.dim, aten.sum.dim_IntList}
+
+
+def _reduce_fw(n, P):
+    p = P(n.args[0])
+    if not isinstance(p, Shard):
+        return p
+    dims, keep = _reduced_dims(n)
+    if p.dim not in dims:
+        return replace(p, dim=p.dim - (0 if keep else sum(d < p.dim for d in dims)))
+    if n.target not in SUMMABLE:
+        raise Refusal(f"reduces over the sharded dim {p.dim} with {n.target}, which is not a "
+                      f"sum (only sum and mean, e.g. RMSNorm, become an all-reduce)")
+    if len({s.replicas for s in p.segs}) != 1:
+        raise Refusal("reduces over segments replicated unevenly")
+    reps = p.segs[0].replicas
+    scale = 1.0 / reps
+    if n.target == aten.mean.dim:   # local mean -> local sum / global count
+        scale *= p.local / p.full
+    return Partial(p.axis, scale)
+
+
+def _reduce_bw(n, req):
+    dims, keep = _reduced_dims(n)
+    if keep:
+        return {n.args[0]: req}
+    k = req.dim
+    for d in dims:
+        if d <= k:
+            k += 1
+    return {n.args[0]: replace(req, dim=k)}
+
+
+def _softmax_fw(n, P):
+    p = P(n.args[0])
+    if isinstance(p, Shard) and norm_dim(n.args[1], fake(n).ndim) == p.dim:
+        raise Refusal("softmax over the sharded dim")
+    return p
+
+
+_ALONG_DIMS = {aten.roll.default: 2, aten.flip.default: 1, aten.cumsum.default: 1}
+
+
+def _along_dims(n):
+    nd = len(shape_of(n.args[0]))
+    dims = node_arg(n, _ALONG_DIMS[n.target], "dims", None)
+    if n.target == aten.roll.default and (dims is None or dims == []):
+        return set(range(nd))           # roll without dims rolls the flattened tensor
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return {norm_dim(d, nd) for d in dims}
+
+
+def _along_fw(n, P):
+    """An op that moves or accumulates elements along some dims (roll, flip, cumsum)."""
+    p = P(n.args[0])
+    if isinstance(p, Shard) and p.dim in _along_dims(n):
+        raise Refusal(f"moves elements along the sharded dim {p.dim}")
+    return p
+
+
+def _along_bw(n, req):
+    if req.dim in _along_dims(n):
+        raise Refusal(f"moves elements along dim {req.dim}")
+    return {n.args[0]: req}
+
+
+def _layer_norm_fw(n, P):
+    """layer_norm / rms_norm over the last len(normalized_shape) dims: fine when those dims
+    are not sharded (and the affine parameters are whole on every rank)."""
+    p = P(n.args[0])
+    for a in tensor_args(n)[1:]:
+        if P(a) != R:
+            raise Refusal(f"norm parameter {a.name} is {show(P(a))}")
+    if isinstance(p, Shard) and p.dim >= len(shape_of(n.args[0])) - len(n.args[1]):
+        raise Refusal(f"normalises over the sharded dim {p.dim} (only mean-of-squares "
+                      f"written out, as in RMSNorm, becomes an all-reduce)")
+    return p
+
+
+def _layer_norm_bw(n, req):
+    if req.dim >= len(shape_of(n.args[0])) - len(n.args[1]):
+        raise Refusal("normalises over the required dim")
+    return {n.args[0]: req}
+
+
+RULES: dict = {}
+for _op in (aten.layer_norm.default, aten.rms_norm.default):
+    RULES[_op] = Rule("layer norm over the last dims", _layer_norm_fw, _layer_norm_bw)
+for _op in _ALONG_DIMS:
+    RULES[_op] = Rule("along dims (roll, flip, cumsum)", _along_fw, _along_bw)
+for _op in DIM_MAPS:
+    RULES[_op] = Rule("dim map (torch.distributed.tensor view ops)", _dims_fw, _dims_bw)
+for _op in COLLECTIVES:
+    RULES[_op] = Rule("dim map (collective, elementwise across ranks)", _dims_fw, _dims_bw)
+for _op in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+            aten.unbind.int):
+    RULES[_op] = Rule("split (segment-aware)", _split_fw, None)
+for _op in (aten.slice.Tensor, aten.narrow.default, aten.select.int):
+    RULES[_op] = Rule("slice (segment-aware)", _slice_fw, _slice_bw)
+for _op in (aten.cat.default, aten.stack.default):
+    RULES[_op] = Rule("concatenate", _cat_fw, _cat_bw)
+for _op in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
+            aten.var.correction):
+    RULES[_op] = Rule("reduction", _reduce_fw, _reduce_bw)
+for _op in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
+    RULES[_op] = Rule("softmax", _softmax_fw, lambda n, req: {n.args[0]: req})
+RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
+POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
+
+
+def rule_for(target) -> Rule | None:
+    r = RULES.get(target)
+    if r is None and torch.Tag.pointwise in getattr(target, "tags", ()):
+        return POINTWISE
+    return r
