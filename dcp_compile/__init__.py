@@ -4,6 +4,7 @@ Public API (see README.md): ``DCPConfig``, ``DCPConfigError``, ``topology``, ``p
 ``compute_slot_mapping``, the layout formulas in ``dcp_compile.layout``, ``transform``.
 """
 
+from ._version import __version__
 from .config import DCPConfig
 from .errors import (DCPConfigError, DCPError, DCPInputError, DCPProofError,
                      DCPTransferError, DCPTransformError, DCPWorldError)
