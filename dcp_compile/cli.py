@@ -20,9 +20,10 @@ SUBCOMMANDS = {
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
                     argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps a command's description (its module docstring) as written, and appends ``(default: X)`` to an option's help unless the help already says its default
-    or there is no value to show (a required option, a flag, None: those helps say what
-    absence means themselves; tests/test_cli.py checks every option)."""
+    """Keeps a command's description (its module docstring) as written, and appends
+    ``(default: X)`` to an option's help unless the help already says its default or there
+    is no value to show (a required option, a flag, None: those helps say what absence
+    means themselves; tests/test_cli.py checks every option)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
