@@ -12,6 +12,7 @@ import importlib.abc
 import importlib.util
 import sys
 
+from ._version import __version__  # noqa: F401  (dcp-compile --version)
 from runtime.config import DCPConfig
 from runtime.errors import (DCPCheckError, DCPConfigError, DCPError, DCPInputError,
                             DCPProofError, DCPTransferError, DCPTransformError, DCPWorldError)

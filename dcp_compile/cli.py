@@ -18,11 +18,38 @@ SUBCOMMANDS = {
 }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps a command's description (its module docstring) as written, and appends
+    ``(default: X)`` to an option's help unless the help already says its default or there
+    is no value to show (a required option, a flag, None: those helps say what absence
+    means themselves; tests/test_cli.py checks every option)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.required or action.default in (None, False, argparse.SUPPRESS)
+                or "default" in text):
+            return text
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    """The installed distribution's version; the source constant when not installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("dcp-compile")
+    except metadata.PackageNotFoundError:
+        from ._version import __version__
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dcp-compile",
+        prog="dcp-compile", formatter_class=HelpFormatter,
         description="Decode Context Parallel compiler: prove layouts, show topologies, "
                     "transform and verify models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="print the package version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         try:
@@ -31,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name == f"dcp_compile.commands.{module_name}":
                 continue  # subcommand not built in this version
             raise
-        p = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0],
-                           description=module.__doc__)
+        summary = " ".join(module.__doc__.strip().split("\n\n")[0].split())
+        p = sub.add_parser(name, help=summary,
+                           description=module.__doc__, formatter_class=HelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run, _validate=getattr(module, "validate", None),
                        _parser=p)

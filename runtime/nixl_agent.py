@@ -36,12 +36,12 @@ def configure_ucx_env(host: str = "127.0.0.1") -> None:
 
 
 def _nixl_api():
+    from .nixl_build import nixl_api
     try:
-        from nixl import _api
+        return nixl_api()
     except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
         raise DCPTransferError(f"the nixl package is not usable: {type(e).__name__}: {e}. "
-                               f"Install it with `pip install nixl`.") from e
-    return _api
+                               f"Install it with `pip install -e '.[nixl]'`.") from e
 
 
 def _make_agent(name: str, host: str, progress_thread: bool):

@@ -373,7 +373,8 @@ def main(argv=None) -> int:
         spec = json.load(f)
     torch.set_num_threads(1)
     try:
-        import nixl  # noqa: F401  (fails here, not mid-run, when the wheel is unusable)
+        from runtime.nixl_build import nixl_api
+        nixl_api()  # fails here, not mid-run, when the wheel is unusable
     except Exception as e:
         result = {"nixl_import_error": f"{type(e).__name__}: {e}"}
     else:

@@ -119,3 +119,86 @@ def test_lists_and_floats():
     for bad in ("-1e-4", "inf", "nan", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="finite number >= 0"):
             options.non_negative_float(bad)
+
+
+def _subcommand_parsers():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib import metadata
+
+    import dcp_compile
+    try:
+        expected = metadata.version("dcp-compile")
+    except metadata.PackageNotFoundError:
+        expected = dcp_compile.__version__
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"dcp-compile {expected}\n"
+    # The installed metadata and the source constant come from one definition
+    # (pyproject.toml reads dcp_compile._version).
+    assert expected == dcp_compile.__version__
+
+
+def test_version_falls_back_to_the_source_constant_when_not_installed(monkeypatch):
+    from importlib import metadata
+
+    from dcp_compile._version import __version__
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert cli.version() == __version__
+
+
+def test_version_in_a_real_process():
+    r = subprocess.run([sys.executable, "-m", "dcp_compile.cli", "--version"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("dcp-compile ") and r.stdout.split()[1][0].isdigit()
+
+
+def test_every_subcommand_and_option_has_help_showing_its_default():
+    """Walks every subcommand's parser: each subcommand has a summary, each option a help
+    text; an option with a value default shows it (the formatter appends it, or the help
+    says it); an optional option without one (None) says what its absence means."""
+    parser, sub = _subcommand_parsers()
+    summaries = {a.dest: a.help for a in sub._choices_actions}
+    assert set(summaries) == set(sub.choices) == set(cli.SUBCOMMANDS)
+    problems = []
+    for name, p in [("dcp-compile", parser), *sub.choices.items()]:
+        if name != "dcp-compile" and not (summaries[name] or "").strip():
+            problems.append(f"{name}: no summary")
+        formatter = p._get_formatter()
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            opt = f"{name} {'/'.join(a.option_strings) or a.dest}"
+            if not (a.help or "").strip():
+                problems.append(f"{opt}: no help text")
+                continue
+            shown = formatter._get_help_string(a) % {"default": a.default}
+            if a.required or isinstance(a, (argparse._StoreTrueAction,
+                                            argparse._VersionAction)):
+                continue
+            if "default" not in shown:
+                problems.append(f"{opt}: help does not show its default: {shown!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_help_of_every_subcommand_renders(capsys):
+    _, sub = _subcommand_parsers()
+    for name in sub.choices:
+        with pytest.raises(SystemExit) as e:
+            cli.main([name, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: dcp-compile {name}")
+    # A value default is appended by the formatter, e.g. verify's --steps.
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--help"])
+    assert "decode steps (decode mode) (default: 16)" in " ".join(capsys.readouterr().out.split())

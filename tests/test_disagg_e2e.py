@@ -75,7 +75,8 @@ def _loopback_env() -> dict:
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     try:
-        import nixl  # noqa: F401
+        from runtime.nixl_build import nixl_api
+        nixl_api()
     except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
         pytest.skip(f"import nixl failed: {type(e).__name__}: {e}")
     tmp = tmp_path_factory.mktemp("disagg")

@@ -145,8 +145,8 @@ def _open_in_chromium(page: Path, tmp_path: Path) -> tuple[str, Path]:
     """Load ``page`` in headless Chromium: (DOM after its scripts ran, screenshot path)."""
     exe = _chromium()
     if exe is None:
-        pytest.skip("chromium is not installed and scripts/setup.sh could not install it "
-                    "(it runs `apt-get install -y chromium`)")
+        pytest.skip("chromium is not installed: scripts/setup.sh installs it with apt-get "
+                    "when run as root, unless DCP_SETUP_APT=0")
     shot = tmp_path / f"{page.parent.name}.png"
     common = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
               "--no-first-run", "--disable-background-networking",

@@ -35,7 +35,8 @@ DRIVE = 20.0                                       # seconds a forced interleavi
 @pytest.fixture(scope="module", autouse=True)
 def loopback_ucx():
     try:
-        import nixl  # noqa: F401
+        from runtime.nixl_build import nixl_api
+        nixl_api()
     except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
         pytest.skip(f"import nixl failed: {type(e).__name__}: {e}")
     saved = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "NIXL_LOG_LEVEL")}

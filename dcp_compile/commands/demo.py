@@ -25,7 +25,8 @@ def add_arguments(p):
                    help="prompt chunks in prefill mode")
     p.add_argument("--out", type=output_dir, default=Path("dcp_dump"),
                    help="where the pass-by-pass dump goes")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary rows as JSON instead of text")
     add_backend_argument(p)
     add_model_arguments(p)
 

@@ -23,7 +23,7 @@ from .options import add_layout_arguments, check_layout, model_heads, output_dir
 def add_arguments(p):
     add_layout_arguments(p, tp_default=8, dcp_default=4)
     p.add_argument("--out", type=output_dir, default=Path("dcp_dump"),
-                   help="dump directory (default ./dcp_dump)")
+                   help="dump directory")
     p.add_argument("--layers", type=positive_int, default=2,
                    help="decoder layers of the demo model")
     p.add_argument("--json", action="store_true",

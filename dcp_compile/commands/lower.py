@@ -20,15 +20,19 @@ def add_arguments(p):
     add_layout_arguments(p)
     p.add_argument("--out", type=output_dir, required=True,
                    help="directory for the modules and lowering.json")
-    p.add_argument("--layers", type=positive_int, default=2, help="demo model layers (default 2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--layers", type=positive_int, default=2, help="demo model layers")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the model's weights and activations")
+    p.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
     p.add_argument("--context-len", type=positive_int, default=64,
                    help="tokens per sequence in a prompt (context/prefill) step")
-    p.add_argument("--max-blocks", type=positive_int, default=8)
-    p.add_argument("--num-blocks", type=positive_int, default=40)
+    p.add_argument("--max-blocks", type=positive_int, default=8,
+                   help="block-table entries per sequence")
+    p.add_argument("--num-blocks", type=positive_int, default=40,
+                   help="KV cache blocks per rank, the garbage block included")
     p.add_argument("--kv-role", choices=["kv_producer", "kv_consumer"], default=None,
-                   help="prefill DCP: disaggregated role")
+                   help="prefill DCP: disaggregated role (default: none, not "
+                        "disaggregated)")
     p.add_argument("--target-version", default=None,
                    help="StableHLO version of the portable artifact (default: current)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -25,7 +25,8 @@ def add_model_arguments(p) -> None:
                         "built-in demo model); an ordinary causal LM forward(input_ids) works")
     g.add_argument("--hf-config", metavar="PATH_OR_DIR", default=None,
                    help="a Hugging Face config.json (or its directory): the causal LM it "
-                        "describes, with random weights (seed 0); nothing is downloaded")
+                        "describes, with random weights (seed 0); nothing is downloaded "
+                        "(default: none, the demo model or --model)")
 
 
 @dataclass

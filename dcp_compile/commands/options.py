@@ -86,13 +86,14 @@ def add_layout_arguments(p, *, tp_default=None, dcp_default=None, block_size: bo
         if default is None:
             p.add_argument(name, type=positive_int, required=True, help=what)
         else:
-            p.add_argument(name, type=positive_int, default=default,
-                           help=f"{what} (default {default})")
+            p.add_argument(name, type=positive_int, default=default, help=what)
     if mode:
-        p.add_argument("--mode", choices=["decode", "prefill"], default="decode")
+        p.add_argument("--mode", choices=["decode", "prefill"], default="decode",
+                       help="decode: a prompt (context) and a decode program; prefill: a "
+                            "chunked-prefill program")
     if block_size:
         p.add_argument("--block-size", type=positive_int, default=16,
-                       help="KV cache block size (default 16)")
+                       help="KV cache block size")
         p.add_argument("--interleave-size", type=positive_int, default=None,
                        help="cp_kv_cache_interleave_size (default: the block size)")
 

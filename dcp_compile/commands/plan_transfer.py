@@ -17,10 +17,14 @@ _DEFAULT_MAX_KV_HEADS = 8
 
 
 def add_arguments(p):
-    p.add_argument("--prefill-tp", type=positive_int, required=True)
-    p.add_argument("--prefill-dcp", type=positive_int, default=1)
-    p.add_argument("--decode-tp", type=positive_int, required=True)
-    p.add_argument("--decode-dcp", type=positive_int, default=1)
+    p.add_argument("--prefill-tp", type=positive_int, required=True,
+                   help="tensor-parallel size of the prefill engine")
+    p.add_argument("--prefill-dcp", type=positive_int, default=1,
+                   help="decode context parallel size of the prefill engine")
+    p.add_argument("--decode-tp", type=positive_int, required=True,
+                   help="tensor-parallel size of the decode engine")
+    p.add_argument("--decode-dcp", type=positive_int, default=1,
+                   help="decode context parallel size of the decode engine")
     p.add_argument("--num-kv-heads", type=positive_int, default=None,
                    help=f"model's KV heads (default: the largest count <= "
                         f"{_DEFAULT_MAX_KV_HEADS} that both engines can serve)")

@@ -11,7 +11,7 @@ def add_arguments(p):
     add_layout_arguments(p, block_size=False)
     p.add_argument("--num-kv-heads", type=positive_int, default=None,
                    help="also show which KV heads each rank holds (checked against the "
-                        "layout rules)")
+                        "layout rules; default: not shown)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 

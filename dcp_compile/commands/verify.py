@@ -24,8 +24,9 @@ def add_arguments(p):
                    help="prompt chunks (prefill mode)")
     p.add_argument("--lengths", type=positive_int_list, default=None,
                    help="comma-separated prompt lengths (default: edge cases for the layout)")
-    p.add_argument("--atol", type=non_negative_float, default=1e-4)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--atol", type=non_negative_float, default=1e-4,
+                   help="largest absolute logit error accepted")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_backend_argument(p)
     add_model_arguments(p)
 

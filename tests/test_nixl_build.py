@@ -1,0 +1,51 @@
+"""One NIXL build: the `[nixl]` extra installs exactly one wheel, and runtime.nixl_build
+loads the API from it when the `nixl` meta-package (every CUDA variant) is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from runtime.nixl_build import NIXL_MODULES, nixl_api
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hide(monkeypatch, *names):
+    """Make ``import name`` fail as if ``name`` were not installed."""
+    for mod in list(sys.modules):
+        if mod.split(".")[0] in names:
+            monkeypatch.delitem(sys.modules, mod)
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_the_nixl_extra_installs_exactly_one_build():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (requirement,) = extras["nixl"]
+    dist = requirement.split(">")[0].split("=")[0].split("<")[0].strip()
+    assert dist == "nixl-cu12", "the `nixl` meta-package pulls every CUDA variant"
+    assert NIXL_MODULES[-1][0] == dist.replace("-", "_")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None,
+                    reason="nixl-cu12 is not installed (pip install -e '.[nixl]')")
+def test_the_extras_build_alone_serves_the_api(monkeypatch):
+    _hide(monkeypatch, "nixl")
+    api = nixl_api()
+    assert api.__name__ == "nixl_cu12._api"
+    # The agent the connector builds exists and is constructible on CPU.
+    agent = api.nixl_agent("nixl-build-test", api.nixl_agent_config(backends=[]))
+    assert agent.name == "nixl-build-test"
+
+
+def test_no_build_installed_says_how_to_install(monkeypatch):
+    _hide(monkeypatch, *(name for name, _ in NIXL_MODULES))
+    with pytest.raises(ModuleNotFoundError, match=r"no NIXL build is installed: tried nixl "
+                                                  r".*pip install -e '\.\[nixl\]'"):
+        nixl_api()
