@@ -1,0 +1,86 @@
+"""Before/Expected pass tests: a hand-built "before" graph, one pass, the expected code.
+
+``before(fn, **inputs)`` traces a small function (aten / ``torch.ops.dcp`` calls written out,
+as a captured graph would hold them) into a GraphModule whose nodes carry fake values, the
+way torch.export leaves them: the placeholders are named after ``fn``'s arguments and
+``inputs`` gives each one an example tensor (kept for numeric checks). ``run_alone`` runs one
+pass through the real pass manager (``passes.manager.run_passes``: lint and shape
+propagation after it) and ``code`` prints the result in a normalised form to compare with an
+expected string written in the test.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, symbolic_trace
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import passes.infra  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile import DCPConfig
+from passes.infra import TransformContext
+from passes.manager import run_passes
+
+aten = torch.ops.aten
+
+
+def before(fn, **inputs: torch.Tensor) -> GraphModule:
+    """``fn`` traced; every node's meta['val'] a fake tensor propagated from ``inputs``."""
+    gm = symbolic_trace(fn)
+    mode = FakeTensorMode()
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    missing = sorted({n.name for n in phs} - set(inputs))
+    assert not missing, f"no example tensor for inputs {missing}"
+    fakes = [mode.from_tensor(inputs[n.name]) for n in phs]
+    for n, f in zip(phs, fakes):
+        n.meta["val"] = f
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    gm.meta["example_inputs"] = dict(inputs)
+    return gm
+
+
+def context(tp: int, dcp: int, step: str, **config) -> TransformContext:
+    """The TransformContext of one step kind (mode from the step unless given)."""
+    config.setdefault("mode", "prefill" if step == "prefill" else "decode")
+    return TransformContext(config=DCPConfig(tp=tp, dcp=dcp, **config), step=step)
+
+
+def run_alone(p, gm: GraphModule) -> GraphModule:
+    """Run pass ``p`` alone through the pass manager; returns the rewritten graph."""
+    gm, records = run_passes(gm, [p], step=p.ctx.step)
+    assert [r.name for r in records] == [p.name]
+    return gm
+
+
+_DEAD = re.compile(r";\s+[\w\s=]+ = None$")     # FX's `x = y = None` (frees values early)
+
+
+def code(gm: GraphModule) -> str:
+    """``gm.code`` normalised: no `torch.ops.` prefixes, no freeing of dead names, no
+    comments or blank lines, dedented."""
+    gm.recompile()
+    lines = []
+    for line in gm.code.splitlines():
+        line = _DEAD.sub("", line.split("  #")[0].rstrip()).replace("torch.ops.", "")
+        if line.strip() and not line.strip().startswith("#"):
+            lines.append(line)
+    return textwrap.dedent("\n".join(lines))
+
+
+def expected(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def assert_code(gm: GraphModule, text: str) -> None:
+    got, want = code(gm), expected(text)
+    assert got == want, f"graph after the pass differs:\n--- got\n{got}\n--- expected\n{want}"
+
+
+def call(gm: GraphModule, **inputs):
+    """Run ``gm`` on real tensors: its example inputs, overridden/extended by ``inputs``."""
+    args = {**gm.meta.get("example_inputs", {}), **inputs}
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return gm(*[args[n] for n in names])
