@@ -84,3 +84,22 @@ def call(gm: GraphModule, **inputs):
     args = {**gm.meta.get("example_inputs", {}), **inputs}
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return gm(*[args[n] for n in names])
+
+
+def attention_inputs(*, batch=2, tokens=1, hq=4, hkv=2, dim=8, num_blocks=5, block=16,
+                     max_blocks=2, start=3, seed=0) -> dict[str, torch.Tensor]:
+    """Inputs of one paged attention: q [B, S, hq, D], k/v [B, S, hkv, D], caches
+    [num_blocks, block, hkv, D] holding ``start`` prior tokens per sequence, positions
+    ``start..start+S-1`` and a block table of distinct blocks (the last block is the
+    caches' garbage block)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+    assert batch * max_blocks < num_blocks
+    return dict(
+        q=randn(batch, tokens, hq, dim), k=randn(batch, tokens, hkv, dim),
+        v=randn(batch, tokens, hkv, dim),
+        key_cache=randn(num_blocks, block, hkv, dim), value_cache=randn(num_blocks, block, hkv, dim),
+        positions=torch.arange(start, start + tokens).expand(batch, tokens).clone(),
+        block_table=torch.arange(batch * max_blocks).view(batch, max_blocks))
