@@ -1,0 +1,137 @@
+"""dcp_decode and dcp_context, Before/Expected: one `dcp.attention` of a rank's heads (after
+shard_tensor_parallel) becomes the spec's DCP decode pattern (owner-only cache write, Q
+all-gather, partial attention over the local shard, LSE all-gather + correction,
+reduce-scatter of the heads) or, for the context step, plain attention with owner-only
+writes. With dcp=1 the rewrite computes exactly what the attention did."""
+
+import torch
+
+from passes.dcp_decode import DCPContext, DCPDecode
+
+from before_expected import assert_code, attention_inputs, before, call, context, run_alone
+
+dcp = torch.ops.dcp
+
+
+def _attention(tp_rank, q, k, v, key_cache, value_cache, positions, block_table):
+    out, kc, vc = dcp.attention.default(q, k, v, key_cache, value_cache, positions,
+                                        block_table, 0.5)
+    return out, kc, vc
+
+
+def _before(tokens=1):
+    # One rank's share: 2 q heads, 1 KV head, head_dim 8, batch 2.
+    return before(_attention, tp_rank=torch.tensor(0),
+                  **attention_inputs(tokens=tokens, hq=2, hkv=1, start=20))
+
+
+# tp=4, dcp=2, interleave = block = 16; b=2, s=1, hq=2, d=8 (W*hq = 4 heads gathered).
+DECODE = """
+    def forward(self, tp_rank, q, k, v, key_cache, value_cache, positions, block_table):
+        cp_rank = aten.remainder.Scalar(tp_rank, 2)
+        slot_mapping_default = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
+        cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping_default)
+        getitem_3 = cache_write_default[0]
+        getitem_4 = cache_write_default[1]
+        select_int = aten.select.int(positions, 1, 0)
+        local_filled_default = dcp.local_filled.default(select_int, cp_rank, 2, 16, 16)
+        active_mask_default = dcp.active_mask.default(positions, cp_rank, 2, 16, 16)
+        eq_scalar = aten.eq.Scalar(active_mask_default, 1)
+        where_scalar_other = aten.where.ScalarOther(eq_scalar, positions, -1)
+        all_gather_into_tensor_default = _c10d_functional.all_gather_into_tensor.default(q, 2, 'dcp_role:dcp')
+        wait_tensor_default = _c10d_functional.wait_tensor.default(all_gather_into_tensor_default)
+        view_default = aten.view.default(wait_tensor_default, [2, 2, 1, 2, 8])
+        permute_default = aten.permute.default(view_default, [1, 2, 0, 3, 4])
+        reshape_default = aten.reshape.default(permute_default, [2, 1, 4, 8])
+        partial_attention_default = dcp.partial_attention.default(reshape_default, positions, k, v, where_scalar_other, getitem_3, getitem_4, block_table, local_filled_default, cp_rank, 2, 16, 0.5)
+        getitem_5 = partial_attention_default[0]
+        getitem_6 = partial_attention_default[1]
+        all_gather_into_tensor_default_1 = _c10d_functional.all_gather_into_tensor.default(getitem_6, 2, 'dcp_role:dcp')
+        wait_tensor_default_1 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1)
+        view_default_1 = aten.view.default(wait_tensor_default_1, [2, 2, 1, 4])
+        lse_correct_default = dcp.lse_correct.default(getitem_5, getitem_6, view_default_1)
+        to_dtype = aten.to.dtype(lse_correct_default, torch.float32)
+        view_default_2 = aten.view.default(to_dtype, [2, 1, 2, 2, 8])
+        permute_default_1 = aten.permute.default(view_default_2, [2, 0, 1, 3, 4])
+        reshape_default_1 = aten.reshape.default(permute_default_1, [4, 1, 2, 8])
+        reduce_scatter_tensor_default = _c10d_functional.reduce_scatter_tensor.default(reshape_default_1, 'sum', 2, 'dcp_role:dcp')
+        wait_tensor_default_2 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_default)
+        to_dtype_1 = aten.to.dtype(wait_tensor_default_2, torch.float32)
+        return (to_dtype_1, getitem_3, getitem_4)
+    """
+
+
+def test_decode_all_gather_combine():
+    p = DCPDecode(context(4, 2, "decode"))
+    gm = run_alone(p, _before())
+    assert_code(gm, DECODE)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert tuple(out.meta["val"].shape) == (2, 1, 2, 8)     # this rank's heads again
+    assert p.inserted == {"mask": 4, "cache_write": 1, "collective": 3, "lse_combine": 1,
+                          "attention": 1}
+
+
+# Steps 5-8 as one all-to-all of the partial outputs packed with their LSEs (d + 1 = 9).
+ALL_TO_ALL_COMBINE = """
+        getitem_5 = partial_attention_default[0]
+        getitem_6 = partial_attention_default[1]
+        view_default_1 = aten.view.default(getitem_5, [2, 1, 2, 2, 8])
+        permute_default_1 = aten.permute.default(view_default_1, [2, 0, 1, 3, 4])
+        to_dtype = aten.to.dtype(permute_default_1, torch.float32)
+        view_default_2 = aten.view.default(getitem_6, [2, 1, 2, 2, 1])
+        permute_default_2 = aten.permute.default(view_default_2, [2, 0, 1, 3, 4])
+        cat_default = aten.cat.default([to_dtype, permute_default_2], -1)
+        reshape_default_1 = aten.reshape.default(cat_default, [4, 1, 2, 9])
+        all_to_all_single_default = _c10d_functional.all_to_all_single.default(reshape_default_1, [2, 2], [2, 2], 'dcp_role:dcp')
+        wait_tensor_default_1 = _c10d_functional.wait_tensor.default(all_to_all_single_default)
+        view_default_3 = aten.view.default(wait_tensor_default_1, [2, 2, 1, 2, 9])
+        slice_tensor = aten.slice.Tensor(view_default_3, -1, 0, 8)
+        slice_tensor_1 = aten.slice.Tensor(view_default_3, -1, 8, 9)
+        reshape_default_2 = aten.reshape.default(slice_tensor_1, [2, 2, 1, 2])
+        lse_merge_default = dcp.lse_merge.default(slice_tensor, reshape_default_2)
+        to_dtype_1 = aten.to.dtype(lse_merge_default, torch.float32)
+        return (to_dtype_1, getitem_3, getitem_4)
+    """
+
+
+def test_decode_all_to_all_combine():
+    gm = run_alone(DCPDecode(context(4, 2, "decode", combine="all_to_all")), _before())
+    head = DECODE[:DECODE.index("        getitem_5")]      # up to the partial attention
+    assert_code(gm, head + ALL_TO_ALL_COMBINE.lstrip("\n"))
+
+
+def test_context_step_is_plain_attention_with_owner_only_writes():
+    gm = run_alone(DCPContext(context(4, 2, "context")), _before(tokens=4))
+    assert_code(gm, """
+        def forward(self, tp_rank, q, k, v, key_cache, value_cache, positions, block_table):
+            cp_rank = aten.remainder.Scalar(tp_rank, 2)
+            slot_mapping_default = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
+            cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping_default)
+            getitem_3 = cache_write_default[0]
+            getitem_4 = cache_write_default[1]
+            select_int = aten.select.int(positions, 1, 0)
+            mul_tensor = aten.mul.Tensor(select_int, 0)
+            partial_attention_default = dcp.partial_attention.default(q, positions, k, v, positions, getitem_3, getitem_4, block_table, mul_tensor, cp_rank, 2, 16, 0.5)
+            getitem_5 = partial_attention_default[0]
+            return (getitem_5, getitem_3, getitem_4)
+        """)
+
+
+def _same_values(gm, before_gm):
+    for what, got, want in zip(("out", "key_cache", "value_cache"), call(gm), call(before_gm)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what)
+
+
+def test_decode_with_dcp1_computes_the_attention():
+    """dcp=1: no collectives, and the same output and caches as the attention."""
+    gm = run_alone(DCPDecode(context(2, 1, "decode")), _before())
+    assert "_c10d_functional" not in gm.code
+    _same_values(gm, _before())
+
+
+def test_context_with_dcp1_computes_the_attention_of_a_first_chunk():
+    def first_chunk(**kw):
+        return before(_attention, tp_rank=torch.tensor(0),
+                      **attention_inputs(tokens=4, hq=2, hkv=1, start=0))
+    gm = run_alone(DCPContext(context(2, 1, "context")), first_chunk())
+    _same_values(gm, first_chunk())
