@@ -103,3 +103,12 @@ def attention_inputs(*, batch=2, tokens=1, hq=4, hkv=2, dim=8, num_blocks=5, blo
         key_cache=randn(num_blocks, block, hkv, dim), value_cache=randn(num_blocks, block, hkv, dim),
         positions=torch.arange(start, start + tokens).expand(batch, tokens).clone(),
         block_table=torch.arange(batch * max_blocks).view(batch, max_blocks))
+
+
+def annotate(gm: GraphModule, key: str, values: dict) -> GraphModule:
+    """Set ``node.meta[key]`` of the nodes named in ``values`` (what an earlier pass leaves
+    on the graph: roles, projections, sequence-parallel marks)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, value in values.items():
+        nodes[name].meta[key] = value
+    return gm
