@@ -112,3 +112,9 @@ def annotate(gm: GraphModule, key: str, values: dict) -> GraphModule:
     for name, value in values.items():
         nodes[name].meta[key] = value
     return gm
+
+
+def node(like, target, *args, **kwargs):
+    """In a traced function: record ``target(*args, **kwargs)`` as a node even when no
+    argument is traced (``aten.arange``), on the graph of the traced value ``like``."""
+    return like.tracer.create_proxy("call_function", target, args, kwargs)
