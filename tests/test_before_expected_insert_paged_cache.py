@@ -8,7 +8,7 @@ import torch
 
 from passes.insert_paged_cache import InsertPagedCache
 
-from before_expected import aten, assert_code, before, call, context, run_alone
+from before_expected import aten, assert_code, before, call, context, node, run_alone
 
 S, HIDDEN, HQ, HKV, D, VOCAB = 4, 32, 4, 2, 8, 16
 
@@ -91,3 +91,76 @@ def test_first_chunk_on_empty_caches_computes_the_model():
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     # The step wrote this chunk's K/V into block 0 (positions 0..3) and nowhere else.
     assert kc[0].abs().sum() > 0 and kc[1:].abs().sum() == 0
+
+
+def _eager(p_embed, p_pos, p_q, p_k, p_v, p_head, input_ids):
+    # Positions from arange (no position_ids input); a boolean causal mask built from them;
+    # GQA by repeat_interleave; a sliding window of 2 in the mask.
+    i = node(input_ids, aten.arange.default, 4)
+    h = aten.add.Tensor(aten.embedding.default(p_embed, input_ids),
+                        aten.embedding.default(p_pos, aten.unsqueeze.default(i, 0)))
+    q = aten.transpose.int(aten.view.default(aten.linear.default(h, p_q), [1, 4, 4, 8]), 1, 2)
+    k = aten.transpose.int(aten.view.default(aten.linear.default(h, p_k), [1, 4, 2, 8]), 1, 2)
+    v = aten.transpose.int(aten.view.default(aten.linear.default(h, p_v), [1, 4, 2, 8]), 1, 2)
+    k = aten.repeat_interleave.self_int(k, 2, 1)
+    v = aten.repeat_interleave.self_int(v, 2, 1)
+    scores = aten.mul.Tensor(aten.matmul.default(q, aten.transpose.int(k, 2, 3)), 0.25)
+    dist = aten.sub.Tensor(aten.unsqueeze.default(i, 1), aten.unsqueeze.default(i, 0))
+    keep = aten.logical_and.default(aten.ge.Scalar(dist, 0), aten.lt.Scalar(dist, 2))
+    scores = aten.where.ScalarOther(keep, scores, float("-inf"))
+    a = aten.matmul.default(aten.softmax.int(scores, -1), v)
+    o = aten.reshape.default(aten.transpose.int(a, 1, 2), [1, 4, 32])
+    return (aten.linear.default(o, p_head),)
+
+
+def _eager_before():
+    g = torch.Generator().manual_seed(1)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+    return before(_eager, p_embed=w(VOCAB, HIDDEN), p_pos=w(8, HIDDEN),
+                  p_q=w(HQ * D, HIDDEN), p_k=w(HKV * D, HIDDEN), p_v=w(HKV * D, HIDDEN),
+                  p_head=w(VOCAB, HIDDEN), input_ids=torch.tensor([[3, 1, 4, 1]]))
+
+
+# q @ k^T * 0.25 -> where(window mask) -> softmax -> @ v becomes one op with scale 0.25 and
+# window=2 (the mask, the repeats and the arange are gone); the position embedding reads
+# the positions input (clamped: padding -1 reads position 0).
+EAGER = """
+    def forward(self, p_embed, p_pos, p_q, p_k, p_v, p_head, input_ids, positions, block_table, kv_caches_0, kv_caches_1):
+        clamp_min_default = aten.clamp_min.default(positions, 0)
+        embedding_default = aten.embedding.default(p_embed, input_ids)
+        to_dtype = aten.to.dtype(clamp_min_default, torch.int64)
+        embedding_default_1 = aten.embedding.default(p_pos, to_dtype)
+        add_tensor = aten.add.Tensor(embedding_default, embedding_default_1)
+        linear_default = aten.linear.default(add_tensor, p_q)
+        view_default = aten.view.default(linear_default, [1, 4, 4, 8])
+        linear_default_1 = aten.linear.default(add_tensor, p_k)
+        view_default_1 = aten.view.default(linear_default_1, [1, 4, 2, 8])
+        linear_default_2 = aten.linear.default(add_tensor, p_v)
+        view_default_2 = aten.view.default(linear_default_2, [1, 4, 2, 8])
+        paged_attention_default = dcp.paged_attention.default(view_default, view_default_1, view_default_2, kv_caches_0, kv_caches_1, positions, block_table, 0.25, window = 2)
+        getitem = paged_attention_default[0]
+        getitem_1 = paged_attention_default[1]
+        getitem_2 = paged_attention_default[2]
+        reshape_default = aten.reshape.default(getitem, [1, 4, 32])
+        linear_default_3 = aten.linear.default(reshape_default, p_head)
+        return (linear_default_3, getitem_1, getitem_2)
+    """
+
+
+def test_eager_attention_with_window_mask_becomes_paged_attention():
+    p = _pass()
+    gm = run_alone(p, _eager_before())
+    assert_code(gm, EAGER)
+    assert p.matched["forms"] == ["eager (keep mask, window)"]
+    assert p.matched["positions"] == "arange" and p.ctx.model_facts["windows"] == [2]
+
+
+def test_eager_first_chunk_on_empty_caches_computes_the_model():
+    gm = run_alone(_pass(), _eager_before())
+    caches = torch.zeros(3, 4, HKV, D)
+    logits, _, _ = call(gm, positions=torch.arange(S)[None], block_table=torch.tensor([[0, 1]]),
+                        kv_caches_0=caches, kv_caches_1=caches.clone())
+    (want,) = call(_eager_before())
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
