@@ -19,7 +19,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, symbolic_trace
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-import passes.infra  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile import DCPConfig
 from passes.infra import TransformContext
 from passes.manager import run_passes
@@ -99,8 +98,8 @@ def attention_inputs(*, batch=2, tokens=1, hq=4, hkv=2, dim=8, num_blocks=5, blo
     assert batch * max_blocks < num_blocks
     return dict(
         q=randn(batch, tokens, hq, dim), k=randn(batch, tokens, hkv, dim),
-        v=randn(batch, tokens, hkv, dim),
-        key_cache=randn(num_blocks, block, hkv, dim), value_cache=randn(num_blocks, block, hkv, dim),
+        v=randn(batch, tokens, hkv, dim), key_cache=randn(num_blocks, block, hkv, dim),
+        value_cache=randn(num_blocks, block, hkv, dim),
         positions=torch.arange(start, start + tokens).expand(batch, tokens).clone(),
         block_table=torch.arange(batch * max_blocks).view(batch, max_blocks))
 

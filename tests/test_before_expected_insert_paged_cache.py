@@ -85,8 +85,9 @@ def test_sdpa_becomes_paged_attention_over_new_cache_inputs():
 def test_first_chunk_on_empty_caches_computes_the_model():
     gm = run_alone(_pass(), _before())
     caches = torch.zeros(3, 4, HKV, D)
-    logits, kc, vc = call(gm, positions=torch.arange(S)[None], block_table=torch.tensor([[0, 1]]),
-                          kv_caches_0=caches, kv_caches_1=caches.clone())
+    logits, kc, vc = call(gm, positions=torch.arange(S)[None],
+                          block_table=torch.tensor([[0, 1]]), kv_caches_0=caches,
+                          kv_caches_1=caches.clone())
     (want,) = call(_before())
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     # The step wrote this chunk's K/V into block 0 (positions 0..3) and nowhere else.
@@ -160,7 +161,8 @@ def test_eager_attention_with_window_mask_becomes_paged_attention():
 def test_eager_first_chunk_on_empty_caches_computes_the_model():
     gm = run_alone(_pass(), _eager_before())
     caches = torch.zeros(3, 4, HKV, D)
-    logits, _, _ = call(gm, positions=torch.arange(S)[None], block_table=torch.tensor([[0, 1]]),
-                        kv_caches_0=caches, kv_caches_1=caches.clone())
+    logits, _, _ = call(gm, positions=torch.arange(S)[None],
+                        block_table=torch.tensor([[0, 1]]), kv_caches_0=caches,
+                        kv_caches_1=caches.clone())
     (want,) = call(_eager_before())
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
