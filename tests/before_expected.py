@@ -117,3 +117,29 @@ def node(like, target, *args, **kwargs):
     """In a traced function: record ``target(*args, **kwargs)`` as a node even when no
     argument is traced (``aten.arange``), on the graph of the traced value ``like``."""
     return like.tracer.create_proxy("call_function", target, args, kwargs)
+
+
+def run_world(gm: GraphModule, config: DCPConfig, inputs_of_rank) -> list:
+    """Run ``gm`` on every rank of ``config``'s layout (threaded world, real collectives),
+    its roles bound to that rank's groups; ``inputs_of_rank(rank)`` gives the inputs by
+    name. Returns each rank's outputs."""
+    from dcp_compile import topology
+    from passes.collectives import role_of
+    from runtime.program import copy_graph_module
+    from runtime.world import bind_roles, run_threaded
+
+    topo = topology(config.tp, config.dcp, config.mode, config=config)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def rank_main(rank):
+        groups = bind_roles(topo, rank)
+        local = copy_graph_module(gm)
+        for n in local.graph.nodes:
+            if role_of(n) is not None:
+                n.args = n.args[:-1] + (groups[role_of(n)],)
+        local.recompile()
+        inputs = inputs_of_rank(rank)
+        with torch.no_grad():
+            return local(*[inputs[k] for k in names])
+
+    return run_threaded(config.tp, rank_main)

@@ -7,7 +7,8 @@ import torch
 
 from passes.shard_tensor_parallel import ShardSpec, ShardTensorParallel
 
-from before_expected import aten, assert_code, attention_inputs, before, context, run_alone
+from before_expected import aten, assert_code, attention_inputs, before, call, context, \
+    run_alone, run_world
 
 dcp = torch.ops.dcp
 B, HIDDEN, HQ, HKV, D, FF = 2, 32, 4, 2, 8, 16
@@ -112,3 +113,28 @@ def test_prefill_shards_attention_over_dcp_tp_and_the_mlp_over_world():
     assert_code(gm, want)
     assert ctx.shards["p_q"] == ShardSpec(0, 2, 2) and ctx.shards["p_o"] == ShardSpec(1, 2, 2)
     assert ctx.shards["p_k"] == ShardSpec(0, 2, 2) and ctx.shards["p_up"] == ShardSpec(0, 4, 4)
+
+
+def test_every_rank_computes_the_block_from_its_shards():
+    """Run the sharded graph on the 4 ranks (threaded world): each rank, given its weight
+    shards (ctx.shards) and its KV head's caches, returns the unsharded block's output and
+    its KV head's slice of the written caches."""
+    ctx = _ctx(4, 2)
+    full = _before()
+    want_out, want_kc, want_vc = call(full)
+    gm = run_alone(ShardTensorParallel(ctx), _before())
+    inputs = full.meta["example_inputs"]
+
+    def shard_of(rank):
+        mine = {k: (ctx.shards[k].shard(t, rank) if k in ctx.shards else t)
+                for k, t in inputs.items()}
+        head = ctx.shards["p_k"].index(rank)
+        for k in ("key_cache", "value_cache"):
+            mine[k] = inputs[k][:, :, head:head + 1]
+        return {**mine, "tp_rank": torch.tensor(rank)}
+
+    for rank, (out, kc, vc) in enumerate(run_world(gm, ctx.config, shard_of)):
+        head = ctx.shards["p_k"].index(rank)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        torch.testing.assert_close(kc, want_kc[:, :, head:head + 1], rtol=0, atol=0)
+        torch.testing.assert_close(vc, want_vc[:, :, head:head + 1], rtol=0, atol=0)
