@@ -13,7 +13,7 @@ from passes.sequence_parallel import SP_GATHER, SP_META, SP_SLICE, SPEC_STEP, \
 from passes.shard_tensor_parallel import ROLE_META
 
 from before_expected import aten, annotate, assert_code, attention_inputs, before, context, \
-    run_alone
+    run_alone, run_world
 
 dcp = torch.ops.dcp
 F = torch.ops._c10d_functional
@@ -139,3 +139,28 @@ def test_decode_mode_is_refused():
     ctx = context(4, 2, "decode", num_q_heads=4, num_kv_heads=2, head_dim=8)
     with pytest.raises(DCPTransformError, match="sequence parallelism is the prefill layout"):
         run_alone(SequenceParallel(ctx), _before())
+
+
+ATTENTION = {"p_q", "p_k", "p_v", "p_o", "key_cache", "value_cache"}
+
+
+def test_every_rank_computes_what_it_did_before():
+    """Both graphs on the 4 ranks (threaded world), each rank with its own weight shards:
+    the sequence-parallel layer returns each rank's logits shard and caches as before."""
+    def inputs_of(rank):
+        # Attention is sharded over dcp_tp (piece rank % 2) and replicated across the
+        # replica sets: ranks 0 and 2 hold the same q/k/v/o pieces and KV head.
+        g, piece = torch.Generator().manual_seed(rank), torch.Generator().manual_seed(rank % 2)
+        mine = {k: torch.randn(t.shape, generator=piece if k in ATTENTION else g) * 0.3
+                for k, t in _before().meta["example_inputs"].items()}
+        mine["input_ids"] = torch.randint(0, 4, (2, 3), generator=g)   # local vocab rows
+        return {**mine, "tp_rank": torch.tensor(rank),
+                **{k: attention_inputs(tokens=3, hq=2, hkv=1, start=0)[k]
+                   for k in ("positions", "block_table")}}
+
+    config = _ctx().config
+    want = run_world(_before(), config, inputs_of)
+    got = run_world(run_alone(SequenceParallel(_ctx()), _before()), config, inputs_of)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        for what, a, b in zip(("logits", "key_cache", "value_cache"), g, w):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {what}")
