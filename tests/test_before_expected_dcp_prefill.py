@@ -14,7 +14,7 @@ from passes.sequence_parallel import SP_GATHER, SP_META, SP_SLICE, SPEC_STEP
 from passes.shard_tensor_parallel import PROJECTIONS_META
 
 from before_expected import aten, annotate, assert_code, attention_inputs, before, \
-    context, node, run_alone
+    context, node, run_alone, run_world
 
 dcp = torch.ops.dcp
 F = torch.ops._c10d_functional
@@ -145,3 +145,26 @@ def test_decode_mode_is_refused():
     ctx = context(4, 2, "decode", num_q_heads=4, num_kv_heads=2, head_dim=8)
     with pytest.raises(DCPTransformError, match="dcp_prefill rewrites prefill programs"):
         run_alone(DCPPrefill(ctx), _before())
+
+
+ATTENTION = {"p_q", "p_k", "p_v", "p_o", "key_cache", "value_cache"}
+
+
+def test_every_rank_computes_what_it_did_before():
+    """Both graphs on the 4 ranks (threaded world): on a first chunk every rank's residual
+    stream after the layer is what plain sequence-parallel TP attention gave."""
+    residual = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(7))
+    shapes = _before().meta["example_inputs"]
+
+    def inputs_of(rank):
+        # q/k/v/o pieces and the KV head by dcp_tp index (rank % 2), shared by replica sets.
+        piece = torch.Generator().manual_seed(rank % 2)
+        mine = {k: torch.randn(shapes[k].shape, generator=piece) * 0.3 for k in ATTENTION}
+        return {**shapes, **mine, "tp_rank": torch.tensor(rank),
+                "h": residual[:, 2 * rank:2 * rank + 2]}
+
+    config = _ctx().config
+    want = run_world(_before(), config, inputs_of)
+    got = run_world(run_alone(DCPPrefill(_ctx()), _before()), config, inputs_of)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g[0], w[0], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
