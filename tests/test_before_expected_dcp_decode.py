@@ -4,11 +4,13 @@ all-gather, partial attention over the local shard, LSE all-gather + correction,
 reduce-scatter of the heads) or, for the context step, plain attention with owner-only
 writes. With dcp=1 the rewrite computes exactly what the attention did."""
 
+import pytest
 import torch
 
 from passes.dcp_decode import DCPContext, DCPDecode
 
-from before_expected import assert_code, attention_inputs, before, call, context, run_alone
+from before_expected import assert_code, attention_inputs, before, call, context, run_alone, \
+    run_world
 
 dcp = torch.ops.dcp
 
@@ -135,3 +137,39 @@ def test_context_with_dcp1_computes_the_attention_of_a_first_chunk():
                       **attention_inputs(tokens=4, hq=2, hkv=1, start=0))
     gm = run_alone(DCPContext(context(2, 1, "context")), first_chunk())
     _same_values(gm, first_chunk())
+
+
+@pytest.mark.parametrize("combine", ["all_gather", "all_to_all"])
+def test_decode_on_four_ranks_computes_each_ranks_attention(combine):
+    """tp=4, dcp=2, interleave 4 (threaded world): every rank holds only its replica-set
+    share of the prior tokens' K/V, yet returns the attention output of its own q heads
+    over the whole sequence, as the attention did with the full cache."""
+    start, hkv_total, g = 20, 2, torch.Generator().manual_seed(3)
+    ctx = context(4, 2, "decode", interleave_size=4, combine=combine)
+    base = attention_inputs(tokens=1, hq=2, hkv=1, start=start)
+    prior_pos = torch.arange(start).expand(2, start).clone()
+    prior = [(torch.randn(2, start, 1, 8, generator=g),
+              torch.randn(2, start, 1, 8, generator=g)) for _ in range(hkv_total)]
+    q = torch.randn(4, 2, 1, 2, 8, generator=g)                   # rank -> its q heads
+    cur = [(torch.randn(2, 1, 1, 8, generator=g), torch.randn(2, 1, 1, 8, generator=g))
+           for _ in range(hkv_total)]
+
+    def caches(head, rank, dcp_):
+        interleave = 4 if dcp_ > 1 else 16
+        slots = dcp.slot_mapping(prior_pos, base["block_table"], torch.tensor(rank), dcp_,
+                                 interleave, 16)
+        empty = torch.zeros_like(base["key_cache"])
+        return dcp.cache_write(empty, empty.clone(), *prior[head], slots)
+
+    def inputs_of(dcp_):
+        def of(rank):
+            head = rank // 2                                      # a replica set's KV head
+            kc, vc = caches(head, rank % 2 if dcp_ > 1 else 0, dcp_)
+            return {**base, "tp_rank": torch.tensor(rank), "q": q[rank], "k": cur[head][0],
+                    "v": cur[head][1], "key_cache": kc, "value_cache": vc}
+        return of
+
+    want = [call(_before(), **inputs_of(1)(r))[0] for r in range(4)]
+    got = run_world(run_alone(DCPDecode(ctx), _before()), ctx.config, inputs_of(2))
+    for rank, (out, _, _) in enumerate(got):
+        torch.testing.assert_close(out, want[rank], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
