@@ -173,3 +173,29 @@ def test_decode_on_four_ranks_computes_each_ranks_attention(combine):
     got = run_world(run_alone(DCPDecode(ctx), _before()), ctx.config, inputs_of(2))
     for rank, (out, _, _) in enumerate(got):
         torch.testing.assert_close(out, want[rank], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+
+
+def test_context_on_four_ranks_writes_each_ranks_share():
+    """tp=4, dcp=2, interleave 4 (threaded world), a first chunk of 16 tokens: every rank
+    returns the plain attention output, and its caches hold exactly the positions its
+    cp_rank owns, where the DCP slot mapping puts them."""
+    ctx = context(4, 2, "context", interleave_size=4)
+    inputs = attention_inputs(tokens=16, hq=2, hkv=1, start=0)
+    inputs["key_cache"] = torch.zeros_like(inputs["key_cache"])
+    inputs["value_cache"] = torch.zeros_like(inputs["value_cache"])
+
+    def of(rank):
+        return {**inputs, "tp_rank": torch.tensor(rank)}
+
+    def first_chunk():
+        return before(_attention, tp_rank=torch.tensor(0), **inputs)
+    want_out = call(first_chunk())[0]
+    got = run_world(run_alone(DCPContext(ctx), first_chunk()), ctx.config, of)
+    for rank, (out, kc, vc) in enumerate(got):
+        slots = dcp.slot_mapping(inputs["positions"], inputs["block_table"],
+                                 torch.tensor(rank % 2), 2, 4, 16)
+        want_kc, want_vc = dcp.cache_write(inputs["key_cache"], inputs["value_cache"],
+                                           inputs["k"], inputs["v"], slots)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), f"rank {rank}"
+        assert (slots >= 0).sum() == 2 * 8               # half of each 16-token row
