@@ -126,20 +126,24 @@ def run_world(gm: GraphModule, config: DCPConfig, inputs_of_rank) -> list:
     from dcp_compile import topology
     from passes.collectives import role_of
     from runtime.program import copy_graph_module
-    from runtime.world import bind_roles, run_threaded
+    from runtime.world import ROLE_ALIAS_PREFIX, bind_roles, run_threaded
 
     topo = topology(config.tp, config.dcp, config.mode, config=config)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    # Everything but running is done here, not in the rank threads (tracing patches torch
+    # functions while it runs: not thread-safe): the inputs, and one graph whose roles name
+    # the per-rank aliases bind_roles registers.
+    per_rank = [inputs_of_rank(rank) for rank in range(config.tp)]
+    local = copy_graph_module(gm)
+    for n in local.graph.nodes:
+        role = role_of(n)
+        if role is not None:
+            n.args = n.args[:-1] + (ROLE_ALIAS_PREFIX + role,)
+    local.recompile()
+    names = [n.name for n in local.graph.nodes if n.op == "placeholder"]
 
     def rank_main(rank):
-        groups = bind_roles(topo, rank)
-        local = copy_graph_module(gm)
-        for n in local.graph.nodes:
-            if role_of(n) is not None:
-                n.args = n.args[:-1] + (groups[role_of(n)],)
-        local.recompile()
-        inputs = inputs_of_rank(rank)
+        bind_roles(topo, rank, aliases=True)
         with torch.no_grad():
-            return local(*[inputs[k] for k in names])
+            return local(*[per_rank[rank][k] for k in names])
 
     return run_threaded(config.tp, rank_main)

@@ -147,12 +147,14 @@ ATTENTION = {"p_q", "p_k", "p_v", "p_o", "key_cache", "value_cache"}
 def test_every_rank_computes_what_it_did_before():
     """Both graphs on the 4 ranks (threaded world), each rank with its own weight shards:
     the sequence-parallel layer returns each rank's logits shard and caches as before."""
+    shapes = _before().meta["example_inputs"]
+
     def inputs_of(rank):
         # Attention is sharded over dcp_tp (piece rank % 2) and replicated across the
         # replica sets: ranks 0 and 2 hold the same q/k/v/o pieces and KV head.
         g, piece = torch.Generator().manual_seed(rank), torch.Generator().manual_seed(rank % 2)
         mine = {k: torch.randn(t.shape, generator=piece if k in ATTENTION else g) * 0.3
-                for k, t in _before().meta["example_inputs"].items()}
+                for k, t in shapes.items()}
         mine["input_ids"] = torch.randint(0, 4, (2, 3), generator=g)   # local vocab rows
         return {**mine, "tp_rank": torch.tensor(rank),
                 **{k: attention_inputs(tokens=3, hq=2, hkv=1, start=0)[k]
