@@ -1,4 +1,6 @@
-"""Build tiny "before" graphs and run a prefix of the pipeline on them (pass tests)."""
+"""Capture the tiny demo model and run passes on it through the real pass manager (the
+numeric and structure tests of the whole pipeline; Before/Expected tests of one pass use
+tests/before_expected.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dcp_compile.capture import capture, example_step_inputs
 from runtime.config import DCPConfig
 from dcp_compile.models import DemoConfig, demo_model
 from passes.infra import TransformContext
-from passes.manager import repropagate
+from passes.manager import run_passes
 
 
 def tiny_graph(*, tokens=1, batch=2, max_blocks=2, num_blocks=5, cfg=None, block=16):
@@ -20,13 +22,11 @@ def tiny_graph(*, tokens=1, batch=2, max_blocks=2, num_blocks=5, cfg=None, block
     return model, capture(model, ex)
 
 
-def run(gm, passes):
-    for p in passes:
-        res = p(gm)
-        gm = res.graph_module if res is not None else gm
-        gm.graph.lint()
-        gm.recompile()
-        repropagate(gm)
+def run(gm, passes, step=None):
+    """Run ``passes`` in order through passes.manager.run_passes (lint and shape propagation
+    after each); ``step`` defaults to the first pass's context step."""
+    step = step or passes[0].ctx.step
+    gm, _ = run_passes(gm, passes, step=step)
     return gm
 
 
