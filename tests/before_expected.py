@@ -123,8 +123,8 @@ def run_world(gm: GraphModule, config: DCPConfig, inputs_of_rank) -> list:
     """Run ``gm`` on every rank of ``config``'s layout (threaded world, real collectives),
     its roles bound to that rank's groups; ``inputs_of_rank(rank)`` gives the inputs by
     name. Returns each rank's outputs."""
-    from runtime import topology
-    from passes.collectives import role_of
+    from runtime.topology import topology
+    from runtime.roles import role_of
     from runtime.program import copy_graph_module
     from runtime.world import ROLE_ALIAS_PREFIX, bind_roles, run_threaded
 
