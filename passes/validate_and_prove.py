@@ -21,7 +21,7 @@ class ValidateAndProve(DCPPass):
         heads = set()
         for n in attention_nodes(gm):
             q, k, kc = val(n.args[0]), val(n.args[1]), val(n.args[3])
-            heads.add((q.shape[2], k.shape[2], q.shape[3], kc.shape[1]))
+            heads.add((q.shape[2], k.shape[2], kc.shape[3], kc.shape[1]))  # cache head_dim
         if len(heads) != 1:
             raise DCPTransformError(f"attention layers disagree on (q heads, kv heads, "
                                     f"head_dim, block_size): {sorted(heads)}. DCP needs one "
