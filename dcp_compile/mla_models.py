@@ -42,6 +42,7 @@ class MLAConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     seed: int = 0
+    attention: str = "sdpa"         # "sdpa" | "eager" (q @ k^T, additive mask, softmax, @ v)
 
     @property
     def qk_head_dim(self) -> int:
@@ -86,7 +87,11 @@ class MLAAttention(nn.Module):
         k_pe = k_pe * cos + rotate_half(k_pe) * sin
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if c.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            mask = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+            out = torch.softmax(q @ k.transpose(-2, -1) * self.scale + mask, dim=-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -86,6 +86,10 @@ def shared_key_parts(k: Node):
     return k, parts[0], parts[1].args[0]
 
 
+def weight_name(lin: Node) -> str:
+    return lin.args[1].name if isinstance(lin.args[1], Node) else lin.name
+
+
 def _linear_behind(n: Node) -> tuple[Node, list[Node]]:
     """The linear a tensor's columns come from, through layout-only ops (and the path)."""
     path = []
@@ -184,7 +188,8 @@ def _rewrite(g, mode, sdpa: Node, kw: dict, key: Node, k_nope: Node, k_pe: Node)
               f"both come from one linear (found {lin.name} and {lin_v.name})",
               "k_nope and v must be the per-head split of one kv_b_proj output")
     if len(lin.args) > 2 and lin.args[2] is not None:
-        _fail(lin, "kv_b_proj with a bias", "Use a bias-free kv_b_proj (DeepSeek's)")
+        _fail(sdpa, f"MLA attention whose kv_b_proj ({weight_name(lin)}) has a bias: the "
+              f"absorbed form folds only its weight", "Use a bias-free kv_b_proj (DeepSeek's)")
     latent, weight = lin.args[0], lin.args[1]
     b, heads, s, dn = val(k_nope).shape
     dv, dr = val(v).shape[-1], val(k_pe).shape[-1]

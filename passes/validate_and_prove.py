@@ -33,7 +33,8 @@ class ValidateAndProve(DCPPass):
                                     f"cache block={block}, block_size={cfg.block_size}. "
                                     f"Build caches with block_size={cfg.block_size}.")
         # DCPConfig validates on construction: every violated rule, with a fix.
-        cfg = cfg.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim)
+        cfg = cfg.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                          mla=bool(self.ctx.model_facts.get("mla")))
         self.ctx.config = cfg
         if self.ctx.certificate is None:
             from dcp_compile.proofs import prove

@@ -1,0 +1,139 @@
+"""Multi-head Latent Attention (DeepSeek MLA) in DCP form (passes/absorb_latent_attention.py).
+
+An ordinary MLA model (expanded K/V through SDPA) is transformed; the cache holds only
+[RMSNorm(latent) ; RoPE(k_pe)] per token (one KV head, halves in the key/value cache pair),
+and the decode program must produce the model's own full-forward logits (fp32, 1e-4) and
+greedy tokens over 8 steps, on mixed-length batches around the interleave period.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile.config import DCPConfig
+from dcp_compile.errors import DCPConfigError, DCPTransformError
+from dcp_compile.mla_models import MLAConfig, plain_mla
+from dcp_compile.verify import run_threaded_program
+from runtime.engine import StepShapes
+
+from helpers import assert_close_report, prompts_of
+from test_ordinary_models import full_forward_reference
+
+ATOL = 1e-4
+STEPS = 8
+CFG = MLAConfig()                                   # 8 heads, L=32, dr=8, dn=16, dv=12
+
+
+def _shapes(period: int, block: int, dcp: int) -> StepShapes:
+    longest = period + 1 + STEPS
+    max_blocks = -(-longest // (block * dcp))
+    return StepShapes(batch=4, context_len=period + 1, max_blocks=max_blocks,
+                      num_blocks=4 * max_blocks + 1)
+
+
+# (tp, dcp, block, interleave): the issue's three layouts; tp=8/dcp=2 with interleave < block.
+LAYOUTS = [(4, 4, 4, 4), (8, 8, 2, 2), (8, 2, 8, 4)]
+
+
+@pytest.mark.parametrize("tp,dcp,block,interleave", LAYOUTS)
+def test_mla_decode_matches_own_forward(tp, dcp, block, interleave):
+    model = plain_mla(CFG)
+    period = interleave * dcp
+    shapes = _shapes(period, block, dcp)
+    program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", block_size=block,
+                                    interleave_size=interleave, shapes=shapes, check=False)
+    assert program.facts["mla"]["kv_lora_rank"] == CFG.kv_lora_rank
+    # The cache: one head, [latent ; k_pe] once (two halves), nothing per query head.
+    spec = program.cache_spec()
+    width = CFG.kv_lora_rank + CFG.qk_rope_head_dim
+    assert (spec.kv_heads, spec.head_dim) == (1, width // 2)
+    # Bytes per rank = 1/DCP of the single device's latent cache (same token capacity) plus
+    # one garbage block.
+    per_token = CFG.num_layers * width * 4
+    single_tokens = (shapes.num_blocks - 1) * dcp * block
+    assert spec.bytes_per_rank() == per_token * (single_tokens // dcp + block)
+
+    lengths = (1, period - 1, period, period + 1)
+    prompts = prompts_of(lengths, vocab=CFG.vocab_size)
+    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS)
+    worst = 0.0
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                worst = max(worst, assert_close_report(
+                    got[b], ref_logits[b][t], atol=ATOL,
+                    what=f"rank {run.rank} step {t} seq {b}"))
+    print(f"tp={tp} dcp={dcp}: max |logit error| {worst:.2e}")
+
+
+def test_mla_q_lora_check():
+    """q through its own low-rank path (q_a_proj -> RMSNorm -> q_b_proj): transform's own
+    check (context + decode step against the model's forward) passes."""
+    model = plain_mla(CFG, q_lora_rank=24)
+    program = dcp_compile.transform(model, tp=4, dcp=2, mode="decode", block_size=4,
+                                    shapes=StepShapes(batch=4, context_len=9, max_blocks=3,
+                                                      num_blocks=13), check=True)
+    assert program.facts["check"]["ok"]
+
+
+def test_mla_config_rule():
+    """One latent head: any tp, dcp dividing tp; errors name the rule."""
+    DCPConfig(tp=6, dcp=3, num_q_heads=12, num_kv_heads=1, mla=True)
+    DCPConfig(tp=8, dcp=8, num_q_heads=8, num_kv_heads=1, mla=True)
+    with pytest.raises(DCPConfigError, match="TP % DCP"):
+        DCPConfig(tp=4, dcp=8, num_kv_heads=1, mla=True)
+    with pytest.raises(DCPConfigError, match="one latent KV head"):
+        DCPConfig(tp=8, dcp=2, num_kv_heads=2, mla=True)
+    with pytest.raises(DCPConfigError, match="MLA query heads"):
+        DCPConfig(tp=3, dcp=3, num_q_heads=8, mla=True)
+
+
+def _transform(model):
+    return dcp_compile.transform(model, tp=4, dcp=2, mode="decode", block_size=4,
+                                 shapes=StepShapes(batch=2, context_len=8, max_blocks=2,
+                                                   num_blocks=5), check=False)
+
+
+def test_mla_kv_b_bias_refused():
+    model = plain_mla(CFG)
+    attn = model.layers[0].self_attn
+    attn.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(attn.kv_b_proj.out_features))
+    with pytest.raises(DCPTransformError, match="kv_b_proj .*kv_b_proj_weight.*has a bias.*mla_models.py"):
+        _transform(model)
+
+
+def test_mla_eager_refused_not_cached_expanded():
+    """An MLA key in eager attention is not rewritten yet: refused, never an expanded cache."""
+    with pytest.raises(DCPTransformError, match="MLA-style key .*attn_implementation='sdpa'"):
+        _transform(plain_mla(CFG, attention="eager"))
+
+
+def test_mla_wrong_kv_split_refused():
+    """kv_b_proj's output split [v | k_nope] per head (not DeepSeek's order) is refused by the
+    column check, naming the node."""
+    model = plain_mla(CFG)
+    attn = model.layers[0].self_attn
+    # v taken from the first dv columns of each head, k_nope from the rest.
+    class Swapped(type(attn)):
+        def forward(self, x, cos, sin):
+            c = self.cfg
+            b, s, _ = x.shape
+            dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+            q = self.q_proj(x).view(b, s, -1, dn + dr).transpose(1, 2)
+            q_nope, q_pe = torch.split(q, [dn, dr], dim=-1)
+            latent, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [c.kv_lora_rank, dr], -1)
+            k_pe = k_pe.view(b, s, 1, dr).transpose(1, 2)
+            kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, dn + dv)
+            v, k_nope = torch.split(kv.transpose(1, 2), [dv, dn], dim=-1)
+            q = torch.cat((q_nope, q_pe), dim=-1)
+            k = torch.cat((k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    attn.__class__ = Swapped
+    with pytest.raises(DCPTransformError, match="not the per-head block"):
+        _transform(model)
