@@ -44,7 +44,8 @@ def test_mla_decode_matches_own_forward(tp, dcp, block, interleave):
     shapes = _shapes(period, block, dcp)
     program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", block_size=block,
                                     interleave_size=interleave, shapes=shapes, check=False)
-    assert program.facts["mla"]["kv_lora_rank"] == CFG.kv_lora_rank
+    inserted = next(r for r in program.history if r.name == "insert_paged_cache")
+    assert inserted.matched["mla_layers"] == CFG.num_layers and program.config.mla
     # The cache: one head, [latent ; k_pe] once (two halves), nothing per query head.
     spec = program.cache_spec()
     width = CFG.kv_lora_rank + CFG.qk_rope_head_dim
