@@ -143,6 +143,7 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
     for n in list(g.nodes):
         if not _call(n, {SDPA}):
             continue
+        _key_from_copies(g, n, mode)
         kw = normalize_function(n.target, n.args, n.kwargs,
                                 normalize_to_only_use_kwargs=True).kwargs
         parts = shared_key_parts(kw["key"])
@@ -161,6 +162,41 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
     g.eliminate_dead_code()
     gm.recompile()
     return records
+
+
+def _key_from_copies(g, sdpa: Node, mode) -> None:
+    """Hugging Face builds the MLA key in place: ``k = new_empty(...)``, then
+    ``k[..., :dn].copy_(k_nope)`` and ``k[..., dn:].copy_(k_pe.expand(...))``. That key becomes
+    ``cat([k_nope, k_pe.expand(...)], -1)`` (the same values, a functional graph)."""
+    key = sdpa.args[1] if len(sdpa.args) > 1 else sdpa.kwargs.get("key")
+    if not _call(key, {aten.new_empty.default}):
+        return
+    width, pieces, dead = val(key).shape[-1], [], []
+    for u in key.users:
+        if u is sdpa:
+            continue
+        copies = list(u.users)
+        if not (_call(u, {aten.slice.Tensor}) and u.args[1] % 4 == 3
+                and (len(u.args) < 5 or u.args[4] == 1) and len(copies) == 1
+                and _call(copies[0], {aten.copy_.default}) and copies[0].args[0] is u
+                and tuple(val(copies[0].args[1]).shape) == tuple(val(u).shape)):
+            _fail(u, f"the attention key {key.name} (new_empty) is written by {u.target}",
+                  "Write the key as slices of the last dim filled by copy_, or build it "
+                  "with torch.cat")
+        start = u.args[2] if len(u.args) > 2 else 0
+        pieces.append((start, copies[0].args[1]))
+        dead += [copies[0], u]
+    pieces.sort(key=lambda p: p[0])
+    ends = [p[0] + val(p[1]).shape[-1] for p in pieces]
+    if [p[0] for p in pieces] != [0] + ends[:-1] or (ends and ends[-1] != width):
+        _fail(key, f"the slices copied into attention key {key.name} do not tile its last "
+              f"dim of {width}", "Fill every column of the key exactly once")
+    with g.inserting_before(sdpa):
+        cat = _new(g, mode, aten.cat.default, ([p[1] for p in pieces], -1), like=key)
+    sdpa.replace_input_with(key, cat)
+    for n in dead:
+        g.erase_node(n)
+    g.erase_node(key)
 
 
 def _feeds_attention(n: Node) -> bool:
@@ -194,7 +230,7 @@ def _rewrite(g, mode, sdpa: Node, kw: dict, key: Node, k_nope: Node, k_pe: Node)
     b, heads, s, dn = val(k_nope).shape
     dv, dr = val(v).shape[-1], val(k_pe).shape[-1]
     lat = val(latent).shape[-1]
-    if tuple(val(latent).shape) != (b, s, lat) or tuple(val(weight).shape) != \
+    if tuple(val(latent).shape) not in ((b, s, lat), (b, 1, s, lat)) or tuple(val(weight).shape) != \
             (heads * (dn + dv), lat) or tuple(val(k_pe).shape) != (b, 1, s, dr) \
             or tuple(val(q).shape) != (b, heads, s, dn + dr) or val(v).shape[1] != heads:
         _fail(sdpa, f"MLA shapes do not fit: latent {tuple(val(latent).shape)}, kv_b weight "
@@ -216,7 +252,9 @@ def _rewrite(g, mode, sdpa: Node, kw: dict, key: Node, k_nope: Node, k_pe: Node)
         def new(target, *args, **kwargs):
             return _new(g, mode, target, args, kwargs, like=sdpa)
 
-        c = latent if val(latent).dtype == dtype else new(aten.to.dtype, latent, dtype)
+        c = latent if len(val(latent).shape) == 3 else new(aten.view.default, latent,
+                                                            [b, s, lat])     # HF: [B,1,S,L]
+        c = c if val(c).dtype == dtype else new(aten.to.dtype, c, dtype)
         kv = new(aten.cat.default, [new(aten.unsqueeze.default, c, 2),
                                     new(aten.transpose.int, k_pe, 1, 2)], -1)  # [B,S,1,L+dr]
         kv = new(aten.transpose.int, kv, 1, 2)                                  # [B,1,S,L+dr]

@@ -138,3 +138,56 @@ def test_mla_wrong_kv_split_refused():
     attn.__class__ = Swapped
     with pytest.raises(DCPTransformError, match="not the per-head block"):
         _transform(model)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face DeepseekV3ForCausalLM (random weights from a tiny config, every layer dense).
+# ---------------------------------------------------------------------------------------
+
+
+def hf_deepseek_v3(**overrides):
+    transformers = pytest.importorskip("transformers")
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96,
+                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=32,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                  first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+                  n_group=1, topk_group=1, max_position_embeddings=64, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    config = transformers.DeepseekV3Config(**{**fields, **overrides})
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    # HF's 0.02-std init makes logits of ~1e-2 whose top two nearly tie; scale the weights
+    # so that greedy tokens are a meaningful comparison.
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("tp,dcp,block,interleave,q_lora_rank",
+                         [(*layout, None) for layout in LAYOUTS] + [(8, 2, 8, 4, 24)])
+def test_hf_deepseek_v3_decode_matches_own_forward(tp, dcp, block, interleave, q_lora_rank):
+    model = hf_deepseek_v3(q_lora_rank=q_lora_rank)
+    period = interleave * dcp
+    shapes = _shapes(period, block, dcp)
+    program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", block_size=block,
+                                    interleave_size=interleave, shapes=shapes, check=False)
+    spec = program.cache_spec()
+    assert (spec.kv_heads, spec.head_dim) == (1, (32 + 8) // 2) and program.config.mla
+    prompts = prompts_of((1, period - 1, period + 1), vocab=128)
+    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS)
+    worst = 0.0
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                worst = max(worst, assert_close_report(
+                    got[b], ref_logits[b][t], atol=ATOL,
+                    what=f"rank {run.rank} step {t} seq {b}"))
+    print(f"HF DeepseekV3 q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: max |logit error| "
+          f"{worst:.2e}")
