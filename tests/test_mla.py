@@ -191,3 +191,16 @@ def test_hf_deepseek_v3_decode_matches_own_forward(tp, dcp, block, interleave, q
                     what=f"rank {run.rank} step {t} seq {b}"))
     print(f"HF DeepseekV3 q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: max |logit error| "
           f"{worst:.2e}")
+
+
+@pytest.mark.parametrize("tp,dcp", [(4, 2), (8, 8)])
+def test_mla_prefill_check(tp, dcp):
+    """Prefill DCP (the nine-step pattern) over the latent cache: transform's own check runs
+    a first chunk and a second chunk attending to it, against the model's forward."""
+    program = dcp_compile.transform(plain_mla(CFG), tp=tp, dcp=dcp, mode="prefill",
+                                    block_size=4, check=True,
+                                    shapes=StepShapes(batch=4, context_len=16, max_blocks=4,
+                                                      num_blocks=13))
+    report = program.facts["check"]
+    assert report["ok"] and max(report["step_errors"]) < ATOL
+    assert (program.cache_spec().kv_heads, program.cache_spec().head_dim) == (1, 20)
