@@ -22,7 +22,8 @@ once), q heads and W's head rows are sharded by TP as usual (W_UK/W_UV are per-h
 W), and DCP decode gathers q_abs, attends over each rank's latents and combines the partial
 [L + dr] outputs by LSE before W_UV. Why absorbed (not expanded) in MLA_NOTES.md.
 
-Recognised: ``aten.scaled_dot_product_attention`` whose key is ``cat(k_nope, expand(k_pe))``
+Recognised: ``aten.scaled_dot_product_attention`` or eager ``q @ k^T -> softmax -> @ v``
+whose key is ``cat(k_nope, expand(k_pe))`` (or Hugging Face's new_empty + copy_ of the two)
 on the last dim, k_nope and v per-head column blocks [h*(dn+dv), +dn) and [h*(dn+dv)+dn, +dv)
 of one bias-free linear (checked by evaluating the view/split chain on column indices).
 A key with that shared-head signature in any other form is refused (DCPTransformError), never
@@ -143,7 +144,7 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
     for n in list(g.nodes):
         if not _call(n, {SDPA}):
             continue
-        _key_from_copies(g, n, mode)
+        _key_from_copies(g, n, n.args[1] if len(n.args) > 1 else n.kwargs.get("key"), mode)
         kw = normalize_function(n.target, n.args, n.kwargs,
                                 normalize_to_only_use_kwargs=True).kwargs
         parts = shared_key_parts(kw["key"])
@@ -151,6 +152,13 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
             continue
         records.append(_rewrite(g, mode, n, kw, *parts))
         rewritten.add(parts[0])
+    for n in list(g.nodes):   # eager attention: `q @ k.transpose(-2, -1)` with an MLA key
+        if _call(n, {aten.matmul.default}) and _call(n.args[1], {aten.transpose.int}):
+            _key_from_copies(g, n.args[1], _skip_casts(n.args[1].args[0]), mode)
+            parts = shared_key_parts(n.args[1].args[0])
+            if parts is not None:
+                records.append(_rewrite_eager(g, mode, n, *parts))
+                rewritten.add(parts[0])
     for n in g.nodes:   # the MLA key signature anywhere else: never cache it expanded
         if _call(n, {aten.cat.default}) and n not in rewritten and n.users \
                 and shared_key_parts(n) is not None and _feeds_attention(n):
@@ -164,16 +172,16 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
     return records
 
 
-def _key_from_copies(g, sdpa: Node, mode) -> None:
+def _key_from_copies(g, reader: Node, key: Node, mode) -> None:
     """Hugging Face builds the MLA key in place: ``k = new_empty(...)``, then
     ``k[..., :dn].copy_(k_nope)`` and ``k[..., dn:].copy_(k_pe.expand(...))``. That key becomes
-    ``cat([k_nope, k_pe.expand(...)], -1)`` (the same values, a functional graph)."""
-    key = sdpa.args[1] if len(sdpa.args) > 1 else sdpa.kwargs.get("key")
+    ``cat([k_nope, k_pe.expand(...)], -1)`` (the same values, a functional graph);
+    ``reader`` reads the key (the attention, or eager attention's transpose)."""
     if not _call(key, {aten.new_empty.default}):
         return
     width, pieces, dead = val(key).shape[-1], [], []
     for u in key.users:
-        if u is sdpa:
+        if u is reader:
             continue
         copies = list(u.users)
         if not (_call(u, {aten.slice.Tensor}) and u.args[1] % 4 == 3
@@ -191,9 +199,9 @@ def _key_from_copies(g, sdpa: Node, mode) -> None:
     if [p[0] for p in pieces] != [0] + ends[:-1] or (ends and ends[-1] != width):
         _fail(key, f"the slices copied into attention key {key.name} do not tile its last "
               f"dim of {width}", "Fill every column of the key exactly once")
-    with g.inserting_before(sdpa):
+    with g.inserting_before(reader):
         cat = _new(g, mode, aten.cat.default, ([p[1] for p in pieces], -1), like=key)
-    sdpa.replace_input_with(key, cat)
+    reader.replace_input_with(key, cat)
     for n in dead:
         g.erase_node(n)
     g.erase_node(key)
@@ -213,27 +221,26 @@ def _feeds_attention(n: Node) -> bool:
     return False
 
 
-def _rewrite(g, mode, sdpa: Node, kw: dict, key: Node, k_nope: Node, k_pe: Node) -> dict:
-    q, v = kw["query"], _skip_casts(kw["value"])
-    if kw.get("dropout_p", 0.0):
-        _fail(sdpa, f"MLA attention with dropout_p={kw['dropout_p']}", "Call model.eval()")
+def _parts(anchor: Node, q: Node, v: Node, k_nope: Node, k_pe: Node) -> dict:
+    """Check one MLA attention's pieces (module doc) and return its sizes and nodes."""
     lin, _ = _linear_behind(k_nope)
     lin_v, _ = _linear_behind(v)
     if not _call(lin, {aten.linear.default}) or lin_v is not lin:
-        _fail(sdpa, f"MLA attention whose k_nope ({k_nope.name}) and value ({v.name}) do not "
-              f"both come from one linear (found {lin.name} and {lin_v.name})",
+        _fail(anchor, f"MLA attention whose k_nope ({k_nope.name}) and value ({v.name}) do "
+              f"not both come from one linear (found {lin.name} and {lin_v.name})",
               "k_nope and v must be the per-head split of one kv_b_proj output")
-    if len(lin.args) > 2 and lin.args[2] is not None:
-        _fail(sdpa, f"MLA attention whose kv_b_proj ({weight_name(lin)}) has a bias: the "
-              f"absorbed form folds only its weight", "Use a bias-free kv_b_proj (DeepSeek's)")
     latent, weight = lin.args[0], lin.args[1]
+    if len(lin.args) > 2 and lin.args[2] is not None:
+        _fail(anchor, f"MLA attention whose kv_b_proj ({weight_name(lin)}) has a bias: the "
+              f"absorbed form folds only its weight", "Use a bias-free kv_b_proj (DeepSeek's)")
     b, heads, s, dn = val(k_nope).shape
     dv, dr = val(v).shape[-1], val(k_pe).shape[-1]
     lat = val(latent).shape[-1]
-    if tuple(val(latent).shape) not in ((b, s, lat), (b, 1, s, lat)) or tuple(val(weight).shape) != \
-            (heads * (dn + dv), lat) or tuple(val(k_pe).shape) != (b, 1, s, dr) \
-            or tuple(val(q).shape) != (b, heads, s, dn + dr) or val(v).shape[1] != heads:
-        _fail(sdpa, f"MLA shapes do not fit: latent {tuple(val(latent).shape)}, kv_b weight "
+    if tuple(val(latent).shape) not in ((b, s, lat), (b, 1, s, lat)) or \
+            tuple(val(weight).shape) != (heads * (dn + dv), lat) or \
+            tuple(val(k_pe).shape) != (b, 1, s, dr) or \
+            tuple(val(q).shape) != (b, heads, s, dn + dr) or val(v).shape[1] != heads:
+        _fail(anchor, f"MLA shapes do not fit: latent {tuple(val(latent).shape)}, kv_b weight "
               f"{tuple(val(weight).shape)}, k_nope {tuple(val(k_nope).shape)}, v "
               f"{tuple(val(v).shape)}, k_pe {tuple(val(k_pe).shape)}, q "
               f"{tuple(val(q).shape)}", "Use DeepSeek's MLA layout")
@@ -242,49 +249,121 @@ def _rewrite(g, mode, sdpa: Node, kw: dict, key: Node, k_nope: Node, k_pe: Node)
         want = (col + off + torch.arange(width)[None]).view(1, heads, 1, width)
         got = _column_map(lin, node)
         if tuple(got.shape) != (b, heads, s, width) or not bool((got == want).all()):
-            _fail(node, f"{what} of MLA attention {sdpa.name} is not the per-head block "
+            _fail(node, f"{what} of MLA attention {anchor.name} is not the per-head block "
                   f"[h*(dn+dv) + {off}, +{width}) of kv_b_proj's output", "Split kv_b_proj "
                   "per head as [k_nope (qk_nope_head_dim) | v (v_head_dim)]")
-    scale = kw.get("scale")
-    scale = float(scale) if scale is not None else (dn + dr) ** -0.5
-    dtype = val(k_nope).dtype
-    with g.inserting_before(sdpa):
-        def new(target, *args, **kwargs):
-            return _new(g, mode, target, args, kwargs, like=sdpa)
+    return dict(latent=latent, weight=weight, k_pe=k_pe, q=q, b=b, heads=heads, s=s, dn=dn,
+                dv=dv, dr=dr, lat=lat, dtype=val(k_nope).dtype)
 
-        c = latent if len(val(latent).shape) == 3 else new(aten.view.default, latent,
-                                                            [b, s, lat])     # HF: [B,1,S,L]
-        c = c if val(c).dtype == dtype else new(aten.to.dtype, c, dtype)
-        kv = new(aten.cat.default, [new(aten.unsqueeze.default, c, 2),
-                                    new(aten.transpose.int, k_pe, 1, 2)], -1)  # [B,S,1,L+dr]
-        kv = new(aten.transpose.int, kv, 1, 2)                                  # [B,1,S,L+dr]
-        q_nope = new(aten.slice.Tensor, q, 3, 0, dn)
-        q_pe = new(aten.slice.Tensor, q, 3, dn, dn + dr)
-        # q_nope_h @ W_UK_h against W itself (see o_lat below): q_nope padded to W's per-head
-        # rows [k_nope | v] with a filler whose products are sliced off before the sum.
-        filler = new(aten.expand.default, new(aten.slice.Tensor, q_nope, 3, 0, 1),
-                     [b, heads, s, dv])
-        x = new(aten.transpose.int, new(aten.cat.default, [q_nope, filler], -1), 1, 2)
-        x = new(aten.reshape.default, x, [b, s, heads * (dn + dv), 1])
-        prod = new(aten.view.default, new(aten.mul.Tensor, x, weight),
-                   [b, s, heads, dn + dv, lat])
-        q_lat = new(aten.sum.dim_IntList, new(aten.slice.Tensor, prod, 3, 0, dn), [3])
-        q_lat = new(aten.transpose.int, q_lat, 1, 2)                            # [B,H,S,L]
-        q_abs = new(aten.cat.default, [q_lat, q_pe], -1)                        # [B,H,S,L+dr]
+
+def _absorbed_inputs(new, p: dict) -> tuple[Node, Node]:
+    """(q_abs [B,H,S,L+dr], kv [B,1,S,L+dr]) at the current insertion point."""
+    b, heads, s, dn, dv, dr, lat = (p[k] for k in ("b", "heads", "s", "dn", "dv", "dr", "lat"))
+    q, weight, latent = p["q"], p["weight"], p["latent"]
+    c = latent if len(val(latent).shape) == 3 else new(aten.view.default, latent,
+                                                        [b, s, lat])         # HF: [B,1,S,L]
+    c = c if val(c).dtype == p["dtype"] else new(aten.to.dtype, c, p["dtype"])
+    kv = new(aten.cat.default, [new(aten.unsqueeze.default, c, 2),
+                                new(aten.transpose.int, p["k_pe"], 1, 2)], -1)  # [B,S,1,L+dr]
+    kv = new(aten.transpose.int, kv, 1, 2)                                      # [B,1,S,L+dr]
+    q_nope = new(aten.slice.Tensor, q, 3, 0, dn)
+    q_pe = new(aten.slice.Tensor, q, 3, dn, dn + dr)
+    # q_nope_h @ W_UK_h against W itself (see _apply_w_uv): q_nope padded to W's per-head
+    # rows [k_nope | v] with a filler whose products are sliced off before the sum.
+    filler = new(aten.expand.default, new(aten.slice.Tensor, q_nope, 3, 0, 1),
+                 [b, heads, s, dv])
+    x = new(aten.transpose.int, new(aten.cat.default, [q_nope, filler], -1), 1, 2)
+    x = new(aten.reshape.default, x, [b, s, heads * (dn + dv), 1])
+    prod = new(aten.view.default, new(aten.mul.Tensor, x, weight), [b, s, heads, dn + dv, lat])
+    q_lat = new(aten.sum.dim_IntList, new(aten.slice.Tensor, prod, 3, 0, dn), [3])
+    q_lat = new(aten.transpose.int, q_lat, 1, 2)                                # [B,H,S,L]
+    return new(aten.cat.default, [q_lat, q_pe], -1), kv
+
+
+def _apply_w_uv(new, p: dict, o: Node) -> Node:
+    """o [B,H,S,L+dr] (attention in latent space) -> o[..., :L] @ W_UV_h^T [B,H,S,dv]."""
+    b, heads, s, dn, dv, lat = (p[k] for k in ("b", "heads", "s", "dn", "dv", "lat"))
+    o_lat = new(aten.slice.Tensor, o, 3, 0, lat)                               # [B,H,S,L]
+    # Against W itself (rows [k_nope | v] per head, the k_nope rows dropped after): a
+    # parameter met elementwise takes the heads' cut in the placement analysis, a computed
+    # view of it would be taken as replicated.
+    o5 = new(aten.expand.default, new(aten.unsqueeze.default, o_lat, 3),
+             [b, heads, s, dn + dv, lat])
+    o5 = new(aten.reshape.default, new(aten.transpose.int, o5, 1, 2),
+             [b, s, heads * (dn + dv), lat])
+    kv_o = new(aten.sum.dim_IntList, new(aten.mul.Tensor, o5, p["weight"]), [3])
+    kv_o = new(aten.view.default, kv_o, [b, s, heads, dn + dv])
+    return new(aten.transpose.int, new(aten.slice.Tensor, kv_o, 3, dn, dn + dv), 1, 2)
+
+
+def _record(p: dict, scale) -> dict:
+    return dict(kv_lora_rank=p["lat"], qk_rope_head_dim=p["dr"], qk_nope_head_dim=p["dn"],
+                v_head_dim=p["dv"], heads=p["heads"], scale=scale)
+
+
+def _rewrite(g, mode, sdpa: Node, kw: dict, key: Node, k_nope: Node, k_pe: Node) -> dict:
+    q, v = kw["query"], _skip_casts(kw["value"])
+    if kw.get("dropout_p", 0.0):
+        _fail(sdpa, f"MLA attention with dropout_p={kw['dropout_p']}", "Call model.eval()")
+    p = _parts(sdpa, q, v, k_nope, k_pe)
+    scale = kw.get("scale")
+    scale = float(scale) if scale is not None else (p["dn"] + p["dr"]) ** -0.5
+
+    def new(target, *args, **kwargs):
+        return _new(g, mode, target, args, kwargs, like=sdpa)
+
+    with g.inserting_before(sdpa):
+        q_abs, kv = _absorbed_inputs(new, p)
         o = new(SDPA, q_abs, kv, kv, attn_mask=kw.get("attn_mask"),
                 is_causal=bool(kw.get("is_causal", False)), scale=scale, enable_gqa=True)
-        o_lat = new(aten.slice.Tensor, o, 3, 0, lat)                           # [B,H,S,L]
-        # o_lat_h @ W_UV_h^T against W itself (rows [k_nope | v] per head, the k_nope rows
-        # dropped after): a parameter met elementwise takes the heads' cut in the placement
-        # analysis, a computed view of it would be taken as replicated.
-        o5 = new(aten.expand.default, new(aten.unsqueeze.default, o_lat, 3),
-                 [b, heads, s, dn + dv, lat])
-        o5 = new(aten.reshape.default, new(aten.transpose.int, o5, 1, 2),
-                 [b, s, heads * (dn + dv), lat])
-        kv_o = new(aten.sum.dim_IntList, new(aten.mul.Tensor, o5, weight), [3])
-        kv_o = new(aten.view.default, kv_o, [b, s, heads, dn + dv])
-        out = new(aten.transpose.int, new(aten.slice.Tensor, kv_o, 3, dn, dn + dv), 1, 2)
+        out = _apply_w_uv(new, p, o)
     sdpa.replace_all_uses_with(out)
     g.erase_node(sdpa)
-    return dict(node=o.name, kv_lora_rank=lat, qk_rope_head_dim=dr, qk_nope_head_dim=dn,
-                v_head_dim=dv, heads=heads, scale=scale)
+    return _record(p, scale)
+
+
+def _rewrite_eager(g, mode, qk: Node, key: Node, k_nope: Node, k_pe: Node) -> dict:
+    """Eager ``q @ k^T ... softmax ... @ v``: q -> q_abs, k and v -> the one latent head
+    repeated over the query heads (repeat_kv's expand + reshape, which the cache insertion
+    strips), and W_UV after ``@ v``; the scale, mask and casts in between are kept."""
+    pv = _pv_matmul(qk)
+    if pv is None:
+        _fail(qk, f"MLA scores {qk.name} do not reach `softmax(...) @ v`",
+              "Write eager attention as softmax(q @ k^T * scale + mask) @ v")
+    p = _parts(qk, qk.args[0], _skip_casts(pv.args[1]), k_nope, k_pe)
+
+    def new(target, *args, **kwargs):
+        return _new(g, mode, target, args, kwargs, like=qk)
+
+    with g.inserting_before(qk):
+        q_abs, kv = _absorbed_inputs(new, p)
+        b, heads, s, width = p["b"], p["heads"], p["s"], p["lat"] + p["dr"]
+        rep = new(aten.reshape.default,
+                  new(aten.expand.default, new(aten.unsqueeze.default, kv, 2),
+                      [b, 1, heads, s, width]), [b, heads, s, width])
+        kt = new(aten.transpose.int, rep, -2, -1)
+    qk.args = (q_abs, kt)
+    pv.args = (pv.args[0], rep)
+    for n in (qk, pv):   # same shapes in between; the two matmuls change theirs
+        fargs = torch.fx.node.map_arg(n.args, lambda a: a.meta["val"])
+        with mode:
+            n.meta["val"] = n.target(*fargs)
+    with g.inserting_before(pv.next):
+        out = _apply_w_uv(new, p, pv)
+    head = next(u for u in pv.users if u.op == "call_function" and u.target is aten.slice.Tensor
+                and u.args[2:] == (0, p["lat"]))
+    pv.replace_all_uses_with(out, delete_user_cb=lambda u: u is not head)
+    return _record(p, None)
+
+
+def _pv_matmul(qk: Node) -> Node | None:
+    """Forward from ``q @ k^T`` through single-user elementwise ops to softmax, then casts,
+    to ``probs @ v``."""
+    n, seen_softmax = qk, False
+    while len(n.users) == 1:
+        (n,) = n.users
+        if _call(n, {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}):
+            seen_softmax = True
+        elif _call(n, {aten.matmul.default}):
+            return n if seen_softmax and n.args[0] is not qk else None
+    return None

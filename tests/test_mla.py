@@ -115,10 +115,37 @@ def test_mla_kv_b_bias_refused():
         _transform(model)
 
 
-def test_mla_eager_refused_not_cached_expanded():
-    """An MLA key in eager attention is not rewritten yet: refused, never an expanded cache."""
-    with pytest.raises(DCPTransformError, match="MLA-style key .*attn_implementation='sdpa'"):
-        _transform(plain_mla(CFG, attention="eager"))
+def test_mla_eager_attention_check():
+    """Eager MLA (q @ k^T * scale + mask -> softmax -> @ v) is absorbed the same way."""
+    program = dcp_compile.transform(plain_mla(CFG, attention="eager"), tp=4, dcp=4,
+                                    mode="decode", block_size=4, check=True,
+                                    shapes=StepShapes(batch=4, context_len=17, max_blocks=2,
+                                                      num_blocks=9))
+    assert program.facts["check"]["ok"] and program.cache_spec().head_dim == 20
+
+
+def test_mla_rope_first_key_refused():
+    """A key cat([k_pe.expand, k_nope]) (not DeepSeek's order) is refused, never cached
+    expanded."""
+    model = plain_mla(CFG)
+
+    class RopeFirst(type(model.layers[0].self_attn)):
+        def forward(self, x, cos, sin):
+            c = self.cfg
+            b, s, _ = x.shape
+            dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+            q = self.q_proj(x).view(b, s, -1, dn + dr).transpose(1, 2)
+            latent, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [c.kv_lora_rank, dr], -1)
+            k_pe = k_pe.view(b, s, 1, dr).transpose(1, 2)
+            kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, dn + dv)
+            k_nope, v = torch.split(kv.transpose(1, 2), [dn, dv], dim=-1)
+            k = torch.cat((k_pe.expand(-1, k_nope.shape[1], -1, -1), k_nope), dim=-1)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    model.layers[0].self_attn.__class__ = RopeFirst
+    with pytest.raises(DCPTransformError, match=r"head-shared part .*test_mla.py.*MLA keys must be"):
+        _transform(model)
 
 
 def test_mla_wrong_kv_split_refused():
@@ -176,10 +203,12 @@ def hf_deepseek_v3(**overrides):
     return model
 
 
-@pytest.mark.parametrize("tp,dcp,block,interleave,q_lora_rank",
-                         [(*layout, None) for layout in LAYOUTS] + [(8, 2, 8, 4, 24)])
-def test_hf_deepseek_v3_decode_matches_own_forward(tp, dcp, block, interleave, q_lora_rank):
-    model = hf_deepseek_v3(q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize("tp,dcp,block,interleave,q_lora_rank,attention",
+                         [(*layout, None, "sdpa") for layout in LAYOUTS]
+                         + [(8, 2, 8, 4, 24, "sdpa"), (4, 4, 4, 4, 24, "eager")])
+def test_hf_deepseek_v3_decode_matches_own_forward(tp, dcp, block, interleave, q_lora_rank,
+                                                   attention):
+    model = hf_deepseek_v3(q_lora_rank=q_lora_rank, attn_implementation=attention)
     period = interleave * dcp
     shapes = _shapes(period, block, dcp)
     program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", block_size=block,
@@ -197,7 +226,8 @@ def test_hf_deepseek_v3_decode_matches_own_forward(tp, dcp, block, interleave, q
                 worst = max(worst, assert_close_report(
                     got[b], ref_logits[b][t], atol=ATOL,
                     what=f"rank {run.rank} step {t} seq {b}"))
-    print(f"HF DeepseekV3 q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: max |logit error| "
+    print(f"HF DeepseekV3 {attention} q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: max |logit "
+          f"error| "
           f"{worst:.2e}")
 
 
