@@ -140,6 +140,7 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
     record per rewritten layer (its latent and rope widths)."""
     g = gm.graph
     mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
+    realify_complex_rope(g, mode)
     records, rewritten = [], set()
     for n in list(g.nodes):
         if not _call(n, {SDPA}):
@@ -170,6 +171,50 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
     g.eliminate_dead_code()
     gm.recompile()
     return records
+
+
+def realify_complex_rope(g, mode) -> int:
+    """``view_as_real(view_as_complex(x) * f)`` (complex RoPE, DeepSeek-V2 / Meta Llama) ->
+    the same rotation in real arithmetic on x's (re, im) pairs, with cos/sin read from
+    ``view_as_real(f)``; a ``flatten`` of the result becomes a reshape. Every op is then a
+    last-dim slice / pointwise / cat / view (per-token and placement rules exist for them;
+    none do for complex views). Returns how many rotations were rewritten."""
+    count = 0
+    for n in list(g.nodes):
+        if not _call(n, {aten.view_as_real.default}) or not _call(n.args[0], {aten.mul.Tensor}):
+            continue
+        mul = n.args[0]
+        xs = [a for a in mul.args if _call(a, {aten.view_as_complex.default})]
+        if len(xs) != 1:
+            continue
+        x = xs[0].args[0]
+        f = mul.args[1] if mul.args[0] is xs[0] else mul.args[0]
+        if not isinstance(f, Node) or not val(f).is_complex():
+            continue
+        nd = len(val(x).shape)
+
+        def new(target, *args):
+            return _new(g, mode, target, args, like=n)
+
+        with g.inserting_before(n):
+            fr = new(aten.view_as_real.default, f)
+            cos, sin = (new(aten.slice.Tensor, fr, len(val(fr).shape) - 1, i, i + 1)
+                        for i in (0, 1))
+            a, b = (new(aten.slice.Tensor, x, nd - 1, i, i + 1) for i in (0, 1))
+            re = new(aten.sub.Tensor, new(aten.mul.Tensor, a, cos), new(aten.mul.Tensor, b, sin))
+            im = new(aten.add.Tensor, new(aten.mul.Tensor, a, sin), new(aten.mul.Tensor, b, cos))
+            out = new(aten.cat.default, [re, im], nd - 1)
+        if tuple(val(out).shape) != tuple(val(n).shape):
+            _fail(n, f"complex RoPE of shape {tuple(val(n).shape)} broadcasts to "
+                  f"{tuple(val(out).shape)} in real form", "Report this model")
+        n.replace_all_uses_with(out)
+        for u in list(out.users):
+            if _call(u, {aten.flatten.using_ints}):
+                with g.inserting_before(u):
+                    r = _new(g, mode, aten.reshape.default, (out, list(val(u).shape)), like=u)
+                u.replace_all_uses_with(r)
+        count += 1
+    return count
 
 
 def _key_from_copies(g, reader: Node, key: Node, mode) -> None:

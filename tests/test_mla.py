@@ -180,7 +180,7 @@ def test_mla_wrong_kv_split_refused():
 # ---------------------------------------------------------------------------------------
 
 
-def hf_deepseek_v3(**overrides):
+def hf_deepseek(version: str = "V3", **overrides):
     transformers = pytest.importorskip("transformers")
     fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96,
                   moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
@@ -189,8 +189,8 @@ def hf_deepseek_v3(**overrides):
                   first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
                   n_group=1, topk_group=1, max_position_embeddings=64, bos_token_id=None,
                   eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
-    config = transformers.DeepseekV3Config(**{**fields, **overrides})
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    config = getattr(transformers, f"Deepseek{version}Config")(**{**fields, **overrides})
+    model = getattr(transformers, f"Deepseek{version}ForCausalLM")(config).eval()
     # HF's 0.02-std init makes logits of ~1e-2 whose top two nearly tie; scale the weights
     # so that greedy tokens are a meaningful comparison.
     gen = torch.Generator().manual_seed(0)
@@ -203,12 +203,14 @@ def hf_deepseek_v3(**overrides):
     return model
 
 
-@pytest.mark.parametrize("tp,dcp,block,interleave,q_lora_rank,attention",
-                         [(*layout, None, "sdpa") for layout in LAYOUTS]
-                         + [(8, 2, 8, 4, 24, "sdpa"), (4, 4, 4, 4, 24, "eager")])
-def test_hf_deepseek_v3_decode_matches_own_forward(tp, dcp, block, interleave, q_lora_rank,
-                                                   attention):
-    model = hf_deepseek_v3(q_lora_rank=q_lora_rank, attn_implementation=attention)
+@pytest.mark.parametrize("version,tp,dcp,block,interleave,q_lora_rank,attention",
+                         [("V3", *layout, None, "sdpa") for layout in LAYOUTS]
+                         + [("V3", 8, 2, 8, 4, 24, "sdpa"), ("V3", 4, 4, 4, 4, 24, "eager"),
+                            # V2: complex RoPE (view_as_complex), rewritten to real form
+                            ("V2", 4, 4, 4, 4, None, "sdpa"), ("V2", 8, 2, 8, 4, 24, "sdpa")])
+def test_hf_deepseek_decode_matches_own_forward(version, tp, dcp, block, interleave,
+                                                q_lora_rank, attention):
+    model = hf_deepseek(version, q_lora_rank=q_lora_rank, attn_implementation=attention)
     period = interleave * dcp
     shapes = _shapes(period, block, dcp)
     program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", block_size=block,
@@ -226,7 +228,7 @@ def test_hf_deepseek_v3_decode_matches_own_forward(tp, dcp, block, interleave, q
                 worst = max(worst, assert_close_report(
                     got[b], ref_logits[b][t], atol=ATOL,
                     what=f"rank {run.rank} step {t} seq {b}"))
-    print(f"HF DeepseekV3 {attention} q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: max |logit "
+    print(f"HF Deepseek{version} {attention} q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: max |logit "
           f"error| "
           f"{worst:.2e}")
 
