@@ -254,3 +254,45 @@ def test_mla_bf16_check():
                                     shapes=StepShapes(batch=4, context_len=17, max_blocks=2,
                                                       num_blocks=9))
     assert program.facts["check"]["ok"] and program.cache_spec().dtype == torch.bfloat16
+
+
+def test_mla_all_to_all_combine_check():
+    """The all-to-all decode combine (partial [L + dr] outputs with their LSEs to the head
+    group's rank, merged locally) over the latent head."""
+    program = dcp_compile.transform(plain_mla(CFG), tp=4, dcp=4, mode="decode", block_size=4,
+                                    combine="all_to_all", check=True,
+                                    shapes=StepShapes(batch=4, context_len=17, max_blocks=2,
+                                                      num_blocks=9))
+    assert program.facts["check"]["ok"]
+    assert program.collectives_per_layer("decode").get("all_to_all_single@dcp") == 1
+
+
+@pytest.mark.parametrize("build", [lambda: plain_mla(CFG),
+                                   lambda: plain_mla(CFG, attention="eager", q_lora_rank=24),
+                                   lambda: hf_deepseek("V2")],
+                         ids=["plain-sdpa", "plain-eager-q_lora", "hf-v2"])
+def test_absorbed_graph_equals_captured_graph(build):
+    """The rewrite alone (no cache, no sharding): the captured graph and the absorbed one
+    compute the same logits; the absorbed one has no complex view on the q/k path and
+    attends over one shared head that is both key and value."""
+    from dcp_compile.ordinary import OrdinaryStep, capture_ordinary
+    from passes.absorb_latent_attention import absorb_latent_attention
+
+    step = OrdinaryStep(build())
+    captured = capture_ordinary(step, 2, 6, device="cpu")
+    state = {**dict(step.named_parameters()), **dict(step.named_buffers())}
+    ids = torch.randint(0, CFG.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    args = [state[f] for f in (*captured.params.values(), *captured.buffers.values())]
+    args += [ids, torch.arange(6).expand(2, 6).clone()]
+    gm = captured.gm
+    before = gm(*args)[0]
+    records = absorb_latent_attention(gm)
+    after = gm(*args)[0]
+    assert len(records) == 2 and records[0]["kv_lora_rank"] == 32
+    assert_close_report(after, before, atol=ATOL, what="absorbed graph")
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.view_as_complex.default not in targets      # q/k path is real
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for n in gm.graph.nodes:   # attention over one shared head [latent ; k_pe]
+        if n.target is sdpa:
+            assert n.args[1].meta["val"].shape[1] == 1 and n.args[1] is n.args[2]
