@@ -305,8 +305,12 @@ def _absorbed_inputs(new, p: dict) -> tuple[Node, Node]:
     """(q_abs [B,H,S,L+dr], kv [B,1,S,L+dr]) at the current insertion point."""
     b, heads, s, dn, dv, dr, lat = (p[k] for k in ("b", "heads", "s", "dn", "dv", "dr", "lat"))
     q, weight, latent = p["q"], p["weight"], p["latent"]
-    c = latent if len(val(latent).shape) == 3 else new(aten.view.default, latent,
-                                                        [b, s, lat])         # HF: [B,1,S,L]
+    c = latent
+    if len(val(latent).shape) == 4:       # HF views the normed latent [B,S,L] as [B,1,S,L]
+        src = _skip_casts(latent.args[0]) if _call(latent, {aten.view.default,
+                                                          aten.reshape.default}) else None
+        c = src if src is not None and tuple(val(src).shape) == (b, s, lat) else \
+            new(aten.view.default, latent, [b, s, lat])
     c = c if val(c).dtype == p["dtype"] else new(aten.to.dtype, c, p["dtype"])
     kv = new(aten.cat.default, [new(aten.unsqueeze.default, c, 2),
                                 new(aten.transpose.int, p["k_pe"], 1, 2)], -1)  # [B,S,1,L+dr]

@@ -296,3 +296,15 @@ def test_absorbed_graph_equals_captured_graph(build):
     for n in gm.graph.nodes:   # attention over one shared head [latent ; k_pe]
         if n.target is sdpa:
             assert n.args[1].meta["val"].shape[1] == 1 and n.args[1] is n.args[2]
+
+
+@pytest.mark.parametrize("build", [lambda: plain_mla(CFG, q_lora_rank=24),
+                                   lambda: hf_deepseek("V3")], ids=["q_lora", "hf-v3"])
+def test_mla_prefill_not_yet_refused(build):
+    """Not yet in prefill mode (MLA_NOTES.md): a low-rank q path (dcp_prefill wants one
+    projection per q/k/v) and HF's [B, 1, S, dr] view of k_pe (a literal token size on the
+    q/k/v path). Refused by name, never a wrong program."""
+    with pytest.raises(DCPTransformError, match="sequence-parallel all-gather|token dim"):
+        dcp_compile.transform(build(), tp=4, dcp=2, mode="prefill", block_size=4,
+                              check=False, shapes=StepShapes(batch=2, context_len=16,
+                                                             max_blocks=4, num_blocks=9))
