@@ -169,8 +169,28 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
                   "(attn_implementation='sdpa'): only that form is rewritten to the latent "
                   "cache")
     g.eliminate_dead_code()
+    if records:
+        _views_as_unsqueeze(g, mode)
     gm.recompile()
     return records
+
+
+def _views_as_unsqueeze(g, mode) -> None:
+    """A view that only inserts a size-1 dim (HF's ``k_pe.view(B, 1, S, dr)``) is an
+    ``unsqueeze``: said so, the token dim's move is plain to the prefill token-dim trace."""
+    for n in list(g.nodes):
+        if not _call(n, {aten.view.default, aten.reshape.default}):
+            continue
+        src, out = tuple(val(n.args[0]).shape), tuple(val(n).shape)
+        if len(out) != len(src) + 1:
+            continue
+        for d in range(len(out)):
+            if out[d] == 1 and out[:d] + out[d + 1:] == src:
+                with g.inserting_before(n):
+                    u = _new(g, mode, aten.unsqueeze.default, (n.args[0], d), like=n)
+                n.replace_all_uses_with(u)
+                g.erase_node(n)
+                break
 
 
 def realify_complex_rope(g, mode) -> int:

@@ -233,11 +233,13 @@ def test_hf_deepseek_decode_matches_own_forward(version, tp, dcp, block, interle
           f"{worst:.2e}")
 
 
-@pytest.mark.parametrize("tp,dcp", [(4, 2), (8, 8)])
-def test_mla_prefill_check(tp, dcp):
+@pytest.mark.parametrize("tp,dcp,model", [(4, 2, "plain"), (8, 8, "plain"), (4, 2, "V3"),
+                                          (8, 2, "V2")])
+def test_mla_prefill_check(tp, dcp, model):
     """Prefill DCP (the nine-step pattern) over the latent cache: transform's own check runs
     a first chunk and a second chunk attending to it, against the model's forward."""
-    program = dcp_compile.transform(plain_mla(CFG), tp=tp, dcp=dcp, mode="prefill",
+    model = plain_mla(CFG) if model == "plain" else hf_deepseek(model)
+    program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill",
                                     block_size=4, check=True,
                                     shapes=StepShapes(batch=4, context_len=16, max_blocks=4,
                                                       num_blocks=13))
@@ -298,13 +300,12 @@ def test_absorbed_graph_equals_captured_graph(build):
             assert n.args[1].meta["val"].shape[1] == 1 and n.args[1] is n.args[2]
 
 
-@pytest.mark.parametrize("build", [lambda: plain_mla(CFG, q_lora_rank=24),
-                                   lambda: hf_deepseek("V3")], ids=["q_lora", "hf-v3"])
-def test_mla_prefill_not_yet_refused(build):
+def test_mla_prefill_low_rank_q_refused():
     """Not yet in prefill mode (MLA_NOTES.md): a low-rank q path (dcp_prefill wants one
-    projection per q/k/v) and HF's [B, 1, S, dr] view of k_pe (a literal token size on the
-    q/k/v path). Refused by name, never a wrong program."""
-    with pytest.raises(DCPTransformError, match="sequence-parallel all-gather|token dim"):
-        dcp_compile.transform(build(), tp=4, dcp=2, mode="prefill", block_size=4,
-                              check=False, shapes=StepShapes(batch=2, context_len=16,
-                                                             max_blocks=4, num_blocks=9))
+    projection per q/k/v reading the sequence-parallel all-gather). Refused by name, never a
+    wrong program."""
+    with pytest.raises(DCPTransformError, match="sequence-parallel all-gather"):
+        dcp_compile.transform(plain_mla(CFG, q_lora_rank=24), tp=4, dcp=2, mode="prefill",
+                              block_size=4, check=False,
+                              shapes=StepShapes(batch=2, context_len=16, max_blocks=4,
+                                                num_blocks=9))
