@@ -39,6 +39,7 @@ import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from runtime.errors import DCPTransformError
 from runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
+from .absorb_latent_attention import absorb_latent_attention
 from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,
                                  is_call, site_form)
 from .infra import KIND_ATTENTION, DCPPass, ensure, val
@@ -55,6 +56,7 @@ class Plan:
     head_dim: int
     dtype: torch.dtype
     position_input: Node | None
+    kv_shared: bool = False      # K is V (MLA latent): stored once, halves in the two caches
 
 
 class InsertPagedCache(DCPPass):
@@ -106,15 +108,26 @@ class InsertPagedCache(DCPPass):
         for layer, s in enumerate(sites):
             self._check_site(s, per_token, batch, tokens, pos)
             self._set_window(s, declared[layer] if declared else 0, layer, tokens)
-            shapes.add((tuple(val(s.k).shape[1:2]) + tuple(val(s.k).shape[3:]),
-                        val(s.k).dtype))
+            shapes.add(self._cache_row(s))
         if len(shapes) != 1:
             raise DCPTransformError(
                 f"attention layers disagree on (kv heads, head_dim) and dtype: "
                 f"{sorted(map(str, shapes))}. DCP needs one KV cache layout for every layer.")
-        (kv_heads, head_dim), dtype = shapes.pop()
+        (kv_heads, head_dim), dtype, shared = shapes.pop()
         return Plan(sites=sites, tokens=tokens, batch=batch, kv_heads=kv_heads,
-                    head_dim=head_dim, dtype=dtype, position_input=pos)
+                    head_dim=head_dim, dtype=dtype, position_input=pos, kv_shared=shared)
+
+    @staticmethod
+    def _cache_row(s: Site):
+        """((kv heads, head_dim of each cache), dtype, K is V). A tensor that is both the key
+        and the value (MLA's [latent ; k_pe]) is stored once: its halves in the two caches."""
+        heads, width = val(s.k).shape[1], val(s.k).shape[3]
+        shared = s.k is s.v
+        if shared and width % 2:
+            fail(s.node, f"attention {s.node.name} uses one tensor {s.k.name} as key and "
+                  f"value, of odd width {width}: it is stored once, split in halves over the "
+                  f"key and value caches", "Use an even kv_lora_rank + qk_rope_head_dim")
+        return (heads, width // 2 if shared else width), val(s.k).dtype, shared
 
     @staticmethod
     def _depends_on(gm, root: Node) -> set[Node]:
@@ -282,6 +295,7 @@ class InsertPagedCache(DCPPass):
         for n in list(g.nodes):  # export's metadata asserts would hold dead values alive
             if is_call(n, {aten._assert_tensor_metadata.default}):
                 g.erase_node(n)
+        latent = absorb_latent_attention(gm)    # MLA -> one shared latent head (no-op else)
         plan = self.plan(gm)
         ids = next(n for n in g.nodes if n.op == "placeholder" and n.name == self.token_input)
         mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
@@ -310,8 +324,12 @@ class InsertPagedCache(DCPPass):
         for layer, s in enumerate(plan.sites):
             with g.inserting_before(s.out):
                 q, k, v = (self._bshd(g, t) for t in (s.q, s.k, s.v))
-                params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap))
-                          if x}
+                if plan.kv_shared:          # halves of the one K = V tensor
+                    h = plan.head_dim
+                    k, v = (g.call_function(aten.slice.Tensor, (k, 3, a, a + h))
+                            for a in (0, h))
+                params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap),
+                                            ("kv_shared", plan.kv_shared)) if x}
                 attn = g.call_function(torch.ops.dcp.paged_attention.default,
                                        (q, k, v, caches[2 * layer], caches[2 * layer + 1],
                                         positions, table, s.scale), params)
@@ -346,8 +364,10 @@ class InsertPagedCache(DCPPass):
         if plan.tokens > 1 or "windows" not in self.ctx.model_facts:
             self.ctx.model_facts["windows"] = [s.window for s in plan.sites]
         self.ctx.model_facts.update(num_layers=len(plan.sites), cache_dtype=plan.dtype)
+        if latent:
+            self.ctx.model_facts["mla"] = latent[0]
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
-                    forms=sorted({site_form(s) for s in plan.sites}),
+                    forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
                     positions="position_ids" if plan.position_input is not None else "arange")
         return PassResult(gm, True)
 

@@ -22,7 +22,7 @@ class ValidateAndProve(DCPPass):
         heads = set()
         for n in attention_nodes(gm):
             q, k, kc = val(n.args[0]), val(n.args[1]), val(n.args[3])
-            heads.add((q.shape[2], k.shape[2], q.shape[3], kc.shape[1]))
+            heads.add((q.shape[2], k.shape[2], kc.shape[3], kc.shape[1]))  # cache head_dim
         if len(heads) != 1:
             raise DCPTransformError(f"attention layers disagree on (q heads, kv heads, "
                                     f"head_dim, block_size): {sorted(heads)}. DCP needs one "
@@ -34,7 +34,8 @@ class ValidateAndProve(DCPPass):
                                     f"cache block={block}, block_size={cfg.block_size}. "
                                     f"Build caches with block_size={cfg.block_size}.")
         # DCPConfig validates on construction: every violated rule, with a fix.
-        cfg = cfg.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim)
+        cfg = cfg.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                          mla=bool(self.ctx.model_facts.get("mla")))
         self.ctx.config = cfg
         if self.ctx.certificate is None:
             from .proofs import prove

@@ -42,6 +42,9 @@ class DCPConfig:
     attention_dp: bool = False
     combine: str = "all_gather"
     combine_dtype: str = "float32"
+    # Multi-head Latent Attention: one latent "KV head" ([latent ; k_pe] per token) shared by
+    # every query head; decode DCP shards its tokens (passes/absorb_latent_attention.py).
+    mla: bool = False
 
     def __post_init__(self):
         if self.interleave_size is None and _is_positive_int(self.block_size):
@@ -162,6 +165,8 @@ def _head_violations(c: DCPConfig) -> list[str]:
     transfer plan), the query-head ones once num_q_heads is known too."""
     out: list[str] = []
     hq, hkv, tp, dcp = c.num_q_heads, c.num_kv_heads, c.tp, c.dcp
+    if c.mla:
+        return _mla_violations(c)
     if hkv is None or tp % dcp:
         return out
     if hq is not None and hq % hkv:
@@ -194,6 +199,21 @@ def _head_violations(c: DCPConfig) -> list[str]:
     if (tp // hkv) % dcp:
         out.append(f"a DCP replica set must share one KV head ((tp // num_kv_heads) % dcp == 0): "
                    f"tp={tp}, num_kv_heads={hkv}, dcp={dcp}. {fix_text}.")
+    return out
+
+
+def _mla_violations(c: DCPConfig) -> list[str]:
+    """MLA: one latent head replicated on every rank, so any tp works and decode DCP only
+    needs dcp to divide tp (hence dcp <= tp; the generic TP % DCP rule says so); query heads
+    split over the attention shard."""
+    out: list[str] = []
+    hq, hkv, tp, dcp = c.num_q_heads, c.num_kv_heads, c.tp, c.dcp
+    if hkv not in (None, 1):
+        out.append(f"MLA caches one latent KV head per token: num_kv_heads={hkv}. "
+                   f"Pass num_kv_heads=1 (or None) with mla=True.")
+    if hq is not None and not tp % dcp and hq % c.attention_shard:
+        out.append(f"MLA query heads must split evenly over {c.attention_shard} ranks: "
+                   f"num_q_heads={hq}, tp={tp}, dcp={dcp}. Use a tp that divides {hq}.")
     return out
 
 

@@ -41,6 +41,12 @@ class KVCacheSpec:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
 
+    def bytes_per_rank(self) -> int:
+        """Bytes of every K and V cache of one rank (garbage block included)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_blocks * self.block_size * self.kv_heads \
+            * self.head_dim * elem
+
     def allocate(self, fill: float = 0.0, device="cpu") -> list[torch.Tensor]:
         """Fresh caches, flat [k_0, v_0, ...]. ``fill=nan`` poisons them for tests."""
         if self.num_blocks < 2:

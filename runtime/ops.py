@@ -147,7 +147,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
                             block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
                             interleave: int, scale: float, window: int = 0,
-                            softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                            softcap: float = 0.0,
+                            kv_shared: bool = False) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -159,8 +160,13 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     entries = block_table[:, local // block]
     allocated = (entries >= 0) & (entries < num_blocks - 1)
     rows = torch.where(allocated, entries, num_blocks - 1) * block + local % block
-    k_prior = key_cache.reshape(num_blocks * block, kv_heads, dim)[rows]
-    v_prior = value_cache.reshape(num_blocks * block, kv_heads, dim)[rows]
+    k_prior = key_cache.reshape(num_blocks * block, kv_heads, -1)[rows]
+    v_prior = value_cache.reshape(num_blocks * block, kv_heads, -1)[rows]
+    if kv_shared:
+        # The (key, value) caches hold the two halves of one vector that is both the key and
+        # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).
+        k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
+        k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
     prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
     prior_valid = (local.unsqueeze(0) < prior_len.unsqueeze(1)) & allocated
     prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
@@ -201,22 +207,23 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                       prior_len: Tensor, rank: Tensor, dcp: int, interleave: int,
                       scale: float, window: int = 0,
-                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                      softcap: float = 0.0, kv_shared: bool = False) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
     ``rank``) plus the current keys whose ``k_pos >= 0``; causal on global positions.
     ``window > 0``: only keys with ``q_pos - k_pos < window``; ``softcap > 0``: scores
-    ``tanh(s / softcap) * softcap``.
+    ``tanh(s / softcap) * softcap``; ``kv_shared``: keys and values are both
+    ``cat(k, v, dim=-1)`` (one vector stored once, in halves, in the two caches).
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
-                                   window, softcap)
+                                   window, softcap, kv_shared)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale, window=0, softcap=0.0):
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -250,7 +257,8 @@ def _(out, lse, lse_all):
 def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           value_cache: Tensor, positions: Tensor, block_table: Tensor,
                           scale: float, window: int = 0,
-                          softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                          softcap: float = 0.0,
+                          kv_shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
@@ -259,7 +267,7 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
     prior_len = positions[:, 0].clamp(min=0)
     out, _ = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
                                      block_table, prior_len, rank0, 1, block, scale,
-                                     window, softcap)
+                                     window, softcap, kv_shared)
     return out, new_kc, new_vc
 
 
@@ -267,15 +275,17 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
                     positions: Tensor, block_table: Tensor,
                     scale: float, window: int = 0,
-                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                    softcap: float = 0.0,
+                    kv_shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap)
+                                 scale, window, softcap, kv_shared)
 
 
 @paged_attention.register_fake
-def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0):
+def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
+      kv_shared=False):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -283,17 +293,18 @@ def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, 
 def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
               positions: Tensor, block_table: Tensor,
               scale: float, window: int = 0,
-              softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+              softcap: float = 0.0, kv_shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap)
+                                 scale, window, softcap, kv_shared)
 
 
 @attention.register_fake
-def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0):
+def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
+      kv_shared=False):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -451,7 +462,8 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
                            block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
                            interleave: int, scale: float, window: int = 0,
-                           softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                           softcap: float = 0.0,
+                           kv_shared: bool = False) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -462,10 +474,10 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     entries = live_entries(prior_len, key_cache.shape[1], block_table.shape[1])
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table[:, :entries], prior_len, rank, dcp,
-                                   interleave, scale, window, softcap)
+                                   interleave, scale, window, softcap, kv_shared)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale, window=0, softcap=0.0):
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -310,6 +310,10 @@ class Analysis:
         b = n.args[2] if len(n.args) > 2 else None
         if n in self.linears:
             return False
+        if self.P(x) is None and isinstance(req, Shard):
+            # A column projection reads a replicated input: a low-rank path before it (MLA's
+            # q_a_proj -> RMSNorm -> q_b_proj) is then replicated, not an MLP down projection.
+            return self.require(x, R, n)
         if self.P(x) != R and not isinstance(self.P(x), Partial):
             return False
         last = len(shape_of(n)) - 1

@@ -75,6 +75,8 @@ def linear_roles(attn: list[Node], linears: dict[Node, str], decided: dict,
             roles[n.name] = "o_proj" if decided[n.args[1]].axis == "attn" else "mlp_row"
         elif n in feeds:
             roles[n.name] = "".join(w for w in "qkv" if w in feeds[n]) + "_proj"
+        elif kind == "replicated":       # e.g. MLA's q_a_proj (low-rank q path)
+            roles[n.name] = "replicated"
         else:
             roles[n.name] = "mlp_column" if decided[n.args[1]].axis == "mlp" \
                 else "attention_column"

@@ -1,0 +1,32 @@
+"""Child process of tests/test_mla_xla.py: the MLA model's tp=8/dcp=8 decode program, lowered
+to StableHLO and compiled by XLA:CPU for 8 replicas, against the model's own forward. Prints
+the verify report as JSON (XLA_FLAGS must be set before jax starts: hence a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dcp_compile import xla as X  # noqa: E402
+
+X.request_host_devices(8)
+
+import torch  # noqa: E402
+
+import dcp_compile  # noqa: E402
+from dcp_compile.mla_models import plain_mla  # noqa: E402
+from dcp_compile.ordinary import FullForwardReference  # noqa: E402
+from runtime.engine import StepShapes  # noqa: E402
+
+model = plain_mla(num_layers=1)
+program = dcp_compile.transform(model, tp=8, dcp=8, mode="decode", block_size=2, check=False,
+                                shapes=StepShapes(batch=2, context_len=17, max_blocks=2,
+                                                  num_blocks=5))
+lowered = X.lower_for_xla(program)
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (1, 15)]
+report = X.verify(FullForwardReference(model), program, prompts, 4, atol=1e-4, lowered=lowered)
+print(json.dumps(report.to_json()))
