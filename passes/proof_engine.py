@@ -48,6 +48,7 @@ __all__ = ["Equal", "InRange", "eq01", "int_or_none", "Domain", "domain", "Theor
 # their ends and middle).
 _SEARCH = {"k": range(0, 8), "m": range(1, 6), "e": (0, 1, 2, 7)}
 
+
 # ----------------------------------------------------------------------------------------
 # Claims: what one theorem asserts for one case
 # ----------------------------------------------------------------------------------------
@@ -111,7 +112,6 @@ def eq01(a, b):
             return sympy.Integer(int(d == 0))
         return sympy.Piecewise((1, sympy.Eq(d, 0, evaluate=False)), (0, True))
     return int(a == b)
-
 
 
 # ----------------------------------------------------------------------------------------
