@@ -2,7 +2,7 @@
 
 Each configuration is proven in a fresh process state (no certificate cache): wall and CPU
 seconds, and the number of pieces the symbolic proof split the domain into (independent of
-block_size by construction; see passes/proofs.py).
+block_size by construction; see passes/proof_engine.py).
 
     python3 benchmarks/bench_prove.py [--dcp 2,8,16] [--block 16,64,128,256,1024]
 """

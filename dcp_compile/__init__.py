@@ -1,7 +1,8 @@
 """dcp_compile: rewrite attention models into their Decode Context Parallel (DCP) form.
 
 Public API (see README.md): ``DCPConfig``, ``DCPConfigError``, ``topology``, ``prove``,
-``compute_slot_mapping``, the layout formulas in ``dcp_compile.layout``, ``transform``.
+``compute_slot_mapping``, the layout formulas in ``runtime.layout``
+(also ``dcp_compile.layout``), ``transform``.
 
 This package is the top layer (``dcp_compile`` > ``passes`` > ``runtime``); the foundation it
 re-exports lives in ``runtime`` and the proofs in ``passes`` (README: Packages and layers).
