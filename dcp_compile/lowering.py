@@ -541,28 +541,181 @@ def decomposition_table() -> dict:
 
 
 def decompose(gm: GraphModule, step: str, *,
-              input_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
-              ) -> GraphModule:
-    """Retrace ``gm`` with the decompositions on fake inputs of its placeholders' shapes
-    (or of ``input_shapes``, by placeholder name)."""
-    import torch.fx.traceback as fx_traceback
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
+              input_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+              reuse: bool = True) -> GraphModule:
+    """``gm`` with every op replaced by its decomposition to ATen, on fake inputs of its
+    placeholders' shapes (or of ``input_shapes``, by placeholder name).
 
+    With ``reuse`` (the default) each distinct op call -- same op, same non-tensor arguments,
+    same input shapes/strides/dtypes -- is traced once and its decomposition copied for every
+    other call (see decompose_by_op): the layers of a model repeat the same calls, so the
+    cost is that of one layer plus a graph copy per layer. ``reuse=False`` retraces the whole
+    graph with make_fx; both give the same graph op for op (tests/test_lowering_reuse.py)."""
     input_shapes = input_shapes or {}
     specs = [input_shapes.get(n.name, (tuple(n.meta["val"].shape), n.meta["val"].dtype))
              for n in gm.graph.nodes if n.op == "placeholder"]
-    with FakeTensorMode():
-        fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
     try:
-        with fx_traceback.preserve_node_meta():
-            out = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=decomposition_table(),
-                          tracing_mode="fake")(*fakes)
+        out = decompose_by_op(gm, specs) if reuse else decompose_whole(gm, specs)
     except DCPLoweringError:
         raise
     except Exception as e:
         raise DCPLoweringError(f"decomposing step {step!r} to ATen failed: "
                                f"{type(e).__name__}: {e}") from e
+    check_decomposed(out, step)
+    return out
+
+
+def decompose_whole(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dtype]]
+                    ) -> GraphModule:
+    """One make_fx retrace of the whole graph with decomposition_table()."""
+    import torch.fx.traceback as fx_traceback
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    with fx_traceback.preserve_node_meta():
+        return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=decomposition_table(),
+                       tracing_mode="fake")(*fakes)
+
+
+# Meta a decomposed node inherits from the node it comes from (what make_fx copies under
+# preserve_node_meta that anything downstream reads: provenance, source locations).
+_INHERITED_META = ("custom", "stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+@dataclass
+class DecompositionCache:
+    """op-call signature -> its decomposed graph; counts how many calls were traced."""
+    graphs: dict = field(default_factory=dict)
+    traced: int = 0
+    copied: int = 0
+
+
+def decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dtype]], *,
+                    cache: DecompositionCache | None = None) -> GraphModule:
+    """Decompose op by op in graph order: an op call whose signature (op_call_key) was
+    traced before is copied from that trace instead of being traced again.
+
+    Equivalent to decompose_whole: make_fx decomposes each op on its own fake inputs, and
+    the result of a decomposition depends only on the op, its non-tensor arguments and its
+    inputs' shapes, strides and dtypes, which is what the key holds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = cache if cache is not None else DecompositionCache()
+    table = decomposition_table()
+    mode = FakeTensorMode()
+    graph, root, env = torch.fx.Graph(), torch.nn.Module(), {}
+    shapes = iter(specs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            shape, dtype = next(shapes)
+            env[node] = graph.placeholder(node.name)
+            with mode:
+                env[node].meta["val"] = torch.empty(shape, dtype=dtype)
+        elif node.op == "output":
+            graph.output(torch.fx.node.map_arg(node.args[0], env.__getitem__))
+        elif node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(env[node.args[0]], (list, tuple)):
+            env[node] = env[node.args[0]][node.args[1]]     # a multi-output op's result
+        elif node.op == "call_function" and node.target == torch.ops.dcp_lower.collective.default:
+            env[node] = _copy_marker(graph, node, env, mode)  # one per site: nothing to reuse
+        elif node.op == "call_function":
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            key, leaves, spec = op_call_key(node.target, args, kwargs)
+            if key not in cache.graphs:
+                cache.graphs[key] = _trace_op_call(node.target, leaves, spec, table, mode)
+                cache.traced += 1
+            else:
+                cache.copied += 1
+            env[node] = _copy_decomposition(graph, root, cache.graphs[key],
+                                            [x for x in leaves if isinstance(x, Node)], node)
+        else:
+            name, pass_name = provenance(node)
+            raise DCPLoweringError(f"cannot decompose {node.op} {node.target!r} at node {name} "
+                                   f"(introduced by pass {pass_name}): only placeholders and "
+                                   f"call_function nodes lower. Capture with torch.export.")
+    return GraphModule(root, graph)
+
+
+def _copy_marker(graph: torch.fx.Graph, node: Node, env: dict, mode) -> Node:
+    """A collective marker as is (make_fx keeps it: it has no decomposition), with the
+    result its fake implementation gives for the decomposed input."""
+    args = torch.fx.node.map_arg(node.args, env.__getitem__)
+    new = graph.call_function(node.target, args)
+    with mode:
+        x = args[0].meta["val"]
+        new.meta["val"] = node.target(torch.empty_strided(tuple(x.shape), tuple(x.stride()),
+                                                          dtype=x.dtype), *args[1:])
+    new.meta.update({k: node.meta[k] for k in _INHERITED_META if k in node.meta})
+    return new
+
+
+def op_call_key(target, args, kwargs) -> tuple[tuple, list, Any]:
+    """(key, pytree leaves of (args, kwargs), their spec). A tensor leaf (a Node) keys by
+    shape, stride and dtype; any other leaf by type and repr (1, 1.0 and True differ)."""
+    from torch.utils import _pytree as pytree
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    sig = []
+    for x in leaves:
+        if isinstance(x, Node):
+            v = x.meta["val"]
+            sig.append(("tensor", tuple(v.shape), tuple(v.stride()), v.dtype))
+        else:
+            sig.append((type(x).__name__, repr(x)))
+    return (target, str(spec), tuple(sig)), leaves, spec
+
+
+def _trace_op_call(target, leaves: list, spec, table: dict, mode) -> GraphModule:
+    """make_fx of one op call on fresh fake tensors of its inputs' shapes and strides."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils import _pytree as pytree
+
+    tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, Node)]
+    with mode:
+        fakes = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype)
+                 for v in (leaves[i].meta["val"] for i in tensor_at)]
+
+    def call(*tensors):
+        filled = list(leaves)
+        for i, t in zip(tensor_at, tensors):
+            filled[i] = t
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return target(*args, **kwargs)
+
+    return make_fx(call, decomposition_table=table, tracing_mode="fake")(*fakes)
+
+
+def _copy_decomposition(graph: torch.fx.Graph, root: torch.nn.Module, sub: GraphModule,
+                        inputs: list[Node], origin: Node):
+    """Append ``sub``'s nodes to ``graph`` reading ``inputs``; returns its outputs. Each
+    copy inherits ``origin``'s provenance; constants are registered once on ``root``."""
+    val_map: dict[Node, Any] = {}
+    placeholders = iter(inputs)
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            val_map[n] = next(placeholders)
+            continue
+        if n.op == "output":
+            return torch.fx.node.map_arg(n.args[0], val_map.__getitem__)
+        if n.op == "get_attr":
+            name = f"_dcp_const_{id(sub)}_{n.target}"
+            if not hasattr(root, name):
+                setattr(root, name, getattr(sub, n.target))
+            new = graph.get_attr(name)
+        else:
+            new = graph.create_node(n.op, n.target,
+                                    torch.fx.node.map_arg(n.args, val_map.__getitem__),
+                                    torch.fx.node.map_arg(n.kwargs, val_map.__getitem__),
+                                    name=n.name)
+        new.meta = {**n.meta, **{k: origin.meta[k] for k in _INHERITED_META
+                                 if k in origin.meta}}
+        val_map[n] = new
+    raise DCPLoweringError("a decomposed op graph has no output node.")
+
+
+def check_decomposed(out: GraphModule, step: str) -> None:
+    """Only ATen/prims ops (and collective markers) are left after decomposition."""
     marker = torch.ops.dcp_lower.collective.default
     for node in out.graph.nodes:
         if node.op != "call_function" or node.target in (operator.getitem, marker):
@@ -574,7 +727,6 @@ def decompose(gm: GraphModule, step: str, *,
                 f"cannot lower op {_op_name(node.target)} from node {name} (introduced by pass "
                 f"{pass_name}, step {step!r}): it is still there after decomposition. Give it "
                 f"a decomposition to ATen (dcp_compile.ops.DECOMPOSITIONS).")
-    return out
 
 
 def _resolve_site_shapes(decomposed: GraphModule,
