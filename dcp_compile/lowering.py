@@ -35,6 +35,7 @@ buffer) naming the result that replaces it.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 import time
@@ -215,12 +216,13 @@ def lower(program, target: str = "stablehlo", out_dir: str | Path | None = None,
         raise DCPLoweringError(f"program has no step {missing}: it has {list(program.graphs)}. "
                                f"Lower one of those.")
     meta = {"dcp.tp": topo.tp, "dcp.dcp": topo.dcp, "dcp.mode": topo.mode}
-    modules = {}
+    modules, cache = {}, DecompositionCache()
     for step in wanted:
         modules[step] = lower_graph(program.graphs[step], step=step, groups=topo.groups,
                                     tp=topo.tp, target_version=target_version,
                                     elide_trivial=elide_trivial, module_attrs=meta,
-                                    input_shapes=_rank_input_shapes(program, step))
+                                    input_shapes=_rank_input_shapes(program, step),
+                                    cache=cache)
     result = LoweringResult(target=target, modules=modules, groups=topo.groups, tp=topo.tp)
     if out_dir is not None:
         write(result, out_dir)
@@ -230,12 +232,13 @@ def lower(program, target: str = "stablehlo", out_dir: str | Path | None = None,
 def lower_graph(gm: GraphModule, *, step: str, groups: dict[str, list[list[int]]], tp: int,
                 target_version: str | None = None, elide_trivial: bool = True,
                 module_attrs: dict[str, Any] | None = None,
-                input_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
-                ) -> LoweredModule:
+                input_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+                cache: DecompositionCache | None = None) -> LoweredModule:
     """Lower one program graph (calling convention of DCPProgram) to a StableHLO module.
 
     ``input_shapes`` (placeholder name -> (shape, dtype)) overrides the graph's own input
-    metadata, e.g. with the per-rank shapes the program is run with.
+    metadata, e.g. with the per-rank shapes the program is run with. ``cache``: decomposed
+    op calls to reuse (see decompose), e.g. shared by the steps of one program.
     """
     seconds: dict[str, float] = {}
     t = time.perf_counter()
@@ -243,7 +246,7 @@ def lower_graph(gm: GraphModule, *, step: str, groups: dict[str, list[list[int]]
     marked, sites, elided = mark_collectives(gm, step, groups, elide_trivial=elide_trivial)
     seconds["mark"] = time.perf_counter() - t
     t = time.perf_counter()
-    decomposed = decompose(marked, step, input_shapes=input_shapes)
+    decomposed = decompose(marked, step, input_shapes=input_shapes, cache=cache)
     sites = _resolve_site_shapes(decomposed, sites)
     seconds["decompose"] = time.perf_counter() - t
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -528,11 +531,9 @@ def _int_remainder(a, b):
 def decomposition_table() -> dict:
     """torch-mlir's FX decomposition table, every dcp op's reference implementation, and
     exact integer floor division / remainder (see _int_div_mode, _int_remainder)."""
-    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
-
     from .ops import DECOMPOSITIONS
     aten = torch.ops.aten
-    table = dict(get_decomposition_table())
+    table = dict(_torch_mlir_decompositions())
     table.update(DECOMPOSITIONS)
     table.update({aten.div.Tensor_mode: _int_div_mode, aten.div.Scalar_mode: _int_div_mode,
                   aten.remainder.Tensor: _int_remainder,
@@ -540,9 +541,16 @@ def decomposition_table() -> dict:
     return table
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_mlir_decompositions() -> dict:
+    """torch-mlir's table (built once: building it walks every decomposition torch has)."""
+    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+    return dict(get_decomposition_table())
+
+
 def decompose(gm: GraphModule, step: str, *,
               input_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
-              reuse: bool = True) -> GraphModule:
+              reuse: bool = True, cache: DecompositionCache | None = None) -> GraphModule:
     """``gm`` with every op replaced by its decomposition to ATen, on fake inputs of its
     placeholders' shapes (or of ``input_shapes``, by placeholder name).
 
@@ -550,12 +558,14 @@ def decompose(gm: GraphModule, step: str, *,
     same input shapes/strides/dtypes -- is traced once and its decomposition copied for every
     other call (see decompose_by_op): the layers of a model repeat the same calls, so the
     cost is that of one layer plus a graph copy per layer. ``reuse=False`` retraces the whole
-    graph with make_fx; both give the same graph op for op (tests/test_lowering_reuse.py)."""
+    graph with make_fx; both give the same graph op for op (tests/test_lowering_reuse.py).
+    ``cache`` may be shared by several graphs (the steps of one program)."""
     input_shapes = input_shapes or {}
     specs = [input_shapes.get(n.name, (tuple(n.meta["val"].shape), n.meta["val"].dtype))
              for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        out = decompose_by_op(gm, specs) if reuse else decompose_whole(gm, specs)
+        out = decompose_by_op(gm, specs, cache=cache) if reuse else \
+            decompose_whole(gm, specs)
     except DCPLoweringError:
         raise
     except Exception as e:
