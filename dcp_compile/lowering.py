@@ -559,7 +559,11 @@ def decompose(gm: GraphModule, step: str, *,
     other call (see decompose_by_op): the layers of a model repeat the same calls, so the
     cost is that of one layer plus a graph copy per layer. ``reuse=False`` retraces the whole
     graph with make_fx; both give the same graph op for op (tests/test_lowering_reuse.py).
-    ``cache`` may be shared by several graphs (the steps of one program)."""
+    Then calls repeated on the same arguments are merged (eliminate_common_calls): most of a
+    layer's decomposed index arithmetic is the same as every other layer's, and torch-mlir's
+    canonicalizer grows faster than linearly with the duplicates (measured: 0.35 -> 3.2 s for
+    8 -> 24 layers of the 8B context step). ``cache`` may be shared by several graphs (the
+    steps of one program)."""
     input_shapes = input_shapes or {}
     specs = [input_shapes.get(n.name, (tuple(n.meta["val"].shape), n.meta["val"].dtype))
              for n in gm.graph.nodes if n.op == "placeholder"]
@@ -571,6 +575,8 @@ def decompose(gm: GraphModule, step: str, *,
     except Exception as e:
         raise DCPLoweringError(f"decomposing step {step!r} to ATen failed: "
                                f"{type(e).__name__}: {e}") from e
+    if eliminate_common_calls(out):
+        out.recompile()
     check_decomposed(out, step)
     return out
 
@@ -722,6 +728,54 @@ def _copy_decomposition(graph: torch.fx.Graph, root: torch.nn.Module, sub: Graph
                                  if k in origin.meta}}
         val_map[n] = new
     raise DCPLoweringError("a decomposed op graph has no output node.")
+
+
+def eliminate_common_calls(gm: GraphModule) -> int:
+    """Merge call_function nodes with the same op on the same arguments (the layers
+    recompute the same masks and slot indices from the step inputs); returns how many
+    were removed. Only deterministic ATen/prims ops: a seeded random op is never merged,
+    and a collective marker differs by its site."""
+    seen: dict[tuple, Node] = {}
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not _mergeable(node.target):
+            continue
+        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        if key is None or any(k is None for k in key[1:]):
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+def _mergeable(target) -> bool:
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten",
+                                                                                "prims"):
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags and \
+        not target._schema.is_mutable
+
+
+def _hashable(x):
+    """A hashable form of FX arguments (nodes by identity, 1/1.0/True apart); None if none."""
+    if isinstance(x, Node):
+        return ("node", x)
+    if isinstance(x, (list, tuple)):
+        items = tuple(_hashable(a) for a in x)
+        return None if any(i is None for i in items) else (type(x).__name__, items)
+    if isinstance(x, dict):
+        items = tuple((k, _hashable(v)) for k, v in x.items())
+        return None if any(i is None for _, i in items) else ("dict", items)
+    try:
+        hash(x)
+    except TypeError:
+        return None
+    return (type(x).__name__, repr(x))
 
 
 def check_decomposed(out: GraphModule, step: str) -> None:
