@@ -13,8 +13,9 @@ ratio to plain ``torch.export`` of the same model with the same step inputs:
   prove     a cold layout proof (no certificate cache) for the same dcp/block/interleave
 
 A 1-layer transform and lowering run first, untimed, so one-time costs (imports, op
-registration, torch-mlir's tables) are not charged to the first row. ``--full-propagation`` also times the passes with a full shape
-re-propagation after every pass (the pass manager's old behaviour), for comparison.
+registration, torch-mlir's tables) are not charged to the first row. ``--full-propagation``
+also times the passes with a full shape re-propagation after every pass (the pass manager's
+old behaviour), for comparison.
 
     python3 -m benchmarks.bench_transform [--layers 8,32,80] [--repeat N] [--no-lower]
 
