@@ -114,3 +114,24 @@ def test_four_layer_program_in_the_interpreter_matches_the_eager_model():
         for i, (a, b) in enumerate(zip(got[1:], ref_caches)):
             assert_close_report(a[:spec.garbage_block], b[:spec.garbage_block], atol=1e-4,
                                 what=f"{kind} cache {i}")
+
+
+def test_repeated_calls_are_merged_but_not_random_ones_or_other_arguments():
+    """eliminate_common_calls: the same deterministic op on the same arguments is computed
+    once; a seeded random op, or the same op on another argument value, is kept."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    aten = torch.ops.aten
+    same = [g.call_function(aten.add.Tensor, (x, 1)) for _ in range(3)]
+    other = g.call_function(aten.add.Tensor, (x, 1.0))
+    rand = [g.call_function(aten.rand_like.default, (x,)) for _ in range(2)]
+    g.output((*same, other, *rand))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert lowering.eliminate_common_calls(gm) == 2
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert outs[0] is outs[1] is outs[2] is same[0]
+    assert len({outs[3], outs[4], outs[5], outs[0]}) == 4
+    gm.recompile()
+    x = torch.randn(3)
+    got = gm(x)
+    assert torch.equal(got[0], x + 1) and not torch.equal(got[4], got[5])
