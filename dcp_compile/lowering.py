@@ -10,7 +10,9 @@ torch-mlir -> StableHLO -> neuronx-cc), run here as far as anything real reaches
                          is elided)
    3 decompose           make_fx with ops.DECOMPOSITIONS and torch-mlir's own table: ATen only
                          (plus exact integer floor division / remainder: torch-mlir would
-                         lower them through f64 / to a truncating stablehlo.remainder)
+                         lower them through f64 / to a truncating stablehlo.remainder). Each
+                         distinct op call is traced once and copied for the calls that repeat
+                         it (the layers), then repeated calls on the same arguments merge
    4 import              torch-mlir's FxImporter: torch dialect; a marker is a torch.operator
    5 emit_collectives    each marker -> stablehlo.all_gather | reduce_scatter | all_reduce |
                          all_to_all with *every* group of its role (the full partition of
