@@ -577,8 +577,6 @@ def decompose(gm: GraphModule, step: str, *,
     except Exception as e:
         raise DCPLoweringError(f"decomposing step {step!r} to ATen failed: "
                                f"{type(e).__name__}: {e}") from e
-    if eliminate_common_calls(out):
-        out.recompile()
     check_decomposed(out, step)
     return out
 
@@ -593,8 +591,11 @@ def decompose_whole(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dt
     with FakeTensorMode():
         fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
     with fx_traceback.preserve_node_meta():
-        return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=decomposition_table(),
-                       tracing_mode="fake")(*fakes)
+        out = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=decomposition_table(),
+                      tracing_mode="fake")(*fakes)
+    if eliminate_common_calls(out.graph):
+        out.recompile()
+    return out
 
 
 # Meta a decomposed node inherits from the node it comes from (what make_fx copies under
@@ -640,19 +641,20 @@ def decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dt
             env[node] = _copy_marker(graph, node, env, mode)  # one per site: nothing to reuse
         elif node.op == "call_function":
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            key, leaves, spec = op_call_key(node.target, args, kwargs)
+            key, inputs = op_call_key(node.target, args, kwargs)
             if key not in cache.graphs:
-                cache.graphs[key] = _trace_op_call(node.target, leaves, spec, table, mode)
+                cache.graphs[key] = _trace_op_call(node.target, args, kwargs, inputs, table,
+                                                   mode)
                 cache.traced += 1
             else:
                 cache.copied += 1
-            env[node] = _copy_decomposition(graph, root, cache.graphs[key],
-                                            [x for x in leaves if isinstance(x, Node)], node)
+            env[node] = _copy_decomposition(graph, root, cache.graphs[key], inputs, node)
         else:
             name, pass_name = provenance(node)
             raise DCPLoweringError(f"cannot decompose {node.op} {node.target!r} at node {name} "
                                    f"(introduced by pass {pass_name}): only placeholders and "
                                    f"call_function nodes lower. Capture with torch.export.")
+    eliminate_common_calls(graph)
     return GraphModule(root, graph)
 
 
@@ -669,37 +671,38 @@ def _copy_marker(graph: torch.fx.Graph, node: Node, env: dict, mode) -> Node:
     return new
 
 
-def op_call_key(target, args, kwargs) -> tuple[tuple, list, Any]:
-    """(key, pytree leaves of (args, kwargs), their spec). A tensor leaf (a Node) keys by
-    shape, stride and dtype; any other leaf by type and repr (1, 1.0 and True differ)."""
-    from torch.utils import _pytree as pytree
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    sig = []
-    for x in leaves:
-        if isinstance(x, Node):
-            v = x.meta["val"]
-            sig.append(("tensor", tuple(v.shape), tuple(v.stride()), v.dtype))
-        else:
-            sig.append((type(x).__name__, repr(x)))
-    return (target, str(spec), tuple(sig)), leaves, spec
+def op_call_key(target, args, kwargs) -> tuple[tuple, list[Node]]:
+    """(key, the tensor inputs in map_arg order). A tensor input (a Node) keys by shape,
+    stride and dtype; any other argument by type and repr (1, 1.0 and True differ)."""
+    inputs: list[Node] = []
+    torch.fx.node.map_arg((args, kwargs), inputs.append)
+    return (target, _signature((args, kwargs))), inputs
 
 
-def _trace_op_call(target, leaves: list, spec, table: dict, mode) -> GraphModule:
+def _signature(x):
+    if isinstance(x, Node):
+        v = x.meta["val"]
+        return ("tensor", tuple(v.shape), tuple(v.stride()), v.dtype)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_signature(a) for a in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _signature(v)) for k, v in x.items()))
+    return (type(x).__name__, repr(x))
+
+
+def _trace_op_call(target, args, kwargs, inputs: list[Node], table: dict, mode
+                   ) -> GraphModule:
     """make_fx of one op call on fresh fake tensors of its inputs' shapes and strides."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils import _pytree as pytree
 
-    tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, Node)]
     with mode:
         fakes = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype)
-                 for v in (leaves[i].meta["val"] for i in tensor_at)]
+                 for v in (x.meta["val"] for x in inputs)]
 
     def call(*tensors):
-        filled = list(leaves)
-        for i, t in zip(tensor_at, tensors):
-            filled[i] = t
-        args, kwargs = pytree.tree_unflatten(filled, spec)
-        return target(*args, **kwargs)
+        it = iter(tensors)
+        a, k = torch.fx.node.map_arg((args, kwargs), lambda _: next(it))
+        return target(*a, **k)
 
     return make_fx(call, decomposition_table=table, tracing_mode="fake")(*fakes)
 
@@ -732,14 +735,14 @@ def _copy_decomposition(graph: torch.fx.Graph, root: torch.nn.Module, sub: Graph
     raise DCPLoweringError("a decomposed op graph has no output node.")
 
 
-def eliminate_common_calls(gm: GraphModule) -> int:
+def eliminate_common_calls(graph: torch.fx.Graph) -> int:
     """Merge call_function nodes with the same op on the same arguments (the layers
     recompute the same masks and slot indices from the step inputs); returns how many
     were removed. Only deterministic ATen/prims ops: a seeded random op is never merged,
     and a collective marker differs by its site."""
     seen: dict[tuple, Node] = {}
     removed = 0
-    for node in list(gm.graph.nodes):
+    for node in list(graph.nodes):
         if node.op != "call_function" or not _mergeable(node.target):
             continue
         key = (node.target, _hashable(node.args), _hashable(node.kwargs))
@@ -748,7 +751,7 @@ def eliminate_common_calls(gm: GraphModule) -> int:
         first = seen.setdefault(key, node)
         if first is not node:
             node.replace_all_uses_with(first)
-            gm.graph.erase_node(node)
+            graph.erase_node(node)
             removed += 1
     return removed
 
