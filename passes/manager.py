@@ -93,6 +93,7 @@ def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None 
     interp = FakeTensorProp(gm, mode)
     dirty: set[Node] = set()
     count = 0
+    memo: dict = {}
     with mode:
         for n in gm.graph.nodes:
             if n.op == "placeholder":
@@ -112,12 +113,70 @@ def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None 
             old = before[n][4] if before is not None and n in before else _MISSING
             if n not in changed:
                 old = n.meta.get("val", _MISSING)
-            interp.run_node(n)
+            key = _call_key(n)
+            if key is not None and key in memo:
+                n.meta["val"] = _fresh_fake(memo[key])
+            else:
+                interp.run_node(n)
+                if key is not None:
+                    memo[key] = _fake_metadata(n.meta.get("val", _MISSING))
             count += 1
             if not same_value(old, n.meta.get("val", _MISSING)):
                 dirty.add(n)
     interp.env.clear()
     return count
+
+
+# Layers repeat the same op calls on values of the same shapes: the second and later calls
+# of an ATen/dcp op on inputs with the same metadata (and the same other arguments) take the
+# first one's result metadata instead of dispatching again (a fake tensor has no data, so
+# its result depends on nothing else). Exact: the full re-propagation check compares them.
+
+
+def _call_key(n: Node):
+    """(op, argument signature) of a call_function of an OpOverload whose tensor inputs
+    have plain static metadata; None when the result cannot be reused."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    if torch.Tag.nondeterministic_seeded in n.target.tags:
+        return None
+    sig = []
+    for leaf in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
+        if isinstance(leaf, Node):
+            v = leaf.meta.get("val", _MISSING)
+            meta = _fake_metadata(v)
+            if meta is None:
+                return None
+            sig.append(meta)
+        else:
+            sig.append((type(leaf).__name__, repr(leaf)))
+    return n.target, repr(torch.utils._pytree.tree_structure((n.args, n.kwargs))), tuple(sig)
+
+
+def _fake_metadata(v):
+    """Everything a fake tensor's value is (shape, stride, offset, dtype, device), or None
+    for values this reuse does not handle (symbolic sizes, constants, non-tensors)."""
+    if isinstance(v, (list, tuple)):
+        parts = [_fake_metadata(x) for x in v]
+        return None if any(p is None for p in parts) else (type(v).__name__, tuple(parts))
+    if not isinstance(v, torch.Tensor) or v.requires_grad or \
+            getattr(v, "constant", None) is not None or \
+            not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
+        return None     # a fake carrying a real constant computes from its data
+    return ("tensor", tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype,
+            v.device)
+
+
+def _fresh_fake(meta):
+    """A new fake tensor (in the active fake mode) with that metadata."""
+    if meta[0] != "tensor":
+        parts = [_fresh_fake(m) for m in meta[1]]
+        return tuple(parts) if meta[0] == "tuple" else parts
+    _, shape, stride, offset, dtype, device = meta
+    extent = 1 + sum((d - 1) * st for d, st in zip(shape, stride)) if all(shape) else 0
+    base = torch.empty(offset + extent, dtype=dtype, device=device)
+    return base.as_strided(shape, stride, offset) if offset or shape != (offset + extent,) \
+        else base
 
 
 def same_value(a, b) -> bool:
