@@ -2,7 +2,7 @@
 
 finalize         FINALIZE_RULES, op name -> rule: arith.constant -> stablehlo.constant, static
                  dynamic_iota -> iota, constant folding of reshape/convert (no f64 left)
-(canonicalize)   torch-mlir's canonicalizer (stablehlo.canonicalize, run by the package)
+(canonicalize)   MLIR's canonicalizer, run between the two (stablehlo.canonicalize)
 check_contract   only stablehlo and func ops, static shapes, no custom_call
 annotate         module name and replica count, argument/result names, cache aliasing
 """
