@@ -10,36 +10,39 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-# The role naming convention is the runtime's (it binds the roles when loading a program).
-from runtime.roles import COLLECTIVE_TARGETS, role_name, role_of  # noqa: F401
+# The role naming convention and the collectives table are the runtime's (it binds the roles
+# when loading a program); arguments are in the order runtime.roles.COLLECTIVES describes.
+from runtime.roles import COLLECTIVE_TARGETS, WAIT_TARGET, role_name, role_of  # noqa: F401
 from runtime.names import META_LAYER, META_PASS, ROLE_PREFIX  # noqa: F401
 
 F = torch.ops._c10d_functional
 
 
+def _emit(g: Graph, target, args: tuple) -> tuple[Node, Node]:
+    """The collective and the wait on its result."""
+    c = g.call_function(target, args)
+    return c, g.call_function(WAIT_TARGET, (c,))
+
+
 def all_gather(g: Graph, x: Node, role: str, size: int) -> tuple[Node, Node]:
     """Concatenate ``x`` of every rank of the role along dim 0: returns (collective, wait)."""
-    c = g.call_function(F.all_gather_into_tensor.default, (x, size, role_name(role)))
-    return c, g.call_function(F.wait_tensor.default, (c,))
+    return _emit(g, F.all_gather_into_tensor.default, (x, size, role_name(role)))
 
 
 def reduce_scatter(g: Graph, x: Node, role: str, size: int) -> tuple[Node, Node]:
     """Sum ``x`` over the role and keep this rank's 1/size slice of dim 0."""
-    c = g.call_function(F.reduce_scatter_tensor.default, (x, "sum", size, role_name(role)))
-    return c, g.call_function(F.wait_tensor.default, (c,))
+    return _emit(g, F.reduce_scatter_tensor.default, (x, "sum", size, role_name(role)))
 
 
 def all_to_all(g: Graph, x: Node, role: str, size: int, rows: int) -> tuple[Node, Node]:
     """Split dim 0 of ``x`` (``size * rows`` rows) into ``size`` equal parts, send part j to
     rank j of the role, and concatenate the parts received in rank order."""
     splits = [rows] * size
-    c = g.call_function(F.all_to_all_single.default, (x, splits, splits, role_name(role)))
-    return c, g.call_function(F.wait_tensor.default, (c,))
+    return _emit(g, F.all_to_all_single.default, (x, splits, splits, role_name(role)))
 
 
 def all_reduce(g: Graph, x: Node, role: str) -> tuple[Node, Node]:
-    c = g.call_function(F.all_reduce.default, (x, "sum", role_name(role)))
-    return c, g.call_function(F.wait_tensor.default, (c,))
+    return _emit(g, F.all_reduce.default, (x, "sum", role_name(role)))
 
 
 def collective_summary(gm) -> list[dict]:

@@ -31,7 +31,7 @@ from torch.fx import GraphModule
 
 from .errors import DCPNeuronError
 from .names import RANK_INPUT
-from .roles import role_of
+from .roles import COLLECTIVE_DIM, REDUCTIONS, WAIT_TARGET, bound_collectives, uneven_splits
 
 __all__ = ["DCPNeuronError", "NeuronStepModule", "bind_xla_collectives", "collective_calls",
            "neuron_available", "use_xla_module", "xla_all_gather", "xla_all_reduce",
@@ -92,12 +92,10 @@ _PIN_LAYOUT = False
 
 
 def _reduce_type(xm, reduce: str):
-    table = {"sum": "REDUCE_SUM", "max": "REDUCE_MAX", "min": "REDUCE_MIN",
-             "product": "REDUCE_MUL"}
-    if reduce not in table:
+    if reduce not in REDUCTIONS:
         raise DCPNeuronError(f"no torch_xla reduction for {reduce!r}: supported are "
-                             f"{sorted(table)}.")
-    return getattr(xm, table[reduce])
+                             f"{sorted(REDUCTIONS)}.")
+    return getattr(xm, REDUCTIONS[reduce].xla)
 
 
 def xla_all_gather(x: torch.Tensor, dim: int, groups: list[list[int]]) -> torch.Tensor:
@@ -123,6 +121,11 @@ def xla_all_to_all(x: torch.Tensor, dim: int, groups: list[list[int]]) -> torch.
                             pin_layout=_PIN_LAYOUT)
 
 
+# runtime.roles.COLLECTIVES kind name -> the function a bound graph calls for it.
+XLA_COLLECTIVES = {"all_gather": xla_all_gather, "reduce_scatter": xla_reduce_scatter,
+                   "all_reduce": xla_all_reduce, "all_to_all": xla_all_to_all}
+
+
 # ------------------------------------------------------------------------------------------
 # Binding a program graph
 # ------------------------------------------------------------------------------------------
@@ -136,35 +139,25 @@ def bind_xla_collectives(gm: GraphModule, groups: dict[str, list[list[int]]]) ->
     """
     from runtime.program import copy_graph_module
 
-    F = torch.ops._c10d_functional
     out = copy_graph_module(gm)
     for node in list(out.graph.nodes):
-        if node.op == "call_function" and node.target == F.wait_tensor.default:
+        if node.op == "call_function" and node.target == WAIT_TARGET:
             node.replace_all_uses_with(node.args[0])
             out.graph.erase_node(node)
-    for node in list(out.graph.nodes):
-        role = role_of(node)
-        if role is None:
-            continue
-        if role not in groups:
-            raise DCPNeuronError(f"collective {node.name} runs on role {role!r}, which the "
-                                 f"topology does not have: roles are {sorted(groups)}. Bind "
-                                 f"the program's own topology.")
-        g = [list(map(int, grp)) for grp in groups[role]]
-        x = node.args[0]
-        if node.target == F.all_gather_into_tensor.default:
-            target, args = xla_all_gather, (x, 0, g)
-        elif node.target == F.reduce_scatter_tensor.default:
-            target, args = xla_reduce_scatter, (x, node.args[1], 0, g)
-        elif node.target == F.all_reduce.default:
-            target, args = xla_all_reduce, (x, node.args[1], g)
-        else:
-            splits = [s for s in node.args[1:3] if s is not None]
-            if any(len(set(s)) > 1 for s in splits):
-                raise DCPNeuronError(f"all_to_all_single with unequal splits {splits} at "
-                                     f"{node.name}: xm.all_to_all splits evenly. Pad to "
-                                     f"equal splits.")
-            target, args = xla_all_to_all, (x, 0, g)
+    for c in bound_collectives(out, groups, error=DCPNeuronError,
+                               fix="Bind the program's own topology"):
+        node, kind = c.node, c.kind
+        splits = uneven_splits(node, kind)
+        if splits:
+            raise DCPNeuronError(f"all_to_all_single with unequal splits {splits} at "
+                                 f"{node.name}: xm.all_to_all splits evenly. Pad to "
+                                 f"equal splits.")
+        # xla_<kind>(x, [reduce,] [dim,] groups): see the functions above.
+        args = ((node.args[0],)
+                + ((node.args[kind.reduce_arg],) if kind.reduce_arg is not None else ())
+                + ((COLLECTIVE_DIM,) if kind.dim != "elementwise" else ())
+                + ([list(map(int, grp)) for grp in c.binding],))
+        target = XLA_COLLECTIVES[kind.name]
         with out.graph.inserting_before(node):
             new = out.graph.call_function(target, args)
         new.meta.update(node.meta)
@@ -206,7 +199,6 @@ class NeuronStepModule(torch.nn.Module):
 
 def collective_calls(gm: GraphModule) -> list[tuple[str, tuple]]:
     """(function name, non-tensor args) of every torch_xla collective in a bound graph."""
-    names = {xla_all_gather: "all_gather", xla_reduce_scatter: "reduce_scatter",
-             xla_all_reduce: "all_reduce", xla_all_to_all: "all_to_all"}
+    names = {fn: name for name, fn in XLA_COLLECTIVES.items()}
     return [(names[n.target], tuple(a for a in n.args[1:]))
             for n in gm.graph.nodes if n.op == "call_function" and n.target in names]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch.fx import Graph, GraphModule
 
 from .eager import specialize_for_eager
-from .errors import DCPInputError
+from .errors import DCPInputError, DCPWorldError
 from .names import RANK_INPUT
-from .roles import role_of
+from .roles import bound_collectives
 from .step_contract import StepContract
 
 
@@ -50,15 +50,11 @@ class RankProgram:
         for kind, gm in program.graphs.items():
             gm = copy_graph_module(gm)
             self.eager_kernels[kind] = specialize_for_eager(gm)
-            for node in gm.graph.nodes:
-                role = role_of(node)
-                if role is None:
-                    continue
-                if role not in group_names:
-                    raise KeyError(f"program step {kind!r} uses role {role!r} but rank {rank} "
-                                   f"bound only {sorted(group_names)}; bind every role of "
-                                   f"the topology.")
-                node.args = node.args[:-1] + (group_names[role],)
+            for c in bound_collectives(
+                    gm, group_names, error=DCPWorldError, fix="Bind every role of the topology",
+                    binder=f"rank {rank}'s process groups",
+                    where=lambda n, kind=kind: f"at node {n.name} (step {kind!r})"):
+                c.node.update_arg(c.kind.group_arg, c.binding)
             gm.recompile()
             self.graphs[kind] = gm
 

@@ -11,6 +11,8 @@ from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDi
                                                      dim_squeeze, dim_transpose,
                                                      dim_unsqueeze, expand, view_groups)
 
+from runtime.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
+
 from .lattice import Refusal, Seg, Shard, canon, scale_segs
 from .node_args import norm_dim, shape_of
 
@@ -152,9 +154,10 @@ for _op in (aten.clone.default, aten.contiguous.default, aten.alias.default,
     DIM_MAPS[_op] = _identity
 
 
-# Collectives act on each element on its own across ranks: every dim passes through (the
-# token dim of prefill meets them after the tensor-parallel rewrite).
-COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,
-               torch.ops._c10d_functional.wait_tensor.default)
+# Collectives that act on each element on its own across ranks (all_reduce), and the wait:
+# every dim passes through (the token dim of prefill meets them after the tensor-parallel
+# rewrite).
+COLLECTIVES = tuple(t for t, kind in ROLE_COLLECTIVES.items() if kind.dim == "elementwise") \
+    + (WAIT_TARGET,)
 for _op in COLLECTIVES:
     DIM_MAPS[_op] = _identity
