@@ -13,7 +13,6 @@ attention projections; or the refusal and its message.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

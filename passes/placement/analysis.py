@@ -1,7 +1,14 @@
 """The placement analysis driver: requirements from attention run backward to the weights,
 placements run forward from them, until nothing changes; then a strict forward check. Any op
 without a rule for its inputs, any conflict, is a DCPTransformError naming the op, the
-placements and the source line (see :mod:`passes.placement`)."""
+placements and the source line (see :mod:`passes.placement`).
+
+The sweeps are worklists (:class:`Worklist`): a sweep visits only the nodes whose inputs'
+placements, requirements or decisions changed since their last visit, in the order a full
+sweep would, so the work is linear in the graph (one fixpoint per MLP down projection used to
+re-walk the whole graph: quadratic in the layers). ``DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1``
+sweeps every node instead, with the same decisions and errors
+(tests/test_placement_worklist.py)."""
 
 from __future__ import annotations
 
@@ -450,8 +457,7 @@ class Analysis:
                 self._set_known(n, p)
                 changed = True
         for n in self.rows.sweep():  # a linear reading a sharded input is row-parallel
-            if n not in self.linears and isinstance(
-                    self.P(n.args[0]), Shard):
+            if n not in self.linears and isinstance(self.P(n.args[0]), Shard):
                 px = self.P(n.args[0])
                 if px.dim != len(shape_of(n.args[0])) - 1:
                     raise _err(n, f"linear input is {show(px)}", "Only the input features "
@@ -463,11 +469,13 @@ class Analysis:
     def _first_down(self) -> Node | None:
         """The first undecided linear whose input is still unknown. Linears only get decided
         and inputs only get known, so the first such one never moves back: a cursor."""
-        lin = self.linear_nodes
-        while self.down_cursor < len(lin) and (lin[self.down_cursor] in self.linears or self.P(
-                lin[self.down_cursor].args[0]) is not None):
-            self.down_cursor += 1
-        return lin[self.down_cursor] if self.down_cursor < len(lin) else None
+        for i in range(self.down_cursor, len(self.linear_nodes)):
+            n = self.linear_nodes[i]
+            if n not in self.linears and self.P(n.args[0]) is None:
+                self.down_cursor = i
+                return n
+        self.down_cursor = len(self.linear_nodes)
+        return None
 
     def run(self) -> PlacementPlan:
         if not self.attn:
