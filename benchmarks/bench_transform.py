@@ -15,7 +15,8 @@ ratio to plain ``torch.export`` of the same model with the same step inputs:
 A 1-layer transform and lowering run first, untimed, so one-time costs (imports, op
 registration, torch-mlir's tables) are not charged to the first row. ``--full-propagation``
 also times the passes with a full shape re-propagation after every pass (the pass manager's
-old behaviour), for comparison.
+old behaviour), for comparison; ``--full-placement-sweeps`` the passes with the placement
+analysis's old full sweeps (env DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1).
 
     python3 -m benchmarks.bench_transform [--layers 8,32,80] [--repeat N] [--no-lower]
 
@@ -87,6 +88,18 @@ def time_passes_full_propagation(model, args, shapes) -> float:
         manager.propagate_changed = real
 
 
+def time_passes_full_placement_sweeps(model, args, shapes) -> float:
+    """The passes again, the placement analysis sweeping every node on every sweep (its old
+    algorithm, quadratic in the layers) instead of only the nodes whose inputs changed."""
+    import os
+    from passes.placement.analysis import FULL_SWEEPS_ENV
+    os.environ[FULL_SWEEPS_ENV] = "1"
+    try:
+        return time_transform(model, args, shapes)[2]
+    finally:
+        del os.environ[FULL_SWEEPS_ENV]
+
+
 def time_lower(prog) -> tuple[float | str, dict]:
     """Lowering seconds (or why it failed) and its phases summed over the step graphs."""
     t0 = time.perf_counter()
@@ -125,6 +138,8 @@ def main():
     ap.add_argument("--no-lower", action="store_true", help="skip the lowering column")
     ap.add_argument("--full-propagation", action="store_true",
                     help="also time the passes with a full re-propagation after each")
+    ap.add_argument("--full-placement-sweeps", action="store_true",
+                    help="also time the passes with the placement analysis's old full sweeps")
     args = ap.parse_args()
     print("load:", _load())
     shapes = StepShapes(batch=8, context_len=1024, max_blocks=256, num_blocks=2049)
@@ -163,6 +178,10 @@ def main():
             full = time_passes_full_propagation(model, args, shapes)
             print(f"{'':>6} passes with full re-propagation after each pass: {full:.2f} s "
                   f"(incremental: {passes:.2f} s)", flush=True)
+        if args.full_placement_sweeps:
+            full = time_passes_full_placement_sweeps(model, args, shapes)
+            print(f"{'':>6} passes with full placement sweeps: {full:.2f} s "
+                  f"(worklist: {passes:.2f} s)", flush=True)
         if isinstance(lower, str) and lower.startswith("failed"):
             print(f"{'':>6} lower {lower}")
         if phases:

@@ -1,11 +1,20 @@
 """The placement analysis driver: requirements from attention run backward to the weights,
 placements run forward from them, until nothing changes; then a strict forward check. Any op
 without a rule for its inputs, any conflict, is a DCPTransformError naming the op, the
-placements and the source line (see :mod:`passes.placement`)."""
+placements and the source line (see :mod:`passes.placement`).
+
+The sweeps are worklists (:class:`Worklist`): a sweep visits only the nodes whose inputs'
+placements, requirements or decisions changed since their last visit, in the order a full
+sweep would, so the work is linear in the graph (one fixpoint per MLP down projection used to
+re-walk the whole graph: quadratic in the layers). ``DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1``
+sweeps every node instead, with the same decisions and errors
+(tests/test_placement_worklist.py)."""
 
 from __future__ import annotations
 
+import heapq
 import operator
+import os
 from dataclasses import replace
 
 import torch
@@ -28,12 +37,58 @@ def _replicated(p) -> bool:
     return all(_replicated(x) for x in p) if isinstance(p, tuple) else p == R
 
 
+# Debug switch: sweep every node on every sweep (the original algorithm) instead of only the
+# nodes whose inputs changed. Decisions and errors are the same either way (tested).
+FULL_SWEEPS_ENV = "DCP_COMPILE_FULL_PLACEMENT_SWEEPS"
+
+
+class Worklist:
+    """The nodes one kind of sweep must revisit, visited in sweep order (``key``: position).
+
+    A sweep of the original algorithm evaluated every node; evaluating a node whose inputs
+    have not changed since its last evaluation changes nothing and raises nothing, so a sweep
+    need only visit the nodes marked since. A node marked ahead of the cursor is visited in
+    the running sweep (as the full sweep would reach it later), one marked at or behind it in
+    the next sweep. ``full``: visit every node on every sweep (the original algorithm)."""
+
+    def __init__(self, nodes: list[Node], key: dict[Node, int], full: bool):
+        self.key = {n: key[n] for n in nodes}
+        self.nodes = {k: n for n, k in self.key.items()}
+        self.full = full
+        self.later: set[int] = set(self.nodes)
+        self.heap: list[int] | None = None
+        self.pos = 0
+
+    def mark(self, n: Node) -> None:
+        k = self.key.get(n)
+        if k is None:
+            return
+        if self.heap is not None and k > self.pos:
+            heapq.heappush(self.heap, k)
+        else:
+            self.later.add(k)
+
+    def sweep(self):
+        self.heap = list(self.nodes) if self.full else list(self.later)
+        heapq.heapify(self.heap)
+        self.later, self.pos = set(), None
+        try:
+            while self.heap:
+                k = heapq.heappop(self.heap)
+                if self.pos is not None and k <= self.pos:
+                    continue   # marked twice ahead of the cursor
+                self.pos = k
+                yield self.nodes[k]
+        finally:
+            self.heap = None
+
+
 def _err(n: Node, what: str, fix: str) -> DCPTransformError:
     return DCPTransformError(f"{what}: node {n.name} ({n.target}) at {source_of(n)}. {fix}.")
 
 
 class Analysis:
-    def __init__(self, gm: GraphModule, config):
+    def __init__(self, gm: GraphModule, config, full_sweeps: bool | None = None):
         self.gm, self.cfg = gm, config
         self.nodes = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
@@ -48,6 +103,45 @@ class Analysis:
         self.req: dict[Node, object] = {}
         self.decided: dict[Node, object] = {}     # param -> placement
         self.linears: dict[Node, str] = {}
+        self.linear_nodes = [n for n in self.nodes if n.target == LINEAR]
+        # What each sweep must revisit: a state change marks the nodes that read it.
+        full = full_sweeps if full_sweeps is not None else \
+            os.environ.get(FULL_SWEEPS_ENV, "") not in ("", "0")
+        self.fw = Worklist(self.nodes, self.order, full)
+        self.bw = Worklist(self.nodes, {n: -i for n, i in self.order.items()}, full)
+        self.rows = Worklist(self.linear_nodes, self.order, full)
+        self.down_cursor = 0
+        self.evaluations = 0                      # forward + backward rule evaluations
+
+    # -- state changes: each marks the nodes whose evaluation reads it --------------------
+
+    def _placed(self, n: Node) -> None:
+        """P(n) changed (known or decided): its users' forward and backward read it."""
+        self.bw.mark(n)
+        for u in n.users:
+            self.fw.mark(u)
+            self.bw.mark(u)
+            self.rows.mark(u)
+
+    def _set_known(self, n: Node, p) -> None:
+        self.known[n] = p
+        self._placed(n)
+
+    def _set_linear(self, n: Node, kind: str) -> None:
+        self.linears[n] = kind
+        self.fw.mark(n)
+        self.bw.mark(n)
+        self.rows.mark(n)
+
+    def _required(self, n: Node) -> None:
+        """req[n] changed: read by n's forward (a sideways requirement), n's backward, and
+        the backward of its producers two steps up (a split's input reads the getitems)."""
+        self.fw.mark(n)
+        self.bw.mark(n)
+        for a in n.all_input_nodes:
+            self.bw.mark(a)
+            for b in a.all_input_nodes:
+                self.bw.mark(b)
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -61,7 +155,10 @@ class Analysis:
         if old is not None and old != p:
             raise _err(why, f"parameter {param.name} is needed as {show(old)} and as {show(p)}",
                        "Tied or shared weights must be cut the same way; untie them")
-        self.decided[param] = p
+        if old is None:
+            self.decided[param] = p
+            self.fw.mark(param)
+            self._placed(param)
 
     def require(self, n: Node, p, why: Node) -> bool:
         if p is None:
@@ -70,7 +167,9 @@ class Analysis:
         if old is not None and old != p:
             raise _err(why, f"{n.name} is required to be {show(old)} and {show(p)}",
                        "The model mixes layouts that no single weight cut serves")
-        self.req[n] = p
+        if old is None:
+            self.req[n] = p
+            self._required(n)
         return old is None
 
     def _refuse(self, n: Node, ins, reason: str):
@@ -83,6 +182,7 @@ class Analysis:
 
     def forward(self, n: Node, strict: bool):
         """This node's placement from its inputs', or None when an input is still unknown."""
+        self.evaluations += 1
         if n.op == "placeholder":
             if n in self.params:
                 return self.decided.get(n, R)
@@ -198,7 +298,8 @@ class Analysis:
 
     def backward_sweep(self) -> bool:
         changed = False
-        for n in reversed(self.nodes):
+        for n in self.bw.sweep():
+            self.evaluations += 1
             if n.op != "call_function" and n not in self.params:
                 if n.op == "placeholder" and isinstance(self.req.get(n), Shard) \
                         and n.name not in {a.name for at in self.attn for a in at.args[3:5]}:
@@ -322,7 +423,7 @@ class Analysis:
             self.decide(w, R, n)
             if b is not None:
                 self.decide(b, R, n)
-            self.linears[n] = "replicated"
+            self._set_linear(n, "replicated")
             return True
         if not isinstance(req, Shard) or req.dim != last:
             raise _err(n, f"linear output is required to be {show(req)}",
@@ -331,7 +432,7 @@ class Analysis:
         self.decide(w, replace(req, dim=0), n)
         if b is not None:
             self.decide(b, replace(req, dim=0), n)
-        self.linears[n] = "column"
+        self._set_linear(n, "column")
         return True
 
     def _check_weight(self, n, w):
@@ -342,22 +443,21 @@ class Analysis:
     def _decide_row(self, n: Node, px: Shard) -> None:
         self._check_weight(n, n.args[1])
         self.decide(n.args[1], replace(px, dim=1), n)
-        self.linears[n] = "row"
+        self._set_linear(n, "row")
 
     # -- driver ----------------------------------------------------------------------------
 
     def forward_sweep(self) -> bool:
         changed = False
-        for n in self.nodes:
+        for n in self.fw.sweep():
             if n in self.known:
                 continue
             p = self.forward(n, strict=False)
             if p is not None:
-                self.known[n] = p
+                self._set_known(n, p)
                 changed = True
-        for n in self.nodes:  # a linear reading a sharded input is row-parallel
-            if n.target == LINEAR and n not in self.linears and isinstance(
-                    self.P(n.args[0]), Shard):
+        for n in self.rows.sweep():  # a linear reading a sharded input is row-parallel
+            if n not in self.linears and isinstance(self.P(n.args[0]), Shard):
                 px = self.P(n.args[0])
                 if px.dim != len(shape_of(n.args[0])) - 1:
                     raise _err(n, f"linear input is {show(px)}", "Only the input features "
@@ -365,6 +465,17 @@ class Analysis:
                 self._decide_row(n, px)
                 changed = True
         return changed
+
+    def _first_down(self) -> Node | None:
+        """The first undecided linear whose input is still unknown. Linears only get decided
+        and inputs only get known, so the first such one never moves back: a cursor."""
+        for i in range(self.down_cursor, len(self.linear_nodes)):
+            n = self.linear_nodes[i]
+            if n not in self.linears and self.P(n.args[0]) is None:
+                self.down_cursor = i
+                return n
+        self.down_cursor = len(self.linear_nodes)
+        return None
 
     def run(self) -> PlacementPlan:
         if not self.attn:
@@ -374,14 +485,12 @@ class Analysis:
             for i, want in ((0, self.q_shard), (1, self.kv_shard), (2, self.kv_shard)):
                 self.require(at.args[i], want, at)
             for c in at.args[3:5]:
-                self.known[c] = self.kv_shard
+                self._set_known(c, self.kv_shard)
         while True:
             while self.forward_sweep() | self.backward_sweep():
                 pass
-            pending = [n for n in self.nodes if n.target == LINEAR and n not in self.linears]
-            down = [n for n in pending if self.P(n.args[0]) is None]
-            if down:   # an MLP's down projection: row-parallel over full TP
-                n = down[0]
+            n = self._first_down()
+            if n is not None:   # an MLP's down projection: row-parallel over full TP
                 k = shape_of(n.args[0])[-1]
                 px = Shard(len(shape_of(n.args[0])) - 1, (Seg(k, self.cfg.tp),), "mlp")
                 if k % self.cfg.tp:
@@ -391,7 +500,7 @@ class Analysis:
                 self.require(n.args[0], px, n)
                 continue
             break
-        for n in pending:
+        for n in self.linear_nodes:
             if n in self.linears:
                 continue
             if not reaches_output_directly(n):
@@ -407,7 +516,7 @@ class Analysis:
             self.decide(n.args[1], spec, n)
             if len(n.args) > 2 and n.args[2] is not None:
                 self.decide(n.args[2], spec, n)
-            self.linears[n] = "lm_head"
+            self._set_linear(n, "lm_head")
         embeddings = [n for n in self.nodes if n.target == EMBEDDING]
         for e in embeddings:
             vocab = shape_of(e.args[0])[0]

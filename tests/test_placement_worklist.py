@@ -1,0 +1,166 @@
+"""The placement analysis's worklist sweeps decide exactly what full sweeps decide, in work
+linear in the layers.
+
+``Analysis(full_sweeps=True)`` (env DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1) is the original
+algorithm: every sweep evaluates every node, one fixpoint per MLP down projection, so its work
+grows with the square of the layers. The default visits only the nodes whose inputs changed.
+Here ``analyze`` is wrapped to run both on every graph a transform analyses (demo, Hugging
+Face, tests/sharding_models.py, fuzz models of tests/model_grammar.py, refused models) and
+compare the whole plan: every node's placement, sharded parameters, linear kinds and roles,
+attention projections; or the refusal and its message.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dcp_compile
+from dcp_compile.models import DemoConfig, demo_model
+from runtime.engine import StepShapes
+from runtime.errors import DCPError, DCPTransformError
+import passes.shard_tensor_parallel as stp
+from passes.placement.analysis import Analysis
+
+from model_grammar import build as build_grammar, model_specs
+from sharding_models import FeatureConfig, FeatureLM
+
+
+def summary(plan) -> dict:
+    """Everything a PlacementPlan says, by node name (comparable across two analyses)."""
+    names = lambda ns: [n.name for n in ns]   # noqa: E731
+    return dict(
+        placements={n.name: p for n, p in plan.placements.items()},
+        params={n.name: p for n, p in plan.params.items()},
+        linears={n.name: k for n, k in plan.linears.items()},
+        roles=dict(plan.roles), embeddings=names(plan.embeddings), kv_shard=plan.kv_shard,
+        attention={at.name: {k: (names(v) if isinstance(v, list) else getattr(v, "name", v))
+                             for k, v in sites.items()} for at, sites in plan.attention.items()})
+
+
+def outcome(gm, config, full: bool):
+    a = Analysis(gm, config, full_sweeps=full)
+    try:
+        return ("plan", summary(a.run())), a
+    except DCPTransformError as e:
+        return ("refused", str(e)), a
+
+
+def compare_both(monkeypatch) -> list:
+    """Wrap ``analyze`` in shard_tensor_parallel: both algorithms on each graph, asserted
+    equal. Returns the list of (outcome kind, worklist evaluations, full evaluations)."""
+    seen = []
+
+    def both(gm, config):
+        full, fa = outcome(gm, config, True)
+        fast, wa = outcome(gm, config, False)
+        assert fast == full
+        seen.append((fast[0], wa.evaluations, fa.evaluations))
+        if fast[0] == "refused":
+            raise DCPTransformError(fast[1])
+        return Analysis(gm, config, full_sweeps=False).run()
+
+    monkeypatch.setattr(stp, "analyze", both)
+    return seen
+
+
+@pytest.fixture
+def compared(monkeypatch):
+    return compare_both(monkeypatch)
+
+
+def transform(model, **kw):
+    try:
+        dcp_compile.transform(model, check=False, **kw)
+    except DCPError:
+        pass     # a refusal by placement is compared above; later passes may refuse too
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_demo_model_same_plan(compared, mode):
+    model = demo_model(DemoConfig(num_layers=3))
+    transform(model, tp=4, dcp=2, mode=mode)
+    assert compared and all(k == "plan" for k, _, _ in compared)
+
+
+FEATURES = {
+    "fused-slices-everything": (FeatureConfig(qkv="fused_slices", mlp="fused", qk_norm="across",
+                                              literal_heads=True, rope="interleaved",
+                                              num_q_heads=8, num_kv_heads=2), 4, 2),
+    "fused-rows-mqa": (FeatureConfig(qkv="fused_rows", num_q_heads=4, num_kv_heads=1), 2, 1),
+    "per-head-h3d": (FeatureConfig(qkv="per_head", num_q_heads=4, num_kv_heads=4), 4, 1),
+    "three-first": (FeatureConfig(qkv="three_first", num_q_heads=4, num_kv_heads=4), 4, 1),
+    "q-gate": (FeatureConfig(q_gate=True, num_q_heads=8, num_kv_heads=2), 4, 2),
+    "qk-norm-per-head": (FeatureConfig(qk_norm="per_head", num_q_heads=8, num_kv_heads=2), 4,
+                         2),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_sharding_models_same_plan(compared, name):
+    cfg, tp, dcp = FEATURES[name]
+    shapes = StepShapes.fitting(2, 12, 21, block_size=16, dcp=dcp)
+    for mode in ("decode", "prefill"):
+        transform(FeatureLM(cfg), tp=tp, dcp=dcp, mode=mode, shapes=shapes)
+    assert compared
+
+
+def test_refused_models_same_refusal(compared):
+    """The refusals of test_sharding_models (amax over heads, a full-width add)."""
+    from test_sharding_models import AmaxAcrossHeads, ReplicatedSpanningHeads
+    shapes = StepShapes.fitting(2, 12, 21, block_size=16, dcp=2)
+    for cls in (AmaxAcrossHeads, ReplicatedSpanningHeads):
+        transform(cls(), tp=4, dcp=2, mode="decode", shapes=shapes)
+    assert [k for k, _, _ in compared] == ["refused", "refused"]
+
+
+HF = ["llama-gqa-8to2", "qwen2-qkv-bias", "qwen3-per-head-qk-norm", "qwen2-tied-embeddings"]
+
+
+@pytest.mark.parametrize("model_id", HF)
+def test_hf_models_same_plan(compared, model_id):
+    pytest.importorskip("transformers")
+    from test_hf import MODELS, SHAPES, build
+    config_name, model_name, overrides, prepare = MODELS[model_id]
+    model = build(config_name, model_name, overrides)
+    transform(model, tp=4, dcp=2, mode="decode", shapes=SHAPES)
+    assert compared
+
+
+def test_hf_deepseek_mla_same_plan(compared):
+    pytest.importorskip("transformers")
+    from test_mla import hf_deepseek
+    shapes = StepShapes.fitting(2, 8, 16, block_size=8, dcp=2)
+    transform(hf_deepseek("V3", q_lora_rank=24), tp=4, dcp=2, mode="decode", block_size=8,
+              shapes=shapes)
+    assert compared
+
+
+@settings(max_examples=40, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck), print_blob=False)
+@given(spec=model_specs(), tp=st.sampled_from([2, 4]), dcp=st.sampled_from([1, 2]),
+       mode=st.sampled_from(["decode", "prefill"]))
+def test_fuzz_models_same_plan_or_refusal(spec, tp, dcp, mode):
+    with pytest.MonkeyPatch.context() as mp:
+        compare_both(mp)
+        shapes = StepShapes.fitting(3, 12, 24, block_size=4, dcp=dcp)
+        transform(build_grammar(spec), tp=tp, dcp=dcp, mode=mode, block_size=4,
+                  shapes=shapes)
+
+
+def test_rule_evaluations_grow_linearly_with_layers(monkeypatch):
+    """2x layers -> at most 2.2x rule evaluations; the full sweeps (the old algorithm) grow
+    faster than that, so this test tells the two apart."""
+    seen = compare_both(monkeypatch)
+    shapes = StepShapes(batch=2, context_len=16, max_blocks=4, num_blocks=16)
+    counts = {}
+    for layers in (4, 8, 16):
+        seen.clear()
+        dcp_compile.transform(demo_model(DemoConfig(num_layers=layers), device="meta"),
+                              tp=4, dcp=2, mode="decode", shapes=shapes, check=False)
+        counts[layers] = (sum(w for _, w, _ in seen), sum(f for _, _, f in seen))
+    fast = {k: w for k, (w, _) in counts.items()}
+    full = {k: f for k, (_, f) in counts.items()}
+    assert fast[8] <= 2.2 * fast[4] and fast[16] <= 2.2 * fast[8], counts
+    assert full[16] > 2.2 * full[8], counts
