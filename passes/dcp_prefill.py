@@ -57,7 +57,7 @@ from runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, SP_GA
 
 from . import collectives as C
 from .dcp_decode import cp_rank_node, replace_attention
-from .placement import Refusal, token_dim
+from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
 from .sequence_parallel import pad_tokens, reduce_scatter_tokens
@@ -116,8 +116,8 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
                 v = a.meta.get("val")
                 if a in td or not isinstance(v, torch.Tensor):
                     continue
-                k = d - (out.ndim - v.ndim)
-                if k < 0 or v.shape[k] == 1:
+                k = aligned_dim(n, a, d)
+                if k is None or v.shape[k] == 1:
                     continue
                 if v.shape[k] != tokens or k == 0 or v.shape[0] != out.shape[0]:
                     raise DCPTransformError(

@@ -79,6 +79,46 @@ def test_mla_decode_matches_own_forward(tp, dcp, block, interleave):
     print(f"tp={tp} dcp={dcp}: max |logit error| {worst:.2e}")
 
 
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_mla_products_are_batched_over_heads(mode):
+    """W_UK and W_UV are applied as matmuls batched over heads against a per-head view of
+    kv_b_proj's weight: walking every value of every step graph, none holds the broadcast
+    product [tokens, heads, dn + dv, L] (B*S*H_rank*(dn+dv)*L elements on a rank), and the
+    weight is met only by those matmuls (through views of it)."""
+    tp, dcp, batch, context = 4, 2, 4, 16
+    program = dcp_compile.transform(plain_mla(CFG), tp=tp, dcp=dcp, mode=mode, block_size=4,
+                                    check=False, shapes=StepShapes(batch=batch,
+                                                                   context_len=context,
+                                                                   max_blocks=4, num_blocks=13))
+    rows = CFG.qk_nope_head_dim + CFG.v_head_dim
+    # Heads per rank: full TP in decode, the dcp_tp group in prefill (which slices the
+    # tokens of a chunk into dcp interleaved parts).
+    heads = CFG.num_q_heads // (tp if mode == "decode" else tp // dcp)
+    matmuls = 0
+    for step, gm in program.graphs.items():
+        nodes = {n.name: n for n in gm.graph.nodes}
+        tokens = nodes["input_ids"].meta["val"].numel() // (1 if mode == "decode" else dcp)
+        product = tokens * heads * rows * CFG.kv_lora_rank
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "call_function" and isinstance(v, torch.Tensor):
+                assert v.numel() < product, (step, n.name, tuple(v.shape))
+        for layer in range(CFG.num_layers):
+            w = nodes[f"p_model_layers_{layer}_self_attn_kv_b_proj_weight"]
+            stack, seen = [w], []
+            while stack:
+                for u in stack.pop().users:
+                    if u.target is torch.ops.aten.matmul.default:
+                        seen.append(u)
+                    else:
+                        assert u.op == "call_function" and u.meta["val"].numel() <= \
+                            w.meta["val"].numel(), (step, u.name, u.target)
+                        stack.append(u)
+            assert len(seen) == 2, (step, layer, seen)   # W_UK and W_UV
+            matmuls += 2
+    assert matmuls == 2 * CFG.num_layers * len(program.graphs)
+
+
 def test_mla_q_lora_check():
     """q through its own low-rank path (q_a_proj -> RMSNorm -> q_b_proj): transform's own
     check (context + decode step against the model's forward) passes."""
