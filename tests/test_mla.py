@@ -17,6 +17,7 @@ from runtime.errors import DCPConfigError, DCPTransformError
 from dcp_compile.mla_models import MLAConfig, plain_mla
 from dcp_compile.verify import run_threaded_program
 from runtime.engine import StepShapes
+from runtime.names import SPEC_STEP
 
 from helpers import assert_close_report, prompts_of
 from test_ordinary_models import full_forward_reference
@@ -273,12 +274,16 @@ def test_hf_deepseek_decode_matches_own_forward(version, tp, dcp, block, interle
           f"{worst:.2e}")
 
 
-@pytest.mark.parametrize("tp,dcp,model", [(4, 2, "plain"), (8, 8, "plain"), (4, 2, "V3"),
-                                          (8, 2, "V2")])
-def test_mla_prefill_check(tp, dcp, model):
+@pytest.mark.parametrize("tp,dcp,model,q_lora_rank", [
+    (4, 2, "plain", 0), (8, 8, "plain", 0), (4, 2, "V3", None), (8, 2, "V2", None),
+    # q through its own low-rank path (q_a_proj -> RMSNorm -> q_b_proj): the chain runs on
+    # each rank's owned tokens (dcp_prefill slices the hidden state before q_a_proj).
+    (4, 2, "plain", 24), (8, 8, "plain", 24), (4, 2, "V3", 24), (8, 8, "V3", 24)])
+def test_mla_prefill_check(tp, dcp, model, q_lora_rank):
     """Prefill DCP (the nine-step pattern) over the latent cache: transform's own check runs
     a first chunk and a second chunk attending to it, against the model's forward."""
-    model = plain_mla(CFG) if model == "plain" else hf_deepseek(model)
+    model = plain_mla(CFG, q_lora_rank=q_lora_rank) if model == "plain" else \
+        hf_deepseek(model, q_lora_rank=q_lora_rank)
     program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill",
                                     block_size=4, check=True,
                                     shapes=StepShapes(batch=4, context_len=16, max_blocks=4,
@@ -286,6 +291,12 @@ def test_mla_prefill_check(tp, dcp, model):
     report = program.facts["check"]
     assert report["ok"] and max(report["step_errors"]) < ATOL
     assert (program.cache_spec().kv_heads, program.cache_spec().head_dim) == (1, 20)
+    if q_lora_rank:   # q_a_proj, q_b_proj and kv_a_proj run on the owned tokens (step 3)
+        step3 = [n for n in program.graphs["prefill"].graph.nodes
+                 if n.meta.get(SPEC_STEP) == 3 and n.target is torch.ops.aten.linear.default]
+        assert len(step3) == 3 * CFG.num_layers, [n.name for n in step3]
+    print(f"{model.__class__.__name__} q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: "
+          f"max step error {max(report['step_errors']):.2e}")
 
 
 def test_mla_bf16_check():
@@ -338,14 +349,3 @@ def test_absorbed_graph_equals_captured_graph(build):
     for n in gm.graph.nodes:   # attention over one shared head [latent ; k_pe]
         if n.target is sdpa:
             assert n.args[1].meta["val"].shape[1] == 1 and n.args[1] is n.args[2]
-
-
-def test_mla_prefill_low_rank_q_refused():
-    """Not yet in prefill mode (MLA_NOTES.md): a low-rank q path (dcp_prefill wants one
-    projection per q/k/v reading the sequence-parallel all-gather). Refused by name, never a
-    wrong program."""
-    with pytest.raises(DCPTransformError, match="sequence-parallel all-gather"):
-        dcp_compile.transform(plain_mla(CFG, q_lora_rank=24), tp=4, dcp=2, mode="prefill",
-                              block_size=4, check=False,
-                              shapes=StepShapes(batch=2, context_len=16, max_blocks=4,
-                                                num_blocks=9))
