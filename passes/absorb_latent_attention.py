@@ -20,7 +20,8 @@ This pass rewrites the graph into that form before the cache is inserted: the at
 then MQA with K = V = [c ; k_pe] (insert_paged_cache stores a tensor that is both K and V
 once), q heads and W's head rows are sharded by TP as usual (W_UK/W_UV are per-head views of
 W), and DCP decode gathers q_abs, attends over each rank's latents and combines the partial
-[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded) in MLA_NOTES.md.
+[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded): README, "Multi-head Latent
+Attention".
 
 Recognised: ``aten.scaled_dot_product_attention`` or eager ``q @ k^T -> softmax -> @ v``
 whose key is ``cat(k_nope, expand(k_pe))`` (or Hugging Face's new_empty + copy_ of the two)
@@ -323,8 +324,8 @@ def _parts(anchor: Node, q: Node, v: Node, k_nope: Node, k_pe: Node) -> dict:
 
 def _absorbed_inputs(new, p: dict) -> tuple[Node, Node]:
     """(q_abs [B,H,S,L+dr], kv [B,1,S,L+dr]) at the current insertion point."""
-    b, heads, s, dn, dv, dr, lat = (p[k] for k in ("b", "heads", "s", "dn", "dv", "dr", "lat"))
-    q, weight, latent = p["q"], p["weight"], p["latent"]
+    b, s, dn, dr, lat = (p[k] for k in ("b", "s", "dn", "dr", "lat"))
+    q, latent = p["q"], p["latent"]
     c = latent
     if len(val(latent).shape) == 4:       # HF views the normed latent [B,S,L] as [B,1,S,L]
         src = _skip_casts(latent.args[0]) if _call(latent, {aten.view.default,

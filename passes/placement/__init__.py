@@ -50,5 +50,5 @@ from .rules import RULES, Rule, aligned_dim, rule_for, slice_bounds, split_range
 from .tokens import token_dim
 
 __all__ = ["Seg", "Shard", "Replicate", "Partial", "R", "Placement", "Refusal", "canon",
-           "show", "Rule", "RULES", "rule_for", "aligned_dim", "DIM_MAPS", "slice_bounds", "split_ranges",
-           "PlacementPlan", "head_shards", "analyze", "token_dim"]
+           "show", "Rule", "RULES", "rule_for", "aligned_dim", "DIM_MAPS", "slice_bounds",
+           "split_ranges", "PlacementPlan", "head_shards", "analyze", "token_dim"]
