@@ -6,7 +6,9 @@ as this pass's own first stage when the pass list does not name it). Each layer'
 from the step-1 all-gather that SequenceParallel placed before q/k/v, becomes:
 
   2. h_own   = gather(h, interleave_slice_index)          S -> C tokens this cp_rank owns
-  3. q, k, v = projections of h_own (weights sharded over dcp_tp_group, by ShardTensorParallel)
+  3. q, k, v = projections of h_own (weights sharded over dcp_tp_group, by ShardTensorParallel;
+               a low-rank chain, MLA's replicated q_a_proj -> RMSNorm -> q_b_proj, is
+               sliced before its first linear and runs on the owned tokens throughout)
   4. caches  = dcp.cache_write(k, v, slot_mapping gathered with the same index)
   5. q_all   = all_gather(q) over cp_kv                    [B, C] -> [B, W*C] (rank-major)
   6. q       = gather(q_all, q_unshuffle_index)            chunk (global) order, [B, S]
