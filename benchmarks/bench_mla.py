@@ -1,13 +1,20 @@
 """MLA (DeepSeek latent attention) under DCP: KV bytes per rank and decode step time vs dcp.
 
-The hand-written MLA model (dcp_compile/mla_models.py) at tp=8, dcp in {1, 2, 4, 8}: the
-cache holds one latent head ([latent ; k_pe], kv_lora_rank + qk_rope_head_dim per token and
-layer), so each rank's KV bytes fall as 1/dcp (plus the garbage block); an expanded-K/V
-cache (what plain GQA caching of the expanded keys/values would hold) is printed for
-comparison. Step time: threaded world (every rank a thread), wall seconds per decode step,
-median over the decode steps on rank 0. Printed, never asserted.
+A DeepSeek-shaped MLA model (dcp_compile/mla_models.py: kv_lora_rank L=512, rope dr=64,
+16 heads, qk_nope = v = 128) at tp=8, dcp in {1, 2, 4, 8}, with a long context already in
+the cache. The cache holds one latent head ([latent ; k_pe], L + dr values per token and
+layer), so each rank's KV bytes fall as 1/dcp (plus the garbage block); the expanded K/V a
+plain GQA cache of the same model would hold is printed for comparison.
 
-    python3 benchmarks/bench_mla.py [--tp 8] [--dcps 1,2,4,8] [--context 64] [--steps 4]
+Step time: the decode program on a threaded world (every rank a thread), one decode step of
+``--batch`` sequences whose ``--context`` tokens are in the cache (random latents written
+straight into each rank's blocks: the context step is not run, it would dominate the wall
+time), wall seconds of the step on rank 0, median of ``--steps``. Ratios are against dcp=1.
+Printed, never asserted; on a small machine the ranks share its cores, so the times are the
+sum of all ranks' work, not one device's.
+
+    python3 benchmarks/bench_mla.py [--tp 8] [--dcps 1,2,4,8] [--context 4096] [--batch 4]
+                                    [--layers 3] [--steps 5]
 """
 
 from __future__ import annotations
@@ -20,39 +27,33 @@ import torch
 
 import dcp_compile
 from dcp_compile.mla_models import MLAConfig, plain_mla
-from dcp_compile.verify import prompt_kind
-from runtime.engine import Engine, LocalExecutor, StepShapes
+from runtime.engine import StepShapes
 from runtime.world import bind_roles, run_threaded
 
-
-class TimedExecutor:
-    """Pass-through executor recording the wall time of each decode step."""
-
-    def __init__(self, inner):
-        self.inner, self.decode_seconds = inner, []
-
-    @property
-    def caches(self):
-        return self.inner.caches
-
-    def step(self, kind, *args):
-        t0 = time.perf_counter()
-        out = self.inner.step(kind, *args)
-        if kind == "decode":
-            self.decode_seconds.append(time.perf_counter() - t0)
-        return out
+BLOCK = 16
 
 
-def decode_step_seconds(program, prompts, steps) -> float:
-    """Median decode step wall time on rank 0 of a threaded world."""
+def decode_step_seconds(program, batch: int, context: int, steps: int) -> float:
+    """Median wall time of one decode step on rank 0 (every sequence ``context`` long)."""
+    shapes = program.shapes
+
     def rank_main(rank):
         loaded = program.load(rank, bind_roles(program.topology, rank))
-        ex = TimedExecutor(LocalExecutor(loaded.step_fns(), program.cache_spec().allocate()))
-        engine = Engine(ex, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+        g = torch.Generator().manual_seed(rank)
+        caches = [torch.randn(c.shape, generator=g, dtype=c.dtype)
+                  for c in program.cache_spec().allocate()]
+        ids = torch.zeros(batch, 1, dtype=torch.long)
+        positions = torch.full((batch, 1), context, dtype=torch.long)
+        per_row = shapes.max_blocks
+        table = torch.arange(batch * per_row, dtype=torch.long).view(batch, per_row)
+        step = loaded.step_fn("decode")
+        seconds = []
         with torch.no_grad():
-            engine.generate(prompts, steps)
-        return statistics.median(ex.decode_seconds)
+            for _ in range(steps + 1):           # the first step warms up
+                t0 = time.perf_counter()
+                step(ids, positions, table, caches)
+                seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds[1:])
     return run_threaded(program.config.tp, rank_main)[0]
 
 
@@ -60,36 +61,38 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--dcps", default="1,2,4,8")
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
-    cfg = MLAConfig(num_layers=2)
+    cfg = MLAConfig(num_layers=args.layers, hidden_size=512, num_q_heads=16, kv_lora_rank=512,
+                    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                    intermediate_size=512, vocab_size=256)
     model = plain_mla(cfg)
-    block = 4
     latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     expanded = cfg.num_q_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    print(f"MLA: heads={cfg.num_q_heads} kv_lora_rank={cfg.kv_lora_rank} "
-          f"rope={cfg.qk_rope_head_dim}: {latent} values/token/layer latent vs {expanded} "
-          f"expanded K/V; tp={args.tp}, context {args.context}, fp32")
-    print(f"{'dcp':>4} {'KV bytes/rank':>14} {'tp-only latent':>15} {'tp-only expanded':>17} "
-          f"{'step s':>8}")
-    g = torch.Generator().manual_seed(0)
-    prompt = [torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()]
+    print(f"MLA: heads={cfg.num_q_heads} L={cfg.kv_lora_rank} dr={cfg.qk_rope_head_dim} "
+          f"dn=dv={cfg.v_head_dim}, {cfg.num_layers} layers: {latent} values/token/layer "
+          f"latent vs {expanded} expanded K/V; tp={args.tp}, batch {args.batch} x context "
+          f"{args.context}, block {BLOCK}, fp32, {torch.get_num_threads()} intra-op threads")
+    print(f"{'dcp':>4} {'KV MB/rank':>11} {'x dcp=1':>8} {'tp-only expanded MB/rank':>25} "
+          f"{'decode step s':>14} {'x dcp=1':>8}")
+    base = None
     for dcp in map(int, args.dcps.split(",")):
-        tokens = args.context + args.steps + 1
-        max_blocks = -(-tokens // (block * dcp))
-        shapes = StepShapes(batch=1, context_len=args.context, max_blocks=max_blocks,
-                            num_blocks=max_blocks + 1)
+        max_blocks = -(-(args.context + 1) // (BLOCK * dcp))
+        shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=max_blocks,
+                            num_blocks=args.batch * max_blocks + 1)
         program = dcp_compile.transform(model, tp=args.tp, dcp=dcp, mode="decode",
-                                        block_size=block, shapes=shapes, check=False)
-        spec = program.cache_spec()
-        # The same token capacity without DCP (every rank all tokens): latent / expanded K/V.
-        tokens_cap = (shapes.num_blocks - 1) * dcp * block + block
-        tp_latent = cfg.num_layers * tokens_cap * latent * 4
-        tp_expanded = cfg.num_layers * tokens_cap * (expanded // args.tp) * 4
-        per_step = decode_step_seconds(program, prompt, args.steps)
-        print(f"{dcp:>4} {spec.bytes_per_rank():>14} {tp_latent:>15} {tp_expanded:>17} "
-              f"{per_step:>8.4f}")
+                                        block_size=BLOCK, shapes=shapes, check=False)
+        kv = program.cache_spec().bytes_per_rank()
+        # The same token capacity with an expanded K/V cache sharded by heads over tp only.
+        tokens = (shapes.num_blocks - 1) * dcp * BLOCK + BLOCK
+        tp_expanded = cfg.num_layers * tokens * (expanded // args.tp) * 4
+        step = decode_step_seconds(program, args.batch, args.context, args.steps)
+        base = base or (kv, step)
+        print(f"{dcp:>4} {kv / 2**20:>11.2f} {kv / base[0]:>8.3f} {tp_expanded / 2**20:>25.2f} "
+              f"{step:>14.4f} {step / base[1]:>8.3f}", flush=True)
 
 
 if __name__ == "__main__":

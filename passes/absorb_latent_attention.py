@@ -20,7 +20,8 @@ This pass rewrites the graph into that form before the cache is inserted: the at
 then MQA with K = V = [c ; k_pe] (insert_paged_cache stores a tensor that is both K and V
 once), q heads and W's head rows are sharded by TP as usual (W_UK/W_UV are per-head views of
 W), and DCP decode gathers q_abs, attends over each rank's latents and combines the partial
-[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded) in MLA_NOTES.md.
+[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded): README, "Multi-head Latent
+Attention".
 
 Recognised: ``aten.scaled_dot_product_attention`` or eager ``q @ k^T -> softmax -> @ v``
 whose key is ``cat(k_nope, expand(k_pe))`` (or Hugging Face's new_empty + copy_ of the two)
@@ -323,8 +324,8 @@ def _parts(anchor: Node, q: Node, v: Node, k_nope: Node, k_pe: Node) -> dict:
 
 def _absorbed_inputs(new, p: dict) -> tuple[Node, Node]:
     """(q_abs [B,H,S,L+dr], kv [B,1,S,L+dr]) at the current insertion point."""
-    b, heads, s, dn, dv, dr, lat = (p[k] for k in ("b", "heads", "s", "dn", "dv", "dr", "lat"))
-    q, weight, latent = p["q"], p["weight"], p["latent"]
+    b, s, dn, dr, lat = (p[k] for k in ("b", "s", "dn", "dr", "lat"))
+    q, latent = p["q"], p["latent"]
     c = latent
     if len(val(latent).shape) == 4:       # HF views the normed latent [B,S,L] as [B,1,S,L]
         src = _skip_casts(latent.args[0]) if _call(latent, {aten.view.default,
@@ -337,32 +338,29 @@ def _absorbed_inputs(new, p: dict) -> tuple[Node, Node]:
     kv = new(aten.transpose.int, kv, 1, 2)                                      # [B,1,S,L+dr]
     q_nope = new(aten.slice.Tensor, q, 3, 0, dn)
     q_pe = new(aten.slice.Tensor, q, 3, dn, dn + dr)
-    # q_nope_h @ W_UK_h against W itself (see _apply_w_uv): q_nope padded to W's per-head
-    # rows [k_nope | v] with a filler whose products are sliced off before the sum.
-    filler = new(aten.expand.default, new(aten.slice.Tensor, q_nope, 3, 0, 1),
-                 [b, heads, s, dv])
-    x = new(aten.transpose.int, new(aten.cat.default, [q_nope, filler], -1), 1, 2)
-    x = new(aten.reshape.default, x, [b, s, heads * (dn + dv), 1])
-    prod = new(aten.view.default, new(aten.mul.Tensor, x, weight), [b, s, heads, dn + dv, lat])
-    q_lat = new(aten.sum.dim_IntList, new(aten.slice.Tensor, prod, 3, 0, dn), [3])
-    q_lat = new(aten.transpose.int, q_lat, 1, 2)                                # [B,H,S,L]
+    q_lat = new(aten.matmul.default, q_nope, _w_heads(new, p, 0, dn, q_nope))  # [B,H,S,L]
     return new(aten.cat.default, [q_lat, q_pe], -1), kv
+
+
+def _w_heads(new, p: dict, start: int, end: int, like: Node, transpose: bool = False) -> Node:
+    """Rows [start, end) of every head of W = kv_b_proj.weight, as a batch over heads
+    ``[1, H, end - start, L]`` (``[1, H, L, end - start]`` transposed) in ``like``'s dtype:
+    W_UK is rows [0, dn), W_UV rows [dn, dn + dv). A view of W itself, so the placement
+    analysis cuts W by heads where a head-sharded operand meets it in the matmul; the batched
+    product never materialises [B, S, H*(dn+dv), L]."""
+    w = new(aten.view.default, p["weight"], [p["heads"], p["dn"] + p["dv"], p["lat"]])
+    w = new(aten.slice.Tensor, w, 1, start, end)
+    if transpose:
+        w = new(aten.transpose.int, w, 1, 2)
+    w = new(aten.unsqueeze.default, w, 0)
+    return w if val(w).dtype == val(like).dtype else new(aten.to.dtype, w, val(like).dtype)
 
 
 def _apply_w_uv(new, p: dict, o: Node) -> Node:
     """o [B,H,S,L+dr] (attention in latent space) -> o[..., :L] @ W_UV_h^T [B,H,S,dv]."""
-    b, heads, s, dn, dv, lat = (p[k] for k in ("b", "heads", "s", "dn", "dv", "lat"))
-    o_lat = new(aten.slice.Tensor, o, 3, 0, lat)                               # [B,H,S,L]
-    # Against W itself (rows [k_nope | v] per head, the k_nope rows dropped after): a
-    # parameter met elementwise takes the heads' cut in the placement analysis, a computed
-    # view of it would be taken as replicated.
-    o5 = new(aten.expand.default, new(aten.unsqueeze.default, o_lat, 3),
-             [b, heads, s, dn + dv, lat])
-    o5 = new(aten.reshape.default, new(aten.transpose.int, o5, 1, 2),
-             [b, s, heads * (dn + dv), lat])
-    kv_o = new(aten.sum.dim_IntList, new(aten.mul.Tensor, o5, p["weight"]), [3])
-    kv_o = new(aten.view.default, kv_o, [b, s, heads, dn + dv])
-    return new(aten.transpose.int, new(aten.slice.Tensor, kv_o, 3, dn, dn + dv), 1, 2)
+    o_lat = new(aten.slice.Tensor, o, 3, 0, p["lat"])                          # [B,H,S,L]
+    return new(aten.matmul.default, o_lat,
+               _w_heads(new, p, p["dn"], p["dn"] + p["dv"], o_lat, transpose=True))
 
 
 def _record(p: dict, scale) -> dict:

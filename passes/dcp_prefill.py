@@ -6,7 +6,9 @@ as this pass's own first stage when the pass list does not name it). Each layer'
 from the step-1 all-gather that SequenceParallel placed before q/k/v, becomes:
 
   2. h_own   = gather(h, interleave_slice_index)          S -> C tokens this cp_rank owns
-  3. q, k, v = projections of h_own (weights sharded over dcp_tp_group, by ShardTensorParallel)
+  3. q, k, v = projections of h_own (weights sharded over dcp_tp_group, by ShardTensorParallel;
+               a low-rank chain, MLA's replicated q_a_proj -> RMSNorm -> q_b_proj, is
+               sliced before its first linear and runs on the owned tokens throughout)
   4. caches  = dcp.cache_write(k, v, slot_mapping gathered with the same index)
   5. q_all   = all_gather(q) over cp_kv                    [B, C] -> [B, W*C] (rank-major)
   6. q       = gather(q_all, q_unshuffle_index)            chunk (global) order, [B, S]
@@ -52,12 +54,12 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from runtime.errors import DCPTransformError
 from runtime.ops import owned_capacity
-from runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, SP_GATHER, SP_META,
-                           SP_SLICE, SPEC_STEP)
+from runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, ROLE_META,
+                           SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
 from .dcp_decode import cp_rank_node, replace_attention
-from .placement import Refusal, token_dim
+from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
 from .sequence_parallel import pad_tokens, reduce_scatter_tokens
@@ -101,6 +103,11 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
                     f"size {tokens}) and the dims before it must stay as they are.")
         elif t == aten.unflatten.int and n.args[1] % src_ndim <= d:
             raise DCPTransformError(f"{where} unflattens a dim at or before the token dim.")
+        if _is_linear(n):   # a chained projection: mixes the features (last dim) only
+            if n.args[0] is not src or d == src_ndim - 1:
+                raise DCPTransformError(f"{where} projects along the token dim {d}.")
+            td[n] = d
+            continue
         # Whether the op keeps tokens apart, and where they go: the placement rules
         # (passes.placement), with the token dim as the sharded one.
         try:
@@ -116,8 +123,8 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
                 v = a.meta.get("val")
                 if a in td or not isinstance(v, torch.Tensor):
                     continue
-                k = d - (out.ndim - v.ndim)
-                if k < 0 or v.shape[k] == 1:
+                k = aligned_dim(n, a, d)
+                if k is None or v.shape[k] == 1:
                     continue
                 if v.shape[k] != tokens or k == 0 or v.shape[0] != out.shape[0]:
                     raise DCPTransformError(
@@ -133,7 +140,7 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
 class LayerPlan:
     layer: int
     attn: Node
-    projections: tuple[Node, Node, Node]      # q, k, v linears
+    projections: tuple[Node, Node, Node]      # q, k, v linears reading the hidden state
     hidden: Node                              # their common full-sequence input (step 1)
     qkv_path: list[Node]                      # projections -> attention q/k/v, graph order
     token_dim: dict[Node, int] = field(default_factory=dict)      # path node -> token dim
@@ -142,6 +149,9 @@ class LayerPlan:
     o_token_dim: dict[Node, int] = field(default_factory=dict)
     o_proj: Node | None = None
     o_reduce: list[Node] = field(default_factory=list)   # all_reduce, wait, [pad], sp slice
+    # Linears after the first one of a low-rank chain (MLA's q_b_proj after q_a_proj -> norm):
+    # on the q/k/v path, they run on the owned tokens too.
+    chained: list[Node] = field(default_factory=list)
 
 
 class DCPPrefill(DCPPass):
@@ -173,14 +183,16 @@ class DCPPrefill(DCPPass):
             if sites is None:
                 raise DCPTransformError(f"attention {attn.name} has no projections recorded; "
                                         f"run shard_tensor_parallel before dcp_prefill.")
-            projs = []
+            projs, chained = [], []
             for i, what in enumerate("qkv"):
                 lin = [by_name[x] for x in sites[what]]
                 if len(lin) != 1:
                     raise DCPTransformError(
                         f"{what} of attention {attn.name} ({source_of(attn)}) comes from "
                         f"{len(lin)} projections; expected one linear each for q, k, v.")
-                projs.append(lin.pop())
+                root, chain = _chain_root(lin.pop())
+                projs.append(root)
+                chained += [c for c in chain if c not in chained]
             hidden = {p.args[0] for p in projs}
             if len(hidden) != 1 or not next(iter(hidden)).meta.get(SP_GATHER):
                 raise DCPTransformError(
@@ -188,7 +200,8 @@ class DCPPrefill(DCPPass):
                     f"read one sequence-parallel all-gather: {sorted(h.name for h in hidden)}."
                     f" Run sequence_parallel before dcp_prefill.")
             plan = LayerPlan(layer, attn, tuple(projs), hidden.pop(),
-                             self._path(projs, [attn.args[i] for i in range(3)]))
+                             self._path(projs, [attn.args[i] for i in range(3)], chained),
+                             chained=chained)
             plan.token_dim, plan.side_inputs = trace_token_dim(
                 plan.qkv_path, {p: 1 for p in projs}, s, f"q/k/v (layer {layer})")
             for i, what in enumerate("qkv"):
@@ -201,13 +214,15 @@ class DCPPrefill(DCPPass):
         return plans
 
     @staticmethod
-    def _path(sources: list[Node], sinks: list[Node]) -> list[Node]:
-        """Nodes on some path from ``sources`` to ``sinks`` (excluding sources), graph order."""
+    def _path(sources: list[Node], sinks: list[Node], through: list[Node] = ()) -> list[Node]:
+        """Nodes on some path from ``sources`` to ``sinks`` (excluding sources), graph order;
+        the only linears on it are those of ``through``."""
         down, stack = set(), list(sources)
         while stack:
             n = stack.pop()
             for u in n.users:
-                if u not in down and u.op == "call_function" and not _is_linear(u) \
+                if u not in down and u.op == "call_function" and (
+                        not _is_linear(u) or u in through) \
                         and u.target != dcp_ops.attention.default:
                     down.add(u)
                     stack.append(u)
@@ -285,6 +300,7 @@ class DCPPrefill(DCPPass):
             self._step(h_own, 2, KIND_SLICE, layer)
             for lin in plan.projections:   # 3. QKV projection on the owned tokens
                 lin.args = (h_own,) + tuple(lin.args[1:])
+            for lin in (*plan.projections, *plan.chained):
                 lin.meta[SPEC_STEP] = 3
                 lin.meta[META_LAYER] = layer
             _retoken_views(plan.qkv_path, plan.token_dim, cap)
@@ -424,6 +440,35 @@ class DCPPrefill(DCPPass):
             if (n.target == F.all_reduce.default and not n.meta.get(META_NORM_REDUCE)) \
                     or n.meta.get(SP_SLICE):
                 raise DCPTransformError(f"{n.name} should have become a reduce-scatter.")
+
+
+def _chain_root(lin: Node, limit: int = 8) -> tuple[Node, list[Node]]:
+    """The first linear of a low-rank projection chain ending in ``lin`` (MLA's q_a_proj ->
+    RMSNorm -> q_b_proj: q_a_proj), and the chain's later linears. A chain link is a
+    replicated linear (role "replicated": every rank computes it whole) that is the only
+    linear behind the next one's input, through token-wise ops; the root reads the
+    sequence-parallel all-gather. ``lin`` itself when its input is that gather."""
+    chain = []
+    for _ in range(limit):
+        x = lin.args[0]
+        if x.meta.get(SP_GATHER):
+            return lin, chain
+        behind, seen, stack = [], set(), [x]
+        while stack:
+            n = stack.pop()
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if _is_linear(n):
+                behind.append(n)
+            else:
+                stack.extend(n.all_input_nodes)
+        if len(behind) != 1 or behind[0].meta.get(ROLE_META) != "replicated":
+            return lin, chain   # not a chain: the caller's gather check names it
+        chain.insert(0, lin)
+        lin = behind[0]
+    raise DCPTransformError(f"projection {lin.name} ({source_of(lin)}) ends a chain of more "
+                            f"than {limit} linears; expected q_a_proj -> norm -> q_b_proj.")
 
 
 def _retoken_views(path: list[Node], token_dim: dict[Node, int], count: int) -> None:

@@ -16,7 +16,7 @@ layout -- the whole cache, so a stray write anywhere (the garbage block included
 Spec (JSON)::
 
     {"num_kv_heads": 4, "head_dim": 8, "layers": 2, "dtype": "float32", "block_size": 4,
-     "seed": 0, "timeout": 20,
+     "seed": 0, "timeout": 20, "mla": false,
      "prefill": [{"engine_id": "pA", "tp": 4, "dcp": 2, "port": 31000}],
      "decode":  [{"engine_id": "d0", "prefill": "pA", "tp": 2, "dcp": 1,
                   "partial_rows": "staged"}],
@@ -67,8 +67,10 @@ def _reference_kv(seed, request_index, seq_len, num_kv_heads, head_dim, dtype, l
 
 
 def engine_config(spec: dict, eng: dict, mode: str) -> DCPConfig:
+    # "mla": one latent head ([latent ; k_pe] per token, its halves as key and value; the
+    # config's MLA rules: any tp, dcp dividing it).
     return DCPConfig(tp=eng["tp"], dcp=eng["dcp"], mode=mode, block_size=spec["block_size"],
-                     num_kv_heads=spec["num_kv_heads"])
+                     num_kv_heads=spec["num_kv_heads"], mla=bool(spec.get("mla")))
 
 
 def block_tables(spec: dict, cfg: DCPConfig, engine_id: str) -> tuple[int, dict[str, list[int]]]:

@@ -15,6 +15,9 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
   mlp       separate gate/up (SwiGLU) | fused gate_up + chunk (Phi3) | GELU (no gate)
   bias      none | on q/k/v | on every linear
   norm      RMSNorm | LayerNorm (with bias)
+  head_matmul  none | q through a per-head [d, d] matrix | the attention output through one:
+            ``x_h @ W.view(h, d, d)[h]`` as one matmul batched over heads against a view of a
+            [h*d, d] parameter (MLA's absorbed W_UK / W_UV)
   explicit_heads  head counts written in views (view(b, s, 8, d)) instead of -1
   tied      LM head shares the embedding's weight
 """
@@ -44,6 +47,7 @@ class ModelSpec:
     mlp: str = "separate"
     bias: str = "none"
     norm: str = "rms"
+    head_matmul: str = "none"
     explicit_heads: bool = False
     tied: bool = False
     layers: int = 1
@@ -71,6 +75,7 @@ FEATURES = {
     "mlp": ["separate", "fused_chunk", "gelu"],
     "bias": ["none", "qkv", "all"],
     "norm": ["rms", "layer"],
+    "head_matmul": ["none", "q", "out"],
     "explicit_heads": [False, True],
     "tied": [False, True],
 }
@@ -91,7 +96,8 @@ def model_specs(draw) -> ModelSpec:
     # The output gate rides on a q projection of its own.
     q_gate = draw(_feature("q_gate")) if qkv == "separate" else "none"
     picks = {k: draw(_feature(k))
-             for k in ("qk_norm", "rope", "mlp", "bias", "norm", "explicit_heads", "tied")}
+             for k in ("qk_norm", "rope", "mlp", "bias", "norm", "head_matmul",
+                       "explicit_heads", "tied")}
     return ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=draw(_feature("layers", [1, 2])),
                      hidden=draw(st.sampled_from([32, 64])),
                      seed=draw(st.integers(0, 2**16)), **picks)
@@ -153,6 +159,13 @@ class Attention(nn.Module):
         elif spec.qk_norm.startswith("all_heads"):
             gain = spec.qk_norm == "all_heads"
             self.q_norm, self.k_norm = RMSNorm(hq * d, gain=gain), RMSNorm(hkv * d, gain=gain)
+        if spec.head_matmul != "none":
+            self.head_w = nn.Parameter(torch.empty(hq * d, d))
+
+    def _per_head(self, t: Tensor) -> Tensor:
+        """[B, S, hq, d] -> each head times its own [d, d] block of head_w, batched."""
+        w = self.head_w.view(self.spec.q_heads, self.spec.head_dim, self.spec.head_dim)
+        return torch.matmul(t.transpose(1, 2), w).transpose(1, 2)
 
     def _heads(self, t: Tensor, n: int) -> Tensor:
         b, s = t.shape[:2]
@@ -198,12 +211,16 @@ class Attention(nn.Module):
                    for t, n in ((q, spec.q_heads), (k, spec.kv_heads), (v, spec.kv_heads)))
         if spec.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if spec.head_matmul == "q":
+            q = self._per_head(q)
         if spec.rope != "none":
             rot = rotate_half if spec.rope == "half" else rotate_interleaved
             q = q * cos + rot(q) * sin
             k = k * cos + rot(k) * sin
         out, key_cache, value_cache = torch.ops.dcp.paged_attention(
             q, k, v, key_cache, value_cache, positions, block_table, spec.head_dim ** -0.5)
+        if spec.head_matmul == "out":
+            out = self._per_head(out)
         out = out.reshape(b, s, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -249,3 +249,68 @@ def test_token_mixing_ops_are_not_token_wise(fn, shape, target):
     _, n = node_of(fn, shape, target=target)
     with pytest.raises(Refusal):
         token_dim(n, {n.all_input_nodes[0]: 1}, 6)
+
+
+# -- batched matmul: the head dim as a batch dim (MLA's absorbed W_UK / W_UV) ---------------
+
+HEADS0 = Shard(0, (Seg(8, 4),), "attn")                  # [8 heads, S, D] over 4 ranks
+
+
+def _bmm():
+    return node_of(torch.bmm, (8, 6, 4), (8, 4, 5), target=aten.bmm.default)[1]
+
+
+def test_bmm_sharded_alike_on_the_batch_dim_stays_sharded():
+    n = _bmm()
+    assert placed(n, [HEADS0, HEADS0]) == HEADS0
+    assert placed(n, [Shard(1, (Seg(6, 2),), "attn"), R]) == Shard(1, (Seg(6, 2),), "attn")
+    assert rule_for(n.target).backward(n, HEADS0) == dict(zip(n.all_input_nodes,
+                                                              [HEADS0, HEADS0]))
+
+
+@pytest.mark.parametrize("placements,why", [
+    ([HEADS0, R], "whole there"),
+    ([Shard(2, (Seg(4, 2),), "attn"), Shard(1, (Seg(4, 2),), "attn")], "contracts"),
+    ([HEADS0, Shard(0, (Seg(8, 2, 2),), "attn")], "cut differently"),
+], ids=["batch-shard-meets-whole-operand", "contracted-dim", "different-cuts"])
+def test_bmm_refusals_name_the_reason(placements, why):
+    with pytest.raises(Refusal, match=why):
+        placed(_bmm(), placements)
+
+
+def test_bmm_right_operand_is_not_a_per_token_side_input():
+    """Tokens at the left operand's rows: the right operand's dim that happens to line up
+    (its contracted dim, here also 6 long) is not indexed by token."""
+    from passes.placement import token_dim
+    _, n = node_of(torch.bmm, (8, 6, 6), (8, 6, 5), target=aten.bmm.default)
+    assert token_dim(n, {n.all_input_nodes[0]: 1}, 6) == 1
+
+
+class HeadMatmul(Tiny):
+    """q per head through its own [d, d] block of a [h*d, d] parameter, as one matmul batched
+    over heads against a view of it; the parameter takes the heads' cut."""
+
+    def __init__(self):
+        super().__init__("h3d")
+        self.per_head = nn.Parameter(torch.randn(4 * 8, 8))
+
+    def forward(self, ids, positions, table, caches):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 4, 24).split(8, -1)
+        q = torch.matmul(q.transpose(1, 2), self.per_head.view(4, 8, 8)).transpose(1, 2)
+        out, kc, vc = torch.ops.dcp.paged_attention(q, k, v, caches[0], caches[1], positions,
+                                                    table, 0.35)
+        return self.head(x + self.o(out.reshape(b, s, -1))), [kc, vc]
+
+
+def test_a_parameter_viewed_per_head_in_a_batched_matmul_takes_the_heads_cut():
+    ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+          torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, 4, 8)] * 2)
+    cap = capture(HeadMatmul(), ex)
+    ctx = ctx_for(4, 1, "decode")
+    gm = run(cap.gm, [DropExportAsserts(ctx), CanonicalizeAttention(ctx), ValidateAndProve(ctx),
+                      InsertRank(ctx, cap.user_inputs[0])])
+    got = {n.name: p for n, p in analyze(gm, ctx.config).placements.items()}
+    assert got["p_per_head"] == Shard(0, (Seg(32, 4),), "attn")
+    assert got["matmul"] == Shard(1, (Seg(4, 4),), "attn")

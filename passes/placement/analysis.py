@@ -215,6 +215,8 @@ class Analysis:
         try:
             if rule is POINTWISE and not strict:
                 self._adopt_params(n, ins)
+            if rule.adopt is not None and not strict:
+                self._adopt_through_views(n, rule.adopt(n, self._read))
             return rule.forward(n, lambda a: R if isinstance(self.P(a), Partial) else self.P(a))
         except Refusal as e:
             raise self._refuse(n, ins, str(e)) from None
@@ -233,6 +235,35 @@ class Analysis:
                 k = j - (out_nd - fake(a).ndim)
                 if k >= 0 and fake(a).shape[k] != 1:
                     self.decide(a, replace(sh[0], dim=k), n)
+
+    def _read(self, a: Node):
+        return R if isinstance(self.P(a), Partial) else self.P(a)
+
+    def _adopt_through_views(self, n, wants: dict) -> None:
+        """A replicated operand that is a parameter seen through single-input ops (views,
+        slices: MLA's W_UK = kv_b_proj.weight viewed [H, dn+dv, L][:, :dn]) and needs a cut
+        (``wants``): the cut is mapped back through those ops (their backward rules) to the
+        parameter, which takes it; the ops are placed again from it. Anything else is left to
+        the rule, which refuses."""
+        for a, want in wants.items():
+            chain, x = [], a
+            while x not in self.params:
+                r = rule_for(x.target) if x.op == "call_function" else None
+                if r is None or r.backward is None or len(tensor_args(x)) != 1:
+                    return
+                chain.append(x)
+                x = tensor_args(x)[0]
+            need = want
+            try:
+                for c in chain:
+                    need = rule_for(c.target).backward(c, need).get(tensor_args(c)[0])
+                    if not isinstance(need, Shard):
+                        return
+            except Refusal:
+                return
+            self.decide(x, need, n)
+            for c in reversed(chain):
+                self.known[c] = self.forward(c, strict=False)
 
     def _sideways(self, n, ins):
         """Pointwise op with a known sharded operand and unknown ones: they must match it."""

@@ -30,6 +30,13 @@ class Rule:
     name: str
     forward: Callable
     backward: Callable | None = None
+    # (node, P) -> {replicated operand: the placement it needs}: a parameter reached through
+    # views takes that cut (the analysis maps it back to the parameter; MLA's W_UK / W_UV are
+    # per-head views of kv_b_proj's weight met by head-sharded activations).
+    adopt: Callable | None = None
+    # (node, operand, output dim) -> the operand's dim indexed like that output dim, or None;
+    # None here: broadcasting alignment (trailing dims line up), as for elementwise ops.
+    aligned: Callable | None = None
 
 
 def _dims_fw(n, P):
@@ -300,7 +307,112 @@ def _layer_norm_bw(n, req):
     return {n.args[0]: req}
 
 
+# -- batched matmul (matmul / bmm): DTensor's strategies, the head dim as a batch dim ------
+
+def _mm_role(n, x, i: int, p) -> tuple[str, int]:
+    """(role, output dim) of operand i's (0: left, 1: right) sharded dim: a batch dim (any but
+    the last two), left rows, right columns, or the contracted dim."""
+    nd, out_nd = fake(x).ndim, fake(n).ndim
+    if p.dim < nd - 2:
+        return "batch", p.dim + out_nd - nd
+    if p.dim == (nd - 2 if i == 0 else nd - 1):
+        return ("rows", out_nd - 2) if i == 0 else ("columns", out_nd - 1)
+    return "contracted", -1
+
+
+def _mm_operands(n):
+    a, b = n.args[0], n.args[1]
+    if fake(a).ndim < 2 or fake(b).ndim < 2:
+        raise Refusal("a vector operand (only matrices and batches of them have a rule)")
+    return a, b
+
+
+def _broadcast_at(x, out_dim: int, out_nd: int) -> bool:
+    k = out_dim - (out_nd - fake(x).ndim)
+    return k < 0 or fake(x).shape[k] == 1
+
+
+def _matmul_fw(n, P):
+    """Both operands sharded alike on one batch dim (a replicated operand only broadcast
+    there) -> sharded there; left rows x replicated -> rows; replicated x right columns ->
+    columns. Anything else (a contracted dim sharded: a pending sum; a sharded batch dim met
+    by a whole replicated operand; two different cuts) is refused by name."""
+    a, b = _mm_operands(n)
+    out_nd = fake(n).ndim
+    ps = [P(a), P(b)]
+    for x, p in zip((a, b), ps):
+        if p != R and not isinstance(p, Shard):
+            raise Refusal(f"operand {x.name} is {show(p)}")
+    placed = [(i, _mm_role(n, x, i, p), p) for i, (x, p) in enumerate(zip((a, b), ps))
+              if isinstance(p, Shard)]
+    if not placed:
+        return R
+    roles = {role for _, (role, _), _ in placed}
+    if "contracted" in roles:
+        raise Refusal("contracts over the sharded dim (a pending sum; not a head-parallel "
+                      "product)")
+    (i, (role, d), p) = placed[0]
+    out = replace(p, dim=d)
+    if role == "batch":
+        if len(placed) == 2:
+            (_, (role2, d2), p2) = placed[1]
+            if role2 != "batch" or replace(p2, dim=d2) != out:
+                raise Refusal(f"operands are cut differently ({show(p)} and {show(p2)})")
+        elif not _broadcast_at((a, b)[1 - i], d, out_nd):
+            raise Refusal(f"batch dim {d} is sharded on {(a, b)[i].name} but operand "
+                          f"{(a, b)[1 - i].name} is whole there (it needs the same cut)")
+        if fake(n).shape[d] != out.full:
+            raise Refusal("the sharded batch dim is broadcast")
+        return out
+    if len(placed) == 2:
+        raise Refusal(f"both operands sharded ({show(ps[0])} and {show(ps[1])}) off the "
+                      f"batch dims")
+    return out
+
+
+def _matmul_bw(n, req):
+    a, b = _mm_operands(n)
+    out_nd = fake(n).ndim
+    if req.dim < out_nd - 2:
+        return {x: None if _broadcast_at(x, req.dim, out_nd)
+                else replace(req, dim=req.dim - (out_nd - fake(x).ndim)) for x in (a, b)}
+    if req.dim == out_nd - 2:
+        return {a: replace(req, dim=fake(a).ndim - 2), b: None}
+    return {a: None, b: replace(req, dim=fake(b).ndim - 1)}
+
+
+def _matmul_aligned(n, x, out_dim: int) -> int | None:
+    """Batch dims line up by broadcasting; the output rows are the left operand's rows, the
+    columns the right one's (the contracted dim has no output dim)."""
+    a, b = _mm_operands(n)
+    out_nd, nd = fake(n).ndim, fake(x).ndim
+    if out_dim < out_nd - 2:
+        k = out_dim - (out_nd - nd)
+        return k if k >= 0 else None
+    if out_dim == out_nd - 2:
+        return nd - 2 if x is a else None
+    return nd - 1 if x is b else None
+
+
+def _matmul_adopt(n, P) -> dict:
+    """One operand sharded on a batch dim, the other replicated there: the other needs the
+    same cut (taken by a parameter behind views, refused otherwise)."""
+    a, b = _mm_operands(n)
+    out_nd = fake(n).ndim
+    ps = [P(a), P(b)]
+    for i in (0, 1):
+        p, other = ps[i], (a, b)[1 - i]
+        if isinstance(p, Shard) and ps[1 - i] == R:
+            role, d = _mm_role(n, (a, b)[i], i, p)
+            if role == "batch" and not _broadcast_at(other, d, out_nd):
+                return {other: replace(p, dim=d - (out_nd - fake(other).ndim))}
+    return {}
+
+
 RULES: dict = {}
+for _op in (aten.matmul.default, aten.bmm.default):
+    RULES[_op] = Rule("batched matmul (heads as a batch dim)", _matmul_fw, _matmul_bw,
+                      _matmul_adopt, _matmul_aligned)
 for _op in (aten.layer_norm.default, aten.rms_norm.default):
     RULES[_op] = Rule("layer norm over the last dims", _layer_norm_fw, _layer_norm_bw)
 for _op in _ALONG_DIMS:
@@ -330,3 +442,14 @@ def rule_for(target) -> Rule | None:
     if r is None and torch.Tag.pointwise in getattr(target, "tags", ()):
         return POINTWISE
     return r
+
+
+def aligned_dim(n: Node, x: Node, out_dim: int) -> int | None:
+    """The dim of ``n``'s tensor input ``x`` indexed like ``n``'s output dim ``out_dim``
+    (None: x does not carry that dim). Broadcasting alignment unless the op's rule says
+    otherwise (a matmul's right operand has no row dim)."""
+    rule = rule_for(n.target)
+    if rule is not None and rule.aligned is not None:
+        return rule.aligned(n, x, out_dim)
+    k = out_dim - (fake(n).ndim - fake(x).ndim)
+    return k if k >= 0 else None

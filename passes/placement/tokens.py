@@ -7,7 +7,7 @@ from torch.fx import Node
 
 from .lattice import R, Refusal, Seg, Shard, show
 from .node_args import fake
-from .rules import rule_for
+from .rules import aligned_dim, rule_for
 
 
 def token_dim(n: Node, dims: dict[Node, int], tokens: int) -> int:
@@ -30,8 +30,8 @@ def token_dim(n: Node, dims: dict[Node, int], tokens: int) -> int:
             return Shard(dims[a], seg, "seq")
         v = fake(a)
         if j is not None and isinstance(v, torch.Tensor):
-            k = j - (out_nd - v.ndim)
-            if 0 <= k < v.ndim and v.shape[k] == tokens and tokens > 1:
+            k = aligned_dim(n, a, j)
+            if k is not None and k < v.ndim and v.shape[k] == tokens and tokens > 1:
                 return Shard(k, seg, "seq")
         return R
 
