@@ -24,7 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .models import MLP, DemoLlama, RMSNorm, rotate_half
+from .models import DemoLlama, RMSNorm, rotate_half
+from .plain_models import PlainDecoderLayer
 
 
 @dataclass(frozen=True)
@@ -95,19 +96,6 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class MLADecoderLayer(nn.Module):
-    def __init__(self, cfg: MLAConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = MLAAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class PlainMLA(nn.Module):
     """A DeepSeek-style MLA decoder as an ordinary PyTorch causal LM (see module doc)."""
 
@@ -115,7 +103,8 @@ class PlainMLA(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MLADecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(PlainDecoderLayer(cfg, MLAAttention(cfg))
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         dr = cfg.qk_rope_head_dim

@@ -94,10 +94,13 @@ class PlainAttention(nn.Module):
 
 
 class PlainDecoderLayer(nn.Module):
-    def __init__(self, cfg: DemoConfig, **attention_options):
+    """Pre-norm residual block around ``self_attn`` (any attention module taking
+    ``(x, cos, sin)``; also the MLA model's) and the demo MLP."""
+
+    def __init__(self, cfg, self_attn: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = PlainAttention(cfg, **attention_options)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
@@ -121,8 +124,9 @@ class PlainLlama(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            PlainDecoderLayer(cfg, attention=attention, gqa=gqa, fused_qkv=fused_qkv,
-                              window=window, softcap=softcap)
+            PlainDecoderLayer(cfg, PlainAttention(cfg, attention=attention, gqa=gqa,
+                                                  fused_qkv=fused_qkv, window=window,
+                                                  softcap=softcap))
             for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -273,10 +273,14 @@ class SequenceParallel(DCPPass):
         layers = layer_of(gm)
         rank = next(n for n in g.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
         first = next(n for n in g.nodes if n.op != "placeholder")
+        # The index lives where the residual stream does (the model's device: it indexes
+        # that stream), not on the default device; the rank is a 0-d tensor, usable anywhere.
+        device = val(plan.reductions[0].all_reduce.args[0]).device
         with g.inserting_before(first):
             start = g.call_function(aten.mul.Tensor, (rank, per))
             sp_index = g.call_function(aten.add.Tensor, (
-                g.call_function(aten.arange.default, (per,), {"dtype": torch.int64}), start))
+                g.call_function(aten.arange.default, (per,),
+                                {"dtype": torch.int64, "device": device}), start))
         sp_index.name = "sp_index"
         self.tag(sp_index, KIND_SLICE)
 

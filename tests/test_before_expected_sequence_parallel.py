@@ -61,7 +61,7 @@ def _ctx():
 EXPECTED = """
     def forward(self, p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, tp_rank, input_ids, key_cache, value_cache, positions, block_table):
         mul_tensor = aten.mul.Tensor(tp_rank, 1)
-        arange_default = aten.arange.default(1, dtype = torch.int64)
+        arange_default = aten.arange.default(1, dtype = torch.int64, device = device(type='cpu'))
         sp_index = aten.add.Tensor(arange_default, mul_tensor)
         embedding_default = aten.embedding.default(p_embed, input_ids)
         constant_pad_nd_default = aten.constant_pad_nd.default(embedding_default, [0, 0, 0, 1], 0.0)

@@ -47,6 +47,15 @@ def test_meta_device_model_transforms_without_weights():
         "reduce_scatter_tensor@dcp": 1.0}
 
 
+def test_meta_device_model_transforms_in_prefill_mode():
+    # The sequence-parallel slice index is made on the model's device (meta here), not the
+    # default one: index_select(meta stream, cpu index) used to fail fake propagation.
+    model = demo_model(DemoConfig(num_layers=2), device="meta")
+    prog = dcp_compile.transform(model, tp=4, dcp=2, mode="prefill", shapes=SMALL)
+    assert list(prog.graphs) == ["prefill"]
+    assert all(t.is_meta for n, t in prog.state_dict_for(1).items() if n != "tp_rank")
+
+
 def test_dump_dir_gets_the_graph_after_every_pass(tmp_path):
     model = demo_model(DemoConfig(num_layers=1))
     prog = dcp_compile.transform(model, tp=4, dcp=2, shapes=SMALL, dump_dir=tmp_path)
