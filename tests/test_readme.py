@@ -35,7 +35,7 @@ NOT_RUN = {
     "bash scripts/setup.sh ": "the set-up commands at the top install packages; CI runs the "
                               "second one through .ci/run",
     "python3 benchmarks/": "benchmarks take minutes and assert nothing",
-    "python3 -m benchmarks.": "benchmarks take minutes and assert nothing",
+    "python3 -m benchmarks.bench_transform": "benchmarks take minutes and assert nothing",
     "torchrun ": "a 4-process world; tests/test_decode_torchrun.py runs "
                  "dcp_compile.workers.decode on torchrun",
     "dcp-compile verify --tp 4 --dcp 2 --steps 2 --backend xla":
