@@ -472,18 +472,29 @@ def test_integer_floor_division_and_remainder_are_exact_for_negative_operands():
 SPMD_SHAPES = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
 
 
-def _interpreter_world(tp: int, dcp: int, mode: str, out: str) -> None:
+def _interpreter_world(tp: int, dcp: int, mode: str, out: str, model_kind: str = "demo"
+                       ) -> None:
     """Child process: serve prompts with the lowered modules on the interpreter's replicas,
-    and with the single-device model; save both."""
+    and with the single-device model (an ordinary model: its own full forward); save both."""
     from dcp_compile.lowering import InterpreterExecutor
     from dcp_compile.verify import prompt_kind, run_reference
     from runtime.engine import Engine
 
     from helpers import prompts_of
-    model = demo_model(DemoConfig(num_layers=1, num_kv_heads=1))      # tp=2 > kv heads
-    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES)
+    if model_kind == "mla":               # one latent head, absorbed (README: MLA)
+        from dcp_compile.mla_models import plain_mla
+        from dcp_compile.ordinary import FullForwardReference
+        model = plain_mla(num_layers=1)
+        vocab = model.config.vocab_size
+        prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES,
+                                     check=False)
+        model = FullForwardReference(model)
+    else:
+        model = demo_model(DemoConfig(num_layers=1, num_kv_heads=1))  # tp=2 > kv heads
+        vocab = model.config.vocab_size
+        prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES)
     lowered = lower(prog)
-    prompts, steps = prompts_of((3, 7)), 3
+    prompts, steps = prompts_of((3, 7), vocab=vocab), 3
     engine = Engine(InterpreterExecutor(prog, lowered), SPMD_SHAPES,
                     block_size=prog.config.block_size, dcp=prog.config.dcp,
                     prompt_kind=prompt_kind(prog))
@@ -500,9 +511,12 @@ def _interpreter_world(tp: int, dcp: int, mode: str, out: str) -> None:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_lowered_program_on_interpreter_replicas_matches_the_single_device_model(mode,
-                                                                                tmp_path):
+@pytest.mark.parametrize("mode,model_kind", [("decode", "demo"), ("prefill", "demo"),
+                                             ("decode", "mla"), ("prefill", "mla")])
+def test_lowered_program_on_interpreter_replicas_matches_the_single_device_model(
+        mode, model_kind, tmp_path):
+    # tp=2/dcp=2: the interpreter runs one replica per CPU (two here); the MLA program at
+    # tp=8/dcp=8 runs on XLA:CPU replicas instead (tests/test_mla_xla.py).
     import os
     import subprocess
     import sys
@@ -511,7 +525,7 @@ def test_lowered_program_on_interpreter_replicas_matches_the_single_device_model
     out = tmp_path / "world.pt"
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {here!r}); import test_lowering as t; "
-            f"t._interpreter_world(2, 2, {mode!r}, {str(out)!r})")
+            f"t._interpreter_world(2, 2, {mode!r}, {str(out)!r}, {model_kind!r})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
