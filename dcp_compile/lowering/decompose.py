@@ -140,10 +140,20 @@ def decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dt
     the result of a decomposition depends only on the op, its non-tensor arguments and its
     inputs' shapes, strides and dtypes, which is what the key holds."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    cache = cache if cache is not None else DecompositionCache()
+    # Lazy graph modules: the Python code of the per-op traces and of the result is generated
+    # only if something runs them (lowering reads their graphs only), ~10 ms per op trace.
+    with _use_lazy_graph_module(True):
+        return _decompose_by_op(gm, specs, cache if cache is not None else
+                                DecompositionCache(), FakeTensorMode())
+
+
+def _decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dtype]],
+                     cache: DecompositionCache, mode) -> GraphModule:
+    from torch.fx._lazy_graph_module import _make_graph_module
+
     table = decomposition_table()
-    mode = FakeTensorMode()
     graph, root, env = torch.fx.Graph(), torch.nn.Module(), {}
     shapes = iter(specs)
     for node in gm.graph.nodes:
@@ -175,7 +185,7 @@ def decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dt
                                    f"(introduced by pass {pass_name}): only placeholders and "
                                    f"call_function nodes lower. Capture with torch.export.")
     eliminate_common_calls(graph)
-    return GraphModule(root, graph)
+    return _make_graph_module(root, graph)
 
 
 def _copy_marker(graph: torch.fx.Graph, node: Node, env: dict, mode) -> Node:

@@ -44,6 +44,7 @@ def new_context(*, stablehlo_only: bool = False):
     from torch_mlir.dialects import torch as torch_d
     from torch_mlir.passmanager import PassManager
 
+    _cache_dialect_lookups()
     ctx = ir.Context()
     _stablehlo.register_dialect(ctx)
     if stablehlo_only:
@@ -76,6 +77,14 @@ def run_torch_mlir(module, dgm: GraphModule, step: str) -> None:
 
 def canonicalize(module, dgm: GraphModule, step: str) -> None:
     _run_pipeline(module, _PIPELINE_CLEANUP, "cleanup", dgm, step)
+
+
+def _cache_dialect_lookups() -> None:
+    """Put mlir_dialects on the bindings' dialect search path, once (see its docstring)."""
+    from torch_mlir._mlir_libs import _mlir
+    prefix = f"{__package__}.mlir_dialects"
+    if prefix not in _mlir.globals.dialect_search_modules:
+        _mlir.globals.append_dialect_search_prefix(prefix)
 
 
 def _element_type(dtype: torch.dtype):

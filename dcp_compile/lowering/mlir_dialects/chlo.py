@@ -1,0 +1,1 @@
+"""No Python op classes for the chlo dialect (see __init__)."""

@@ -1,0 +1,1 @@
+"""No Python op classes for the stablehlo dialect (see __init__)."""
