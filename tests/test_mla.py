@@ -27,6 +27,22 @@ STEPS = 8
 CFG = MLAConfig()                                   # 8 heads, L=32, dr=8, dn=16, dv=12
 
 
+def _decode_equals_own_forward(program, model, prompts) -> float:
+    """Every rank's greedy tokens equal the model's own full forward's, and its logits are
+    within ATOL at every step (the garbage block NaN-poisoned); returns the worst error."""
+    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS)
+    worst = 0.0
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                worst = max(worst, assert_close_report(
+                    got[b], ref_logits[b][t], atol=ATOL,
+                    what=f"rank {run.rank} step {t} seq {b}"))
+    return worst
+
+
 def _shapes(period: int, block: int, dcp: int) -> StepShapes:
     longest = period + 1 + STEPS
     max_blocks = -(-longest // (block * dcp))
@@ -67,16 +83,7 @@ def test_mla_decode_matches_own_forward(tp, dcp, block, interleave):
 
     lengths = (1, period - 1, period, period + 1)
     prompts = prompts_of(lengths, vocab=CFG.vocab_size)
-    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
-    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS)
-    worst = 0.0
-    for run in runs:
-        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
-        for t, got in enumerate(run.result.logits):
-            for b in range(len(prompts)):
-                worst = max(worst, assert_close_report(
-                    got[b], ref_logits[b][t], atol=ATOL,
-                    what=f"rank {run.rank} step {t} seq {b}"))
+    worst = _decode_equals_own_forward(program, model, prompts)
     print(f"tp={tp} dcp={dcp}: max |logit error| {worst:.2e}")
 
 
@@ -259,16 +266,7 @@ def test_hf_deepseek_decode_matches_own_forward(version, tp, dcp, block, interle
     spec = program.cache_spec()
     assert (spec.kv_heads, spec.head_dim) == (1, (32 + 8) // 2) and program.config.mla
     prompts = prompts_of((1, period - 1, period + 1), vocab=128)
-    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
-    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS)
-    worst = 0.0
-    for run in runs:
-        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
-        for t, got in enumerate(run.result.logits):
-            for b in range(len(prompts)):
-                worst = max(worst, assert_close_report(
-                    got[b], ref_logits[b][t], atol=ATOL,
-                    what=f"rank {run.rank} step {t} seq {b}"))
+    worst = _decode_equals_own_forward(program, model, prompts)
     print(f"HF Deepseek{version} {attention} q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: max |logit "
           f"error| "
           f"{worst:.2e}")
