@@ -13,21 +13,18 @@ bytes moved must be exactly the latent cache's (nothing expanded, nothing twice)
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from runtime.nixl_loopback import engine_config, free_port_base, loopback_env
+from runtime.nixl_loopback import engine_config, free_port_base
 from runtime.topology import topology
 from runtime.transfer_plan import plan_transfer
 
+from nixl_runs import run_loopback
+
 pytestmark = pytest.mark.multiprocess  # two engine processes, ~10-30 s on two cores
 
-ROOT = Path(__file__).resolve().parents[1]
 LATENT, ROPE, LAYERS = 512, 64, 2            # DeepSeek-V3's kv_lora_rank, qk_rope_head_dim
 HEAD_DIM = (LATENT + ROPE) // 2              # each cache of the pair holds one half
 # Prefill engines (MLA: dcp divides tp): A = TP4/DCP2, B = TP8/DCP8.
@@ -53,30 +50,7 @@ def _spec(tmp: Path, base: int) -> dict:
 
 def _run_once(tmp: Path) -> dict:
     spec = _spec(tmp, free_port_base(20))
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    procs = {role: subprocess.Popen(
-        [sys.executable, "-m", "runtime.nixl_loopback", role, str(tmp / "spec.json"),
-         str(tmp / f"{role}.json")], cwd=ROOT, env=loopback_env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for role in ("prefill", "decode")}
-    deadline = time.monotonic() + 180
-    errs = {}
-    for role, p in procs.items():
-        try:
-            _, errs[role] = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, errs[role] = p.communicate()
-    out = {"spec": spec}
-    for role in ("prefill", "decode"):
-        path = tmp / f"{role}.json"
-        if not path.exists():
-            pytest.fail(f"{role} process wrote no result; stderr:\n{errs[role].decode()[-3000:]}")
-        out[role] = json.loads(path.read_text())
-        if "nixl_import_error" in out[role]:
-            pytest.skip(f"import nixl failed: {out[role]['nixl_import_error']}")
-        if "crash" in out[role]:
-            pytest.fail(f"{role} process crashed: {out[role]['traceback']}")
-    return out
+    return run_loopback(tmp, spec, ("prefill", "decode"), timeout=180)
 
 
 @pytest.fixture(scope="module")

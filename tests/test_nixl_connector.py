@@ -9,20 +9,16 @@ reference scattered directly into the decode layout.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from runtime.nixl_loopback import engine_config, free_port_base, loopback_env
+from runtime.nixl_loopback import engine_config, free_port_base
 from runtime.transfer_plan import plan_transfer
+
+from nixl_runs import run_loopback
 
 pytestmark = pytest.mark.multiprocess  # three engine processes, ~10-20 s on two cores
 
-ROOT = Path(__file__).resolve().parents[1]
 FAILURE_BOUND = 1.0  # seconds a failing handshake / transfer may take to be reported
 
 # Prefill engines (num_kv_heads=4): A = TP4/DCP2 (2 heads per rank), B = TP4/DCP4 (4 heads),
@@ -57,32 +53,7 @@ def run(tmp_path_factory):
             "requests": [{"id": k, "seq_len": n} for k, n in REQUESTS.items()],
             "failures": ["no_answer", "silent", "metadata_mismatch", "remote_gone"],
             "stop_file": str(tmp / "decode.json")}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    procs = {role: subprocess.Popen(
-        [sys.executable, "-m", "runtime.nixl_loopback", role, str(tmp / "spec.json"),
-         str(tmp / f"{role}.json")], cwd=ROOT, env=loopback_env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        for role in ("prefill", "prefill-doomed", "decode")}
-    deadline = time.monotonic() + 120
-    errs = {}
-    for role, p in procs.items():
-        try:
-            _, errs[role] = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, errs[role] = p.communicate()
-    out = {}
-    for role in ("prefill", "decode"):
-        path = tmp / f"{role}.json"
-        if not path.exists():
-            pytest.fail(f"{role} process wrote no result; stderr:\n{errs[role].decode()[-3000:]}")
-        out[role] = json.loads(path.read_text())
-        if "nixl_import_error" in out[role]:
-            pytest.skip(f"import nixl failed: {out[role]['nixl_import_error']}")
-        if "crash" in out[role]:
-            pytest.fail(f"{role} process crashed: {out[role]['traceback']}")
-    out["spec"] = spec
-    return out
+    return run_loopback(tmp, spec, ("prefill", "prefill-doomed", "decode"), timeout=120)
 
 
 @pytest.mark.parametrize("engine", list(DECODE))
