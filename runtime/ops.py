@@ -173,7 +173,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             torch.full_like(rows, -1))
 
     keys = torch.cat([k_prior.to(q.dtype), k_cur.to(q.dtype)], dim=1)
-    values = torch.cat([v_prior.to(q.dtype), v_cur.to(q.dtype)], dim=1)
+    # Shared: the values are the keys (one tensor), not a second copy of the same rows.
+    values = keys if kv_shared else torch.cat([v_prior.to(q.dtype), v_cur.to(q.dtype)], dim=1)
     key_pos = torch.cat([prior_pos, k_pos], dim=1)
     key_valid = key_pos >= 0
     # Unwritten or poisoned rows must not leak through 0 * NaN: zero invalid values.
