@@ -5,7 +5,7 @@ them — the machine is shared, single numbers are noisy):
 
   1. step time vs cache capacity at a fixed context (1x, 8x, 64x the blocks needed; the block
      table widened with it): the goal is flat (<= 1.1x), which in-place cache writes and
-     live-span attention (runtime.eager) give on eager backends;
+     live-span attention (dcp_compile.runtime.eager) give on eager backends;
   2. step time vs context length at tp=4 for dcp = 1, 2, 4;
   3. program vs a hand-written eager DCP step (written here from the spec's "Decode Compute
      Pattern", without the passes; it also writes in place and reads the live span);
@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 import dcp_compile
-from runtime import layout
+from dcp_compile.runtime import layout
 from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
-from passes.collectives import collective_summary
-from runtime.engine import StepShapes
-from runtime.world import bind_roles, run_threaded
+from dcp_compile.passes.collectives import collective_summary
+from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.world import bind_roles, run_threaded
 
 FC = torch.ops._c10d_functional
 BLOCK = 16

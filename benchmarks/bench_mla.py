@@ -27,8 +27,8 @@ import torch
 
 import dcp_compile
 from dcp_compile.mla_models import MLAConfig, plain_mla
-from runtime.engine import StepShapes
-from runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.world import bind_roles, run_threaded
 
 BLOCK = 16
 

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 
 import dcp_compile
-from runtime import layout
+from dcp_compile.runtime import layout
 from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from dcp_compile.verify import RecordingExecutor, run_chunks
-from passes.collectives import collective_summary
-from runtime.engine import Engine, LocalExecutor, StepShapes
-from runtime.kv_cache import KVCacheSpec
-from runtime.world import bind_roles, run_threaded
+from dcp_compile.passes.collectives import collective_summary
+from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.kv_cache import KVCacheSpec
+from dcp_compile.runtime.world import bind_roles, run_threaded
 
 FC = torch.ops._c10d_functional
 

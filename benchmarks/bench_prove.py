@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import runtime.layout  # noqa: F401  (import cost is not proof cost)
-from passes.proofs import prove
+import dcp_compile.runtime.layout  # noqa: F401  (import cost is not proof cost)
+from dcp_compile.passes.proofs import prove
 
 
 def main():

@@ -36,7 +36,7 @@ import dcp_compile
 from dcp_compile.capture import example_step_inputs
 from dcp_compile.models import DemoConfig, demo_model
 from dcp_compile.pipeline import STEPS_BY_MODE
-from runtime.engine import StepShapes
+from dcp_compile.runtime.engine import StepShapes
 
 BLOCK = 16
 
@@ -74,7 +74,7 @@ def time_transform(model, args, shapes):
 
 def time_passes_full_propagation(model, args, shapes) -> float:
     """The passes again, re-propagating the whole graph after each (the old manager)."""
-    from passes import manager
+    from dcp_compile.passes import manager
 
     def full(gm, changed, before=None):
         manager.repropagate(gm)
@@ -92,7 +92,7 @@ def time_passes_full_placement_sweeps(model, args, shapes) -> float:
     """The passes again, the placement analysis sweeping every node on every sweep (its old
     algorithm, quadratic in the layers) instead of only the nodes whose inputs changed."""
     import os
-    from passes.placement.analysis import FULL_SWEEPS_ENV
+    from dcp_compile.passes.placement.analysis import FULL_SWEEPS_ENV
     os.environ[FULL_SWEEPS_ENV] = "1"
     try:
         return time_transform(model, args, shapes)[2]
@@ -115,8 +115,8 @@ def time_lower(prog) -> tuple[float | str, dict]:
 
 
 def time_prove(dcp: int) -> float:
-    from passes import proofs
-    from runtime import layout
+    from dcp_compile.passes import proofs
+    from dcp_compile.runtime import layout
     t0 = time.perf_counter()
     proofs._prove(dcp, BLOCK, BLOCK, layout)  # uncached: the cold proof
     return time.perf_counter() - t0

@@ -44,8 +44,8 @@ def eager_threaded(program, prompts, steps) -> dict:
     import torch
 
     from dcp_compile.verify import prompt_kind
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles, run_threaded
 
     def rank_main(rank):
         loaded = program.load(rank, bind_roles(program.topology, rank))
@@ -63,7 +63,7 @@ def on_executor(executor, program, prompts, steps):
     import torch
 
     from dcp_compile.verify import prompt_kind
-    from runtime.engine import Engine
+    from dcp_compile.runtime.engine import Engine
     timed = Timed(executor)
     engine = Engine(timed, program.shapes, block_size=program.config.block_size,
                     dcp=program.config.dcp, prompt_kind=prompt_kind(program))
@@ -94,7 +94,7 @@ def main() -> int:
     import dcp_compile
     from dcp_compile.commands.verify import default_lengths
     from dcp_compile.models import DemoConfig, demo_model
-    from runtime.engine import StepShapes
+    from dcp_compile.runtime.engine import StepShapes
 
     lengths = default_lengths(args.dcp, 16, 16)
     g = torch.Generator().manual_seed(0)
@@ -142,7 +142,7 @@ def interpreter_row(layers: int) -> None:
     import dcp_compile
     from dcp_compile.lowering import InterpreterExecutor
     from dcp_compile.models import DemoConfig, demo_model
-    from runtime.engine import StepShapes
+    from dcp_compile.runtime.engine import StepShapes
     shapes = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
     model = demo_model(DemoConfig(num_layers=layers, num_kv_heads=1))
     program = dcp_compile.transform(model, tp=2, dcp=2, shapes=shapes)

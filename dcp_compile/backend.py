@@ -29,12 +29,12 @@ What happens per compile (Dynamo compiles once per input shape):
    attention's token dimension: decode mode compiles "context" (S > 1) and "decode"
    (S == 1) graphs, prefill mode "prefill". Steps 1-3 are :mod:`dcp_compile.dynamo_capture`.
    Then the same passes as ``transform()`` run: the step kind's row of
-   ``passes.pipeline.PIPELINE`` (``pipeline.transform_graph``).
-4. The result is a :class:`DCPCompiledStep` (``runtime.compiled_step``): on its first call
-   on a rank it binds the topology's process groups (``runtime.world.bind_roles``, once per
+   ``dcp_compile.passes.pipeline.PIPELINE`` (``pipeline.transform_graph``).
+4. The result is a :class:`DCPCompiledStep` (``dcp_compile.runtime.compiled_step``): on its first call
+   on a rank it binds the topology's process groups (``dcp_compile.runtime.world.bind_roles``, once per
    world) and cuts this rank's weight shards from the weights Dynamo passes in; every call
    runs this rank's program. It needs an initialised torch.distributed world of ``tp`` ranks
-   (torchrun + ``runtime.launch.init_distributed_from_env``, or a threaded world) and this
+   (torchrun + ``dcp_compile.runtime.launch.init_distributed_from_env``, or a threaded world) and this
    rank's KV caches (:func:`kv_cache_spec`).
 """
 
@@ -49,10 +49,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from runtime.compiled_step import DCPCompiledStep
-from runtime.config import DCPConfig
-from runtime.errors import DCPConfigError, DCPError, DCPTransformError
+from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.compiled_step import DCPCompiledStep
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPConfigError, DCPError, DCPTransformError
 
 from .dynamo_capture import capture_dynamo, check_whole_step
 
@@ -148,7 +148,7 @@ def kv_cache_spec(model, *, tp: int, dcp: int, num_blocks: int, mode: str = "dec
     there are fewer than the attention shard) and ``num_blocks`` blocks of ``block_size``
     of its own positions; block ``num_blocks - 1`` is the garbage block.
     """
-    from runtime.kv_cache import KVCacheSpec
+    from dcp_compile.runtime.kv_cache import KVCacheSpec
 
     shape = model.kv_cache_shape(num_blocks, block_size)
     cfg = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size, num_kv_heads=shape[2],
@@ -208,11 +208,11 @@ def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
 
     Usable outside torch.compile on a graph a capturing backend kept (tests do this).
     """
-    from passes.dump import dump_root_for, pass_dump
+    from dcp_compile.passes.dump import dump_root_for, pass_dump
 
     from .pipeline import transform_graph
-    from runtime.dcp_program import DCPProgram
-    from runtime.topology import topology
+    from dcp_compile.runtime.dcp_program import DCPProgram
+    from dcp_compile.runtime.topology import topology
 
     check_whole_step(gm)
     capture = capture_dynamo(gm, example_inputs, opts.mode)
@@ -268,7 +268,7 @@ def _writes_dump() -> bool:
     the one compiling thread does."""
     import torch.distributed as dist
 
-    from runtime.world import current_rank
+    from dcp_compile.runtime.world import current_rank
     if not (dist.is_available() and dist.is_initialized()) or current_rank() is not None:
         return True
     return dist.get_rank() == 0

@@ -13,7 +13,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 
 @dataclass

@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from runtime.errors import DCPCheckError, DCPTransformError
-from runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
+from dcp_compile.runtime.dcp_program import DCPProgram
 
 SEED = 0
 
@@ -87,7 +87,7 @@ def skip_reasons(model: torch.nn.Module, tp: int, shapes) -> list[str]:
     """Why check=None leaves the check off for this model and config ([] = it runs)."""
     import torch.distributed as dist
 
-    from runtime.world import current_rank
+    from dcp_compile.runtime.world import current_rank
     tensors = list(model.parameters()) + list(model.buffers())
     reasons = []
     if any(_fake_or_meta(t) for t in tensors):
@@ -205,7 +205,7 @@ def _run_steps(engine, steps: list[CheckStep]) -> None:
 
 
 def run_model(model, program: DCPProgram, steps: list[CheckStep]):
-    from runtime.engine import LocalExecutor
+    from dcp_compile.runtime.engine import LocalExecutor
 
     from .verify import RecordingExecutor, reference_engine
     engine = reference_engine(program, lambda c: RecordingExecutor(LocalExecutor(model, c)))
@@ -214,8 +214,8 @@ def run_model(model, program: DCPProgram, steps: list[CheckStep]):
 
 
 def run_program(program: DCPProgram, steps: list[CheckStep]) -> list:
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles, run_threaded
 
     from .verify import RecordingExecutor, _poison_garbage, prompt_kind
 
@@ -262,7 +262,7 @@ def compare(ref, runs, steps: list[CheckStep], dtype: torch.dtype
 
 def check_program(model, program: DCPProgram) -> CheckReport:
     """Run one step of each emitted graph both ways; raise DCPCheckError if they differ."""
-    from runtime.errors import DCPWorldError
+    from dcp_compile.runtime.errors import DCPWorldError
     start = time.perf_counter()
     steps = steps_for(program, vocab_size(program))
     report = CheckReport(mode=program.config.mode, steps=[s.name for s in steps],

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     that DCPConfig refuses (the command's ``validate(args)``) prints the usage and the
     message and returns 2. A DCPError raised while working prints ``error: ...``, returns 2."""
     args = build_parser().parse_args(argv)
-    from runtime.errors import DCPError
+    from dcp_compile.runtime.errors import DCPError
     if args._validate is not None:
         try:
             args._validate(args)

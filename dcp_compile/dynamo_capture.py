@@ -25,7 +25,7 @@ import torch
 from torch.fx import GraphModule
 
 from .capture import refuse_mutation
-from runtime.errors import DCPError, DCPTransformError
+from dcp_compile.runtime.errors import DCPError, DCPTransformError
 
 __all__ = ["DynamoCapture", "capture_dynamo", "check_whole_step"]
 
@@ -36,7 +36,7 @@ class DynamoCapture:
     weights: list[tuple[str, int]]       # (placeholder name, Dynamo argument index)
     user: list[tuple[str, int]]          # input_ids, positions, block_table, caches...
     step: str
-    shapes: Any                          # runtime.engine.StepShapes
+    shapes: Any                          # dcp_compile.runtime.engine.StepShapes
     num_layers: int
     block_size: int
     kv_heads: int                        # heads of the KV caches passed in
@@ -95,8 +95,8 @@ def capture_dynamo(gm: GraphModule, example_inputs: list, mode: str) -> DynamoCa
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from passes.manager import repropagate
-    from runtime.engine import StepShapes
+    from dcp_compile.passes.manager import repropagate
+    from dcp_compile.runtime.engine import StepShapes
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = []

@@ -24,7 +24,7 @@ What the paged op needs from the model is checked when ``prepare`` runs (a trace
 tensors): no attention mask, softcap, sinks, attention parameters outside the projections or
 sliding window the paged op cannot honour, and one attention call per layer. How the
 projections are laid out (separate or fused q/k/v, gates, norms over all heads) is the
-placement analysis' business at transform time (passes.placement), which refuses by op and
+placement analysis' business at transform time (dcp_compile.passes.placement), which refuses by op and
 source line what it cannot shard.
 """
 
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.errors import DCPTransformError
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -127,7 +127,7 @@ def _check_structure(step: PagedStep, module: nn.Module) -> None:
 
     Fused projections ([q; k; v], [h, 3, d], [3, h, d], [q; gate]) and norms over all heads
     (OLMo2's q_norm/k_norm) are not refused here: the placement analysis
-    (passes.placement) cuts them segment by segment and all-reduces the norm's statistic,
+    (dcp_compile.passes.placement) cuts them segment by segment and all-reduces the norm's statistic,
     and refuses, naming the op, whatever it cannot place.
     """
     name = _name(step, module)

@@ -8,7 +8,7 @@ Kinds (``model_kind``), as data in the order they are tried:
   * ``ordinary``: any other causal LM, ``forward(input_ids (, position_ids)) -> logits`` (or
     an object with ``.logits``); Hugging Face models with ``attn_implementation`` "sdpa" or
     "eager" included. Captured with :func:`capture_ordinary`; the pass
-    ``passes.insert_paged_cache`` then adds the KV cache.
+    ``dcp_compile.passes.insert_paged_cache`` then adds the KV cache.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from runtime.names import BLOCK_TABLE, KV_CACHES
+from dcp_compile.runtime.names import BLOCK_TABLE, KV_CACHES
 
 from .capture import Captured, capture
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 PAGED_ARGS = (BLOCK_TABLE, KV_CACHES)          # a forward with these is a paged step
 HF_ORDINARY_ATTENTION = ("sdpa", "eager")

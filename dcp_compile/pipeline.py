@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from passes.pipeline import STEPS_BY_MODE, passes_for
+from dcp_compile.passes.pipeline import STEPS_BY_MODE, passes_for
 
 from .capture import capture, constant_values, example_step_inputs
-from runtime.config import DCPConfig
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPTransformError
 from .ordinary import capture_ordinary
-from runtime.dcp_program import DCPProgram
-from runtime.topology import topology
+from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.topology import topology
 
 
 
@@ -35,7 +35,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
               combine_dtype: str = "float32", check: bool | None = None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
-    ``shapes`` (runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
+    ``shapes`` (dcp_compile.runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
@@ -49,10 +49,10 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     ``True`` on a meta model raises.
     """
     from . import check as checking
-    from passes.dump import dump_root_for, pass_dump
-    from passes.infra import TransformContext
-    from passes.manager import run_passes
-    from runtime.engine import StepShapes
+    from dcp_compile.passes.dump import dump_root_for, pass_dump
+    from dcp_compile.passes.infra import TransformContext
+    from dcp_compile.passes.manager import run_passes
+    from dcp_compile.runtime.engine import StepShapes
 
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
@@ -127,7 +127,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
 
 def _insert_cache_pass(ctx, step_model, captured, shapes):
     """The cache insertion for an ordinary model's captured step (passes/insert_paged_cache)."""
-    from passes.insert_paged_cache import InsertPagedCache
+    from dcp_compile.passes.insert_paged_cache import InsertPagedCache
 
     from .ordinary import declared_windows
     ctx.model_facts.update(num_blocks=shapes.num_blocks, max_blocks=shapes.max_blocks)
@@ -169,8 +169,8 @@ def transform_graph(gm: torch.fx.GraphModule, config: DCPConfig, step: str, *,
     Returns ``(gm, records, ctx)``: the rewritten graph, its PassRecords, and the
     TransformContext (validated config, certificate, weight shards).
     """
-    from passes.infra import TransformContext
-    from passes.manager import run_passes
+    from dcp_compile.passes.infra import TransformContext
+    from dcp_compile.passes.manager import run_passes
 
     ctx = TransformContext(config=config, step=step, model_facts=dict(model_facts or {}),
                            certificate=certificate)

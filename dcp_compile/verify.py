@@ -7,14 +7,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runtime.errors import DCPInputError
-from runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.dcp_program import DCPProgram
 
 
 @dataclass
 class RankRun:
     rank: int
-    result: object                       # runtime.engine.GenerateResult
+    result: object                       # dcp_compile.runtime.engine.GenerateResult
     caches: list[torch.Tensor]
     block_table: torch.Tensor
     lengths: list[int]
@@ -48,8 +48,8 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
     ``executor_for(caches)`` builds the executor around the freshly allocated caches."""
     from dataclasses import replace
 
-    from runtime.engine import Engine
-    from runtime.kv_cache import KVCacheSpec
+    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.kv_cache import KVCacheSpec
     c = program.config
     shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
@@ -60,7 +60,7 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
 
 def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
     """The single-device model through the same engine (dcp=1 block tables)."""
-    from runtime.engine import LocalExecutor
+    from dcp_compile.runtime.engine import LocalExecutor
     engine = reference_engine(program, lambda caches: LocalExecutor(model, caches), fill=fill)
     with torch.no_grad():
         result = engine.generate(prompts, steps)
@@ -76,8 +76,8 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     rank scatters the single-device engine's caches into its DCP layout and decodes from
     there.
     """
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles, run_threaded
 
     def rank_main(rank):
         names = bind_roles(program.topology, rank)
@@ -101,7 +101,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
 
 
 def _start_from_reference(program, rank, engine, ref_engine) -> None:
-    from runtime.cache_layout import scatter_cache
+    from dcp_compile.runtime.cache_layout import scatter_cache
     lengths = list(ref_engine.lengths)
     n = len(lengths)
     engine.lengths = list(lengths)
@@ -237,7 +237,7 @@ def run_chunks(engine, recorder, chunk_plan, rank, max_blocks) -> PrefillRun:
 
 def run_prefill_reference(model, program: DCPProgram, chunk_plan, *, fill=0.0) -> PrefillRun:
     """The single-device model, chunk by chunk, through the same engine (dcp=1 tables)."""
-    from runtime.engine import LocalExecutor
+    from dcp_compile.runtime.engine import LocalExecutor
     _check_plan(chunk_plan)
     engine = reference_engine(
         program, lambda caches: RecordingExecutor(LocalExecutor(model, caches)), fill=fill)
@@ -251,8 +251,8 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
     ``fill=float('nan')`` poisons every cache row first: a row the program never writes
     stays NaN, and one it reads without masking surfaces as NaN in the logits.
     """
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles, run_threaded
     _check_plan(chunk_plan)
     if "prefill" not in program.graphs:
         raise DCPInputError(f"run_threaded_prefill needs a prefill program: this one has "
@@ -303,7 +303,7 @@ def check_prefill_caches(program: DCPProgram, runs: list[PrefillRun], ref: Prefi
     ``atol``) to the single-device cache's entries for its KV heads; every other row except
     the garbage block is still NaN (the rank caches must have been allocated with NaN).
     Returns the first problem found, or None."""
-    from runtime.cache_layout import scatter_cache
+    from dcp_compile.runtime.cache_layout import scatter_cache
     c, topo = program.config, program.topology
     for run in runs:
         expected = program.cache_spec().allocate(fill=float("nan"))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.errors import DCPTransformError, DCPXLAError
+from dcp_compile.runtime.errors import DCPTransformError, DCPXLAError
 
 EXTRA = "xla"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -205,7 +205,7 @@ class _Replicas:
 
 
 class XLAExecutor:
-    """A runtime.engine executor running a program's lowered modules on XLA:CPU replicas.
+    """A dcp_compile.runtime.engine executor running a program's lowered modules on XLA:CPU replicas.
 
     ``Engine(XLAExecutor(program, lower(program)), shapes, ...)`` serves requests with the
     compiled StableHLO. Every step's inputs are checked against the program's step contract
@@ -219,8 +219,8 @@ class XLAExecutor:
     SOURCES = ("text", "artifact")
 
     def __init__(self, program, lowered, *, fill: float = 0.0, source: str = "text"):
-        from runtime.names import RANK_INPUT
-        from runtime.step_contract import StepContract
+        from dcp_compile.runtime.names import RANK_INPUT
+        from dcp_compile.runtime.step_contract import StepContract
         if source not in self.SOURCES:
             raise DCPXLAError(f"unknown module source {source!r}. Use one of {self.SOURCES}.")
         self.lowered = lowered
@@ -291,7 +291,7 @@ def lower_for_xla(program, out_dir: str | Path | None = None):
 
 def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"):
     """Greedy-decode ``steps`` tokens with the lowered program on XLA (GenerateResult)."""
-    from runtime.engine import Engine
+    from dcp_compile.runtime.engine import Engine
 
     from .verify import prompt_kind
     lowered = lowered or lower_for_xla(program)
@@ -330,7 +330,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     """dcp_compile.verify.verify_prefill with the program lowered and run on XLA:CPU
     replicas: every chunk's logits, and each rank's cache (allocated NaN) holding exactly
     its owned positions."""
-    from runtime.engine import Engine
+    from dcp_compile.runtime.engine import Engine
 
     from . import verify as V
     start = time.perf_counter()

@@ -40,7 +40,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
 

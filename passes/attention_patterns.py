@@ -1,5 +1,5 @@
 """Attention forms in an ordinary model's graph, found and read into a :class:`Site` (q, k, v,
-scale, mask, soft-cap); :mod:`passes.insert_paged_cache` checks the sites and puts the
+scale, mask, soft-cap); :mod:`dcp_compile.passes.insert_paged_cache` checks the sites and puts the
 paged KV cache under them.
 
 Recognised attention (rules as data: RECOGNISERS, KERNELS, CASTS, RESHAPES):
@@ -23,7 +23,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
 

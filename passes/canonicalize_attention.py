@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import KIND_ATTENTION, DCPPass, ensure, source_of
 

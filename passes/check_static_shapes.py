@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import DCPPass
 

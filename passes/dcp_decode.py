@@ -33,8 +33,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from runtime.errors import DCPTransformError
-from runtime.names import RANK_INPUT
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.names import RANK_INPUT
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,

@@ -1,7 +1,7 @@
 """The prefill DCP rewrite (spec: "DCP Prefill" Compute Pattern, "Model Runner", "Segmented
 Attention CP", "cp_rank: Prefill vs Decode").
 
-Requires the sequence-parallel residual stream of :mod:`passes.sequence_parallel` (run first
+Requires the sequence-parallel residual stream of :mod:`dcp_compile.passes.sequence_parallel` (run first
 as this pass's own first stage when the pass list does not name it). Each layer's attention,
 from the step-1 all-gather that SequenceParallel placed before q/k/v, becomes:
 
@@ -52,9 +52,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from runtime.errors import DCPTransformError
-from runtime.ops import owned_capacity
-from runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, ROLE_META,
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.ops import owned_capacity
+from dcp_compile.runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, ROLE_META,
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
@@ -109,7 +109,7 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
             td[n] = d
             continue
         # Whether the op keeps tokens apart, and where they go: the placement rules
-        # (passes.placement), with the token dim as the sharded one.
+        # (dcp_compile.passes.placement), with the token dim as the sharded one.
         try:
             d = token_dim(n, {a: td[a] for a in ins}, tokens)
         except Refusal as e:
@@ -169,7 +169,7 @@ class DCPPrefill(DCPPass):
             raise DCPTransformError(
                 f"dcp_prefill needs sequence_parallel's token layout: the graph has no "
                 f"gm.meta[{SP_META!r}]. Run sequence_parallel before dcp_prefill "
-                f"(passes.pipeline.PIPELINE['prefill']).")
+                f"(dcp_compile.passes.pipeline.PIPELINE['prefill']).")
 
     # -- analysis --------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ A dump root holds one folder per step kind, and one ``index.html`` that shows th
                                          nodes and the certificate known after it
 
 Entry 00 is the captured graph; entry N is the graph after the N-th pass of the step. This
-module writes the files; :mod:`passes.dump_render` renders the code, the pictures (nodes a
+module writes the files; :mod:`dcp_compile.passes.dump_render` renders the code, the pictures (nodes a
 pass inserted coloured by kind) and the page, from the template ``passes/dump_index.html``.
 
 :class:`PassDump` is the pass manager's ``on_pass`` callback: it writes each entry as soon as
@@ -45,8 +45,8 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-from runtime.errors import DCPConfigError
-from runtime.names import META_CERTIFICATE, META_KIND, META_PASS
+from dcp_compile.runtime.errors import DCPConfigError
+from dcp_compile.runtime.names import META_CERTIFICATE, META_KIND, META_PASS
 
 from .dump_render import (DOT_TIMEOUT, KIND_COLOURS, MAX_RENDERED_NODES, NEW_COLOUR,
                           dot_executable, finish_svg_render, graph_to_dot, inserted_nodes,
@@ -126,7 +126,7 @@ def env_dump_root() -> Path | None:
 
 
 class PassDump:
-    """``on_pass(record, gm)`` callback of ``passes.manager.run_passes`` for one step kind.
+    """``on_pass(record, gm)`` callback of ``dcp_compile.passes.manager.run_passes`` for one step kind.
 
     ``root`` is the dump root (the step goes to ``root/<step>/``), or None for structured-
     trace artifacts only; ``source`` and ``config`` label the step on the page (e.g.
@@ -389,7 +389,7 @@ def _wrote(d: Path, name: str) -> bool:
         return False
 
 
-# What callers import from here; the rendering names live in passes.dump_render.
+# What callers import from here; the rendering names live in dcp_compile.passes.dump_render.
 __all__ = ["ENV_VAR", "LEDGER", "OwnedDir", "PassDump", "pass_dump", "dump_root_for",
            "env_dump_root", "tracing_enabled", "load_steps", "write_index",
            "dot_executable", "KIND_COLOURS", "NEW_COLOUR"]

@@ -3,7 +3,7 @@
 
 Nodes a pass inserted are filled with the colour of their ``meta["dcp_kind"]`` (collective,
 slice, mask, cache write, LSE combine, ...); untagged helper nodes new in that pass are pale
-yellow; kind-tagged nodes of earlier passes keep a coloured outline. :mod:`passes.dump`
+yellow; kind-tagged nodes of earlier passes keep a coloured outline. :mod:`dcp_compile.passes.dump`
 writes what is rendered here.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch.fx import GraphModule, Node
 
-from runtime.names import META_KIND, META_PASS
+from dcp_compile.runtime.names import META_KIND, META_PASS
 
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_RANK, KIND_SHARD, KIND_SLICE)

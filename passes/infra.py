@@ -16,10 +16,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from runtime.config import DCPConfig
-from runtime.errors import DCPTransformError
-from runtime.names import META_KIND, META_LAYER, META_PASS
+import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.names import META_KIND, META_LAYER, META_PASS
 
 # Kinds of inserted nodes (for history, structure tests and dump highlighting).
 KIND_COLLECTIVE = "collective"

@@ -10,7 +10,7 @@ with each attention replaced by one ``dcp.paged_attention`` over the layer's cac
 ``[num_blocks, block_size, kv_heads, head_dim]``; canonicalize_attention and every later pass
 then run unchanged.
 
-Attention is found by :mod:`passes.attention_patterns` (SDPA and its kernels, eager
+Attention is found by :mod:`dcp_compile.passes.attention_patterns` (SDPA and its kernels, eager
 ``softmax(q @ k^T) @ v``; K and V before GQA head repetition: the cache holds kv heads).
 Masks are checked by evaluating them (they may depend only on the positions, constants and
 buffers): causal, or causal within a sliding window, is accepted and replaced by the op's
@@ -35,9 +35,9 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-import runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from runtime.errors import DCPTransformError
-from runtime.names import BLOCK_TABLE, POSITIONS, cache_input
+import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .absorb_latent_attention import absorb_latent_attention
 from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,

@@ -6,7 +6,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx.passes.infra.pass_base import PassResult
 
-from runtime.names import RANK_INPUT
+from dcp_compile.runtime.names import RANK_INPUT
 
 from .infra import KIND_RANK, DCPPass, ensure
 

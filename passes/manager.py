@@ -13,7 +13,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 
 @dataclass

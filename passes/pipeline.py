@@ -13,7 +13,7 @@ come from the model (``dcp_compile.ordinary``).
 
 from __future__ import annotations
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 from .canonicalize_attention import CanonicalizeAttention
 from .check_static_shapes import CheckStaticShapes
@@ -78,4 +78,4 @@ def _passes_of(step: str) -> tuple[type[DCPPass], ...]:
     except KeyError:
         raise DCPTransformError(
             f"no pipeline for step kind {step!r}: the step kinds are {sorted(PIPELINE)}. "
-            f"Name one of them (passes.pipeline.PIPELINE).") from None
+            f"Name one of them (dcp_compile.passes.pipeline.PIPELINE).") from None

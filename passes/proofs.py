@@ -6,11 +6,11 @@ counts owned positions, local slots are dense and invert to global positions, th
 interleave slice partitions a chunk in order, and ``slot_mapping`` writes only on the owner.
 
 Each theorem below is a name, a statement in the specification's words, the cases it
-evaluates and a claim over one case, calling only the formulas of :mod:`runtime.layout` (or
+evaluates and a claim over one case, calling only the formulas of :mod:`dcp_compile.runtime.layout` (or
 any object with the same functions, see :func:`layout_with`). How a claim is proven for every
 N — positions in the mixed radix of the layout, residuals reduced piecewise by
-:mod:`passes.integer_reduction`, counterexamples rechecked with ints — is
-:mod:`passes.proof_engine`; the outcome is a :class:`~passes.proof_certificate.Certificate`.
+:mod:`dcp_compile.passes.integer_reduction`, counterexamples rechecked with ints — is
+:mod:`dcp_compile.passes.proof_engine`; the outcome is a :class:`~dcp_compile.passes.proof_certificate.Certificate`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import importlib.util
 import time
 import types
 
-from runtime.config import DCPConfig, layout_config
+from dcp_compile.runtime.config import DCPConfig, layout_config
 from .proof_certificate import Certificate, Theorem
 from .proof_engine import (Equal, InRange, Memo, TheoremSpec, domain, eq01, int_or_none,
                            prove_theorem)
@@ -203,7 +203,7 @@ def _slot_mapping_owner_writes(f, c, x):
 def prove(dcp: int, interleave_size: int, block_size: int, *, formulas=None) -> Certificate:
     """Prove the layout theorems for every sequence length N >= 0 (see module docstring).
 
-    ``formulas`` defaults to :mod:`runtime.layout`; pass any object with the same
+    ``formulas`` defaults to :mod:`dcp_compile.runtime.layout`; pass any object with the same
     function names (e.g. :func:`layout_with`) to prove — or refute — other formulas.
     Invalid sizes raise ``DCPConfigError``.
     """
@@ -212,9 +212,9 @@ def prove(dcp: int, interleave_size: int, block_size: int, *, formulas=None) -> 
         missing = [n for n in _FORMULAS if not callable(getattr(formulas, n, None))]
         if missing:
             raise TypeError(f"formulas lacks layout functions: {missing}. Pass an object "
-                            f"with every function of runtime.layout (see layout_with).")
+                            f"with every function of dcp_compile.runtime.layout (see layout_with).")
         return _prove(dcp, interleave_size, block_size, formulas)
-    from runtime import layout
+    from dcp_compile.runtime import layout
     # Keyed on the function objects too, so a patched layout is proven afresh.
     fns = tuple(getattr(layout, name) for name in layout.__all__)
     return _prove_real_layout(dcp, interleave_size, block_size, fns)
@@ -222,7 +222,7 @@ def prove(dcp: int, interleave_size: int, block_size: int, *, formulas=None) -> 
 
 @functools.lru_cache(maxsize=64)
 def _prove_real_layout(dcp, interleave_size, block_size, _fns) -> Certificate:
-    from runtime import layout
+    from dcp_compile.runtime import layout
     return _prove(dcp, interleave_size, block_size, layout)
 
 
@@ -245,14 +245,14 @@ def theorem_names() -> list[str]:
 
 
 def layout_with(**overrides) -> types.ModuleType:
-    """A fresh copy of :mod:`runtime.layout` with some functions replaced.
+    """A fresh copy of :mod:`dcp_compile.runtime.layout` with some functions replaced.
 
     The copy has its own globals, so a replaced ``owner`` is also what its
     ``dcp_active_mask`` and ``slot_mapping`` call — the way to test the prover on a
     deliberately broken formula. The real module is untouched.
     """
-    from runtime import layout
-    spec = importlib.util.spec_from_file_location("runtime._layout_copy", layout.__file__)
+    from dcp_compile.runtime import layout
+    spec = importlib.util.spec_from_file_location("dcp_compile.runtime._layout_copy", layout.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for name, fn in overrides.items():

@@ -1,6 +1,6 @@
 """Sequence parallelism between layers (spec: "DCP Prefill", Compute Pattern steps 1 and 9).
 
-Prefill only. After :mod:`passes.shard_tensor_parallel`, every full-TP reduction is an
+Prefill only. After :mod:`dcp_compile.passes.shard_tensor_parallel`, every full-TP reduction is an
 all-reduce over ``world`` (embedding, MLP down projection) and the O projection's is an
 all-reduce over ``dcp_tp``. This pass makes the residual stream between them
 sequence-parallel: each rank holds ``S_pad / TP`` tokens of every sequence.
@@ -19,7 +19,7 @@ Rewrite:
         -> pad to S_pad, reduce-scatter(world) along tokens -> [B, S_pad/TP, H]
   * all-reduce(dcp_tp) after the O projection
         -> kept, then this rank's SP slice (index_select of its S_pad/TP tokens: local, no
-           communication). :class:`passes.dcp_prefill.DCPPrefill` turns the pair into the
+           communication). :class:`dcp_compile.passes.dcp_prefill.DCPPrefill` turns the pair into the
            spec's step 9 reduce-scatter over dcp_tp.
   * the sequence-parallel region — every node reached from those results through token-wise
     ops (residual adds, RMSNorm: pointwise ops and reductions over the hidden dim) — keeps
@@ -41,8 +41,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from runtime.errors import DCPTransformError
-from runtime.names import (META_NORM_REDUCE, META_SCOPE, RANK_INPUT, ROLE_META, SCOPE_MODEL,
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.names import (META_NORM_REDUCE, META_SCOPE, RANK_INPUT, ROLE_META, SCOPE_MODEL,
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
@@ -236,7 +236,7 @@ class SequenceParallel(DCPPass):
                 f"{where} ({target}) names the residual stream's shape literally; with "
                 f"sequence parallelism each rank holds S/TP tokens of it. Keep views inside "
                 f"attention and the MLP.")
-        # Token-wise by the placement rules (passes.placement): tokens in, tokens out at dim 1.
+        # Token-wise by the placement rules (dcp_compile.passes.placement): tokens in, tokens out at dim 1.
         try:
             d = token_dim(u, {a: 1 for a in u.all_input_nodes if a in region}, plan.tokens)
         except Refusal as e:
@@ -247,7 +247,7 @@ class SequenceParallel(DCPPass):
                 f"{': ' + why if d is None else f' (tokens move to dim {d})'}: the residual "
                 f"stream between layers may only pass ops that keep each token apart when it "
                 f"is sequence-parallel. Move this op inside a projection, or add its rule to "
-                f"passes.placement.RULES.")
+                f"dcp_compile.passes.placement.RULES.")
         for a in u.all_input_nodes:
             if a in region:
                 continue

@@ -1,6 +1,6 @@
 """Tensor-parallel sharding (spec: "Weight Loading"), following the placement analysis.
 
-:func:`passes.placement.analyze` decides, before anything changes, how every tensor is laid
+:func:`dcp_compile.passes.placement.analyze` decides, before anything changes, how every tensor is laid
 out over the ranks (see its docstring for where the roles come from: q/k/v column-parallel
 by heads — segment by segment for fused projections —, O and MLP-down row-parallel, MLP
 column projections, vocab-parallel embedding and LM head). This pass only follows it:
@@ -26,8 +26,8 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from runtime.errors import DCPTransformError
-from runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C

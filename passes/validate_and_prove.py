@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch.fx.passes.infra.pass_base import PassResult
 
-from runtime.errors import DCPProofError, DCPTransformError
-from runtime.names import META_CERTIFICATE
+from dcp_compile.runtime.errors import DCPProofError, DCPTransformError
+from dcp_compile.runtime.names import META_CERTIFICATE
 
 from .infra import DCPPass, attention_nodes, val
 

@@ -2,7 +2,7 @@
 
 Under torchrun (gloo, one process per rank)::
 
-    python -m torch.distributed.run --nproc-per-node 4 ... -m runtime._selftest_worker \
+    python -m torch.distributed.run --nproc-per-node 4 ... -m dcp_compile.runtime._selftest_worker \
         --dcp 2 --mode prefill --roles cp_kv dcp_tp
 
 Each rank prints ``selftest ok rank=<r> checks=<n>`` and exits 0, or raises on the first

@@ -2,7 +2,7 @@
 of one step kind, inside an initialised torch.distributed world.
 
 On its first call on a rank it binds the topology's process groups
-(:func:`runtime.world.bind_roles`, once per world) and cuts this rank's weight shards from
+(:func:`dcp_compile.runtime.world.bind_roles`, once per world) and cuts this rank's weight shards from
 the weights Dynamo passes in; every call runs this rank's program. The program (a DCPProgram
 of one graph) and the argument positions come from the compiler (``dcp_compile.backend``);
 nothing here compiles.
@@ -72,8 +72,8 @@ class DCPCompiledStep:
             raise DCPWorldError(
                 f"a model compiled with backend 'dcp' (tp={tp}) runs one rank of a "
                 f"torch.distributed world, and none is initialised. Launch {tp} ranks with "
-                f"torchrun and call runtime.launch.init_distributed_from_env() first (or run "
-                f"inside runtime.world.run_threaded).")
+                f"torchrun and call dcp_compile.runtime.launch.init_distributed_from_env() first (or run "
+                f"inside dcp_compile.runtime.world.run_threaded).")
         if dist.get_world_size() != tp:
             raise DCPWorldError(f"world size does not match the compiled program: "
                                 f"world_size={dist.get_world_size()}, tp={tp}. Launch {tp} "

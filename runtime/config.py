@@ -89,7 +89,7 @@ class DCPConfig:
         return dataclasses.replace(self, **changes)
 
     def layout_kwargs(self) -> dict:
-        """Keyword arguments of the :mod:`runtime.layout` formulas."""
+        """Keyword arguments of the :mod:`dcp_compile.runtime.layout` formulas."""
         return dict(dcp=self.dcp, interleave=self.interleave_size, block=self.block_size)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from runtime.names import META_SCOPE, SCOPE_MODEL
+from dcp_compile.runtime.names import META_SCOPE, SCOPE_MODEL
 
 from .config import DCPConfig
 from .names import RANK_INPUT
@@ -32,8 +32,8 @@ class DCPProgram:
     topology: Topology
     certificate: Any
     graphs: dict[str, GraphModule]
-    history: list                               # passes.manager.PassRecord, every step
-    shapes: Any                                 # runtime.engine.StepShapes
+    history: list                               # dcp_compile.passes.manager.PassRecord, every step
+    shapes: Any                                 # dcp_compile.runtime.engine.StepShapes
     constants: dict[str, torch.Tensor]          # placeholder -> full weight/buffer
     shards: dict[str, Any]                      # placeholder -> ShardSpec
     weight_inputs: list[str]                    # placeholder names, in graph order
@@ -56,14 +56,14 @@ class DCPProgram:
 
     def cache_spec(self, dtype: torch.dtype | None = None):
         """Shape of one rank's KV caches (KV heads after TP sharding/replication)."""
-        from runtime.kv_cache import KVCacheSpec
+        from dcp_compile.runtime.kv_cache import KVCacheSpec
         return KVCacheSpec(self.num_layers, self.shapes.num_blocks, self.config.block_size,
                            self.config.kv_heads_per_rank, self.config.head_dim,
                            dtype or self.facts.get("dtype", torch.float32))
 
     def load(self, rank: int, group_names: dict[str, str]):
         """This rank's runnable program: roles bound to real process-group names."""
-        from runtime.program import RankProgram
+        from dcp_compile.runtime.program import RankProgram
         return RankProgram(self, rank, group_names)
 
     # -- reports ---------------------------------------------------------------------------

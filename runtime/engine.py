@@ -102,7 +102,7 @@ class Engine:
     prefill-mode programs; later chunks continue a sequence) or "context" (a decode-mode
     program's own first-chunk-only prompt step).
 
-    Every step it builds is checked against the step contract (``runtime.step_contract``),
+    Every step it builds is checked against the step contract (``dcp_compile.runtime.step_contract``),
     plus what only the engine knows: each row continues its sequence. ``vocab_size`` adds
     the token-id rule (a loaded program checks it itself).
     """

@@ -103,6 +103,6 @@ class BlockAllocator:
 def check_step_inputs(positions: torch.Tensor, block_table: torch.Tensor, *, num_blocks: int,
                       block_size: int, dcp: int) -> None:
     """Block ids and position placement only (``SLOT_MAPPING_RULES``); a step's full check is
-    ``runtime.step_contract.StepContract.check``, which the Engine and programs run."""
+    ``dcp_compile.runtime.step_contract.StepContract.check``, which the Engine and programs run."""
     StepContract(num_blocks=num_blocks, block_size=block_size, dcp=dcp,
                  rules=SLOT_MAPPING_RULES).check(None, positions, block_table)

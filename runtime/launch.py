@@ -1,7 +1,7 @@
 """torchrun + gloo on this machine: real processes, real collectives, loopback only.
 
 A worker module calls :func:`init_distributed_from_env` (torchrun sets RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), then ``runtime.world.bind_roles`` and runs its program. The
+MASTER_ADDR, MASTER_PORT), then ``dcp_compile.runtime.world.bind_roles`` and runs its program. The
 launching side builds the command with :func:`torchrun_command` or runs it with
 :func:`run_torchrun`, which raises :class:`DCPWorldError` with the output of the failing ranks.
 
@@ -84,7 +84,7 @@ def init_distributed_from_env(*, timeout: float = 120.0) -> tuple[int, int]:
                if v not in os.environ]
     if missing:
         raise DCPWorldError(f"torchrun environment variables missing: {missing}. Launch with "
-                            "runtime.launch.run_torchrun or `torchrun --nproc-per-node N`.")
+                            "dcp_compile.runtime.launch.run_torchrun or `torchrun --nproc-per-node N`.")
     try:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except ValueError:

@@ -7,10 +7,10 @@ group gets the same block table and keeps, in that block, the block_size positio
 A position another rank owns maps to -1 (the cache write then goes to the garbage block), and
 so does a padding position (given as -1).
 
-The arithmetic is :func:`runtime.layout.slot_mapping` / ``local_slot`` evaluated on
+The arithmetic is :func:`dcp_compile.runtime.layout.slot_mapping` / ``local_slot`` evaluated on
 tensors — the same functions the graph runs and the proofs prove. This module only adds the
 input checks (block ids and position placement are the step contract's rules,
-``runtime.step_contract.SLOT_MAPPING_RULES``): everything is validated before anything is
+``dcp_compile.runtime.step_contract.SLOT_MAPPING_RULES``): everything is validated before anything is
 computed, so a bad input raises ``DCPInputError`` and never yields a partly filled mapping.
 """
 

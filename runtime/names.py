@@ -31,7 +31,7 @@ def is_cache_input(name: str) -> bool:
 
 # -- node.meta keys ---------------------------------------------------------------------------
 
-META_KIND = "dcp_kind"            # an inserted node's kind (passes.infra KIND_*)
+META_KIND = "dcp_kind"            # an inserted node's kind (dcp_compile.passes.infra KIND_*)
 META_PASS = "dcp_pass"            # the pass that inserted the node
 META_LAYER = "dcp_layer"          # the attention layer the node belongs to
 META_SCOPE = "dcp_scope"          # "model" (SCOPE_MODEL): a collective once per model, not layer

@@ -121,7 +121,7 @@ def xla_all_to_all(x: torch.Tensor, dim: int, groups: list[list[int]]) -> torch.
                             pin_layout=_PIN_LAYOUT)
 
 
-# runtime.roles.COLLECTIVES kind name -> the function a bound graph calls for it.
+# dcp_compile.runtime.roles.COLLECTIVES kind name -> the function a bound graph calls for it.
 XLA_COLLECTIVES = {"all_gather": xla_all_gather, "reduce_scatter": xla_reduce_scatter,
                    "all_reduce": xla_all_reduce, "all_to_all": xla_all_to_all}
 
@@ -137,7 +137,7 @@ def bind_xla_collectives(gm: GraphModule, groups: dict[str, list[list[int]]]) ->
     ``groups`` is the topology's role -> every group of the role (``Topology.groups``). The
     graph stays the same for every rank: groups are the full partition, never this rank's.
     """
-    from runtime.program import copy_graph_module
+    from dcp_compile.runtime.program import copy_graph_module
 
     out = copy_graph_module(gm)
     for node in list(out.graph.nodes):

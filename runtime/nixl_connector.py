@@ -4,7 +4,7 @@ Transfer)": NeuronNixlConnector, NeuronNixlAgentMetadata, Notification Handling)
 One NIXL agent per rank. Each rank registers its per-layer key and value caches (CPU tensors
 ``[num_blocks, block_size, kv_heads_per_rank, head_dim]``, the last block the reserved garbage
 block) as DRAM with the UCX backend. A decode rank READs from the prefill ranks that
-:func:`runtime.transfer_plan.plan_transfer` names for it; the prefill side is passive.
+:func:`dcp_compile.runtime.transfer_plan.plan_transfer` names for it; the prefill side is passive.
 
 ::
 
@@ -23,15 +23,15 @@ block) as DRAM with the UCX backend. A decode rank READs from the prefill ranks 
     dec.read(TransferRequest("req-0", seq_len, prefill_block_table, decode_block_table, epoch))
 
 Modules: this one is the decode side (the READ state machine) and the public import path of
-every name below; :mod:`runtime.nixl_prefill` the prefill side (leases, epochs,
-notifications), :mod:`runtime.nixl_handshake` the metadata and its side channel,
-:mod:`runtime.nixl_descriptors` the descriptor arithmetic (no nixl import),
-:mod:`runtime.nixl_agent` one rank's NIXL agent and the UCX environment.
+every name below; :mod:`dcp_compile.runtime.nixl_prefill` the prefill side (leases, epochs,
+notifications), :mod:`dcp_compile.runtime.nixl_handshake` the metadata and its side channel,
+:mod:`dcp_compile.runtime.nixl_descriptors` the descriptor arithmetic (no nixl import),
+:mod:`dcp_compile.runtime.nixl_agent` one rank's NIXL agent and the UCX environment.
 
 ``start_read`` + ``get_finished`` is the same thing without blocking (vLLM's
 start_load_kv / get_finished shape), for engines that overlap the transfer with other work.
 
-Handshake (:mod:`runtime.nixl_handshake`). Each prefill rank serves its
+Handshake (:mod:`dcp_compile.runtime.nixl_handshake`). Each prefill rank serves its
 :class:`NeuronNixlAgentMetadata` on a TCP side channel at ``host:side_channel_port +
 tp_rank``. The decode rank fetches the metadata of every remote rank of its plan (one
 deadline for the whole handshake), checks it against the plan (tp, rank, dcp_size, KV heads,
@@ -40,7 +40,7 @@ brings the connection up with a 64-byte READ of the remote garbage block (on a f
 endpoint a bare notification is only wired up by later progress and has no completion to
 wait for; a READ has one).
 
-Reads (:mod:`runtime.nixl_descriptors`). Per remote rank one NIXL READ (``initialize_xfer``
+Reads (:mod:`dcp_compile.runtime.nixl_descriptors`). Per remote rank one NIXL READ (``initialize_xfer``
 with Nx3 descriptor arrays) over all layers' key and value caches: whole cache rows as one
 descriptor per run of tokens; a head range of a row (splitting / merging) either staged
 through a pooled, registered bounce buffer (the default) or one descriptor per token
@@ -71,7 +71,7 @@ and the request is not reported finished. After a failed transfer ``close()`` pr
 agent for 0.5 s before destroying it (UCX aborts the process when an endpoint to a dead
 peer is destroyed before it was discarded).
 
-Progress (:mod:`runtime.nixl_agent`, which also sets UCX's environment). Agents run
+Progress (:mod:`dcp_compile.runtime.nixl_agent`, which also sets UCX's environment). Agents run
 without NIXL's progress thread by default (it busy-polls a core per agent): then a transfer
 advances only while both ends poll -- a prefill rank must call
 :meth:`PrefillKVConnector.poll` (``wait_for_readers`` does) while decode ranks read, and a

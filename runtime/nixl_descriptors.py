@@ -129,7 +129,7 @@ class StagedCopy:
 class StagedRun:
     """Runs of one HeadRead that are read whole into the staging buffer (see :func:`stage`)."""
 
-    read: object               # runtime.transfer_plan.HeadRead
+    read: object               # dcp_compile.runtime.transfer_plan.HeadRead
     target: RemoteRead         # the remote rank's read the staging descriptors join
     r_bases: np.ndarray        # the remote rank's cache tensors (k0, v0, k1, ...)
     r_row_bytes: int

@@ -1,6 +1,6 @@
 """Prefill and decode engines on one machine, moving real KV over NIXL (tests and benchmarks).
 
-``python -m runtime.nixl_loopback prefill|prefill-doomed|decode SPEC.json OUT.json`` runs one
+``python -m dcp_compile.runtime.nixl_loopback prefill|prefill-doomed|decode SPEC.json OUT.json`` runs one
 engine process:
 every rank of every engine in the spec gets its own NIXL agent in that process, and the two
 processes talk over UCX on 127.0.0.1 (one agent per rank; a process per engine keeps a
@@ -8,7 +8,7 @@ two-core machine responsive). Results go to OUT.json (NIXL logs to stdout).
 
 Caches are built from a reference: per request and layer a random key and value
 ``[seq_len, num_kv_heads, head_dim]`` (seeded, so both processes regenerate it), scattered into
-each rank's layout by :func:`runtime.cache_layout.scatter_cache` (the layout formulas
+each rank's layout by :func:`dcp_compile.runtime.cache_layout.scatter_cache` (the layout formulas
 ``owner``, ``local_slot``, ``physical_slot``).
 The decode process checks its caches, bit for bit, against the same scatter into its own
 layout -- the whole cache, so a stray write anywhere (the garbage block included) fails.
@@ -40,8 +40,8 @@ import torch
 from .config import DCPConfig
 from .errors import DCPTransferError
 from .topology import topology
-from runtime.cache_layout import scatter_cache
-from runtime.transfer_plan import table_entries
+from dcp_compile.runtime.cache_layout import scatter_cache
+from dcp_compile.runtime.transfer_plan import table_entries
 
 SENTINEL = -7.25  # what a cache holds before anything is written to it
 
@@ -99,7 +99,7 @@ def scatter_reference(ref, cfg: DCPConfig, rank: int, caches, table: list[int]) 
 
     The reference ``[seq_len, heads, head_dim]`` is viewed as a single-device paged cache
     (block ``j`` = positions ``j*block_size ...``) and scattered with
-    :func:`runtime.cache_layout.scatter_cache`, the one host-side scatter every test uses.
+    :func:`dcp_compile.runtime.cache_layout.scatter_cache`, the one host-side scatter every test uses.
     """
     topo = topology(cfg.tp, cfg.dcp, cfg.mode, config=cfg)
     seq_len = ref[0][0].shape[0]
@@ -148,8 +148,8 @@ def run_prefill(spec: dict, doomed: bool = False) -> dict:
     notification the connector rejects, but records): the decode side's "remote gone"
     failure scenario.
     """
-    from runtime.nixl_connector import PrefillKVConnector
-    from runtime.transfer_plan import plan_transfer
+    from dcp_compile.runtime.nixl_connector import PrefillKVConnector
+    from dcp_compile.runtime.transfer_plan import plan_transfer
 
     conns = {}
     engines = [e for e in spec["prefill"] if bool(e.get("doomed")) == doomed]
@@ -210,7 +210,7 @@ def _rid(request_id: str, rep: int) -> str:
 
 
 def run_decode(spec: dict) -> dict:
-    from runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
+    from dcp_compile.runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
 
     out = {"engines": {}, "failures": {}}
     timeout = spec["timeout"]
@@ -269,7 +269,7 @@ def run_decode(spec: dict) -> dict:
 
 def _failure(spec: dict, kind: str) -> dict:
     """Run one failure scenario; report the error (or its absence) and how long it took."""
-    from runtime.nixl_connector import DecodeKVConnector, TransferRequest
+    from dcp_compile.runtime.nixl_connector import DecodeKVConnector, TransferRequest
 
     p_eng = spec["prefill"][0]
     p_cfg = engine_config(spec, p_eng, "prefill")
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
         spec = json.load(f)
     torch.set_num_threads(1)
     try:
-        from runtime.nixl_build import nixl_api
+        from dcp_compile.runtime.nixl_build import nixl_api
         nixl_api()  # fails here, not mid-run, when the wheel is unusable
     except Exception as e:
         result = {"nixl_import_error": f"{type(e).__name__}: {e}"}

@@ -1,6 +1,6 @@
 """The prefill side of the NIXL KV transfer: a rank that serves its metadata, leases
 requests' blocks to their readers and accepts their notifications (spec: "Disaggregated
-Inference (NIXL Transfer)": Notification Handling). See :mod:`runtime.nixl_connector` for the
+Inference (NIXL Transfer)": Notification Handling). See :mod:`dcp_compile.runtime.nixl_connector` for the
 whole protocol.
 
 The prefill side is passive: decode ranks READ from it. Without a progress thread a transfer

@@ -3,7 +3,7 @@
 Every op is functional (a cache write returns the new caches; KV caches are program inputs),
 has a fake implementation (shapes only), and a reference implementation written in plain
 ATen-composable torch, which doubles as its decomposition (``DECOMPOSITIONS``) so that any
-backend can lower it. Index arithmetic comes from :mod:`runtime.layout`, never re-derived.
+backend can lower it. Index arithmetic comes from :mod:`dcp_compile.runtime.layout`, never re-derived.
 
 Tensor conventions (one batch of sequences, padded to a static shape):
   q            [batch, q_len, q_heads, head_dim]
@@ -430,7 +430,7 @@ DECOMPOSITIONS[torch.ops.dcp.lse_merge.default] = _lse_merge_impl
 
 # ----------------------------------------------------------------------------------------
 # Eager kernels: what a program loaded on an eager backend (threads, torchrun) runs instead
-# of the functional ops above (runtime.eager). Program graphs and StableHLO never hold them.
+# of the functional ops above (dcp_compile.runtime.eager). Program graphs and StableHLO never hold them.
 # ----------------------------------------------------------------------------------------
 
 

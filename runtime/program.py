@@ -23,15 +23,15 @@ class RankProgram:
     """Callable per step kind: ``step_fn(kind)(input_ids, positions, block_table, caches)``.
 
     ``group_names`` maps each role the program uses to this rank's process-group name (as
-    returned by ``runtime.world.bind_roles``).
+    returned by ``dcp_compile.runtime.world.bind_roles``).
 
-    Every step checks its inputs against the step contract (``runtime.step_contract``)
+    Every step checks its inputs against the step contract (``dcp_compile.runtime.step_contract``)
     before the graph runs, so a bad input raises ``DCPInputError`` with no cache written and
     no collective entered. What the caller still owns: each row's first position is its
     sequence's length, and the caches hold that sequence's KV below it (the Engine checks
     the first part; a gap would attend to whatever the sequence's blocks held before).
 
-    The graphs run eagerly, so loading swaps in the eager kernels (``runtime.eager``): each
+    The graphs run eagerly, so loading swaps in the eager kernels (``dcp_compile.runtime.eager``): each
     step writes the caches it is given in place (and returns those same tensors) and its
     attention reads only the live block-table span. ``eager_kernels[kind]`` counts the swaps.
     """

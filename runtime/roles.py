@@ -1,12 +1,12 @@
 """Collectives and their roles: the one table of collective ops, and binding roles.
 
 A collective names a role (``tp``, ``dcp``, ``world``, ``dcp_tp``, ``cp_kv``) through the
-placeholder group name ``dcp_role:<role>`` (``runtime.names.ROLE_PREFIX``); loading a program
+placeholder group name ``dcp_role:<role>`` (``dcp_compile.runtime.names.ROLE_PREFIX``); loading a program
 binds each role to something real, so the graph is the same for every rank. Three places bind
-roles, all through :func:`bound_collectives`: ``runtime.program`` (role -> this rank's
-process-group name), ``runtime.neuron`` (role -> replica groups of torch_xla calls) and the
+roles, all through :func:`bound_collectives`: ``dcp_compile.runtime.program`` (role -> this rank's
+process-group name), ``dcp_compile.runtime.neuron`` (role -> replica groups of torch_xla calls) and the
 lowering (role -> replica groups of StableHLO collectives). The passes emit the role names
-(``passes.collectives``); the runtime reads them, so they live here, below both.
+(``dcp_compile.passes.collectives``); the runtime reads them, so they live here, below both.
 
 :data:`COLLECTIVES` describes each ``_c10d_functional`` collective once: where its arguments
 are, what it does to the shape and which StableHLO op it is. The lowering, the Neuron binding

@@ -1,9 +1,9 @@
 """The step-input contract: what one step accepts, checked on the host before anything runs.
 
 One table of named rules (``RULES``) serves every entry that hands inputs to a step: the
-Engine (``runtime.engine``), a loaded program's ``RankProgram.run`` (and so the threaded
+Engine (``dcp_compile.runtime.engine``), a loaded program's ``RankProgram.run`` (and so the threaded
 verifiers and the torch.compile backend's runtime step, which call it), and the host slot
-mapping ``runtime.metadata.compute_slot_mapping`` (a subset: ``SLOT_MAPPING_RULES``).
+mapping ``dcp_compile.runtime.metadata.compute_slot_mapping`` (a subset: ``SLOT_MAPPING_RULES``).
 A violation is a ``DCPInputError`` carrying ``rule``, ``field`` and ``index`` whose message
 names the element, its value, the rule and the fix, e.g.
 
@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .errors import DCPConfigError, DCPInputError, DCPTransformError
-from runtime.names import BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS
+from dcp_compile.runtime.names import BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.

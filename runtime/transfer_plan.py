@@ -13,7 +13,7 @@ and, for one request (sequence length + the block table of each engine),
 :meth:`TransferPlan.chunks` says which token positions move: rows of
 ``(position, remote_block, remote_offset, local_block, local_offset, length)``, each a run of
 ``length`` consecutive positions that is contiguous in both caches. Ownership and local slots
-come from :mod:`runtime.layout` (``owner``, ``local_slot``); nothing is re-derived here.
+come from :mod:`dcp_compile.runtime.layout` (``owner``, ``local_slot``); nothing is re-derived here.
 
 Cache layout (both engines): per layer a key and a value tensor
 ``[num_blocks, block_size, kv_heads_per_rank, head_dim]``; row ``block * block_size + offset``

@@ -3,8 +3,8 @@
 ``run_threaded`` puts every rank on its own thread of this process, with torch's threaded
 process group (``torch.testing._internal.distributed.multi_threaded_pg``): collectives move
 real data between the threads, and ``torch.ops._c10d_functional.*`` resolve group names per
-thread. ``bind_roles`` creates the process groups of a :class:`~runtime.topology.Topology`
-in whatever world is initialised (threaded here, gloo under torchrun — see ``runtime.launch``).
+thread. ``bind_roles`` creates the process groups of a :class:`~dcp_compile.runtime.topology.Topology`
+in whatever world is initialised (threaded here, gloo under torchrun — see ``dcp_compile.runtime.launch``).
 
 Threaded-PG facts our programs rely on (each one is tested in ``tests/test_world.py``):
 
@@ -315,7 +315,7 @@ def _raise_failures(world_size: int, raised: dict[int, BaseException], hung: dic
         lines.append(f"Rank{'s' if len(leaked) > 1 else ''} {leaked} stopped answering: "
                      f"still running {timeout} s after the start, outside any collective, and "
                      f"could not be stopped; left running as daemon threads (see "
-                     f"runtime.world.leaked_ranks()), they cannot touch later worlds.")
+                     f"dcp_compile.runtime.world.leaked_ranks()), they cannot touch later worlds.")
     elif hung:
         lines.append(f"Ranks still running after {timeout} s: {sorted(hung)}, each blocked in "
                      "a collective or a group creation"
@@ -357,7 +357,7 @@ def bind_roles(topology: Topology, rank: int, *, aliases: bool = False,
     if not dist.is_initialized():
         raise DCPWorldError("bind_roles needs an initialised process group: none is. "
                             "Call it inside run_threaded, or after "
-                            "runtime.launch.init_distributed_from_env().")
+                            "dcp_compile.runtime.launch.init_distributed_from_env().")
     world_size, world_rank = dist.get_world_size(), dist.get_rank()
     if world_size != topology.tp:
         raise DCPWorldError(f"world size does not match the topology: world_size={world_size},"

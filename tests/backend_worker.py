@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from dcp_compile.workers.backend import compile_and_decode, parser, result_json
-    from runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.launch import init_distributed_from_env
 
     args = parser().parse_args(argv)
     rank, world = init_distributed_from_env()

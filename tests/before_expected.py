@@ -4,7 +4,7 @@
 as a captured graph would hold them) into a GraphModule whose nodes carry fake values, the
 way torch.export leaves them: the placeholders are named after ``fn``'s arguments and
 ``inputs`` gives each one an example tensor (kept for numeric checks). ``run_alone`` runs one
-pass through the real pass manager (``passes.manager.run_passes``: lint and shape
+pass through the real pass manager (``dcp_compile.passes.manager.run_passes``: lint and shape
 propagation after it) and ``code`` prints the result in a normalised form to compare with an
 expected string written in the test.
 """
@@ -20,8 +20,8 @@ from torch.fx import GraphModule, symbolic_trace
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile import DCPConfig
-from passes.infra import TransformContext
-from passes.manager import run_passes
+from dcp_compile.passes.infra import TransformContext
+from dcp_compile.passes.manager import run_passes
 
 aten = torch.ops.aten
 
@@ -123,10 +123,10 @@ def run_world(gm: GraphModule, config: DCPConfig, inputs_of_rank) -> list:
     """Run ``gm`` on every rank of ``config``'s layout (threaded world, real collectives),
     its roles bound to that rank's groups; ``inputs_of_rank(rank)`` gives the inputs by
     name. Returns each rank's outputs."""
-    from runtime.topology import topology
-    from runtime.roles import role_of
-    from runtime.program import copy_graph_module
-    from runtime.world import ROLE_ALIAS_PREFIX, bind_roles, run_threaded
+    from dcp_compile.runtime.topology import topology
+    from dcp_compile.runtime.roles import role_of
+    from dcp_compile.runtime.program import copy_graph_module
+    from dcp_compile.runtime.world import ROLE_ALIAS_PREFIX, bind_roles, run_threaded
 
     topo = topology(config.tp, config.dcp, config.mode, config=config)
     # Everything but running is done here, not in the rank threads (tracing patches torch

@@ -32,8 +32,8 @@ def single_device_reference(lengths, steps, *, seed=0):
     and shapes (dcp_compile.workers.decode): what every multi-process decode test compares to."""
     from dcp_compile.models import demo_model
     from dcp_compile.workers.decode import prompt_tokens, shapes_for
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.kv_cache import KVCacheSpec
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.kv_cache import KVCacheSpec
 
     model = demo_model()
     shapes = shapes_for(lengths, steps, 1)

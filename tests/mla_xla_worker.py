@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import dcp_compile  # noqa: E402
 from dcp_compile.mla_models import plain_mla  # noqa: E402
 from dcp_compile.ordinary import FullForwardReference  # noqa: E402
-from runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 
 model = plain_mla(num_layers=1)
 program = dcp_compile.transform(model, tp=8, dcp=8, mode="decode", block_size=2, check=False,

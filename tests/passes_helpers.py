@@ -9,10 +9,10 @@ from collections import Counter
 import torch
 
 from dcp_compile.capture import capture, example_step_inputs
-from runtime.config import DCPConfig
+from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.models import DemoConfig, demo_model
-from passes.infra import TransformContext
-from passes.manager import run_passes
+from dcp_compile.passes.infra import TransformContext
+from dcp_compile.passes.manager import run_passes
 
 
 def tiny_graph(*, tokens=1, batch=2, max_blocks=2, num_blocks=5, cfg=None, block=16):
@@ -23,7 +23,7 @@ def tiny_graph(*, tokens=1, batch=2, max_blocks=2, num_blocks=5, cfg=None, block
 
 
 def run(gm, passes, step=None):
-    """Run ``passes`` in order through passes.manager.run_passes (lint and shape propagation
+    """Run ``passes`` in order through dcp_compile.passes.manager.run_passes (lint and shape propagation
     after each); ``step`` defaults to the first pass's context step."""
     step = step or passes[0].ctx.step
     gm, _ = run_passes(gm, passes, step=step)

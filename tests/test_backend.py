@@ -18,12 +18,12 @@ import dcp_compile
 from dcp_compile import verify as V
 from dcp_compile.backend import (BackendOptions, build_program, kv_cache_spec,
                                  merge_programs)
-from runtime.errors import DCPConfigError, DCPTransformError, DCPWorldError
+from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError, DCPWorldError
 from dcp_compile.models import DemoConfig, DemoLlama, demo_model
-from runtime.engine import Engine, LocalExecutor, StepShapes
-from runtime.kv_cache import KVCacheSpec
-from runtime.launch import run_torchrun
-from runtime.world import run_threaded
+from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.kv_cache import KVCacheSpec
+from dcp_compile.runtime.launch import run_torchrun
+from dcp_compile.runtime.world import run_threaded
 
 from backend_worker import PrintingDemo
 from helpers import assert_close_report, prompts_of, single_device_reference

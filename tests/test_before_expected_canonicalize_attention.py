@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dcp_compile import DCPTransformError
-from passes.canonicalize_attention import CanonicalizeAttention
+from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 
 from before_expected import aten, assert_code, attention_inputs, before, call, context, \
     run_alone

@@ -6,7 +6,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dcp_compile import DCPTransformError
-from passes.check_static_shapes import CheckStaticShapes
+from dcp_compile.passes.check_static_shapes import CheckStaticShapes
 
 from before_expected import aten, assert_code, before, code, context, run_alone
 

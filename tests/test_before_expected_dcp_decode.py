@@ -7,7 +7,7 @@ writes. With dcp=1 the rewrite computes exactly what the attention did."""
 import pytest
 import torch
 
-from passes.dcp_decode import DCPContext, DCPDecode
+from dcp_compile.passes.dcp_decode import DCPContext, DCPDecode
 
 from before_expected import assert_code, attention_inputs, before, call, context, run_alone, \
     run_world

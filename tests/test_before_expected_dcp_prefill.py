@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dcp_compile import DCPTransformError
-from passes.dcp_prefill import DCPPrefill
-from passes.sequence_parallel import SP_GATHER, SP_META, SP_SLICE, SPEC_STEP
-from passes.shard_tensor_parallel import PROJECTIONS_META
+from dcp_compile.passes.dcp_prefill import DCPPrefill
+from dcp_compile.passes.sequence_parallel import SP_GATHER, SP_META, SP_SLICE, SPEC_STEP
+from dcp_compile.passes.shard_tensor_parallel import PROJECTIONS_META
 
 from before_expected import aten, annotate, assert_code, attention_inputs, before, \
     context, node, run_alone, run_world

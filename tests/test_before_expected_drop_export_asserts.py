@@ -3,7 +3,7 @@ computation stays (and computes the same)."""
 
 import torch
 
-from passes.drop_export_asserts import DropExportAsserts
+from dcp_compile.passes.drop_export_asserts import DropExportAsserts
 
 from before_expected import aten, assert_code, before, call, context, run_alone
 

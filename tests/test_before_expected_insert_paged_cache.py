@@ -6,7 +6,7 @@ model's logits."""
 
 import torch
 
-from passes.insert_paged_cache import InsertPagedCache
+from dcp_compile.passes.insert_paged_cache import InsertPagedCache
 
 from before_expected import aten, assert_code, before, call, context, node, run_alone
 

@@ -3,7 +3,7 @@ input; nothing reads it yet, so the program computes what it did."""
 
 import torch
 
-from passes.insert_rank import InsertRank
+from dcp_compile.passes.insert_rank import InsertRank
 
 from before_expected import aten, assert_code, before, call, context, run_alone
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dcp_compile import DCPTransformError
-from passes.sequence_parallel import SP_GATHER, SP_META, SP_SLICE, SPEC_STEP, \
+from dcp_compile.passes.sequence_parallel import SP_GATHER, SP_META, SP_SLICE, SPEC_STEP, \
     SequenceParallel
-from passes.shard_tensor_parallel import ROLE_META
+from dcp_compile.passes.shard_tensor_parallel import ROLE_META
 
 from before_expected import aten, annotate, assert_code, attention_inputs, before, context, \
     run_alone, run_world

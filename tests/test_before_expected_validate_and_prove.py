@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dcp_compile import DCPConfigError, DCPTransformError
-from passes.validate_and_prove import ValidateAndProve
+from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from before_expected import assert_code, attention_inputs, before, context, run_alone
 

@@ -16,10 +16,10 @@ import torch
 import dcp_compile
 from dcp_compile.models import DemoConfig, demo_model
 from dcp_compile.verify import run_reference, run_threaded_program
-import runtime.layout
-import runtime.ops
-from runtime.cache_layout import gather_cache
-from runtime.engine import StepShapes
+import dcp_compile.runtime.layout
+import dcp_compile.runtime.ops
+from dcp_compile.runtime.cache_layout import gather_cache
+from dcp_compile.runtime.engine import StepShapes
 
 from helpers import assert_close_report, prompts_of
 
@@ -105,8 +105,8 @@ def test_each_rank_writes_exactly_the_positions_it_owns(tp, dcp, interleave):
         expected = torch.zeros(prog.shapes.num_blocks * 16, dtype=torch.bool)
         for b, length in enumerate(run.lengths):
             for p in range(length):
-                if runtime.layout.owner(p, **kw) == cp:
-                    slot = runtime.layout.local_slot(p, **kw)
+                if dcp_compile.runtime.layout.owner(p, **kw) == cp:
+                    slot = dcp_compile.runtime.layout.local_slot(p, **kw)
                     expected[int(run.block_table[b, slot // 16]) * 16 + slot % 16] = True
         written = torch.isfinite(run.caches[0]).reshape(-1, run.caches[0].shape[2]
                                                         * run.caches[0].shape[3]).all(-1)
@@ -147,8 +147,8 @@ def test_broken_layout_is_caught_by_numerics(monkeypatch):
     model, prog = program_for("demo-16q2kv", 4, 2, 16, max(lengths))
     prompts = prompts_of(lengths, seed=5)
     ref, _ = run_reference(model, prog, prompts, 4)
-    real = runtime.ops._active_mask_impl
-    monkeypatch.setattr(runtime.ops, "_active_mask_impl",
+    real = dcp_compile.runtime.ops._active_mask_impl
+    monkeypatch.setattr(dcp_compile.runtime.ops, "_active_mask_impl",
                         lambda n, rank, *a: torch.ones_like(real(n, rank, *a)))
     runs = run_threaded_program(prog, prompts, 4)
     diff = (runs[0].result.logits[1] - ref.logits[1]).abs().max()

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from runtime.launch import run_torchrun
+from dcp_compile.runtime.launch import run_torchrun
 
 from helpers import assert_close_report, single_device_reference
 

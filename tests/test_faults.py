@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.errors import DCPWorldError
-from runtime.world import leaked_ranks, run_threaded
+from dcp_compile.runtime.errors import DCPWorldError
+from dcp_compile.runtime.world import leaked_ranks, run_threaded
 
 ROOT = Path(__file__).resolve().parent.parent
 F = torch.ops._c10d_functional
@@ -96,8 +96,8 @@ def _bounded(fn, *args, seconds=60.0):
     (dict(tp=8, dcp=2, num_q_heads=2**40, num_kv_heads=8), "num_q_heads"),
 ])
 def test_huge_sizes_are_refused_at_once(kwargs, field):
-    from runtime.config import SIZE_LIMITS, DCPConfig
-    from runtime.errors import DCPConfigError
+    from dcp_compile.runtime.config import SIZE_LIMITS, DCPConfig
+    from dcp_compile.runtime.errors import DCPConfigError
     err = _bounded(lambda: DCPConfig(**kwargs)).get("error")
     assert isinstance(err, DCPConfigError)
     assert f"{field} is too large: {field}={kwargs[field]}. Use {field} <= " \
@@ -106,8 +106,8 @@ def test_huge_sizes_are_refused_at_once(kwargs, field):
 
 def test_largest_sizes_validate_with_suggested_fixes():
     """At the limits the rules (divisor lists, the suggested dcp) still run in O(sqrt)."""
-    from runtime.config import DCPConfig
-    from runtime.errors import DCPConfigError
+    from dcp_compile.runtime.config import DCPConfig
+    from dcp_compile.runtime.errors import DCPConfigError
     err = _bounded(lambda: DCPConfig(tp=2**16, dcp=2**15, num_q_heads=2**16,
                                      num_kv_heads=4)).get("error")
     assert isinstance(err, DCPConfigError) and "Use dcp=16384." in str(err)
@@ -120,8 +120,8 @@ def test_largest_sizes_validate_with_suggested_fixes():
                                    "head_dim"])
 @pytest.mark.parametrize("value", [True, 2.0, "4", -1, 0, None])
 def test_config_sizes_are_typed(field, value):
-    from runtime.config import DCPConfig
-    from runtime.errors import DCPConfigError
+    from dcp_compile.runtime.config import DCPConfig
+    from dcp_compile.runtime.errors import DCPConfigError
     kwargs = dict(tp=4, dcp=2, num_q_heads=8, num_kv_heads=2, head_dim=16)
     kwargs[field] = value
     if value is None and field not in ("tp", "dcp", "block_size"):
@@ -133,8 +133,8 @@ def test_config_sizes_are_typed(field, value):
 
 
 def test_attention_dp_and_mode_are_typed():
-    from runtime.config import DCPConfig
-    from runtime.errors import DCPConfigError
+    from dcp_compile.runtime.config import DCPConfig
+    from dcp_compile.runtime.errors import DCPConfigError
     with pytest.raises(DCPConfigError, match="attention_dp must be a bool: attention_dp=1"):
         DCPConfig(tp=4, dcp=1, attention_dp=1)
     with pytest.raises(DCPConfigError, match=r"mode must be one of .*: mode=\['decode'\]"):
@@ -147,8 +147,8 @@ def _dump_steps(root, passes):
     """Dump a tiny graph through ``passes`` (names) into ``root``/decode, like a transform."""
     from torch.fx import Graph, GraphModule
 
-    from passes import dump as D
-    from passes.manager import PassRecord
+    from dcp_compile.passes import dump as D
+    from dcp_compile.passes.manager import PassRecord
     g = Graph()
     g.output(g.call_function(torch.ops.aten.relu.default, (g.placeholder("x"),)))
     gm = GraphModule(torch.nn.Module(), g)
@@ -178,8 +178,8 @@ def test_dump_into_a_users_folder_keeps_the_users_files(tmp_path):
 @pytest.mark.parametrize("name", ["index.html", "decode/manifest.json", "decode/00_capture.py",
                                   "certificate.json"])
 def test_dump_refuses_to_overwrite_a_file_it_did_not_write(tmp_path, name):
-    from runtime.errors import DCPConfigError
-    from passes.dump import PassDump
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.passes.dump import PassDump
     theirs = tmp_path / name
     theirs.parent.mkdir(parents=True, exist_ok=True)
     theirs.write_text("not the dump's")
@@ -200,8 +200,8 @@ def _certificate():
 
 
 def test_a_foreign_ledger_is_refused(tmp_path):
-    from runtime.errors import DCPConfigError
-    from passes.dump import LEDGER
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.passes.dump import LEDGER
     (tmp_path / "decode").mkdir()
     (tmp_path / "decode" / LEDGER).write_text("{\"not\": \"a list\"}")
     with pytest.raises(DCPConfigError, match="ledger is not one the dump wrote"):
@@ -215,7 +215,7 @@ def test_hung_torchrun_rank_is_named_not_its_victim():
     """Rank 1 sleeps outside any collective; rank 0's all_reduce times out (5 s) and torchrun
     reports rank 0 as the root cause. The launcher must name rank 1 (from the stacks each
     rank dumps when terminated) and call rank 0 its victim."""
-    from runtime import launch
+    from dcp_compile.runtime import launch
     with pytest.raises(DCPWorldError) as info:
         launch.run_torchrun(2, "tests.fault_worker",
                             ["--hang-rank", "1", "--collective-timeout", "5"],
@@ -251,7 +251,7 @@ _SLEEPING = ("Thread 0x00007f01 (most recent call first):\n"
 
 
 def _launch_timeout_error(stacks):
-    from runtime import launch
+    from dcp_compile.runtime import launch
     proc = subprocess.CompletedProcess(["python", "-m", "w"], -15, "", "")
     return launch._launch_error(len(stacks), "w", proc, {r: "" for r in stacks}, True, 30.0,
                                 stacks)

@@ -12,9 +12,9 @@ transformers = pytest.importorskip("transformers")
 
 import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
-from runtime.errors import DCPTransformError  # noqa: E402
+from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
-from runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 
 from helpers import assert_close_report, prompts_of  # noqa: E402
 

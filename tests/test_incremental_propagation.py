@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import dcp_compile
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models import demo_model
-from passes import manager
-from runtime.engine import StepShapes
+from dcp_compile.passes import manager
+from dcp_compile.runtime.engine import StepShapes
 
 SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 

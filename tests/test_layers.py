@@ -1,5 +1,8 @@
-"""The three packages are layered strictly, lazy (function-level) imports included:
-dcp_compile > passes > runtime (import-linter's `layers` contract in pyproject.toml)."""
+"""The three layers are strict, lazy (function-level) imports included: the compiler's own
+modules > dcp_compile.passes > dcp_compile.runtime (import-linter's `layers` contract in
+pyproject.toml). The layers are folders at the repository's top level that install under the
+`dcp_compile` namespace (setuptools package-dir), so the linter reads a copy of the tree laid
+out as it installs."""
 
 from __future__ import annotations
 
@@ -11,34 +14,56 @@ from pathlib import Path
 from importlinter.api import read_configuration
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["dcp_compile", "passes", "runtime"]
+# Folder at the repository's top level -> where it installs inside the `dcp_compile` package.
+MAPPED = {"passes": "passes", "runtime": "runtime"}
 # import-linter's command line, run by this interpreter (it puts its cwd first on sys.path).
 LINT = [sys.executable, "-c", "from importlinter.cli import lint_imports_command as c; c()",
         "--no-cache", "--no-logo"]
 
 
-def lint(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(LINT, cwd=root, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+def installed_layout(root: Path, into: Path) -> Path:
+    """Copy the tree at ``root`` into ``into`` as it installs: dcp_compile/ with passes/ and
+    runtime/ inside it (grimp walks the file system, not setuptools' package-dir)."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(root / "dcp_compile", into / "dcp_compile", ignore=ignore)
+    for folder, name in MAPPED.items():
+        shutil.copytree(root / folder, into / "dcp_compile" / name, ignore=ignore)
+    shutil.copy(root / "pyproject.toml", into)
+    return into
 
 
-def contracts() -> list[dict]:
+def lint(tree: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(LINT, cwd=tree, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree)})
+
+
+def contract() -> dict:
     config = read_configuration(str(ROOT / "pyproject.toml"))
-    assert config["session_options"]["root_packages"] == LAYERS
-    return config["contracts_options"]
+    assert config["session_options"]["root_packages"] == ["dcp_compile"]
+    (layers,) = [c for c in config["contracts_options"] if c["type"] == "layers"]
+    assert not any(c.get("ignore_imports") for c in config["contracts_options"])
+    return layers
 
 
 def test_the_contract_is_the_three_layers_with_no_exceptions():
-    (layers,) = [c for c in contracts() if c["type"] == "layers"]
-    assert layers["layers"] == LAYERS
+    layers = contract()
+    assert layers["containers"] == ["dcp_compile"] and str(layers["exhaustive"]).lower() == "true"
+    assert layers["layers"][1:] == ["passes", "runtime"]
     assert not layers.get("ignore_imports"), "the layers contract must ignore no import"
-    assert not any(c.get("ignore_imports") for c in contracts())
+    # Every module and package of dcp_compile is in the top layer (exhaustive), by name.
+    children = {p.stem for p in (ROOT / "dcp_compile").iterdir()
+                if p.name != "__init__.py" and not p.name.startswith(".")
+                and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    top = {name.strip() for name in layers["layers"][0].split(":")}
+    assert top == children, (
+        f"pyproject.toml's layers contract must name every module of dcp_compile in its top "
+        f"layer: add {sorted(children - top)}, remove {sorted(top - children)}")
 
 
-def test_no_import_runs_upward():
-    out = lint(ROOT)
+def test_no_import_runs_upward(tmp_path):
+    out = lint(installed_layout(ROOT, tmp_path))
     assert out.returncode == 0, (
-        "an import runs upward (dcp_compile > passes > runtime; each line below names the "
+        "an import runs upward (compiler > passes > runtime; each line below names the "
         "importing module, the imported one and the line). Move the needed piece down, or "
         "pass it in from the upper layer:\n" + out.stdout + out.stderr)
     assert "1 kept, 0 broken" in out.stdout
@@ -47,36 +72,28 @@ def test_no_import_runs_upward():
 def test_a_lazy_upward_import_breaks_the_contract(tmp_path):
     # The contract is not vacuous: a copy of the tree with one upward import inside a
     # function (the kind that used to hide a loop) is refused, naming that import.
-    for name in LAYERS:
-        shutil.copytree(ROOT / name, tmp_path / name,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    errors = tmp_path / "runtime" / "errors.py"
+    tree = installed_layout(ROOT, tmp_path)
+    errors = tree / "dcp_compile" / "runtime" / "errors.py"
     errors.write_text(errors.read_text() + "\n\ndef _upward():\n"
                       "    from dcp_compile import pipeline\n    return pipeline\n")
-    out = lint(tmp_path)
+    out = lint(tree)
     assert out.returncode != 0, out.stdout + out.stderr
-    assert "runtime.errors -> dcp_compile.pipeline" in out.stdout, out.stdout
+    assert "dcp_compile.runtime.errors -> dcp_compile.pipeline" in out.stdout, out.stdout
 
 
-def test_old_module_paths_import_the_moved_modules_on_first_use():
-    # A fresh interpreter: `import dcp_compile` loads neither torch nor sympy; each old path
-    # then imports the moved module itself (same classes, same registered ops).
+def test_the_layers_install_under_the_dcp_compile_namespace():
+    # A fresh interpreter: `import dcp_compile` loads neither torch nor sympy, and the layers
+    # are dcp_compile.runtime / dcp_compile.passes (no top-level `runtime` or `passes` of ours).
     code = """if True:
         import sys
         import dcp_compile
         assert "torch" not in sys.modules and "sympy" not in sys.modules, "import is heavy"
-        import dcp_compile.ops
-        from dcp_compile.errors import DCPError
-        from dcp_compile import config, layout, proofs
-        import passes.proofs, runtime.config, runtime.errors, runtime.layout, runtime.ops
-        assert dcp_compile.ops is runtime.ops and DCPError is runtime.errors.DCPError
-        assert (config, layout, proofs) == (runtime.config, runtime.layout, passes.proofs)
-        assert runtime.ops.__spec__.name == "runtime.ops"
+        import dcp_compile.runtime.ops, dcp_compile.passes.proofs
+        assert dcp_compile.runtime.ops.__spec__.name == "dcp_compile.runtime.ops"
+        assert "runtime" not in sys.modules and "passes" not in sys.modules
         assert hasattr(__import__("torch").ops.dcp, "attention")
         print("ok")
     """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={"PATH": "/usr/bin:/bin",
-                                                      "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True,
+                         text=True, timeout=300, env={"PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "ok", out.stdout + out.stderr

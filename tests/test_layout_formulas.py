@@ -1,4 +1,4 @@
-"""Every formula in runtime.layout against an independent brute force.
+"""Every formula in dcp_compile.runtime.layout against an independent brute force.
 
 The brute force builds the layout the way the specification describes it — vblocks of
 block_size * dcp positions, dealt out in runs of interleave_size positions round-robin over the
@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from runtime import layout
+from dcp_compile.runtime import layout
 
 WS = (1, 2, 3, 4, 8)
 IS = (1, 2, 4, 16)

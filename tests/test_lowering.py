@@ -1,4 +1,4 @@
-"""Lowering to StableHLO (dcp_compile.lowering) and the NxD collective backend (runtime.neuron).
+"""Lowering to StableHLO (dcp_compile.lowering) and the NxD collective backend (dcp_compile.runtime.neuron).
 
 Structure: every step kind of the demo programs lowers to a module that parses back,
 round-trips through the portable artifact, is pure StableHLO with static shapes, and has
@@ -20,14 +20,14 @@ import torch
 pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (pip install torch-mlir)")
 
 import dcp_compile  # noqa: E402
-from runtime import layout  # noqa: E402
+from dcp_compile.runtime import layout  # noqa: E402
 from dcp_compile.lowering import (COLLECTIVE_OPS, collectives_in, deserialize,  # noqa: E402
                                   interpreter_available, lower, lower_function, op_counts,
                                   run_interpreter)
 from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
-from passes.collectives import role_of  # noqa: E402
-from runtime.engine import StepShapes  # noqa: E402
-from runtime.errors import DCPLoweringError  # noqa: E402
+from dcp_compile.passes.collectives import role_of  # noqa: E402
+from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
 
 from helpers import assert_close_report  # noqa: E402
 
@@ -257,11 +257,11 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from torch.fx.passes.infra.pass_manager import PassManager
 
     from dcp_compile.capture import capture, example_step_inputs
-    from runtime.config import DCPConfig
+    from dcp_compile.runtime.config import DCPConfig
     from dcp_compile.lowering import lower_graph
     from dcp_compile.pipeline import passes_for
-    from passes.infra import TransformContext
-    from passes.manager import repropagate
+    from dcp_compile.passes.infra import TransformContext
+    from dcp_compile.passes.manager import repropagate
 
     model, prog = program_for(8, 4, "decode")
     example = example_step_inputs(SHAPES.batch, 1, SHAPES.max_blocks,
@@ -478,7 +478,7 @@ def _interpreter_world(tp: int, dcp: int, mode: str, out: str, model_kind: str =
     and with the single-device model (an ordinary model: its own full forward); save both."""
     from dcp_compile.lowering import InterpreterExecutor
     from dcp_compile.verify import prompt_kind, run_reference
-    from runtime.engine import Engine
+    from dcp_compile.runtime.engine import Engine
 
     from helpers import prompts_of
     if model_kind == "mla":               # one latent head, absorbed (README: MLA)
@@ -568,7 +568,7 @@ def _(x):
 
 
 def _with_graph(prog, step, edit):
-    from runtime.program import copy_graph_module
+    from dcp_compile.runtime.program import copy_graph_module
     gm = copy_graph_module(prog.graphs[step])
     edit(gm)
     gm.recompile()
@@ -716,7 +716,7 @@ class ThreadedXM:
 
 
 def test_nxd_backend_binds_explicit_full_replica_groups():
-    from runtime.neuron import bind_xla_collectives, collective_calls
+    from dcp_compile.runtime.neuron import bind_xla_collectives, collective_calls
     _, prog = program_for(8, 4, "decode")
     bound = bind_xla_collectives(prog.graphs["decode"], prog.topology.groups)
     calls = collective_calls(bound)
@@ -734,8 +734,8 @@ def test_nxd_backend_decodes_like_the_single_device_model_with_a_threaded_xm():
     """The NxD-bound program on 4 rank threads, with a CPU stand-in for torch_xla's
     collectives, generates the single-device model's tokens and logits."""
     from dcp_compile.verify import prompt_kind, run_reference
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.neuron import NeuronStepModule, use_xla_module
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.neuron import NeuronStepModule, use_xla_module
 
     from helpers import prompts_of
     model, prog = program_for(4, 2, "decode")
@@ -776,13 +776,13 @@ def test_nxd_backend_decodes_like_the_single_device_model_with_a_threaded_xm():
 
 
 def test_nxd_backend_on_real_torch_xla():
-    from runtime.neuron import neuron_available
+    from dcp_compile.runtime.neuron import neuron_available
     ok, reason = neuron_available()
     if not ok:
         pytest.skip(reason)
     import torch_xla.core.xla_model as xm  # noqa: F401  (the real module, on a Neuron host)
 
-    from runtime.neuron import NeuronStepModule
+    from dcp_compile.runtime.neuron import NeuronStepModule
     _, prog = program_for(4, 2, "decode")
     mod = NeuronStepModule(prog, "decode", 0)
     assert mod.input_output_aliases == {3 + k: 1 + k for k in range(2 * LAYERS)}

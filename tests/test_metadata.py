@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from runtime.errors import DCPInputError
-from runtime.metadata import compute_slot_mapping
+from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.metadata import compute_slot_mapping
 
 
 def brute_slot(pos, table_row, rank, W, I, B):

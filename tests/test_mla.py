@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import dcp_compile
-from runtime.config import DCPConfig
-from runtime.errors import DCPConfigError, DCPTransformError
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
 from dcp_compile.mla_models import MLAConfig, plain_mla
 from dcp_compile.verify import run_threaded_program
-from runtime.engine import StepShapes
-from runtime.names import SPEC_STEP
+from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.names import SPEC_STEP
 
 from helpers import assert_close_report, prompts_of
 from test_ordinary_models import full_forward_reference
@@ -335,7 +335,7 @@ def test_absorbed_graph_equals_captured_graph(build):
     compute the same logits; the absorbed one has no complex view on the q/k path and
     attends over one shared head that is both key and value."""
     from dcp_compile.ordinary import OrdinaryStep, capture_ordinary
-    from passes.absorb_latent_attention import absorb_latent_attention
+    from dcp_compile.passes.absorb_latent_attention import absorb_latent_attention
 
     step = OrdinaryStep(build())
     captured = capture_ordinary(step, 2, 6, device="cpu")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.nixl_loopback import engine_config, free_port_base
-from runtime.topology import topology
-from runtime.transfer_plan import plan_transfer
+from dcp_compile.runtime.nixl_loopback import engine_config, free_port_base
+from dcp_compile.runtime.topology import topology
+from dcp_compile.runtime.transfer_plan import plan_transfer
 
 from nixl_runs import run_loopback
 

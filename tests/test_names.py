@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from runtime import names
+from dcp_compile.runtime import names
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("dcp_compile", "passes", "runtime")

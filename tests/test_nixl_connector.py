@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.nixl_loopback import engine_config, free_port_base
-from runtime.transfer_plan import plan_transfer
+from dcp_compile.runtime.nixl_loopback import engine_config, free_port_base
+from dcp_compile.runtime.transfer_plan import plan_transfer
 
 from nixl_runs import run_loopback
 

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.errors import DCPTransferError
-from runtime.topology import topology
-from runtime.nixl_descriptors import (EPOCH_BYTES, apply_staged, check_caches,
+from dcp_compile.runtime.errors import DCPTransferError
+from dcp_compile.runtime.topology import topology
+from dcp_compile.runtime.nixl_descriptors import (EPOCH_BYTES, apply_staged, check_caches,
                                       epoch_descriptors, nx3, plan_reads, probe_descriptor,
                                       read_epochs, stage, stale_epochs)
-from runtime.nixl_handshake import NeuronNixlAgentMetadata, check_metadata
-from runtime.nixl_loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
-from runtime.transfer_plan import plan_transfer
+from dcp_compile.runtime.nixl_handshake import NeuronNixlAgentMetadata, check_metadata
+from dcp_compile.runtime.nixl_loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
+from dcp_compile.runtime.transfer_plan import plan_transfer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,6 +157,6 @@ def test_probe_reads_the_start_of_the_remote_garbage_block():
 
 
 def test_descriptor_and_handshake_modules_do_not_import_nixl():
-    code = ("import sys, runtime.nixl_descriptors, runtime.nixl_handshake; "
+    code = ("import sys, dcp_compile.runtime.nixl_descriptors, dcp_compile.runtime.nixl_handshake; "
             "assert 'nixl' not in sys.modules, sorted(m for m in sys.modules if 'nixl' in m)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dcp_compile.capture import capture
-from runtime.errors import DCPTransformError
-from passes.canonicalize_attention import CanonicalizeAttention
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 
 from passes_helpers import ctx_for, run, tiny_graph
 from dcp_compile.models import DemoConfig

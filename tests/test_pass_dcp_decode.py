@@ -4,15 +4,15 @@ import pytest
 import torch
 
 from dcp_compile.capture import capture, example_step_inputs
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models import DemoConfig, demo_model
-from passes.canonicalize_attention import CanonicalizeAttention
-from passes.collectives import collective_summary
-from passes.dcp_decode import DCPContext, DCPDecode
-from passes.drop_export_asserts import DropExportAsserts
-from passes.insert_rank import InsertRank
-from passes.shard_tensor_parallel import ShardTensorParallel
-from passes.validate_and_prove import ValidateAndProve
+from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
+from dcp_compile.passes.collectives import collective_summary
+from dcp_compile.passes.dcp_decode import DCPContext, DCPDecode
+from dcp_compile.passes.drop_export_asserts import DropExportAsserts
+from dcp_compile.passes.insert_rank import InsertRank
+from dcp_compile.passes.shard_tensor_parallel import ShardTensorParallel
+from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from passes_helpers import ctx_for, op_counts, run, tiny_graph
 

@@ -5,13 +5,13 @@ import torch
 from torch import nn
 
 from dcp_compile.capture import capture
-from runtime.errors import DCPTransformError
-from passes.canonicalize_attention import CanonicalizeAttention
-from passes.collectives import collective_summary
-from passes.drop_export_asserts import DropExportAsserts
-from passes.insert_rank import InsertRank
-from passes.shard_tensor_parallel import ShardSpec, ShardTensorParallel
-from passes.validate_and_prove import ValidateAndProve
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
+from dcp_compile.passes.collectives import collective_summary
+from dcp_compile.passes.drop_export_asserts import DropExportAsserts
+from dcp_compile.passes.insert_rank import InsertRank
+from dcp_compile.passes.shard_tensor_parallel import ShardSpec, ShardTensorParallel
+from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from passes_helpers import ctx_for, run, tiny_graph
 

@@ -1,4 +1,4 @@
-"""The pipeline is data (passes.pipeline.PIPELINE): the README lists it, transform(), the
+"""The pipeline is data (dcp_compile.passes.pipeline.PIPELINE): the README lists it, transform(), the
 torch.compile backend's transform_graph and the dump follow it; post-conditions raise."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 import dcp_compile
-from runtime.config import DCPConfig
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models import DemoConfig, demo_model
 from dcp_compile.plain_models import plain_llama
-from passes import pipeline
-from passes.infra import DCPPass, TransformContext
-from passes.insert_paged_cache import InsertPagedCache
-from runtime.engine import StepShapes
+from dcp_compile.passes import pipeline
+from dcp_compile.passes.infra import DCPPass, TransformContext
+from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+from dcp_compile.runtime.engine import StepShapes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
@@ -137,10 +137,10 @@ def test_an_unknown_step_kind_is_refused():
 ENSURES_VIOLATION = """
 import torch
 from torch.fx import Graph, GraphModule
-from runtime.config import DCPConfig
-from runtime.errors import DCPTransformError
-from passes.infra import TransformContext
-from passes.insert_rank import InsertRank
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.passes.infra import TransformContext
+from dcp_compile.passes.insert_rank import InsertRank
 
 g = Graph()
 g.output(g.placeholder("input_ids"))     # no tp_rank input: insert_rank's post-condition
@@ -168,8 +168,8 @@ def test_an_ensures_violation_raises_even_under_python_O(flags):
 def test_each_rewrites_post_condition_names_what_is_left():
     """The attention rewrites' ensures, run on a graph that still has its attention."""
     from dcp_compile.capture import capture, example_step_inputs
-    from passes.canonicalize_attention import CanonicalizeAttention
-    from passes.dcp_decode import DCPContext, DCPDecode
+    from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
+    from dcp_compile.passes.dcp_decode import DCPContext, DCPDecode
 
     model = demo_model(DemoConfig(num_layers=1))
     captured = capture(model, example_step_inputs(
@@ -190,8 +190,8 @@ def test_each_rewrites_post_condition_names_what_is_left():
 def test_dcp_prefill_without_sequence_parallel_is_refused():
     """No silent fallback: dcp_prefill names the pass that must run first."""
     from dcp_compile.capture import capture, example_step_inputs
-    from passes.canonicalize_attention import CanonicalizeAttention
-    from passes.dcp_prefill import DCPPrefill
+    from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
+    from dcp_compile.passes.dcp_prefill import DCPPrefill
 
     model = demo_model(DemoConfig(num_layers=1))
     captured = capture(model, example_step_inputs(

@@ -1,6 +1,6 @@
 """Placement rules on tiny hand-built graphs: before -> placements; refusals name op and source.
 
-Each rule is data (passes.placement.RULES); these tests call one rule at a time on a node of
+Each rule is data (dcp_compile.passes.placement.RULES); these tests call one rule at a time on a node of
 a small traced function, then run the whole analysis on small attention graphs.
 """
 
@@ -12,14 +12,14 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dcp_compile.capture import capture
-from runtime.config import DCPConfig
-from runtime.errors import DCPTransformError
-from passes.canonicalize_attention import CanonicalizeAttention
-from passes.drop_export_asserts import DropExportAsserts
-from passes.insert_rank import InsertRank
-from passes.placement import (R, Partial, Refusal, Seg, Shard, analyze, canon, rule_for,
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
+from dcp_compile.passes.drop_export_asserts import DropExportAsserts
+from dcp_compile.passes.insert_rank import InsertRank
+from dcp_compile.passes.placement import (R, Partial, Refusal, Seg, Shard, analyze, canon, rule_for,
                               show)
-from passes.validate_and_prove import ValidateAndProve
+from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from passes_helpers import ctx_for, run
 
@@ -233,7 +233,7 @@ def test_show_reads_like_the_docs():
 ], ids=["rms-statistic-over-hidden", "transpose-around-rope", "mean-over-hidden",
         "stack-for-interleaved-rope"])
 def test_token_wise_ops_keep_the_token_dim(fn, shape, target, dim):
-    from passes.placement import token_dim
+    from dcp_compile.passes.placement import token_dim
     _, n = node_of(fn, shape, target=target)
     assert token_dim(n, {n.all_input_nodes[0]: 1}, 6) == dim
 
@@ -245,7 +245,7 @@ def test_token_wise_ops_keep_the_token_dim(fn, shape, target, dim):
     (lambda x: torch.cumsum(x, 1), (2, 6, 16), aten.cumsum.default),
 ], ids=["mean-over-tokens", "view-merging-batch-and-tokens", "roll-tokens", "cumsum-tokens"])
 def test_token_mixing_ops_are_not_token_wise(fn, shape, target):
-    from passes.placement import token_dim
+    from dcp_compile.passes.placement import token_dim
     _, n = node_of(fn, shape, target=target)
     with pytest.raises(Refusal):
         token_dim(n, {n.all_input_nodes[0]: 1}, 6)
@@ -281,7 +281,7 @@ def test_bmm_refusals_name_the_reason(placements, why):
 def test_bmm_right_operand_is_not_a_per_token_side_input():
     """Tokens at the left operand's rows: the right operand's dim that happens to line up
     (its contracted dim, here also 6 long) is not indexed by token."""
-    from passes.placement import token_dim
+    from dcp_compile.passes.placement import token_dim
     _, n = node_of(torch.bmm, (8, 6, 6), (8, 6, 5), target=aten.bmm.default)
     assert token_dim(n, {n.all_input_nodes[0]: 1}, 6) == 1
 

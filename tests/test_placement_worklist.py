@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import dcp_compile
 from dcp_compile.models import DemoConfig, demo_model
-from runtime.engine import StepShapes
-from runtime.errors import DCPError, DCPTransformError
-import passes.shard_tensor_parallel as stp
-from passes.placement.analysis import Analysis
+from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.errors import DCPError, DCPTransformError
+import dcp_compile.passes.shard_tensor_parallel as stp
+from dcp_compile.passes.placement.analysis import Analysis
 
 from model_grammar import build as build_grammar, model_specs
 from sharding_models import FeatureConfig, FeatureLM

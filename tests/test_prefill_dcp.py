@@ -26,11 +26,11 @@ import pytest
 import torch
 
 import dcp_compile
-from runtime import layout
-from runtime.config import DCPConfig
-from runtime.errors import DCPConfigError, DCPInputError
+from dcp_compile.runtime import layout
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.models import DemoConfig, demo_model
-from runtime.program import copy_graph_module
+from dcp_compile.runtime.program import copy_graph_module
 from dcp_compile.verify import (check_prefill_caches, compare_prefill_logits,
                                 run_prefill_reference, run_threaded_prefill, verify_prefill)
 from dcp_compile.workers.prefill import plan_tokens, shapes_for
@@ -139,8 +139,8 @@ class _PadIds:
 def test_pad_tokens_never_reach_outputs_or_caches():
     """Changing the ids of pad tokens changes no real token's logits and no cache row."""
     from dcp_compile.verify import RecordingExecutor, run_chunks
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles, run_threaded
     case = "tp8-dcp4-I8-S30-S_not_multiple_of_tp"
     _, prog = program_for(case)
     chunks = plan_tokens(plan_of(case), seed=1)
@@ -235,8 +235,8 @@ def test_dcp1_prefill_needs_no_di_role():
 def test_chunk_beyond_the_block_table_is_refused_and_writes_nothing():
     """Grow one sequence to the end of its block table; the chunk that would pass it, and a
     chunk longer than the static chunk length, raise DCPInputError before anything runs."""
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles, run_threaded
     _, prog = program_for("tp4-dcp4-I16-S20-dcp_tp-size-1")
     capacity = prog.shapes.max_blocks * 16 * 4        # positions a block table addresses
     chunk = [[3] * 20, [], []]
@@ -269,7 +269,7 @@ def test_chunk_beyond_the_block_table_is_refused_and_writes_nothing():
 @pytest.mark.multiprocess
 def test_torchrun_gloo_prefill_matches_single_device(tmp_path):
     """Real processes: 4 gloo ranks (tp=4, dcp=2), two layers, a mixed chunked prefill."""
-    from runtime.launch import run_torchrun
+    from dcp_compile.runtime.launch import run_torchrun
     from dcp_compile.workers.prefill import build_program, parse
     S, plan = 36, mixed_plan(36, 2, 8)
     argv = ["--dcp", "2", "--tp", "4", "--block-size", "8", "--context-len", str(S),

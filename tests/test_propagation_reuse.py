@@ -1,5 +1,5 @@
 """The pass manager's propagation reuses the result metadata of a repeated op call
-(passes.manager._call_key): the layers make the same calls. Checked: it is used (the
+(dcp_compile.passes.manager._call_key): the layers make the same calls. Checked: it is used (the
 repeated layers hit it), and every node's value equals a full re-propagation's in shape,
 stride, storage offset, dtype and device -- more than the check mode's same_value compares.
 """
@@ -11,8 +11,8 @@ import torch
 
 import dcp_compile
 from dcp_compile.models import DemoConfig, demo_model
-from passes import manager
-from runtime.engine import StepShapes
+from dcp_compile.passes import manager
+from dcp_compile.runtime.engine import StepShapes
 
 SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 

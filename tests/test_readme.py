@@ -137,7 +137,7 @@ def test_python_block_runs(block, tmp_path):
     script = tmp_path / "readme_block.py"
     script.write_text(code)
     if "torchrun" in block.tags:
-        from runtime.launch import run_torchrun
+        from dcp_compile.runtime.launch import run_torchrun
         run_torchrun(int(block.tags["torchrun"]), "readme_block", cwd=tmp_path,
                      timeout=TIMEOUT)                   # raises, naming the failing rank
         return

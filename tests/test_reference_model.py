@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.errors import DCPInputError
+from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
-from runtime.engine import Engine, LocalExecutor, StepShapes
-from runtime.kv_cache import BlockAllocator, KVCacheSpec, check_step_inputs
+from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.kv_cache import BlockAllocator, KVCacheSpec, check_step_inputs
 
 from helpers import assert_close_report, prompts_of
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import dcp_compile
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import verify, verify_prefill
-from runtime.engine import StepShapes
+from dcp_compile.runtime.engine import StepShapes
 
 from sharding_models import FeatureConfig, FeatureLM
 

@@ -23,12 +23,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import dcp_compile
-from runtime.errors import DCPConfigError, DCPInputError
+from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.models import DemoConfig, demo_model
-from runtime.engine import Engine, LocalExecutor, StepShapes
-from runtime.kv_cache import KVCacheSpec
-from runtime.step_contract import RULE_NAMES, StepContract
-from runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.kv_cache import KVCacheSpec
+from dcp_compile.runtime.step_contract import RULE_NAMES, StepContract
+from dcp_compile.runtime.world import bind_roles, run_threaded
 
 from helpers import assert_close_report
 

@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
-from runtime import layout
+from dcp_compile.runtime import layout
 from dcp_compile.cli import main as cli_main
-from runtime.errors import DCPTransferError
-from runtime.topology import topology
-from runtime.transfer_plan import (CHUNK_COLUMNS, engine_configs, plan_transfer,
+from dcp_compile.runtime.errors import DCPTransferError
+from dcp_compile.runtime.topology import topology
+from dcp_compile.runtime.transfer_plan import (CHUNK_COLUMNS, engine_configs, plan_transfer,
                                    spec_remote_ranks)
 
 

@@ -6,10 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import dcp_compile
-from runtime.errors import DCPConfigError, DCPTransformError
+from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
 from dcp_compile.models import DemoConfig, DemoLlama, demo_model
-from passes.check_static_shapes import CheckStaticShapes
-from runtime.engine import StepShapes
+from dcp_compile.passes.check_static_shapes import CheckStaticShapes
+from dcp_compile.runtime.engine import StepShapes
 
 from passes_helpers import ctx_for
 

@@ -26,9 +26,9 @@ pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stableh
 
 import dcp_compile  # noqa: E402
 from dcp_compile import xla as X  # noqa: E402
-from runtime.errors import DCPTransformError  # noqa: E402
+from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
-from runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 
 MAX_TP = 8
 X.request_host_devices(MAX_TP)
@@ -98,8 +98,8 @@ def _bf16_decode(model, prog, lowered) -> dict:
 def case_wrong_rank(tp, dcp) -> dict:
     """The comparison can fail: replicas fed each other's tp_rank compute wrong logits."""
     from dcp_compile.verify import run_reference
-    from runtime.engine import Engine
-    from runtime.errors import DCPInputError
+    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.errors import DCPInputError
     model, prog, lowered = _program(tp, dcp, "decode")
     executor = X.XLAExecutor(prog, lowered)
     ids, pos = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)

@@ -49,7 +49,7 @@ def run(args) -> int:
 
     import dcp_compile
     from dcp_compile.commands.verify import default_lengths
-    from runtime.engine import StepShapes
+    from dcp_compile.runtime.engine import StepShapes
 
     loaded = load_model(args)
     model = loaded.model

@@ -38,8 +38,8 @@ def validate(args) -> None:
 def run(args) -> int:
     import dcp_compile
     from dcp_compile.models import DemoConfig
-    from passes.dump import dot_executable
-    from runtime.engine import StepShapes
+    from dcp_compile.passes.dump import dot_executable
+    from dcp_compile.runtime.engine import StepShapes
 
     loaded = load_model(args, demo_config=DemoConfig(num_layers=args.layers))
     model = loaded.model

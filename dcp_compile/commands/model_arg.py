@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from runtime.errors import DCPInputError
+from dcp_compile.runtime.errors import DCPInputError
 
 
 def add_model_arguments(p) -> None:

@@ -101,7 +101,7 @@ def add_layout_arguments(p, *, tp_default=None, dcp_default=None, block_size: bo
 def check_layout(args, *, modes=None, **heads) -> None:
     """Raise DCPConfigError unless the layout options (and ``heads``, e.g. num_kv_heads)
     form a valid DCPConfig in every one of ``modes`` (default: ``args.mode``)."""
-    from runtime.config import DCPConfig
+    from dcp_compile.runtime.config import DCPConfig
     for mode in modes or [args.mode]:
         DCPConfig(tp=args.tp, dcp=args.dcp, mode=mode,
                   block_size=getattr(args, "block_size", 16),

@@ -34,8 +34,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from runtime.errors import DCPTransferError
-    from runtime.transfer_plan import engine_configs, plan_transfer
+    from dcp_compile.runtime.errors import DCPTransferError
+    from dcp_compile.runtime.transfer_plan import engine_configs, plan_transfer
 
     sizes = dict(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
                  decode_tp=args.decode_tp, decode_dcp=args.decode_dcp,

@@ -20,12 +20,12 @@ def add_arguments(p):
 
 
 def validate(args) -> None:
-    from runtime.config import layout_config
+    from dcp_compile.runtime.config import layout_config
     layout_config(args.dcp, args.interleave_size or args.block_size, args.block_size)
 
 
 def run(args) -> int:
-    from passes.proofs import layout_config, prove_config
+    from dcp_compile.passes.proofs import layout_config, prove_config
     # Invalid sizes raise DCPConfigError naming the rule (the CLI prints it, exit 2).
     interleave = args.block_size if args.interleave_size is None else args.interleave_size
     cert = prove_config(layout_config(args.dcp, interleave, args.block_size))

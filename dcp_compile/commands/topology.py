@@ -16,7 +16,7 @@ def add_arguments(p):
 
 
 def _config(args):
-    from runtime.config import DCPConfig
+    from dcp_compile.runtime.config import DCPConfig
     return DCPConfig(tp=args.tp, dcp=args.dcp, mode=args.mode, num_kv_heads=args.num_kv_heads)
 
 
@@ -25,7 +25,7 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from runtime.topology import topology
+    from dcp_compile.runtime.topology import topology
     config = _config(args)  # the layout comes from a validated DCPConfig
     topo = topology(config.tp, config.dcp, config.mode, config=config)
     print(json.dumps(topo.to_json()) if args.json else topo.format_table())

@@ -47,7 +47,7 @@ def check_backend(args) -> None:
         return
     import importlib.util
 
-    from runtime.errors import DCPConfigError
+    from dcp_compile.runtime.errors import DCPConfigError
     from dcp_compile.xla import request_host_devices, xla_available
     ok, why = xla_available()
     if ok and importlib.util.find_spec("torch_mlir") is None:
@@ -82,7 +82,7 @@ def run(args) -> int:
     import torch
 
     import dcp_compile
-    from runtime.engine import StepShapes
+    from dcp_compile.runtime.engine import StepShapes
 
     interleave = args.interleave_size or args.block_size
     lengths = args.lengths or default_lengths(args.dcp, interleave, args.block_size)

@@ -27,7 +27,7 @@ One module serves every rank: the rank is its ``tp_rank`` input (``mhlo.num_repl
 replica groups name global device ids = tp ranks). KV caches are inputs and are returned
 updated; each cache input carries ``tf.aliasing_output`` (the XLA convention for a donated
 buffer) naming the result that replaces it. What each collective is (arguments, shape effect,
-StableHLO op) comes from runtime.roles.COLLECTIVES, the one table of collectives.
+StableHLO op) comes from dcp_compile.runtime.roles.COLLECTIVES, the one table of collectives.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
-from runtime.errors import DCPLoweringError
-from runtime.names import is_cache_input
+from dcp_compile.runtime.errors import DCPLoweringError
+from dcp_compile.runtime.names import is_cache_input
 
 from .artifact import (COLLECTIVE_OPS, LoweredCollective, LoweredModule, LoweringResult,
                        _join_sites, collectives_in, deserialize, op_counts, serialize, write)
@@ -73,7 +73,7 @@ TARGETS = ("stablehlo",)
 def lower(program, target: str = "stablehlo", out_dir: str | Path | None = None, *,
           steps: Sequence[str] | None = None, target_version: str | None = None,
           elide_trivial: bool = True) -> LoweringResult:
-    """Lower every step kind of ``program`` (a :class:`~runtime.dcp_program.DCPProgram`).
+    """Lower every step kind of ``program`` (a :class:`~dcp_compile.runtime.dcp_program.DCPProgram`).
 
     With ``out_dir``, writes ``<step>.stablehlo.mlir`` (text), ``<step>.stablehlo.mlirbc``
     (portable artifact for ``target_version``, default: this StableHLO's current version) and

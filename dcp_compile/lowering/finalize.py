@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from runtime.errors import DCPLoweringError
-from runtime.names import is_cache_input
+from dcp_compile.runtime.errors import DCPLoweringError
+from dcp_compile.runtime.names import is_cache_input
 
 from .stablehlo import _walk
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.errors import DCPLoweringError
+from dcp_compile.runtime.errors import DCPLoweringError
 
 from .artifact import LoweredModule, LoweringResult, collectives_in
 from .finalize import _ALLOWED_DIALECTS, _FORBIDDEN_OPS
@@ -177,7 +177,7 @@ def _wrap_in_run_parallel(module, func, ranks: int) -> None:
 
 
 class InterpreterExecutor:
-    """A runtime.engine executor that runs a program's lowered modules in the StableHLO
+    """A dcp_compile.runtime.engine executor that runs a program's lowered modules in the StableHLO
     reference interpreter, every rank at once (:func:`run_interpreter_spmd`), each rank with
     its weight shards, ``tp_rank`` and KV caches. ``step`` returns rank 0's logits after
     checking that every rank computed the same ones.
@@ -188,7 +188,7 @@ class InterpreterExecutor:
     """
 
     def __init__(self, program, lowered: LoweringResult, *, isolate: bool = False):
-        from runtime.names import RANK_INPUT
+        from dcp_compile.runtime.names import RANK_INPUT
         self.lowered, self.isolate = lowered, isolate
         self.tp = program.topology.tp
         self.prefix = []

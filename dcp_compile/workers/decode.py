@@ -29,9 +29,9 @@ def main(argv=None) -> int:
 
     import dcp_compile
     from dcp_compile.models import demo_model
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.launch import init_distributed_from_env
-    from runtime.world import bind_roles
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.world import bind_roles
 
     rank, world = init_distributed_from_env()
     try:
@@ -63,7 +63,7 @@ def prompt_tokens(lengths, seed) -> list[list[int]]:
 
 
 def shapes_for(lengths, steps, dcp):
-    from runtime.engine import StepShapes
+    from dcp_compile.runtime.engine import StepShapes
     return StepShapes.fitting(len(lengths), max(lengths), max(lengths) + steps,
                               block_size=16, dcp=dcp)
 

@@ -16,7 +16,7 @@ torchrun; both worlds run at the same time, each with its own master port)::
 Prefill rank. Transforms the demo model (``mode="prefill"``; every rank builds the same SPMD
 program), runs the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
 :func:`dcp_compile.workers.prefill.plan_tokens`) through the engine, registers its final caches
-with a :class:`~runtime.nixl_connector.PrefillKVConnector` (side channel at ``--port +
+with a :class:`~dcp_compile.runtime.nixl_connector.PrefillKVConnector` (side channel at ``--port +
 rank``), and after a gloo barrier (every side channel is up) rank 0 writes the *handoff*
 (what a router passes to the decode engine: per sequence the request id, prompt length, the
 prefill block table and the epoch of its lease, plus each sequence's last-token logits).
@@ -31,7 +31,7 @@ Decode rank. Transforms the demo model (``mode="decode"``; ``--dcp 1`` is the st
 decode), allocates its caches poisoned with NaN, waits for the handoff, takes block tables
 from its own allocator (``--reserve-blocks`` first holds some blocks for a dummy sequence, so
 local and remote block numbers differ), creates a
-:class:`~runtime.nixl_connector.DecodeKVConnector`, handshakes with the prefill ranks of its
+:class:`~dcp_compile.runtime.nixl_connector.DecodeKVConnector`, handshakes with the prefill ranks of its
 plan, reads every request and waits for all of them. Sequence lengths are the prompt lengths;
 decoding starts from the first token chosen (argmax) from the prefill's last-token logits and
 runs ``--steps`` greedy steps. Each rank saves its caches *right after the transfer*
@@ -42,7 +42,7 @@ Failures stop both worlds in bounded time: a rank that fails appends its error t
 ``--abort-file``; a prefill rank waiting for readers and a decode rank waiting for the handoff
 give up as soon as that file exists (the launching test also writes it when a world fails).
 Everything listens on 127.0.0.1 only; UCX runs over tcp on loopback
-(:func:`runtime.nixl_connector.configure_ucx_env`).
+(:func:`dcp_compile.runtime.nixl_connector.configure_ucx_env`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def decode_shapes(batch: int, max_context: int, dcp: int, block_size: int,
                   reserve_blocks: int = 0):
     """Static shapes of the decode program: ``max_context`` tokens (prompt + generated) per
     sequence. ``context_len`` (the program's own prompt step, not run here) is one block."""
-    from runtime.engine import StepShapes
+    from dcp_compile.runtime.engine import StepShapes
     return StepShapes.fitting(batch, block_size, max_context, block_size=block_size, dcp=dcp,
                               spare_blocks=reserve_blocks)
 
@@ -109,7 +109,7 @@ def demo_config(layers: int):
 
 def engine_config(program_config, *, tp: int, dcp: int, mode: str):
     """The other engine's DCPConfig: same model (heads, head_dim) and block size."""
-    from runtime.config import DCPConfig
+    from dcp_compile.runtime.config import DCPConfig
     c = program_config
     return DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=c.block_size,
                      num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
@@ -127,7 +127,7 @@ def _save(obj, path: str) -> None:
 
 
 def _check_abort(abort_file: str | None, what: str) -> None:
-    from runtime.errors import DCPTransferError
+    from dcp_compile.runtime.errors import DCPTransferError
     if abort_file and os.path.exists(abort_file):
         with open(abort_file, errors="replace") as f:
             reason = f.read().strip() or "(no reason given)"
@@ -150,13 +150,13 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     import dcp_compile
-    from runtime.errors import DCPTransferError
+    from dcp_compile.runtime.errors import DCPTransferError
     from dcp_compile.models import demo_model
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.nixl_connector import PrefillKVConnector
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.nixl_connector import PrefillKVConnector
     from dcp_compile.workers.prefill import plan_tokens
-    from runtime.transfer_plan import plan_transfer
-    from runtime.world import bind_roles
+    from dcp_compile.runtime.transfer_plan import plan_transfer
+    from dcp_compile.runtime.world import bind_roles
 
     plan = json.loads(args.plan)
     decoders = json.loads(args.decoders)
@@ -245,7 +245,7 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
 
 
 def _wait_for_handoff(args, rank: int) -> dict:
-    from runtime.errors import DCPTransferError
+    from dcp_compile.runtime.errors import DCPTransferError
     deadline = time.monotonic() + args.timeout
     while not os.path.exists(args.handoff):
         _check_abort(args.abort_file, f"decode rank {rank} ({args.engine_id})")
@@ -259,11 +259,11 @@ def _wait_for_handoff(args, rank: int) -> dict:
 
 def run_decode_rank(args, rank: int, world: int) -> None:
     import dcp_compile
-    from runtime.errors import DCPTransferError
+    from dcp_compile.runtime.errors import DCPTransferError
     from dcp_compile.models import demo_model
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
-    from runtime.world import bind_roles
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
+    from dcp_compile.runtime.world import bind_roles
 
     shapes = decode_shapes(args.batch, args.max_context, args.dcp, args.block_size,
                            args.reserve_blocks)
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     import torch.distributed as dist
 
-    from runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.launch import init_distributed_from_env
 
     torch.set_num_threads(1)
     rank, world = init_distributed_from_env()

@@ -31,7 +31,7 @@ def plan_tokens(plan: list[list[int]], seed: int = 0, vocab: int = 256
 
 def shapes_for(plan: list[list[int]], context_len: int, dcp: int, block: int):
     """Static shapes that hold the plan: batch = sequences, blocks for the longest total."""
-    from runtime.engine import StepShapes
+    from dcp_compile.runtime.engine import StepShapes
     totals = [sum(chunk[b] for chunk in plan) for b in range(len(plan[0]))]
     return StepShapes.fitting(len(totals), context_len, max(totals), block_size=block,
                               dcp=dcp)
@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from dcp_compile.verify import RecordingExecutor, run_chunks
-    from runtime.engine import Engine, LocalExecutor
-    from runtime.launch import init_distributed_from_env
-    from runtime.world import bind_roles
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.world import bind_roles
 
     rank, world = init_distributed_from_env()
     try:

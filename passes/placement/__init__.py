@@ -1,6 +1,6 @@
 """Placement analysis: how every tensor of the graph is laid out over the tensor-parallel ranks.
 
-Run before any rewrite (``analyze``); :mod:`passes.shard_tensor_parallel` then follows it.
+Run before any rewrite (``analyze``); :mod:`dcp_compile.passes.shard_tensor_parallel` then follows it.
 
 A placement says what rank r holds of a tensor:
   * ``Replicate()``: the whole tensor.

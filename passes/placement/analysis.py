@@ -1,7 +1,7 @@
 """The placement analysis driver: requirements from attention run backward to the weights,
 placements run forward from them, until nothing changes; then a strict forward check. Any op
 without a rule for its inputs, any conflict, is a DCPTransformError naming the op, the
-placements and the source line (see :mod:`passes.placement`).
+placements and the source line (see :mod:`dcp_compile.passes.placement`).
 
 The sweeps are worklists (:class:`Worklist`): a sweep visits only the nodes whose inputs'
 placements, requirements or decisions changed since their last visit, in the order a full
@@ -20,10 +20,10 @@ from dataclasses import replace
 import torch
 from torch.fx import GraphModule, Node
 
-from runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
-from runtime.names import RANK_INPUT
+from dcp_compile.runtime.names import RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
@@ -176,7 +176,7 @@ class Analysis:
         placed = ", ".join(f"{a.name}={show(self.P(a))}" for a in ins)
         return _err(n, f"no placement rule for {n.target} with inputs [{placed}] ({reason})",
                     "Write this op as an elementwise/view/split/sum op over replicated or "
-                    "head-sharded tensors, or add a rule to passes.placement.RULES")
+                    "head-sharded tensors, or add a rule to dcp_compile.passes.placement.RULES")
 
     # -- forward ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Placements: what rank r holds of a tensor (see :mod:`passes.placement`), and segments."""
+"""Placements: what rank r holds of a tensor (see :mod:`dcp_compile.passes.placement`), and segments."""
 
 from __future__ import annotations
 
