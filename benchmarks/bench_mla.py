@@ -1,6 +1,6 @@
 """MLA (DeepSeek latent attention) under DCP: KV bytes per rank and decode step time vs dcp.
 
-A DeepSeek-shaped MLA model (dcp_compile/mla_models.py: kv_lora_rank L=512, rope dr=64,
+A DeepSeek-shaped MLA model (dcp_compile/models/mla.py: kv_lora_rank L=512, rope dr=64,
 16 heads, qk_nope = v = 128) at tp=8, dcp in {1, 2, 4, 8}, with a long context already in
 the cache. The cache holds one latent head ([latent ; k_pe], L + dr values per token and
 layer), so each rank's KV bytes fall as 1/dcp (plus the garbage block); the expanded K/V a
@@ -26,7 +26,7 @@ import time
 import torch
 
 import dcp_compile
-from dcp_compile.mla_models import MLAConfig, plain_mla
+from dcp_compile.models.mla import MLAConfig, plain_mla
 from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.world import bind_roles, run_threaded
 

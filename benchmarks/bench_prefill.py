@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import dcp_compile
 from dcp_compile.runtime import layout
-from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
+from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from dcp_compile.verify import RecordingExecutor, run_chunks
 from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes

@@ -2,7 +2,7 @@
 
 Each configuration is proven in a fresh process state (no certificate cache): wall and CPU
 seconds, and the number of pieces the symbolic proof split the domain into (independent of
-block_size by construction; see passes/proof_engine.py).
+block_size by construction; see passes/prove/engine.py).
 
     python3 benchmarks/bench_prove.py [--dcp 2,8,16] [--block 16,64,128,256,1024]
 """
@@ -13,7 +13,7 @@ import argparse
 import time
 
 import dcp_compile.runtime.layout  # noqa: F401  (import cost is not proof cost)
-from dcp_compile.passes.proofs import prove
+from dcp_compile.passes.prove.theorems import prove
 
 
 def main():

@@ -1,7 +1,7 @@
 """KV transfer over NIXL per topology vs the floor: time and bytes per request.
 
 One long request is prefilled (its KV scattered into each prefill engine's DCP layout) in a
-prefill process (runtime/nixl_loopback.py); this process is the decode side. For each
+prefill process (runtime/nixl/loopback.py); this process is the decode side. For each
 topology every decode rank posts its planned READs at once and the request's time runs until
 the last rank has finished (the handshake is excluded; the median of --repeat requests).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dcp_compile.runtime.nixl_loopback import (_rid, block_tables, engine_config,  # noqa: E402
+from dcp_compile.runtime.nixl.loopback import (_rid, block_tables, engine_config,  # noqa: E402
                                    filled_caches, free_port_base, loopback_env, new_caches,
                                    request_epoch)
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             "requests": [{"id": "long", "seq_len": args.seq_len}],
             "stop_file": str(tmp / "done")}
     (tmp / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl_loopback", "prefill",
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
                              str(tmp / "spec.json"), str(tmp / "prefill.json")], cwd=ROOT,
                             env=loopback_env(), stdout=subprocess.DEVNULL)
     try:
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 def _measure(spec, p_eng, d_eng, args, mode) -> dict:
     import torch
 
-    from dcp_compile.runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
+    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
     p_cfg, d_cfg = engine_config(spec, p_eng, "prefill"), engine_config(spec, d_eng, "decode")
     _, p_tables = block_tables(spec, p_cfg, p_eng["engine_id"])
     num_blocks, d_tables = block_tables(spec, d_cfg, "d-" + p_eng["engine_id"])
@@ -166,7 +166,7 @@ def _floor_read(spec, p_eng, nbytes: int, repeat: int) -> float:
     """One READ of whole contiguous cache tensors, ``nbytes`` in all, from one prefill rank."""
     import numpy as np
 
-    from dcp_compile.runtime.nixl_connector import DecodeKVConnector
+    from dcp_compile.runtime.nixl.connector import DecodeKVConnector
     p_cfg = engine_config(spec, p_eng, "prefill")
     d_cfg = engine_config(spec, {"tp": 1, "dcp": 1}, "decode")
     num_blocks, _ = block_tables(spec, d_cfg, "floor")

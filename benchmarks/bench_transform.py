@@ -34,8 +34,8 @@ import torch
 
 import dcp_compile
 from dcp_compile.capture import example_step_inputs
-from dcp_compile.models import DemoConfig, demo_model
-from dcp_compile.pipeline import STEPS_BY_MODE
+from dcp_compile.models.demo import DemoConfig, demo_model
+from dcp_compile.driver import STEPS_BY_MODE
 from dcp_compile.runtime.engine import StepShapes
 
 BLOCK = 16
@@ -115,7 +115,7 @@ def time_lower(prog) -> tuple[float | str, dict]:
 
 
 def time_prove(dcp: int) -> float:
-    from dcp_compile.passes import proofs
+    from dcp_compile.passes.prove import theorems as proofs
     from dcp_compile.runtime import layout
     t0 = time.perf_counter()
     proofs._prove(dcp, BLOCK, BLOCK, layout)  # uncached: the cold proof

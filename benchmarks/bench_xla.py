@@ -93,7 +93,7 @@ def main() -> int:
 
     import dcp_compile
     from dcp_compile.commands.verify import default_lengths
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models.demo import DemoConfig, demo_model
     from dcp_compile.runtime.engine import StepShapes
 
     lengths = default_lengths(args.dcp, 16, 16)
@@ -141,7 +141,7 @@ def interpreter_row(layers: int) -> None:
 
     import dcp_compile
     from dcp_compile.lowering import InterpreterExecutor
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models.demo import DemoConfig, demo_model
     from dcp_compile.runtime.engine import StepShapes
     shapes = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
     model = demo_model(DemoConfig(num_layers=layers, num_kv_heads=1))

@@ -25,7 +25,7 @@ __all__ = [
 def __getattr__(name):
     # Heavier frontends load on first use so that `import dcp_compile` stays cheap.
     if name == "prove":
-        from dcp_compile.passes.proofs import prove
+        from dcp_compile.passes.prove.theorems import prove
         return prove
     if name == "compute_slot_mapping":
         from dcp_compile.runtime.metadata import compute_slot_mapping
@@ -37,6 +37,6 @@ def __getattr__(name):
         from .lowering import lower
         return lower
     if name == "transform":
-        from .pipeline import transform
+        from .driver import transform
         return transform
     raise AttributeError(f"module 'dcp_compile' has no attribute {name!r}")

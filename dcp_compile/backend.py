@@ -210,7 +210,7 @@ def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
     """
     from dcp_compile.passes.dump import dump_root_for, pass_dump
 
-    from .pipeline import transform_graph
+    from .driver import transform_graph
     from dcp_compile.runtime.dcp_program import DCPProgram
     from dcp_compile.runtime.topology import topology
 

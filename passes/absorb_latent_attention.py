@@ -1,6 +1,6 @@
 """Multi-head Latent Attention (DeepSeek MLA) -> attention in latent space, one shared head.
 
-An ordinary MLA model attends with expanded K/V (dcp_compile/mla_models.py, Hugging Face
+An ordinary MLA model attends with expanded K/V (dcp_compile/models/mla.py, Hugging Face
 ``DeepseekV3Attention``)::
 
     kv      = linear(c, W)          c = RMSNorm(latent) [B, S, L], W = kv_b_proj [H*(dn+dv), L]

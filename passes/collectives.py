@@ -1,7 +1,7 @@
 """Emit functional collectives (`_c10d_functional` + `wait_tensor`) on group *roles*.
 
 A collective names a role (``tp``, ``dcp``, ``world``, ``dcp_tp``, ``cp_kv``) through the
-placeholder group name ``dcp_role:<role>``; ``dcp_compile.runtime.program.load`` binds each role to this
+placeholder group name ``dcp_role:<role>``; ``dcp_compile.runtime.rank_program.load`` binds each role to this
 rank's real process-group name, so the graph is the same for every rank.
 """
 

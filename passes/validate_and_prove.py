@@ -38,7 +38,7 @@ class ValidateAndProve(DCPPass):
                           mla=bool(self.ctx.model_facts.get("mla")))
         self.ctx.config = cfg
         if self.ctx.certificate is None:
-            from .proofs import prove
+            from .prove.theorems import prove
             self.ctx.certificate = prove(cfg.dcp, cfg.interleave_size, cfg.block_size)
         if not self.ctx.certificate.ok:
             raise DCPProofError(self.ctx.certificate)

@@ -63,7 +63,7 @@ class DCPProgram:
 
     def load(self, rank: int, group_names: dict[str, str]):
         """This rank's runnable program: roles bound to real process-group names."""
-        from dcp_compile.runtime.program import RankProgram
+        from dcp_compile.runtime.rank_program import RankProgram
         return RankProgram(self, rank, group_names)
 
     # -- reports ---------------------------------------------------------------------------

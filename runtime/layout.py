@@ -6,7 +6,7 @@ it computes:
 
 * Python ints      -> host metadata (slot mapping, cache scatter/gather, transfer plans),
 * torch tensors    -> the emitted graph (traceable, static shapes, no branch on a value),
-* sympy integers   -> the proofs in :mod:`dcp_compile.passes.proofs`, which therefore prove the
+* sympy integers   -> the proofs in :mod:`dcp_compile.passes.prove.theorems`, which therefore prove the
   very code that runs.
 
 Notation of the specification: ``W`` = dcp (``cp_world_size``), ``I`` = ``interleave_size``,

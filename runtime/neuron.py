@@ -137,7 +137,7 @@ def bind_xla_collectives(gm: GraphModule, groups: dict[str, list[list[int]]]) ->
     ``groups`` is the topology's role -> every group of the role (``Topology.groups``). The
     graph stays the same for every rank: groups are the full partition, never this rank's.
     """
-    from dcp_compile.runtime.program import copy_graph_module
+    from dcp_compile.runtime.rank_program import copy_graph_module
 
     out = copy_graph_module(gm)
     for node in list(out.graph.nodes):

@@ -3,7 +3,7 @@
 A collective names a role (``tp``, ``dcp``, ``world``, ``dcp_tp``, ``cp_kv``) through the
 placeholder group name ``dcp_role:<role>`` (``dcp_compile.runtime.names.ROLE_PREFIX``); loading a program
 binds each role to something real, so the graph is the same for every rank. Three places bind
-roles, all through :func:`bound_collectives`: ``dcp_compile.runtime.program`` (role -> this rank's
+roles, all through :func:`bound_collectives`: ``dcp_compile.runtime.rank_program`` (role -> this rank's
 process-group name), ``dcp_compile.runtime.neuron`` (role -> replica groups of torch_xla calls) and the
 lowering (role -> replica groups of StableHLO collectives). The passes emit the role names
 (``dcp_compile.passes.collectives``); the runtime reads them, so they live here, below both.

@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/test_backend.py: dcp_compile.workers.backend's compiled decode,
+"""A torchrun worker for tests/test_backend.py: dcp_compile.workers.compiled's compiled decode,
 then, in the same world, a model with a graph break compiled with ``fullgraph=False``, whose
 error every rank records. Rank 0 writes tokens, logits and the ranks' errors to ``--out``.
 
@@ -25,7 +25,7 @@ class PrintingDemo(torch.nn.Module):
         m = self.model
         x = m.embed_tokens(input_ids)
         print("graph break here")
-        from dcp_compile.models import rope_cos_sin
+        from dcp_compile.models.demo import rope_cos_sin
         cos, sin = rope_cos_sin(positions, m.inv_freq, x.dtype)
         new = []
         for i, layer in enumerate(m.layers):
@@ -60,7 +60,7 @@ def _step_inputs(shapes, caches):
 def main(argv=None) -> int:
     import torch.distributed as dist
 
-    from dcp_compile.workers.backend import compile_and_decode, parser, result_json
+    from dcp_compile.workers.compiled import compile_and_decode, parser, result_json
     from dcp_compile.runtime.launch import init_distributed_from_env
 
     args = parser().parse_args(argv)

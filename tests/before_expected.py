@@ -125,7 +125,7 @@ def run_world(gm: GraphModule, config: DCPConfig, inputs_of_rank) -> list:
     name. Returns each rank's outputs."""
     from dcp_compile.runtime.topology import topology
     from dcp_compile.runtime.roles import role_of
-    from dcp_compile.runtime.program import copy_graph_module
+    from dcp_compile.runtime.rank_program import copy_graph_module
     from dcp_compile.runtime.world import ROLE_ALIAS_PREFIX, bind_roles, run_threaded
 
     topo = topology(config.tp, config.dcp, config.mode, config=config)

@@ -30,7 +30,7 @@ def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, *, atol: f
 def single_device_reference(lengths, steps, *, seed=0):
     """Greedy generation of the demo model on one device, with the decode workers' prompts
     and shapes (dcp_compile.workers.decode): what every multi-process decode test compares to."""
-    from dcp_compile.models import demo_model
+    from dcp_compile.models.demo import demo_model
     from dcp_compile.workers.decode import prompt_tokens, shapes_for
     from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.kv_cache import KVCacheSpec

@@ -17,7 +17,7 @@ X.request_host_devices(8)
 import torch  # noqa: E402
 
 import dcp_compile  # noqa: E402
-from dcp_compile.mla_models import plain_mla  # noqa: E402
+from dcp_compile.models.mla import plain_mla  # noqa: E402
 from dcp_compile.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 

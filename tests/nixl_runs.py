@@ -1,4 +1,4 @@
-"""Run `dcp_compile.runtime.nixl_loopback` engines as real processes and collect their results (the NIXL
+"""Run `dcp_compile.runtime.nixl.loopback` engines as real processes and collect their results (the NIXL
 tests' one harness)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_compile.runtime.nixl_loopback import loopback_env
+from dcp_compile.runtime.nixl.loopback import loopback_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def run_loopback(tmp: Path, spec: dict, roles: tuple[str, ...], *, timeout: floa
     that does not import skips it."""
     (tmp / "spec.json").write_text(json.dumps(spec))
     procs = {role: subprocess.Popen(
-        [sys.executable, "-m", "dcp_compile.runtime.nixl_loopback", role, str(tmp / "spec.json"),
+        [sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", role, str(tmp / "spec.json"),
          str(tmp / f"{role}.json")], cwd=ROOT, env=loopback_env(),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for role in roles}
     deadline = time.monotonic() + timeout

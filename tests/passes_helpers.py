@@ -10,7 +10,7 @@ import torch
 
 from dcp_compile.capture import capture, example_step_inputs
 from dcp_compile.runtime.config import DCPConfig
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.passes.infra import TransformContext
 from dcp_compile.passes.manager import run_passes
 

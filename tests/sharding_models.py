@@ -1,5 +1,5 @@
 """Hand-written decoders with the projection and norm layouts real models use, written against
-``torch.ops.dcp.paged_attention`` like the demo model (dcp_compile/models.py).
+``torch.ops.dcp.paged_attention`` like the demo model (dcp_compile/models/demo.py).
 
 ``FeatureConfig`` picks one feature per axis:
   qkv:      separate | fused_rows ([q; k; v] rows, cut by split_with_sizes) | fused_slices
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import dcp_compile.runtime.ops  # noqa: F401
-from dcp_compile.models import RMSNorm, rope_cos_sin, rotate_half
+from dcp_compile.models.demo import RMSNorm, rope_cos_sin, rotate_half
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dcp_compile import verify as V
 from dcp_compile.backend import (BackendOptions, build_program, kv_cache_spec,
                                  merge_programs)
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError, DCPWorldError
-from dcp_compile.models import DemoConfig, DemoLlama, demo_model
+from dcp_compile.models.demo import DemoConfig, DemoLlama, demo_model
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.kv_cache import KVCacheSpec
 from dcp_compile.runtime.launch import run_torchrun

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.verify import run_reference, run_threaded_program
 from dcp_compile.runtime.engine import StepShapes
 

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 import dcp_compile
 from dcp_compile.runtime.config import COMBINE_DTYPES, COMBINES
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.verify import run_reference
 from dcp_compile.runtime.eager import specialize_for_eager
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes

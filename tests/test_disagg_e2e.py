@@ -34,14 +34,14 @@ import torch
 
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPWorldError
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.topology import topology
 from dcp_compile.runtime.cache_layout import gather_cache, scatter_cache
 from dcp_compile.workers.disagg import prefill_chunks
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.kv_cache import KVCacheSpec
 from dcp_compile.runtime.launch import run_torchrun
-from dcp_compile.runtime.nixl_loopback import free_port_base
+from dcp_compile.runtime.nixl.loopback import free_port_base
 from dcp_compile.workers.prefill import plan_tokens
 from dcp_compile.runtime.transfer_plan import plan_transfer
 
@@ -75,7 +75,7 @@ def _loopback_env() -> dict:
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     try:
-        from dcp_compile.runtime.nixl_build import nixl_api
+        from dcp_compile.runtime.nixl.build import nixl_api
         nixl_api()
     except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
         pytest.skip(f"import nixl failed: {type(e).__name__}: {e}")

@@ -14,7 +14,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.models import demo_model
+from dcp_compile.models.demo import demo_model
 from dcp_compile.passes import manager
 from dcp_compile.runtime.engine import StepShapes
 

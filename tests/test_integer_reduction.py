@@ -15,7 +15,7 @@ import random
 import pytest
 import sympy
 
-from dcp_compile.passes.integer_reduction import Stuck, reduce_on_box
+from dcp_compile.passes.prove.integer_reduction import Stuck, reduce_on_box
 
 X, Y, Z = (sympy.Symbol(n, integer=True) for n in "xyz")
 BOX = {X: (0, 4), Y: (-2, 3), Z: (2, 5)}

@@ -75,10 +75,10 @@ def test_a_lazy_upward_import_breaks_the_contract(tmp_path):
     tree = installed_layout(ROOT, tmp_path)
     errors = tree / "dcp_compile" / "runtime" / "errors.py"
     errors.write_text(errors.read_text() + "\n\ndef _upward():\n"
-                      "    from dcp_compile import pipeline\n    return pipeline\n")
+                      "    from dcp_compile import driver\n    return driver\n")
     out = lint(tree)
     assert out.returncode != 0, out.stdout + out.stderr
-    assert "dcp_compile.runtime.errors -> dcp_compile.pipeline" in out.stdout, out.stdout
+    assert "dcp_compile.runtime.errors -> dcp_compile.driver" in out.stdout, out.stdout
 
 
 def test_the_layers_install_under_the_dcp_compile_namespace():
@@ -88,7 +88,7 @@ def test_the_layers_install_under_the_dcp_compile_namespace():
         import sys
         import dcp_compile
         assert "torch" not in sys.modules and "sympy" not in sys.modules, "import is heavy"
-        import dcp_compile.runtime.ops, dcp_compile.passes.proofs
+        import dcp_compile.runtime.ops, dcp_compile.passes.prove.theorems
         assert dcp_compile.runtime.ops.__spec__.name == "dcp_compile.runtime.ops"
         assert "runtime" not in sys.modules and "passes" not in sys.modules
         assert hasattr(__import__("torch").ops.dcp, "attention")

@@ -24,7 +24,7 @@ from dcp_compile.runtime import layout  # noqa: E402
 from dcp_compile.lowering import (COLLECTIVE_OPS, collectives_in, deserialize,  # noqa: E402
                                   interpreter_available, lower, lower_function, op_counts,
                                   run_interpreter)
-from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
+from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
 from dcp_compile.passes.collectives import role_of  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
@@ -259,7 +259,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from dcp_compile.capture import capture, example_step_inputs
     from dcp_compile.runtime.config import DCPConfig
     from dcp_compile.lowering import lower_graph
-    from dcp_compile.pipeline import passes_for
+    from dcp_compile.driver import passes_for
     from dcp_compile.passes.infra import TransformContext
     from dcp_compile.passes.manager import repropagate
 
@@ -482,7 +482,7 @@ def _interpreter_world(tp: int, dcp: int, mode: str, out: str, model_kind: str =
 
     from helpers import prompts_of
     if model_kind == "mla":               # one latent head, absorbed (README: MLA)
-        from dcp_compile.mla_models import plain_mla
+        from dcp_compile.models.mla import plain_mla
         from dcp_compile.ordinary import FullForwardReference
         model = plain_mla(num_layers=1)
         vocab = model.config.vocab_size
@@ -568,7 +568,7 @@ def _(x):
 
 
 def _with_graph(prog, step, edit):
-    from dcp_compile.runtime.program import copy_graph_module
+    from dcp_compile.runtime.rank_program import copy_graph_module
     gm = copy_graph_module(prog.graphs[step])
     edit(gm)
     gm.recompile()

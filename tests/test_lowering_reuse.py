@@ -16,7 +16,7 @@ pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (pip install
 
 import dcp_compile  # noqa: E402
 from dcp_compile import lowering  # noqa: E402
-from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
+from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 
 from helpers import assert_close_report  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 import dcp_compile
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
-from dcp_compile.mla_models import MLAConfig, plain_mla
+from dcp_compile.models.mla import MLAConfig, plain_mla
 from dcp_compile.verify import run_threaded_program
 from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.names import SPEC_STEP

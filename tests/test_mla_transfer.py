@@ -5,7 +5,7 @@ The cache of an MLA program is one KV head whose key and value caches hold the t
 ``kv_heads=1, head_dim=288``. Every rank of a DCP group holds different tokens of that same
 head, so the transfer planner (runtime/transfer_plan.py) has no head to split or merge: each
 decode rank reads its owned tokens from whichever prefill ranks own them. Two processes
-(runtime/nixl_loopback.py, one NIXL agent per rank, UCX over tcp on loopback) move seeded
+(runtime/nixl/loopback.py, one NIXL agent per rank, UCX over tcp on loopback) move seeded
 reference caches; each decode rank's whole cache (every block, the garbage block included)
 must equal, bit for bit, the same reference scattered directly into its own layout, and the
 bytes moved must be exactly the latent cache's (nothing expanded, nothing twice).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_compile.runtime.nixl_loopback import engine_config, free_port_base
+from dcp_compile.runtime.nixl.loopback import engine_config, free_port_base
 from dcp_compile.runtime.topology import topology
 from dcp_compile.runtime.transfer_plan import plan_transfer
 

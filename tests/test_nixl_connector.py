@@ -1,6 +1,6 @@
-"""Real KV transfers over NIXL between processes on 127.0.0.1 (runtime/nixl_connector.py).
+"""Real KV transfers over NIXL between processes on 127.0.0.1 (runtime/nixl/connector.py).
 
-Three processes (runtime/nixl_loopback.py): prefill engines, a prefill engine that dies on
+Three processes (runtime/nixl/loopback.py): prefill engines, a prefill engine that dies on
 request, and decode engines of other topologies. Each rank has its own NIXL agent; UCX runs
 over tcp on loopback. Prefill caches are the reference KV scattered into their DCP layout;
 the decode engines pull by the plan and their whole caches must equal, bit for bit, the same
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.runtime.nixl_loopback import engine_config, free_port_base
+from dcp_compile.runtime.nixl.loopback import engine_config, free_port_base
 from dcp_compile.runtime.transfer_plan import plan_transfer
 
 from nixl_runs import run_loopback

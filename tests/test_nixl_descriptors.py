@@ -1,4 +1,4 @@
-"""Descriptor arithmetic of the NIXL KV transfer (runtime/nixl_descriptors.py), without NIXL.
+"""Descriptor arithmetic of the NIXL KV transfer (runtime/nixl/descriptors.py), without NIXL.
 
 The READs a decode rank would post are carried out here by a memory copy (descriptor by
 descriptor, each checked to lie inside a buffer the test owns), the staged copies applied,
@@ -20,11 +20,11 @@ import torch
 
 from dcp_compile.runtime.errors import DCPTransferError
 from dcp_compile.runtime.topology import topology
-from dcp_compile.runtime.nixl_descriptors import (EPOCH_BYTES, apply_staged, check_caches,
+from dcp_compile.runtime.nixl.descriptors import (EPOCH_BYTES, apply_staged, check_caches,
                                       epoch_descriptors, nx3, plan_reads, probe_descriptor,
                                       read_epochs, stage, stale_epochs)
-from dcp_compile.runtime.nixl_handshake import NeuronNixlAgentMetadata, check_metadata
-from dcp_compile.runtime.nixl_loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
+from dcp_compile.runtime.nixl.handshake import NeuronNixlAgentMetadata, check_metadata
+from dcp_compile.runtime.nixl.loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
 from dcp_compile.runtime.transfer_plan import plan_transfer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +157,6 @@ def test_probe_reads_the_start_of_the_remote_garbage_block():
 
 
 def test_descriptor_and_handshake_modules_do_not_import_nixl():
-    code = ("import sys, dcp_compile.runtime.nixl_descriptors, dcp_compile.runtime.nixl_handshake; "
+    code = ("import sys, dcp_compile.runtime.nixl.descriptors, dcp_compile.runtime.nixl.handshake; "
             "assert 'nixl' not in sys.modules, sorted(m for m in sys.modules if 'nixl' in m)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 import dcp_compile
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.models import DemoConfig
-from dcp_compile.plain_models import plain_llama
+from dcp_compile.models.demo import DemoConfig
+from dcp_compile.models.plain import plain_llama
 from dcp_compile.verify import run_threaded_program
 from dcp_compile.runtime.engine import StepShapes
 
@@ -273,7 +273,7 @@ def test_cli_verify_takes_a_model_factory_and_an_hf_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     from dcp_compile.cli import main
     base = ["verify", "--tp", "4", "--dcp", "2", "--block-size", "4", "--lengths", "3,9"]
-    assert main(base + ["--steps", "2", "--model", "dcp_compile.plain_models:plain_llama"]) == 0
+    assert main(base + ["--steps", "2", "--model", "dcp_compile.models.plain:plain_llama"]) == 0
     transformers.Qwen2Config(**HF_BASE).save_pretrained(tmp_path)
     assert main(base + ["--mode", "prefill", "--chunks", "2", "--hf-config",
                         str(tmp_path)]) == 0

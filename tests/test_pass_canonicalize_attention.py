@@ -10,7 +10,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 
 from passes_helpers import ctx_for, run, tiny_graph
-from dcp_compile.models import DemoConfig
+from dcp_compile.models.demo import DemoConfig
 
 
 def test_one_canonical_node_per_layer():

@@ -5,7 +5,7 @@ import torch
 
 from dcp_compile.capture import capture, example_step_inputs
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.passes.dcp_decode import DCPContext, DCPDecode

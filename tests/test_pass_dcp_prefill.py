@@ -19,7 +19,7 @@ import dcp_compile
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.ops import owned_capacity
 from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 from dcp_compile.passes.collectives import collective_summary
@@ -182,7 +182,7 @@ def test_token_mixing_in_the_residual_stream_is_refused():
 def test_token_mixing_on_the_qkv_path_is_refused(monkeypatch):
     """An op that moves tokens between the projections and attention (here a roll along the
     token dim inside RoPE) cannot follow the interleave slice: named error."""
-    from dcp_compile import models
+    from dcp_compile.models import demo as models
     plain = models.rotate_half
     monkeypatch.setattr(models, "rotate_half", lambda x: plain(x).roll(1, dims=1))
     ctx, gm = _sharded(4, 2, 16, 8, model=demo_model(DemoConfig(num_layers=1)))

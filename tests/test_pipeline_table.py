@@ -16,8 +16,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 import dcp_compile
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.models import DemoConfig, demo_model
-from dcp_compile.plain_models import plain_llama
+from dcp_compile.models.demo import DemoConfig, demo_model
+from dcp_compile.models.plain import plain_llama
 from dcp_compile.passes import pipeline
 from dcp_compile.passes.infra import DCPPass, TransformContext
 from dcp_compile.passes.insert_paged_cache import InsertPagedCache
@@ -100,7 +100,7 @@ def test_the_table_drives_transform_and_transform_graph(monkeypatch):
         assert _ran(prog, step)[4:6] == ["insert_rank", "witness"]
 
     from dcp_compile.capture import capture, example_step_inputs
-    from dcp_compile.pipeline import transform_graph
+    from dcp_compile.driver import transform_graph
     captured = capture(model, example_step_inputs(
         SMALL.batch, 1, SMALL.max_blocks, model.kv_cache_shape(SMALL.num_blocks, 16), 1,
         device="cpu", dtype=torch.float32))

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcp_compile
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.errors import DCPError, DCPTransformError
 import dcp_compile.passes.shard_tensor_parallel as stp

@@ -29,8 +29,8 @@ import dcp_compile
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
-from dcp_compile.models import DemoConfig, demo_model
-from dcp_compile.runtime.program import copy_graph_module
+from dcp_compile.models.demo import DemoConfig, demo_model
+from dcp_compile.runtime.rank_program import copy_graph_module
 from dcp_compile.verify import (check_prefill_caches, compare_prefill_logits,
                                 run_prefill_reference, run_threaded_prefill, verify_prefill)
 from dcp_compile.workers.prefill import plan_tokens, shapes_for

@@ -10,7 +10,7 @@ from dcp_compile import cli
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPProofError
 from dcp_compile.runtime import layout
-from dcp_compile.passes.proofs import Certificate, layout_with, prove, prove_config, theorem_names
+from dcp_compile.passes.prove.theorems import Certificate, layout_with, prove, prove_config, theorem_names
 
 REQUIRED = {
     "exactly_one_owner", "local_filled_sum", "local_filled_empty", "local_filled_step",

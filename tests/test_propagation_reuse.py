@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dcp_compile
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.passes import manager
 from dcp_compile.runtime.engine import StepShapes
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dcp_compile.runtime.errors import DCPInputError
-from dcp_compile.models import DemoConfig, demo_model, rope_cos_sin, rotate_half
+from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.kv_cache import BlockAllocator, KVCacheSpec, check_step_inputs
 

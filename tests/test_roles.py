@@ -102,7 +102,7 @@ def test_each_user_raises_its_own_error_for_an_unbound_role():
 
 def test_rank_program_refuses_an_unbound_role():
     import dcp_compile
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models.demo import DemoConfig, demo_model
     from dcp_compile.runtime.engine import StepShapes
     prog = dcp_compile.transform(demo_model(DemoConfig(num_layers=1)), tp=4, dcp=2,
                                  mode="decode", shapes=StepShapes(batch=2, context_len=8,

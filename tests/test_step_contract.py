@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import dcp_compile
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.kv_cache import KVCacheSpec
 from dcp_compile.runtime.step_contract import RULE_NAMES, StepContract

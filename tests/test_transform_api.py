@@ -7,7 +7,7 @@ from torch import nn
 
 import dcp_compile
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
-from dcp_compile.models import DemoConfig, DemoLlama, demo_model
+from dcp_compile.models.demo import DemoConfig, DemoLlama, demo_model
 from dcp_compile.passes.check_static_shapes import CheckStaticShapes
 from dcp_compile.runtime.engine import StepShapes
 

@@ -10,7 +10,7 @@ import torch
 import dcp_compile
 from dcp_compile import check as checking
 from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
-from dcp_compile.models import DemoConfig, demo_model
+from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.dcp_program import DCPProgram
 from dcp_compile.runtime.engine import StepShapes
 import dcp_compile.runtime.ops
@@ -66,7 +66,7 @@ def test_a_decode_step_only_error_is_named_as_the_decode_step(monkeypatch):
 
 
 def test_a_program_that_does_not_run_is_refused(monkeypatch):
-    from dcp_compile.runtime.program import RankProgram
+    from dcp_compile.runtime.rank_program import RankProgram
     real = RankProgram.run
 
     def crash(self, kind, *args):

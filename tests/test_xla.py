@@ -27,7 +27,7 @@ pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stableh
 import dcp_compile  # noqa: E402
 from dcp_compile import xla as X  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
-from dcp_compile.models import DemoConfig, demo_model  # noqa: E402
+from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 
 MAX_TP = 8

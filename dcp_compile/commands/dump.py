@@ -37,7 +37,7 @@ def validate(args) -> None:
 
 def run(args) -> int:
     import dcp_compile
-    from dcp_compile.models import DemoConfig
+    from dcp_compile.models.demo import DemoConfig
     from dcp_compile.passes.dump import dot_executable
     from dcp_compile.runtime.engine import StepShapes
 

@@ -48,7 +48,7 @@ def run(args) -> int:
 
     import dcp_compile
     from dcp_compile.lowering import lower
-    from dcp_compile.models import DemoConfig
+    from dcp_compile.models.demo import DemoConfig
     from dcp_compile.runtime.engine import StepShapes
 
     model = load_model(args, demo_config=DemoConfig(num_layers=args.layers),

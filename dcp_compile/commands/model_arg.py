@@ -49,7 +49,7 @@ def load_model(args, *, demo_config=None, dtype=None) -> LoadedModel:
         model = _from_hf_config(args.hf_config)
         label = f"{type(model).__name__} from {args.hf_config}"
     else:
-        from dcp_compile.models import demo_model
+        from dcp_compile.models.demo import demo_model
         model = demo_model(demo_config, dtype=dtype or torch.float32)
         return LoadedModel(model, "demo model", model.config.vocab_size, lambda: model,
                            model.config.num_kv_heads)

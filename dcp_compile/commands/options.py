@@ -114,6 +114,6 @@ def model_heads(args) -> dict:
     ``--model`` / ``--hf-config`` model's own heads are checked when it is transformed."""
     if getattr(args, "model", None) or getattr(args, "hf_config", None):
         return {}
-    from dcp_compile.models import DemoConfig
+    from dcp_compile.models.demo import DemoConfig
     c = DemoConfig()
     return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)

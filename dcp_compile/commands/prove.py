@@ -25,7 +25,7 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from dcp_compile.passes.proofs import layout_config, prove_config
+    from dcp_compile.passes.prove.theorems import layout_config, prove_config
     # Invalid sizes raise DCPConfigError naming the rule (the CLI prints it, exit 2).
     interleave = args.block_size if args.interleave_size is None else args.interleave_size
     cert = prove_config(layout_config(args.dcp, interleave, args.block_size))

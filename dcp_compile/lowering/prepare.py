@@ -161,7 +161,7 @@ def mark_collectives(gm: GraphModule, step: str, groups: dict[str, list[list[int
     """A copy of ``gm`` with each collective a marker (or, on one-rank groups, its input) and
     every ``wait_tensor`` gone. Each node records its provenance in ``meta['custom']``, which
     make_fx copies onto the nodes it decomposes it into."""
-    from dcp_compile.runtime.program import copy_graph_module
+    from dcp_compile.runtime.rank_program import copy_graph_module
     out = copy_graph_module(gm)
     for node in out.graph.nodes:
         name, pass_name = provenance(node)

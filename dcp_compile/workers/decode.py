@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     import dcp_compile
-    from dcp_compile.models import demo_model
+    from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.launch import init_distributed_from_env
     from dcp_compile.runtime.world import bind_roles

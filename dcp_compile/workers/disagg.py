@@ -16,7 +16,7 @@ torchrun; both worlds run at the same time, each with its own master port)::
 Prefill rank. Transforms the demo model (``mode="prefill"``; every rank builds the same SPMD
 program), runs the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
 :func:`dcp_compile.workers.prefill.plan_tokens`) through the engine, registers its final caches
-with a :class:`~dcp_compile.runtime.nixl_connector.PrefillKVConnector` (side channel at ``--port +
+with a :class:`~dcp_compile.runtime.nixl.connector.PrefillKVConnector` (side channel at ``--port +
 rank``), and after a gloo barrier (every side channel is up) rank 0 writes the *handoff*
 (what a router passes to the decode engine: per sequence the request id, prompt length, the
 prefill block table and the epoch of its lease, plus each sequence's last-token logits).
@@ -31,7 +31,7 @@ Decode rank. Transforms the demo model (``mode="decode"``; ``--dcp 1`` is the st
 decode), allocates its caches poisoned with NaN, waits for the handoff, takes block tables
 from its own allocator (``--reserve-blocks`` first holds some blocks for a dummy sequence, so
 local and remote block numbers differ), creates a
-:class:`~dcp_compile.runtime.nixl_connector.DecodeKVConnector`, handshakes with the prefill ranks of its
+:class:`~dcp_compile.runtime.nixl.connector.DecodeKVConnector`, handshakes with the prefill ranks of its
 plan, reads every request and waits for all of them. Sequence lengths are the prompt lengths;
 decoding starts from the first token chosen (argmax) from the prefill's last-token logits and
 runs ``--steps`` greedy steps. Each rank saves its caches *right after the transfer*
@@ -42,7 +42,7 @@ Failures stop both worlds in bounded time: a rank that fails appends its error t
 ``--abort-file``; a prefill rank waiting for readers and a decode rank waiting for the handoff
 give up as soon as that file exists (the launching test also writes it when a world fails).
 Everything listens on 127.0.0.1 only; UCX runs over tcp on loopback
-(:func:`dcp_compile.runtime.nixl_connector.configure_ucx_env`).
+(:func:`dcp_compile.runtime.nixl.connector.configure_ucx_env`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def decode_shapes(batch: int, max_context: int, dcp: int, block_size: int,
 
 
 def demo_config(layers: int):
-    from dcp_compile.models import DemoConfig
+    from dcp_compile.models.demo import DemoConfig
     return DemoConfig(num_layers=layers)
 
 
@@ -151,9 +151,9 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
 
     import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.models import demo_model
+    from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.nixl_connector import PrefillKVConnector
+    from dcp_compile.runtime.nixl.connector import PrefillKVConnector
     from dcp_compile.workers.prefill import plan_tokens
     from dcp_compile.runtime.transfer_plan import plan_transfer
     from dcp_compile.runtime.world import bind_roles
@@ -260,9 +260,9 @@ def _wait_for_handoff(args, rank: int) -> dict:
 def run_decode_rank(args, rank: int, world: int) -> None:
     import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.models import demo_model
+    from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
+    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
     from dcp_compile.runtime.world import bind_roles
 
     shapes = decode_shapes(args.batch, args.max_context, args.dcp, args.block_size,

@@ -39,7 +39,7 @@ def shapes_for(plan: list[list[int]], context_len: int, dcp: int, block: int):
 
 def build_program(args, plan):
     import dcp_compile
-    from dcp_compile.models import DemoConfig, demo_model
+    from dcp_compile.models.demo import DemoConfig, demo_model
     model = demo_model(DemoConfig(num_layers=args.layers))
     program = dcp_compile.transform(
         model, tp=args.tp, dcp=args.dcp, mode="prefill", block_size=args.block_size,

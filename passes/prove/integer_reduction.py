@@ -1,6 +1,6 @@
 """Reduce floor/Mod/Max/Min/indicator expressions to polynomials on boxes of integers.
 
-The layout proofs (:mod:`dcp_compile.passes.proofs`) evaluate the real formulas on sympy integer
+The layout proofs (:mod:`dcp_compile.passes.prove.theorems`) evaluate the real formulas on sympy integer
 symbols with known ranges (a *box*: ``symbol -> (lo, hi)``, ``hi`` None for unbounded).
 sympy keeps ``floor((16*o + t)/256)`` unevaluated because it does not know ``t < 16``; this
 module removes every such function with four rules, each a plain integer lemma, applied only

@@ -1,6 +1,6 @@
 """The prefill side of the NIXL KV transfer: a rank that serves its metadata, leases
 requests' blocks to their readers and accepts their notifications (spec: "Disaggregated
-Inference (NIXL Transfer)": Notification Handling). See :mod:`dcp_compile.runtime.nixl_connector` for the
+Inference (NIXL Transfer)": Notification Handling). See :mod:`dcp_compile.runtime.nixl.connector` for the
 whole protocol.
 
 The prefill side is passive: decode ranks READ from it. Without a progress thread a transfer
@@ -19,13 +19,13 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .config import DCPConfig
-from .errors import DCPTransferError
-from .topology import topology
+from ..config import DCPConfig
+from ..errors import DCPTransferError
+from ..topology import topology
 
-from .nixl_agent import POLL_SLEEP, RankAgent
-from .nixl_descriptors import check_caches
-from .nixl_handshake import (SIDE_CHANNEL_CLIENT_TIMEOUT, NeuronNixlAgentMetadata,
+from .agent import POLL_SLEEP, RankAgent
+from .descriptors import check_caches
+from .handshake import (SIDE_CHANNEL_CLIENT_TIMEOUT, NeuronNixlAgentMetadata,
                              SideChannelServer, agent_name)
 
 __all__ = ["NOTIF_STATUSES", "PrefillKVConnector", "RejectedNotification", "notification"]

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .models import DemoLlama, RMSNorm, rotate_half
-from .plain_models import PlainDecoderLayer
+from .demo import DemoLlama, RMSNorm, rotate_half
+from .plain import PlainDecoderLayer
 
 
 @dataclass(frozen=True)

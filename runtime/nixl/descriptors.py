@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import layout
-from .config import DCPConfig
-from .errors import DCPTransferError
+from .. import layout
+from ..config import DCPConfig
+from ..errors import DCPTransferError
 
 __all__ = ["EPOCH_BYTES", "PARTIAL_ROWS", "CacheGeometry", "RemoteRead", "StagedCopy",
            "StagedRun", "apply_staged", "check_caches", "epoch_descriptors", "nx3",

@@ -1,8 +1,8 @@
 """The outcome of a layout proof: one ``Theorem`` per claim, gathered in a ``Certificate``.
 
-``dcp_compile.passes.proofs.prove`` returns a Certificate; the CLI prints ``format_table`` or
+``dcp_compile.passes.prove.theorems.prove`` returns a Certificate; the CLI prints ``format_table`` or
 ``to_json``, and ``raise_if_failed`` turns a failed proof into ``DCPProofError`` carrying it.
-How the theorems are proven is in :mod:`dcp_compile.passes.proof_engine`.
+How the theorems are proven is in :mod:`dcp_compile.passes.prove.engine`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __all__ = ["PROVEN", "FAILED", "METHOD", "Theorem", "Certificate"]
 
 PROVEN, FAILED = "proven", "failed"
 
-# The proof method, printed under every certificate table (dcp_compile.passes.proof_engine says why).
+# The proof method, printed under every certificate table (dcp_compile.passes.prove.engine says why).
 METHOD = ("N = k*vblock + u*(I*W) + o*I + t with integers k >= 0, 0 <= u < B/I, 0 <= o < W, "
           "0 <= t < I (slots s = k*B + u*I + t); k, u, o, t, rank symbolic; residuals "
           "reduced piecewise by floor(Q + R) = Q + n (n <= R < n+1), Mod(a, d) = "

@@ -1,6 +1,6 @@
 """Prefill and decode engines on one machine, moving real KV over NIXL (tests and benchmarks).
 
-``python -m dcp_compile.runtime.nixl_loopback prefill|prefill-doomed|decode SPEC.json OUT.json`` runs one
+``python -m dcp_compile.runtime.nixl.loopback prefill|prefill-doomed|decode SPEC.json OUT.json`` runs one
 engine process:
 every rank of every engine in the spec gets its own NIXL agent in that process, and the two
 processes talk over UCX on 127.0.0.1 (one agent per rank; a process per engine keeps a
@@ -37,9 +37,9 @@ import traceback
 
 import torch
 
-from .config import DCPConfig
-from .errors import DCPTransferError
-from .topology import topology
+from ..config import DCPConfig
+from ..errors import DCPTransferError
+from ..topology import topology
 from dcp_compile.runtime.cache_layout import scatter_cache
 from dcp_compile.runtime.transfer_plan import table_entries
 
@@ -148,7 +148,7 @@ def run_prefill(spec: dict, doomed: bool = False) -> dict:
     notification the connector rejects, but records): the decode side's "remote gone"
     failure scenario.
     """
-    from dcp_compile.runtime.nixl_connector import PrefillKVConnector
+    from dcp_compile.runtime.nixl.connector import PrefillKVConnector
     from dcp_compile.runtime.transfer_plan import plan_transfer
 
     conns = {}
@@ -210,7 +210,7 @@ def _rid(request_id: str, rep: int) -> str:
 
 
 def run_decode(spec: dict) -> dict:
-    from dcp_compile.runtime.nixl_connector import DecodeKVConnector, TransferRequest, wait_all
+    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
 
     out = {"engines": {}, "failures": {}}
     timeout = spec["timeout"]
@@ -269,7 +269,7 @@ def run_decode(spec: dict) -> dict:
 
 def _failure(spec: dict, kind: str) -> dict:
     """Run one failure scenario; report the error (or its absence) and how long it took."""
-    from dcp_compile.runtime.nixl_connector import DecodeKVConnector, TransferRequest
+    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest
 
     p_eng = spec["prefill"][0]
     p_cfg = engine_config(spec, p_eng, "prefill")
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
         spec = json.load(f)
     torch.set_num_threads(1)
     try:
-        from dcp_compile.runtime.nixl_build import nixl_api
+        from dcp_compile.runtime.nixl.build import nixl_api
         nixl_api()  # fails here, not mid-run, when the wheel is unusable
     except Exception as e:
         result = {"nixl_import_error": f"{type(e).__name__}: {e}"}

@@ -23,15 +23,15 @@ block) as DRAM with the UCX backend. A decode rank READs from the prefill ranks 
     dec.read(TransferRequest("req-0", seq_len, prefill_block_table, decode_block_table, epoch))
 
 Modules: this one is the decode side (the READ state machine) and the public import path of
-every name below; :mod:`dcp_compile.runtime.nixl_prefill` the prefill side (leases, epochs,
-notifications), :mod:`dcp_compile.runtime.nixl_handshake` the metadata and its side channel,
-:mod:`dcp_compile.runtime.nixl_descriptors` the descriptor arithmetic (no nixl import),
-:mod:`dcp_compile.runtime.nixl_agent` one rank's NIXL agent and the UCX environment.
+every name below; :mod:`dcp_compile.runtime.nixl.prefill` the prefill side (leases, epochs,
+notifications), :mod:`dcp_compile.runtime.nixl.handshake` the metadata and its side channel,
+:mod:`dcp_compile.runtime.nixl.descriptors` the descriptor arithmetic (no nixl import),
+:mod:`dcp_compile.runtime.nixl.agent` one rank's NIXL agent and the UCX environment.
 
 ``start_read`` + ``get_finished`` is the same thing without blocking (vLLM's
 start_load_kv / get_finished shape), for engines that overlap the transfer with other work.
 
-Handshake (:mod:`dcp_compile.runtime.nixl_handshake`). Each prefill rank serves its
+Handshake (:mod:`dcp_compile.runtime.nixl.handshake`). Each prefill rank serves its
 :class:`NeuronNixlAgentMetadata` on a TCP side channel at ``host:side_channel_port +
 tp_rank``. The decode rank fetches the metadata of every remote rank of its plan (one
 deadline for the whole handshake), checks it against the plan (tp, rank, dcp_size, KV heads,
@@ -40,7 +40,7 @@ brings the connection up with a 64-byte READ of the remote garbage block (on a f
 endpoint a bare notification is only wired up by later progress and has no completion to
 wait for; a READ has one).
 
-Reads (:mod:`dcp_compile.runtime.nixl_descriptors`). Per remote rank one NIXL READ (``initialize_xfer``
+Reads (:mod:`dcp_compile.runtime.nixl.descriptors`). Per remote rank one NIXL READ (``initialize_xfer``
 with Nx3 descriptor arrays) over all layers' key and value caches: whole cache rows as one
 descriptor per run of tokens; a head range of a row (splitting / merging) either staged
 through a pooled, registered bounce buffer (the default) or one descriptor per token
@@ -71,7 +71,7 @@ and the request is not reported finished. After a failed transfer ``close()`` pr
 agent for 0.5 s before destroying it (UCX aborts the process when an endpoint to a dead
 peer is destroyed before it was discarded).
 
-Progress (:mod:`dcp_compile.runtime.nixl_agent`, which also sets UCX's environment). Agents run
+Progress (:mod:`dcp_compile.runtime.nixl.agent`, which also sets UCX's environment). Agents run
 without NIXL's progress thread by default (it busy-polls a core per agent): then a transfer
 advances only while both ends poll -- a prefill rank must call
 :meth:`PrefillKVConnector.poll` (``wait_for_readers`` does) while decode ranks read, and a
@@ -88,16 +88,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .config import DCPConfig
-from .errors import DCPTransferError
+from ..config import DCPConfig
+from ..errors import DCPTransferError
 
-from .nixl_agent import POLL_SLEEP, RankAgent, configure_ucx_env
-from .nixl_descriptors import (EPOCH_BYTES, PARTIAL_ROWS, apply_staged, check_caches,
+from .agent import POLL_SLEEP, RankAgent, configure_ucx_env
+from .descriptors import (EPOCH_BYTES, PARTIAL_ROWS, apply_staged, check_caches,
                                epoch_descriptors, plan_reads, probe_descriptor, read_epochs,
                                stage, stale_epochs)
-from .nixl_handshake import NeuronNixlAgentMetadata, agent_name, check_metadata, fetch_metadata
-from .nixl_prefill import PrefillKVConnector, RejectedNotification, notification
-from .transfer_plan import TransferPlan, plan_transfer, table_entries
+from .handshake import NeuronNixlAgentMetadata, agent_name, check_metadata, fetch_metadata
+from .prefill import PrefillKVConnector, RejectedNotification, notification
+from ..transfer_plan import TransferPlan, plan_transfer, table_entries
 
 __all__ = [
     "NeuronNixlAgentMetadata",

@@ -9,8 +9,8 @@ Each theorem below is a name, a statement in the specification's words, the case
 evaluates and a claim over one case, calling only the formulas of :mod:`dcp_compile.runtime.layout` (or
 any object with the same functions, see :func:`layout_with`). How a claim is proven for every
 N — positions in the mixed radix of the layout, residuals reduced piecewise by
-:mod:`dcp_compile.passes.integer_reduction`, counterexamples rechecked with ints — is
-:mod:`dcp_compile.passes.proof_engine`; the outcome is a :class:`~dcp_compile.passes.proof_certificate.Certificate`.
+:mod:`dcp_compile.passes.prove.integer_reduction`, counterexamples rechecked with ints — is
+:mod:`dcp_compile.passes.prove.engine`; the outcome is a :class:`~dcp_compile.passes.prove.certificate.Certificate`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 import types
 
 from dcp_compile.runtime.config import DCPConfig, layout_config
-from .proof_certificate import Certificate, Theorem
-from .proof_engine import (Equal, InRange, Memo, TheoremSpec, domain, eq01, int_or_none,
+from .certificate import Certificate, Theorem
+from .engine import (Equal, InRange, Memo, TheoremSpec, domain, eq01, int_or_none,
                            prove_theorem)
 
 __all__ = ["Theorem", "Certificate", "prove", "prove_config", "layout_config", "layout_with",

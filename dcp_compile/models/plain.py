@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .models import MLP, DemoConfig, DemoLlama, RMSNorm, rotate_half
+from .demo import MLP, DemoConfig, DemoLlama, RMSNorm, rotate_half
 
 ATTENTIONS = ("sdpa", "sdpa_mask", "eager")
 GQA_FORMS = ("repeat_kv", "repeat_interleave", "enable_gqa")

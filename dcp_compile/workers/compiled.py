@@ -1,6 +1,6 @@
 """One rank of a real multi-process world running a model compiled with backend "dcp".
 
-    torchrun --nproc-per-node 4 -m dcp_compile.workers.backend --dcp 2 --steps 8 --out result.json
+    torchrun --nproc-per-node 4 -m dcp_compile.workers.compiled --dcp 2 --steps 8 --out result.json
 
 Every process compiles the single-device demo model with
 ``torch.compile(model, backend="dcp", options={"tp": WORLD, "dcp": DCP}, fullgraph=True)``
@@ -43,7 +43,7 @@ class CompiledRun:
 def compile_and_decode(args, world: int) -> CompiledRun:
     """Compile the demo model with backend "dcp" for ``world`` ranks and decode greedily."""
     from dcp_compile.backend import kv_cache_spec
-    from dcp_compile.models import demo_model
+    from dcp_compile.models.demo import demo_model
     from dcp_compile.workers.decode import prompt_tokens, shapes_for
     from dcp_compile.runtime.engine import Engine, LocalExecutor
 

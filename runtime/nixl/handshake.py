@@ -25,9 +25,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
-from .config import DCPConfig
-from .errors import DCPTransferError
-from .topology import topology
+from ..config import DCPConfig
+from ..errors import DCPTransferError
+from ..topology import topology
 
 __all__ = ["MAX_MESSAGE", "NeuronNixlAgentMetadata", "SideChannelServer", "agent_name",
            "check_metadata", "fetch_metadata"]
@@ -231,7 +231,7 @@ def check_metadata(md: NeuronNixlAgentMetadata, p: int, prefill: DCPConfig, geom
                    decode_rank: int) -> None:
     """Refuse metadata of prefill rank ``p`` that does not match the plan: its rank, degrees,
     KV heads and cache geometry must be what ``prefill`` and the decode rank's own
-    ``geometry`` (a :class:`dcp_compile.runtime.nixl_descriptors.CacheGeometry`) imply."""
+    ``geometry`` (a :class:`dcp_compile.runtime.nixl.descriptors.CacheGeometry`) imply."""
     g, pc = geometry, prefill
     remote_heads = tuple(topology(pc.tp, pc.dcp, pc.mode, config=pc).kv_heads_of(p))
     remote = replace(g, block_size=pc.block_size, num_heads=len(remote_heads))

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import DCPTransferError
+from ..errors import DCPTransferError
 
 __all__ = ["LOOPBACK_HOSTS", "POLL_SLEEP", "RankAgent", "configure_ucx_env"]
 
@@ -36,7 +36,7 @@ def configure_ucx_env(host: str = "127.0.0.1") -> None:
 
 
 def _nixl_api():
-    from .nixl_build import nixl_api
+    from .build import nixl_api
     try:
         return nixl_api()
     except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend

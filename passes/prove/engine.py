@@ -1,6 +1,6 @@
 """How the layout theorems are proven: mixed-radix positions, residuals reduced piecewise,
 counterexamples rechecked with ints (DESIGN.md: Proofs). The theorems themselves are the
-registry in :mod:`dcp_compile.passes.proofs`.
+registry in :mod:`dcp_compile.passes.prove.theorems`.
 
 Method. The formulas in :mod:`dcp_compile.runtime.layout` are built from ``//``, ``%``, ``*``, ``+``,
 ``-`` and clamps, with periods that all divide ``vblock = block_size * dcp`` (block_size is a
@@ -14,7 +14,7 @@ sympy integer symbols (a :class:`Domain`) — nothing is enumerated by block siz
 are ``s = k*B + u*I + t``, prefill chunks ``S = m*W*I`` (m >= 1), block-table entries
 ``e >= 0``. The formulas are the very functions in ``layout.py`` (they accept sympy values),
 evaluated once per theorem; each theorem's residual (lhs - rhs) is then reduced by
-:mod:`dcp_compile.passes.integer_reduction` on a partition of that box into pieces, using only integer
+:mod:`dcp_compile.passes.prove.integer_reduction` on a partition of that box into pieces, using only integer
 lemmas whose side conditions it decides on each piece (floor(Q + R) = Q + n when
 n <= R < n + 1, Mod(a, d) = a - d*floor(a/d), Max/Min/[a = b] by the sign of a - b). A
 theorem is *proven* only when the residual is exactly 0 on every piece. The number of pieces
@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 import sympy
 
 from .integer_reduction import Stuck, affine, affine_range, corners, reduce_on_box
-from .proof_certificate import FAILED, PROVEN, Theorem
+from .certificate import FAILED, PROVEN, Theorem
 
 __all__ = ["Equal", "InRange", "eq01", "int_or_none", "Domain", "domain", "TheoremSpec",
            "Memo", "prove_theorem"]
@@ -211,7 +211,7 @@ def domain(dcp: int, interleave_size: int, block_size: int) -> "Domain":
 
 # ----------------------------------------------------------------------------------------
 # A theorem as the engine sees it: a name, a statement, the cases it evaluates (values
-# contain the domain's symbols) and a claim over one case (dcp_compile.passes.proofs registers them)
+# contain the domain's symbols) and a claim over one case (dcp_compile.passes.prove.theorems registers them)
 # ----------------------------------------------------------------------------------------
 
 
