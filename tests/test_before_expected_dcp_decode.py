@@ -33,8 +33,8 @@ DECODE = """
         cp_rank = aten.remainder.Scalar(tp_rank, 2)
         slot_mapping_default = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
         cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping_default)
-        getitem_3 = cache_write_default[0]
-        getitem_4 = cache_write_default[1]
+        getitem = cache_write_default[0]
+        getitem_1 = cache_write_default[1]
         select_int = aten.select.int(positions, 1, 0)
         local_filled_default = dcp.local_filled.default(select_int, cp_rank, 2, 16, 16)
         active_mask_default = dcp.active_mask.default(positions, cp_rank, 2, 16, 16)
@@ -45,13 +45,13 @@ DECODE = """
         view_default = aten.view.default(wait_tensor_default, [2, 2, 1, 2, 8])
         permute_default = aten.permute.default(view_default, [1, 2, 0, 3, 4])
         reshape_default = aten.reshape.default(permute_default, [2, 1, 4, 8])
-        partial_attention_default = dcp.partial_attention.default(reshape_default, positions, k, v, where_scalar_other, getitem_3, getitem_4, block_table, local_filled_default, cp_rank, 2, 16, 0.5)
-        getitem_5 = partial_attention_default[0]
-        getitem_6 = partial_attention_default[1]
-        all_gather_into_tensor_default_1 = _c10d_functional.all_gather_into_tensor.default(getitem_6, 2, 'dcp_role:dcp')
+        partial_attention_default = dcp.partial_attention.default(reshape_default, positions, k, v, where_scalar_other, getitem, getitem_1, block_table, local_filled_default, cp_rank, 2, 16, 0.5)
+        getitem_2 = partial_attention_default[0]
+        getitem_3 = partial_attention_default[1]
+        all_gather_into_tensor_default_1 = _c10d_functional.all_gather_into_tensor.default(getitem_3, 2, 'dcp_role:dcp')
         wait_tensor_default_1 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1)
         view_default_1 = aten.view.default(wait_tensor_default_1, [2, 2, 1, 4])
-        lse_correct_default = dcp.lse_correct.default(getitem_5, getitem_6, view_default_1)
+        lse_correct_default = dcp.lse_correct.default(getitem_2, getitem_3, view_default_1)
         to_dtype = aten.to.dtype(lse_correct_default, torch.float32)
         view_default_2 = aten.view.default(to_dtype, [2, 1, 2, 2, 8])
         permute_default_1 = aten.permute.default(view_default_2, [2, 0, 1, 3, 4])
@@ -59,7 +59,7 @@ DECODE = """
         reduce_scatter_tensor_default = _c10d_functional.reduce_scatter_tensor.default(reshape_default_1, 'sum', 2, 'dcp_role:dcp')
         wait_tensor_default_2 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_default)
         to_dtype_1 = aten.to.dtype(wait_tensor_default_2, torch.float32)
-        return (to_dtype_1, getitem_3, getitem_4)
+        return (to_dtype_1, getitem, getitem_1)
     """
 
 
@@ -75,12 +75,12 @@ def test_decode_all_gather_combine():
 
 # Steps 5-8 as one all-to-all of the partial outputs packed with their LSEs (d + 1 = 9).
 ALL_TO_ALL_COMBINE = """
-        getitem_5 = partial_attention_default[0]
-        getitem_6 = partial_attention_default[1]
-        view_default_1 = aten.view.default(getitem_5, [2, 1, 2, 2, 8])
+        getitem_2 = partial_attention_default[0]
+        getitem_3 = partial_attention_default[1]
+        view_default_1 = aten.view.default(getitem_2, [2, 1, 2, 2, 8])
         permute_default_1 = aten.permute.default(view_default_1, [2, 0, 1, 3, 4])
         to_dtype = aten.to.dtype(permute_default_1, torch.float32)
-        view_default_2 = aten.view.default(getitem_6, [2, 1, 2, 2, 1])
+        view_default_2 = aten.view.default(getitem_3, [2, 1, 2, 2, 1])
         permute_default_2 = aten.permute.default(view_default_2, [2, 0, 1, 3, 4])
         cat_default = aten.cat.default([to_dtype, permute_default_2], -1)
         reshape_default_1 = aten.reshape.default(cat_default, [4, 1, 2, 9])
@@ -92,13 +92,13 @@ ALL_TO_ALL_COMBINE = """
         reshape_default_2 = aten.reshape.default(slice_tensor_1, [2, 2, 1, 2])
         lse_merge_default = dcp.lse_merge.default(slice_tensor, reshape_default_2)
         to_dtype_1 = aten.to.dtype(lse_merge_default, torch.float32)
-        return (to_dtype_1, getitem_3, getitem_4)
+        return (to_dtype_1, getitem, getitem_1)
     """
 
 
 def test_decode_all_to_all_combine():
     gm = run_alone(DCPDecode(context(4, 2, "decode", combine="all_to_all")), _before())
-    head = DECODE[:DECODE.index("        getitem_5")]      # up to the partial attention
+    head = DECODE[:DECODE.index("        getitem_2")]      # up to the partial attention
     assert_code(gm, head + ALL_TO_ALL_COMBINE.lstrip("\n"))
 
 
@@ -109,13 +109,13 @@ def test_context_step_is_plain_attention_with_owner_only_writes():
             cp_rank = aten.remainder.Scalar(tp_rank, 2)
             slot_mapping_default = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
             cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping_default)
-            getitem_3 = cache_write_default[0]
-            getitem_4 = cache_write_default[1]
+            getitem = cache_write_default[0]
+            getitem_1 = cache_write_default[1]
             select_int = aten.select.int(positions, 1, 0)
             mul_tensor = aten.mul.Tensor(select_int, 0)
-            partial_attention_default = dcp.partial_attention.default(q, positions, k, v, positions, getitem_3, getitem_4, block_table, mul_tensor, cp_rank, 2, 16, 0.5)
-            getitem_5 = partial_attention_default[0]
-            return (getitem_5, getitem_3, getitem_4)
+            partial_attention_default = dcp.partial_attention.default(q, positions, k, v, positions, getitem, getitem_1, block_table, mul_tensor, cp_rank, 2, 16, 0.5)
+            getitem_2 = partial_attention_default[0]
+            return (getitem_2, getitem, getitem_1)
         """)
 
 
