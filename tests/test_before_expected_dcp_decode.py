@@ -7,6 +7,8 @@ writes. With dcp=1 the rewrite computes exactly what the attention did."""
 import pytest
 import torch
 
+from dcp_compile import DCPTransformError
+from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.passes.dcp_decode import DCPContext, DCPDecode
 
 from before_expected import assert_code, attention_inputs, before, call, context, run_alone, \
@@ -21,10 +23,12 @@ def _attention(tp_rank, q, k, v, key_cache, value_cache, positions, block_table)
     return out, kc, vc
 
 
-def _before(tokens=1):
+def _before(tokens=1, dtype=torch.float32):
     # One rank's share: 2 q heads, 1 KV head, head_dim 8, batch 2.
-    return before(_attention, tp_rank=torch.tensor(0),
-                  **attention_inputs(tokens=tokens, hq=2, hkv=1, start=20))
+    inputs = attention_inputs(tokens=tokens, hq=2, hkv=1, start=20)
+    for k in ("q", "k", "v", "key_cache", "value_cache"):
+        inputs[k] = inputs[k].to(dtype)
+    return before(_attention, tp_rank=torch.tensor(0), **inputs)
 
 
 # tp=4, dcp=2, interleave = block = 16; b=2, s=1, hq=2, d=8 (W*hq = 4 heads gathered).
@@ -100,6 +104,59 @@ def test_decode_all_to_all_combine():
     gm = run_alone(DCPDecode(context(4, 2, "decode", combine="all_to_all")), _before())
     head = DECODE[:DECODE.index("        getitem_2")]      # up to the partial attention
     assert_code(gm, head + ALL_TO_ALL_COMBINE.lstrip("\n"))
+
+
+# Bytes each DCP collective moves (b=2, hq=2 q heads per rank, d=8, W = dcp), float32.
+B, HQ, D = 2, 2, 8
+
+
+@pytest.mark.parametrize("tp,dcp_", [(4, 2), (8, 4)], ids=["tp4-dcp2", "tp8-dcp4"])
+def test_all_gather_combine_bytes(tp, dcp_):
+    p = DCPDecode(context(tp, dcp_, "decode"))
+    gm = run_alone(p, _before())
+    on_dcp = [c for c in collective_summary(gm) if c["role"] == "dcp"]
+    assert [(c["op"], c["layer"]) for c in on_dcp] == [
+        ("all_gather_into_tensor", 0), ("all_gather_into_tensor", 0),
+        ("reduce_scatter_tensor", 0)]
+    q_gather, lse_gather, heads_rs = on_dcp
+    assert q_gather["bytes_in"] == B * HQ * D * 4                   # this rank's q heads
+    assert q_gather["bytes_out"] == dcp_ * B * HQ * D * 4           # the replica set's
+    assert lse_gather["bytes_in"] == B * dcp_ * HQ * 4              # float32 LSE
+    assert heads_rs["bytes_in"] == dcp_ * B * HQ * D * 4            # corrected partials
+    assert heads_rs["bytes_out"] == B * HQ * D * 4
+    assert p.inserted["collective"] == 3 and p.inserted["lse_combine"] == 1
+
+
+@pytest.mark.parametrize("tp,dcp_", [(4, 2), (8, 4)], ids=["tp4-dcp2", "tp8-dcp4"])
+def test_all_to_all_combine_bytes(tp, dcp_):
+    """Q all-gather, then one all-to-all of the partial outputs packed with their float32
+    LSEs, merged locally: 2 DCP collectives per layer instead of 3."""
+    p = DCPDecode(context(tp, dcp_, "decode", combine="all_to_all"))
+    gm = run_alone(p, _before())
+    on_dcp = [c for c in collective_summary(gm) if c["role"] == "dcp"]
+    assert [c["op"] for c in on_dcp] == ["all_gather_into_tensor", "all_to_all_single"]
+    a2a = on_dcp[1]
+    # Every rank's W*hq partial heads (d floats + 1 LSE each) out; as many in, W sources.
+    assert a2a["shape_in"] == (dcp_ * B, 1, HQ, D + 1)
+    assert a2a["bytes_in"] == a2a["bytes_out"] == dcp_ * B * HQ * (D + 1) * 4
+    assert p.inserted["collective"] == 2 and p.inserted["lse_combine"] == 1
+
+
+@pytest.mark.parametrize("combine,collective", [("all_gather", "reduce_scatter_tensor"),
+                                                ("all_to_all", "all_to_all_single")])
+def test_combine_dtype_model_sends_the_partial_outputs_in_the_model_dtype(combine, collective):
+    """combine_dtype='model' on a bf16 graph: the partial outputs travel as bf16 (half the
+    bytes); the all-to-all carries each float32 LSE as two bf16 words."""
+    ctx = context(4, 2, "decode", combine=combine, combine_dtype="model")
+    gm = run_alone(DCPDecode(ctx), _before(dtype=torch.bfloat16))
+    combine_op = next(c for c in collective_summary(gm) if c["op"] == collective)
+    width = D + 2 if combine == "all_to_all" else D
+    assert combine_op["bytes_in"] == 2 * B * HQ * width * 2             # bf16 elements
+
+
+def test_decode_rewrite_requires_one_token():
+    with pytest.raises(DCPTransformError, match="one token per sequence"):
+        run_alone(DCPDecode(context(4, 2, "decode")), _before(tokens=3))
 
 
 def test_context_step_is_plain_attention_with_owner_only_writes():
