@@ -6,9 +6,10 @@ worksteal``: one worker per core). Two choices keep the cores busy with real wor
 * one torch intra-op thread per process (and ``OMP_NUM_THREADS=1`` for the processes the
   tests launch): every tensor here is tiny, so a second intra-op thread only spins (the fuzz
   measured half the CPU per model with one thread), stealing the core of the other worker;
-* the long tests (real multi-process launches, the fuzz shards) at the front of the
-  collection: worksteal hands each worker a contiguous half and idle workers steal from the
-  back of a queue, so a long test never starts last and leaves the other core idle.
+* the long tests (real multi-process launches, the fuzz shards) at the front of each
+  worker's first queue: worksteal hands each worker a contiguous share of the collection
+  and idle workers steal from the back of a queue, so a long test never starts last while
+  the other core idles.
 
 Neither changes what a test checks; without ``-n`` (or with ``-n 0``) everything runs in
 one process, in this order.
@@ -21,7 +22,7 @@ import os
 import pytest
 import torch
 
-LONG_FIRST_MODULES = ("test_fuzz_sharding.py",)
+LONG_MODULES = ("test_fuzz_sharding.py",)     # besides every test marked multiprocess
 
 
 def pytest_configure(config):
@@ -30,9 +31,23 @@ def pytest_configure(config):
 
 
 def _long(item) -> bool:
-    return item.get_closest_marker("multiprocess") is not None or \
-        item.path.name in LONG_FIRST_MODULES
+    return item.path.name in LONG_MODULES or item.get_closest_marker("multiprocess") is not None
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not _long(item))       # stable: the rest keep their order
+    """Order the items as n queues laid end to end, n = the number of xdist workers: queue i
+    starts with every n-th long test (the fuzz first), then its share of the rest, so that
+    worksteal's first split (contiguous, len // workers left each) gives every worker long
+    tests to start with. Every worker computes the same order from the same collection."""
+    n = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    long = sorted((i for i in items if _long(i)), key=lambda i: i.path.name not in LONG_MODULES)
+    rest = [i for i in items if not _long(i)]
+    queues, left = [], len(items)
+    for q in range(n):
+        size = left // (n - q)
+        head = long[q::n]
+        take = max(size - len(head), 0)
+        queues.append(head + rest[:take])
+        rest, left = rest[take:], left - len(head) - take
+    queues[-1] += rest
+    items[:] = [item for queue in queues for item in queue]
