@@ -307,3 +307,12 @@ def _mismatch_message(program: DCPProgram, report: CheckReport) -> str:
             f"transform() refuses a program that computes something else than the model: "
             f"report the model (its sharding is not understood correctly); check=False "
             f"returns the unchecked program for inspection with dcp_compile.verify.")
+
+
+def program_windows(program: DCPProgram) -> list[int]:
+    """Each attention layer's sliding window (0: none), read from the program's first graph
+    (every attention op of a DCP graph carries its window)."""
+    gm = next(iter(program.graphs.values()))
+    return [int(n.kwargs.get("window", 0)) for n in gm.graph.nodes
+            if n.op == "call_function" and "window" in getattr(
+                getattr(n.target, "_schema", None), "__str__", lambda: "")()]
