@@ -396,13 +396,14 @@ class MaskPredicate:
     node: Node                 # the mask node (errors and the certificate name it)
 
 
-def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None
-              ) -> MaskPredicate:
-    """The site's mask as K(i, j) (see module doc); refuses what it cannot read."""
+def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
+              constants=lambda: {}) -> MaskPredicate:
+    """The site's mask as K(i, j) (see module doc); refuses what it cannot read.
+    ``constants()``: placeholder name -> tensor, for masks read from a buffer."""
     env: dict[Node, object] = {}
     for n in _ancestors(s.mask):
         if n.op == "placeholder":
-            env[n] = _placeholder(n, s, tokens, token_input, position_input)
+            env[n] = _placeholder(n, s, tokens, token_input, position_input, constants)
             continue
         if n.op != "call_function":
             fail(n, f"the attention mask of {s.node.name} is built from {n.op} {n.target}",
@@ -458,7 +459,7 @@ def _keep(s: Site, m: Sym):
     return sympy.Or(*kept)
 
 
-def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input):
+def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input, constants):
     if n.name == token_input:
         fail(s.mask, f"the attention mask of {s.node.name} depends on the token ids "
              f"(data-dependent mask)", "Masks may depend only on positions: padding is "
@@ -468,10 +469,48 @@ def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input
         if len(shape) != 2:
             fail(s.mask, f"position_ids of shape {shape}", "Pass position_ids as [B, S]")
         return Sym(shape, axis(1), False)      # element (b, a) is position a
-    fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, a weight or buffer: "
-         f"a table's values are data, not a formula of positions, so the mask cannot be "
-         f"proven for every length", "Build the mask from torch.arange or position_ids "
-         "(comparisons, triu/tril), not from a stored table")
+    table = constants().get(n.name)
+    if table is None or table.is_meta:
+        fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value is not "
+             f"available here (meta device or not a weight/buffer)", "Build causal masks "
+             "from torch.arange, or transform a model with real weights")
+    shape, boolean = _out(n)
+    try:
+        return Sym(shape, _diagonal_formula(table.detach().cpu(), boolean), boolean)
+    except NotAFormula as e:
+        fail(s.mask, f"the attention mask of {s.node.name} reads the table {n.name} of shape "
+             f"{shape}, which is not a formula of positions: {e}", "Build the mask from "
+             "torch.arange or position_ids (comparisons, triu/tril), or store a table whose "
+             "value depends only on key - query (tril / triu / band)")
+
+
+def _diagonal_formula(table: torch.Tensor, boolean: bool):
+    """A stored [..., M, N] table (nanoGPT's ``tril`` buffer) as a formula of its last two
+    indices: it must be constant along every diagonal (its value depends only on
+    d = column - row), and is then a step function of d, written as a Piecewise over runs.
+    Exact on the whole table; a model cannot index past it, so beyond is never read."""
+    if table.dim() < 2 or any(x != 1 for x in table.shape[:-2]):
+        raise NotAFormula(f"a table of shape {tuple(table.shape)}, not [..., M, N]")
+    t = table.reshape(table.shape[-2:])
+    m, cols = t.shape
+    runs = []                                   # (last d of the run, value)
+    for d in range(-(m - 1), cols):
+        diag = t.diagonal(d)
+        if not bool((diag == diag[0]).all()):
+            raise NotAFormula(f"its values vary along the diagonal column - row = {d}")
+        value = constant(diag[0].item(), boolean)
+        if runs and runs[-1][1] == value:
+            runs[-1] = (d, value)
+        else:
+            runs.append((d, value))
+    r = table.dim()
+    d = axis(r - 1) - axis(r - 2)
+    if boolean:
+        return sympy.Or(*(sympy.And(d <= last, d > (runs[k - 1][0] if k else -sympy.oo), v)
+                          for k, (last, v) in enumerate(runs[:-1])),
+                        sympy.And(d > runs[-2][0], runs[-1][1]) if len(runs) > 1
+                        else runs[-1][1])
+    return sympy.Piecewise(*((v, d <= last) for last, v in runs[:-1]), (runs[-1][1], True))
 
 
 def _ancestors(root: Node) -> list[Node]:

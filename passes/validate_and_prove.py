@@ -1,5 +1,6 @@
 """Validate the config against the model's real head counts, then prove the layout.
 
+An ordinary model's mask theorems (insert_paged_cache) join the layout's certificate.
 The transform refuses to emit a graph without a certificate: a broken rule raises
 DCPConfigError (every violation), a failed theorem raises DCPProofError (with a
 counterexample).
@@ -7,12 +8,22 @@ counterexample).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPProofError, DCPTransformError
 from dcp_compile.runtime.names import META_CERTIFICATE
 
 from .infra import DCPPass, attention_nodes, val
+
+
+def with_mask_theorems(certificate, theorems):
+    """The layout certificate plus the model's mask theorems (insert_paged_cache proved one
+    per attention layer of an ordinary model), each once."""
+    have = {t.name for t in certificate.theorems}
+    new = tuple(t for t in theorems if t.name not in have)
+    return replace(certificate, theorems=certificate.theorems + new) if new else certificate
 
 
 class ValidateAndProve(DCPPass):
@@ -40,6 +51,8 @@ class ValidateAndProve(DCPPass):
         if self.ctx.certificate is None:
             from .prove.theorems import prove
             self.ctx.certificate = prove(cfg.dcp, cfg.interleave_size, cfg.block_size)
+        self.ctx.certificate = with_mask_theorems(self.ctx.certificate,
+                                                  self.ctx.model_facts.get("mask_theorems", ()))
         if not self.ctx.certificate.ok:
             raise DCPProofError(self.ctx.certificate)
         self.record(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,

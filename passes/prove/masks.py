@@ -30,7 +30,8 @@ import sympy
 from ..mask_predicate import I, J
 from .certificate import FAILED, PROVEN, Theorem
 
-__all__ = ["MaskVerdict", "prove_mask", "target", "METHOD"]
+__all__ = ["MaskVerdict", "prove_mask", "target", "describe", "METHOD", "mask_theorem_name",
+           "unmasked_theorem", "verdict_keep"]
 
 METHOD = ("K(i, j) read symbolically from the mask's computation (i, j symbolic, not the "
           "captured length); atoms difference bounds over integers; 'i, j >= 0 and K xor "
@@ -50,6 +51,7 @@ class MaskVerdict:
     window: int
     theorem: Theorem
     why: str = ""
+    keep: object = None         # K(i, j), the predicate the verdict is about
 
     @property
     def proven(self) -> bool:
@@ -183,7 +185,8 @@ def prove_mask(keep, *, name: str, where: str, expected: int | None = None) -> M
     def verdict(window, status, why="", example=None):
         statement = (f"{where}: the mask keeps key j for query i iff {describe(window)}, for "
                      f"all positions i, j >= 0 (mask: {sympy.sstr(keep)})")
-        return MaskVerdict(window, Theorem(name, statement, METHOD, status, example, 1), why)
+        return MaskVerdict(window, Theorem(name, statement, METHOD, status, example, 1), why,
+                           keep)
 
     if expected is None:
         if not _at(keep, 0, 0):
@@ -202,3 +205,23 @@ def prove_mask(keep, *, name: str, where: str, expected: int | None = None) -> M
     i, j = point["i"], point["j"]
     example = {"i": i, "j": j, "mask": _at(keep, i, j), "target": _at(want, i, j)}
     return verdict(expected, FAILED, "the mask differs from it", example)
+
+
+def verdict_keep(verdict: MaskVerdict):
+    return verdict.keep
+
+
+def mask_theorem_name(layer: int) -> str:
+    return f"mask_layer_{layer}"
+
+
+def unmasked_theorem(layer: int, causal: bool, window: int, node: str) -> Theorem:
+    """The theorem of a layer with no mask tensor: SDPA's ``is_causal`` is causal by its
+    definition; a window there can only come from the config (it is not in the graph)."""
+    source = (f", with the window {window} the config declares (layer_types / "
+              f"sliding_window; is_causal cannot show one)" if window else "")
+    return Theorem(mask_theorem_name(layer),
+                   f"layer {layer} ({node}): is_causal={causal} keeps key j for query i iff "
+                   f"{describe(window)} for all positions i, j >= 0{source}",
+                   "the attention kernel's is_causal definition (no mask tensor)", PROVEN,
+                   None, 1)
