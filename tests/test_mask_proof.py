@@ -63,3 +63,140 @@ def test_window_longer_than_the_chunk_matches(tp, dcp, mode):
                                     shapes=SHAPES, check=False)
     assert checking.program_windows(program) == [WINDOW] * CFG.num_layers
     assert_matches_own_forward(model, program, mode)
+
+
+def test_the_mask_theorem_of_each_layer_is_in_the_certificate():
+    model = plain_llama(CFG, attention="eager", window=WINDOW)
+    program = dcp_compile.transform(model, tp=2, dcp=1, mode="prefill", block_size=BLOCK,
+                                    shapes=SHAPES, check=False)
+    cert = program.certificate
+    assert cert.ok
+    for layer in range(CFG.num_layers):
+        theorem = cert[f"mask_layer_{layer}"]
+        assert theorem.proven and f"i - j < {WINDOW}, for all positions" in theorem.statement
+    assert cert.to_json()["theorems"][-1]["name"] == "mask_layer_1"
+
+
+# ---------------------------------------------------------------------------------------
+# Mutations: a wrong window, a non-causal mask, a mask on the wrong position are caught.
+# ---------------------------------------------------------------------------------------
+
+
+class MaskLM(nn.Module):
+    """One attention layer whose mask is ``mask(i, j)`` over query / key positions i, j
+    (built from torch.arange or from position_ids)."""
+
+    def __init__(self, mask, *, from_positions=False):
+        super().__init__()
+        self.mask, self.from_positions = mask, from_positions
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.head = nn.Linear(32, VOCAB, bias=False)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        heads = lambda t: t.view(b, s, 4, 8).transpose(1, 2)  # noqa: E731
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if self.from_positions:
+            pos = position_ids if position_ids is not None else torch.arange(s)[None]
+            keep = self.mask(pos[:, None, :, None], pos[:, None, None, :])
+        else:
+            i = torch.arange(s)
+            keep = self.mask(i[:, None], i[None, :])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.head(x + self.o(out.transpose(1, 2).reshape(b, s, -1)))
+
+
+def _plan(model, tokens=CONTEXT, windows=None):
+    """insert_paged_cache's analysis of the captured graph (no rewrite)."""
+    from dcp_compile.ordinary import OrdinaryStep, capture_ordinary
+    from dcp_compile.passes.infra import TransformContext
+    from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+    from dcp_compile.runtime.config import DCPConfig
+    step = OrdinaryStep(model.eval())
+    captured = capture_ordinary(step, 2, tokens, device="cpu")
+    ctx = TransformContext(config=DCPConfig(tp=2, dcp=1, block_size=BLOCK), step="context")
+    inputs = captured.user_inputs
+    cache = InsertPagedCache(ctx, token_input=inputs[0],
+                             position_input=inputs[1] if len(inputs) > 1 else None,
+                             windows=windows)
+    for n in list(captured.gm.graph.nodes):
+        if n.target == torch.ops.aten._assert_tensor_metadata.default:
+            captured.gm.graph.erase_node(n)
+    return cache.plan(captured.gm)
+
+
+PROVEN = {   # id -> (mask(i, j), built from position_ids, window)
+    "causal-arange": (lambda i, j: j <= i, False, 0),
+    "causal-position_ids": (lambda i, j: j <= i, True, 0),
+    "window-20-longer-than-the-chunk": (lambda i, j: (j <= i) & (i - j < 20), False, 20),
+    "window-5-position_ids": (lambda i, j: (j <= i) & (j > i - 5), True, 5),
+    "window-1-diagonal": (lambda i, j: i == j, False, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(PROVEN))
+def test_masks_are_proven_with_their_window(case):
+    mask, from_positions, window = PROVEN[case]
+    plan = _plan(MaskLM(mask, from_positions=from_positions))
+    assert [s.window for s in plan.sites] == [window]
+    assert plan.mask_theorems[0].proven
+
+
+REFUSED = {  # id -> (mask(i, j), built from position_ids, what the refusal names)
+    "attends-the-next-token": (lambda i, j: j <= i + 1, False, "not causal"),
+    "wrong-position-query-for-key": (lambda i, j: i <= i + 0 * j, True, "bidirectional"),
+    "key-shifted-by-one": (lambda i, j: j <= i - 1, False, "hides a query's own position"),
+    "window-with-a-hole": (lambda i, j: (j <= i) & (i - j != 3), False,
+                           "not as a sliding window"),
+    "window-only-up-to-position-30": (lambda i, j: (j <= i) & ((i - j < 4) | (i < 30)), False,
+                                      "not as a sliding window"),
+    "chunked-attention": (lambda i, j: (j <= i) & (i // 4 == j // 4), False,
+                          "not made of differences of positions"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_wrong_masks_are_refused_naming_the_node(case):
+    mask, from_positions, why = REFUSED[case]
+    with pytest.raises(DCPTransformError, match=why) as e:
+        _plan(MaskLM(mask, from_positions=from_positions))
+    assert "at node " in str(e.value) and "test_mask_proof.py" in str(e.value)
+
+
+@pytest.mark.parametrize("declared", [WINDOW - 1, WINDOW + 1, 0], ids=["W-1", "W+1", "none"])
+def test_a_config_window_that_disagrees_with_the_proven_mask_is_refused(declared):
+    model = MaskLM(lambda i, j: (j <= i) & (i - j < WINDOW))
+    if not declared:       # the config says "no window": the proven mask still has one
+        assert [s.window for s in _plan(model, windows=[0]).sites] == [WINDOW]
+        return
+    with pytest.raises(DCPTransformError, match=f"config declares sliding_window={declared}"
+                                                f".*at query position"):
+        _plan(model, windows=[declared])
+
+
+def test_a_config_window_on_a_proven_causal_mask_is_refused():
+    with pytest.raises(DCPTransformError, match=r"iff j <= i, but the config declares "
+                                                r"sliding_window=20"):
+        _plan(MaskLM(lambda i, j: j <= i), windows=[20])
+
+
+@pytest.mark.parametrize("wrong", [WINDOW - 1, WINDOW + 1], ids=["W-1", "W+1"])
+def test_check_crosses_the_window_and_catches_a_wrong_one(monkeypatch, wrong):
+    """The backstop: if the proof were wrong (patched here to claim W +- 1), check= in decode
+    mode runs past the window and refuses the program."""
+    from dcp_compile.passes import insert_paged_cache
+    from dcp_compile.passes.prove import masks
+    real = masks.prove_mask
+
+    def lying(keep, **kw):
+        v = real(keep, **kw)
+        return masks.MaskVerdict(wrong, v.theorem, v.why, v.keep) if v.proven else v
+
+    monkeypatch.setattr(insert_paged_cache, "prove_mask", lying)
+    model = plain_llama(CFG, attention="eager", window=WINDOW)
+    with pytest.raises(DCPCheckError, match="'decode [0-9]+' step") as e:
+        dcp_compile.transform(model, tp=2, dcp=1, mode="decode", block_size=BLOCK,
+                              shapes=SHAPES, check=True)
+    assert e.value.report.first_mismatch["position"] == min(WINDOW, wrong) > CONTEXT
