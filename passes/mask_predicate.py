@@ -434,8 +434,7 @@ def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | 
              f"heads (it depends on axes {sorted(map(str, leading))})", "Use one causal mask "
              "for every row and head")
     keep = rename(keep, {r - 2: I, r - 1: J})
-    return MaskPredicate(keep=sympy.simplify_logic(keep) if keep.free_symbols else keep,
-                         node=s.mask)
+    return MaskPredicate(keep=keep, node=s.mask)
 
 
 def _keep(s: Site, m: Sym):

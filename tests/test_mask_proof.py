@@ -4,9 +4,14 @@ An ordinary model's attention mask is read from the graph as a predicate K(i, j)
 query position i and the key position j, and proven, for every i, j >= 0, to be exactly
 causal or exactly causal within a window W. The captured chunk length no longer matters: a
 window longer than the chunk is seen in the mask's formula, not in its sampled values.
+
+Environment: ``DCP_MASK_FULL=1`` runs every (tp, dcp) x mode of the end-to-end matches and
+both backstop mutations (the default is a representative slice, to keep the suite fast).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -28,7 +33,9 @@ CONTEXT = 12
 WINDOW = 14                    # longer than the captured chunk: the mask shows no cut there
 # Capacity 8 blocks: 32 tokens at dcp=1, so sequences run well past the window.
 SHAPES = StepShapes(batch=4, context_len=CONTEXT, max_blocks=8, num_blocks=40)
-CONFIGS = [(4, 2), (2, 1), (8, 2)]
+FULL = os.environ.get("DCP_MASK_FULL") == "1"
+CONFIGS = [(4, 2, "decode"), (2, 1, "prefill")] + (
+    [(2, 1, "decode"), (8, 2, "decode"), (4, 2, "prefill"), (8, 2, "prefill")] if FULL else [])
 
 
 def _steps(mode: str, gen: torch.Generator) -> list[checking.CheckStep]:
@@ -36,10 +43,10 @@ def _steps(mode: str, gen: torch.Generator) -> list[checking.CheckStep]:
     def ids(n):
         return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
 
-    if mode == "decode":   # prompts 12, 9, 7, 1 then 11 decode steps: up to 23 tokens
-        steps = [checking.CheckStep("context", [ids(n) for n in (12, 9, 7, 1)])]
+    if mode == "decode":   # prompts 12, 11, 9, 7 then 4 decode steps: up to 16 tokens
+        steps = [checking.CheckStep("context", [ids(n) for n in (12, 11, 9, 7)])]
         steps += [checking.CheckStep(f"decode {t}", [ids(1) for _ in range(4)], decode=True)
-                  for t in range(11)]
+                  for t in range(4)]
         return steps
     chunks = ((12, 7, 1, 12), (12, 9, 12, 3), (5, 8, 3, 1))   # up to 29 tokens a row
     return [checking.CheckStep(f"chunk {c}", [ids(n) for n in lens])
@@ -55,8 +62,7 @@ def assert_matches_own_forward(model, program, mode):
                           f"errors per step {errors}, tolerance {tol:.3g}"
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefill"])
-@pytest.mark.parametrize("tp,dcp", CONFIGS, ids=[f"tp{t}-dcp{d}" for t, d in CONFIGS])
+@pytest.mark.parametrize("tp,dcp,mode", CONFIGS, ids=[f"tp{t}-dcp{d}-{m}" for t, d, m in CONFIGS])
 def test_window_longer_than_the_chunk_matches(tp, dcp, mode):
     model = plain_llama(CFG, attention="eager", window=WINDOW)
     program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
@@ -182,7 +188,8 @@ def test_a_config_window_on_a_proven_causal_mask_is_refused():
         _plan(MaskLM(lambda i, j: j <= i), windows=[20])
 
 
-@pytest.mark.parametrize("wrong", [WINDOW - 1, WINDOW + 1], ids=["W-1", "W+1"])
+@pytest.mark.parametrize("wrong", [WINDOW + 1] + ([WINDOW - 1] if FULL else []),
+                         ids=["W+1", "W-1"][:1 + FULL])
 def test_check_crosses_the_window_and_catches_a_wrong_one(monkeypatch, wrong):
     """The backstop: if the proof were wrong (patched here to claim W +- 1), check= in decode
     mode runs past the window and refuses the program."""
