@@ -207,3 +207,51 @@ def test_check_crosses_the_window_and_catches_a_wrong_one(monkeypatch, wrong):
         dcp_compile.transform(model, tp=2, dcp=1, mode="decode", block_size=BLOCK,
                               shapes=SHAPES, check=True)
     assert e.value.report.first_mismatch["position"] == min(WINDOW, wrong) > CONTEXT
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face models that apply their window only through the mask.
+# ---------------------------------------------------------------------------------------
+
+HF_WINDOW = dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=2,
+                 num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=32, sliding_window=32,
+                 experts_implementation="batched_mm")   # static shapes on fake tensors
+HF_MASK_WINDOWS = {   # id -> (config, model, extra overrides); neither passes sliding_window=
+    "qwen2_moe-module-attribute": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                                   dict(use_sliding_window=True, max_window_layers=2)),
+    "phimoe-config-only": ("PhimoeConfig", "PhimoeForCausalLM", {}),
+}
+
+
+def _hf(case, **overrides):
+    pytest.importorskip("transformers")
+    from test_hf import build
+    config, model, extra = HF_MASK_WINDOWS[case]
+    return build(config, model, {**HF_WINDOW, **extra, **overrides})
+
+
+@pytest.mark.parametrize("case", list(HF_MASK_WINDOWS))
+def test_prepare_reads_windows_the_attention_function_is_not_told(case):
+    from dcp_compile import hf
+    model = _hf(case)
+    with pytest.raises(DCPTransformError, match=r"uses sliding-window attention \(from "
+                                                r".*sliding_window=32"):
+        hf.prepare(model)
+    assert hf.prepare(model, max_model_len=32).max_model_len == 32
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", list(HF_MASK_WINDOWS))
+def test_hf_windows_longer_than_the_chunk_are_read_from_the_mask(case, attn):
+    """The mask shows the 14-token window (longer than the 12-token chunk): the proof finds
+    it, and it agrees with the config's windows (0 on Qwen2-MoE's full layer)."""
+    from dcp_compile.ordinary import declared_windows
+    model = _hf(case, sliding_window=WINDOW, attn_implementation=attn)
+    declared = declared_windows(model)
+    assert WINDOW in declared
+    plan = _plan(model, windows=declared)
+    assert [s.window for s in plan.sites] == declared
+    assert all(s.mask is not None for s in plan.sites)
+    assert all(t.proven and t.name == f"mask_layer_{k}" for k, t in
+               enumerate(plan.mask_theorems))
