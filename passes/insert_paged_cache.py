@@ -100,10 +100,12 @@ class InsertPagedCache(DCPPass):
                 "nothing to put a KV cache under. Use a causal decoder with SDPA or eager "
                 "attention.")
         shapes = set()
-        # Windows: declared by the config, or found in an earlier step's mask (a one-token
-        # decode step's mask cannot show one).
-        declared = self.windows if self.windows is not None else \
-            self.ctx.model_facts.get("windows")
+        # Windows: a one-token decode step's mask cannot show one, so it takes the prompt
+        # step's (proven, and checked against the config there); a prompt step checks the
+        # config's against its proven masks.
+        earlier = self.ctx.model_facts.get("windows")
+        declared = earlier if tokens == 1 and earlier is not None else \
+            self.windows if self.windows is not None else earlier
         if declared is not None and len(declared) != len(sites):
             raise DCPTransformError(
                 f"the model declares {len(declared)} attention layers (config layer_types / "

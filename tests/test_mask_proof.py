@@ -114,15 +114,17 @@ class MaskLM(nn.Module):
         return self.head(x + self.o(out.transpose(1, 2).reshape(b, s, -1)))
 
 
-def _plan(model, tokens=CONTEXT, windows=None):
-    """insert_paged_cache's analysis of the captured graph (no rewrite)."""
+def _plan(model, tokens=CONTEXT, windows=None, facts=None):
+    """insert_paged_cache's analysis of the captured graph (no rewrite); ``facts``: what an
+    earlier step found."""
     from dcp_compile.ordinary import OrdinaryStep, capture_ordinary
     from dcp_compile.passes.infra import TransformContext
     from dcp_compile.passes.insert_paged_cache import InsertPagedCache
     from dcp_compile.runtime.config import DCPConfig
     step = OrdinaryStep(model.eval())
     captured = capture_ordinary(step, 2, tokens, device="cpu")
-    ctx = TransformContext(config=DCPConfig(tp=2, dcp=1, block_size=BLOCK), step="context")
+    ctx = TransformContext(config=DCPConfig(tp=2, dcp=1, block_size=BLOCK), step="context",
+                           model_facts=dict(facts or {}))
     inputs = captured.user_inputs
     cache = InsertPagedCache(ctx, token_input=inputs[0],
                              position_input=inputs[1] if len(inputs) > 1 else None,
@@ -186,6 +188,14 @@ def test_a_config_window_on_a_proven_causal_mask_is_refused():
     with pytest.raises(DCPTransformError, match=r"iff j <= i, but the config declares "
                                                 r"sliding_window=20"):
         _plan(MaskLM(lambda i, j: j <= i), windows=[20])
+
+
+def test_a_one_token_step_takes_the_prompt_steps_proven_windows():
+    """The decode step's 1x1 mask shows no window: the prompt step's proven one is used,
+    not a config that (wrongly) declares none."""
+    model = MaskLM(lambda i, j: (j <= i) & (i - j < WINDOW))
+    plan = _plan(model, tokens=1, windows=[0], facts={"windows": [WINDOW]})
+    assert [s.window for s in plan.sites] == [WINDOW] and plan.mask_theorems == ()
 
 
 @pytest.mark.parametrize("wrong", [WINDOW + 1] + ([WINDOW - 1] if FULL else []),
