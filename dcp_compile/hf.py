@@ -65,7 +65,7 @@ class PagedStep:
     num_layers: int
     max_model_len: int | None
     module_names: dict[int, str]
-    # Per-layer windows the config declares (dcp_compile.ordinary.declared_windows): what the
+    # Per-layer windows the config declares (frontends.ordinary.declared_windows): what the
     # model's own mask applies when its attention function is not told (Qwen2-MoE, PhiMoE).
     windows: list[int] | None = None
     new_caches: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
@@ -252,7 +252,7 @@ class DCPCausalLM(nn.Module):
         self.max_model_len = max_model_len
         self._module_names = {id(m): n for n, m in hf_model.named_modules()}
         self._configs = _attention_configs(hf_model)
-        from .ordinary import declared_windows
+        from .frontends.ordinary import declared_windows
         self._windows = declared_windows(hf_model)
 
     @property

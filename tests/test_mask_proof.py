@@ -22,9 +22,10 @@ import dcp_compile
 from dcp_compile import check as checking
 from dcp_compile.models.demo import DemoConfig
 from dcp_compile.models.plain import plain_llama
-from dcp_compile.ordinary import FullForwardReference
+from dcp_compile.frontends.ordinary import FullForwardReference
 from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
 
 VOCAB, BLOCK = 256, 4
 CFG = DemoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_q_heads=8,
@@ -117,17 +118,18 @@ class MaskLM(nn.Module):
 def _plan(model, tokens=CONTEXT, windows=None, facts=None):
     """insert_paged_cache's analysis of the captured graph (no rewrite); ``facts``: what an
     earlier step found."""
-    from dcp_compile.ordinary import OrdinaryStep, capture_ordinary
+    from dcp_compile.frontends.ordinary import OrdinaryStep, capture_ordinary
     from dcp_compile.passes.infra import TransformContext
     from dcp_compile.passes.insert_paged_cache import InsertPagedCache
     from dcp_compile.runtime.config import DCPConfig
     step = OrdinaryStep(model.eval())
     captured = capture_ordinary(step, 2, tokens, device="cpu")
     ctx = TransformContext(config=DCPConfig(tp=2, dcp=1, block_size=BLOCK), step="context",
-                           model_facts=dict(facts or {}))
+                           facts=facts or ModelFacts())
     inputs = captured.user_inputs
     cache = InsertPagedCache(ctx, token_input=inputs[0],
                              position_input=inputs[1] if len(inputs) > 1 else None,
+                             num_blocks=SHAPES.num_blocks, max_blocks=SHAPES.max_blocks,
                              windows=windows)
     for n in list(captured.gm.graph.nodes):
         if n.target == torch.ops.aten._assert_tensor_metadata.default:
@@ -194,7 +196,7 @@ def test_a_one_token_step_takes_the_prompt_steps_proven_windows():
     """The decode step's 1x1 mask shows no window: the prompt step's proven one is used,
     not a config that (wrongly) declares none."""
     model = MaskLM(lambda i, j: (j <= i) & (i - j < WINDOW))
-    plan = _plan(model, tokens=1, windows=[0], facts={"windows": [WINDOW]})
+    plan = _plan(model, tokens=1, windows=[0], facts=ModelFacts(windows=(WINDOW,)))
     assert [s.window for s in plan.sites] == [WINDOW] and plan.mask_theorems == ()
 
 
@@ -256,7 +258,7 @@ def test_prepare_reads_windows_the_attention_function_is_not_told(case):
 def test_hf_windows_longer_than_the_chunk_are_read_from_the_mask(case, attn):
     """The mask shows the 14-token window (longer than the 12-token chunk): the proof finds
     it, and it agrees with the config's windows (0 on Qwen2-MoE's full layer)."""
-    from dcp_compile.ordinary import declared_windows
+    from dcp_compile.frontends.ordinary import declared_windows
     model = _hf(case, sliding_window=WINDOW, attn_implementation=attn)
     declared = declared_windows(model)
     assert WINDOW in declared
