@@ -47,7 +47,7 @@ from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_
 from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
-                          unmasked_theorem, verdict_keep)
+                          unmasked_theorem)
 
 aten = torch.ops.aten
 
@@ -231,7 +231,7 @@ class InsertPagedCache(DCPPass):
             s.window = declared or s.window
             return
         if declared and declared != verdict.window:
-            wrong = prove_mask(verdict_keep(verdict), name="", where="", expected=declared)
+            wrong = prove_mask(verdict.keep, name="", where="", expected=declared)
             fail(s.node, f"layer {layer}'s mask, proven for every position, keeps key j for "
                  f"query i iff {describe(verdict.window)}, but the config declares "
                  f"sliding_window={declared}{_example(wrong)}", "Fix the config "

@@ -31,7 +31,7 @@ from ..mask_predicate import I, J
 from .certificate import FAILED, PROVEN, Theorem
 
 __all__ = ["MaskVerdict", "prove_mask", "target", "describe", "METHOD", "mask_theorem_name",
-           "unmasked_theorem", "verdict_keep"]
+           "unmasked_theorem"]
 
 METHOD = ("K(i, j) read symbolically from the mask's computation (i, j symbolic, not the "
           "captured length); atoms difference bounds over integers; 'i, j >= 0 and K xor "
@@ -205,10 +205,6 @@ def prove_mask(keep, *, name: str, where: str, expected: int | None = None) -> M
     i, j = point["i"], point["j"]
     example = {"i": i, "j": j, "mask": _at(keep, i, j), "target": _at(want, i, j)}
     return verdict(expected, FAILED, "the mask differs from it", example)
-
-
-def verdict_keep(verdict: MaskVerdict):
-    return verdict.keep
 
 
 def mask_theorem_name(layer: int) -> str:
