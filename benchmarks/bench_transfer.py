@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check")
+    ap.add_argument("--profile", action="store_true",
+                    help="only the floor READ cut into 1..N descriptors per tensor (same "
+                         "bytes): where the time goes, descriptors vs bytes")
     args = ap.parse_args(argv)
     os.environ.update(loopback_env())
 
@@ -77,6 +80,8 @@ def main(argv=None) -> int:
             "requests": [{"id": "long", "seq_len": args.seq_len}],
             "stop_file": str(tmp / "done")}
     (tmp / "spec.json").write_text(json.dumps(spec))
+    if args.profile:
+        return _profile(spec, prefill, tmp, args)
     proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
                              str(tmp / "spec.json"), str(tmp / "prefill.json")], cwd=ROOT,
                             env=loopback_env(), stdout=subprocess.DEVNULL)
@@ -162,8 +167,10 @@ def _measure(spec, p_eng, d_eng, args, mode) -> dict:
     return out
 
 
-def _floor_read(spec, p_eng, nbytes: int, repeat: int) -> float:
-    """One READ of whole contiguous cache tensors, ``nbytes`` in all, from one prefill rank."""
+def _floor_read(spec, p_eng, nbytes: int, repeat: int, pieces: int = 1) -> float:
+    """One READ of whole contiguous cache tensors, ``nbytes`` in all, from one prefill rank;
+    ``pieces > 1`` cuts each tensor's range into that many adjacent descriptors (the same
+    bytes: what the descriptor count alone costs, see --profile)."""
     import numpy as np
 
     from dcp_compile.runtime.nixl.connector import DecodeKVConnector
@@ -180,8 +187,11 @@ def _floor_read(spec, p_eng, nbytes: int, repeat: int) -> float:
     per = nbytes // len(local)
     assert per <= local[0].numel() * local[0].element_size()
     api = conn._agent.agent  # the floor bypasses the plan on purpose: raw NIXL, same agent
-    ldesc = np.array([(t.data_ptr(), per, 0) for t in local], dtype=np.uint64)
-    rdesc = np.array([(a, per, 0) for a in remote], dtype=np.uint64)
+    step = per // pieces
+    ldesc = np.array([(t.data_ptr() + i * step, step, 0) for t in local for i in range(pieces)],
+                     dtype=np.uint64)
+    rdesc = np.array([(a + i * step, step, 0) for a in remote for i in range(pieces)],
+                     dtype=np.uint64)
     times = []
     for rep in range(-1, repeat):
         t0 = time.perf_counter()
@@ -196,6 +206,41 @@ def _floor_read(spec, p_eng, nbytes: int, repeat: int) -> float:
         assert state == "DONE", state
     conn.close()
     return statistics.median(times) * 1e3
+
+
+def _profile(spec, prefill, tmp, args) -> int:
+    """The floor READ with the same bytes in more and more descriptors: time = a + b * descs
+    (per-descriptor cost b) + bytes / bandwidth. One prefill process, one decode rank."""
+    import torch
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    nbytes = 2 * args.layers * args.seq_len * args.num_kv_heads * args.head_dim * elem
+    spec = dict(spec, prefill=prefill[-1:], decode=[])  # the floor engine only, no readers
+    (tmp / "profile.json").write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
+                             str(tmp / "profile.json"), str(tmp / "prefill.json")], cwd=ROOT,
+                            env=loopback_env(), stdout=subprocess.DEVNULL)
+    rows = []
+    try:
+        blocks = args.seq_len // args.block_size
+        for pieces in sorted({1, 4, 16, 64, 256, blocks // 4, blocks // 2, blocks}):
+            ms = _floor_read(spec, prefill[-1], nbytes, args.repeat, pieces)
+            rows.append((2 * args.layers * pieces, nbytes // (2 * args.layers * pieces), ms))
+            print(f"  profiled {rows[-1][0]} descriptors: {ms:.1f} ms", file=sys.stderr,
+                  flush=True)
+    finally:
+        (tmp / "done").write_text("1")
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"\nOne READ of {nbytes / 2**20:.1f} MiB from one prefill rank, cut into N "
+          f"descriptors (median of {args.repeat}; UCX_TLS={os.environ['UCX_TLS']})")
+    print(f"{'descriptors':>11} {'bytes/desc':>10} {'ms':>8} {'x 1 desc/tensor':>15} "
+          f"{'us/desc over floor':>18}")
+    for n, size, ms in rows:
+        extra = (ms - rows[0][2]) * 1e3 / max(n - rows[0][0], 1)
+        print(f"{n:>11} {size:>10} {ms:>8.1f} {ms / rows[0][2]:>15.2f} {extra:>18.2f}")
+    return 0
 
 
 def _memcpy(nbytes: int, repeat: int) -> float:
