@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check")
+    ap.add_argument("--shuffled", action="store_true",
+                    help="scattered block tables (one run per block) instead of the allocator's")
     ap.add_argument("--profile", action="store_true",
                     help="only the floor READ cut into 1..N descriptors per tensor (same "
                          "bytes): where the time goes, descriptors vs bytes")
@@ -77,6 +79,10 @@ def main(argv=None) -> int:
                        for i, (_, _, _, dtp, ddcp) in enumerate(TOPOLOGIES)
                        for mode in ("staged", "descriptors")],
             "repeat": args.repeat + 1,
+            # The engines' own allocator, entries grouped so that each remote rank's blocks
+            # are one run on both sides (TransferPlan.*_block_groups); --shuffled: scattered.
+            "allocation": "shuffled" if args.shuffled else "contiguous",
+            "block_groups": _block_groups(args),
             "requests": [{"id": "long", "seq_len": args.seq_len}],
             "stop_file": str(tmp / "done")}
     (tmp / "spec.json").write_text(json.dumps(spec))
@@ -124,6 +130,18 @@ def main(argv=None) -> int:
               f"{ms:>8.1f} {nbytes / 2**30 / (ms / 1e3):>8.2f} {ms / floor_ms:>8.1f} "
               f"{ms / memcpy_ms:>8.1f}")
     return 0
+
+
+def _block_groups(args) -> dict:
+    """Block-table grouping of each engine of the bench (prefill p<i>, its decode d-p<i>)."""
+    from dcp_compile.runtime.transfer_plan import engine_configs, plan_transfer
+    out = {}
+    for i, (_, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
+        plan = plan_transfer(*engine_configs(prefill_tp=ptp, prefill_dcp=pdcp, decode_tp=dtp,
+                                             decode_dcp=ddcp, num_kv_heads=args.num_kv_heads,
+                                             block_size=args.block_size))
+        out[f"p{i}"], out[f"d-p{i}"] = plan.prefill_block_groups, plan.decode_block_groups
+    return out
 
 
 def _measure(spec, p_eng, d_eng, args, mode) -> dict:
