@@ -20,6 +20,7 @@ already set); on one machine UCX may move the bytes through shared memory rather
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check")
+    ap.add_argument("--modes", default="staged,descriptors",
+                    help="how head ranges move: staged and/or descriptors (comma-separated)")
     ap.add_argument("--shuffled", action="store_true",
                     help="scattered block tables (one run per block) instead of the allocator's")
     ap.add_argument("--profile", action="store_true",
@@ -85,16 +88,15 @@ def main(argv=None) -> int:
             "block_groups": _block_groups(args),
             "requests": [{"id": "long", "seq_len": args.seq_len}],
             "stop_file": str(tmp / "done")}
-    (tmp / "spec.json").write_text(json.dumps(spec))
     if args.profile:
         return _profile(spec, prefill, tmp, args)
-    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
-                             str(tmp / "spec.json"), str(tmp / "prefill.json")], cwd=ROOT,
-                            env=loopback_env(), stdout=subprocess.DEVNULL)
-    try:
-        rows, nbytes = [], None
-        for i, (name, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
-            for mode in ("staged", "descriptors"):
+    rows, nbytes = [], None
+    for i, (name, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
+        # One prefill process per topology, serving only its engine (one process per engine:
+        # each agent is polled as often as a prefill rank polls its own).
+        readers = [d for d in spec["decode"] if d["prefill"] == f"p{i}"]
+        with _prefill_process(spec, prefill[i:i + 1], readers, tmp, f"p{i}"):
+            for mode in args.modes.split(","):
                 r = _measure(spec, prefill[i], {"tp": dtp, "dcp": ddcp}, args, mode)
                 if r["kind"] == "match" and mode == "descriptors":
                     continue  # whole rows: both modes are the same reads
@@ -102,11 +104,9 @@ def main(argv=None) -> int:
                 rows.append((name, r))
                 print(f"  measured {name} [{r['mode']}]: {r['ms']:.1f} ms", file=sys.stderr,
                       flush=True)
+    with _prefill_process(spec, prefill[-1:], [], tmp, "floor"):
         floor_ms = _floor_read(spec, prefill[-1], nbytes, args.repeat)
-        memcpy_ms = _memcpy(nbytes, args.repeat)
-    finally:
-        (tmp / "done").write_text("1")
-        proc.wait(timeout=120)
+    memcpy_ms = _memcpy(nbytes, args.repeat)
 
     print(f"\nKV transfer per request: seq_len={args.seq_len}, num_kv_heads={args.num_kv_heads},"
           f" head_dim={args.head_dim}, layers={args.layers}, {args.dtype}, block_size="
@@ -232,25 +232,14 @@ def _profile(spec, prefill, tmp, args) -> int:
     import torch
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     nbytes = 2 * args.layers * args.seq_len * args.num_kv_heads * args.head_dim * elem
-    spec = dict(spec, prefill=prefill[-1:], decode=[])  # the floor engine only, no readers
-    (tmp / "profile.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
-                             str(tmp / "profile.json"), str(tmp / "prefill.json")], cwd=ROOT,
-                            env=loopback_env(), stdout=subprocess.DEVNULL)
     rows = []
-    try:
+    with _prefill_process(spec, prefill[-1:], [], tmp, "profile"):
         blocks = args.seq_len // args.block_size
         for pieces in sorted({1, 4, 16, 64, 256, blocks // 4, blocks // 2, blocks}):
             ms = _floor_read(spec, prefill[-1], nbytes, args.repeat, pieces)
             rows.append((2 * args.layers * pieces, nbytes // (2 * args.layers * pieces), ms))
             print(f"  profiled {rows[-1][0]} descriptors: {ms:.1f} ms", file=sys.stderr,
                   flush=True)
-    finally:
-        (tmp / "done").write_text("1")
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     print(f"\nOne READ of {nbytes / 2**20:.1f} MiB from one prefill rank, cut into N "
           f"descriptors (median of {args.repeat}; UCX_TLS={os.environ['UCX_TLS']})")
     print(f"{'descriptors':>11} {'bytes/desc':>10} {'ms':>8} {'x 1 desc/tensor':>15} "
@@ -259,6 +248,25 @@ def _profile(spec, prefill, tmp, args) -> int:
         extra = (ms - rows[0][2]) * 1e3 / max(n - rows[0][0], 1)
         print(f"{n:>11} {size:>10} {ms:>8.1f} {ms / rows[0][2]:>15.2f} {extra:>18.2f}")
     return 0
+
+
+@contextlib.contextmanager
+def _prefill_process(spec, engines, readers, tmp, tag):
+    """A loopback prefill process serving ``engines`` (held for ``readers``) while inside."""
+    spec = dict(spec, prefill=engines, decode=readers, stop_file=str(tmp / f"done-{tag}"))
+    (tmp / f"{tag}.json").write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
+                             str(tmp / f"{tag}.json"), str(tmp / f"prefill-{tag}.json")],
+                            cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        (tmp / f"done-{tag}").write_text("1")
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _memcpy(nbytes: int, repeat: int) -> float:

@@ -59,8 +59,9 @@ brute-force coverage test (tests/test_transfer_plan.py):
    rank 1's only remote rank. The example (and the prose: "keeps even/odd-indexed remote
    blocks") filter *blocks*, not ranks, when the prefill has no DCP.
 
-Beyond the examples: over the 357 servable topologies of the brute-force enumeration
-(P_TP <= 8, D_TP <= 16, num_kv_heads in 1..8, every DCP degree) the formula names a correct
+Beyond the examples: over the 357 topologies of the brute-force enumeration (P_TP <= 8,
+D_TP <= 16, num_kv_heads in 1..8, every DCP degree) that the spec's own rules serve (P_DCP
+a multiple of D_DCP, or 1) the formula names a correct
 set of ranks for 90 (80 equal to this plan, 10 other replicas of the same data); it is
 undefined for 189 (P_TP < D_TP: ``tp_ratio = 0``, ``num_target_ranks = 0``, division by
 zero), misses KV for 62 (the decode engine replicates KV heads, or the prefill has no DCP
@@ -69,8 +70,9 @@ it lists several ranks that hold the same data). The brute-force check decides, 
 is built from what each rank holds instead:
 
 * prefill cp_ranks read by decode cp_rank r: all of ``range(P_DCP)`` filtered by
-  ``c % D_DCP == r`` (the spec's filter, applied to cp_ranks, ordered cp-major as the
-  formula's list is when it is right), or the single cp_rank 0 when P_DCP == 1;
+  ``c % g == r % g``, ``g = gcd(P_DCP, D_DCP)`` (the spec's ``c % D_DCP == r`` applied to
+  cp_ranks when D_DCP divides P_DCP, ordered cp-major as the formula's list is when it is
+  right; the single cp_rank 0 when P_DCP == 1);
 * per KV head the decode rank holds and per such cp_rank, the prefill ranks of that cp_rank
   holding the head (``Topology.kv_heads_of``); when several replicas hold it, the decode
   ranks that want the same (head, cp_rank) are spread round-robin over the replicas. That
