@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check")
     ap.add_argument("--modes", default="staged,descriptors",
                     help="how head ranges move: staged and/or descriptors (comma-separated)")
+    ap.add_argument("--only", default="",
+                    help="only the topologies whose name contains this text")
     ap.add_argument("--shuffled", action="store_true",
                     help="scattered block tables (one run per block) instead of the allocator's")
     ap.add_argument("--profile", action="store_true",
@@ -92,9 +94,12 @@ def main(argv=None) -> int:
         return _profile(spec, prefill, tmp, args)
     rows, nbytes = [], None
     for i, (name, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
+        if args.only not in name:
+            continue
         # One prefill process per topology, serving only its engine (one process per engine:
         # each agent is polled as often as a prefill rank polls its own).
         readers = [d for d in spec["decode"] if d["prefill"] == f"p{i}"]
+        prefill[i]["port"] = free_port_base(ptp)  # picked now: the machine is shared
         with _prefill_process(spec, prefill[i:i + 1], readers, tmp, f"p{i}"):
             for mode in args.modes.split(","):
                 r = _measure(spec, prefill[i], {"tp": dtp, "dcp": ddcp}, args, mode)
@@ -104,6 +109,7 @@ def main(argv=None) -> int:
                 rows.append((name, r))
                 print(f"  measured {name} [{r['mode']}]: {r['ms']:.1f} ms", file=sys.stderr,
                       flush=True)
+    prefill[-1]["port"] = free_port_base(1)
     with _prefill_process(spec, prefill[-1:], [], tmp, "floor"):
         floor_ms = _floor_read(spec, prefill[-1], nbytes, args.repeat)
     memcpy_ms = _memcpy(nbytes, args.repeat)
@@ -164,7 +170,7 @@ def _measure(spec, p_eng, d_eng, args, mode) -> dict:
         for c in ranks:
             c.start_read(TransferRequest(rid, args.seq_len, p_tables["long"], d_tables["long"],
                                          request_epoch(spec, rep, 0)))
-        stats = wait_all(ranks, rid)
+        stats = wait_all(ranks, rid, poll_interval=None)  # busy-polls, like the floor
         if rep > 0:
             times.append(time.perf_counter() - t0)
     verified = "skipped"
@@ -233,6 +239,7 @@ def _profile(spec, prefill, tmp, args) -> int:
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     nbytes = 2 * args.layers * args.seq_len * args.num_kv_heads * args.head_dim * elem
     rows = []
+    prefill[-1]["port"] = free_port_base(1)
     with _prefill_process(spec, prefill[-1:], [], tmp, "profile"):
         blocks = args.seq_len // args.block_size
         for pieces in sorted({1, 4, 16, 64, 256, blocks // 4, blocks // 2, blocks}):
