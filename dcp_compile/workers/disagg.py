@@ -108,6 +108,7 @@ def demo_config(layers: int):
 
 
 def _demo(layers: int):
+    from dcp_compile.models.demo import demo_model
     return demo_model(demo_config(layers))
 
 

@@ -377,7 +377,7 @@ class DecodeKVConnector:
         del self._pending[rid]
         return True
 
-    def wait(self, request_id: str, poll_interval: float | None = 0.0) -> TransferStats:
+    def wait(self, request_id: str, poll_interval: float = 0.0) -> TransferStats:
         """Block until ``request_id`` finished (bounded by its timeout); raise if it failed.
 
         Without a progress thread the READs advance only while this rank polls, so the
@@ -508,13 +508,11 @@ class DecodeKVConnector:
 
 
 def wait_all(connectors: Sequence[DecodeKVConnector], request_id: str,
-             poll_interval: float | None = 0.0) -> list[TransferStats]:
+             poll_interval: float = 0.0) -> list[TransferStats]:
     """Wait for ``request_id`` on several decode ranks of this process, polling them in turn.
 
     Ranks that share a process (tests, benchmarks) must be progressed together: waiting on
-    one rank at a time would leave the others' READs idle. Between rounds the thread sleeps
-    ``poll_interval`` seconds (0: yields the CPU; ``None``: polls back to back without
-    yielding, as a benchmark's one-read floor does).
+    one rank at a time would leave the others' READs idle.
     """
     waiting = list(connectors)
     while waiting:
@@ -533,6 +531,6 @@ def wait_all(connectors: Sequence[DecodeKVConnector], request_id: str,
                 if request_id in getattr(e, "failed", {request_id: None}):
                     raise
                 # another request failed; it is recorded in c.failed for its own waiter
-        if waiting and poll_interval is not None:
+        if waiting:
             time.sleep(poll_interval)
     return [c.finished_stats[request_id] for c in connectors]
