@@ -233,3 +233,21 @@ def test_descriptor_and_handshake_modules_do_not_import_nixl():
     code = ("import sys, dcp_compile.runtime.nixl.descriptors, dcp_compile.runtime.nixl.handshake; "
             "assert 'nixl' not in sys.modules, sorted(m for m in sys.modules if 'nixl' in m)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_allocator_prefers_contiguous_runs_and_groups_entries():
+    from dcp_compile.runtime.errors import DCPInputError
+    from dcp_compile.runtime.kv_cache import BlockAllocator
+    alloc = BlockAllocator(21, 4)                        # blocks 0..19, 20 is garbage
+    assert alloc.ensure(0, 12) == [0, 1, 2]
+    assert alloc.ensure(1, 16, groups=2) == [3, 5, 4, 6]  # entries 0, 2 | 1, 3: one run each
+    assert alloc.ensure(0, 13) == [0, 1, 2, 7]           # 3 is taken: the lowest free block
+    assert alloc.ensure(0, 17) == [0, 1, 2, 7, 8]        # grows in place
+    alloc.free(1)                                        # hole 3..6 (4 blocks)
+    assert alloc.ensure(2, 20) == [9, 10, 11, 12, 13]    # 5 do not fit the hole: next run
+    assert alloc.ensure(3, 12, groups=3) == [3, 4, 5]    # fits the hole
+    assert alloc.ensure(4, 28) == [6, 14, 15, 16, 17, 18, 19]  # no run of 7: scattered
+    with pytest.raises(DCPInputError, match="groups must be an int >= 1"):
+        alloc.ensure(5, 4, groups=0)
+    with pytest.raises(DCPInputError, match="out of KV cache blocks"):
+        alloc.ensure(5, 4)
