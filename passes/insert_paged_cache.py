@@ -43,6 +43,8 @@ from .absorb_latent_attention import absorb_latent_attention
 from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,
                                  is_call, site_form)
 from .infra import KIND_ATTENTION, DCPPass, ensure, val
+from .manager import propagate_changed
+from .positions import TABLES_FACT, lift_positions
 
 aten = torch.ops.aten
 
@@ -358,7 +360,7 @@ class InsertPagedCache(DCPPass):
             clamped = g.call_function(aten.clamp_min.default, (positions, 0))
         if plan.position_input is not None:
             plan.position_input.replace_all_uses_with(clamped)
-        self._replace_aranges(g, plan, clamped)
+        lifted = self._lift_positions(gm, plan, ids, clamped, [positions, table, *caches])
         if plan.position_input is not None:
             g.erase_node(plan.position_input)
         if plan.tokens > 1 or "windows" not in self.ctx.model_facts:
@@ -368,7 +370,8 @@ class InsertPagedCache(DCPPass):
             self.ctx.model_facts["mla"] = latent[0]
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
-                    positions="position_ids" if plan.position_input is not None else "arange")
+                    positions="position_ids" if plan.position_input is not None else "arange",
+                    positional_values=lifted["values"], position_tables=len(lifted["tables"]))
         return PassResult(gm, True)
 
     @staticmethod
@@ -379,23 +382,26 @@ class InsertPagedCache(DCPPass):
             return t.args[0]
         return g.call_function(aten.transpose.int, (t, 1, 2))
 
-    def _replace_aranges(self, g, plan: Plan, clamped: Node) -> None:
-        """A surviving ``arange(S)`` (start 0, step 1) is the model's positions: its
-        ``unsqueeze(0)`` becomes the positions input; any other use is refused."""
-        for n in list(g.nodes):
-            if not _is_seq_arange(n, plan.tokens):
-                continue
-            for u in list(n.users):
-                if is_call(u, {aten.unsqueeze.default}) and u.args[1] == 0:
-                    with g.inserting_before(u):
-                        cast = g.call_function(aten.to.dtype, (clamped, val(u).dtype))
-                    u.replace_all_uses_with(cast)
-                    g.erase_node(u)
-                else:
-                    fail(u, f"torch.arange({plan.tokens}) (positions over the sequence) is "
-                         f"used by {u.target}", "Pass position_ids to forward, or build "
-                         "positions as torch.arange(S).unsqueeze(0)")
-            g.erase_node(n)
+    def _lift_positions(self, gm, plan: Plan, ids: Node, clamped: Node,
+                        inputs: list[Node]) -> dict:
+        """Positional values (RoPE angles, tables sliced by the length, learned positions)
+        become functions of the step's positions (passes/positions.py). A one-token step
+        recognises the tables its prompt step sliced by the length."""
+        propagate_changed(gm, [n for n in gm.graph.nodes if "val" not in n.meta])
+        data = self._depends_on_any(gm, [ids, *inputs])
+        known = set(self.ctx.model_facts.get(TABLES_FACT, ()))
+        facts = lift_positions(gm, clamped, plan.tokens, data, {ids: 0}, known)
+        if plan.tokens > 1:
+            self.ctx.model_facts[TABLES_FACT] = sorted(known | set(facts["tables"]))
+        return facts
+
+    @staticmethod
+    def _depends_on_any(gm, roots: list[Node]) -> set[Node]:
+        out = set(roots)
+        for n in gm.graph.nodes:
+            if any(a in out for a in n.all_input_nodes):
+                out.add(n)
+        return out
 
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
@@ -443,15 +449,6 @@ _PER_TOKEN_RULES = {
     aten.pow.Tensor_Scalar: _view_rule,
     operator.getitem: lambda n, b, t: True,     # an item of chunk / split (checked there)
 }
-
-
-def _is_seq_arange(n: Node, tokens: int) -> bool:
-    if is_call(n, {aten.arange.default}):
-        return n.args[0] == tokens
-    if is_call(n, {aten.arange.start, aten.arange.start_step}):
-        step = n.args[2] if len(n.args) > 2 else 1
-        return n.args[0] == 0 and n.args[1] == tokens and step == 1
-    return False
 
 
 def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:

@@ -144,6 +144,9 @@ class SPPlan:
     # region node -> the projections (linears) reading it, which need the whole sequence
     frontier: dict[Node, list[Node]] = field(default_factory=dict)
     roles: dict[Node, str] = field(default_factory=dict)   # frontier linear -> qkv|mlp|lm_head
+    # per-token side input (positions' embedding, ...) -> its dim aligned with the tokens:
+    # each rank reads its own S/TP rows of it (a local slice, like the stream's).
+    side_inputs: dict[Node, int] = field(default_factory=dict)
 
 
 class SequenceParallel(DCPPass):
@@ -255,7 +258,10 @@ class SequenceParallel(DCPPass):
             if not isinstance(v, torch.Tensor):
                 continue
             aligned = 1 - (out.ndim - v.ndim)   # a's dim that broadcasts against tokens
-            if aligned >= 0 and v.shape[aligned] != 1:
+            if aligned >= 0 and v.shape[aligned] == plan.tokens and \
+                    (aligned == 0 or v.shape[aligned - 1] in (1, plan.batch)):
+                plan.side_inputs[a] = aligned     # row t is token t's: slice it like the stream
+            elif aligned >= 0 and v.shape[aligned] != 1:
                 raise DCPTransformError(
                     f"{where} combines the sequence-parallel residual stream with {a.name} of "
                     f"shape {tuple(v.shape)}, which is indexed by token: every rank holds "
@@ -311,6 +317,17 @@ class SequenceParallel(DCPPass):
                     sliced, delete_user_cb=lambda u: u is not padded and u is not sliced)
                 replaced[red.wait] = sliced
 
+        region = set(plan.region)
+        for a, dim in plan.side_inputs.items():
+            nd = val(a).ndim
+            with g.inserting_after(a):
+                padded = a if sp == s else g.call_function(
+                    aten.constant_pad_nd.default, (a, [0, 0] * (nd - 1 - dim) + [0, sp - s], 0.0))
+                with g.inserting_after(padded):
+                    sliced = g.call_function(aten.index_select.default, (padded, dim, sp_index))
+            self.tag(sliced, KIND_SLICE)
+            a.replace_all_uses_with(sliced, delete_user_cb=lambda u: u in region)
+
         counts = {"qkv": 0, "mlp": 0, "lm_head": 0}
         for node, linears in plan.frontier.items():
             shape = tuple(val(node).shape)
@@ -335,6 +352,7 @@ class SequenceParallel(DCPPass):
         self.record(tokens=s, padded_tokens=sp, tokens_per_rank=per,
                     region_nodes=len(plan.region),
                     reduce_scatters=sum(r.role == "world" for r in plan.reductions),
+                    token_side_inputs=len(plan.side_inputs),
                     gathers=counts)
         return PassResult(gm, True)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDim, Split,
+from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDim, NewDim, Split,
                                                      dim_squeeze, dim_transpose,
                                                      dim_unsqueeze, expand, view_groups)
 
@@ -129,7 +129,20 @@ def _permute(n):
     return tuple(InputDim(norm_dim(d, nd)) for d in n.args[1])
 
 
+def _view_as_real(n):
+    """complex [..., d] -> real [..., d, 2]: every dim kept, a new (re, im) dim last."""
+    return _identity(n) + (NewDim(2),)
+
+
+def _view_as_complex(n):
+    """real [..., d, 2] -> complex [..., d]: the (re, im) dim is consumed (a shard on it
+    maps nowhere: refused)."""
+    return _identity(n)[:-1]
+
+
 DIM_MAPS: dict = {
+    aten.view_as_real.default: _view_as_real,
+    aten.view_as_complex.default: _view_as_complex,
     aten.view.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
     aten.reshape.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
     aten._unsafe_view.default: lambda n: view_groups(list(shape_of(n.args[0])),

@@ -1,0 +1,102 @@
+"""Positions as a dataflow fact (passes/positions.py): models that compute their positions
+from ``torch.arange(S)`` or slice a table made in ``__init__`` by the length, with no
+``position_ids`` input, match their own full forward (fp32, 1e-4) after the cache insertion,
+in decode (8 greedy steps) and prefill, on lengths around the interleave period (dcp=2,
+block 4: vblock 8) and a one-token prompt.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import dcp_compile
+from dcp_compile.models.demo import DemoConfig
+from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.verify import run_threaded_program
+
+from helpers import assert_close_report, prompts_of
+from position_models import ArangeFloatRope, PositionsLM, position_models
+from test_ordinary_models import full_forward_reference
+
+TP, DCP, BLOCK = 4, 2, 4
+VOCAB = 256
+LENGTHS = (1, 7, 9, 12)          # one token; around the vblock of 8; a whole chunk
+SHAPES = StepShapes(batch=4, context_len=12, max_blocks=6, num_blocks=28)
+STEPS = {"decode": 8, "prefill": 1}
+CFG = DemoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_q_heads=8,
+                 num_kv_heads=2, head_dim=8, intermediate_size=96)
+MODELS = position_models(CFG)
+# Prefill by default for the forms whose lifting differs from decode's (a table gathered by
+# positions, complex RoPE, a per-token side input of the sequence-parallel stream);
+# DCP_POSITIONS_FULL=1 runs every form in both modes.
+FULL = os.environ.get("DCP_POSITIONS_FULL", "") not in ("", "0")
+PREFILL_SLICE = ("cached-cos-sin-sliced", "complex-freqs_cis-sliced",
+                 "learned-table-opt-offset-2050-rows")
+CASES = [(m, mode) for m in MODELS for mode in ("decode", "prefill")
+         if FULL or mode == "decode" or m in PREFILL_SLICE]
+
+
+def transform(model, mode, **kw):
+    return dcp_compile.transform(model, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                                 shapes=SHAPES, check=False, **kw)
+
+
+def assert_matches_own_forward(model, program, steps, lengths=LENGTHS):
+    prompts = prompts_of(lengths, vocab=VOCAB)
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, steps)
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                assert_close_report(got[b], ref_logits[b][t], atol=1e-4,
+                                    what=f"rank {run.rank} step {t} seq {b}")
+
+
+@pytest.mark.parametrize("model_id,mode", CASES)
+def test_positions_from_arange_and_tables_match_own_forward(model_id, mode):
+    torch.manual_seed(0)
+    model = MODELS[model_id]().eval()
+    program = transform(model, mode)
+    inserted = next(r for r in program.history if r.name == "insert_paged_cache")
+    assert inserted.matched["positional_values"] >= 1
+    assert_matches_own_forward(model, program, STEPS[mode])
+
+
+def test_tables_sliced_by_length_are_remembered_for_the_one_token_step():
+    """The decode step (S=1) cannot tell cos_cached[:1] from a first row: it reads the
+    tables the prompt step sliced by its length."""
+    program = transform(MODELS["cached-cos-sin-sliced"]().eval(), "decode")
+    matched = {r.step: r.matched for r in program.history if r.name == "insert_paged_cache"}
+    assert matched["context"]["position_tables"] == 2          # cos_cached, sin_cached
+    assert matched["decode"]["positional_values"] >= 2
+
+
+def test_learned_position_table_is_replicated_not_vocab_parallel():
+    """OPT's 2050-row table does not divide by tp=4: it is looked up by positions on every
+    rank (replicated); only the token embedding is vocab-parallel."""
+    program = transform(MODELS["learned-table-opt-offset-2050-rows"]().eval(), "decode")
+    names = {name for name, spec in program.shards.items()}
+    assert not any("absolute_table" in n for n in names), names
+    assert any("embed_tokens" in n for n in names), names
+
+
+class _CumsumPositions(ArangeFloatRope):
+    """RoPE angles from a running sum over the positions: mixes tokens."""
+
+    def forward(self, s, device):
+        t = torch.arange(s, device=device).float().cumsum(0)
+        emb = torch.cat([torch.outer(t, self.inv_freq)] * 2, dim=-1)
+        return emb.cos(), emb.sin(), None
+
+
+def test_positions_mixed_across_tokens_are_refused_by_name():
+    model = PositionsLM(CFG, rope=_CumsumPositions(CFG.head_dim)).eval()
+    with pytest.raises(DCPTransformError, match="mixes tokens") as e:
+        transform(model, "decode")
+    assert "cumsum" in str(e.value) and "test_positions.py" in str(e.value)
