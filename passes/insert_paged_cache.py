@@ -21,7 +21,7 @@ one-token decode step reuses the windows found in the prompt step. Positions com
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
 attention, masks that are neither causal nor a window or that depend on the tokens, additive
 biases (ALiBi), cross-attention (K/V not computed from this step's tokens), K/V that are
-not per-token projections (_PER_TOKEN_RULES: e.g. a token shift), dropout.
+not per-token projections (by the placement rules' token dims: e.g. a token shift), dropout.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, fi
                                  is_call, site_form)
 from .infra import KIND_ATTENTION, DCPPass, ensure, val
 from .manager import propagate_changed
+from .placement import Refusal, carried_dim
 from .positions import TABLES_FACT, lift_positions
 
 aten = torch.ops.aten
@@ -169,27 +170,41 @@ class InsertPagedCache(DCPPass):
                          tokens: int) -> None:
         """K/V must be per-token projections: walking back from them to the linears that
         produce them, every op acts on each token on its own (a cache holds one K/V row per
-        token, computed once, when the token is in the step)."""
-        stack, seen = [t], set()
+        token, computed once, when the token is in the step). Shown by the placement rules
+        (``carried_dim``): from the projection's token dim (1 of the [B, S, F] stream), every
+        op keeps the token dim whole, and K/V end with tokens at dim 2 ([B, H, S, D]). A
+        one-token step cannot show a mix of tokens: the prompt step of the same model (S > 1)
+        did."""
+        stack, path, linears = [t], set(), []
         while stack:
             n = stack.pop()
-            if n in seen or n not in per_token or n.op != "call_function":
+            if n in path or n not in per_token or n.op != "call_function":
                 continue
-            seen.add(n)
+            path.add(n)
             if n.target == aten.linear.default:
-                continue                                       # the projection
+                linears.append(n)                               # the projection
+                continue
             if n.target == aten.embedding.default:
                 fail(s.node, f"the {what} reaches the token embedding {n.name} without a "
                      f"projection", "K and V must be linear projections of the hidden state")
-            rule = _PER_TOKEN_RULES.get(n.target)
-            pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ())
-            if not pointwise and (rule is None or not rule(n, batch, tokens)):
+            stack.extend(n.all_input_nodes)
+        if tokens == 1:
+            return
+        order = {n: i for i, n in enumerate(t.graph.nodes)}
+        dims = {lin: 1 for lin in linears if val(lin).dim() == 3}
+        for n in sorted(path - set(linears), key=order.get):
+            try:
+                dims[n] = carried_dim(n, dims, tokens)
+            except Refusal as e:
                 fail(n, f"the {what} of attention {s.node.name} is computed through "
                      f"{n.target}, which this compiler cannot show acts on each token on its "
-                     f"own", "K and V must be per-token projections (linear, RoPE, per-head "
-                     "norms, views): an op that mixes tokens (shift, convolution, cumsum over "
-                     "the sequence) cannot be served from a KV cache")
-            stack.extend(n.all_input_nodes)
+                     f"own ({e})", "K and V must be per-token projections (linear, RoPE, "
+                     "per-head norms, views): an op that mixes tokens (shift, convolution, "
+                     "cumsum over the sequence) cannot be served from a KV cache")
+        if dims.get(t) != 2:
+            fail(s.node, f"the {what} {t.name} of attention {s.node.name} has its tokens at "
+                 f"dim {dims.get(t)}, not 2 of [B, H, S, D]", "Pass attention [B, H, S, D] "
+                 "tensors of per-token projections")
 
     # -- masks -----------------------------------------------------------------------------
 
@@ -406,49 +421,6 @@ class InsertPagedCache(DCPPass):
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
         ensure(not left, self.name, "attention kernels left without a paged cache", left)
-
-
-def _keeps_tokens(n: Node, batch: int, tokens: int) -> bool:
-    """A view-like op whose result still has the batch first and a dim of the token count
-    (it only regroups features of each token)."""
-    shape = tuple(val(n).shape)
-    return len(shape) >= 2 and shape[0] == batch and tokens in shape[1:3]
-
-
-def _on_last_dim(index: int):
-    """An op slicing / joining / reducing over the dim at args[index] (default -1): per
-    token only when that is the last (feature) dim."""
-    def rule(n: Node, batch: int, tokens: int) -> bool:
-        src = n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]
-        dims = n.args[index] if len(n.args) > index else n.kwargs.get("dim", -1)
-        dims = dims if isinstance(dims, (list, tuple)) else [dims]
-        ndim = len(val(src).shape)
-        return all(isinstance(d, int) and d % ndim == ndim - 1 for d in dims)
-    return rule
-
-
-def _view_rule(n: Node, batch: int, tokens: int) -> bool:
-    return _keeps_tokens(n, batch, tokens)
-
-
-# Non-pointwise ops allowed between a K/V projection and attention (per-token rules).
-_PER_TOKEN_RULES = {
-    **{t: _view_rule for t in (*RESHAPES, aten.transpose.int, aten.permute.default,
-                               aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
-                               aten.clone.default, aten.contiguous.default, aten.alias.default,
-                               aten.detach.default, aten.to.dtype, aten._to_copy.default,
-                               aten.to.dtype_layout, aten.type_as.default)},
-    aten.slice.Tensor: _on_last_dim(1),
-    aten.chunk.default: _on_last_dim(2),
-    aten.split.Tensor: _on_last_dim(2),
-    aten.split_with_sizes.default: _on_last_dim(2),
-    aten.cat.default: _on_last_dim(1),
-    aten.mean.dim: _on_last_dim(1),
-    aten.sum.dim_IntList: _on_last_dim(1),
-    aten.var.correction: _on_last_dim(1),
-    aten.pow.Tensor_Scalar: _view_rule,
-    operator.getitem: lambda n, b, t: True,     # an item of chunk / split (checked there)
-}
 
 
 def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:

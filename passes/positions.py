@@ -28,8 +28,6 @@ batch through an op without a broadcasting rule, one whose batch dim cannot be f
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
@@ -39,7 +37,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
 from .op_classes import IDENTITY_VIEWS, is_call
-from .placement import Refusal, aligned_dim, rule_for, token_dim
+from .placement import Refusal, aligned_dim, carried_dim, rule_for
 from .placement.rules import POINTWISE
 
 aten = torch.ops.aten
@@ -92,53 +90,7 @@ def _length_slices(g: Graph, tokens: int, data: set[Node], known: set) -> list:
     return out
 
 
-# -- batch and token dims through the placement rules ---------------------------------------
-
-def _paged_batch(n, dims):
-    return (dims[n.args[0]], None, None)
-
-
-def _getitem_dim(n, dims):
-    src = dims[n.args[0]]
-    return src[n.args[1]] if isinstance(src, tuple) else None
-
-
-# Ops the placement analysis places by hand or not at all (its RULES leave them out): where
-# a dim of the marked operand lands in the output.
-_EXTRA_DIMS = {
-    aten.outer.default: lambda n, dims: 0 if n.args[0] in dims else 1,
-    aten.linear.default: lambda n, dims: dims.get(n.args[0]) if n.args[0] in dims and
-    dims[n.args[0]] < len(val(n.args[0]).shape) - 1 else None,
-    aten.embedding.default: lambda n, dims: dims.get(n.args[1]),
-    aten.index_select.default: lambda n, dims: (n.args[1] % len(val(n).shape))
-    if n.args[2] in dims and n.args[0] not in dims else None,
-    torch.ops.dcp.paged_attention.default: _paged_batch,
-    operator.getitem: lambda n, dims: _getitem_dim(n, dims)
-    if isinstance(dims.get(n.args[0]), tuple) else _rule_dim(n, dims, 0),
-}
-
-
-def _rule_dim(n: Node, dims: dict, size: int):
-    ins = {a: dims[a] for a in n.all_input_nodes if isinstance(dims.get(a), int)}
-    if not ins:
-        raise Refusal("no input carries the dim")
-    return token_dim(n, ins, size)
-
-
-def _dim_of(n: Node, dims: dict, size: int):
-    """Where ``n``'s output carries the dim ``dims`` marks on its inputs; Refusal if the
-    rules cannot tell."""
-    extra = _EXTRA_DIMS.get(n.target)
-    if extra is None:
-        return _rule_dim(n, dims, size)
-    try:
-        d = extra(n, dims)
-    except (KeyError, IndexError, TypeError) as e:
-        raise Refusal(f"{n.target} does not carry the dim ({type(e).__name__})") from e
-    if d is None:
-        raise Refusal(f"{n.target} does not carry the dim")
-    return d
-
+# -- batch dims through the placement rules ---------------------------------------------
 
 def batch_dims(g: Graph, seeds: dict[Node, int], batch: int) -> dict:
     """Each batched node -> its batch dim (from ``seeds``, by the placement rules)."""
@@ -147,7 +99,7 @@ def batch_dims(g: Graph, seeds: dict[Node, int], batch: int) -> dict:
         if n.op == "call_function" and n not in dims and \
                 any(a in dims for a in n.all_input_nodes):
             try:
-                dims[n] = _dim_of(n, dims, batch)
+                dims[n] = carried_dim(n, dims, batch)
             except Refusal:
                 continue
     return dims
@@ -219,7 +171,7 @@ def _check_token_wise(positional, sources, tokens: int) -> None:
         if n in dims:
             continue
         try:
-            dims[n] = _dim_of(n, dims, tokens)
+            dims[n] = carried_dim(n, dims, tokens)
         except Refusal as e:
             _fail(n, f"a value computed from the positions mixes tokens ({e})",
                   "Compute position-dependent values token by token (RoPE angles, table "

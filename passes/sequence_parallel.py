@@ -47,13 +47,13 @@ from dcp_compile.runtime.names import (META_NORM_REDUCE, META_SCOPE, RANK_INPUT,
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
+from .op_classes import LITERAL_SHAPES
 from .placement import Refusal, token_dim
 from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
-_LITERAL_SHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                   aten.expand.default, aten.unflatten.int}
+
 
 
 def round_up(n: int, m: int) -> int:
@@ -234,7 +234,7 @@ class SequenceParallel(DCPPass):
                 f"{tuple(getattr(out, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
                 f" ...] tensors between layers.")
         target = u.target
-        if target in _LITERAL_SHAPES:
+        if target in LITERAL_SHAPES:
             raise DCPTransformError(
                 f"{where} ({target}) names the residual stream's shape literally; with "
                 f"sequence parallelism each rank holds S/TP tokens of it. Keep views inside "

@@ -13,6 +13,7 @@ from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDi
 
 from dcp_compile.runtime.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
 
+from ..op_classes import IDENTITY_VIEWS
 from .lattice import Refusal, Seg, Shard, canon, scale_segs
 from .node_args import norm_dim, shape_of
 
@@ -160,10 +161,7 @@ DIM_MAPS: dict = {
     aten.expand.default: lambda n: expand(shape_of(n.args[0]), shape_of(n)),
 }
 # Ops that keep every dim as it is (type conversions, copies, eval-mode dropout).
-for _op in (aten.clone.default, aten.contiguous.default, aten.alias.default,
-            aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-            aten._to_copy.default, aten.lift_fresh_copy.default, aten.dropout.default,
-            aten.type_as.default):
+for _op in IDENTITY_VIEWS:
     DIM_MAPS[_op] = _identity
 
 
