@@ -43,6 +43,7 @@ from .absorb_latent_attention import absorb_latent_attention
 from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,
                                  is_call, site_form)
 from .infra import KIND_ATTENTION, DCPPass, ensure, val
+from .canonical_ops import canonicalize_ops
 from .manager import propagate_changed
 from .placement import Refusal, carried_dim
 from .positions import TABLES_FACT, lift_positions
@@ -295,15 +296,19 @@ class InsertPagedCache(DCPPass):
         if pos is not None and n is pos:
             b = val(n).shape[0]
             return torch.arange(tokens).expand(b, tokens).clone()
-        if self._constants is None and self.constants is not None:
-            self._constants = self.constants()
-        t = (self._constants or {}).get(n.name)
+        t = self._constant_values().get(n.name)
         if t is None or t.is_meta:
             fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value "
                  f"is not available here (meta device or not a weight/buffer)",
                  "Build causal masks from torch.arange, or transform a model with real "
                  "weights")
         return t.detach().cpu()
+
+    def _constant_values(self) -> dict:
+        """Input name -> the model's tensor (weights, buffers, lifted constants), once."""
+        if self._constants is None and self.constants is not None:
+            self._constants = self.constants()
+        return self._constants or {}
 
     # -- rewrite ---------------------------------------------------------------------------
 
@@ -312,6 +317,10 @@ class InsertPagedCache(DCPPass):
         for n in list(g.nodes):  # export's metadata asserts would hold dead values alive
             if is_call(n, {aten._assert_tensor_metadata.default}):
                 g.erase_node(n)
+        weights = {n.name for n in g.nodes if n.op == "placeholder"
+                   and n.name not in (self.token_input, self.position_input)}
+        canonical = canonicalize_ops(gm, weights, self._constant_values)
+        propagate_changed(gm, [n for n in g.nodes if "val" not in n.meta])
         latent = absorb_latent_attention(gm)    # MLA -> one shared latent head (no-op else)
         plan = self.plan(gm)
         ids = next(n for n in g.nodes if n.op == "placeholder" and n.name == self.token_input)
@@ -386,7 +395,8 @@ class InsertPagedCache(DCPPass):
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
                     positions="position_ids" if plan.position_input is not None else "arange",
-                    positional_values=lifted["values"], position_tables=len(lifted["tables"]))
+                    positional_values=lifted["values"], position_tables=len(lifted["tables"]),
+                    canonical_ops=canonical)
         return PassResult(gm, True)
 
     @staticmethod
