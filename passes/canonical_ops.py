@@ -16,6 +16,7 @@ import operator
 from typing import Callable
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from .infra import val
@@ -92,10 +93,9 @@ def constant_index_as_slice(gm: GraphModule, weights: set[str], constants) -> in
     return count
 
 
-def slices_as_split(gm: GraphModule, weights: set[str], constants) -> int:
-    """Slices of one tensor along one dim that partition it exactly (Falcon's fused
-    ``qkv[..., :-2, :]``, ``[-2]``, ``[-1]``) -> one ``split_with_sizes``: the split rule
-    is segment-aware for fused projections (each part placed on its own)."""
+def _partitioning_slices(gm: GraphModule):
+    """(source, dim, bounds, slice nodes) of the first group of step-1 slices that
+    partition one dim of one tensor, in at least two parts; None if there is none."""
     from .placement import slice_bounds
     groups: dict = {}
     for n in gm.graph.nodes:
@@ -103,22 +103,35 @@ def slices_as_split(gm: GraphModule, weights: set[str], constants) -> int:
             d, start, end, step = slice_bounds(n)
             if step == 1:
                 groups.setdefault((n.args[0], d), []).append((start, end, n))
-    count = 0
     for (src, d), parts in groups.items():
-        parts.sort(key=lambda p: (p[0], p[1]))
         bounds = sorted({(a, b) for a, b, _ in parts})
-        size = val(src).shape[d]
         edges = [a for a, _ in bounds] + [bounds[-1][1]]
-        if len(bounds) < 2 or edges[0] != 0 or edges[-1] != size or \
-                any(bounds[i][1] != bounds[i + 1][0] for i in range(len(bounds) - 1)):
-            continue
-        first = min((n for _, _, n in parts), key=lambda n: list(gm.graph.nodes).index(n))
-        with gm.graph.inserting_before(first):
+        if len(bounds) >= 2 and edges[0] == 0 and edges[-1] == val(src).shape[d] and \
+                all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1)):
+            return src, d, bounds, parts
+    return None
+
+
+def slices_as_split(gm: GraphModule, weights: set[str], constants) -> int:
+    """Slices of one tensor along one dim that partition it exactly (Falcon's fused
+    ``qkv[..., :-2, :]``, ``[-2]``, ``[-1]``) -> one ``split_with_sizes``: the split rule
+    is segment-aware for fused projections (each part placed on its own)."""
+    count = 0
+    while (found := _partitioning_slices(gm)) is not None:
+        src, d, bounds, parts = found
+        with gm.graph.inserting_after(src):
             split = gm.graph.call_function(aten.split_with_sizes.default,
                                            (src, [b - a for a, b in bounds], d))
-            items = {ab: gm.graph.call_function(operator.getitem, (split, i))
-                     for i, ab in enumerate(bounds)}
-        split.meta.update({k: v for k, v in first.meta.items() if k != "val"})
+        items = {}
+        for i, ab in enumerate(bounds):
+            with gm.graph.inserting_after(items[bounds[i - 1]] if i else split):
+                items[ab] = gm.graph.call_function(operator.getitem, (split, i))
+        split.meta.update({k: v for k, v in parts[0][2].meta.items() if k != "val"})
+        mode = detect_fake_mode([val(src)])
+        with mode:
+            split.meta["val"] = aten.split_with_sizes.default(val(src), split.args[1], d)
+        for i, ab in enumerate(bounds):
+            items[ab].meta.update(split.meta, val=split.meta["val"][i])
         for a, b, n in parts:
             n.replace_all_uses_with(items[(a, b)])
             gm.graph.erase_node(n)

@@ -222,6 +222,18 @@ class SequenceParallel(DCPPass):
             self._check_tokenwise(u, seen, plan)
         plan.region = order
 
+    @staticmethod
+    def _drop_identity_views(gm: GraphModule) -> None:
+        """A view that names its input's own shape (GPT-BigCode's
+        ``hidden_states.view(output_shape)`` after the final norm) is no op at all; on the
+        sequence-parallel stream its literal token count would be wrong, so it goes."""
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function" and n.target in LITERAL_SHAPES and \
+                    isinstance(n.args[0], Node) and \
+                    tuple(val(n).shape) == tuple(val(n.args[0]).shape):
+                n.replace_all_uses_with(n.args[0])
+                gm.graph.erase_node(n)
+
     def _check_tokenwise(self, u: Node, region: set[Node], plan: SPPlan) -> None:
         where = f"node {u.name} ({source_of(u)})"
         if u.op != "call_function":
@@ -273,6 +285,7 @@ class SequenceParallel(DCPPass):
 
     def call(self, gm):
         cfg, g = self.ctx.config, gm.graph
+        self._drop_identity_views(gm)
         plan = self.plan(gm)
         b, s, sp = plan.batch, plan.tokens, plan.padded
         per = sp // cfg.tp
