@@ -100,3 +100,66 @@ def test_positions_mixed_across_tokens_are_refused_by_name():
     with pytest.raises(DCPTransformError, match="mixes tokens") as e:
         transform(model, "decode")
     assert "cumsum" in str(e.value) and "test_positions.py" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face families on the direct path (no hf.prepare): positions, lifted constants and
+# shape ops as those models write them. (family, mode) -> (config, model, config fields,
+# tp, dcp); MHA families decode at dcp=1 (decode DCP needs tp > kv heads).
+# ---------------------------------------------------------------------------------------
+
+_NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None)
+HF_CASES = {
+    # Lifted constants (qkv[..., [-2], :]), FalconLinear's x @ w.T, fused multi-query qkv.
+    ("falcon-sdpa", "decode"): ("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        new_decoder_architecture=False, multi_query=True, attn_implementation="sdpa",
+        **_NO_SPECIAL), 4, 2),
+    ("falcon-sdpa", "prefill"): ("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        new_decoder_architecture=False, multi_query=True, attn_implementation="sdpa",
+        **_NO_SPECIAL), 4, 2),
+    # Interleaved RoPE as stack(-1).flatten(-2), partial rotary.
+    ("gptj-eager", "prefill"): ("GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, rotary_dim=4, n_positions=64,
+        attn_implementation="eager", **_NO_SPECIAL), 4, 2),
+    ("gptj-eager", "decode"): ("GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, rotary_dim=4, n_positions=64,
+        attn_implementation="eager", **_NO_SPECIAL), 2, 1),
+    # Learned positions, max positions + offset 2 = 2050 rows (not a multiple of tp=4).
+    ("opt-sdpa", "decode"): ("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=2048, word_embed_proj_dim=64,
+        pad_token_id=1, attn_implementation="sdpa", **_NO_SPECIAL), 4, 1),
+    # GPT-BigCode: the literal residual view after the final norm; learned positions.
+    ("bigcode-sdpa", "decode"): ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=64,
+        attn_implementation="sdpa", **_NO_SPECIAL), 4, 2),
+    ("cohere2-sdpa", "prefill"): ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=4, pad_token_id=None, attn_implementation="sdpa", **_NO_SPECIAL), 4, 2),
+    ("codegen-eager", "prefill"): ("CodeGenConfig", "CodeGenForCausalLM", dict(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, rotary_dim=4, n_positions=64,
+        n_ctx=64, attn_implementation="eager", **_NO_SPECIAL), 4, 2),
+}
+HF_SLICE = (("falcon-sdpa", "decode"), ("gptj-eager", "prefill"), ("opt-sdpa", "decode"))
+
+
+@pytest.mark.parametrize("family,mode", [c for c in HF_CASES if FULL or c in HF_SLICE],
+                         ids=lambda x: x)
+def test_hf_family_direct_path_matches_own_forward(family, mode):
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, fields, tp, dcp = HF_CASES[(family, mode)]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(
+        getattr(transformers, config_name)(**fields)).eval()
+    program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
+                                    shapes=SHAPES, check=False)
+    assert_matches_own_forward(model, program, STEPS[mode])
+    if family.startswith("falcon"):
+        inserted = next(r for r in program.history if r.name == "insert_paged_cache")
+        assert set(inserted.matched["canonical_ops"]) >= {"linear_from_matmul",
+                                                          "constant_index_as_slice"}
+    if family.startswith("opt"):          # the 2050-row table is replicated
+        assert not any("embed_positions" in n for n in program.shards), program.shards
