@@ -133,14 +133,17 @@ def lift_positions(gm: GraphModule, positions: Node, tokens: int, data: set[Node
     if not sources:
         return facts
     positional = _positional(g, sources, data)
-    if tokens > 1:
-        _check_token_wise(positional, sources, tokens)
+    pos_dims = _check_token_wise(positional, sources, tokens) if tokens > 1 else {}
     frontier = [n for n in g.nodes if n not in positional and
                 any(a in positional for a in n.all_input_nodes)]
     outputs = [v for v in positional if any(u in frontier for u in v.users)]
     if not outputs:
         return facts
     lifted = _vmap_inline(g, positional, sources, outputs, positions, frontier[0])
+    if pos_dims:     # tokens meet tokens: a value indexed by position lines up with the data's
+        tdims = batch_dims(g, {**{s: 1 for s in seeds}, positions: 1}, tokens)
+        for n in frontier:
+            _check_aligned(n, positional, pos_dims, tdims.get(n))
     bdims = batch_dims(g, {**seeds, positions: 0}, batch)
     for n in frontier:
         _meet_batch(g, n, positional, lifted, bdims)
@@ -165,7 +168,8 @@ def _positional(g: Graph, sources: list[Node], data: set[Node]) -> dict[Node, No
     return out
 
 
-def _check_token_wise(positional, sources, tokens: int) -> None:
+def _check_token_wise(positional, sources, tokens: int) -> dict:
+    """Each positional value's token (position) dim; refuses one that mixes tokens."""
     dims = {s: 0 for s in sources}
     for n in positional:
         if n in dims:
@@ -177,6 +181,21 @@ def _check_token_wise(positional, sources, tokens: int) -> None:
                   "Compute position-dependent values token by token (RoPE angles, table "
                   "rows); a reduction or scan over the positions cannot be served one "
                   "decode step at a time")
+    return dims
+
+
+def _check_aligned(n: Node, positional, pos_dims: dict, t_out) -> None:
+    """A positional operand's position dim must meet the data's token dim (a constant
+    sliced ``[0, S)`` on a feature dim that happens to equal S is not a table of positions)."""
+    if not isinstance(t_out, int):
+        return
+    for v in [a for a in n.all_input_nodes if a in positional]:
+        k = aligned_dim(n, v, t_out)
+        if k != pos_dims.get(v):
+            _fail(n, f"the position-dependent value {v.name} has its positions on dim "
+                  f"{pos_dims.get(v)} but meets the tokens of {n.name} (dim {t_out}) on "
+                  f"its dim {k}", "Index tables by position along the dim that lines up with "
+                  "the tokens, or pass position_ids to forward")
 
 
 def _vmap_inline(g: Graph, positional, sources, outputs, positions, before: Node) -> dict:

@@ -31,14 +31,15 @@ STEPS = {"decode": 8, "prefill": 1}
 CFG = DemoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_q_heads=8,
                  num_kv_heads=2, head_dim=8, intermediate_size=96)
 MODELS = position_models(CFG)
-# Prefill by default for the forms whose lifting differs from decode's (a table gathered by
-# positions, complex RoPE, a per-token side input of the sequence-parallel stream);
-# DCP_POSITIONS_FULL=1 runs every form in both modes.
+# A representative slice by default (each form of source once: arange, sliced real table,
+# sliced complex table; a learned table through the prefill's sequence parallelism);
+# DCP_POSITIONS_FULL=1 runs every form in both modes (and every HF family below).
 FULL = os.environ.get("DCP_POSITIONS_FULL", "") not in ("", "0")
-PREFILL_SLICE = ("cached-cos-sin-sliced", "complex-freqs_cis-sliced",
-                 "learned-table-opt-offset-2050-rows")
+SLICE = {("arange-float-rope", "decode"), ("cached-cos-sin-sliced", "decode"),
+         ("complex-freqs_cis-sliced", "decode"),
+         ("learned-table-opt-offset-2050-rows", "prefill")}
 CASES = [(m, mode) for m in MODELS for mode in ("decode", "prefill")
-         if FULL or mode == "decode" or m in PREFILL_SLICE]
+         if FULL or (m, mode) in SLICE]
 
 
 def transform(model, mode, **kw):
@@ -143,7 +144,7 @@ HF_CASES = {
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, rotary_dim=4, n_positions=64,
         n_ctx=64, attn_implementation="eager", **_NO_SPECIAL), 4, 2),
 }
-HF_SLICE = (("falcon-sdpa", "decode"), ("gptj-eager", "prefill"), ("opt-sdpa", "decode"))
+HF_SLICE = (("falcon-sdpa", "decode"),)
 
 
 @pytest.mark.parametrize("family,mode", [c for c in HF_CASES if FULL or c in HF_SLICE],
@@ -163,3 +164,30 @@ def test_hf_family_direct_path_matches_own_forward(family, mode):
                                                           "constant_index_as_slice"}
     if family.startswith("opt"):          # the 2050-row table is replicated
         assert not any("embed_positions" in n for n in program.shards), program.shards
+
+
+
+class _FeatureScaledLM(nn.Module):
+    """hidden size == the captured chunk (12): ``scale[:S]`` broadcasts over the *features*;
+    it slices a table by the length, but its rows do not line up with the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 12)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 20))
+        self.qkv = nn.Linear(12, 36, bias=False)
+        self.head = nn.Linear(12, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        b, s = input_ids.shape
+        x = self.embed(input_ids) * self.scale[:s]
+        q, k, v = (t.view(b, s, 2, 6).transpose(1, 2) for t in self.qkv(x).split(12, -1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + out.transpose(1, 2).reshape(b, s, 12))
+
+
+def test_a_table_sliced_by_the_length_must_line_up_with_the_tokens():
+    with pytest.raises(DCPTransformError, match="meets the tokens") as e:
+        dcp_compile.transform(_FeatureScaledLM().eval(), tp=2, dcp=1, mode="decode",
+                              block_size=BLOCK, shapes=SHAPES, check=False)
+    assert "test_positions.py" in str(e.value)
