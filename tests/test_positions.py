@@ -19,7 +19,7 @@ from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import run_threaded_program
 
-from helpers import assert_close_report, prompts_of
+from helpers import assert_runs_match, prompts_of
 from position_models import ArangeFloatRope, PositionsLM, position_models
 from test_ordinary_models import full_forward_reference
 
@@ -51,12 +51,7 @@ def assert_matches_own_forward(model, program, steps, lengths=LENGTHS):
     prompts = prompts_of(lengths, vocab=VOCAB)
     runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
     ref_tokens, ref_logits = full_forward_reference(model, prompts, steps)
-    for run in runs:
-        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
-        for t, got in enumerate(run.result.logits):
-            for b in range(len(prompts)):
-                assert_close_report(got[b], ref_logits[b][t], atol=1e-4,
-                                    what=f"rank {run.rank} step {t} seq {b}")
+    assert_runs_match(runs, ref_tokens, ref_logits, atol=1e-4)
 
 
 @pytest.mark.parametrize("model_id,mode", CASES)
