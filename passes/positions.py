@@ -10,7 +10,8 @@ sequence. So:
   * **sources**: ``arange(S)`` (start 0, step 1) and a table sliced by the length (a slice
     ``[0, S)`` of a constant, rewritten to ``index_select(table, dim, arange(S))``, the same
     value). A one-token decode step cannot tell ``table[:1]`` from a literal first row, so
-    the tables the model's prompt step sliced by its length are remembered (``TABLES_FACT``).
+    the tables the model's prompt step sliced by its length are remembered
+    (``ModelFacts.position_tables``).
   * **positional values**: every node computed from a source and constants only (no token
     data). Each must keep the token dim whole (the placement rules' ``token_dim``): a value
     that mixes positions across tokens (a sum or a cumsum over them) is refused.
@@ -41,7 +42,6 @@ from .placement import Refusal, aligned_dim, carried_dim, rule_for
 from .placement.rules import POINTWISE
 
 aten = torch.ops.aten
-TABLES_FACT = "position_tables"       # model_facts: [(constant input, dim)] sliced by length
 
 
 def _fail(n: Node, why: str, fix: str):
