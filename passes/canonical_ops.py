@@ -93,13 +93,19 @@ def constant_index_as_slice(gm: GraphModule, weights: set[str], constants) -> in
     return count
 
 
+def _mutates(n: Node) -> bool:
+    """An in-place op (``copy_`` into a slice: a view written through stays a slice)."""
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
 def _partitioning_slices(gm: GraphModule):
     """(source, dim, bounds, slice nodes) of the first group of step-1 slices that
     partition one dim of one tensor, in at least two parts; None if there is none."""
     from .placement import slice_bounds
     groups: dict = {}
     for n in gm.graph.nodes:
-        if is_call(n, {aten.slice.Tensor}):
+        if is_call(n, {aten.slice.Tensor}) and not any(_mutates(u) for u in n.users):
             d, start, end, step = slice_bounds(n)
             if step == 1:
                 groups.setdefault((n.args[0], d), []).append((start, end, n))
