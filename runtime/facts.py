@@ -36,6 +36,9 @@ class ModelFacts:
     # (passes/positions.py): a one-token step reads ``table[:1]`` as position rows too.
     position_tables: tuple[tuple[str, int], ...] | None = None
     mla: LatentAttention | None = None
+    # One mask theorem per attention layer of an ordinary model (passes/prove/masks.py
+    # Theorems), for the certificate.
+    mask_theorems: tuple | None = None
 
     def merged(self, found: "ModelFacts | None") -> "ModelFacts":
         """These facts with every field ``found`` knows replaced by its value."""
