@@ -156,6 +156,8 @@ class ShardTensorParallel(DCPPass):
                 self._gather_vocab(g, n)
         for emb in pl.embeddings:
             self._vocab_embedding(g, emb, rank)
+        if cfg.expert_parallel:
+            self._expert_shard_rank(g, rank)
 
         # What later passes (sequence_parallel, dcp_prefill) need to know of the roles.
         for lin in pl.linears:
@@ -260,6 +262,16 @@ class ShardTensorParallel(DCPPass):
         self.tag(c, KIND_COLLECTIVE)
         c.meta[META_SCOPE] = SCOPE_MODEL
         emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
+
+    def _expert_shard_rank(self, g, rank: Node) -> None:
+        """Expert parallel: rank r holds experts [r * E/tp, (r + 1) * E/tp); dcp.moe reads
+        which from its expert_rank operand, the rank input (rank is data)."""
+        for n in list(g.nodes):
+            if n.op == "call_function" and n.target == torch.ops.dcp.moe.default:
+                old = n.args[5]
+                n.args = n.args[:5] + (rank,) + n.args[6:]
+                if not old.users and old.op == "call_function":
+                    g.erase_node(old)
 
     def _shard_param(self, p: Node, spec: ShardSpec, mode) -> None:
         if p.op != "placeholder":
