@@ -271,26 +271,37 @@ def _attention_configs(hf_model: nn.Module) -> list:
 
 
 # config attribute -> the implementation the wrapper routes it to while it runs.
-_SWITCHES = {"_attn_implementation_internal": ATTN_IMPLEMENTATION,
-             "_experts_implementation_internal": EXPERTS_IMPLEMENTATION}
+ATTENTION_SWITCH = {"_attn_implementation_internal": ATTN_IMPLEMENTATION}
+EXPERTS_SWITCH = {"_experts_implementation_internal": EXPERTS_IMPLEMENTATION}
 
 
 @contextlib.contextmanager
-def _paged_attention_enabled(configs: list):
-    """Route attention to ``"dcp_paged"`` and experts to ``"dcp"`` (dcp.moe) for the
-    duration of the block, then restore."""
+def _switched(configs: list, switches: dict):
+    """Set each config attribute of ``switches`` the configs have for the duration of the
+    block, then restore."""
     # Dynamo cannot trace a lock; under torch.compile the switch happens at trace time only.
     lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _switch_lock
     with lock:
-        saved = [(c, attr, getattr(c, attr)) for c in configs for attr in _SWITCHES
+        saved = [(c, attr, getattr(c, attr)) for c in configs for attr in switches
                  if hasattr(c, attr)]
         try:
             for c, attr, _ in saved:
-                setattr(c, attr, _SWITCHES[attr])
+                setattr(c, attr, switches[attr])
             yield
         finally:
             for c, attr, old in saved:
                 setattr(c, attr, old)
+
+
+def _paged_attention_enabled(configs: list):
+    """Route attention to ``"dcp_paged"`` and experts to ``"dcp"`` (dcp.moe)."""
+    return _switched(configs, {**ATTENTION_SWITCH, **EXPERTS_SWITCH})
+
+
+def dcp_experts_enabled(hf_model: nn.Module):
+    """Route a transformers model's experts to ``"dcp"`` (dcp.moe) for the duration of the
+    block (the ordinary frontend captures HF MoE models so; their attention stays theirs)."""
+    return _switched(_attention_configs(hf_model), EXPERTS_SWITCH)
 
 
 class DCPCausalLM(nn.Module):
@@ -408,5 +419,6 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
             f"and {len(new)} caches). Pass a *ForCausalLM model.")
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "DCPCausalLM", "PagedStep", "paged_attention_forward",
+__all__ = ["ATTN_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "DCPCausalLM",
+           "dcp_experts_enabled", "dcp_experts_forward", "PagedStep", "paged_attention_forward",
            "prepare"]
