@@ -124,7 +124,7 @@ class ShardTensorParallel(DCPPass):
     def call(self, gm):
         cfg = self.ctx.config
         plan = self.plan(gm)
-        pl = plan.placements
+        pl = self._placements = plan.placements
         mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
                                  if n.op == "placeholder"])
         g = gm.graph
@@ -150,7 +150,10 @@ class ShardTensorParallel(DCPPass):
             self._localize(n, pl)
         for n in list(g.nodes):
             p = pl.of(n)
-            if isinstance(p, Partial):
+            # A pending sum read by pending sums only (an experts' sum on its way to the
+            # block's one all-reduce) is reduced where it is read reduced.
+            if isinstance(p, Partial) and not all(isinstance(pl.of(u), Partial)
+                                                  for u in n.users):
                 self._reduce(g, n, p)
             elif pl.linears.get(n) == "lm_head":
                 self._gather_vocab(g, n)
@@ -218,12 +221,12 @@ class ShardTensorParallel(DCPPass):
                 x = first = g.call_function(aten.mul.Tensor, (n, p.scale))
             c, w = C.all_reduce(g, x, self._role(p.axis))
             self.tag(c, KIND_COLLECTIVE)
-            if not is_linear:
+            if not is_linear and not p.experts:   # a norm's statistic, not TP's sum
                 c.meta[META_NORM_REDUCE] = True
             result = w
             if bias is not None:
                 result = g.call_function(aten.add.Tensor, (w, bias))
-        keep = {c, first}
+        keep = {c, first} | {u for u in n.users if isinstance(self._placements.of(u), Partial)}
         n.replace_all_uses_with(result, delete_user_cb=lambda u: u not in keep)
 
     def _gather_vocab(self, g, lin: Node) -> None:

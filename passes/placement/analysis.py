@@ -28,7 +28,7 @@ from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
-from .rules import POINTWISE, expert_shards, rule_for, slice_bounds, split_ranges
+from .rules import POINTWISE, carry_experts_sum, expert_shards, rule_for, slice_bounds, split_ranges
 
 aten = torch.ops.aten
 MOE = torch.ops.dcp.moe.default
@@ -207,6 +207,9 @@ class Analysis:
             if not strict and rule_for(t) is POINTWISE:
                 self._sideways(n, ins)
             return None
+        carried = carry_experts_sum(n, self.P)
+        if carried is not None:
+            return carried
         ps = [R if isinstance(p, Partial) else p for p in ps]  # reduced at once
         if all(_replicated(p) for p in ps):
             return R if not isinstance(fake(n), (tuple, list)) else tuple(R for _ in fake(n))

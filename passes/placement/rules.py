@@ -466,7 +466,35 @@ def _moe_fw(n, P):
     if not (ep or tp):
         raise Refusal(f"expert weights are cut as {show(gate_up)} and {show(down)}: neither "
                       f"by expert (EP) nor by intermediate dim (TP)")
-    return Partial(gate_up.axis)
+    return Partial(gate_up.axis, experts=True)
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def carry_experts_sum(n, P):
+    """An experts' pending sum (``Partial(experts=True)``) stays pending through ops linear in
+    it — views, a sum with other pending sums on the same axis (a shared expert's row-parallel
+    output), a product with a replicated factor (a shared expert's sigmoid gate) — so that the
+    MoE block ends in one all-reduce. None: not carried (the op reads it reduced)."""
+    ins = tensor_args(n)
+    ps = [P(a) for a in ins]
+    pending = [p for p in ps if isinstance(p, Partial)]
+    if not any(p.experts for p in pending):
+        return None
+    axis, scale = pending[0].axis, pending[0].scale
+    if any((p.axis, p.scale) != (axis, scale) for p in pending):
+        return None
+    out = Partial(axis, scale, experts=True)
+    if n.target in _VIEWS and len(ins) == 1:
+        return out
+    if n.target == aten.add.Tensor and len(pending) == len(ins) == 2 \
+            and node_arg(n, 2, "alpha", 1) == 1:
+        return out
+    if n.target == aten.mul.Tensor and len(pending) == 1 and all(
+            p == R for p in ps if not isinstance(p, Partial)):
+        return out
+    return None
 
 
 def _moe_bw(n, req):
