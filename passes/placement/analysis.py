@@ -23,15 +23,15 @@ from torch.fx import GraphModule, Node
 from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
-from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE, RANK_INPUT
+from dcp_compile.runtime.names import RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
-from .rules import POINTWISE, carry_experts_sum, expert_shards, rule_for, slice_bounds, split_ranges
+from .experts import carry_experts_sum, place_experts
+from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 
 aten = torch.ops.aten
-MOE = torch.ops.dcp.moe.default
 
 
 def _replicated(p) -> bool:
@@ -481,27 +481,6 @@ class Analysis:
         self.decide(n.args[1], replace(px, dim=1), n)
         self._set_linear(n, "row")
 
-    def _place_experts(self) -> None:
-        """dcp.moe: its stacked expert weights are cut by TP or EP (``expert_shards``), its
-        tokens and routing replicated; the router's linears (and a shared expert's sigmoid
-        gate) run whole, so every rank routes alike (passes/canonicalize_moe.py)."""
-        for n in self.nodes:
-            if n.target == MOE:
-                gate_up, down = expert_shards(n, self.cfg)
-                for w, p in ((n.args[3], gate_up), (n.args[4], down)):
-                    if w not in self.params:
-                        raise _err(n, f"expert weight {w.name} is not a parameter",
-                                   "Pass the stacked expert parameters to dcp.moe directly")
-                    self.decide(w, p, n)
-                for a in n.args[:3]:
-                    self.require(a, R, n)
-            elif n.target == LINEAR and n.meta.get(MOE_ROLE_META) in (MOE_ROUTER,
-                                                                    MOE_SHARED_GATE):
-                for w in n.args[1:]:
-                    if w in self.params:
-                        self.decide(w, R, n)
-                self._set_linear(n, "replicated")
-
     # -- driver ----------------------------------------------------------------------------
 
     def forward_sweep(self) -> bool:
@@ -543,7 +522,7 @@ class Analysis:
                 self.require(at.args[i], want, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shard)
-        self._place_experts()
+        place_experts(self)
         while True:
             while self.forward_sweep() | self.backward_sweep():
                 pass

@@ -12,10 +12,8 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.moe)
-
 from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
-from .lattice import R, Partial, Refusal, Seg, Shard, canon, show
+from .lattice import R, Partial, Refusal, Shard, canon, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
 
 aten = torch.ops.aten
@@ -437,73 +435,6 @@ for _op in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
     RULES[_op] = Rule("softmax", _softmax_fw, lambda n, req: {n.args[0]: req})
 RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
 
-
-# -- mixture of experts (dcp.moe, runtime/moe.py) ------------------------------------------
-
-def expert_shards(n, config) -> tuple[Shard, Shard]:
-    """The cuts of dcp.moe's (gate_up_proj [E, 2I, H], down_proj [E, H, I]) over full TP:
-    expert parallel partitions E; tensor parallel cuts I ([gate; up] segment by segment)."""
-    num_experts, two_i, _ = shape_of(n.args[3])
-    if config.expert_parallel:
-        ep = Shard(0, (Seg(num_experts, config.tp),), "mlp")
-        return ep, ep
-    inner = Seg(two_i // 2, config.tp)
-    return Shard(1, (inner, inner), "mlp"), Shard(2, (inner,), "mlp")
-
-
-def _moe_fw(n, P):
-    """Replicated tokens and routing x experts cut by TP or EP -> a pending sum over TP."""
-    for a, what in zip(n.args[:3], ("tokens", "expert ids", "routing weights")):
-        if P(a) != R:
-            raise Refusal(f"the {what} ({a.name}) are {show(P(a))}; every rank must route "
-                          f"the same replicated tokens")
-    gate_up, down = P(n.args[3]), P(n.args[4])
-    if not (isinstance(gate_up, Shard) and isinstance(down, Shard)):
-        raise Refusal(f"expert weights are {show(gate_up)} and {show(down)}, not cut over TP")
-    ep = gate_up.dim == 0 and down.dim == 0 and gate_up == down
-    tp = (gate_up.dim, down.dim) == (1, 2) and len(gate_up.segs) == 2 \
-        and gate_up.segs[0] == gate_up.segs[1] == down.segs[0] and gate_up.axis == down.axis
-    if not (ep or tp):
-        raise Refusal(f"expert weights are cut as {show(gate_up)} and {show(down)}: neither "
-                      f"by expert (EP) nor by intermediate dim (TP)")
-    return Partial(gate_up.axis, experts=True)
-
-
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def carry_experts_sum(n, P):
-    """An experts' pending sum (``Partial(experts=True)``) stays pending through ops linear in
-    it — views, a sum with other pending sums on the same axis (a shared expert's row-parallel
-    output), a product with a replicated factor (a shared expert's sigmoid gate) — so that the
-    MoE block ends in one all-reduce. None: not carried (the op reads it reduced)."""
-    ins = tensor_args(n)
-    ps = [P(a) for a in ins]
-    pending = [p for p in ps if isinstance(p, Partial)]
-    if not any(p.experts for p in pending):
-        return None
-    axis, scale = pending[0].axis, pending[0].scale
-    if any((p.axis, p.scale) != (axis, scale) for p in pending):
-        return None
-    out = Partial(axis, scale, experts=True)
-    if n.target in _VIEWS and len(ins) == 1:
-        return out
-    if n.target == aten.add.Tensor and len(pending) == len(ins) == 2 \
-            and node_arg(n, 2, "alpha", 1) == 1:
-        return out
-    if n.target == aten.mul.Tensor and len(pending) == 1 and all(
-            p == R for p in ps if not isinstance(p, Partial)):
-        return out
-    return None
-
-
-def _moe_bw(n, req):
-    raise Refusal("the experts' output is a pending sum over the ranks; it cannot be "
-                  "required sharded")
-
-
-RULES[torch.ops.dcp.moe.default] = Rule("mixture of experts (TP or EP experts)", _moe_fw,
-                                        _moe_bw)
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
 
 
