@@ -73,9 +73,13 @@ MODELS = {
 }
 
 
-def build(model_id: str, *, experts: str | None = None, seed: int = 0):
+def build(model_id: str, *, experts: str | None = None, seed: int = 0, ties: bool = False):
     """A tiny model with seeded weights; norms, biases and the routers' score-correction
-    biases random too, so a mis-sharded or mis-routed one could not go unnoticed."""
+    biases random too, so a mis-sharded or mis-routed one could not go unnoticed.
+
+    ``ties``: the router's rows come in groups of three equal rows, so every token's router
+    scores tie exactly between three experts whose weights differ: a rank breaking a tie
+    differently from the others (or from the model) changes the output."""
     config_name, model_name, overrides = MODELS[model_id]
     config = getattr(transformers, config_name)(**{**BASE, **overrides})
     model = getattr(transformers, model_name)(config).eval()
@@ -94,6 +98,10 @@ def build(model_id: str, *, experts: str | None = None, seed: int = 0):
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+        if ties:
+            for name, p in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "router.weight")) and p.dim() == 2:
+                    p.copy_(p[torch.arange(p.shape[0]) // 3 * 3])
     return model
 
 
@@ -126,8 +134,8 @@ def own_forward(model, prompts, steps):
 
 
 def check_matches_own_forward(model_id, mode, tp, dcp, expert_parallel, experts=None,
-                              direct=False) -> float:
-    model = build(model_id, experts=experts)
+                              direct=False, ties=False) -> float:
+    model = build(model_id, experts=experts, ties=ties)
     if not direct and hasattr(model.config, "kv_lora_rank"):
         pytest.skip("MLA is transformed from the model's own attention (the ordinary "
                     "frontend); hf.prepare's paged attention has no latent form")
@@ -142,6 +150,9 @@ def check_matches_own_forward(model_id, mode, tp, dcp, expert_parallel, experts=
     prompts = prompts_of(LENGTHS, vocab=VOCAB)
     runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
     ref_tokens, ref_logits = own_forward(model, prompts, steps)
+    for run in runs[1:]:      # the same routing and the same sums on every rank: same bits
+        assert all(torch.equal(a, b) for a, b in zip(run.result.logits,
+                                                      runs[0].result.logits)), run.rank
     worst = 0.0
     for run in runs:
         assert run.result.tokens == ref_tokens, f"rank {run.rank}"
@@ -153,9 +164,10 @@ def check_matches_own_forward(model_id, mode, tp, dcp, expert_parallel, experts=
     return worst
 
 
-# The default slice: the three priority families, both sharding modes, decode and prefill.
-SLICE = [("mixtral", "decode", 4, 2, False, False), ("qwen3_moe", "decode", 4, 2, True, True),
-         ("deepseek_v3", "decode", 8, 8, False, True), ("mixtral", "prefill", 4, 2, True, False)]
+# The default slice: the three priority families, both sharding modes, decode and prefill;
+# Mixtral's routers tie exactly (test_routing_ties_break_alike_on_every_rank).
+SLICE = [("qwen3_moe", "decode", 4, 2, True, True), ("deepseek_v3", "decode", 8, 8, False, True),
+         ("mixtral", "prefill", 4, 2, True, False)]
 
 
 def _matrix():
@@ -173,6 +185,20 @@ def _matrix():
                               for m, mode, t, d, e, di in SLICE])
 def test_moe_model_matches_own_forward(model_id, mode, tp, dcp, ep, direct):
     check_matches_own_forward(model_id, mode, tp, dcp, ep, direct=direct)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_experts", "expert_parallel"])
+def test_routing_ties_break_alike_on_every_rank(ep):
+    """Exact ties between experts with different weights: every rank must pick what the
+    model picks (TP: a rank choosing differently adds another expert's partial sum; EP: a
+    token would get an expert from two ranks, or from none) and every rank's logits are the
+    same bits."""
+    if ep and not MATRIX:
+        pytest.skip("the expert-parallel tie run is in the full matrix (DCP_MOE_MATRIX=1)")
+    model = build("mixtral", ties=True)
+    router = model.model.layers[0].mlp.gate.weight
+    assert torch.equal(router[0], router[1]) and torch.equal(router[1], router[2])
+    check_matches_own_forward("mixtral", "decode", 4, 2, ep, ties=True)
 
 
 @pytest.mark.skipif(not MATRIX, reason="full matrix: DCP_MOE_MATRIX=1")
