@@ -78,21 +78,57 @@ def _ancestors(n: Node) -> set[Node]:
     return seen
 
 
-def _router_linears(moe: Node) -> list[Node]:
-    """Linears computing the routing (ids, weights) from the block's input: the backward
+def _router(moe: Node) -> set[Node]:
+    """The ops computing the routing (ids, weights) from the block's input: the backward
     slice of the routing stopped where it meets the experts' input's own history."""
     x = moe.args[0]
     stop = _ancestors(x) | {x}
-    out, seen, stack = [], set(), [moe.args[1], moe.args[2]]
+    seen, stack = set(), [moe.args[1], moe.args[2]]
     while stack:
         n = stack.pop()
         if n in seen or n in stop or n.op != "call_function":
             continue
         seen.add(n)
-        if n.target == LINEAR:
-            out.append(n)
         stack.extend(n.all_input_nodes)
-    return out
+    return seen
+
+
+def _functional_twin(target):
+    """aten.div_.Tensor -> aten.div.Tensor (None: not an in-place aten op)."""
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if target.namespace != "aten" or not name.endswith("_") or name.startswith("_"):
+        return None
+    twin = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    return twin
+
+
+def _functionalize(gm, router: set[Node]) -> int:
+    """Routers update their own temporaries in place (``weights /= weights.sum()``,
+    ``mask.scatter_(...)``); the static lowering needs values: ``a.op_(b)`` becomes
+    ``a' = op(a, b)`` and every later reader of ``a`` reads ``a'``. Only a temporary of the
+    router (not an input, not a view of another tensor) is rewritten."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    done = 0
+    for n in sorted(router, key=order.__getitem__):
+        twin = _functional_twin(n.target) if n.op == "call_function" and hasattr(
+            n.target, "namespace") else None
+        if twin is None:
+            continue
+        a = n.args[0]
+        if a not in router or getattr(a.target, "is_view", False) or \
+                torch.Tag.inplace_view in getattr(a.target, "tags", ()):
+            raise DCPTransformError(
+                f"the router updates {a.name} in place ({n.target}) at node {n.name} "
+                f"({source_of(n)}), and {a.name} is not a temporary of the router: "
+                f"rewriting it as a value could change what another reader sees. Write the "
+                f"router without in-place updates of shared tensors.")
+        n.target = twin
+        for u in list(a.users):
+            if u is not n and order[u] > order[n]:
+                u.replace_input_with(a, n)
+        done += 1
+    return done
 
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -126,19 +162,22 @@ class CanonicalizeMoE(DCPPass):
         if not blocks:
             self.record(**facts)
             return PassResult(gm, False)
-        experts, top_ks = set(), set()
+        experts, top_ks, functionalized = set(), set(), 0
         for layer, n in enumerate(blocks):
             self._check(n, cfg)
             self.tag(n, KIND_MOE, layer)
             experts.add(val(n.args[3]).shape[0])
             top_ks.add(val(n.args[1]).shape[-1])
-            for lin in _router_linears(n):
+            router = _router(n)
+            functionalized += _functionalize(gm, router)
+            for lin in (r for r in router if r.target == LINEAR):
                 lin.meta[MOE_ROLE_META] = MOE_ROUTER
             for lin in (u for a in _same_tokens(n.args[0]) for u in a.users
                         if u.target == LINEAR):
                 if val(lin).shape[-1] == 1 and MOE_ROLE_META not in lin.meta:
                     lin.meta[MOE_ROLE_META] = MOE_SHARED_GATE
         facts.update(experts=sorted(experts), top_k=sorted(top_ks),
+                     router_in_place_ops=functionalized,
                      expert_parallel=cfg.expert_parallel,
                      router_linears=sum(m.meta.get(MOE_ROLE_META) == MOE_ROUTER
                                         for m in gm.graph.nodes),
