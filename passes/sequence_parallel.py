@@ -360,6 +360,8 @@ class SequenceParallel(DCPPass):
                 c.meta[SPEC_STEP] = 1
             for lin in linears:
                 lin.args = (full,) + tuple(lin.args[1:])
+                if plan.roles[lin] == "moe" and lin.target == aten.view.default:
+                    lin.target = aten.reshape.default    # the gathered tokens are strided
             for r in roles:
                 counts[r] += 1
         gm.meta[SP_META] = {"tokens": s, "padded": sp, "tokens_per_rank": per, "batch": b}
