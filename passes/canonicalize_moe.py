@@ -28,10 +28,11 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import MixtureOfExperts, ModelFacts
 from dcp_compile.runtime.moe import ExpertActivation
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
-from .infra import DCPPass, ensure, source_of, val
+from .infra import DCPPass, Found, ensure, source_of, val
 
 aten = torch.ops.aten
 MOE = torch.ops.dcp.moe.default
@@ -184,7 +185,9 @@ class CanonicalizeMoE(DCPPass):
                      shared_expert_gates=sum(m.meta.get(MOE_ROLE_META) == MOE_SHARED_GATE
                                              for m in gm.graph.nodes))
         self.record(**facts)
-        return PassResult(gm, True)
+        return Found(gm, True, facts=ModelFacts(moe=MixtureOfExperts(
+            len(blocks), tuple(sorted(experts)), tuple(sorted(top_ks)),
+            cfg.expert_parallel)))
 
     def _check(self, n: Node, cfg) -> None:
         x, ids, weights, gate_up, down = n.args[:5]
