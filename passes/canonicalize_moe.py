@@ -104,6 +104,21 @@ def _functional_twin(target):
     return twin
 
 
+def _sort_top_k(router: set[Node]) -> int:
+    """``topk(sorted=False)`` returns its k in an unspecified order (the router only scatters
+    or gathers by them, and dcp.moe sums over k); the static lowering has only the sorted
+    form, which is one of those orders."""
+    done = 0
+    for n in router:
+        if n.target == aten.topk.default and not (n.args[4] if len(n.args) > 4
+                                                  else n.kwargs.get("sorted", True)):
+            args = list(n.args) + [n.kwargs.get(k, d) for k, d in
+                                   (("dim", -1), ("largest", True))][len(n.args) - 2:]
+            n.args, n.kwargs = tuple(args[:4]) + (True,), {}
+            done += 1
+    return done
+
+
 def _functionalize(gm, router: set[Node]) -> int:
     """Routers update their own temporaries in place (``weights /= weights.sum()``,
     ``mask.scatter_(...)``); the static lowering needs values: ``a.op_(b)`` becomes
@@ -170,7 +185,7 @@ class CanonicalizeMoE(DCPPass):
             experts.add(val(n.args[3]).shape[0])
             top_ks.add(val(n.args[1]).shape[-1])
             router = _router(n)
-            functionalized += _functionalize(gm, router)
+            functionalized += _functionalize(gm, router) + _sort_top_k(router)
             for lin in (r for r in router if r.target == LINEAR):
                 lin.meta[MOE_ROLE_META] = MOE_ROUTER
             for lin in (u for a in _same_tokens(n.args[0]) for u in a.users
@@ -178,7 +193,7 @@ class CanonicalizeMoE(DCPPass):
                 if val(lin).shape[-1] == 1 and MOE_ROLE_META not in lin.meta:
                     lin.meta[MOE_ROLE_META] = MOE_SHARED_GATE
         facts.update(experts=sorted(experts), top_k=sorted(top_ks),
-                     router_in_place_ops=functionalized,
+                     router_rewrites=functionalized,
                      expert_parallel=cfg.expert_parallel,
                      router_linears=sum(m.meta.get(MOE_ROLE_META) == MOE_ROUTER
                                         for m in gm.graph.nodes),
