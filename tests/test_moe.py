@@ -146,6 +146,15 @@ def check_matches_own_forward(model_id, mode, tp, dcp, expert_parallel, experts=
                                     expert_parallel=expert_parallel)
     moe = next(r for r in program.history if r.name == "canonicalize_moe")
     assert moe.matched["moe_layers"] >= 1 and moe.matched["router_linears"] >= 1
+    cfg = model.config
+    if hasattr(cfg, "kv_lora_rank"):   # MLA: one latent head, 1/dcp of the tokens per rank
+        spec = program.cache_spec()
+        assert program.config.mla and spec.kv_heads == 1
+        assert 2 * spec.head_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        if mode == "decode":
+            tokens = (SHAPES.num_blocks - 1) * dcp * BLOCK
+            per_token = cfg.num_hidden_layers * 2 * spec.head_dim * 4
+            assert spec.bytes_per_rank() == per_token * (tokens // dcp + BLOCK)
     steps = STEPS[mode]
     prompts = prompts_of(LENGTHS, vocab=VOCAB)
     runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
