@@ -59,7 +59,8 @@ def carry_experts_sum(n, P):
     ins = tensor_args(n)
     ps = [P(a) for a in ins]
     pending = [p for p in ps if isinstance(p, Partial)]
-    if not any(p.experts for p in pending):
+    gated = n.target == aten.mul.Tensor and any(_shared_expert_gate(a) for a in ins)
+    if not pending or not (gated or any(p.experts for p in pending)):
         return None
     axis, scale = pending[0].axis, pending[0].scale
     if any((p.axis, p.scale) != (axis, scale) for p in pending):
@@ -74,6 +75,13 @@ def carry_experts_sum(n, P):
             p == R for p in ps if not isinstance(p, Partial)):
         return out
     return None
+
+
+def _shared_expert_gate(a) -> bool:
+    """sigmoid(shared_expert_gate(x)): the gate in front of a shared expert, whose pending
+    sum joins the routed experts' (passes/canonicalize_moe.py names the gate linear)."""
+    return a.op == "call_function" and a.target == aten.sigmoid.default and \
+        a.args[0].meta.get(MOE_ROLE_META) == MOE_SHARED_GATE
 
 
 def _moe_bw(n, req):
