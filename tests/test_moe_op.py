@@ -153,18 +153,12 @@ def test_expert_shards_and_one_all_reduce_per_moe_layer(ep):
         else:
             assert gate_up == (cfg.num_experts, 2 * cfg.moe_intermediate_size // tp, 64)
             assert down == (cfg.num_experts, 64, cfg.moe_intermediate_size // tp)
-    # Between a layer's dcp.moe and the next attention: exactly one all-reduce (routed and
-    # shared experts summed, then reduced once).
-    order = list(gm.graph.nodes)
-    attn = [i for i, n in enumerate(order) if n.target == torch.ops.dcp.partial_attention
-            .default] + [len(order)]
-    for n in moe:
-        i = order.index(n)
-        end = next(a for a in attn if a > i)
-        reduces = [m for m in order[i:end] if m.target ==
-                   torch.ops._c10d_functional.all_reduce.default]
-        assert len(reduces) == 1, [m.name for m in reduces]
-        assert reduces[0].args[2] == ROLE_PREFIX + "tp"
+    # All-reduces: the embedding's, then per layer the O projection's and the MoE block's
+    # one (routed experts + the gated shared expert summed first).
+    reduces = [m for m in gm.graph.nodes
+               if m.target == torch.ops._c10d_functional.all_reduce.default]
+    assert len(reduces) == 1 + 2 * len(moe), [m.name for m in reduces]
+    assert all(m.args[2] == ROLE_PREFIX + "tp" for m in reduces)
     record = next(r for r in program.history if r.name == "canonicalize_moe")
     assert record.matched["router_linears"] == 2
     assert record.matched["shared_expert_gates"] == 2
