@@ -68,7 +68,10 @@ MODELS = {
                    dict(num_local_experts=8, num_experts_per_tok=2)),
     # sigmoid, group-limited top-k with score-correction bias, scaling, shared experts
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(_GROUPED, head_dim=8)),
-    # the same router with MLA; layer 0 dense, layer 1 MoE
+    # sparsemixer (eval form: masked softmax around the top score, twice for top-2)
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+               dict(num_local_experts=8, num_experts_per_tok=2)),
+    # the same router as GLM4-MoE with MLA; layer 0 dense, layer 1 MoE
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_GROUPED, **_MLA)),
 }
 
