@@ -45,6 +45,9 @@ class ModelFacts:
     windows: tuple[int, ...] | None = None      # per layer; 0: full attention
     mla: LatentAttention | None = None
     moe: MixtureOfExperts | None = None
+    # One mask theorem per attention layer of an ordinary model (passes/prove/masks.py
+    # Theorems), for the certificate.
+    mask_theorems: tuple | None = None
 
     def merged(self, found: "ModelFacts | None") -> "ModelFacts":
         """These facts with every field ``found`` knows replaced by its value."""
