@@ -132,7 +132,7 @@ def resolve(check: bool | None, model: torch.nn.Module, tp: int, shapes) -> bool
 class CheckStep:
     name: str
     tokens: list[list[int]]             # one token list per row ([] leaves the row out)
-    decode: bool = False                # engine.decode (one token per row) vs engine.prefill
+    decode: bool = False                # engine.decode_rows (<= decode_len per row) vs prefill
 
 
 def row_lengths(program: DCPProgram) -> list[tuple[int, int]]:
@@ -153,7 +153,8 @@ def row_lengths(program: DCPProgram) -> list[tuple[int, int]]:
         if len(rows) == s.batch:
             break
         first = max(1, min(want, first_max))
-        second = 1 if decode else min(s.context_len, capacity - first,
+        # Decode rows of different widths (a width-K step verifies K tokens per row).
+        second = max(1, min(s.decode_len - i, capacity - first)) if decode else min(s.context_len, capacity - first,
                                       wanted[(i + 1) % len(wanted)])
         blocks = -(-(first + second) // vblock)
         if blocks <= free and (first, second) not in rows:
@@ -199,7 +200,7 @@ def _run_steps(engine, steps: list[CheckStep]) -> None:
     with torch.no_grad():
         for step in steps:
             if step.decode:
-                engine.decode([t[0] for t in step.tokens])
+                engine.decode_rows(step.tokens)
             else:
                 engine.prefill(step.tokens)
 

@@ -78,7 +78,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     graphs, history, shards = {}, [], {}
     constants, weight_inputs = None, None
     for step in STEPS_BY_MODE[config.mode]:
-        tokens = 1 if step == "decode" else shapes.context_len
+        tokens = shapes.decode_len if step == "decode" else shapes.context_len
         t0 = time.perf_counter()
         if ordinary:
             captured = capture_ordinary(model, shapes.batch, tokens, device=device)

@@ -29,6 +29,7 @@ class StepShapes:
     context_len: int = 64      # tokens per sequence in a prompt (context/prefill) step
     max_blocks: int = 8        # block-table entries per sequence
     num_blocks: int = 40       # cache blocks per rank, including the garbage block
+    decode_len: int = 1        # tokens per row in a decode step (K > 1: speculative verify)
 
     def __post_init__(self):
         # Typed and O(1): a bad shape is a config error here, not a raw torch error later.
@@ -38,23 +39,26 @@ class StepShapes:
                        and getattr(self, name) >= least)]
         if bad:
             raise DCPConfigError(
-                f"StepShapes fields must be ints with batch, context_len, max_blocks >= 1 "
+                f"StepShapes fields must be ints with batch, context_len, max_blocks, "
+                f"decode_len >= 1 "
                 f"and num_blocks >= 2 (one usable block besides the garbage block): "
                 f"{', '.join(bad)}. Pass positive ints.")
 
     @classmethod
     def fitting(cls, batch: int, context_len: int, max_tokens: int, *, block_size: int,
-                dcp: int, spare_blocks: int = 0) -> "StepShapes":
+                dcp: int, spare_blocks: int = 0, decode_len: int = 1) -> "StepShapes":
         """Shapes for ``batch`` sequences of up to ``max_tokens`` tokens each (prompt +
         generated), prompt chunks of ``context_len``: one block-table entry per vblock
         (``block_size * dcp`` positions), blocks for every sequence, ``spare_blocks`` more,
-        and the garbage block."""
-        max_blocks = -(-max_tokens // (block_size * dcp))
+        and the garbage block. A decode step of width ``decode_len`` may write up to
+        ``decode_len - 1`` positions past ``max_tokens`` (drafts later rejected)."""
+        max_blocks = -(-(max_tokens + decode_len - 1) // (block_size * dcp))
         return cls(batch=batch, context_len=context_len, max_blocks=max_blocks,
-                   num_blocks=batch * max_blocks + spare_blocks + 1)
+                   num_blocks=batch * max_blocks + spare_blocks + 1, decode_len=decode_len)
 
 
-_SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2))
+_SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2),
+                 ("decode_len", 1))
 
 
 class Executor(Protocol):
@@ -117,7 +121,8 @@ class Engine:
         # An executor that shows its caches must hold every block the shapes promise.
         check_engine_caches(shapes.num_blocks, block_size, getattr(executor, "caches", None))
         self.contracts = {kind: StepContract(
-            kind=kind, batch=shapes.batch, tokens=1 if kind == "decode" else shapes.context_len,
+            kind=kind, batch=shapes.batch,
+            tokens=shapes.decode_len if kind == "decode" else shapes.context_len,
             max_blocks=shapes.max_blocks, num_blocks=shapes.num_blocks, block_size=block_size,
             dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")}
         self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp)
@@ -159,13 +164,35 @@ class Engine:
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
         """One new token per sequence; returns its logits [n, vocab]."""
-        n = len(tokens)
+        return self.decode_rows([[t] for t in tokens])[:, 0]
+
+    def decode_rows(self, rows: list[list[int]]) -> torch.Tensor:
+        """Up to ``decode_len`` new tokens per sequence at its next positions (padded with
+        -1); returns their logits [n, decode_len, vocab] and advances each length by its
+        row's tokens (``rewind`` takes back what a verification rejects)."""
+        n, K = len(rows), self.shapes.decode_len
         self._check_batch(n)
-        input_ids = torch.zeros(self.shapes.batch, 1, dtype=torch.int64)
-        positions = torch.full((self.shapes.batch, 1), -1, dtype=torch.int64)
-        input_ids[:n, 0] = torch.tensor(tokens, dtype=torch.int64)
-        positions[:n, 0] = torch.tensor(self.lengths[:n], dtype=torch.int64)
-        return self._run("decode", input_ids, positions, [1] * n)[:n, 0]
+        if any(not 1 <= len(r) <= K for r in rows):
+            raise DCPInputError(
+                f"decode rows must hold 1..decode_len={K} tokens: lengths "
+                f"{[len(r) for r in rows]}. Split longer rows over steps or build the "
+                f"program with a larger StepShapes.decode_len.")
+        input_ids = torch.zeros(self.shapes.batch, K, dtype=torch.int64)
+        positions = torch.full((self.shapes.batch, K), -1, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            input_ids[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+            positions[b, :len(row)] = torch.arange(self.lengths[b], self.lengths[b] + len(row))
+        return self._run("decode", input_ids, positions, [len(r) for r in rows])[:n]
+
+    def rewind(self, seq: int, length: int) -> None:
+        """Keep only sequence ``seq``'s first ``length`` tokens: later positions' KV is
+        simply overwritten by later steps (no copy), blocks past it are returned."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise DCPInputError(f"cannot rewind sequence {seq} to {length} tokens: it holds "
+                                f"{self.lengths[seq]}. Pass a length in [0, "
+                                f"{self.lengths[seq]}].")
+        self.lengths[seq] = length
+        self.allocator.shrink(seq, length)
 
     def generate(self, prompts: list[list[int]], steps: int) -> GenerateResult:
         """Prefill the prompts, then greedy-decode ``steps`` tokens."""

@@ -83,6 +83,13 @@ class BlockAllocator:
             table.append(self._free.pop(0))
         return table
 
+    def shrink(self, seq_id: int, num_tokens: int) -> None:
+        """Return ``seq_id``'s blocks past positions [0, num_tokens)."""
+        table = self._tables.get(seq_id, [])
+        keep = -(-num_tokens // self.tokens_per_block)
+        self._free.extend(table[keep:])
+        del table[keep:]
+
     def free(self, seq_id: int) -> None:
         self._free.extend(self._tables.pop(seq_id, []))
 
