@@ -168,13 +168,14 @@ class Engine:
 
     def decode_rows(self, rows: list[list[int]]) -> torch.Tensor:
         """Up to ``decode_len`` new tokens per sequence at its next positions (padded with
-        -1); returns their logits [n, decode_len, vocab] and advances each length by its
-        row's tokens (``rewind`` takes back what a verification rejects)."""
+        -1; an empty row sits the step out); returns their logits [n, decode_len, vocab]
+        and advances each length by its row's tokens (``rewind`` takes back what a
+        verification rejects)."""
         n, K = len(rows), self.shapes.decode_len
         self._check_batch(n)
-        if any(not 1 <= len(r) <= K for r in rows):
+        if any(not 0 <= len(r) <= K for r in rows):
             raise DCPInputError(
-                f"decode rows must hold 1..decode_len={K} tokens: lengths "
+                f"decode rows must hold 0..decode_len={K} tokens: lengths "
                 f"{[len(r) for r in rows]}. Split longer rows over steps or build the "
                 f"program with a larger StepShapes.decode_len.")
         input_ids = torch.zeros(self.shapes.batch, K, dtype=torch.int64)
@@ -194,9 +195,20 @@ class Engine:
         self.lengths[seq] = length
         self.allocator.shrink(seq, length)
 
-    def generate(self, prompts: list[list[int]], steps: int) -> GenerateResult:
-        """Prefill the prompts, then greedy-decode ``steps`` tokens."""
-        return self.continue_generate(self.prefill(prompts), steps)
+    def generate(self, prompts: list[list[int]], steps: int, *, drafter=None):
+        """Prefill the prompts, then greedy-decode ``steps`` tokens.
+
+        With a ``drafter`` (dcp_compile.runtime.speculative), drafts are verified in decode
+        steps of width ``decode_len``: same tokens, a ``SpecResult`` (logits per sequence
+        per token, acceptance statistics) instead of a ``GenerateResult``.
+        """
+        logits = self.prefill(prompts)
+        if drafter is None:
+            return self.continue_generate(logits, steps)
+        from .speculative import speculative_generate
+        if hasattr(drafter, "start"):
+            drafter.start(prompts)
+        return speculative_generate(self, logits, steps, drafter, prompts)
 
     def continue_generate(self, logits: torch.Tensor, steps: int) -> GenerateResult:
         """Greedy-decode ``steps`` tokens from the logits of each sequence's last token."""

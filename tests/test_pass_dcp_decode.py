@@ -112,10 +112,19 @@ def test_context_rewrite_is_plain_tp_with_owner_only_writes():
     assert not [c for c in collective_summary(gm) if c["role"] == "dcp"]
 
 
-def test_decode_rewrite_requires_one_token():
-    ctx, gm = _before(4, 2, "decode", tokens=3)
-    with pytest.raises(DCPTransformError, match="one token per sequence"):
+def test_decode_rewrite_refuses_a_width_beyond_the_proof():
+    ctx, gm = _before(4, 2, "decode", tokens=9)
+    with pytest.raises(DCPTransformError, match="proven for widths 1..8"):
         DCPDecode(ctx)(gm)
+
+
+def test_width_k_decode_reads_every_key_through_the_query_bound():
+    ctx, gm = _before(4, 2, "decode", tokens=3)
+    gm = run(gm, [DCPDecode(ctx)])
+    ops = op_counts(gm)
+    layers = ops["dcp.partial_attention.default"]
+    assert ops["dcp.query_bound.default"] == layers and "dcp.active_mask.default" not in ops
+    assert ops["dcp.slot_mapping.default"] == layers
 
 
 def test_cp_rank_is_arithmetic_on_the_rank_input():
