@@ -40,6 +40,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0                   # drafts accepted
     emitted: int = 0                    # tokens produced (accepted + bonus)
+    per_step: list = field(default_factory=list)   # drafts accepted per row; -1: sat out
 
     @property
     def mean_accepted(self) -> float:
@@ -48,7 +49,8 @@ class SpecStats:
 
     def to_json(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-                "emitted": self.emitted, "mean_accepted": round(self.mean_accepted, 4)}
+                "emitted": self.emitted, "mean_accepted": round(self.mean_accepted, 4),
+                "accepted_per_step": self.per_step}
 
 
 @dataclass
@@ -97,6 +99,7 @@ def speculative_generate(engine, first_logits: torch.Tensor, steps: int, drafter
         before = list(engine.lengths)
         logits = engine.decode_rows(rows)                               # [n, K, vocab]
         stats.steps += 1
+        stats.per_step.append([-1] * n)
         for b, row in enumerate(rows):
             if not row:
                 continue
@@ -111,6 +114,7 @@ def speculative_generate(engine, first_logits: torch.Tensor, steps: int, drafter
             stats.row_steps += 1
             stats.drafted += len(row) - 1
             stats.accepted += a
+            stats.per_step[-1][b] = a
             stats.emitted += a + 1
     return result
 
