@@ -367,7 +367,8 @@ def verify_prefill(model, program: DCPProgram, chunk_plan, chunks: int | None = 
 
 @dataclass
 class SpecReport(VerifyReport):
-    mean_accepted: float = 0.0
+    mean_accepted: float = 0.0          # tokens per row per verification step
+    reused_tokens: int = 0              # prompt tokens served from the prefix cache
     spec: dict = field(default_factory=dict)
 
 
@@ -410,6 +411,15 @@ def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_
             return engine.generate(prompts, steps, drafter=drafter_for(rank))
 
     runs = run_threaded(program.config.tp, rank_main, timeout=timeout)
+    return speculative_report(program, ref, runs, start, atol=atol,
+                              lengths=[len(p) for p in prompts])
+
+
+def speculative_report(program: DCPProgram, ref, runs, start: float, *, atol: float,
+                       lengths: list[int], reused_tokens: int = 0) -> SpecReport:
+    """Compare speculative results (one per rank, or one for an SPMD executor) with the
+    reference's plain greedy GenerateResult: tokens, and every verified position's logits."""
+    steps = len(ref.logits)
     errors, first, agree = [0.0] * steps, None, True
     for rank, run in enumerate(runs):
         agree &= run.tokens == ref.tokens
@@ -423,6 +433,7 @@ def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_
     c, stats = program.config, runs[0].stats
     return SpecReport(ok=agree and first is None, max_abs_error=max(errors, default=0.0),
                       tokens_agree=agree, tp=c.tp, dcp=c.dcp, mode=c.mode, steps=steps,
-                      lengths=[len(p) for p in prompts], step_errors=errors,
+                      lengths=lengths, step_errors=errors,
                       first_mismatch=first, seconds=time.perf_counter() - start,
-                      mean_accepted=stats.mean_accepted, spec=stats.to_json())
+                      mean_accepted=stats.mean_accepted, reused_tokens=reused_tokens,
+                      spec=stats.to_json())

@@ -46,9 +46,10 @@ def shapes_for(prompts, K, dcp) -> StepShapes:
                               block_size=BLOCK, dcp=dcp, decode_len=K)
 
 
-def small_demo(seed=0):
+def small_demo(seed=0, kv=2):
     return demo_model(DemoConfig(vocab_size=64, hidden_size=64, num_layers=2, num_q_heads=8,
-                                 num_kv_heads=2, head_dim=8, intermediate_size=96, seed=seed))
+                                 num_kv_heads=kv, head_dim=8, intermediate_size=96,
+                                 seed=seed))
 
 
 def perturbed_demo(scale=0.1):
@@ -62,35 +63,35 @@ def perturbed_demo(scale=0.1):
     return model
 
 
-def ordinary_plain():
+def ordinary_plain(kv=2):
     from dcp_compile.models.plain import plain_llama
     return plain_llama(DemoConfig(vocab_size=64, hidden_size=64, num_layers=2, num_q_heads=8,
-                                  num_kv_heads=2, head_dim=8, intermediate_size=96),
+                                  num_kv_heads=kv, head_dim=8, intermediate_size=96),
                        attention="sdpa")
 
 
-def hf(config_name, model_name, **over):
+def hf(config_name, model_name, kv=2, **over):
     pytest.importorskip("transformers")
     from test_hf import build
     base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=8, num_key_value_heads=2, bos_token_id=None,
+                num_attention_heads=8, num_key_value_heads=kv, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None, max_position_embeddings=128)
     return build(config_name, model_name, {**base, **over})
 
 
-def deepseek_v3():
+def deepseek_v3(kv=1):
     from test_mla import hf_deepseek
     return hf_deepseek("V3", vocab_size=64, max_position_embeddings=128)
 
 
 # id -> (factory, paged: the model has the engine's step signature itself)
 MODELS = {
-    "demo": (small_demo, True),
+    "demo": (lambda kv: small_demo(kv=kv), True),
     "ordinary": (ordinary_plain, False),
-    "hf-llama": (lambda: hf("LlamaConfig", "LlamaForCausalLM"), False),
-    "hf-qwen2": (lambda: hf("Qwen2Config", "Qwen2ForCausalLM"), False),
-    "hf-gemma2-window": (lambda: hf("Gemma2Config", "Gemma2ForCausalLM",
-                                    attn_implementation="eager", head_dim=8,
+    "hf-llama": (lambda kv: hf("LlamaConfig", "LlamaForCausalLM", kv), False),
+    "hf-qwen2": (lambda kv: hf("Qwen2Config", "Qwen2ForCausalLM", kv), False),
+    "hf-gemma2-window": (lambda kv: hf("Gemma2Config", "Gemma2ForCausalLM", kv,
+                                       attn_implementation="eager", head_dim=8,
                                     sliding_window=4, attn_logit_softcapping=3.0,
                                     query_pre_attn_scalar=16), False),
     "hf-deepseek-v3-mla": (deepseek_v3, False),
@@ -103,9 +104,14 @@ MATRIX = [(m, dcp, i, 2 + (2 * j + w) % 7) for m in MODELS
           for j, (dcp, i) in enumerate(LAYOUTS) for w in (0, 5)]
 
 
+def kv_heads_for(model_id, dcp):
+    """GQA 8:2, or 8:1 at dcp 8 (decode DCP replicates a KV head over tp / kv_heads = dcp
+    ranks, and 8 query heads go round 8 ranks at most); MLA has one latent head."""
+    return 1 if model_id == "hf-deepseek-v3-mla" or dcp == 8 else 2
+
+
 def tp_for(model_id, dcp):
-    # Decode DCP replicates KV across the group: tp > kv heads (MLA: one latent head).
-    return max(dcp, 1 if model_id == "hf-deepseek-v3-mla" else 4) if dcp > 1 else 2
+    return dcp * kv_heads_for(model_id, dcp) if dcp > 1 else 2
 
 
 def transform(model, dcp, interleave, shapes, tp):
@@ -116,7 +122,7 @@ def transform(model, dcp, interleave, shapes, tp):
 @pytest.mark.parametrize("model_id,dcp,interleave,K", MATRIX if FULL else SLICE)
 def test_speculative_greedy_equals_plain_greedy(model_id, dcp, interleave, K):
     factory, paged = MODELS[model_id]
-    model = factory()
+    model = factory(kv_heads_for(model_id, dcp))
     prompts = prompts_for(interleave * dcp)
     shapes = shapes_for(prompts, K, dcp)
     tp = tp_for(model_id, dcp)
