@@ -372,7 +372,8 @@ class SpecReport(VerifyReport):
     spec: dict = field(default_factory=dict)
 
 
-def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False):
+def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False,
+                   prefix_caching=False):
     """An Engine over ``program`` loaded on ``rank`` of the (already running) world."""
     from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.world import bind_roles
@@ -380,7 +381,22 @@ def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=F
     executor = LocalExecutor(loaded.step_fns(), program.cache_spec().allocate(fill=fill),
                              before_step=_poison_garbage if poison_garbage else None)
     return Engine(executor, program.shapes, block_size=program.config.block_size,
-                  dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+                  dcp=program.config.dcp, prompt_kind=prompt_kind(program),
+                  prefix_caching=prefix_caching)
+
+
+def generate_per_token(engine, prompts, steps, drafter):
+    """``engine.generate`` as a SpecResult (logits per sequence per token) with or without
+    a drafter, and the prompt tokens the prefix cache served."""
+    from dcp_compile.runtime.speculative import SpecResult, SpecStats
+    with torch.no_grad():
+        got = engine.generate(prompts, steps, drafter=drafter)
+    if drafter is None:
+        n = len(prompts)
+        got = SpecResult(tokens=got.tokens,
+                         logits=[[step[b] for step in got.logits] for b in range(n)],
+                         stats=SpecStats(row_steps=n * steps, emitted=n * steps))
+    return got, engine.allocator.reused_tokens
 
 
 def draft_program_drafter(draft: DCPProgram, target: DCPProgram):
@@ -397,22 +413,25 @@ def draft_program_drafter(draft: DCPProgram, target: DCPProgram):
 
 
 def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_for, *,
-                       atol: float = 1e-4, timeout: float = 300.0) -> SpecReport:
+                       atol: float = 1e-4, timeout: float = 300.0,
+                       prefix_caching: bool = False) -> SpecReport:
     """Greedy speculative decoding of ``program`` on the threaded world (every rank runs the
-    same loop with its own ``drafter_for(rank)``) against the single-device model's plain
-    greedy decoding: tokens, and the logits of every verified position."""
+    same loop with its own ``drafter_for(rank)``; None: plain greedy) against the
+    single-device model's plain greedy decoding (no prefix cache): tokens, and the logits
+    of every verified position. ``prefix_caching``: the program's engine shares prefixes."""
     from dcp_compile.runtime.world import run_threaded
     start = time.perf_counter()
     ref, _ = run_reference(model, program, prompts, steps)
 
     def rank_main(rank):
-        engine = program_engine(program, rank, poison_garbage=True)
-        with torch.no_grad():
-            return engine.generate(prompts, steps, drafter=drafter_for(rank))
+        engine = program_engine(program, rank, poison_garbage=True,
+                                prefix_caching=prefix_caching)
+        return generate_per_token(engine, prompts, steps,
+                                  drafter_for(rank) if drafter_for else None)
 
     runs = run_threaded(program.config.tp, rank_main, timeout=timeout)
-    return speculative_report(program, ref, runs, start, atol=atol,
-                              lengths=[len(p) for p in prompts])
+    return speculative_report(program, ref, [r for r, _ in runs], start, atol=atol,
+                              lengths=[len(p) for p in prompts], reused_tokens=runs[0][1])
 
 
 def speculative_report(program: DCPProgram, ref, runs, start: float, *, atol: float,

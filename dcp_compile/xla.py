@@ -325,9 +325,9 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
 
 
 def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: float = 1e-4,
-                       lowered=None, source: str = "text"):
+                       lowered=None, source: str = "text", prefix_caching: bool = False):
     """dcp_compile.verify.verify_speculative with the program lowered and run on XLA:CPU
-    (one SPMD engine, so one ``drafter``)."""
+    (one SPMD engine, so one ``drafter``; None: plain greedy)."""
     from dcp_compile.runtime.engine import Engine
 
     from . import verify as V
@@ -336,11 +336,10 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
     lowered = lowered or lower_for_xla(program)
     engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
-                    prompt_kind=V.prompt_kind(program))
-    with torch.no_grad():
-        got = engine.generate(prompts, steps, drafter=drafter)
+                    prompt_kind=V.prompt_kind(program), prefix_caching=prefix_caching)
+    got, reused = V.generate_per_token(engine, prompts, steps, drafter)
     return V.speculative_report(program, ref, [got], start, atol=atol,
-                                lengths=[len(p) for p in prompts])
+                                lengths=[len(p) for p in prompts], reused_tokens=reused)
 
 
 def draft_drafter(draft):

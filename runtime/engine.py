@@ -112,7 +112,8 @@ class Engine:
     """
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
-                 dcp: int = 1, prompt_kind: str = "prefill", vocab_size: int | None = None):
+                 dcp: int = 1, prompt_kind: str = "prefill", vocab_size: int | None = None,
+                 prefix_caching: bool = False):
         self.executor = executor
         self.shapes = shapes
         self.block_size = block_size
@@ -125,7 +126,8 @@ class Engine:
             tokens=shapes.decode_len if kind == "decode" else shapes.context_len,
             max_blocks=shapes.max_blocks, num_blocks=shapes.num_blocks, block_size=block_size,
             dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")}
-        self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp)
+        self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp,
+                                        prefix_caching=prefix_caching)
         self.lengths: list[int] = []
 
     # -- steps -----------------------------------------------------------------------------
@@ -140,6 +142,14 @@ class Engine:
         if not self.lengths:
             self.lengths = [0] * n
         self._check_batch(n)
+        if self.allocator.prefix_caching and not any(self.lengths):
+            from .prefix_cache import prefill_sharing_prefixes
+            return prefill_sharing_prefixes(self, prompts)
+        return self.prompt_step(prompts)
+
+    def prompt_step(self, prompts: list[list[int]]) -> torch.Tensor:
+        """One prompt step of ``prompt_kind`` (``prefill`` without the prefix cache)."""
+        n = len(prompts)
         if self.prompt_kind == "context" and any(self.lengths):
             raise DCPInputError(
                 f"the decode engine's context step runs a first prompt chunk only (no prior "

@@ -151,10 +151,11 @@ def run(args) -> int:
     print(f"running {args.tp} ranks on {where} vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
     V = verifier(args.backend)
-    if args.speculative is not None:
+    if args.mode == "decode" and (args.speculative or args.shared_prefix):
+        drafter = drafter_for(args, program, shapes) if args.speculative else None
         report = V.verify_speculative(loaded.make_reference(), program, prompts, args.steps,
-                                      drafter_for(args, program, shapes),
-                                      atol=args.atol)
+                                      drafter, atol=args.atol,
+                                      prefix_caching=bool(args.shared_prefix))
     elif args.mode == "decode":
         report = V.verify(loaded.make_reference(), program, prompts, args.steps,
                           atol=args.atol)
