@@ -20,7 +20,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.ordinary import FullForwardReference
+from dcp_compile.frontends.ordinary import FullForwardReference
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.kv_cache import KVCacheSpec
