@@ -154,8 +154,10 @@ def row_lengths(program: DCPProgram) -> list[tuple[int, int]]:
             break
         first = max(1, min(want, first_max))
         # Decode rows of different widths (a width-K step verifies K tokens per row).
-        second = max(1, min(s.decode_len - i, capacity - first)) if decode else min(s.context_len, capacity - first,
-                                      wanted[(i + 1) % len(wanted)])
+        if decode:
+            second = max(1, min(s.decode_len - i, capacity - first))
+        else:
+            second = min(s.context_len, capacity - first, wanted[(i + 1) % len(wanted)])
         blocks = -(-(first + second) // vblock)
         if blocks <= free and (first, second) not in rows:
             rows.append((first, second))
