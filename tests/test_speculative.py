@@ -213,3 +213,26 @@ def test_decode_rows_refuses_a_row_wider_than_the_step():
     engine.prefill(prompts)
     with pytest.raises(DCPInputError, match="0..decode_len=2"):
         engine.decode_rows([[1, 2, 3], [1], [1]])
+
+
+@pytest.mark.skipif(not FULL, reason="XLA compiles take a minute: DCP_SPEC_FULL=1")
+@pytest.mark.parametrize("spec", ["ngram:3", "draft:dcp_compile.models.demo:demo_model:4"])
+def test_cli_width_k_decode_lowers_and_runs_on_xla(spec):
+    """`verify --backend xla --speculative ...`: the width-K decode step (and a draft
+    program) lowered to StableHLO, run by XLA:CPU (fresh process: it sets the devices)."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torch_mlir")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "dcp_compile.cli", "verify", "--tp", "4",
+                           "--dcp", "2", "--block-size", "4", "--steps", "5",
+                           "--speculative", spec, "--shared-prefix", "9", "--backend", "xla",
+                           "--json"], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["tokens_agree"] and report["max_abs_error"] <= ATOL
+    assert report["reused_tokens"] == 3 * 8 and report["mean_accepted"] >= 1.0, report
