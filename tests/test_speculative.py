@@ -25,6 +25,7 @@ from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.kv_cache import KVCacheSpec
 from dcp_compile.runtime.speculative import ModelDrafter, NgramDrafter, accept_greedy
+from dcp_compile.runtime.step_contract import StepContract
 from dcp_compile.verify import draft_program_drafter, verify_speculative
 
 FULL = os.environ.get("DCP_SPEC_FULL") == "1"
@@ -127,6 +128,7 @@ def test_speculative_greedy_equals_plain_greedy(model_id, dcp, interleave, K):
     shapes = shapes_for(prompts, K, dcp)
     tp = tp_for(model_id, dcp)
     program = transform(model, dcp, interleave, shapes, tp)
+    assert program.certificate["query_local_bound_is_causal"].proven
     reference = model if paged else FullForwardReference(model)
     report = verify_speculative(reference, program, prompts, STEPS,
                                 lambda rank: NgramDrafter())
@@ -236,3 +238,25 @@ def test_cli_width_k_decode_lowers_and_runs_on_xla(spec):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["tokens_agree"] and report["max_abs_error"] <= ATOL
     assert report["reused_tokens"] == 3 * 8 and report["mean_accepted"] >= 1.0, report
+
+
+@pytest.mark.parametrize("row,rule", [([5, 6, 7, 8], None), ([5, 6, -1, -1], None),
+                                      ([5, 6, 8, -1], "contiguous"),
+                                      ([6, 7, 8, 9], "allocated-entry"),
+                                      ([5, -1, 6, -1], "padding-at-end"),
+                                      ([4, 5, -1, -1], "continues-sequence")])
+def test_step_contract_of_width_k_rows(row, rule):
+    """A width-K decode row: up to K consecutive positions from the sequence's length, then
+    padding."""
+    c = StepContract(kind="decode", batch=1, tokens=4, max_blocks=3, num_blocks=8,
+                     block_size=BLOCK, dcp=2)
+    args = (torch.zeros(1, 4, dtype=torch.int64), torch.tensor([row]),
+            torch.tensor([[0, 1, -1]]))        # the row crosses into vblock 1
+    if rule == "allocated-entry":             # vblock 1 unallocated, seq_lens irrelevant
+        args = (args[0], args[1], torch.tensor([[0, -1, -1]]))
+    if rule is None:
+        c.check(*args, seq_lens=torch.tensor([5]))
+        return
+    with pytest.raises(DCPInputError) as e:
+        c.check(*args, seq_lens=torch.tensor([row[0] if rule == "allocated-entry" else 5]))
+    assert e.value.rule == rule
