@@ -161,12 +161,7 @@ class Engine:
                 f"prompt chunk longer than the program's context_len: lengths="
                 f"{[len(p) for p in prompts]}, context_len={S}. Split it into chunks of at "
                 f"most {S} tokens or build the program with a larger context_len.")
-        input_ids = torch.zeros(self.shapes.batch, S, dtype=torch.int64)
-        positions = torch.full((self.shapes.batch, S), -1, dtype=torch.int64)
-        for b, chunk in enumerate(prompts):
-            start = self.lengths[b]
-            input_ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
-            positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+        input_ids, positions = self._pack(prompts, S)
         logits = self._run(self.prompt_kind, input_ids, positions,
                            [len(c) for c in prompts])
         last = torch.tensor([max(len(c) - 1, 0) for c in prompts])
@@ -188,11 +183,7 @@ class Engine:
                 f"decode rows must hold 0..decode_len={K} tokens: lengths "
                 f"{[len(r) for r in rows]}. Split longer rows over steps or build the "
                 f"program with a larger StepShapes.decode_len.")
-        input_ids = torch.zeros(self.shapes.batch, K, dtype=torch.int64)
-        positions = torch.full((self.shapes.batch, K), -1, dtype=torch.int64)
-        for b, row in enumerate(rows):
-            input_ids[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
-            positions[b, :len(row)] = torch.arange(self.lengths[b], self.lengths[b] + len(row))
+        input_ids, positions = self._pack(rows, K)
         return self._run("decode", input_ids, positions, [len(r) for r in rows])[:n]
 
     def rewind(self, seq: int, length: int) -> None:
@@ -234,6 +225,17 @@ class Engine:
         return result
 
     # -- internals -------------------------------------------------------------------------
+
+    def _pack(self, rows: list[list[int]], width: int):
+        """[batch, width] input_ids and positions: row b's tokens at its next positions,
+        then -1 (ids 0); unused rows all padding."""
+        input_ids = torch.zeros(self.shapes.batch, width, dtype=torch.int64)
+        positions = torch.full((self.shapes.batch, width), -1, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            start = self.lengths[b]
+            input_ids[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+            positions[b, :len(row)] = torch.arange(start, start + len(row))
+        return input_ids, positions
 
     def _check_batch(self, n: int) -> None:
         if n > self.shapes.batch:
