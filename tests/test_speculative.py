@@ -134,8 +134,10 @@ def test_speculative_greedy_equals_plain_greedy(model_id, dcp, interleave, K):
                                 lambda rank: NgramDrafter())
     assert report.ok, report.to_json()
     assert report.max_abs_error <= ATOL
-    counts = {c for step in report.spec["accepted_per_step"] for c in step if c >= 0}
-    assert len(counts) > 1, f"one accepted count in every row: {report.spec}"
+    # Rows with different accepted counts in one batch (one verification step).
+    mixed = [step for step in report.spec["accepted_per_step"]
+             if len({c for c in step if c >= 0}) > 1]
+    assert mixed, f"every step accepted the same count in every row: {report.spec}"
 
 
 @pytest.fixture(scope="module")
