@@ -60,6 +60,12 @@ class KVCacheSpec:
 class BlockAllocator:
     """Hands out blocks to sequences; never the garbage block (the last one).
 
+    It prefers contiguous runs (a KV transfer then moves a run of blocks with one descriptor,
+    runtime/nixl/descriptors.py): a sequence grows into the block after its last one when that
+    is free, and new entries take the lowest free run long enough for all of them. When no
+    such run is left it takes the lowest free blocks, fragmented; any block table is correct,
+    a contiguous one is only cheaper to move.
+
     ``prefix_caching=True`` shares full vblocks (``tokens_per_block`` = block_size * dcp
     positions: one block per rank) between sequences whose token prefixes are identical, as
     vLLM does under DCP: each full vblock of a registered prompt is keyed by a hash chained
@@ -78,7 +84,7 @@ class BlockAllocator:
         self.tokens_per_block = tokens_per_block
         self.garbage_block = num_blocks - 1
         self.prefix_caching = prefix_caching
-        self._free = list(range(num_blocks - 1))
+        self._free = set(range(num_blocks - 1))
         self._tables: dict[int, list[int]] = {}
         self._refs: dict[int, int] = {}             # block -> sequences holding it
         self._by_hash: dict[int, int] = {}          # vblock hash -> block
@@ -86,28 +92,58 @@ class BlockAllocator:
         self._idle: dict[int, None] = {}            # cached, unheld blocks, LRU first
         self.reused_tokens = 0                      # prompt tokens served from the cache
 
-    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Grow ``seq_id``'s table to cover positions [0, num_tokens)."""
+    def ensure(self, seq_id: int, num_tokens: int, groups: int = 1) -> list[int]:
+        """Grow ``seq_id``'s table to cover positions [0, num_tokens).
+
+        ``groups > 1`` orders a run of new entries by ``entry % groups``: the entries of one
+        residue class get consecutive blocks. A KV transfer reads every ``groups``-th entry
+        from one remote rank (``TransferPlan.decode_block_groups``), so that order makes the
+        rows it writes one run.
+        """
+        if not isinstance(groups, int) or groups < 1:
+            raise DCPInputError(f"groups must be an int >= 1: groups={groups!r}. Pass "
+                                f"TransferPlan.decode_block_groups, or 1.")
         table = self._tables.setdefault(seq_id, [])
         need = -(-num_tokens // self.tokens_per_block)
-        if need - len(table) > len(self._free) + len(self._idle):
+        new = need - len(table)
+        if new > len(self._free) + len(self._idle):
             raise DCPInputError(
                 f"out of KV cache blocks: sequence {seq_id} needs {need} blocks for "
                 f"{num_tokens} tokens, {len(table)} held, {len(self._free)} free. "
                 f"Allocate more blocks (num_blocks) or shorten the sequences.")
-        while len(table) < need:
-            table.append(self._take())
+        if new <= 0:
+            return table
+        self._evict(new - len(self._free))
+        if table and new == 1 and table[-1] + 1 in self._free:
+            blocks = [table[-1] + 1]  # growing in place keeps the run
+        else:
+            blocks = self._take(new)
+        entries = list(range(len(table), need))
+        order = sorted(entries, key=lambda e: (e % groups, e))
+        placed = dict(zip(order, blocks))
+        table.extend(placed[e] for e in entries)
+        self._free.difference_update(blocks)
+        self._refs.update((b, 1) for b in blocks)
         return table
 
-    def _take(self) -> int:
-        if not self._free:                           # evict the least recently used
+    def _take(self, n: int) -> list[int]:
+        """The lowest free run of ``n`` blocks, else the ``n`` lowest free blocks."""
+        free = sorted(self._free)
+        start = 0
+        for i in range(1, len(free) + 1):
+            if i - start == n:
+                return free[start:i]
+            if i < len(free) and free[i] != free[i - 1] + 1:
+                start = i
+        return free[:n]
+
+    def _evict(self, n: int) -> None:
+        """Return the ``n`` least recently used cached, unheld blocks to the free set."""
+        for _ in range(max(n, 0)):
             block = next(iter(self._idle))
             del self._idle[block]
             del self._by_hash[self._hash_of.pop(block)]
-            self._free.append(block)
-        block = self._free.pop(0)
-        self._refs[block] = 1
-        return block
+            self._free.add(block)
 
     def _release(self, blocks: list[int]) -> None:
         for block in blocks:
@@ -117,7 +153,7 @@ class BlockAllocator:
                 if block in self._hash_of:
                     self._idle[block] = None         # cached: most recently used last
                 else:
-                    self._free.append(block)
+                    self._free.add(block)
 
     def shrink(self, seq_id: int, num_tokens: int) -> None:
         """Return ``seq_id``'s blocks past positions [0, num_tokens)."""
