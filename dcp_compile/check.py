@@ -240,7 +240,7 @@ def _run_steps(engine, steps: list[CheckStep]) -> None:
     with torch.no_grad():
         for step in steps:
             if step.decode:
-                engine.decode([t[0] for t in step.tokens])
+                engine.decode_rows(step.tokens)
             else:
                 engine.prefill(step.tokens)
 

@@ -324,6 +324,35 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
                           first_mismatch=first, seconds=time.perf_counter() - start)
 
 
+def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: float = 1e-4,
+                       lowered=None, source: str = "text", prefix_caching: bool = False):
+    """dcp_compile.verify.verify_speculative with the program lowered and run on XLA:CPU
+    (one SPMD engine, so one ``drafter``; None: plain greedy)."""
+    from dcp_compile.runtime.engine import Engine
+
+    from . import verify as V
+    start = time.perf_counter()
+    ref, _ = V.run_reference(model, program, prompts, steps)
+    lowered = lowered or lower_for_xla(program)
+    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
+                    block_size=program.config.block_size, dcp=program.config.dcp,
+                    prompt_kind=V.prompt_kind(program), prefix_caching=prefix_caching)
+    got, reused = V.generate_per_token(engine, prompts, steps, drafter)
+    return V.speculative_report(program, ref, [got], start, atol=atol,
+                                lengths=[len(p) for p in prompts], reused_tokens=reused)
+
+
+def draft_drafter(draft):
+    """A ModelDrafter over a draft program lowered and run on the same XLA:CPU devices."""
+    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.speculative import ModelDrafter
+
+    from .verify import prompt_kind
+    return ModelDrafter(Engine(XLAExecutor(draft, lower_for_xla(draft)), draft.shapes,
+                               block_size=draft.config.block_size, dcp=draft.config.dcp,
+                               prompt_kind=prompt_kind(draft)))
+
+
 def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
                    atol: float = 1e-4, check_cache: bool = True, lowered=None,
                    source: str = "text"):
