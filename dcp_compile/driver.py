@@ -32,7 +32,8 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
               certificate=None, progress: bool = False, combine: str = "all_gather",
-              combine_dtype: str = "float32", check: bool | None = None) -> DCPProgram:
+              combine_dtype: str = "float32", check: bool | None = None,
+              buckets=None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (dcp_compile.runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
@@ -40,6 +41,11 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
     ``combine_dtype`` choose the decode combine (DCPConfig; README "Decode step cost").
+
+    ``buckets`` (context lengths in tokens, each a multiple of ``block_size * dcp``) adds one
+    graph per (step kind, bucket) over the same weights, with a block table of
+    ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
+    always the last bucket (dcp_compile.runtime.buckets; README "Context buckets").
 
     ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
@@ -67,6 +73,9 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     if ordinary:  # no cache, no hooks: the insert_paged_cache pass adds the cache
         model = OrdinaryStep(model)
     shapes = shapes or StepShapes()
+    from dcp_compile.runtime.buckets import check_buckets
+    buckets = check_buckets(buckets, block_size=block_size, dcp=dcp,
+                            max_blocks=shapes.max_blocks)
     facts = {} if ordinary else _model_facts(model)
     check = checking.resolve(check, model, tp, shapes)
     params = list(model.parameters())
@@ -115,6 +124,10 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
                          weight_inputs=weight_inputs, num_layers=facts["num_layers"],
                          dump_dir=str(dump_path) if dump_path else None,
                          facts={"dtype": facts.get("cache_dtype", dtype)})
+    program.bucket_graphs = _bucket_graphs(
+        user_model, program, buckets[:-1], tp=tp, dcp=dcp, mode=mode, block_size=block_size,
+        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
+        combine_dtype=combine_dtype, progress=progress)
     if check:  # an ordinary model's reference is its own full forward (no cache)
         reference = FullForwardReference(user_model) if ordinary else model
         report = checking.check_program(reference, program)  # raises: no program
@@ -123,6 +136,30 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
             _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
                     f"{report.tolerance:.2g} ({report.seconds:.2f}s)")
     return program
+
+
+def _bucket_graphs(model, program: DCPProgram, buckets, *, progress, **layout) -> dict:
+    """Each smaller bucket's graphs: the same transform with that bucket's block-table width
+    (the captured step's shapes are static), over the same weights; the certificate is
+    reused, not proven again."""
+    import dataclasses
+
+    from dcp_compile.runtime.buckets import bucket_width
+    out = {}
+    for bucket in buckets:
+        width = bucket_width(bucket, block_size=layout["block_size"], dcp=layout["dcp"])
+        if progress:
+            _report(f"[bucket {bucket}] block table of {width} entries")
+        sub = transform(model, shapes=dataclasses.replace(program.shapes, max_blocks=width),
+                        certificate=program.certificate, check=False, progress=progress,
+                        **layout)
+        if sub.weight_inputs != program.weight_inputs:
+            raise DCPTransformError(
+                f"context bucket {bucket} captured other weights than the full program: "
+                f"{sub.weight_inputs[:4]}... vs {program.weight_inputs[:4]}... . Buckets "
+                f"share one set of weights; report this model to dcp_compile.")
+        out[bucket] = sub.graphs
+    return out
 
 
 def _insert_cache_pass(ctx, step_model, captured, shapes):

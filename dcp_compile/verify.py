@@ -86,7 +86,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
         executor = LocalExecutor(loaded.step_fns(), caches,
                                  before_step=_poison_garbage if poison_garbage else None)
         engine = Engine(executor, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+                        dcp=program.config.dcp, prompt_kind=prompt_kind(program), buckets=program.buckets)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -264,7 +264,7 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
             loaded.step_fns(), program.cache_spec().allocate(fill=fill),
             before_step=_poison_garbage if poison_garbage else None))
         engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind="prefill")
+                        dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
         return run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
