@@ -13,7 +13,8 @@ import json
 import sys
 
 from .model_arg import add_model_arguments, load_model
-from .options import (add_layout_arguments, check_layout, model_heads, non_negative_float,
+from .options import (add_buckets_argument, add_layout_arguments, capacity_for_buckets,
+                      check_buckets_option, check_layout, model_heads, non_negative_float,
                       positive_int, positive_int_list)
 
 
@@ -28,6 +29,7 @@ def add_arguments(p):
                    help="largest absolute logit error accepted")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_backend_argument(p)
+    add_buckets_argument(p)
     add_model_arguments(p)
 
 
@@ -68,6 +70,7 @@ def verifier(backend: str):
 
 def validate(args) -> None:
     check_layout(args, **model_heads(args))
+    check_buckets_option(args, args.block_size)
     check_backend(args)
 
 
@@ -95,14 +98,14 @@ def run(args) -> int:
         total = max(lengths) + args.steps
     else:
         total = max(lengths) * args.chunks
-    shapes = StepShapes.fitting(len(prompts), max(lengths), total,
+    shapes = StepShapes.fitting(len(prompts), max(lengths), capacity_for_buckets(args, total),
                                 block_size=args.block_size, dcp=args.dcp)
     print(f"transforming {loaded.label}: tp={args.tp} dcp={args.dcp} mode={args.mode} "
           f"interleave={interleave} block={args.block_size}", file=sys.stderr)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     block_size=args.block_size,
                                     interleave_size=args.interleave_size, shapes=shapes,
-                                    progress=True)
+                                    buckets=args.buckets, progress=True)
     where = "threads" if args.backend == "threads" else "XLA:CPU devices (lowered StableHLO)"
     print(f"running {args.tp} ranks on {where} vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
