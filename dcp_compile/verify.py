@@ -33,9 +33,14 @@ class VerifyReport:
     step_errors: list[float] = field(default_factory=list)
     first_mismatch: dict | None = None
     seconds: float = 0.0
+    # XLA: {bucket: {step kind: {bytes_accessed, ideal_bytes, seconds, ...}}} (memory_floor)
+    buckets: dict | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["buckets"] is None:
+            del out["buckets"]
+        return out
 
 
 def prompt_kind(program: DCPProgram) -> str:

@@ -234,7 +234,7 @@ class XLAExecutor:
         # (step kind, block-table width) -> executable: each (step, bucket) module compiled
         # once; a step runs the one of its table's width (the Engine picks the bucket).
         self.executables, self.compile_seconds, self.contracts = {}, {}, {}
-        self.modules = {}
+        self.modules, self.step_seconds = {}, {}
         for name, m in lowered.modules.items():
             kind, view = m.kind or name, program.for_bucket(m.bucket or program.capacity)
             key = (kind, view.shapes.max_blocks)
@@ -278,6 +278,7 @@ class XLAExecutor:
     def step(self, kind, input_ids, positions, block_table):
         executable, contract = self.executable_for(kind, block_table)
         contract.check(input_ids, positions, block_table)
+        started = time.perf_counter()
         shared = [self.replicas.same(x) for x in (input_ids, positions, block_table)]
         results = executable.execute_sharded(self.prefix + shared + self._caches)
         outs = results.disassemble_into_single_device_arrays()   # [output][replica]
@@ -285,6 +286,8 @@ class XLAExecutor:
         outs = [[m[d] for d in self.devices] for m in by_device]
         self._caches = [self.replicas.of_buffers(o) for o in outs[1:]]
         logits = [_to_torch(b) for b in outs[0]]
+        self.step_seconds.setdefault((kind, block_table.shape[-1]), []).append(
+            time.perf_counter() - started)
         for rank, got in enumerate(logits[1:], start=1):
             if not torch.equal(got, logits[0]):
                 raise DCPXLAError(f"{kind} step on XLA: rank {rank}'s logits differ from rank "
@@ -307,13 +310,15 @@ def lower_for_xla(program, out_dir: str | Path | None = None):
     return lowered
 
 
-def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"):
+def generate(program, prompts, steps: int, *, lowered=None, source: str = "text",
+             executor=None):
     """Greedy-decode ``steps`` tokens with the lowered program on XLA (GenerateResult)."""
     from dcp_compile.runtime.engine import Engine
 
     from .verify import prompt_kind
-    lowered = lowered or lower_for_xla(program)
-    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
+    if executor is None:
+        executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source)
+    engine = Engine(executor, program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
                     prompt_kind=prompt_kind(program), buckets=program.buckets)
     with torch.no_grad():
@@ -325,8 +330,10 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
     """dcp_compile.verify.verify with the program lowered and run on XLA:CPU replicas."""
     from . import verify as V
     start = time.perf_counter()
+    from .memory_floor import bucket_table
     ref, _ = V.run_reference(model, program, prompts, steps)
-    got = generate(program, prompts, steps, lowered=lowered, source=source)
+    executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source)
+    got = generate(program, prompts, steps, executor=executor)
     errors, first = [], None
     for t, (g, e) in enumerate(zip(got.logits, ref.logits)):
         err = float((g.float() - e.float()).abs().max()) if torch.isfinite(g).all() \
@@ -339,7 +346,8 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
     return V.VerifyReport(ok=agree and first is None, max_abs_error=max(errors, default=0.0),
                           tokens_agree=agree, tp=c.tp, dcp=c.dcp, mode=c.mode, steps=steps,
                           lengths=[len(p) for p in prompts], step_errors=errors,
-                          first_mismatch=first, seconds=time.perf_counter() - start)
+                          first_mismatch=first, seconds=time.perf_counter() - start,
+                          buckets=bucket_table(executor, program))
 
 
 def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
@@ -356,6 +364,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
         chunk_plan = V.chunk_plan_of(chunk_plan, chunks, max_chunk=program.shapes.context_len)
     lowered = lowered or lower_for_xla(program)
     ref = V.run_prefill_reference(model, program, chunk_plan)
+    from .memory_floor import bucket_table
     executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0,
                            source=source)
     recorder = V.RecordingExecutor(executor)
@@ -378,4 +387,5 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     return V.VerifyReport(ok=agree and first is None, max_abs_error=max(every, default=0.0),
                           tokens_agree=agree, tp=c.tp, dcp=c.dcp, mode=c.mode,
                           steps=len(chunk_plan), lengths=list(ref.lengths), step_errors=last,
-                          first_mismatch=first, seconds=time.perf_counter() - start)
+                          first_mismatch=first, seconds=time.perf_counter() - start,
+                          buckets=bucket_table(executor, program))

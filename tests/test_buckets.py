@@ -50,7 +50,7 @@ CHUNKS = 5
 def _program(tp, dcp, mode):
     buckets, max_blocks, _, _ = LAYOUTS[tp, dcp]
     model = demo_model(DemoConfig(num_layers=1))
-    shapes = StepShapes(batch=2, context_len=8, max_blocks=max_blocks,
+    shapes = StepShapes(batch=2, context_len=16, max_blocks=max_blocks,
                         num_blocks=2 * max_blocks + 1)
     return model, dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
                                         shapes=shapes, buckets=buckets, check=False)
