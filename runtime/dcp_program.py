@@ -96,10 +96,11 @@ class DCPProgram:
                            self.config.kv_heads_per_rank, self.config.head_dim,
                            dtype or self.facts.get("dtype", torch.float32))
 
-    def load(self, rank: int, group_names: dict[str, str]):
-        """This rank's runnable program: roles bound to real process-group names."""
+    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager"):
+        """This rank's runnable program: roles bound to real process-group names;
+        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS)."""
         from dcp_compile.runtime.rank_program import RankProgram
-        return RankProgram(self, rank, group_names)
+        return RankProgram(self, rank, group_names, compile=compile)
 
     # -- reports ---------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Graph, GraphModule
 
 from .eager import specialize_for_eager
@@ -19,6 +20,16 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
     return GraphModule(gm, g)
 
 
+def _inductor(gm: GraphModule):
+    # Static shapes (one graph per step kind and bucket); the functional collectives stay in
+    # the graph, so Inductor sees and may reorder them.
+    return torch.compile(gm, backend="inductor", dynamic=False, fullgraph=True)
+
+
+# How a loaded rank runs its (eager-specialized, bound) graphs: compile mode -> wrapper.
+COMPILERS = {"eager": lambda gm: gm, "inductor": _inductor}
+
+
 class RankProgram:
     """Callable per step kind: ``step_fn(kind)(input_ids, positions, block_table, caches)``.
 
@@ -34,10 +45,16 @@ class RankProgram:
     The graphs run eagerly, so loading swaps in the eager kernels (``dcp_compile.runtime.eager``): each
     step writes the caches it is given in place (and returns those same tensors) and its
     attention reads only the live block-table span. ``eager_kernels[kind]`` counts the swaps.
+    ``compile="inductor"`` then compiles each graph with Inductor (``COMPILERS``; compiled on
+    its first run, once per step kind and bucket).
     """
 
     def __init__(self, program, rank: int, group_names: dict[str, str], *,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, compile: str = "eager"):
+        if compile not in COMPILERS:
+            raise DCPInputError(f"unknown compile mode for a loaded program: {compile!r}. "
+                                f"Use one of {sorted(COMPILERS)}.")
+        self.compile = compile
         self.program = program
         self.rank = rank
         state = program.state_dict_for(rank)
@@ -67,7 +84,7 @@ class RankProgram:
                     where=lambda n, kind=kind: f"at node {n.name} (step {kind!r})"):
                 c.node.update_arg(c.kind.group_arg, c.binding)
             gm.recompile()
-            graphs[kind] = gm
+            graphs[kind] = COMPILERS[self.compile](gm)
         return graphs, eager_kernels
 
     def run(self, kind: str, input_ids, positions, block_table, caches):
