@@ -161,8 +161,14 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     entries = block_table[:, local // block]
     allocated = (entries >= 0) & (entries < num_blocks - 1)
     rows = torch.where(allocated, entries, num_blocks - 1) * block + local % block
-    k_prior = key_cache[rows // block, rows % block]
-    v_prior = value_cache[rows // block, rows % block]
+    # Whole blocks, one per block-table entry (a gather of batch * max_blocks blocks, not of
+    # every slot): [batch, max_blocks, block, heads, dim] -> [batch, max_blocks * block, ...].
+    table = torch.where((block_table >= 0) & (block_table < num_blocks - 1), block_table,
+                        num_blocks - 1)
+    k_prior = key_cache[table].reshape(batch, max_blocks * block, kv_heads,
+                                       key_cache.shape[-1])
+    v_prior = value_cache[table].reshape(batch, max_blocks * block, kv_heads,
+                                         value_cache.shape[-1])
     if kv_shared:
         # The (key, value) caches hold the two halves of one vector that is both the key and
         # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).
