@@ -124,7 +124,8 @@ def add_buckets_argument(p) -> None:
     p.add_argument("--buckets", type=positive_int_list, default=None,
                    help="comma-separated context buckets in tokens, each a multiple of "
                         "block_size * dcp: one graph (and lowered module) per step kind and "
-                        "bucket; a step runs in the smallest that holds its batch")
+                        "bucket; a step runs in the smallest that holds its batch (default: "
+                        "none, one bucket: the full capacity)")
 
 
 def check_buckets_option(args, block_size: int) -> None:
