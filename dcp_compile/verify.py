@@ -33,9 +33,14 @@ class VerifyReport:
     step_errors: list[float] = field(default_factory=list)
     first_mismatch: dict | None = None
     seconds: float = 0.0
+    # XLA: {bucket: {step kind: {bytes_accessed, ideal_bytes, seconds, ...}}} (memory_floor)
+    buckets: dict | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["buckets"] is None:
+            del out["buckets"]
+        return out
 
 
 def prompt_kind(program: DCPProgram) -> str:
@@ -86,7 +91,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
         executor = LocalExecutor(loaded.step_fns(), caches,
                                  before_step=_poison_garbage if poison_garbage else None)
         engine = Engine(executor, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+                        dcp=program.config.dcp, prompt_kind=prompt_kind(program), buckets=program.buckets)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -264,7 +269,7 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
             loaded.step_fns(), program.cache_spec().allocate(fill=fill),
             before_step=_poison_garbage if poison_garbage else None))
         engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind="prefill")
+                        dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
         return run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)

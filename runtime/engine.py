@@ -106,6 +106,11 @@ class Engine:
     prefill-mode programs; later chunks continue a sequence) or "context" (a decode-mode
     program's own first-chunk-only prompt step).
 
+    ``buckets`` (context lengths in tokens, ascending; default: the shapes' full capacity) are
+    the program's context buckets: each step's block table has the width of the smallest
+    bucket holding every sequence after the step (runtime/buckets.py), and the executor runs
+    that bucket's graph.
+
     Every step it builds is checked against the step contract (``dcp_compile.runtime.step_contract``),
     plus what only the engine knows: each row continues its sequence. ``vocab_size`` adds
     the token-id rule (a loaded program checks it itself).
@@ -113,7 +118,8 @@ class Engine:
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
                  dcp: int = 1, prompt_kind: str = "prefill", vocab_size: int | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, buckets=None):
+        from .buckets import bucket_width, check_buckets
         self.executor = executor
         self.shapes = shapes
         self.block_size = block_size
@@ -121,11 +127,15 @@ class Engine:
         self.prompt_kind = prompt_kind
         # An executor that shows its caches must hold every block the shapes promise.
         check_engine_caches(shapes.num_blocks, block_size, getattr(executor, "caches", None))
-        self.contracts = {kind: StepContract(
+        self.buckets = check_buckets(buckets, block_size=block_size, dcp=dcp,
+                                     max_blocks=shapes.max_blocks)
+        self.contracts = {(kind, width): StepContract(
             kind=kind, batch=shapes.batch,
             tokens=shapes.decode_len if kind == "decode" else shapes.context_len,
-            max_blocks=shapes.max_blocks, num_blocks=shapes.num_blocks, block_size=block_size,
-            dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")}
+            max_blocks=width, num_blocks=shapes.num_blocks, block_size=block_size,
+            dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")
+            for width in (bucket_width(b, block_size=block_size, dcp=dcp)
+                          for b in self.buckets)}
         self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp,
                                         prefix_caching=prefix_caching)
         self.lengths: list[int] = []
@@ -245,16 +255,25 @@ class Engine:
             raise DCPInputError(f"step has {n} sequences, engine holds {len(self.lengths)}. "
                                 f"Pass one entry per sequence.")
 
+    def bucket_width(self, lengths: list[int]) -> int:
+        """Block-table width of the smallest bucket holding sequences of ``lengths`` tokens."""
+        from .buckets import bucket_width, smallest_bucket
+        tokens = max(lengths, default=0)
+        # Past the capacity: the full width, where the allocator names the overflow.
+        bucket = smallest_bucket(self.buckets, min(tokens, self.buckets[-1]))
+        return bucket_width(bucket, block_size=self.block_size, dcp=self.dcp)
+
     def _run(self, kind, input_ids, positions, new_tokens: list[int]) -> torch.Tensor:
         seqs = list(range(len(new_tokens)))
         for b, k in enumerate(new_tokens):
             self.allocator.ensure(b, self.lengths[b] + k)
         seq_ids = seqs + [None] * (self.shapes.batch - len(seqs))
-        block_table = self.allocator.table(seq_ids, self.shapes.max_blocks)
+        width = self.bucket_width([self.lengths[b] + k for b, k in enumerate(new_tokens)])
+        block_table = self.allocator.table(seq_ids, width)
         # The step contract, plus the engine's own knowledge: each row continues its sequence.
         seq_lens = torch.full((self.shapes.batch,), -1, dtype=torch.int64)
         seq_lens[:len(seqs)] = torch.tensor(self.lengths[:len(seqs)], dtype=torch.int64)
-        self.contracts[kind].check(input_ids, positions, block_table, seq_lens=seq_lens)
+        self.contracts[kind, width].check(input_ids, positions, block_table, seq_lens=seq_lens)
         logits = self.executor.step(kind, input_ids, positions, block_table)
         for b, k in enumerate(new_tokens):
             self.lengths[b] += k

@@ -142,11 +142,12 @@ def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tens
                       slots: Tensor) -> tuple[Tensor, Tensor]:
     num_blocks, block, heads, dim = key_cache.shape
     rows = _write_rows(key_cache, slots)
-    new_k = key_cache.reshape(num_blocks * block, heads, dim).index_put(
-        (rows,), k.reshape(-1, heads, dim).to(key_cache.dtype))
-    new_v = value_cache.reshape(num_blocks * block, heads, dim).index_put(
-        (rows,), v.reshape(-1, heads, dim).to(value_cache.dtype))
-    return new_k.reshape(key_cache.shape), new_v.reshape(value_cache.shape)
+    # (block, offset) indices on the cache itself, not rows of a flattened view: a reshaped
+    # cache is laid out apart from the cache by XLA, which then copies it whole every step.
+    where = (rows // block, rows % block)
+    new_k = key_cache.index_put(where, k.reshape(-1, heads, dim).to(key_cache.dtype))
+    new_v = value_cache.index_put(where, v.reshape(-1, heads, dim).to(value_cache.dtype))
+    return new_k, new_v
 
 
 @torch.library.custom_op("dcp::cache_write", mutates_args=())
@@ -183,8 +184,14 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     entries = block_table[:, local // block]
     allocated = (entries >= 0) & (entries < num_blocks - 1)
     rows = torch.where(allocated, entries, num_blocks - 1) * block + local % block
-    k_prior = key_cache.reshape(num_blocks * block, kv_heads, -1)[rows]
-    v_prior = value_cache.reshape(num_blocks * block, kv_heads, -1)[rows]
+    # Whole blocks, one per block-table entry (a gather of batch * max_blocks blocks, not of
+    # every slot): [batch, max_blocks, block, heads, dim] -> [batch, max_blocks * block, ...].
+    table = torch.where((block_table >= 0) & (block_table < num_blocks - 1), block_table,
+                        num_blocks - 1)
+    k_prior = key_cache[table].reshape(batch, max_blocks * block, kv_heads,
+                                       key_cache.shape[-1])
+    v_prior = value_cache[table].reshape(batch, max_blocks * block, kv_heads,
+                                         value_cache.shape[-1])
     if kv_shared:
         # The (key, value) caches hold the two halves of one vector that is both the key and
         # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).

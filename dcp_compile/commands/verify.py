@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 
 from .model_arg import add_model_arguments, load_model
-from .options import (add_layout_arguments, check_layout, model_heads, non_negative_float,
+from .options import (add_buckets_argument, add_layout_arguments, capacity_for_buckets,
+                      check_buckets_option, check_layout, model_heads, non_negative_float,
                       positive_int, positive_int_list)
 
 
@@ -41,6 +42,7 @@ def add_arguments(p):
     p.add_argument("--shared-prefix", type=positive_int, default=None, metavar="N",
                    help="the prompts share their first N tokens")
     add_backend_argument(p)
+    add_buckets_argument(p)
     add_model_arguments(p)
 
 
@@ -104,6 +106,7 @@ def verifier(backend: str):
 
 def validate(args) -> None:
     check_layout(args, **model_heads(args))
+    check_buckets_option(args, args.block_size)
     check_backend(args)
     if args.speculative is not None and args.mode != "decode":
         from dcp_compile.runtime.errors import DCPConfigError
@@ -139,14 +142,14 @@ def run(args) -> int:
     else:
         total = max(lengths) * args.chunks
     width = args.speculative.width if args.speculative else 1
-    shapes = StepShapes.fitting(len(prompts), max(lengths), total,
+    shapes = StepShapes.fitting(len(prompts), max(lengths), capacity_for_buckets(args, total),
                                 block_size=args.block_size, dcp=args.dcp, decode_len=width)
     print(f"transforming {loaded.label}: tp={args.tp} dcp={args.dcp} mode={args.mode} "
           f"interleave={interleave} block={args.block_size}", file=sys.stderr)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     block_size=args.block_size,
                                     interleave_size=args.interleave_size, shapes=shapes,
-                                    progress=True)
+                                    buckets=args.buckets, progress=True)
     where = "threads" if args.backend == "threads" else "XLA:CPU devices (lowered StableHLO)"
     print(f"running {args.tp} ranks on {where} vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
