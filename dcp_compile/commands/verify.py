@@ -38,9 +38,10 @@ def add_arguments(p):
                    help="greedy speculative decoding, drafts verified in decode steps of "
                         "width K (2..8): n-gram prompt lookup, or a draft model (a factory "
                         "returning any model transform accepts; built for the same tp, "
-                        "dcp=1)")
+                        "dcp=1); default: off, one-token decode steps")
     p.add_argument("--shared-prefix", type=positive_int, default=None, metavar="N",
-                   help="the prompts share their first N tokens")
+                   help="the prompts share their first N tokens (prefix caching); "
+                        "default: none shared")
     add_backend_argument(p)
     add_buckets_argument(p)
     add_model_arguments(p)
