@@ -287,7 +287,7 @@ def check_program(model, program: DCPProgram) -> CheckReport:
             f"model; check=False returns the unchecked program for inspection.",
             report) from e
     report.step_errors, report.tolerance, report.first_mismatch = compare(
-        ref, runs, steps, program.facts.get("dtype", torch.float32))
+        ref, runs, steps, program.facts.cache_dtype)
     report.ok = report.first_mismatch is None
     report.seconds = time.perf_counter() - start
     if not report.ok:
@@ -298,7 +298,7 @@ def check_program(model, program: DCPProgram) -> CheckReport:
 def _mismatch_message(program: DCPProgram, report: CheckReport) -> str:
     m, c = report.first_mismatch, program.config
     t = report.steps.index(m["step"])
-    dtype = program.facts.get("dtype", torch.float32)
+    dtype = program.facts.cache_dtype
     return (f"transformed program differs from the model in the {m['step']!r} step: max abs "
             f"logit error {report.step_errors[t]:.3g} > tolerance {report.tolerance:.3g} "
             f"({str(dtype).replace('torch.', '')}), first at row {m['row']}, position "

@@ -54,7 +54,7 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
     shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
     spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
-                       c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
+                       c.num_kv_heads, c.head_dim, program.facts.cache_dtype)
     return Engine(executor_for(spec.allocate(fill=fill)), shapes, block_size=c.block_size)
 
 

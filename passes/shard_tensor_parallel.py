@@ -26,6 +26,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.shards import ShardSpec
 from dcp_compile.runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
@@ -39,44 +40,13 @@ LINEAR = aten.linear.default
 EMBEDDING = aten.embedding.default
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How rank r's shard of a weight is cut along ``dim``: of each segment (size, pieces,
-    replicas) — one segment of the whole dim unless ``segments`` is given (a fused weight) —
-    piece ``(r % group) // replicas``, concatenated in segment order."""
-
-    dim: int
-    pieces: int
-    group: int
-    replicas: int = 1
-    segments: tuple[tuple[int, int, int], ...] = ()
-
-    def _segs(self, size: int):
-        return self.segments or ((size, self.pieces, self.replicas),)
-
-    def index(self, rank: int) -> int:
-        return (rank % self.group) // self.replicas
-
-    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        parts, offset = [], 0
-        for size, pieces, replicas in self._segs(full.shape[self.dim]):
-            n = size // pieces
-            i = (rank % self.group) // replicas
-            parts.append(full.narrow(self.dim, offset + i * n, n))
-            offset += size
-        return (torch.cat(parts, self.dim) if len(parts) > 1 else parts[0]).contiguous()
-
-    def shape(self, full_shape) -> tuple[int, ...]:
-        s = list(full_shape)
-        s[self.dim] = sum(size // pieces for size, pieces, _ in self._segs(s[self.dim]))
-        return tuple(s)
-
-    @staticmethod
-    def of(placement: Shard, group: int) -> "ShardSpec":
-        first = placement.segs[0]
-        segments = () if len(placement.segs) == 1 else tuple(
-            (s.size, s.pieces, s.replicas) for s in placement.segs)
-        return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
+def spec_of(placement: Shard, group: int) -> ShardSpec:
+    """How the program cuts a weight the placement analysis shards (``placement``) over a
+    group of ``group`` ranks."""
+    first = placement.segs[0]
+    segments = () if len(placement.segs) == 1 else tuple(
+        (s.size, s.pieces, s.replicas) for s in placement.segs)
+    return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
 
 
 @dataclass
@@ -142,7 +112,7 @@ class ShardTensorParallel(DCPPass):
                     cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
         for p, shard in pl.params.items():
-            self._shard_param(p, ShardSpec.of(shard, self._group(shard.axis)), mode)
+            self._shard_param(p, spec_of(shard, self._group(shard.axis)), mode)
 
         for n in list(g.nodes):
             if n.op != "call_function":
@@ -272,7 +242,7 @@ class ShardTensorParallel(DCPPass):
                                         f"supported. Untie them.")
             return
         full = p.meta["val"]
-        for size, pieces, _ in spec._segs(full.shape[spec.dim]):
+        for size, pieces, _ in spec.segments_of(full.shape[spec.dim]):
             if size % pieces:
                 raise DCPTransformError(f"weight {p.name} of shape {tuple(full.shape)} does "
                                         f"not split into {pieces} pieces along dim "
@@ -292,4 +262,4 @@ class ShardTensorParallel(DCPPass):
                                         f"unsharded.")
 
 
-__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan"]
+__all__ = ["ShardTensorParallel", "ShardPlan", "spec_of"]

@@ -10,7 +10,8 @@ from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.passes.drop_export_asserts import DropExportAsserts
 from dcp_compile.passes.insert_rank import InsertRank
-from dcp_compile.passes.shard_tensor_parallel import ShardSpec, ShardTensorParallel
+from dcp_compile.passes.shard_tensor_parallel import ShardTensorParallel
+from dcp_compile.runtime.shards import ShardSpec
 from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from passes_helpers import ctx_for, run, tiny_graph
