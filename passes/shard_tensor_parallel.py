@@ -27,12 +27,12 @@ from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.shards import ShardSpec
-from dcp_compile.runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
+from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, attention_nodes, \
-    source_of, val
+    placeholder, source_of, val
 from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
 aten = torch.ops.aten
@@ -80,9 +80,9 @@ class ShardTensorParallel(DCPPass):
         return ShardPlan(placements, placements.roles)
 
     def _role(self, axis: str) -> str:
-        if self.ctx.config.mode == "decode":
-            return "tp"
-        return "dcp_tp" if axis == "attn" else "world"
+        if self.ctx.config.mode == Mode.DECODE:
+            return Role.TP
+        return Role.DCP_TP if axis == "attn" else Role.WORLD
 
     def _group(self, axis: str) -> int:
         cfg = self.ctx.config
@@ -98,7 +98,7 @@ class ShardTensorParallel(DCPPass):
         mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
                                  if n.op == "placeholder"])
         g = gm.graph
-        rank = next(n for n in g.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+        rank = placeholder(gm, RANK_INPUT)
 
         # Each rank's KV caches hold only its KV heads: the cache inputs take that shape.
         for attn in attention_nodes(gm):
