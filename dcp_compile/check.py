@@ -40,8 +40,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
 from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
+
+from .compare import token_errors
 
 SEED = 0
 
@@ -206,37 +208,24 @@ def _run_steps(engine, steps: list[CheckStep]) -> None:
 
 def run_model(model, program: DCPProgram, steps: list[CheckStep]):
     from dcp_compile.runtime.engine import LocalExecutor
+    from dcp_compile.runtime.rank_engine import RecordingExecutor
 
-    from .verify import RecordingExecutor, reference_engine
+    from .verify import reference_engine
     engine = reference_engine(program, lambda c: RecordingExecutor(LocalExecutor(model, c)))
     _run_steps(engine, steps)
     return engine.executor
 
 
 def run_program(program: DCPProgram, steps: list[CheckStep]) -> list:
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
-
-    from .verify import RecordingExecutor, _poison_garbage, prompt_kind
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
 
     def rank_main(rank):
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        recorder = RecordingExecutor(LocalExecutor(
-            loaded.step_fns(), program.cache_spec().allocate(), before_step=_poison_garbage))
-        engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+        engine = rank_engine(program, rank, poison=True, record=True)
         _run_steps(engine, steps)
-        return recorder
+        return engine.executor
 
     return run_threaded(program.config.tp, rank_main)
-
-
-def _step_diff(got: torch.Tensor, exp: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[rows, tokens] max |difference| over the vocabulary; inf where the program's logits are
-    not finite, 0 on padding."""
-    diff = (got.float() - exp.float()).abs().amax(-1)
-    diff = torch.where(torch.isfinite(got).all(-1), diff, torch.full_like(diff, float("inf")))
-    return torch.where(positions >= 0, diff, torch.zeros_like(diff))
 
 
 def compare(ref, runs, steps: list[CheckStep], dtype: torch.dtype
@@ -250,7 +239,7 @@ def compare(ref, runs, steps: list[CheckStep], dtype: torch.dtype
     for t, step in enumerate(steps):
         exp, pos = ref.logits[t], ref.positions[t]
         for rank, run in enumerate(runs):
-            diff = _step_diff(run.logits[t], exp, pos)
+            diff = token_errors(run.logits[t], exp, pos)
             errors[t] = max(errors[t], float(diff.max()))
             bad = diff > tol
             if bad.any() and first is None:

@@ -293,7 +293,7 @@ def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"
     """Greedy-decode ``steps`` tokens with the lowered program on XLA (GenerateResult)."""
     from dcp_compile.runtime.engine import Engine
 
-    from .verify import prompt_kind
+    from dcp_compile.runtime.rank_engine import prompt_kind
     lowered = lowered or lower_for_xla(program)
     engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
@@ -331,6 +331,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     replicas: every chunk's logits, and each rank's cache (allocated NaN) holding exactly
     its owned positions."""
     from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.rank_engine import RecordingExecutor
 
     from . import verify as V
     start = time.perf_counter()
@@ -340,7 +341,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     ref = V.run_prefill_reference(model, program, chunk_plan)
     executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0,
                            source=source)
-    recorder = V.RecordingExecutor(executor)
+    recorder = RecordingExecutor(executor)
     engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
                     dcp=program.config.dcp, prompt_kind="prefill")
     with torch.no_grad():

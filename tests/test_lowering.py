@@ -478,7 +478,8 @@ def _interpreter_world(tp: int, dcp: int, mode: str, out: str, model_kind: str =
     """Child process: serve prompts with the lowered modules on the interpreter's replicas,
     and with the single-device model (an ordinary model: its own full forward); save both."""
     from dcp_compile.lowering import InterpreterExecutor
-    from dcp_compile.verify import prompt_kind, run_reference
+    from dcp_compile.runtime.rank_engine import prompt_kind
+    from dcp_compile.verify import run_reference
     from dcp_compile.runtime.engine import Engine
 
     from helpers import prompts_of
@@ -734,7 +735,8 @@ def test_nxd_backend_binds_explicit_full_replica_groups():
 def test_nxd_backend_decodes_like_the_single_device_model_with_a_threaded_xm():
     """The NxD-bound program on 4 rank threads, with a CPU stand-in for torch_xla's
     collectives, generates the single-device model's tokens and logits."""
-    from dcp_compile.verify import prompt_kind, run_reference
+    from dcp_compile.runtime.rank_engine import prompt_kind
+    from dcp_compile.verify import run_reference
     from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.neuron import NeuronStepModule, use_xla_module
 
