@@ -12,6 +12,7 @@ from dcp_compile.runtime.engine import StepShapes
 SHAPES = StepShapes(batch=2, context_len=16, max_blocks=4, num_blocks=8)
 LAYERS = 2
 
+_programs: dict = {}
 _lowered: dict = {}
 
 

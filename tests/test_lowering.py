@@ -48,9 +48,6 @@ def expected_collectives(step: str, L: int) -> dict[tuple[str, str], int] | None
     return None
 
 
-_programs: dict = {}
-
-
 CONFIGS = [pytest.param(8, 4, "decode", id="tp8-dcp4-decode"),
            pytest.param(4, 2, "decode", id="tp4-dcp2-decode"),
            pytest.param(8, 4, "prefill", id="tp8-dcp4-prefill"),
