@@ -13,11 +13,12 @@ then run unchanged.
 
 Attention is found by :mod:`dcp_compile.passes.attention_patterns` (SDPA and its kernels, eager
 ``softmax(q @ k^T) @ v``; K and V before GQA head repetition: the cache holds kv heads).
-Masks are checked by evaluating them (they may depend only on the positions, constants and
-buffers): causal, or causal within a sliding window, is accepted and replaced by the op's
-causality (and ``window``) on positions. Windows a Hugging Face config declares per layer are
-used too (a window no shorter than the captured chunk leaves no trace in the mask), and a
-one-token decode step reuses the windows found in the prompt step. Positions come from the
+Masks are proven, not sampled: each is read as a predicate K(i, j) of positions
+(passes/mask_predicate.py) and proven for every position to be causal, or causal within a
+window W (passes/prove/masks.py); it is then replaced by the op's causality (and ``window``)
+on positions, and its theorem goes to the certificate. Windows a Hugging Face config declares
+per layer are checked against the proven mask, and used where the graph has no mask
+(``is_causal``); a one-token decode step reuses the windows of the prompt step. Positions come from the
 ``position_ids`` input or an ``arange(S).unsqueeze(0)`` in the graph.
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
 attention, masks that are neither causal nor a window or that depend on the tokens, additive
@@ -31,6 +32,7 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
+import sympy
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
@@ -41,9 +43,11 @@ from dcp_compile.runtime.facts import LatentAttention, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .absorb_latent_attention import absorb_latent_attention
-from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,
-                                 is_call, site_form)
-from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, val
+from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
+from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, source_of, val
+from .mask_predicate import I, J, read_mask
+from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
+                          unmasked_theorem)
 
 aten = torch.ops.aten
 
@@ -58,6 +62,7 @@ class Plan:
     dtype: torch.dtype
     position_input: Node | None
     kv_shared: bool = False      # K is V (MLA latent): stored once, halves in the two caches
+    mask_theorems: tuple = ()    # one per layer (a prompt step only)
 
 
 class InsertPagedCache(DCPPass):
@@ -96,18 +101,26 @@ class InsertPagedCache(DCPPass):
                 "nothing to put a KV cache under. Use a causal decoder with SDPA or eager "
                 "attention.")
         shapes = set()
-        # Windows: declared by the config, or found in an earlier step's mask (a one-token
-        # decode step's mask cannot show one).
-        declared = self.windows if self.windows is not None else self.ctx.facts.windows
+        # Windows: a one-token decode step's mask cannot show one, so it takes the prompt
+        # step's (proven, and checked against the config there); a prompt step checks the
+        # config's against its proven masks.
+        earlier = self.ctx.facts.windows
+        declared = earlier if tokens == 1 and earlier is not None else \
+            self.windows if self.windows is not None else earlier
         if declared is not None and len(declared) != len(sites):
             raise DCPTransformError(
                 f"the model declares {len(declared)} attention layers (config layer_types / "
                 f"num_hidden_layers, or an earlier step) but this step's graph has "
                 f"{len(sites)} attention sites. Every layer must attend once through SDPA or "
                 f"eager attention.")
+        theorems = []
         for layer, s in enumerate(sites):
             self._check_site(s, per_token, batch, tokens, pos)
-            self._set_window(s, declared[layer] if declared else 0, layer, tokens)
+            verdict = self._prove_mask(s, layer, tokens, pos) if s.mask is not None else None
+            self._set_window(s, declared[layer] if declared else 0, layer, verdict)
+            if tokens > 1:
+                theorems.append(verdict.theorem if verdict else
+                                unmasked_theorem(layer, s.causal, s.window, s.node.name))
             shapes.add(self._cache_row(s))
         if len(shapes) != 1:
             raise DCPTransformError(
@@ -115,7 +128,8 @@ class InsertPagedCache(DCPPass):
                 f"{sorted(map(str, shapes))}. DCP needs one KV cache layout for every layer.")
         (kv_heads, head_dim), dtype, shared = shapes.pop()
         return Plan(sites=sites, tokens=tokens, batch=batch, kv_heads=kv_heads,
-                    head_dim=head_dim, dtype=dtype, position_input=pos, kv_shared=shared)
+                    head_dim=head_dim, dtype=dtype, position_input=pos, kv_shared=shared,
+                    mask_theorems=tuple(theorems))
 
     @staticmethod
     def _cache_row(s: Site):
@@ -155,9 +169,7 @@ class InsertPagedCache(DCPPass):
         if val(s.v).shape[1] != hkv or hq % hkv:
             fail(s.node, f"head counts q={hq}, k={hkv}, v={val(s.v).shape[1]} are not a "
                  f"GQA grouping", "K and V need the same heads, dividing Q's")
-        if s.mask is not None:
-            self._check_mask(s, tokens, pos)
-        elif not s.causal and tokens > 1:
+        if s.mask is None and not s.causal and tokens > 1:
             fail(s.node, f"non-causal attention (is_causal=False, no mask) over {tokens} "
                  f"tokens: every token attends to later ones (an encoder)",
                  "Only causal decoders can be served from a KV cache")
@@ -189,104 +201,46 @@ class InsertPagedCache(DCPPass):
                      "the sequence) cannot be served from a KV cache")
             stack.extend(n.all_input_nodes)
 
-    # -- masks -----------------------------------------------------------------------------
+    # -- masks (passes/mask_predicate.py reads them, passes/prove/masks.py proves them) -----
 
-    def _check_mask(self, s: Site, tokens: int, pos) -> None:
-        allowed = self._evaluate_mask(s, tokens, pos)
-        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-        if allowed.shape[-2:] != causal.shape:
-            fail(s.mask, f"attention mask of shape {tuple(allowed.shape)} for {tokens} "
-                 f"queries and keys", "Use a [..., S, S] causal mask")
-        if bool((allowed == causal).all()):
+    def _prove_mask(self, s: Site, layer: int, tokens: int, pos) -> MaskVerdict | None:
+        """The site's mask proven causal (within a window W) for every position; sets
+        ``s.window``. A one-token step's mask only has to keep its one key (its window comes
+        from the prompt step or the config)."""
+        keep = read_mask(s, tokens, token_input=self.token_input, position_input=pos,
+                         constants=self._constant_values).keep
+        if tokens == 1:
+            if not bool(keep.subs({I: 0, J: 0})):
+                fail(s.mask, f"attention {s.node.name}'s one-token mask hides the token's "
+                     f"own key", "Use a causal mask")
+            return None
+        verdict = prove_mask(keep, name=mask_theorem_name(layer),
+                             where=f"layer {layer} ({s.mask.name}, {source_of(s.mask)})")
+        if not verdict.proven:
+            fail(s.mask, f"attention {s.node.name} applies {_what_mask(verdict)}: "
+                 f"{verdict.why}{_example(verdict)}", "The paged cache replaces the mask by "
+                 "causality (and a sliding window) on positions; other masks are not "
+                 "supported: use a causal decoder")
+        s.window = verdict.window
+        return verdict
+
+    def _set_window(self, s: Site, declared: int, layer: int, verdict) -> None:
+        """Config windows (Hugging Face layer_types / sliding_window) checked against the
+        proven mask; a site without a mask (is_causal, one token) takes the config's."""
+        if verdict is None:
+            s.window = declared or s.window
             return
-        i = torch.arange(tokens)
-        for w in range(1, tokens):
-            if bool((allowed == (causal & (i[:, None] - i[None, :] < w))).all()):
-                s.window = w
-                return
-        rows = allowed.reshape(-1, tokens, tokens)
-        if bool(rows.all()):
-            why = "a bidirectional mask (every token sees every token, an encoder)"
-        elif bool((rows <= causal).all()) and bool(rows.diagonal(dim1=-2, dim2=-1).all()):
-            why = ("a causal mask that also hides some earlier tokens, not as a sliding "
-                   "window (the same for every query)")
-        else:
-            why = "a mask that is not causal"
-        fail(s.mask, f"attention {s.node.name} applies {why}",
-             "The paged cache replaces the mask by causality (and a sliding window) on "
-             "positions; other masks are not supported: use a causal decoder")
+        if declared and declared != verdict.window:
+            wrong = prove_mask(verdict.keep, name="", where="", expected=declared)
+            fail(s.node, f"layer {layer}'s mask, proven for every position, keeps key j for "
+                 f"query i iff {describe(verdict.window)}, but the config declares "
+                 f"sliding_window={declared}{_example(wrong)}", "Fix the config "
+                 "(sliding_window / layer_types) or the mask")
 
-    def _set_window(self, s: Site, declared: int, layer: int, tokens: int) -> None:
-        if not declared:
-            return
-        if s.window and s.window != declared:
-            fail(s.node, f"layer {layer}'s mask is a window of {s.window} tokens but the "
-                 f"config declares sliding_window={declared}", "Fix the config")
-        if not s.window and declared < tokens and (s.mask is not None or tokens > 1):
-            fail(s.node, f"the config declares sliding_window={declared} for layer {layer} "
-                 f"but its mask over {tokens} tokens is fully causal", "Fix the config")
-        s.window = declared
-
-    def _evaluate_mask(self, s: Site, tokens: int, pos) -> torch.Tensor:
-        """The mask's value at positions 0..S-1, as 'query i may attend key j' booleans."""
-        need, stack = [], [s.mask]
-        seen = set()
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            need.append(n)
-            stack.extend(n.all_input_nodes)
-        order = {n: i for i, n in enumerate(s.mask.graph.nodes)}
-        env = {}
-        for n in sorted(need, key=order.get):
-            if n.op == "placeholder":
-                env[n] = self._placeholder_value(n, s, tokens, pos)
-            elif n.op == "call_function":
-                args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-                if "device" in kwargs:
-                    kwargs = {**kwargs, "device": torch.device("cpu")}
-                try:
-                    env[n] = n.target(*args, **kwargs)
-                except Exception as e:
-                    fail(n, f"the attention mask of {s.node.name} could not be evaluated "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                         "Build the mask from positions or torch.arange only")
-            else:
-                fail(n, f"attention mask built from {n.op} {n.target}", "Build the mask "
-                     "from positions or torch.arange only")
-        m = env[s.mask]
-        if s.mask_kind == "keep":
-            return m.bool()
-        if s.mask_kind == "drop":
-            return ~m.bool()
-        if not m.is_floating_point():
-            fail(s.mask, f"additive attention mask of dtype {m.dtype}", "Use a float mask")
-        bias = ~((m == 0) | (m <= MASKED_OUT))
-        if bool(bias.any()):
-            fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
-                 f"-inf (e.g. {m[bias].flatten()[0].item():g}): a position bias such as "
-                 f"ALiBi", "The paged op has no attention bias: use a model without one")
-        return m == 0
-
-    def _placeholder_value(self, n: Node, s: Site, tokens: int, pos):
-        if n.name == self.token_input:
-            fail(s.mask, f"the attention mask of {s.node.name} depends on the token ids "
-                 f"(data-dependent mask)", "Masks may depend only on positions: padding is "
-                 "expressed by position -1 in a DCP program")
-        if pos is not None and n is pos:
-            b = val(n).shape[0]
-            return torch.arange(tokens).expand(b, tokens).clone()
-        if self._constants is None and self.constants is not None:
-            self._constants = self.constants()
-        t = (self._constants or {}).get(n.name)
-        if t is None or t.is_meta:
-            fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value "
-                 f"is not available here (meta device or not a weight/buffer)",
-                 "Build causal masks from torch.arange, or transform a model with real "
-                 "weights")
-        return t.detach().cpu()
+    def _constant_values(self) -> dict:
+        if self._constants is None:
+            self._constants = self.constants() if self.constants is not None else {}
+        return self._constants
 
     # -- rewrite ---------------------------------------------------------------------------
 
@@ -360,12 +314,14 @@ class InsertPagedCache(DCPPass):
         self._replace_aranges(g, plan, clamped)
         if plan.position_input is not None:
             g.erase_node(plan.position_input)
-        # A one-token step's mask shows no window: it keeps the prompt step's.
+        # A one-token step's mask shows no window: it keeps the prompt step's. The prompt
+        # step's mask theorems go to the certificate (validate_and_prove).
         windows = tuple(s.window for s in plan.sites) \
             if plan.tokens > 1 or self.ctx.facts.windows is None else None
         found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
                            windows=windows,
-                           mla=LatentAttention(**latent[0]) if latent else None)
+                           mla=LatentAttention(**latent[0]) if latent else None,
+                           mask_theorems=plan.mask_theorems or None)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
                     positions="position_ids" if plan.position_input is not None else "arange")
@@ -400,6 +356,27 @@ class InsertPagedCache(DCPPass):
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
         ensure(not left, self.name, "attention kernels left without a paged cache", left)
+
+
+def _what_mask(verdict: MaskVerdict) -> str:
+    """The kind of mask a failed verdict is about, from its counterexample."""
+    example = verdict.theorem.counterexample
+    if verdict.keep == sympy.true:
+        return "a bidirectional mask (every token sees every token, an encoder)"
+    if example and example["mask"] and example["j"] > example["i"]:
+        return "a mask that is not causal (a query attends a later key)"
+    if example is None:
+        return "a mask that is not causal within a window"
+    return ("a causal mask that also hides some earlier tokens, not as a sliding window "
+            "(the same for every query)")
+
+
+def _example(verdict: MaskVerdict) -> str:
+    e = verdict.theorem.counterexample
+    if not e:
+        return ""
+    return (f" (at query position i={e['i']}, key position j={e['j']} the mask "
+            f"{'keeps' if e['mask'] else 'hides'} the key)")
 
 
 def _keeps_tokens(n: Node, batch: int, tokens: int) -> bool:

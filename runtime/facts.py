@@ -33,6 +33,9 @@ class ModelFacts:
     cache_dtype: torch.dtype | None = None
     windows: tuple[int, ...] | None = None      # per layer; 0: full attention
     mla: LatentAttention | None = None
+    # One mask theorem per attention layer of an ordinary model (passes/prove/masks.py
+    # Theorems), for the certificate.
+    mask_theorems: tuple | None = None
 
     def merged(self, found: "ModelFacts | None") -> "ModelFacts":
         """These facts with every field ``found`` knows replaced by its value."""
