@@ -81,7 +81,9 @@ def compile_program(frontend: Frontend, config: DCPConfig,
     facts, certificate = frontend.facts(), options.certificate
     graphs, history, shards = {}, [], {}
     first: StepCapture | None = None
-    for step in frontend.steps(config.mode):
+    # Plain strings from here on (the StepKind values): graphs, history and dumps are data
+    # that is saved and loaded (torch.load's weights_only refuses unknown classes).
+    for step in map(str, frontend.steps(config.mode)):
         captured = frontend.capture(step, config)
         if options.progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
