@@ -44,7 +44,8 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
               certificate=None, progress: bool = False, combine: str = "all_gather",
-              combine_dtype: str = "float32", check: bool | None = None) -> DCPProgram:
+              combine_dtype: str = "float32", check: bool | None = None,
+              expert_parallel: bool = False) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (dcp_compile.runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
@@ -52,6 +53,9 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
     ``combine_dtype`` choose the decode combine (DCPConfig; README "Decode step cost").
+
+    ``expert_parallel`` partitions a mixture-of-experts model's experts over the tp ranks
+    instead of cutting each expert's intermediate dim (README "Mixture of experts").
 
     ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
@@ -62,7 +66,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     """
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
-                       combine_dtype=combine_dtype)
+                       combine_dtype=combine_dtype, expert_parallel=expert_parallel)
     return compile_program(frontend_for(model, shapes), config, CompileOptions(
         dump_dir=dump_dir, certificate=certificate, check=check, progress=progress))
 

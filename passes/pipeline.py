@@ -19,6 +19,7 @@ from typing import Sequence
 from dcp_compile.runtime.errors import DCPTransformError
 
 from .canonicalize_attention import CanonicalizeAttention
+from .canonicalize_moe import CanonicalizeMoE
 from .check_static_shapes import CheckStaticShapes
 from .dcp_decode import DCPContext, DCPDecode
 from .dcp_prefill import DCPPrefill
@@ -37,11 +38,11 @@ STEPS_BY_MODE: dict[str, tuple[str, ...]] = {"decode": ("context", "decode"),
 # Step kind -> its passes, in order.
 PIPELINE: dict[str, tuple[type[DCPPass], ...]] = {
     "context": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
-                ValidateAndProve, InsertRank, ShardTensorParallel, DCPContext),
+                CanonicalizeMoE, ValidateAndProve, InsertRank, ShardTensorParallel, DCPContext),
     "decode": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
-               ValidateAndProve, InsertRank, ShardTensorParallel, DCPDecode),
+               CanonicalizeMoE, ValidateAndProve, InsertRank, ShardTensorParallel, DCPDecode),
     "prefill": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
-                ValidateAndProve, InsertRank, ShardTensorParallel, SequenceParallel,
+                CanonicalizeMoE, ValidateAndProve, InsertRank, ShardTensorParallel, SequenceParallel,
                 DCPPrefill),
 }
 

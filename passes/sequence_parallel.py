@@ -127,6 +127,28 @@ def layer_of(gm: GraphModule) -> dict[Node, int]:
 # ------------------------------------------------------------------------------------------
 
 
+def _experts_inputs(gm) -> set[Node]:
+    """Every node a dcp.moe's tokens or routing are computed from."""
+    seen: set[Node] = set()
+    stack = [a for n in gm.graph.nodes if n.target == torch.ops.dcp.moe.default
+             for a in n.args[:3]]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _flattens_tokens(u: Node, plan) -> bool:
+    """A view [B, S, *rest] -> [B*S, *rest]."""
+    if u.target not in _LITERAL_SHAPES:
+        return False
+    x, out = val(u.args[0]), val(u)
+    return tuple(x.shape[:2]) == (plan.batch, plan.tokens) and \
+        tuple(out.shape) == (plan.batch * plan.tokens, *x.shape[2:])
+
+
 @dataclass
 class Reduction:
     all_reduce: Node
@@ -192,10 +214,19 @@ class SequenceParallel(DCPPass):
     def _find_region(self, gm, plan: SPPlan, attn: list[Node]) -> None:
         starts = [r.wait for r in plan.reductions]
         seen, order, stack = set(starts), [], list(starts)
+        experts_inputs = _experts_inputs(gm)
         while stack:
             n = stack.pop()
             for u in n.users:
                 if u in seen:
+                    continue
+                if u in experts_inputs and _flattens_tokens(u, plan):
+                    # A MoE block flattens [B, S, H] to [B*S, H] for its router and experts
+                    # (dcp.moe): they need the whole sequence, like a projection.
+                    plan.frontier.setdefault(n, [])
+                    if u not in plan.frontier[n]:
+                        plan.frontier[n].append(u)
+                    plan.roles[u] = "moe"
                     continue
                 if _is_linear(u):
                     if u.args[0] is not n:
@@ -311,7 +342,7 @@ class SequenceParallel(DCPPass):
                     sliced, delete_user_cb=lambda u: u is not padded and u is not sliced)
                 replaced[red.wait] = sliced
 
-        counts = {"qkv": 0, "mlp": 0, "lm_head": 0}
+        counts = {"qkv": 0, "mlp": 0, "lm_head": 0, "moe": 0}
         for node, linears in plan.frontier.items():
             shape = tuple(val(node).shape)
             node = replaced.get(node, node)   # a projection reading a reduction directly
@@ -329,6 +360,8 @@ class SequenceParallel(DCPPass):
                 c.meta[SPEC_STEP] = 1
             for lin in linears:
                 lin.args = (full,) + tuple(lin.args[1:])
+                if plan.roles[lin] == "moe" and lin.target == aten.view.default:
+                    lin.target = aten.reshape.default    # the gathered tokens are strided
             for r in roles:
                 counts[r] += 1
         gm.meta[SP_META] = {"tokens": s, "padded": sp, "tokens_per_rank": per, "batch": b}

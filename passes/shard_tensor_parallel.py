@@ -123,7 +123,7 @@ class ShardTensorParallel(DCPPass):
     def call(self, gm):
         cfg = self.ctx.config
         plan = self.plan(gm)
-        pl = plan.placements
+        pl = self._placements = plan.placements
         self.shards: dict[str, ShardSpec] = {}    # returned: how the program cuts weights
         mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
                                  if n.op == "placeholder"])
@@ -150,12 +150,17 @@ class ShardTensorParallel(DCPPass):
             self._localize(n, pl)
         for n in list(g.nodes):
             p = pl.of(n)
-            if isinstance(p, Partial):
+            # A pending sum read by pending sums only (an experts' sum on its way to the
+            # block's one all-reduce) is reduced where it is read reduced.
+            if isinstance(p, Partial) and not all(isinstance(pl.of(u), Partial)
+                                                  for u in n.users):
                 self._reduce(g, n, p)
             elif pl.linears.get(n) == "lm_head":
                 self._gather_vocab(g, n)
         for emb in pl.embeddings:
             self._vocab_embedding(g, emb, rank)
+        if cfg.expert_parallel:
+            self._expert_shard_rank(g, rank)
 
         # What later passes (sequence_parallel, dcp_prefill) need to know of the roles.
         for lin in pl.linears:
@@ -216,12 +221,12 @@ class ShardTensorParallel(DCPPass):
                 x = first = g.call_function(aten.mul.Tensor, (n, p.scale))
             c, w = C.all_reduce(g, x, self._role(p.axis))
             self.tag(c, KIND_COLLECTIVE)
-            if not is_linear:
+            if not is_linear and not p.experts:   # a norm's statistic, not TP's sum
                 c.meta[META_NORM_REDUCE] = True
             result = w
             if bias is not None:
                 result = g.call_function(aten.add.Tensor, (w, bias))
-        keep = {c, first}
+        keep = {c, first} | {u for u in n.users if isinstance(self._placements.of(u), Partial)}
         n.replace_all_uses_with(result, delete_user_cb=lambda u: u not in keep)
 
     def _gather_vocab(self, g, lin: Node) -> None:
@@ -260,6 +265,16 @@ class ShardTensorParallel(DCPPass):
         self.tag(c, KIND_COLLECTIVE)
         c.meta[META_SCOPE] = SCOPE_MODEL
         emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
+
+    def _expert_shard_rank(self, g, rank: Node) -> None:
+        """Expert parallel: rank r holds experts [r * E/tp, (r + 1) * E/tp); dcp.moe reads
+        which from its expert_rank operand, the rank input (rank is data)."""
+        for n in list(g.nodes):
+            if n.op == "call_function" and n.target == torch.ops.dcp.moe.default:
+                old = n.args[5]
+                n.args = n.args[:5] + (rank,) + n.args[6:]
+                if not old.users and old.op == "call_function":
+                    g.erase_node(old)
 
     def _shard_param(self, p: Node, spec: ShardSpec, mode) -> None:
         if p.op != "placeholder":

@@ -73,6 +73,10 @@ ROLE_META = "dcp_tp_role"             # a linear's tensor-parallel role (q_proj,
 PROJECTIONS_META = "dcp_projections"  # an attention's q/k/v/o linear names
 SP_SLICE = "dcp_sp_slice"             # this rank's sequence-parallel slice after the O proj.
 SP_GATHER = "dcp_sp_gather"           # full-sequence tensor after a sequence-parallel gather
+MOE_ROLE_META = "dcp_moe_role"        # a linear of a MoE block run whole on every rank
+                                      # (MOE_ROUTER, MOE_SHARED_GATE)
+MOE_ROUTER = "router"
+MOE_SHARED_GATE = "shared_expert_gate"
 SPEC_STEP = "dcp_spec_step"           # the specification's prefill Compute Pattern step (1..9)
 
 # In torch's meta["custom"] (make_fx copies it onto the nodes a node decomposes into): the

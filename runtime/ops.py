@@ -482,3 +482,12 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# Mixture of experts (runtime/moe.py: dcp.moe and its eager kernel dcp.moe_grouped)
+# ----------------------------------------------------------------------------------------
+
+from .moe import DECOMPOSITIONS as _MOE_DECOMPOSITIONS  # noqa: E402
+
+DECOMPOSITIONS.update(_MOE_DECOMPOSITIONS)

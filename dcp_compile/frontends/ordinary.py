@@ -127,7 +127,11 @@ class OrdinaryStep(nn.Module):
         kwargs = {"position_ids": position_ids} if self.takes_positions else {}
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
-        out = self.model(input_ids, **kwargs)
+            from ..hf import dcp_experts_enabled  # experts -> dcp.moe (README: MoE)
+            with dcp_experts_enabled(self.model):
+                out = self.model(input_ids, **kwargs)
+        else:
+            out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if not isinstance(logits, Tensor):
             raise DCPTransformError(
