@@ -220,3 +220,73 @@ def test_plain_forward_is_the_paged_op():
         for layer in model.layers:
             layer.self_attn.sinks.fill_(-1e4)
         assert (plain_forward(model, ids) - full).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------------------
+# transformers' gpt-oss through hf.prepare
+# ----------------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from dcp_compile import hf  # noqa: E402
+
+# Alternating sliding/full layers and yarn RoPE, as gpt-oss ships; hf.prepare serves a window
+# while sequences fit in it (max_model_len <= sliding_window, its rule for every model).
+GPT_OSS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=16, num_key_value_heads=2, head_dim=8,
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+               layer_types=["sliding_attention", "full_attention"],
+               max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+               pad_token_id=None,
+               rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                    original_max_position_embeddings=16, beta_fast=32.0,
+                                    beta_slow=1.0))
+MAX_MODEL_LEN = 24
+
+
+class DenseMLP(nn.Module):
+    """A SwiGLU MLP in the (hidden, router scores) form gpt-oss's decoder layer unpacks."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.mlp = demo.MLP(demo.DemoConfig(hidden_size=hidden, intermediate_size=inner))
+
+    def forward(self, x):
+        return self.mlp(x), None
+
+
+def gpt_oss(seed: int = 0):
+    config = transformers.GptOssConfig(**GPT_OSS)
+    config._attn_implementation = "eager"   # its own form: the sink column cat'ed, softmax
+    model = transformers.GptOssForCausalLM(config)
+    for layer in model.model.layers:
+        layer.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 2)
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode,tp_dcp", CASES, ids=IDS)
+def test_gpt_oss_attention_matches_own_forward(mode, tp_dcp):
+    model = gpt_oss()
+    assert model.model.rotary_emb.rope_type == "yarn"
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [24, None]
+    check(hf.prepare(model, max_model_len=MAX_MODEL_LEN), lambda ids: model(ids).logits,
+          mode, *tp_dcp)
+
+
+def test_gpt_oss_s_aux_of_the_wrong_shape_is_refused():
+    model = gpt_oss()
+    attn = model.model.layers[0].self_attn
+    attn.sinks = nn.Parameter(torch.zeros(attn.sinks.shape[0], 2))
+    with pytest.raises(DCPTransformError, match=r"s_aux=tensor\(16, 2\).*one logit per q "
+                                                r"head, shape \(16,\)"):
+        hf.prepare(model, max_model_len=MAX_MODEL_LEN)
