@@ -177,10 +177,10 @@ def own_forward(forward, prompts, steps):
     return tokens, logits
 
 
-def check(subject, forward, mode, tp, dcp) -> float:
+def check(subject, forward, mode, tp, dcp, combine="all_gather") -> float:
     program = dcp_compile.transform(subject, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
                                     interleave_size=2 if mode == "decode" else BLOCK,
-                                    shapes=SHAPES, check=False)
+                                    shapes=SHAPES, check=False, combine=combine)
     steps = STEPS[mode]
     prompts = prompts_of(LENGTHS, vocab=VOCAB)
     runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
@@ -204,6 +204,13 @@ IDS = [f"{m}-tp{t}dcp{d}" for m, (t, d) in CASES]
 def test_plain_module_with_sinks_matches_own_forward(mode, tp_dcp):
     model = sink_model()
     check(model, lambda ids: plain_forward(model, ids), mode, *tp_dcp)
+
+
+@pytest.mark.parametrize("tp,dcp", CONFIGS, ids=[f"tp{t}dcp{d}" for t, d in CONFIGS])
+def test_plain_module_with_sinks_all_to_all_combine(tp, dcp):
+    """Decode combine="all_to_all": the sink once on the logsumexp of the merged LSEs."""
+    model = sink_model()
+    check(model, lambda ids: plain_forward(model, ids), "decode", tp, dcp, "all_to_all")
 
 
 def test_plain_forward_is_the_paged_op():
