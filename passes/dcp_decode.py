@@ -227,11 +227,12 @@ class DCPDecode(DCPPass):
                     (q_all, positions, k, v, k_pos, kc2, vc2, table, prior, cp, W, I, scale),
                     kwargs), KIND_ATTENTION, layer)   # window, softcap
                 out = g.call_function(operator.getitem, (pa, 0))
-                lse = g.call_function(operator.getitem, (pa, 1))
                 if W > 1:
+                    lse = g.call_function(operator.getitem, (pa, 1))
                     out = COMBINES[cfg.combine](self, g, out, lse, layer, (b, s, hq, d),
                                                 val(q).dtype, sinks, cp)
-                else:
+                elif sinks is not None:   # one rank: its LSE is the global one
+                    lse = g.call_function(operator.getitem, (pa, 1))
                     out = correct_sinks(self, g, out, lse, sinks, layer, val(q).dtype)
             replace_attention(attn, out, kc2, vc2)
         self.record(layers=len(layers), dcp=W, interleave_size=I, block_size=B,
@@ -264,9 +265,9 @@ class DCPContext(DCPPass):
                     (q, positions, k, v, positions, kc2, vc2, table, no_prior, cp, W, I,
                      scale), kwargs), KIND_ATTENTION, layer)
                 out = g.call_function(operator.getitem, (pa, 0))
-                # Every key of the prompt is local here: the local LSE is the global one.
-                lse = g.call_function(operator.getitem, (pa, 1))
-                out = correct_sinks(self, g, out, lse, sinks, layer, val(q).dtype)
+                if sinks is not None:   # every key of the prompt is local: global LSE
+                    lse = g.call_function(operator.getitem, (pa, 1))
+                    out = correct_sinks(self, g, out, lse, sinks, layer, val(q).dtype)
             replace_attention(attn, out, kc2, vc2)
         self.record(layers=len(layers))
         return PassResult(gm, True)

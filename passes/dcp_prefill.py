@@ -343,7 +343,8 @@ class DCPPrefill(DCPPass):
                     (q_full, positions, k, v, m["k_pos"], kc2, vc2, table, m["prior"], cp, W,
                      I, scale), kwargs), 7, KIND_ATTENTION, layer)  # window, softcap
                 out = g.call_function(operator.getitem, (pa, 0))
-                lse = g.call_function(operator.getitem, (pa, 1))
+                lse = g.call_function(operator.getitem, (pa, 1)) \
+                    if W > 1 or sinks is not None else None
                 if W > 1:
                     c, lse_w = C.all_gather(g, lse, "cp_kv", W)             # [W*B, S, hq]
                     self._step(c, 7, KIND_COLLECTIVE, layer)

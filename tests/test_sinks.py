@@ -261,8 +261,8 @@ class DenseMLP(nn.Module):
         return self.mlp(x), None
 
 
-def gpt_oss(seed: int = 0):
-    config = transformers.GptOssConfig(**GPT_OSS)
+def gpt_oss(seed: int = 0, window: int = 24):
+    config = transformers.GptOssConfig(**{**GPT_OSS, "sliding_window": window})
     config._attn_implementation = "eager"   # its own form: the sink column cat'ed, softmax
     model = transformers.GptOssForCausalLM(config)
     for layer in model.model.layers:
@@ -297,3 +297,12 @@ def test_gpt_oss_s_aux_of_the_wrong_shape_is_refused():
     with pytest.raises(DCPTransformError, match=r"s_aux=tensor\(16, 2\).*one logit per q "
                                                 r"head, shape \(16,\)"):
         hf.prepare(model, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("mode,tp_dcp", CASES[:1] + CASES[3:], ids=IDS[:1] + IDS[3:])
+def test_gpt_oss_direct_matches_own_forward(mode, tp_dcp):
+    """transform(model) on gpt-oss's own eager attention: the cat-sinks-softmax-slice form
+    becomes dcp.paged_attention(..., sinks=self_attn.sinks); the sliding layers' window (5,
+    shorter than the sequences: it bites) comes from the mask proof."""
+    model = gpt_oss(window=WINDOW)
+    check(model, lambda ids: model(ids).logits, mode, *tp_dcp)
