@@ -13,14 +13,17 @@ shards), at tp=4/dcp=2 and tp=8/dcp=4:
 - a plain module whose attention is ``dcp.paged_attention(..., sinks=...)`` with an
   alternating sliding window, against an independent cache-free forward written here;
 - transformers' gpt-oss (tiny config: alternating sliding/full layers, yarn RoPE, sinks)
-  through ``hf.prepare`` (``s_aux`` -> ``sinks``), against its own eager forward. Its
-  experts (biased, interleaved, clamped gate) are not what dcp.moe computes yet, so the test
-  gives each layer a dense MLP; the attention is gpt-oss's own.
+  through ``hf.prepare`` (``s_aux`` -> ``sinks``; window 24 >= max_model_len) and directly
+  (its eager cat-sinks-softmax-slice form; window 5, which bites), against its own eager
+  forward. Its experts (biased, interleaved, clamped gate) are not what dcp.moe computes
+  yet, so the test gives each layer a dense MLP; the attention is gpt-oss's own.
+The default run is a slice; DCP_SINKS_MATRIX=1 runs every case.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -41,6 +44,16 @@ STEPS = {"decode": 8, "prefill": 1}
 SHAPES = StepShapes(batch=4, context_len=12, max_blocks=6, num_blocks=16)
 WINDOW = 5            # the plain model's sliding layers (odd ones)
 CONFIGS = [(4, 2), (8, 4)]
+# The default run is a slice (one case per model form); DCP_SINKS_MATRIX=1 runs every form x
+# {decode, prefill} x {tp=4/dcp=2, tp=8/dcp=4} (and the all_to_all combine at both).
+MATRIX = os.environ.get("DCP_SINKS_MATRIX", "") not in ("", "0")
+SLICE = {"plain": ("decode", (8, 4)), "a2a": ("decode", (4, 2)),
+         "prepare": ("prefill", (4, 2)), "direct": ("decode", (4, 2))}
+
+
+def in_slice(form: str, mode: str, tp_dcp) -> None:
+    if not MATRIX and SLICE[form] != (mode, tuple(tp_dcp)):
+        pytest.skip("in the full matrix (DCP_SINKS_MATRIX=1)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -202,6 +215,7 @@ IDS = [f"{m}-tp{t}dcp{d}" for m, (t, d) in CASES]
 
 @pytest.mark.parametrize("mode,tp_dcp", CASES, ids=IDS)
 def test_plain_module_with_sinks_matches_own_forward(mode, tp_dcp):
+    in_slice("plain", mode, tp_dcp)
     model = sink_model()
     check(model, lambda ids: plain_forward(model, ids), mode, *tp_dcp)
 
@@ -209,6 +223,7 @@ def test_plain_module_with_sinks_matches_own_forward(mode, tp_dcp):
 @pytest.mark.parametrize("tp,dcp", CONFIGS, ids=[f"tp{t}dcp{d}" for t, d in CONFIGS])
 def test_plain_module_with_sinks_all_to_all_combine(tp, dcp):
     """Decode combine="all_to_all": the sink once on the logsumexp of the merged LSEs."""
+    in_slice("a2a", "decode", (tp, dcp))
     model = sink_model()
     check(model, lambda ids: plain_forward(model, ids), "decode", tp, dcp, "all_to_all")
 
@@ -283,6 +298,7 @@ def gpt_oss(seed: int = 0, window: int = 24):
 
 @pytest.mark.parametrize("mode,tp_dcp", CASES, ids=IDS)
 def test_gpt_oss_attention_matches_own_forward(mode, tp_dcp):
+    in_slice("prepare", mode, tp_dcp)
     model = gpt_oss()
     assert model.model.rotary_emb.rope_type == "yarn"
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [24, None]
@@ -299,10 +315,11 @@ def test_gpt_oss_s_aux_of_the_wrong_shape_is_refused():
         hf.prepare(model, max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.mark.parametrize("mode,tp_dcp", CASES[:1] + CASES[3:], ids=IDS[:1] + IDS[3:])
+@pytest.mark.parametrize("mode,tp_dcp", CASES, ids=IDS)
 def test_gpt_oss_direct_matches_own_forward(mode, tp_dcp):
     """transform(model) on gpt-oss's own eager attention: the cat-sinks-softmax-slice form
     becomes dcp.paged_attention(..., sinks=self_attn.sinks); the sliding layers' window (5,
     shorter than the sequences: it bites) comes from the mask proof."""
+    in_slice("direct", mode, tp_dcp)
     model = gpt_oss(window=WINDOW)
     check(model, lambda ids: model(ids).logits, mode, *tp_dcp)
