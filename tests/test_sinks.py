@@ -323,3 +323,39 @@ def test_gpt_oss_direct_matches_own_forward(mode, tp_dcp):
     in_slice("direct", mode, tp_dcp)
     model = gpt_oss(window=WINDOW)
     check(model, lambda ids: model(ids).logits, mode, *tp_dcp)
+
+
+# ----------------------------------------------------------------------------------------
+# Structure: no extra collective; the program lowers to StableHLO
+# ----------------------------------------------------------------------------------------
+
+
+def _program(model, mode, tp, dcp):
+    return dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
+                                 interleave_size=2 if mode == "decode" else BLOCK,
+                                 shapes=SHAPES, check=False)
+
+
+def _count(program, target) -> dict:
+    return {step: sum(n.target == target for n in gm.graph.nodes)
+            for step, gm in program.graphs.items()}
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_sinks_add_one_correction_per_layer_and_no_collective(mode, tmp_path):
+    """The sink costs one dcp.sink_correct per layer and step, no collective: the programs
+    of the model with and without sinks have the same collectives; and it lowers."""
+    pytest.importorskip("torch_mlir")
+    from dcp_compile.lowering import collectives_in, lower
+
+    with_sinks = _program(sink_model(), mode, 4, 2)
+    without = _program(demo.demo_model(), mode, 4, 2)
+    layers = with_sinks.num_layers
+    assert set(_count(with_sinks, torch.ops.dcp.sink_correct.default).values()) == {layers}
+    assert set(_count(without, torch.ops.dcp.sink_correct.default).values()) == {0}
+    lowered = lower(with_sinks, target="stablehlo", out_dir=tmp_path / "with")
+    lowered_plain = lower(without, target="stablehlo", out_dir=tmp_path / "without")
+    for step, m in lowered.modules.items():
+        kinds = sorted(c["kind"] for c in collectives_in(m.text))
+        assert kinds == sorted(c["kind"] for c in collectives_in(
+            lowered_plain.modules[step].text)), step
