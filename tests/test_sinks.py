@@ -359,3 +359,23 @@ def test_sinks_add_one_correction_per_layer_and_no_collective(mode, tmp_path):
         kinds = sorted(c["kind"] for c in collectives_in(m.text))
         assert kinds == sorted(c["kind"] for c in collectives_in(
             lowered_plain.modules[step].text)), step
+
+
+def test_a_sink_column_in_another_form_is_refused_by_node(monkeypatch):
+    """A dropped last softmax column that is not gpt-oss's per-head sink is refused, naming
+    the softmax: never read as plain attention, never guessed."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as M
+
+    def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key, value = (M.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        column = torch.zeros_like(scores[..., :1]) + module.sinks.view(1, -1, 1, 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+        return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+    monkeypatch.setattr(M, "eager_attention_forward", eager)
+    with pytest.raises(DCPTransformError, match=r"attention sink column of shape "
+                                                r"\(\d+, 16, \d+, 1\).*at node softmax"):
+        _program(gpt_oss(window=WINDOW), "decode", 4, 2)
