@@ -61,7 +61,8 @@ __all__ = ["BackendOptions", "DCPCompiledStep", "build_program", "dcp_backend",
            "kv_cache_spec", "make_backend"]
 
 BACKEND_NAME = "dcp"
-_OPTION_KEYS = ("tp", "dcp", "mode", "block_size", "interleave_size", "kv_role", "dump_dir")
+_OPTION_KEYS = ("tp", "dcp", "mode", "block_size", "interleave_size", "kv_role", "dump_dir",
+                "compile")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class BackendOptions:
     interleave_size: int | None = None
     kv_role: str | None = None
     dump_dir: str | None = None
+    compile: str = "eager"        # how each rank runs its graph: "eager" | "inductor"
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "BackendOptions":
@@ -87,6 +89,10 @@ class BackendOptions:
             raise DCPConfigError("backend 'dcp' needs the DCP degree: options has no 'dcp'. "
                                  "Pass options={'tp': 4, 'dcp': 2} (dcp=1 is plain TP).")
         opts = cls(**options)
+        from dcp_compile.runtime.rank_program import COMPILERS
+        if opts.compile not in COMPILERS:
+            raise DCPConfigError(f"unknown compile mode for backend 'dcp': "
+                                 f"compile={opts.compile!r}. Pass one of {sorted(COMPILERS)}.")
         if opts.tp is not None:  # validate what can be validated before the model is seen
             DCPConfig(tp=opts.tp, dcp=opts.dcp, mode=opts.mode,
                       block_size=opts.block_size or 16, interleave_size=opts.interleave_size,
@@ -201,7 +207,7 @@ def build_step(gm: GraphModule, example_inputs: list, opts: BackendOptions
     program, capture = build_program(gm, example_inputs, opts)
     return DCPCompiledStep(program, capture.step,
                            weight_args=[i for _, i in capture.weights],
-                           user_args=[i for _, i in capture.user])
+                           user_args=[i for _, i in capture.user], compile=opts.compile)
 
 
 def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):

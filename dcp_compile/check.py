@@ -240,7 +240,7 @@ def _run_steps(engine, steps: list[CheckStep]) -> None:
     with torch.no_grad():
         for step in steps:
             if step.decode:
-                engine.decode([t[0] for t in step.tokens])
+                engine.decode_rows(step.tokens)
             else:
                 engine.prefill(step.tokens)
 
@@ -265,7 +265,7 @@ def run_program(program: DCPProgram, steps: list[CheckStep]) -> list:
         recorder = RecordingExecutor(LocalExecutor(
             loaded.step_fns(), program.cache_spec().allocate(), before_step=_poison_garbage))
         engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+                        dcp=program.config.dcp, prompt_kind=prompt_kind(program), buckets=program.buckets)
         _run_steps(engine, steps)
         return recorder
 

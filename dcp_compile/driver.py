@@ -45,7 +45,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
               certificate=None, progress: bool = False, combine: str = "all_gather",
               combine_dtype: str = "float32", check: bool | None = None,
-              expert_parallel: bool = False) -> DCPProgram:
+              expert_parallel: bool = False, buckets=None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (dcp_compile.runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
@@ -57,6 +57,11 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     ``expert_parallel`` partitions a mixture-of-experts model's experts over the tp ranks
     instead of cutting each expert's intermediate dim (README "Mixture of experts").
 
+    ``buckets`` (context lengths in tokens, each a multiple of ``block_size * dcp``) adds one
+    graph per (step kind, bucket) over the same weights, with a block table of
+    ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
+    always the last bucket (dcp_compile.runtime.buckets; README "Context buckets").
+
     ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
     a program whose logits differ (dcp_compile.check: steps, inputs, tolerance). ``None``:
@@ -64,11 +69,41 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
     ``True`` on a meta model raises.
     """
+    from dcp_compile.runtime.buckets import check_buckets
+    from dcp_compile.runtime.engine import StepShapes
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
                        combine_dtype=combine_dtype, expert_parallel=expert_parallel)
-    return compile_program(frontend_for(model, shapes), config, CompileOptions(
+    sizes = check_buckets(buckets, block_size=block_size, dcp=dcp,
+                          max_blocks=(shapes or StepShapes()).max_blocks)
+    program = compile_program(frontend_for(model, shapes), config, CompileOptions(
         dump_dir=dump_dir, certificate=certificate, check=check, progress=progress))
+    program.bucket_graphs = _bucket_graphs(model, program, config, sizes[:-1], progress)
+    return program
+
+
+def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progress) -> dict:
+    """Each smaller bucket's graphs: the same compile with that bucket's block-table width
+    (a captured step's shapes are static), over the same weights; the certificate is
+    reused, not proven again, and nothing is dumped (the dump is the full program's)."""
+    import dataclasses
+
+    from dcp_compile.runtime.buckets import bucket_width
+    out = {}
+    for bucket in buckets:
+        width = bucket_width(bucket, block_size=config.block_size, dcp=config.dcp)
+        if progress:
+            _report(f"[bucket {bucket}] block table of {width} entries")
+        shapes = dataclasses.replace(program.shapes, max_blocks=width)
+        sub = compile_program(frontend_for(model, shapes), config, CompileOptions(
+            dump=False, certificate=program.certificate, check=False, progress=progress))
+        if sub.weight_inputs != program.weight_inputs:
+            raise DCPTransformError(
+                f"context bucket {bucket} captured other weights than the full program: "
+                f"{sub.weight_inputs[:4]}... vs {program.weight_inputs[:4]}... . Buckets "
+                f"share one set of weights; report this model to dcp_compile.")
+        out[bucket] = sub.graphs
+    return out
 
 
 def compile_program(frontend: Frontend, config: DCPConfig,

@@ -33,9 +33,14 @@ class VerifyReport:
     step_errors: list[float] = field(default_factory=list)
     first_mismatch: dict | None = None
     seconds: float = 0.0
+    # XLA: {bucket: {step kind: {bytes_accessed, ideal_bytes, seconds, ...}}} (memory_floor)
+    buckets: dict | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["buckets"] is None:
+            del out["buckets"]
+        return out
 
 
 def prompt_kind(program: DCPProgram) -> str:
@@ -86,7 +91,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
         executor = LocalExecutor(loaded.step_fns(), caches,
                                  before_step=_poison_garbage if poison_garbage else None)
         engine = Engine(executor, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+                        dcp=program.config.dcp, prompt_kind=prompt_kind(program), buckets=program.buckets)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -264,7 +269,7 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
             loaded.step_fns(), program.cache_spec().allocate(fill=fill),
             before_step=_poison_garbage if poison_garbage else None))
         engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind="prefill")
+                        dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
         return run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
@@ -357,3 +362,102 @@ def verify_prefill(model, program: DCPProgram, chunk_plan, chunks: int | None = 
                         tp=c.tp, dcp=c.dcp, mode=c.mode, steps=len(chunk_plan),
                         lengths=list(ref.lengths), step_errors=step_errors,
                         first_mismatch=first, seconds=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------
+# Speculative decoding: greedy drafts verified in width-K decode steps, compared token for
+# token (and every verified position's logits) with the single-device model's plain greedy.
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecReport(VerifyReport):
+    mean_accepted: float = 0.0          # tokens per row per verification step
+    reused_tokens: int = 0              # prompt tokens served from the prefix cache
+    spec: dict = field(default_factory=dict)
+
+
+def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False,
+                   prefix_caching=False):
+    """An Engine over ``program`` loaded on ``rank`` of the (already running) world."""
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles
+    loaded = program.load(rank, bind_roles(program.topology, rank))
+    executor = LocalExecutor(loaded.step_fns(), program.cache_spec().allocate(fill=fill),
+                             before_step=_poison_garbage if poison_garbage else None)
+    return Engine(executor, program.shapes, block_size=program.config.block_size,
+                  dcp=program.config.dcp, prompt_kind=prompt_kind(program),
+                  prefix_caching=prefix_caching)
+
+
+def generate_per_token(engine, prompts, steps, drafter):
+    """``engine.generate`` as a SpecResult (logits per sequence per token) with or without
+    a drafter, and the prompt tokens the prefix cache served."""
+    from dcp_compile.runtime.speculative import SpecResult, SpecStats
+    with torch.no_grad():
+        got = engine.generate(prompts, steps, drafter=drafter)
+    if drafter is None:
+        n = len(prompts)
+        got = SpecResult(tokens=got.tokens,
+                         logits=[[step[b] for step in got.logits] for b in range(n)],
+                         stats=SpecStats(row_steps=n * steps, emitted=n * steps))
+    return got, engine.allocator.reused_tokens
+
+
+def draft_program_drafter(draft: DCPProgram, target: DCPProgram):
+    """``drafter_for(rank)`` of a draft model given as another program of the same world
+    (same tp; dcp 1 or the target's): each rank drafts with its own rank of it."""
+    from dcp_compile.runtime.speculative import ModelDrafter
+    if draft.config.tp != target.config.tp or draft.config.dcp not in (1, target.config.dcp):
+        raise DCPInputError(
+            f"a draft program runs on the target's world: draft tp={draft.config.tp}, "
+            f"dcp={draft.config.dcp}; target tp={target.config.tp}, dcp={target.config.dcp}. "
+            f"Transform the draft model with the same tp and dcp=1 or dcp="
+            f"{target.config.dcp}.")
+    return lambda rank: ModelDrafter(program_engine(draft, rank))
+
+
+def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_for, *,
+                       atol: float = 1e-4, timeout: float = 300.0,
+                       prefix_caching: bool = False) -> SpecReport:
+    """Greedy speculative decoding of ``program`` on the threaded world (every rank runs the
+    same loop with its own ``drafter_for(rank)``; None: plain greedy) against the
+    single-device model's plain greedy decoding (no prefix cache): tokens, and the logits
+    of every verified position. ``prefix_caching``: the program's engine shares prefixes."""
+    from dcp_compile.runtime.world import run_threaded
+    start = time.perf_counter()
+    ref, _ = run_reference(model, program, prompts, steps)
+
+    def rank_main(rank):
+        engine = program_engine(program, rank, poison_garbage=True,
+                                prefix_caching=prefix_caching)
+        return generate_per_token(engine, prompts, steps,
+                                  drafter_for(rank) if drafter_for else None)
+
+    runs = run_threaded(program.config.tp, rank_main, timeout=timeout)
+    return speculative_report(program, ref, [r for r, _ in runs], start, atol=atol,
+                              lengths=[len(p) for p in prompts], reused_tokens=runs[0][1])
+
+
+def speculative_report(program: DCPProgram, ref, runs, start: float, *, atol: float,
+                       lengths: list[int], reused_tokens: int = 0) -> SpecReport:
+    """Compare speculative results (one per rank, or one for an SPMD executor) with the
+    reference's plain greedy GenerateResult: tokens, and every verified position's logits."""
+    steps = len(ref.logits)
+    errors, first, agree = [0.0] * steps, None, True
+    for rank, run in enumerate(runs):
+        agree &= run.tokens == ref.tokens
+        for b, row in enumerate(run.logits):
+            for t, got in enumerate(row):
+                err = float((got.float() - ref.logits[t][b].float()).abs().max())
+                err = err if torch.isfinite(got).all() else float("inf")
+                errors[t] = max(errors[t], err)
+                if err > atol and first is None:
+                    first = {"rank": rank, "row": b, "token": t, "error": err}
+    c, stats = program.config, runs[0].stats
+    return SpecReport(ok=agree and first is None, max_abs_error=max(errors, default=0.0),
+                      tokens_agree=agree, tp=c.tp, dcp=c.dcp, mode=c.mode, steps=steps,
+                      lengths=lengths, step_errors=errors,
+                      first_mismatch=first, seconds=time.perf_counter() - start,
+                      mean_accepted=stats.mean_accepted, reused_tokens=reused_tokens,
+                      spec=stats.to_json())

@@ -185,16 +185,21 @@ def all_attention_rewritten(pass_name: str, gm) -> None:
 
 
 class DCPDecode(DCPPass):
-    """Rewrite the one-token decode step's attention into the spec's DCP decode pattern."""
+    """Rewrite the decode step's attention into the spec's DCP decode pattern (one token
+    per row), or its width-K form (up to K tokens per row, each query bounded per rank)."""
 
     name = "dcp_decode"
 
     def requires(self, gm):
+        from .prove.theorems import MAX_DECODE_LEN
         for attn in attention_nodes(gm):
-            if val(attn.args[0]).shape[1] != 1:
-                raise DCPTransformError(f"decode step expects one token per sequence; "
-                                        f"attention {attn.name} has q of shape "
-                                        f"{tuple(val(attn.args[0]).shape)}.")
+            width = val(attn.args[0]).shape[1]
+            if not 1 <= width <= MAX_DECODE_LEN:
+                raise DCPTransformError(
+                    f"decode step width outside what the layout proof covers: attention "
+                    f"{attn.name} has q of shape {tuple(val(attn.args[0]).shape)} (width "
+                    f"{width}), query_local_bound is proven for widths 1..{MAX_DECODE_LEN}. "
+                    f"Build the program with StepShapes(decode_len <= {MAX_DECODE_LEN}).")
 
     def call(self, gm):
         cfg, g = self.ctx.config, gm.graph
@@ -206,13 +211,8 @@ class DCPDecode(DCPPass):
             b, s, hq, d = val(q).shape
             with g.inserting_before(attn):
                 kc2, vc2 = masked_cache_write(self, g, attn, cp, layer)
-                n = g.call_function(aten.select.int, (positions, 1, 0))
-                prior = self.tag(g.call_function(dcp_ops.local_filled.default,
-                                                 (n, cp, W, I, B)), KIND_MASK, layer)
-                active = self.tag(g.call_function(dcp_ops.active_mask.default,
-                                                  (positions, cp, W, I, B)), KIND_MASK, layer)
-                owned = g.call_function(aten.eq.Scalar, (active, 1))
-                k_pos = g.call_function(aten.where.ScalarOther, (owned, positions, -1))
+                prior, k_pos = (self._one_token_keys if s == 1 else self._width_k_keys)(
+                    g, positions, cp, layer)
                 if W > 1:
                     c, q_w = C.all_gather(g, q, "dcp", W)                 # [W*b, 1, hq, d]
                     self.tag(c, KIND_COLLECTIVE, layer)
@@ -238,6 +238,29 @@ class DCPDecode(DCPPass):
         self.record(layers=len(layers), dcp=W, interleave_size=I, block_size=B,
                     combine=cfg.combine, combine_dtype=cfg.combine_dtype)
         return PassResult(gm, True)
+
+    def _one_token_keys(self, g, positions, cp, layer):
+        """The spec's pattern: prior slots [0, local_filled(N)), the active token as a
+        current key on its owner only (dcp_active_mask)."""
+        W, I, B = self.ctx.config.dcp, self.ctx.config.interleave_size, \
+            self.ctx.config.block_size
+        n = g.call_function(aten.select.int, (positions, 1, 0))
+        prior = self.tag(g.call_function(dcp_ops.local_filled.default, (n, cp, W, I, B)),
+                         KIND_MASK, layer)
+        active = self.tag(g.call_function(dcp_ops.active_mask.default,
+                                          (positions, cp, W, I, B)), KIND_MASK, layer)
+        owned = g.call_function(aten.eq.Scalar, (active, 1))
+        return prior, g.call_function(aten.where.ScalarOther, (owned, positions, -1))
+
+    def _width_k_keys(self, g, positions, cp, layer):
+        """Width K > 1: the owners have written this step's tokens into their shards, so
+        every key is read from the cache, query t up to its own local bound
+        (layout.query_local_bound, theorem query_local_bound_is_causal); no current key."""
+        W, I, B = self.ctx.config.dcp, self.ctx.config.interleave_size, \
+            self.ctx.config.block_size
+        bound = self.tag(g.call_function(dcp_ops.query_bound.default,
+                                         (positions, cp, W, I, B)), KIND_MASK, layer)
+        return bound, g.call_function(aten.full_like.default, (positions, -1))
 
     def ensures(self, gm):
         all_attention_rewritten(self.name, gm)

@@ -23,7 +23,7 @@ per layer are checked against the proven mask, and used where the graph has no m
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
 attention, masks that are neither causal nor a window or that depend on the tokens, additive
 biases (ALiBi), cross-attention (K/V not computed from this step's tokens), K/V that are
-not per-token projections (_PER_TOKEN_RULES: e.g. a token shift), dropout.
+not per-token projections (by the placement rules' token dims: e.g. a token shift), dropout.
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .absorb_latent_attention import absorb_latent_attention
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
+from .canonical_ops import canonicalize_ops
 from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, source_of, val
+from .manager import propagate_changed
 from .mask_predicate import I, J, read_mask
+from .placement import Refusal, carried_dim
+from .positions import lift_positions
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
                           unmasked_theorem)
 
@@ -179,27 +183,41 @@ class InsertPagedCache(DCPPass):
                          tokens: int) -> None:
         """K/V must be per-token projections: walking back from them to the linears that
         produce them, every op acts on each token on its own (a cache holds one K/V row per
-        token, computed once, when the token is in the step)."""
-        stack, seen = [t], set()
+        token, computed once, when the token is in the step). Shown by the placement rules
+        (``carried_dim``): from the projection's token dim (1 of the [B, S, F] stream), every
+        op keeps the token dim whole, and K/V end with tokens at dim 2 ([B, H, S, D]). A
+        one-token step cannot show a mix of tokens: the prompt step of the same model (S > 1)
+        did."""
+        stack, path, linears = [t], set(), []
         while stack:
             n = stack.pop()
-            if n in seen or n not in per_token or n.op != "call_function":
+            if n in path or n not in per_token or n.op != "call_function":
                 continue
-            seen.add(n)
+            path.add(n)
             if n.target == aten.linear.default:
-                continue                                       # the projection
+                linears.append(n)                               # the projection
+                continue
             if n.target == aten.embedding.default:
                 fail(s.node, f"the {what} reaches the token embedding {n.name} without a "
                      f"projection", "K and V must be linear projections of the hidden state")
-            rule = _PER_TOKEN_RULES.get(n.target)
-            pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ())
-            if not pointwise and (rule is None or not rule(n, batch, tokens)):
+            stack.extend(n.all_input_nodes)
+        if tokens == 1:
+            return
+        order = {n: i for i, n in enumerate(t.graph.nodes)}
+        dims = {lin: 1 for lin in linears if val(lin).dim() == 3}
+        for n in sorted(path - set(linears), key=order.get):
+            try:
+                dims[n] = carried_dim(n, dims, tokens)
+            except Refusal as e:
                 fail(n, f"the {what} of attention {s.node.name} is computed through "
                      f"{n.target}, which this compiler cannot show acts on each token on its "
-                     f"own", "K and V must be per-token projections (linear, RoPE, per-head "
-                     "norms, views): an op that mixes tokens (shift, convolution, cumsum over "
-                     "the sequence) cannot be served from a KV cache")
-            stack.extend(n.all_input_nodes)
+                     f"own ({e})", "K and V must be per-token projections (linear, RoPE, "
+                     "per-head norms, views): an op that mixes tokens (shift, convolution, "
+                     "cumsum over the sequence) cannot be served from a KV cache")
+        if dims.get(t) != 2:
+            fail(s.node, f"the {what} {t.name} of attention {s.node.name} has its tokens at "
+                 f"dim {dims.get(t)}, not 2 of [B, H, S, D]", "Pass attention [B, H, S, D] "
+                 "tensors of per-token projections")
 
     # -- masks (passes/mask_predicate.py reads them, passes/prove/masks.py proves them) -----
 
@@ -237,10 +255,12 @@ class InsertPagedCache(DCPPass):
                  f"sliding_window={declared}{_example(wrong)}", "Fix the config "
                  "(sliding_window / layer_types) or the mask")
 
+
     def _constant_values(self) -> dict:
-        if self._constants is None:
-            self._constants = self.constants() if self.constants is not None else {}
-        return self._constants
+        """Input name -> the model's tensor (weights, buffers, lifted constants), once."""
+        if self._constants is None and self.constants is not None:
+            self._constants = self.constants()
+        return self._constants or {}
 
     # -- rewrite ---------------------------------------------------------------------------
 
@@ -249,6 +269,10 @@ class InsertPagedCache(DCPPass):
         for n in list(g.nodes):  # export's metadata asserts would hold dead values alive
             if is_call(n, {aten._assert_tensor_metadata.default}):
                 g.erase_node(n)
+        weights = {n.name for n in g.nodes if n.op == "placeholder"
+                   and n.name not in (self.token_input, self.position_input)}
+        canonical = canonicalize_ops(gm, weights, self._constant_values)
+        propagate_changed(gm, [n for n in g.nodes if "val" not in n.meta])
         latent = absorb_latent_attention(gm)    # MLA -> one shared latent head (no-op else)
         plan = self.plan(gm)
         ids = placeholder(gm, self.token_input)
@@ -313,20 +337,24 @@ class InsertPagedCache(DCPPass):
             clamped = g.call_function(aten.clamp_min.default, (positions, 0))
         if plan.position_input is not None:
             plan.position_input.replace_all_uses_with(clamped)
-        self._replace_aranges(g, plan, clamped)
+        lifted = self._lift_positions(gm, plan, ids, clamped, [positions, table, *caches])
         if plan.position_input is not None:
             g.erase_node(plan.position_input)
         # A one-token step's mask shows no window: it keeps the prompt step's. The prompt
         # step's mask theorems go to the certificate (validate_and_prove).
         windows = tuple(s.window for s in plan.sites) \
             if plan.tokens > 1 or self.ctx.facts.windows is None else None
+        # The tables the prompt step sliced by its length (a one-token step cannot tell).
+        tables = tuple(lifted["tables"]) if plan.tokens > 1 else None
         found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
-                           windows=windows,
+                           windows=windows, position_tables=tables,
                            mla=LatentAttention(**latent[0]) if latent else None,
                            mask_theorems=plan.mask_theorems or None)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
-                    positions="position_ids" if plan.position_input is not None else "arange")
+                    positions="position_ids" if plan.position_input is not None else "arange",
+                    positional_values=lifted["values"], position_tables=len(lifted["tables"]),
+                    canonical_ops=canonical)
         return Found(gm, True, facts=found)
 
     @staticmethod
@@ -337,23 +365,23 @@ class InsertPagedCache(DCPPass):
             return t.args[0]
         return g.call_function(aten.transpose.int, (t, 1, 2))
 
-    def _replace_aranges(self, g, plan: Plan, clamped: Node) -> None:
-        """A surviving ``arange(S)`` (start 0, step 1) is the model's positions: its
-        ``unsqueeze(0)`` becomes the positions input; any other use is refused."""
-        for n in list(g.nodes):
-            if not _is_seq_arange(n, plan.tokens):
-                continue
-            for u in list(n.users):
-                if is_call(u, {aten.unsqueeze.default}) and u.args[1] == 0:
-                    with g.inserting_before(u):
-                        cast = g.call_function(aten.to.dtype, (clamped, val(u).dtype))
-                    u.replace_all_uses_with(cast)
-                    g.erase_node(u)
-                else:
-                    fail(u, f"torch.arange({plan.tokens}) (positions over the sequence) is "
-                         f"used by {u.target}", "Pass position_ids to forward, or build "
-                         "positions as torch.arange(S).unsqueeze(0)")
-            g.erase_node(n)
+    def _lift_positions(self, gm, plan: Plan, ids: Node, clamped: Node,
+                        inputs: list[Node]) -> dict:
+        """Positional values (RoPE angles, tables sliced by the length, learned positions)
+        become functions of the step's positions (passes/positions.py). A one-token step
+        recognises the tables its prompt step sliced by the length."""
+        propagate_changed(gm, [n for n in gm.graph.nodes if "val" not in n.meta])
+        data = self._depends_on_any(gm, [ids, *inputs])
+        known = set(self.ctx.facts.position_tables or ())
+        return lift_positions(gm, clamped, plan.tokens, data, {ids: 0}, known)
+
+    @staticmethod
+    def _depends_on_any(gm, roots: list[Node]) -> set[Node]:
+        out = set(roots)
+        for n in gm.graph.nodes:
+            if any(a in out for a in n.all_input_nodes):
+                out.add(n)
+        return out
 
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
@@ -379,58 +407,6 @@ def _example(verdict: MaskVerdict) -> str:
         return ""
     return (f" (at query position i={e['i']}, key position j={e['j']} the mask "
             f"{'keeps' if e['mask'] else 'hides'} the key)")
-
-
-def _keeps_tokens(n: Node, batch: int, tokens: int) -> bool:
-    """A view-like op whose result still has the batch first and a dim of the token count
-    (it only regroups features of each token)."""
-    shape = tuple(val(n).shape)
-    return len(shape) >= 2 and shape[0] == batch and tokens in shape[1:3]
-
-
-def _on_last_dim(index: int):
-    """An op slicing / joining / reducing over the dim at args[index] (default -1): per
-    token only when that is the last (feature) dim."""
-    def rule(n: Node, batch: int, tokens: int) -> bool:
-        src = n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]
-        dims = n.args[index] if len(n.args) > index else n.kwargs.get("dim", -1)
-        dims = dims if isinstance(dims, (list, tuple)) else [dims]
-        ndim = len(val(src).shape)
-        return all(isinstance(d, int) and d % ndim == ndim - 1 for d in dims)
-    return rule
-
-
-def _view_rule(n: Node, batch: int, tokens: int) -> bool:
-    return _keeps_tokens(n, batch, tokens)
-
-
-# Non-pointwise ops allowed between a K/V projection and attention (per-token rules).
-_PER_TOKEN_RULES = {
-    **{t: _view_rule for t in (*RESHAPES, aten.transpose.int, aten.permute.default,
-                               aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
-                               aten.clone.default, aten.contiguous.default, aten.alias.default,
-                               aten.detach.default, aten.to.dtype, aten._to_copy.default,
-                               aten.to.dtype_layout, aten.type_as.default)},
-    aten.slice.Tensor: _on_last_dim(1),
-    aten.chunk.default: _on_last_dim(2),
-    aten.split.Tensor: _on_last_dim(2),
-    aten.split_with_sizes.default: _on_last_dim(2),
-    aten.cat.default: _on_last_dim(1),
-    aten.mean.dim: _on_last_dim(1),
-    aten.sum.dim_IntList: _on_last_dim(1),
-    aten.var.correction: _on_last_dim(1),
-    aten.pow.Tensor_Scalar: _view_rule,
-    operator.getitem: lambda n, b, t: True,     # an item of chunk / split (checked there)
-}
-
-
-def _is_seq_arange(n: Node, tokens: int) -> bool:
-    if is_call(n, {aten.arange.default}):
-        return n.args[0] == tokens
-    if is_call(n, {aten.arange.start, aten.arange.start_step}):
-        step = n.args[2] if len(n.args) > 2 else 1
-        return n.args[0] == 0 and n.args[1] == tokens and step == 1
-    return False
 
 
 def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:

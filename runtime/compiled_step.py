@@ -49,7 +49,9 @@ class DCPCompiledStep:
     weights Dynamo passes in; later weight updates are not seen (recompile instead).
     """
 
-    def __init__(self, program, step: str, *, weight_args: list[int], user_args: list[int]):
+    def __init__(self, program, step: str, *, weight_args: list[int], user_args: list[int],
+                 compile: str = "eager"):
+        self.compile = compile     # rank_program.COMPILERS: "eager" | "inductor"
         self.program = program
         self.step = step
         self.weight_args = weight_args
@@ -88,7 +90,7 @@ class DCPCompiledStep:
                 program.constants = {name: args[i] for name, i in
                                      zip(program.weight_inputs, self.weight_args)}
         names = _group_names(program.topology, rank)
-        loaded = program.load(rank, names)
+        loaded = program.load(rank, names, compile=self.compile)
         with self._lock:
             self._loaded[(id(_world()), rank)] = loaded
         return loaded

@@ -1,6 +1,7 @@
 """DCPProgram: the SPMD result of a transform, and its per-rank loading.
 
-One GraphModule per step kind, shared by every rank. Per-rank state is only (a) the weight
+One GraphModule per step kind, shared by every rank (and, with context buckets, one more per
+(step kind, smaller bucket): ``bucket_graphs``, runtime/buckets.py). Per-rank state is only (a) the weight
 shards (``state_dict_for(rank)``, which includes the ``tp_rank`` input) and (b) the binding of
 collective roles to this rank's process groups (``load(rank, group_names)``).
 
@@ -40,6 +41,40 @@ class DCPProgram:
     num_layers: int
     dump_dir: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    # Context buckets below the full capacity: tokens -> step kind -> graph (same weights).
+    bucket_graphs: dict[int, dict[str, GraphModule]] = field(default_factory=dict)
+
+    # -- context buckets -------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Context tokens the full-width graphs (``graphs``) hold: the largest bucket."""
+        from .buckets import bucket_of_width
+        return bucket_of_width(self.shapes.max_blocks, block_size=self.config.block_size,
+                               dcp=self.config.dcp)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Every context bucket in tokens, ascending; the last is ``capacity``."""
+        return tuple(sorted(self.bucket_graphs)) + (self.capacity,)
+
+    def for_bucket(self, bucket: int) -> "DCPProgram":
+        """The one-bucket program of ``bucket`` (its graphs, its block-table width), sharing
+        this program's weights: what loading, lowering and contracts take per bucket."""
+        import dataclasses
+
+        from .buckets import bucket_width
+        from .errors import DCPInputError
+        if bucket == self.capacity:
+            graphs = self.graphs
+        elif bucket in self.bucket_graphs:
+            graphs = self.bucket_graphs[bucket]
+        else:
+            raise DCPInputError(f"this program has no context bucket of {bucket} tokens: it "
+                                f"has {list(self.buckets)}. Pick one of those.")
+        width = bucket_width(bucket, block_size=self.config.block_size, dcp=self.config.dcp)
+        return dataclasses.replace(self, graphs=graphs, bucket_graphs={},
+                                   shapes=dataclasses.replace(self.shapes, max_blocks=width))
 
     # -- per-rank state --------------------------------------------------------------------
 
@@ -61,10 +96,11 @@ class DCPProgram:
                            self.config.kv_heads_per_rank, self.config.head_dim,
                            dtype or self.facts.get("dtype", torch.float32))
 
-    def load(self, rank: int, group_names: dict[str, str]):
-        """This rank's runnable program: roles bound to real process-group names."""
+    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager"):
+        """This rank's runnable program: roles bound to real process-group names;
+        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS)."""
         from dcp_compile.runtime.rank_program import RankProgram
-        return RankProgram(self, rank, group_names)
+        return RankProgram(self, rank, group_names, compile=compile)
 
     # -- reports ---------------------------------------------------------------------------
 
@@ -90,5 +126,6 @@ class DCPProgram:
         c = self.config
         return json.dumps({"tp": c.tp, "dcp": c.dcp, "mode": c.mode,
                            "block_size": c.block_size, "interleave_size": c.interleave_size,
-                           "steps": list(self.graphs), "proof_ok": self.certificate.ok},
+                           "steps": list(self.graphs),
+                           "buckets": list(self.buckets), "proof_ok": self.certificate.ok},
                           indent=None)

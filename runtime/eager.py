@@ -73,7 +73,7 @@ def _grouped_experts(gm: GraphModule, node: Node) -> None:
 # layout metadata of positions / block table / cp_rank): an eager step computes each once.
 # None of their inputs is written during the step (only the caches are).
 SHARED_PER_STEP = (dcp_ops.slot_mapping.default, dcp_ops.local_filled.default,
-                   dcp_ops.active_mask.default, torch.ops.aten.select.int,
+                   dcp_ops.active_mask.default, dcp_ops.query_bound.default, torch.ops.aten.select.int,
                    torch.ops.aten.eq.Scalar, torch.ops.aten.where.ScalarOther)
 
 

@@ -78,7 +78,7 @@ class OrdinaryFrontend:
         return STEPS_BY_MODE[mode]
 
     def capture(self, step: str, config) -> StepCapture:
-        tokens = 1 if step == StepKind.DECODE else self.shapes.context_len
+        tokens = self.shapes.decode_len if step == StepKind.DECODE else self.shapes.context_len
         start = time.perf_counter()
         captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
                                     device=self.device)

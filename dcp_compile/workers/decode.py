@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         loaded = program.load(rank, bind_roles(program.topology, rank))
         engine = Engine(LocalExecutor(loaded.step_fns(), program.cache_spec().allocate()),
                         program.shapes, block_size=program.config.block_size, dcp=args.dcp,
-                        prompt_kind="context")
+                        prompt_kind="context", buckets=program.buckets)
         with torch.no_grad():
             result = engine.generate(prompts, args.steps)
         if rank == 0:

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         recorder = RecordingExecutor(LocalExecutor(
             loaded.step_fns(), program.cache_spec().allocate(fill=float("nan"))))
         engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind="prefill")
+                        dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
         run = run_chunks(engine, recorder, plan_tokens(plan, args.seed), rank,
                          program.shapes.max_blocks)
         os.makedirs(args.out_dir, exist_ok=True)
