@@ -34,7 +34,8 @@ from dcp_compile.runtime import layout
 from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.runtime.engine import StepShapes
-from dcp_compile.runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.rank_engine import load_rank
+from dcp_compile.runtime.world import run_threaded
 
 FC = torch.ops._c10d_functional
 BLOCK = 16
@@ -149,8 +150,7 @@ def run_steps(prog, model, context, steps, *, hand=False, profile=None, compile=
     b = shapes.batch
 
     def rank_main(rank):
-        names = bind_roles(prog.topology, rank)
-        loaded = prog.load(rank, names, compile=compile)
+        loaded = load_rank(prog, rank, compile=compile)
         g = torch.Generator().manual_seed(rank)
         caches = [torch.randn(t.shape, generator=g, dtype=t.dtype)
                   for t in prog.cache_spec().allocate()]

@@ -50,18 +50,14 @@ def eager_threaded(program, prompts, steps) -> dict:
     """Rank 0's step times on the threaded world (every rank runs; collectives sync them)."""
     import torch
 
-    from dcp_compile.verify import prompt_kind
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
 
     def rank_main(rank):
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        timed = Timed(LocalExecutor(loaded.step_fns(), program.cache_spec().allocate()))
-        engine = Engine(timed, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+        engine = rank_engine(program, rank, wrap=Timed)
         with torch.no_grad():
             result = engine.generate(prompts, steps)
-        return timed.times, result.tokens
+        return engine.executor.times, result.tokens
 
     return run_threaded(program.config.tp, rank_main, timeout=600)[0]
 
@@ -69,7 +65,7 @@ def eager_threaded(program, prompts, steps) -> dict:
 def on_executor(executor, program, prompts, steps):
     import torch
 
-    from dcp_compile.verify import prompt_kind
+    from dcp_compile.runtime.rank_engine import prompt_kind
     from dcp_compile.runtime.engine import Engine
     timed = Timed(executor)
     engine = Engine(timed, program.shapes, block_size=program.config.block_size,

@@ -54,6 +54,7 @@ from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.compiled_step import DCPCompiledStep
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPError, DCPTransformError
+from dcp_compile.runtime.names import StepKind
 
 from .frontends.dynamo import DynamoFrontend
 
@@ -263,15 +264,14 @@ def merge_programs(*programs):
     """One DCPProgram holding the graphs of several compiled steps (same config, weights);
     e.g. the "context" and "decode" programs of one model, for the threaded verifier."""
     first = programs[0]
-    merged = replace(first, graphs=dict(first.graphs), history=list(first.history),
-                     shards=dict(first.shards))
+    merged = replace(first, graphs=dict(first.graphs), shards=dict(first.shards),
+                     report=replace(first.report, history=list(first.history)))
     for p in programs[1:]:
         if p.config != first.config or p.weight_inputs != first.weight_inputs:
             raise DCPTransformError("programs to merge differ in config or weight inputs.")
         merged.graphs.update(p.graphs)
-        merged.history += p.history
+        merged.report = merged.report.merged(p.report)
         merged.shards.update(p.shards)
-        if "decode" not in p.graphs:
+        if StepKind.DECODE not in p.graphs:
             merged.shapes = p.shapes
     return merged
-

@@ -12,7 +12,7 @@ the next step and the program. It never asks which kind of model it has.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from dcp_compile.runtime.facts import ModelFacts
 from dcp_compile.runtime.topology import topology
 
 from .frontends import Frontend, StepCapture, frontend_for
+from .report import CompileReport
 
 __all__ = ["CompileOptions", "compile_program", "passes_for", "transform", "transform_graph"]
 
@@ -119,7 +120,9 @@ def compile_program(frontend: Frontend, config: DCPConfig,
     facts, certificate = frontend.facts(), options.certificate
     graphs, history, shards = {}, [], {}
     first: StepCapture | None = None
-    for step in frontend.steps(config.mode):
+    # Plain strings from here on (the StepKind values): graphs, history and dumps are data
+    # that is saved and loaded (torch.load's weights_only refuses unknown classes).
+    for step in map(str, frontend.steps(config.mode)):
         captured = frontend.capture(step, config)
         if options.progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
@@ -133,16 +136,15 @@ def compile_program(frontend: Frontend, config: DCPConfig,
     frontend.accept(config)
     program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
                                                           config=config),
-                         certificate=certificate, graphs=graphs, history=history,
-                         shapes=frontend.shapes, constants=first.constants(), shards=shards,
-                         weight_inputs=list(first.weight_inputs),
-                         num_layers=facts.num_layers,
+                         graphs=graphs, shapes=frontend.shapes, constants=first.constants(),
+                         shards=shards, weight_inputs=list(first.weight_inputs),
+                         facts=replace(facts, cache_dtype=facts.cache_dtype or torch.float32),
+                         source=frontend.source,
                          dump_dir=str(dump_path) if dump_path else None,
-                         facts={"dtype": facts.cache_dtype or torch.float32,
-                                "source": frontend.source})
+                         report=CompileReport(history=history, certificate=certificate))
     if check:
         report = checking.check_program(reference, program)  # raises: no program
-        program.facts["check"] = report.to_json()
+        program.report.check = report
         if options.progress:
             _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
                     f"{report.tolerance:.2g} ({report.seconds:.2f}s)")

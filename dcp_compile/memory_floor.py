@@ -56,7 +56,7 @@ def ideal_bytes(program, kind: str, bucket: int, rank: int = 0) -> IdealBytes:
     token_kv = 2 * spec.num_layers * spec.kv_heads * spec.head_dim * elem   # one rank's
     batch, tokens = contract.batch, contract.tokens
     kv = batch * (bucket // program.config.dcp) * token_kv
-    logits_elem = torch.empty((), dtype=program.facts.get("dtype", torch.float32)).element_size()
+    logits_elem = torch.empty((), dtype=program.facts.cache_dtype or torch.float32).element_size()
     inputs = 8 * batch * (2 * tokens + contract.max_blocks)     # ids, positions, block table
     activations = inputs + batch * tokens * (contract.vocab_size * logits_elem + token_kv)
     return IdealBytes(weights=weights, kv=kv, activations=activations)

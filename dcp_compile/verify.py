@@ -7,8 +7,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.rank_engine import RecordingExecutor
+
+from .compare import token_errors
 
 
 @dataclass
@@ -43,10 +46,6 @@ class VerifyReport:
         return out
 
 
-def prompt_kind(program: DCPProgram) -> str:
-    return "context" if "context" in program.graphs else "prefill"
-
-
 def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
     """An engine over the single-device model for ``program``'s shapes: the same sequences
     fit (dcp=1 block tables: one entry per block_size tokens, dcp times as many blocks).
@@ -59,7 +58,7 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
     shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
     spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
-                       c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
+                       c.num_kv_heads, c.head_dim, program.facts.cache_dtype)
     return Engine(executor_for(spec.allocate(fill=fill)), shapes, block_size=c.block_size)
 
 
@@ -81,17 +80,11 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     rank scatters the single-device engine's caches into its DCP layout and decodes from
     there.
     """
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
 
     def rank_main(rank):
-        names = bind_roles(program.topology, rank)
-        loaded = program.load(rank, names)
-        caches = program.cache_spec().allocate(fill=fill)
-        executor = LocalExecutor(loaded.step_fns(), caches,
-                                 before_step=_poison_garbage if poison_garbage else None)
-        engine = Engine(executor, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program), buckets=program.buckets)
+        engine = rank_engine(program, rank, fill=fill, poison=poison_garbage)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -100,7 +93,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
                 _start_from_reference(program, rank, engine, ref_engine)
                 result = engine.continue_generate(first_logits, steps)
         table = engine.allocator.table(list(range(len(prompts))), program.shapes.max_blocks)
-        return RankRun(rank, result, executor.caches, table, list(engine.lengths))
+        return RankRun(rank, result, engine.executor.caches, table, list(engine.lengths))
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
 
@@ -120,12 +113,6 @@ def _start_from_reference(program, rank, engine, ref_engine) -> None:
                   kv_heads=program.topology.kv_heads_of(rank))
 
 
-def _poison_garbage(caches):
-    # Re-poison the garbage block before every step: any read of it would surface as NaN.
-    for c in caches:
-        c[-1] = float("nan")
-
-
 def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4
            ) -> VerifyReport:
     """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens."""
@@ -137,9 +124,7 @@ def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-
     for run in runs:
         tokens_agree &= run.result.tokens == ref.tokens
         for t, (got, exp) in enumerate(zip(run.result.logits, ref.logits)):
-            err = float((got.float() - exp.float()).abs().max())
-            if not torch.isfinite(got).all():
-                err = float("inf")
+            err = float(token_errors(got, exp).max())
             if run.rank == 0:
                 errors.append(err)
             if err > atol and first is None:
@@ -170,26 +155,6 @@ class PrefillRun:
     caches: list[torch.Tensor]
     block_table: torch.Tensor
     lengths: list[int]
-
-
-class RecordingExecutor:
-    """Pass-through executor that keeps each step's full logits (the engine keeps the last
-    token's only)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.logits: list[torch.Tensor] = []
-        self.positions: list[torch.Tensor] = []
-
-    @property
-    def caches(self):
-        return self.inner.caches
-
-    def step(self, kind, input_ids, positions, block_table):
-        logits = self.inner.step(kind, input_ids, positions, block_table)
-        self.logits.append(logits)
-        self.positions.append(positions.clone())
-        return logits
 
 
 def chunk_plan_of(prompts: list[list[int]], chunks: int, *, max_chunk: int | None = None
@@ -256,21 +221,16 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
     ``fill=float('nan')`` poisons every cache row first: a row the program never writes
     stays NaN, and one it reads without masking surfaces as NaN in the logits.
     """
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
     _check_plan(chunk_plan)
     if "prefill" not in program.graphs:
         raise DCPInputError(f"run_threaded_prefill needs a prefill program: this one has "
                             f"steps {sorted(program.graphs)}. Transform with mode='prefill'.")
 
     def rank_main(rank):
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        recorder = RecordingExecutor(LocalExecutor(
-            loaded.step_fns(), program.cache_spec().allocate(fill=fill),
-            before_step=_poison_garbage if poison_garbage else None))
-        engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
-        return run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
+        engine = rank_engine(program, rank, fill=fill, poison=poison_garbage, record=True)
+        return run_chunks(engine, engine.executor, chunk_plan, rank, program.shapes.max_blocks)
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
 
@@ -284,8 +244,7 @@ def compare_prefill_logits(run: PrefillRun, ref: PrefillRun, *, atol: float
     last_errs, all_errs, first, agree = [], [], None, True
     for t, (got, exp, pos) in enumerate(zip(run.logits, ref.logits, ref.positions)):
         valid = pos >= 0
-        diff = (got.float() - exp.float()).abs().amax(-1)                 # [batch, tokens]
-        diff = torch.where(torch.isfinite(got).all(-1), diff, torch.full_like(diff, float("inf")))
+        diff = token_errors(got, exp, pos)                                 # [batch, tokens]
         lens = valid.sum(1)
         rows = torch.nonzero(lens > 0).flatten()
         last = (lens - 1).clamp(min=0)

@@ -315,7 +315,7 @@ def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"
     """Greedy-decode ``steps`` tokens with the lowered program on XLA (GenerateResult)."""
     from dcp_compile.runtime.engine import Engine
 
-    from .verify import prompt_kind
+    from dcp_compile.runtime.rank_engine import prompt_kind
     if executor is None:
         executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source)
     engine = Engine(executor, program.shapes,
@@ -386,6 +386,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     replicas: every chunk's logits, and each rank's cache (allocated NaN) holding exactly
     its owned positions."""
     from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.rank_engine import RecordingExecutor
 
     from . import verify as V
     start = time.perf_counter()
@@ -396,7 +397,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     from .memory_floor import bucket_table
     executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0,
                            source=source)
-    recorder = V.RecordingExecutor(executor)
+    recorder = RecordingExecutor(executor)
     engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
                     dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
     with torch.no_grad():

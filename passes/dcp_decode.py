@@ -34,11 +34,11 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.names import RANK_INPUT
+from dcp_compile.runtime.names import RANK_INPUT, Mode, Role
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
-                    DCPPass, attention_nodes, ensure, getitem_users, val)
+                    DCPPass, attention_nodes, ensure, getitem_users, placeholder, val)
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp
@@ -47,10 +47,10 @@ dcp_ops = torch.ops.dcp
 def cp_rank_node(gm: GraphModule, pass_: DCPPass) -> Node:
     """cp_rank as data: decode tp_rank % DCP, prefill tp_rank // (TP / DCP)."""
     cfg = pass_.ctx.config
-    rank = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+    rank = placeholder(gm, RANK_INPUT)
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(first):
-        if cfg.mode == "decode":
+        if cfg.mode == Mode.DECODE:
             node = gm.graph.call_function(aten.remainder.Scalar, (rank, cfg.dcp))
         else:
             node = gm.graph.call_function(aten.floor_divide.default,
@@ -108,7 +108,7 @@ def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
                        model_dtype, sinks: Node | None = None, cp: Node | None = None) -> Node:
     """Spec steps 5-8: all-gather the LSEs, correct locally, reduce-scatter the heads."""
     W, (b, s, hq, d) = p.ctx.config.dcp, shape
-    c, lse_w = C.all_gather(g, lse, "dcp", W)                            # [W*b, 1, W*hq]
+    c, lse_w = C.all_gather(g, lse, Role.DCP, W)                            # [W*b, 1, W*hq]
     p.tag(c, KIND_COLLECTIVE, layer)
     lse_all = g.call_function(aten.view.default, (lse_w, [W, b, s, W * hq]))
     fixed = p.tag(g.call_function(dcp_ops.lse_correct.default, (out, lse, lse_all)),
@@ -119,7 +119,7 @@ def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     f5 = g.call_function(aten.view.default, (fixed, [b, s, W, hq, d]))
     f5 = g.call_function(aten.permute.default, (f5, [2, 0, 1, 3, 4]))
     rs_in = g.call_function(aten.reshape.default, (f5, [W * b, s, hq, d]))
-    c, summed = C.reduce_scatter(g, rs_in, "dcp", W)                      # [b, 1, hq, d]
+    c, summed = C.reduce_scatter(g, rs_in, Role.DCP, W)                      # [b, 1, hq, d]
     p.tag(c, KIND_COLLECTIVE, layer)
     summed = g.call_function(aten.to.dtype, (summed, model_dtype))
     if sinks is None:
@@ -158,7 +158,7 @@ def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     l5 = bitcast(g, l5, torch.float32, wire)                              # [.., lse_width]
     packed = g.call_function(aten.cat.default, ([o5, l5], -1))
     send = g.call_function(aten.reshape.default, (packed, [W * b, s, hq, d + lse_width]))
-    c, recv = C.all_to_all(g, send, "dcp", W, b)            # dim 0: source rank, then row
+    c, recv = C.all_to_all(g, send, Role.DCP, W, b)            # dim 0: source rank, then row
     p.tag(c, KIND_COLLECTIVE, layer)
     r5 = g.call_function(aten.view.default, (recv, [W, b, s, hq, d + lse_width]))
     parts = g.call_function(aten.slice.Tensor, (r5, -1, 0, d))
@@ -214,7 +214,7 @@ class DCPDecode(DCPPass):
                 prior, k_pos = (self._one_token_keys if s == 1 else self._width_k_keys)(
                     g, positions, cp, layer)
                 if W > 1:
-                    c, q_w = C.all_gather(g, q, "dcp", W)                 # [W*b, 1, hq, d]
+                    c, q_w = C.all_gather(g, q, Role.DCP, W)                 # [W*b, 1, hq, d]
                     self.tag(c, KIND_COLLECTIVE, layer)
                     q5 = g.call_function(aten.view.default, (q_w, [W, b, s, hq, d]))
                     q5 = g.call_function(aten.permute.default, (q5, [1, 2, 0, 3, 4]))

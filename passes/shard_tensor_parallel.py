@@ -26,12 +26,13 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
+from dcp_compile.runtime.shards import ShardSpec
+from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, attention_nodes, \
-    source_of, val
+    placeholder, source_of, val
 from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
 aten = torch.ops.aten
@@ -39,44 +40,13 @@ LINEAR = aten.linear.default
 EMBEDDING = aten.embedding.default
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How rank r's shard of a weight is cut along ``dim``: of each segment (size, pieces,
-    replicas) — one segment of the whole dim unless ``segments`` is given (a fused weight) —
-    piece ``(r % group) // replicas``, concatenated in segment order."""
-
-    dim: int
-    pieces: int
-    group: int
-    replicas: int = 1
-    segments: tuple[tuple[int, int, int], ...] = ()
-
-    def _segs(self, size: int):
-        return self.segments or ((size, self.pieces, self.replicas),)
-
-    def index(self, rank: int) -> int:
-        return (rank % self.group) // self.replicas
-
-    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        parts, offset = [], 0
-        for size, pieces, replicas in self._segs(full.shape[self.dim]):
-            n = size // pieces
-            i = (rank % self.group) // replicas
-            parts.append(full.narrow(self.dim, offset + i * n, n))
-            offset += size
-        return (torch.cat(parts, self.dim) if len(parts) > 1 else parts[0]).contiguous()
-
-    def shape(self, full_shape) -> tuple[int, ...]:
-        s = list(full_shape)
-        s[self.dim] = sum(size // pieces for size, pieces, _ in self._segs(s[self.dim]))
-        return tuple(s)
-
-    @staticmethod
-    def of(placement: Shard, group: int) -> "ShardSpec":
-        first = placement.segs[0]
-        segments = () if len(placement.segs) == 1 else tuple(
-            (s.size, s.pieces, s.replicas) for s in placement.segs)
-        return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
+def spec_of(placement: Shard, group: int) -> ShardSpec:
+    """How the program cuts a weight the placement analysis shards (``placement``) over a
+    group of ``group`` ranks."""
+    first = placement.segs[0]
+    segments = () if len(placement.segs) == 1 else tuple(
+        (s.size, s.pieces, s.replicas) for s in placement.segs)
+    return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
 
 
 @dataclass
@@ -110,9 +80,9 @@ class ShardTensorParallel(DCPPass):
         return ShardPlan(placements, placements.roles)
 
     def _role(self, axis: str) -> str:
-        if self.ctx.config.mode == "decode":
-            return "tp"
-        return "dcp_tp" if axis == "attn" else "world"
+        if self.ctx.config.mode == Mode.DECODE:
+            return Role.TP
+        return Role.DCP_TP if axis == "attn" else Role.WORLD
 
     def _group(self, axis: str) -> int:
         cfg = self.ctx.config
@@ -128,7 +98,7 @@ class ShardTensorParallel(DCPPass):
         mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
                                  if n.op == "placeholder"])
         g = gm.graph
-        rank = next(n for n in g.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+        rank = placeholder(gm, RANK_INPUT)
 
         # Each rank's KV caches hold only its KV heads: the cache inputs take that shape.
         for attn in attention_nodes(gm):
@@ -142,7 +112,7 @@ class ShardTensorParallel(DCPPass):
                     cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
         for p, shard in pl.params.items():
-            self._shard_param(p, ShardSpec.of(shard, self._group(shard.axis)), mode)
+            self._shard_param(p, spec_of(shard, self._group(shard.axis)), mode)
 
         for n in list(g.nodes):
             if n.op != "call_function":
@@ -287,7 +257,7 @@ class ShardTensorParallel(DCPPass):
                                         f"supported. Untie them.")
             return
         full = p.meta["val"]
-        for size, pieces, _ in spec._segs(full.shape[spec.dim]):
+        for size, pieces, _ in spec.segments_of(full.shape[spec.dim]):
             if size % pieces:
                 raise DCPTransformError(f"weight {p.name} of shape {tuple(full.shape)} does "
                                         f"not split into {pieces} pieces along dim "
@@ -307,4 +277,4 @@ class ShardTensorParallel(DCPPass):
                                         f"unsharded.")
 
 
-__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan"]
+__all__ = ["ShardTensorParallel", "ShardPlan", "spec_of"]

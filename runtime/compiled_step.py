@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .errors import DCPWorldError
 
+from .rank_engine import load_rank
 from .world import bind_roles
 
 __all__ = ["DCPCompiledStep"]
@@ -89,8 +90,8 @@ class DCPCompiledStep:
             if not program.constants:
                 program.constants = {name: args[i] for name, i in
                                      zip(program.weight_inputs, self.weight_args)}
-        names = _group_names(program.topology, rank)
-        loaded = program.load(rank, names, compile=self.compile)
+        loaded = load_rank(program, rank, _group_names(program.topology, rank),
+                           compile=self.compile)
         with self._lock:
             self._loaded[(id(_world()), rank)] = loaded
         return loaded

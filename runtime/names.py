@@ -32,6 +32,17 @@ class StepKind(_Word):
     PREFILL = "prefill"           # the prefill engine's chunk (sequence parallel)
 
 
+class Role(_Word):
+    """A collective's group role (README: topology); bound to real groups when a rank loads
+    the program (dcp_compile.runtime.roles)."""
+
+    WORLD = "world"               # every rank
+    TP = "tp"                     # decode: the tensor-parallel group (every rank)
+    DCP = "dcp"                   # decode: the DCP group of a KV replica set
+    DCP_TP = "dcp_tp"             # prefill: consecutive TP/DCP ranks
+    CP_KV = "cp_kv"               # prefill: the ranks holding one KV head's positions
+
+
 class Mode(_Word):
     """What a program serves: decode (context + decode steps) or prefill."""
 
