@@ -68,6 +68,7 @@ class Analysis:
             or first_user is not None and self.order[n] < first_user)}
         self.attn = attention_nodes(gm)
         self.q_shard, self.kv_shard = head_shards(config)
+        self.sink_shard = replace(self.q_shard, dim=0)
         self.known: dict[Node, object] = {}
         self.req: dict[Node, object] = {}
         self.decided: dict[Node, object] = {}     # param -> placement
@@ -296,6 +297,11 @@ class Analysis:
             if self.P(a) not in (R, None):
                 raise _err(n, f"attention input {a.name} is {show(self.P(a))}",
                            "positions and block tables must be replicated")
+        sinks = n.kwargs.get("sinks")
+        if sinks is not None and self.P(sinks) != self.sink_shard:
+            raise _err(n, f"attention sinks ({sinks.name}) are {show(self.P(sinks))}, expected "
+                          f"{show(self.sink_shard)}", "Sinks are one logit per q head: pass "
+                          "a [q_heads] parameter, cut like q's heads")
         return (self.q_shard, self.kv_shard, self.kv_shard)
 
     # -- backward --------------------------------------------------------------------------
@@ -488,6 +494,8 @@ class Analysis:
         for at in self.attn:
             for i, want in ((0, self.q_shard), (1, self.kv_shard), (2, self.kv_shard)):
                 self.require(at.args[i], want, at)
+            if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
+                self.require(at.kwargs["sinks"], self.sink_shard, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shard)
         place_experts(self)
