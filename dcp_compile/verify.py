@@ -9,7 +9,7 @@ import torch
 
 from dcp_compile.runtime.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPInputError
-from dcp_compile.runtime.rank_engine import RecordingExecutor
+from dcp_compile.runtime.rank_engine import RecordingExecutor, rank_engine
 
 from .compare import token_errors
 
@@ -339,14 +339,8 @@ class SpecReport(VerifyReport):
 def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False,
                    prefix_caching=False):
     """An Engine over ``program`` loaded on ``rank`` of the (already running) world."""
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles
-    loaded = program.load(rank, bind_roles(program.topology, rank))
-    executor = LocalExecutor(loaded.step_fns(), program.cache_spec().allocate(fill=fill),
-                             before_step=_poison_garbage if poison_garbage else None)
-    return Engine(executor, program.shapes, block_size=program.config.block_size,
-                  dcp=program.config.dcp, prompt_kind=prompt_kind(program),
-                  prefix_caching=prefix_caching)
+    return rank_engine(program, rank, fill=fill, poison=poison_garbage,
+                       prefix_caching=prefix_caching)
 
 
 def generate_per_token(engine, prompts, steps, drafter):

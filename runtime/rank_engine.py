@@ -57,14 +57,15 @@ def load_rank(program: DCPProgram, rank: int, group_names: dict[str, str] | None
 
 def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] | None = None,
                 fill: float = 0.0, poison: bool = False, record: bool = False,
-                shapes: StepShapes | None = None,
+                shapes: StepShapes | None = None, prefix_caching: bool = False,
                 wrap: Callable[[Executor], Executor] | None = None) -> Engine:
     """``rank``'s Engine over its loaded ``program``, in the current world.
 
     ``group_names``: as for :func:`load_rank`. ``fill`` initialises the caches (NaN
     shows a row the program never writes); ``poison`` re-poisons the garbage block before
     every step; ``record`` keeps every step's full logits (``engine.executor`` is then a
-    :class:`RecordingExecutor`); ``wrap`` wraps the executor further.
+    :class:`RecordingExecutor`); ``prefix_caching`` shares full vblocks of identical
+    prompt prefixes (runtime/prefix_cache.py); ``wrap`` wraps the executor further.
     """
     loaded = load_rank(program, rank, group_names)
     executor: Executor = LocalExecutor(loaded.step_fns(),
@@ -76,4 +77,5 @@ def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] |
         executor = wrap(executor)
     return Engine(executor, shapes or program.shapes, block_size=program.config.block_size,
                   dcp=program.config.dcp, prompt_kind=prompt_kind(program),
-                  buckets=program.buckets if shapes is None else None)
+                  buckets=program.buckets if shapes is None else None,
+                  prefix_caching=prefix_caching)
