@@ -1,0 +1,234 @@
+"""The corpus: every causal decoder model type of transformers 5.x that builds from a tiny
+config, built with random weights (nothing is downloaded), and what dcp_compile does with it.
+
+`CORPUS` is our own list, by model type: the overrides that make the type's config tiny.
+`EXCLUDED` names the model types of transformers' causal-LM mapping that are not in the
+corpus and why (they do not build as a tiny text decoder). tests/test_hf_corpus.py runs
+each corpus type through transform() (via hf.prepare and directly, decode and prefill) and
+compares with the model's own forward; `python tests/hf_corpus.py --table` prints the
+README's table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+# Every tiny config starts from this; CORPUS rows add or drop keys for their type.
+TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, intermediate_size=96, head_dim=8,
+            max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, attention_dropout=0.0)
+MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+           shared_expert_intermediate_size=32, decoder_sparse_step=1, n_group=2,
+           topk_group=1, norm_topk_prob=True)
+MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=8,
+           v_head_dim=8, head_dim=4, num_key_value_heads=8)
+DROP = object()   # a CORPUS value: do not pass this key (the config derives it)
+
+OVR = {
+    **{t: MLA for t in ("deepseek_v2", "deepseek_v32", "minicpm3", "glm4_moe_lite",
+                        "glm_moe_dsa", "sarvam_mla", "axk1", "axk2", "youtu")},
+    "deepseek_v3": {**MOE, **MLA}, "longcat_flash": {**MOE, **MLA, "num_layers": 2},
+    "codegen": dict(rotary_dim=4), "gptj": dict(rotary_dim=4),
+    "falcon": dict(head_dim=DROP), "gpt_neo": dict(attention_types=[[["global", "local"], 1]],
+                                                   num_layers=2, num_heads=8),
+    "dbrx": dict(d_model=64, n_heads=8, n_layers=2),
+    "ministral": dict(sliding_window=64), "cwm": dict(bos_token_id=DROP, eos_token_id=DROP, pad_token_id=DROP),
+    "modernbert-decoder": dict(pad_token_id=DROP, bos_token_id=DROP, eos_token_id=DROP),
+    "exaone4": dict(sliding_window=64, sliding_window_pattern=2),
+}
+for _t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
+           "glm4_moe", "phimoe", "jetmoe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax",
+           "minimax_m2", "flex_olmo", "sarvam_moe", "afmoe", "gpt_oss", "lfm2_moe", "cohere2_moe",
+           "exaone_moe", "granitemoe_swa", "aria_text", "llama4_text"):
+    OVR[_t] = {**MOE, **OVR.get(_t, {})}
+
+# Not in the corpus, and why: composite (multimodal / encoder-decoder) models whose causal LM
+# needs more than a text config, and types whose configs do not build as a tiny decoder here.
+EXCLUDED = {
+    "bart": "encoder-decoder family (decoder-only head needs decoder_* sizes)",
+    "bigbird_pegasus": "encoder-decoder family", "blenderbot": "encoder-decoder family",
+    "blenderbot-small": "encoder-decoder family", "marian": "encoder-decoder family",
+    "mbart": "encoder-decoder family", "mvp": "encoder-decoder family",
+    "pegasus": "encoder-decoder family", "plbart": "encoder-decoder family",
+    "prophetnet": "encoder-decoder family", "whisper": "speech encoder-decoder",
+    "trocr": "vision encoder-decoder's decoder", "blt": "byte-latent composite",
+    "emu3": "multimodal composite", "gemma3": "multimodal composite (gemma3_text is in)",
+    "gemma3n": "multimodal composite", "gemma4": "multimodal composite",
+    "gemma4_unified": "multimodal composite (gemma4_unified_text is in)",
+    "gemma4_assistant": "assistant head of a composite",
+    "gemma4_unified_assistant": "assistant head of a composite",
+    "git": "vision-text composite", "got_ocr2": "vision-text composite",
+    "llama4": "multimodal composite (llama4_text is in)", "mllama": "multimodal composite",
+    "moss_transcribe_diarize": "speech composite", "phi4_multimodal": "multimodal composite",
+    "qwen3_5": "multimodal composite (qwen3_5_text is in)",
+    "qwen3_5_moe": "multimodal composite (qwen3_5_moe_text is in)",
+    "qwen4_exp": "multimodal composite", "musicgen": "audio composite",
+    "musicgen_melody": "audio composite", "xlnet": "permutation LM (no causal mask)",
+    "reformer": "LSH attention model", "xmod": "needs a language adapter",
+    "xlm": "masked LM", "cpmant": "does not build tiny (fixed prompt embedding sizes)",
+}
+
+# What a DCPError says, by the feature it names (first match wins). A refusal that names
+# none of these is reported as "other" and fails the corpus test: users must learn why.
+REASONS = (
+    ("ALiBi", r"alibi"),
+    ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
+    ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
+                                      r"|conv1d|short conv|hybrid"),
+    ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
+    ("chunked attention", r"chunk"),
+    ("softcap", r"softcap"),
+    ("mixture of experts", r"expert|\bmoe\b|router"),
+    ("latent attention (MLA)", r"latent|\bmla\b"),
+    ("sliding window", r"window"),
+    ("model-built attention mask", r"attention mask|its own mask"),
+    ("position encoding", r"position|rope|rotary"),
+    ("no AttentionInterface (prepare)", r"AttentionInterface"),
+    ("unsupported op", r"no (placement )?rule|not recogni[sz]ed|cannot shard|refus"),
+    ("config", r"config"),
+)
+
+PATHS = ("prepare", "sdpa", "eager")   # hf.prepare; the model itself, with that attention
+MODES = ("decode", "prefill")
+TP, DCP, BLOCK = 4, 2, 4
+LENGTHS = (1, 7, 9, 16)               # vblock = 8: inside, at and past a vblock's edge
+STEPS = {"decode": 8, "prefill": 1}
+ATOL = 1e-4
+
+
+@dataclass
+class Outcome:
+    kind: str            # "matches" | "refused" | "mismatch" | "crash" | "n/a"
+    reason: str = ""     # refused: the REASONS name; mismatch: the error; crash: the type
+    message: str = ""
+
+    def cell(self) -> str:
+        return {"matches": "matches", "n/a": "n/a"}.get(self.kind, f"{self.kind}: {self.reason}")
+
+
+def reason_of(message: str) -> str:
+    # The ordinary frontend's note on how it took the model is context, not the reason.
+    message = message.split(" was taken as an ordinary causal LM")[0]
+    for name, pattern in REASONS:
+        if re.search(pattern, message, re.IGNORECASE):
+            return name
+    return "other"
+
+
+def config_kwargs(model_type: str) -> dict:
+    kw = {**TINY, **OVR.get(model_type, {})}
+    return {k: v for k, v in kw.items() if v is not DROP}
+
+
+def build(model_type: str, attention: str | None = None, *, seed: int = 0):
+    """The tiny model of ``model_type`` with seeded weights large enough that greedy tokens
+    are not near-ties; norms and biases random too, so a mis-sharded one shows."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type](**config_kwargs(model_type))
+    kwargs = {"attn_implementation": attention} if attention else {}
+    model = AutoModelForCausalLM.from_config(config, **kwargs).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def reference(model, prompt_list, steps):
+    """Greedy tokens and each step's logits from the model's own full forward (no cache)."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompt_list:
+            ids, got, rows = list(p), [], []
+            for _ in range(steps):
+                row = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                rows.append(row)
+                got.append(int(row.argmax()))
+                ids.append(got[-1])
+            tokens.append(got)
+            logits.append(torch.stack(rows))
+    return tokens, logits
+
+
+def run_case(model_type: str, path: str, mode: str) -> Outcome:
+    """One corpus cell: transform, run on a threaded world, compare with the model."""
+    import dcp_compile
+    from dcp_compile import hf
+    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.errors import DCPError
+    from dcp_compile.verify import run_threaded_program
+
+    try:
+        model = build(model_type, None if path == "prepare" else path)
+    except (ValueError, ImportError) as e:
+        if path != "prepare" and "attn" in str(e).lower() or "support" in str(e).lower():
+            return Outcome("n/a", message=str(e).splitlines()[0])
+        raise
+    steps = STEPS[mode]
+    shapes = StepShapes(batch=len(LENGTHS), context_len=max(LENGTHS),
+                        max_blocks=4, num_blocks=4 * len(LENGTHS) + 2)
+    try:
+        target = hf.prepare(model) if path == "prepare" else model
+        program = dcp_compile.transform(target, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                                        shapes=shapes)
+        runs = run_threaded_program(program, prompts(), steps, poison_garbage=True)
+    except DCPError as e:
+        return Outcome("refused", reason_of(str(e)), str(e))
+    except Exception as e:  # noqa: BLE001  (a non-project exception is a corpus failure)
+        return Outcome("crash", type(e).__name__,
+                       "".join(traceback.format_exception_only(type(e), e)).strip()[:2000])
+    ref_tokens, ref_logits = reference(model, prompts(), steps)
+    worst = 0.0
+    for run in runs:
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(LENGTHS)):
+                worst = max(worst, float((got[b] - ref_logits[b][t]).abs().max()))
+        if run.result.tokens != ref_tokens:
+            return Outcome("mismatch", f"tokens differ on rank {run.rank}",
+                           f"max |logits error| {worst:.3g}")
+    if not worst <= ATOL:
+        return Outcome("mismatch", f"max |logits error| {worst:.3g}")
+    return Outcome("matches")
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
+    one line each (tab-separated: type, path, mode, cell, message)."""
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    types = argv[0].split(",")
+    paths = argv[1].split(",") if len(argv) > 1 else PATHS
+    modes = argv[2].split(",") if len(argv) > 2 else MODES
+    for t in types:
+        for path in paths:
+            for mode in modes:
+                out = run_case(t, path, mode)
+                msg = out.message.replace("\n", " ")[:300]
+                print(f"{t}\t{path}\t{mode}\t{out.cell()}\t{msg}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
