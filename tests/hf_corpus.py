@@ -50,6 +50,26 @@ for _t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitem
            "exaone_moe", "granitemoe_swa", "aria_text", "llama4_text"):
     OVR[_t] = {**MOE, **OVR.get(_t, {})}
 
+# Our list: every causal decoder type of transformers 5.x that builds from a tiny config.
+CORPUS = (
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "bert", "bert-generation",
+    "big_bird", "biogpt", "bitnet", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe",
+    "ctrl", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge", "dory", "dots1",
+    "electra", "ernie", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe",
+    "falcon", "falcon_h1", "falcon_mamba", "flex_olmo", "flint", "fuyu", "gemma", "gemma2",
+    "gemma3_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm_moe_dsa", "gpt-sw3",
+    "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_neox_japanese", "gpt_oss", "gptj",
+    "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium",
+    "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax",
+    "internlm3", "iquestcoder", "jais2", "jetmoe", "lfm2", "llama", "llama4_text",
+    "longcat_flash", "mamba", "megatron-bert", "mellum", "minicpm3", "minimax", "minimax_m2",
+    "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mpt", "nanochat",
+    "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "openai-gpt",
+    "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+    "rembert", "roformer", "rwkv", "sarvam_moe", "seed_oss", "smollm3", "solar_open",
+    "stablelm", "starcoder2", "trocr", "vaultgemma", "xglm", "youtu",
+)
+
 # Not in the corpus, and why: composite (multimodal / encoder-decoder) models whose causal LM
 # needs more than a text config, and types whose configs do not build as a tiny decoder here.
 EXCLUDED = {
@@ -59,7 +79,7 @@ EXCLUDED = {
     "mbart": "encoder-decoder family", "mvp": "encoder-decoder family",
     "pegasus": "encoder-decoder family", "plbart": "encoder-decoder family",
     "prophetnet": "encoder-decoder family", "whisper": "speech encoder-decoder",
-    "trocr": "vision encoder-decoder's decoder", "blt": "byte-latent composite",
+    "blt": "byte-latent composite",
     "emu3": "multimodal composite", "gemma3": "multimodal composite (gemma3_text is in)",
     "gemma3n": "multimodal composite", "gemma4": "multimodal composite",
     "gemma4_unified": "multimodal composite (gemma4_unified_text is in)",
