@@ -27,9 +27,10 @@ What happens per compile (Dynamo compiles once per input shape):
 3. The placeholders are put in the program calling convention (weights, then input_ids,
    positions, block_table, kv_caches in layer order) and the step kind is picked from the
    attention's token dimension: decode mode compiles "context" (S > 1) and "decode"
-   (S == 1) graphs, prefill mode "prefill". Steps 1-3 are :mod:`dcp_compile.dynamo_capture`.
-   Then the same passes as ``transform()`` run: the step kind's row of
-   ``dcp_compile.passes.pipeline.PIPELINE`` (``pipeline.transform_graph``).
+   (S == 1) graphs, prefill mode "prefill". Steps 1-3 are the Dynamo frontend
+   (:mod:`dcp_compile.frontends.dynamo`). Then the one driver (``driver.compile_program``,
+   as for ``transform()``) runs the step kind's row of
+   ``dcp_compile.passes.pipeline.PIPELINE`` and builds the program.
 4. The result is a :class:`DCPCompiledStep` (``dcp_compile.runtime.compiled_step``): on its first call
    on a rank it binds the topology's process groups (``dcp_compile.runtime.world.bind_roles``, once per
    world) and cuts this rank's weight shards from the weights Dynamo passes in; every call
@@ -54,7 +55,7 @@ from dcp_compile.runtime.compiled_step import DCPCompiledStep
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPError, DCPTransformError
 
-from .dynamo_capture import capture_dynamo, check_whole_step
+from .frontends.dynamo import DynamoFrontend
 
 __all__ = ["BackendOptions", "DCPCompiledStep", "build_program", "dcp_backend",
            "kv_cache_spec", "make_backend"]
@@ -206,48 +207,21 @@ def build_step(gm: GraphModule, example_inputs: list, opts: BackendOptions
 def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
     """The DCPProgram (one step kind) of a Dynamo graph, and how its inputs map to Dynamo's.
 
-    Usable outside torch.compile on a graph a capturing backend kept (tests do this).
+    The Dynamo frontend captures the graph; the one driver (``driver.compile_program``)
+    runs the pipeline and builds the program. Usable outside torch.compile on a graph a
+    capturing backend kept (tests do this).
     """
-    from dcp_compile.passes.dump import dump_root_for, pass_dump
+    from .driver import CompileOptions, compile_program
 
-    from .driver import transform_graph
-    from dcp_compile.runtime.dcp_program import DCPProgram
-    from dcp_compile.runtime.topology import topology
-
-    check_whole_step(gm)
-    capture = capture_dynamo(gm, example_inputs, opts.mode)
-    tp = opts.resolved_tp()
-    block = opts.block_size or capture.block_size
-    config = DCPConfig(tp=tp, dcp=opts.dcp, mode=opts.mode, block_size=block,
+    frontend = DynamoFrontend(gm, example_inputs, opts.mode)
+    capture = frontend.captured
+    config = DCPConfig(tp=opts.resolved_tp(), dcp=opts.dcp, mode=opts.mode,
+                       block_size=opts.block_size or capture.block_size,
                        interleave_size=opts.interleave_size, kv_role=opts.kv_role)
-    dump_root = dump_root_for("backend", config.mode, opts.dump_dir) if _writes_dump() \
-        else None
-    dump = pass_dump(dump_root, capture.step, source="torch.compile backend", config=config)
-    ctx = None
-    try:
-        out, records, ctx = transform_graph(
-            capture.gm, config, capture.step, first_user_input=capture.user[0][0],
-            model_facts={"num_layers": capture.num_layers},
-            certificate=_certificate_for(config), on_pass=dump)
-    finally:  # a failed pass leaves the dump up to it
-        if dump is not None:
-            dump.close(getattr(ctx, "config", None), getattr(ctx, "certificate", None))
-    cfg = ctx.config
-    _remember_certificate(cfg, ctx.certificate)
-    if capture.kv_heads != cfg.kv_heads_per_rank:
-        raise DCPTransformError(
-            f"the KV caches passed to the compiled model have {capture.kv_heads} KV heads, but "
-            f"a rank of tp={cfg.tp}, dcp={cfg.dcp} ({cfg.mode}) holds {cfg.kv_heads_per_rank}: "
-            f"the compiled model runs one rank's program on that rank's caches. Allocate them "
-            f"with dcp_compile.backend.kv_cache_spec(model, tp={cfg.tp}, dcp={cfg.dcp}, "
-            f"num_blocks=...).allocate().")
-    program = DCPProgram(
-        config=cfg, topology=topology(cfg.tp, cfg.dcp, cfg.mode, config=cfg),
-        certificate=ctx.certificate, graphs={capture.step: out}, history=records,
-        shapes=capture.shapes, constants={}, shards=dict(ctx.shards),
-        weight_inputs=[name for name, _ in capture.weights], num_layers=capture.num_layers,
-        dump_dir=str(dump_root) if dump_root is not None else None,
-        facts={"dtype": capture.dtype, "source": "torch.compile"})
+    program = compile_program(frontend, config, CompileOptions(
+        dump_dir=opts.dump_dir, dump=_writes_dump(), certificate=_certificate_for(config),
+        check=False))
+    _remember_certificate(program.config, program.certificate)
     return program, capture
 
 

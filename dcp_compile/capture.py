@@ -61,7 +61,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
 
 
 def refuse_mutation(mutated: list) -> None:
-    """Both capture frontends (this one and :mod:`dcp_compile.dynamo_capture`): a step that
+    """Both capture frontends (this one and :mod:`dcp_compile.frontends.dynamo`): a step that
     writes an input or buffer in place cannot be sharded as a pure function of its inputs."""
     if mutated:
         raise DCPTransformError(

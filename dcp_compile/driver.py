@@ -1,31 +1,43 @@
-"""transform(): capture a model per step kind, run the pass pipeline, return a DCPProgram."""
+"""The compile driver: a frontend's capture (stage 0), the pipeline table, one DCPProgram.
+
+``transform()`` (an ``nn.Module``: the paged or the ordinary frontend) and the torch.compile
+backend (a Dynamo graph: the Dynamo frontend, ``dcp_compile.backend.build_program``) both
+call :func:`compile_program`, the one place a ``DCPProgram`` is built. Per step kind it
+captures the step (``Frontend.capture``), runs the frontend's prologue passes and the step's
+row of ``dcp_compile.passes.pipeline.PIPELINE`` through the pass manager, and carries what
+the passes returned (model facts, the validated config, the certificate, weight shards) into
+the next step and the program. It never asks which kind of model it has.
+"""
 
 from __future__ import annotations
 
-import time
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dcp_compile.passes.pipeline import STEPS_BY_MODE, passes_for
-
-from .capture import capture, constant_values, example_step_inputs
+from dcp_compile.passes.pipeline import passes_for
 from dcp_compile.runtime.config import DCPConfig
-from dcp_compile.runtime.errors import DCPTransformError
-from .ordinary import capture_ordinary
 from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
 from dcp_compile.runtime.topology import topology
 
+from .frontends import Frontend, StepCapture, frontend_for
+
+__all__ = ["CompileOptions", "compile_program", "passes_for", "transform", "transform_graph"]
 
 
-def _model_facts(model) -> dict:
-    """Layer count and cache layout: from the model's own hooks (demo, HF adapter)."""
-    if not hasattr(model, "kv_cache_shape") or not hasattr(model, "num_layers"):
-        raise DCPTransformError(
-            f"{type(model).__name__} does not describe its KV cache: it needs "
-            f"`num_layers` and `kv_cache_shape(num_blocks, block_size)` (the built-in demo "
-            f"model has them; wrap Hugging Face models with dcp_compile.hf.prepare).")
-    return {"num_layers": model.num_layers}
+@dataclass(frozen=True)
+class CompileOptions:
+    """How to compile, apart from the layout (DCPConfig) and the model (the frontend)."""
+
+    dump_dir: str | Path | None = None    # else $DCP_COMPILE_DUMP/<frontend.dump_name>-<mode>
+    dump: bool = True                     # False: no dump files (trace artifacts still)
+    certificate: object | None = None     # a certificate already proven for this layout
+    check: bool | None = False            # transform(check=...); see dcp_compile.check
+    progress: bool = False                # a line per capture and pass on stderr
 
 
 def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *,
@@ -48,98 +60,88 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
     ``True`` on a meta model raises.
     """
-    from . import check as checking
-    from dcp_compile.passes.dump import dump_root_for, pass_dump
-    from dcp_compile.passes.infra import TransformContext
-    from dcp_compile.passes.manager import run_passes
-    from dcp_compile.runtime.engine import StepShapes
-
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
                        combine_dtype=combine_dtype)
-    from .ordinary import FullForwardReference, OrdinaryStep, model_kind
-    user_model = model
-    kind = model_kind(model)
-    if kind == "hf_prepare":
-        from .hf import prepare  # attention already "dcp_paged": the fast path
-        model = prepare(model)
-    ordinary = kind == "ordinary"
-    if ordinary:  # no cache, no hooks: the insert_paged_cache pass adds the cache
-        model = OrdinaryStep(model)
-    shapes = shapes or StepShapes()
-    facts = {} if ordinary else _model_facts(model)
-    check = checking.resolve(check, model, tp, shapes)
-    params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
-    dtype = params[0].dtype if params else torch.float32
-    cache_shape = None if ordinary else model.kv_cache_shape(shapes.num_blocks, block_size)
-    dump_path = dump_root_for("transform", config.mode, dump_dir)  # or $DCP_COMPILE_DUMP
+    return compile_program(frontend_for(model, shapes), config, CompileOptions(
+        dump_dir=dump_dir, certificate=certificate, check=check, progress=progress))
 
+
+def compile_program(frontend: Frontend, config: DCPConfig,
+                    options: CompileOptions = CompileOptions()) -> DCPProgram:
+    """Capture each of the frontend's step kinds, run its pipeline, build the DCPProgram."""
+    from . import check as checking
+    from dcp_compile.passes.dump import dump_root_for
+
+    reference = frontend.reference()
+    check = _resolve_check(checking, options.check, reference, config, frontend)
+    dump_path = dump_root_for(frontend.dump_name, config.mode, options.dump_dir) \
+        if options.dump else None
+    facts, certificate = frontend.facts(), options.certificate
     graphs, history, shards = {}, [], {}
-    constants, weight_inputs = None, None
-    for step in STEPS_BY_MODE[config.mode]:
-        tokens = 1 if step == "decode" else shapes.context_len
-        t0 = time.perf_counter()
-        if ordinary:
-            captured = capture_ordinary(model, shapes.batch, tokens, device=device)
-        else:
-            captured = capture(model, example_step_inputs(
-                shapes.batch, tokens, shapes.max_blocks, cache_shape, facts["num_layers"],
-                device=device, dtype=dtype))
-        capture_seconds = time.perf_counter() - t0
-        if progress:
+    first: StepCapture | None = None
+    for step in frontend.steps(config.mode):
+        captured = frontend.capture(step, config)
+        if options.progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
-                    f"({capture_seconds:.1f}s)")
-        ctx = TransformContext(config=config, step=step, model_facts=facts,
-                               certificate=certificate)
-        insert_cache = _insert_cache_pass(ctx, model, captured, shapes) if ordinary else None
-        dump = pass_dump(dump_path, step, source="transform", config=config)
-        try:
-            gm, records = run_passes(captured.gm, passes_for(ctx, captured.user_inputs[0],
-                                                             insert_cache=insert_cache),
-                                     step=step, on_pass=_with_progress(dump, progress))
-            records[0].matched["capture_seconds"] = round(capture_seconds, 4)
-        finally:  # a failed pass leaves the dump up to it
-            if dump is not None:
-                dump.close(ctx.config, ctx.certificate)
-        config, certificate, facts = ctx.config, ctx.certificate, ctx.model_facts
-        graphs[step] = gm
+                    f"({captured.seconds:.1f}s)")
+        gm, records, ctx = _run_pipeline(frontend, captured, config, step, facts, certificate,
+                                         dump_path, options.progress)
+        config, certificate, facts = ctx.config, ctx.certificate, ctx.facts
+        graphs[step], shards = gm, {**shards, **ctx.shards}
         history += records
-        shards.update(ctx.shards)
-        if constants is None:
-            constants = constant_values(model, captured)
-            weight_inputs = list(captured.params) + list(captured.buffers)
-    program = DCPProgram(config=config, topology=topology(tp, dcp, mode, config=config),
+        first = first or captured
+    frontend.accept(config)
+    program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
+                                                          config=config),
                          certificate=certificate, graphs=graphs, history=history,
-                         shapes=shapes, constants=constants, shards=shards,
-                         weight_inputs=weight_inputs, num_layers=facts["num_layers"],
+                         shapes=frontend.shapes, constants=first.constants(), shards=shards,
+                         weight_inputs=list(first.weight_inputs),
+                         num_layers=facts.num_layers,
                          dump_dir=str(dump_path) if dump_path else None,
-                         facts={"dtype": facts.get("cache_dtype", dtype)})
-    if check:  # an ordinary model's reference is its own full forward (no cache)
-        reference = FullForwardReference(user_model) if ordinary else model
+                         facts={"dtype": facts.cache_dtype or torch.float32,
+                                "source": frontend.source})
+    if check:
         report = checking.check_program(reference, program)  # raises: no program
         program.facts["check"] = report.to_json()
-        if progress:
+        if options.progress:
             _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
                     f"{report.tolerance:.2g} ({report.seconds:.2f}s)")
     return program
 
 
-def _insert_cache_pass(ctx, step_model, captured, shapes):
-    """The cache insertion for an ordinary model's captured step (passes/insert_paged_cache)."""
-    from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+def _resolve_check(checking, check, reference, config: DCPConfig, frontend) -> bool:
+    if reference is None:
+        if check:
+            raise DCPTransformError(
+                f"check=True needs the model's own forward to compare with, and the "
+                f"{frontend.source} has none. Pass check=False, or transform the nn.Module "
+                f"with dcp_compile.transform(check=True).")
+        return False
+    return checking.resolve(check, reference, config.tp, frontend.shapes)
 
-    from .ordinary import declared_windows
-    ctx.model_facts.update(num_blocks=shapes.num_blocks, max_blocks=shapes.max_blocks)
-    inputs = captured.user_inputs
-    return InsertPagedCache(ctx, token_input=inputs[0],
-                            position_input=inputs[1] if len(inputs) > 1 else None,
-                            constants=lambda: constant_values(step_model, captured),
-                            windows=declared_windows(step_model.model))
+
+def _run_pipeline(frontend: Frontend, captured: StepCapture, config: DCPConfig, step: str,
+                  facts: ModelFacts, certificate, dump_path, progress: bool):
+    """One step: the frontend's prologue and the step's row of the table, dumped."""
+    from dcp_compile.passes.dump import pass_dump
+    from dcp_compile.passes.infra import TransformContext
+    from dcp_compile.passes.manager import run_passes
+
+    ctx = TransformContext(config=config, step=step, facts=facts, certificate=certificate)
+    dump = pass_dump(dump_path, step, source=frontend.source, config=config)
+    try:
+        gm, records = run_passes(captured.gm, passes_for(
+            ctx, captured.first_user_input, prologue=frontend.prologue(ctx, captured)),
+            step=step, on_pass=_with_progress(dump, progress))
+        records[0].matched["capture_seconds"] = round(captured.seconds, 4)
+    finally:  # a failed pass leaves the dump up to it
+        if dump is not None:
+            dump.close(ctx.config, ctx.certificate)
+    return gm, records, ctx
 
 
 def _report(line: str) -> None:
-    import sys
     print(line, file=sys.stderr, flush=True)
 
 
@@ -159,20 +161,19 @@ def _with_progress(on_pass, progress: bool):
 
 
 def transform_graph(gm: torch.fx.GraphModule, config: DCPConfig, step: str, *,
-                    first_user_input: str, model_facts: dict | None = None, certificate=None,
+                    first_user_input: str, facts: ModelFacts | None = None, certificate=None,
                     on_pass=None):
-    """Run ``step``'s pass pipeline on an already captured ATen graph; the same passes, in
-    the same order, as ``transform()`` runs after its torch.export capture.
-
-    Entry point of the torch.compile backend (dcp_compile.backend), whose graph comes from
-    AOTAutograd. ``first_user_input`` names the placeholder the ``tp_rank`` input goes before.
+    """Run ``step``'s row of the pipeline table on an already captured ATen graph in the
+    program calling convention (no prologue): the passes ``compile_program`` runs after
+    capture. ``first_user_input`` names the placeholder the ``tp_rank`` input goes before.
     Returns ``(gm, records, ctx)``: the rewritten graph, its PassRecords, and the
-    TransformContext (validated config, certificate, weight shards).
+    TransformContext holding what the passes found (validated config, certificate, facts,
+    weight shards).
     """
     from dcp_compile.passes.infra import TransformContext
     from dcp_compile.passes.manager import run_passes
 
-    ctx = TransformContext(config=config, step=step, model_facts=dict(model_facts or {}),
+    ctx = TransformContext(config=config, step=step, facts=facts or ModelFacts(),
                            certificate=certificate)
     gm, records = run_passes(gm, passes_for(ctx, first_user_input), step=step,
                              on_pass=on_pass)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -19,7 +19,11 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
 from dcp_compile.runtime.names import META_KIND, META_LAYER, META_PASS
+
+if TYPE_CHECKING:
+    from .prove.certificate import Certificate
 
 # Kinds of inserted nodes (for history, structure tests and dump highlighting).
 KIND_COLLECTIVE = "collective"
@@ -34,14 +38,41 @@ KIND_RANK = "rank"
 
 @dataclass
 class TransformContext:
-    """What every pass may read: the layout, the step kind, and facts found so far."""
+    """What every pass may read: the layout, the step kind, and what is known so far.
+
+    Passes do not write it: a pass returns what it found (:class:`Found`), and
+    ``DCPPass.__call__`` merges that in (:meth:`take`) for the passes after it (whichever
+    pass manager runs them).
+    """
 
     config: DCPConfig
     step: str                                    # "context" | "decode" | "prefill"
-    model_facts: dict[str, Any] = field(default_factory=dict)
-    # Filled by passes: parameter placeholder name -> ShardSpec (see shard_tensor_parallel).
+    facts: ModelFacts = field(default_factory=ModelFacts)
+    # parameter placeholder name -> ShardSpec (found by shard_tensor_parallel).
     shards: dict[str, Any] = field(default_factory=dict)
-    certificate: Any = None
+    certificate: Certificate | None = None
+
+    def take(self, found: "Found") -> None:
+        """Merge what a pass found: later passes (and the driver) read it from here."""
+        self.facts = self.facts.merged(found.facts)
+        if found.config is not None:
+            self.config = found.config
+        if found.certificate is not None:
+            self.certificate = found.certificate
+        self.shards.update(found.shards)
+
+
+class Found(PassResult):
+    """A pass's result with what it found: model facts, the validated config and its
+    certificate, weight shards; ``DCPPass.__call__`` hands it to the context."""
+
+    def __new__(cls, graph_module: GraphModule, modified: bool, *,
+                facts: ModelFacts | None = None, config: DCPConfig | None = None,
+                certificate: Certificate | None = None, shards: dict | None = None):
+        self = super().__new__(cls, graph_module, modified)
+        self.facts, self.config, self.certificate = facts, config, certificate
+        self.shards = dict(shards or {})
+        return self
 
 
 class DCPPass(PassBase):
@@ -55,7 +86,14 @@ class DCPPass(PassBase):
         self.matched: dict[str, Any] = {}
         self.inserted: Counter = Counter()
 
-    # PassBase's __call__ runs requires -> call -> ensures.
+    def __call__(self, gm: GraphModule) -> PassResult | None:
+        """PassBase's requires -> call -> ensures; then what the pass found goes to the
+        context, where the next pass and the driver read it."""
+        result = super().__call__(gm)
+        if isinstance(result, Found):
+            self.ctx.take(result)
+        return result
+
     def call(self, gm: GraphModule) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
 

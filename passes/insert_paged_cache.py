@@ -1,7 +1,8 @@
 """Insert the paged KV cache into an ordinary causal LM's graph.
 
 Input: the torch.export graph of ``forward(input_ids [B, S] (, position_ids [B, S])) ->
-logits`` -- a model with no cache and no project API (dcp_compile.ordinary captures it).
+logits`` -- a model with no cache and no project API (dcp_compile.frontends.ordinary
+captures it).
 Output: a graph with the step signature of every other captured model (program.py)::
 
     (weights..., input_ids, positions, block_table, kv_caches_0, ...) -> (logits, *new caches)
@@ -33,16 +34,16 @@ from typing import Callable
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassResult
 
 import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import LatentAttention, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .absorb_latent_attention import absorb_latent_attention
 from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,
                                  is_call, site_form)
-from .infra import KIND_ATTENTION, DCPPass, ensure, val
+from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, val
 
 aten = torch.ops.aten
 
@@ -65,9 +66,11 @@ class InsertPagedCache(DCPPass):
     name = "insert_paged_cache"
 
     def __init__(self, ctx, *, token_input: str, position_input: str | None,
+                 num_blocks: int, max_blocks: int,
                  constants: Callable[[], dict] | None = None,
                  windows: list[int] | None = None):
         super().__init__(ctx)
+        self.num_blocks, self.max_blocks = num_blocks, max_blocks   # the caches' shapes
         # Per-layer sliding windows the model declares (Hugging Face config): a window no
         # shorter than the captured chunk leaves no trace in the graph's mask.
         self.windows = windows
@@ -79,13 +82,11 @@ class InsertPagedCache(DCPPass):
     # -- analysis --------------------------------------------------------------------------
 
     def plan(self, gm: GraphModule) -> Plan:
-        ids = next(n for n in gm.graph.nodes if n.op == "placeholder"
-                   and n.name == self.token_input)
+        ids = placeholder(gm, self.token_input)
         batch, tokens = val(ids).shape
         pos = None
         if self.position_input is not None:
-            pos = next(n for n in gm.graph.nodes if n.op == "placeholder"
-                       and n.name == self.position_input)
+            pos = placeholder(gm, self.position_input)
         per_token = self._depends_on(gm, ids)
         sites = find_sites(gm)
         if not sites:
@@ -97,8 +98,7 @@ class InsertPagedCache(DCPPass):
         shapes = set()
         # Windows: declared by the config, or found in an earlier step's mask (a one-token
         # decode step's mask cannot show one).
-        declared = self.windows if self.windows is not None else \
-            self.ctx.model_facts.get("windows")
+        declared = self.windows if self.windows is not None else self.ctx.facts.windows
         if declared is not None and len(declared) != len(sites):
             raise DCPTransformError(
                 f"the model declares {len(declared)} attention layers (config layer_types / "
@@ -297,11 +297,10 @@ class InsertPagedCache(DCPPass):
                 g.erase_node(n)
         latent = absorb_latent_attention(gm)    # MLA -> one shared latent head (no-op else)
         plan = self.plan(gm)
-        ids = next(n for n in g.nodes if n.op == "placeholder" and n.name == self.token_input)
+        ids = placeholder(gm, self.token_input)
         mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
         cfg = self.ctx.config
-        num_blocks = self.ctx.model_facts["num_blocks"]
-        max_blocks = self.ctx.model_facts["max_blocks"]
+        num_blocks, max_blocks = self.num_blocks, self.max_blocks
         device = val(ids).device
         cache_shape = (num_blocks, cfg.block_size, plan.kv_heads, plan.head_dim)
 
@@ -361,15 +360,16 @@ class InsertPagedCache(DCPPass):
         self._replace_aranges(g, plan, clamped)
         if plan.position_input is not None:
             g.erase_node(plan.position_input)
-        if plan.tokens > 1 or "windows" not in self.ctx.model_facts:
-            self.ctx.model_facts["windows"] = [s.window for s in plan.sites]
-        self.ctx.model_facts.update(num_layers=len(plan.sites), cache_dtype=plan.dtype)
-        if latent:
-            self.ctx.model_facts["mla"] = latent[0]
+        # A one-token step's mask shows no window: it keeps the prompt step's.
+        windows = tuple(s.window for s in plan.sites) \
+            if plan.tokens > 1 or self.ctx.facts.windows is None else None
+        found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
+                           windows=windows,
+                           mla=LatentAttention(**latent[0]) if latent else None)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
                     positions="position_ids" if plan.position_input is not None else "arange")
-        return PassResult(gm, True)
+        return Found(gm, True, facts=found)
 
     @staticmethod
     def _bshd(g, t: Node) -> Node:

@@ -7,11 +7,14 @@ backend build their passes from it (:func:`passes_for`), the dump records it in 
 Step kinds: ``context`` (the decode engine's prompt step), ``decode`` (one token per
 sequence) and ``prefill`` (the prefill engine's chunk; ``sequence_parallel`` lays out the
 tokens ``dcp_prefill`` rewrites). ``insert_paged_cache`` (in ``OPTIONAL``) runs only on an
-ordinary model's graph, which has no cache yet; its caller builds it, because its arguments
-come from the model (``dcp_compile.ordinary``).
+ordinary model's graph, which has no cache yet: the frontend that captured the graph builds
+it as its prologue, because its arguments come from the model
+(``dcp_compile.frontends.ordinary``); the table still says where it runs.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from dcp_compile.runtime.errors import DCPTransformError
 
@@ -42,7 +45,7 @@ PIPELINE: dict[str, tuple[type[DCPPass], ...]] = {
                 DCPPrefill),
 }
 
-# Passes that run only when the caller built one (their arguments come from the model).
+# Passes that run only when the frontend built one (their arguments come from the model).
 OPTIONAL: frozenset[type[DCPPass]] = frozenset({InsertPagedCache})
 
 # Passes built from more than the context: pass -> its extra constructor arguments, from the
@@ -56,15 +59,21 @@ def pass_names(step: str) -> list[str]:
 
 
 def passes_for(ctx: TransformContext, first_user_input: str, *,
-               insert_cache: DCPPass | None = None) -> list[DCPPass]:
-    """``ctx.step``'s passes, built in ``PIPELINE`` order. ``insert_cache``: the
-    InsertPagedCache its caller built for an ordinary model's graph (None: the graph already
-    takes its caches)."""
-    given = {InsertPagedCache: insert_cache}
+               prologue: Sequence[DCPPass] = ()) -> list[DCPPass]:
+    """``ctx.step``'s passes, built in ``PIPELINE`` order. ``prologue``: the optional passes
+    the frontend built for this graph (an ordinary model's InsertPagedCache), each run in
+    its row's place; an optional pass it did not build does not run."""
+    given = {type(p): p for p in prologue}
+    unknown = sorted(p.name for cls, p in given.items() if cls not in OPTIONAL)
+    if unknown:
+        raise DCPTransformError(
+            f"prologue passes {unknown} are not optional passes of the table: the optional "
+            f"ones are {sorted(c.name for c in OPTIONAL)}. Add the pass to PIPELINE and "
+            f"OPTIONAL (dcp_compile.passes.pipeline).")
     built = []
     for cls in _passes_of(ctx.step):
         if cls in OPTIONAL:
-            if given.get(cls) is not None:
+            if cls in given:
                 built.append(given[cls])
             continue
         extra = _EXTRA_ARGS.get(cls)

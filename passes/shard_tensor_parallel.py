@@ -4,7 +4,7 @@
 out over the ranks (see its docstring for where the roles come from: q/k/v column-parallel
 by heads — segment by segment for fused projections —, O and MLP-down row-parallel, MLP
 column projections, vocab-parallel embedding and LM head). This pass only follows it:
-  * every sharded parameter gets its shard's shape; ``ctx.shards`` records how to cut each
+  * every sharded parameter gets its shard's shape; the pass returns how to cut each
     rank's shard on the host (``ShardSpec``: a fused weight's shard is the concatenation of
     its slice of each segment);
   * literal sizes along a sharded dim (view/reshape/expand/unflatten shapes, split sizes,
@@ -24,14 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
-from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, attention_nodes, \
+from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, attention_nodes, \
     source_of, val
 from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
@@ -125,6 +124,7 @@ class ShardTensorParallel(DCPPass):
         cfg = self.ctx.config
         plan = self.plan(gm)
         pl = plan.placements
+        self.shards: dict[str, ShardSpec] = {}    # returned: how the program cuts weights
         mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
                                  if n.op == "placeholder"])
         g = gm.graph
@@ -168,7 +168,7 @@ class ShardTensorParallel(DCPPass):
         self.replicated = {n.name for n, k in pl.linears.items() if k == "replicated"}
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
         self.matched = {"projections": dict(sorted(plan.roles.items()))}
-        return PassResult(gm, True)
+        return Found(gm, True, shards=self.shards)
 
     def _localize(self, n: Node, pl: PlacementPlan) -> None:
         """Literal sizes along a sharded dim -> this rank's sizes."""
@@ -264,7 +264,7 @@ class ShardTensorParallel(DCPPass):
     def _shard_param(self, p: Node, spec: ShardSpec, mode) -> None:
         if p.op != "placeholder":
             raise DCPTransformError(f"weight {p.name} is not a parameter input; cannot shard.")
-        prev = self.ctx.shards.get(p.name)
+        prev = self.shards.get(p.name)
         if prev is not None:
             if prev != spec:
                 raise DCPTransformError(f"weight {p.name} is used with two different shards "
@@ -281,12 +281,12 @@ class ShardTensorParallel(DCPPass):
             p.meta["val"] = torch.empty(spec.shape(full.shape), dtype=full.dtype,
                                         device=full.device)
         p.meta[META_FULL_SHAPE] = tuple(full.shape)
-        self.ctx.shards[p.name] = spec
+        self.shards[p.name] = spec
         self.tag(p, KIND_SHARD)
 
     def ensures(self, gm):
         for n in gm.graph.nodes:
-            if _is_linear(n) and n.args[1].name not in self.ctx.shards \
+            if _is_linear(n) and n.args[1].name not in self.shards \
                     and n.name not in self.replicated:
                 raise DCPTransformError(f"linear {n.name} ({source_of(n)}) was left "
                                         f"unsharded.")

@@ -1,48 +1,66 @@
 """Validate the config against the model's real head counts, then prove the layout.
 
-The transform refuses to emit a graph without a certificate: a broken rule raises
-DCPConfigError (every violation), a failed theorem raises DCPProofError (with a
-counterexample).
+An analysis: :func:`validate_and_prove` reads the graph and returns ``(config,
+certificate)``; the pass of the same name returns them (a ``Found`` result) for the later
+passes and the program. The transform refuses to emit a graph without a certificate: a
+broken rule raises DCPConfigError (every violation), a failed theorem raises DCPProofError
+(with a counterexample).
 """
 
 from __future__ import annotations
 
-from torch.fx.passes.infra.pass_base import PassResult
+from torch.fx import GraphModule
 
+from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPProofError, DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
 from dcp_compile.runtime.names import META_CERTIFICATE
 
-from .infra import DCPPass, attention_nodes, val
+from .infra import DCPPass, Found, attention_nodes, val
+from .prove.certificate import Certificate
+
+
+def attention_layout(gm: GraphModule) -> tuple[int, int, int, int]:
+    """(q heads, kv heads, head_dim, cache block size), the same for every layer."""
+    heads = set()
+    for n in attention_nodes(gm):
+        q, k, kc = val(n.args[0]), val(n.args[1]), val(n.args[3])
+        heads.add((q.shape[2], k.shape[2], kc.shape[3], kc.shape[1]))  # cache head_dim
+    if len(heads) != 1:
+        raise DCPTransformError(f"attention layers disagree on (q heads, kv heads, "
+                                f"head_dim, block_size): {sorted(heads)}. DCP needs one "
+                                f"layout for every layer.")
+    return heads.pop()
+
+
+def validate_and_prove(gm: GraphModule, config: DCPConfig, facts: ModelFacts,
+                       certificate: Certificate | None = None
+                       ) -> tuple[DCPConfig, Certificate]:
+    """The config completed with the graph's head counts (DCPConfig validates on
+    construction: every violated rule, with a fix) and the layout's certificate
+    (``certificate``, when one was proven for this layout already, else a new proof)."""
+    hq, hkv, dim, block = attention_layout(gm)
+    if block != config.block_size:
+        raise DCPTransformError(f"the KV caches' block size differs from the config: "
+                                f"cache block={block}, block_size={config.block_size}. "
+                                f"Build caches with block_size={config.block_size}.")
+    config = config.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                            mla=facts.mla is not None)
+    if certificate is None:
+        from .prove.theorems import prove
+        certificate = prove(config.dcp, config.interleave_size, config.block_size)
+    if not certificate.ok:
+        raise DCPProofError(certificate)
+    return config, certificate
 
 
 class ValidateAndProve(DCPPass):
     name = "validate_and_prove"
 
     def call(self, gm):
-        heads = set()
-        for n in attention_nodes(gm):
-            q, k, kc = val(n.args[0]), val(n.args[1]), val(n.args[3])
-            heads.add((q.shape[2], k.shape[2], kc.shape[3], kc.shape[1]))  # cache head_dim
-        if len(heads) != 1:
-            raise DCPTransformError(f"attention layers disagree on (q heads, kv heads, "
-                                    f"head_dim, block_size): {sorted(heads)}. DCP needs one "
-                                    f"layout for every layer.")
-        hq, hkv, dim, block = heads.pop()
-        cfg = self.ctx.config
-        if block != cfg.block_size:
-            raise DCPTransformError(f"the KV caches' block size differs from the config: "
-                                    f"cache block={block}, block_size={cfg.block_size}. "
-                                    f"Build caches with block_size={cfg.block_size}.")
-        # DCPConfig validates on construction: every violated rule, with a fix.
-        cfg = cfg.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
-                          mla=bool(self.ctx.model_facts.get("mla")))
-        self.ctx.config = cfg
-        if self.ctx.certificate is None:
-            from .prove.theorems import prove
-            self.ctx.certificate = prove(cfg.dcp, cfg.interleave_size, cfg.block_size)
-        if not self.ctx.certificate.ok:
-            raise DCPProofError(self.ctx.certificate)
-        self.record(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
-                    theorems=len(self.ctx.certificate.theorems))
-        gm.meta[META_CERTIFICATE] = self.ctx.certificate
-        return PassResult(gm, False)
+        config, certificate = validate_and_prove(gm, self.ctx.config, self.ctx.facts,
+                                                 self.ctx.certificate)
+        self.record(num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim, theorems=len(certificate.theorems))
+        gm.meta[META_CERTIFICATE] = certificate
+        return Found(gm, False, config=config, certificate=certificate)

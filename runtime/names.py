@@ -8,6 +8,37 @@ Here, in the lowest package, because the runtime binds inputs by name; ``passes`
 
 from __future__ import annotations
 
+from enum import Enum
+
+
+class _Word(str, Enum):
+    """A str-valued name: equal to, hashed and printed as its value, so a dict keyed by
+    the enum answers the plain string too (files, the command line, old callers)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class StepKind(_Word):
+    """The kinds of step a program holds a graph for."""
+
+    CONTEXT = "context"           # the decode engine's prompt step
+    DECODE = "decode"             # one token per sequence
+    PREFILL = "prefill"           # the prefill engine's chunk (sequence parallel)
+
+
+class Mode(_Word):
+    """What a program serves: decode (context + decode steps) or prefill."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
 # -- Graph inputs (placeholder names) ---------------------------------------------------------
 # A program's calling convention: weights..., RANK_INPUT, INPUT_IDS, POSITIONS, BLOCK_TABLE,
 # then one input per KV cache (cache_input(0), cache_input(1), ...: K and V of each layer).

@@ -36,8 +36,8 @@ def _before():
 
 def _pass(num_blocks=3):
     ctx = context(2, 1, "context", block_size=4)
-    ctx.model_facts.update(num_blocks=num_blocks, max_blocks=2)
-    return InsertPagedCache(ctx, token_input="input_ids", position_input=None)
+    return InsertPagedCache(ctx, token_input="input_ids", position_input=None,
+                            num_blocks=num_blocks, max_blocks=2)
 
 
 # The model's own transposes around SDPA are undone, not stacked: q/k/v reach the op as
@@ -76,8 +76,9 @@ def test_sdpa_becomes_paged_attention_over_new_cache_inputs():
                                    "kv_caches_1")} == {
         "positions": (1, S), "block_table": (1, 2), "kv_caches_0": (3, 4, HKV, D),
         "kv_caches_1": (3, 4, HKV, D)}
-    facts = p.ctx.model_facts
-    assert (facts["num_layers"], facts["windows"]) == (1, [0])
+    facts = p.ctx.facts           # what the pass returned, merged by DCPPass.__call__
+    assert (facts.num_layers, facts.windows, facts.mla) == (1, (0,), None)
+    assert facts.cache_dtype == torch.float32
     assert (p.matched["kv_heads"], p.matched["head_dim"]) == (HKV, D)
     assert p.matched["forms"] == ["sdpa (is_causal)"]
 
@@ -155,7 +156,7 @@ def test_eager_attention_with_window_mask_becomes_paged_attention():
     gm = run_alone(p, _eager_before())
     assert_code(gm, EAGER)
     assert p.matched["forms"] == ["eager (keep mask, window)"]
-    assert p.matched["positions"] == "arange" and p.ctx.model_facts["windows"] == [2]
+    assert p.matched["positions"] == "arange" and p.ctx.facts.windows == (2,)
 
 
 def test_eager_first_chunk_on_empty_caches_computes_the_model():

@@ -262,6 +262,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from dcp_compile.driver import passes_for
     from dcp_compile.passes.infra import TransformContext
     from dcp_compile.passes.manager import repropagate
+    from dcp_compile.runtime.facts import ModelFacts
 
     model, prog = program_for(8, 4, "decode")
     example = example_step_inputs(SHAPES.batch, 1, SHAPES.max_blocks,
@@ -269,7 +270,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
                                   device="cpu", dtype=torch.float32)
     captured = capture(model, example)
     ctx = TransformContext(config=DCPConfig(tp=8, dcp=4, mode="decode", block_size=16),
-                           step="decode", model_facts={"num_layers": LAYERS})
+                           step="decode", facts=ModelFacts(num_layers=LAYERS))
     ours = passes_for(ctx, captured.user_inputs[0])
     assert all(callable(p) and isinstance(p.name, str) for p in ours)
 
@@ -483,7 +484,7 @@ def _interpreter_world(tp: int, dcp: int, mode: str, out: str, model_kind: str =
     from helpers import prompts_of
     if model_kind == "mla":               # one latent head, absorbed (README: MLA)
         from dcp_compile.models.mla import plain_mla
-        from dcp_compile.ordinary import FullForwardReference
+        from dcp_compile.frontends.ordinary import FullForwardReference
         model = plain_mla(num_layers=1)
         vocab = model.config.vocab_size
         prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES,

@@ -159,7 +159,7 @@ def test_mla_kv_b_bias_refused():
     model = plain_mla(CFG)
     attn = model.layers[0].self_attn
     attn.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(attn.kv_b_proj.out_features))
-    with pytest.raises(DCPTransformError, match="kv_b_proj .*kv_b_proj_weight.*has a bias.*mla_models.py"):
+    with pytest.raises(DCPTransformError, match="kv_b_proj .*kv_b_proj_weight.*has a bias.*models/mla.py"):
         _transform(model)
 
 
@@ -334,7 +334,7 @@ def test_absorbed_graph_equals_captured_graph(build):
     """The rewrite alone (no cache, no sharding): the captured graph and the absorbed one
     compute the same logits; the absorbed one has no complex view on the q/k path and
     attends over one shared head that is both key and value."""
-    from dcp_compile.ordinary import OrdinaryStep, capture_ordinary
+    from dcp_compile.frontends.ordinary import OrdinaryStep, capture_ordinary
     from dcp_compile.passes.absorb_latent_attention import absorb_latent_attention
 
     step = OrdinaryStep(build())

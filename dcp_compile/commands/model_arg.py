@@ -3,7 +3,7 @@
 
 ``load_model(args)`` returns a :class:`LoadedModel`: the model to transform and the
 single-device reference the verify commands compare against (an ordinary model's reference
-is its own full forward, recomputed every step: dcp_compile.ordinary.FullForwardReference).
+is its own full forward, recomputed every step: dcp_compile.frontends.ordinary.FullForwardReference).
 """
 
 from __future__ import annotations
@@ -56,12 +56,11 @@ def load_model(args, *, demo_config=None, dtype=None) -> LoadedModel:
     if dtype is not None:
         model = model.to(dtype)
     model = model.eval()
-    from dcp_compile.ordinary import FullForwardReference, model_kind
-    ordinary = model_kind(model) == "ordinary"
-    make_reference = (lambda: FullForwardReference(model)) if ordinary else (lambda: model)
-    return LoadedModel(model, label, _vocab_size(model), make_reference,
+    from dcp_compile.frontends import frontend_for
+    frontend = frontend_for(model)
+    return LoadedModel(model, label, _vocab_size(model), frontend.reference,
                        _config_int(model, "num_key_value_heads", "num_kv_heads"),
-                       reference_has_cache=not ordinary)
+                       reference_has_cache=frontend.reference_has_cache)
 
 
 def _from_factory(spec: str):

@@ -1,63 +1,23 @@
-"""Ordinary models: which kind of model transform() got, and the capture of a cache-less one.
-
-Kinds (``model_kind``), as data in the order they are tried:
-  * ``paged``: the step signature ``forward(input_ids, positions, block_table, kv_caches)``
-    (the demo model, ``hf.prepare``'s wrapper); captured as today.
-  * ``hf_prepare``: a Hugging Face model whose attention is already ``"dcp_paged"``; wrapped
-    with ``hf.prepare`` (the fast path).
-  * ``ordinary``: any other causal LM, ``forward(input_ids (, position_ids)) -> logits`` (or
-    an object with ``.logits``); Hugging Face models with ``attn_implementation`` "sdpa" or
-    "eager" included. Captured with :func:`capture_ordinary`; the pass
-    ``dcp_compile.passes.insert_paged_cache`` then adds the KV cache.
+"""The ordinary frontend: any causal LM ``forward(input_ids (, position_ids)) -> logits`` (or
+an object with ``.logits``), Hugging Face models with ``attn_implementation`` "sdpa" or
+"eager" included. Captured with :func:`capture_ordinary`; its prologue is the pass
+``dcp_compile.passes.insert_paged_cache``, which adds the KV cache; its reference is the
+model's own full forward, recomputed every step (:class:`FullForwardReference`).
 """
 
 from __future__ import annotations
 
-import inspect
+import time
 
 import torch
 from torch import Tensor, nn
 
-from dcp_compile.runtime.names import BLOCK_TABLE, KV_CACHES
-
-from .capture import Captured, capture
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.names import StepKind
 
-PAGED_ARGS = (BLOCK_TABLE, KV_CACHES)          # a forward with these is a paged step
-HF_ORDINARY_ATTENTION = ("sdpa", "eager")
-HF_PAGED_ATTENTION = "dcp_paged"
-
-
-def _forward_params(model: nn.Module) -> dict:
-    try:
-        return dict(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return {}
-
-
-def is_hf(model) -> bool:
-    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
-
-
-def model_kind(model: nn.Module) -> str:
-    """'paged' | 'hf_prepare' | 'ordinary' (see module doc); refuses what fits none."""
-    if hasattr(model, "kv_cache_shape") and hasattr(model, "num_layers"):
-        return "paged"
-    if is_hf(model):
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl == HF_PAGED_ATTENTION:
-            return "hf_prepare"
-        if impl in HF_ORDINARY_ATTENTION:
-            _check_hf_config(model)
-            return "ordinary"
-        raise DCPTransformError(
-            f"{type(model).__name__} uses attn_implementation={impl!r}, which the compiler "
-            f"does not read. Build it with attn_implementation='sdpa' or 'eager' (the KV "
-            f"cache is inserted from the graph), or wrap it with dcp_compile.hf.prepare.")
-    params = _forward_params(model)
-    if any(name in params for name in PAGED_ARGS):
-        return "paged"          # a paged step without the hooks: _model_facts says so
-    return "ordinary"
+from ..capture import Captured, capture, constant_values
+from . import StepCapture, _forward_params, is_hf
 
 
 # Hugging Face config fields that change attention in ways the paged op does not compute.
@@ -98,6 +58,54 @@ def declared_windows(model) -> list[int] | None:
     if types is None:
         return [int(window)] * layers
     return [int(window) if t == "sliding_attention" else 0 for t in types]
+
+
+class OrdinaryFrontend:
+    source = "transform"
+    dump_name = "transform"
+    reference_has_cache = False      # the reference recomputes the whole sequence
+
+    def __init__(self, model: nn.Module, shapes):
+        if is_hf(model):
+            _check_hf_config(model)
+        self.model, self.shapes = model, shapes
+        self.step_model = OrdinaryStep(model)
+        params = list(model.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+
+    def steps(self, mode: str) -> tuple[str, ...]:
+        from dcp_compile.passes.pipeline import STEPS_BY_MODE
+        return STEPS_BY_MODE[mode]
+
+    def capture(self, step: str, config) -> StepCapture:
+        tokens = 1 if step == StepKind.DECODE else self.shapes.context_len
+        start = time.perf_counter()
+        captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
+                                    device=self.device)
+        return StepCapture(captured.gm, captured.user_inputs,
+                           list(captured.params) + list(captured.buffers),
+                           time.perf_counter() - start,
+                           constants=lambda: constant_values(self.step_model, captured))
+
+    def prologue(self, ctx, captured: StepCapture) -> list:
+        """The cache insertion (passes/insert_paged_cache): the graph has no cache yet."""
+        from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+        inputs = captured.user_inputs
+        return [InsertPagedCache(ctx, token_input=inputs[0],
+                                 position_input=inputs[1] if len(inputs) > 1 else None,
+                                 num_blocks=self.shapes.num_blocks,
+                                 max_blocks=self.shapes.max_blocks,
+                                 constants=captured.constants,
+                                 windows=declared_windows(self.model))]
+
+    def facts(self) -> ModelFacts:
+        return ModelFacts()          # the cache insertion finds them in the graph
+
+    def reference(self) -> nn.Module:
+        return FullForwardReference(self.model)
+
+    def accept(self, config) -> None:
+        pass
 
 
 class OrdinaryStep(nn.Module):

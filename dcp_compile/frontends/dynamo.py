@@ -1,6 +1,6 @@
-"""Capture for the torch.compile backend: a Dynamo graph -> an ATen graph in the program's
-calling convention (the sibling of :mod:`dcp_compile.capture`, which captures an nn.Module
-with torch.export).
+"""The Dynamo frontend (the torch.compile backend): a Dynamo graph -> an ATen graph in the
+program's calling convention (the sibling of :mod:`dcp_compile.capture`, which captures an
+nn.Module with torch.export). :class:`DynamoFrontend` hands it to the driver.
 
 1. The Dynamo graph must be the whole step: a graph break raises :class:`DCPTransformError`
    naming the break (:func:`check_whole_step`), since the rest of the model would run
@@ -24,10 +24,14 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .capture import refuse_mutation
 from dcp_compile.runtime.errors import DCPError, DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.names import StepKind
 
-__all__ = ["DynamoCapture", "capture_dynamo", "check_whole_step"]
+from ..capture import refuse_mutation
+from . import StepCapture
+
+__all__ = ["DynamoCapture", "DynamoFrontend", "capture_dynamo", "check_whole_step"]
 
 
 @dataclass
@@ -161,7 +165,8 @@ def capture_dynamo(gm: GraphModule, example_inputs: list, mode: str) -> DynamoCa
     if not attention:
         # The pipeline's canonicalization names the problem (no or unrecognised attention).
         user = [(n.name, i) for n, i in inputs.items()] or [(new[0].name, 0)]
-        return DynamoCapture(aten, weights, user, "decode" if mode == "decode" else "prefill",
+        return DynamoCapture(aten, weights, user,
+                             StepKind.DECODE if mode == "decode" else StepKind.PREFILL,
                              StepShapes(), 0, 16, 0, torch.float32)
     user = _step_inputs(attention, inputs)
     _reorder_placeholders(aten, [by_index[i][0] for _, i in weights]
@@ -170,9 +175,9 @@ def capture_dynamo(gm: GraphModule, example_inputs: list, mode: str) -> DynamoCa
     q, kc = attention[0].args[0].meta["val"], attention[0].args[3].meta["val"]
     batch, tokens = q.shape[0], q.shape[1]
     if mode == "prefill":
-        step = "prefill"
+        step = StepKind.PREFILL
     else:
-        step = "decode" if tokens == 1 else "context"
+        step = StepKind.DECODE if tokens == 1 else StepKind.CONTEXT
     table = attention[0].args[6].meta["val"]
     shapes = StepShapes(batch=batch, context_len=tokens, max_blocks=table.shape[1],
                         num_blocks=kc.shape[0])
@@ -218,3 +223,47 @@ def _reorder_placeholders(gm: GraphModule, order: list) -> None:
         anchor.prepend(node)
     gm.recompile()
 
+
+
+class DynamoFrontend:
+    """One Dynamo graph, captured on construction (its attention decides the step kind and
+    the shapes); no prologue, no reference (the backend does not check)."""
+
+    source = "torch.compile backend"
+    dump_name = "backend"
+
+    def __init__(self, gm: GraphModule, example_inputs: list, mode: str):
+        import time
+        check_whole_step(gm)
+        start = time.perf_counter()
+        self.captured = capture_dynamo(gm, example_inputs, mode)
+        self.seconds = time.perf_counter() - start
+        self.shapes = self.captured.shapes
+
+    def steps(self, mode: str) -> tuple[str, ...]:
+        return (self.captured.step,)
+
+    def capture(self, step: str, config) -> StepCapture:
+        c = self.captured
+        return StepCapture(c.gm, [name for name, _ in c.user],
+                           [name for name, _ in c.weights], self.seconds)
+
+    def prologue(self, ctx, captured: StepCapture) -> list:
+        return []
+
+    def facts(self) -> ModelFacts:
+        return ModelFacts(num_layers=self.captured.num_layers, cache_dtype=self.captured.dtype)
+
+    def reference(self) -> None:
+        return None
+
+    def accept(self, config) -> None:
+        """The compiled model runs one rank's program on the caches it is given."""
+        c = self.captured
+        if c.kv_heads != config.kv_heads_per_rank:
+            raise DCPTransformError(
+                f"the KV caches passed to the compiled model have {c.kv_heads} KV heads, but "
+                f"a rank of tp={config.tp}, dcp={config.dcp} ({config.mode}) holds "
+                f"{config.kv_heads_per_rank}: the compiled model runs one rank's program on "
+                f"that rank's caches. Allocate them with dcp_compile.backend.kv_cache_spec("
+                f"model, tp={config.tp}, dcp={config.dcp}, num_blocks=...).allocate().")

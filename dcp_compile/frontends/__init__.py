@@ -1,0 +1,154 @@
+"""Frontends: how a model's steps are captured (the ``Frontend`` protocol, and which
+frontend a model gets).
+
+A frontend is all that differs between model kinds; the driver (:mod:`dcp_compile.driver`)
+runs every one the same way. It provides:
+
+  * ``capture(step)``: stage 0, the step's ATen graph (:class:`StepCapture`);
+  * ``prologue(ctx, captured)``: the optional passes of the pipeline table this graph needs
+    (an ordinary model's cache insertion), built from the model;
+  * ``facts()``: the typed :class:`~dcp_compile.runtime.facts.ModelFacts` it knows before
+    the passes run;
+  * ``reference()``: the forward ``check=`` compares the program with (None: no check).
+
+Three frontends: :mod:`.paged` (the demo model, ``hf.prepare``), :mod:`.ordinary` (plain
+and Hugging Face sdpa/eager models; the cache is inserted from the graph) and :mod:`.dynamo`
+(the torch.compile backend). :func:`frontend_for` picks one for an ``nn.Module`` by the rules
+of ``FRONTEND_RULES``, tried in order.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.names import BLOCK_TABLE, KV_CACHES
+
+if TYPE_CHECKING:
+    from dcp_compile.passes.infra import DCPPass, TransformContext
+    from dcp_compile.runtime.config import DCPConfig
+    from dcp_compile.runtime.engine import StepShapes
+
+
+@dataclass
+class StepCapture:
+    """One captured step: its graph and how the program feeds it."""
+
+    gm: GraphModule
+    user_inputs: list[str]           # step input placeholders, in order
+    weight_inputs: list[str]         # weight/buffer placeholders, in graph order
+    seconds: float = 0.0             # how long the capture took (history, progress)
+    # placeholder -> the full weight (asked once, of the first step's capture)
+    constants: Callable[[], dict[str, torch.Tensor]] = field(default=dict, repr=False)
+
+    @property
+    def first_user_input(self) -> str:
+        """The placeholder the rank input goes before (insert_rank)."""
+        return self.user_inputs[0]
+
+
+class Frontend(Protocol):
+    """Where a program's graphs come from (see the module doc)."""
+
+    source: str                      # the dump's label: "transform", "torch.compile backend"
+    dump_name: str                   # the dump folder's prefix (dump_root_for)
+    shapes: "StepShapes"             # the static shapes the steps are captured at
+
+    def steps(self, mode: str) -> tuple[str, ...]:
+        """The step kinds a program of ``mode`` gets from this frontend, in capture order."""
+
+    def capture(self, step: str, config: "DCPConfig") -> StepCapture:
+        """Stage 0: ``step``'s ATen graph (``config``: the layout asked for; its block size
+        shapes the caches)."""
+
+    def prologue(self, ctx: "TransformContext", captured: StepCapture) -> list["DCPPass"]:
+        """The optional passes of the table (``pipeline.OPTIONAL``) this graph needs."""
+
+    def facts(self) -> ModelFacts:
+        """What the frontend knows about the model before the passes run."""
+
+    def reference(self) -> nn.Module | None:
+        """The forward ``check=`` compares with (paged step signature); None: none."""
+
+    def accept(self, config: "DCPConfig") -> None:
+        """Refuse a validated config this frontend's inputs cannot run (raises)."""
+
+
+# -- which frontend an nn.Module gets ------------------------------------------------------
+
+def _paged(model, shapes):
+    from .paged import PagedFrontend
+    return PagedFrontend(model, shapes)
+
+
+def _hf_prepared(model, shapes):
+    from dcp_compile.hf import prepare   # attention already "dcp_paged": the fast path
+    return _paged(prepare(model), shapes)
+
+
+def _ordinary(model, shapes):
+    from .ordinary import OrdinaryFrontend
+    return OrdinaryFrontend(model, shapes)
+
+
+def _refuse_hf_attention(model, shapes):
+    impl = getattr(model.config, "_attn_implementation", None)
+    raise DCPTransformError(
+        f"{type(model).__name__} uses attn_implementation={impl!r}, which the compiler "
+        f"does not read. Build it with attn_implementation='sdpa' or 'eager' (the KV "
+        f"cache is inserted from the graph), or wrap it with dcp_compile.hf.prepare.")
+
+
+def _forward_params(model: nn.Module) -> dict:
+    try:
+        return dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def is_hf(model) -> bool:
+    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
+
+
+def _hf_attention(model) -> str | None:
+    return getattr(model.config, "_attn_implementation", None) if is_hf(model) else None
+
+
+def has_paged_hooks(model) -> bool:
+    return hasattr(model, "kv_cache_shape") and hasattr(model, "num_layers")
+
+
+def takes_paged_args(model) -> bool:
+    return any(name in _forward_params(model) for name in PAGED_ARGS)
+
+
+PAGED_ARGS = (BLOCK_TABLE, KV_CACHES)          # a forward with these is a paged step
+HF_ORDINARY_ATTENTION = ("sdpa", "eager")
+HF_PAGED_ATTENTION = "dcp_paged"
+
+# (test, frontend factory), tried in order: the first test that holds picks the frontend.
+FRONTEND_RULES: tuple[tuple[Callable[[nn.Module], bool], Callable], ...] = (
+    (has_paged_hooks, _paged),              # states its cache: num_layers, kv_cache_shape
+    (lambda m: _hf_attention(m) == HF_PAGED_ATTENTION, _hf_prepared),
+    (lambda m: _hf_attention(m) in HF_ORDINARY_ATTENTION, _ordinary),
+    (is_hf, _refuse_hf_attention),          # HF, any other attention
+    (takes_paged_args, _paged),             # a paged step without the hooks: refused there
+    (lambda m: True, _ordinary),            # any other causal LM
+)
+
+
+def frontend_for(model: nn.Module, shapes: "StepShapes | None" = None) -> Frontend:
+    """The frontend for ``model``: the first of ``FRONTEND_RULES`` whose test holds."""
+    from dcp_compile.runtime.engine import StepShapes
+    shapes = shapes or StepShapes()
+    for applies, make in FRONTEND_RULES:
+        if applies(model):
+            return make(model, shapes)
+    raise AssertionError("the last rule always applies")  # pragma: no cover

@@ -1,0 +1,66 @@
+"""The paged frontend: a model that already takes the step signature
+``forward(input_ids, positions, block_table, kv_caches)`` and states its cache
+(``num_layers``, ``kv_cache_shape(num_blocks, block_size)``): the demo model,
+``hf.prepare``'s wrapper. Captured with torch.export; no prologue; the model is its own
+reference."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.names import StepKind
+
+from ..capture import capture, constant_values, example_step_inputs
+from . import StepCapture
+
+
+class PagedFrontend:
+    source = "transform"
+    dump_name = "transform"
+    reference_has_cache = True       # the reference keeps its own KV cache between steps
+
+    def __init__(self, model: nn.Module, shapes):
+        if not hasattr(model, "kv_cache_shape") or not hasattr(model, "num_layers"):
+            raise DCPTransformError(
+                f"{type(model).__name__} does not describe its KV cache: it needs "
+                f"`num_layers` and `kv_cache_shape(num_blocks, block_size)` (the built-in "
+                f"demo model has them; wrap Hugging Face models with dcp_compile.hf.prepare).")
+        self.model, self.shapes = model, shapes
+        params = list(model.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        self.dtype = params[0].dtype if params else torch.float32
+        self._constants = None
+
+    def steps(self, mode: str) -> tuple[str, ...]:
+        from dcp_compile.passes.pipeline import STEPS_BY_MODE
+        return STEPS_BY_MODE[mode]
+
+    def capture(self, step: str, config) -> StepCapture:
+        s = self.shapes
+        tokens = 1 if step == StepKind.DECODE else s.context_len
+        cache_shape = self.model.kv_cache_shape(s.num_blocks, config.block_size)
+        start = time.perf_counter()
+        captured = capture(self.model, example_step_inputs(
+            s.batch, tokens, s.max_blocks, cache_shape, self.model.num_layers,
+            device=self.device, dtype=self.dtype))
+        return StepCapture(captured.gm, captured.user_inputs,
+                           list(captured.params) + list(captured.buffers),
+                           time.perf_counter() - start,
+                           constants=lambda: constant_values(self.model, captured))
+
+    def prologue(self, ctx, captured: StepCapture) -> list:
+        return []                   # the graph takes its caches already
+
+    def facts(self) -> ModelFacts:
+        return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype)
+
+    def reference(self) -> nn.Module:
+        return self.model
+
+    def accept(self, config) -> None:
+        pass

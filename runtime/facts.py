@@ -1,0 +1,44 @@
+"""ModelFacts: what capture and the passes find out about a model (layers, cache dtype,
+sliding windows, latent attention), typed; the program carries them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """An MLA layer's widths, as absorb_latent_attention found them (README: MLA)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    heads: int
+    scale: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Facts about the model; ``None`` where nothing has told yet.
+
+    A frontend gives what it knows before capture (a paged model states its layer count);
+    a pass returns what it finds in the graph (``insert_paged_cache``: layers, cache dtype,
+    windows, MLA); the driver merges them (``merged``) and hands them to later passes.
+    """
+
+    num_layers: int | None = None
+    cache_dtype: torch.dtype | None = None
+    windows: tuple[int, ...] | None = None      # per layer; 0: full attention
+    mla: LatentAttention | None = None
+
+    def merged(self, found: "ModelFacts | None") -> "ModelFacts":
+        """These facts with every field ``found`` knows replaced by its value."""
+        if found is None:
+            return self
+        known = {f.name: getattr(found, f.name) for f in fields(found)
+                 if getattr(found, f.name) is not None}
+        return ModelFacts(**{**{f.name: getattr(self, f.name) for f in fields(self)},
+                             **known})
