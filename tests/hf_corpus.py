@@ -99,6 +99,7 @@ EXCLUDED = {
 # What a DCPError says, by the feature it names (first match wins). A refusal that names
 # none of these is reported as "other" and fails the corpus test: users must learn why.
 REASONS = (
+    ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
     ("ALiBi", r"alibi"),
     ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
@@ -112,6 +113,7 @@ REASONS = (
     ("model-built attention mask", r"attention mask|its own mask"),
     ("position encoding", r"position|rope|rotary"),
     ("no AttentionInterface (prepare)", r"AttentionInterface"),
+    ("decoder layer drops attention kwargs", r"does not pass \*\*kwargs"),
     ("unsupported op", r"no (placement )?rule|not recogni[sz]ed|cannot shard|refus"),
     ("config", r"config"),
 )
