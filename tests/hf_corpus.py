@@ -233,13 +233,61 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
     return Outcome("matches")
 
 
-def main(argv: list[str]) -> int:
-    """``python tests/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
-    one line each (tab-separated: type, path, mode, cell, message)."""
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
+
+
+def render_table(results: dict) -> str:
+    """The README's table (a row per type, a column per path x mode) and the counts."""
+    head = "| model type | " + " | ".join(f"{p} {m}" for p in PATHS for m in MODES) + " |"
+    rule = "|" + "---|" * (1 + len(PATHS) * len(MODES))
+    rows = [f"| `{t}` | " + " | ".join(results[(t, p, m)].cell() for p in PATHS
+                                       for m in MODES) + " |" for t in CORPUS]
+    counts: dict[str, int] = {}
+    for out in results.values():
+        counts[out.cell()] = counts.get(out.cell(), 0) + 1
+    summary = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return "\n".join([head, rule, *rows, "", f"Cells: {len(results)}. {summary}."])
+
+
+def _cell(args):
     import logging
     import warnings
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    return args, run_case(*args)
+
+
+def write_readme(processes: int = 2) -> dict:
+    """Run every cell (a process pool) and rewrite the README table between its markers."""
+    import multiprocessing
+    cells = [(t, p, m) for t in CORPUS for p in PATHS for m in MODES]
+    with multiprocessing.get_context("spawn").Pool(processes, maxtasksperchild=20) as pool:
+        results = dict(pool.imap_unordered(_cell, cells))
+    text = open(README).read()
+    table = render_table(results)
+    new = re.sub(re.escape(START) + ".*?" + re.escape(END),
+                 lambda _: f"{START}\n{table}\n{END}", text, flags=re.S)
+    open(README, "w").write(new)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
+    one line each (tab-separated: type, path, mode, cell, message).
+    ``python tests/hf_corpus.py --write-readme [PROCESSES]``: every cell, into the README."""
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    if argv and argv[0] == "--write-readme":
+        results = write_readme(int(argv[1]) if len(argv) > 1 else 2)
+        bad = {k: v for k, v in results.items() if v.kind in ("mismatch", "crash")
+               or v.reason == "other"}
+        for k, v in sorted(bad.items()):
+            print("\t".join(k), v.cell(), v.message[:300], sep="\t")
+        return 1 if bad else 0
     types = argv[0].split(",")
     paths = argv[1].split(",") if len(argv) > 1 else PATHS
     modes = argv[2].split(",") if len(argv) > 2 else MODES
