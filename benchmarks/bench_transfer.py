@@ -20,6 +20,7 @@ already set); on one machine UCX may move the bytes through shared memory rather
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -58,6 +59,15 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check")
+    ap.add_argument("--modes", default="staged,descriptors",
+                    help="how head ranges move: staged and/or descriptors (comma-separated)")
+    ap.add_argument("--only", default="",
+                    help="only the topologies whose name contains this text")
+    ap.add_argument("--shuffled", action="store_true",
+                    help="scattered block tables (one run per block) instead of the allocator's")
+    ap.add_argument("--profile", action="store_true",
+                    help="only the floor READ cut into 1..N descriptors per tensor (same "
+                         "bytes): where the time goes, descriptors vs bytes")
     args = ap.parse_args(argv)
     os.environ.update(loopback_env())
 
@@ -74,35 +84,48 @@ def main(argv=None) -> int:
                        for i, (_, _, _, dtp, ddcp) in enumerate(TOPOLOGIES)
                        for mode in ("staged", "descriptors")],
             "repeat": args.repeat + 1,
+            # The engines' own allocator, entries grouped so that each remote rank's blocks
+            # are one run on both sides (TransferPlan.*_block_groups); --shuffled: scattered.
+            "allocation": "shuffled" if args.shuffled else "contiguous",
+            "block_groups": _block_groups(args),
             "requests": [{"id": "long", "seq_len": args.seq_len}],
             "stop_file": str(tmp / "done")}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
-                             str(tmp / "spec.json"), str(tmp / "prefill.json")], cwd=ROOT,
-                            env=loopback_env(), stdout=subprocess.DEVNULL)
-    try:
-        rows, nbytes = [], None
+    if args.profile:
+        return _profile(spec, prefill, tmp, args)
+    rows, nbytes = [], None
+    # The floor's prefill process lives through the run: each row's floor is measured right
+    # after the row (the machine is shared: its load drifts over minutes).
+    prefill[-1]["port"] = free_port_base(1)
+    with _prefill_process(spec, prefill[-1:], [], tmp, "floor"):
         for i, (name, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
-            for mode in ("staged", "descriptors"):
-                r = _measure(spec, prefill[i], {"tp": dtp, "dcp": ddcp}, args, mode)
-                if r["kind"] == "match" and mode == "descriptors":
-                    continue  # whole rows: both modes are the same reads
+            if args.only not in name:
+                continue
+            # One prefill process per topology, serving only its engine (one process per
+            # engine: each agent is polled as often as a prefill rank polls its own).
+            readers = [d for d in spec["decode"] if d["prefill"] == f"p{i}"]
+            prefill[i]["port"] = free_port_base(ptp)  # picked now: the machine is shared
+            measured = []
+            with _prefill_process(spec, prefill[i:i + 1], readers, tmp, f"p{i}"):
+                for mode in args.modes.split(","):
+                    r = _measure(spec, prefill[i], {"tp": dtp, "dcp": ddcp}, args, mode)
+                    if r["kind"] == "match" and mode == "descriptors":
+                        continue  # whole rows: both modes are the same reads
+                    measured.append(r)
+            for r in measured:
                 nbytes = r["kv_bytes"]
+                r["floor_ms"] = _floor_read(spec, prefill[-1], nbytes, args.repeat)
                 rows.append((name, r))
-                print(f"  measured {name} [{r['mode']}]: {r['ms']:.1f} ms", file=sys.stderr,
-                      flush=True)
-        floor_ms = _floor_read(spec, prefill[-1], nbytes, args.repeat)
-        memcpy_ms = _memcpy(nbytes, args.repeat)
-    finally:
-        (tmp / "done").write_text("1")
-        proc.wait(timeout=120)
+                print(f"  measured {name} [{r['mode']}]: {r['ms']:.1f} ms, floor "
+                      f"{r['floor_ms']:.1f} ms", file=sys.stderr, flush=True)
+    floor_ms = statistics.median(r["floor_ms"] for _, r in rows)
+    memcpy_ms = _memcpy(nbytes, args.repeat)
 
     print(f"\nKV transfer per request: seq_len={args.seq_len}, num_kv_heads={args.num_kv_heads},"
           f" head_dim={args.head_dim}, layers={args.layers}, {args.dtype}, block_size="
           f"{args.block_size}; {nbytes / 2**20:.1f} MiB per request; median of {args.repeat}; "
           f"UCX_TLS={os.environ['UCX_TLS']}")
     print("MiB read = bytes over NIXL (staged splitting reads whole remote rows); KV GiB/s "
-          "= the request's KV bytes / time")
+          "= the request's KV bytes / time; x 1-read = / the floor measured right after the row")
     head = (f"{'topology':<29} {'kind':<5} {'rows':<6} {'remotes':>7} {'descs':>7} "
             f"{'MiB read':>8} {'ms':>8} {'KV GiB/s':>8} {'x 1-read':>8} {'x memcpy':>8} verified")
     print(head)
@@ -111,14 +134,26 @@ def main(argv=None) -> int:
         rows_mode = r["mode"] if r["kind"] != "match" else "whole"
         print(f"{name:<29} {r['kind']:<5} {rows_mode[:6]:<6} {r['remotes']:>7} "
               f"{r['descriptors']:>7} {r['bytes'] / 2**20:>8.1f} {r['ms']:>8.1f} "
-              f"{r['kv_bytes'] / 2**30 / (r['ms'] / 1e3):>8.2f} {r['ms'] / floor_ms:>8.1f} "
+              f"{r['kv_bytes'] / 2**30 / (r['ms'] / 1e3):>8.2f} {r['ms'] / r['floor_ms']:>8.1f} "
               f"{r['ms'] / memcpy_ms:>8.1f} {r['verified']}")
-    for name, ms, descs in (("floor: nixl 1-read", floor_ms, 2 * args.layers),
+    for name, ms, descs in (("floor: nixl 1-read (median)", floor_ms, 2 * args.layers),
                             ("floor: memcpy", memcpy_ms, "")):
         print(f"{name:<29} {'':<5} {'':<6} {'':>7} {descs:>7} {nbytes / 2**20:>8.1f} "
               f"{ms:>8.1f} {nbytes / 2**30 / (ms / 1e3):>8.2f} {ms / floor_ms:>8.1f} "
               f"{ms / memcpy_ms:>8.1f}")
     return 0
+
+
+def _block_groups(args) -> dict:
+    """Block-table grouping of each engine of the bench (prefill p<i>, its decode d-p<i>)."""
+    from dcp_compile.runtime.transfer_plan import engine_configs, plan_transfer
+    out = {}
+    for i, (_, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
+        plan = plan_transfer(*engine_configs(prefill_tp=ptp, prefill_dcp=pdcp, decode_tp=dtp,
+                                             decode_dcp=ddcp, num_kv_heads=args.num_kv_heads,
+                                             block_size=args.block_size))
+        out[f"p{i}"], out[f"d-p{i}"] = plan.prefill_block_groups, plan.decode_block_groups
+    return out
 
 
 def _measure(spec, p_eng, d_eng, args, mode) -> dict:
@@ -141,7 +176,7 @@ def _measure(spec, p_eng, d_eng, args, mode) -> dict:
         for c in ranks:
             c.start_read(TransferRequest(rid, args.seq_len, p_tables["long"], d_tables["long"],
                                          request_epoch(spec, rep, 0)))
-        stats = wait_all(ranks, rid)
+        stats = wait_all(ranks, rid)  # polls back to back, yielding the CPU (as the floor)
         if rep > 0:
             times.append(time.perf_counter() - t0)
     verified = "skipped"
@@ -162,8 +197,10 @@ def _measure(spec, p_eng, d_eng, args, mode) -> dict:
     return out
 
 
-def _floor_read(spec, p_eng, nbytes: int, repeat: int) -> float:
-    """One READ of whole contiguous cache tensors, ``nbytes`` in all, from one prefill rank."""
+def _floor_read(spec, p_eng, nbytes: int, repeat: int, pieces: int = 1) -> float:
+    """One READ of whole contiguous cache tensors, ``nbytes`` in all, from one prefill rank;
+    ``pieces > 1`` cuts each tensor's range into that many adjacent descriptors (the same
+    bytes: what the descriptor count alone costs, see --profile)."""
     import numpy as np
 
     from dcp_compile.runtime.nixl.connector import DecodeKVConnector
@@ -180,15 +217,19 @@ def _floor_read(spec, p_eng, nbytes: int, repeat: int) -> float:
     per = nbytes // len(local)
     assert per <= local[0].numel() * local[0].element_size()
     api = conn._agent.agent  # the floor bypasses the plan on purpose: raw NIXL, same agent
-    ldesc = np.array([(t.data_ptr(), per, 0) for t in local], dtype=np.uint64)
-    rdesc = np.array([(a, per, 0) for a in remote], dtype=np.uint64)
+    step = per // pieces
+    ldesc = np.array([(t.data_ptr() + i * step, step, 0) for t in local for i in range(pieces)],
+                     dtype=np.uint64)
+    rdesc = np.array([(a + i * step, step, 0) for a in remote for i in range(pieces)],
+                     dtype=np.uint64)
     times = []
     for rep in range(-1, repeat):
         t0 = time.perf_counter()
         h = api.initialize_xfer("READ", api.get_xfer_descs(ldesc, "DRAM"),
                                 api.get_xfer_descs(rdesc, "DRAM"), name, b"")
         state = api.transfer(h)
-        while state == "PROC":
+        while state == "PROC":  # polled as wait_all polls: yielding the CPU between polls
+            time.sleep(0)       # (the prefill process, on the same cores, must progress too)
             state = api.check_xfer_state(h)
         if rep >= 0:
             times.append(time.perf_counter() - t0)
@@ -196,6 +237,50 @@ def _floor_read(spec, p_eng, nbytes: int, repeat: int) -> float:
         assert state == "DONE", state
     conn.close()
     return statistics.median(times) * 1e3
+
+
+def _profile(spec, prefill, tmp, args) -> int:
+    """The floor READ with the same bytes in more and more descriptors: time = a + b * descs
+    (per-descriptor cost b) + bytes / bandwidth. One prefill process, one decode rank."""
+    import torch
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    nbytes = 2 * args.layers * args.seq_len * args.num_kv_heads * args.head_dim * elem
+    rows = []
+    prefill[-1]["port"] = free_port_base(1)
+    with _prefill_process(spec, prefill[-1:], [], tmp, "profile"):
+        blocks = args.seq_len // args.block_size
+        for pieces in sorted({1, 4, 16, 64, 256, blocks // 4, blocks // 2, blocks}):
+            ms = _floor_read(spec, prefill[-1], nbytes, args.repeat, pieces)
+            rows.append((2 * args.layers * pieces, nbytes // (2 * args.layers * pieces), ms))
+            print(f"  profiled {rows[-1][0]} descriptors: {ms:.1f} ms", file=sys.stderr,
+                  flush=True)
+    print(f"\nOne READ of {nbytes / 2**20:.1f} MiB from one prefill rank, cut into N "
+          f"descriptors (median of {args.repeat}; UCX_TLS={os.environ['UCX_TLS']})")
+    print(f"{'descriptors':>11} {'bytes/desc':>10} {'ms':>8} {'x 1 desc/tensor':>15} "
+          f"{'us/desc over floor':>18}")
+    for n, size, ms in rows:
+        extra = (ms - rows[0][2]) * 1e3 / max(n - rows[0][0], 1)
+        print(f"{n:>11} {size:>10} {ms:>8.1f} {ms / rows[0][2]:>15.2f} {extra:>18.2f}")
+    return 0
+
+
+@contextlib.contextmanager
+def _prefill_process(spec, engines, readers, tmp, tag):
+    """A loopback prefill process serving ``engines`` (held for ``readers``) while inside."""
+    spec = dict(spec, prefill=engines, decode=readers, stop_file=str(tmp / f"done-{tag}"))
+    (tmp / f"{tag}.json").write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
+                             str(tmp / f"{tag}.json"), str(tmp / f"prefill-{tag}.json")],
+                            cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        (tmp / f"done-{tag}").write_text("1")
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _memcpy(nbytes: int, repeat: int) -> float:

@@ -7,7 +7,7 @@ single nodes, and every node carries ``meta['val']``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.export.graph_signature import InputKind
@@ -22,6 +22,11 @@ class Captured:
     params: dict[str, str]          # placeholder name -> parameter FQN
     buffers: dict[str, str]         # placeholder name -> buffer FQN
     user_inputs: list[str]          # placeholder names of the step inputs, in order
+    # Tensors torch.export lifted from the forward (``torch.tensor(x)``, a list index):
+    # placeholder name -> value. Program constants like buffers (listed in ``buffers`` too),
+    # placed by the placement analysis like any weight: replicated, or cut where they
+    # span heads.
+    lifted: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def example_step_inputs(batch: int, tokens: int, max_blocks: int, cache_shape, num_layers: int,
@@ -44,7 +49,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             f"{str(e).splitlines()[0] if str(e) else ''}. The model must be exportable with "
             f"static shapes (no data-dependent control flow).") from e
     sig = ep.graph_signature
-    params, buffers, user_inputs = {}, {}, []
+    params, buffers, user_inputs, lifted = {}, {}, [], {}
     for spec in sig.input_specs:
         if spec.kind == InputKind.PARAMETER:
             params[spec.arg.name] = spec.target
@@ -52,12 +57,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             buffers[spec.arg.name] = spec.target
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(spec.arg.name)
+        elif spec.kind == InputKind.CONSTANT_TENSOR and spec.target in ep.constants:
+            buffers[spec.arg.name] = spec.target
+            lifted[spec.arg.name] = ep.constants[spec.target]
         else:
             raise DCPTransformError(f"unsupported captured input {spec.arg.name} of kind "
                                     f"{spec.kind.name}. Register constants as buffers.")
     refuse_mutation(list(sig.buffers_to_mutate) + list(sig.user_inputs_to_mutate))
     gm = ep.graph_module
-    return Captured(gm=gm, params=params, buffers=buffers, user_inputs=user_inputs)
+    return Captured(gm=gm, params=params, buffers=buffers, user_inputs=user_inputs,
+                    lifted=lifted)
 
 
 def refuse_mutation(mutated: list) -> None:
@@ -77,5 +86,5 @@ def constant_values(model: torch.nn.Module, captured: Captured) -> dict[str, tor
     state.update(dict(model.named_buffers(remove_duplicate=False)))
     out = {}
     for name, fqn in {**captured.params, **captured.buffers}.items():
-        out[name] = state[fqn]
+        out[name] = captured.lifted[name] if name in captured.lifted else state[fqn]
     return out

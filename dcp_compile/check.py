@@ -4,9 +4,13 @@ if the logits differ.
 What runs, on the threaded world (every rank a thread, real collectives) and on the original
 model through the same engine (dcp_compile.verify's machinery):
 
-  decode mode:  the "context" prompt step, then one "decode" step. The decoded tokens are
-                seeded random ids, not the greedy ones, so that a near-tie in the argmax
-                cannot make the two sides decode different tokens.
+  decode mode:  the "context" prompt step, then decode steps until the longest row has
+                crossed the largest sliding window of the program and a vblock boundary
+                (``decode_steps``; at most ``MAX_DECODE_STEPS``, within the shapes). The
+                masks are proven (passes/prove/masks.py); this is the backstop that runs a
+                position past every window. The decoded tokens are seeded random ids, not
+                the greedy ones, so that a near-tie in the argmax cannot make the two sides
+                decode different tokens.
   prefill mode: a first prompt chunk, then a second chunk that attends to the first.
 
 Inputs are seeded random token ids (``SEED``; the global RNG is not touched) in rows of mixed
@@ -56,6 +60,7 @@ TOLERANCE = {
 MAX_PARAMETERS = 50_000_000
 MAX_TP = 8
 MAX_STEP_TOKENS = 4096
+MAX_DECODE_STEPS = 64
 
 
 @dataclass
@@ -136,30 +141,63 @@ class CheckStep:
 
 
 def row_lengths(program: DCPProgram) -> list[tuple[int, int]]:
-    """(first-step, second-step) new tokens per row that the program's shapes hold.
+    """(first-step, second-step) new tokens per row that the program's shapes hold; in decode
+    mode the second is the number of decode steps (the same for every row).
 
     Wanted rows, in order: the interleave period + 1 and - 1 (the rank boundary of the
     DCP layout), a single token, the longest prompt; each is cut to the shapes and a row is
-    dropped when its blocks no longer fit.
+    dropped when its blocks no longer fit. Decode steps are counted from the longest row
+    kept (``decode_steps``).
     """
+    c, s = program.config, program.shapes
+    capacity = s.max_blocks * c.block_size * c.dcp
+    first_max = max(1, min(s.context_len, capacity - 1))
+    if c.mode != "decode":
+        return _fit_rows(program, first_max, None)
+    steps = 1
+    while True:   # fewer rows fit as steps grow; steps only grow (bounded): this settles
+        rows = _fit_rows(program, first_max, steps)
+        more = decode_steps(program, [a for a, _ in rows])
+        if more <= steps:
+            return rows
+        steps = more
+
+
+def _fit_rows(program: DCPProgram, first_max: int, steps: int | None):
     c, s = program.config, program.shapes
     period, vblock = c.interleave_size * c.dcp, c.block_size * c.dcp
     capacity = s.max_blocks * vblock
-    first_max = max(1, min(s.context_len, capacity - 1))
-    decode = c.mode == "decode"
     wanted = [period + 1, period - 1, 1, first_max]
     rows, free = [], s.num_blocks - 1
     for i, want in enumerate(wanted):
         if len(rows) == s.batch:
             break
-        first = max(1, min(want, first_max))
-        second = 1 if decode else min(s.context_len, capacity - first,
-                                      wanted[(i + 1) % len(wanted)])
+        first = max(1, min(want, first_max, capacity - (steps or 1)))
+        second = steps if steps is not None else min(s.context_len, capacity - first,
+                                                     wanted[(i + 1) % len(wanted)])
         blocks = -(-(first + second) // vblock)
         if blocks <= free and (first, second) not in rows:
             rows.append((first, second))
             free -= blocks
     return rows
+
+
+def decode_steps(program: DCPProgram, prompts: list[int]) -> int:
+    """Decode steps after prompts of these lengths: until some row has written the first
+    position of a new vblock in a decode step, and the longest row holds position W (the
+    first one a window W hides key 0 from) for the largest window W; at least 1, within
+    the longest row's capacity and MAX_DECODE_STEPS."""
+    c, s = program.config, program.shapes
+    if not prompts:
+        return 1
+    vblock = c.block_size * c.dcp
+    longest = max(prompts)
+    # A row of n tokens writes position p at decode step p - n + 1.
+    boundary = min((n // vblock + 1) * vblock - n + 1 for n in prompts)
+    window = max(program_windows(program), default=0)
+    past_window = window - longest + 1 if window else 0
+    room = s.max_blocks * vblock - longest
+    return max(1, min(max(boundary, past_window), room, MAX_DECODE_STEPS))
 
 
 def steps_for(program: DCPProgram, vocab: int, seed: int = SEED) -> list[CheckStep]:
@@ -172,7 +210,10 @@ def steps_for(program: DCPProgram, vocab: int, seed: int = SEED) -> list[CheckSt
     first = [ids(a) for a, _ in rows]
     second = [ids(b) for _, b in rows]
     if program.config.mode == "decode":
-        return [CheckStep("context", first), CheckStep("decode", second, decode=True)]
+        steps = rows[0][1] if rows else 1
+        return [CheckStep("context", first)] + [
+            CheckStep("decode" if steps == 1 else f"decode {t + 1}", [[r[t]] for r in second],
+                      decode=True) for t in range(steps)]
     return [CheckStep("prefill chunk 1", first),
             CheckStep("prefill chunk 2 (after chunk 1)", second)]
 
@@ -307,3 +348,12 @@ def _mismatch_message(program: DCPProgram, report: CheckReport) -> str:
             f"transform() refuses a program that computes something else than the model: "
             f"report the model (its sharding is not understood correctly); check=False "
             f"returns the unchecked program for inspection with dcp_compile.verify.")
+
+
+def program_windows(program: DCPProgram) -> list[int]:
+    """Each attention layer's sliding window (0: none), read from the program's first graph
+    (every attention op of a DCP graph carries its window)."""
+    gm = next(iter(program.graphs.values()))
+    return [int(n.kwargs.get("window", 0)) for n in gm.graph.nodes
+            if n.op == "call_function" and "window" in getattr(
+                getattr(n.target, "_schema", None), "__str__", lambda: "")()]

@@ -65,6 +65,9 @@ class PagedStep:
     num_layers: int
     max_model_len: int | None
     module_names: dict[int, str]
+    # Per-layer windows the config declares (frontends.ordinary.declared_windows): what the
+    # model's own mask applies when its attention function is not told (Qwen2-MoE, PhiMoE).
+    windows: list[int] | None = None
     new_caches: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     attention_modules: dict[int, nn.Module] = field(default_factory=dict)
 
@@ -84,6 +87,22 @@ class PagedStep:
 
 def _name(step: PagedStep, module: nn.Module) -> str:
     return step.module_names.get(id(module), type(module).__name__)
+
+
+def _window_of(step: PagedStep, module, layer: int, kwargs) -> tuple[int | None, str]:
+    """The layer's sliding window and who says so: the attention call, else the attention
+    module, else the config (models that apply the window only through their mask)."""
+    told = kwargs.get("sliding_window")
+    if told is not None:
+        return told, "sliding_window"
+    attr = getattr(module, "sliding_window", None)
+    if isinstance(attr, int) and attr > 0:
+        return attr, "its attention module's sliding_window (not passed to the attention call)"
+    declared = step.windows[layer] if step.windows and layer < len(step.windows) else 0
+    if declared:
+        return declared, ("the config's sliding_window / layer_types (applied only through "
+                          "the model's mask, which DCP paged attention does not build)")
+    return None, ""
 
 
 def _check_kwargs(step: PagedStep, module, attention_mask, dropout, kwargs) -> None:
@@ -108,10 +127,11 @@ def _check_kwargs(step: PagedStep, module, attention_mask, dropout, kwargs) -> N
                 f"{name} passes {key}={_describe(kwargs[key])} to its attention function: DCP "
                 f"paged attention does not implement it and would compute a different "
                 f"attention. Use a model without {key}.")
-    window = kwargs.get("sliding_window")
+    window, source = _window_of(step, module, module.layer_idx, kwargs)
     if window is not None and (step.max_model_len is None or step.max_model_len > window):
         raise DCPTransformError(
-            f"{name} uses sliding-window attention: sliding_window={window}, max_model_len="
+            f"{name} uses sliding-window attention (from {source}): sliding_window={window}, "
+            f"max_model_len="
             f"{step.max_model_len}. DCP paged attention attends to the whole causal context, "
             f"which equals the window only while sequences are no longer than it. Pass "
             f"max_model_len <= {window} to dcp_compile.hf.prepare (and serve no longer "
@@ -242,6 +262,8 @@ class DCPCausalLM(nn.Module):
         self.max_model_len = max_model_len
         self._module_names = {id(m): n for n, m in hf_model.named_modules()}
         self._configs = _attention_configs(hf_model)
+        from .frontends.ordinary import declared_windows
+        self._windows = declared_windows(hf_model)
 
     @property
     def config(self):
@@ -259,7 +281,8 @@ class DCPCausalLM(nn.Module):
                 kv_caches: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         step = PagedStep(positions=positions, block_table=block_table,
                          kv_caches=list(kv_caches), num_layers=self._num_layers,
-                         max_model_len=self.max_model_len, module_names=self._module_names)
+                         max_model_len=self.max_model_len, module_names=self._module_names,
+                         windows=self._windows)
         with _paged_attention_enabled(self._configs):
             _wrapper_running.active = True
             try:

@@ -43,11 +43,12 @@ from torch.fx.operator_schemas import normalize_function
 from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
+from .op_classes import CASTS
+from .op_classes import is_call as _call
+from .op_classes import skip_casts as _skip_casts
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
-         aten.alias.default, aten.detach.default}
 # Ops that only move a linear's output columns around (evaluated on column indices).
 LAYOUT_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
               aten.transpose.int, aten.permute.default, aten.split_with_sizes.default,
@@ -57,16 +58,6 @@ LAYOUT_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default
 
 def _fail(node: Node, why: str, fix: str):
     raise DCPTransformError(f"{why} at node {node.name} ({source_of(node)}). {fix}.")
-
-
-def _call(n, targets) -> bool:
-    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
-
-
-def _skip_casts(n: Node) -> Node:
-    while _call(n, CASTS):
-        n = n.args[0]
-    return n
 
 
 def shared_key_parts(k: Node):

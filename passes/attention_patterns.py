@@ -26,6 +26,7 @@ from torch.fx.operator_schemas import normalize_function
 from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
+from .op_classes import CASTS, MATMUL, RESHAPES, SOFTMAX, is_call, skip_casts  # noqa: F401
 
 aten = torch.ops.aten
 
@@ -39,12 +40,6 @@ KERNELS = {
 }
 KERNEL_OF = {getattr(aten, name).default: name for name in KERNELS if hasattr(aten, name)}
 
-# Ops that leave a value's meaning unchanged on the attention path (dtype casts, copies).
-CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.clone.default,
-         aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default}
-SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
-RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
-MATMUL = {aten.matmul.default}
 # Additive masks below this are "masked out": exp underflows to exactly 0 in any float dtype.
 MASKED_OUT = -1e4
 
@@ -68,16 +63,6 @@ class Site:
 
 def fail(node: Node, why: str, fix: str):
     raise DCPTransformError(f"{why} at node {node.name} ({source_of(node)}). {fix}.")
-
-
-def is_call(n, targets) -> bool:
-    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
-
-
-def skip_casts(n: Node) -> Node:
-    while is_call(n, CASTS):
-        n = n.args[0]
-    return n
 
 
 def _is_dropout_noop(n: Node) -> bool:

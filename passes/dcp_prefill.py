@@ -59,6 +59,7 @@ from dcp_compile.runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS
 
 from . import collectives as C
 from .dcp_decode import cp_rank_node, replace_attention
+from .op_classes import RESHAPES
 from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
@@ -70,8 +71,7 @@ dcp_ops = torch.ops.dcp
 F = torch.ops._c10d_functional
 
 # Ops that name sizes literally: on the q/k/v and O paths their token count is rewritten.
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-          aten.expand.default}
+_VIEWS = RESHAPES | {aten.expand.default}
 
 
 def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,

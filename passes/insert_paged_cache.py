@@ -13,16 +13,17 @@ then run unchanged.
 
 Attention is found by :mod:`dcp_compile.passes.attention_patterns` (SDPA and its kernels, eager
 ``softmax(q @ k^T) @ v``; K and V before GQA head repetition: the cache holds kv heads).
-Masks are checked by evaluating them (they may depend only on the positions, constants and
-buffers): causal, or causal within a sliding window, is accepted and replaced by the op's
-causality (and ``window``) on positions. Windows a Hugging Face config declares per layer are
-used too (a window no shorter than the captured chunk leaves no trace in the mask), and a
-one-token decode step reuses the windows found in the prompt step. Positions come from the
+Masks are proven, not sampled: each is read as a predicate K(i, j) of positions
+(passes/mask_predicate.py) and proven for every position to be causal, or causal within a
+window W (passes/prove/masks.py); it is then replaced by the op's causality (and ``window``)
+on positions, and its theorem goes to the certificate. Windows a Hugging Face config declares
+per layer are checked against the proven mask, and used where the graph has no mask
+(``is_causal``); a one-token decode step reuses the windows of the prompt step. Positions come from the
 ``position_ids`` input or an ``arange(S).unsqueeze(0)`` in the graph.
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
 attention, masks that are neither causal nor a window or that depend on the tokens, additive
 biases (ALiBi), cross-attention (K/V not computed from this step's tokens), K/V that are
-not per-token projections (_PER_TOKEN_RULES: e.g. a token shift), dropout.
+not per-token projections (by the placement rules' token dims: e.g. a token shift), dropout.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
+import sympy
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
@@ -41,9 +43,15 @@ from dcp_compile.runtime.facts import LatentAttention, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .absorb_latent_attention import absorb_latent_attention
-from .attention_patterns import (KERNEL_OF, MASKED_OUT, RESHAPES, Site, fail, find_sites,
-                                 is_call, site_form)
-from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, val
+from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
+from .canonical_ops import canonicalize_ops
+from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, source_of, val
+from .manager import propagate_changed
+from .mask_predicate import I, J, read_mask
+from .placement import Refusal, carried_dim
+from .positions import lift_positions
+from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
+                          unmasked_theorem)
 
 aten = torch.ops.aten
 
@@ -58,6 +66,7 @@ class Plan:
     dtype: torch.dtype
     position_input: Node | None
     kv_shared: bool = False      # K is V (MLA latent): stored once, halves in the two caches
+    mask_theorems: tuple = ()    # one per layer (a prompt step only)
 
 
 class InsertPagedCache(DCPPass):
@@ -96,18 +105,26 @@ class InsertPagedCache(DCPPass):
                 "nothing to put a KV cache under. Use a causal decoder with SDPA or eager "
                 "attention.")
         shapes = set()
-        # Windows: declared by the config, or found in an earlier step's mask (a one-token
-        # decode step's mask cannot show one).
-        declared = self.windows if self.windows is not None else self.ctx.facts.windows
+        # Windows: a one-token decode step's mask cannot show one, so it takes the prompt
+        # step's (proven, and checked against the config there); a prompt step checks the
+        # config's against its proven masks.
+        earlier = self.ctx.facts.windows
+        declared = earlier if tokens == 1 and earlier is not None else \
+            self.windows if self.windows is not None else earlier
         if declared is not None and len(declared) != len(sites):
             raise DCPTransformError(
                 f"the model declares {len(declared)} attention layers (config layer_types / "
                 f"num_hidden_layers, or an earlier step) but this step's graph has "
                 f"{len(sites)} attention sites. Every layer must attend once through SDPA or "
                 f"eager attention.")
+        theorems = []
         for layer, s in enumerate(sites):
             self._check_site(s, per_token, batch, tokens, pos)
-            self._set_window(s, declared[layer] if declared else 0, layer, tokens)
+            verdict = self._prove_mask(s, layer, tokens, pos) if s.mask is not None else None
+            self._set_window(s, declared[layer] if declared else 0, layer, verdict)
+            if tokens > 1:
+                theorems.append(verdict.theorem if verdict else
+                                unmasked_theorem(layer, s.causal, s.window, s.node.name))
             shapes.add(self._cache_row(s))
         if len(shapes) != 1:
             raise DCPTransformError(
@@ -115,7 +132,8 @@ class InsertPagedCache(DCPPass):
                 f"{sorted(map(str, shapes))}. DCP needs one KV cache layout for every layer.")
         (kv_heads, head_dim), dtype, shared = shapes.pop()
         return Plan(sites=sites, tokens=tokens, batch=batch, kv_heads=kv_heads,
-                    head_dim=head_dim, dtype=dtype, position_input=pos, kv_shared=shared)
+                    head_dim=head_dim, dtype=dtype, position_input=pos, kv_shared=shared,
+                    mask_theorems=tuple(theorems))
 
     @staticmethod
     def _cache_row(s: Site):
@@ -155,9 +173,7 @@ class InsertPagedCache(DCPPass):
         if val(s.v).shape[1] != hkv or hq % hkv:
             fail(s.node, f"head counts q={hq}, k={hkv}, v={val(s.v).shape[1]} are not a "
                  f"GQA grouping", "K and V need the same heads, dividing Q's")
-        if s.mask is not None:
-            self._check_mask(s, tokens, pos)
-        elif not s.causal and tokens > 1:
+        if s.mask is None and not s.causal and tokens > 1:
             fail(s.node, f"non-causal attention (is_causal=False, no mask) over {tokens} "
                  f"tokens: every token attends to later ones (an encoder)",
                  "Only causal decoders can be served from a KV cache")
@@ -167,126 +183,84 @@ class InsertPagedCache(DCPPass):
                          tokens: int) -> None:
         """K/V must be per-token projections: walking back from them to the linears that
         produce them, every op acts on each token on its own (a cache holds one K/V row per
-        token, computed once, when the token is in the step)."""
-        stack, seen = [t], set()
+        token, computed once, when the token is in the step). Shown by the placement rules
+        (``carried_dim``): from the projection's token dim (1 of the [B, S, F] stream), every
+        op keeps the token dim whole, and K/V end with tokens at dim 2 ([B, H, S, D]). A
+        one-token step cannot show a mix of tokens: the prompt step of the same model (S > 1)
+        did."""
+        stack, path, linears = [t], set(), []
         while stack:
             n = stack.pop()
-            if n in seen or n not in per_token or n.op != "call_function":
+            if n in path or n not in per_token or n.op != "call_function":
                 continue
-            seen.add(n)
+            path.add(n)
             if n.target == aten.linear.default:
-                continue                                       # the projection
+                linears.append(n)                               # the projection
+                continue
             if n.target == aten.embedding.default:
                 fail(s.node, f"the {what} reaches the token embedding {n.name} without a "
                      f"projection", "K and V must be linear projections of the hidden state")
-            rule = _PER_TOKEN_RULES.get(n.target)
-            pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ())
-            if not pointwise and (rule is None or not rule(n, batch, tokens)):
+            stack.extend(n.all_input_nodes)
+        if tokens == 1:
+            return
+        order = {n: i for i, n in enumerate(t.graph.nodes)}
+        dims = {lin: 1 for lin in linears if val(lin).dim() == 3}
+        for n in sorted(path - set(linears), key=order.get):
+            try:
+                dims[n] = carried_dim(n, dims, tokens)
+            except Refusal as e:
                 fail(n, f"the {what} of attention {s.node.name} is computed through "
                      f"{n.target}, which this compiler cannot show acts on each token on its "
-                     f"own", "K and V must be per-token projections (linear, RoPE, per-head "
-                     "norms, views): an op that mixes tokens (shift, convolution, cumsum over "
-                     "the sequence) cannot be served from a KV cache")
-            stack.extend(n.all_input_nodes)
+                     f"own ({e})", "K and V must be per-token projections (linear, RoPE, "
+                     "per-head norms, views): an op that mixes tokens (shift, convolution, "
+                     "cumsum over the sequence) cannot be served from a KV cache")
+        if dims.get(t) != 2:
+            fail(s.node, f"the {what} {t.name} of attention {s.node.name} has its tokens at "
+                 f"dim {dims.get(t)}, not 2 of [B, H, S, D]", "Pass attention [B, H, S, D] "
+                 "tensors of per-token projections")
 
-    # -- masks -----------------------------------------------------------------------------
+    # -- masks (passes/mask_predicate.py reads them, passes/prove/masks.py proves them) -----
 
-    def _check_mask(self, s: Site, tokens: int, pos) -> None:
-        allowed = self._evaluate_mask(s, tokens, pos)
-        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-        if allowed.shape[-2:] != causal.shape:
-            fail(s.mask, f"attention mask of shape {tuple(allowed.shape)} for {tokens} "
-                 f"queries and keys", "Use a [..., S, S] causal mask")
-        if bool((allowed == causal).all()):
+    def _prove_mask(self, s: Site, layer: int, tokens: int, pos) -> MaskVerdict | None:
+        """The site's mask proven causal (within a window W) for every position; sets
+        ``s.window``. A one-token step's mask only has to keep its one key (its window comes
+        from the prompt step or the config)."""
+        keep = read_mask(s, tokens, token_input=self.token_input, position_input=pos,
+                         constants=self._constant_values).keep
+        if tokens == 1:
+            if not bool(keep.subs({I: 0, J: 0})):
+                fail(s.mask, f"attention {s.node.name}'s one-token mask hides the token's "
+                     f"own key", "Use a causal mask")
+            return None
+        verdict = prove_mask(keep, name=mask_theorem_name(layer),
+                             where=f"layer {layer} ({s.mask.name}, {source_of(s.mask)})")
+        if not verdict.proven:
+            fail(s.mask, f"attention {s.node.name} applies {_what_mask(verdict)}: "
+                 f"{verdict.why}{_example(verdict)}", "The paged cache replaces the mask by "
+                 "causality (and a sliding window) on positions; other masks are not "
+                 "supported: use a causal decoder")
+        s.window = verdict.window
+        return verdict
+
+    def _set_window(self, s: Site, declared: int, layer: int, verdict) -> None:
+        """Config windows (Hugging Face layer_types / sliding_window) checked against the
+        proven mask; a site without a mask (is_causal, one token) takes the config's."""
+        if verdict is None:
+            s.window = declared or s.window
             return
-        i = torch.arange(tokens)
-        for w in range(1, tokens):
-            if bool((allowed == (causal & (i[:, None] - i[None, :] < w))).all()):
-                s.window = w
-                return
-        rows = allowed.reshape(-1, tokens, tokens)
-        if bool(rows.all()):
-            why = "a bidirectional mask (every token sees every token, an encoder)"
-        elif bool((rows <= causal).all()) and bool(rows.diagonal(dim1=-2, dim2=-1).all()):
-            why = ("a causal mask that also hides some earlier tokens, not as a sliding "
-                   "window (the same for every query)")
-        else:
-            why = "a mask that is not causal"
-        fail(s.mask, f"attention {s.node.name} applies {why}",
-             "The paged cache replaces the mask by causality (and a sliding window) on "
-             "positions; other masks are not supported: use a causal decoder")
+        if declared and declared != verdict.window:
+            wrong = prove_mask(verdict.keep, name="", where="", expected=declared)
+            fail(s.node, f"layer {layer}'s mask, proven for every position, keeps key j for "
+                 f"query i iff {describe(verdict.window)}, but the config declares "
+                 f"sliding_window={declared}{_example(wrong)}", "Fix the config "
+                 "(sliding_window / layer_types) or the mask")
 
-    def _set_window(self, s: Site, declared: int, layer: int, tokens: int) -> None:
-        if not declared:
-            return
-        if s.window and s.window != declared:
-            fail(s.node, f"layer {layer}'s mask is a window of {s.window} tokens but the "
-                 f"config declares sliding_window={declared}", "Fix the config")
-        if not s.window and declared < tokens and (s.mask is not None or tokens > 1):
-            fail(s.node, f"the config declares sliding_window={declared} for layer {layer} "
-                 f"but its mask over {tokens} tokens is fully causal", "Fix the config")
-        s.window = declared
 
-    def _evaluate_mask(self, s: Site, tokens: int, pos) -> torch.Tensor:
-        """The mask's value at positions 0..S-1, as 'query i may attend key j' booleans."""
-        need, stack = [], [s.mask]
-        seen = set()
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            need.append(n)
-            stack.extend(n.all_input_nodes)
-        order = {n: i for i, n in enumerate(s.mask.graph.nodes)}
-        env = {}
-        for n in sorted(need, key=order.get):
-            if n.op == "placeholder":
-                env[n] = self._placeholder_value(n, s, tokens, pos)
-            elif n.op == "call_function":
-                args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-                if "device" in kwargs:
-                    kwargs = {**kwargs, "device": torch.device("cpu")}
-                try:
-                    env[n] = n.target(*args, **kwargs)
-                except Exception as e:
-                    fail(n, f"the attention mask of {s.node.name} could not be evaluated "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                         "Build the mask from positions or torch.arange only")
-            else:
-                fail(n, f"attention mask built from {n.op} {n.target}", "Build the mask "
-                     "from positions or torch.arange only")
-        m = env[s.mask]
-        if s.mask_kind == "keep":
-            return m.bool()
-        if s.mask_kind == "drop":
-            return ~m.bool()
-        if not m.is_floating_point():
-            fail(s.mask, f"additive attention mask of dtype {m.dtype}", "Use a float mask")
-        bias = ~((m == 0) | (m <= MASKED_OUT))
-        if bool(bias.any()):
-            fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
-                 f"-inf (e.g. {m[bias].flatten()[0].item():g}): a position bias such as "
-                 f"ALiBi", "The paged op has no attention bias: use a model without one")
-        return m == 0
-
-    def _placeholder_value(self, n: Node, s: Site, tokens: int, pos):
-        if n.name == self.token_input:
-            fail(s.mask, f"the attention mask of {s.node.name} depends on the token ids "
-                 f"(data-dependent mask)", "Masks may depend only on positions: padding is "
-                 "expressed by position -1 in a DCP program")
-        if pos is not None and n is pos:
-            b = val(n).shape[0]
-            return torch.arange(tokens).expand(b, tokens).clone()
+    def _constant_values(self) -> dict:
+        """Input name -> the model's tensor (weights, buffers, lifted constants), once."""
         if self._constants is None and self.constants is not None:
             self._constants = self.constants()
-        t = (self._constants or {}).get(n.name)
-        if t is None or t.is_meta:
-            fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value "
-                 f"is not available here (meta device or not a weight/buffer)",
-                 "Build causal masks from torch.arange, or transform a model with real "
-                 "weights")
-        return t.detach().cpu()
+        return self._constants or {}
 
     # -- rewrite ---------------------------------------------------------------------------
 
@@ -295,6 +269,10 @@ class InsertPagedCache(DCPPass):
         for n in list(g.nodes):  # export's metadata asserts would hold dead values alive
             if is_call(n, {aten._assert_tensor_metadata.default}):
                 g.erase_node(n)
+        weights = {n.name for n in g.nodes if n.op == "placeholder"
+                   and n.name not in (self.token_input, self.position_input)}
+        canonical = canonicalize_ops(gm, weights, self._constant_values)
+        propagate_changed(gm, [n for n in g.nodes if "val" not in n.meta])
         latent = absorb_latent_attention(gm)    # MLA -> one shared latent head (no-op else)
         plan = self.plan(gm)
         ids = placeholder(gm, self.token_input)
@@ -357,18 +335,24 @@ class InsertPagedCache(DCPPass):
             clamped = g.call_function(aten.clamp_min.default, (positions, 0))
         if plan.position_input is not None:
             plan.position_input.replace_all_uses_with(clamped)
-        self._replace_aranges(g, plan, clamped)
+        lifted = self._lift_positions(gm, plan, ids, clamped, [positions, table, *caches])
         if plan.position_input is not None:
             g.erase_node(plan.position_input)
-        # A one-token step's mask shows no window: it keeps the prompt step's.
+        # A one-token step's mask shows no window: it keeps the prompt step's. The prompt
+        # step's mask theorems go to the certificate (validate_and_prove).
         windows = tuple(s.window for s in plan.sites) \
             if plan.tokens > 1 or self.ctx.facts.windows is None else None
+        # The tables the prompt step sliced by its length (a one-token step cannot tell).
+        tables = tuple(lifted["tables"]) if plan.tokens > 1 else None
         found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
-                           windows=windows,
-                           mla=LatentAttention(**latent[0]) if latent else None)
+                           windows=windows, position_tables=tables,
+                           mla=LatentAttention(**latent[0]) if latent else None,
+                           mask_theorems=plan.mask_theorems or None)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
                     forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
-                    positions="position_ids" if plan.position_input is not None else "arange")
+                    positions="position_ids" if plan.position_input is not None else "arange",
+                    positional_values=lifted["values"], position_tables=len(lifted["tables"]),
+                    canonical_ops=canonical)
         return Found(gm, True, facts=found)
 
     @staticmethod
@@ -379,79 +363,48 @@ class InsertPagedCache(DCPPass):
             return t.args[0]
         return g.call_function(aten.transpose.int, (t, 1, 2))
 
-    def _replace_aranges(self, g, plan: Plan, clamped: Node) -> None:
-        """A surviving ``arange(S)`` (start 0, step 1) is the model's positions: its
-        ``unsqueeze(0)`` becomes the positions input; any other use is refused."""
-        for n in list(g.nodes):
-            if not _is_seq_arange(n, plan.tokens):
-                continue
-            for u in list(n.users):
-                if is_call(u, {aten.unsqueeze.default}) and u.args[1] == 0:
-                    with g.inserting_before(u):
-                        cast = g.call_function(aten.to.dtype, (clamped, val(u).dtype))
-                    u.replace_all_uses_with(cast)
-                    g.erase_node(u)
-                else:
-                    fail(u, f"torch.arange({plan.tokens}) (positions over the sequence) is "
-                         f"used by {u.target}", "Pass position_ids to forward, or build "
-                         "positions as torch.arange(S).unsqueeze(0)")
-            g.erase_node(n)
+    def _lift_positions(self, gm, plan: Plan, ids: Node, clamped: Node,
+                        inputs: list[Node]) -> dict:
+        """Positional values (RoPE angles, tables sliced by the length, learned positions)
+        become functions of the step's positions (passes/positions.py). A one-token step
+        recognises the tables its prompt step sliced by the length."""
+        propagate_changed(gm, [n for n in gm.graph.nodes if "val" not in n.meta])
+        data = self._depends_on_any(gm, [ids, *inputs])
+        known = set(self.ctx.facts.position_tables or ())
+        return lift_positions(gm, clamped, plan.tokens, data, {ids: 0}, known)
+
+    @staticmethod
+    def _depends_on_any(gm, roots: list[Node]) -> set[Node]:
+        out = set(roots)
+        for n in gm.graph.nodes:
+            if any(a in out for a in n.all_input_nodes):
+                out.add(n)
+        return out
 
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
         ensure(not left, self.name, "attention kernels left without a paged cache", left)
 
 
-def _keeps_tokens(n: Node, batch: int, tokens: int) -> bool:
-    """A view-like op whose result still has the batch first and a dim of the token count
-    (it only regroups features of each token)."""
-    shape = tuple(val(n).shape)
-    return len(shape) >= 2 and shape[0] == batch and tokens in shape[1:3]
+def _what_mask(verdict: MaskVerdict) -> str:
+    """The kind of mask a failed verdict is about, from its counterexample."""
+    example = verdict.theorem.counterexample
+    if verdict.keep == sympy.true:
+        return "a bidirectional mask (every token sees every token, an encoder)"
+    if example and example["mask"] and example["j"] > example["i"]:
+        return "a mask that is not causal (a query attends a later key)"
+    if example is None:
+        return "a mask that is not causal within a window"
+    return ("a causal mask that also hides some earlier tokens, not as a sliding window "
+            "(the same for every query)")
 
 
-def _on_last_dim(index: int):
-    """An op slicing / joining / reducing over the dim at args[index] (default -1): per
-    token only when that is the last (feature) dim."""
-    def rule(n: Node, batch: int, tokens: int) -> bool:
-        src = n.args[0][0] if isinstance(n.args[0], (list, tuple)) else n.args[0]
-        dims = n.args[index] if len(n.args) > index else n.kwargs.get("dim", -1)
-        dims = dims if isinstance(dims, (list, tuple)) else [dims]
-        ndim = len(val(src).shape)
-        return all(isinstance(d, int) and d % ndim == ndim - 1 for d in dims)
-    return rule
-
-
-def _view_rule(n: Node, batch: int, tokens: int) -> bool:
-    return _keeps_tokens(n, batch, tokens)
-
-
-# Non-pointwise ops allowed between a K/V projection and attention (per-token rules).
-_PER_TOKEN_RULES = {
-    **{t: _view_rule for t in (*RESHAPES, aten.transpose.int, aten.permute.default,
-                               aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
-                               aten.clone.default, aten.contiguous.default, aten.alias.default,
-                               aten.detach.default, aten.to.dtype, aten._to_copy.default,
-                               aten.to.dtype_layout, aten.type_as.default)},
-    aten.slice.Tensor: _on_last_dim(1),
-    aten.chunk.default: _on_last_dim(2),
-    aten.split.Tensor: _on_last_dim(2),
-    aten.split_with_sizes.default: _on_last_dim(2),
-    aten.cat.default: _on_last_dim(1),
-    aten.mean.dim: _on_last_dim(1),
-    aten.sum.dim_IntList: _on_last_dim(1),
-    aten.var.correction: _on_last_dim(1),
-    aten.pow.Tensor_Scalar: _view_rule,
-    operator.getitem: lambda n, b, t: True,     # an item of chunk / split (checked there)
-}
-
-
-def _is_seq_arange(n: Node, tokens: int) -> bool:
-    if is_call(n, {aten.arange.default}):
-        return n.args[0] == tokens
-    if is_call(n, {aten.arange.start, aten.arange.start_step}):
-        step = n.args[2] if len(n.args) > 2 else 1
-        return n.args[0] == 0 and n.args[1] == tokens and step == 1
-    return False
+def _example(verdict: MaskVerdict) -> str:
+    e = verdict.theorem.counterexample
+    if not e:
+        return ""
+    return (f" (at query position i={e['i']}, key position j={e['j']} the mask "
+            f"{'keeps' if e['mask'] else 'hides'} the key)")
 
 
 def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:

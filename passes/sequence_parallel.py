@@ -47,13 +47,13 @@ from dcp_compile.runtime.names import (META_NORM_REDUCE, META_SCOPE, RANK_INPUT,
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
+from .op_classes import LITERAL_SHAPES
 from .placement import Refusal, token_dim
 from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
-_LITERAL_SHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                   aten.expand.default, aten.unflatten.int}
+
 
 
 def round_up(n: int, m: int) -> int:
@@ -144,6 +144,9 @@ class SPPlan:
     # region node -> the projections (linears) reading it, which need the whole sequence
     frontier: dict[Node, list[Node]] = field(default_factory=dict)
     roles: dict[Node, str] = field(default_factory=dict)   # frontier linear -> qkv|mlp|lm_head
+    # per-token side input (positions' embedding, ...) -> its dim aligned with the tokens:
+    # each rank reads its own S/TP rows of it (a local slice, like the stream's).
+    side_inputs: dict[Node, int] = field(default_factory=dict)
 
 
 class SequenceParallel(DCPPass):
@@ -219,6 +222,18 @@ class SequenceParallel(DCPPass):
             self._check_tokenwise(u, seen, plan)
         plan.region = order
 
+    @staticmethod
+    def _drop_identity_views(gm: GraphModule) -> None:
+        """A view that names its input's own shape (GPT-BigCode's
+        ``hidden_states.view(output_shape)`` after the final norm) is no op at all; on the
+        sequence-parallel stream its literal token count would be wrong, so it goes."""
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function" and n.target in LITERAL_SHAPES and \
+                    isinstance(n.args[0], Node) and \
+                    tuple(val(n).shape) == tuple(val(n.args[0]).shape):
+                n.replace_all_uses_with(n.args[0])
+                gm.graph.erase_node(n)
+
     def _check_tokenwise(self, u: Node, region: set[Node], plan: SPPlan) -> None:
         where = f"node {u.name} ({source_of(u)})"
         if u.op != "call_function":
@@ -231,7 +246,7 @@ class SequenceParallel(DCPPass):
                 f"{tuple(getattr(out, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
                 f" ...] tensors between layers.")
         target = u.target
-        if target in _LITERAL_SHAPES:
+        if target in LITERAL_SHAPES:
             raise DCPTransformError(
                 f"{where} ({target}) names the residual stream's shape literally; with "
                 f"sequence parallelism each rank holds S/TP tokens of it. Keep views inside "
@@ -255,7 +270,10 @@ class SequenceParallel(DCPPass):
             if not isinstance(v, torch.Tensor):
                 continue
             aligned = 1 - (out.ndim - v.ndim)   # a's dim that broadcasts against tokens
-            if aligned >= 0 and v.shape[aligned] != 1:
+            if aligned >= 0 and v.shape[aligned] == plan.tokens and \
+                    (aligned == 0 or v.shape[aligned - 1] in (1, plan.batch)):
+                plan.side_inputs[a] = aligned     # row t is token t's: slice it like the stream
+            elif aligned >= 0 and v.shape[aligned] != 1:
                 raise DCPTransformError(
                     f"{where} combines the sequence-parallel residual stream with {a.name} of "
                     f"shape {tuple(v.shape)}, which is indexed by token: every rank holds "
@@ -267,6 +285,7 @@ class SequenceParallel(DCPPass):
 
     def call(self, gm):
         cfg, g = self.ctx.config, gm.graph
+        self._drop_identity_views(gm)
         plan = self.plan(gm)
         b, s, sp = plan.batch, plan.tokens, plan.padded
         per = sp // cfg.tp
@@ -311,6 +330,17 @@ class SequenceParallel(DCPPass):
                     sliced, delete_user_cb=lambda u: u is not padded and u is not sliced)
                 replaced[red.wait] = sliced
 
+        region = set(plan.region)
+        for a, dim in plan.side_inputs.items():
+            nd = val(a).ndim
+            with g.inserting_after(a):
+                padded = a if sp == s else g.call_function(
+                    aten.constant_pad_nd.default, (a, [0, 0] * (nd - 1 - dim) + [0, sp - s], 0.0))
+                with g.inserting_after(padded):
+                    sliced = g.call_function(aten.index_select.default, (padded, dim, sp_index))
+            self.tag(sliced, KIND_SLICE)
+            a.replace_all_uses_with(sliced, delete_user_cb=lambda u: u in region)
+
         counts = {"qkv": 0, "mlp": 0, "lm_head": 0}
         for node, linears in plan.frontier.items():
             shape = tuple(val(node).shape)
@@ -335,6 +365,7 @@ class SequenceParallel(DCPPass):
         self.record(tokens=s, padded_tokens=sp, tokens_per_rank=per,
                     region_nodes=len(plan.region),
                     reduce_scatters=sum(r.role == "world" for r in plan.reductions),
+                    token_side_inputs=len(plan.side_inputs),
                     gathers=counts)
         return PassResult(gm, True)
 

@@ -2,12 +2,15 @@
 
 An analysis: :func:`validate_and_prove` reads the graph and returns ``(config,
 certificate)``; the pass of the same name returns them (a ``Found`` result) for the later
-passes and the program. The transform refuses to emit a graph without a certificate: a
+passes and the program. An ordinary model's mask theorems (insert_paged_cache) join the
+layout's certificate. The transform refuses to emit a graph without a certificate: a
 broken rule raises DCPConfigError (every violation), a failed theorem raises DCPProofError
 (with a counterexample).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torch.fx import GraphModule
 
@@ -49,9 +52,18 @@ def validate_and_prove(gm: GraphModule, config: DCPConfig, facts: ModelFacts,
     if certificate is None:
         from .prove.theorems import prove
         certificate = prove(config.dcp, config.interleave_size, config.block_size)
+    certificate = with_mask_theorems(certificate, facts.mask_theorems or ())
     if not certificate.ok:
         raise DCPProofError(certificate)
     return config, certificate
+
+
+def with_mask_theorems(certificate, theorems):
+    """The layout certificate plus the model's mask theorems (insert_paged_cache proved one
+    per attention layer of an ordinary model), each once."""
+    have = {t.name for t in certificate.theorems}
+    new = tuple(t for t in theorems if t.name not in have)
+    return replace(certificate, theorems=certificate.theorems + new) if new else certificate
 
 
 class ValidateAndProve(DCPPass):

@@ -32,7 +32,13 @@ class ModelFacts:
     num_layers: int | None = None
     cache_dtype: torch.dtype | None = None
     windows: tuple[int, ...] | None = None      # per layer; 0: full attention
+    # (input name, dim) of each constant table the prompt step sliced by its length
+    # (passes/positions.py): a one-token step reads ``table[:1]`` as position rows too.
+    position_tables: tuple[tuple[str, int], ...] | None = None
     mla: LatentAttention | None = None
+    # One mask theorem per attention layer of an ordinary model (passes/prove/masks.py
+    # Theorems), for the certificate.
+    mask_theorems: tuple | None = None
 
     def merged(self, found: "ModelFacts | None") -> "ModelFacts":
         """These facts with every field ``found`` knows replaced by its value."""

@@ -58,7 +58,14 @@ class KVCacheSpec:
 
 
 class BlockAllocator:
-    """Hands out blocks to sequences; never the garbage block (the last one)."""
+    """Hands out blocks to sequences; never the garbage block (the last one).
+
+    It prefers contiguous runs (a KV transfer then moves a run of blocks with one descriptor,
+    runtime/nixl/descriptors.py): a sequence grows into the block after its last one when that
+    is free, and new entries take the lowest free run long enough for all of them. When no
+    such run is left it takes the lowest free blocks, fragmented; any block table is correct,
+    a contiguous one is only cheaper to move.
+    """
 
     def __init__(self, num_blocks: int, tokens_per_block: int):
         if num_blocks < 2:
@@ -67,24 +74,54 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.garbage_block = num_blocks - 1
-        self._free = list(range(num_blocks - 1))
+        self._free = set(range(num_blocks - 1))
         self._tables: dict[int, list[int]] = {}
 
-    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Grow ``seq_id``'s table to cover positions [0, num_tokens)."""
+    def ensure(self, seq_id: int, num_tokens: int, groups: int = 1) -> list[int]:
+        """Grow ``seq_id``'s table to cover positions [0, num_tokens).
+
+        ``groups > 1`` orders a run of new entries by ``entry % groups``: the entries of one
+        residue class get consecutive blocks. A KV transfer reads every ``groups``-th entry
+        from one remote rank (``TransferPlan.decode_block_groups``), so that order makes the
+        rows it writes one run.
+        """
+        if not isinstance(groups, int) or groups < 1:
+            raise DCPInputError(f"groups must be an int >= 1: groups={groups!r}. Pass "
+                                f"TransferPlan.decode_block_groups, or 1.")
         table = self._tables.setdefault(seq_id, [])
         need = -(-num_tokens // self.tokens_per_block)
-        if need - len(table) > len(self._free):
+        new = need - len(table)
+        if new > len(self._free):
             raise DCPInputError(
                 f"out of KV cache blocks: sequence {seq_id} needs {need} blocks for "
                 f"{num_tokens} tokens, {len(table)} held, {len(self._free)} free. "
                 f"Allocate more blocks (num_blocks) or shorten the sequences.")
-        while len(table) < need:
-            table.append(self._free.pop(0))
+        if new <= 0:
+            return table
+        if table and new == 1 and table[-1] + 1 in self._free:
+            blocks = [table[-1] + 1]  # growing in place keeps the run
+        else:
+            blocks = self._take(new)
+        entries = list(range(len(table), need))
+        order = sorted(entries, key=lambda e: (e % groups, e))
+        placed = dict(zip(order, blocks))
+        table.extend(placed[e] for e in entries)
+        self._free.difference_update(blocks)
         return table
 
+    def _take(self, n: int) -> list[int]:
+        """The lowest free run of ``n`` blocks, else the ``n`` lowest free blocks."""
+        free = sorted(self._free)
+        start = 0
+        for i in range(1, len(free) + 1):
+            if i - start == n:
+                return free[start:i]
+            if i < len(free) and free[i] != free[i - 1] + 1:
+                start = i
+        return free[:n]
+
     def free(self, seq_id: int) -> None:
-        self._free.extend(self._tables.pop(seq_id, []))
+        self._free.update(self._tables.pop(seq_id, []))
 
     def table(self, seq_ids: list[int | None], max_blocks: int) -> torch.Tensor:
         """Block table rows for ``seq_ids`` (None = an empty batch slot), padded with -1."""

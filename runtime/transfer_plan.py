@@ -30,10 +30,15 @@ With ``interleave_size == block_size`` (the spec's DI requirement) global block 
 * P_DCP > D_DCP (P_DCP % D_DCP == 0): decode dcp_rank r reads cp_ranks {r, r+D_DCP, ...}.
 * standard prefill -> DCP decode: decode dcp_rank r keeps remote blocks ``D_DCP*m + r``.
 
-Anything else (P_DCP > 1 not a multiple of D_DCP, KV heads that neither divide nor replicate
-evenly, decode DCP groups that do not share their KV heads, different block sizes, an
-interleave other than the block size) is rejected with :class:`DCPTransferError` before any
-transfer.
+Beyond the spec, any pair of DCP degrees: since every interleave run is one whole block on
+both sides, decode cp_rank r reads the blocks it shares with prefill cp_rank c, and they
+share some exactly when ``c = r (mod gcd(P_DCP, D_DCP))`` -- the four cases above are
+``gcd = D_DCP`` and ``gcd = 1``; e.g. P_DCP=2 -> D_DCP=4: decode cp_rank r reads cp_rank
+``r % 2``, keeping its remote blocks ``2m + r // 2``. Every such pair is planned.
+
+Anything else (KV heads that neither divide nor replicate evenly, decode DCP groups that do
+not share their KV heads, different block sizes, an interleave other than the block size) is
+rejected with :class:`DCPTransferError` before any transfer.
 
 What we found: the spec's remote-rank formula vs its worked examples
 --------------------------------------------------------------------
@@ -54,8 +59,9 @@ brute-force coverage test (tests/test_transfer_plan.py):
    rank 1's only remote rank. The example (and the prose: "keeps even/odd-indexed remote
    blocks") filter *blocks*, not ranks, when the prefill has no DCP.
 
-Beyond the examples: over the 357 servable topologies of the brute-force enumeration
-(P_TP <= 8, D_TP <= 16, num_kv_heads in 1..8, every DCP degree) the formula names a correct
+Beyond the examples: over the 357 topologies of the brute-force enumeration (P_TP <= 8,
+D_TP <= 16, num_kv_heads in 1..8, every DCP degree) that the spec's own rules serve (P_DCP
+a multiple of D_DCP, or 1) the formula names a correct
 set of ranks for 90 (80 equal to this plan, 10 other replicas of the same data); it is
 undefined for 189 (P_TP < D_TP: ``tp_ratio = 0``, ``num_target_ranks = 0``, division by
 zero), misses KV for 62 (the decode engine replicates KV heads, or the prefill has no DCP
@@ -64,8 +70,9 @@ it lists several ranks that hold the same data). The brute-force check decides, 
 is built from what each rank holds instead:
 
 * prefill cp_ranks read by decode cp_rank r: all of ``range(P_DCP)`` filtered by
-  ``c % D_DCP == r`` (the spec's filter, applied to cp_ranks, ordered cp-major as the
-  formula's list is when it is right), or the single cp_rank 0 when P_DCP == 1;
+  ``c % g == r % g``, ``g = gcd(P_DCP, D_DCP)`` (the spec's ``c % D_DCP == r`` applied to
+  cp_ranks when D_DCP divides P_DCP, ordered cp-major as the formula's list is when it is
+  right; the single cp_rank 0 when P_DCP == 1);
 * per KV head the decode rank holds and per such cp_rank, the prefill ranks of that cp_rank
   holding the head (``Topology.kv_heads_of``); when several replicas hold it, the decode
   ranks that want the same (head, cp_rank) are spread round-robin over the replicas. That
@@ -165,6 +172,19 @@ class TransferPlan:
             raise DCPTransferError(f"decode rank out of range: rank={decode_rank!r}, decode "
                                    f"tp={self.decode.tp}. Use 0 <= rank < {self.decode.tp}.")
         return self.ranks[decode_rank]
+
+    @property
+    def decode_block_groups(self) -> int:
+        """A decode rank reads every ``P_DCP / gcd(P_DCP, D_DCP)``-th entry of its block table
+        from one prefill cp_rank: allocating a request's entries grouped by that residue
+        (``BlockAllocator.ensure(..., groups=)``) makes the rows it writes one run."""
+        return self.prefill.dcp // gcd(self.prefill.dcp, self.decode.dcp)
+
+    @property
+    def prefill_block_groups(self) -> int:
+        """The same on the prefill side: a decode cp_rank reads every ``D_DCP / gcd(P_DCP,
+        D_DCP)``-th entry of the prefill block table (e.g. a standard prefill -> DCP decode)."""
+        return self.decode.dcp // gcd(self.prefill.dcp, self.decode.dcp)
 
     def readers_of(self, prefill_rank: int) -> list[int]:
         """Decode ranks whose plan names ``prefill_rank`` (each notifies it once per request)."""
@@ -355,11 +375,6 @@ def transfer_violations(prefill: DCPConfig, decode: DCPConfig) -> list[str]:
             out.append(f"cp_kv_cache_interleave_size must equal block_size for DI "
                        f"compatibility: {side} interleave_size={cfg.interleave_size}, "
                        f"block_size={cfg.block_size}. Use interleave_size={cfg.block_size}.")
-    if prefill.dcp > 1 and prefill.dcp % decode.dcp:
-        ok = [x for x in range(1, prefill.dcp + 1) if prefill.dcp % x == 0]
-        out.append(f"prefill DCP must be a multiple of decode DCP (decode dcp_rank r reads "
-                   f"prefill cp_ranks {{r, r+D_DCP, ...}}): prefill dcp={prefill.dcp}, decode "
-                   f"dcp={decode.dcp}. Use decode dcp in {ok}, or prefill dcp=1.")
     return out
 
 
@@ -367,9 +382,12 @@ def _decode_rank_plan(pt: Topology, dt: Topology, d: int) -> DecodeRankPlan:
     P, D, sub = pt.dcp, dt.dcp, pt.tp // pt.dcp
     cp_d = dt.cp_rank(d)
     heads = dt.kv_heads_of(d)
-    # spec: "decode dcp_rank r reads from prefill cp_ranks {r, r+D_DCP, ...}"; a standard
-    # prefill has one cp_rank, and the decode rank keeps its blocks of it (chunks()).
-    cps = [0] if P == 1 else [c for c in range(P) if c % D == cp_d]
+    # Global block j lives on prefill cp_rank j % P and decode cp_rank j % D, so decode
+    # cp_rank r meets prefill cp_rank c exactly when c = r (mod gcd(P, D)): the spec's
+    # {r, r+D_DCP, ...} when D divides P, cp_rank 0 of a standard prefill, and for P < D the
+    # one cp_rank r % P (chunks() keeps the blocks the two share).
+    g = gcd(P, D)
+    cps = [c for c in range(P) if c % g == cp_d % g]
     reads: list[HeadRead] = []
     for c in cps:
         group: list[int] = []
@@ -377,7 +395,7 @@ def _decode_rank_plan(pt: Topology, dt: Topology, d: int) -> DecodeRankPlan:
         for h in heads:
             holders = [c * sub + i for i in range(sub) if h in pt.kv_heads_of(c * sub + i)]
             wanting = [e for e in range(dt.tp) if h in dt.kv_heads_of(e)
-                       and (P == 1 or dt.cp_rank(e) == cp_d)]
+                       and dt.cp_rank(e) % g == c % g]
             remote = holders[wanting.index(d) % len(holders)]
             if remote != group_rank and group:
                 reads.append(_head_read(pt, group_rank, c, group, heads))

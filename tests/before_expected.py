@@ -6,17 +6,21 @@ way torch.export leaves them: the placeholders are named after ``fn``'s argument
 ``inputs`` gives each one an example tensor (kept for numeric checks). ``run_alone`` runs one
 pass through the real pass manager (``dcp_compile.passes.manager.run_passes``: lint and shape
 propagation after it) and ``code`` prints the result in a normalised form to compare with an
-expected string written in the test.
+expected string written in the test: FX's generated node names (`getitem_5`, whose number
+counts every getitem ever created, and whose base is the torch release's choice) become
+stable ones numbered by order of definition, so the expected texts survive torch releases.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import re
 import textwrap
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx import GraphModule, symbolic_trace
+from torch.fx import Graph, GraphModule, symbolic_trace
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile import DCPConfig
@@ -57,13 +61,59 @@ def run_alone(p, gm: GraphModule) -> GraphModule:
 _DEAD = re.compile(r";\s+[\w\s=]+ = None$")     # FX's `x = y = None` (frees values early)
 
 
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name.replace(".", "_")).lower()
+
+
+def _stable_base(target) -> str:
+    """The name we give a node calling ``target``: `add_tensor` for aten.add.Tensor,
+    `getitem` for operator.getitem (ours, so no torch release can change it)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return _snake(f"{target._opname}_{target._overloadname}")
+    return _snake(target if isinstance(target, str) else target.__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _fx_base(op: str, target) -> str:
+    """The name this torch release's FX gives the first node calling ``target``."""
+    return Graph().create_node(op, target, (), {}).name
+
+
+def generated_names(gm: GraphModule) -> dict[str, str]:
+    """Node names FX generated (its name for the target, maybe with a `_<n>` suffix) ->
+    stable names: our base for the target, numbered by order of definition (`getitem`,
+    `getitem_1`, ...). The numbers FX hands out depend on every node ever created and
+    erased, and its bases on the torch release; names a pass chose (`cp_rank`) stay."""
+    generated = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+                 and re.fullmatch(re.escape(_fx_base(n.op, n.target)) + r"(_\d+)?", n.name)]
+    chosen = {n.name for n in gm.graph.nodes} - {n.name for n in generated}
+    seen: collections.Counter = collections.Counter()
+    renames = {}
+    for n in generated:
+        base = _stable_base(n.target)
+        k = seen[base]
+        name = base if k == 0 else f"{base}_{k}"
+        while name in chosen:                   # a pass chose it: skip that number
+            k += 1
+            name = f"{base}_{k}"
+        seen[base] = k + 1
+        renames[n.name] = name
+    return renames
+
+
 def code(gm: GraphModule) -> str:
-    """``gm.code`` normalised: no `torch.ops.` prefixes, no freeing of dead names, no
-    comments or blank lines, dedented."""
+    """``gm.code`` normalised: FX's generated node names replaced by stable ones
+    (generated_names), no `torch.ops.` prefixes, no freeing of dead names, no comments or
+    blank lines, dedented."""
     gm.recompile()
+    renames = generated_names(gm)
+    rename = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, renames)) + r")(?!\w)") \
+        if renames else None
     lines = []
     for line in gm.code.splitlines():
         line = _DEAD.sub("", line.split("  #")[0].rstrip()).replace("torch.ops.", "")
+        if rename is not None:
+            line = rename.sub(lambda m: renames[m.group(1)], line)
         if line.strip() and not line.strip().startswith("#"):
             lines.append(line)
     return textwrap.dedent("\n".join(lines))

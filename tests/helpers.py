@@ -27,6 +27,17 @@ def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, *, atol: f
     return float(err.max())
 
 
+def assert_runs_match(runs, ref_tokens, ref_logits, *, atol: float) -> None:
+    """Every rank's run of a program decodes the reference's greedy tokens with its
+    per-step logits (``ref_logits[seq][step]``) within ``atol``."""
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(ref_tokens)):
+                assert_close_report(got[b], ref_logits[b][t], atol=atol,
+                                    what=f"rank {run.rank} step {t} seq {b}")
+
+
 def single_device_reference(lengths, steps, *, seed=0):
     """Greedy generation of the demo model on one device, with the decode workers' prompts
     and shapes (dcp_compile.workers.decode): what every multi-process decode test compares to."""

@@ -3,8 +3,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dcp_compile import DCPTransformError
+from dcp_compile.capture import capture
 from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 
 from before_expected import aten, assert_code, attention_inputs, before, call, context, \
@@ -77,3 +80,39 @@ def test_contiguous_sdpa_is_refused_naming_the_node():
     with pytest.raises(DCPTransformError, match="unrecognised attention form .* at node "
                                                 "scaled_dot_product_attention_default"):
         run_alone(CanonicalizeAttention(context(4, 2, "decode")), gm)
+
+
+# -- refusals on captured models: the error names the node and the model's source line ------
+
+
+class SDPAModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.proj(x).view(1, 2, 4, 8)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+class NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_captured_sdpa_is_refused_naming_node_and_source():
+    cap = capture(SDPAModel(), (torch.randn(1, 4, 16),))
+    with pytest.raises(DCPTransformError,
+                       match=r"unrecognised attention form .*scaled_dot_product.* at node "
+                             r"scaled_dot_product_attention \(.*test_before_expected_canon"):
+        CanonicalizeAttention(context(4, 2, "decode"))(cap.gm)
+
+
+def test_model_without_attention_is_refused():
+    cap = capture(NoAttention(), (torch.randn(1, 4, 16),))
+    with pytest.raises(DCPTransformError, match="no attention"):
+        CanonicalizeAttention(context(4, 2, "decode"))(cap.gm)

@@ -7,6 +7,8 @@ writes. With dcp=1 the rewrite computes exactly what the attention did."""
 import pytest
 import torch
 
+from dcp_compile import DCPTransformError
+from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.passes.dcp_decode import DCPContext, DCPDecode
 
 from before_expected import assert_code, attention_inputs, before, call, context, run_alone, \
@@ -21,10 +23,12 @@ def _attention(tp_rank, q, k, v, key_cache, value_cache, positions, block_table)
     return out, kc, vc
 
 
-def _before(tokens=1):
+def _before(tokens=1, dtype=torch.float32):
     # One rank's share: 2 q heads, 1 KV head, head_dim 8, batch 2.
-    return before(_attention, tp_rank=torch.tensor(0),
-                  **attention_inputs(tokens=tokens, hq=2, hkv=1, start=20))
+    inputs = attention_inputs(tokens=tokens, hq=2, hkv=1, start=20)
+    for k in ("q", "k", "v", "key_cache", "value_cache"):
+        inputs[k] = inputs[k].to(dtype)
+    return before(_attention, tp_rank=torch.tensor(0), **inputs)
 
 
 # tp=4, dcp=2, interleave = block = 16; b=2, s=1, hq=2, d=8 (W*hq = 4 heads gathered).
@@ -33,8 +37,8 @@ DECODE = """
         cp_rank = aten.remainder.Scalar(tp_rank, 2)
         slot_mapping_default = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
         cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping_default)
-        getitem_3 = cache_write_default[0]
-        getitem_4 = cache_write_default[1]
+        getitem = cache_write_default[0]
+        getitem_1 = cache_write_default[1]
         select_int = aten.select.int(positions, 1, 0)
         local_filled_default = dcp.local_filled.default(select_int, cp_rank, 2, 16, 16)
         active_mask_default = dcp.active_mask.default(positions, cp_rank, 2, 16, 16)
@@ -45,13 +49,13 @@ DECODE = """
         view_default = aten.view.default(wait_tensor_default, [2, 2, 1, 2, 8])
         permute_default = aten.permute.default(view_default, [1, 2, 0, 3, 4])
         reshape_default = aten.reshape.default(permute_default, [2, 1, 4, 8])
-        partial_attention_default = dcp.partial_attention.default(reshape_default, positions, k, v, where_scalar_other, getitem_3, getitem_4, block_table, local_filled_default, cp_rank, 2, 16, 0.5)
-        getitem_5 = partial_attention_default[0]
-        getitem_6 = partial_attention_default[1]
-        all_gather_into_tensor_default_1 = _c10d_functional.all_gather_into_tensor.default(getitem_6, 2, 'dcp_role:dcp')
+        partial_attention_default = dcp.partial_attention.default(reshape_default, positions, k, v, where_scalar_other, getitem, getitem_1, block_table, local_filled_default, cp_rank, 2, 16, 0.5)
+        getitem_2 = partial_attention_default[0]
+        getitem_3 = partial_attention_default[1]
+        all_gather_into_tensor_default_1 = _c10d_functional.all_gather_into_tensor.default(getitem_3, 2, 'dcp_role:dcp')
         wait_tensor_default_1 = _c10d_functional.wait_tensor.default(all_gather_into_tensor_default_1)
         view_default_1 = aten.view.default(wait_tensor_default_1, [2, 2, 1, 4])
-        lse_correct_default = dcp.lse_correct.default(getitem_5, getitem_6, view_default_1)
+        lse_correct_default = dcp.lse_correct.default(getitem_2, getitem_3, view_default_1)
         to_dtype = aten.to.dtype(lse_correct_default, torch.float32)
         view_default_2 = aten.view.default(to_dtype, [2, 1, 2, 2, 8])
         permute_default_1 = aten.permute.default(view_default_2, [2, 0, 1, 3, 4])
@@ -59,7 +63,7 @@ DECODE = """
         reduce_scatter_tensor_default = _c10d_functional.reduce_scatter_tensor.default(reshape_default_1, 'sum', 2, 'dcp_role:dcp')
         wait_tensor_default_2 = _c10d_functional.wait_tensor.default(reduce_scatter_tensor_default)
         to_dtype_1 = aten.to.dtype(wait_tensor_default_2, torch.float32)
-        return (to_dtype_1, getitem_3, getitem_4)
+        return (to_dtype_1, getitem, getitem_1)
     """
 
 
@@ -75,12 +79,12 @@ def test_decode_all_gather_combine():
 
 # Steps 5-8 as one all-to-all of the partial outputs packed with their LSEs (d + 1 = 9).
 ALL_TO_ALL_COMBINE = """
-        getitem_5 = partial_attention_default[0]
-        getitem_6 = partial_attention_default[1]
-        view_default_1 = aten.view.default(getitem_5, [2, 1, 2, 2, 8])
+        getitem_2 = partial_attention_default[0]
+        getitem_3 = partial_attention_default[1]
+        view_default_1 = aten.view.default(getitem_2, [2, 1, 2, 2, 8])
         permute_default_1 = aten.permute.default(view_default_1, [2, 0, 1, 3, 4])
         to_dtype = aten.to.dtype(permute_default_1, torch.float32)
-        view_default_2 = aten.view.default(getitem_6, [2, 1, 2, 2, 1])
+        view_default_2 = aten.view.default(getitem_3, [2, 1, 2, 2, 1])
         permute_default_2 = aten.permute.default(view_default_2, [2, 0, 1, 3, 4])
         cat_default = aten.cat.default([to_dtype, permute_default_2], -1)
         reshape_default_1 = aten.reshape.default(cat_default, [4, 1, 2, 9])
@@ -92,14 +96,67 @@ ALL_TO_ALL_COMBINE = """
         reshape_default_2 = aten.reshape.default(slice_tensor_1, [2, 2, 1, 2])
         lse_merge_default = dcp.lse_merge.default(slice_tensor, reshape_default_2)
         to_dtype_1 = aten.to.dtype(lse_merge_default, torch.float32)
-        return (to_dtype_1, getitem_3, getitem_4)
+        return (to_dtype_1, getitem, getitem_1)
     """
 
 
 def test_decode_all_to_all_combine():
     gm = run_alone(DCPDecode(context(4, 2, "decode", combine="all_to_all")), _before())
-    head = DECODE[:DECODE.index("        getitem_5")]      # up to the partial attention
+    head = DECODE[:DECODE.index("        getitem_2")]      # up to the partial attention
     assert_code(gm, head + ALL_TO_ALL_COMBINE.lstrip("\n"))
+
+
+# Bytes each DCP collective moves (b=2, hq=2 q heads per rank, d=8, W = dcp), float32.
+B, HQ, D = 2, 2, 8
+
+
+@pytest.mark.parametrize("tp,dcp_", [(4, 2), (8, 4)], ids=["tp4-dcp2", "tp8-dcp4"])
+def test_all_gather_combine_bytes(tp, dcp_):
+    p = DCPDecode(context(tp, dcp_, "decode"))
+    gm = run_alone(p, _before())
+    on_dcp = [c for c in collective_summary(gm) if c["role"] == "dcp"]
+    assert [(c["op"], c["layer"]) for c in on_dcp] == [
+        ("all_gather_into_tensor", 0), ("all_gather_into_tensor", 0),
+        ("reduce_scatter_tensor", 0)]
+    q_gather, lse_gather, heads_rs = on_dcp
+    assert q_gather["bytes_in"] == B * HQ * D * 4                   # this rank's q heads
+    assert q_gather["bytes_out"] == dcp_ * B * HQ * D * 4           # the replica set's
+    assert lse_gather["bytes_in"] == B * dcp_ * HQ * 4              # float32 LSE
+    assert heads_rs["bytes_in"] == dcp_ * B * HQ * D * 4            # corrected partials
+    assert heads_rs["bytes_out"] == B * HQ * D * 4
+    assert p.inserted["collective"] == 3 and p.inserted["lse_combine"] == 1
+
+
+@pytest.mark.parametrize("tp,dcp_", [(4, 2), (8, 4)], ids=["tp4-dcp2", "tp8-dcp4"])
+def test_all_to_all_combine_bytes(tp, dcp_):
+    """Q all-gather, then one all-to-all of the partial outputs packed with their float32
+    LSEs, merged locally: 2 DCP collectives per layer instead of 3."""
+    p = DCPDecode(context(tp, dcp_, "decode", combine="all_to_all"))
+    gm = run_alone(p, _before())
+    on_dcp = [c for c in collective_summary(gm) if c["role"] == "dcp"]
+    assert [c["op"] for c in on_dcp] == ["all_gather_into_tensor", "all_to_all_single"]
+    a2a = on_dcp[1]
+    # Every rank's W*hq partial heads (d floats + 1 LSE each) out; as many in, W sources.
+    assert a2a["shape_in"] == (dcp_ * B, 1, HQ, D + 1)
+    assert a2a["bytes_in"] == a2a["bytes_out"] == dcp_ * B * HQ * (D + 1) * 4
+    assert p.inserted["collective"] == 2 and p.inserted["lse_combine"] == 1
+
+
+@pytest.mark.parametrize("combine,collective", [("all_gather", "reduce_scatter_tensor"),
+                                                ("all_to_all", "all_to_all_single")])
+def test_combine_dtype_model_sends_the_partial_outputs_in_the_model_dtype(combine, collective):
+    """combine_dtype='model' on a bf16 graph: the partial outputs travel as bf16 (half the
+    bytes); the all-to-all carries each float32 LSE as two bf16 words."""
+    ctx = context(4, 2, "decode", combine=combine, combine_dtype="model")
+    gm = run_alone(DCPDecode(ctx), _before(dtype=torch.bfloat16))
+    combine_op = next(c for c in collective_summary(gm) if c["op"] == collective)
+    width = D + 2 if combine == "all_to_all" else D
+    assert combine_op["bytes_in"] == 2 * B * HQ * width * 2             # bf16 elements
+
+
+def test_decode_rewrite_requires_one_token():
+    with pytest.raises(DCPTransformError, match="one token per sequence"):
+        run_alone(DCPDecode(context(4, 2, "decode")), _before(tokens=3))
 
 
 def test_context_step_is_plain_attention_with_owner_only_writes():
@@ -109,13 +166,13 @@ def test_context_step_is_plain_attention_with_owner_only_writes():
             cp_rank = aten.remainder.Scalar(tp_rank, 2)
             slot_mapping_default = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
             cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping_default)
-            getitem_3 = cache_write_default[0]
-            getitem_4 = cache_write_default[1]
+            getitem = cache_write_default[0]
+            getitem_1 = cache_write_default[1]
             select_int = aten.select.int(positions, 1, 0)
             mul_tensor = aten.mul.Tensor(select_int, 0)
-            partial_attention_default = dcp.partial_attention.default(q, positions, k, v, positions, getitem_3, getitem_4, block_table, mul_tensor, cp_rank, 2, 16, 0.5)
-            getitem_5 = partial_attention_default[0]
-            return (getitem_5, getitem_3, getitem_4)
+            partial_attention_default = dcp.partial_attention.default(q, positions, k, v, positions, getitem, getitem_1, block_table, mul_tensor, cp_rank, 2, 16, 0.5)
+            getitem_2 = partial_attention_default[0]
+            return (getitem_2, getitem, getitem_1)
         """)
 
 

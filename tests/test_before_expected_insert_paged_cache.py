@@ -127,14 +127,16 @@ def _eager_before():
 
 # q @ k^T * 0.25 -> where(window mask) -> softmax -> @ v becomes one op with scale 0.25 and
 # window=2 (the mask, the repeats and the arange are gone); the position embedding reads
-# the positions input (clamped: padding -1 reads position 0).
+# the positions input (clamped: padding -1 reads position 0), lifted per row by
+# passes/positions.py: [1, S] per row is [B, 1, S], its size-1 dim dropped where the batch is.
 EAGER = """
     def forward(self, p_embed, p_pos, p_q, p_k, p_v, p_head, input_ids, positions, block_table, kv_caches_0, kv_caches_1):
         clamp_min_default = aten.clamp_min.default(positions, 0)
         embedding_default = aten.embedding.default(p_embed, input_ids)
-        to_dtype = aten.to.dtype(clamp_min_default, torch.int64)
-        embedding_default_1 = aten.embedding.default(p_pos, to_dtype)
-        add_tensor = aten.add.Tensor(embedding_default, embedding_default_1)
+        unsqueeze = aten.unsqueeze.default(clamp_min_default, 1)
+        embedding = aten.embedding.default(p_pos, unsqueeze)
+        squeeze_dim = aten.squeeze.dim(embedding, 1)
+        add_tensor = aten.add.Tensor(embedding_default, squeeze_dim)
         linear_default = aten.linear.default(add_tensor, p_q)
         view_default = aten.view.default(linear_default, [1, 4, 4, 8])
         linear_default_1 = aten.linear.default(add_tensor, p_k)

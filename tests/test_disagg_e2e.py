@@ -26,25 +26,21 @@ What is compared, and how exactly:
 from __future__ import annotations
 
 import json
-import os
-import threading
 
 import pytest
 import torch
 
 from dcp_compile.runtime.config import DCPConfig
-from dcp_compile.runtime.errors import DCPWorldError
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.topology import topology
 from dcp_compile.runtime.cache_layout import gather_cache, scatter_cache
 from dcp_compile.workers.disagg import prefill_chunks
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.launch import run_torchrun
-from dcp_compile.runtime.nixl.loopback import free_port_base
 from dcp_compile.workers.prefill import plan_tokens
 from dcp_compile.runtime.transfer_plan import plan_transfer
 
+from disagg_runs import launch_worlds
 from helpers import assert_close_report
 
 pytestmark = pytest.mark.multiprocess  # 3 torchrun worlds (10 ranks) at once, ~1-2 min
@@ -57,8 +53,6 @@ MAX_CONTEXT = 48            # >= longest prompt + STEPS
 PREFILL = (4, 2)            # tp, dcp
 DECODE = {"d-tp2": (2, 1), "d-tp4dcp2": (4, 2)}   # engine -> (tp, dcp)
 RESERVE_BLOCKS = 3          # decode block numbers differ from the prefill's
-LAUNCH_TIMEOUT = 900.0      # seconds per torchrun launch (a loaded two-core machine)
-WAIT_TIMEOUT = 600.0        # seconds a world waits for the other one
 
 
 def _cfg(tp, dcp, mode):
@@ -67,58 +61,11 @@ def _cfg(tp, dcp, mode):
                      num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
 
 
-def _loopback_env() -> dict:
-    return {"UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm"), "UCX_NET_DEVICES": "lo",
-            "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"), "OMP_NUM_THREADS": "1"}
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    try:
-        from dcp_compile.runtime.nixl.build import nixl_api
-        nixl_api()
-    except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
-        pytest.skip(f"import nixl failed: {type(e).__name__}: {e}")
-    tmp = tmp_path_factory.mktemp("disagg")
-    port = free_port_base(PREFILL[0])
-    handoff, abort = tmp / "handoff.pt", tmp / "abort.txt"
-    common = ["--block-size", BLOCK, "--layers", 2, "--handoff", handoff,
-              "--abort-file", abort, "--timeout", WAIT_TIMEOUT]
-    launches = {"prefill": (PREFILL[0], [
-        "prefill", "--dcp", PREFILL[1], *common, "--out-dir", tmp / "prefill",
-        "--engine-id", "p-tp4dcp2", "--plan", json.dumps(PLAN), "--port", port,
-        "--decoders", json.dumps([{"engine_id": e, "tp": tp, "dcp": dcp}
-                                  for e, (tp, dcp) in DECODE.items()])])}
-    for e, (tp, dcp) in DECODE.items():
-        launches[e] = (tp, [
-            "decode", "--dcp", dcp, *common, "--out-dir", tmp / e, "--engine-id", e,
-            "--prefill-tp", PREFILL[0], "--prefill-dcp", PREFILL[1], "--prefill-port", port,
-            "--batch", len(LENGTHS), "--max-context", MAX_CONTEXT, "--steps", STEPS,
-            "--reserve-blocks", RESERVE_BLOCKS])
-    errors: dict[str, DCPWorldError] = {}
-    outputs: dict[str, str] = {}
-
-    def launch(name, nproc, args):
-        try:
-            outputs[name] = run_torchrun(nproc, "dcp_compile.workers.disagg", [str(a) for a in args],
-                                         timeout=LAUNCH_TIMEOUT, env=_loopback_env()).stdout
-        except DCPWorldError as e:
-            errors[name] = e
-            with open(abort, "a") as f:  # the other worlds stop waiting for this one
-                f.write(f"{name} world failed: {str(e)[:2000]}\n")
-
-    threads = [threading.Thread(target=launch, args=(name, *spec), daemon=True)
-               for name, spec in launches.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(LAUNCH_TIMEOUT + 60)
-    if errors:
-        # A world that failed first makes the others give up ("the other world failed"):
-        # report every failing world, each with the output of its failing ranks.
-        pytest.fail("\n\n".join(f"=== {name} world ===\n{err}" for name, err in errors.items()),
-                    pytrace=False)
-    return {"tmp": tmp, "outputs": outputs}
+    return launch_worlds(tmp_path_factory.mktemp("disagg"), model="demo", block=BLOCK,
+                         plan=PLAN, prefill=PREFILL, prefill_id="p-tp4dcp2", decoders=DECODE,
+                         max_context=MAX_CONTEXT, steps=STEPS, reserve_blocks=RESERVE_BLOCKS)
 
 
 @pytest.fixture(scope="module")

@@ -229,26 +229,9 @@ def test_mla_wrong_kv_split_refused():
 
 
 def hf_deepseek(version: str = "V3", **overrides):
-    transformers = pytest.importorskip("transformers")
-    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96,
-                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=32,
-                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                  first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
-                  n_group=1, topk_group=1, max_position_embeddings=64, bos_token_id=None,
-                  eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
-    config = getattr(transformers, f"Deepseek{version}Config")(**{**fields, **overrides})
-    model = getattr(transformers, f"Deepseek{version}ForCausalLM")(config).eval()
-    # HF's 0.02-std init makes logits of ~1e-2 whose top two nearly tie; scale the weights
-    # so that greedy tokens are a meaningful comparison.
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-            else:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-    return model
+    pytest.importorskip("transformers")
+    from dcp_compile.models.mla import hf_deepseek as build
+    return build(version, **overrides)
 
 
 @pytest.mark.parametrize("version,tp,dcp,block,interleave,q_lora_rank,attention",

@@ -5,6 +5,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dcp_compile.runtime.ops
+from dcp_compile.runtime import layout
+from dcp_compile.runtime.ops import owned_capacity
 
 ops = torch.ops.dcp
 
@@ -108,3 +110,55 @@ def test_partial_attention_never_reads_an_entry_that_names_no_usable_block(entry
                                      1.0)
     assert torch.allclose(out, torch.full_like(out, 2.0))      # only block 1's values
     assert torch.isfinite(lse).all()
+
+
+# -- the prefill index ops against the spec's formulas --------------------------------------
+
+
+def _positions(start, length, S):
+    pos = torch.full((1, S), -1)
+    pos[0, :length] = torch.arange(start, start + length)
+    return pos
+
+
+@pytest.mark.parametrize("W,I", [(2, 8), (4, 16), (4, 8), (8, 8)])
+def test_aligned_chunk_slice_is_the_spec_view(W, I):
+    """Aligned start, full chunk: exactly view(S // (W*I), W, I)[:, R, :] and its inverse."""
+    S = 3 * W * I
+    for start in (0, W * I, 5 * W * I):
+        pos = _positions(start, S, S)
+        un = torch.ops.dcp.q_unshuffle_index(pos, S // W, W, I, I)[0]
+        for R in range(W):
+            got = torch.ops.dcp.interleave_slice_index(pos, torch.tensor(R), S // W, W, I, I)
+            spec = torch.arange(S).view(S // (W * I), W, I)[:, R, :].reshape(-1)
+            assert torch.equal(got[0], spec)
+            assert torch.equal(got[0], layout.interleave_slice_index(
+                torch.arange(S // W), R, dcp=W, interleave=I))
+        assert torch.equal(un, layout.q_unshuffle_index(torch.arange(S), S, dcp=W,
+                                                        interleave=I))
+
+
+@pytest.mark.parametrize("W,I", [(2, 8), (4, 16), (4, 4)])
+def test_any_start_keeps_exactly_the_owned_positions(W, I):
+    """Brute force over starts in two vblocks and lengths: the slice is the owned tokens in
+    order, padded with -1; the unshuffle finds every token; the capacity bound is tight."""
+    kw = dict(dcp=W, interleave=I, block=I)
+    for S in (1, W * I - 1, W * I, W * I + 1, 2 * W * I + 3):
+        C = owned_capacity(S, dcp=W, interleave=I)
+        most = 0
+        for start in range(0, 2 * W * I + 1):
+            for length in {S, max(S - 2, 0)}:
+                pos = _positions(start, length, S)
+                un = torch.ops.dcp.q_unshuffle_index(pos, C, W, I, I)[0]
+                slices = []
+                for R in range(W):
+                    idx = torch.ops.dcp.interleave_slice_index(pos, torch.tensor(R), C, W, I,
+                                                               I)[0]
+                    owned = [p for p in range(length) if layout.owner(start + p, **kw) == R]
+                    assert idx.tolist() == owned + [-1] * (C - len(owned))
+                    most = max(most, len(owned))
+                    slices.append(idx)
+                for p in range(length):
+                    r, j = divmod(int(un[p]), C)
+                    assert int(slices[r][j]) == p
+        assert most == C, f"capacity {C} not tight for S={S}: most {most}"

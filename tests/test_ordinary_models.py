@@ -20,7 +20,7 @@ from dcp_compile.models.plain import plain_llama
 from dcp_compile.verify import run_threaded_program
 from dcp_compile.runtime.engine import StepShapes
 
-from helpers import assert_close_report, prompts_of
+from helpers import assert_close_report, assert_runs_match, prompts_of
 
 TP, DCP, BLOCK = 4, 2, 4
 VOCAB = 256
@@ -102,12 +102,7 @@ def test_ordinary_model_matches_its_own_forward(model_id, mode):
     prompts = prompts_of(LENGTHS, vocab=VOCAB)
     runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
     ref_tokens, ref_logits = full_forward_reference(model, prompts, steps)
-    for run in runs:
-        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
-        for t, got in enumerate(run.result.logits):
-            for b in range(len(prompts)):
-                assert_close_report(got[b], ref_logits[b][t], atol=ATOL,
-                                    what=f"rank {run.rank} step {t} seq {b}")
+    assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL)
 
 
 def test_per_layer_scale():

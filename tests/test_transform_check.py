@@ -59,7 +59,7 @@ def test_a_decode_step_only_error_is_named_as_the_decode_step(monkeypatch):
     real = dcp_compile.runtime.ops._active_mask_impl
     monkeypatch.setattr(dcp_compile.runtime.ops, "_active_mask_impl",
                         lambda n, rank, *a: torch.ones_like(real(n, rank, *a)))
-    with pytest.raises(DCPCheckError, match="in the 'decode' step") as info:
+    with pytest.raises(DCPCheckError, match="in the 'decode 1' step") as info:
         dcp_compile.transform(_model(), tp=4, dcp=2, shapes=SHAPES, check=True)
     report = info.value.report
     assert report.step_errors[0] <= report.tolerance < report.step_errors[1]
@@ -80,7 +80,8 @@ def test_a_program_that_does_not_run_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("mode,steps,lengths", [
-    ("decode", ["context", "decode"], [[9, 7, 1], [1, 1, 1]]),
+    # Two decode steps: the 7-token row writes position 8, the first of a new vblock.
+    ("decode", ["context", "decode 1", "decode 2"], [[9, 7, 1], [1, 1, 1], [1, 1, 1]]),
     ("prefill", ["prefill chunk 1", "prefill chunk 2 (after chunk 1)"], [[9, 7, 1], [7, 1, 20]])])
 def test_small_real_model_is_checked_by_default(mode, steps, lengths):
     shapes = StepShapes.fitting(3, 20, 40, block_size=4, dcp=2)

@@ -107,13 +107,34 @@ def demo_config(layers: int):
     return DemoConfig(num_layers=layers)
 
 
+def _demo(layers: int):
+    from dcp_compile.models.demo import demo_model
+    return demo_model(demo_config(layers))
+
+
+def _deepseek_v3(layers: int):
+    from dcp_compile.models.mla import hf_deepseek
+    return hf_deepseek("V3", num_hidden_layers=layers, first_k_dense_replace=layers)
+
+
+# --model -> (builder over the layer count, vocabulary of the prompt tokens). The demo model is
+# the Llama-style paged-attention model; deepseek-v3 is Hugging Face's DeepseekV3ForCausalLM
+# from a tiny config (MLA: the cache is one latent head, passes/absorb_latent_attention.py).
+MODELS = {"demo": (_demo, 256), "deepseek-v3": (_deepseek_v3, 128)}
+
+
+def build_model(name: str, layers: int):
+    """The model both worlds (and the test's single-device reference) build, same weights."""
+    return MODELS[name][0](layers)
+
+
 def engine_config(program_config, *, tp: int, dcp: int, mode: str):
-    """The other engine's DCPConfig: same model (heads, head_dim) and block size."""
+    """The other engine's DCPConfig: same model (heads, head_dim, MLA) and block size."""
     from dcp_compile.runtime.config import DCPConfig
     c = program_config
     return DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=c.block_size,
                      num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
-                     head_dim=c.head_dim)
+                     head_dim=c.head_dim, mla=c.mla)
 
 
 def _pairs(flat: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -151,7 +172,6 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
 
     import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.nixl.connector import PrefillKVConnector
     from dcp_compile.workers.prefill import plan_tokens
@@ -161,8 +181,9 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     plan = json.loads(args.plan)
     decoders = json.loads(args.decoders)
     program = dcp_compile.transform(
-        demo_model(demo_config(args.layers)), tp=world, dcp=args.dcp, mode="prefill",
-        block_size=args.block_size, shapes=prefill_shapes(plan, args.dcp, args.block_size))
+        build_model(args.model, args.layers), tp=world, dcp=args.dcp, mode="prefill",
+        block_size=args.block_size, shapes=prefill_shapes(plan, args.dcp, args.block_size),
+        check=False)
     cfg = program.config
     # Plan every decode engine before any work: an unservable pair fails here, not mid-read.
     plans = {d["engine_id"]: plan_transfer(cfg, engine_config(cfg, tp=d["tp"], dcp=d["dcp"],
@@ -172,7 +193,8 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     executor = LocalExecutor(loaded.step_fns(), program.cache_spec().allocate(fill=float("nan")))
     engine = Engine(executor, program.shapes, block_size=cfg.block_size, dcp=cfg.dcp,
                     prompt_kind="prefill")
-    first_logits = prefill_chunks(engine, plan_tokens(plan, args.seed))
+    first_logits = prefill_chunks(engine, plan_tokens(plan, args.seed,
+                                                      vocab=MODELS[args.model][1]))
     n = len(plan[0])
     table = engine.allocator.table(list(range(n)), program.shapes.max_blocks)
     caches = [c.contiguous() for c in executor.caches]
@@ -260,16 +282,15 @@ def _wait_for_handoff(args, rank: int) -> dict:
 def run_decode_rank(args, rank: int, world: int) -> None:
     import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
     from dcp_compile.runtime.world import bind_roles
 
     shapes = decode_shapes(args.batch, args.max_context, args.dcp, args.block_size,
                            args.reserve_blocks)
-    program = dcp_compile.transform(demo_model(demo_config(args.layers)), tp=world,
+    program = dcp_compile.transform(build_model(args.model, args.layers), tp=world,
                                     dcp=args.dcp, mode="decode", block_size=args.block_size,
-                                    shapes=shapes)
+                                    shapes=shapes, check=False)
     cfg = program.config
     prefill_cfg = engine_config(cfg, tp=args.prefill_tp, dcp=args.prefill_dcp, mode="prefill")
     loaded = program.load(rank, bind_roles(program.topology, rank))
@@ -295,8 +316,8 @@ def run_decode_rank(args, rank: int, world: int) -> None:
             raise DCPTransferError(f"decode rank {rank}: prompts of {lengths} tokens + "
                                    f"{args.steps} steps exceed --max-context "
                                    f"{args.max_context}. Launch with a larger --max-context.")
-        for b, length in enumerate(lengths):
-            engine.allocator.ensure(b, length)
+        for b, length in enumerate(lengths):  # the rows one remote rank fills: one run
+            engine.allocator.ensure(b, length, groups=conn.plan.decode_block_groups)
         table = engine.allocator.table(list(range(n)), shapes.max_blocks)
         t0 = time.monotonic()
         conn.handshake()
@@ -346,6 +367,8 @@ def parse(argv=None):
         p.add_argument("--dcp", type=int, required=True)
         p.add_argument("--block-size", type=int, default=8, help="= interleave size (DI)")
         p.add_argument("--layers", type=int, default=2)
+        p.add_argument("--model", choices=sorted(MODELS), default="demo",
+                       help="demo (Llama-style) or deepseek-v3 (HF, MLA, tiny config)")
         p.add_argument("--handoff", required=True, help="file the prefill world's rank 0 "
                        "writes (requests, block tables, last-token logits)")
         p.add_argument("--out-dir", default=None, help="per-rank caches and results")

@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
-from dcp_compile.runtime.names import RANK_INPUT
+from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
@@ -81,6 +81,20 @@ class Worklist:
                 yield self.nodes[k]
         finally:
             self.heap = None
+
+
+def reads_input(n: Node, name: str) -> bool:
+    """Whether ``n`` is computed from the graph input called ``name``."""
+    seen, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and x.name == name:
+            return True
+        stack.extend(x.all_input_nodes)
+    return False
 
 
 def _err(n: Node, what: str, fix: str) -> DCPTransformError:
@@ -548,7 +562,10 @@ class Analysis:
             if len(n.args) > 2 and n.args[2] is not None:
                 self.decide(n.args[2], spec, n)
             self._set_linear(n, "lm_head")
-        embeddings = [n for n in self.nodes if n.target == EMBEDDING]
+        # Token embeddings are vocab-parallel; a table looked up by positions (learned or
+        # sinusoidal positions) is replicated: its rows are not a vocabulary.
+        embeddings = [n for n in self.nodes if n.target == EMBEDDING
+                      and reads_input(n.args[1], INPUT_IDS)]
         for e in embeddings:
             vocab = shape_of(e.args[0])[0]
             if vocab % self.cfg.tp:

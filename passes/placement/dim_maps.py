@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDim, Split,
+from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDim, NewDim, Split,
                                                      dim_squeeze, dim_transpose,
                                                      dim_unsqueeze, expand, view_groups)
 
 from dcp_compile.runtime.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
 
+from ..op_classes import IDENTITY_VIEWS
 from .lattice import Refusal, Seg, Shard, canon, scale_segs
 from .node_args import norm_dim, shape_of
 
@@ -129,7 +130,20 @@ def _permute(n):
     return tuple(InputDim(norm_dim(d, nd)) for d in n.args[1])
 
 
+def _view_as_real(n):
+    """complex [..., d] -> real [..., d, 2]: every dim kept, a new (re, im) dim last."""
+    return _identity(n) + (NewDim(2),)
+
+
+def _view_as_complex(n):
+    """real [..., d, 2] -> complex [..., d]: the (re, im) dim is consumed (a shard on it
+    maps nowhere: refused)."""
+    return _identity(n)[:-1]
+
+
 DIM_MAPS: dict = {
+    aten.view_as_real.default: _view_as_real,
+    aten.view_as_complex.default: _view_as_complex,
     aten.view.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
     aten.reshape.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
     aten._unsafe_view.default: lambda n: view_groups(list(shape_of(n.args[0])),
@@ -147,10 +161,7 @@ DIM_MAPS: dict = {
     aten.expand.default: lambda n: expand(shape_of(n.args[0]), shape_of(n)),
 }
 # Ops that keep every dim as it is (type conversions, copies, eval-mode dropout).
-for _op in (aten.clone.default, aten.contiguous.default, aten.alias.default,
-            aten.detach.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-            aten._to_copy.default, aten.lift_fresh_copy.default, aten.dropout.default,
-            aten.type_as.default):
+for _op in IDENTITY_VIEWS:
     DIM_MAPS[_op] = _identity
 
 

@@ -1,13 +1,21 @@
-"""The token dim (prefill): the placement rules, with tokens as the "sharded" dim."""
+"""The token dim (prefill) and any dim carried through ops (the batch dim, positions): the
+placement rules, with that dim as the "sharded" one; ``HAND_PLACED_DIMS`` for the ops the
+placement analysis places by hand (linear, embedding) or never meets."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.fx import Node
 
+import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+
 from .lattice import R, Refusal, Seg, Shard, show
-from .node_args import fake
+from .node_args import fake, shape_of
 from .rules import aligned_dim, rule_for
+
+aten = torch.ops.aten
 
 
 def token_dim(n: Node, dims: dict[Node, int], tokens: int) -> int:
@@ -41,3 +49,49 @@ def token_dim(n: Node, dims: dict[Node, int], tokens: int) -> int:
             or len({o.dim for o in outs}) != 1:
         raise Refusal(f"{n.target} does not keep the token dim whole ({show(out)})")
     return outs[0].dim
+
+
+def _paged_batch(n, dims):
+    return (dims[n.args[0]], None, None)
+
+
+def _getitem_dim(n, dims):
+    src = dims[n.args[0]]
+    return src[n.args[1]] if isinstance(src, tuple) else None
+
+
+# Ops the placement analysis places by hand or not at all (its RULES leave them out): where
+# a dim of the marked operand lands in the output.
+HAND_PLACED_DIMS = {
+    aten.outer.default: lambda n, dims: 0 if n.args[0] in dims else 1,
+    aten.linear.default: lambda n, dims: dims.get(n.args[0]) if n.args[0] in dims and
+    dims[n.args[0]] < len(shape_of(n.args[0])) - 1 else None,
+    aten.embedding.default: lambda n, dims: dims.get(n.args[1]),
+    aten.index_select.default: lambda n, dims: (n.args[1] % len(shape_of(n)))
+    if n.args[2] in dims and n.args[0] not in dims else None,
+    torch.ops.dcp.paged_attention.default: _paged_batch,
+    operator.getitem: lambda n, dims: _getitem_dim(n, dims)
+    if isinstance(dims.get(n.args[0]), tuple) else _rule_dim(n, dims, 0),
+}
+
+
+def _rule_dim(n: Node, dims: dict, size: int):
+    ins = {a: dims[a] for a in n.all_input_nodes if isinstance(dims.get(a), int)}
+    if not ins:
+        raise Refusal("no input carries the dim")
+    return token_dim(n, ins, size)
+
+
+def carried_dim(n: Node, dims: dict, size: int):
+    """Where ``n``'s output carries the dim ``dims`` marks on its inputs; Refusal if the
+    rules cannot tell."""
+    extra = HAND_PLACED_DIMS.get(n.target)
+    if extra is None:
+        return _rule_dim(n, dims, size)
+    try:
+        d = extra(n, dims)
+    except (KeyError, IndexError, TypeError) as e:
+        raise Refusal(f"{n.target} does not carry the dim ({type(e).__name__})") from e
+    if d is None:
+        raise Refusal(f"{n.target} does not carry the dim")
+    return d

@@ -6,10 +6,14 @@ carries out the descriptors with a memory copy and compares the caches).
 
 Cache layout (both engines): per layer a key and a value tensor ``[num_blocks, block_size,
 kv_heads_per_rank, head_dim]``; row ``physical_slot`` holds one token's heads. Whole cache rows
-move as one descriptor per run of tokens (a block, or less at the end); a head range of a row
-(splitting / merging) is strided across tokens, so it is either staged (the remote runs read
-whole into a bounce buffer, then copied into the head range: :func:`stage`,
-:func:`apply_staged`) or one descriptor per token (``partial_rows="descriptors"``).
+move as one descriptor per run of rows that is contiguous on both sides: the plan's runs (a
+block, or less at the end) are merged wherever the next run starts where the last one ended
+in both caches (:func:`merge_runs`; consecutive blocks, which the block allocator prefers).
+Runs never merge across tensors: each cache is its own NIXL registration, and with the
+garbage block last no run of layer ``i`` ends where layer ``i + 1`` begins. A head range of a row (splitting / merging) is strided across tokens, so it is either staged
+(the remote runs read whole into a bounce buffer, merged wherever they are contiguous in the
+remote cache, then copied into the head range: :func:`stage`, :func:`apply_staged`) or one
+descriptor per token (``partial_rows="descriptors"``).
 
 A descriptor array is NIXL's Nx3 ``(address, length, device id)`` (:func:`nx3`); one READ
 reads ``remote[i]`` into ``local[i]`` for every row ``i``.
@@ -27,8 +31,9 @@ from ..config import DCPConfig
 from ..errors import DCPTransferError
 
 __all__ = ["EPOCH_BYTES", "PARTIAL_ROWS", "CacheGeometry", "RemoteRead", "StagedCopy",
-           "StagedRun", "apply_staged", "check_caches", "epoch_descriptors", "nx3",
-           "plan_reads", "probe_descriptor", "read_epochs", "stage", "stale_epochs"]
+           "StagedRun", "apply_staged", "check_caches", "epoch_descriptors",
+           "merge_runs", "nx3", "plan_reads", "probe_descriptor", "read_epochs", "stage",
+           "stale_epochs"]
 
 EPOCH_BYTES = 8                      # one int64 block epoch (see PrefillKVConnector.hold)
 PARTIAL_ROWS = ("staged", "descriptors")  # how a head range of a cache row moves
@@ -95,6 +100,19 @@ def nx3(bases: np.ndarray, offsets: torch.Tensor, sizes: torch.Tensor) -> np.nda
     out[:, 0] = addr
     out[:, 1] = np.tile(sizes.numpy().astype(np.uint64), len(bases))
     return out
+
+
+def merge_runs(a: torch.Tensor, b: torch.Tensor,
+               length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs ``(a[i], b[i], length[i])`` (first row on either side, rows) with the next run
+    starting where this one ended on both sides become one run; order is kept."""
+    if len(length) <= 1:
+        return a, b, length
+    joins = (a[:-1] + length[:-1] == a[1:]) & (b[:-1] + length[:-1] == b[1:])
+    first = torch.cat([torch.ones(1, dtype=torch.bool), ~joins])
+    group = torch.cumsum(first, 0) - 1
+    merged = torch.zeros(int(first.sum()), dtype=length.dtype).index_add_(0, group, length)
+    return a[first], b[first], merged
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,10 +187,11 @@ def plan_reads(plan, rank: int, seq_len: int, prefill_block_table, decode_block_
         length = chunks[:, 5]
         rr.kv_bytes += int(length.sum()) * read.num_heads * g.head_bytes * len(r_bases)
         if read.num_heads == len(md.kv_heads) == g.num_heads:
-            # Whole rows on both sides: one descriptor per run.
-            size = length * g.row_bytes
-            rr.local.append(nx3(local_bases, l_rows * g.row_bytes, size))
-            rr.remote.append(nx3(r_bases, r_rows * r_row_bytes, size))
+            # Whole rows on both sides: one descriptor per run contiguous on both sides.
+            m_r, m_l, m_len = merge_runs(r_rows, l_rows, length)
+            size = m_len * g.row_bytes
+            rr.local.append(nx3(local_bases, m_l * g.row_bytes, size))
+            rr.remote.append(nx3(r_bases, m_r * r_row_bytes, size))
             rr.bytes += int(size.sum()) * len(r_bases)
         elif partial_rows == "descriptors":
             # One descriptor per token and head range.
@@ -206,12 +225,14 @@ def stage(staged: list[StagedRun], geometry: CacheGeometry, base: int) -> list[S
         first = torch.cumsum(s.length, 0) - s.length
         idx, step = _tokens_of_runs(s.length)
         rows = s.l_rows[idx] + step
-        size = s.length * s.r_row_bytes
+        # The staging side is one run: merge every run contiguous in the remote cache.
+        m_r, m_first, m_len = merge_runs(s.r_rows, first, s.length)
+        size = m_len * s.r_row_bytes
         n_bytes = int(size.sum())
         for t, r_base in enumerate(s.r_bases):
-            s.target.local.append(nx3(bases, cursor + first * s.r_row_bytes, size))
+            s.target.local.append(nx3(bases, cursor + m_first * s.r_row_bytes, size))
             s.target.remote.append(nx3(np.array([r_base], dtype=np.uint64),
-                                       s.r_rows * s.r_row_bytes, size))
+                                       m_r * s.r_row_bytes, size))
             copies.append(StagedCopy(
                 tensor=t, staging_offset=cursor, rows=rows,
                 remote_heads=s.r_row_bytes // g.head_bytes,
@@ -230,9 +251,14 @@ def apply_staged(staging: torch.Tensor, copies: list[StagedCopy], caches: list[t
         n = len(c.rows)
         src = staging[c.staging_offset:c.staging_offset + n * c.remote_heads
                       * g.head_bytes].view(g.dtype).view(n, c.remote_heads, g.head_dim)
+        src = src[:, c.remote_head_offset:c.remote_head_offset + c.num_heads]
         dst = caches[c.tensor].view(-1, g.num_heads, g.head_dim)
-        dst[c.rows, c.local_head_offset:c.local_head_offset + c.num_heads] = \
-            src[:, c.remote_head_offset:c.remote_head_offset + c.num_heads]
+        heads = slice(c.local_head_offset, c.local_head_offset + c.num_heads)
+        first = int(c.rows[0]) if n else 0
+        if n and int(c.rows[-1]) - first == n - 1 and bool((c.rows.diff() == 1).all()):
+            dst[first:first + n, heads] = src   # one run of rows: a strided copy, no gather
+        else:
+            dst[c.rows, heads] = src
 
 
 # ---------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from ..config import DCPConfig
 from ..errors import DCPTransferError
 from ..topology import topology
 from dcp_compile.runtime.cache_layout import scatter_cache
+from dcp_compile.runtime.kv_cache import BlockAllocator
 from dcp_compile.runtime.transfer_plan import table_entries
 
 SENTINEL = -7.25  # what a cache holds before anything is written to it
@@ -74,9 +75,17 @@ def engine_config(spec: dict, eng: dict, mode: str) -> DCPConfig:
 
 
 def block_tables(spec: dict, cfg: DCPConfig, engine_id: str) -> tuple[int, dict[str, list[int]]]:
-    """(num_blocks, request id -> block table): shuffled blocks, distinct across requests."""
+    """(num_blocks, request id -> block table), distinct across requests: shuffled blocks
+    (fragmented: the default), or with ``"allocation": "contiguous"`` what the engine's
+    BlockAllocator gives, entries grouped by ``spec["block_groups"][engine_id]`` (default 1;
+    ``TransferPlan.decode_block_groups`` / ``prefill_block_groups``)."""
     need = {r["id"]: table_entries(r["seq_len"], cfg) for r in spec["requests"]}
     usable = sum(need.values()) + 3
+    if spec.get("allocation", "shuffled") == "contiguous":
+        alloc = BlockAllocator(usable + 1, cfg.vblock)
+        groups = spec.get("block_groups", {}).get(engine_id, 1)
+        return usable + 1, {r["id"]: list(alloc.ensure(i, r["seq_len"], groups))
+                            for i, r in enumerate(spec["requests"])}
     g = torch.Generator().manual_seed(sum(map(ord, engine_id)) + spec["seed"])
     order = torch.randperm(usable, generator=g).tolist()
     tables, i = {}, 0

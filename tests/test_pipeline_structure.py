@@ -1,7 +1,10 @@
-"""sequence_parallel + dcp_prefill: the picture of the prefill rewrite, per layer, with bytes.
+"""The passes in sequence on captured models (the demo model, small fused-projection
+models): the structure one-layer Before/Expected graphs cannot show — layers sharing the
+per-step metadata, the embedding and LM head, GQA replication over 8 ranks, fused q/k/v
+projections, the bytes of every prefill collective, refusals naming the model's source line.
 
-The spec's Compute Pattern, per layer (W = dcp, S_pad = S rounded up to TP, C = the owned
-capacity, S/W when W*I divides S):
+The prefill picture per layer (W = dcp, S_pad = S rounded up to TP, C = the owned capacity,
+S/W when W*I divides S):
   1 all_gather world  [B, S_pad/TP, H] -> full     5 all_gather cp_kv  Q [B, C, hq, D]
   2 interleave slice  S -> C                        6 unshuffle         [B, W*C] -> [B, S]
   3 q/k/v projections on C tokens                   7 partial attention, LSE all_gather cp_kv
@@ -14,9 +17,10 @@ import functools
 
 import pytest
 import torch
+from torch import nn
 
 import dcp_compile
-from dcp_compile.runtime import layout
+from dcp_compile.capture import capture
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models.demo import DemoConfig, demo_model
@@ -28,7 +32,7 @@ from dcp_compile.passes.drop_export_asserts import DropExportAsserts
 from dcp_compile.passes.infra import TransformContext
 from dcp_compile.passes.insert_rank import InsertRank
 from dcp_compile.passes.sequence_parallel import SPEC_STEP, SequenceParallel
-from dcp_compile.passes.shard_tensor_parallel import ShardTensorParallel
+from dcp_compile.passes.shard_tensor_parallel import ShardSpec, ShardTensorParallel
 from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from passes_helpers import ctx_for, op_counts, run, tiny_graph
@@ -127,13 +131,6 @@ def test_padding_nodes_only_when_S_does_not_split_over_tp():
     assert op_counts(gm)["aten.constant_pad_nd.default"] == 0
 
 
-def test_cp_rank_is_tp_rank_floor_div_tp_over_dcp():
-    _, gm, _, _ = _prefill(8, 4, 32, 8)
-    cp = next(n for n in gm.graph.nodes if n.name == "cp_rank")
-    assert cp.target == torch.ops.aten.floor_divide.default
-    assert cp.args == (next(n for n in gm.graph.nodes if n.name == "tp_rank"), 2)
-
-
 def test_inserted_nodes_are_tagged_by_kind():
     _, gm, sp, p = _prefill(4, 2, 32, 8, layers=2)
     assert p.inserted["cache_write"] == 2 and p.inserted["lse_combine"] == 2
@@ -191,60 +188,100 @@ def test_token_mixing_on_the_qkv_path_is_refused(monkeypatch):
         DCPPrefill(ctx)(gm)
 
 
-def test_decode_mode_is_refused():
-    ctx = ctx_for(4, 2, "decode")
+
+# -- shard_tensor_parallel on captured models ---------------------------------------------
+
+
+def _shard(tp, dcp, cap, mode="decode"):
+    ctx = ctx_for(tp, dcp, "decode", mode=mode)
+    p = ShardTensorParallel(ctx)
+    gm = run(cap.gm, [DropExportAsserts(ctx), CanonicalizeAttention(ctx), ValidateAndProve(ctx),
+                      InsertRank(ctx, cap.user_inputs[0]), p])
+    return ctx, p, gm
+
+
+def test_roles_and_shard_specs_decode_tp8():
     _, cap = tiny_graph()
-    with pytest.raises(DCPTransformError, match="prefill"):
-        SequenceParallel(ctx)(cap.gm)
+    ctx, p, gm = _shard(8, 4, cap)
+    roles = p.matched["projections"]
+    assert sorted(roles.values()) == sorted(["q_proj", "k_proj", "v_proj", "o_proj",
+                                             "mlp_column", "mlp_column", "mlp_row",
+                                             "lm_head", "embedding"])
+    s = ctx.shards
+    assert s["p_layers_0_self_attn_q_proj_weight"] == ShardSpec(0, 8, 8)
+    # 2 KV heads over 8 ranks: each head replicated on 4 consecutive ranks.
+    kv = s["p_layers_0_self_attn_k_proj_weight"]
+    assert kv == ShardSpec(0, 2, 8, 4) and [kv.index(r) for r in range(8)] == [0] * 4 + [1] * 4
+    assert s["p_layers_0_self_attn_o_proj_weight"] == ShardSpec(1, 8, 8)
+    assert s["p_layers_0_mlp_down_proj_weight"] == ShardSpec(1, 8, 8)
+    assert s["p_embed_tokens_weight"] == ShardSpec(0, 8, 8)
+    ph = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    assert tuple(ph["p_layers_0_self_attn_q_proj_weight"].meta["val"].shape) == (16, 128)
+    assert tuple(ph["p_layers_0_self_attn_k_proj_weight"].meta["val"].shape) == (8, 128)
 
 
-# -- the index ops against the spec's formulas ----------------------------------------------
+def test_collectives_inserted_per_layer_decode():
+    _, cap = tiny_graph()
+    _, _, gm = _shard(4, 2, cap)
+    got = [(c["op"], c["role"]) for c in collective_summary(gm)]
+    assert got == [("all_reduce", "tp"),                 # vocab-parallel embedding
+                   ("all_reduce", "tp"),                 # o_proj
+                   ("all_reduce", "tp"),                 # mlp down
+                   ("all_gather_into_tensor", "tp")]     # lm head
 
 
-def _positions(start, length, S):
-    pos = torch.full((1, S), -1)
-    pos[0, :length] = torch.arange(start, start + length)
-    return pos
+class FusedQKV(nn.Module):
+    """Attention whose q, k and v come out of one fused projection laid out [3, h, d]."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.qkv = nn.Linear(32, 3 * 32, bias=False)
+        self.o = nn.Linear(32, 32, bias=False)
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, ids, positions, table, caches):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, -1, 8).unbind(2)
+        out, kc, vc = torch.ops.dcp.paged_attention(q, k, v, caches[0], caches[1], positions,
+                                                    table, 0.35)
+        return self.head(x + self.o(out.reshape(b, s, -1))), [kc, vc]
 
 
-@pytest.mark.parametrize("W,I", [(2, 8), (4, 16), (4, 8), (8, 8)])
-def test_aligned_chunk_slice_is_the_spec_view(W, I):
-    """Aligned start, full chunk: exactly view(S // (W*I), W, I)[:, R, :] and its inverse."""
-    S = 3 * W * I
-    for start in (0, W * I, 5 * W * I):
-        pos = _positions(start, S, S)
-        un = torch.ops.dcp.q_unshuffle_index(pos, S // W, W, I, I)[0]
-        for R in range(W):
-            got = torch.ops.dcp.interleave_slice_index(pos, torch.tensor(R), S // W, W, I, I)
-            spec = torch.arange(S).view(S // (W * I), W, I)[:, R, :].reshape(-1)
-            assert torch.equal(got[0], spec)
-            assert torch.equal(got[0], layout.interleave_slice_index(
-                torch.arange(S // W), R, dcp=W, interleave=I))
-        assert torch.equal(un, layout.q_unshuffle_index(torch.arange(S), S, dcp=W,
-                                                        interleave=I))
+def test_fused_qkv_is_cut_segment_by_segment():
+    m = FusedQKV()
+    ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+          torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, 4, 8)] * 2)
+    cap = capture(m, ex)
+    ctx, p, gm = _shard(4, 1, cap)
+    spec = ctx.shards["p_qkv_weight"]
+    # [3, h, d] rows: rank r holds heads r of q, of k and of v (one 8-row piece of each).
+    assert spec == ShardSpec(0, 4, 4, 1, segments=((32, 4, 1),) * 3)
+    full = torch.arange(96.0)[:, None].expand(96, 32)
+    assert spec.shard(full, 1)[:, 0].tolist() == list(range(8, 16)) + list(range(40, 48)) \
+        + list(range(72, 80))
+    assert p.matched["projections"]["linear"] == "qkv_proj"
 
 
-@pytest.mark.parametrize("W,I", [(2, 8), (4, 16), (4, 4)])
-def test_any_start_keeps_exactly_the_owned_positions(W, I):
-    """Brute force over starts in two vblocks and lengths: the slice is the owned tokens in
-    order, padded with -1; the unshuffle finds every token; the capacity bound is tight."""
-    kw = dict(dcp=W, interleave=I, block=I)
-    for S in (1, W * I - 1, W * I, W * I + 1, 2 * W * I + 3):
-        C = owned_capacity(S, dcp=W, interleave=I)
-        most = 0
-        for start in range(0, 2 * W * I + 1):
-            for length in {S, max(S - 2, 0)}:
-                pos = _positions(start, length, S)
-                un = torch.ops.dcp.q_unshuffle_index(pos, C, W, I, I)[0]
-                slices = []
-                for R in range(W):
-                    idx = torch.ops.dcp.interleave_slice_index(pos, torch.tensor(R), C, W, I,
-                                                               I)[0]
-                    owned = [p for p in range(length) if layout.owner(start + p, **kw) == R]
-                    assert idx.tolist() == owned + [-1] * (C - len(owned))
-                    most = max(most, len(owned))
-                    slices.append(idx)
-                for p in range(length):
-                    r, j = divmod(int(un[p]), C)
-                    assert int(slices[r][j]) == p
-        assert most == C, f"capacity {C} not tight for S={S}: most {most}"
+class MeanOverHeads(FusedQKV):
+    """A statistic over every head of q (amax) has no sharded form: refused by name."""
+
+    def forward(self, ids, positions, table, caches):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, -1, 8).unbind(2)
+        q = q / q.amax(dim=(2, 3), keepdim=True)
+        out, kc, vc = torch.ops.dcp.paged_attention(q, k, v, caches[0], caches[1], positions,
+                                                    table, 0.35)
+        return self.head(x + self.o(out.reshape(b, s, -1))), [kc, vc]
+
+
+def test_reduction_over_heads_without_sharded_form_is_refused_with_source():
+    m = MeanOverHeads()
+    ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+          torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, 4, 8)] * 2)
+    cap = capture(m, ex)
+    with pytest.raises(DCPTransformError, match=r"aten.amax.default.*sharded dim.*"
+                                                r"test_pipeline_structure.py"):
+        _shard(4, 1, cap)

@@ -1,0 +1,523 @@
+"""An attention mask read as a predicate of positions: ``K(i, j)`` = "query at position i may
+attend the key at position j", a sympy formula over symbolic i, j (never sampled values).
+
+The mask's computation is interpreted on symbolic tensors: a :class:`Sym` is a tensor's shape
+and ONE sympy expression of its element indices (``x0, x1, ...``), so ``arange(S)`` is
+``x0``, ``full((S, S), -inf).triu(1)`` is ``Piecewise((-oo, x1 - x0 >= 1), (0, True))`` and a
+comparison of two broadcast position vectors is a relation between two index symbols. The
+formula does not contain the captured length: it is the same code at every length, which is
+what lets :mod:`dcp_compile.passes.prove.masks` prove it for every position.
+
+Positions: the model's full forward numbers its tokens 0..L-1, so element ``a`` of the token
+axis of ``position_ids`` (or of an ``arange``) is position ``a``; after the mask's last two
+axes are renamed (query i, key j), K is a predicate of positions. Padding (position -1) is
+not the mask's business: the paged op zeroes a padding query and never caches a padding key.
+
+Ops are rules as data (``RULES``: op -> how it maps symbolic tensors); an op not in the
+table, a mask read from a buffer or from the token ids, is refused naming the node and its
+source line. Index values are taken as non-negative (they come from positions / arange).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch.fx import Node
+
+from .attention_patterns import MASKED_OUT, Site, fail
+from .infra import val
+
+aten = torch.ops.aten
+
+# The proven predicate's variables: query position i, key position j.
+I, J = sympy.symbols("i j", integer=True, nonnegative=True)
+
+
+def axis(k: int) -> sympy.Symbol:
+    """The index symbol of a symbolic tensor's axis k."""
+    return sympy.Symbol(f"x{k}", integer=True, nonnegative=True)
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A tensor as its shape and one sympy expression of its indices (axis(k), k < rank).
+    Booleans are sympy Boolean; numbers are Expr (Piecewise for -inf fills)."""
+
+    shape: tuple[int, ...]
+    expr: sympy.Basic
+    boolean: bool
+
+
+class NotAFormula(Exception):
+    """Raised by a rule that meets a value it cannot express; turned into a refusal."""
+
+
+# -- helpers over symbolic tensors ------------------------------------------------------------
+
+
+def constant(c, boolean: bool) -> sympy.Basic:
+    if boolean:
+        return sympy.true if c else sympy.false
+    if isinstance(c, bool):
+        return sympy.Integer(int(c))
+    if isinstance(c, int):
+        return sympy.Integer(c)
+    if isinstance(c, float):
+        if math.isinf(c):
+            return sympy.oo if c > 0 else -sympy.oo
+        return sympy.Integer(int(c)) if c.is_integer() else sympy.Float(c)
+    raise NotAFormula(f"constant {c!r}")
+
+
+def rename(expr, mapping: dict[int, sympy.Basic]):
+    """Replace axis(k) by mapping[k], all at once."""
+    return expr.xreplace({axis(k): v for k, v in mapping.items()})
+
+
+def broadcast_to(v: Sym, shape: tuple[int, ...]) -> sympy.Basic:
+    """v's expression on the axes of ``shape`` (numpy broadcasting: aligned right; a size-1
+    axis stretched to a longer one is read at index 0)."""
+    off = len(shape) - len(v.shape)
+    if off < 0:
+        raise NotAFormula(f"cannot broadcast {v.shape} to {shape}")
+    mapping = {}
+    for k, n in enumerate(v.shape):
+        if n == 1 and shape[k + off] != 1:
+            mapping[k] = sympy.Integer(0)
+        elif n != shape[k + off]:
+            raise NotAFormula(f"cannot broadcast {v.shape} to {shape}")
+        else:
+            mapping[k] = axis(k + off)
+    return rename(v.expr, mapping)
+
+
+def as_bool(e, boolean: bool):
+    return e if boolean else relation(sympy.Ne, e, sympy.Integer(0))
+
+
+def as_number(e, boolean: bool):
+    return sympy.Piecewise((1, e), (0, True)) if boolean else e
+
+
+def pieces(e) -> list[tuple[sympy.Basic, sympy.Basic]]:
+    """(value, condition) pairs with mutually exclusive conditions covering everything."""
+    e = sympy.piecewise_fold(e)
+    if not isinstance(e, sympy.Piecewise):
+        return [(e, sympy.true)]
+    out, before = [], sympy.false
+    for value, cond in e.args:
+        out.append((value, sympy.And(cond, sympy.Not(before))))
+        before = sympy.Or(before, cond)
+    return out
+
+
+def relation(op, a, b):
+    """op(a, b) for numbers that may be Piecewise: an Or over the pieces of a and b."""
+    terms = []
+    for va, ca in pieces(a):
+        for vb, cb in pieces(b):
+            terms.append(sympy.And(ca, cb, op(va, vb)))
+    return sympy.Or(*terms)
+
+
+def _fold(e):
+    return sympy.piecewise_fold(e)
+
+
+# -- the rules --------------------------------------------------------------------------------
+
+
+def _out(n: Node) -> tuple[tuple[int, ...], bool]:
+    v = val(n)
+    return tuple(int(s) for s in v.shape), v.dtype == torch.bool
+
+
+def _filled(value_at):
+    """factory ops: constant tensors (value_at(args) -> the fill value)."""
+    def rule(n, args):
+        shape, boolean = _out(n)
+        return Sym(shape, constant(value_at(args), boolean), boolean)
+    return rule
+
+
+def _arange(n, args):
+    shape, boolean = _out(n)
+    if n.target == aten.arange.default:
+        start, step = 0, 1
+    else:
+        start, step = args[0], (args[2] if len(args) > 2 else 1)
+    if not all(isinstance(x, int) for x in (start, step)):
+        raise NotAFormula("arange with non-integer start or step")
+    return Sym(shape, sympy.Integer(start) + step * axis(0), boolean)
+
+
+def _cast(n, args):
+    x, (shape, boolean) = args[0], _out(n)
+    if boolean:
+        return Sym(shape, as_bool(x.expr, x.boolean), True)
+    if x.boolean:
+        return Sym(shape, as_number(x.expr, True), False)
+    if not val(n).is_floating_point() and val(n.args[0]).is_floating_point():
+        raise NotAFormula("a float cast to an integer")
+    return Sym(shape, x.expr, False)
+
+
+def _view(n, args):
+    """reshape / view / squeeze / unsqueeze: only inserting or removing size-1 axes."""
+    x, (shape, boolean) = args[0], _out(n)
+    if shape == x.shape:
+        return Sym(shape, x.expr, x.boolean)
+    if n.target == aten.unsqueeze.default:
+        d = args[1] % (len(x.shape) + 1)
+        return Sym(shape, rename(x.expr, {k: axis(k + (k >= d)) for k in range(len(x.shape))}),
+                   x.boolean)
+    src = [k for k, s in enumerate(x.shape) if s != 1]
+    dst = [k for k, s in enumerate(shape) if s != 1]
+    if [x.shape[k] for k in src] != [shape[k] for k in dst]:
+        raise NotAFormula(f"a reshape from {x.shape} to {shape} that regroups axes")
+    mapping = {k: sympy.Integer(0) for k in range(len(x.shape))}
+    mapping.update(dict(zip(src, (axis(k) for k in dst))))
+    if not dst:     # all ones (a one-token step): keep the axes aligned on the right
+        off = len(shape) - len(x.shape)
+        mapping = {k: axis(k + off) if k + off >= 0 else sympy.Integer(0)
+                   for k in range(len(x.shape))}
+    return Sym(shape, rename(x.expr, mapping), x.boolean)
+
+
+def _expand(n, args):
+    shape, _ = _out(n)
+    return Sym(shape, broadcast_to(args[0], shape), args[0].boolean)
+
+
+def _permute(n, args):
+    x, (shape, _) = args[0], _out(n)
+    rank = len(x.shape)
+    if n.target == aten.transpose.int:
+        a, b = args[1] % rank, args[2] % rank
+        order = list(range(rank))
+        order[a], order[b] = order[b], order[a]
+    else:
+        order = [d % rank for d in args[1]]
+    return Sym(shape, rename(x.expr, {src: axis(dst) for dst, src in enumerate(order)}),
+               x.boolean)
+
+
+def _slice(n, args):
+    x, (shape, _) = args[0], _out(n)
+    dim = (args[1] if len(args) > 1 else 0) % len(x.shape)
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    step = args[4] if len(args) > 4 else 1
+    size = x.shape[dim]
+    start = min(max(start + size if start < 0 else start, 0), size)
+    return Sym(shape, rename(x.expr, {dim: start + step * axis(dim)}), x.boolean)
+
+
+def _select(n, args):
+    x, (shape, _) = args[0], _out(n)
+    dim = args[1] % len(x.shape)
+    index = args[2] + x.shape[dim] if args[2] < 0 else args[2]
+    mapping = {k: axis(k - (k > dim)) for k in range(len(x.shape))}
+    mapping[dim] = sympy.Integer(index)
+    return Sym(shape, rename(x.expr, mapping), x.boolean)
+
+
+def _index(n, args):
+    """Advanced indexing x[idx_0, ..., idx_{m-1}] with tensor indices (no None)."""
+    x, indices, (shape, _) = args[0], args[1], _out(n)
+    if any(not isinstance(t, Sym) for t in indices):
+        raise NotAFormula("indexing with None or slices between tensor indices")
+    m = len(indices)
+    lead = tuple(torch.broadcast_shapes(*(t.shape for t in indices)))
+    mapping = {k: broadcast_to(t, lead) for k, t in enumerate(indices)}
+    mapping.update({k: axis(k - m + len(lead)) for k in range(m, len(x.shape))})
+    return Sym(shape, rename(x.expr, mapping), x.boolean)
+
+
+def _operands(n, args):
+    shape, boolean = _out(n)
+    ops = []
+    for a in args:
+        if isinstance(a, Sym):
+            ops.append((broadcast_to(a, shape), a.boolean))
+        else:
+            ops.append((constant(a, isinstance(a, bool)), isinstance(a, bool)))
+    return shape, boolean, ops
+
+
+def _arith(fn):
+    def rule(n, args):
+        alpha = n.kwargs.get("alpha", 1)
+        shape, boolean, ops = _operands(n, args[:2])
+        (a, ab), (b, bb) = ops
+        if boolean:
+            raise NotAFormula("arithmetic with a boolean result")
+        return Sym(shape, _fold(fn(as_number(a, ab), alpha * as_number(b, bb))), False)
+    return rule
+
+
+def _unary(fn):
+    def rule(n, args):
+        shape, boolean, ((a, ab),) = _operands(n, args[:1])
+        if boolean:                                   # logical / bitwise not
+            return Sym(shape, sympy.Not(as_bool(a, ab)), True)
+        return Sym(shape, _fold(fn(as_number(a, ab))), False)
+    return rule
+
+
+def _compare(op):
+    def rule(n, args):
+        shape, _, ((a, ab), (b, bb)) = _operands(n, args[:2])
+        return Sym(shape, relation(op, as_number(a, ab), as_number(b, bb)), True)
+    return rule
+
+
+def _logic(fn):
+    def rule(n, args):
+        shape, _, ((a, ab), (b, bb)) = _operands(n, args[:2])
+        return Sym(shape, fn(as_bool(a, ab), as_bool(b, bb)), True)
+    return rule
+
+
+def _where(n, args):
+    shape, boolean, ((c, cb), (a, ab), (b, bb)) = _operands(n, args[:3])
+    c = as_bool(c, cb)
+    if boolean:
+        return Sym(shape, sympy.Or(sympy.And(c, as_bool(a, ab)),
+                                   sympy.And(sympy.Not(c), as_bool(b, bb))), True)
+    return Sym(shape, sympy.Piecewise((as_number(a, ab), c), (as_number(b, bb), True)), False)
+
+
+def _masked_fill(n, args):
+    return _where(n, [args[1], args[2], args[0]])
+
+
+def _triangle(upper: bool):
+    """triu(x, k): keeps x where col - row >= k; tril: where col - row <= k."""
+    def rule(n, args):
+        x, (shape, boolean) = args[0], _out(n)
+        k = args[1] if len(args) > 1 else 0
+        r = len(shape)
+        d = axis(r - 1) - axis(r - 2)
+        keep = d >= k if upper else d <= k
+        if boolean:
+            return Sym(shape, sympy.And(keep, x.expr), True)
+        return Sym(shape, sympy.Piecewise((x.expr, keep), (0, True)), False)
+    return rule
+
+
+def _diff(n, args):
+    """diff(x, n=1, dim, prepend): y[a] = x[a] - (prepend[0] if a == 0 else x[a - 1])."""
+    x, (shape, _) = args[0], _out(n)
+    order = args[1] if len(args) > 1 else 1
+    dim = (args[2] if len(args) > 2 else -1) % len(x.shape)
+    prepend = args[3] if len(args) > 3 else None
+    append = args[4] if len(args) > 4 else None
+    if order != 1 or append is not None or not isinstance(prepend, Sym) \
+            or prepend.shape[dim] != 1 or x.boolean:
+        raise NotAFormula("diff other than first order with a one-element prepend")
+    a = axis(dim)
+    before = rename(x.expr, {dim: a - 1})
+    first = rename(broadcast_to(prepend, x.shape[:dim] + (1,) + x.shape[dim + 1:]),
+                   {dim: sympy.Integer(0)})
+    return Sym(shape, _fold(sympy.simplify(
+        sympy.Piecewise((x.expr - first, sympy.Eq(a, 0)), (x.expr - before, True)))), False)
+
+
+def _cumsum(n, args):
+    """cumsum along an axis the summand does not depend on: (index + 1) * summand."""
+    x, (shape, _) = args[0], _out(n)
+    dim = args[1] % len(x.shape)
+    summand = sympy.simplify(as_number(x.expr, x.boolean))
+    if axis(dim) in summand.free_symbols:
+        raise NotAFormula("a running sum of values that vary along the summed axis")
+    return Sym(shape, _fold((axis(dim) + 1) * summand), False)
+
+
+RULES = {
+    aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
+    aten.full.default: _filled(lambda a: a[1]), aten.new_full.default: _filled(lambda a: a[2]),
+    aten.full_like.default: _filled(lambda a: a[1]), aten.scalar_tensor.default:
+        _filled(lambda a: a[0]),
+    **{t: _filled(lambda a: 1) for t in (aten.ones.default, aten.new_ones.default,
+                                         aten.ones_like.default)},
+    **{t: _filled(lambda a: 0) for t in (aten.zeros.default, aten.new_zeros.default,
+                                         aten.zeros_like.default)},
+    **{t: _cast for t in (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
+                          aten.clone.default, aten.contiguous.default, aten.alias.default,
+                          aten.detach.default, aten.lift_fresh_copy.default,
+                          aten.type_as.default)},
+    **{t: _view for t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                          aten.squeeze.default)},
+    aten.expand.default: _expand, aten.expand_copy.default: _expand,
+    aten.permute.default: _permute, aten.transpose.int: _permute,
+    aten.slice.Tensor: _slice, aten.select.int: _select, aten.index.Tensor: _index,
+    **{t: _arith(lambda a, b: a + b) for t in (aten.add.Tensor, aten.add.Scalar)},
+    **{t: _arith(lambda a, b: a - b) for t in (aten.sub.Tensor, aten.sub.Scalar)},
+    **{t: _arith(lambda a, b: b - a) for t in (aten.rsub.Tensor, aten.rsub.Scalar)},
+    **{t: _arith(lambda a, b: a * b) for t in (aten.mul.Tensor, aten.mul.Scalar)},
+    aten.floor_divide.default: _arith(lambda a, b: sympy.floor(a / b)),
+    **{t: _arith(lambda a, b: sympy.Mod(a, b)) for t in (aten.remainder.Tensor,
+                                                         aten.remainder.Scalar)},
+    aten.neg.default: _unary(lambda a: -a), aten.abs.default: _unary(sympy.Abs),
+    aten.bitwise_not.default: _unary(lambda a: -a - 1),
+    aten.logical_not.default: _unary(lambda a: sympy.Integer(1) - a),
+    **{getattr(aten, name).Tensor: _compare(op) for name, op in (
+        ("lt", sympy.Lt), ("le", sympy.Le), ("gt", sympy.Gt), ("ge", sympy.Ge),
+        ("eq", sympy.Eq), ("ne", sympy.Ne))},
+    **{getattr(aten, name).Scalar: _compare(op) for name, op in (
+        ("lt", sympy.Lt), ("le", sympy.Le), ("gt", sympy.Gt), ("ge", sympy.Ge),
+        ("eq", sympy.Eq), ("ne", sympy.Ne))},
+    **{t: _logic(sympy.And) for t in (aten.__and__.Tensor, aten.bitwise_and.Tensor,
+                                      aten.logical_and.default)},
+    **{t: _logic(sympy.Or) for t in (aten.__or__.Tensor, aten.bitwise_or.Tensor,
+                                     aten.logical_or.default)},
+    **{t: _logic(sympy.Xor) for t in (aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
+                                      aten.logical_xor.default)},
+    aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
+    aten.where.Scalar: _where,
+    aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
+    aten.triu.default: _triangle(upper=True), aten.tril.default: _triangle(upper=False),
+    aten.diff.default: _diff, aten.cumsum.default: _cumsum,
+}
+
+
+# -- reading a site's mask ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskPredicate:
+    """K(i, j) of one attention site, and where it came from."""
+
+    keep: sympy.Basic          # a sympy Boolean over I, J
+    node: Node                 # the mask node (errors and the certificate name it)
+
+
+def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
+              constants=lambda: {}) -> MaskPredicate:
+    """The site's mask as K(i, j) (see module doc); refuses what it cannot read.
+    ``constants()``: placeholder name -> tensor, for masks read from a buffer."""
+    env: dict[Node, object] = {}
+    for n in _ancestors(s.mask):
+        if n.op == "placeholder":
+            env[n] = _placeholder(n, s, tokens, token_input, position_input, constants)
+            continue
+        if n.op != "call_function":
+            fail(n, f"the attention mask of {s.node.name} is built from {n.op} {n.target}",
+                 "Build the mask from positions or torch.arange only")
+        rule = RULES.get(n.target)
+        if rule is None:
+            fail(n, f"the attention mask of {s.node.name} is computed with {n.target}, which "
+                 f"the mask reader has no rule for (passes/mask_predicate.py RULES)",
+                 "Build the mask from positions or torch.arange with comparisons, "
+                 "triu/tril, where or masked_fill")
+        args = torch.fx.node.map_arg(n.args, env.__getitem__)
+        try:
+            env[n] = rule(n, args)
+        except NotAFormula as e:
+            fail(n, f"the attention mask of {s.node.name} cannot be read as a formula of "
+                 f"positions at {n.target}: {e}", "Build the mask from positions or "
+                 "torch.arange with comparisons, triu/tril, where or masked_fill")
+    m = env[s.mask]
+    shape = m.shape
+    if len(shape) < 2 or (tokens > 1 and shape[-2:] != (tokens, tokens)):
+        fail(s.mask, f"attention mask of shape {shape} for {tokens} queries and keys",
+             "Use a [..., S, S] causal mask")
+    keep = _keep(s, m)
+    r = len(shape)
+    leading = {axis(k) for k in range(r - 2)} & keep.free_symbols
+    if leading:
+        fail(s.mask, f"the attention mask of {s.node.name} differs across batch rows or "
+             f"heads (it depends on axes {sorted(map(str, leading))})", "Use one causal mask "
+             "for every row and head")
+    keep = rename(keep, {r - 2: I, r - 1: J})
+    return MaskPredicate(keep=keep, node=s.mask)
+
+
+def _keep(s: Site, m: Sym):
+    """The mask as "keep" booleans: bool masks by their kind, additive masks by their pieces
+    (0 keeps, <= MASKED_OUT drops, anything else is a bias)."""
+    if s.mask_kind in ("keep", "drop"):
+        k = as_bool(m.expr, m.boolean)
+        return k if s.mask_kind == "keep" else sympy.Not(k)
+    if m.boolean:
+        fail(s.mask, "a boolean tensor added to the attention scores", "Use a float mask")
+    kept = []
+    for value, cond in pieces(m.expr):
+        if value == 0:
+            kept.append(cond)
+        elif value.is_number and (value == -sympy.oo or float(value) <= MASKED_OUT):
+            continue
+        else:
+            fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
+                 f"-inf ({value}): a position bias such as ALiBi", "The paged op has no "
+                 f"attention bias: use a model without one")
+    return sympy.Or(*kept)
+
+
+def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input, constants):
+    if n.name == token_input:
+        fail(s.mask, f"the attention mask of {s.node.name} depends on the token ids "
+             f"(data-dependent mask)", "Masks may depend only on positions: padding is "
+             "expressed by position -1 in a DCP program")
+    if position_input is not None and n is position_input:
+        shape, _ = _out(n)
+        if len(shape) != 2:
+            fail(s.mask, f"position_ids of shape {shape}", "Pass position_ids as [B, S]")
+        return Sym(shape, axis(1), False)      # element (b, a) is position a
+    table = constants().get(n.name)
+    if table is None or table.is_meta:
+        fail(s.mask, f"the attention mask of {s.node.name} reads {n.name}, whose value is not "
+             f"available here (meta device or not a weight/buffer)", "Build causal masks "
+             "from torch.arange, or transform a model with real weights")
+    shape, boolean = _out(n)
+    try:
+        return Sym(shape, _diagonal_formula(table.detach().cpu(), boolean), boolean)
+    except NotAFormula as e:
+        fail(s.mask, f"the attention mask of {s.node.name} reads the table {n.name} of shape "
+             f"{shape}, which is not a formula of positions: {e}", "Build the mask from "
+             "torch.arange or position_ids (comparisons, triu/tril), or store a table whose "
+             "value depends only on key - query (tril / triu / band)")
+
+
+def _diagonal_formula(table: torch.Tensor, boolean: bool):
+    """A stored [..., M, N] table (nanoGPT's ``tril`` buffer) as a formula of its last two
+    indices: it must be constant along every diagonal (its value depends only on
+    d = column - row), and is then a step function of d, written as a Piecewise over runs.
+    Exact on the whole table; a model cannot index past it, so beyond is never read."""
+    if table.dim() < 2 or any(x != 1 for x in table.shape[:-2]):
+        raise NotAFormula(f"a table of shape {tuple(table.shape)}, not [..., M, N]")
+    t = table.reshape(table.shape[-2:])
+    m, cols = t.shape
+    runs = []                                   # (last d of the run, value)
+    for d in range(-(m - 1), cols):
+        diag = t.diagonal(d)
+        if not bool((diag == diag[0]).all()):
+            raise NotAFormula(f"its values vary along the diagonal column - row = {d}")
+        value = constant(diag[0].item(), boolean)
+        if runs and runs[-1][1] == value:
+            runs[-1] = (d, value)
+        else:
+            runs.append((d, value))
+    r = table.dim()
+    d = axis(r - 1) - axis(r - 2)
+    if boolean:
+        return sympy.Or(*(sympy.And(d <= last, d > (runs[k - 1][0] if k else -sympy.oo), v)
+                          for k, (last, v) in enumerate(runs[:-1])),
+                        sympy.And(d > runs[-2][0], runs[-1][1]) if len(runs) > 1
+                        else runs[-1][1])
+    return sympy.Piecewise(*((v, d <= last) for last, v in runs[:-1]), (runs[-1][1], True))
+
+
+def _ancestors(root: Node) -> list[Node]:
+    seen, stack = set(), [root]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(root.graph.nodes)}
+    return sorted(seen, key=order.get)

@@ -1,0 +1,53 @@
+"""Suite-wide settings: one intra-op thread per process, and the long tests first.
+
+The README's test command runs the suite on pytest-xdist workers (``-n auto --dist
+worksteal``: one worker per core). Two choices keep the cores busy with real work:
+
+* one torch intra-op thread per process (and ``OMP_NUM_THREADS=1`` for the processes the
+  tests launch): every tensor here is tiny, so a second intra-op thread only spins (the fuzz
+  measured half the CPU per model with one thread), stealing the core of the other worker;
+* the long tests (real multi-process launches, the fuzz shards) at the front of each
+  worker's first queue: worksteal hands each worker a contiguous share of the collection
+  and idle workers steal from the back of a queue, so a long test never starts last while
+  the other core idles.
+
+Neither changes what a test checks; without ``-n`` (or with ``-n 0``) everything runs in
+one process, in this order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+LONG_MODULES = ("test_fuzz_sharding.py",)     # besides every test marked multiprocess
+
+
+def pytest_configure(config):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
+
+def _long(item) -> bool:
+    return item.path.name in LONG_MODULES or item.get_closest_marker("multiprocess") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the items as n queues laid end to end, n = the number of xdist workers: queue i
+    starts with every n-th long test (the fuzz first), then its share of the rest, so that
+    worksteal's first split (contiguous, len // workers left each) gives every worker long
+    tests to start with. Every worker computes the same order from the same collection."""
+    n = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    long = sorted((i for i in items if _long(i)), key=lambda i: i.path.name not in LONG_MODULES)
+    rest = [i for i in items if not _long(i)]
+    queues, left = [], len(items)
+    for q in range(n):
+        size = left // (n - q)
+        head = long[q::n]
+        take = max(size - len(head), 0)
+        queues.append(head + rest[:take])
+        rest, left = rest[take:], left - len(head) - take
+    queues[-1] += rest
+    items[:] = [item for queue in queues for item in queue]
