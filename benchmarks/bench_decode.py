@@ -34,7 +34,8 @@ from dcp_compile.runtime import layout
 from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.runtime.engine import StepShapes
-from dcp_compile.runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.rank_engine import load_rank
+from dcp_compile.runtime.world import run_threaded
 
 FC = torch.ops._c10d_functional
 BLOCK = 16
@@ -141,14 +142,15 @@ def shapes_for(batch, context, dcp, capacity=1):
                       num_blocks=batch * need * capacity + 1)
 
 
-def run_steps(prog, model, context, steps, *, hand=False, profile=None):
-    """Median decode step time (rank 0) of ``prog`` (and of the hand-written step)."""
+def run_steps(prog, model, context, steps, *, hand=False, profile=None, compile="eager"):
+    """Median decode step time (rank 0) of ``prog`` (and of the hand-written step);
+    ``compile="inductor"``: each rank's graph compiled by Inductor (timed after its first,
+    compiling, step)."""
     c, shapes = prog.config, prog.shapes
     b = shapes.batch
 
     def rank_main(rank):
-        names = bind_roles(prog.topology, rank)
-        loaded = prog.load(rank, names)
+        loaded = load_rank(prog, rank, compile=compile)
         g = torch.Generator().manual_seed(rank)
         caches = [torch.randn(t.shape, generator=g, dtype=t.dtype)
                   for t in prog.cache_spec().allocate()]
@@ -214,8 +216,8 @@ def main():
     ap.add_argument("--capacity-context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile-rows", type=int, default=15)
-    ap.add_argument("--sections", default="capacity,context,kv,profile",
-                    help="comma-separated subset of capacity,context,kv,profile")
+    ap.add_argument("--sections", default="capacity,context,kv,profile,inductor",
+                    help="comma-separated subset of capacity,context,kv,profile,inductor")
     args = ap.parse_args()
     torch.set_num_threads(1)
     # 16 q heads, head_dim 64 (hidden 1024). One KV head: tp=4 with dcp in {1, 2, 4} needs
@@ -236,15 +238,30 @@ def main():
     sections = set(args.sections.split(","))
     if "capacity" in sections:
         capacity_table(args, model, transform, b, tp)
-    if sections & {"context", "kv", "profile"}:
+    if sections & {"context", "kv", "profile", "inductor"}:
         progs = context_tables(args, model, transform, b, tp, "context" in sections)
     if "kv" in sections:
         kv_table(args, cfg, progs)
+    if "inductor" in sections:
+        inductor_table(args, model, progs[2])
     if "profile" in sections:
         longest = max(args.contexts)
         print(f"\nprofile: rank 0 of tp={tp}, dcp=2, context={longest}, {args.steps} steps")
         print(run_steps(progs[2], model, longest, args.steps,
                         profile=args.profile_rows)["profile"])
+
+
+def inductor_table(args, model, prog):
+    """5: the same program run eagerly and compiled by Inductor, side by side."""
+    print(f"\n5. eager vs Inductor (compile='inductor'), tp={prog.config.tp}, dcp=2: wall ms / "
+          f"rank-0 CPU ms (Inductor timed after its compiling first step)")
+    print(f"{'context':>8} {'eager':>15} {'inductor':>15} {'ind/eager':>11}  load")
+    for context in args.contexts:
+        eager = run_steps(prog, model, context, args.steps)["program"]
+        t = time.perf_counter()
+        inductor = run_steps(prog, model, context, args.steps, compile="inductor")["program"]
+        print(f"{context:>8} {ms(eager):>15} {ms(inductor):>15} {ratio(inductor, eager):>11}  "
+              f"{load()}  (inductor run incl. compile {time.perf_counter() - t:.0f} s)")
 
 
 def capacity_table(args, model, transform, b, tp):

@@ -28,7 +28,8 @@ import torch
 import dcp_compile
 from dcp_compile.models.mla import MLAConfig, plain_mla
 from dcp_compile.runtime.engine import StepShapes
-from dcp_compile.runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.rank_engine import load_rank
+from dcp_compile.runtime.world import run_threaded
 
 BLOCK = 16
 
@@ -38,7 +39,7 @@ def decode_step_seconds(program, batch: int, context: int, steps: int) -> float:
     shapes = program.shapes
 
     def rank_main(rank):
-        loaded = program.load(rank, bind_roles(program.topology, rank))
+        loaded = load_rank(program, rank)
         g = torch.Generator().manual_seed(rank)
         caches = [torch.randn(c.shape, generator=g, dtype=c.dtype)
                   for c in program.cache_spec().allocate()]

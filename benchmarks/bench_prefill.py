@@ -28,11 +28,13 @@ import torch.nn.functional as F
 import dcp_compile
 from dcp_compile.runtime import layout
 from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
-from dcp_compile.verify import RecordingExecutor, run_chunks
+from dcp_compile.runtime.rank_engine import RecordingExecutor
+from dcp_compile.verify import run_chunks
 from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.rank_engine import load_rank
+from dcp_compile.runtime.world import run_threaded
 
 FC = torch.ops._c10d_functional
 
@@ -185,8 +187,7 @@ def main():
     pos2 = torch.arange(S, 2 * S).repeat(b, 1)
 
     def rank_main(rank):
-        names = bind_roles(prog.topology, rank)
-        loaded = prog.load(rank, names)
+        loaded = load_rank(prog, rank)
         rec = RecordingExecutor(LocalExecutor(loaded.step_fns(),
                                               prog.cache_spec().allocate()))
         eng = Engine(rec, shapes, block_size=I, dcp=W, prompt_kind="prefill")

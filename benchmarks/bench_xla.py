@@ -5,7 +5,14 @@ Prints: transform and lowering time, XLA compile time per module, and the mean t
 step kind (prompt step, decode step) on each executor, with the XLA / eager ratio. The
 machine is shared: read the numbers next to the printed load average.
 
+``--buckets`` (context lengths in tokens) builds the program with context buckets and prints
+the memory-floor table: per (bucket, step kind) the bytes XLA's cost analysis counts for the
+compiled module per rank next to the ideal (weights + the bucket's KV + activations,
+dcp_compile.memory_floor), and the decode step's time with every sequence at the bucket's
+full context.
+
     python3 benchmarks/bench_xla.py [--tp 4 --dcp 2 --steps 16 --layers 2] [--interpreter]
+    python3 benchmarks/bench_xla.py --buckets 64,128,256,512 [--batch 4]
 """
 
 from __future__ import annotations
@@ -43,18 +50,14 @@ def eager_threaded(program, prompts, steps) -> dict:
     """Rank 0's step times on the threaded world (every rank runs; collectives sync them)."""
     import torch
 
-    from dcp_compile.verify import prompt_kind
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
 
     def rank_main(rank):
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        timed = Timed(LocalExecutor(loaded.step_fns(), program.cache_spec().allocate()))
-        engine = Engine(timed, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+        engine = rank_engine(program, rank, wrap=Timed)
         with torch.no_grad():
             result = engine.generate(prompts, steps)
-        return timed.times, result.tokens
+        return engine.executor.times, result.tokens
 
     return run_threaded(program.config.tp, rank_main, timeout=600)[0]
 
@@ -62,7 +65,7 @@ def eager_threaded(program, prompts, steps) -> dict:
 def on_executor(executor, program, prompts, steps):
     import torch
 
-    from dcp_compile.verify import prompt_kind
+    from dcp_compile.runtime.rank_engine import prompt_kind
     from dcp_compile.runtime.engine import Engine
     timed = Timed(executor)
     engine = Engine(timed, program.shapes, block_size=program.config.block_size,
@@ -84,10 +87,15 @@ def main() -> int:
     ap.add_argument("--dcp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--buckets", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                    help="context buckets in tokens: print the memory-floor table")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step (--buckets)")
     ap.add_argument("--interpreter", action="store_true",
                     help="also time the StableHLO interpreter (at tp=2/dcp=2, small shapes)")
     args = ap.parse_args()
     X.request_host_devices(args.tp)
+    if args.buckets:
+        return bucket_table_main(args)
 
     import torch
 
@@ -131,6 +139,56 @@ def main() -> int:
 
     if args.interpreter:
         interpreter_row(args.layers)
+    return 0
+
+
+def full_context_step_seconds(executor, program, kind="decode", repeats=15) -> dict:
+    """Median time of one ``kind`` step per bucket with every row at the bucket's full
+    context (row b owns blocks b*width .. (b+1)*width-1)."""
+    import torch
+
+    from dcp_compile.runtime.buckets import bucket_width
+    c, batch = program.config, program.shapes.batch
+    out = {}
+    for bucket in program.buckets:
+        width = bucket_width(bucket, block_size=c.block_size, dcp=c.dcp)
+        table = torch.arange(batch * width, dtype=torch.int64).reshape(batch, width)
+        positions = torch.full((batch, 1), bucket - 1, dtype=torch.int64)
+        ids = torch.zeros((batch, 1), dtype=torch.int64)
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            executor.step(kind, ids, positions, table)
+            times.append(time.perf_counter() - t)
+        out[bucket] = statistics.median(times[1:])
+    return out
+
+
+def bucket_table_main(args) -> int:
+    import dcp_compile
+    from dcp_compile.memory_floor import bucket_table, format_bucket_table
+    from dcp_compile.models.demo import DemoConfig, demo_model
+    from dcp_compile.runtime.buckets import bucket_width
+    from dcp_compile.runtime.engine import StepShapes
+    capacity = max(args.buckets)
+    width = bucket_width(capacity, block_size=16, dcp=args.dcp)
+    shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=width,
+                        num_blocks=args.batch * width + 1)
+    model = demo_model(DemoConfig(num_layers=args.layers))
+    print(f"demo model ({args.layers} layers), tp={args.tp} dcp={args.dcp}, batch "
+          f"{args.batch}, buckets {args.buckets}, load average {os.getloadavg()[0]:.1f}, "
+          f"{len(os.sched_getaffinity(0))} CPUs")
+    program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, shapes=shapes,
+                                    buckets=args.buckets[:-1], check=False)
+    from dcp_compile.lowering import lower
+    executor = X.XLAExecutor(program, lower(program, steps=["decode"]))
+    seconds = full_context_step_seconds(executor, program)
+    table = bucket_table(executor, program)
+    for bucket, kinds in table.items():
+        kinds["decode"]["seconds"] = seconds[bucket]
+    print("per rank, per decode step (XLA's cost analysis of the compiled module; step "
+          "time with every sequence at the bucket's full context):")
+    print(format_bucket_table(table))
     return 0
 
 

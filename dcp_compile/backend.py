@@ -54,6 +54,7 @@ from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.compiled_step import DCPCompiledStep
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPError, DCPTransformError
+from dcp_compile.runtime.names import StepKind
 
 from .frontends.dynamo import DynamoFrontend
 
@@ -61,7 +62,8 @@ __all__ = ["BackendOptions", "DCPCompiledStep", "build_program", "dcp_backend",
            "kv_cache_spec", "make_backend"]
 
 BACKEND_NAME = "dcp"
-_OPTION_KEYS = ("tp", "dcp", "mode", "block_size", "interleave_size", "kv_role", "dump_dir")
+_OPTION_KEYS = ("tp", "dcp", "mode", "block_size", "interleave_size", "kv_role", "dump_dir",
+                "compile")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class BackendOptions:
     interleave_size: int | None = None
     kv_role: str | None = None
     dump_dir: str | None = None
+    compile: str = "eager"        # how each rank runs its graph: "eager" | "inductor"
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "BackendOptions":
@@ -87,6 +90,10 @@ class BackendOptions:
             raise DCPConfigError("backend 'dcp' needs the DCP degree: options has no 'dcp'. "
                                  "Pass options={'tp': 4, 'dcp': 2} (dcp=1 is plain TP).")
         opts = cls(**options)
+        from dcp_compile.runtime.rank_program import COMPILERS
+        if opts.compile not in COMPILERS:
+            raise DCPConfigError(f"unknown compile mode for backend 'dcp': "
+                                 f"compile={opts.compile!r}. Pass one of {sorted(COMPILERS)}.")
         if opts.tp is not None:  # validate what can be validated before the model is seen
             DCPConfig(tp=opts.tp, dcp=opts.dcp, mode=opts.mode,
                       block_size=opts.block_size or 16, interleave_size=opts.interleave_size,
@@ -201,7 +208,7 @@ def build_step(gm: GraphModule, example_inputs: list, opts: BackendOptions
     program, capture = build_program(gm, example_inputs, opts)
     return DCPCompiledStep(program, capture.step,
                            weight_args=[i for _, i in capture.weights],
-                           user_args=[i for _, i in capture.user])
+                           user_args=[i for _, i in capture.user], compile=opts.compile)
 
 
 def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
@@ -257,15 +264,14 @@ def merge_programs(*programs):
     """One DCPProgram holding the graphs of several compiled steps (same config, weights);
     e.g. the "context" and "decode" programs of one model, for the threaded verifier."""
     first = programs[0]
-    merged = replace(first, graphs=dict(first.graphs), history=list(first.history),
-                     shards=dict(first.shards))
+    merged = replace(first, graphs=dict(first.graphs), shards=dict(first.shards),
+                     report=replace(first.report, history=list(first.history)))
     for p in programs[1:]:
         if p.config != first.config or p.weight_inputs != first.weight_inputs:
             raise DCPTransformError("programs to merge differ in config or weight inputs.")
         merged.graphs.update(p.graphs)
-        merged.history += p.history
+        merged.report = merged.report.merged(p.report)
         merged.shards.update(p.shards)
-        if "decode" not in p.graphs:
+        if StepKind.DECODE not in p.graphs:
             merged.shapes = p.shapes
     return merged
-

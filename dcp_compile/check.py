@@ -44,8 +44,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
 from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
+
+from .compare import token_errors
 
 SEED = 0
 
@@ -240,44 +242,31 @@ def _run_steps(engine, steps: list[CheckStep]) -> None:
     with torch.no_grad():
         for step in steps:
             if step.decode:
-                engine.decode([t[0] for t in step.tokens])
+                engine.decode_rows(step.tokens)
             else:
                 engine.prefill(step.tokens)
 
 
 def run_model(model, program: DCPProgram, steps: list[CheckStep]):
     from dcp_compile.runtime.engine import LocalExecutor
+    from dcp_compile.runtime.rank_engine import RecordingExecutor
 
-    from .verify import RecordingExecutor, reference_engine
+    from .verify import reference_engine
     engine = reference_engine(program, lambda c: RecordingExecutor(LocalExecutor(model, c)))
     _run_steps(engine, steps)
     return engine.executor
 
 
 def run_program(program: DCPProgram, steps: list[CheckStep]) -> list:
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
-
-    from .verify import RecordingExecutor, _poison_garbage, prompt_kind
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
 
     def rank_main(rank):
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        recorder = RecordingExecutor(LocalExecutor(
-            loaded.step_fns(), program.cache_spec().allocate(), before_step=_poison_garbage))
-        engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+        engine = rank_engine(program, rank, poison=True, record=True)
         _run_steps(engine, steps)
-        return recorder
+        return engine.executor
 
     return run_threaded(program.config.tp, rank_main)
-
-
-def _step_diff(got: torch.Tensor, exp: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[rows, tokens] max |difference| over the vocabulary; inf where the program's logits are
-    not finite, 0 on padding."""
-    diff = (got.float() - exp.float()).abs().amax(-1)
-    diff = torch.where(torch.isfinite(got).all(-1), diff, torch.full_like(diff, float("inf")))
-    return torch.where(positions >= 0, diff, torch.zeros_like(diff))
 
 
 def compare(ref, runs, steps: list[CheckStep], dtype: torch.dtype
@@ -291,7 +280,7 @@ def compare(ref, runs, steps: list[CheckStep], dtype: torch.dtype
     for t, step in enumerate(steps):
         exp, pos = ref.logits[t], ref.positions[t]
         for rank, run in enumerate(runs):
-            diff = _step_diff(run.logits[t], exp, pos)
+            diff = token_errors(run.logits[t], exp, pos)
             errors[t] = max(errors[t], float(diff.max()))
             bad = diff > tol
             if bad.any() and first is None:
@@ -328,7 +317,7 @@ def check_program(model, program: DCPProgram) -> CheckReport:
             f"model; check=False returns the unchecked program for inspection.",
             report) from e
     report.step_errors, report.tolerance, report.first_mismatch = compare(
-        ref, runs, steps, program.facts.get("dtype", torch.float32))
+        ref, runs, steps, program.facts.cache_dtype)
     report.ok = report.first_mismatch is None
     report.seconds = time.perf_counter() - start
     if not report.ok:
@@ -339,7 +328,7 @@ def check_program(model, program: DCPProgram) -> CheckReport:
 def _mismatch_message(program: DCPProgram, report: CheckReport) -> str:
     m, c = report.first_mismatch, program.config
     t = report.steps.index(m["step"])
-    dtype = program.facts.get("dtype", torch.float32)
+    dtype = program.facts.cache_dtype
     return (f"transformed program differs from the model in the {m['step']!r} step: max abs "
             f"logit error {report.step_errors[t]:.3g} > tolerance {report.tolerance:.3g} "
             f"({str(dtype).replace('torch.', '')}), first at row {m['row']}, position "

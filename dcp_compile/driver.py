@@ -12,7 +12,7 @@ the next step and the program. It never asks which kind of model it has.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from dcp_compile.runtime.facts import ModelFacts
 from dcp_compile.runtime.topology import topology
 
 from .frontends import Frontend, StepCapture, frontend_for
+from .report import CompileReport
 
 __all__ = ["CompileOptions", "compile_program", "passes_for", "transform", "transform_graph"]
 
@@ -44,7 +45,8 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
               certificate=None, progress: bool = False, combine: str = "all_gather",
-              combine_dtype: str = "float32", check: bool | None = None) -> DCPProgram:
+              combine_dtype: str = "float32", check: bool | None = None,
+              expert_parallel: bool = False, buckets=None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (dcp_compile.runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
@@ -53,6 +55,14 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
     ``combine_dtype`` choose the decode combine (DCPConfig; README "Decode step cost").
 
+    ``expert_parallel`` partitions a mixture-of-experts model's experts over the tp ranks
+    instead of cutting each expert's intermediate dim (README "Mixture of experts").
+
+    ``buckets`` (context lengths in tokens, each a multiple of ``block_size * dcp``) adds one
+    graph per (step kind, bucket) over the same weights, with a block table of
+    ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
+    always the last bucket (dcp_compile.runtime.buckets; README "Context buckets").
+
     ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
     a program whose logits differ (dcp_compile.check: steps, inputs, tolerance). ``None``:
@@ -60,11 +70,41 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *
     ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
     ``True`` on a meta model raises.
     """
+    from dcp_compile.runtime.buckets import check_buckets
+    from dcp_compile.runtime.engine import StepShapes
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
-                       combine_dtype=combine_dtype)
-    return compile_program(frontend_for(model, shapes), config, CompileOptions(
+                       combine_dtype=combine_dtype, expert_parallel=expert_parallel)
+    sizes = check_buckets(buckets, block_size=block_size, dcp=dcp,
+                          max_blocks=(shapes or StepShapes()).max_blocks)
+    program = compile_program(frontend_for(model, shapes), config, CompileOptions(
         dump_dir=dump_dir, certificate=certificate, check=check, progress=progress))
+    program.bucket_graphs = _bucket_graphs(model, program, config, sizes[:-1], progress)
+    return program
+
+
+def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progress) -> dict:
+    """Each smaller bucket's graphs: the same compile with that bucket's block-table width
+    (a captured step's shapes are static), over the same weights; the certificate is
+    reused, not proven again, and nothing is dumped (the dump is the full program's)."""
+    import dataclasses
+
+    from dcp_compile.runtime.buckets import bucket_width
+    out = {}
+    for bucket in buckets:
+        width = bucket_width(bucket, block_size=config.block_size, dcp=config.dcp)
+        if progress:
+            _report(f"[bucket {bucket}] block table of {width} entries")
+        shapes = dataclasses.replace(program.shapes, max_blocks=width)
+        sub = compile_program(frontend_for(model, shapes), config, CompileOptions(
+            dump=False, certificate=program.certificate, check=False, progress=progress))
+        if sub.weight_inputs != program.weight_inputs:
+            raise DCPTransformError(
+                f"context bucket {bucket} captured other weights than the full program: "
+                f"{sub.weight_inputs[:4]}... vs {program.weight_inputs[:4]}... . Buckets "
+                f"share one set of weights; report this model to dcp_compile.")
+        out[bucket] = sub.graphs
+    return out
 
 
 def compile_program(frontend: Frontend, config: DCPConfig,
@@ -80,7 +120,9 @@ def compile_program(frontend: Frontend, config: DCPConfig,
     facts, certificate = frontend.facts(), options.certificate
     graphs, history, shards = {}, [], {}
     first: StepCapture | None = None
-    for step in frontend.steps(config.mode):
+    # Plain strings from here on (the StepKind values): graphs, history and dumps are data
+    # that is saved and loaded (torch.load's weights_only refuses unknown classes).
+    for step in map(str, frontend.steps(config.mode)):
         captured = frontend.capture(step, config)
         if options.progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
@@ -94,16 +136,15 @@ def compile_program(frontend: Frontend, config: DCPConfig,
     frontend.accept(config)
     program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
                                                           config=config),
-                         certificate=certificate, graphs=graphs, history=history,
-                         shapes=frontend.shapes, constants=first.constants(), shards=shards,
-                         weight_inputs=list(first.weight_inputs),
-                         num_layers=facts.num_layers,
+                         graphs=graphs, shapes=frontend.shapes, constants=first.constants(),
+                         shards=shards, weight_inputs=list(first.weight_inputs),
+                         facts=replace(facts, cache_dtype=facts.cache_dtype or torch.float32),
+                         source=frontend.source,
                          dump_dir=str(dump_path) if dump_path else None,
-                         facts={"dtype": facts.cache_dtype or torch.float32,
-                                "source": frontend.source})
+                         report=CompileReport(history=history, certificate=certificate))
     if check:
         report = checking.check_program(reference, program)  # raises: no program
-        program.facts["check"] = report.to_json()
+        program.report.check = report
         if options.progress:
             _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
                     f"{report.tolerance:.2g} ({report.seconds:.2f}s)")

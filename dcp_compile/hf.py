@@ -42,6 +42,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
+EXPERTS_IMPLEMENTATION = "dcp"
 
 # Attention keyword arguments that change the attention's result; the paged op computes plain
 # causal softmax attention, so any of these set means "not supported", never "ignored".
@@ -216,6 +217,71 @@ def _register() -> None:
 
 _register()
 
+
+def dcp_experts_forward(experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                        top_k_weights: Tensor) -> Tensor:
+    """transformers experts implementation ``"dcp"`` -> ``torch.ops.dcp.moe``.
+
+    Every experts class decorated with transformers' ``use_experts_implementation`` hands its
+    forward here (eager loop, ``grouped_mm`` and ``batched_mm`` compute the same function on
+    the same ``gate_up_proj`` / ``down_proj``); the router before it stays the model's own.
+    What dcp.moe does not compute (biases, transposed or interleaved weights, ungated or
+    custom-gated experts, a post-expert norm) is refused by class name."""
+    act = _expert_activation(experts)
+    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+        raise DCPTransformError(
+            f"{type(experts).__name__} got hidden states {tuple(hidden_states.shape)} and "
+            f"routing {tuple(top_k_index.shape)} / {tuple(top_k_weights.shape)}: dcp.moe "
+            f"takes [tokens, hidden] and [tokens, top_k]. Flatten the tokens before the "
+            f"experts, as transformers' MoE blocks do.")
+    rank0 = torch.zeros((), dtype=torch.int64, device=hidden_states.device)
+    return torch.ops.dcp.moe(hidden_states, top_k_index.long(), top_k_weights,
+                             experts.gate_up_proj, experts.down_proj, rank0, act)
+
+
+def _expert_activation(experts: nn.Module) -> str:
+    from transformers.integrations.moe import _default_apply_gate
+
+    name = type(experts).__name__
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False,
+              "is_concatenated": True, "has_post_expert_norm": False,
+              "_is_expert_parallel": False}
+    wrong = {k: getattr(experts, k, None) for k, v in layout.items()
+             if getattr(experts, k, None) != v}
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        wrong["_apply_gate"] = "custom (not act(gate) * up)"
+    if wrong:
+        raise DCPTransformError(
+            f"{name} has an experts layout dcp.moe does not compute: {wrong}. dcp.moe "
+            f"supports gated experts with concatenated [gate; up] weights [E, 2I, H], "
+            f"down [E, H, I], no biases and act(gate) * up; use such a model.")
+    act = _ACTIVATIONS.get(type(getattr(experts, "act_fn", None)))
+    if act is None:
+        raise DCPTransformError(
+            f"{name}'s activation {type(getattr(experts, 'act_fn', None)).__name__} is not "
+            f"one dcp.moe computes ({sorted(a.value for a in set(_ACTIVATIONS.values()))}). "
+            f"Use hidden_act='silu' (or add it to dcp_compile.runtime.moe.ACTIVATIONS).")
+    return act.value
+
+
+def _register_experts() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, dcp_experts_forward)
+
+
+_register_experts()
+
+
+def _activation_table():
+    from transformers import activations as A
+
+    from dcp_compile.runtime.moe import ExpertActivation as Act
+    return {A.SiLUActivation: Act.SILU, nn.SiLU: Act.SILU, nn.ReLU: Act.RELU,
+            A.GELUTanh: Act.GELU_TANH}
+
+
+_ACTIVATIONS = _activation_table()
+
 # The attention switch edits the model's shared config: wrapper calls are serialised.
 _switch_lock = threading.RLock()
 # Set while a DCPCausalLM runs its model: an attention call without the step keyword then
@@ -224,7 +290,8 @@ _wrapper_running = threading.local()
 
 
 def _attention_configs(hf_model: nn.Module) -> list:
-    """Every distinct config object the model's modules read ``_attn_implementation`` from."""
+    """Every distinct config object the model's modules read ``_attn_implementation`` (or
+    ``_experts_implementation``) from."""
     configs = {}
     for m in hf_model.modules():
         cfg = getattr(m, "config", None)
@@ -233,20 +300,38 @@ def _attention_configs(hf_model: nn.Module) -> list:
     return list(configs.values())
 
 
+# config attribute -> the implementation the wrapper routes it to while it runs.
+ATTENTION_SWITCH = {"_attn_implementation_internal": ATTN_IMPLEMENTATION}
+EXPERTS_SWITCH = {"_experts_implementation_internal": EXPERTS_IMPLEMENTATION}
+
+
 @contextlib.contextmanager
-def _paged_attention_enabled(configs: list):
-    """Route attention to ``"dcp_paged"`` for the duration of the block, then restore."""
+def _switched(configs: list, switches: dict):
+    """Set each config attribute of ``switches`` the configs have for the duration of the
+    block, then restore."""
     # Dynamo cannot trace a lock; under torch.compile the switch happens at trace time only.
     lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _switch_lock
     with lock:
-        saved = [(c, c._attn_implementation_internal) for c in configs]
+        saved = [(c, attr, getattr(c, attr)) for c in configs for attr in switches
+                 if hasattr(c, attr)]
         try:
-            for c, _ in saved:
-                c._attn_implementation_internal = ATTN_IMPLEMENTATION
+            for c, attr, _ in saved:
+                setattr(c, attr, switches[attr])
             yield
         finally:
-            for c, old in saved:
-                c._attn_implementation_internal = old
+            for c, attr, old in saved:
+                setattr(c, attr, old)
+
+
+def _paged_attention_enabled(configs: list):
+    """Route attention to ``"dcp_paged"`` and experts to ``"dcp"`` (dcp.moe)."""
+    return _switched(configs, {**ATTENTION_SWITCH, **EXPERTS_SWITCH})
+
+
+def dcp_experts_enabled(hf_model: nn.Module):
+    """Route a transformers model's experts to ``"dcp"`` (dcp.moe) for the duration of the
+    block (the ordinary frontend captures HF MoE models so; their attention stays theirs)."""
+    return _switched(_attention_configs(hf_model), EXPERTS_SWITCH)
 
 
 class DCPCausalLM(nn.Module):
@@ -395,5 +480,6 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
             f"and {len(new)} caches). Pass a *ForCausalLM model.")
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "DCPCausalLM", "PagedStep", "paged_attention_forward",
+__all__ = ["ATTN_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "DCPCausalLM",
+           "dcp_experts_enabled", "dcp_experts_forward", "PagedStep", "paged_attention_forward",
            "prepare"]

@@ -7,8 +7,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.rank_engine import RecordingExecutor
+
+from .compare import token_errors
 
 
 @dataclass
@@ -33,13 +36,14 @@ class VerifyReport:
     step_errors: list[float] = field(default_factory=list)
     first_mismatch: dict | None = None
     seconds: float = 0.0
+    # XLA: {bucket: {step kind: {bytes_accessed, ideal_bytes, seconds, ...}}} (memory_floor)
+    buckets: dict | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
-
-
-def prompt_kind(program: DCPProgram) -> str:
-    return "context" if "context" in program.graphs else "prefill"
+        out = asdict(self)
+        if out["buckets"] is None:
+            del out["buckets"]
+        return out
 
 
 def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
@@ -54,7 +58,7 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
     shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
     spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
-                       c.num_kv_heads, c.head_dim, program.facts.get("dtype", torch.float32))
+                       c.num_kv_heads, c.head_dim, program.facts.cache_dtype)
     return Engine(executor_for(spec.allocate(fill=fill)), shapes, block_size=c.block_size)
 
 
@@ -76,17 +80,11 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     rank scatters the single-device engine's caches into its DCP layout and decodes from
     there.
     """
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
 
     def rank_main(rank):
-        names = bind_roles(program.topology, rank)
-        loaded = program.load(rank, names)
-        caches = program.cache_spec().allocate(fill=fill)
-        executor = LocalExecutor(loaded.step_fns(), caches,
-                                 before_step=_poison_garbage if poison_garbage else None)
-        engine = Engine(executor, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind=prompt_kind(program))
+        engine = rank_engine(program, rank, fill=fill, poison=poison_garbage)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -95,7 +93,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
                 _start_from_reference(program, rank, engine, ref_engine)
                 result = engine.continue_generate(first_logits, steps)
         table = engine.allocator.table(list(range(len(prompts))), program.shapes.max_blocks)
-        return RankRun(rank, result, executor.caches, table, list(engine.lengths))
+        return RankRun(rank, result, engine.executor.caches, table, list(engine.lengths))
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
 
@@ -115,12 +113,6 @@ def _start_from_reference(program, rank, engine, ref_engine) -> None:
                   kv_heads=program.topology.kv_heads_of(rank))
 
 
-def _poison_garbage(caches):
-    # Re-poison the garbage block before every step: any read of it would surface as NaN.
-    for c in caches:
-        c[-1] = float("nan")
-
-
 def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4
            ) -> VerifyReport:
     """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens."""
@@ -132,9 +124,7 @@ def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-
     for run in runs:
         tokens_agree &= run.result.tokens == ref.tokens
         for t, (got, exp) in enumerate(zip(run.result.logits, ref.logits)):
-            err = float((got.float() - exp.float()).abs().max())
-            if not torch.isfinite(got).all():
-                err = float("inf")
+            err = float(token_errors(got, exp).max())
             if run.rank == 0:
                 errors.append(err)
             if err > atol and first is None:
@@ -165,26 +155,6 @@ class PrefillRun:
     caches: list[torch.Tensor]
     block_table: torch.Tensor
     lengths: list[int]
-
-
-class RecordingExecutor:
-    """Pass-through executor that keeps each step's full logits (the engine keeps the last
-    token's only)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.logits: list[torch.Tensor] = []
-        self.positions: list[torch.Tensor] = []
-
-    @property
-    def caches(self):
-        return self.inner.caches
-
-    def step(self, kind, input_ids, positions, block_table):
-        logits = self.inner.step(kind, input_ids, positions, block_table)
-        self.logits.append(logits)
-        self.positions.append(positions.clone())
-        return logits
 
 
 def chunk_plan_of(prompts: list[list[int]], chunks: int, *, max_chunk: int | None = None
@@ -251,21 +221,16 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
     ``fill=float('nan')`` poisons every cache row first: a row the program never writes
     stays NaN, and one it reads without masking surfaces as NaN in the logits.
     """
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.world import run_threaded
     _check_plan(chunk_plan)
     if "prefill" not in program.graphs:
         raise DCPInputError(f"run_threaded_prefill needs a prefill program: this one has "
                             f"steps {sorted(program.graphs)}. Transform with mode='prefill'.")
 
     def rank_main(rank):
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        recorder = RecordingExecutor(LocalExecutor(
-            loaded.step_fns(), program.cache_spec().allocate(fill=fill),
-            before_step=_poison_garbage if poison_garbage else None))
-        engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind="prefill")
-        return run_chunks(engine, recorder, chunk_plan, rank, program.shapes.max_blocks)
+        engine = rank_engine(program, rank, fill=fill, poison=poison_garbage, record=True)
+        return run_chunks(engine, engine.executor, chunk_plan, rank, program.shapes.max_blocks)
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
 
@@ -279,8 +244,7 @@ def compare_prefill_logits(run: PrefillRun, ref: PrefillRun, *, atol: float
     last_errs, all_errs, first, agree = [], [], None, True
     for t, (got, exp, pos) in enumerate(zip(run.logits, ref.logits, ref.positions)):
         valid = pos >= 0
-        diff = (got.float() - exp.float()).abs().amax(-1)                 # [batch, tokens]
-        diff = torch.where(torch.isfinite(got).all(-1), diff, torch.full_like(diff, float("inf")))
+        diff = token_errors(got, exp, pos)                                 # [batch, tokens]
         lens = valid.sum(1)
         rows = torch.nonzero(lens > 0).flatten()
         last = (lens - 1).clamp(min=0)
@@ -357,3 +321,102 @@ def verify_prefill(model, program: DCPProgram, chunk_plan, chunks: int | None = 
                         tp=c.tp, dcp=c.dcp, mode=c.mode, steps=len(chunk_plan),
                         lengths=list(ref.lengths), step_errors=step_errors,
                         first_mismatch=first, seconds=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------
+# Speculative decoding: greedy drafts verified in width-K decode steps, compared token for
+# token (and every verified position's logits) with the single-device model's plain greedy.
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecReport(VerifyReport):
+    mean_accepted: float = 0.0          # tokens per row per verification step
+    reused_tokens: int = 0              # prompt tokens served from the prefix cache
+    spec: dict = field(default_factory=dict)
+
+
+def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False,
+                   prefix_caching=False):
+    """An Engine over ``program`` loaded on ``rank`` of the (already running) world."""
+    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.world import bind_roles
+    loaded = program.load(rank, bind_roles(program.topology, rank))
+    executor = LocalExecutor(loaded.step_fns(), program.cache_spec().allocate(fill=fill),
+                             before_step=_poison_garbage if poison_garbage else None)
+    return Engine(executor, program.shapes, block_size=program.config.block_size,
+                  dcp=program.config.dcp, prompt_kind=prompt_kind(program),
+                  prefix_caching=prefix_caching)
+
+
+def generate_per_token(engine, prompts, steps, drafter):
+    """``engine.generate`` as a SpecResult (logits per sequence per token) with or without
+    a drafter, and the prompt tokens the prefix cache served."""
+    from dcp_compile.runtime.speculative import SpecResult, SpecStats
+    with torch.no_grad():
+        got = engine.generate(prompts, steps, drafter=drafter)
+    if drafter is None:
+        n = len(prompts)
+        got = SpecResult(tokens=got.tokens,
+                         logits=[[step[b] for step in got.logits] for b in range(n)],
+                         stats=SpecStats(row_steps=n * steps, emitted=n * steps))
+    return got, engine.allocator.reused_tokens
+
+
+def draft_program_drafter(draft: DCPProgram, target: DCPProgram):
+    """``drafter_for(rank)`` of a draft model given as another program of the same world
+    (same tp; dcp 1 or the target's): each rank drafts with its own rank of it."""
+    from dcp_compile.runtime.speculative import ModelDrafter
+    if draft.config.tp != target.config.tp or draft.config.dcp not in (1, target.config.dcp):
+        raise DCPInputError(
+            f"a draft program runs on the target's world: draft tp={draft.config.tp}, "
+            f"dcp={draft.config.dcp}; target tp={target.config.tp}, dcp={target.config.dcp}. "
+            f"Transform the draft model with the same tp and dcp=1 or dcp="
+            f"{target.config.dcp}.")
+    return lambda rank: ModelDrafter(program_engine(draft, rank))
+
+
+def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_for, *,
+                       atol: float = 1e-4, timeout: float = 300.0,
+                       prefix_caching: bool = False) -> SpecReport:
+    """Greedy speculative decoding of ``program`` on the threaded world (every rank runs the
+    same loop with its own ``drafter_for(rank)``; None: plain greedy) against the
+    single-device model's plain greedy decoding (no prefix cache): tokens, and the logits
+    of every verified position. ``prefix_caching``: the program's engine shares prefixes."""
+    from dcp_compile.runtime.world import run_threaded
+    start = time.perf_counter()
+    ref, _ = run_reference(model, program, prompts, steps)
+
+    def rank_main(rank):
+        engine = program_engine(program, rank, poison_garbage=True,
+                                prefix_caching=prefix_caching)
+        return generate_per_token(engine, prompts, steps,
+                                  drafter_for(rank) if drafter_for else None)
+
+    runs = run_threaded(program.config.tp, rank_main, timeout=timeout)
+    return speculative_report(program, ref, [r for r, _ in runs], start, atol=atol,
+                              lengths=[len(p) for p in prompts], reused_tokens=runs[0][1])
+
+
+def speculative_report(program: DCPProgram, ref, runs, start: float, *, atol: float,
+                       lengths: list[int], reused_tokens: int = 0) -> SpecReport:
+    """Compare speculative results (one per rank, or one for an SPMD executor) with the
+    reference's plain greedy GenerateResult: tokens, and every verified position's logits."""
+    steps = len(ref.logits)
+    errors, first, agree = [0.0] * steps, None, True
+    for rank, run in enumerate(runs):
+        agree &= run.tokens == ref.tokens
+        for b, row in enumerate(run.logits):
+            for t, got in enumerate(row):
+                err = float((got.float() - ref.logits[t][b].float()).abs().max())
+                err = err if torch.isfinite(got).all() else float("inf")
+                errors[t] = max(errors[t], err)
+                if err > atol and first is None:
+                    first = {"rank": rank, "row": b, "token": t, "error": err}
+    c, stats = program.config, runs[0].stats
+    return SpecReport(ok=agree and first is None, max_abs_error=max(errors, default=0.0),
+                      tokens_agree=agree, tp=c.tp, dcp=c.dcp, mode=c.mode, steps=steps,
+                      lengths=lengths, step_errors=errors,
+                      first_mismatch=first, seconds=time.perf_counter() - start,
+                      mean_accepted=stats.mean_accepted, reused_tokens=reused_tokens,
+                      spec=stats.to_json())

@@ -212,7 +212,9 @@ class XLAExecutor:
     (``StepContract.for_program``) before anything runs; ``step`` returns rank 0's logits
     after checking that every rank computed the same ones. The caches live on the devices;
     ``caches`` copies them to the host (one list per rank). ``compile_seconds[step]`` is
-    each module's XLA compile time. ``source="artifact"`` compiles each module's portable
+    each module's XLA compile time (by module name). A program with context buckets has one
+    module per (step kind, bucket), each compiled once here; a step runs the module of its
+    block table's width. ``source="artifact"`` compiles each module's portable
     artifact (.mlirbc bytes) instead of its text; ``fill`` is the caches' initial value.
     """
 
@@ -229,14 +231,19 @@ class XLAExecutor:
             check_xla_cpu_forms(m.text, step=step, path=m.paths.get("text"))
         self.devices = host_devices(self.tp)
         self.replicas = _Replicas(self.devices)
-        self.executables, self.compile_seconds = {}, {}
-        for step, m in lowered.modules.items():
+        # (step kind, block-table width) -> executable: each (step, bucket) module compiled
+        # once; a step runs the one of its table's width (the Engine picks the bucket).
+        self.executables, self.compile_seconds, self.contracts = {}, {}, {}
+        self.modules, self.step_seconds = {}, {}
+        for name, m in lowered.modules.items():
+            kind, view = m.kind or name, program.for_bucket(m.bucket or program.capacity)
+            key = (kind, view.shapes.max_blocks)
             t = time.perf_counter()
-            self.executables[step] = compile_module(getattr(m, source), self.devices,
-                                                    step=step, path=m.paths.get(source))
-            self.compile_seconds[step] = time.perf_counter() - t
-        self.contracts = {kind: StepContract.for_program(program, kind)
-                          for kind in lowered.modules}
+            self.executables[key] = compile_module(getattr(m, source), self.devices,
+                                                   step=name, path=m.paths.get(source))
+            self.compile_seconds[name] = time.perf_counter() - t
+            self.contracts[key] = StepContract.for_program(view, kind)
+            self.modules[key] = name
         states = [program.state_dict_for(rank) for rank in range(self.tp)]
         self.prefix = [self.replicas.per_rank([s[name] for s in states])
                        for name in list(program.weight_inputs) + [RANK_INPUT]]
@@ -255,18 +262,32 @@ class XLAExecutor:
     def rank_caches(self, rank: int) -> list[torch.Tensor]:
         return self.caches[rank]
 
+    def executable_for(self, kind, block_table):
+        """(executable, contract) of step ``kind`` in the bucket of ``block_table``'s width."""
+        kinds = sorted({k for k, _ in self.executables})
+        if kind not in kinds:
+            raise DCPXLAError(f"no lowered {kind!r} module: lowered steps are {kinds}. Lower "
+                              f"the program with that step.")
+        width = block_table.shape[-1] if getattr(block_table, "dim", lambda: 0)() == 2 \
+            else None
+        widest = max(w for k, w in self.executables if k == kind)
+        # An unknown width is checked against the widest contract, which names the shape.
+        key = (kind, width) if (kind, width) in self.executables else (kind, widest)
+        return self.executables[key], self.contracts[key]
+
     def step(self, kind, input_ids, positions, block_table):
-        if kind not in self.executables:
-            raise DCPXLAError(f"no lowered {kind!r} module: lowered steps are "
-                              f"{list(self.executables)}. Lower the program with that step.")
-        self.contracts[kind].check(input_ids, positions, block_table)
+        executable, contract = self.executable_for(kind, block_table)
+        contract.check(input_ids, positions, block_table)
+        started = time.perf_counter()
         shared = [self.replicas.same(x) for x in (input_ids, positions, block_table)]
-        results = self.executables[kind].execute_sharded(self.prefix + shared + self._caches)
+        results = executable.execute_sharded(self.prefix + shared + self._caches)
         outs = results.disassemble_into_single_device_arrays()   # [output][replica]
         by_device = [{b.device: b for b in out} for out in outs]
         outs = [[m[d] for d in self.devices] for m in by_device]
         self._caches = [self.replicas.of_buffers(o) for o in outs[1:]]
         logits = [_to_torch(b) for b in outs[0]]
+        self.step_seconds.setdefault((kind, block_table.shape[-1]), []).append(
+            time.perf_counter() - started)
         for rank, got in enumerate(logits[1:], start=1):
             if not torch.equal(got, logits[0]):
                 raise DCPXLAError(f"{kind} step on XLA: rank {rank}'s logits differ from rank "
@@ -289,15 +310,17 @@ def lower_for_xla(program, out_dir: str | Path | None = None):
     return lowered
 
 
-def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"):
+def generate(program, prompts, steps: int, *, lowered=None, source: str = "text",
+             executor=None):
     """Greedy-decode ``steps`` tokens with the lowered program on XLA (GenerateResult)."""
     from dcp_compile.runtime.engine import Engine
 
-    from .verify import prompt_kind
-    lowered = lowered or lower_for_xla(program)
-    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
+    from dcp_compile.runtime.rank_engine import prompt_kind
+    if executor is None:
+        executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source)
+    engine = Engine(executor, program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
-                    prompt_kind=prompt_kind(program))
+                    prompt_kind=prompt_kind(program), buckets=program.buckets)
     with torch.no_grad():
         return engine.generate(prompts, steps)
 
@@ -307,8 +330,10 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
     """dcp_compile.verify.verify with the program lowered and run on XLA:CPU replicas."""
     from . import verify as V
     start = time.perf_counter()
+    from .memory_floor import bucket_table
     ref, _ = V.run_reference(model, program, prompts, steps)
-    got = generate(program, prompts, steps, lowered=lowered, source=source)
+    executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source)
+    got = generate(program, prompts, steps, executor=executor)
     errors, first = [], None
     for t, (g, e) in enumerate(zip(got.logits, ref.logits)):
         err = float((g.float() - e.float()).abs().max()) if torch.isfinite(g).all() \
@@ -321,7 +346,37 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
     return V.VerifyReport(ok=agree and first is None, max_abs_error=max(errors, default=0.0),
                           tokens_agree=agree, tp=c.tp, dcp=c.dcp, mode=c.mode, steps=steps,
                           lengths=[len(p) for p in prompts], step_errors=errors,
-                          first_mismatch=first, seconds=time.perf_counter() - start)
+                          first_mismatch=first, seconds=time.perf_counter() - start,
+                          buckets=bucket_table(executor, program))
+
+
+def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: float = 1e-4,
+                       lowered=None, source: str = "text", prefix_caching: bool = False):
+    """dcp_compile.verify.verify_speculative with the program lowered and run on XLA:CPU
+    (one SPMD engine, so one ``drafter``; None: plain greedy)."""
+    from dcp_compile.runtime.engine import Engine
+
+    from . import verify as V
+    start = time.perf_counter()
+    ref, _ = V.run_reference(model, program, prompts, steps)
+    lowered = lowered or lower_for_xla(program)
+    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
+                    block_size=program.config.block_size, dcp=program.config.dcp,
+                    prompt_kind=V.prompt_kind(program), prefix_caching=prefix_caching)
+    got, reused = V.generate_per_token(engine, prompts, steps, drafter)
+    return V.speculative_report(program, ref, [got], start, atol=atol,
+                                lengths=[len(p) for p in prompts], reused_tokens=reused)
+
+
+def draft_drafter(draft):
+    """A ModelDrafter over a draft program lowered and run on the same XLA:CPU devices."""
+    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.speculative import ModelDrafter
+
+    from .verify import prompt_kind
+    return ModelDrafter(Engine(XLAExecutor(draft, lower_for_xla(draft)), draft.shapes,
+                               block_size=draft.config.block_size, dcp=draft.config.dcp,
+                               prompt_kind=prompt_kind(draft)))
 
 
 def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
@@ -331,6 +386,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     replicas: every chunk's logits, and each rank's cache (allocated NaN) holding exactly
     its owned positions."""
     from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.rank_engine import RecordingExecutor
 
     from . import verify as V
     start = time.perf_counter()
@@ -338,11 +394,12 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
         chunk_plan = V.chunk_plan_of(chunk_plan, chunks, max_chunk=program.shapes.context_len)
     lowered = lowered or lower_for_xla(program)
     ref = V.run_prefill_reference(model, program, chunk_plan)
+    from .memory_floor import bucket_table
     executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0,
                            source=source)
-    recorder = V.RecordingExecutor(executor)
+    recorder = RecordingExecutor(executor)
     engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                    dcp=program.config.dcp, prompt_kind="prefill")
+                    dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
     with torch.no_grad():
         for chunk in chunk_plan:
             engine.prefill(chunk)
@@ -360,4 +417,5 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     return V.VerifyReport(ok=agree and first is None, max_abs_error=max(every, default=0.0),
                           tokens_agree=agree, tp=c.tp, dcp=c.dcp, mode=c.mode,
                           steps=len(chunk_plan), lengths=list(ref.lengths), step_errors=last,
-                          first_mismatch=first, seconds=time.perf_counter() - start)
+                          first_mismatch=first, seconds=time.perf_counter() - start,
+                          buckets=bucket_table(executor, program))

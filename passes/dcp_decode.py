@@ -34,11 +34,11 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.names import RANK_INPUT
+from dcp_compile.runtime.names import RANK_INPUT, Mode, Role
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
-                    DCPPass, attention_nodes, ensure, getitem_users, val)
+                    DCPPass, attention_nodes, ensure, getitem_users, placeholder, val)
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp
@@ -47,10 +47,10 @@ dcp_ops = torch.ops.dcp
 def cp_rank_node(gm: GraphModule, pass_: DCPPass) -> Node:
     """cp_rank as data: decode tp_rank % DCP, prefill tp_rank // (TP / DCP)."""
     cfg = pass_.ctx.config
-    rank = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+    rank = placeholder(gm, RANK_INPUT)
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(first):
-        if cfg.mode == "decode":
+        if cfg.mode == Mode.DECODE:
             node = gm.graph.call_function(aten.remainder.Scalar, (rank, cfg.dcp))
         else:
             node = gm.graph.call_function(aten.floor_divide.default,
@@ -90,7 +90,7 @@ def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
                        model_dtype) -> Node:
     """Spec steps 5-8: all-gather the LSEs, correct locally, reduce-scatter the heads."""
     W, (b, s, hq, d) = p.ctx.config.dcp, shape
-    c, lse_w = C.all_gather(g, lse, "dcp", W)                            # [W*b, 1, W*hq]
+    c, lse_w = C.all_gather(g, lse, Role.DCP, W)                            # [W*b, 1, W*hq]
     p.tag(c, KIND_COLLECTIVE, layer)
     lse_all = g.call_function(aten.view.default, (lse_w, [W, b, s, W * hq]))
     fixed = p.tag(g.call_function(dcp_ops.lse_correct.default, (out, lse, lse_all)),
@@ -101,7 +101,7 @@ def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     f5 = g.call_function(aten.view.default, (fixed, [b, s, W, hq, d]))
     f5 = g.call_function(aten.permute.default, (f5, [2, 0, 1, 3, 4]))
     rs_in = g.call_function(aten.reshape.default, (f5, [W * b, s, hq, d]))
-    c, summed = C.reduce_scatter(g, rs_in, "dcp", W)                      # [b, 1, hq, d]
+    c, summed = C.reduce_scatter(g, rs_in, Role.DCP, W)                      # [b, 1, hq, d]
     p.tag(c, KIND_COLLECTIVE, layer)
     return g.call_function(aten.to.dtype, (summed, model_dtype))
 
@@ -130,7 +130,7 @@ def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     l5 = bitcast(g, l5, torch.float32, wire)                              # [.., lse_width]
     packed = g.call_function(aten.cat.default, ([o5, l5], -1))
     send = g.call_function(aten.reshape.default, (packed, [W * b, s, hq, d + lse_width]))
-    c, recv = C.all_to_all(g, send, "dcp", W, b)            # dim 0: source rank, then row
+    c, recv = C.all_to_all(g, send, Role.DCP, W, b)            # dim 0: source rank, then row
     p.tag(c, KIND_COLLECTIVE, layer)
     r5 = g.call_function(aten.view.default, (recv, [W, b, s, hq, d + lse_width]))
     parts = g.call_function(aten.slice.Tensor, (r5, -1, 0, d))
@@ -153,16 +153,21 @@ def all_attention_rewritten(pass_name: str, gm) -> None:
 
 
 class DCPDecode(DCPPass):
-    """Rewrite the one-token decode step's attention into the spec's DCP decode pattern."""
+    """Rewrite the decode step's attention into the spec's DCP decode pattern (one token
+    per row), or its width-K form (up to K tokens per row, each query bounded per rank)."""
 
     name = "dcp_decode"
 
     def requires(self, gm):
+        from .prove.theorems import MAX_DECODE_LEN
         for attn in attention_nodes(gm):
-            if val(attn.args[0]).shape[1] != 1:
-                raise DCPTransformError(f"decode step expects one token per sequence; "
-                                        f"attention {attn.name} has q of shape "
-                                        f"{tuple(val(attn.args[0]).shape)}.")
+            width = val(attn.args[0]).shape[1]
+            if not 1 <= width <= MAX_DECODE_LEN:
+                raise DCPTransformError(
+                    f"decode step width outside what the layout proof covers: attention "
+                    f"{attn.name} has q of shape {tuple(val(attn.args[0]).shape)} (width "
+                    f"{width}), query_local_bound is proven for widths 1..{MAX_DECODE_LEN}. "
+                    f"Build the program with StepShapes(decode_len <= {MAX_DECODE_LEN}).")
 
     def call(self, gm):
         cfg, g = self.ctx.config, gm.graph
@@ -174,15 +179,10 @@ class DCPDecode(DCPPass):
             b, s, hq, d = val(q).shape
             with g.inserting_before(attn):
                 kc2, vc2 = masked_cache_write(self, g, attn, cp, layer)
-                n = g.call_function(aten.select.int, (positions, 1, 0))
-                prior = self.tag(g.call_function(dcp_ops.local_filled.default,
-                                                 (n, cp, W, I, B)), KIND_MASK, layer)
-                active = self.tag(g.call_function(dcp_ops.active_mask.default,
-                                                  (positions, cp, W, I, B)), KIND_MASK, layer)
-                owned = g.call_function(aten.eq.Scalar, (active, 1))
-                k_pos = g.call_function(aten.where.ScalarOther, (owned, positions, -1))
+                prior, k_pos = (self._one_token_keys if s == 1 else self._width_k_keys)(
+                    g, positions, cp, layer)
                 if W > 1:
-                    c, q_w = C.all_gather(g, q, "dcp", W)                 # [W*b, 1, hq, d]
+                    c, q_w = C.all_gather(g, q, Role.DCP, W)                 # [W*b, 1, hq, d]
                     self.tag(c, KIND_COLLECTIVE, layer)
                     q5 = g.call_function(aten.view.default, (q_w, [W, b, s, hq, d]))
                     q5 = g.call_function(aten.permute.default, (q5, [1, 2, 0, 3, 4]))
@@ -202,6 +202,29 @@ class DCPDecode(DCPPass):
         self.record(layers=len(layers), dcp=W, interleave_size=I, block_size=B,
                     combine=cfg.combine, combine_dtype=cfg.combine_dtype)
         return PassResult(gm, True)
+
+    def _one_token_keys(self, g, positions, cp, layer):
+        """The spec's pattern: prior slots [0, local_filled(N)), the active token as a
+        current key on its owner only (dcp_active_mask)."""
+        W, I, B = self.ctx.config.dcp, self.ctx.config.interleave_size, \
+            self.ctx.config.block_size
+        n = g.call_function(aten.select.int, (positions, 1, 0))
+        prior = self.tag(g.call_function(dcp_ops.local_filled.default, (n, cp, W, I, B)),
+                         KIND_MASK, layer)
+        active = self.tag(g.call_function(dcp_ops.active_mask.default,
+                                          (positions, cp, W, I, B)), KIND_MASK, layer)
+        owned = g.call_function(aten.eq.Scalar, (active, 1))
+        return prior, g.call_function(aten.where.ScalarOther, (owned, positions, -1))
+
+    def _width_k_keys(self, g, positions, cp, layer):
+        """Width K > 1: the owners have written this step's tokens into their shards, so
+        every key is read from the cache, query t up to its own local bound
+        (layout.query_local_bound, theorem query_local_bound_is_causal); no current key."""
+        W, I, B = self.ctx.config.dcp, self.ctx.config.interleave_size, \
+            self.ctx.config.block_size
+        bound = self.tag(g.call_function(dcp_ops.query_bound.default,
+                                         (positions, cp, W, I, B)), KIND_MASK, layer)
+        return bound, g.call_function(aten.full_like.default, (positions, -1))
 
     def ensures(self, gm):
         all_attention_rewritten(self.name, gm)

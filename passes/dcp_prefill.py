@@ -54,7 +54,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.ops import owned_capacity
-from dcp_compile.runtime.names import (META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, ROLE_META,
+from dcp_compile.runtime.names import (Mode, Role, StepKind, META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, ROLE_META,
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
@@ -160,7 +160,7 @@ class DCPPrefill(DCPPass):
     name = "dcp_prefill"
 
     def requires(self, gm):
-        if self.ctx.config.mode != "prefill":
+        if self.ctx.config.mode != Mode.PREFILL:
             raise DCPTransformError(f"dcp_prefill rewrites prefill programs: mode="
                                     f"{self.ctx.config.mode!r}.")
         if not attention_nodes(gm):
@@ -169,7 +169,7 @@ class DCPPrefill(DCPPass):
             raise DCPTransformError(
                 f"dcp_prefill needs sequence_parallel's token layout: the graph has no "
                 f"gm.meta[{SP_META!r}]. Run sequence_parallel before dcp_prefill "
-                f"(dcp_compile.passes.pipeline.PIPELINE['prefill']).")
+                f"(dcp_compile.passes.pipeline.PIPELINE[{StepKind.PREFILL!r}]).")
 
     # -- analysis --------------------------------------------------------------------------
 
@@ -254,7 +254,7 @@ class DCPPrefill(DCPPass):
                 f"{sorted(a.name for a in side)} or with tokens off dim 1; the O projection "
                 f"runs on this rank's S/W tokens.")
         ar = list(plan.o_proj.users)
-        if len(ar) != 1 or ar[0].target != F.all_reduce.default or C.role_of(ar[0]) != "dcp_tp":
+        if len(ar) != 1 or ar[0].target != F.all_reduce.default or C.role_of(ar[0]) != Role.DCP_TP:
             raise DCPTransformError(
                 f"O projection {plan.o_proj.name} ({source_of(plan.o_proj)}) is not followed by "
                 f"tensor parallelism's all-reduce over dcp_tp: {[u.name for u in ar]}.")
@@ -326,7 +326,7 @@ class DCPPrefill(DCPPass):
                 vc2 = g.call_function(operator.getitem, (cw, 1))
                 # 5. Q all-gather over cp_kv: [B, C] per rank -> [B, W*C] rank-major
                 if W > 1:
-                    c, qw = C.all_gather(g, q, "cp_kv", W)
+                    c, qw = C.all_gather(g, q, Role.CP_KV, W)
                     self._step(c, 5, KIND_COLLECTIVE, layer)
                     q5 = g.call_function(aten.view.default, (qw, [W, b, cap, hq, d]))
                     q5 = g.call_function(aten.permute.default, (q5, [1, 0, 2, 3, 4]))
@@ -344,14 +344,14 @@ class DCPPrefill(DCPPass):
                 out = g.call_function(operator.getitem, (pa, 0))
                 if W > 1:
                     lse = g.call_function(operator.getitem, (pa, 1))
-                    c, lse_w = C.all_gather(g, lse, "cp_kv", W)             # [W*B, S, hq]
+                    c, lse_w = C.all_gather(g, lse, Role.CP_KV, W)             # [W*B, S, hq]
                     self._step(c, 7, KIND_COLLECTIVE, layer)
                     lse_all = g.call_function(aten.view.default, (lse_w, [W, b, s, hq]))
                     out = self._step(g.call_function(dcp_ops.lse_correct.default,
                                                      (out, lse, lse_all)), 7, KIND_LSE, layer)
                     # 8. reduce-scatter over cp_kv: sum the partials, keep S_pad/W tokens
                     padded = pad_tokens(g, out, 4, s, s_pad)
-                    c, out = reduce_scatter_tokens(g, padded, "cp_kv", W, (b, s_pad, hq, d))
+                    c, out = reduce_scatter_tokens(g, padded, Role.CP_KV, W, (b, s_pad, hq, d))
                     self._step(c, 8, KIND_COLLECTIVE, layer)
                 else:
                     out = pad_tokens(g, out, 4, s, s_pad)
@@ -419,7 +419,7 @@ class DCPPrefill(DCPPass):
         o.meta[META_LAYER] = plan.layer
         with g.inserting_before(plan.o_reduce[0]):
             if group > 1:
-                c, result = reduce_scatter_tokens(g, o, "dcp_tp", group, (b, tokens, hidden))
+                c, result = reduce_scatter_tokens(g, o, Role.DCP_TP, group, (b, tokens, hidden))
                 self._step(c, 9, KIND_COLLECTIVE, plan.layer)
             else:
                 result = o

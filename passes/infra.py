@@ -20,7 +20,7 @@ import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.facts import ModelFacts
-from dcp_compile.runtime.names import META_KIND, META_LAYER, META_PASS
+from dcp_compile.runtime.names import META_KIND, META_LAYER, META_PASS, StepKind
 
 if TYPE_CHECKING:
     from .prove.certificate import Certificate
@@ -46,7 +46,7 @@ class TransformContext:
     """
 
     config: DCPConfig
-    step: str                                    # "context" | "decode" | "prefill"
+    step: StepKind | str                         # a StepKind (plain strings compare equal)
     facts: ModelFacts = field(default_factory=ModelFacts)
     # parameter placeholder name -> ShardSpec (found by shard_tensor_parallel).
     shards: dict[str, Any] = field(default_factory=dict)

@@ -17,8 +17,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.names import Mode, StepKind
 
 from .canonicalize_attention import CanonicalizeAttention
+from .canonicalize_moe import CanonicalizeMoE
 from .check_static_shapes import CheckStaticShapes
 from .dcp_decode import DCPContext, DCPDecode
 from .dcp_prefill import DCPPrefill
@@ -31,18 +33,22 @@ from .shard_tensor_parallel import ShardTensorParallel
 from .validate_and_prove import ValidateAndProve
 
 # Mode -> the step kinds a program of that mode holds (transform() captures each).
-STEPS_BY_MODE: dict[str, tuple[str, ...]] = {"decode": ("context", "decode"),
-                                             "prefill": ("prefill",)}
+STEPS_BY_MODE: dict[Mode, tuple[StepKind, ...]] = {
+    Mode.DECODE: (StepKind.CONTEXT, StepKind.DECODE),
+    Mode.PREFILL: (StepKind.PREFILL,),
+}
 
 # Step kind -> its passes, in order.
-PIPELINE: dict[str, tuple[type[DCPPass], ...]] = {
-    "context": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
-                ValidateAndProve, InsertRank, ShardTensorParallel, DCPContext),
-    "decode": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
-               ValidateAndProve, InsertRank, ShardTensorParallel, DCPDecode),
-    "prefill": (InsertPagedCache, DropExportAsserts, CheckStaticShapes, CanonicalizeAttention,
-                ValidateAndProve, InsertRank, ShardTensorParallel, SequenceParallel,
-                DCPPrefill),
+PIPELINE: dict[StepKind, tuple[type[DCPPass], ...]] = {
+    StepKind.CONTEXT: (InsertPagedCache, DropExportAsserts, CheckStaticShapes,
+                       CanonicalizeAttention, CanonicalizeMoE, ValidateAndProve, InsertRank,
+                       ShardTensorParallel, DCPContext),
+    StepKind.DECODE: (InsertPagedCache, DropExportAsserts, CheckStaticShapes,
+                      CanonicalizeAttention, CanonicalizeMoE, ValidateAndProve, InsertRank,
+                      ShardTensorParallel, DCPDecode),
+    StepKind.PREFILL: (InsertPagedCache, DropExportAsserts, CheckStaticShapes,
+                       CanonicalizeAttention, CanonicalizeMoE, ValidateAndProve, InsertRank,
+                       ShardTensorParallel, SequenceParallel, DCPPrefill),
 }
 
 # Passes that run only when the frontend built one (their arguments come from the model).

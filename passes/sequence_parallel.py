@@ -42,11 +42,11 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.names import (META_NORM_REDUCE, META_SCOPE, RANK_INPUT, ROLE_META, SCOPE_MODEL,
+from dcp_compile.runtime.names import (Mode, Role, META_NORM_REDUCE, META_SCOPE, RANK_INPUT, ROLE_META, SCOPE_MODEL,
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
-from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, source_of, val
+from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, placeholder, source_of, val
 from .op_classes import LITERAL_SHAPES
 from .placement import Refusal, token_dim
 from .shard_tensor_parallel import _is_linear
@@ -127,6 +127,28 @@ def layer_of(gm: GraphModule) -> dict[Node, int]:
 # ------------------------------------------------------------------------------------------
 
 
+def _experts_inputs(gm) -> set[Node]:
+    """Every node a dcp.moe's tokens or routing are computed from."""
+    seen: set[Node] = set()
+    stack = [a for n in gm.graph.nodes if n.target == torch.ops.dcp.moe.default
+             for a in n.args[:3]]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _flattens_tokens(u: Node, plan) -> bool:
+    """A view [B, S, *rest] -> [B*S, *rest]."""
+    if u.target not in _LITERAL_SHAPES:
+        return False
+    x, out = val(u.args[0]), val(u)
+    return tuple(x.shape[:2]) == (plan.batch, plan.tokens) and \
+        tuple(out.shape) == (plan.batch * plan.tokens, *x.shape[2:])
+
+
 @dataclass
 class Reduction:
     all_reduce: Node
@@ -156,9 +178,9 @@ class SequenceParallel(DCPPass):
     name = "sequence_parallel"
 
     def requires(self, gm):
-        if self.ctx.config.mode != "prefill":
+        if self.ctx.config.mode != Mode.PREFILL:
             raise DCPTransformError(f"sequence parallelism is the prefill layout: mode="
-                                    f"{self.ctx.config.mode!r}. Run it for mode='prefill'.")
+                                    f"{self.ctx.config.mode!r}. Run it for mode={Mode.PREFILL!r}.")
         if not attention_nodes(gm):
             raise DCPTransformError("sequence_parallel needs the canonical dcp.attention "
                                     "nodes (run canonicalize_attention first).")
@@ -174,7 +196,7 @@ class SequenceParallel(DCPPass):
                 continue
             role = C.role_of(n)
             waits = [u for u in n.users if u.target == F.wait_tensor.default]
-            if role not in ("world", "dcp_tp") or len(waits) != 1 or len(n.users) != 1:
+            if role not in (Role.WORLD, Role.DCP_TP) or len(waits) != 1 or len(n.users) != 1:
                 raise DCPTransformError(
                     f"all-reduce {n.name} on role {role!r} is not one of tensor parallelism's "
                     f"reductions (world after embedding/MLP, dcp_tp after the O projection); "
@@ -185,7 +207,7 @@ class SequenceParallel(DCPPass):
                     f"all-reduce {n.name} reduces a tensor of shape {shape}, not [batch={b}, "
                     f"tokens={s}, ...]: sequence parallelism splits dim 1 of [B, S, H].")
             reductions.append(Reduction(n, waits[0], role))
-        if not any(r.role == "world" for r in reductions):
+        if not any(r.role == Role.WORLD for r in reductions):
             raise DCPTransformError("no all-reduce over 'world' found: sequence parallelism "
                                     "needs the full-TP reductions of shard_tensor_parallel.")
         plan = SPPlan(b, s, round_up(s, cfg.tp), reductions)
@@ -195,10 +217,19 @@ class SequenceParallel(DCPPass):
     def _find_region(self, gm, plan: SPPlan, attn: list[Node]) -> None:
         starts = [r.wait for r in plan.reductions]
         seen, order, stack = set(starts), [], list(starts)
+        experts_inputs = _experts_inputs(gm)
         while stack:
             n = stack.pop()
             for u in n.users:
                 if u in seen:
+                    continue
+                if u in experts_inputs and _flattens_tokens(u, plan):
+                    # A MoE block flattens [B, S, H] to [B*S, H] for its router and experts
+                    # (dcp.moe): they need the whole sequence, like a projection.
+                    plan.frontier.setdefault(n, [])
+                    if u not in plan.frontier[n]:
+                        plan.frontier[n].append(u)
+                    plan.roles[u] = "moe"
                     continue
                 if _is_linear(u):
                     if u.args[0] is not n:
@@ -290,7 +321,7 @@ class SequenceParallel(DCPPass):
         b, s, sp = plan.batch, plan.tokens, plan.padded
         per = sp // cfg.tp
         layers = layer_of(gm)
-        rank = next(n for n in g.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+        rank = placeholder(gm, RANK_INPUT)
         first = next(n for n in g.nodes if n.op != "placeholder")
         # The index lives where the residual stream does (the model's device: it indexes
         # that stream), not on the default device; the rank is a 0-d tensor, usable anywhere.
@@ -308,10 +339,10 @@ class SequenceParallel(DCPPass):
             x = red.all_reduce.args[0]
             shape = tuple(val(x).shape)
             layer = layers[red.all_reduce]
-            if red.role == "world":
+            if red.role == Role.WORLD:
                 with g.inserting_before(red.all_reduce):
                     padded = pad_tokens(g, x, len(shape), s, sp)
-                    c, w = reduce_scatter_tokens(g, padded, "world", cfg.tp,
+                    c, w = reduce_scatter_tokens(g, padded, Role.WORLD, cfg.tp,
                                                  (b, sp) + shape[2:])
                 self.tag(c, KIND_COLLECTIVE, layer if layer >= 0 else None)
                 if layer < 0:  # the embedding's: once per model, not per layer
@@ -341,12 +372,12 @@ class SequenceParallel(DCPPass):
             self.tag(sliced, KIND_SLICE)
             a.replace_all_uses_with(sliced, delete_user_cb=lambda u: u in region)
 
-        counts = {"qkv": 0, "mlp": 0, "lm_head": 0}
+        counts = {"qkv": 0, "mlp": 0, "lm_head": 0, "moe": 0}
         for node, linears in plan.frontier.items():
             shape = tuple(val(node).shape)
             node = replaced.get(node, node)   # a projection reading a reduction directly
             with g.inserting_before(node.next):
-                c, full = all_gather_tokens(g, node, "world", cfg.tp,
+                c, full = all_gather_tokens(g, node, Role.WORLD, cfg.tp,
                                             (b, per) + shape[2:])
                 full = unpad_tokens(g, full, s, sp)
             roles = {plan.roles[lin] for lin in linears}
@@ -359,19 +390,21 @@ class SequenceParallel(DCPPass):
                 c.meta[SPEC_STEP] = 1
             for lin in linears:
                 lin.args = (full,) + tuple(lin.args[1:])
+                if plan.roles[lin] == "moe" and lin.target == aten.view.default:
+                    lin.target = aten.reshape.default    # the gathered tokens are strided
             for r in roles:
                 counts[r] += 1
         gm.meta[SP_META] = {"tokens": s, "padded": sp, "tokens_per_rank": per, "batch": b}
         self.record(tokens=s, padded_tokens=sp, tokens_per_rank=per,
                     region_nodes=len(plan.region),
-                    reduce_scatters=sum(r.role == "world" for r in plan.reductions),
+                    reduce_scatters=sum(r.role == Role.WORLD for r in plan.reductions),
                     token_side_inputs=len(plan.side_inputs),
                     gathers=counts)
         return PassResult(gm, True)
 
     def ensures(self, gm):
         for n in gm.graph.nodes:
-            if C.role_of(n) == "world" and n.target == F.all_reduce.default:
+            if C.role_of(n) == Role.WORLD and n.target == F.all_reduce.default:
                 raise DCPTransformError(f"all-reduce {n.name} over world survived sequence "
                                         f"parallelism.")
 

@@ -26,12 +26,13 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.names import (META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
+from dcp_compile.runtime.shards import ShardSpec
+from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
 from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, attention_nodes, \
-    source_of, val
+    placeholder, source_of, val
 from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
 aten = torch.ops.aten
@@ -39,44 +40,13 @@ LINEAR = aten.linear.default
 EMBEDDING = aten.embedding.default
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How rank r's shard of a weight is cut along ``dim``: of each segment (size, pieces,
-    replicas) — one segment of the whole dim unless ``segments`` is given (a fused weight) —
-    piece ``(r % group) // replicas``, concatenated in segment order."""
-
-    dim: int
-    pieces: int
-    group: int
-    replicas: int = 1
-    segments: tuple[tuple[int, int, int], ...] = ()
-
-    def _segs(self, size: int):
-        return self.segments or ((size, self.pieces, self.replicas),)
-
-    def index(self, rank: int) -> int:
-        return (rank % self.group) // self.replicas
-
-    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        parts, offset = [], 0
-        for size, pieces, replicas in self._segs(full.shape[self.dim]):
-            n = size // pieces
-            i = (rank % self.group) // replicas
-            parts.append(full.narrow(self.dim, offset + i * n, n))
-            offset += size
-        return (torch.cat(parts, self.dim) if len(parts) > 1 else parts[0]).contiguous()
-
-    def shape(self, full_shape) -> tuple[int, ...]:
-        s = list(full_shape)
-        s[self.dim] = sum(size // pieces for size, pieces, _ in self._segs(s[self.dim]))
-        return tuple(s)
-
-    @staticmethod
-    def of(placement: Shard, group: int) -> "ShardSpec":
-        first = placement.segs[0]
-        segments = () if len(placement.segs) == 1 else tuple(
-            (s.size, s.pieces, s.replicas) for s in placement.segs)
-        return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
+def spec_of(placement: Shard, group: int) -> ShardSpec:
+    """How the program cuts a weight the placement analysis shards (``placement``) over a
+    group of ``group`` ranks."""
+    first = placement.segs[0]
+    segments = () if len(placement.segs) == 1 else tuple(
+        (s.size, s.pieces, s.replicas) for s in placement.segs)
+    return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
 
 
 @dataclass
@@ -110,9 +80,9 @@ class ShardTensorParallel(DCPPass):
         return ShardPlan(placements, placements.roles)
 
     def _role(self, axis: str) -> str:
-        if self.ctx.config.mode == "decode":
-            return "tp"
-        return "dcp_tp" if axis == "attn" else "world"
+        if self.ctx.config.mode == Mode.DECODE:
+            return Role.TP
+        return Role.DCP_TP if axis == "attn" else Role.WORLD
 
     def _group(self, axis: str) -> int:
         cfg = self.ctx.config
@@ -123,12 +93,12 @@ class ShardTensorParallel(DCPPass):
     def call(self, gm):
         cfg = self.ctx.config
         plan = self.plan(gm)
-        pl = plan.placements
+        pl = self._placements = plan.placements
         self.shards: dict[str, ShardSpec] = {}    # returned: how the program cuts weights
         mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
                                  if n.op == "placeholder"])
         g = gm.graph
-        rank = next(n for n in g.nodes if n.op == "placeholder" and n.name == RANK_INPUT)
+        rank = placeholder(gm, RANK_INPUT)
 
         # Each rank's KV caches hold only its KV heads: the cache inputs take that shape.
         for attn in attention_nodes(gm):
@@ -142,7 +112,7 @@ class ShardTensorParallel(DCPPass):
                     cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
         for p, shard in pl.params.items():
-            self._shard_param(p, ShardSpec.of(shard, self._group(shard.axis)), mode)
+            self._shard_param(p, spec_of(shard, self._group(shard.axis)), mode)
 
         for n in list(g.nodes):
             if n.op != "call_function":
@@ -150,12 +120,17 @@ class ShardTensorParallel(DCPPass):
             self._localize(n, pl)
         for n in list(g.nodes):
             p = pl.of(n)
-            if isinstance(p, Partial):
+            # A pending sum read by pending sums only (an experts' sum on its way to the
+            # block's one all-reduce) is reduced where it is read reduced.
+            if isinstance(p, Partial) and not all(isinstance(pl.of(u), Partial)
+                                                  for u in n.users):
                 self._reduce(g, n, p)
             elif pl.linears.get(n) == "lm_head":
                 self._gather_vocab(g, n)
         for emb in pl.embeddings:
             self._vocab_embedding(g, emb, rank)
+        if cfg.expert_parallel:
+            self._expert_shard_rank(g, rank)
 
         # What later passes (sequence_parallel, dcp_prefill) need to know of the roles.
         for lin in pl.linears:
@@ -216,12 +191,12 @@ class ShardTensorParallel(DCPPass):
                 x = first = g.call_function(aten.mul.Tensor, (n, p.scale))
             c, w = C.all_reduce(g, x, self._role(p.axis))
             self.tag(c, KIND_COLLECTIVE)
-            if not is_linear:
+            if not is_linear and not p.experts:   # a norm's statistic, not TP's sum
                 c.meta[META_NORM_REDUCE] = True
             result = w
             if bias is not None:
                 result = g.call_function(aten.add.Tensor, (w, bias))
-        keep = {c, first}
+        keep = {c, first} | {u for u in n.users if isinstance(self._placements.of(u), Partial)}
         n.replace_all_uses_with(result, delete_user_cb=lambda u: u not in keep)
 
     def _gather_vocab(self, g, lin: Node) -> None:
@@ -261,6 +236,16 @@ class ShardTensorParallel(DCPPass):
         c.meta[META_SCOPE] = SCOPE_MODEL
         emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
 
+    def _expert_shard_rank(self, g, rank: Node) -> None:
+        """Expert parallel: rank r holds experts [r * E/tp, (r + 1) * E/tp); dcp.moe reads
+        which from its expert_rank operand, the rank input (rank is data)."""
+        for n in list(g.nodes):
+            if n.op == "call_function" and n.target == torch.ops.dcp.moe.default:
+                old = n.args[5]
+                n.args = n.args[:5] + (rank,) + n.args[6:]
+                if not old.users and old.op == "call_function":
+                    g.erase_node(old)
+
     def _shard_param(self, p: Node, spec: ShardSpec, mode) -> None:
         if p.op != "placeholder":
             raise DCPTransformError(f"weight {p.name} is not a parameter input; cannot shard.")
@@ -272,7 +257,7 @@ class ShardTensorParallel(DCPPass):
                                         f"supported. Untie them.")
             return
         full = p.meta["val"]
-        for size, pieces, _ in spec._segs(full.shape[spec.dim]):
+        for size, pieces, _ in spec.segments_of(full.shape[spec.dim]):
             if size % pieces:
                 raise DCPTransformError(f"weight {p.name} of shape {tuple(full.shape)} does "
                                         f"not split into {pieces} pieces along dim "
@@ -292,4 +277,4 @@ class ShardTensorParallel(DCPPass):
                                         f"unsharded.")
 
 
-__all__ = ["ShardTensorParallel", "ShardSpec", "ShardPlan"]
+__all__ = ["ShardTensorParallel", "ShardPlan", "spec_of"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .errors import DCPWorldError
 
+from .rank_engine import load_rank
 from .world import bind_roles
 
 __all__ = ["DCPCompiledStep"]
@@ -49,7 +50,9 @@ class DCPCompiledStep:
     weights Dynamo passes in; later weight updates are not seen (recompile instead).
     """
 
-    def __init__(self, program, step: str, *, weight_args: list[int], user_args: list[int]):
+    def __init__(self, program, step: str, *, weight_args: list[int], user_args: list[int],
+                 compile: str = "eager"):
+        self.compile = compile     # rank_program.COMPILERS: "eager" | "inductor"
         self.program = program
         self.step = step
         self.weight_args = weight_args
@@ -87,8 +90,8 @@ class DCPCompiledStep:
             if not program.constants:
                 program.constants = {name: args[i] for name, i in
                                      zip(program.weight_inputs, self.weight_args)}
-        names = _group_names(program.topology, rank)
-        loaded = program.load(rank, names)
+        loaded = load_rank(program, rank, _group_names(program.topology, rank),
+                           compile=self.compile)
         with self._lock:
             self._loaded[(id(_world()), rank)] = loaded
         return loaded

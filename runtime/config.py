@@ -45,6 +45,9 @@ class DCPConfig:
     # Multi-head Latent Attention: one latent "KV head" ([latent ; k_pe] per token) shared by
     # every query head; decode DCP shards its tokens (passes/absorb_latent_attention.py).
     mla: bool = False
+    # Mixture of experts: experts partitioned over the tp ranks (expert parallel) instead of
+    # each expert's intermediate dim cut over them (tensor parallel, the default).
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.interleave_size is None and _is_positive_int(self.block_size):

@@ -1,6 +1,7 @@
 """DCPProgram: the SPMD result of a transform, and its per-rank loading.
 
-One GraphModule per step kind, shared by every rank. Per-rank state is only (a) the weight
+One GraphModule per step kind, shared by every rank (and, with context buckets, one more per
+(step kind, smaller bucket): ``bucket_graphs``, runtime/buckets.py). Per-rank state is only (a) the weight
 shards (``state_dict_for(rank)``, which includes the ``tp_rank`` input) and (b) the binding of
 collective roles to this rank's process groups (``load(rank, group_names)``).
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import GraphModule
@@ -21,25 +22,81 @@ from torch.fx import GraphModule
 from dcp_compile.runtime.names import META_SCOPE, SCOPE_MODEL
 
 from .config import DCPConfig
+from .facts import ModelFacts
 from .names import RANK_INPUT
 from .roles import role_of
+from .shards import ShardSpec
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from .engine import StepShapes
 
 
 @dataclass
 class DCPProgram:
+    """A compiled program: its graphs, weights and layout; built by dcp_compile.driver."""
+
     config: DCPConfig
     topology: Topology
-    certificate: Any
-    graphs: dict[str, GraphModule]
-    history: list                               # dcp_compile.passes.manager.PassRecord, every step
-    shapes: Any                                 # dcp_compile.runtime.engine.StepShapes
+    graphs: dict[str, GraphModule]              # step kind -> graph (StepKind values)
+    shapes: "StepShapes"
     constants: dict[str, torch.Tensor]          # placeholder -> full weight/buffer
-    shards: dict[str, Any]                      # placeholder -> ShardSpec
+    shards: dict[str, ShardSpec]                # placeholder -> how a rank's shard is cut
     weight_inputs: list[str]                    # placeholder names, in graph order
-    num_layers: int
+    facts: ModelFacts                           # layers, cache dtype, windows, MLA
+    source: str = "transform"                   # the frontend: transform, torch.compile
     dump_dir: str | None = None
-    facts: dict[str, Any] = field(default_factory=dict)
+    # The compiler's record (dcp_compile.report.CompileReport: history, certificate,
+    # check); the runtime passes it on and never reads it.
+    report: object = None
+    # Context buckets below the full capacity: tokens -> step kind -> graph (same weights).
+    bucket_graphs: dict[int, dict[str, GraphModule]] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.facts.num_layers
+
+    @property
+    def history(self) -> list:
+        """Every pass of every step (dcp_compile.passes.manager.PassRecord)."""
+        return self.report.history
+
+    @property
+    def certificate(self):
+        """The layout's proof certificate (dcp_compile.passes.prove)."""
+        return self.report.certificate
+
+    # -- context buckets -------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Context tokens the full-width graphs (``graphs``) hold: the largest bucket."""
+        from .buckets import bucket_of_width
+        return bucket_of_width(self.shapes.max_blocks, block_size=self.config.block_size,
+                               dcp=self.config.dcp)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Every context bucket in tokens, ascending; the last is ``capacity``."""
+        return tuple(sorted(self.bucket_graphs)) + (self.capacity,)
+
+    def for_bucket(self, bucket: int) -> "DCPProgram":
+        """The one-bucket program of ``bucket`` (its graphs, its block-table width), sharing
+        this program's weights: what loading, lowering and contracts take per bucket."""
+        import dataclasses
+
+        from .buckets import bucket_width
+        from .errors import DCPInputError
+        if bucket == self.capacity:
+            graphs = self.graphs
+        elif bucket in self.bucket_graphs:
+            graphs = self.bucket_graphs[bucket]
+        else:
+            raise DCPInputError(f"this program has no context bucket of {bucket} tokens: it "
+                                f"has {list(self.buckets)}. Pick one of those.")
+        width = bucket_width(bucket, block_size=self.config.block_size, dcp=self.config.dcp)
+        return dataclasses.replace(self, graphs=graphs, bucket_graphs={},
+                                   shapes=dataclasses.replace(self.shapes, max_blocks=width))
 
     # -- per-rank state --------------------------------------------------------------------
 
@@ -59,12 +116,13 @@ class DCPProgram:
         from dcp_compile.runtime.kv_cache import KVCacheSpec
         return KVCacheSpec(self.num_layers, self.shapes.num_blocks, self.config.block_size,
                            self.config.kv_heads_per_rank, self.config.head_dim,
-                           dtype or self.facts.get("dtype", torch.float32))
+                           dtype or self.facts.cache_dtype or torch.float32)
 
-    def load(self, rank: int, group_names: dict[str, str]):
-        """This rank's runnable program: roles bound to real process-group names."""
+    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager"):
+        """This rank's runnable program: roles bound to real process-group names;
+        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS)."""
         from dcp_compile.runtime.rank_program import RankProgram
-        return RankProgram(self, rank, group_names)
+        return RankProgram(self, rank, group_names, compile=compile)
 
     # -- reports ---------------------------------------------------------------------------
 
@@ -90,5 +148,6 @@ class DCPProgram:
         c = self.config
         return json.dumps({"tp": c.tp, "dcp": c.dcp, "mode": c.mode,
                            "block_size": c.block_size, "interleave_size": c.interleave_size,
-                           "steps": list(self.graphs), "proof_ok": self.certificate.ok},
+                           "steps": list(self.graphs),
+                           "buckets": list(self.buckets)},
                           indent=None)

@@ -14,6 +14,9 @@ a second code path in the passes:
                                                         cache inputs are returned as outputs
   dcp.partial_attention   -> dcp.partial_attention_live reads the block-table entries the
                                                         batch's longest prior uses
+  dcp.moe                 -> dcp.moe_grouped           sorts the choices by expert, one
+                                                        matmul per expert (no [T, k] weight
+                                                        gather)
 
 and computes the layout metadata every layer repeats (slot mapping, prior length, active
 mask) once per step (``SHARED_PER_STEP``).
@@ -62,11 +65,15 @@ def _live_span_attention(gm: GraphModule, node: Node) -> None:
     node.target = dcp_ops.partial_attention_live.default
 
 
+def _grouped_experts(gm: GraphModule, node: Node) -> None:
+    node.target = dcp_ops.moe_grouped.default
+
+
 # Pure ops on the step's inputs that every layer recomputes with the same arguments (the DCP
 # layout metadata of positions / block table / cp_rank): an eager step computes each once.
 # None of their inputs is written during the step (only the caches are).
 SHARED_PER_STEP = (dcp_ops.slot_mapping.default, dcp_ops.local_filled.default,
-                   dcp_ops.active_mask.default, torch.ops.aten.select.int,
+                   dcp_ops.active_mask.default, dcp_ops.query_bound.default, torch.ops.aten.select.int,
                    torch.ops.aten.eq.Scalar, torch.ops.aten.where.ScalarOther)
 
 
@@ -92,6 +99,7 @@ def share_per_step_metadata(gm: GraphModule) -> int:
 EAGER_KERNELS = {
     dcp_ops.cache_write.default: _in_place_cache_write,
     dcp_ops.partial_attention.default: _live_span_attention,
+    dcp_ops.moe.default: _grouped_experts,        # sort by expert, one matmul per expert
 }
 
 

@@ -29,6 +29,7 @@ class StepShapes:
     context_len: int = 64      # tokens per sequence in a prompt (context/prefill) step
     max_blocks: int = 8        # block-table entries per sequence
     num_blocks: int = 40       # cache blocks per rank, including the garbage block
+    decode_len: int = 1        # tokens per row in a decode step (K > 1: speculative verify)
 
     def __post_init__(self):
         # Typed and O(1): a bad shape is a config error here, not a raw torch error later.
@@ -38,23 +39,26 @@ class StepShapes:
                        and getattr(self, name) >= least)]
         if bad:
             raise DCPConfigError(
-                f"StepShapes fields must be ints with batch, context_len, max_blocks >= 1 "
+                f"StepShapes fields must be ints with batch, context_len, max_blocks, "
+                f"decode_len >= 1 "
                 f"and num_blocks >= 2 (one usable block besides the garbage block): "
                 f"{', '.join(bad)}. Pass positive ints.")
 
     @classmethod
     def fitting(cls, batch: int, context_len: int, max_tokens: int, *, block_size: int,
-                dcp: int, spare_blocks: int = 0) -> "StepShapes":
+                dcp: int, spare_blocks: int = 0, decode_len: int = 1) -> "StepShapes":
         """Shapes for ``batch`` sequences of up to ``max_tokens`` tokens each (prompt +
         generated), prompt chunks of ``context_len``: one block-table entry per vblock
         (``block_size * dcp`` positions), blocks for every sequence, ``spare_blocks`` more,
-        and the garbage block."""
-        max_blocks = -(-max_tokens // (block_size * dcp))
+        and the garbage block. A decode step of width ``decode_len`` may write up to
+        ``decode_len - 1`` positions past ``max_tokens`` (drafts later rejected)."""
+        max_blocks = -(-(max_tokens + decode_len - 1) // (block_size * dcp))
         return cls(batch=batch, context_len=context_len, max_blocks=max_blocks,
-                   num_blocks=batch * max_blocks + spare_blocks + 1)
+                   num_blocks=batch * max_blocks + spare_blocks + 1, decode_len=decode_len)
 
 
-_SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2))
+_SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2),
+                 ("decode_len", 1))
 
 
 class Executor(Protocol):
@@ -102,13 +106,20 @@ class Engine:
     prefill-mode programs; later chunks continue a sequence) or "context" (a decode-mode
     program's own first-chunk-only prompt step).
 
+    ``buckets`` (context lengths in tokens, ascending; default: the shapes' full capacity) are
+    the program's context buckets: each step's block table has the width of the smallest
+    bucket holding every sequence after the step (runtime/buckets.py), and the executor runs
+    that bucket's graph.
+
     Every step it builds is checked against the step contract (``dcp_compile.runtime.step_contract``),
     plus what only the engine knows: each row continues its sequence. ``vocab_size`` adds
     the token-id rule (a loaded program checks it itself).
     """
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
-                 dcp: int = 1, prompt_kind: str = "prefill", vocab_size: int | None = None):
+                 dcp: int = 1, prompt_kind: str = "prefill", vocab_size: int | None = None,
+                 prefix_caching: bool = False, buckets=None):
+        from .buckets import bucket_width, check_buckets
         self.executor = executor
         self.shapes = shapes
         self.block_size = block_size
@@ -116,11 +127,17 @@ class Engine:
         self.prompt_kind = prompt_kind
         # An executor that shows its caches must hold every block the shapes promise.
         check_engine_caches(shapes.num_blocks, block_size, getattr(executor, "caches", None))
-        self.contracts = {kind: StepContract(
-            kind=kind, batch=shapes.batch, tokens=1 if kind == "decode" else shapes.context_len,
-            max_blocks=shapes.max_blocks, num_blocks=shapes.num_blocks, block_size=block_size,
-            dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")}
-        self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp)
+        self.buckets = check_buckets(buckets, block_size=block_size, dcp=dcp,
+                                     max_blocks=shapes.max_blocks)
+        self.contracts = {(kind, width): StepContract(
+            kind=kind, batch=shapes.batch,
+            tokens=shapes.decode_len if kind == "decode" else shapes.context_len,
+            max_blocks=width, num_blocks=shapes.num_blocks, block_size=block_size,
+            dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")
+            for width in (bucket_width(b, block_size=block_size, dcp=dcp)
+                          for b in self.buckets)}
+        self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp,
+                                        prefix_caching=prefix_caching)
         self.lengths: list[int] = []
 
     # -- steps -----------------------------------------------------------------------------
@@ -135,6 +152,14 @@ class Engine:
         if not self.lengths:
             self.lengths = [0] * n
         self._check_batch(n)
+        if self.allocator.prefix_caching and not any(self.lengths):
+            from .prefix_cache import prefill_sharing_prefixes
+            return prefill_sharing_prefixes(self, prompts)
+        return self.prompt_step(prompts)
+
+    def prompt_step(self, prompts: list[list[int]]) -> torch.Tensor:
+        """One prompt step of ``prompt_kind`` (``prefill`` without the prefix cache)."""
+        n = len(prompts)
         if self.prompt_kind == "context" and any(self.lengths):
             raise DCPInputError(
                 f"the decode engine's context step runs a first prompt chunk only (no prior "
@@ -146,12 +171,7 @@ class Engine:
                 f"prompt chunk longer than the program's context_len: lengths="
                 f"{[len(p) for p in prompts]}, context_len={S}. Split it into chunks of at "
                 f"most {S} tokens or build the program with a larger context_len.")
-        input_ids = torch.zeros(self.shapes.batch, S, dtype=torch.int64)
-        positions = torch.full((self.shapes.batch, S), -1, dtype=torch.int64)
-        for b, chunk in enumerate(prompts):
-            start = self.lengths[b]
-            input_ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
-            positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+        input_ids, positions = self._pack(prompts, S)
         logits = self._run(self.prompt_kind, input_ids, positions,
                            [len(c) for c in prompts])
         last = torch.tensor([max(len(c) - 1, 0) for c in prompts])
@@ -159,17 +179,47 @@ class Engine:
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
         """One new token per sequence; returns its logits [n, vocab]."""
-        n = len(tokens)
-        self._check_batch(n)
-        input_ids = torch.zeros(self.shapes.batch, 1, dtype=torch.int64)
-        positions = torch.full((self.shapes.batch, 1), -1, dtype=torch.int64)
-        input_ids[:n, 0] = torch.tensor(tokens, dtype=torch.int64)
-        positions[:n, 0] = torch.tensor(self.lengths[:n], dtype=torch.int64)
-        return self._run("decode", input_ids, positions, [1] * n)[:n, 0]
+        return self.decode_rows([[t] for t in tokens])[:, 0]
 
-    def generate(self, prompts: list[list[int]], steps: int) -> GenerateResult:
-        """Prefill the prompts, then greedy-decode ``steps`` tokens."""
-        return self.continue_generate(self.prefill(prompts), steps)
+    def decode_rows(self, rows: list[list[int]]) -> torch.Tensor:
+        """Up to ``decode_len`` new tokens per sequence at its next positions (padded with
+        -1; an empty row sits the step out); returns their logits [n, decode_len, vocab]
+        and advances each length by its row's tokens (``rewind`` takes back what a
+        verification rejects)."""
+        n, K = len(rows), self.shapes.decode_len
+        self._check_batch(n)
+        if any(not 0 <= len(r) <= K for r in rows):
+            raise DCPInputError(
+                f"decode rows must hold 0..decode_len={K} tokens: lengths "
+                f"{[len(r) for r in rows]}. Split longer rows over steps or build the "
+                f"program with a larger StepShapes.decode_len.")
+        input_ids, positions = self._pack(rows, K)
+        return self._run("decode", input_ids, positions, [len(r) for r in rows])[:n]
+
+    def rewind(self, seq: int, length: int) -> None:
+        """Keep only sequence ``seq``'s first ``length`` tokens: later positions' KV is
+        simply overwritten by later steps (no copy), blocks past it are returned."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise DCPInputError(f"cannot rewind sequence {seq} to {length} tokens: it holds "
+                                f"{self.lengths[seq]}. Pass a length in [0, "
+                                f"{self.lengths[seq]}].")
+        self.lengths[seq] = length
+        self.allocator.shrink(seq, length)
+
+    def generate(self, prompts: list[list[int]], steps: int, *, drafter=None):
+        """Prefill the prompts, then greedy-decode ``steps`` tokens.
+
+        With a ``drafter`` (dcp_compile.runtime.speculative), drafts are verified in decode
+        steps of width ``decode_len``: same tokens, a ``SpecResult`` (logits per sequence
+        per token, acceptance statistics) instead of a ``GenerateResult``.
+        """
+        logits = self.prefill(prompts)
+        if drafter is None:
+            return self.continue_generate(logits, steps)
+        from .speculative import speculative_generate
+        if hasattr(drafter, "start"):
+            drafter.start(prompts)
+        return speculative_generate(self, logits, steps, drafter, prompts)
 
     def continue_generate(self, logits: torch.Tensor, steps: int) -> GenerateResult:
         """Greedy-decode ``steps`` tokens from the logits of each sequence's last token."""
@@ -186,6 +236,17 @@ class Engine:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _pack(self, rows: list[list[int]], width: int):
+        """[batch, width] input_ids and positions: row b's tokens at its next positions,
+        then -1 (ids 0); unused rows all padding."""
+        input_ids = torch.zeros(self.shapes.batch, width, dtype=torch.int64)
+        positions = torch.full((self.shapes.batch, width), -1, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            start = self.lengths[b]
+            input_ids[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+            positions[b, :len(row)] = torch.arange(start, start + len(row))
+        return input_ids, positions
+
     def _check_batch(self, n: int) -> None:
         if n > self.shapes.batch:
             raise DCPInputError(f"batch of {n} sequences exceeds the program's batch size "
@@ -194,16 +255,25 @@ class Engine:
             raise DCPInputError(f"step has {n} sequences, engine holds {len(self.lengths)}. "
                                 f"Pass one entry per sequence.")
 
+    def bucket_width(self, lengths: list[int]) -> int:
+        """Block-table width of the smallest bucket holding sequences of ``lengths`` tokens."""
+        from .buckets import bucket_width, smallest_bucket
+        tokens = max(lengths, default=0)
+        # Past the capacity: the full width, where the allocator names the overflow.
+        bucket = smallest_bucket(self.buckets, min(tokens, self.buckets[-1]))
+        return bucket_width(bucket, block_size=self.block_size, dcp=self.dcp)
+
     def _run(self, kind, input_ids, positions, new_tokens: list[int]) -> torch.Tensor:
         seqs = list(range(len(new_tokens)))
         for b, k in enumerate(new_tokens):
             self.allocator.ensure(b, self.lengths[b] + k)
         seq_ids = seqs + [None] * (self.shapes.batch - len(seqs))
-        block_table = self.allocator.table(seq_ids, self.shapes.max_blocks)
+        width = self.bucket_width([self.lengths[b] + k for b, k in enumerate(new_tokens)])
+        block_table = self.allocator.table(seq_ids, width)
         # The step contract, plus the engine's own knowledge: each row continues its sequence.
         seq_lens = torch.full((self.shapes.batch,), -1, dtype=torch.int64)
         seq_lens[:len(seqs)] = torch.tensor(self.lengths[:len(seqs)], dtype=torch.int64)
-        self.contracts[kind].check(input_ids, positions, block_table, seq_lens=seq_lens)
+        self.contracts[kind, width].check(input_ids, positions, block_table, seq_lens=seq_lens)
         logits = self.executor.step(kind, input_ids, positions, block_table)
         for b, k in enumerate(new_tokens):
             self.lengths[b] += k

@@ -21,6 +21,17 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class MixtureOfExperts:
+    """The model's dcp.moe blocks, as canonicalize_moe found them (README: Mixture of
+    experts)."""
+
+    layers: int                       # MoE layers (dcp.moe nodes)
+    experts: tuple[int, ...]          # distinct expert counts
+    top_k: tuple[int, ...]            # distinct top-k
+    expert_parallel: bool
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """Facts about the model; ``None`` where nothing has told yet.
 
@@ -36,6 +47,7 @@ class ModelFacts:
     # (passes/positions.py): a one-token step reads ``table[:1]`` as position rows too.
     position_tables: tuple[tuple[str, int], ...] | None = None
     mla: LatentAttention | None = None
+    moe: MixtureOfExperts | None = None
     # One mask theorem per attention layer of an ordinary model (passes/prove/masks.py
     # Theorems), for the certificate.
     mask_theorems: tuple | None = None

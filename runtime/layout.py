@@ -28,6 +28,7 @@ __all__ = [
     "select",
     "owner",
     "local_filled",
+    "query_local_bound",
     "dcp_active_mask",
     "local_slot",
     "global_position",
@@ -120,6 +121,20 @@ def local_filled(n, rank, *, dcp, interleave, block):
     filled = filled + (remaining // stride) * interleave
     leftover = remaining - (remaining // stride) * stride
     return filled + clamp(clamp(leftover - rank_start, lo=0), hi=interleave)
+
+
+def query_local_bound(n, offset, rank, *, dcp, interleave, block):
+    """Local slots of ``rank`` that the query at position ``n + offset`` attends (a width-K
+    decode step: row positions n, n+1, ..., n+K-1; ``offset`` < K).
+
+    After the step's owners wrote its tokens, the rank's shard holds, in its dense local
+    slots, every position it owns up to the row's end; the query at ``n + offset`` may read
+    exactly the owned positions at or below its own: the first ``local_filled(n + offset + 1)``
+    slots. Counted from the query's own position, never from the row's end: local(G - k) is
+    not local(G) - k when the k later tokens belong to other ranks (theorem
+    query_local_bound_is_causal).
+    """
+    return local_filled(n + offset + 1, rank, dcp=dcp, interleave=interleave, block=block)
 
 
 def dcp_active_mask(n, rank, *, dcp, interleave, block):

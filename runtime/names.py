@@ -32,6 +32,17 @@ class StepKind(_Word):
     PREFILL = "prefill"           # the prefill engine's chunk (sequence parallel)
 
 
+class Role(_Word):
+    """A collective's group role (README: topology); bound to real groups when a rank loads
+    the program (dcp_compile.runtime.roles)."""
+
+    WORLD = "world"               # every rank
+    TP = "tp"                     # decode: the tensor-parallel group (every rank)
+    DCP = "dcp"                   # decode: the DCP group of a KV replica set
+    DCP_TP = "dcp_tp"             # prefill: consecutive TP/DCP ranks
+    CP_KV = "cp_kv"               # prefill: the ranks holding one KV head's positions
+
+
 class Mode(_Word):
     """What a program serves: decode (context + decode steps) or prefill."""
 
@@ -73,6 +84,10 @@ ROLE_META = "dcp_tp_role"             # a linear's tensor-parallel role (q_proj,
 PROJECTIONS_META = "dcp_projections"  # an attention's q/k/v/o linear names
 SP_SLICE = "dcp_sp_slice"             # this rank's sequence-parallel slice after the O proj.
 SP_GATHER = "dcp_sp_gather"           # full-sequence tensor after a sequence-parallel gather
+MOE_ROLE_META = "dcp_moe_role"        # a linear of a MoE block run whole on every rank
+                                      # (MOE_ROUTER, MOE_SHARED_GATE)
+MOE_ROUTER = "router"
+MOE_SHARED_GATE = "shared_expert_gate"
 SPEC_STEP = "dcp_spec_step"           # the specification's prefill Compute Pattern step (1..9)
 
 # In torch's meta["custom"] (make_fx copies it onto the nodes a node decomposes into): the

@@ -174,11 +174,15 @@ class NeuronStepModule(torch.nn.Module):
     Weight shards and ``tp_rank`` are buffers (per-rank state, like NxD's SPMDRank), so the
     traced graph is identical on every rank. ``forward(input_ids, positions, block_table,
     *kv_caches) -> (logits, *new_kv_caches)``; :attr:`input_output_aliases` maps each cache
-    argument index to the output index that replaces it.
+    argument index to the output index that replaces it. ``bucket`` (tokens; default the
+    full capacity) picks the context bucket's graph: trace one module per (step, bucket)
+    and run the one of the smallest bucket holding the batch (runtime/buckets.py).
     """
 
-    def __init__(self, program, step: str, rank: int):
+    def __init__(self, program, step: str, rank: int, bucket: int | None = None):
         super().__init__()
+        program = program.for_bucket(bucket if bucket is not None else program.capacity)
+        self.bucket = program.capacity
         if step not in program.graphs:
             raise DCPNeuronError(f"program has no step {step!r}: it has "
                                  f"{list(program.graphs)}.")
@@ -202,3 +206,29 @@ def collective_calls(gm: GraphModule) -> list[tuple[str, tuple]]:
     names = {fn: name for name, fn in XLA_COLLECTIVES.items()}
     return [(names[n.target], tuple(a for a in n.args[1:]))
             for n in gm.graph.nodes if n.op == "call_function" and n.target in names]
+
+
+def step_fns(program, rank: int) -> dict:
+    """kind -> ``fn(input_ids, positions, block_table, caches) -> (logits, caches)`` over one
+    NeuronStepModule per (step kind, context bucket): a step runs the module of its block
+    table's width (the Engine picks the smallest bucket holding the batch)."""
+    modules = {}
+    for bucket in program.buckets:
+        view = program.for_bucket(bucket)
+        for kind in view.graphs:
+            modules[kind, view.shapes.max_blocks] = NeuronStepModule(program, kind, rank,
+                                                                     bucket)
+
+    def fn_of(kind):
+        def fn(input_ids, positions, block_table, caches):
+            module = modules.get((kind, block_table.shape[-1]))
+            if module is None:
+                raise DCPNeuronError(
+                    f"no {kind!r} module for a block table of {block_table.shape[-1]} "
+                    f"entries: the program's widths are "
+                    f"{sorted(w for k, w in modules if k == kind)}. Build the step's block "
+                    f"table for one of its buckets (Engine(buckets=program.buckets)).")
+            out = module(input_ids, positions, block_table, *caches)
+            return out[0], list(out[1:])
+        return fn
+    return {kind: fn_of(kind) for kind in program.graphs}

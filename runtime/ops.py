@@ -81,6 +81,29 @@ def _(n, rank, dcp, interleave, block):
     return torch.empty_like(n)
 
 
+def _query_bound_impl(positions: Tensor, rank: Tensor, dcp: int, interleave: int,
+                      block: int) -> Tensor:
+    # Row b's queries sit at positions[b, 0] + t; padding (-1) reads no slot.
+    n = positions[:, :1].clamp(min=0)
+    offset = torch.arange(positions.shape[1], device=positions.device).unsqueeze(0)
+    bound = layout.query_local_bound(n, offset, rank, dcp=dcp, interleave=interleave,
+                                     block=block)
+    return torch.where(positions >= 0, bound, torch.zeros_like(bound))
+
+
+@torch.library.custom_op("dcp::query_bound", mutates_args=())
+def query_bound(positions: Tensor, rank: Tensor, dcp: int, interleave: int,
+                block: int) -> Tensor:
+    """[B, K]: local slots of ``rank`` each query of a width-K decode row reads (prior and
+    this step's owned tokens at or below the query: layout.query_local_bound); 0 on padding."""
+    return _query_bound_impl(positions, rank, dcp, interleave, block)
+
+
+@query_bound.register_fake
+def _(positions, rank, dcp, interleave, block):
+    return torch.empty_like(positions)
+
+
 def _active_mask_impl(n: Tensor, rank: Tensor, dcp: int, interleave: int,
                       block: int) -> Tensor:
     owned = layout.dcp_active_mask(n.clamp(min=0), rank, dcp=dcp, interleave=interleave,
@@ -119,11 +142,12 @@ def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tens
                       slots: Tensor) -> tuple[Tensor, Tensor]:
     num_blocks, block, heads, dim = key_cache.shape
     rows = _write_rows(key_cache, slots)
-    new_k = key_cache.reshape(num_blocks * block, heads, dim).index_put(
-        (rows,), k.reshape(-1, heads, dim).to(key_cache.dtype))
-    new_v = value_cache.reshape(num_blocks * block, heads, dim).index_put(
-        (rows,), v.reshape(-1, heads, dim).to(value_cache.dtype))
-    return new_k.reshape(key_cache.shape), new_v.reshape(value_cache.shape)
+    # (block, offset) indices on the cache itself, not rows of a flattened view: a reshaped
+    # cache is laid out apart from the cache by XLA, which then copies it whole every step.
+    where = (rows // block, rows % block)
+    new_k = key_cache.index_put(where, k.reshape(-1, heads, dim).to(key_cache.dtype))
+    new_v = value_cache.index_put(where, v.reshape(-1, heads, dim).to(value_cache.dtype))
+    return new_k, new_v
 
 
 @torch.library.custom_op("dcp::cache_write", mutates_args=())
@@ -160,15 +184,25 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     entries = block_table[:, local // block]
     allocated = (entries >= 0) & (entries < num_blocks - 1)
     rows = torch.where(allocated, entries, num_blocks - 1) * block + local % block
-    k_prior = key_cache.reshape(num_blocks * block, kv_heads, -1)[rows]
-    v_prior = value_cache.reshape(num_blocks * block, kv_heads, -1)[rows]
+    # Whole blocks, one per block-table entry (a gather of batch * max_blocks blocks, not of
+    # every slot): [batch, max_blocks, block, heads, dim] -> [batch, max_blocks * block, ...].
+    table = torch.where((block_table >= 0) & (block_table < num_blocks - 1), block_table,
+                        num_blocks - 1)
+    k_prior = key_cache[table].reshape(batch, max_blocks * block, kv_heads,
+                                       key_cache.shape[-1])
+    v_prior = value_cache[table].reshape(batch, max_blocks * block, kv_heads,
+                                         value_cache.shape[-1])
     if kv_shared:
         # The (key, value) caches hold the two halves of one vector that is both the key and
         # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
         k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
     prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
-    prior_valid = (local.unsqueeze(0) < prior_len.unsqueeze(1)) & allocated
+    # prior_len [b]: one bound per row; [b, i]: one per query (a width-K decode step reads
+    # its own owned tokens from the cache, query i up to query_bound[b, i]).
+    per_query = prior_len.dim() == 2
+    row_len = prior_len.amax(dim=1) if per_query else prior_len
+    prior_valid = (local.unsqueeze(0) < row_len.unsqueeze(1)) & allocated
     prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
                             torch.full_like(rows, -1))
 
@@ -181,8 +215,11 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     values = torch.where(key_valid[:, :, None, None], values, torch.zeros_like(values))
 
     # Causal on global positions; padding queries attend to nothing.
-    allowed = (key_valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
-               & (q_pos[:, :, None] >= 0))                                 # [b, i, j]
+    causal = key_pos[:, None, :] <= q_pos[:, :, None]
+    if per_query:  # prior keys: the proven local bound alone decides (no global check)
+        prior_causal = local[None, None, :] < prior_len[:, :, None]
+        causal = torch.cat([prior_causal, causal[:, :, local.shape[0]:]], dim=2)
+    allowed = key_valid[:, None, :] & causal & (q_pos[:, :, None] >= 0)     # [b, i, j]
     if window > 0:
         # Sliding window on global positions: a per-position mask, so each rank applies it
         # to its own keys and the LSE combine is unchanged.
@@ -213,6 +250,7 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
     ``rank``) plus the current keys whose ``k_pos >= 0``; causal on global positions.
+    ``prior_len`` [batch, q_len] bounds each query's prior slots instead (query_bound).
     ``window > 0``: only keys with ``q_pos - k_pos < window``; ``softcap > 0``: scores
     ``tanh(s / softcap) * softcap``; ``kv_shared``: keys and values are both
     ``cat(k, v, dim=-1)`` (one vector stored once, in halves, in the two caches).
@@ -314,6 +352,7 @@ DECOMPOSITIONS = {
     torch.ops.dcp.slot_mapping.default: _slot_mapping_impl,
     torch.ops.dcp.local_filled.default: _local_filled_impl,
     torch.ops.dcp.active_mask.default: _active_mask_impl,
+    torch.ops.dcp.query_bound.default: _query_bound_impl,
     torch.ops.dcp.cache_write.default: _cache_write_impl,
     torch.ops.dcp.partial_attention.default: _partial_attention_impl,
     torch.ops.dcp.lse_correct.default: _lse_correct_impl,
@@ -482,3 +521,12 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# Mixture of experts (runtime/moe.py: dcp.moe and its eager kernel dcp.moe_grouped)
+# ----------------------------------------------------------------------------------------
+
+from .moe import DECOMPOSITIONS as _MOE_DECOMPOSITIONS  # noqa: E402
+
+DECOMPOSITIONS.update(_MOE_DECOMPOSITIONS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Graph, GraphModule
 
 from .eager import specialize_for_eager
@@ -19,6 +20,16 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
     return GraphModule(gm, g)
 
 
+def _inductor(gm: GraphModule):
+    # Static shapes (one graph per step kind and bucket); the functional collectives stay in
+    # the graph, so Inductor sees and may reorder them.
+    return torch.compile(gm, backend="inductor", dynamic=False, fullgraph=True)
+
+
+# How a loaded rank runs its (eager-specialized, bound) graphs: compile mode -> wrapper.
+COMPILERS = {"eager": lambda gm: gm, "inductor": _inductor}
+
+
 class RankProgram:
     """Callable per step kind: ``step_fn(kind)(input_ids, positions, block_table, caches)``.
 
@@ -34,37 +45,59 @@ class RankProgram:
     The graphs run eagerly, so loading swaps in the eager kernels (``dcp_compile.runtime.eager``): each
     step writes the caches it is given in place (and returns those same tensors) and its
     attention reads only the live block-table span. ``eager_kernels[kind]`` counts the swaps.
+    ``compile="inductor"`` then compiles each graph with Inductor (``COMPILERS``; compiled on
+    its first run, once per step kind and bucket).
     """
 
     def __init__(self, program, rank: int, group_names: dict[str, str], *,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, compile: str = "eager"):
+        if compile not in COMPILERS:
+            raise DCPInputError(f"unknown compile mode for a loaded program: {compile!r}. "
+                                f"Use one of {sorted(COMPILERS)}.")
+        self.compile = compile
         self.program = program
         self.rank = rank
         state = program.state_dict_for(rank)
         self._prefix = [state[n] for n in program.weight_inputs] + [state[RANK_INPUT]]
         device = self._prefix[0].device
-        self.contracts = {kind: StepContract.for_program(program, kind, device=device,
-                                                         max_model_len=max_model_len)
-                          for kind in program.graphs}
-        self.graphs, self.eager_kernels = {}, {}
+        # One (graphs, contracts) per context bucket, by block-table width: a step runs the
+        # graph of its table's width (the Engine picks the bucket; runtime/buckets.py).
+        self._by_width = {}
+        for bucket in program.buckets:
+            view = program.for_bucket(bucket)
+            contracts = {kind: StepContract.for_program(view, kind, device=device,
+                                                        max_model_len=max_model_len)
+                         for kind in view.graphs}
+            graphs, kernels = self._bind(view, group_names)
+            self._by_width[view.shapes.max_blocks] = (graphs, contracts)
+        # The full-capacity bucket's, as before buckets.
+        self.graphs, self.contracts, self.eager_kernels = graphs, contracts, kernels
+
+    def _bind(self, program, group_names):
+        graphs, eager_kernels = {}, {}
         for kind, gm in program.graphs.items():
             gm = copy_graph_module(gm)
-            self.eager_kernels[kind] = specialize_for_eager(gm)
+            eager_kernels[kind] = specialize_for_eager(gm)
             for c in bound_collectives(
                     gm, group_names, error=DCPWorldError, fix="Bind every role of the topology",
-                    binder=f"rank {rank}'s process groups",
+                    binder=f"rank {self.rank}'s process groups",
                     where=lambda n, kind=kind: f"at node {n.name} (step {kind!r})"):
                 c.node.update_arg(c.kind.group_arg, c.binding)
             gm.recompile()
-            self.graphs[kind] = gm
+            graphs[kind] = COMPILERS[self.compile](gm)
+        return graphs, eager_kernels
 
     def run(self, kind: str, input_ids, positions, block_table, caches):
         if kind not in self.graphs:
             raise DCPInputError(f"this program has no {kind!r} step: it has "
                                 f"{sorted(self.graphs)}. Run one of those.")
         caches = list(caches)
-        self.contracts[kind].check(input_ids, positions, block_table, caches)
-        out = self.graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
+        width = block_table.shape[-1] if getattr(block_table, "dim", lambda: 0)() == 2 \
+            else None
+        # An unknown width runs the full bucket, whose contract names the expected shape.
+        graphs, contracts = self._by_width.get(width, (self.graphs, self.contracts))
+        contracts[kind].check(input_ids, positions, block_table, caches)
+        out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
         return out[0], list(out[1:])
 
     def step_fn(self, kind: str):

@@ -274,13 +274,28 @@ def _garbage_block(c, s):
         f"Use blocks 0..{garbage - 1}; BlockAllocator never hands the garbage block out")
 
 
+def _written_entries(c, s) -> torch.Tensor:
+    """[B, M] True where the row writes a position of that block-table entry this step."""
+    t, p = s.block_table, s.positions
+    entry = p.clamp(min=0) // c.vblock
+    hit = (p >= 0) & (entry < t.shape[1])
+    written = torch.zeros(t.shape, dtype=torch.int64, device=t.device)
+    written.scatter_add_(1, entry.clamp(max=max(t.shape[1] - 1, 0)), hit.to(torch.int64))
+    return written > 0
+
+
 def _shared_block(c, s):
     t = s.block_table
     if t.numel() < 2:
         return None
     flat = t.reshape(-1)
     ids, order = torch.sort(flat, stable=True)
-    dup = (ids[1:] == ids[:-1]) & (ids[1:] >= 0)
+    written = _written_entries(c, s).reshape(-1)[order]
+    rows = order // t.shape[1]
+    # A block in two rows is a shared prefix (read-only); a write into it, or one block
+    # twice in a row, is not allowed.
+    same = (ids[1:] == ids[:-1]) & (ids[1:] >= 0)
+    dup = same & ((rows[1:] == rows[:-1]) | written[1:] | written[:-1])
     hit = _first(dup)
     if hit is None:
         return None
@@ -288,9 +303,13 @@ def _shared_block(c, s):
     (b1, j1), (b2, j2) = (divmod(int(order[i]), t.shape[1]) for i in (k, k + 1))
     block = int(ids[k])
     if b1 != b2:
-        return (b2, j2), _msg(f"{_el('block_table', (b2, j2))} = {block} is also used by "
-                              f"row {b1}", "a block belongs to one sequence",
-                              f"Free it or give row {b2} its own block")
+        wb, wj = (b2, j2) if bool(written[k + 1]) else (b1, j1)
+        return (wb, wj), _msg(
+            f"{_el('block_table', (wb, wj))} = {block} is shared with row "
+            f"{b1 if wb == b2 else b2} and row {wb} writes into it in this step",
+            "a block in several rows (a shared prefix) is read-only: no request writes "
+            "another's KV", f"Free it or give row {wb} its own block for the positions it "
+            "writes")
     return (b2, j2), _msg(f"{_el('block_table', (b2, j2))} = {block} is also "
                           f"{_el('block_table', (b1, j1))}",
                           "a block holds one block-table entry of one sequence",

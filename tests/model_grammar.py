@@ -20,6 +20,13 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
             [h*d, d] parameter (MLA's absorbed W_UK / W_UV)
   explicit_heads  head counts written in views (view(b, s, 8, d)) instead of -1
   tied      LM head shares the embedding's weight
+  moe       none (dense MLP) | a mixture of experts calling dcp.moe, routed by softmax ->
+            top-k -> renormalise (Mixtral) | top-k of the logits -> softmax over the k
+            (GraniteMoE) | sigmoid + score-correction bias, group-limited top-k, scaling
+            (DeepSeek-V3 noaux_tc); with ``experts`` in 4..16, ``top_k`` in 1..4
+  shared    (MoE) none | a shared SwiGLU expert added to the routed ones | the same behind a
+            sigmoid gate, a linear to one feature (Qwen2-MoE)
+  expert_parallel  (MoE) transform(..., expert_parallel=True): experts partitioned over tp
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ class ModelSpec:
     head_matmul: str = "none"
     explicit_heads: bool = False
     tied: bool = False
+    moe: str = "none"
+    shared: str = "none"
+    experts: int = 4
+    top_k: int = 2
+    expert_parallel: bool = False
     layers: int = 1
     hidden: int = 32
     head_dim: int = 8
@@ -78,6 +90,9 @@ FEATURES = {
     "head_matmul": ["none", "q", "out"],
     "explicit_heads": [False, True],
     "tied": [False, True],
+    "moe": ["none", "softmax", "topk_softmax", "sigmoid_group"],
+    "shared": ["none", "plain", "gated"],
+    "expert_parallel": [False, True],
 }
 
 
@@ -98,6 +113,12 @@ def model_specs(draw) -> ModelSpec:
     picks = {k: draw(_feature(k))
              for k in ("qk_norm", "rope", "mlp", "bias", "norm", "head_matmul",
                        "explicit_heads", "tied")}
+    moe = draw(_feature("moe"))
+    if moe != "none":
+        picks.update(moe=moe, shared=draw(_feature("shared")),
+                     experts=draw(st.sampled_from([4, 8, 16])),
+                     top_k=draw(st.integers(1, 4)),
+                     expert_parallel=draw(st.booleans()))
     return ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=draw(_feature("layers", [1, 2])),
                      hidden=draw(st.sampled_from([32, 64])),
                      seed=draw(st.integers(0, 2**16)), **picks)
@@ -250,13 +271,66 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.gelu(self.up_proj(x)))
 
 
+class MoE(nn.Module):
+    """Routed experts through torch.ops.dcp.moe (a plain model's MoE block), optionally with
+    a shared expert; the router is one of three families (see ``moe`` above)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        e, h, inter = spec.experts, spec.hidden, spec.hidden
+        self.router = nn.Linear(h, e, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, inter))
+        if spec.moe == "sigmoid_group":
+            self.score_bias = nn.Parameter(torch.empty(e))
+        if spec.shared != "none":
+            self.shared = MLP(ModelSpec(spec.q_heads, spec.kv_heads, hidden=h))
+        if spec.shared == "gated":
+            self.shared_gate = nn.Linear(h, 1, bias=False)
+
+    def _route(self, t: Tensor):
+        spec, k = self.spec, self.spec.top_k
+        logits = self.router(t)
+        if spec.moe == "softmax":
+            weights, ids = logits.softmax(dim=-1).topk(k, dim=-1)
+            return ids, weights / weights.sum(dim=-1, keepdim=True)
+        if spec.moe == "topk_softmax":
+            top, ids = logits.topk(k, dim=-1)
+            return ids, top.softmax(dim=-1)
+        scores = logits.sigmoid()                        # noaux_tc: 2 groups
+        e = spec.experts
+        choice = scores + self.score_bias
+        groups = choice.view(-1, 2, e // 2).topk(min(2, e // 2), dim=-1)[0].sum(dim=-1)
+        keep = 1 if k <= e // 2 else 2
+        mask = torch.zeros_like(groups).scatter(1, groups.topk(keep, dim=-1)[1], 1.0)
+        mask = mask.unsqueeze(-1).expand(-1, 2, e // 2).reshape(-1, e)
+        ids = choice.masked_fill(mask == 0, float("-inf")).topk(k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * 2.5
+
+    def forward(self, x):
+        b, s, h = x.shape
+        t = x.reshape(-1, h)
+        ids, weights = self._route(t)
+        rank0 = torch.zeros((), dtype=torch.int64, device=x.device)
+        out = torch.ops.dcp.moe(t, ids, weights, self.gate_up_proj, self.down_proj, rank0,
+                                "silu")
+        if self.spec.shared != "none":
+            shared = self.shared(t)
+            if self.spec.shared == "gated":
+                shared = torch.sigmoid(self.shared_gate(t)) * shared
+            out = out + shared
+        return out.view(b, s, h)
+
+
 class Layer(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.input_norm = _norm(spec, spec.hidden)
         self.attn = Attention(spec)
         self.post_norm = _norm(spec, spec.hidden)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec) if spec.moe == "none" else MoE(spec)
 
     def forward(self, x, cos, sin, positions, block_table, key_cache, value_cache):
         h, key_cache, value_cache = self.attn(self.input_norm(x), cos, sin, positions,

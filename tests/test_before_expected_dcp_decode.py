@@ -154,9 +154,18 @@ def test_combine_dtype_model_sends_the_partial_outputs_in_the_model_dtype(combin
     assert combine_op["bytes_in"] == 2 * B * HQ * width * 2             # bf16 elements
 
 
-def test_decode_rewrite_requires_one_token():
-    with pytest.raises(DCPTransformError, match="one token per sequence"):
-        run_alone(DCPDecode(context(4, 2, "decode")), _before(tokens=3))
+def test_decode_rewrite_refuses_a_width_beyond_the_proof():
+    with pytest.raises(DCPTransformError, match="proven for widths 1..8"):
+        run_alone(DCPDecode(context(4, 2, "decode")), _before(tokens=9))
+
+
+def test_width_k_decode_reads_every_key_through_the_query_bound():
+    gm = run_alone(DCPDecode(context(4, 2, "decode")), _before(tokens=3))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    dcp_ops = torch.ops.dcp
+    assert targets.count(dcp_ops.query_bound.default) == 1
+    assert targets.count(dcp_ops.partial_attention.default) == 1
+    assert dcp_ops.active_mask.default not in targets
 
 
 def test_context_step_is_plain_attention_with_owner_only_writes():

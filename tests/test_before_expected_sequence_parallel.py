@@ -132,7 +132,7 @@ def test_prefill_layer_becomes_sequence_parallel():
     assert nodes["all_gather_into_tensor_default_2"].meta[SPEC_STEP] == 1
     assert [n.name for n in gm.graph.nodes if n.meta.get(SP_SLICE)] == ["index_select_default"]
     assert tuple(nodes["add_tensor_1"].meta["val"].shape) == (2, 1, 32)   # S_pad/TP tokens
-    assert p.matched["gathers"] == {"qkv": 1, "mlp": 1, "lm_head": 1}
+    assert p.matched["gathers"] == {"qkv": 1, "mlp": 1, "lm_head": 1, "moe": 0}
 
 
 def test_decode_mode_is_refused():

@@ -97,7 +97,7 @@ def test_the_ordinary_frontends_facts_come_from_the_cache_insertion():
     assert front.facts() == ModelFacts()
     program = compile_program(front, DCPConfig(tp=4, dcp=2, mode="prefill", block_size=4),
                               CompileOptions(check=False))
-    assert program.num_layers == 2 and program.facts["dtype"] == torch.float32
+    assert program.num_layers == 2 and program.facts.cache_dtype == torch.float32
 
 
 def test_the_driver_builds_the_only_program_and_names_no_model_kind():

@@ -139,7 +139,8 @@ def check_case(case):
     model = build(spec)
     where = f"{spec.describe()} tp={tp} dcp={dcp} mode={mode}"
     STATS["drawn"] += 1
-    kwargs = dict(tp=tp, dcp=dcp, mode=mode, block_size=BLOCK, shapes=shapes_for(dcp))
+    kwargs = dict(tp=tp, dcp=dcp, mode=mode, block_size=BLOCK, shapes=shapes_for(dcp),
+                  expert_parallel=spec.expert_parallel)
     known = spec.features() & KNOWN_UNSOUND_FEATURES
     try:
         program = dcp_compile.transform(model, check=WITH_CHECK, **kwargs)

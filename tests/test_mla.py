@@ -134,7 +134,9 @@ def test_mla_q_lora_check():
     program = dcp_compile.transform(model, tp=4, dcp=2, mode="decode", block_size=4,
                                     shapes=StepShapes(batch=4, context_len=9, max_blocks=3,
                                                       num_blocks=13), check=True)
-    assert program.facts["check"]["ok"]
+    assert program.report.check.ok
+    mla = program.facts.mla                 # insert_paged_cache returned the widths it found
+    assert (mla.kv_lora_rank, mla.qk_rope_head_dim) == (CFG.kv_lora_rank, CFG.qk_rope_head_dim)
 
 
 def test_mla_config_rule():
@@ -169,7 +171,7 @@ def test_mla_eager_attention_check():
                                     mode="decode", block_size=4, check=True,
                                     shapes=StepShapes(batch=4, context_len=17, max_blocks=2,
                                                       num_blocks=9))
-    assert program.facts["check"]["ok"] and program.cache_spec().head_dim == 20
+    assert program.report.check.ok and program.cache_spec().head_dim == 20
 
 
 def test_mla_rope_first_key_refused():
@@ -269,15 +271,15 @@ def test_mla_prefill_check(tp, dcp, model, q_lora_rank):
                                     block_size=4, check=True,
                                     shapes=StepShapes(batch=4, context_len=16, max_blocks=4,
                                                       num_blocks=13))
-    report = program.facts["check"]
-    assert report["ok"] and max(report["step_errors"]) < ATOL
+    report = program.report.check
+    assert report.ok and max(report.step_errors) < ATOL
     assert (program.cache_spec().kv_heads, program.cache_spec().head_dim) == (1, 20)
     if q_lora_rank:   # q_a_proj, q_b_proj and kv_a_proj run on the owned tokens (step 3)
         step3 = [n for n in program.graphs["prefill"].graph.nodes
                  if n.meta.get(SPEC_STEP) == 3 and n.target is torch.ops.aten.linear.default]
         assert len(step3) == 3 * CFG.num_layers, [n.name for n in step3]
     print(f"{model.__class__.__name__} q_lora_rank={q_lora_rank} tp={tp} dcp={dcp}: "
-          f"max step error {max(report['step_errors']):.2e}")
+          f"max step error {max(report.step_errors):.2e}")
 
 
 @pytest.mark.parametrize("model,mode,tp,dcp", [("plain", "decode", 4, 4),
@@ -292,10 +294,10 @@ def test_mla_bf16_check(model, mode, tp, dcp):
     program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=4,
                                     check=True, shapes=StepShapes(batch=4, context_len=16,
                                                                   max_blocks=4, num_blocks=13))
-    report = program.facts["check"]
-    assert report["ok"] and program.cache_spec().dtype == torch.bfloat16
-    assert max(report["step_errors"]) < 0.1     # bf16 noise, well inside the tolerance
-    print(f"bf16 {mode} tp={tp} dcp={dcp}: step errors {report['step_errors']}")
+    report = program.report.check
+    assert report.ok and program.cache_spec().dtype == torch.bfloat16
+    assert max(report.step_errors) < 0.1     # bf16 noise, well inside the tolerance
+    print(f"bf16 {mode} tp={tp} dcp={dcp}: step errors {report.step_errors}")
 
 
 def test_mla_all_to_all_combine_check():
@@ -305,7 +307,7 @@ def test_mla_all_to_all_combine_check():
                                     combine="all_to_all", check=True,
                                     shapes=StepShapes(batch=4, context_len=17, max_blocks=2,
                                                       num_blocks=9))
-    assert program.facts["check"]["ok"]
+    assert program.report.check.ok
     assert program.collectives_per_layer("decode").get("all_to_all_single@dcp") == 1
 
 

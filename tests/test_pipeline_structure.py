@@ -32,7 +32,8 @@ from dcp_compile.passes.drop_export_asserts import DropExportAsserts
 from dcp_compile.passes.infra import TransformContext
 from dcp_compile.passes.insert_rank import InsertRank
 from dcp_compile.passes.sequence_parallel import SPEC_STEP, SequenceParallel
-from dcp_compile.passes.shard_tensor_parallel import ShardSpec, ShardTensorParallel
+from dcp_compile.passes.shard_tensor_parallel import ShardTensorParallel
+from dcp_compile.runtime.shards import ShardSpec
 from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from passes_helpers import ctx_for, op_counts, run, tiny_graph

@@ -138,7 +138,8 @@ class _PadIds:
 
 def test_pad_tokens_never_reach_outputs_or_caches():
     """Changing the ids of pad tokens changes no real token's logits and no cache row."""
-    from dcp_compile.verify import RecordingExecutor, run_chunks
+    from dcp_compile.runtime.rank_engine import RecordingExecutor
+    from dcp_compile.verify import run_chunks
     from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.world import bind_roles, run_threaded
     case = "tp8-dcp4-I8-S30-S_not_multiple_of_tp"

@@ -102,8 +102,9 @@ def _row(values):
 PROBES = {
     "shared-block": ("prefill", "prefill",
                      lambda i, p, t, c: (i, p, _set(t, (1, 0), 3), c), "shared-block",
-                     ["block_table[1, 0] = 3 is also used by row 0",
-                      "a block belongs to one sequence", "give row 1 its own block"]),
+                     ["block_table[1, 0] = 3 is shared with row 0 and row 1 writes into it",
+                      "read-only: no request writes another's KV",
+                      "give row 1 its own block"]),
     "shared-block-same-row": ("prefill", "prefill",
                               lambda i, p, t, c: (i, p, _set(t, (0, 2), 3), c),
                               "shared-block", ["block_table[0, 2] = 3 is also "

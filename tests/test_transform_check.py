@@ -87,18 +87,18 @@ def test_small_real_model_is_checked_by_default(mode, steps, lengths):
     shapes = StepShapes.fitting(3, 20, 40, block_size=4, dcp=2)
     prog = dcp_compile.transform(_model(), tp=4, dcp=2, mode=mode, block_size=4,
                                  shapes=shapes)
-    report = prog.facts["check"]
-    assert report["ok"] and report["steps"] == steps
-    assert max(report["step_errors"]) <= report["tolerance"] < 2e-4
+    report = prog.report.check
+    assert report.ok and report.steps == steps
+    assert max(report.step_errors) <= report.tolerance < 2e-4
     # Rows straddle the interleave period (4 * 2), plus one token; prefill's second chunk
     # continues every row, up to a full context_len.
-    assert report["lengths"] == lengths
+    assert report.lengths == lengths
 
 
 def test_meta_model_is_not_checked_by_default_and_check_true_is_an_error():
     model = demo_model(SMALL, device="meta")
     prog = dcp_compile.transform(model, tp=4, dcp=2, shapes=SHAPES)
-    assert "check" not in prog.facts
+    assert prog.report.check is None
     assert checking.skip_reasons(model, 4, SHAPES) == [
         "the model's weights are not real (meta device or fake tensors)"]
     with pytest.raises(DCPTransformError,
@@ -112,9 +112,9 @@ def test_default_bound_turns_the_check_off_and_check_true_overrides_it(monkeypat
     monkeypatch.setattr(checking, "MAX_PARAMETERS", 1000)
     reasons = checking.skip_reasons(model, 4, SHAPES)
     assert len(reasons) == 1 and "> MAX_PARAMETERS=1000" in reasons[0]
-    assert "check" not in dcp_compile.transform(model, tp=4, dcp=2, shapes=SHAPES).facts
+    assert dcp_compile.transform(model, tp=4, dcp=2, shapes=SHAPES).report.check is None
     assert dcp_compile.transform(model, tp=4, dcp=2, shapes=SHAPES,
-                                 check=True).facts["check"]["ok"]
+                                 check=True).report.check.ok
     big = StepShapes(batch=64, context_len=128, max_blocks=2, num_blocks=7)
     assert any("MAX_STEP_TOKENS" in r for r in checking.skip_reasons(model, 16, big))
     assert any("MAX_TP" in r for r in checking.skip_reasons(model, 16, big))
@@ -137,7 +137,7 @@ def test_the_check_changes_neither_model_nor_program_nor_the_global_rng():
     assert all(torch.equal(constants[n], t) for n, t in prog.constants.items())
     assert {k: gm.code for k, gm in prog.graphs.items()} == code
     assert torch.equal(torch.get_rng_state(), rng)
-    assert "check" not in prog.facts                # only transform() records it
+    assert prog.report.check is None                # only transform() records it
 
 
 @pytest.mark.parametrize("tp,dcp,mode", [(4, 2, "decode"), (8, 4, "decode"),

@@ -13,7 +13,7 @@ import torch.fx as fx
 from dcp_compile.runtime.errors import DCPWorldError
 from dcp_compile.runtime.topology import topology
 from dcp_compile.runtime import launch
-from dcp_compile.runtime._selftest_worker import (KINDS, check_collectives, collective_graph, expected,
+from selftest_worker import (KINDS, check_collectives, collective_graph, expected,
                                       rank_input)
 from dcp_compile.runtime.world import ROLE_ALIAS_PREFIX, bind_roles, each_rank_in_turn, run_threaded
 
@@ -358,12 +358,12 @@ def test_group_name_of_another_group_does_not_resolve():
 # --- torchrun + gloo ----------------------------------------------------------------------
 
 def test_torchrun_command_shape():
-    cmd = launch.torchrun_command(4, "dcp_compile.runtime._selftest_worker", ["--dcp", 2], master_port=1234)
+    cmd = launch.torchrun_command(4, "tests.selftest_worker", ["--dcp", 2], master_port=1234)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
     assert cmd[cmd.index("--master-addr") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--master-port") + 1] == "1234"
-    assert cmd[-4:] == ["-m", "dcp_compile.runtime._selftest_worker", "--dcp", "2"]
+    assert cmd[-4:] == ["-m", "tests.selftest_worker", "--dcp", "2"]
     cmd = launch.torchrun_command(2, "m")
     assert 0 < int(cmd[cmd.index("--master-port") + 1]) < 65536
 
@@ -417,7 +417,7 @@ def test_torchrun_gloo_selftest():
     """4 gloo processes: bind the prefill roles, check every collective on cp_kv and dcp_tp in
     float32/bfloat16/int64, eager and from a GraphModule, also through role aliases."""
     proc = launch.run_torchrun(
-        4, "dcp_compile.runtime._selftest_worker",
+        4, "tests.selftest_worker",
         ["--dcp", "2", "--mode", "prefill", "--roles", "cp_kv", "dcp_tp", "--aliases"],
         timeout=180)
     for rank in range(4):

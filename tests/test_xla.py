@@ -273,6 +273,27 @@ def test_cli_verify_backend_xla():
     assert report["ok"] and report["tp"] == 4 and report["max_abs_error"] <= FP32_ATOL, report
 
 
+def case_moe_verify(mode, expert_parallel) -> dict:
+    """A Mixtral-style MoE model (dcp.moe lowered through its static decomposition) at tp=8,
+    TP experts or expert parallel, on XLA against the model's paged single-device form."""
+    from dcp_compile import hf
+    from test_moe import build
+    wrapper = hf.prepare(build("mixtral"))
+    prog = dcp_compile.transform(wrapper, tp=8, dcp=4, mode=mode, block_size=4,
+                                 interleave_size=2 if mode == "decode" else 4,
+                                 shapes=StepShapes(batch=2, context_len=8, max_blocks=4,
+                                                   num_blocks=9),
+                                 check=False, expert_parallel=expert_parallel)
+    report = X.verify(wrapper, prog, _prompts(), DECODE_STEPS if mode == "decode" else 1)
+    return {"report": report.to_json()}
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp_experts", "expert_parallel"])
+def test_moe_program_on_xla_matches_the_model(ep, tmp_path):
+    report = _in_xla_process("case_moe_verify", "decode", ep, tmp_path=tmp_path)["report"]
+    assert report["ok"] and report["tp"] == 8, report
+
+
 if __name__ == "__main__":        # child process of _in_xla_process
     import ast
     name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from .model_arg import add_model_arguments, load_model
-from .options import (add_layout_arguments, check_layout, choice_list, model_heads,
+from .options import (add_buckets_argument, add_layout_arguments, capacity_for_buckets,
+                      check_buckets_option, check_layout, choice_list, model_heads,
                       output_dir, positive_int)
 from .verify import add_backend_argument, check_backend, verifier
 
@@ -28,11 +29,13 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true",
                    help="print the summary rows as JSON instead of text")
     add_backend_argument(p)
+    add_buckets_argument(p)
     add_model_arguments(p)
 
 
 def validate(args) -> None:
     check_layout(args, modes=args.modes, **model_heads(args))
+    check_buckets_option(args, 16)
     check_backend(args)
 
 
@@ -69,14 +72,16 @@ def run(args) -> int:
         prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
                    for n in lengths]
         total = max(lengths) + args.steps if mode == "decode" else max(lengths) * args.chunks
-        shapes = StepShapes.fitting(len(prompts), max(lengths), total, block_size=16,
+        shapes = StepShapes.fitting(len(prompts), max(lengths),
+                                    capacity_for_buckets(args, total), block_size=16,
                                     dcp=args.dcp)
         t0 = time.perf_counter()
         print(f"[{mode}] transforming {loaded.label} (tp={args.tp}, dcp={args.dcp})...",
               file=sys.stderr)
         program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=mode,
                                         shapes=shapes, dump_dir=out_dir / mode,
-                                        certificate=cert, progress=True)
+                                        certificate=cert, buckets=args.buckets,
+                                        progress=True)
         transform_s = time.perf_counter() - t0
         print(f"[{mode}] running {args.tp} ranks on {args.backend} vs the single-device "
               f"model...", file=sys.stderr)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 from .model_arg import add_model_arguments, load_model
-from .options import add_layout_arguments, check_layout, model_heads, output_dir, positive_int
+from .options import (add_buckets_argument, add_layout_arguments, check_buckets_option,
+                      check_layout, model_heads, output_dir, positive_int)
 
 
 def add_arguments(p):
@@ -36,11 +37,13 @@ def add_arguments(p):
     p.add_argument("--target-version", default=None,
                    help="StableHLO version of the portable artifact (default: current)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_buckets_argument(p)
     add_model_arguments(p)
 
 
 def validate(args) -> None:
     check_layout(args, **model_heads(args))
+    check_buckets_option(args, args.block_size)
 
 
 def run(args) -> int:
@@ -58,7 +61,7 @@ def run(args) -> int:
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     shapes=shapes, block_size=args.block_size,
                                     interleave_size=args.interleave_size, kv_role=args.kv_role,
-                                    progress=True)
+                                    buckets=args.buckets, progress=True)
     result = lower(program, target="stablehlo", out_dir=args.out,
                    target_version=args.target_version)
     print(json.dumps(result.to_json()) if args.json else result.format_table())

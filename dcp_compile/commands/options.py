@@ -117,3 +117,25 @@ def model_heads(args) -> dict:
     from dcp_compile.models.demo import DemoConfig
     c = DemoConfig()
     return dict(num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+
+
+def add_buckets_argument(p) -> None:
+    """``--buckets 64,256``: context buckets in tokens (README "Context buckets")."""
+    p.add_argument("--buckets", type=positive_int_list, default=None,
+                   help="comma-separated context buckets in tokens, each a multiple of "
+                        "block_size * dcp: one graph (and lowered module) per step kind and "
+                        "bucket; a step runs in the smallest that holds its batch (default: "
+                        "none, one bucket: the full capacity)")
+
+
+def check_buckets_option(args, block_size: int) -> None:
+    """Raise DCPConfigError unless every ``--buckets`` entry is a multiple of the vblock."""
+    if getattr(args, "buckets", None):
+        from dcp_compile.runtime.buckets import check_buckets
+        check_buckets(args.buckets, block_size=block_size, dcp=args.dcp,
+                      max_blocks=max(args.buckets))
+
+
+def capacity_for_buckets(args, max_tokens: int) -> int:
+    """Tokens the program must hold: ``max_tokens``, and at least the largest bucket."""
+    return max([max_tokens] + list(getattr(args, "buckets", None) or []))

@@ -5,15 +5,21 @@ own full forward. ``--backend xla`` lowers the program to StableHLO and runs it 
 XLA:CPU on tp host devices instead (the ``[xla]`` extra).
 
 Prints the max absolute logit error and whether greedy tokens agree; exits 1 on mismatch.
+``--speculative ngram:K`` / ``draft:PKG.MODULE:FACTORY:K`` decodes with drafts verified in
+width-K steps (compared with the single-device model's plain greedy decoding);
+``--shared-prefix N`` gives every prompt the same first N tokens.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 from .model_arg import add_model_arguments, load_model
-from .options import (add_layout_arguments, check_layout, model_heads, non_negative_float,
+from .options import (add_buckets_argument, add_layout_arguments, capacity_for_buckets,
+                      check_buckets_option, check_layout, model_heads, non_negative_float,
                       positive_int, positive_int_list)
 
 
@@ -27,11 +33,44 @@ def add_arguments(p):
     p.add_argument("--atol", type=non_negative_float, default=1e-4,
                    help="largest absolute logit error accepted")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--speculative", type=speculative_spec, default=None,
+                   metavar="ngram:K | draft:PKG.MODULE:FACTORY:K",
+                   help="greedy speculative decoding, drafts verified in decode steps of "
+                        "width K (2..8): n-gram prompt lookup, or a draft model (a factory "
+                        "returning any model transform accepts; built for the same tp, "
+                        "dcp=1); default: off, one-token decode steps")
+    p.add_argument("--shared-prefix", type=positive_int, default=None, metavar="N",
+                   help="the prompts share their first N tokens (prefix caching); "
+                        "default: none shared")
     add_backend_argument(p)
+    add_buckets_argument(p)
     add_model_arguments(p)
 
 
 BACKENDS = ("threads", "xla")
+
+
+@dataclass(frozen=True)
+class Speculative:
+    drafter: str                  # "ngram" | "draft"
+    width: int                    # K: tokens per row of the verifying decode step
+    factory: str | None = None    # PKG.MODULE:FACTORY of the draft model
+
+
+def speculative_spec(text: str) -> Speculative:
+    """``ngram:K`` or ``draft:PKG.MODULE:FACTORY:K`` with 2 <= K <= 8."""
+    from dcp_compile.passes.prove.theorems import MAX_DECODE_LEN
+    parts = text.split(":")
+    bad = argparse.ArgumentTypeError(
+        f"must be ngram:K or draft:PKG.MODULE:FACTORY:K with K in [2, {MAX_DECODE_LEN}]: "
+        f"{text!r}. Pass e.g. ngram:4.")
+    if not parts[-1].isdigit() or not 2 <= int(parts[-1]) <= MAX_DECODE_LEN:
+        raise bad
+    if parts[0] == "ngram" and len(parts) == 2:
+        return Speculative("ngram", int(parts[-1]))
+    if parts[0] == "draft" and len(parts) == 4 and parts[1] and parts[2]:
+        return Speculative("draft", int(parts[-1]), f"{parts[1]}:{parts[2]}")
+    raise bad
 
 
 def add_backend_argument(p) -> None:
@@ -68,7 +107,12 @@ def verifier(backend: str):
 
 def validate(args) -> None:
     check_layout(args, **model_heads(args))
+    check_buckets_option(args, args.block_size)
     check_backend(args)
+    if args.speculative is not None and args.mode != "decode":
+        from dcp_compile.runtime.errors import DCPConfigError
+        raise DCPConfigError(f"--speculative verifies drafts in decode steps: --mode "
+                             f"{args.mode}. Use --mode decode.")
 
 
 def default_lengths(dcp: int, interleave: int, block: int) -> list[int]:
@@ -89,25 +133,34 @@ def run(args) -> int:
     loaded = load_model(args)
     model = loaded.model
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
+    prefix = torch.randint(0, loaded.vocab_size, (args.shared_prefix or 0,),
+                           generator=g).tolist()
+    prompts = [prefix + torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
                for n in lengths]
+    lengths = [len(p) for p in prompts]
     if args.mode == "decode":
         total = max(lengths) + args.steps
     else:
         total = max(lengths) * args.chunks
-    shapes = StepShapes.fitting(len(prompts), max(lengths), total,
-                                block_size=args.block_size, dcp=args.dcp)
+    width = args.speculative.width if args.speculative else 1
+    shapes = StepShapes.fitting(len(prompts), max(lengths), capacity_for_buckets(args, total),
+                                block_size=args.block_size, dcp=args.dcp, decode_len=width)
     print(f"transforming {loaded.label}: tp={args.tp} dcp={args.dcp} mode={args.mode} "
           f"interleave={interleave} block={args.block_size}", file=sys.stderr)
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, mode=args.mode,
                                     block_size=args.block_size,
                                     interleave_size=args.interleave_size, shapes=shapes,
-                                    progress=True)
+                                    buckets=args.buckets, progress=True)
     where = "threads" if args.backend == "threads" else "XLA:CPU devices (lowered StableHLO)"
     print(f"running {args.tp} ranks on {where} vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
     V = verifier(args.backend)
-    if args.mode == "decode":
+    if args.mode == "decode" and (args.speculative or args.shared_prefix):
+        drafter = drafter_for(args, program, shapes) if args.speculative else None
+        report = V.verify_speculative(loaded.make_reference(), program, prompts, args.steps,
+                                      drafter, atol=args.atol,
+                                      prefix_caching=bool(args.shared_prefix))
+    elif args.mode == "decode":
         report = V.verify(loaded.make_reference(), program, prompts, args.steps,
                           atol=args.atol)
     else:
@@ -120,8 +173,36 @@ def run(args) -> int:
         print(f"{status}: backend={args.backend} tp={report.tp} dcp={report.dcp} "
               f"mode={report.mode} "
               f"lengths={report.lengths} max_abs_error={report.max_abs_error:.3e} "
-              f"tokens_agree={report.tokens_agree} ({report.seconds:.1f}s)")
+              f"tokens_agree={report.tokens_agree}"
+              + (f" mean_accepted={report.mean_accepted:.2f}"
+                 if hasattr(report, "mean_accepted") else "")
+              + f" ({report.seconds:.1f}s)")
         if report.first_mismatch:
             print(f"first mismatch: {report.first_mismatch}")
     return 0 if report.ok else 1
 
+
+
+def drafter_for(args, program, shapes):
+    """The drafter of ``--speculative``: threads take one per rank (``drafter_for(rank)``),
+    XLA one for its SPMD engine. A draft model is transformed for the same tp, dcp=1."""
+    from dataclasses import replace
+
+    import dcp_compile
+    from dcp_compile.runtime.speculative import NgramDrafter
+    spec = args.speculative
+    if spec.drafter == "ngram":
+        return NgramDrafter() if args.backend == "xla" else (lambda rank: NgramDrafter())
+    draft_args = argparse.Namespace(model=spec.factory, hf_config=None)
+    draft = load_model(draft_args).model
+    print(f"transforming the draft model {spec.factory}: tp={args.tp} dcp=1",
+          file=sys.stderr)
+    draft_program = dcp_compile.transform(
+        draft, tp=args.tp, dcp=1, mode="decode", block_size=args.block_size,
+        shapes=replace(shapes, max_blocks=shapes.max_blocks * args.dcp,
+                       num_blocks=(shapes.num_blocks - 1) * args.dcp + 1, decode_len=2))
+    if args.backend == "xla":
+        from dcp_compile.xla import draft_drafter
+        return draft_drafter(draft_program)
+    from dcp_compile.verify import draft_program_drafter
+    return draft_program_drafter(draft_program, program)

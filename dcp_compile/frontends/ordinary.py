@@ -78,7 +78,7 @@ class OrdinaryFrontend:
         return STEPS_BY_MODE[mode]
 
     def capture(self, step: str, config) -> StepCapture:
-        tokens = 1 if step == StepKind.DECODE else self.shapes.context_len
+        tokens = self.shapes.decode_len if step == StepKind.DECODE else self.shapes.context_len
         start = time.perf_counter()
         captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
                                     device=self.device)
@@ -127,7 +127,11 @@ class OrdinaryStep(nn.Module):
         kwargs = {"position_ids": position_ids} if self.takes_positions else {}
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
-        out = self.model(input_ids, **kwargs)
+            from ..hf import dcp_experts_enabled  # experts -> dcp.moe (README: MoE)
+            with dcp_experts_enabled(self.model):
+                out = self.model(input_ids, **kwargs)
+        else:
+            out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if not isinstance(logits, Tensor):
             raise DCPTransformError(

@@ -42,7 +42,7 @@ class PagedFrontend:
 
     def capture(self, step: str, config) -> StepCapture:
         s = self.shapes
-        tokens = 1 if step == StepKind.DECODE else s.context_len
+        tokens = s.decode_len if step == StepKind.DECODE else s.context_len
         cache_shape = self.model.kv_cache_shape(s.num_blocks, config.block_size)
         start = time.perf_counter()
         captured = capture(self.model, example_step_inputs(

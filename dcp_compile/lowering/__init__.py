@@ -62,7 +62,7 @@ __all__ = [
     "LoweringResult", "TARGETS", "check_contract", "check_decomposed", "check_lowerable",
     "collectives_in", "decompose", "decompose_by_op", "decompose_whole", "decomposition_table",
     "deserialize", "eliminate_common_calls", "emit_collectives", "finalize", "find_collectives",
-    "interpreter_available", "lower", "lower_function", "lower_graph", "mark_collectives",
+    "interpreter_available", "lower", "lower_function", "module_name", "lower_graph", "mark_collectives",
     "new_context", "op_call_key", "op_counts", "provenance", "run_interpreter",
     "run_interpreter_spmd", "serialize", "write",
 ]
@@ -75,6 +75,8 @@ def lower(program, target: str = "stablehlo", out_dir: str | Path | None = None,
           elide_trivial: bool = True) -> LoweringResult:
     """Lower every step kind of ``program`` (a :class:`~dcp_compile.runtime.dcp_program.DCPProgram`).
 
+    A program with context buckets gets one module per (step kind, bucket): the full bucket's
+    named by the step kind, the smaller ones ``<step>_<bucket>`` (:func:`module_name`).
     With ``out_dir``, writes ``<step>.stablehlo.mlir`` (text), ``<step>.stablehlo.mlirbc``
     (portable artifact for ``target_version``, default: this StableHLO's current version) and
     ``lowering.json`` (the summary). Raises :class:`DCPLoweringError` naming the op and the
@@ -90,16 +92,28 @@ def lower(program, target: str = "stablehlo", out_dir: str | Path | None = None,
                                f"Lower one of those.")
     meta = {"dcp.tp": topo.tp, "dcp.dcp": topo.dcp, "dcp.mode": topo.mode}
     modules, cache = {}, DecompositionCache()
-    for step in wanted:
-        modules[step] = lower_graph(program.graphs[step], step=step, groups=topo.groups,
-                                    tp=topo.tp, target_version=target_version,
-                                    elide_trivial=elide_trivial, module_attrs=meta,
-                                    input_shapes=_rank_input_shapes(program, step),
-                                    cache=cache)
+    for bucket in program.buckets:           # one module per (step kind, context bucket)
+        view = program.for_bucket(bucket)
+        for step in wanted:
+            name = module_name(step, bucket, program)
+            modules[name] = lower_graph(view.graphs[step], step=name, groups=topo.groups,
+                                        tp=topo.tp, target_version=target_version,
+                                        elide_trivial=elide_trivial,
+                                        module_attrs={**meta, "dcp.bucket": bucket}
+                                        if program.bucket_graphs else meta,
+                                        input_shapes=_rank_input_shapes(view, step),
+                                        cache=cache)
+            modules[name].kind, modules[name].bucket = step, bucket
     result = LoweringResult(target=target, modules=modules, groups=topo.groups, tp=topo.tp)
     if out_dir is not None:
         write(result, out_dir)
     return result
+
+
+def module_name(step: str, bucket: int, program) -> str:
+    """A module's name: the step kind for the full-capacity bucket (as without buckets),
+    ``<step>_<bucket>`` for a smaller bucket."""
+    return step if bucket == program.capacity else f"{step}_{bucket}"
 
 
 def lower_graph(gm: GraphModule, *, step: str, groups: dict[str, list[list[int]]], tp: int,

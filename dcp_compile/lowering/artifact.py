@@ -62,6 +62,9 @@ class LoweredModule:
     output_names: list[str]
     seconds: dict[str, float]
     paths: dict[str, str] = field(default_factory=dict)
+    # Step kind and context bucket (tokens) of a bucketed program's module ("decode_64").
+    kind: str | None = None
+    bucket: int | None = None
 
     def parse(self, context=None):
         """The module parsed back (in a fresh context unless one is given)."""
@@ -74,7 +77,8 @@ class LoweredModule:
         return op_counts(self.text)
 
     def to_json(self) -> dict:
-        return {"step": self.step, "target_version": self.target_version,
+        return {"step": self.step, "kind": self.kind or self.step, "bucket": self.bucket,
+                "target_version": self.target_version,
                 "text_bytes": len(self.text.encode()), "artifact_bytes": len(self.artifact),
                 "ops": sum(self.op_counts().values()),
                 "inputs": self.input_names, "outputs": self.output_names,

@@ -1,7 +1,8 @@
 """Step 7 of the lowering: rewrite rules (FINALIZE_RULES), then the module's contract.
 
 finalize         FINALIZE_RULES, op name -> rule: arith.constant -> stablehlo.constant, static
-                 dynamic_iota -> iota, constant folding of reshape/convert (no f64 left)
+                 dynamic_iota -> iota, constant folding of reshape/convert (no f64 left),
+                 a scatter of a few cache rows -> row updates (cache_writes.py)
 (canonicalize)   MLIR's canonicalizer, run between the two (stablehlo.canonicalize)
 check_contract   only stablehlo and func ops, static shapes, no custom_call
 annotate         module name and replica count, argument/result names, cache aliasing
@@ -14,6 +15,7 @@ from typing import Any, Callable
 from dcp_compile.runtime.errors import DCPLoweringError
 from dcp_compile.runtime.names import is_cache_input
 
+from .cache_writes import row_scatter_to_updates
 from .stablehlo import _walk
 
 
@@ -99,6 +101,8 @@ FINALIZE_RULES: dict[str, Callable] = {
     "stablehlo.dynamic_iota": _dynamic_iota,
     "stablehlo.reshape": _reshape_constant,
     "stablehlo.convert": _convert_constant,
+    # A decode step's cache write: row updates XLA does in place (lowering/cache_writes.py).
+    "stablehlo.scatter": row_scatter_to_updates,
 }
 
 

@@ -196,6 +196,6 @@ def _rank_input_shapes(program, step: str) -> dict[str, tuple[tuple[int, ...], t
     every rank is run with (the same on every rank). The graph's own cache placeholders may
     carry the single-device KV head count in meta['val'] (ShardTensorParallel leaves them so
     at the time of writing; nothing downstream of them checks heads in fake mode)."""
-    spec = program.cache_spec(program.facts.get("dtype"))
+    spec = program.cache_spec(program.facts.cache_dtype)
     return {n.name: (tuple(spec.shape), spec.dtype) for n in program.graphs[step].graph.nodes
             if n.op == "placeholder" and is_cache_input(n.name)}

@@ -29,9 +29,8 @@ def main(argv=None) -> int:
 
     import dcp_compile
     from dcp_compile.models.demo import demo_model
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.launch import init_distributed_from_env
-    from dcp_compile.runtime.world import bind_roles
+    from dcp_compile.runtime.rank_engine import rank_engine
 
     rank, world = init_distributed_from_env()
     try:
@@ -41,10 +40,7 @@ def main(argv=None) -> int:
         program = dcp_compile.transform(model, tp=world, dcp=args.dcp, mode="decode",
                                         interleave_size=args.interleave_size,
                                         shapes=shapes_for(lengths, args.steps, args.dcp))
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        engine = Engine(LocalExecutor(loaded.step_fns(), program.cache_spec().allocate()),
-                        program.shapes, block_size=program.config.block_size, dcp=args.dcp,
-                        prompt_kind="context")
+        engine = rank_engine(program, rank)
         with torch.no_grad():
             result = engine.generate(prompts, args.steps)
         if rank == 0:

@@ -172,11 +172,10 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
 
     import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.rank_engine import rank_engine
     from dcp_compile.runtime.nixl.connector import PrefillKVConnector
     from dcp_compile.workers.prefill import plan_tokens
     from dcp_compile.runtime.transfer_plan import plan_transfer
-    from dcp_compile.runtime.world import bind_roles
 
     plan = json.loads(args.plan)
     decoders = json.loads(args.decoders)
@@ -189,10 +188,8 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     plans = {d["engine_id"]: plan_transfer(cfg, engine_config(cfg, tp=d["tp"], dcp=d["dcp"],
                                                               mode="decode"))
              for d in decoders}
-    loaded = program.load(rank, bind_roles(program.topology, rank))
-    executor = LocalExecutor(loaded.step_fns(), program.cache_spec().allocate(fill=float("nan")))
-    engine = Engine(executor, program.shapes, block_size=cfg.block_size, dcp=cfg.dcp,
-                    prompt_kind="prefill")
+    engine = rank_engine(program, rank, fill=float("nan"))
+    executor = engine.executor
     first_logits = prefill_chunks(engine, plan_tokens(plan, args.seed,
                                                       vocab=MODELS[args.model][1]))
     n = len(plan[0])
@@ -282,9 +279,8 @@ def _wait_for_handoff(args, rank: int) -> dict:
 def run_decode_rank(args, rank: int, world: int) -> None:
     import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.rank_engine import rank_engine
     from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
-    from dcp_compile.runtime.world import bind_roles
 
     shapes = decode_shapes(args.batch, args.max_context, args.dcp, args.block_size,
                            args.reserve_blocks)
@@ -293,10 +289,8 @@ def run_decode_rank(args, rank: int, world: int) -> None:
                                     shapes=shapes, check=False)
     cfg = program.config
     prefill_cfg = engine_config(cfg, tp=args.prefill_tp, dcp=args.prefill_dcp, mode="prefill")
-    loaded = program.load(rank, bind_roles(program.topology, rank))
-    caches = program.cache_spec().allocate(fill=float("nan"))
-    engine = Engine(LocalExecutor(loaded.step_fns(), caches), shapes,
-                    block_size=cfg.block_size, dcp=cfg.dcp, prompt_kind="context")
+    engine = rank_engine(program, rank, fill=float("nan"), shapes=shapes)
+    caches = engine.executor.caches
     if args.reserve_blocks:
         engine.allocator.ensure(-1, args.reserve_blocks * cfg.vblock)
     conn = DecodeKVConnector(prefill_cfg, cfg, rank, _pairs(caches), engine_id=args.engine_id,

@@ -64,22 +64,17 @@ def main(argv=None) -> int:
     args = parse(argv)
     import torch.distributed as dist
 
-    from dcp_compile.verify import RecordingExecutor, run_chunks
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
     from dcp_compile.runtime.launch import init_distributed_from_env
-    from dcp_compile.runtime.world import bind_roles
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.verify import run_chunks
 
     rank, world = init_distributed_from_env()
     try:
         args.tp = args.tp or world
         plan = json.loads(args.plan)
         _, program = build_program(args, plan)
-        loaded = program.load(rank, bind_roles(program.topology, rank))
-        recorder = RecordingExecutor(LocalExecutor(
-            loaded.step_fns(), program.cache_spec().allocate(fill=float("nan"))))
-        engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                        dcp=program.config.dcp, prompt_kind="prefill")
-        run = run_chunks(engine, recorder, plan_tokens(plan, args.seed), rank,
+        engine = rank_engine(program, rank, fill=float("nan"), record=True)
+        run = run_chunks(engine, engine.executor, plan_tokens(plan, args.seed), rank,
                          program.shapes.max_blocks)
         os.makedirs(args.out_dir, exist_ok=True)
         torch.save({"rank": rank, "logits": run.logits, "positions": run.positions,

@@ -28,6 +28,7 @@ from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
+from .experts import carry_experts_sum, place_experts
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 
 aten = torch.ops.aten
@@ -220,6 +221,9 @@ class Analysis:
             if not strict and rule_for(t) is POINTWISE:
                 self._sideways(n, ins)
             return None
+        carried = carry_experts_sum(n, self.P)
+        if carried is not None:
+            return carried
         ps = [R if isinstance(p, Partial) else p for p in ps]  # reduced at once
         if all(_replicated(p) for p in ps):
             return R if not isinstance(fake(n), (tuple, list)) else tuple(R for _ in fake(n))
@@ -291,7 +295,8 @@ class Analysis:
     def _linear_fw(self, n, strict):
         x, w = n.args[0], n.args[1]
         b = n.args[2] if len(n.args) > 2 else None
-        px, pw = self.P(x), self.decided.get(w)
+        # A weight computed from a parameter (a router's weight.float()) has its placement.
+        px, pw = self.P(x), self.decided.get(w) if w in self.params else self.P(w)
         if pw is None and strict:
             pw = R
         if px is None or pw is None or (b is not None and self.P(b) is None):
@@ -531,6 +536,7 @@ class Analysis:
                 self.require(at.args[i], want, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shard)
+        place_experts(self)
         while True:
             while self.forward_sweep() | self.backward_sweep():
                 pass

@@ -53,6 +53,9 @@ class Shard:
 class Partial:
     axis: str
     scale: float = 1.0        # multiply the local value by this before the sum
+    # A mixture-of-experts block's sum (dcp.moe): carried through the block's linear tail
+    # (views, sums of pending sums, gating by a replicated factor) to one all-reduce.
+    experts: bool = False
 
     def __str__(self):
         return f"Partial({self.axis})"

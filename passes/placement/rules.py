@@ -434,6 +434,7 @@ for _op in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.de
 for _op in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
     RULES[_op] = Rule("softmax", _softmax_fw, lambda n, req: {n.args[0]: req})
 RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
+
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
 
 

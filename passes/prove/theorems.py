@@ -29,7 +29,7 @@ __all__ = ["Theorem", "Certificate", "prove", "prove_config", "layout_config", "
            "theorem_names"]
 
 # The layout functions the theorems call (a ``formulas`` object must provide them).
-_FORMULAS = ("owner", "local_filled", "dcp_active_mask", "local_slot", "global_position",
+_FORMULAS = ("owner", "local_filled", "query_local_bound", "dcp_active_mask", "local_slot", "global_position",
              "slot_mapping", "interleave_slice_index", "q_unshuffle_index")
 
 
@@ -193,6 +193,29 @@ def _slot_mapping_owner_writes(f, c, x):
     return (InRange(mask, 0, 2, "dcp_active_mask is 0 or 1"),
             InRange(mask * (slot - e * c.B), 0, c.B, "owner writes inside block e"),
             Equal((1 - mask) * (slot + 1), 0, "non-owner writes -1"))
+
+
+# Widest decode step the per-query bound is proven for (offsets 0..MAX_DECODE_LEN-1); the
+# decode rewrite refuses a wider step (dcp_compile.passes.dcp_decode).
+MAX_DECODE_LEN = 8
+
+
+@_theorem("query_local_bound_is_causal",
+          f"in a decode step of width K <= {MAX_DECODE_LEN} (row positions N..N+K-1), the "
+          "query at offset t < K reads exactly the rank's owned positions at or below its "
+          "own: query_local_bound(N, t, r) = local_filled(N, r) + sum_{i <= t} "
+          "dcp_active_mask(N + i, r) (with local_slot_dense: slot s < bound iff "
+          "global_position(s, r) <= N + t; never local_filled(N + K, r) - (K - 1 - t))",
+          cases=lambda c: ({**x, "offset": t} for x in c.positions()
+                           for t in range(MAX_DECODE_LEN)),
+          method=lambda c: c.position_method() + f", offset t = 0..{MAX_DECODE_LEN - 1} each")
+def _query_local_bound_is_causal(f, c, x):
+    N, r, t = x["N"], x["rank"], x["offset"]
+    # By induction on t: the base counts N itself, each step adds position N + t.
+    below = (f.local_filled(N, r, **c.kw) if t == 0
+             else f.query_local_bound(N, t - 1, r, **c.kw))
+    return Equal(f.query_local_bound(N, t, r, **c.kw),
+                 below + f.dcp_active_mask(N + t, r, **c.kw))
 
 
 # ----------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Under torchrun (gloo, one process per rank)::
 
-    python -m torch.distributed.run --nproc-per-node 4 ... -m dcp_compile.runtime._selftest_worker \
+    python -m torch.distributed.run --nproc-per-node 4 ... -m tests.selftest_worker \
         --dcp 2 --mode prefill --roles cp_kv dcp_tp
 
 Each rank prints ``selftest ok rank=<r> checks=<n>`` and exits 0, or raises on the first
@@ -135,10 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from .topology import topology
+    from dcp_compile.runtime.topology import topology
 
-    from .launch import init_distributed_from_env
-    from .world import bind_roles
+    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.world import bind_roles
 
     rank, world_size = init_distributed_from_env()
     try:

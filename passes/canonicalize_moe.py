@@ -1,0 +1,243 @@
+"""Canonicalize mixture-of-experts blocks: one ``dcp.moe`` node per MoE layer, its router named.
+
+Accepted experts: ``dcp.moe`` (runtime/moe.py) — transformers' experts classes reach it
+through dcp_compile.hf's ``"dcp"`` experts implementation, whatever implementation the model
+was configured with (eager loop, grouped_mm, batched_mm: the same function of the same
+weights); a plain model calls ``torch.ops.dcp.moe`` itself.
+
+The router before it — linear, softmax or sigmoid, top-k, group-limited top-k with a
+score-correction bias (DeepSeek-V3 ``noaux_tc``), ``norm_topk_prob``, a routed scaling factor,
+PhiMoE's sparsemixer — stays the model's own ops. Its inputs are replicated on every rank, so
+it computes the same choices on every rank (exact ties included: the same kernel on the same
+values); this pass marks its linears ``router`` so that the placement runs them whole. A
+shared expert is an ordinary MLP (tensor-parallel like any); a sigmoid gate in front of it (a
+linear to one feature: Qwen2-MoE's ``shared_expert_gate``) is marked ``shared_expert_gate``
+and also runs whole.
+
+Refused, naming the node and its source line: expert computations that did not become
+``dcp.moe`` (``UNRECOGNISED``: grouped matmuls, batched_mm's per-choice gather of a stacked
+[E, ...] weight), expert weights that are not parameters, and expert parallelism over a tp
+that does not divide the experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.facts import MixtureOfExperts, ModelFacts
+from dcp_compile.runtime.moe import ExpertActivation
+from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
+
+from .infra import DCPPass, Found, ensure, source_of, val
+
+aten = torch.ops.aten
+MOE = torch.ops.dcp.moe.default
+LINEAR = aten.linear.default
+KIND_MOE = "moe"
+
+_FIX = ("Route the experts through dcp.moe: transform() and dcp_compile.hf.prepare do it for "
+        "transformers models (experts implementation 'dcp'); a plain model calls "
+        "torch.ops.dcp.moe(x, topk_ids, topk_weights, gate_up_proj, down_proj, rank0)")
+
+
+def _grouped_mm_ops() -> dict:
+    out = {}
+    for packet in (getattr(aten, "_grouped_mm", None),
+                   getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback",
+                           None)):
+        if packet is not None:
+            for o in packet.overloads():
+                out[getattr(packet, o)] = "a grouped matmul over experts (grouped_mm)"
+    return out
+
+
+# Expert computations in a form other than dcp.moe: op -> what it is.
+UNRECOGNISED = {aten.nonzero.default: "a data-dependent expert loop (nonzero)",
+                **_grouped_mm_ops()}
+
+
+def _stacked_weight_gather(n: Node) -> bool:
+    """batched_mm's ``gate_up_proj[expert_ids]``: a stacked [E, ...] parameter indexed by
+    tokens' expert choices."""
+    if n.target != aten.index.Tensor:
+        return False
+    w = n.args[0]
+    return w.op == "placeholder" and val(w).dim() == 3
+
+
+def _ancestors(n: Node) -> set[Node]:
+    seen, stack = set(), [n]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def _router(moe: Node) -> set[Node]:
+    """The ops computing the routing (ids, weights) from the block's input: the backward
+    slice of the routing stopped where it meets the experts' input's own history."""
+    x = moe.args[0]
+    stop = _ancestors(x) | {x}
+    seen, stack = set(), [moe.args[1], moe.args[2]]
+    while stack:
+        n = stack.pop()
+        if n in seen or n in stop or n.op != "call_function":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _functional_twin(target):
+    """aten.div_.Tensor -> aten.div.Tensor (None: not an in-place aten op)."""
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if target.namespace != "aten" or not name.endswith("_") or name.startswith("_"):
+        return None
+    twin = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    return twin
+
+
+def _sort_top_k(router: set[Node]) -> int:
+    """``topk(sorted=False)`` returns its k in an unspecified order (the router only scatters
+    or gathers by them, and dcp.moe sums over k); the static lowering has only the sorted
+    form, which is one of those orders."""
+    done = 0
+    for n in router:
+        if n.target == aten.topk.default and not (n.args[4] if len(n.args) > 4
+                                                  else n.kwargs.get("sorted", True)):
+            args = list(n.args) + [n.kwargs.get(k, d) for k, d in
+                                   (("dim", -1), ("largest", True))][len(n.args) - 2:]
+            n.args, n.kwargs = tuple(args[:4]) + (True,), {}
+            done += 1
+    return done
+
+
+def _functionalize(gm, router: set[Node]) -> int:
+    """Routers update their own temporaries in place (``weights /= weights.sum()``,
+    ``mask.scatter_(...)``); the static lowering needs values: ``a.op_(b)`` becomes
+    ``a' = op(a, b)`` and every later reader of ``a`` reads ``a'``. Only a temporary of the
+    router (not an input, not a view of another tensor) is rewritten."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    done = 0
+    for n in sorted(router, key=order.__getitem__):
+        twin = _functional_twin(n.target) if n.op == "call_function" and hasattr(
+            n.target, "namespace") else None
+        if twin is None:
+            continue
+        a = n.args[0]
+        if a not in router or getattr(a.target, "is_view", False) or \
+                torch.Tag.inplace_view in getattr(a.target, "tags", ()):
+            raise DCPTransformError(
+                f"the router updates {a.name} in place ({n.target}) at node {n.name} "
+                f"({source_of(n)}), and {a.name} is not a temporary of the router: "
+                f"rewriting it as a value could change what another reader sees. Write the "
+                f"router without in-place updates of shared tensors.")
+        n.target = twin
+        for u in list(a.users):
+            if u is not n and order[u] > order[n]:
+                u.replace_input_with(a, n)
+        done += 1
+    return done
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _same_tokens(x: Node) -> list[Node]:
+    """The experts' input and the tensors it is a view of (a shared-expert gate reads one)."""
+    out = [x]
+    while out[-1].op == "call_function" and out[-1].target in _VIEWS:
+        out.append(out[-1].args[0])
+    return out
+
+
+class CanonicalizeMoE(DCPPass):
+    name = "canonicalize_moe"
+
+    def call(self, gm):
+        cfg = self.ctx.config
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            what = UNRECOGNISED.get(n.target) or (
+                "batched_mm's gather of a stacked expert weight" if _stacked_weight_gather(n)
+                else None)
+            if what is not None:
+                raise DCPTransformError(
+                    f"unrecognised experts form, {what}: node {n.name} ({n.target}) at "
+                    f"{source_of(n)}. {_FIX}.")
+        blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == MOE]
+        facts = {"moe_layers": len(blocks)}
+        if not blocks:
+            self.record(**facts)
+            return PassResult(gm, False)
+        experts, top_ks, functionalized = set(), set(), 0
+        for layer, n in enumerate(blocks):
+            self._check(n, cfg)
+            self.tag(n, KIND_MOE, layer)
+            experts.add(val(n.args[3]).shape[0])
+            top_ks.add(val(n.args[1]).shape[-1])
+            router = _router(n)
+            functionalized += _functionalize(gm, router) + _sort_top_k(router)
+            for lin in (r for r in router if r.target == LINEAR):
+                lin.meta[MOE_ROLE_META] = MOE_ROUTER
+            for lin in (u for a in _same_tokens(n.args[0]) for u in a.users
+                        if u.target == LINEAR):
+                if val(lin).shape[-1] == 1 and MOE_ROLE_META not in lin.meta:
+                    lin.meta[MOE_ROLE_META] = MOE_SHARED_GATE
+        facts.update(experts=sorted(experts), top_k=sorted(top_ks),
+                     router_rewrites=functionalized,
+                     expert_parallel=cfg.expert_parallel,
+                     router_linears=sum(m.meta.get(MOE_ROLE_META) == MOE_ROUTER
+                                        for m in gm.graph.nodes),
+                     shared_expert_gates=sum(m.meta.get(MOE_ROLE_META) == MOE_SHARED_GATE
+                                             for m in gm.graph.nodes))
+        self.record(**facts)
+        return Found(gm, True, facts=ModelFacts(moe=MixtureOfExperts(
+            len(blocks), tuple(sorted(experts)), tuple(sorted(top_ks)),
+            cfg.expert_parallel)))
+
+    def _check(self, n: Node, cfg) -> None:
+        x, ids, weights, gate_up, down = n.args[:5]
+        activation = n.args[6] if len(n.args) > 6 else n.kwargs.get("activation", "silu")
+        where = f"node {n.name} at {source_of(n)}"
+        if activation not in set(ExpertActivation):
+            raise DCPTransformError(
+                f"dcp.moe activation {activation!r} is unknown: {where}. Use one of "
+                f"{[a.value for a in ExpertActivation]}.")
+        for w, what in ((gate_up, "gate_up_proj"), (down, "down_proj")):
+            if w.op != "placeholder":
+                raise DCPTransformError(
+                    f"expert weight {what} ({w.name}) is computed, not a parameter: {where}. "
+                    f"Pass the stacked expert parameters to dcp.moe directly.")
+        num_experts, two_i, _ = val(gate_up).shape
+        t, k = val(ids).shape
+        if val(weights).shape != (t, k) or val(x).shape[0] != t or two_i % 2:
+            raise DCPTransformError(
+                f"dcp.moe shapes do not agree: x {tuple(val(x).shape)}, ids "
+                f"{tuple(val(ids).shape)}, weights {tuple(val(weights).shape)}, gate_up "
+                f"{tuple(val(gate_up).shape)}: {where}. Pass x [T, H], routing [T, k] and "
+                f"gate_up_proj [E, 2I, H].")
+        if cfg.expert_parallel and num_experts % cfg.tp:
+            raise DCPTransformError(
+                f"expert parallelism partitions the experts over the tp ranks, which needs tp "
+                f"to divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp "
+                f"that divides {num_experts}, or expert_parallel=False (tensor-parallel "
+                f"experts).")
+        if not cfg.expert_parallel and (two_i // 2) % cfg.tp:
+            raise DCPTransformError(
+                f"tensor-parallel experts cut each expert's intermediate dim over tp, which "
+                f"needs tp to divide it: intermediate={two_i // 2}, tp={cfg.tp} ({where}). "
+                f"Use a tp that divides it, or expert_parallel=True.")
+
+    def ensures(self, gm):
+        left = [n.name for n in gm.graph.nodes if n.op == "call_function"
+                and n.target in UNRECOGNISED]
+        ensure(not left, self.name, "unrecognised expert computations left", left)
