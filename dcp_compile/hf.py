@@ -21,7 +21,7 @@ norm, LM head). It switches the model's attention to ``"dcp_paged"`` only for th
 of its own call, so the Hugging Face model keeps its own attention everywhere else.
 
 What the paged op needs from the model is checked when ``prepare`` runs (a trace on fake
-tensors): no attention mask, softcap, sinks, attention parameters outside the projections or
+tensors): no attention mask, softcap, attention parameters outside the projections or
 sliding window the paged op cannot honour, and one attention call per layer. How the
 projections are laid out (separate or fused q/k/v, gates, norms over all heads) is the
 placement analysis' business at transform time (dcp_compile.passes.placement), which refuses by op and
@@ -46,7 +46,7 @@ EXPERTS_IMPLEMENTATION = "dcp"
 
 # Attention keyword arguments that change the attention's result; the paged op computes plain
 # causal softmax attention, so any of these set means "not supported", never "ignored".
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "attention_chunk_size",
+_UNSUPPORTED_KWARGS = ("softcap", "sinks", "position_bias", "attention_chunk_size",
                        "cu_seq_lens_q", "cu_seq_lens_k")
 
 
@@ -143,7 +143,21 @@ def _describe(value) -> str:
     return f"tensor{tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
 
 
-def _check_structure(step: PagedStep, module: nn.Module) -> None:
+def _sinks_of(step: PagedStep, module: nn.Module, q_heads: int, kwargs) -> Tensor | None:
+    """gpt-oss's attention sinks: ``s_aux``, one learned logit per q head, which dcp.paged_attention
+    takes as ``sinks`` (it joins the softmax denominator once, after the DCP combine)."""
+    s_aux = kwargs.get("s_aux")
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, Tensor) or tuple(s_aux.shape) != (q_heads,):
+        raise DCPTransformError(
+            f"{_name(step, module)} passes s_aux={_describe(s_aux)} to its attention "
+            f"function: DCP attention sinks are one logit per q head, shape ({q_heads},). "
+            f"Use a model whose s_aux is a [num_attention_heads] parameter (gpt-oss).")
+    return s_aux
+
+
+def _check_structure(step: PagedStep, module: nn.Module, sinks: Tensor | None) -> None:
     """Attention parameters outside any projection are refused by name.
 
     Fused projections ([q; k; v], [h, 3, d], [3, h, d], [q; gate]) and norms over all heads
@@ -153,6 +167,8 @@ def _check_structure(step: PagedStep, module: nn.Module) -> None:
     """
     name = _name(step, module)
     for pname, p in module.named_parameters(recurse=False):
+        if p is sinks:   # passed as s_aux: dcp.paged_attention's sinks, cut like q's heads
+            continue
         raise DCPTransformError(
             f"parameter {name}.{pname} of shape {tuple(p.shape)} is used by attention outside "
             f"any projection (attention sinks or per-head scales): DCP does not shard it. "
@@ -193,13 +209,14 @@ def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
             f"{_name(step, step.attention_modules[layer])}): each layer must own one KV "
             f"cache. Models that share attention across calls are not supported.")
     _check_kwargs(step, module, attention_mask, dropout, kwargs)
-    _check_structure(step, module)
+    sinks = _sinks_of(step, module, query.shape[1], kwargs)
+    _check_structure(step, module, sinks)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     out, key_cache, value_cache = torch.ops.dcp.paged_attention(
         q, k, v, step.kv_caches[2 * layer], step.kv_caches[2 * layer + 1], step.positions,
-        step.block_table, float(scaling))
+        step.block_table, float(scaling), **({} if sinks is None else {"sinks": sinks}))
     step.new_caches[layer] = (key_cache, value_cache)
     step.attention_modules[layer] = module
     # transformers expects [B, S, H, D] back (what sdpa_attention_forward returns).

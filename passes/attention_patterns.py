@@ -7,7 +7,10 @@ Recognised attention (rules as data: RECOGNISERS, KERNELS, CASTS, RESHAPES):
     flash / efficient / cudnn kernels;
   * eager attention: ``q @ k^T`` (* or / a constant scale) (soft-cap ``tanh(s / c) * c``)
     (+ additive mask, masked_fill or where) -> softmax over the last dim in any dtype (casts
-    around it) -> ``@ v``.
+    around it) -> ``@ v``;
+  * attention sinks (gpt-oss's eager form): the scores ``cat``'ed with one logit per q head
+    (``sinks.reshape(1, -1, 1, 1).expand(...)``) on the last dim, the row max subtracted
+    (optional), softmax, the sink column sliced off, ``@ v``.
   K and V are taken before GQA head repetition (expand + reshape, repeat_interleave, or
   none): the cache holds kv heads.
 A form read only in part (dropout, a tensor scale, an unknown op between ``q @ k^T`` and the
@@ -59,6 +62,7 @@ class Site:
     mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
     softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
     window: int = 0              # keys with q_pos - k_pos < window (0: no window)
+    sinks: Node | None = None    # [Hq] logits in every softmax's denominator (gpt-oss)
 
 
 def fail(node: Node, why: str, fix: str):
@@ -170,8 +174,8 @@ def eager_site(sm: Node) -> Site | None:
     if sm.args[1] not in (-1, len(val(sm).shape) - 1):
         fail(sm, f"softmax over dim {sm.args[1]}", "Attention softmax must be over the "
              "keys (the last dim)")
-    # Forward: casts / no-op dropout, then `@ v`.
-    probs, user = sm, None
+    # Forward: casts / no-op dropout (the sink column sliced off), then `@ v`.
+    probs, user, sink_slice = sm, None, None
     while True:
         users = list(probs.users)
         if len(users) != 1:
@@ -182,6 +186,9 @@ def eager_site(sm: Node) -> Site | None:
         if is_call(user, CASTS) or _is_dropout_noop(user):
             probs = user
             continue
+        if sink_slice is None and _drops_last_column(user, probs):
+            probs = sink_slice = user
+            continue
         break
     if is_call(user, {aten.dropout.default}):
         fail(user, "attention dropout in training mode", "Call model.eval()")
@@ -189,8 +196,11 @@ def eager_site(sm: Node) -> Site | None:
         fail(sm, f"softmax feeds {user.target}, not `probs @ v`", "Attention must be "
              "softmax(scores) @ v")
     v = user.args[1]
+    x, sinks = skip_casts(sm.args[0]), None
+    if sink_slice is not None:
+        x, sinks = sink_scores(sm, x)
     # Backward: scale, mask, casts, down to `q @ k^T`.
-    x, scale, mask, kind, softcap = skip_casts(sm.args[0]), 1.0, None, "", 0.0
+    x, scale, mask, kind, softcap = skip_casts(x), 1.0, None, "", 0.0
     while not is_call(x, MATMUL):
         cap = softcap_of(x)
         if cap is not None:
@@ -244,16 +254,65 @@ def eager_site(sm: Node) -> Site | None:
              "Write scores as q @ k.transpose(-2, -1)")
     return Site(node=sm, out=user, q=skip_casts(q), k=strip_repeat(kt.args[0]),
                 v=strip_repeat(v), scale=scale, causal=False, mask=mask,
-                mask_kind=kind, softcap=softcap)
+                mask_kind=kind, softcap=softcap, sinks=sinks)
+
+
+SLICES = {aten.slice.Tensor}
+MAX_VALUES = {aten.amax.default}
+
+
+def _drops_last_column(n: Node, src: Node) -> bool:
+    """``src[..., :-1]``: every key column but the last (the sink's)."""
+    if not is_call(n, SLICES) or n.args[0] is not src:
+        return False
+    nd, width = len(val(src).shape), val(src).shape[-1]
+    dim, start, end, step = (tuple(n.args[1:]) + (0, None, None, 1)[len(n.args) - 1:])[:4]
+    return dim % nd == nd - 1 and start in (0, None) and end in (-1, width - 1) and step == 1
+
+
+def _max_of(m: Node, x: Node) -> bool:
+    """``x.max(dim=-1, keepdim=True).values`` (amax, or max.dim's item 0) of ``x``."""
+    if is_call(m, {operator.getitem}) and m.args[1] == 0:
+        m = m.args[0]
+        return is_call(m, {aten.max.dim}) and m.args[0] is x
+    return is_call(m, MAX_VALUES) and m.args[0] is x
+
+
+def sink_scores(sm: Node, x: Node) -> tuple[Node, Node]:
+    """``cat([scores, sinks.reshape(1, H, 1, 1).expand(B, H, S, 1)], -1)`` (minus its row
+    max) -> (scores, the [H] sinks). Anything else before a softmax whose last column is
+    dropped is refused: that column is a sink only in this form."""
+    if is_call(x, {aten.sub.Tensor}) and isinstance(x.args[1], Node) \
+            and _max_of(x.args[1], x.args[0]):
+        x = skip_casts(x.args[0])      # the row max: softmax-invariant
+    if not (is_call(x, {aten.cat.default}) and len(x.args[0]) == 2
+            and (x.args[1] if len(x.args) > 1 else 0) % len(val(x).shape)
+            == len(val(x).shape) - 1):
+        fail(sm, f"softmax whose last column is dropped, over {x.target} (not "
+             f"cat([scores, sinks], -1))", "Attention sinks are recognised as gpt-oss writes "
+             "them: cat the per-head sink column to the scores, softmax, drop the column")
+    scores, column = x.args[0]
+    b, h, s, _ = val(scores).shape
+    sink = skip_casts(column)
+    if is_call(sink, {aten.expand.default}):
+        sink = skip_casts(sink.args[0])
+    if is_call(sink, RESHAPES | {aten.view.default}):
+        sink = skip_casts(sink.args[0])
+    if tuple(val(column).shape) != (b, h, s, 1) or tuple(val(sink).shape) != (h,):
+        fail(sm, f"attention sink column of shape {tuple(val(column).shape)} from a tensor "
+             f"of shape {tuple(val(sink).shape)}", f"Sinks must be one logit per q head: a "
+             f"[{h}] tensor reshaped to (1, {h}, 1, 1) and expanded over batch and queries")
+    return scores, sink
 
 
 def _feeds_matmul(sm: Node) -> bool:
     n = sm
     while len(n.users) == 1:
-        (n,) = n.users
+        prev, (n,) = n, n.users
         if is_call(n, MATMUL):
             return True
-        if not (is_call(n, CASTS) or is_call(n, {aten.dropout.default})):
+        if not (is_call(n, CASTS) or is_call(n, {aten.dropout.default})
+                or _drops_last_column(n, prev)):
             return False
     return any(is_call(u, MATMUL) for u in n.users)
 
@@ -293,5 +352,6 @@ def site_form(s: Site) -> str:
     kind = "sdpa" if s.node.target in KERNEL_OF else "eager"
     mask = "is_causal" if s.causal else (f"{s.mask_kind} mask" if s.mask is not None
                                         else "one token")
-    extra = "".join(f", {k}" for k, x in (("window", s.window), ("softcap", s.softcap)) if x)
+    extra = "".join(f", {k}" for k, x in (("window", s.window), ("softcap", s.softcap),
+                                         ("sinks", s.sinks is not None)) if x)
     return f"{kind} ({mask}{extra})"

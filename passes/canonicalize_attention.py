@@ -36,6 +36,8 @@ def _unrecognised_targets():
 
 
 UNRECOGNISED = _unrecognised_targets()
+# dcp.attention's arguments after (q, k, v, caches, positions, block_table, scale).
+OPTIONS = tuple(a.name for a in torch.ops.dcp.attention.default._schema.arguments[8:])
 
 
 class CanonicalizeAttention(DCPPass):
@@ -61,6 +63,10 @@ class CanonicalizeAttention(DCPPass):
                             f"is not a program input ({arg.name}): KV caches must be inputs, "
                             f"never module buffers or computed tensors.")
                 n.target = torch.ops.dcp.attention.default
+                # Options after scale (window, softcap, kv_shared, sinks) as keywords, however
+                # the capture passed them: the passes read attn.args[:8] and attn.kwargs.
+                n.kwargs = {**dict(zip(OPTIONS, n.args[8:])), **n.kwargs}
+                n.args = n.args[:8]
                 self.tag(n, KIND_ATTENTION, layer)
                 layer += 1
         if layer == 0:

@@ -81,13 +81,31 @@ def replace_attention(attn: Node, out: Node, kc: Node, vc: Node) -> None:
     attn.graph.erase_node(attn)
 
 
+def attention_kwargs(attn: Node) -> tuple[dict, Node | None]:
+    """dcp.attention's keyword arguments for partial_attention (window, softcap, kv_shared)
+    and its sinks, which never go to a rank's partial attention: the sink joins the softmax
+    denominator once, after the combine (dcp.sink_correct on the global LSE)."""
+    kwargs = dict(attn.kwargs)
+    return kwargs, kwargs.pop("sinks", None)
+
+
+def correct_sinks(p: DCPPass, g: Graph, out: Node, global_lse: Node, sinks: Node | None,
+                  layer: int, dtype) -> Node:
+    """out * sigmoid(global_lse - sink) when the layer has sinks, else out."""
+    if sinks is None:
+        return out
+    fixed = p.tag(g.call_function(dcp_ops.sink_correct.default, (out, global_lse, sinks)),
+                  KIND_LSE, layer)
+    return g.call_function(aten.to.dtype, (fixed, dtype))
+
+
 def wire_dtype(cfg, model_dtype: torch.dtype) -> torch.dtype:
     """dtype the partial outputs travel in (combine_dtype); the LSE is always float32."""
     return torch.float32 if cfg.combine_dtype == "float32" else model_dtype
 
 
 def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, shape,
-                       model_dtype) -> Node:
+                       model_dtype, sinks: Node | None = None, cp: Node | None = None) -> Node:
     """Spec steps 5-8: all-gather the LSEs, correct locally, reduce-scatter the heads."""
     W, (b, s, hq, d) = p.ctx.config.dcp, shape
     c, lse_w = C.all_gather(g, lse, Role.DCP, W)                            # [W*b, 1, W*hq]
@@ -103,7 +121,17 @@ def combine_all_gather(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     rs_in = g.call_function(aten.reshape.default, (f5, [W * b, s, hq, d]))
     c, summed = C.reduce_scatter(g, rs_in, Role.DCP, W)                      # [b, 1, hq, d]
     p.tag(c, KIND_COLLECTIVE, layer)
-    return g.call_function(aten.to.dtype, (summed, model_dtype))
+    summed = g.call_function(aten.to.dtype, (summed, model_dtype))
+    if sinks is None:
+        return summed
+    # This rank's heads are group cp_rank of the W*hq (the q all-gather's order): their
+    # global LSE, from the LSEs already gathered (no extra collective).
+    glob = g.call_function(aten.logsumexp.default, (lse_all, [0]))        # [b, s, W*hq]
+    glob = g.call_function(aten.view.default, (glob, [b, s, W, hq]))
+    own = g.call_function(aten.index_select.default,
+                          (glob, 2, g.call_function(aten.view.default, (cp, [1]))))
+    own = g.call_function(aten.view.default, (own, [b, s, hq]))
+    return correct_sinks(p, g, summed, own, sinks, layer, model_dtype)
 
 
 def bitcast(g: Graph, x: Node, src: torch.dtype, dst: torch.dtype) -> Node:
@@ -115,7 +143,7 @@ def bitcast(g: Graph, x: Node, src: torch.dtype, dst: torch.dtype) -> Node:
 
 
 def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, shape,
-                       model_dtype) -> Node:
+                       model_dtype, sinks: Node | None = None, cp: Node | None = None) -> Node:
     """One all-to-all hands rank j every rank's partial output and LSE of head group j
     (packed in one tensor: the float32 LSE bit-cast to the wire dtype's width), merged
     locally by exp(lse - logsumexp(lses)) (cf. vLLM's DCP all-to-all combine)."""
@@ -139,7 +167,11 @@ def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     lses = g.call_function(aten.reshape.default, (lses, [W, b, s, hq]))
     merged = p.tag(g.call_function(dcp_ops.lse_merge.default, (parts, lses)), KIND_LSE,
                    layer)
-    return g.call_function(aten.to.dtype, (merged, model_dtype))
+    merged = g.call_function(aten.to.dtype, (merged, model_dtype))
+    if sinks is None:
+        return merged
+    glob = g.call_function(aten.logsumexp.default, (lses, [0]))            # [b, s, hq]
+    return correct_sinks(p, g, merged, glob, sinks, layer, model_dtype)
 
 
 # DCPConfig.combine -> how the partial outputs of a replica set are combined.
@@ -189,15 +221,19 @@ class DCPDecode(DCPPass):
                     q_all = g.call_function(aten.reshape.default, (q5, [b, s, W * hq, d]))
                 else:
                     q_all = q
+                kwargs, sinks = attention_kwargs(attn)
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_all, positions, k, v, k_pos, kc2, vc2, table, prior, cp, W, I, scale),
-                    dict(attn.kwargs)), KIND_ATTENTION, layer)   # window, softcap
+                    kwargs), KIND_ATTENTION, layer)   # window, softcap
                 out = g.call_function(operator.getitem, (pa, 0))
                 if W > 1:
                     lse = g.call_function(operator.getitem, (pa, 1))
                     out = COMBINES[cfg.combine](self, g, out, lse, layer, (b, s, hq, d),
-                                                val(q).dtype)
+                                                val(q).dtype, sinks, cp)
+                elif sinks is not None:   # one rank: its LSE is the global one
+                    lse = g.call_function(operator.getitem, (pa, 1))
+                    out = correct_sinks(self, g, out, lse, sinks, layer, val(q).dtype)
             replace_attention(attn, out, kc2, vc2)
         self.record(layers=len(layers), dcp=W, interleave_size=I, block_size=B,
                     combine=cfg.combine, combine_dtype=cfg.combine_dtype)
@@ -246,11 +282,15 @@ class DCPContext(DCPPass):
                 kc2, vc2 = masked_cache_write(self, g, attn, cp, layer)
                 n = g.call_function(aten.select.int, (positions, 1, 0))
                 no_prior = g.call_function(aten.mul.Tensor, (n, 0))   # first chunk: prior = 0
+                kwargs, sinks = attention_kwargs(attn)
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q, positions, k, v, positions, kc2, vc2, table, no_prior, cp, W, I,
-                     scale), dict(attn.kwargs)), KIND_ATTENTION, layer)
+                     scale), kwargs), KIND_ATTENTION, layer)
                 out = g.call_function(operator.getitem, (pa, 0))
+                if sinks is not None:   # every key of the prompt is local: global LSE
+                    lse = g.call_function(operator.getitem, (pa, 1))
+                    out = correct_sinks(self, g, out, lse, sinks, layer, val(q).dtype)
             replace_attention(attn, out, kc2, vc2)
         self.record(layers=len(layers))
         return PassResult(gm, True)

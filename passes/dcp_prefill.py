@@ -58,7 +58,7 @@ from dcp_compile.runtime.names import (Mode, Role, StepKind, META_LAYER, META_NO
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
-from .dcp_decode import cp_rank_node, replace_attention
+from .dcp_decode import attention_kwargs, correct_sinks, cp_rank_node, replace_attention
 from .op_classes import RESHAPES
 from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
@@ -337,23 +337,29 @@ class DCPPrefill(DCPPass):
                 q_full = self._token_gather(g, q_all, m["unshuffle"], (b, W * cap, hq, d), s)
                 self._step(q_full, 6, KIND_SLICE, layer)
                 # 7. segmented attention: full Q x (local prior cache + own current k/v)
+                kwargs, sinks = attention_kwargs(attn)
                 pa = self._step(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_full, positions, k, v, m["k_pos"], kc2, vc2, table, m["prior"], cp, W,
-                     I, scale), dict(attn.kwargs)), 7, KIND_ATTENTION, layer)  # window, softcap
+                     I, scale), kwargs), 7, KIND_ATTENTION, layer)  # window, softcap
                 out = g.call_function(operator.getitem, (pa, 0))
+                lse = g.call_function(operator.getitem, (pa, 1)) \
+                    if W > 1 or sinks is not None else None
                 if W > 1:
-                    lse = g.call_function(operator.getitem, (pa, 1))
                     c, lse_w = C.all_gather(g, lse, Role.CP_KV, W)             # [W*B, S, hq]
                     self._step(c, 7, KIND_COLLECTIVE, layer)
                     lse_all = g.call_function(aten.view.default, (lse_w, [W, b, s, hq]))
                     out = self._step(g.call_function(dcp_ops.lse_correct.default,
                                                      (out, lse, lse_all)), 7, KIND_LSE, layer)
+                    if sinks is not None:   # the sink once, on the global LSE, before the sum
+                        glob = g.call_function(aten.logsumexp.default, (lse_all, [0]))
+                        out = correct_sinks(self, g, out, glob, sinks, layer, torch.float32)
                     # 8. reduce-scatter over cp_kv: sum the partials, keep S_pad/W tokens
                     padded = pad_tokens(g, out, 4, s, s_pad)
                     c, out = reduce_scatter_tokens(g, padded, Role.CP_KV, W, (b, s_pad, hq, d))
                     self._step(c, 8, KIND_COLLECTIVE, layer)
                 else:
+                    out = correct_sinks(self, g, out, lse, sinks, layer, dtype)
                     out = pad_tokens(g, out, 4, s, s_pad)
                 out = g.call_function(aten.to.dtype, (out, dtype))
             replace_attention(attn, out, kc2, vc2)

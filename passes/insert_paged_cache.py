@@ -307,6 +307,8 @@ class InsertPagedCache(DCPPass):
                             for a in (0, h))
                 params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap),
                                             ("kv_shared", plan.kv_shared)) if x}
+                if s.sinks is not None:
+                    params["sinks"] = s.sinks
                 attn = g.call_function(torch.ops.dcp.paged_attention.default,
                                        (q, k, v, caches[2 * layer], caches[2 * layer + 1],
                                         positions, table, s.scale), params)

@@ -142,7 +142,7 @@ def _experts_inputs(gm) -> set[Node]:
 
 def _flattens_tokens(u: Node, plan) -> bool:
     """A view [B, S, *rest] -> [B*S, *rest]."""
-    if u.target not in _LITERAL_SHAPES:
+    if u.target not in LITERAL_SHAPES:
         return False
     x, out = val(u.args[0]), val(u)
     return tuple(x.shape[:2]) == (plan.batch, plan.tokens) and \

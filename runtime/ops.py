@@ -288,6 +288,27 @@ def _(out, lse, lse_all):
     return out.new_empty(out.shape, dtype=torch.float32)
 
 
+def _sink_correct_impl(out: Tensor, global_lse: Tensor, sinks: Tensor) -> Tensor:
+    # softmax over [scores ; sink] = softmax(scores) * e^G / (e^G + e^sink), G the logsumexp
+    # of the scores over ALL keys: the sink enters the denominator once, after the combine.
+    # G = -inf (no key) gives weight 0 and out is 0 already.
+    return out.float() * torch.sigmoid(global_lse - sinks.float())[..., None]
+
+
+@torch.library.custom_op("dcp::sink_correct", mutates_args=())
+def sink_correct(out: Tensor, global_lse: Tensor, sinks: Tensor) -> Tensor:
+    """Attention sinks: scale ``out`` [..., H, D] (already normalised over every key of every
+    rank) by sigmoid(global_lse - sink) per head, i.e. add exp(sink) to the softmax
+    denominator exactly once. ``global_lse`` must be the combined LSE, never a rank's own
+    (a per-rank sink would be counted dcp times). Returns float32."""
+    return _sink_correct_impl(out, global_lse, sinks)
+
+
+@sink_correct.register_fake
+def _(out, global_lse, sinks):
+    return out.new_empty(out.shape, dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------------
 # The model-facing op and the compiler's canonical attention node
 # ----------------------------------------------------------------------------------------
@@ -297,16 +318,19 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           value_cache: Tensor, positions: Tensor, block_table: Tensor,
                           scale: float, window: int = 0,
                           softcap: float = 0.0,
-                          kv_shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                          kv_shared: bool = False,
+                          sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
     new_kc, new_vc = _cache_write_impl(key_cache, value_cache, k, v, slots)
     # A chunk is contiguous: its first position is the number of prior tokens.
     prior_len = positions[:, 0].clamp(min=0)
-    out, _ = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
-                                     block_table, prior_len, rank0, 1, block, scale,
-                                     window, softcap, kv_shared)
+    out, lse = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
+                                       block_table, prior_len, rank0, 1, block, scale,
+                                       window, softcap, kv_shared)
+    if sinks is not None:   # one device: the local LSE is the global one
+        out = _sink_correct_impl(out, lse, sinks).to(q.dtype)
     return out, new_kc, new_vc
 
 
@@ -315,16 +339,20 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
                     positions: Tensor, block_table: Tensor,
                     scale: float, window: int = 0,
                     softcap: float = 0.0,
-                    kv_shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    kv_shared: bool = False,
+                    sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
-    attention of each query over its sequence's cached tokens. Returns (out, caches)."""
+    attention of each query over its sequence's cached tokens. Returns (out, caches).
+
+    ``sinks`` [q_heads] (gpt-oss): a learned logit per head that joins each softmax's
+    denominator and attends to no value (see ``sink_correct``)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap, kv_shared)
+                                 scale, window, softcap, kv_shared, sinks)
 
 
 @paged_attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False):
+      kv_shared=False, sinks=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -332,18 +360,19 @@ def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, 
 def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
               positions: Tensor, block_table: Tensor,
               scale: float, window: int = 0,
-              softcap: float = 0.0, kv_shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+              softcap: float = 0.0, kv_shared: bool = False,
+              sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap, kv_shared)
+                                 scale, window, softcap, kv_shared, sinks)
 
 
 @attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False):
+      kv_shared=False, sinks=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -356,6 +385,7 @@ DECOMPOSITIONS = {
     torch.ops.dcp.cache_write.default: _cache_write_impl,
     torch.ops.dcp.partial_attention.default: _partial_attention_impl,
     torch.ops.dcp.lse_correct.default: _lse_correct_impl,
+    torch.ops.dcp.sink_correct.default: _sink_correct_impl,
     torch.ops.dcp.paged_attention.default: _paged_attention_impl,
     torch.ops.dcp.attention.default: _paged_attention_impl,
 }

@@ -12,7 +12,6 @@ sweeps every node instead, with the same decisions and errors
 
 from __future__ import annotations
 
-import heapq
 import operator
 import os
 from dataclasses import replace
@@ -30,58 +29,13 @@ from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projec
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
+from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
 aten = torch.ops.aten
 
 
 def _replicated(p) -> bool:
     return all(_replicated(x) for x in p) if isinstance(p, tuple) else p == R
-
-
-# Debug switch: sweep every node on every sweep (the original algorithm) instead of only the
-# nodes whose inputs changed. Decisions and errors are the same either way (tested).
-FULL_SWEEPS_ENV = "DCP_COMPILE_FULL_PLACEMENT_SWEEPS"
-
-
-class Worklist:
-    """The nodes one kind of sweep must revisit, visited in sweep order (``key``: position).
-
-    A sweep of the original algorithm evaluated every node; evaluating a node whose inputs
-    have not changed since its last evaluation changes nothing and raises nothing, so a sweep
-    need only visit the nodes marked since. A node marked ahead of the cursor is visited in
-    the running sweep (as the full sweep would reach it later), one marked at or behind it in
-    the next sweep. ``full``: visit every node on every sweep (the original algorithm)."""
-
-    def __init__(self, nodes: list[Node], key: dict[Node, int], full: bool):
-        self.key = {n: key[n] for n in nodes}
-        self.nodes = {k: n for n, k in self.key.items()}
-        self.full = full
-        self.later: set[int] = set(self.nodes)
-        self.heap: list[int] | None = None
-        self.pos = 0
-
-    def mark(self, n: Node) -> None:
-        k = self.key.get(n)
-        if k is None:
-            return
-        if self.heap is not None and k > self.pos:
-            heapq.heappush(self.heap, k)
-        else:
-            self.later.add(k)
-
-    def sweep(self):
-        self.heap = list(self.nodes) if self.full else list(self.later)
-        heapq.heapify(self.heap)
-        self.later, self.pos = set(), None
-        try:
-            while self.heap:
-                k = heapq.heappop(self.heap)
-                if self.pos is not None and k <= self.pos:
-                    continue   # marked twice ahead of the cursor
-                self.pos = k
-                yield self.nodes[k]
-        finally:
-            self.heap = None
 
 
 def reads_input(n: Node, name: str) -> bool:
@@ -114,6 +68,7 @@ class Analysis:
             or first_user is not None and self.order[n] < first_user)}
         self.attn = attention_nodes(gm)
         self.q_shard, self.kv_shard = head_shards(config)
+        self.sink_shard = replace(self.q_shard, dim=0)
         self.known: dict[Node, object] = {}
         self.req: dict[Node, object] = {}
         self.decided: dict[Node, object] = {}     # param -> placement
@@ -342,6 +297,11 @@ class Analysis:
             if self.P(a) not in (R, None):
                 raise _err(n, f"attention input {a.name} is {show(self.P(a))}",
                            "positions and block tables must be replicated")
+        sinks = n.kwargs.get("sinks")
+        if sinks is not None and self.P(sinks) != self.sink_shard:
+            raise _err(n, f"attention sinks ({sinks.name}) are {show(self.P(sinks))}, expected "
+                          f"{show(self.sink_shard)}", "Sinks are one logit per q head: pass "
+                          "a [q_heads] parameter, cut like q's heads")
         return (self.q_shard, self.kv_shard, self.kv_shard)
 
     # -- backward --------------------------------------------------------------------------
@@ -534,6 +494,8 @@ class Analysis:
         for at in self.attn:
             for i, want in ((0, self.q_shard), (1, self.kv_shard), (2, self.kv_shard)):
                 self.require(at.args[i], want, at)
+            if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
+                self.require(at.kwargs["sinks"], self.sink_shard, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shard)
         place_experts(self)
