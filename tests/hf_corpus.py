@@ -114,6 +114,14 @@ REASONS = (
     ("position encoding", r"position|rope|rotary"),
     ("no AttentionInterface (prepare)", r"AttentionInterface"),
     ("decoder layer drops attention kwargs", r"does not pass \*\*kwargs"),
+    # Limits of the compiler itself, named by what the message says it met:
+    ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
+                                                    r"survived sequence parallelism"),
+    ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
+    ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
+    ("attention shared across calls", r"called attention twice"),
+    ("data-dependent control flow (not exportable)", r"could not capture|data-dependent"),
+    ("attention form not recognised", r"no attention this compiler recognises"),
     ("unsupported op", r"no (placement )?rule|not recogni[sz]ed|cannot shard|refus"),
     ("config", r"config"),
 )
