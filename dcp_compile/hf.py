@@ -184,6 +184,13 @@ def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
     returns the layer's new caches, which go back through ``kwargs[STEP_KWARG]``.
     """
     step = kwargs.get(STEP_KWARG)
+    if step is None and getattr(_wrapper_running, "active", False):
+        raise DCPTransformError(
+            f"{type(module).__name__} was called without the keyword arguments of the model's "
+            f"forward: its decoder layer does not pass **kwargs on to attention, so "
+            f"dcp_compile.hf.prepare cannot hand it the paged KV cache. Pass the model itself "
+            f"to dcp_compile.transform (attn_implementation='sdpa' or 'eager'): that path "
+            f"inserts the KV cache from the captured graph.")
     if step is None:
         raise DCPTransformError(
             f"attention implementation {ATTN_IMPLEMENTATION!r} called without its paged KV "
@@ -294,6 +301,9 @@ _ACTIVATIONS = _activation_table()
 
 # The attention switch edits the model's shared config: wrapper calls are serialised.
 _switch_lock = threading.RLock()
+# Set while a DCPCausalLM runs its model: an attention call without the step keyword then
+# means a layer dropped the model's **kwargs (not a call from outside the wrapper).
+_wrapper_running = threading.local()
 
 
 def _attention_configs(hf_model: nn.Module) -> list:
@@ -376,15 +386,32 @@ class DCPCausalLM(nn.Module):
                          max_model_len=self.max_model_len, module_names=self._module_names,
                          windows=self._windows)
         with _paged_attention_enabled(self._configs):
-            # Padding rows (position -1) get RoPE of position 0; the op zeroes their output.
-            out = self.hf_model(input_ids=input_ids, position_ids=positions.clamp(min=0),
-                                use_cache=False, return_dict=True, **{STEP_KWARG: step})
+            _wrapper_running.active = True
+            try:
+                # Padding rows (position -1) get RoPE of position 0; the op zeroes their output.
+                out = self.hf_model(input_ids=input_ids, position_ids=positions.clamp(min=0),
+                                    use_cache=False, return_dict=True, **{STEP_KWARG: step})
+            finally:
+                _wrapper_running.active = False
         return out.logits, step.collect(type(self.hf_model).__name__)
 
 
 def _text_config(config):
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+# Config fields only a Multi-head Latent Attention model has (DeepSeek-V2/V3, MiniCPM3, ...).
+MLA_FIELDS = ("kv_lora_rank",)
+
+
+def _field(cfg, name: str):
+    """A config field, or None. transformers' configs may raise on a field their layout does
+    not define (Gemma-4's head_dim is per layer type), not only AttributeError."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001  (any config error means: not given this way)
+        return None
 
 
 def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCausalLM:
@@ -406,16 +433,27 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
         raise DCPTransformError(
             f"{name} does not route its attention through transformers' AttentionInterface "
             f"(_supports_attention_backend is False), so its attention cannot be replaced by "
-            f"DCP paged attention. Use a model class that supports attention backends.")
+            f"DCP paged attention. Pass the model itself to dcp_compile.transform "
+            f"(attn_implementation='eager' or 'sdpa'): that path reads its attention from the "
+            f"captured graph.")
     if hf_model.training:
         raise DCPTransformError(f"{name} is in training mode: attention dropout would be "
                                 f"active. Call model.eval() first.")
     cfg = _text_config(hf_model.config)
-    num_layers = getattr(cfg, "num_hidden_layers", None)
-    num_q_heads = getattr(cfg, "num_attention_heads", None)
-    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_q_heads
-    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // num_q_heads
-                                                  if num_q_heads else None)
+    latent = ", ".join(f"{k}={_field(cfg, k)}" for k in MLA_FIELDS if _field(cfg, k) is not None)
+    if latent:
+        raise DCPTransformError(
+            f"{name} is a Multi-head Latent Attention model ({latent}): "
+            f"hf.prepare's paged op caches full K and V per head, not MLA's latent cache. "
+            f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
+            f"'sdpa'): that path absorbs MLA into latent attention (README: Multi-head Latent "
+            f"Attention).")
+    num_layers = _field(cfg, "num_hidden_layers")
+    num_q_heads = _field(cfg, "num_attention_heads")
+    num_kv_heads = _field(cfg, "num_key_value_heads") or num_q_heads
+    hidden = _field(cfg, "hidden_size")
+    head_dim = _field(cfg, "head_dim") or (hidden // num_q_heads
+                                           if isinstance(hidden, int) and num_q_heads else None)
     if not all(isinstance(x, int) for x in (num_layers, num_q_heads, num_kv_heads, head_dim)):
         raise DCPTransformError(
             f"{name}'s config does not describe its attention (num_hidden_layers="

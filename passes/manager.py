@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.runtime.errors import DCPTransformError
+from .diagnose import explain
 
 
 @dataclass
@@ -212,6 +213,15 @@ def _describe(v) -> str:
     return "missing" if v is _MISSING else repr(v)
 
 
+def name_the_features(error: DCPTransformError, gm: GraphModule) -> DCPTransformError:
+    """A pass's refusal, with the model features behind it named (passes.diagnose): "no
+    attention recognised" in a Bloom graph is ALiBi, in a Mamba graph an SSM."""
+    extra = explain(gm)
+    if extra and error.args and isinstance(error.args[0], str) and extra not in error.args[0]:
+        error.args = (f"{error.args[0]} {extra}",) + error.args[1:]
+    return error
+
+
 def run_passes(gm: GraphModule, passes: list, *, step: str,
                on_pass: Callable[[PassRecord, GraphModule], None] | None = None,
                check_propagation: bool | None = None
@@ -234,7 +244,10 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
         name = getattr(p, "name", type(p).__name__)
         start = time.perf_counter()
         before = snapshot(gm)
-        result = p(gm)
+        try:
+            result = p(gm)
+        except DCPTransformError as e:
+            raise name_the_features(e, gm)
         if result is not None:
             gm = result.graph_module
         modified = bool(result.modified) if result is not None else True

@@ -179,3 +179,39 @@ def test_transform_accepts_a_raw_hf_model():
     prompts = [[1, 2, 3], list(range(5, 17))]
     report = verify(dcp_compile.hf.prepare(model), program, prompts, 4)
     assert report.ok, report
+
+
+# -- hf.prepare names what it cannot take, and only raises our own errors -----------------
+
+def test_prepare_refuses_an_mla_model_naming_the_direct_path():
+    model = build("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                  dict(num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=16,
+                       q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                       head_dim=4, n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, first_k_dense_replace=2, n_group=2,
+                       topk_group=1))
+    with pytest.raises(DCPTransformError, match=r"Multi-head Latent Attention .*kv_lora_rank=16"
+                       r".*Pass the model itself to dcp_compile.transform"):
+        hf.prepare(model)
+
+
+def test_prepare_names_a_decoder_layer_that_drops_the_attention_kwargs():
+    # Nemotron's decoder layer calls self_attn without the model's **kwargs: the paged cache
+    # never reaches attention. The message says so (not "called outside the wrapper").
+    model = build("NemotronConfig", "NemotronForCausalLM",
+                  dict(num_attention_heads=8, num_key_value_heads=2))
+    with pytest.raises(DCPTransformError,
+                       match=r"does not pass \*\*kwargs on to attention.*model itself"):
+        hf.prepare(model)
+
+
+def test_prepare_turns_a_config_error_into_ours(monkeypatch):
+    # Gemma-4's config raises (not AttributeError) for a field its layout defines per layer
+    # type; prepare reads around it instead of leaking transformers' exception.
+    model = build("LlamaConfig", "LlamaForCausalLM", MODELS["llama-gqa-8to2"][2])
+
+    def raising(self):
+        raise ValueError("head_dim is defined per layer type")
+    monkeypatch.setattr(type(model.config), "head_dim", property(raising), raising=False)
+    wrapper = hf.prepare(model)          # head_dim falls back to hidden_size // heads
+    assert wrapper.head_dim == 8

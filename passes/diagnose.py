@@ -1,0 +1,76 @@
+"""Name the feature behind a refusal: what the captured code computes that DCP does not.
+
+When the compiler refuses a model because it finds no attention it recognises (or an
+attention it cannot rewrite), the real reason is usually a feature of the model: ALiBi
+biases, attention sinks, SSM or linear-attention layers, cross-attention. The graph knows:
+every node carries the stack of the code that made it (``stack_trace``) and the modules it
+ran in (``nn_module_stack``). ``features_in(gm)`` reads that evidence against ``FEATURES``
+(data: a feature, why DCP cannot take it, and the code names that show it) and returns what
+it found, with the module and source line of the first node that shows each feature. It
+only adds facts to an error message; it never decides what is supported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch.fx import GraphModule, Node
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str         # what users call it
+    why: str          # why the DCP program cannot compute it
+    pattern: str      # code names (function, module class, parameter) that show it
+
+
+FEATURES = (
+    Feature("ALiBi", "its attention scores add per-head linear position biases, which the DCP "
+            "attention op does not compute", r"alibi"),
+    Feature("attention sinks", "a learned sink logit joins each softmax denominator, which the "
+            "DCP attention op does not compute", r"\bsinks?\b|s_aux"),
+    Feature("SSM / linear-attention layers", "some layers carry a recurrent state instead of a "
+            "KV cache, which DCP does not shard",
+            r"mamba|selective_scan|\bssm\b|ssm_|conv1d|short_?conv|linear_?attn|"
+            r"linearattention|gated_?delta|deltanet|rwkv|recurrent|xlstm|mlstm|slstm"),
+    Feature("cross-attention (encoder-decoder)", "keys and values come from an encoder, not "
+            "from the sequence's own past", r"cross_?attn|crossattention|encoder_hidden_states"),
+)
+
+
+def _evidence(node: Node) -> str:
+    """The code names a node was made under: its module stack and its stack trace."""
+    stack = node.meta.get("nn_module_stack") or {}
+    parts = [f"{path} {getattr(cls, '__name__', cls)}" for path, cls in stack.values()]
+    parts.append(node.meta.get("stack_trace") or "")
+    if node.op in ("get_attr", "placeholder"):
+        parts.append(str(node.target))
+    return "\n".join(parts)
+
+
+def _where(node: Node) -> str:
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else ""
+    return ", ".join(x for x in (module, line) if x) or node.name
+
+
+def features_in(gm: GraphModule) -> list[tuple[Feature, str]]:
+    """Each feature of ``FEATURES`` the graph shows, with where it first shows."""
+    found = []
+    for feature in FEATURES:
+        pattern = re.compile(feature.pattern, re.IGNORECASE)
+        node = next((n for n in gm.graph.nodes if pattern.search(_evidence(n))), None)
+        if node is not None:
+            found.append((feature, _where(node)))
+    return found
+
+
+def explain(gm: GraphModule) -> str:
+    """A sentence for an error message: the features found and why each is refused, or ""."""
+    found = features_in(gm)
+    if not found:
+        return ""
+    return " ".join(f"The model uses {f.name} ({where}): {f.why}." for f, where in found)
