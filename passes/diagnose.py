@@ -34,8 +34,6 @@ FEATURES = (
             "KV cache, which DCP does not shard",
             r"mamba|selective_scan|\bssm\b|ssm_|conv1d|short_?conv|linear_?attn|"
             r"linearattention|gated_?delta|deltanet|rwkv|recurrent|xlstm|mlstm|slstm"),
-    Feature("cross-attention (encoder-decoder)", "keys and values come from an encoder, not "
-            "from the sequence's own past", r"cross_?attn|crossattention|encoder_hidden_states"),
 )
 
 

@@ -169,6 +169,8 @@ REASONS = (
     ("attention shared across calls", r"called attention twice"),
     ("data-dependent control flow (not exportable)", r"could not capture|data-dependent"),
     ("attention form not recognised", r"no attention this compiler recognises"),
+    ("prefill: a view folds the token dim", r"the token dim \(dim \d+, size \d+\) and the "
+                                            r"dims before it must stay"),
     ("unsupported op", r"no (placement )?rule|not recogni[sz]ed|cannot shard|refus"),
     ("config", r"config"),
 )
