@@ -2,7 +2,7 @@
 
 When the compiler refuses a model because it finds no attention it recognises (or an
 attention it cannot rewrite), the real reason is usually a feature of the model: ALiBi
-biases, attention sinks, SSM or linear-attention layers, cross-attention. The graph knows:
+biases, attention sinks, SSM or linear-attention layers. The graph knows:
 every node carries the stack of the code that made it (``stack_trace``) and the modules it
 ran in (``nn_module_stack``). ``features_in(gm)`` reads that evidence against ``FEATURES``
 (data: a feature, why DCP cannot take it, and the code names that show it) and returns what
