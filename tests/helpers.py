@@ -5,6 +5,21 @@ from __future__ import annotations
 import torch
 
 
+def seeded_weights(model, seed: int = 0):
+    """``model`` with seeded weights large enough that greedy tokens are not near-ties;
+    norms and biases random too, so a mis-sharded one could not go unnoticed."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model
+
+
 def prompts_of(lengths, *, vocab=256, seed=0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from helpers import seeded_weights
+
 # Every tiny config starts from this; CORPUS rows add or drop keys for their type.
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, intermediate_size=96, head_dim=8,
@@ -216,16 +218,7 @@ def build(model_type: str, attention: str | None = None, *, seed: int = 0):
     config = CONFIG_MAPPING[model_type](**config_kwargs(model_type))
     kwargs = {"attn_implementation": attention} if attention else {}
     model = AutoModelForCausalLM.from_config(config, **kwargs).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    return model
+    return seeded_weights(model, seed)
 
 
 def prompts() -> list[list[int]]:

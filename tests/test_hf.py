@@ -16,7 +16,7 @@ from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 
-from helpers import assert_close_report, prompts_of  # noqa: E402
+from helpers import assert_close_report, prompts_of, seeded_weights  # noqa: E402
 
 TP, DCP, BLOCK = 4, 2, 4
 VOCAB = 256
@@ -58,16 +58,7 @@ def build(config_name: str, model_name: str, overrides: dict, *, seed: int = 0):
     norms and biases are random too, so a mis-sharded one could not go unnoticed."""
     config = getattr(transformers, config_name)(**{**BASE, **overrides})
     model = getattr(transformers, model_name)(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    return model
+    return seeded_weights(model, seed)
 
 
 def hf_reference(model, prompts, steps):
