@@ -150,7 +150,9 @@ def run_steps(prog, model, context, steps, *, hand=False, profile=None, compile=
     b = shapes.batch
 
     def rank_main(rank):
-        loaded = load_rank(prog, rank, compile=compile)
+        from dcp_compile.runtime.world import bind_roles
+        names = bind_roles(prog.topology, rank)
+        loaded = load_rank(prog, rank, names, compile=compile)
         g = torch.Generator().manual_seed(rank)
         caches = [torch.randn(t.shape, generator=g, dtype=t.dtype)
                   for t in prog.cache_spec().allocate()]

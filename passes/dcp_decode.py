@@ -34,7 +34,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.names import RANK_INPUT, Mode, Role
+from dcp_compile.runtime.names import META_KIND, RANK_INPUT, Mode, Role
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
@@ -59,17 +59,44 @@ def cp_rank_node(gm: GraphModule, pass_: DCPPass) -> Node:
     return pass_.tag(node, KIND_MASK)
 
 
-def masked_cache_write(p: DCPPass, g: Graph, attn: Node, cp: Node, layer: int):
-    """Write k/v only where this rank owns the position (spec: slot_mapping -1 elsewhere)."""
-    cfg = p.ctx.config
-    q, k, v, kc, vc, positions, table = attn.args[:7]
-    slots = p.tag(g.call_function(dcp_ops.slot_mapping.default,
-                                  (positions, table, cp, cfg.dcp, cfg.interleave_size,
-                                   cfg.block_size)), KIND_MASK, layer)
+def masked_cache_write(p: DCPPass, g: Graph, attn: Node, slots: Node, layer: int):
+    """Write k/v only where this rank owns the position (spec: slot_mapping -1 elsewhere);
+    ``slots`` is the step's slot mapping (one node for every layer)."""
+    q, k, v, kc, vc = attn.args[:5]
     write = p.tag(g.call_function(dcp_ops.cache_write.default, (kc, vc, k, v, slots)),
                   KIND_CACHE_WRITE, layer)
     return (g.call_function(operator.getitem, (write, 0)),
             g.call_function(operator.getitem, (write, 1)))
+
+
+def step_inputs(gm: GraphModule, layers: list[Node]) -> list[tuple[Node, Node]]:
+    """The distinct (positions, block_table) pairs the attention nodes read: one per step
+    (every layer reads the step's inputs), so the layout metadata below is built once per
+    step, not once per layer."""
+    pairs: list[tuple[Node, Node]] = []
+    for attn in layers:
+        pair = tuple(attn.args[5:7])
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
+
+def build_step_metadata(p: DCPPass, gm: GraphModule, cp: Node, layers: list[Node],
+                        build) -> dict[tuple[Node, Node], dict[str, Node]]:
+    """``build(g, positions, table, cp) -> {name: node}`` once per (positions, table) pair,
+    at the graph's input side (right after cp_rank); every layer then reads those nodes."""
+    g, out, anchor = gm.graph, {}, cp
+    for positions, table in step_inputs(gm, layers):
+        after = anchor.next
+        with g.inserting_before(after):            # in order, after the anchor
+            nodes = build(g, positions, table, cp)
+        for name, n in nodes.items():
+            n.name = name
+            if META_KIND not in n.meta:
+                p.tag(n, KIND_MASK)
+        anchor = after.prev
+        out[(positions, table)] = nodes
+    return out
 
 
 def replace_attention(attn: Node, out: Node, kc: Node, vc: Node) -> None:
@@ -206,13 +233,13 @@ class DCPDecode(DCPPass):
         W, I, B = cfg.dcp, cfg.interleave_size, cfg.block_size
         cp = cp_rank_node(gm, self)
         layers = attention_nodes(gm)
+        step = build_step_metadata(self, gm, cp, layers, self._step_keys)
         for layer, attn in enumerate(layers):
             q, k, v, kc, vc, positions, table, scale = attn.args
             b, s, hq, d = val(q).shape
+            m = step[(positions, table)]
             with g.inserting_before(attn):
-                kc2, vc2 = masked_cache_write(self, g, attn, cp, layer)
-                prior, k_pos = (self._one_token_keys if s == 1 else self._width_k_keys)(
-                    g, positions, cp, layer)
+                kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer)
                 if W > 1:
                     c, q_w = C.all_gather(g, q, Role.DCP, W)                 # [W*b, 1, hq, d]
                     self.tag(c, KIND_COLLECTIVE, layer)
@@ -224,8 +251,9 @@ class DCPDecode(DCPPass):
                 kwargs, sinks = attention_kwargs(attn)
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
-                    (q_all, positions, k, v, k_pos, kc2, vc2, table, prior, cp, W, I, scale),
-                    kwargs), KIND_ATTENTION, layer)   # window, softcap
+                    (q_all, positions, k, v, m["current_key_positions"], kc2, vc2, table,
+                     m["prior_local"], cp, W, I, scale), kwargs),
+                    KIND_ATTENTION, layer)   # window, softcap
                 out = g.call_function(operator.getitem, (pa, 0))
                 if W > 1:
                     lse = g.call_function(operator.getitem, (pa, 1))
@@ -239,27 +267,35 @@ class DCPDecode(DCPPass):
                     combine=cfg.combine, combine_dtype=cfg.combine_dtype)
         return PassResult(gm, True)
 
-    def _one_token_keys(self, g, positions, cp, layer):
+    def _step_keys(self, g, positions, table, cp) -> dict[str, Node]:
+        """The step's layout metadata (every layer reads it): the slot mapping, each row's
+        (or query's) local prior bound, and the current keys' positions."""
+        W, I, B = self.ctx.config.dcp, self.ctx.config.interleave_size, \
+            self.ctx.config.block_size
+        slots = g.call_function(dcp_ops.slot_mapping.default, (positions, table, cp, W, I, B))
+        width = val(positions).shape[1]
+        prior, k_pos = (self._one_token_keys if width == 1 else self._width_k_keys)(
+            g, positions, cp)
+        return {"slot_mapping": slots, "prior_local": prior, "current_key_positions": k_pos}
+
+    def _one_token_keys(self, g, positions, cp):
         """The spec's pattern: prior slots [0, local_filled(N)), the active token as a
         current key on its owner only (dcp_active_mask)."""
         W, I, B = self.ctx.config.dcp, self.ctx.config.interleave_size, \
             self.ctx.config.block_size
         n = g.call_function(aten.select.int, (positions, 1, 0))
-        prior = self.tag(g.call_function(dcp_ops.local_filled.default, (n, cp, W, I, B)),
-                         KIND_MASK, layer)
-        active = self.tag(g.call_function(dcp_ops.active_mask.default,
-                                          (positions, cp, W, I, B)), KIND_MASK, layer)
+        prior = g.call_function(dcp_ops.local_filled.default, (n, cp, W, I, B))
+        active = g.call_function(dcp_ops.active_mask.default, (positions, cp, W, I, B))
         owned = g.call_function(aten.eq.Scalar, (active, 1))
         return prior, g.call_function(aten.where.ScalarOther, (owned, positions, -1))
 
-    def _width_k_keys(self, g, positions, cp, layer):
+    def _width_k_keys(self, g, positions, cp):
         """Width K > 1: the owners have written this step's tokens into their shards, so
         every key is read from the cache, query t up to its own local bound
         (layout.query_local_bound, theorem query_local_bound_is_causal); no current key."""
         W, I, B = self.ctx.config.dcp, self.ctx.config.interleave_size, \
             self.ctx.config.block_size
-        bound = self.tag(g.call_function(dcp_ops.query_bound.default,
-                                         (positions, cp, W, I, B)), KIND_MASK, layer)
+        bound = g.call_function(dcp_ops.query_bound.default, (positions, cp, W, I, B))
         return bound, g.call_function(aten.full_like.default, (positions, -1))
 
     def ensures(self, gm):
@@ -276,16 +312,16 @@ class DCPContext(DCPPass):
         W, I = cfg.dcp, cfg.interleave_size
         cp = cp_rank_node(gm, self)
         layers = attention_nodes(gm)
+        step = build_step_metadata(self, gm, cp, layers, self._step_keys)
         for layer, attn in enumerate(layers):
             q, k, v, kc, vc, positions, table, scale = attn.args
+            m = step[(positions, table)]
             with g.inserting_before(attn):
-                kc2, vc2 = masked_cache_write(self, g, attn, cp, layer)
-                n = g.call_function(aten.select.int, (positions, 1, 0))
-                no_prior = g.call_function(aten.mul.Tensor, (n, 0))   # first chunk: prior = 0
+                kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer)
                 kwargs, sinks = attention_kwargs(attn)
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
-                    (q, positions, k, v, positions, kc2, vc2, table, no_prior, cp, W, I,
+                    (q, positions, k, v, positions, kc2, vc2, table, m["no_prior"], cp, W, I,
                      scale), kwargs), KIND_ATTENTION, layer)
                 out = g.call_function(operator.getitem, (pa, 0))
                 if sinks is not None:   # every key of the prompt is local: global LSE
@@ -294,6 +330,15 @@ class DCPContext(DCPPass):
             replace_attention(attn, out, kc2, vc2)
         self.record(layers=len(layers))
         return PassResult(gm, True)
+
+    def _step_keys(self, g, positions, table, cp) -> dict[str, Node]:
+        """The step's slot mapping and its (empty) prior: the first chunk has none."""
+        cfg = self.ctx.config
+        slots = g.call_function(dcp_ops.slot_mapping.default,
+                                (positions, table, cp, cfg.dcp, cfg.interleave_size,
+                                 cfg.block_size))
+        n = g.call_function(aten.select.int, (positions, 1, 0))
+        return {"slot_mapping": slots, "no_prior": g.call_function(aten.mul.Tensor, (n, 0))}
 
     def ensures(self, gm):
         all_attention_rewritten(self.name, gm)
