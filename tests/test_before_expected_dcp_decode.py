@@ -173,13 +173,13 @@ def test_context_step_is_plain_attention_with_owner_only_writes():
     assert_code(gm, """
         def forward(self, tp_rank, q, k, v, key_cache, value_cache, positions, block_table):
             cp_rank = aten.remainder.Scalar(tp_rank, 2)
-            slot_mapping_default = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
-            cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping_default)
+            slot_mapping = dcp.slot_mapping.default(positions, block_table, cp_rank, 2, 16, 16)
+            select_int = aten.select.int(positions, 1, 0)
+            no_prior = aten.mul.Tensor(select_int, 0)
+            cache_write_default = dcp.cache_write.default(key_cache, value_cache, k, v, slot_mapping)
             getitem = cache_write_default[0]
             getitem_1 = cache_write_default[1]
-            select_int = aten.select.int(positions, 1, 0)
-            mul_tensor = aten.mul.Tensor(select_int, 0)
-            partial_attention_default = dcp.partial_attention.default(q, positions, k, v, positions, getitem, getitem_1, block_table, mul_tensor, cp_rank, 2, 16, 0.5)
+            partial_attention_default = dcp.partial_attention.default(q, positions, k, v, positions, getitem, getitem_1, block_table, no_prior, cp_rank, 2, 16, 0.5)
             getitem_2 = partial_attention_default[0]
             return (getitem_2, getitem, getitem_1)
         """)
