@@ -18,8 +18,9 @@ a second code path in the passes:
                                                         matmul per expert (no [T, k] weight
                                                         gather)
 
-and computes the layout metadata every layer repeats (slot mapping, prior length, active
-mask) once per step (``SHARED_PER_STEP``).
+The layout metadata (slot mapping, prior bound, current key positions) is already computed
+once per step in the program's graphs (passes/dcp_decode.py, dcp_prefill.py): nothing here
+deduplicates it.
 """
 
 from __future__ import annotations
@@ -69,32 +70,6 @@ def _grouped_experts(gm: GraphModule, node: Node) -> None:
     node.target = dcp_ops.moe_grouped.default
 
 
-# Pure ops on the step's inputs that every layer recomputes with the same arguments (the DCP
-# layout metadata of positions / block table / cp_rank): an eager step computes each once.
-# None of their inputs is written during the step (only the caches are).
-SHARED_PER_STEP = (dcp_ops.slot_mapping.default, dcp_ops.local_filled.default,
-                   dcp_ops.active_mask.default, dcp_ops.query_bound.default, torch.ops.aten.select.int,
-                   torch.ops.aten.eq.Scalar, torch.ops.aten.where.ScalarOther)
-
-
-def share_per_step_metadata(gm: GraphModule) -> int:
-    """Replace each repeat of a SHARED_PER_STEP call (same op, same arguments) by its first
-    occurrence; returns how many were removed."""
-    first: dict = {}
-    removed = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in SHARED_PER_STEP:
-            continue
-        key = (node.target, node.args, tuple(sorted(node.kwargs.items())))
-        if key in first:
-            node.replace_all_uses_with(first[key])
-            gm.graph.erase_node(node)
-            removed += 1
-        else:
-            first[key] = node
-    return removed
-
-
 # Op of the program graph -> rewrite into its eager kernel.
 EAGER_KERNELS = {
     dcp_ops.cache_write.default: _in_place_cache_write,
@@ -105,8 +80,8 @@ EAGER_KERNELS = {
 
 def specialize_for_eager(gm: GraphModule) -> dict[str, int]:
     """Swap every functional cache write and static-span attention of ``gm`` (a copy owned by
-    the caller) for its eager kernel, and compute the per-step layout metadata once; returns
-    how many of each op were swapped (and how many repeated metadata ops were dropped)."""
+    the caller) for its eager kernel; returns how many of each op were swapped. (The step's
+    layout metadata needs nothing here: the DCP passes emit it once per step.)"""
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
         rewrite = EAGER_KERNELS.get(node.target) if node.op == "call_function" else None
@@ -114,9 +89,6 @@ def specialize_for_eager(gm: GraphModule) -> dict[str, int]:
             key = node.target._opname
             rewrite(gm, node)
             counts[key] = counts.get(key, 0) + 1
-    shared = share_per_step_metadata(gm)
-    if shared:
-        counts["shared_metadata"] = shared
     gm.graph.lint()
     gm.recompile()
     return counts
