@@ -35,7 +35,7 @@ import torch
 import dcp_compile
 from dcp_compile.capture import example_step_inputs
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.driver import STEPS_BY_MODE
+from dcp_compile.passes.pipeline import STEPS_BY_MODE
 from dcp_compile.runtime.engine import StepShapes
 
 BLOCK = 16

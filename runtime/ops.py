@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import layout
+from .live_attention import live_entries, live_partial_attention  # noqa: F401
 
 NEG_INF = float("-inf")
 
@@ -521,12 +522,6 @@ def _(key_cache, value_cache, k, v, slots):
     return None
 
 
-def live_entries(prior_len: Tensor, block: int, max_blocks: int) -> int:
-    """Block-table entries the longest row's prior slots [0, prior_len) span (host value)."""
-    live = int(prior_len.clamp(min=0).max()) if prior_len.numel() else 0
-    return min(max_blocks, -(-live // block))
-
-
 @torch.library.custom_op("dcp::partial_attention_live", mutates_args=())
 def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
                            k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
@@ -539,12 +534,12 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
     entries past the longest prior changes nothing but the work: a step costs its context,
     not the block table's (or the cache's) capacity. The width is data (a host sync), which
-    is why only eager backends run this; static-shape backends keep the full span.
+    is why only eager backends run this; static-shape backends keep the full span. The body
+    masks with scalars and never concatenates the keys (runtime/live_attention.py).
     """
-    entries = live_entries(prior_len, key_cache.shape[1], block_table.shape[1])
-    return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
-                                   block_table[:, :entries], prior_len, rank, dcp,
-                                   interleave, scale, window, softcap, kv_shared)
+    return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                                  block_table, prior_len, rank, dcp, interleave, scale,
+                                  window, softcap, kv_shared)
 
 
 @partial_attention_live.register_fake
