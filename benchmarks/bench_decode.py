@@ -11,7 +11,10 @@ them — the machine is shared, single numbers are noisy):
      Pattern", without the passes; it also writes in place and reads the live span);
   4. combine="all_gather" vs "all_to_all": step time and DCP bytes per layer;
   5. KV tokens and bytes per rank vs the single device.
-Then a torch.profiler table of one rank's decode steps.
+Then a torch.profiler table of one rank's decode steps. ``--sections kernel`` times, on one
+world and interleaved step by step, the program with the reference live-span attention body
+(``where``/``cat`` copies: the kernel before runtime/live_attention.py), the program as it
+loads now, and the hand-written step.
 
 Caches are filled with random KV (no prompt step: a 16k-token prompt chunk would dominate
 the run); every step decodes at the same position, which is what a step costs.
@@ -122,6 +125,42 @@ def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, t
     return logits, caches
 
 
+def reference_live_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                             block_table, prior_len, *rest, **kwargs):
+    """The eager attention before runtime/live_attention.py: the static op's reference body
+    (cat of prior and current keys, where-zeroed values) on the live block-table span."""
+    from dcp_compile.runtime.live_attention import live_entries
+    from dcp_compile.runtime.ops import _partial_attention_impl
+    entries = live_entries(prior_len, key_cache.shape[1], block_table.shape[1])
+    return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                                   block_table[:, :entries], prior_len, *rest, **kwargs)
+
+
+def with_reference_kernel(loaded, kind="decode"):
+    """``loaded`` with its live-span attention nodes running reference_live_attention."""
+    gm = loaded.graphs[kind]
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == torch.ops.dcp.partial_attention_live.default:
+            n.target = reference_live_attention
+    gm.recompile()
+    return loaded
+
+
+def interleaved(fns: dict, steps: int) -> dict:
+    """Median (wall, CPU) seconds of each of ``fns``, timed in turn step by step."""
+    for fn in fns.values():
+        fn()                                                    # warm-up
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    for _ in range(steps):
+        for k, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.thread_time() - c0)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
+
+
 def timed(fn, steps):
     """Median (wall seconds, this thread's CPU seconds) per call. On a shared machine the
     CPU time is the steadier number: it leaves out waiting for other ranks and processes."""
@@ -218,8 +257,9 @@ def main():
     ap.add_argument("--capacity-context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile-rows", type=int, default=15)
-    ap.add_argument("--sections", default="capacity,context,kv,profile,inductor",
-                    help="comma-separated subset of capacity,context,kv,profile,inductor")
+    ap.add_argument("--sections", default="capacity,context,kv,profile,inductor,kernel",
+                    help="comma-separated subset of capacity,context,kv,profile,inductor,"
+                         "kernel")
     args = ap.parse_args()
     torch.set_num_threads(1)
     # 16 q heads, head_dim 64 (hidden 1024). One KV head: tp=4 with dcp in {1, 2, 4} needs
@@ -240,6 +280,8 @@ def main():
     sections = set(args.sections.split(","))
     if "capacity" in sections:
         capacity_table(args, model, transform, b, tp)
+    if "kernel" in sections:
+        kernel_table(args, model, transform, b, tp)
     if sections & {"context", "kv", "profile", "inductor"}:
         progs = context_tables(args, model, transform, b, tp, "context" in sections)
     if "kv" in sections:
@@ -264,6 +306,44 @@ def inductor_table(args, model, prog):
         inductor = run_steps(prog, model, context, args.steps, compile="inductor")["program"]
         print(f"{context:>8} {ms(eager):>15} {ms(inductor):>15} {ratio(inductor, eager):>11}  "
               f"{load()}  (inductor run incl. compile {time.perf_counter() - t:.0f} s)")
+
+
+def kernel_table(args, model, transform, b, tp):
+    """6: before/after the eager attention kernel, and the hand-written step, interleaved."""
+    print(f"\n6. eager attention kernel, tp={tp}: reference body (before) / live_attention "
+          f"(now) / hand-written, interleaved step by step; wall ms / rank-0 CPU ms")
+    print(f"{'dcp':>3} {'context':>8} {'before':>15} {'now':>15} {'hand':>15} "
+          f"{'before/hand':>11} {'now/hand':>11}  load")
+    longest = max(args.contexts)
+    for dcp in (1, 2, 4):
+        prog = transform(dcp, shapes_for(b, longest, dcp))
+        for context in args.contexts:
+            r = run_threaded(tp, lambda rank: _kernel_rank(prog, model, context, args.steps,
+                                                            rank), timeout=3600)[0]
+            print(f"{dcp:>3} {context:>8} {ms(r['before']):>15} {ms(r['now']):>15} "
+                  f"{ms(r['hand']):>15} {ratio(r['before'], r['hand']):>11} "
+                  f"{ratio(r['now'], r['hand']):>11}  {load()}")
+
+
+def _kernel_rank(prog, model, context, steps, rank):
+    from dcp_compile.runtime.world import bind_roles
+    c, shapes = prog.config, prog.shapes
+    b = shapes.batch
+    names = bind_roles(prog.topology, rank)
+    now = load_rank(prog, rank, names)
+    before = with_reference_kernel(load_rank(prog, rank, names))
+    g = torch.Generator().manual_seed(rank)
+    caches = [torch.randn(t.shape, generator=g, dtype=t.dtype)
+              for t in prog.cache_spec().allocate()]
+    table = torch.arange(b * shapes.max_blocks).view(b, shapes.max_blocks)
+    ids = torch.randint(0, model.config.vocab_size, (b, 1), generator=g)
+    pos = torch.full((b, 1), context)
+    with torch.no_grad():
+        return interleaved({
+            "before": lambda: before.run("decode", ids, pos, table, caches),
+            "now": lambda: now.run("decode", ids, pos, table, caches),
+            "hand": lambda: hand_written_step(model, c, rank, c.tp, c.dcp, names, ids, pos,
+                                              table, caches)}, steps)
 
 
 def capacity_table(args, model, transform, b, tp):
