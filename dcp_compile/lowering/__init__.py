@@ -47,7 +47,7 @@ from .artifact import (COLLECTIVE_OPS, LoweredCollective, LoweredModule, Lowerin
                        _join_sites, collectives_in, deserialize, op_counts, serialize, write)
 from .decompose import (DecompositionCache, _resolve_site_shapes, check_decomposed, decompose,
                         decompose_by_op, decompose_whole, decomposition_table,
-                        op_call_key)
+                        eliminate_common_calls, op_call_key)
 from .finalize import FINALIZE_RULES, annotate, check_contract, finalize
 from .interpreter import (InterpreterExecutor, interpreter_available, run_interpreter,
                           run_interpreter_spmd)
@@ -61,7 +61,7 @@ __all__ = [
     "FINALIZE_RULES", "FUNC_NAME", "InterpreterExecutor", "LoweredCollective", "LoweredModule",
     "LoweringResult", "TARGETS", "check_contract", "check_decomposed", "check_lowerable",
     "collectives_in", "decompose", "decompose_by_op", "decompose_whole", "decomposition_table",
-    "deserialize", "emit_collectives", "finalize", "find_collectives",
+    "deserialize", "eliminate_common_calls", "emit_collectives", "finalize", "find_collectives",
     "interpreter_available", "lower", "lower_function", "module_name", "lower_graph", "mark_collectives",
     "new_context", "op_call_key", "op_counts", "provenance", "run_interpreter",
     "run_interpreter_spmd", "serialize", "write",
