@@ -54,7 +54,7 @@ from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.compiled_step import DCPCompiledStep
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPError, DCPTransformError
-from dcp_compile.runtime.names import StepKind
+from dcp_compile.runtime.names import Mode, StepKind
 
 from .frontends.dynamo import DynamoFrontend
 
@@ -72,7 +72,7 @@ class BackendOptions:
 
     dcp: int
     tp: int | None = None
-    mode: str = "decode"
+    mode: str = Mode.DECODE
     block_size: int | None = None
     interleave_size: int | None = None
     kv_role: str | None = None
@@ -148,7 +148,7 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 
-def kv_cache_spec(model, *, tp: int, dcp: int, num_blocks: int, mode: str = "decode",
+def kv_cache_spec(model, *, tp: int, dcp: int, num_blocks: int, mode: str = Mode.DECODE,
                   block_size: int = 16, dtype: torch.dtype | None = None):
     """This rank's KV caches for ``model`` compiled with backend "dcp" (``.allocate()`` them).
 

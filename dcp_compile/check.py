@@ -46,6 +46,7 @@ import torch
 
 from dcp_compile.runtime.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
+from dcp_compile.runtime.names import Mode, StepKind
 
 from .compare import token_errors
 
@@ -154,7 +155,7 @@ def row_lengths(program: DCPProgram) -> list[tuple[int, int]]:
     c, s = program.config, program.shapes
     capacity = s.max_blocks * c.block_size * c.dcp
     first_max = max(1, min(s.context_len, capacity - 1))
-    if c.mode != "decode":
+    if c.mode != Mode.DECODE:
         return _fit_rows(program, first_max, None)
     steps = 1
     while True:   # fewer rows fit as steps grow; steps only grow (bounded): this settles
@@ -211,10 +212,10 @@ def steps_for(program: DCPProgram, vocab: int, seed: int = SEED) -> list[CheckSt
     rows = row_lengths(program)
     first = [ids(a) for a, _ in rows]
     second = [ids(b) for _, b in rows]
-    if program.config.mode == "decode":
+    if program.config.mode == Mode.DECODE:
         steps = rows[0][1] if rows else 1
-        return [CheckStep("context", first)] + [
-            CheckStep("decode" if steps == 1 else f"decode {t + 1}", [[r[t]] for r in second],
+        return [CheckStep(StepKind.CONTEXT, first)] + [
+            CheckStep(StepKind.DECODE if steps == 1 else f"decode {t + 1}", [[r[t]] for r in second],
                       decode=True) for t in range(steps)]
     return [CheckStep("prefill chunk 1", first),
             CheckStep("prefill chunk 2 (after chunk 1)", second)]

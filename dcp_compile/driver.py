@@ -22,6 +22,7 @@ from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.names import Mode
 from dcp_compile.runtime.topology import topology
 
 from .frontends import Frontend, StepCapture, frontend_for
@@ -41,7 +42,7 @@ class CompileOptions:
     progress: bool = False                # a line per capture and pass on stderr
 
 
-def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = "decode", *,
+def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE, *,
               block_size: int = 16, interleave_size: int | None = None,
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
               certificate=None, progress: bool = False, combine: str = "all_gather",

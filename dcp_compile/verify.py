@@ -9,6 +9,7 @@ import torch
 
 from dcp_compile.runtime.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.names import StepKind
 from dcp_compile.runtime.rank_engine import RecordingExecutor, rank_engine
 
 from .compare import token_errors
@@ -224,7 +225,7 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
     from dcp_compile.runtime.rank_engine import rank_engine
     from dcp_compile.runtime.world import run_threaded
     _check_plan(chunk_plan)
-    if "prefill" not in program.graphs:
+    if StepKind.PREFILL not in program.graphs:
         raise DCPInputError(f"run_threaded_prefill needs a prefill program: this one has "
                             f"steps {sorted(program.graphs)}. Transform with mode='prefill'.")
 

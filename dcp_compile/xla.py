@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dcp_compile.runtime.errors import DCPTransformError, DCPXLAError
+from dcp_compile.runtime.names import StepKind
 
 EXTRA = "xla"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -399,7 +400,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
                            source=source)
     recorder = RecordingExecutor(executor)
     engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                    dcp=program.config.dcp, prompt_kind="prefill", buckets=program.buckets)
+                    dcp=program.config.dcp, prompt_kind=StepKind.PREFILL, buckets=program.buckets)
     with torch.no_grad():
         for chunk in chunk_plan:
             engine.prefill(chunk)

@@ -7,8 +7,9 @@ import math
 from dataclasses import dataclass
 
 from .errors import DCPConfigError
+from .names import Mode
 
-MODES = ("decode", "prefill")
+MODES = tuple(Mode)
 KV_ROLES = (None, "kv_producer", "kv_consumer")
 # Decode combine of the partial outputs (passes/dcp_decode.py): LSE all-gather + reduce-scatter,
 # or one all-to-all of outputs and LSEs merged locally; and the partial outputs' wire dtype
@@ -32,7 +33,7 @@ class DCPConfig:
 
     tp: int
     dcp: int
-    mode: str = "decode"
+    mode: str = Mode.DECODE
     block_size: int = 16
     interleave_size: int | None = None
     num_q_heads: int | None = None
@@ -53,7 +54,7 @@ class DCPConfig:
         if self.interleave_size is None and _is_positive_int(self.block_size):
             object.__setattr__(self, "interleave_size", self.block_size)
         # Prefill DCP is the producer side of disaggregated inference (spec: Constraints).
-        if self.mode == "prefill" and _is_positive_int(self.dcp) and self.dcp > 1 \
+        if self.mode == Mode.PREFILL and _is_positive_int(self.dcp) and self.dcp > 1 \
                 and self.kv_role is None:
             object.__setattr__(self, "kv_role", "kv_producer")
         violations = _violations(self)
@@ -77,7 +78,7 @@ class DCPConfig:
     @property
     def attention_shard(self) -> int:
         """How many ways the attention weights (QKV/O heads) are split."""
-        return self.tp if self.mode == "decode" else self.dcp_tp_size
+        return self.tp if self.mode == Mode.DECODE else self.dcp_tp_size
 
     @property
     def q_heads_per_rank(self) -> int:
@@ -141,7 +142,7 @@ def _violations(c: DCPConfig) -> list[str]:
         out.append(f"cp_kv_cache_interleave_size must equal block_size for DI compatibility: "
                    f"kv_role={c.kv_role!r}, interleave_size={I}, block_size={B}. "
                    f"Use interleave_size={B}.")
-    if c.mode == "prefill" and dcp > 1 and c.kv_role != "kv_producer":
+    if c.mode == Mode.PREFILL and dcp > 1 and c.kv_role != "kv_producer":
         out.append(f"apply_prefill_dcp requires DI (kv_role=kv_producer) and DCP > 1: "
                    f"mode='prefill', dcp={dcp}, kv_role={c.kv_role!r}. "
                    f"Use kv_role='kv_producer' (or leave it None), or dcp=1.")
@@ -155,7 +156,7 @@ def _combine_violations(c: DCPConfig) -> list[str]:
         if getattr(c, name) not in allowed:
             out.append(f"{name} must be one of {allowed}: {name}={getattr(c, name)!r}. "
                        f"Use {name}={allowed[0]!r} (the default) or {allowed[1]!r}.")
-    if not out and c.mode != "decode" and (c.combine, c.combine_dtype) != (
+    if not out and c.mode != Mode.DECODE and (c.combine, c.combine_dtype) != (
             COMBINES[0], COMBINE_DTYPES[0]):
         out.append(f"combine and combine_dtype choose the decode combine only: mode={c.mode!r}, "
                    f"combine={c.combine!r}, combine_dtype={c.combine_dtype!r}. Leave them at "
@@ -177,7 +178,7 @@ def _head_violations(c: DCPConfig) -> list[str]:
                    f"num_q_heads={hq}, num_kv_heads={hkv}. Check the model config.")
         return out
     shard = c.attention_shard
-    where = "full TP" if c.mode == "decode" else "dcp_tp_group (TP/DCP)"
+    where = "full TP" if c.mode == Mode.DECODE else "dcp_tp_group (TP/DCP)"
     if hq is not None and hq % shard:
         out.append(f"query heads must split evenly over {where}: num_q_heads={hq}, "
                    f"shard={shard} (tp={tp}, dcp={dcp}). Use a tp that divides {hq}.")
@@ -185,7 +186,7 @@ def _head_violations(c: DCPConfig) -> list[str]:
         out.append(f"KV heads must split over, or replicate evenly across, {where}: "
                    f"num_kv_heads={hkv}, shard={shard}. Use a shard size that divides "
                    f"or is a multiple of {hkv}.")
-    if c.mode != "decode" or dcp == 1:
+    if c.mode != Mode.DECODE or dcp == 1:
         return out
     fix = _largest_valid_decode_dcp(c)
     fix_text = f"Use dcp={fix}" if fix > 1 else "Use dcp=1"

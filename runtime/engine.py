@@ -18,6 +18,7 @@ import torch
 from .errors import DCPConfigError, DCPInputError
 
 from .kv_cache import BlockAllocator
+from .names import StepKind
 from .step_contract import StepContract, check_engine_caches
 
 
@@ -117,7 +118,7 @@ class Engine:
     """
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
-                 dcp: int = 1, prompt_kind: str = "prefill", vocab_size: int | None = None,
+                 dcp: int = 1, prompt_kind: str = StepKind.PREFILL, vocab_size: int | None = None,
                  prefix_caching: bool = False, buckets=None):
         from .buckets import bucket_width, check_buckets
         self.executor = executor
@@ -131,9 +132,9 @@ class Engine:
                                      max_blocks=shapes.max_blocks)
         self.contracts = {(kind, width): StepContract(
             kind=kind, batch=shapes.batch,
-            tokens=shapes.decode_len if kind == "decode" else shapes.context_len,
+            tokens=shapes.decode_len if kind == StepKind.DECODE else shapes.context_len,
             max_blocks=width, num_blocks=shapes.num_blocks, block_size=block_size,
-            dcp=dcp, vocab_size=vocab_size) for kind in ("context", "prefill", "decode")
+            dcp=dcp, vocab_size=vocab_size) for kind in StepKind
             for width in (bucket_width(b, block_size=block_size, dcp=dcp)
                           for b in self.buckets)}
         self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp,
@@ -160,7 +161,7 @@ class Engine:
     def prompt_step(self, prompts: list[list[int]]) -> torch.Tensor:
         """One prompt step of ``prompt_kind`` (``prefill`` without the prefix cache)."""
         n = len(prompts)
-        if self.prompt_kind == "context" and any(self.lengths):
+        if self.prompt_kind == StepKind.CONTEXT and any(self.lengths):
             raise DCPInputError(
                 f"the decode engine's context step runs a first prompt chunk only (no prior "
                 f"context): sequences already hold {self.lengths} tokens. Send the whole "

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .names import StepKind
+
 
 def prefill_sharing_prefixes(engine, prompts: list[list[int]]) -> torch.Tensor:
     """Logits of each prompt's last token [n, vocab], reusing cached prefixes."""
@@ -28,7 +30,7 @@ def prefill_sharing_prefixes(engine, prompts: list[list[int]]) -> torch.Tensor:
         for b in rows:
             engine.lengths[b] = alloc.share_prefix(b, prompts[b])
         chunks = [prompts[b][engine.lengths[b]:] if b in rows else [] for b in range(n)]
-        if any(engine.lengths[b] for b in rows) and engine.prompt_kind == "context":
+        if any(engine.lengths[b] for b in rows) and engine.prompt_kind == StepKind.CONTEXT:
             out = _prompt_in_decode_steps(engine, chunks)
         else:
             out = engine.prompt_step(chunks)

@@ -29,7 +29,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from .errors import DCPConfigError, DCPInputError, DCPTransformError
-from dcp_compile.runtime.names import BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS
+from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS,
+                                      StepKind)
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.
@@ -356,7 +357,7 @@ def _contiguous(c, s):
 
 
 def _first_chunk(c, s):
-    if c.kind != "context":
+    if c.kind != StepKind.CONTEXT:
         return None
     first = s.positions[:, 0]
     hit = _first((first >= 0) & (first != 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import DCPConfig
+from .names import Mode
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Topology:
     def cp_rank(self, rank: int) -> int:
         """Which token shard a rank holds: prefill tp_rank // (TP/DCP), decode tp_rank % DCP."""
         self._check_rank(rank)
-        if self.mode == "prefill":
+        if self.mode == Mode.PREFILL:
             return rank // (self.tp // self.dcp)
         return rank % self.dcp
 
@@ -44,8 +45,8 @@ class Topology:
         self._check_rank(rank)
         if self.num_kv_heads is None:
             return None
-        shard = self.tp if self.mode == "decode" else self.tp // self.dcp
-        pos = rank if self.mode == "decode" else rank % shard
+        shard = self.tp if self.mode == Mode.DECODE else self.tp // self.dcp
+        pos = rank if self.mode == Mode.DECODE else rank % shard
         hkv = self.num_kv_heads
         if shard >= hkv:
             return [pos // (shard // hkv)]
@@ -93,7 +94,7 @@ def _strided(world: int, stride: int) -> list[list[int]]:
     return [list(range(s, world, stride)) for s in range(stride)]
 
 
-def topology(tp: int, dcp: int, mode: str = "decode", *, num_kv_heads: int | None = None,
+def topology(tp: int, dcp: int, mode: str = Mode.DECODE, *, num_kv_heads: int | None = None,
              config: DCPConfig | None = None) -> Topology:
     """Process groups for ``tp`` ranks with DCP degree ``dcp`` in ``mode``.
 
@@ -104,7 +105,7 @@ def topology(tp: int, dcp: int, mode: str = "decode", *, num_kv_heads: int | Non
         config = DCPConfig(tp=tp, dcp=dcp, mode=mode, num_kv_heads=num_kv_heads,
                            num_q_heads=None)
     tp, dcp, mode = config.tp, config.dcp, config.mode
-    if mode == "prefill":
+    if mode == Mode.PREFILL:
         sub = tp // dcp
         groups = {"world": [list(range(tp))],
                   "dcp_tp": _consecutive(tp, sub),

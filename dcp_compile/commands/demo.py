@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from dcp_compile.runtime.names import Mode, StepKind
+
 from .model_arg import add_model_arguments, load_model
 from .options import (add_buckets_argument, add_layout_arguments, capacity_for_buckets,
                       check_buckets_option, check_layout, choice_list, model_heads,
@@ -71,7 +73,7 @@ def run(args) -> int:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
                    for n in lengths]
-        total = max(lengths) + args.steps if mode == "decode" else max(lengths) * args.chunks
+        total = max(lengths) + args.steps if mode == Mode.DECODE else max(lengths) * args.chunks
         shapes = StepShapes.fitting(len(prompts), max(lengths),
                                     capacity_for_buckets(args, total), block_size=16,
                                     dcp=args.dcp)
@@ -88,13 +90,13 @@ def run(args) -> int:
         V, extra = verifier(args.backend), {}
         if args.backend == "xla":      # the lowered modules go next to the dump
             extra["lowered"] = V.lower_for_xla(program, out_dir=out_dir / mode / "stablehlo")
-        if mode == "decode":
+        if mode == Mode.DECODE:
             report = V.verify(loaded.make_reference(), program, prompts, args.steps, **extra)
         else:
             report = V.verify_prefill(loaded.make_reference(), program, prompts, args.chunks,
                                       check_cache=loaded.reference_has_cache, **extra)
         ok &= report.ok
-        step = "decode" if mode == "decode" else "prefill"
+        step = StepKind.DECODE if mode == Mode.DECODE else StepKind.PREFILL
         kv_rank, kv_single = _kv_bytes(program, sum(report.lengths))
         rows.append({"mode": mode, "backend": args.backend, "tp": args.tp, "dcp": args.dcp,
                      "proofs": f"{sum(t.status == 'proven' for t in cert.theorems)}/"

@@ -17,6 +17,8 @@ import json
 import sys
 from dataclasses import dataclass
 
+from dcp_compile.runtime.names import Mode
+
 from .model_arg import add_model_arguments, load_model
 from .options import (add_buckets_argument, add_layout_arguments, capacity_for_buckets,
                       check_buckets_option, check_layout, model_heads, non_negative_float,
@@ -109,7 +111,7 @@ def validate(args) -> None:
     check_layout(args, **model_heads(args))
     check_buckets_option(args, args.block_size)
     check_backend(args)
-    if args.speculative is not None and args.mode != "decode":
+    if args.speculative is not None and args.mode != Mode.DECODE:
         from dcp_compile.runtime.errors import DCPConfigError
         raise DCPConfigError(f"--speculative verifies drafts in decode steps: --mode "
                              f"{args.mode}. Use --mode decode.")
@@ -138,7 +140,7 @@ def run(args) -> int:
     prompts = [prefix + torch.randint(0, loaded.vocab_size, (n,), generator=g).tolist()
                for n in lengths]
     lengths = [len(p) for p in prompts]
-    if args.mode == "decode":
+    if args.mode == Mode.DECODE:
         total = max(lengths) + args.steps
     else:
         total = max(lengths) * args.chunks
@@ -155,12 +157,12 @@ def run(args) -> int:
     print(f"running {args.tp} ranks on {where} vs the single-device model "
           f"(lengths {lengths})...", file=sys.stderr)
     V = verifier(args.backend)
-    if args.mode == "decode" and (args.speculative or args.shared_prefix):
+    if args.mode == Mode.DECODE and (args.speculative or args.shared_prefix):
         drafter = drafter_for(args, program, shapes) if args.speculative else None
         report = V.verify_speculative(loaded.make_reference(), program, prompts, args.steps,
                                       drafter, atol=args.atol,
                                       prefix_caching=bool(args.shared_prefix))
-    elif args.mode == "decode":
+    elif args.mode == Mode.DECODE:
         report = V.verify(loaded.make_reference(), program, prompts, args.steps,
                           atol=args.atol)
     else:
@@ -198,7 +200,7 @@ def drafter_for(args, program, shapes):
     print(f"transforming the draft model {spec.factory}: tp={args.tp} dcp=1",
           file=sys.stderr)
     draft_program = dcp_compile.transform(
-        draft, tp=args.tp, dcp=1, mode="decode", block_size=args.block_size,
+        draft, tp=args.tp, dcp=1, mode=Mode.DECODE, block_size=args.block_size,
         shapes=replace(shapes, max_blocks=shapes.max_blocks * args.dcp,
                        num_blocks=(shapes.num_blocks - 1) * args.dcp + 1, decode_len=2))
     if args.backend == "xla":

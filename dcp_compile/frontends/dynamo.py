@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 
 from dcp_compile.runtime.errors import DCPError, DCPTransformError
 from dcp_compile.runtime.facts import ModelFacts
-from dcp_compile.runtime.names import StepKind
+from dcp_compile.runtime.names import Mode, StepKind
 
 from ..capture import refuse_mutation
 from . import StepCapture
@@ -166,7 +166,7 @@ def capture_dynamo(gm: GraphModule, example_inputs: list, mode: str) -> DynamoCa
         # The pipeline's canonicalization names the problem (no or unrecognised attention).
         user = [(n.name, i) for n, i in inputs.items()] or [(new[0].name, 0)]
         return DynamoCapture(aten, weights, user,
-                             StepKind.DECODE if mode == "decode" else StepKind.PREFILL,
+                             StepKind.DECODE if mode == Mode.DECODE else StepKind.PREFILL,
                              StepShapes(), 0, 16, 0, torch.float32)
     user = _step_inputs(attention, inputs)
     _reorder_placeholders(aten, [by_index[i][0] for _, i in weights]
@@ -174,7 +174,7 @@ def capture_dynamo(gm: GraphModule, example_inputs: list, mode: str) -> DynamoCa
 
     q, kc = attention[0].args[0].meta["val"], attention[0].args[3].meta["val"]
     batch, tokens = q.shape[0], q.shape[1]
-    if mode == "prefill":
+    if mode == Mode.PREFILL:
         step = StepKind.PREFILL
     else:
         step = StepKind.DECODE if tokens == 1 else StepKind.CONTEXT

@@ -14,6 +14,8 @@ import json
 
 import torch
 
+from dcp_compile.runtime.names import Mode
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
         lengths = [int(x) for x in args.lengths.split(",")]
         prompts = prompt_tokens(lengths, args.seed)
         model = demo_model()
-        program = dcp_compile.transform(model, tp=world, dcp=args.dcp, mode="decode",
+        program = dcp_compile.transform(model, tp=world, dcp=args.dcp, mode=Mode.DECODE,
                                         interleave_size=args.interleave_size,
                                         shapes=shapes_for(lengths, args.steps, args.dcp))
         engine = rank_engine(program, rank)

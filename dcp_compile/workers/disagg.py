@@ -56,6 +56,8 @@ from dataclasses import asdict
 
 import torch
 
+from dcp_compile.runtime.names import Mode
+
 HOST = "127.0.0.1"
 # Seconds between a waiting prefill rank's polls: often enough that a READ (which needs the
 # prefill side's progress) is not slowed, rarely enough that 4 idle ranks leave the cores to
@@ -180,13 +182,13 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     plan = json.loads(args.plan)
     decoders = json.loads(args.decoders)
     program = dcp_compile.transform(
-        build_model(args.model, args.layers), tp=world, dcp=args.dcp, mode="prefill",
+        build_model(args.model, args.layers), tp=world, dcp=args.dcp, mode=Mode.PREFILL,
         block_size=args.block_size, shapes=prefill_shapes(plan, args.dcp, args.block_size),
         check=False)
     cfg = program.config
     # Plan every decode engine before any work: an unservable pair fails here, not mid-read.
     plans = {d["engine_id"]: plan_transfer(cfg, engine_config(cfg, tp=d["tp"], dcp=d["dcp"],
-                                                              mode="decode"))
+                                                              mode=Mode.DECODE))
              for d in decoders}
     engine = rank_engine(program, rank, fill=float("nan"))
     executor = engine.executor
@@ -285,10 +287,10 @@ def run_decode_rank(args, rank: int, world: int) -> None:
     shapes = decode_shapes(args.batch, args.max_context, args.dcp, args.block_size,
                            args.reserve_blocks)
     program = dcp_compile.transform(build_model(args.model, args.layers), tp=world,
-                                    dcp=args.dcp, mode="decode", block_size=args.block_size,
+                                    dcp=args.dcp, mode=Mode.DECODE, block_size=args.block_size,
                                     shapes=shapes, check=False)
     cfg = program.config
-    prefill_cfg = engine_config(cfg, tp=args.prefill_tp, dcp=args.prefill_dcp, mode="prefill")
+    prefill_cfg = engine_config(cfg, tp=args.prefill_tp, dcp=args.prefill_dcp, mode=Mode.PREFILL)
     engine = rank_engine(program, rank, fill=float("nan"), shapes=shapes)
     caches = engine.executor.caches
     if args.reserve_blocks:

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from dcp_compile.runtime.names import Mode
+
 
 def plan_tokens(plan: list[list[int]], seed: int = 0, vocab: int = 256
                 ) -> list[list[list[int]]]:
@@ -42,7 +44,7 @@ def build_program(args, plan):
     from dcp_compile.models.demo import DemoConfig, demo_model
     model = demo_model(DemoConfig(num_layers=args.layers))
     program = dcp_compile.transform(
-        model, tp=args.tp, dcp=args.dcp, mode="prefill", block_size=args.block_size,
+        model, tp=args.tp, dcp=args.dcp, mode=Mode.PREFILL, block_size=args.block_size,
         shapes=shapes_for(plan, args.context_len, args.dcp, args.block_size))
     return model, program
 

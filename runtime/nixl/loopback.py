@@ -39,6 +39,7 @@ import torch
 
 from ..config import DCPConfig
 from ..errors import DCPTransferError
+from ..names import Mode
 from ..topology import topology
 from dcp_compile.runtime.cache_layout import scatter_cache
 from dcp_compile.runtime.kv_cache import BlockAllocator
@@ -292,7 +293,7 @@ def _failure(spec: dict, kind: str) -> dict:
         port = _free_port_base(p_cfg.tp)
         silent = [socket.create_server(("127.0.0.1", port + r)) for r in range(p_cfg.tp)]
     elif kind == "metadata_mismatch":  # we plan for a prefill DCP the engine does not have
-        p_cfg = DCPConfig(tp=p_cfg.tp, dcp=p_cfg.tp, mode="prefill",
+        p_cfg = DCPConfig(tp=p_cfg.tp, dcp=p_cfg.tp, mode=Mode.PREFILL,
                           block_size=p_cfg.block_size, num_kv_heads=p_cfg.num_kv_heads)
     elif kind == "remote_gone":
         p_eng = next(e for e in spec["prefill"] if e.get("doomed"))

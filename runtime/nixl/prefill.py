@@ -21,6 +21,7 @@ import torch
 
 from ..config import DCPConfig
 from ..errors import DCPTransferError
+from ..names import Mode
 from ..topology import topology
 
 from .agent import POLL_SLEEP, RankAgent
@@ -87,7 +88,7 @@ class PrefillKVConnector:
                  engine_id: str = "prefill", host: str = "127.0.0.1",
                  side_channel_port: int, progress_thread: bool = False,
                  on_free=None, side_channel_client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT):
-        if config.mode != "prefill":
+        if config.mode != Mode.PREFILL:
             raise DCPTransferError(f"PrefillKVConnector needs the prefill engine's config: "
                                    f"mode={config.mode!r}. Pass DCPConfig(..., mode='prefill').")
         topo = topology(config.tp, config.dcp, config.mode, config=config)
