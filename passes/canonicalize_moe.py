@@ -240,7 +240,7 @@ class CanonicalizeMoE(DCPPass):
             raise DCPTransformError(
                 f"dcp.moe activation {a['activation']} with alpha={a['alpha']}, "
                 f"limit={a['limit']}: {where}. Pass alpha and limit with "
-                f"{sorted(PARAMETRISED)}, neither with the others.")
+                f"{sorted(a.value for a in PARAMETRISED)}, neither with the others.")
         for what in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
             w = a[what]
             if w is not None and w.op != "placeholder":
