@@ -157,17 +157,21 @@ def model_routing(model):
 @dataclass
 class RoutingComparison:
     """Expert-set decisions compared: ``decisions`` (layer, token) pairs, ``choices`` expert
-    picks (decisions x k); ``flips`` decisions whose sets differ; ``flip_gaps`` the score gap
-    of each flip's swapped experts in the model's own scores; ``margins`` each decision's
-    top-k margin (k-th minus (k+1)-th score), sorted."""
+    picks (decisions x k); ``flips`` decisions whose sets differ, of which ``cascades`` at a
+    token whose set already differed in an earlier MoE layer (its hidden state then differs
+    by an expert's output, not by rounding); ``flip_gaps`` the score gap of each first flip's
+    swapped experts in the model's own scores; ``margins`` each decision's top-k margin
+    (k-th minus (k+1)-th score), sorted."""
 
     decisions: int = 0
     choices: int = 0
     flips: int = 0
+    cascades: int = 0
     flip_gaps: list[float] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
 
     def flips_below(self, gap: float) -> int:
+        """First flips whose swapped experts' scores were within ``gap`` (near ties)."""
         return sum(g < gap for g in self.flip_gaps)
 
     def near_ties(self, margin: float) -> int:
@@ -176,7 +180,8 @@ class RoutingComparison:
 
     def merged(self, other: "RoutingComparison") -> "RoutingComparison":
         return RoutingComparison(self.decisions + other.decisions, self.choices + other.choices,
-                                 self.flips + other.flips, self.flip_gaps + other.flip_gaps,
+                                 self.flips + other.flips, self.cascades + other.cascades,
+                                 self.flip_gaps + other.flip_gaps,
                                  sorted(self.margins + other.margins))
 
 
@@ -184,6 +189,7 @@ def compare_routing(got: Choices, reference: dict[int, ModelRouting]) -> Routing
     """``got``: a program's choices; ``reference``: sequence -> the model's routing of that
     sequence (positions from 0). Every position the program routed must be in the model's."""
     out = RoutingComparison()
+    flipped: set[tuple[int, int]] = set()        # (sequence, position) already flipped
     for (layer, seq, pos), chosen in sorted(got.items()):
         ref = reference[seq]
         if layer >= len(ref.ids) or pos >= ref.ids[layer].shape[0]:
@@ -197,10 +203,15 @@ def compare_routing(got: Choices, reference: dict[int, ModelRouting]) -> Routing
         out.decisions += 1
         out.choices += k
         out.margins.append(float(top[k - 1] - top[k]) if k < top.numel() else float("inf"))
-        if chosen != mine:
-            lost = [e for e in mine if e not in chosen]
-            gained = [e for e in chosen if e not in mine]
-            out.flips += 1
-            out.flip_gaps.append(float((scores[lost].min() - scores[gained].max()).abs()))
+        if chosen == mine:
+            continue
+        out.flips += 1
+        if (seq, pos) in flipped:
+            out.cascades += 1
+            continue
+        flipped.add((seq, pos))
+        lost = [e for e in mine if e not in chosen]
+        gained = [e for e in chosen if e not in mine]
+        out.flip_gaps.append(float((scores[lost].min() - scores[gained].max()).abs()))
     out.margins.sort()
     return out
