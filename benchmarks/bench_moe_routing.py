@@ -10,8 +10,9 @@ forward (no cache) over each sequence the program saw (prompt + generated tokens
 forced), its routing recorded (model_routing). For every (MoE layer, token) decision:
 
 * a *flip* is an expert set that differs between the program (rank 0; every rank's is
-  checked identical) and the model; a *cascade* is a flip at a token that already flipped
-  in an earlier MoE layer (its hidden state then differs by a whole expert's output);
+  checked identical) and the model; a *cascade* is a flip downstream of a flip in an
+  earlier MoE layer, at this token or an earlier one of its sequence (attended to): its
+  input differs by a whole expert's output, not by rounding;
 * a first flip's *gap* is how far apart the swapped experts' scores are in the model's own selection
   scores (fp32, from its bf16 hidden state: router logits, or sigmoid + score-correction
   bias for DeepSeek-V3/GLM4-MoE); a *near tie* is a gap below a threshold (printed for

@@ -157,9 +157,10 @@ def model_routing(model):
 @dataclass
 class RoutingComparison:
     """Expert-set decisions compared: ``decisions`` (layer, token) pairs, ``choices`` expert
-    picks (decisions x k); ``flips`` decisions whose sets differ, of which ``cascades`` at a
-    token whose set already differed in an earlier MoE layer (its hidden state then differs
-    by an expert's output, not by rounding); ``flip_gaps`` the score gap of each first flip's
+    picks (decisions x k); ``flips`` decisions whose sets differ, of which ``cascades``
+    downstream of a flip in an earlier MoE layer at this token or an earlier one of its
+    sequence (the input then differs by a whole expert's output, not by rounding);
+    ``flip_gaps`` the score gap of each first (not downstream) flip's
     swapped experts in the model's own scores; ``margins`` each decision's top-k margin
     (k-th minus (k+1)-th score), sorted."""
 
@@ -185,11 +186,19 @@ class RoutingComparison:
                                  sorted(self.margins + other.margins))
 
 
+def _downstream(flip: tuple[int, int, int], flips: list[tuple[int, int, int]]) -> bool:
+    """Whether an earlier MoE layer flipped at this token or an earlier one of its sequence
+    (whose keys and values this token's later layers attend to)."""
+    layer, seq, pos = flip
+    return any(f_layer < layer and f_seq == seq and f_pos <= pos
+               for f_layer, f_seq, f_pos in flips)
+
+
 def compare_routing(got: Choices, reference: dict[int, ModelRouting]) -> RoutingComparison:
     """``got``: a program's choices; ``reference``: sequence -> the model's routing of that
     sequence (positions from 0). Every position the program routed must be in the model's."""
     out = RoutingComparison()
-    flipped: set[tuple[int, int]] = set()        # (sequence, position) already flipped
+    flips = []                   # (layer, sequence, position, score gap of the swap)
     for (layer, seq, pos), chosen in sorted(got.items()):
         ref = reference[seq]
         if layer >= len(ref.ids) or pos >= ref.ids[layer].shape[0]:
@@ -203,15 +212,17 @@ def compare_routing(got: Choices, reference: dict[int, ModelRouting]) -> Routing
         out.decisions += 1
         out.choices += k
         out.margins.append(float(top[k - 1] - top[k]) if k < top.numel() else float("inf"))
-        if chosen == mine:
-            continue
-        out.flips += 1
-        if (seq, pos) in flipped:
+        if chosen != mine:
+            lost = [e for e in mine if e not in chosen]
+            gained = [e for e in chosen if e not in mine]
+            flips.append((layer, seq, pos,
+                          float((scores[lost].min() - scores[gained].max()).abs())))
+    where = [f[:3] for f in flips]
+    for *at, gap in flips:
+        if _downstream(tuple(at), where):
             out.cascades += 1
-            continue
-        flipped.add((seq, pos))
-        lost = [e for e in mine if e not in chosen]
-        gained = [e for e in chosen if e not in mine]
-        out.flip_gaps.append(float((scores[lost].min() - scores[gained].max()).abs()))
+        else:
+            out.flip_gaps.append(gap)
+    out.flips = len(flips)
     out.margins.sort()
     return out

@@ -1,10 +1,10 @@
 """Mixture of experts through the torch.compile backend: ``options={"expert_parallel": True}``
 (dcp_compile/backend.py) partitions the experts over the tp ranks as transform() does.
 
-The model is hf.prepare(Mixtral) (tiny config, seeded weights: tests/test_moe.py's ``build``),
-compiled with ``torch.compile(backend="dcp", fullgraph=True)`` on every rank of a threaded
-tp=4/dcp=2 world; each rank decodes greedily with its own KV caches, and its tokens and logits
-must equal the model's OWN full forward (no cache) within 1e-4 over 4 decode steps.
+The model is hf.prepare(Mixtral) (one layer of tests/test_moe.py's tiny config and seeded
+weights), compiled with ``torch.compile(backend="dcp", fullgraph=True)`` on every rank of a threaded
+tp=4/dcp=2 world; each rank decodes greedily with its own KV caches (the garbage block
+NaN-poisoned before every step), and its tokens and logits must equal the model's OWN full forward (no cache) within 1e-4 over 4 decode steps.
 """
 
 from __future__ import annotations
@@ -18,20 +18,16 @@ from dcp_compile import hf  # noqa: E402
 from dcp_compile.backend import BackendOptions, kv_cache_spec  # noqa: E402
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPConfigError, DCPWorldError  # noqa: E402
+from dcp_compile.runtime.rank_engine import poison_garbage  # noqa: E402
 from dcp_compile.runtime.world import run_threaded  # noqa: E402
 
 from helpers import assert_close_report, prompts_of  # noqa: E402
+from test_backend import _step_inputs, fresh_dynamo  # noqa: E402,F401  (autouse: Dynamo reset)
+import test_moe  # noqa: E402
 from test_moe import MATRIX, build, own_forward  # noqa: E402
 
 TP, DCP, BLOCK, STEPS, LENGTHS = 4, 2, 4, 4, (1, 7, 12)
 SHAPES = StepShapes(batch=3, context_len=12, max_blocks=4, num_blocks=13)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_expert_parallel_is_a_checked_backend_option():
@@ -43,6 +39,8 @@ def test_expert_parallel_is_a_checked_backend_option():
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_experts", "expert_parallel"])
 def test_compiled_moe_model_matches_its_own_forward_on_every_rank(ep, monkeypatch):
+    """One Mixtral layer (Dynamo traces transformers' Python: a second layer doubles the
+    compile time and adds no case)."""
     if not ep and not MATRIX:
         pytest.skip("tensor-parallel experts through the backend run in the full matrix "
                     "(DCP_MOE_MATRIX=1)")
@@ -55,7 +53,10 @@ def test_compiled_moe_model_matches_its_own_forward_on_every_rank(ep, monkeypatc
 
     build_step = backend.build_step
     monkeypatch.setattr(backend, "build_step", recording)
-    model = build("mixtral")
+    monkeypatch.setitem(test_moe.MODELS, "mixtral1", (
+        "MixtralConfig", "MixtralForCausalLM",
+        dict(test_moe.MODELS["mixtral"][2], num_hidden_layers=1)))
+    model = build("mixtral1")
     wrapper = hf.prepare(model)
     compiled = torch.compile(wrapper, backend="dcp", fullgraph=True, dynamic=False,
                              options={"tp": TP, "dcp": DCP, "block_size": BLOCK,
@@ -65,8 +66,8 @@ def test_compiled_moe_model_matches_its_own_forward_on_every_rank(ep, monkeypatc
     prompts = prompts_of(LENGTHS, vocab=model.config.vocab_size)
 
     def rank_main(rank):
-        engine = Engine(LocalExecutor(compiled, spec.allocate()), SHAPES, block_size=BLOCK,
-                        dcp=DCP)
+        executor = LocalExecutor(compiled, spec.allocate(), before_step=poison_garbage)
+        engine = Engine(executor, SHAPES, block_size=BLOCK, dcp=DCP)
         with torch.no_grad():
             return engine.generate(prompts, STEPS)
 
@@ -74,7 +75,7 @@ def test_compiled_moe_model_matches_its_own_forward_on_every_rank(ep, monkeypatc
     # run); four ranks' first calls at once would each compile it again.
     for tokens in (SHAPES.context_len, 1):
         with pytest.raises(DCPWorldError), torch.no_grad():
-            compiled(*_step_inputs(tokens, spec.allocate()))
+            compiled(*_step_inputs(SHAPES, tokens, spec.allocate()))
     runs = run_threaded(TP, rank_main)
     assert sorted(s.step for s in built) == ["context", "decode"]
     cfg = model.config
@@ -95,10 +96,3 @@ def test_compiled_moe_model_matches_its_own_forward_on_every_rank(ep, monkeypatc
             for b in range(len(prompts)):
                 assert_close_report(step[b], ref_logits[b][t], atol=1e-4,
                                     what=f"rank {rank} step {t} seq {b}")
-
-
-def _step_inputs(tokens: int, caches):
-    ids = torch.zeros(SHAPES.batch, tokens, dtype=torch.int64)
-    positions = torch.arange(tokens).expand(SHAPES.batch, -1).contiguous()
-    table = torch.zeros(SHAPES.batch, SHAPES.max_blocks, dtype=torch.int64)
-    return ids, positions, table, caches

@@ -54,3 +54,22 @@ def test_every_rank_picks_the_same_experts_in_bf16_at_exact_ties(ep):
     assert len(got) == sum(len(p) + STEPS - 1 for p in prompts) * 2
     report = compare_routing(got, reference)
     assert report.near_ties(1e-30) > report.decisions // 2, report.margins[:10]
+
+
+def test_compare_routing_counts_flips_gaps_and_cascades():
+    """Synthetic routing, 2 layers x 6 positions, 4 experts, top-2: a flip in layer 1 at or
+    after a layer-0 flip's position is a cascade; one before it, or in another sequence, is
+    a first flip whose gap is the model's score difference of the swapped experts."""
+    from dcp_compile.routing import ModelRouting
+    scores = torch.tensor([4.0, 3.0, 2.5, 1.0]).expand(6, 4)
+    ids = torch.tensor([[0, 1]]).expand(6, 2)
+    reference = {s: ModelRouting([ids, ids], [scores, scores]) for s in (0, 1)}
+    got = {(layer, s, p): (0, 1) for layer in (0, 1) for s in (0, 1) for p in range(6)}
+    got[0, 0, 3] = (0, 2)        # first flip: lost 1 (3.0), gained 2 (2.5): gap 0.5
+    got[1, 0, 2] = (0, 3)        # before it: a first flip, gap |3.0 - 1.0| = 2.0
+    got[1, 0, 4] = (0, 3)        # after it in the same sequence: a cascade
+    got[1, 1, 4] = (0, 2)        # another sequence: a first flip, gap 0.5
+    report = compare_routing(got, reference)
+    assert (report.decisions, report.choices, report.flips, report.cascades) == (24, 48, 4, 1)
+    assert sorted(report.flip_gaps) == [0.5, 0.5, 2.0]
+    assert report.flips_below(1.0) == 2 and report.near_ties(0.6) == 24
