@@ -76,7 +76,8 @@ def measure(model_id: str, ep: bool, args) -> RoutingComparison:
     with model_routing(model) as routing, torch.no_grad():
         for b, (p, out) in enumerate(zip(prompts, runs[0].result.tokens)):
             model(torch.tensor([p + out[:-1]]))
-            reference[b] = ModelRouting(list(routing.ids), list(routing.scores))
+            reference[b] = ModelRouting(list(routing.ids), list(routing.scores),
+                                         list(routing.groups))
     return compare_routing(got, reference)
 
 

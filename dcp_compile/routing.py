@@ -113,13 +113,24 @@ def _experts_modules(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
     return out
 
 
+def group_scores(scores: Tensor, router) -> Tensor | None:
+    """Group-limited routers (DeepSeek-V3 ``noaux_tc``): each expert group's score, the sum
+    of its two best experts' scores [T, G], by which the groups are picked; else None."""
+    groups = getattr(router, "num_group", 1) or 1
+    if groups == 1:
+        return None
+    return scores.view(scores.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+
+
 @dataclass
 class ModelRouting:
-    """Per MoE layer: [positions, k] chosen ids and [positions, E] selection scores (fp32) of
-    the model's last forward (one sequence, batch 1)."""
+    """Per MoE layer: [positions, k] chosen ids, [positions, E] selection scores (fp32) and,
+    for a group-limited router, [positions, G] group scores, of the model's last forward
+    (one sequence, batch 1)."""
 
     ids: list[Tensor] = field(default_factory=list)
     scores: list[Tensor] = field(default_factory=list)
+    groups: list[Tensor | None] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -137,12 +148,13 @@ def model_routing(model):
             x, ids = args[0] if args else kwargs["hidden_states"], \
                 args[1] if len(args) > 1 else kwargs["top_k_index"]
             if layer == 0:
-                routing.ids.clear()
-                routing.scores.clear()
+                for recorded in (routing.ids, routing.scores, routing.groups):
+                    recorded.clear()
             logits = x.float() @ router.weight.float().t()
             scores = SELECTION_SCORES[hasattr(router, "e_score_correction_bias")](logits, router)
             routing.ids.append(ids.detach().clone())
             routing.scores.append(scores.detach())
+            routing.groups.append(group_scores(scores.detach(), router))
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(i, r), with_kwargs=True)
@@ -186,6 +198,21 @@ class RoutingComparison:
                                  sorted(self.margins + other.margins))
 
 
+def _swap_gap(mine, chosen, scores: Tensor, groups: Tensor | None) -> float:
+    """How close the model was to the program's choice: the score gap between the weakest
+    expert it lost and the strongest it gained; for a group-limited router whose swap
+    crosses groups, the smaller of that and the two groups' score gap (the group pick)."""
+    lost = [e for e in mine if e not in chosen]
+    gained = [e for e in chosen if e not in mine]
+    a, b = lost[int(scores[lost].argmin())], gained[int(scores[gained].argmax())]
+    gap = float((scores[a] - scores[b]).abs())
+    if groups is not None:
+        size = scores.numel() // groups.numel()
+        if a // size != b // size:
+            gap = min(gap, float((groups[a // size] - groups[b // size]).abs()))
+    return gap
+
+
 def _downstream(flip: tuple[int, int, int], flips: list[tuple[int, int, int]]) -> bool:
     """Whether an earlier MoE layer flipped at this token or an earlier one of its sequence
     (whose keys and values this token's later layers attend to)."""
@@ -213,10 +240,9 @@ def compare_routing(got: Choices, reference: dict[int, ModelRouting]) -> Routing
         out.choices += k
         out.margins.append(float(top[k - 1] - top[k]) if k < top.numel() else float("inf"))
         if chosen != mine:
-            lost = [e for e in mine if e not in chosen]
-            gained = [e for e in chosen if e not in mine]
-            flips.append((layer, seq, pos,
-                          float((scores[lost].min() - scores[gained].max()).abs())))
+            groups = ref.groups[layer][pos] if ref.groups and ref.groups[layer] is not None \
+                else None
+            flips.append((layer, seq, pos, _swap_gap(mine, chosen, scores, groups)))
     where = [f[:3] for f in flips]
     for *at, gap in flips:
         if _downstream(tuple(at), where):

@@ -49,7 +49,8 @@ def test_every_rank_picks_the_same_experts_in_bf16_at_exact_ties(ep):
     with model_routing(model) as routing, torch.no_grad():
         for b, (p, toks) in enumerate(zip(prompts, runs[0].result.tokens)):
             model(torch.tensor([p + toks[:-1]]))
-            reference[b] = type(routing)(list(routing.ids), list(routing.scores))
+            reference[b] = type(routing)(list(routing.ids), list(routing.scores),
+                                      list(routing.groups))
     got = trace.choices(0)
     assert len(got) == sum(len(p) + STEPS - 1 for p in prompts) * 2
     report = compare_routing(got, reference)
@@ -73,3 +74,16 @@ def test_compare_routing_counts_flips_gaps_and_cascades():
     assert (report.decisions, report.choices, report.flips, report.cascades) == (24, 48, 4, 1)
     assert sorted(report.flip_gaps) == [0.5, 0.5, 2.0]
     assert report.flips_below(1.0) == 2 and report.near_ties(0.6) == 24
+
+
+def test_a_swap_across_expert_groups_is_as_close_as_the_group_pick():
+    """Group-limited routing (DeepSeek-V3): when the swapped experts sit in different groups
+    the flip is as near a tie as the two groups' scores were (if nearer than the experts')."""
+    from dcp_compile.routing import ModelRouting
+    scores = torch.tensor([[4.0, 3.0, 2.0, 3.9, 1.0, 0.5]])   # groups {0, 1, 2}, {3, 4, 5}
+    groups = torch.tensor([[7.0, 6.8]])                       # the model picked group 0
+    reference = {0: ModelRouting([torch.tensor([[0, 1]])], [scores], [groups])}
+    same_group = compare_routing({(0, 0, 0): (0, 2)}, reference)
+    assert same_group.flip_gaps == [pytest.approx(1.0)]       # lost 1 (3.0), gained 2 (2.0)
+    other_group = compare_routing({(0, 0, 0): (3, 4)}, reference)
+    assert other_group.flip_gaps == [pytest.approx(0.2)]      # group gap 0.2 < experts' 0.9
