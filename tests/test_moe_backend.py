@@ -77,7 +77,9 @@ def test_compiled_moe_model_matches_its_own_forward_on_every_rank(ep, monkeypatc
         with pytest.raises(DCPWorldError), torch.no_grad():
             compiled(*_step_inputs(SHAPES, tokens, spec.allocate()))
     runs = run_threaded(TP, rank_main)
-    assert sorted(s.step for s in built) == ["context", "decode"]
+    # Usually one compile per step kind; a rank's thread may still recompile one (Dynamo
+    # guards on thread-local state), which costs time, not correctness.
+    assert {s.step for s in built} == {"context", "decode"}
     cfg = model.config
     for s in built:     # each rank holds E/tp whole experts (EP) or every expert's I/tp (TP)
         assert s.program.config.expert_parallel is ep
