@@ -16,7 +16,7 @@ EP/TP ratios (each EP step over the TP step just before it). Never asserted. The
 the machine's cores, so a time is the sum of all ranks' work, not one device's.
 
     python3 benchmarks/bench_moe.py [--tp 8] [--dcp 4] [--hidden 1024] [--intermediate 512]
-                                    [--layers 3] [--context 256] [--batch 16] [--reps 30]
+                                    [--layers 3] [--context 256] [--batch 16] [--reps 60]
                                     [--experts 8,64] [--top-k 2,8]
 """
 
@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--top-k", default="2,8")
