@@ -151,6 +151,8 @@ def model_routing(model):
                 for recorded in (routing.ids, routing.scores, routing.groups):
                     recorded.clear()
             logits = x.float() @ router.weight.float().t()
+            if getattr(router, "bias", None) is not None:     # gpt-oss's router linear
+                logits = logits + router.bias.float()
             scores = SELECTION_SCORES[hasattr(router, "e_score_correction_bias")](logits, router)
             routing.ids.append(ids.detach().clone())
             routing.scores.append(scores.detach())
