@@ -57,7 +57,9 @@ def prompts_for(batch: int, max_prompt: int, vocab: int, seed: int) -> list[list
 def measure(model_id: str, ep: bool, args) -> RoutingComparison:
     model = build(model_id, seed=args.seed).to(torch.bfloat16)
     mla = hasattr(model.config, "kv_lora_rank")
-    subject = model if mla else hf.prepare(model)   # MLA: the ordinary frontend
+    # MLA: the ordinary frontend; max_model_len: gpt-oss's window covers every position
+    subject = model if mla else hf.prepare(
+        model, max_model_len=model.config.max_position_embeddings)
     tokens = args.max_prompt + args.steps
     max_blocks = -(-tokens // (BLOCK * DCP))
     shapes = StepShapes(batch=args.batch, context_len=args.max_prompt, max_blocks=max_blocks,
