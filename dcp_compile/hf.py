@@ -241,10 +241,10 @@ def dcp_experts_forward(experts: nn.Module, hidden_states: Tensor, top_k_index: 
 
     Every experts class decorated with transformers' ``use_experts_implementation`` hands its
     forward here (eager loop, ``grouped_mm`` and ``batched_mm`` compute the same function on
-    the same ``gate_up_proj`` / ``down_proj``); the router before it stays the model's own.
-    What dcp.moe does not compute (biases, transposed or interleaved weights, ungated or
-    custom-gated experts, a post-expert norm) is refused by class name."""
-    act = _expert_activation(experts)
+    the same ``gate_up_proj`` / ``down_proj`` (+ biases)); the router before it stays the
+    model's own. How the class computes (layout flags, gate, activation) becomes dcp.moe's
+    data arguments (``experts_form``); what dcp.moe does not compute is refused by class."""
+    form = experts_form(experts)
     if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
         raise DCPTransformError(
             f"{type(experts).__name__} got hidden states {tuple(hidden_states.shape)} and "
@@ -252,33 +252,70 @@ def dcp_experts_forward(experts: nn.Module, hidden_states: Tensor, top_k_index: 
             f"takes [tokens, hidden] and [tokens, top_k]. Flatten the tokens before the "
             f"experts, as transformers' MoE blocks do.")
     rank0 = torch.zeros((), dtype=torch.int64, device=hidden_states.device)
+    biases = {"gate_up_bias": experts.gate_up_proj_bias,
+              "down_bias": experts.down_proj_bias} if experts.has_bias else {}
     return torch.ops.dcp.moe(hidden_states, top_k_index.long(), top_k_weights,
-                             experts.gate_up_proj, experts.down_proj, rank0, act)
+                             experts.gate_up_proj, experts.down_proj, rank0, **biases, **form)
 
 
-def _expert_activation(experts: nn.Module) -> str:
-    from transformers.integrations.moe import _default_apply_gate
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+# transformers' experts flags dcp.moe cannot honour -> what it needs instead.
+_UNSUPPORTED_FLAGS = {"has_gate": True, "has_post_expert_norm": False,
+                      "_is_expert_parallel": False}
+
+
+def experts_form(experts: nn.Module) -> dict:
+    """dcp.moe's data arguments (activation, layout, alpha, limit) for a transformers experts
+    module: the layout from ``is_transposed`` and the gate's own split, the activation from
+    its gate (``_GATES``: the default ``act_fn(gate) * up``, or a known custom gate)."""
+    from dcp_compile.runtime.moe import LAYOUTS
 
     name = type(experts).__name__
-    layout = {"has_gate": True, "has_bias": False, "is_transposed": False,
-              "is_concatenated": True, "has_post_expert_norm": False,
-              "_is_expert_parallel": False}
-    wrong = {k: getattr(experts, k, None) for k, v in layout.items()
+    wrong = {k: getattr(experts, k, None) for k, v in _UNSUPPORTED_FLAGS.items()
              if getattr(experts, k, None) != v}
-    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        wrong["_apply_gate"] = "custom (not act(gate) * up)"
+    if getattr(experts, "has_bias", False) and not all(
+            isinstance(getattr(experts, b, None), nn.Parameter) for b in _BIASES):
+        wrong["has_bias"] = f"True without {' / '.join(_BIASES)} parameters"
+    gate = _GATES.get(getattr(type(experts), "_apply_gate", None))
+    if gate is None:
+        wrong["_apply_gate"] = f"{type(experts).__qualname__}._apply_gate (custom, unknown)"
     if wrong:
         raise DCPTransformError(
-            f"{name} has an experts layout dcp.moe does not compute: {wrong}. dcp.moe "
-            f"supports gated experts with concatenated [gate; up] weights [E, 2I, H], "
-            f"down [E, H, I], no biases and act(gate) * up; use such a model.")
+            f"{name} has an experts form dcp.moe does not compute: {wrong}. dcp.moe computes "
+            f"gated experts (act(gate) * up over concatenated [gate; up], or gpt-oss's clamped "
+            f"SwiGLU over interleaved gate/up), optionally biased or transposed, no "
+            f"post-expert norm; use such a model (or add its gate to dcp_compile.hf._GATES).")
+    activation, interleaved, params = gate(experts)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    layout = next(k for k, v in LAYOUTS.items()
+                  if (v.transposed, v.interleaved) == (transposed, interleaved))
+    return {"activation": activation.value, "layout": layout.value, **params}
+
+
+def _default_gate(experts: nn.Module):
+    """transformers' ``act_fn(gate) * up`` over concatenated [gate; up]."""
     act = _ACTIVATIONS.get(type(getattr(experts, "act_fn", None)))
     if act is None:
         raise DCPTransformError(
-            f"{name}'s activation {type(getattr(experts, 'act_fn', None)).__name__} is not "
-            f"one dcp.moe computes ({sorted(a.value for a in set(_ACTIVATIONS.values()))}). "
-            f"Use hidden_act='silu' (or add it to dcp_compile.runtime.moe.ACTIVATIONS).")
-    return act.value
+            f"{type(experts).__name__}'s activation "
+            f"{type(getattr(experts, 'act_fn', None)).__name__} is not one dcp.moe computes "
+            f"({sorted(a.value for a in set(_ACTIVATIONS.values()))}). Use hidden_act='silu' "
+            f"(or add it to dcp_compile.runtime.moe.GATES and dcp_compile.hf._ACTIVATIONS).")
+    return act, False, {}
+
+
+def _gpt_oss_gate(experts: nn.Module):
+    """gpt-oss's ``_apply_gate``: gate/up interleaved, clamped SwiGLU (alpha, limit)."""
+    from dcp_compile.runtime.moe import ExpertActivation
+    return (ExpertActivation.CLAMPED_SWIGLU, True,
+            {"alpha": float(experts.alpha), "limit": float(experts.limit)})
+
+
+def _gate_table() -> dict:
+    """experts class ``_apply_gate`` -> (activation, interleaved, params) of dcp.moe."""
+    from transformers.integrations.moe import _default_apply_gate
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    return {_default_apply_gate: _default_gate, GptOssExperts._apply_gate: _gpt_oss_gate}
 
 
 def _register_experts() -> None:
@@ -298,6 +335,7 @@ def _activation_table():
 
 
 _ACTIVATIONS = _activation_table()
+_GATES = _gate_table()
 
 # The attention switch edits the model's shared config: wrapper calls are serialised.
 _switch_lock = threading.RLock()

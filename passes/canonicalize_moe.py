@@ -14,10 +14,12 @@ shared expert is an ordinary MLP (tensor-parallel like any); a sigmoid gate in f
 linear to one feature: Qwen2-MoE's ``shared_expert_gate``) is marked ``shared_expert_gate``
 and also runs whole.
 
-Refused, naming the node and its source line: expert computations that did not become
-``dcp.moe`` (``UNRECOGNISED``: grouped matmuls, batched_mm's per-choice gather of a stacked
-[E, ...] weight), expert weights that are not parameters, and expert parallelism over a tp
-that does not divide the experts.
+Every ``dcp.moe`` node is normalised to all its operands positional (``runtime.moe.ARG``
+indexes them for the later passes). Refused, naming the node and its source line: expert
+computations that did not become ``dcp.moe`` (``UNRECOGNISED``: grouped matmuls, batched_mm's
+per-choice gather of a stacked [E, ...] weight), expert weights or biases that are not
+parameters or whose shapes disagree with the layout, an unknown activation or layout, and a
+tp that divides neither the experts (expert parallel) nor the intermediate dim (TP).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.facts import MixtureOfExperts, ModelFacts
-from dcp_compile.runtime.moe import ExpertActivation
+from dcp_compile.runtime.moe import (LAYOUTS, OPERANDS, PARAMETRISED, ExpertActivation,
+                                     ExpertLayout)
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from .infra import DCPPass, Found, ensure, source_of, val
@@ -158,6 +161,25 @@ def _same_tokens(x: Node) -> list[Node]:
     return out
 
 
+def positional(n: Node) -> tuple:
+    """dcp.moe's operands, all positional (schema defaults filled in)."""
+    out = []
+    for i, arg in enumerate(MOE._schema.arguments):
+        if i < len(n.args):
+            out.append(n.args[i])
+        elif arg.name in n.kwargs:
+            out.append(n.kwargs[arg.name])
+        else:
+            out.append(arg.default_value)
+    return tuple(out)
+
+
+def _ordered(form, experts, out_features, in_features) -> tuple:
+    """A stacked expert weight's shape: [E, out, in], or [E, in, out] transposed."""
+    return (experts, in_features, out_features) if form.transposed \
+        else (experts, out_features, in_features)
+
+
 class CanonicalizeMoE(DCPPass):
     name = "canonicalize_moe"
 
@@ -205,26 +227,42 @@ class CanonicalizeMoE(DCPPass):
             cfg.expert_parallel)))
 
     def _check(self, n: Node, cfg) -> None:
-        x, ids, weights, gate_up, down = n.args[:5]
-        activation = n.args[6] if len(n.args) > 6 else n.kwargs.get("activation", "silu")
+        n.args, n.kwargs = positional(n), {}
+        a = dict(zip(OPERANDS, n.args))
         where = f"node {n.name} at {source_of(n)}"
-        if activation not in set(ExpertActivation):
-            raise DCPTransformError(
-                f"dcp.moe activation {activation!r} is unknown: {where}. Use one of "
-                f"{[a.value for a in ExpertActivation]}.")
-        for w, what in ((gate_up, "gate_up_proj"), (down, "down_proj")):
-            if w.op != "placeholder":
+        for what, enum in (("activation", ExpertActivation), ("layout", ExpertLayout)):
+            if a[what] not in set(enum):
                 raise DCPTransformError(
-                    f"expert weight {what} ({w.name}) is computed, not a parameter: {where}. "
-                    f"Pass the stacked expert parameters to dcp.moe directly.")
-        num_experts, two_i, _ = val(gate_up).shape
-        t, k = val(ids).shape
-        if val(weights).shape != (t, k) or val(x).shape[0] != t or two_i % 2:
+                    f"dcp.moe {what} {a[what]!r} is unknown: {where}. Use one of "
+                    f"{[e.value for e in enum]}.")
+        if (a["activation"] in PARAMETRISED) != (a["alpha"] is not None
+                                                 and a["limit"] is not None):
             raise DCPTransformError(
-                f"dcp.moe shapes do not agree: x {tuple(val(x).shape)}, ids "
-                f"{tuple(val(ids).shape)}, weights {tuple(val(weights).shape)}, gate_up "
-                f"{tuple(val(gate_up).shape)}: {where}. Pass x [T, H], routing [T, k] and "
-                f"gate_up_proj [E, 2I, H].")
+                f"dcp.moe activation {a['activation']} with alpha={a['alpha']}, "
+                f"limit={a['limit']}: {where}. Pass alpha and limit with "
+                f"{sorted(a.value for a in PARAMETRISED)}, neither with the others.")
+        for what in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+            w = a[what]
+            if w is not None and w.op != "placeholder":
+                raise DCPTransformError(
+                    f"expert {what} ({w.name}) is computed, not a parameter: {where}. Pass the "
+                    f"stacked expert parameters to dcp.moe directly.")
+        form = LAYOUTS[ExpertLayout(a["layout"])]
+        x, ids, weights, gate_up = (val(a[k]).shape for k in OPERANDS[:4])
+        num_experts, two_i = gate_up[0], gate_up[form.gate_up_inner_dim]
+        t, k = ids
+        hidden = x[-1] if len(x) == 2 else None
+        expected = {"gate_up_proj": _ordered(form, num_experts, two_i, hidden),
+                    "down_proj": _ordered(form, num_experts, hidden, two_i // 2),
+                    "gate_up_bias": (num_experts, two_i), "down_bias": (num_experts, hidden)}
+        wrong = {w: tuple(val(a[w]).shape) for w in expected
+                 if a[w] is not None and tuple(val(a[w]).shape) != expected[w]}
+        if tuple(weights) != (t, k) or tuple(x) != (t, hidden) or two_i % 2 or wrong:
+            raise DCPTransformError(
+                f"dcp.moe shapes do not agree ({a['layout']} layout): x {tuple(x)}, ids "
+                f"{tuple(ids)}, weights {tuple(weights)}, gate_up {tuple(gate_up)}, wrong "
+                f"{wrong or 'none'} (expected {expected}): {where}. Pass x [T, H], routing "
+                f"[T, k] and expert weights laid out as the layout says (runtime/moe.py).")
         if cfg.expert_parallel and num_experts % cfg.tp:
             raise DCPTransformError(
                 f"expert parallelism partitions the experts over the tp ranks, which needs tp "

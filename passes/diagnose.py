@@ -28,8 +28,9 @@ class Feature:
 FEATURES = (
     Feature("ALiBi", "its attention scores add per-head linear position biases, which the DCP "
             "attention op does not compute", r"alibi"),
-    Feature("attention sinks", "a learned sink logit joins each softmax denominator, which the "
-            "DCP attention op does not compute", r"\bsinks?\b|s_aux"),
+    Feature("attention sinks", "a learned sink logit joins each softmax denominator in a form "
+            "the attention recognisers do not read (gpt-oss's one logit per q head, cat'ed "
+            "to the scores or as s_aux, is supported)", r"\bsinks?\b|s_aux"),
     Feature("SSM / linear-attention layers", "some layers carry a recurrent state instead of a "
             "KV cache, which DCP does not shard",
             r"mamba|selective_scan|\bssm\b|ssm_|conv1d|short_?conv|linear_?attn|"

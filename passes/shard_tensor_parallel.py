@@ -26,6 +26,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.moe import ARG
 from dcp_compile.runtime.shards import ShardSpec
 from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
@@ -129,8 +130,7 @@ class ShardTensorParallel(DCPPass):
                 self._gather_vocab(g, n)
         for emb in pl.embeddings:
             self._vocab_embedding(g, emb, rank)
-        if cfg.expert_parallel:
-            self._expert_shard_rank(g, rank)
+        self._expert_shard_rank(g, rank, cfg.expert_parallel)
 
         # What later passes (sequence_parallel, dcp_prefill) need to know of the roles.
         for lin in pl.linears:
@@ -236,15 +236,23 @@ class ShardTensorParallel(DCPPass):
         c.meta[META_SCOPE] = SCOPE_MODEL
         emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
 
-    def _expert_shard_rank(self, g, rank: Node) -> None:
-        """Expert parallel: rank r holds experts [r * E/tp, (r + 1) * E/tp); dcp.moe reads
-        which from its expert_rank operand, the rank input (rank is data)."""
+    def _expert_shard_rank(self, g, rank: Node, expert_parallel: bool) -> None:
+        """Which shard of the experts this rank holds is data, the rank input (dcp.moe,
+        runtime/moe.py): expert parallel, rank r holds experts [r * E/tp, (r + 1) * E/tp)
+        (``expert_rank``); tensor parallel, slice r of every expert's intermediate dim
+        (``inner_rank``: only slice 0 adds the down bias, counted once by the all-reduce)."""
+        operand = ARG["expert_rank"] if expert_parallel else ARG["inner_rank"]
         for n in list(g.nodes):
-            if n.op == "call_function" and n.target == torch.ops.dcp.moe.default:
-                old = n.args[5]
-                n.args = n.args[:5] + (rank,) + n.args[6:]
-                if not old.users and old.op == "call_function":
-                    g.erase_node(old)
+            if n.op != "call_function" or n.target != torch.ops.dcp.moe.default:
+                continue
+            if not expert_parallel and n.args[ARG["down_bias"]] is None:
+                continue                  # no down bias: nothing depends on the slice
+            old = n.args[operand]
+            args = list(n.args)
+            args[operand] = rank
+            n.args = tuple(args)
+            if isinstance(old, Node) and not old.users and old.op == "call_function":
+                g.erase_node(old)
 
     def _shard_param(self, p: Node, spec: ShardSpec, mode) -> None:
         if p.op != "placeholder":

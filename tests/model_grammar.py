@@ -27,6 +27,8 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
   shared    (MoE) none | a shared SwiGLU expert added to the routed ones | the same behind a
             sigmoid gate, a linear to one feature (Qwen2-MoE)
   expert_parallel  (MoE) transform(..., expert_parallel=True): experts partitioned over tp
+  experts_form  (MoE) concatenated [gate; up], act(gate) * up (Mixtral) | gpt-oss's: biased,
+            gate/up interleaved and transposed, clamped SwiGLU (limit 1: the clamps bite)
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class ModelSpec:
     experts: int = 4
     top_k: int = 2
     expert_parallel: bool = False
+    experts_form: str = "concatenated"
     layers: int = 1
     hidden: int = 32
     head_dim: int = 8
@@ -93,6 +96,7 @@ FEATURES = {
     "moe": ["none", "softmax", "topk_softmax", "sigmoid_group"],
     "shared": ["none", "plain", "gated"],
     "expert_parallel": [False, True],
+    "experts_form": ["concatenated", "gpt_oss"],
 }
 
 
@@ -118,7 +122,8 @@ def model_specs(draw) -> ModelSpec:
         picks.update(moe=moe, shared=draw(_feature("shared")),
                      experts=draw(st.sampled_from([4, 8, 16])),
                      top_k=draw(st.integers(1, 4)),
-                     expert_parallel=draw(st.booleans()))
+                     expert_parallel=draw(st.booleans()),
+                     experts_form=draw(_feature("experts_form")))
     return ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=draw(_feature("layers", [1, 2])),
                      hidden=draw(st.sampled_from([32, 64])),
                      seed=draw(st.integers(0, 2**16)), **picks)
@@ -280,8 +285,14 @@ class MoE(nn.Module):
         self.spec = spec
         e, h, inter = spec.experts, spec.hidden, spec.hidden
         self.router = nn.Linear(h, e, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, inter))
+        if spec.experts_form == "gpt_oss":      # [E, in, out], biased
+            self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * inter))
+            self.down_proj = nn.Parameter(torch.empty(e, inter, h))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * inter))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
+            self.down_proj = nn.Parameter(torch.empty(e, h, inter))
         if spec.moe == "sigmoid_group":
             self.score_bias = nn.Parameter(torch.empty(e))
         if spec.shared != "none":
@@ -314,8 +325,12 @@ class MoE(nn.Module):
         t = x.reshape(-1, h)
         ids, weights = self._route(t)
         rank0 = torch.zeros((), dtype=torch.int64, device=x.device)
+        form = dict(activation="silu") if self.spec.experts_form == "concatenated" else dict(
+            activation="clamped_swiglu", gate_up_bias=self.gate_up_proj_bias,
+            down_bias=self.down_proj_bias, layout="interleaved_transposed", alpha=1.702,
+            limit=1.0)
         out = torch.ops.dcp.moe(t, ids, weights, self.gate_up_proj, self.down_proj, rank0,
-                                "silu")
+                                **form)
         if self.spec.shared != "none":
             shared = self.shared(t)
             if self.spec.shared == "gated":

@@ -47,6 +47,14 @@ _GROUPED = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group
                 norm_topk_prob=True, routed_scaling_factor=2.5)
 _MLA = dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
             v_head_dim=12, num_key_value_heads=8, attn_implementation="sdpa")
+# gpt-oss as it ships (alternating sliding/full layers, yarn RoPE, attention sinks) with a
+# swiglu_limit of 1 so that its clamped gate bites; the window (64 = max positions) fits
+# hf.prepare's rule (tests/test_sinks.py runs a window that bites).
+_GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, head_dim=8, sliding_window=64,
+                swiglu_limit=1.0, layer_types=["sliding_attention", "full_attention"],
+                rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                     original_max_position_embeddings=16, beta_fast=32.0,
+                                     beta_slow=1.0))
 
 # id -> (config class, model class, config overrides): routers and shared experts covered.
 MODELS = {
@@ -73,6 +81,9 @@ MODELS = {
                dict(num_local_experts=8, num_experts_per_tok=2)),
     # the same router as GLM4-MoE with MLA; layer 0 dense, layer 1 MoE
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_GROUPED, **_MLA)),
+    # biased router -> top-k of logits -> softmax over the k; biased experts, gate/up
+    # interleaved and transposed, clamped SwiGLU; eager attention with sinks
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", _GPT_OSS),
 }
 
 
@@ -142,7 +153,10 @@ def check_matches_own_forward(model_id, mode, tp, dcp, expert_parallel, experts=
     if not direct and hasattr(model.config, "kv_lora_rank"):
         pytest.skip("MLA is transformed from the model's own attention (the ordinary "
                     "frontend); hf.prepare's paged attention has no latent form")
-    subject = model if direct else hf.prepare(model)
+    # max_model_len: the longest sequence any position can serve (gpt-oss's sliding layers'
+    # window covers it, hf.prepare's rule for windows)
+    subject = model if direct else hf.prepare(
+        model, max_model_len=model.config.max_position_embeddings)
     program = dcp_compile.transform(subject, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
                                     interleave_size=INTERLEAVE if mode == "decode" else BLOCK,
                                     shapes=SHAPES, check=False,

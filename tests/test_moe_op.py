@@ -122,7 +122,7 @@ def test_experts_layout_dcp_moe_does_not_compute_is_refused_by_class():
     from dcp_compile import hf
     model = _mixtral()
     model.model.layers[0].mlp.experts.has_bias = True
-    with pytest.raises(DCPTransformError, match=r"MixtralExperts has an experts layout .*"
+    with pytest.raises(DCPTransformError, match=r"MixtralExperts has an experts form .*"
                                                 r"has_bias"):
         hf.prepare(model)
 

@@ -15,8 +15,9 @@ shards), at tp=4/dcp=2 and tp=8/dcp=4:
 - transformers' gpt-oss (tiny config: alternating sliding/full layers, yarn RoPE, sinks)
   through ``hf.prepare`` (``s_aux`` -> ``sinks``; window 24 >= max_model_len) and directly
   (its eager cat-sinks-softmax-slice form; window 5, which bites), against its own eager
-  forward. Its experts (biased, interleaved, clamped gate) are not what dcp.moe computes
-  yet, so the test gives each layer a dense MLP; the attention is gpt-oss's own.
+  forward. The model is whole: its own attention and its own MoE layers (biased,
+  interleaved, clamped-gate experts as dcp.moe, tensor-parallel; tests/test_moe.py runs the
+  gpt-oss MoE matrix).
 The default run is a slice; DCP_SINKS_MATRIX=1 runs every case.
 """
 
@@ -265,23 +266,10 @@ GPT_OSS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidde
 MAX_MODEL_LEN = 24
 
 
-class DenseMLP(nn.Module):
-    """A SwiGLU MLP in the (hidden, router scores) form gpt-oss's decoder layer unpacks."""
-
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.mlp = demo.MLP(demo.DemoConfig(hidden_size=hidden, intermediate_size=inner))
-
-    def forward(self, x):
-        return self.mlp(x), None
-
-
 def gpt_oss(seed: int = 0, window: int = 24):
     config = transformers.GptOssConfig(**{**GPT_OSS, "sliding_window": window})
     config._attn_implementation = "eager"   # its own form: the sink column cat'ed, softmax
     model = transformers.GptOssForCausalLM(config)
-    for layer in model.model.layers:
-        layer.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -273,12 +273,14 @@ def test_cli_verify_backend_xla():
     assert report["ok"] and report["tp"] == 4 and report["max_abs_error"] <= FP32_ATOL, report
 
 
-def case_moe_verify(mode, expert_parallel) -> dict:
-    """A Mixtral-style MoE model (dcp.moe lowered through its static decomposition) at tp=8,
-    TP experts or expert parallel, on XLA against the model's paged single-device form."""
+def case_moe_verify(mode, expert_parallel, model_id="mixtral") -> dict:
+    """A MoE model (dcp.moe lowered through its static decomposition) at tp=8, TP experts or
+    expert parallel, on XLA against the model's paged single-device form. gpt-oss: biased,
+    interleaved, clamped-gate experts and attention sinks."""
     from dcp_compile import hf
     from test_moe import build
-    wrapper = hf.prepare(build("mixtral"))
+    model = build(model_id)
+    wrapper = hf.prepare(model, max_model_len=model.config.max_position_embeddings)
     prog = dcp_compile.transform(wrapper, tp=8, dcp=4, mode=mode, block_size=4,
                                  interleave_size=2 if mode == "decode" else 4,
                                  shapes=StepShapes(batch=2, context_len=8, max_blocks=4,
@@ -288,9 +290,16 @@ def case_moe_verify(mode, expert_parallel) -> dict:
     return {"report": report.to_json()}
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["tp_experts", "expert_parallel"])
-def test_moe_program_on_xla_matches_the_model(ep, tmp_path):
-    report = _in_xla_process("case_moe_verify", "decode", ep, tmp_path=tmp_path)["report"]
+@pytest.mark.parametrize("model_id,ep", [("mixtral", False), ("mixtral", True),
+                                         ("gpt_oss", False), ("gpt_oss", True)],
+                         ids=["tp_experts", "expert_parallel", "gpt_oss-tp_experts",
+                              "gpt_oss-expert_parallel"])
+def test_moe_program_on_xla_matches_the_model(model_id, ep, tmp_path):
+    from test_moe import MATRIX
+    if (model_id, ep) == ("gpt_oss", True) and not MATRIX:
+        pytest.skip("gpt-oss expert parallel on XLA is in the MoE matrix (DCP_MOE_MATRIX=1)")
+    report = _in_xla_process("case_moe_verify", "decode", ep, model_id,
+                             tmp_path=tmp_path)["report"]
     assert report["ok"] and report["tp"] == 8, report
 
 

@@ -7,6 +7,7 @@ import torch
 
 import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.moe)
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.moe import ARG, LAYOUTS, ExpertLayout
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from ..infra import source_of
@@ -19,15 +20,36 @@ MOE = torch.ops.dcp.moe.default
 LINEAR = aten.linear.default
 
 
-def expert_shards(n, config) -> tuple[Shard, Shard]:
-    """The cuts of dcp.moe's (gate_up_proj [E, 2I, H], down_proj [E, H, I]) over full TP:
-    expert parallel partitions E; tensor parallel cuts I ([gate; up] segment by segment)."""
-    num_experts, two_i, _ = shape_of(n.args[3])
-    if config.expert_parallel:
-        ep = Shard(0, (Seg(num_experts, config.tp),), "mlp")
-        return ep, ep
-    inner = Seg(two_i // 2, config.tp)
-    return Shard(1, (inner, inner), "mlp"), Shard(2, (inner,), "mlp")
+# The weight operands of dcp.moe (runtime/moe.py), each cut by ``expert_cuts``.
+WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+
+
+def expert_cuts(n, tp: int, expert_parallel: bool) -> dict[str, object]:
+    """What rank r holds of each of dcp.moe's weight operands (the layout's dims):
+
+    - expert parallel: experts [r E/tp, (r+1) E/tp) of every weight and bias;
+    - tensor parallel: 1/tp of each expert's intermediate dim I. Concatenated [gate; up] is
+      cut segment by segment; interleaved gate/up (gate0, up0, gate1, ...) in contiguous
+      blocks of 2I/tp columns, whole (gate, up) pairs since tp divides I. The down bias is no
+      sum over I: it stays whole on every rank and only intermediate slice 0 adds it (dcp.moe's
+      ``inner_rank``, set by shard_tensor_parallel), so the all-reduce counts it once."""
+    form = LAYOUTS[ExpertLayout(n.args[ARG["layout"]])]
+    gate_up = shape_of(n.args[ARG["gate_up_proj"]])
+    if expert_parallel:
+        ep = Shard(0, (Seg(gate_up[0], tp),), "mlp")
+        return dict.fromkeys(WEIGHTS, ep)
+    two_i = gate_up[form.gate_up_inner_dim]
+    inner = Seg(two_i // 2, tp)
+    gate_up_segs = (Seg(two_i, tp),) if form.interleaved else (inner, inner)
+    return {"gate_up_proj": Shard(form.gate_up_inner_dim, gate_up_segs, "mlp"),
+            "down_proj": Shard(form.down_inner_dim, (inner,), "mlp"),
+            "gate_up_bias": Shard(1, gate_up_segs, "mlp"),
+            "down_bias": R}
+
+
+def _weights(n):
+    """(operand name, node) of the weights this dcp.moe has (biases are optional)."""
+    return [(w, n.args[ARG[w]]) for w in WEIGHTS if n.args[ARG[w]] is not None]
 
 
 def _moe_fw(n, P):
@@ -36,16 +58,18 @@ def _moe_fw(n, P):
         if P(a) != R:
             raise Refusal(f"the {what} ({a.name}) are {show(P(a))}; every rank must route "
                           f"the same replicated tokens")
-    gate_up, down = P(n.args[3]), P(n.args[4])
-    if not (isinstance(gate_up, Shard) and isinstance(down, Shard)):
-        raise Refusal(f"expert weights are {show(gate_up)} and {show(down)}, not cut over TP")
-    ep = gate_up.dim == 0 and down.dim == 0 and gate_up == down
-    tp = (gate_up.dim, down.dim) == (1, 2) and len(gate_up.segs) == 2 \
-        and gate_up.segs[0] == gate_up.segs[1] == down.segs[0] and gate_up.axis == down.axis
-    if not (ep or tp):
-        raise Refusal(f"expert weights are cut as {show(gate_up)} and {show(down)}: neither "
-                      f"by expert (EP) nor by intermediate dim (TP)")
-    return Partial(gate_up.axis, experts=True)
+    gate_up = P(n.args[ARG["gate_up_proj"]])
+    if not isinstance(gate_up, Shard):
+        raise Refusal(f"expert weights gate_up_proj are {show(gate_up)}, not cut over TP")
+    tp = gate_up.segs[0].pieces
+    got = {w: P(a) for w, a in _weights(n)}
+    for ep in (False, True):
+        cuts = expert_cuts(n, tp, ep)
+        if all(got[w] == cuts[w] for w in got):
+            return Partial(gate_up.axis, experts=True)
+    cut = ", ".join(f"{w} {show(p)}" for w, p in got.items())
+    raise Refusal(f"expert weights are cut as {cut}: neither by expert (EP) nor by "
+                  f"intermediate dim (TP)")
 
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -95,18 +119,19 @@ RULES[MOE] = Rule("mixture of experts (TP or EP experts)", _moe_fw,
 
 def place_experts(analysis) -> None:
     """Decide before the sweeps: dcp.moe's stacked expert weights are cut by TP or EP
-    (``expert_shards``), its tokens and routing replicated; the router's linears (and a
+    (``expert_cuts``), its tokens and routing replicated; the router's linears (and a
     shared expert's sigmoid gate) run whole, so every rank routes alike
     (passes/canonicalize_moe.py)."""
     for n in analysis.nodes:
         if n.target == MOE:
-            for w, p in zip(n.args[3:5], expert_shards(n, analysis.cfg)):
+            cuts = expert_cuts(n, analysis.cfg.tp, analysis.cfg.expert_parallel)
+            for what, w in _weights(n):
                 if w not in analysis.params:
                     raise DCPTransformError(
                         f"expert weight {w.name} of {n.name} ({source_of(n)}) is not a "
                         f"parameter: it cannot be cut. Pass the stacked expert parameters "
                         f"to dcp.moe directly.")
-                analysis.decide(w, p, n)
+                analysis.decide(w, cuts[what], n)
             for a in n.args[:3]:
                 analysis.require(a, R, n)
         elif n.target == LINEAR and n.meta.get(MOE_ROLE_META) in (MOE_ROUTER, MOE_SHARED_GATE):
