@@ -1,0 +1,132 @@
+"""The lowering's decomposition of ``dcp.partial_attention`` for decode-width queries.
+
+The reference implementation (runtime/ops.py) is what eager backends trace; lowered as is, it
+costs XLA several times the KV it reads (measured with ``memory_floor.cost_by_op``):
+
+  * ``einsum`` becomes a dot, which XLA:CPU never fuses with its producer, so the gathered K
+    and V are materialised ([batch, bucket slots, heads, dim]) and read again by the dot;
+  * the key mask is a gather of the block table per slot, and ``logsumexp`` + ``exp`` +
+    the second einsum read the [batch, heads, slots] scores three more times.
+
+This kernel computes the same function so that XLA fuses each read of the cache into the
+reduction that consumes it:
+
+  * scores and the weighted sum of values are a broadcast multiply + ``sum`` (a reduce
+    fusion whose producer is the block read, never a dot), the blocks are read whole by
+    the block table (``cache[table]``, which ``lowering/cache_reads.py`` turns into one
+    ``dynamic_slice`` per block: XLA costs a fused gather as its whole operand);
+  * the key mask is comparisons of [batch, slots] positions against the queries', fused
+    into the reductions (whether a block is allocated is decided per block, not per slot);
+  * softmax without ``logsumexp``: the row max, then one reduction of ``exp(s - max)``
+    against ``[values ; 1]`` gives the unnormalised output and the denominator together,
+    so the scores are written once and read twice (max, weighted sum).
+
+Numerics: ``exp(s - m) / l`` instead of ``exp(s - lse)``, the same value up to rounding
+(tests/test_memory_floor.py and the XLA verify tests compare with the model's forward).
+Queries wider than ``MAX_QUERIES`` (prompt steps) keep the reference: there the dot is the
+right kernel and the scores are not the bucket's size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dcp_compile.runtime import layout
+from dcp_compile.runtime.ops import NEG_INF, _partial_attention_impl
+
+# Queries per row up to which the fused form is used (decode, speculative decode widths).
+MAX_QUERIES = 8
+
+
+def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
+                            k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
+                            block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
+                            interleave: int, scale: float, window: int = 0,
+                            softcap: float = 0.0,
+                            kv_shared: bool = False) -> tuple[Tensor, Tensor]:
+    if q.shape[1] > MAX_QUERIES:
+        return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                                       block_table, prior_len, rank, dcp, interleave, scale,
+                                       window, softcap, kv_shared)
+    batch, q_len, q_heads, dim = q.shape
+    num_blocks, block, kv_heads, _ = key_cache.shape
+    max_blocks = block_table.shape[1]
+    slots = max_blocks * block
+    # Whole blocks by the block table; unallocated (-1), garbage and out-of-range entries read
+    # the garbage block and are masked out (as the reference does).
+    allocated = (block_table >= 0) & (block_table < num_blocks - 1)            # [b, W]
+    table = torch.where(allocated, block_table, num_blocks - 1)
+    k_prior, v_prior = key_cache[table], value_cache[table]     # [b, W, block, k, d]
+    if kv_shared:   # MLA: one vector stored in halves is both the key and the value
+        k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
+        k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
+    # Which keys each query sees: [b, i, W, block] for the prior slots, [b, i, K] for the
+    # current keys, from positions only (comparisons, fused into the reductions).
+    local = torch.arange(slots, device=q.device).reshape(max_blocks, block)
+    prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
+    per_query = prior_len.dim() == 2
+    row_len = prior_len.amax(dim=1) if per_query else prior_len
+    prior_valid = (local[None] < row_len[:, None, None]) & allocated[:, :, None]   # [b, W, n]
+    if per_query:  # prior keys: the proven local bound alone decides (no global check)
+        prior_allowed = prior_valid[:, None] & (local[None, None] < prior_len[:, :, None, None])
+    else:
+        prior_allowed = prior_valid[:, None] & \
+            (prior_global[None, None] <= q_pos[:, :, None, None])
+    cur_allowed = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
+    q_valid = q_pos >= 0
+    prior_allowed = prior_allowed & q_valid[:, :, None, None]
+    cur_allowed = cur_allowed & q_valid[:, :, None]
+    if window > 0:
+        prior_allowed = prior_allowed & \
+            (q_pos[:, :, None, None] - prior_global[None, None] < window)
+        cur_allowed = cur_allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+
+    groups = q_heads // kv_heads
+    d = k_prior.shape[-1]
+    # [b, k, g, i, d], the scale folded into the (small) queries.
+    qs = (q.float() * scale).reshape(batch, q_len, kv_heads, groups, d).permute(0, 2, 3, 1, 4)
+    # Scores as multiply + sum over d: a reduction XLA fuses with the block read (a dot would
+    # take the read blocks materialised). prior [b, k, g, i, W, n], current [b, k, g, i, K].
+    # Keys of slots no query sees are zeroed with the read (unwritten or poisoned rows must
+    # not reach a score: the mask below is added, and NaN + -inf is NaN).
+    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+    kp = torch.where(prior_valid[:, :, :, None, None], k_prior.float(), zero)
+    kp = kp.permute(0, 3, 1, 2, 4)                                             # [b, k, W, n, d]
+    s_prior = (qs[:, :, :, :, None, None, :] * kp[:, :, None, None]).sum(-1)
+    s_cur = (qs[:, :, :, :, None, :] *
+             k_cur.float().permute(0, 2, 1, 3)[:, :, None, None]).sum(-1)
+    if softcap > 0:  # logit soft-capping (Gemma 2): on the scaled scores, before the mask
+        s_prior = torch.tanh(s_prior / softcap) * softcap
+        s_cur = torch.tanh(s_cur / softcap) * softcap
+    # The mask as an added 0 / -inf (made at [b, i, W, n], broadcast over heads): XLA:CPU
+    # folds an add into the reduction that makes the scores, a select it materialises.
+    s_prior = s_prior + torch.where(prior_allowed, zero, NEG_INF)[:, None, None]
+    s_cur = s_cur.masked_fill(~cur_allowed[:, None, None], NEG_INF)
+    row_max = torch.maximum(s_prior.amax(dim=(-2, -1)), s_cur.amax(dim=-1))   # [b, k, g, i]
+    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    # [values ; 1]: one reduction gives the weighted sum and the denominator. Values of keys
+    # no query sees are zeroed: unwritten or poisoned rows must not leak through 0 * NaN.
+    vp = torch.where(prior_valid[:, :, :, None, None], v_prior.float(), zero)
+    vp = torch.cat([vp, torch.ones_like(vp[..., :1])], dim=-1).permute(0, 3, 1, 2, 4)
+    vc = torch.where((k_pos >= 0)[:, :, None, None], v_cur.float(), zero)
+    vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1).permute(0, 2, 1, 3)
+    p_prior = torch.exp(s_prior - safe_max[..., None, None])   # 0 where masked, never NaN
+    p_cur = torch.exp(s_cur - safe_max[..., None])
+    summed = (p_prior[..., None] * vp[:, :, None, None]).sum(dim=(-3, -2)) + \
+        (p_cur[..., None] * vc[:, :, None, None]).sum(dim=-2)                  # [b,k,g,i,d+1]
+    dv = summed.shape[-1] - 1
+    denom = summed[..., dv]
+    out = torch.where(denom[..., None] > 0,
+                      summed[..., :dv] / torch.where(denom > 0, denom, 1.0)[..., None],
+                      zero)
+    lse = safe_max + torch.log(denom)      # -inf where no key is allowed (denom = 0)
+    out = out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, dv).to(q.dtype)
+    lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    return out, lse
+
+
+# op -> the lowering's decomposition (decompose.decomposition_table puts these last).
+LOWERING_KERNELS = {
+    torch.ops.dcp.partial_attention.default: _fused_decode_attention,
+}
