@@ -8,8 +8,9 @@ facts of the lowered and the XLA-compiled modules, not timings.
     context bucket (the KV read is the bucket's, not the capacity's);
   * the row-update rewrite (lowering/cache_writes.py) is exact for out-of-bounds rows too;
   * the decode attention (lowering/paged_attention.py) reads the cache by whole blocks, one
-    index per block-table entry, never through a per-slot gather of the block table or a dot
-    over the bucket's keys, and XLA's bytes accessed stay under a stated bound of the floor.
+    index per block-table entry, never through a per-slot gather of the block table or a
+    concatenated copy of the keys, and XLA's bytes accessed stay under a stated bound of the
+    floor.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _check_in_place_writes(lowered) -> None:
 
 def _check_attention_reads(lowered, program) -> None:
     """Cache gathers take one index per block-table entry; no per-slot gather of the block
-    table; no dot_general over the small bucket's slots (its attention is multiply + sum)."""
+    table; no copy of the keys with the current key appended; one dot for the scores and
+    one for the weighted sum and its denominator."""
     from dcp_compile.runtime.buckets import bucket_width
     c, batch = program.config, SHAPES.batch
     cache = "x".join(map(str, program.cache_spec().shape)) + "xf32"
@@ -78,10 +80,13 @@ def _check_attention_reads(lowered, program) -> None:
         for line in cache_gathers:
             assert f"tensor<{batch}x{width}x1xi64>) -> tensor<{batch}x{width}x" in line, line
         assert not [line for line in gathers if f"-> tensor<{batch}x{slots}xi64>" in line], name
-        if m.bucket == BUCKETS[0]:     # 24 slots: no other dim of the module is 24
+        if m.bucket == BUCKETS[0]:     # 24 slots (+1 current key): no other dim is 24 or 25
+            keys = [line for line in m.text.splitlines()
+                    if re.search(rf"\b{slots + 1}x|x{slots + 1}x", line)]
+            assert not keys, (name, keys[:3])     # no [prior ; current] copy of the keys
             dots = [line for line in m.text.splitlines() if "stablehlo.dot_general" in line]
-            assert dots and not [d for d in dots if re.search(rf"\b{slots}x|x{slots}x", d)], \
-                (name, [d for d in dots if str(slots) in d])
+            # scores and [values ; 1]-weighted sum: two dots over the bucket's slots
+            assert len([d for d in dots if re.search(rf"x{slots}x", d)]) == 2, (name, dots)
 
 
 def test_a_write_of_many_rows_stays_one_scatter():

@@ -1,30 +1,31 @@
 """The lowering's decomposition of ``dcp.partial_attention`` for decode-width queries.
 
-The reference implementation (runtime/ops.py) is what eager backends trace; lowered as is, it
-costs XLA several times the KV it reads (measured with ``memory_floor.cost_by_op``):
+The reference implementation (runtime/ops.py) is what eager backends run; lowered as is,
+XLA's cost analysis counts, per layer and step (``memory_floor.bytes_by_op``):
 
-  * ``einsum`` becomes a dot, which XLA:CPU never fuses with its producer, so the gathered K
-    and V are materialised ([batch, bucket slots, heads, dim]) and read again by the dot;
-  * the key mask is a gather of the block table per slot, and ``logsumexp`` + ``exp`` +
-    the second einsum read the [batch, heads, slots] scores three more times.
+  * a per-slot gather of the block table ([batch, slots] int64) to mask the keys, and the
+    mask materialised at [batch, heads, slots] next to the scores;
+  * the current keys concatenated onto the read blocks: a second copy of K and V;
+  * ``logsumexp`` then ``exp(s - lse)``: the scores written and read three more times.
 
-This kernel computes the same function so that XLA fuses each read of the cache into the
-reduction that consumes it:
+This kernel is the same function without those: the blocks are read whole by the block
+table (one index per entry); which keys a query sees is comparisons of positions at
+[batch, queries, entries, block] (whether an entry is allocated is decided per entry, not
+per slot); prior and current keys are scored apart (no concatenated copy); the softmax is
+the row max, then one product of ``exp(s - max)`` with ``[values ; 1]``, which gives the
+weighted sum and the denominator together. Keys and values of slots no query sees are
+zeroed as they are read: unwritten or poisoned rows must not reach a score (the mask is
+added, and NaN + -inf is NaN) nor leak through 0 * NaN.
 
-  * scores and the weighted sum of values are a broadcast multiply + ``sum`` (a reduce
-    fusion whose producer is the block read, never a dot), the blocks are read whole by
-    the block table (``cache[table]``, which ``lowering/cache_reads.py`` turns into one
-    ``dynamic_slice`` per block: XLA costs a fused gather as its whole operand);
-  * the key mask is comparisons of [batch, slots] positions against the queries', fused
-    into the reductions (whether a block is allocated is decided per block, not per slot);
-  * softmax without ``logsumexp``: the row max, then one reduction of ``exp(s - max)``
-    against ``[values ; 1]`` gives the unnormalised output and the denominator together,
-    so the scores are written once and read twice (max, weighted sum).
+What it cannot remove on XLA:CPU (README: the memory floor): XLA materialises the read
+blocks (a dot never fuses its producer, and a gather fused into a reduction would be
+recomputed for each query head of a GQA group), and costs that fusion as reading its whole
+cache operand (a gather fused with an elementwise op), whatever the bucket.
 
 Numerics: ``exp(s - m) / l`` instead of ``exp(s - lse)``, the same value up to rounding
-(tests/test_memory_floor.py and the XLA verify tests compare with the model's forward).
-Queries wider than ``MAX_QUERIES`` (prompt steps) keep the reference: there the dot is the
-right kernel and the scores are not the bucket's size.
+(tests/test_lowered_attention.py against the reference; tests/test_xla.py and
+tests/test_buckets.py against the model's forward). Queries wider than ``MAX_QUERIES``
+(prompt steps) keep the reference kernel.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
         k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
     # Which keys each query sees: [b, i, W, block] for the prior slots, [b, i, K] for the
-    # current keys, from positions only (comparisons, fused into the reductions).
+    # current keys, from positions only (comparisons; no per-slot gather of the table).
     local = torch.arange(slots, device=q.device).reshape(max_blocks, block)
     prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
     per_query = prior_len.dim() == 2
@@ -86,21 +87,20 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     d = k_prior.shape[-1]
     # [b, k, g, i, d], the scale folded into the (small) queries.
     qs = (q.float() * scale).reshape(batch, q_len, kv_heads, groups, d).permute(0, 2, 3, 1, 4)
-    # Scores as multiply + sum over d: a reduction XLA fuses with the block read (a dot would
-    # take the read blocks materialised). prior [b, k, g, i, W, n], current [b, k, g, i, K].
+    # Scores, prior [b, k, g, i, W, n] and current [b, k, g, i, K] apart (no concatenated
+    # copy of the keys). As a multiply + sum instead of a dot: 2.60x instead of 2.98x the
+    # floor at bucket 512, but 2.3x slower at bucket 4096 on XLA:CPU (README).
     # Keys of slots no query sees are zeroed with the read (unwritten or poisoned rows must
     # not reach a score: the mask below is added, and NaN + -inf is NaN).
     zero = torch.zeros((), dtype=torch.float32, device=q.device)
     kp = torch.where(prior_valid[:, :, :, None, None], k_prior.float(), zero)
     kp = kp.permute(0, 3, 1, 2, 4)                                             # [b, k, W, n, d]
-    s_prior = (qs[:, :, :, :, None, None, :] * kp[:, :, None, None]).sum(-1)
-    s_cur = (qs[:, :, :, :, None, :] *
-             k_cur.float().permute(0, 2, 1, 3)[:, :, None, None]).sum(-1)
+    s_prior = torch.einsum("bkgid,bkwnd->bkgiwn", qs, kp)
+    s_cur = torch.einsum("bkgid,bkjd->bkgij", qs, k_cur.float().permute(0, 2, 1, 3))
     if softcap > 0:  # logit soft-capping (Gemma 2): on the scaled scores, before the mask
         s_prior = torch.tanh(s_prior / softcap) * softcap
         s_cur = torch.tanh(s_cur / softcap) * softcap
-    # The mask as an added 0 / -inf (made at [b, i, W, n], broadcast over heads): XLA:CPU
-    # folds an add into the reduction that makes the scores, a select it materialises.
+    # The mask as an added 0 / -inf, made at [b, i, W, n] and broadcast over the heads.
     s_prior = s_prior + torch.where(prior_allowed, zero, NEG_INF)[:, None, None]
     s_cur = s_cur.masked_fill(~cur_allowed[:, None, None], NEG_INF)
     row_max = torch.maximum(s_prior.amax(dim=(-2, -1)), s_cur.amax(dim=-1))   # [b, k, g, i]
@@ -113,8 +113,8 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1).permute(0, 2, 1, 3)
     p_prior = torch.exp(s_prior - safe_max[..., None, None])   # 0 where masked, never NaN
     p_cur = torch.exp(s_cur - safe_max[..., None])
-    summed = (p_prior[..., None] * vp[:, :, None, None]).sum(dim=(-3, -2)) + \
-        (p_cur[..., None] * vc[:, :, None, None]).sum(dim=-2)                  # [b,k,g,i,d+1]
+    summed = torch.einsum("bkgiwn,bkwne->bkgie", p_prior, vp) + \
+        torch.einsum("bkgij,bkje->bkgie", p_cur, vc)                          # [b,k,g,i,d+1]
     dv = summed.shape[-1] - 1
     denom = summed[..., dv]
     out = torch.where(denom[..., None] > 0,
