@@ -51,8 +51,9 @@ def _int_remainder(a, b):
 
 
 def decomposition_table() -> dict:
-    """torch-mlir's FX decomposition table, every dcp op's reference implementation, and
-    exact integer floor division / remainder (see _int_div_mode, _int_remainder)."""
+    """torch-mlir's FX decomposition table, every dcp op's reference implementation (but
+    decode attention: paged_attention.LOWERING_KERNELS), and exact integer floor division /
+    remainder (see _int_div_mode, _int_remainder)."""
     from dcp_compile.runtime.ops import DECOMPOSITIONS
 
     from .paged_attention import LOWERING_KERNELS
