@@ -1,43 +1,52 @@
 """Mixture of experts under DCP: tensor-parallel experts vs expert parallel, side by side.
 
-A Mixtral-shaped transformers model (random weights from a small config: hidden 256, expert
-intermediate 512, 2 layers) with 8 or 64 experts and top-2 or top-8 routing, transformed at
-tp=8 (dcp=4) with tensor-parallel experts (each expert's intermediate dim cut over tp) and
-with ``expert_parallel=True`` (each rank holds E/tp whole experts). For each it prints the
-expert-weight bytes one rank holds (from the program's weight shards) and the decode step
-time: one decode step of ``--batch`` sequences with ``--context`` tokens in the cache, on a
-threaded world (every rank a thread), wall seconds on rank 0, median of ``--steps``. Ratios
-are EP / TP of the same model, measured in the same run. Printed, never asserted; the ranks
-share the machine's cores, so a time is the sum of all ranks' work, not one device's.
+A Mixtral-shaped transformers model (random weights from a config: hidden ``--hidden``,
+expert intermediate ``--intermediate``, ``--layers`` layers, 16 q / 2 KV heads) with 8 or 64
+experts and top-2 or top-8 routing, transformed at tp=8 (dcp=4) with tensor-parallel experts
+(each expert's intermediate dim cut over tp) and with ``expert_parallel=True`` (each rank
+holds E/tp whole experts). For each it prints the expert-weight bytes one rank holds (from
+the program's weight shards) and the decode step time: one decode step of ``--batch``
+sequences with ``--context`` tokens in the cache, on a threaded world (every rank a thread).
 
-    python3 benchmarks/bench_moe.py [--tp 8] [--dcp 4] [--context 256] [--batch 4]
-                                    [--steps 5] [--experts 8,64] [--top-k 2,8]
+Both programs are loaded in the same world and their steps alternate (TP, EP, TP, EP, ...),
+each after a barrier, so that load changes on the machine hit both alike; a time is rank 0's
+wall seconds from the barrier to the step's end, ``--reps`` of each after ``--warmup``.
+Printed: the median and the interquartile range of each, and the median of the paired
+EP/TP ratios (each EP step over the TP step just before it). Never asserted. The ranks share
+the machine's cores, so a time is the sum of all ranks' work, not one device's.
+
+    python3 benchmarks/bench_moe.py [--tp 8] [--dcp 4] [--hidden 1024] [--intermediate 512]
+                                    [--layers 3] [--context 256] [--batch 16] [--reps 60]
+                                    [--experts 8,64] [--top-k 2,8]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 import dcp_compile
 from dcp_compile import hf
 from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.rank_engine import load_rank
-from dcp_compile.runtime.world import run_threaded
+from dcp_compile.runtime.world import bind_roles, run_threaded
 
-BLOCK = 16
+BLOCK, VOCAB = 16, 256
+MODES = {"TP": False, "EP": True}        # label -> expert_parallel
 
 
-def mixtral(experts: int, top_k: int, layers: int = 2):
+def mixtral(experts: int, top_k: int, args):
     import transformers
     config = transformers.MixtralConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, num_local_experts=experts,
-        num_experts_per_tok=top_k, max_position_embeddings=4096, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None)
+        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=2,
+        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=4096,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = transformers.MixtralForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -59,43 +68,61 @@ def expert_bytes_per_rank(program, model) -> int:
     return total
 
 
-def decode_step_seconds(program, batch: int, context: int, steps: int) -> float:
-    shapes = program.shapes
+def interleaved_step_seconds(programs: dict, args) -> dict[str, list[float]]:
+    """Rank 0's decode step seconds of each program, their steps alternating."""
+    first = next(iter(programs.values()))
+    shapes = first.shapes
 
     def rank_main(rank):
-        loaded = load_rank(program, rank)
+        names = bind_roles(first.topology, rank)     # one topology: both programs bind it
         g = torch.Generator().manual_seed(rank)
-        caches = [torch.randn(c.shape, generator=g, dtype=c.dtype)
-                  for c in program.cache_spec().allocate()]
-        ids = torch.randint(0, 256, (batch, 1), generator=g)
-        positions = torch.full((batch, 1), context, dtype=torch.long)
-        table = torch.arange(batch * shapes.max_blocks).view(batch, shapes.max_blocks)
-        step = loaded.step_fn("decode")
-        seconds = []
+        steps = {}
+        for label, program in programs.items():
+            caches = [torch.randn(c.shape, generator=g, dtype=c.dtype)
+                      for c in program.cache_spec().allocate()]
+            steps[label] = (load_rank(program, rank, names).step_fn("decode"), caches)
+        ids = torch.randint(0, VOCAB, (args.batch, 1), generator=g)
+        positions = torch.full((args.batch, 1), args.context, dtype=torch.long)
+        table = torch.arange(args.batch * shapes.max_blocks).view(args.batch, -1)
+        seconds = {label: [] for label in programs}
         with torch.no_grad():
-            for _ in range(steps + 1):           # the first step warms up
-                t0 = time.perf_counter()
-                step(ids, positions, table, caches)
-                seconds.append(time.perf_counter() - t0)
-        return statistics.median(seconds[1:])
-    return run_threaded(program.config.tp, rank_main)[0]
+            for rep in range(args.warmup + args.reps):
+                for label, (step, caches) in steps.items():
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    step(ids, positions, table, caches)
+                    if rep >= args.warmup:
+                        seconds[label].append(time.perf_counter() - t0)
+        return seconds
+    return run_threaded(first.config.tp, rank_main, timeout=3600)[0]
+
+
+def spread(xs: list[float]) -> str:
+    q1, q2, q3 = statistics.quantiles(xs, n=4)
+    return f"{1e3 * q2:8.1f} [{1e3 * q1:6.1f}-{1e3 * q3:6.1f}]"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--dcp", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--top-k", default="2,8")
     args = ap.parse_args()
-    print(f"Mixtral-shaped MoE, hidden 256, expert intermediate 512, 2 layers, tp={args.tp} "
-          f"dcp={args.dcp}, batch {args.batch} x context {args.context}, fp32, "
-          f"{torch.get_num_threads()} intra-op threads")
-    print(f"{'experts':>7} {'top-k':>5} {'TP MB/rank':>11} {'EP MB/rank':>11} "
-          f"{'TP step s':>10} {'EP step s':>10} {'EP/TP time':>10}")
+    print(f"Mixtral-shaped MoE, hidden {args.hidden}, expert intermediate {args.intermediate}, "
+          f"{args.layers} layers, tp={args.tp} dcp={args.dcp}, decode batch {args.batch} x "
+          f"context {args.context}, fp32, {torch.get_num_threads()} intra-op threads; "
+          f"TP/EP steps alternating, {args.reps} each; ms: median [q1-q3]")
+    print(f"| experts | top-k | TP MB/rank | EP MB/rank | TP step ms | EP step ms | "
+          f"EP/TP (paired median) |")
+    print("|---|---|---|---|---|---|---|")
     max_blocks = -(-(args.context + 1) // (BLOCK * args.dcp))
     shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=max_blocks,
                         num_blocks=args.batch * max_blocks + 1)
@@ -103,20 +130,20 @@ def main():
         for top_k in map(int, args.top_k.split(",")):
             if top_k > experts:
                 continue
-            model = mixtral(experts, top_k)
+            model = mixtral(experts, top_k, args)
             wrapper = hf.prepare(model)
-            row = {}
-            for ep in (False, True):
-                program = dcp_compile.transform(wrapper, tp=args.tp, dcp=args.dcp,
-                                                mode="decode", block_size=BLOCK,
-                                                shapes=shapes, check=False,
-                                                expert_parallel=ep)
-                row[ep] = (expert_bytes_per_rank(program, model),
-                           decode_step_seconds(program, args.batch, args.context,
-                                               args.steps))
-            (tb, ts), (eb, es) = row[False], row[True]
-            print(f"{experts:>7} {top_k:>5} {tb / 2**20:>11.2f} {eb / 2**20:>11.2f} "
-                  f"{ts:>10.4f} {es:>10.4f} {es / ts:>10.3f}", flush=True)
+            programs = {label: dcp_compile.transform(
+                wrapper, tp=args.tp, dcp=args.dcp, mode="decode", block_size=BLOCK,
+                shapes=shapes, check=False, expert_parallel=ep) for label, ep in MODES.items()}
+            mb = {label: expert_bytes_per_rank(p, model) / 2**20
+                  for label, p in programs.items()}
+            seconds = interleaved_step_seconds(programs, args)
+            ratio = statistics.median(e / t for t, e in zip(seconds["TP"], seconds["EP"]))
+            print(f"| {experts} | {top_k} | {mb['TP']:.1f} | {mb['EP']:.1f} | "
+                  f"{spread(seconds['TP'])} | {spread(seconds['EP'])} | {ratio:.2f} |",
+                  flush=True)
+            del programs, wrapper, model
+            gc.collect()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ factory, for code that prefers an explicit callable::
 
 Options: ``tp`` (default: the world size at compile time), ``dcp`` (required), ``mode``
 ("decode" | "prefill", default "decode"), ``block_size`` (default: the KV caches' block
-size), ``interleave_size``, ``kv_role``, ``dump_dir`` (else ``$DCP_COMPILE_DUMP/backend-<mode>``).
+size), ``interleave_size``, ``kv_role``, ``expert_parallel`` (a mixture-of-experts model's
+experts partitioned over the tp ranks instead of cut by TP; as ``transform()``'s),
+``dump_dir`` (else ``$DCP_COMPILE_DUMP/backend-<mode>``).
 
 What happens per compile (Dynamo compiles once per input shape):
 
@@ -62,8 +64,8 @@ __all__ = ["BackendOptions", "DCPCompiledStep", "build_program", "dcp_backend",
            "kv_cache_spec", "make_backend"]
 
 BACKEND_NAME = "dcp"
-_OPTION_KEYS = ("tp", "dcp", "mode", "block_size", "interleave_size", "kv_role", "dump_dir",
-                "compile")
+_OPTION_KEYS = ("tp", "dcp", "mode", "block_size", "interleave_size", "kv_role",
+                "expert_parallel", "dump_dir", "compile")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class BackendOptions:
     block_size: int | None = None
     interleave_size: int | None = None
     kv_role: str | None = None
+    expert_parallel: bool = False  # MoE experts partitioned over tp (else TP-cut)
     dump_dir: str | None = None
     compile: str = "eager"        # how each rank runs its graph: "eager" | "inductor"
 
@@ -90,6 +93,9 @@ class BackendOptions:
             raise DCPConfigError("backend 'dcp' needs the DCP degree: options has no 'dcp'. "
                                  "Pass options={'tp': 4, 'dcp': 2} (dcp=1 is plain TP).")
         opts = cls(**options)
+        if not isinstance(opts.expert_parallel, bool):
+            raise DCPConfigError(f"backend 'dcp' option expert_parallel="
+                                 f"{opts.expert_parallel!r} is not a bool. Pass True or False.")
         from dcp_compile.runtime.rank_program import COMPILERS
         if opts.compile not in COMPILERS:
             raise DCPConfigError(f"unknown compile mode for backend 'dcp': "
@@ -97,7 +103,7 @@ class BackendOptions:
         if opts.tp is not None:  # validate what can be validated before the model is seen
             DCPConfig(tp=opts.tp, dcp=opts.dcp, mode=opts.mode,
                       block_size=opts.block_size or 16, interleave_size=opts.interleave_size,
-                      kv_role=opts.kv_role)
+                      kv_role=opts.kv_role, expert_parallel=opts.expert_parallel)
         return opts
 
     def resolved_tp(self) -> int:
@@ -224,7 +230,8 @@ def build_program(gm: GraphModule, example_inputs: list, opts: BackendOptions):
     capture = frontend.captured
     config = DCPConfig(tp=opts.resolved_tp(), dcp=opts.dcp, mode=opts.mode,
                        block_size=opts.block_size or capture.block_size,
-                       interleave_size=opts.interleave_size, kv_role=opts.kv_role)
+                       interleave_size=opts.interleave_size, kv_role=opts.kv_role,
+                       expert_parallel=opts.expert_parallel)
     program = compile_program(frontend, config, CompileOptions(
         dump_dir=opts.dump_dir, dump=_writes_dump(), certificate=_certificate_for(config),
         check=False))

@@ -13,11 +13,17 @@ worksteal``: one worker per core). Two choices keep the cores busy with real wor
 
 Neither changes what a test checks; without ``-n`` (or with ``-n 0``) everything runs in
 one process, in this order.
+
+``DCP_TEST_CPU=path`` writes each test's CPU seconds (its process plus the children it waited
+for: torchrun launches) as tab-separated lines, one file per xdist worker (``path.gw0``...):
+on a shared machine wall-clock durations measure the load, CPU seconds measure the test.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import time
 
 import pytest
 import torch
@@ -51,3 +57,21 @@ def pytest_collection_modifyitems(config, items):
         rest, left = rest[take:], left - len(head) - take
     queues[-1] += rest
     items[:] = [item for queue in queues for item in queue]
+
+
+def _cpu_seconds() -> float:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get("DCP_TEST_CPU")
+    if not path:
+        yield
+        return
+    start = _cpu_seconds()
+    yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    with open(f"{path}.{worker}" if worker else path, "a") as f:
+        f.write(f"{_cpu_seconds() - start:.2f}\t{item.nodeid}\n")

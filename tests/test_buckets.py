@@ -4,7 +4,7 @@ weights; the Engine runs each step in the smallest bucket holding its batch, eve
 own forward whichever buckets a run crosses.
 
 By default the threaded tp=4/dcp=2 decode case runs (the suite's time budget: an XLA case
-lowers and compiles six modules, ~80 s); ``DCP_BUCKET_CASES=all`` runs decode and prefill at
+lowers and compiles six modules, ~80 s); ``DCP_BUCKET_CASES=1`` runs decode and prefill at
 tp=8/dcp=4 and tp=4/dcp=2 on threads and on XLA.
 """
 
@@ -28,10 +28,11 @@ from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
 from dcp_compile.runtime.buckets import check_buckets, smallest_bucket  # noqa: E402
 from dcp_compile.runtime.engine import Engine, StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError  # noqa: E402
+from full_runs import full  # noqa: E402
 
 BLOCK = 4
 ATOL = 1e-4
-ALL = os.environ.get("DCP_BUCKET_CASES") == "all"
+ALL = full("DCP_BUCKET_CASES")
 # (tp, dcp) -> buckets (tokens), the shapes' capacity in vblocks, prompt lengths, decode
 # steps: prompts start in the smallest bucket (length 1: empty shards) and decode crosses
 # every bucket up to the full capacity.

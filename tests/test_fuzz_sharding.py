@@ -44,9 +44,12 @@ from dcp_compile.runtime.engine import StepShapes
 
 from helpers import prompts_of
 from model_grammar import ModelSpec, build, model_specs
+from full_runs import full  # noqa: E402
 
 DEFAULT_EXAMPLES = 500          # the floor; ~0.5 s CPU per model
-EXAMPLES = int(os.environ.get("DCP_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
+FULL_EXAMPLES = 2000          # DCP_FUZZ_FULL=1 or DCP_FULL=1
+EXAMPLES = int(os.environ.get("DCP_FUZZ_EXAMPLES",
+                              FULL_EXAMPLES if full("DCP_FUZZ_FULL") else DEFAULT_EXAMPLES))
 WITH_CHECK = os.environ.get("DCP_FUZZ_CHECK") == "1"
 SHARD_SEEDS = {"decode": 1, "prefill": 2}   # hypothesis seeds: fixed, so CI sees the same models
 ATOL = 1e-4

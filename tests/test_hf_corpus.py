@@ -6,14 +6,13 @@ at and past a vblock's edge, the garbage block NaN-poisoned) or is refused by a 
 names the real reason. Zero silent mismatches, zero non-project exceptions, and the README's
 table is what the compiler does today: each cell run here must read as the README says.
 
-By default a representative slice runs (one cell per behaviour class); ``DCP_CORPUS=all``
+By default a representative slice runs (one cell per behaviour class); ``DCP_CORPUS=1``
 runs every cell against the README (about 700 cells; spread over xdist's workers).
 ``python tests/hf_corpus.py --write-readme`` runs every cell and rewrites the README table.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,11 @@ import pytest
 pytest.importorskip("transformers")
 
 import hf_corpus as C  # noqa: E402
+from full_runs import full  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
-FULL = os.environ.get("DCP_CORPUS") == "all"
+FULL = full("DCP_CORPUS")
 
 # The default slice: one cell per behaviour (dense GQA matches, window, MoE, MLA, ALiBi,
 # sinks, SSM, encoder, learned positions), decode and prefill between them.

@@ -7,7 +7,6 @@ kind), so the numerical case runs with ``DCP_INDUCTOR=1``; the option checks alw
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from dcp_compile.backend import BackendOptions
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
+from full_runs import full  # noqa: E402
 
 SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 
@@ -35,7 +35,7 @@ def test_unknown_compile_modes_are_refused():
     assert BackendOptions.from_dict({"dcp": 2, "compile": "inductor"}).compile == "inductor"
 
 
-@pytest.mark.skipif(os.environ.get("DCP_INDUCTOR") != "1",
+@pytest.mark.skipif(not full("DCP_INDUCTOR"),
                     reason="Inductor compiles take minutes here; set DCP_INDUCTOR=1")
 def test_inductor_program_matches_eager_and_the_model():
     from dcp_compile import verify as V

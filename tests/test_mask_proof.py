@@ -11,7 +11,6 @@ both backstop mutations (the default is a representative slice, to keep the suit
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from dcp_compile.frontends.ordinary import FullForwardReference
 from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
 from dcp_compile.runtime.facts import ModelFacts
+from full_runs import full  # noqa: E402
 
 VOCAB, BLOCK = 256, 4
 CFG = DemoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_q_heads=8,
@@ -34,7 +34,7 @@ CONTEXT = 12
 WINDOW = 14                    # longer than the captured chunk: the mask shows no cut there
 # Capacity 8 blocks: 32 tokens at dcp=1, so sequences run well past the window.
 SHAPES = StepShapes(batch=4, context_len=CONTEXT, max_blocks=8, num_blocks=40)
-FULL = os.environ.get("DCP_MASK_FULL") == "1"
+FULL = full("DCP_MASK_FULL")
 CONFIGS = [(2, 1, "decode"), (4, 2, "prefill")] + (
     [(4, 2, "decode"), (8, 2, "decode"), (2, 1, "prefill"), (8, 2, "prefill")] if FULL else [])
 

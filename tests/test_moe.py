@@ -16,7 +16,6 @@ transform(model) directly}.
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -31,8 +30,9 @@ from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError  # noqa
 from dcp_compile.verify import run_threaded_program  # noqa: E402
 
 from helpers import assert_close_report, prompts_of  # noqa: E402
+from full_runs import full  # noqa: E402
 
-MATRIX = os.environ.get("DCP_MOE_MATRIX", "") not in ("", "0")
+MATRIX = full("DCP_MOE_MATRIX")
 VOCAB, BLOCK, ATOL = 256, 4, 1e-4
 INTERLEAVE = 2      # decode; prefill (the DI producer) needs interleave == block
 LENGTHS = (1, 7, 12)

@@ -7,7 +7,6 @@ block 4: vblock 8) and a one-token prompt.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from dcp_compile.verify import run_threaded_program
 from helpers import assert_runs_match, prompts_of
 from position_models import ArangeFloatRope, PositionsLM, position_models
 from test_ordinary_models import full_forward_reference
+from full_runs import full  # noqa: E402
 
 TP, DCP, BLOCK = 4, 2, 4
 VOCAB = 256
@@ -34,7 +34,7 @@ MODELS = position_models(CFG)
 # A representative slice by default (each form of source once: arange, sliced real table,
 # sliced complex table; a learned table through the prefill's sequence parallelism);
 # DCP_POSITIONS_FULL=1 runs every form in both modes (and every HF family below).
-FULL = os.environ.get("DCP_POSITIONS_FULL", "") not in ("", "0")
+FULL = full("DCP_POSITIONS_FULL")
 SLICE = {("arange-float-rope", "decode"), ("cached-cos-sin-sliced", "decode"),
          ("complex-freqs_cis-sliced", "decode"),
          ("learned-table-opt-offset-2050-rows", "prefill")}

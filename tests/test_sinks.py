@@ -23,7 +23,6 @@ The default run is a slice; DCP_SINKS_MATRIX=1 runs every case.
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -37,6 +36,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import run_threaded_program
 
 from helpers import assert_close_report, prompts_of
+from full_runs import full  # noqa: E402
 
 VOCAB, BLOCK, ATOL = 256, 4, 1e-4
 LENGTHS = (1, 4, 7, 9)
@@ -46,7 +46,7 @@ WINDOW = 5            # the plain model's sliding layers (odd ones)
 CONFIGS = [(4, 2), (8, 4)]
 # The default run is a slice (one case per model form); DCP_SINKS_MATRIX=1 runs every form x
 # {decode, prefill} x {tp=4/dcp=2, tp=8/dcp=4} (and the all_to_all combine at both).
-MATRIX = os.environ.get("DCP_SINKS_MATRIX", "") not in ("", "0")
+MATRIX = full("DCP_SINKS_MATRIX")
 SLICE = {"plain": ("decode", (8, 4)), "a2a": ("decode", (4, 2)),
          "prepare": ("prefill", (4, 2)), "direct": ("decode", (4, 2))}
 

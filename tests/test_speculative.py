@@ -27,8 +27,9 @@ from dcp_compile.runtime.kv_cache import KVCacheSpec
 from dcp_compile.runtime.speculative import ModelDrafter, NgramDrafter, accept_greedy
 from dcp_compile.runtime.step_contract import StepContract
 from dcp_compile.verify import draft_program_drafter, verify_speculative
+from full_runs import full  # noqa: E402
 
-FULL = os.environ.get("DCP_SPEC_FULL") == "1"
+FULL = full("DCP_SPEC_FULL")
 ATOL = 1e-4
 BLOCK = 4
 STEPS = 10
