@@ -12,7 +12,10 @@ dcp_compile.memory_floor), and the decode step's time with every sequence at the
 full context.
 
     python3 benchmarks/bench_xla.py [--tp 4 --dcp 2 --steps 16 --layers 2] [--interpreter]
-    python3 benchmarks/bench_xla.py --buckets 64,128,256,512 [--batch 4]
+    python3 benchmarks/bench_xla.py --buckets 64,128,256,512 [--batch 4] [--ops 12]
+
+``--ops N`` also prints, per bucket, the N HLO instructions XLA counts the most bytes for
+(memory_floor.bytes_by_op: XLA's cost analysis of each top-level instruction).
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def main() -> int:
     ap.add_argument("--buckets", type=lambda t: [int(x) for x in t.split(",")], default=None,
                     help="context buckets in tokens: print the memory-floor table")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step (--buckets)")
+    ap.add_argument("--reference-attention", action="store_true",
+                    help="with --buckets: lower decode attention with the reference kernel "
+                         "(runtime/ops.py) instead of lowering/paged_attention.py, to compare")
+    ap.add_argument("--ops", type=int, default=0,
+                    help="with --buckets: print the N costliest HLO instructions per bucket")
     ap.add_argument("--interpreter", action="store_true",
                     help="also time the StableHLO interpreter (at tp=2/dcp=2, small shapes)")
     args = ap.parse_args()
@@ -142,26 +150,28 @@ def main() -> int:
     return 0
 
 
-def full_context_step_seconds(executor, program, kind="decode", repeats=15) -> dict:
+def full_context_step_seconds(executor, program, kind="decode", repeats=25) -> dict:
     """Median time of one ``kind`` step per bucket with every row at the bucket's full
-    context (row b owns blocks b*width .. (b+1)*width-1)."""
+    context (row b owns blocks b*width .. (b+1)*width-1). The buckets take turns, one step
+    each per round, so a load spike on the shared machine hits every bucket alike."""
     import torch
 
     from dcp_compile.runtime.buckets import bucket_width
     c, batch = program.config, program.shapes.batch
-    out = {}
+    inputs = {}
     for bucket in program.buckets:
         width = bucket_width(bucket, block_size=c.block_size, dcp=c.dcp)
-        table = torch.arange(batch * width, dtype=torch.int64).reshape(batch, width)
-        positions = torch.full((batch, 1), bucket - 1, dtype=torch.int64)
-        ids = torch.zeros((batch, 1), dtype=torch.int64)
-        times = []
-        for _ in range(repeats + 1):
+        inputs[bucket] = (torch.zeros((batch, 1), dtype=torch.int64),
+                          torch.full((batch, 1), bucket - 1, dtype=torch.int64),
+                          torch.arange(batch * width, dtype=torch.int64).reshape(batch, width))
+    times = {bucket: [] for bucket in inputs}
+    for round_ in range(repeats + 1):
+        for bucket, (ids, positions, table) in inputs.items():
             t = time.perf_counter()
             executor.step(kind, ids, positions, table)
-            times.append(time.perf_counter() - t)
-        out[bucket] = statistics.median(times[1:])
-    return out
+            if round_:                   # round 0 warms every module up
+                times[bucket].append(time.perf_counter() - t)
+    return {bucket: statistics.median(ts) for bucket, ts in times.items()}
 
 
 def bucket_table_main(args) -> int:
@@ -181,6 +191,10 @@ def bucket_table_main(args) -> int:
     program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, shapes=shapes,
                                     buckets=args.buckets[:-1], check=False)
     from dcp_compile.lowering import lower
+    from dcp_compile.lowering.paged_attention import LOWERING_KERNELS
+    if args.reference_attention:
+        LOWERING_KERNELS.clear()
+        print("decode attention: the reference kernel (runtime/ops.py), lowered as is")
     executor = X.XLAExecutor(program, lower(program, steps=["decode"]))
     seconds = full_context_step_seconds(executor, program)
     table = bucket_table(executor, program)
@@ -189,7 +203,24 @@ def bucket_table_main(args) -> int:
     print("per rank, per decode step (XLA's cost analysis of the compiled module; step "
           "time with every sequence at the bucket's full context):")
     print(format_bucket_table(table))
+    if args.ops:
+        ops_table(executor, program, args.ops)
     return 0
+
+
+def ops_table(executor, program, n: int) -> None:
+    """The n instructions of each compiled decode module XLA counts the most bytes for."""
+    from dcp_compile.memory_floor import bytes_by_op
+    from dcp_compile.runtime.buckets import bucket_of_width
+    c = program.config
+    for (kind, width), executable in sorted(executor.executables.items(),
+                                            key=lambda kv: kv[0][1]):
+        rows = bytes_by_op(executable)
+        bucket = bucket_of_width(width, block_size=c.block_size, dcp=c.dcp)
+        print(f"\nbucket {bucket}: {sum(r[0] for r in rows)} bytes over {len(rows)} "
+              f"instructions; the {n} largest:")
+        for nbytes, name, opcode in rows[:n]:
+            print(f"  {nbytes:>9}  {name} ({opcode})")
 
 
 def interpreter_row(layers: int) -> None:

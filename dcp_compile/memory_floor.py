@@ -7,7 +7,7 @@ analysis of the compiled module counts (``LoadedExecutable.cost_analysis()``, th
 HloCostAnalysis XLA schedules by). The ratio says how much a lowering wastes on top of the
 floor — whole-cache copies, metadata recomputed per layer, masks materialised at full size.
 ``bytes_by_op`` attributes the counted bytes to the module's top-level HLO instructions
-(operands + result, as HloCostAnalysis counts an unfused op or a fusion) to find them.
+(XLA's cost analysis of each instruction alone) to find them.
 """
 
 from __future__ import annotations
@@ -85,27 +85,42 @@ def hlo_type_bytes(type_text: str) -> int:
     return total
 
 
-_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*?)\)(?:, |$)")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*?)\)(, .*)?$")
 
 
-def bytes_by_op(hlo_text: str) -> list[tuple[int, str, str]]:
-    """(bytes, instruction, opcode) of each top-level instruction of the entry computation
-    of an optimized HLO module (``executable.hlo_modules()[0].to_string()``), largest first:
-    result bytes + operand bytes, as HloCostAnalysis counts an op or a fusion."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}")]
-    sizes: dict[str, int] = {}
+def bytes_by_op(executable) -> list[tuple[int, str, str]]:
+    """(bytes, instruction, opcode) of each top-level instruction of the entry computation of
+    a compiled executable, largest first: XLA's own cost analysis of that one instruction
+    (its fusion or op alone in a module, on parameters of its operands' shapes). The rows
+    sum to ``xla_cost(executable)["bytes_accessed"]`` (HloCostAnalysis is a sum over the
+    entry's instructions)."""
+    from jax._src.lib import xla_client
+    from jaxlib import _hlo
+    client = executable.client
+    text = executable.hlo_modules()[0].to_string()
+    head, entry = text.split("\nENTRY", 1)
+    header, computations = head.split("\n", 1)
+    body = entry[entry.index("{\n") + 2:entry.rindex("\n}")]
+    types: dict[str, str] = {}
     rows = []
-    for line in entry.splitlines()[1:]:
+    for line in body.splitlines():
         m = _INSTRUCTION.match(line)
         if m is None:
             continue
-        name, type_text, opcode, operands = m.groups()
-        sizes[name] = hlo_type_bytes(type_text)
+        name, type_text, opcode, operands, attributes = m.groups()
+        types[name] = type_text
         if opcode in _FREE_OPS:
             continue
-        read = sum(sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", operands))
-        rows.append((sizes[name] + read, name, opcode))
+        params = []
+        for i, operand in enumerate(dict.fromkeys(re.findall(r"%([\w.\-]+)", operands))):
+            params.append(f"  %p{i} = {types[operand]} parameter({i})")
+            operands = re.sub(rf"%{re.escape(operand)}(?![\w.\-])", f"%p{i}", operands)
+        attributes = re.sub(r", metadata=\{[^}]*\}", "", attributes or "")
+        module = _hlo.hlo_module_from_text(
+            f"{header.split(',')[0]}\n{computations}\nENTRY %one {{\n" + "\n".join(params) +
+            f"\n  ROOT %{name} = {type_text} {opcode}({operands}){attributes}\n}}\n")
+        cost = xla_client._xla.hlo_module_cost_analysis(client, module)
+        rows.append((int(cost.get("bytes accessed", 0)), name, opcode))
     return sorted(rows, reverse=True)
 
 
@@ -131,7 +146,8 @@ def bucket_table(executor, program) -> dict[int, dict[str, dict]]:
         cost = xla_cost(executable)
         ideal = ideal_bytes(program, kind, bucket)
         times = executor.step_seconds.get((kind, width), [])
-        table.setdefault(bucket, {})[kind] = {
+        # a plain str key (not the StepKind enum): the table is JSON and crosses processes
+        table.setdefault(bucket, {})[str(getattr(kind, "value", kind))] = {
             "bytes_accessed": int(cost["bytes_accessed"]), "ideal_bytes": ideal.total,
             "ratio": round(cost["bytes_accessed"] / ideal.total, 3),
             "ideal": ideal.to_json(), "flops": int(cost["flops"]),

@@ -356,6 +356,7 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
     """dcp_compile.verify.verify_speculative with the program lowered and run on XLA:CPU
     (one SPMD engine, so one ``drafter``; None: plain greedy)."""
     from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.rank_engine import prompt_kind
 
     from . import verify as V
     start = time.perf_counter()
@@ -363,7 +364,7 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
     lowered = lowered or lower_for_xla(program)
     engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
-                    prompt_kind=V.prompt_kind(program), prefix_caching=prefix_caching)
+                    prompt_kind=prompt_kind(program), prefix_caching=prefix_caching)
     got, reused = V.generate_per_token(engine, prompts, steps, drafter)
     return V.speculative_report(program, ref, [got], start, atol=atol,
                                 lengths=[len(p) for p in prompts], reused_tokens=reused)
@@ -374,7 +375,7 @@ def draft_drafter(draft):
     from dcp_compile.runtime.engine import Engine
     from dcp_compile.runtime.speculative import ModelDrafter
 
-    from .verify import prompt_kind
+    from dcp_compile.runtime.rank_engine import prompt_kind
     return ModelDrafter(Engine(XLAExecutor(draft, lower_for_xla(draft)), draft.shapes,
                                block_size=draft.config.block_size, dcp=draft.config.dcp,
                                prompt_kind=prompt_kind(draft)))

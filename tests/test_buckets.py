@@ -71,7 +71,7 @@ def _widths_seen():
 
     def wrap(step):
         def recorded(self, kind, input_ids, positions, block_table, *rest):
-            seen.append((kind, int(block_table.shape[-1])))
+            seen.append((str(getattr(kind, "value", kind)), int(block_table.shape[-1])))
             return step(self, kind, input_ids, positions, block_table, *rest)
         return recorded
     return seen, wrap

@@ -55,12 +55,16 @@ def _int_remainder(a, b):
 
 
 def decomposition_table() -> dict:
-    """torch-mlir's FX decomposition table, every dcp op's reference implementation, and
-    exact integer floor division / remainder (see _int_div_mode, _int_remainder)."""
+    """torch-mlir's FX decomposition table, every dcp op's reference implementation (but
+    decode attention: paged_attention.LOWERING_KERNELS), and exact integer floor division /
+    remainder (see _int_div_mode, _int_remainder)."""
     from dcp_compile.runtime.ops import DECOMPOSITIONS
+
+    from .paged_attention import LOWERING_KERNELS
     aten = torch.ops.aten
     table = dict(_torch_mlir_decompositions())
     table.update(DECOMPOSITIONS)
+    table.update(LOWERING_KERNELS)      # decode attention as XLA fuses it (paged_attention.py)
     table.update({aten.div.Tensor_mode: _int_div_mode, aten.div.Scalar_mode: _int_div_mode,
                   aten.remainder.Tensor: _int_remainder,
                   aten.remainder.Scalar: _int_remainder})
