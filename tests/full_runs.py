@@ -22,7 +22,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_INDUCTOR": ("test_inductor.py", "the numerical Inductor cases (compiles take minutes)"),
     "DCP_MASK_FULL": ("test_mask_proof.py", "every (tp, dcp) x mode of the mask-proof matches"),
     "DCP_MOE_MATRIX": ("test_moe.py", "every MoE model x mode x tp/dcp x TP/EP x experts "
-                                      "implementation x prepare/direct"),
+                                      "implementation x prepare/direct; test_moe_backend's TP "
+                                      "experts and test_xla's gpt-oss EP case (they read "
+                                      "test_moe.MATRIX)"),
     "DCP_POSITIONS_FULL": ("test_positions.py", "every position form in both modes, every HF "
                                                 "family"),
     "DCP_SINKS_MATRIX": ("test_sinks.py", "every sinks form x mode x tp/dcp"),
