@@ -55,7 +55,7 @@ def cp_rank_node(gm: GraphModule, pass_: DCPPass) -> Node:
         else:
             node = gm.graph.call_function(aten.floor_divide.default,
                                           (rank, cfg.tp // cfg.dcp))
-    node.name = "cp_rank"
+    node._rename("cp_rank")             # through the graph namespace: names stay unique
     return pass_.tag(node, KIND_MASK)
 
 
@@ -91,7 +91,7 @@ def build_step_metadata(p: DCPPass, gm: GraphModule, cp: Node, layers: list[Node
         with g.inserting_before(after):            # in order, after the anchor
             nodes = build(g, positions, table, cp)
         for name, n in nodes.items():
-            n.name = name
+            n._rename(name)     # through the graph's namespace: names stay unique
             if META_KIND not in n.meta:
                 p.tag(n, KIND_MASK)
         anchor = after.prev

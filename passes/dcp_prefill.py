@@ -399,7 +399,7 @@ class DCPPrefill(DCPPass):
         for name, n in (("interleave_index", raw), ("owned_index", index),
                         ("owned_positions", k_pos), ("unshuffle_index", unshuffle),
                         ("owned_slot_mapping", slots), ("prior_local", prior)):
-            n.name = name
+            n._rename(name)                    # through the graph namespace: unique
         return {"index": index, "k_pos": k_pos, "unshuffle": unshuffle, "slots": slots,
                 "prior": prior}
 

@@ -331,7 +331,7 @@ class SequenceParallel(DCPPass):
             sp_index = g.call_function(aten.add.Tensor, (
                 g.call_function(aten.arange.default, (per,),
                                 {"dtype": torch.int64, "device": device}), start))
-        sp_index.name = "sp_index"
+        sp_index._rename("sp_index")
         self.tag(sp_index, KIND_SLICE)
 
         replaced = {}   # a reduction's wait -> what its users read now

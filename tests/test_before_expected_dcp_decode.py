@@ -265,3 +265,28 @@ def test_context_on_four_ranks_writes_each_ranks_share():
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
         assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), f"rank {rank}"
         assert (slots >= 0).sum() == 2 * 8               # half of each 16-token row
+
+
+def _attention_named_like_the_metadata(tp_rank, q, k, v, key_cache, value_cache, positions,
+                                       block_table, slot_mapping, cp_rank, prior_local):
+    """A step whose inputs carry the names the pass gives its own nodes (vLLM-style models
+    take a ``slot_mapping`` input): the step adds them to its output, so a metadata node
+    that took one of those names would shadow the input in the generated code."""
+    out, kc, vc = dcp.attention.default(q, k, v, key_cache, value_cache, positions,
+                                        block_table, 0.5)
+    return out + (slot_mapping + cp_rank + prior_local).sum(), kc, vc
+
+
+def test_metadata_names_never_shadow_a_step_input_of_the_same_name():
+    inputs = {**attention_inputs(tokens=1, hq=2, hkv=1, start=20), "tp_rank": torch.tensor(0),
+              "slot_mapping": torch.tensor([1.0]), "cp_rank": torch.tensor([2.0]),
+              "prior_local": torch.tensor([3.0])}
+    gm = run_alone(DCPDecode(context(4, 1, "decode")),
+                   before(_attention_named_like_the_metadata, **inputs))
+    names = [n.name for n in gm.graph.nodes]
+    assert len(names) == len(set(names)), sorted(names)
+    assert {"slot_mapping", "cp_rank", "prior_local"} <= {
+        n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    gm.recompile()
+    want = call(before(_attention_named_like_the_metadata, **inputs), **inputs)[0]
+    torch.testing.assert_close(gm(**inputs)[0], want)
