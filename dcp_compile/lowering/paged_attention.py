@@ -88,8 +88,8 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     # [b, k, g, i, d], the scale folded into the (small) queries.
     qs = (q.float() * scale).reshape(batch, q_len, kv_heads, groups, d).permute(0, 2, 3, 1, 4)
     # Scores, prior [b, k, g, i, W, n] and current [b, k, g, i, K] apart (no concatenated
-    # copy of the keys). As a multiply + sum instead of a dot: 2.60x instead of 2.98x the
-    # floor at bucket 512, but 2.3x slower at bucket 4096 on XLA:CPU (README).
+    # copy of the keys), as dots: a multiply + sum counts fewer bytes (2.60x instead of
+    # 2.98x the floor at bucket 512) but ran 2.3x slower at bucket 4096 on XLA:CPU (README).
     # Keys of slots no query sees are zeroed with the read (unwritten or poisoned rows must
     # not reach a score: the mask below is added, and NaN + -inf is NaN).
     zero = torch.zeros((), dtype=torch.float32, device=q.device)
