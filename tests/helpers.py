@@ -1,4 +1,5 @@
-"""Shared test helpers: seeded prompts and the one numerical comparison helper."""
+"""Shared test helpers: seeded prompts, the model's own greedy reference and the one
+numerical comparison helper."""
 
 from __future__ import annotations
 
@@ -42,15 +43,20 @@ def assert_close_report(actual: torch.Tensor, expected: torch.Tensor, *, atol: f
     return float(err.max())
 
 
-def assert_runs_match(runs, ref_tokens, ref_logits, *, atol: float) -> None:
+def assert_runs_match(runs, ref_tokens, ref_logits, *, atol: float, lengths=None) -> float:
     """Every rank's run of a program decodes the reference's greedy tokens with its
-    per-step logits (``ref_logits[seq][step]``) within ``atol``."""
+    per-step logits (``ref_logits[seq][step]``) within ``atol``; returns the worst error.
+    ``lengths`` (the prompts') name each sequence's length in a failure."""
+    worst = 0.0
     for run in runs:
         assert run.result.tokens == ref_tokens, f"rank {run.rank}"
         for t, got in enumerate(run.result.logits):
             for b in range(len(ref_tokens)):
-                assert_close_report(got[b], ref_logits[b][t], atol=atol,
-                                    what=f"rank {run.rank} step {t} seq {b}")
+                length = f" (len={lengths[b]})" if lengths else ""
+                worst = max(worst, assert_close_report(
+                    got[b], ref_logits[b][t], atol=atol,
+                    what=f"rank {run.rank} step {t} seq {b}{length}"))
+    return worst
 
 
 def single_device_reference(lengths, steps, *, seed=0):
@@ -68,3 +74,23 @@ def single_device_reference(lengths, steps, *, seed=0):
     with torch.no_grad():
         return Engine(LocalExecutor(model, spec.allocate()), shapes,
                       block_size=16).generate(prompt_tokens(lengths, seed), steps)
+
+
+def full_forward_reference(model, prompts, steps):
+    """Greedy tokens and per-step logits from the model's own forward, no cache (``model``
+    returns logits, or an output with ``.logits``)."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(steps):
+                seq.append(int(_logits(model, seq)[-1].argmax()))
+            tokens.append(seq[len(p):])
+            logits.append(_logits(model, seq[:-1])[len(p) - 1:])
+    return tokens, logits
+
+
+def _logits(model, seq):
+    out = model(torch.tensor([seq]))
+    return (out if isinstance(out, torch.Tensor) else out.logits)[0]
+

@@ -32,8 +32,7 @@ from dcp_compile.workers.disagg import MODELS, build_model
 from dcp_compile.workers.prefill import plan_tokens
 
 from disagg_runs import launch_worlds
-from helpers import assert_close_report
-from test_ordinary_models import full_forward_reference
+from helpers import assert_close_report, full_forward_reference
 
 pytestmark = pytest.mark.multiprocess  # 2 torchrun worlds (6 ranks) at once
 

@@ -19,8 +19,7 @@ from dcp_compile.verify import run_threaded_program
 from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.names import SPEC_STEP
 
-from helpers import assert_close_report, prompts_of
-from test_ordinary_models import full_forward_reference
+from helpers import assert_close_report, assert_runs_match, full_forward_reference, prompts_of
 
 ATOL = 1e-4
 STEPS = 8
@@ -32,15 +31,7 @@ def _decode_equals_own_forward(program, model, prompts) -> float:
     within ATOL at every step (the garbage block NaN-poisoned); returns the worst error."""
     runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
     ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS)
-    worst = 0.0
-    for run in runs:
-        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
-        for t, got in enumerate(run.result.logits):
-            for b in range(len(prompts)):
-                worst = max(worst, assert_close_report(
-                    got[b], ref_logits[b][t], atol=ATOL,
-                    what=f"rank {run.rank} step {t} seq {b}"))
-    return worst
+    return assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL)
 
 
 def _shapes(period: int, block: int, dcp: int) -> StepShapes:

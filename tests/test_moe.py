@@ -29,7 +29,7 @@ from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
 
-from helpers import assert_close_report, prompts_of  # noqa: E402
+from helpers import assert_runs_match, full_forward_reference, prompts_of  # noqa: E402
 from full_runs import full  # noqa: E402
 
 MATRIX = full("DCP_MOE_MATRIX")
@@ -134,19 +134,6 @@ def largest_dcp(model, tp: int) -> int:
     raise AssertionError("no dcp fits")
 
 
-def own_forward(model, prompts, steps):
-    """Greedy tokens and per-step logits from the model's own full forward (no cache)."""
-    tokens, logits = [], []
-    with torch.no_grad():
-        for p in prompts:
-            seq = list(p)
-            for _ in range(steps):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            tokens.append(seq[len(p):])
-            logits.append(model(torch.tensor([seq[:-1]])).logits[0, len(p) - 1:])
-    return tokens, logits
-
-
 def check_matches_own_forward(model_id, mode, tp, dcp, expert_parallel, experts=None,
                               direct=False, ties=False) -> float:
     model = build(model_id, experts=experts, ties=ties)
@@ -175,19 +162,11 @@ def check_matches_own_forward(model_id, mode, tp, dcp, expert_parallel, experts=
     steps = STEPS[mode]
     prompts = prompts_of(LENGTHS, vocab=VOCAB)
     runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
-    ref_tokens, ref_logits = own_forward(model, prompts, steps)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, steps)
     for run in runs[1:]:      # the same routing and the same sums on every rank: same bits
         assert all(torch.equal(a, b) for a, b in zip(run.result.logits,
                                                       runs[0].result.logits)), run.rank
-    worst = 0.0
-    for run in runs:
-        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
-        for t, got in enumerate(run.result.logits):
-            for b in range(len(prompts)):
-                worst = max(worst, assert_close_report(
-                    got[b], ref_logits[b][t], atol=ATOL,
-                    what=f"rank {run.rank} step {t} seq {b} (len={LENGTHS[b]})"))
-    return worst
+    return assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL, lengths=LENGTHS)
 
 
 # The default slice: the three priority families, both sharding modes, decode and prefill;

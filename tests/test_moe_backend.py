@@ -21,10 +21,10 @@ from dcp_compile.runtime.errors import DCPConfigError, DCPWorldError  # noqa: E4
 from dcp_compile.runtime.rank_engine import poison_garbage  # noqa: E402
 from dcp_compile.runtime.world import run_threaded  # noqa: E402
 
-from helpers import assert_close_report, prompts_of  # noqa: E402
+from helpers import assert_close_report, full_forward_reference, prompts_of  # noqa: E402
 from test_backend import _step_inputs, fresh_dynamo  # noqa: E402,F401  (autouse: Dynamo reset)
 import test_moe  # noqa: E402
-from test_moe import MATRIX, build, own_forward  # noqa: E402
+from test_moe import MATRIX, build  # noqa: E402
 
 TP, DCP, BLOCK, STEPS, LENGTHS = 4, 2, 4, 4, (1, 7, 12)
 SHAPES = StepShapes(batch=3, context_len=12, max_blocks=4, num_blocks=13)
@@ -91,7 +91,7 @@ def test_compiled_moe_model_matches_its_own_forward_on_every_rank(ep, monkeypatc
             assert (experts, two_i) == ((cfg.num_local_experts // TP, 2 * cfg.intermediate_size)
                                         if ep else (cfg.num_local_experts,
                                                     2 * cfg.intermediate_size // TP))
-    ref_tokens, ref_logits = own_forward(model, prompts, STEPS)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS)
     for rank, got in enumerate(runs):
         assert got.tokens == ref_tokens, f"rank {rank}"
         for t, step in enumerate(got.logits):

@@ -20,7 +20,7 @@ from dcp_compile.models.plain import plain_llama
 from dcp_compile.verify import run_threaded_program
 from dcp_compile.runtime.engine import StepShapes
 
-from helpers import assert_close_report, assert_runs_match, prompts_of
+from helpers import assert_close_report, assert_runs_match, full_forward_reference, prompts_of
 
 TP, DCP, BLOCK = 4, 2, 4
 VOCAB = 256
@@ -63,24 +63,6 @@ MODELS = {
         "Gemma2Config", "Gemma2ForCausalLM", attn_implementation="eager", head_dim=8,
         sliding_window=4, attn_logit_softcapping=3.0, query_pre_attn_scalar=16),
 }
-
-
-def full_forward_reference(model, prompts, steps):
-    """Greedy tokens and per-step logits from the model's own forward, no cache."""
-    tokens, logits = [], []
-    with torch.no_grad():
-        for p in prompts:
-            seq = list(p)
-            for _ in range(steps):
-                seq.append(int(_logits(model, seq)[-1].argmax()))
-            tokens.append(seq[len(p):])
-            logits.append(_logits(model, seq[:-1])[len(p) - 1:])
-    return tokens, logits
-
-
-def _logits(model, seq):
-    out = model(torch.tensor([seq]))
-    return (out if isinstance(out, torch.Tensor) else out.logits)[0]
 
 
 def transform(model, mode):

@@ -18,9 +18,8 @@ from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import run_threaded_program
 
-from helpers import assert_runs_match, prompts_of
+from helpers import assert_runs_match, full_forward_reference, prompts_of
 from position_models import ArangeFloatRope, PositionsLM, position_models
-from test_ordinary_models import full_forward_reference
 from full_runs import full  # noqa: E402
 
 TP, DCP, BLOCK = 4, 2, 4

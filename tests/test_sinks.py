@@ -36,7 +36,7 @@ from dcp_compile.runtime.engine import StepShapes
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import run_threaded_program
 
-from helpers import assert_close_report, prompts_of
+from helpers import assert_close_report, assert_runs_match, full_forward_reference, prompts_of
 from full_runs import full  # noqa: E402
 
 VOCAB, BLOCK, ATOL = 256, 4, 1e-4
@@ -178,19 +178,6 @@ def plain_forward(model, ids: torch.Tensor) -> torch.Tensor:
     return model.lm_head(model.norm(x))
 
 
-def own_forward(forward, prompts, steps):
-    """Greedy tokens and per-step logits from a full forward (no cache) of each sequence."""
-    tokens, logits = [], []
-    with torch.no_grad():
-        for p in prompts:
-            seq = list(p)
-            for _ in range(steps):
-                seq.append(int(forward(torch.tensor([seq]))[0, -1].argmax()))
-            tokens.append(seq[len(p):])
-            logits.append(forward(torch.tensor([seq[:-1]]))[0, len(p) - 1:])
-    return tokens, logits
-
-
 def check(subject, forward, mode, tp, dcp, combine="all_gather") -> float:
     program = dcp_compile.transform(subject, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
                                     interleave_size=2 if mode == "decode" else BLOCK,
@@ -198,16 +185,8 @@ def check(subject, forward, mode, tp, dcp, combine="all_gather") -> float:
     steps = STEPS[mode]
     prompts = prompts_of(LENGTHS, vocab=VOCAB)
     runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
-    ref_tokens, ref_logits = own_forward(forward, prompts, steps)
-    worst = 0.0
-    for run in runs:
-        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
-        for t, got in enumerate(run.result.logits):
-            for b in range(len(prompts)):
-                worst = max(worst, assert_close_report(
-                    got[b], ref_logits[b][t], atol=ATOL,
-                    what=f"rank {run.rank} step {t} seq {b} (len={LENGTHS[b]})"))
-    return worst
+    ref_tokens, ref_logits = full_forward_reference(forward, prompts, steps)
+    return assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL, lengths=LENGTHS)
 
 
 CASES = list(itertools.product(("decode", "prefill"), CONFIGS))
