@@ -48,7 +48,8 @@ def inline_names(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-def _library_files():
+def library_files():
+    """The library's sources, but runtime/names.py (where the names are defined)."""
     for package in LIBRARY:
         for path in sorted((ROOT / package).rglob("*.py")):
             if path != ROOT / "runtime" / "names.py":
@@ -56,7 +57,7 @@ def _library_files():
 
 
 def test_the_library_spells_no_meta_key_or_input_name_inline():
-    found = [f"{path.relative_to(ROOT)}:{line}: {text!r}" for path in _library_files()
+    found = [f"{path.relative_to(ROOT)}:{line}: {text!r}" for path in library_files()
              for line, text in inline_names(ast.parse(path.read_text()))]
     assert not found, "\n".join(found)
 

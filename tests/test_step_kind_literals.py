@@ -13,12 +13,11 @@ be spelled the same; none of those is matched by the rules below.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from dcp_compile.runtime.names import Mode, StepKind
 
-ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = ("dcp_compile", "passes", "runtime")
+from test_names import ROOT, library_files
+
 WORDS = {k.value for k in StepKind} | {m.value for m in Mode}
 NAMES = ("kind", "step", "mode")          # a variable, attribute or keyword meant as one
 
@@ -79,15 +78,8 @@ def step_kind_literals(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-def _library_files():
-    for package in LIBRARY:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path != ROOT / "runtime" / "names.py":
-                yield path
-
-
 def test_the_library_spells_no_step_kind_or_mode_literal():
-    found = [f"{path.relative_to(ROOT)}:{line}: {text!r}" for path in _library_files()
+    found = [f"{path.relative_to(ROOT)}:{line}: {text!r}" for path in library_files()
              for line, text in step_kind_literals(ast.parse(path.read_text()))]
     assert not found, ("step kinds / modes spelled as literals (use StepKind / Mode from "
                        "dcp_compile.runtime.names):\n" + "\n".join(found))
