@@ -185,19 +185,13 @@ def run_steps(prog, model, context, steps, *, hand=False, profile=None, compile=
     """Median decode step time (rank 0) of ``prog`` (and of the hand-written step);
     ``compile="inductor"``: each rank's graph compiled by Inductor (timed after its first,
     compiling, step)."""
-    c, shapes = prog.config, prog.shapes
-    b = shapes.batch
+    c = prog.config
 
     def rank_main(rank):
         from dcp_compile.runtime.world import bind_roles
         names = bind_roles(prog.topology, rank)
         loaded = load_rank(prog, rank, names, compile=compile)
-        g = torch.Generator().manual_seed(rank)
-        caches = [torch.randn(t.shape, generator=g, dtype=t.dtype)
-                  for t in prog.cache_spec().allocate()]
-        table = torch.arange(b * shapes.max_blocks).view(b, shapes.max_blocks)
-        ids = torch.randint(0, model.config.vocab_size, (b, 1), generator=g)
-        pos = torch.full((b, 1), context)
+        caches, table, ids, pos = random_decode_inputs(prog, model, context, rank)
         out = {}
         with torch.no_grad():
             out["program"] = timed(lambda: loaded.run("decode", ids, pos, table, caches), steps)
@@ -325,19 +319,25 @@ def kernel_table(args, model, transform, b, tp):
                   f"{ratio(r['now'], r['hand']):>11}  {load()}")
 
 
-def _kernel_rank(prog, model, context, steps, rank):
-    from dcp_compile.runtime.world import bind_roles
-    c, shapes = prog.config, prog.shapes
-    b = shapes.batch
-    names = bind_roles(prog.topology, rank)
-    now = load_rank(prog, rank, names)
-    before = with_reference_kernel(load_rank(prog, rank, names))
+def random_decode_inputs(prog, model, context, rank):
+    """One rank's decode-step inputs at ``context``: caches of random KV, a full block table,
+    random ids (seeded by rank)."""
+    b, max_blocks = prog.shapes.batch, prog.shapes.max_blocks
     g = torch.Generator().manual_seed(rank)
     caches = [torch.randn(t.shape, generator=g, dtype=t.dtype)
               for t in prog.cache_spec().allocate()]
-    table = torch.arange(b * shapes.max_blocks).view(b, shapes.max_blocks)
+    table = torch.arange(b * max_blocks).view(b, max_blocks)
     ids = torch.randint(0, model.config.vocab_size, (b, 1), generator=g)
-    pos = torch.full((b, 1), context)
+    return caches, table, ids, torch.full((b, 1), context)
+
+
+def _kernel_rank(prog, model, context, steps, rank):
+    from dcp_compile.runtime.world import bind_roles
+    c = prog.config
+    names = bind_roles(prog.topology, rank)
+    now = load_rank(prog, rank, names)
+    before = with_reference_kernel(load_rank(prog, rank, names))
+    caches, table, ids, pos = random_decode_inputs(prog, model, context, rank)
     with torch.no_grad():
         return interleaved({
             "before": lambda: before.run("decode", ids, pos, table, caches),
