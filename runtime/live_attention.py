@@ -29,6 +29,14 @@ from . import layout
 NEG_INF = float("-inf")
 
 
+def readable_table(block_table: Tensor, num_blocks: int) -> tuple[Tensor, Tensor]:
+    """(usable, table): which block-table entries name a usable block, and the table with
+    every other entry (-1 unallocated, the garbage block, ids beyond the cache) pointing at
+    the garbage block, so a gather never reads block 0 for them; readers mask them out."""
+    usable = (block_table >= 0) & (block_table < num_blocks - 1)
+    return usable, torch.where(usable, block_table, num_blocks - 1)
+
+
 def live_entries(prior_len: Tensor, block: int, max_blocks: int) -> int:
     """Block-table entries the longest row's prior slots [0, prior_len) span (host value)."""
     live = int(prior_len.clamp(min=0).max()) if prior_len.numel() else 0
@@ -67,10 +75,7 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     num_blocks, block, kv_heads, width = key_cache.shape
     entries = live_entries(prior_len, block, block_table.shape[1])
     table = block_table[:, :entries]
-    # Entries naming no usable block (-1, the garbage block, ids beyond the cache) read the
-    # garbage block and are masked out.
-    usable = (table >= 0) & (table < num_blocks - 1)                            # [b, e]
-    safe = torch.where(usable, table, num_blocks - 1)
+    usable, safe = readable_table(table, num_blocks)                             # [b, e]
     span = entries * block
     local = torch.arange(span, device=q.device)
     # Prior slot bounds: one per row [b, 1, 1], or one per query of a width-K row [b, i, 1].

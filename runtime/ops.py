@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import layout
-from .live_attention import live_entries, live_partial_attention  # noqa: F401
+from .live_attention import live_entries, live_partial_attention, readable_table  # noqa: F401
 
 NEG_INF = float("-inf")
 
@@ -187,8 +187,7 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     rows = torch.where(allocated, entries, num_blocks - 1) * block + local % block
     # Whole blocks, one per block-table entry (a gather of batch * max_blocks blocks, not of
     # every slot): [batch, max_blocks, block, heads, dim] -> [batch, max_blocks * block, ...].
-    table = torch.where((block_table >= 0) & (block_table < num_blocks - 1), block_table,
-                        num_blocks - 1)
+    _, table = readable_table(block_table, num_blocks)
     k_prior = key_cache[table].reshape(batch, max_blocks * block, kv_heads,
                                        key_cache.shape[-1])
     v_prior = value_cache[table].reshape(batch, max_blocks * block, kv_heads,

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.ops import NEG_INF, _partial_attention_impl
+from dcp_compile.runtime.ops import NEG_INF, _partial_attention_impl, readable_table
 
 # Queries per row up to which the fused form is used (decode, speculative decode widths).
 MAX_QUERIES = 8
@@ -56,8 +56,7 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     slots = max_blocks * block
     # Whole blocks by the block table; unallocated (-1), garbage and out-of-range entries read
     # the garbage block and are masked out (as the reference does).
-    allocated = (block_table >= 0) & (block_table < num_blocks - 1)            # [b, W]
-    table = torch.where(allocated, block_table, num_blocks - 1)
+    allocated, table = readable_table(block_table, num_blocks)                 # [b, W]
     k_prior, v_prior = key_cache[table], value_cache[table]     # [b, W, block, k, d]
     if kv_shared:   # MLA: one vector stored in halves is both the key and the value
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
