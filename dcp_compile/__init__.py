@@ -9,7 +9,7 @@ Three layers in one namespace, lowest last: the compiler (this package's own mod
 ``dcp_compile.runtime`` (README: Packages and layers).
 """
 
-from ._version import __version__  # noqa: F401  (dcp-compile --version)
+from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)
 from .runtime.config import DCPConfig
 from .runtime.errors import (DCPCheckError, DCPConfigError, DCPError, DCPInputError,
                              DCPProofError, DCPTransferError, DCPTransformError, DCPWorldError)

@@ -1,4 +1,6 @@
-"""The package version, defined once: pyproject.toml reads it (``[tool.setuptools.dynamic]``)
-and ``dcp-compile --version`` falls back to it when no package metadata is installed."""
+"""The package version, re-exported from ``dcp_compile.runtime.version`` (defined there once).
 
-__version__ = "0.1.0"
+``dcp-compile --version`` falls back to it when no package metadata is installed; program
+files carry it too (runtime/program_file.py)."""
+
+from dcp_compile.runtime.version import __version__  # noqa: F401

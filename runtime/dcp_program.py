@@ -124,6 +124,12 @@ class DCPProgram:
         from dcp_compile.runtime.rank_program import RankProgram
         return RankProgram(self, rank, group_names, compile=compile)
 
+    def save(self, path) -> None:
+        """Write this program to a program file every rank of a launch can load
+        (``dcp_compile.runtime.program_file.load_program``): one transform per launch."""
+        from .program_file import save_program
+        save_program(self, path)
+
     # -- reports ---------------------------------------------------------------------------
 
     def collectives_per_layer(self, step: str) -> dict[str, float]:

@@ -18,8 +18,8 @@ token inside one rank's shard of that sequence (dense: 0, 1, 2, ...).
 from __future__ import annotations
 
 import builtins
+import sys
 
-import sympy
 import torch
 
 __all__ = [
@@ -49,7 +49,10 @@ def _is_tensor(*xs) -> bool:
 
 
 def _is_sympy(*xs) -> bool:
-    return builtins.any(isinstance(x, sympy.Basic) for x in xs)
+    # Only the proofs pass sympy values, and they import sympy first: a process that runs
+    # programs (a rank) never pays for importing it.
+    sympy = sys.modules.get("sympy")
+    return sympy is not None and builtins.any(isinstance(x, sympy.Basic) for x in xs)
 
 
 def clamp(x, lo=None, hi=None):
@@ -57,6 +60,7 @@ def clamp(x, lo=None, hi=None):
     if _is_tensor(x):
         return torch.clamp(x, min=lo, max=hi)
     if _is_sympy(x, lo, hi):
+        import sympy
         # Unevaluated: sympy's own Max/Min simplification queries its assumption system
         # (tens of ms a call); the prover decides them on its integer boxes instead.
         if lo is not None:
@@ -77,6 +81,7 @@ def indicator_eq(a, b):
         a_t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
         return torch.eq(a_t, b).to(torch.int64)
     if _is_sympy(a, b):
+        import sympy
         diff = sympy.sympify(a) - sympy.sympify(b)
         if diff.is_Number:
             return sympy.Integer(1 if diff == 0 else 0)

@@ -1,6 +1,8 @@
 """Launch the disaggregated worlds of dcp_compile/workers/disagg.py at the same time (the two
 disaggregated end-to-end tests' one launcher): one prefill world and decode worlds, each a
-torchrun/gloo launch with its own master port, NIXL over UCX/tcp on 127.0.0.1."""
+torchrun/gloo launch with its own master port, NIXL over UCX/tcp on 127.0.0.1. The launcher
+transforms each world's program once (``disagg.build_program``, what a rank would build) and
+every rank of the world loads that program file (``--program``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from dcp_compile.runtime.errors import DCPWorldError
 from dcp_compile.runtime.launch import run_torchrun
 from dcp_compile.runtime.nixl.loopback import free_port_base
+from dcp_compile.workers.disagg import build_program, parse
 
 LAUNCH_TIMEOUT = 900.0      # seconds per torchrun launch (a loaded two-core machine)
 WAIT_TIMEOUT = 600.0        # seconds a world waits for the other one
@@ -52,6 +55,10 @@ def launch_worlds(tmp: Path, *, model: str, block: int, plan, prefill: tuple[int
             "--prefill-tp", prefill[0], "--prefill-dcp", prefill[1], "--prefill-port", port,
             "--batch", batch, "--max-context", max_context, "--steps", steps,
             "--reserve-blocks", reserve_blocks])
+    for name, (nproc, args) in launches.items():
+        program = tmp / f"{name}.dcp"
+        args += ["--program", program]
+        build_program(parse([str(a) for a in args]), tp=nproc).save(program)
     errors: dict[str, DCPWorldError] = {}
     outputs: dict[str, str] = {}
 

@@ -1,7 +1,9 @@
 """torchrun entry points: one rank of a real multi-process world (gloo on CPU, nccl on GPU).
 
 Each worker transforms the model itself (deterministic: the same SPMD program on every rank),
-binds its process groups through ``dcp_compile.runtime.world.bind_roles`` and runs the engine:
+or, with ``--program PATH``, loads the program file one process wrote for the whole launch
+(``program.save(PATH)``; runtime/program_file.py), binds its process groups through
+``dcp_compile.runtime.world.bind_roles`` and runs the engine:
 
     torchrun --nproc-per-node 4 -m dcp_compile.workers.decode --dcp 2 --out tokens.json
     torchrun --nproc-per-node 4 -m dcp_compile.workers.prefill --dcp 2 ...
@@ -10,3 +12,30 @@ binds its process groups through ``dcp_compile.runtime.world.bind_roles`` and ru
 
 They live in ``dcp_compile`` (not ``runtime``) because they use its frontends.
 """
+
+from __future__ import annotations
+
+from typing import Callable
+
+PROGRAM_HELP = ("a program file (program.save) of this launch's layout: every rank loads it "
+                "instead of transforming the model")
+
+
+def program_for(path: str | None, build: Callable, **expected):
+    """The program this rank runs: the program file at ``path`` when given (refused unless
+    its config has every ``expected`` value, e.g. ``dcp=2, mode="decode"``), else
+    ``build()`` (this rank transforms the model itself)."""
+    if not path:
+        return build()
+    from dcp_compile.runtime.errors import DCPInputError
+    from dcp_compile.runtime.program_file import load_program
+    program = load_program(path)
+    wrong = {k: (getattr(program.config, k), v) for k, v in expected.items()
+             if v is not None and getattr(program.config, k) != v}
+    if wrong:
+        raise DCPInputError(
+            f"program file {path} does not fit this launch: "
+            + ", ".join(f"its {k}={have!r}, the launch asks {k}={want!r}"
+                        for k, (have, want) in wrong.items())
+            + ". Write the program with the launch's layout, or launch with the file's.")
+    return program

@@ -3,8 +3,10 @@
     torchrun --nproc-per-node 4 -m dcp_compile.workers.decode --dcp 2 --steps 16 --out tokens.json
 
 Every process transforms the demo model itself (deterministic: the same SPMD program on every
-rank), binds its process groups, loads its weight shard and runs the greedy engine — the
-program's own context step, then decode. Rank 0 writes the generated tokens and logits.
+rank), or loads the program file ``--program PATH`` written once for the launch
+(:func:`build_program` then ``program.save(PATH)``), binds its process groups, loads its
+weight shard and runs the greedy engine — the program's own context step, then decode.
+Rank 0 writes the generated tokens and logits.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import json
 import torch
 
 from dcp_compile.runtime.names import Mode
+from dcp_compile.workers import PROGRAM_HELP, program_for
 
 
-def main(argv=None) -> int:
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dcp", type=int, required=True)
     ap.add_argument("--steps", type=int, default=16)
@@ -25,26 +28,26 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave-size", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    ap.add_argument("--program", default=None, help=PROGRAM_HELP)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
 
     import torch.distributed as dist
 
-    import dcp_compile
-    from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.launch import init_distributed_from_env
     from dcp_compile.runtime.rank_engine import rank_engine
 
     rank, world = init_distributed_from_env()
     try:
-        lengths = [int(x) for x in args.lengths.split(",")]
-        prompts = prompt_tokens(lengths, args.seed)
-        model = demo_model()
-        program = dcp_compile.transform(model, tp=world, dcp=args.dcp, mode=Mode.DECODE,
-                                        interleave_size=args.interleave_size,
-                                        shapes=shapes_for(lengths, args.steps, args.dcp))
+        program = program_for(args.program, lambda: build_program(args, tp=world),
+                              dcp=args.dcp, mode=Mode.DECODE,
+                              interleave_size=args.interleave_size)
         engine = rank_engine(program, rank)
         with torch.no_grad():
-            result = engine.generate(prompts, args.steps)
+            result = engine.generate(prompt_tokens(lengths_of(args), args.seed), args.steps)
         if rank == 0:
             with open(args.out, "w") as f:
                 json.dump({"tokens": result.tokens,
@@ -53,6 +56,21 @@ def main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def lengths_of(args) -> list[int]:
+    return [int(x) for x in args.lengths.split(",")]
+
+
+def build_program(args, *, tp: int, check: bool | None = None):
+    """The program of the launch ``args`` on ``tp`` ranks (each rank's own transform, or the
+    program file one process writes for the launch)."""
+    import dcp_compile
+    from dcp_compile.models.demo import demo_model
+    lengths = lengths_of(args)
+    return dcp_compile.transform(demo_model(), tp=tp, dcp=args.dcp, mode=Mode.DECODE,
+                                 interleave_size=args.interleave_size, check=check,
+                                 shapes=shapes_for(lengths, args.steps, args.dcp))
 
 
 def prompt_tokens(lengths, seed) -> list[list[int]]:

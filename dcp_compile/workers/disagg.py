@@ -13,8 +13,8 @@ torchrun; both worlds run at the same time, each with its own master port)::
         --engine-id d-tp2 --prefill-tp 4 --prefill-dcp 2 --prefill-port 31000 \\
         --batch 3 --max-context 48 --steps 8 --handoff OUT/handoff.pt --out-dir OUT
 
-Prefill rank. Transforms the demo model (``mode="prefill"``; every rank builds the same SPMD
-program), runs the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
+Prefill rank. Transforms the model (``mode="prefill"``; every rank builds the same SPMD
+program: :func:`build_program`), or loads the world's program file (``--program``), runs the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
 :func:`dcp_compile.workers.prefill.plan_tokens`) through the engine, registers its final caches
 with a :class:`~dcp_compile.runtime.nixl.connector.PrefillKVConnector` (side channel at ``--port +
 rank``), and after a gloo barrier (every side channel is up) rank 0 writes the *handoff*
@@ -27,8 +27,8 @@ until every decode rank that :meth:`TransferPlan.readers_of` names, of every eng
 ``--decoders``, has notified every request, and exits. With ``--out-dir`` each rank also
 saves its caches, block table and lengths (``prefill_rank<r>.pt``) for the test.
 
-Decode rank. Transforms the demo model (``mode="decode"``; ``--dcp 1`` is the standard TP
-decode), allocates its caches poisoned with NaN, waits for the handoff, takes block tables
+Decode rank. Transforms the model (``mode="decode"``; ``--dcp 1`` is the standard TP
+decode), or loads the world's program file (``--program``), allocates its caches poisoned with NaN, waits for the handoff, takes block tables
 from its own allocator (``--reserve-blocks`` first holds some blocks for a dummy sequence, so
 local and remote block numbers differ), creates a
 :class:`~dcp_compile.runtime.nixl.connector.DecodeKVConnector`, handshakes with the prefill ranks of its
@@ -57,6 +57,7 @@ from dataclasses import asdict
 import torch
 
 from dcp_compile.runtime.names import Mode
+from dcp_compile.workers import PROGRAM_HELP, program_for
 
 HOST = "127.0.0.1"
 # Seconds between a waiting prefill rank's polls: often enough that a READ (which needs the
@@ -130,6 +131,22 @@ def build_model(name: str, layers: int):
     return MODELS[name][0](layers)
 
 
+def build_program(args, *, tp: int):
+    """The program of one world of the launch ``args`` (its role: prefill or decode) on
+    ``tp`` ranks: each rank's own transform, or the program file one process writes for the
+    world (``--program``)."""
+    import dcp_compile
+    if args.role == "prefill":
+        mode, shapes = Mode.PREFILL, prefill_shapes(json.loads(args.plan), args.dcp,
+                                                    args.block_size)
+    else:
+        mode, shapes = Mode.DECODE, decode_shapes(args.batch, args.max_context, args.dcp,
+                                                  args.block_size, args.reserve_blocks)
+    return dcp_compile.transform(build_model(args.model, args.layers), tp=tp, dcp=args.dcp,
+                                 mode=mode, block_size=args.block_size, shapes=shapes,
+                                 check=False)
+
+
 def engine_config(program_config, *, tp: int, dcp: int, mode: str):
     """The other engine's DCPConfig: same model (heads, head_dim, MLA) and block size."""
     from dcp_compile.runtime.config import DCPConfig
@@ -172,7 +189,6 @@ def _report_failure(abort_file: str | None, who: str) -> None:
 def run_prefill_rank(args, rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
     from dcp_compile.runtime.rank_engine import rank_engine
     from dcp_compile.runtime.nixl.connector import PrefillKVConnector
@@ -181,10 +197,8 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
 
     plan = json.loads(args.plan)
     decoders = json.loads(args.decoders)
-    program = dcp_compile.transform(
-        build_model(args.model, args.layers), tp=world, dcp=args.dcp, mode=Mode.PREFILL,
-        block_size=args.block_size, shapes=prefill_shapes(plan, args.dcp, args.block_size),
-        check=False)
+    program = program_for(args.program, lambda: build_program(args, tp=world), dcp=args.dcp,
+                          mode=Mode.PREFILL, block_size=args.block_size)
     cfg = program.config
     # Plan every decode engine before any work: an unservable pair fails here, not mid-read.
     plans = {d["engine_id"]: plan_transfer(cfg, engine_config(cfg, tp=d["tp"], dcp=d["dcp"],
@@ -279,16 +293,14 @@ def _wait_for_handoff(args, rank: int) -> dict:
 
 
 def run_decode_rank(args, rank: int, world: int) -> None:
-    import dcp_compile
     from dcp_compile.runtime.errors import DCPTransferError
     from dcp_compile.runtime.rank_engine import rank_engine
     from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
 
     shapes = decode_shapes(args.batch, args.max_context, args.dcp, args.block_size,
                            args.reserve_blocks)
-    program = dcp_compile.transform(build_model(args.model, args.layers), tp=world,
-                                    dcp=args.dcp, mode=Mode.DECODE, block_size=args.block_size,
-                                    shapes=shapes, check=False)
+    program = program_for(args.program, lambda: build_program(args, tp=world), dcp=args.dcp,
+                          mode=Mode.DECODE, block_size=args.block_size)
     cfg = program.config
     prefill_cfg = engine_config(cfg, tp=args.prefill_tp, dcp=args.prefill_dcp, mode=Mode.PREFILL)
     engine = rank_engine(program, rank, fill=float("nan"), shapes=shapes)
@@ -371,6 +383,7 @@ def parse(argv=None):
         p.add_argument("--abort-file", default=None)
         p.add_argument("--timeout", type=float, default=300.0,
                        help="seconds to wait for the other world")
+        p.add_argument("--program", default=None, help=PROGRAM_HELP)
     pre = sub.choices["prefill"]
     pre.add_argument("--engine-id", default="prefill")
     pre.add_argument("--plan", required=True, help="JSON: chunk -> tokens per sequence")

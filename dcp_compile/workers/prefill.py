@@ -4,12 +4,13 @@
         --context-len 36 --plan '[[36,31,1],[33,7,0],[17,36,2]]' --out-dir OUT
 
 Every process transforms the demo model itself (deterministic: the same SPMD program on every
-rank), binds its process groups, loads its weight shard, allocates its caches poisoned with
-NaN and runs the chunked prefill — a first chunk, then chunks that attend to the prior cache.
-``--plan`` gives each chunk's token count per sequence (tokens are drawn by
-:func:`plan_tokens`). Each rank saves its full logits per chunk, positions, final caches,
-block table and lengths to ``OUT/rank<r>.pt`` for the launching test to compare with the
-single-device model.
+rank), or loads the program file ``--program PATH`` written once for the launch
+(:func:`build_program` then ``program.save(PATH)``), binds its process groups, loads its
+weight shard, allocates its caches poisoned with NaN and runs the chunked prefill — a first
+chunk, then chunks that attend to the prior cache. ``--plan`` gives each chunk's token count
+per sequence (tokens are drawn by :func:`plan_tokens`). Each rank saves its full logits per
+chunk, positions, final caches, block table and lengths to ``OUT/rank<r>.pt`` for the
+launching test to compare with the single-device model.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import torch
 
 from dcp_compile.runtime.names import Mode
+from dcp_compile.workers import PROGRAM_HELP, program_for
 
 
 def plan_tokens(plan: list[list[int]], seed: int = 0, vocab: int = 256
@@ -59,6 +61,7 @@ def parse(argv=None):
     ap.add_argument("--plan", required=True, help="JSON: chunk -> tokens per sequence")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--program", default=None, help=PROGRAM_HELP)
     return ap.parse_args(argv)
 
 
@@ -74,7 +77,9 @@ def main(argv=None) -> int:
     try:
         args.tp = args.tp or world
         plan = json.loads(args.plan)
-        _, program = build_program(args, plan)
+        program = program_for(args.program, lambda: build_program(args, plan)[1],
+                              dcp=args.dcp, tp=args.tp, mode=Mode.PREFILL,
+                              block_size=args.block_size)
         engine = rank_engine(program, rank, fill=float("nan"), record=True)
         run = run_chunks(engine, engine.executor, plan_tokens(plan, args.seed), rank,
                          program.shapes.max_blocks)
