@@ -40,18 +40,31 @@ def _long(item) -> bool:
     return item.path.name in LONG_MODULES or item.get_closest_marker("multiprocess") is not None
 
 
+def _launch(item) -> str:
+    """The long tests that one launch serves: a multiprocess module's tests share its worlds
+    (a module-scoped fixture: the disaggregated worlds, the NIXL engines), so they stay on
+    one worker, which launches them once; each fuzz shard is a launch of its own."""
+    return item.nodeid if item.path.name in LONG_MODULES else item.path.name
+
+
 def pytest_collection_modifyitems(config, items):
     """Order the items as n queues laid end to end, n = the number of xdist workers: queue i
-    starts with every n-th long test (the fuzz first), then its share of the rest, so that
-    worksteal's first split (contiguous, len // workers left each) gives every worker long
-    tests to start with. Every worker computes the same order from the same collection."""
+    starts with every n-th launch's long tests (the fuzz first), then its share of the rest,
+    so that worksteal's first split (contiguous, len // workers left each) gives every
+    worker long tests to start with and never splits one launch's tests between two workers
+    (each would launch the worlds). Every worker computes the same order from the same
+    collection."""
     n = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
     long = sorted((i for i in items if _long(i)), key=lambda i: i.path.name not in LONG_MODULES)
+    launches: dict[str, list] = {}
+    for item in long:
+        launches.setdefault(_launch(item), []).append(item)
+    launches_in_order = list(launches.values())
     rest = [i for i in items if not _long(i)]
     queues, left = [], len(items)
     for q in range(n):
         size = left // (n - q)
-        head = long[q::n]
+        head = [item for launch in launches_in_order[q::n] for item in launch]
         take = max(size - len(head), 0)
         queues.append(head + rest[:take])
         rest, left = rest[take:], left - len(head) - take
