@@ -120,7 +120,7 @@ def check_collectives(topology, rank: int, names: dict[str, str], *,
     return count
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dcp", type=int, default=2)
     parser.add_argument("--mode", default="prefill", choices=("prefill", "decode"))
@@ -131,35 +131,44 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also bind rank-independent role names and run one shared graph")
     parser.add_argument("--fail-rank", type=int, default=None,
                         help="raise on this rank after binding (tests failure reporting)")
-    opts = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse(argv)
 
     import torch.distributed as dist
 
-    from dcp_compile.runtime.topology import topology
-
     from dcp_compile.runtime.launch import init_distributed_from_env
-    from dcp_compile.runtime.world import bind_roles
 
     rank, world_size = init_distributed_from_env()
     try:
-        topo = topology(world_size, opts.dcp, opts.mode)
-        dtypes = [getattr(torch, d) for d in opts.dtypes]
-        names = bind_roles(topo, rank)
-        if opts.fail_rank == rank:
-            raise RuntimeError(f"selftest: deliberate failure on rank {rank}")
-        count = check_collectives(topo, rank, names, roles=opts.roles, dtypes=dtypes)
-        if opts.aliases:
-            alias = bind_roles(topo, rank, aliases=True)
-            roles = opts.roles or list(alias)
-            graphs = {(role, dt): collective_graph(KINDS, len(topo.group_of(role, rank)),
-                                                   alias[role])
-                      for role in roles for dt in dtypes}
-            count += check_collectives(topo, rank, alias, roles=roles, dtypes=dtypes,
-                                       via=("fx",), graphs=graphs)
-        print(f"selftest ok rank={rank} checks={count} names={names}", flush=True)
+        run(opts, rank, world_size)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def run(opts: argparse.Namespace, rank: int, world_size: int) -> None:
+    """This rank's self-test in the initialised world (``main``, or tests/world_worker.py)."""
+    from dcp_compile.runtime.topology import topology
+    from dcp_compile.runtime.world import bind_roles
+
+    topo = topology(world_size, opts.dcp, opts.mode)
+    dtypes = [getattr(torch, d) for d in opts.dtypes]
+    names = bind_roles(topo, rank)
+    if opts.fail_rank == rank:
+        raise RuntimeError(f"selftest: deliberate failure on rank {rank}")
+    count = check_collectives(topo, rank, names, roles=opts.roles, dtypes=dtypes)
+    if opts.aliases:
+        alias = bind_roles(topo, rank, aliases=True)
+        roles = opts.roles or list(alias)
+        graphs = {(role, dt): collective_graph(KINDS, len(topo.group_of(role, rank)),
+                                               alias[role])
+                  for role in roles for dt in dtypes}
+        count += check_collectives(topo, rank, alias, roles=roles, dtypes=dtypes,
+                                   via=("fx",), graphs=graphs)
+    print(f"selftest ok rank={rank} checks={count} names={names}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Prefill DCP numerics: threaded world (and one torchrun/gloo world) vs the single-device model.
+"""Prefill DCP numerics: threaded world vs the single-device model (the torchrun/gloo world:
+tests/test_torchrun_world.py).
 
 Each case runs a chunked prefill — a first chunk, then chunks that attend to the prior cache —
 on the transformed program and on the single-device demo model, through the same engine.
@@ -265,20 +266,3 @@ def test_chunk_beyond_the_block_table_is_refused_and_writes_nothing():
         assert "block table has room for max_blocks" in errors[0]
         assert "longer than the program's context_len" in errors[1]
         assert same and lengths_kept
-
-
-@pytest.mark.multiprocess
-def test_torchrun_gloo_prefill_matches_single_device(tmp_path):
-    """Real processes: 4 gloo ranks (tp=4, dcp=2), two layers, a mixed chunked prefill."""
-    from dcp_compile.runtime.launch import run_torchrun
-    from dcp_compile.workers.prefill import build_program, parse
-    S, plan = 36, mixed_plan(36, 2, 8)
-    argv = ["--dcp", "2", "--tp", "4", "--block-size", "8", "--context-len", str(S),
-            "--layers", "2", "--plan", json.dumps(plan), "--seed", "5",
-            "--out-dir", str(tmp_path)]
-    run_torchrun(4, "dcp_compile.workers.prefill", argv, timeout=300)
-    model, prog = build_program(parse(argv), plan)
-    ref = run_prefill_reference(model, prog, plan_tokens(plan, 5))
-    from dcp_compile.verify import PrefillRun
-    runs = [PrefillRun(**torch.load(tmp_path / f"rank{r}.pt")) for r in range(4)]
-    _assert_matches(prog, runs, ref, what="torchrun ")

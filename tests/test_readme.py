@@ -36,7 +36,7 @@ NOT_RUN = {
                               "second one through .ci/run",
     "python3 benchmarks/": "benchmarks take minutes and assert nothing",
     "python3 -m benchmarks.bench_transform": "benchmarks take minutes and assert nothing",
-    "torchrun ": "a 4-process world; tests/test_decode_torchrun.py runs "
+    "torchrun ": "a 4-process world; tests/test_torchrun_world.py runs "
                  "dcp_compile.workers.decode on torchrun",
     "dcp-compile verify --tp 4 --dcp 2 --steps 2 --backend xla":
         "tests/test_xla.py::test_cli_verify_backend_xla runs this very command (XLA compiles "

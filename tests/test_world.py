@@ -410,15 +410,3 @@ def test_launch_error_puts_the_failing_rank_first(tmp_path):
     assert "rank 1 failed; ranks [0, 3] stopped after it" in str(err)
     assert "ValueError: the real bug" in str(err) and "Connection closed" not in str(err)
     assert list(err.failures) == [1, 0, 3]
-
-
-@pytest.mark.multiprocess
-def test_torchrun_gloo_selftest():
-    """4 gloo processes: bind the prefill roles, check every collective on cp_kv and dcp_tp in
-    float32/bfloat16/int64, eager and from a GraphModule, also through role aliases."""
-    proc = launch.run_torchrun(
-        4, "tests.selftest_worker",
-        ["--dcp", "2", "--mode", "prefill", "--roles", "cp_kv", "dcp_tp", "--aliases"],
-        timeout=180)
-    for rank in range(4):
-        assert f"selftest ok rank={rank} checks=72" in proc.stdout

@@ -38,24 +38,30 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from dcp_compile.runtime.launch import init_distributed_from_env
-    from dcp_compile.runtime.rank_engine import rank_engine
 
     rank, world = init_distributed_from_env()
     try:
-        program = program_for(args.program, lambda: build_program(args, tp=world),
-                              dcp=args.dcp, mode=Mode.DECODE,
-                              interleave_size=args.interleave_size)
-        engine = rank_engine(program, rank)
-        with torch.no_grad():
-            result = engine.generate(prompt_tokens(lengths_of(args), args.seed), args.steps)
-        if rank == 0:
-            with open(args.out, "w") as f:
-                json.dump({"tokens": result.tokens,
-                           "logits": [step.tolist() for step in result.logits]}, f)
-        print(f"decode_worker rank={rank} ok", flush=True)
+        run(args, rank, world)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def run(args, rank: int, world: int) -> None:
+    """This rank's decode in the initialised world of ``world`` ranks (``main``, or a caller
+    that runs more in the same world)."""
+    from dcp_compile.runtime.rank_engine import rank_engine
+
+    program = program_for(args.program, lambda: build_program(args, tp=world),
+                          dcp=args.dcp, mode=Mode.DECODE, interleave_size=args.interleave_size)
+    engine = rank_engine(program, rank)
+    with torch.no_grad():
+        result = engine.generate(prompt_tokens(lengths_of(args), args.seed), args.steps)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"tokens": result.tokens,
+                       "logits": [step.tolist() for step in result.logits]}, f)
+    print(f"decode_worker rank={rank} ok", flush=True)
 
 
 def lengths_of(args) -> list[int]:

@@ -70,28 +70,34 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from dcp_compile.runtime.launch import init_distributed_from_env
-    from dcp_compile.runtime.rank_engine import rank_engine
-    from dcp_compile.verify import run_chunks
 
     rank, world = init_distributed_from_env()
     try:
-        args.tp = args.tp or world
-        plan = json.loads(args.plan)
-        program = program_for(args.program, lambda: build_program(args, plan)[1],
-                              dcp=args.dcp, tp=args.tp, mode=Mode.PREFILL,
-                              block_size=args.block_size)
-        engine = rank_engine(program, rank, fill=float("nan"), record=True)
-        run = run_chunks(engine, engine.executor, plan_tokens(plan, args.seed), rank,
-                         program.shapes.max_blocks)
-        os.makedirs(args.out_dir, exist_ok=True)
-        torch.save({"rank": rank, "logits": run.logits, "positions": run.positions,
-                    "caches": run.caches, "block_table": run.block_table,
-                    "lengths": run.lengths}, os.path.join(args.out_dir, f"rank{rank}.pt"))
-        print(f"prefill_worker rank={rank} cp_rank={program.topology.cp_rank(rank)} "
-              f"chunks={len(plan)} ok", flush=True)
+        run(args, rank, world)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def run(args, rank: int, world: int) -> None:
+    """This rank's chunked prefill in the initialised world of ``world`` ranks (``main``, or
+    a caller that runs more in the same world)."""
+    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.verify import run_chunks
+
+    args.tp = args.tp or world
+    plan = json.loads(args.plan)
+    program = program_for(args.program, lambda: build_program(args, plan)[1], dcp=args.dcp,
+                          tp=args.tp, mode=Mode.PREFILL, block_size=args.block_size)
+    engine = rank_engine(program, rank, fill=float("nan"), record=True)
+    chunks = run_chunks(engine, engine.executor, plan_tokens(plan, args.seed), rank,
+                        program.shapes.max_blocks)
+    os.makedirs(args.out_dir, exist_ok=True)
+    torch.save({"rank": rank, "logits": chunks.logits, "positions": chunks.positions,
+                "caches": chunks.caches, "block_table": chunks.block_table,
+                "lengths": chunks.lengths}, os.path.join(args.out_dir, f"rank{rank}.pt"))
+    print(f"prefill_worker rank={rank} cp_rank={program.topology.cp_rank(rank)} "
+          f"chunks={len(plan)} ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,87 @@
+"""Real processes: one torchrun/gloo world of 4 ranks (tp=4, dcp=2) serves three claims.
+
+The world (tests/world_worker.py) runs three workers one after the other, so every rank
+starts (torch, gloo) once instead of three times; each test reads its part's output:
+
+1. The collectives self-test: bind the prefill roles, check every collective on cp_kv and
+   dcp_tp in float32/bfloat16/int64, eager and from a GraphModule, also through role
+   aliases (tests/selftest_worker.py).
+2. Prefill (dcp_compile.workers.prefill): every rank transforms the 2-layer demo model
+   itself (the workers' default: this launch keeps each rank's own transform covered, and
+   that it is the same SPMD program on every rank), then runs a mixed chunked prefill;
+   logits and caches match the single-device model (tests/test_prefill_dcp.py's
+   comparison).
+3. Decode (dcp_compile.workers.decode): the test transforms once and every rank loads the
+   program file (``--program``, runtime/program_file.py); greedy decode of prompts of 1, 31,
+   33 and 32 tokens (an empty shard, lengths around the interleave period) for 16 steps
+   gives the single-device model's tokens, and logits within 1e-4.
+
+The numerics of these layouts and many more (tp8/dcp4 among them) are covered on threads
+(tests/test_prefill_dcp.py, test_decode_dcp.py); this launch proves that real processes,
+with process groups bound per role over gloo and weight shards cut per rank, compute them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dcp_compile.runtime.launch import run_torchrun
+from dcp_compile.verify import PrefillRun, run_prefill_reference
+from dcp_compile.workers import decode, prefill
+
+from helpers import assert_close_report, single_device_reference
+from test_prefill_dcp import _assert_matches, mixed_plan
+
+pytestmark = pytest.mark.multiprocess  # one 4-rank torchrun world, ~20-40 s on two cores
+
+WORLD = 4
+SELFTEST = ["--dcp", "2", "--mode", "prefill", "--roles", "cp_kv", "dcp_tp", "--aliases"]
+PREFILL_S, PREFILL_PLAN, PREFILL_SEED = 36, mixed_plan(36, 2, 8), 5
+DECODE_LENGTHS, DECODE_STEPS = [1, 31, 33, 32], 16
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torchrun_world")
+    prefill_argv = ["--dcp", "2", "--tp", str(WORLD), "--block-size", "8", "--context-len",
+                    str(PREFILL_S), "--layers", "2", "--plan", json.dumps(PREFILL_PLAN),
+                    "--seed", str(PREFILL_SEED), "--out-dir", str(tmp / "prefill")]
+    decode_argv = ["--dcp", "2", "--steps", str(DECODE_STEPS), "--lengths",
+                   ",".join(map(str, DECODE_LENGTHS)), "--out", str(tmp / "tokens.json"),
+                   "--program", str(tmp / "decode.dcp")]
+    decode.build_program(decode.parse(decode_argv), tp=WORLD, check=False).save(
+        tmp / "decode.dcp")
+    proc = run_torchrun(WORLD, "tests.world_worker",
+                        ["--selftest", json.dumps(SELFTEST), "--prefill",
+                         json.dumps(prefill_argv), "--decode", json.dumps(decode_argv)],
+                        timeout=400)
+    return {"tmp": tmp, "stdout": proc.stdout, "prefill_argv": prefill_argv}
+
+
+def test_torchrun_gloo_selftest(world):
+    for rank in range(WORLD):
+        assert f"selftest ok rank={rank} checks=72" in world["stdout"]
+
+
+def test_torchrun_gloo_prefill_matches_single_device(world):
+    """Two layers, a mixed chunked prefill; each rank transformed the model itself."""
+    args = prefill.parse(world["prefill_argv"])
+    model, prog = prefill.build_program(args, PREFILL_PLAN)
+    ref = run_prefill_reference(model, prog, prefill.plan_tokens(PREFILL_PLAN, PREFILL_SEED))
+    runs = [PrefillRun(**torch.load(world["tmp"] / "prefill" / f"rank{r}.pt"))
+            for r in range(WORLD)]
+    _assert_matches(prog, runs, ref, what="torchrun ")
+
+
+def test_torchrun_gloo_decode_matches_single_device(world):
+    """Every rank loaded the program file the test wrote."""
+    got = json.loads((world["tmp"] / "tokens.json").read_text())
+    ref = single_device_reference(DECODE_LENGTHS, DECODE_STEPS)
+    assert got["tokens"] == ref.tokens
+    for t, (g, r) in enumerate(zip(got["logits"], ref.logits)):
+        assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")
+    for rank in range(WORLD):
+        assert f"decode_worker rank={rank} ok" in world["stdout"]
