@@ -1,6 +1,8 @@
-"""A torchrun worker for tests/test_backend.py: dcp_compile.workers.compiled's compiled decode,
-then, in the same world, a model with a graph break compiled with ``fullgraph=False``, whose
-error every rank records. Rank 0 writes tokens, logits and the ranks' errors to ``--out``.
+"""A torchrun worker for the backend part of tests/test_torchrun_world.py:
+dcp_compile.workers.compiled's compiled decode, then, in the same world, a model with a graph
+break compiled with ``fullgraph=False``, whose error every rank records. Rank 0 writes
+tokens, logits and the ranks' errors to ``--out``; ``--dump DIR`` compiles with
+``DCP_COMPILE_DUMP=DIR``.
 
     run_torchrun(4, "tests.backend_worker", ["--dcp", "2", "--out", "result.json"])
 
@@ -10,8 +12,11 @@ Also home of ``PrintingDemo``, the graph-break fixture test_backend.py compiles 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
+
+DUMP_ENV = "DCP_COMPILE_DUMP"
 
 
 class PrintingDemo(torch.nn.Module):
@@ -57,26 +62,50 @@ def _step_inputs(shapes, caches):
     return ids, positions, table, caches
 
 
+def parse(argv=None):
+    from dcp_compile.workers.compiled import parser
+    ap = parser()
+    ap.add_argument("--dump", default=None, help="DCP_COMPILE_DUMP while this part compiles")
+    return ap.parse_args(argv)
+
+
 def main(argv=None) -> int:
     import torch.distributed as dist
 
-    from dcp_compile.workers.compiled import compile_and_decode, parser, result_json
     from dcp_compile.runtime.launch import init_distributed_from_env
 
-    args = parser().parse_args(argv)
+    args = parse(argv)
     rank, world = init_distributed_from_env()
     try:
-        run = compile_and_decode(args, world)
-        # A graph break must fail the compile, never run the model eagerly unsharded.
-        errors = [None] * world
-        dist.all_gather_object(errors, graph_break_error(run))
-        if rank == 0:
-            with open(args.out, "w") as f:
-                json.dump({**result_json(run), "graph_break_errors": errors}, f)
-        print(f"backend_worker rank={rank} ok", flush=True)
+        run(args, rank, world)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def run(args, rank: int, world: int) -> None:
+    """This rank's part in the initialised world (``main``, or tests/world_worker.py)."""
+    import torch.distributed as dist
+
+    from dcp_compile.workers.compiled import compile_and_decode, result_json
+
+    before = os.environ.get(DUMP_ENV)
+    if args.dump:
+        os.environ[DUMP_ENV] = args.dump
+    try:
+        run_ = compile_and_decode(args, world)
+        # A graph break must fail the compile, never run the model eagerly unsharded.
+        errors = [None] * world
+        dist.all_gather_object(errors, graph_break_error(run_))
+    finally:
+        if before is None:
+            os.environ.pop(DUMP_ENV, None)
+        else:
+            os.environ[DUMP_ENV] = before
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({**result_json(run_), "graph_break_errors": errors}, f)
+    print(f"backend_worker rank={rank} ok", flush=True)
 
 
 if __name__ == "__main__":

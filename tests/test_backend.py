@@ -1,9 +1,9 @@
 """torch.compile backend "dcp": entry point, options, same numerics as transform(), graph
-breaks and unsupported constructs as clear errors, and a real torchrun + gloo world."""
+breaks and unsupported constructs as clear errors (the real torchrun + gloo world: the
+backend part of tests/test_torchrun_world.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,11 +22,10 @@ from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError, DCPWor
 from dcp_compile.models.demo import DemoConfig, DemoLlama, demo_model
 from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.launch import run_torchrun
 from dcp_compile.runtime.world import run_threaded
 
 from backend_worker import PrintingDemo
-from helpers import assert_close_report, prompts_of, single_device_reference
+from helpers import assert_close_report, prompts_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = StepShapes(batch=3, context_len=17, max_blocks=2, num_blocks=7)
@@ -283,33 +282,3 @@ def test_running_outside_a_world_is_a_dcp_world_error():
     with pytest.raises(DCPWorldError, match="no.*initialised|none is initialised"), \
             torch.no_grad():
         compiled(*_step_inputs(StepShapes(batch=2, max_blocks=2, num_blocks=5), 8, caches))
-
-
-# ------------------------------------------------------------------------------------------
-# Real processes
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.multiprocess
-def test_torchrun_gloo_compiled_model_decodes_the_single_device_tokens(tmp_path):
-    """4 gloo processes, tp=4, dcp=2, fullgraph=True; DCP_COMPILE_DUMP covers the backend;
-    a graph break raises DCPTransformError on every rank."""
-    lengths, steps = [1, 31, 33, 32], 8
-    out, dump = tmp_path / "result.json", tmp_path / "dump"
-    run_torchrun(4, "tests.backend_worker",
-                 ["--dcp", "2", "--steps", str(steps), "--lengths",
-                  ",".join(map(str, lengths)), "--out", str(out)],
-                 timeout=400, env={"DCP_COMPILE_DUMP": str(dump)})
-    got = json.loads(out.read_text())
-
-    ref = single_device_reference(lengths, steps)
-    assert got["tokens"] == ref.tokens
-    for t, (g, r) in enumerate(zip(got["logits"], ref.logits)):
-        assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")
-    for err in got["graph_break_errors"]:
-        assert err is not None and err["inner"] == "DCPTransformError", err
-        assert "graph break" in err["message"]
-    backend_dump = dump / "backend-decode"
-    steps_dumped = sorted(p.parent.name for p in backend_dump.glob("*/manifest.json"))
-    assert steps_dumped == ["context", "decode"]
-    assert (backend_dump / "index.html").exists() and (dump / "index.html").exists()

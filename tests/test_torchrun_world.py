@@ -1,7 +1,7 @@
-"""Real processes: one torchrun/gloo world of 4 ranks (tp=4, dcp=2) serves three claims.
+"""Real processes: one torchrun/gloo world of 4 ranks (tp=4, dcp=2) serves four claims.
 
-The world (tests/world_worker.py) runs three workers one after the other, so every rank
-starts (torch, gloo) once instead of three times; each test reads its part's output:
+The world (tests/world_worker.py) runs four workers one after the other, so every rank
+starts (torch, gloo) once instead of four times; each test reads its part's output:
 
 1. The collectives self-test: bind the prefill roles, check every collective on cp_kv and
    dcp_tp in float32/bfloat16/int64, eager and from a GraphModule, also through role
@@ -15,6 +15,11 @@ starts (torch, gloo) once instead of three times; each test reads its part's out
    program file (``--program``, runtime/program_file.py); greedy decode of prompts of 1, 31,
    33 and 32 tokens (an empty shard, lengths around the interleave period) for 16 steps
    gives the single-device model's tokens, and logits within 1e-4.
+4. The torch.compile backend (tests/backend_worker.py over dcp_compile.workers.compiled):
+   every rank compiles the single-device model with ``backend="dcp"`` (found by name),
+   ``fullgraph=True``, and decodes 8 steps of the same prompts: the single-device tokens,
+   logits within 1e-4; ``DCP_COMPILE_DUMP`` covers the backend's compiles; a model with a
+   graph break raises DCPTransformError on every rank (never runs unsharded).
 
 The numerics of these layouts and many more (tp8/dcp4 among them) are covered on threads
 (tests/test_prefill_dcp.py, test_decode_dcp.py); this launch proves that real processes,
@@ -41,6 +46,7 @@ WORLD = 4
 SELFTEST = ["--dcp", "2", "--mode", "prefill", "--roles", "cp_kv", "dcp_tp", "--aliases"]
 PREFILL_S, PREFILL_PLAN, PREFILL_SEED = 36, mixed_plan(36, 2, 8), 5
 DECODE_LENGTHS, DECODE_STEPS = [1, 31, 33, 32], 16
+BACKEND_STEPS = 8
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +58,16 @@ def world(tmp_path_factory):
     decode_argv = ["--dcp", "2", "--steps", str(DECODE_STEPS), "--lengths",
                    ",".join(map(str, DECODE_LENGTHS)), "--out", str(tmp / "tokens.json"),
                    "--program", str(tmp / "decode.dcp")]
+    backend_argv = ["--dcp", "2", "--steps", str(BACKEND_STEPS), "--lengths",
+                    ",".join(map(str, DECODE_LENGTHS)), "--out", str(tmp / "backend.json"),
+                    "--dump", str(tmp / "dump")]
     decode.build_program(decode.parse(decode_argv), tp=WORLD, check=False).save(
         tmp / "decode.dcp")
     proc = run_torchrun(WORLD, "tests.world_worker",
                         ["--selftest", json.dumps(SELFTEST), "--prefill",
-                         json.dumps(prefill_argv), "--decode", json.dumps(decode_argv)],
-                        timeout=400)
+                         json.dumps(prefill_argv), "--decode", json.dumps(decode_argv),
+                         "--backend", json.dumps(backend_argv)],
+                        timeout=600)
     return {"tmp": tmp, "stdout": proc.stdout, "prefill_argv": prefill_argv}
 
 
@@ -85,3 +95,20 @@ def test_torchrun_gloo_decode_matches_single_device(world):
         assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")
     for rank in range(WORLD):
         assert f"decode_worker rank={rank} ok" in world["stdout"]
+
+
+def test_torchrun_gloo_compiled_model_decodes_the_single_device_tokens(world):
+    got = json.loads((world["tmp"] / "backend.json").read_text())
+    ref = single_device_reference(DECODE_LENGTHS, BACKEND_STEPS)
+    assert got["tokens"] == ref.tokens
+    for t, (g, r) in enumerate(zip(got["logits"], ref.logits)):
+        assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")
+    for err in got["graph_break_errors"]:
+        assert err is not None and err["inner"] == "DCPTransformError", err
+        assert "graph break" in err["message"]
+    dump = world["tmp"] / "dump"
+    backend_dump = dump / "backend-decode"
+    steps_dumped = sorted(p.parent.name for p in backend_dump.glob("*/manifest.json"))
+    assert steps_dumped == ["context", "decode"]
+    assert (backend_dump / "index.html").exists() and (dump / "index.html").exists()
+    assert not list(dump.glob("transform-*"))   # the other parts ran without a dump

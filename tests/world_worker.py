@@ -1,11 +1,13 @@
-"""One torchrun/gloo world for three launches' worth of claims (tests/test_torchrun_world.py):
-the collectives self-test (tests/selftest_worker.py), then the prefill worker, then the
-decode worker (dcp_compile/workers/prefill.py, decode.py), one after the other in the same
-initialised world, so that every rank starts once (torch, gloo) instead of three times.
+"""One torchrun/gloo world for four launches' worth of claims (tests/test_torchrun_world.py):
+the collectives self-test (tests/selftest_worker.py), the prefill worker, the decode worker
+(dcp_compile/workers/prefill.py, decode.py) and the torch.compile backend
+(tests/backend_worker.py), one after the other in the same initialised world, so that
+every rank starts (torch, gloo) once instead of four times.
 
     run_torchrun(4, "tests.world_worker", ["--selftest", SELFTEST_ARGV_JSON,
                                            "--prefill", PREFILL_ARGV_JSON,
-                                           "--decode", DECODE_ARGV_JSON])
+                                           "--decode", DECODE_ARGV_JSON,
+                                           "--backend", BACKEND_ARGV_JSON])
 
 Each ``--<part>`` is the JSON list of that worker's own command-line arguments.
 """
@@ -16,7 +18,7 @@ import argparse
 import json
 import sys
 
-PARTS = ("selftest", "prefill", "decode")
+PARTS = ("selftest", "prefill", "decode", "backend")
 
 
 def main(argv=None) -> int:
@@ -29,9 +31,10 @@ def main(argv=None) -> int:
 
     from dcp_compile.runtime.launch import init_distributed_from_env
     from dcp_compile.workers import decode, prefill
-    from tests import selftest_worker
+    from tests import backend_worker, selftest_worker
 
-    workers = {"selftest": selftest_worker, "prefill": prefill, "decode": decode}
+    workers = {"selftest": selftest_worker, "prefill": prefill, "decode": decode,
+               "backend": backend_worker}
     rank, world = init_distributed_from_env()
     try:
         for part in PARTS:
