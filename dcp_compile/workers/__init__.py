@@ -21,6 +21,13 @@ PROGRAM_HELP = ("a program file (program.save) of this launch's layout: every ra
                 "instead of transforming the model")
 
 
+def rank_check(rank: int) -> bool | None:
+    """``transform(check=...)`` for a rank that transforms the model itself: transform's
+    default on rank 0, off on the others. Every rank builds the same program, so rank 0's
+    check speaks for all; a failing check stops rank 0, and the launch with it."""
+    return None if rank == 0 else False
+
+
 def program_for(path: str | None, build: Callable, **expected):
     """The program this rank runs: the program file at ``path`` when given (refused unless
     its config has every ``expected`` value, e.g. ``dcp=2, mode="decode"``), else

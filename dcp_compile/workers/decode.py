@@ -17,7 +17,7 @@ import json
 import torch
 
 from dcp_compile.runtime.names import Mode
-from dcp_compile.workers import PROGRAM_HELP, program_for
+from dcp_compile.workers import PROGRAM_HELP, program_for, rank_check
 
 
 def parse(argv=None):
@@ -52,7 +52,8 @@ def run(args, rank: int, world: int) -> None:
     that runs more in the same world)."""
     from dcp_compile.runtime.rank_engine import rank_engine
 
-    program = program_for(args.program, lambda: build_program(args, tp=world),
+    program = program_for(args.program,
+                          lambda: build_program(args, tp=world, check=rank_check(rank)),
                           dcp=args.dcp, mode=Mode.DECODE, interleave_size=args.interleave_size)
     engine = rank_engine(program, rank)
     with torch.no_grad():

@@ -22,7 +22,7 @@ import os
 import torch
 
 from dcp_compile.runtime.names import Mode
-from dcp_compile.workers import PROGRAM_HELP, program_for
+from dcp_compile.workers import PROGRAM_HELP, program_for, rank_check
 
 
 def plan_tokens(plan: list[list[int]], seed: int = 0, vocab: int = 256
@@ -41,13 +41,15 @@ def shapes_for(plan: list[list[int]], context_len: int, dcp: int, block: int):
                               dcp=dcp)
 
 
-def build_program(args, plan):
+def build_program(args, plan, *, check: bool | None = None):
+    """The model and the program of the launch ``args`` (each rank's own transform, or the
+    program file one process writes for the launch); ``check``: transform's."""
     import dcp_compile
     from dcp_compile.models.demo import DemoConfig, demo_model
     model = demo_model(DemoConfig(num_layers=args.layers))
     program = dcp_compile.transform(
         model, tp=args.tp, dcp=args.dcp, mode=Mode.PREFILL, block_size=args.block_size,
-        shapes=shapes_for(plan, args.context_len, args.dcp, args.block_size))
+        shapes=shapes_for(plan, args.context_len, args.dcp, args.block_size), check=check)
     return model, program
 
 
@@ -87,8 +89,10 @@ def run(args, rank: int, world: int) -> None:
 
     args.tp = args.tp or world
     plan = json.loads(args.plan)
-    program = program_for(args.program, lambda: build_program(args, plan)[1], dcp=args.dcp,
-                          tp=args.tp, mode=Mode.PREFILL, block_size=args.block_size)
+    program = program_for(args.program,
+                          lambda: build_program(args, plan, check=rank_check(rank))[1],
+                          dcp=args.dcp, tp=args.tp, mode=Mode.PREFILL,
+                          block_size=args.block_size)
     engine = rank_engine(program, rank, fill=float("nan"), record=True)
     chunks = run_chunks(engine, engine.executor, plan_tokens(plan, args.seed), rank,
                         program.shapes.max_blocks)
