@@ -47,27 +47,39 @@ def _launch(item) -> str:
     return item.nodeid if item.path.name in LONG_MODULES else item.path.name
 
 
+@pytest.hookimpl(trylast=True)   # after -m/-k deselection: order the items that run
 def pytest_collection_modifyitems(config, items):
-    """Order the items as n queues laid end to end, n = the number of xdist workers: queue i
-    starts with every n-th launch's long tests (the fuzz first), then its share of the rest,
-    so that worksteal's first split (contiguous, len // workers left each) gives every
-    worker long tests to start with and never splits one launch's tests between two workers
-    (each would launch the worlds). Every worker computes the same order from the same
-    collection."""
+    """Order the items as n queues laid end to end, n = the number of xdist workers, each
+    the size of worksteal's first split (contiguous, len // workers left each): queue i
+    starts with every n-th launch's long tests (the fuzz first; a launch that does not fit,
+    placed largest first, goes to the queue with the most room), then its share of the
+    rest. So every worker starts with long tests, and no launch's tests are split between
+    two workers (each would launch the worlds). Every worker computes the same order from
+    the same collection."""
     n = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
     long = sorted((i for i in items if _long(i)), key=lambda i: i.path.name not in LONG_MODULES)
     launches: dict[str, list] = {}
     for item in long:
         launches.setdefault(_launch(item), []).append(item)
-    launches_in_order = list(launches.values())
-    rest = [i for i in items if not _long(i)]
-    queues, left = [], len(items)
+    room, left = [], len(items)
     for q in range(n):
-        size = left // (n - q)
-        head = [item for launch in launches_in_order[q::n] for item in launch]
-        take = max(size - len(head), 0)
-        queues.append(head + rest[:take])
-        rest, left = rest[take:], left - len(head) - take
+        room.append(left // (n - q))
+        left -= room[-1]
+    order = list(launches.values())
+    queue_of = {}
+    for k in sorted(range(len(order)), key=lambda k: -len(order[k])):   # largest first
+        q = k % n                       # every n-th launch; elsewhere if it does not fit
+        if room[q] < len(order[k]):
+            q = max(range(n), key=lambda q: room[q])
+        queue_of[k] = q
+        room[q] -= len(order[k])
+    rest = [i for i in items if not _long(i)]
+    queues = []
+    for q in range(n):
+        take = max(room[q], 0)
+        queues.append([i for k in range(len(order)) if queue_of[k] == q for i in order[k]]
+                      + rest[:take])
+        rest = rest[take:]
     queues[-1] += rest
     items[:] = [item for queue in queues for item in queue]
 
