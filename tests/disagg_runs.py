@@ -1,8 +1,8 @@
 """Launch the disaggregated worlds of dcp_compile/workers/disagg.py at the same time (the two
 disaggregated end-to-end tests' one launcher): one prefill world and decode worlds, each a
-torchrun/gloo launch with its own master port, NIXL over UCX/tcp on 127.0.0.1. The launcher
-transforms each world's program once (``disagg.build_program``, what a rank would build) and
-every rank of the world loads that program file (``--program``)."""
+torchrun/gloo launch with its own master port, NIXL over UCX/tcp on 127.0.0.1. By default the
+launcher transforms each world's program once (``disagg.build_program``, what a rank would
+build) and every rank of the world loads that program file (``--program``)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def _loopback_env() -> dict:
 
 def launch_worlds(tmp: Path, *, model: str, block: int, plan, prefill: tuple[int, int],
                   prefill_id: str, decoders: dict, max_context: int, steps: int,
-                  reserve_blocks: int) -> dict:
+                  reserve_blocks: int, program_files: bool = True) -> dict:
     """Run the prefill world ``prefill`` = (tp, dcp) and every decode world of ``decoders``
     (engine id -> (tp, dcp)) at once; outputs land in ``tmp/prefill`` and ``tmp/<engine>``.
+    ``program_files``: each world loads the program the launcher wrote, else every rank
+    transforms the model itself.
     A failing world makes the others give up (the abort file) and fails the test with
     every failing world's output; a NIXL wheel that does not import skips it."""
     try:
@@ -55,10 +57,11 @@ def launch_worlds(tmp: Path, *, model: str, block: int, plan, prefill: tuple[int
             "--prefill-tp", prefill[0], "--prefill-dcp", prefill[1], "--prefill-port", port,
             "--batch", batch, "--max-context", max_context, "--steps", steps,
             "--reserve-blocks", reserve_blocks])
-    for name, (nproc, args) in launches.items():
-        program = tmp / f"{name}.dcp"
-        args += ["--program", program]
-        build_program(parse([str(a) for a in args]), tp=nproc).save(program)
+    if program_files:
+        for name, (nproc, args) in launches.items():
+            program = tmp / f"{name}.dcp"
+            args += ["--program", program]
+            build_program(parse([str(a) for a in args]), tp=nproc).save(program)
     errors: dict[str, DCPWorldError] = {}
     outputs: dict[str, str] = {}
 
