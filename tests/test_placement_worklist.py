@@ -5,11 +5,12 @@ linear in the layers.
 algorithm: every sweep evaluates every node, one fixpoint per MLP down projection, so its work
 grows with the square of the layers. The default visits only the nodes whose inputs changed.
 Here ``analyze`` is wrapped to run both on every graph a transform analyses (demo, Hugging
-Face, tests/sharding_models.py, refused models) and compare the whole plan: every node's
-placement, sharded parameters, linear kinds and roles, attention projections; or the refusal
-and its message. The sharding fuzz (tests/test_fuzz_sharding.py) wraps it the same way
-(:func:`compare_both`) around every model it transforms: the 500 models of
-tests/model_grammar.py it builds anyway are compared there, not captured again here.
+Face, refused models) and compare the whole plan: every node's placement, sharded
+parameters, linear kinds and roles, attention projections; or the refusal and its message.
+The tests that transform models anyway wrap it the same way (:func:`compare_both`): the
+feature models of tests/sharding_models.py in tests/test_sharding_models.py, and every model
+of the sharding fuzz (tests/test_fuzz_sharding.py, 500 models of tests/model_grammar.py),
+instead of capturing them again here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dcp_compile.runtime.errors import DCPError, DCPTransformError
 import dcp_compile.passes.shard_tensor_parallel as stp
 from dcp_compile.passes.placement.analysis import Analysis
 
-from sharding_models import FeatureConfig, FeatureLM
 
 
 def summary(plan) -> dict:
@@ -85,28 +85,6 @@ def test_demo_model_same_plan(compared, mode):
     model = demo_model(DemoConfig(num_layers=3))
     transform(model, tp=4, dcp=2, mode=mode)
     assert compared and all(k == "plan" for k, _, _ in compared)
-
-
-FEATURES = {
-    "fused-slices-everything": (FeatureConfig(qkv="fused_slices", mlp="fused", qk_norm="across",
-                                              literal_heads=True, rope="interleaved",
-                                              num_q_heads=8, num_kv_heads=2), 4, 2),
-    "fused-rows-mqa": (FeatureConfig(qkv="fused_rows", num_q_heads=4, num_kv_heads=1), 2, 1),
-    "per-head-h3d": (FeatureConfig(qkv="per_head", num_q_heads=4, num_kv_heads=4), 4, 1),
-    "three-first": (FeatureConfig(qkv="three_first", num_q_heads=4, num_kv_heads=4), 4, 1),
-    "q-gate": (FeatureConfig(q_gate=True, num_q_heads=8, num_kv_heads=2), 4, 2),
-    "qk-norm-per-head": (FeatureConfig(qk_norm="per_head", num_q_heads=8, num_kv_heads=2), 4,
-                         2),
-}
-
-
-@pytest.mark.parametrize("name", list(FEATURES))
-def test_sharding_models_same_plan(compared, name):
-    cfg, tp, dcp = FEATURES[name]
-    shapes = StepShapes.fitting(2, 12, 21, block_size=16, dcp=dcp)
-    for mode in ("decode", "prefill"):
-        transform(FeatureLM(cfg), tp=tp, dcp=dcp, mode=mode, shapes=shapes)
-    assert compared
 
 
 def test_refused_models_same_refusal(compared):
