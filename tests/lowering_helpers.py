@@ -17,6 +17,8 @@ from dcp_compile.runtime.engine import StepShapes
 
 SHAPES = StepShapes(batch=2, context_len=16, max_blocks=4, num_blocks=8)
 LAYERS = 2
+# The one-layer programs test_xla compiles and runs (smaller: XLA compiles take seconds).
+XLA_SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 
 _programs: dict = {}
 _lowered: dict = {}

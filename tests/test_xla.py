@@ -30,12 +30,12 @@ from dcp_compile import xla as X  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 
-from lowering_helpers import lowered_for, program_for  # noqa: E402
+from lowering_helpers import XLA_SHAPES, lowered_for, program_for  # noqa: E402
 
 MAX_TP = 8
 X.request_host_devices(MAX_TP)
 
-SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
+SHAPES = XLA_SHAPES
 LENGTHS = (3, 7)
 DECODE_STEPS, CHUNKS = 4, 2
 FP32_ATOL = 1e-4
