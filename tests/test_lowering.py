@@ -169,9 +169,10 @@ def test_modules_parse_back_round_trip_and_keep_the_contract(tp, dcp, mode, tmp_
 
 
 def test_bf16_program_lowers_with_bf16_collectives():
-    # A collective's dtype is the same in every layer: the one-layer bf16 program test_xla
-    # runs on XLA (shared through lowering_helpers).
-    prog, result = lowered_for(8, 4, "decode", None, torch.bfloat16, XLA_SHAPES, layers=1)
+    # A collective's dtype is the same in every layer: the one-layer bf16 program that
+    # test_xla runs on XLA and compares with the model every step (shared, lowering_helpers).
+    prog, result = lowered_for(8, 4, "decode", None, torch.bfloat16, XLA_SHAPES, layers=1,
+                               check=False)
     for step, m in result.modules.items():
         assert "xbf16>" in m.text.split("\n", 2)[1]              # bf16 weights and caches
         assert "f64" not in m.text

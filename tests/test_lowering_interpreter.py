@@ -60,7 +60,8 @@ def test_tp1_program_in_the_interpreter_matches_the_eager_model(dtype, atol, mon
             caches.append(self)
 
     monkeypatch.setattr(lowering, "DecompositionCache", Recorded)
-    model, prog = program_for(1, 1, "decode", dtype, TP1_SHAPES)
+    model, prog = program_for(1, 1, "decode", dtype, TP1_SHAPES,
+                              check=False)      # compared with the model below, every step
     result = lower(prog)
     assert prog.num_layers == LAYERS > 1 and caches[0].copied > 0, caches
     for m in result.modules.values():
@@ -235,14 +236,16 @@ def _interpreter_world(tp: int, dcp: int, mode: str, model_kind: str = "demo",
     from dcp_compile.runtime.engine import Engine
 
     from helpers import prompts_of
-    options = {} if combine is None else {"combine": combine}
+    options = {"check": False}       # the world compares every step with the model
+    if combine is not None:
+        options["combine"] = combine
     if model_kind == "mla":               # one latent head, absorbed (README: MLA)
         from dcp_compile.models.mla import plain_mla
         from dcp_compile.frontends.ordinary import FullForwardReference
         model = plain_mla(num_layers=1)
         vocab = model.config.vocab_size
         prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES,
-                                     check=False, **options)
+                                     **options)
         model = FullForwardReference(model)
     else:
         model = demo_model(DemoConfig(num_layers=1, num_kv_heads=1))  # tp=2 > kv heads
