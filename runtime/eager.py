@@ -28,7 +28,7 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
 from . import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from .errors import DCPTransformError
@@ -36,7 +36,7 @@ from .errors import DCPTransformError
 dcp_ops = torch.ops.dcp
 
 
-def _in_place_cache_write(gm: GraphModule, node: Node) -> None:
+def _in_place_cache_write(graph: Graph, node: Node) -> None:
     """Replace ``caches' = cache_write(caches, ...)`` by ``cache_write_(caches, ...)`` and
     every use of caches' by the (now written) cache inputs."""
     kc, vc = node.args[:2]
@@ -48,8 +48,8 @@ def _in_place_cache_write(gm: GraphModule, node: Node) -> None:
                 f"{cache.name} is {'used by ' + str(others) if others else 'not a program input'}"
                 f", so overwriting it would change what they read. Keep each cache input "
                 f"read only through its cache_write (as the DCP passes emit).")
-    with gm.graph.inserting_before(node):
-        write = gm.graph.call_function(dcp_ops.cache_write_.default, node.args)
+    with graph.inserting_before(node):
+        write = graph.call_function(dcp_ops.cache_write_.default, node.args)
     write.meta.update({k: v for k, v in node.meta.items() if k != "val"})
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:
@@ -58,15 +58,15 @@ def _in_place_cache_write(gm: GraphModule, node: Node) -> None:
                 f"whole by {user.name} instead of through getitem. Index the (key, value) "
                 f"result.")
         user.replace_all_uses_with((kc, vc)[user.args[1]])
-        gm.graph.erase_node(user)
-    gm.graph.erase_node(node)
+        graph.erase_node(user)
+    graph.erase_node(node)
 
 
-def _live_span_attention(gm: GraphModule, node: Node) -> None:
+def _live_span_attention(graph: Graph, node: Node) -> None:
     node.target = dcp_ops.partial_attention_live.default
 
 
-def _grouped_experts(gm: GraphModule, node: Node) -> None:
+def _grouped_experts(graph: Graph, node: Node) -> None:
     node.target = dcp_ops.moe_grouped.default
 
 
@@ -78,17 +78,17 @@ EAGER_KERNELS = {
 }
 
 
-def specialize_for_eager(gm: GraphModule) -> dict[str, int]:
-    """Swap every functional cache write and static-span attention of ``gm`` (a copy owned by
-    the caller) for its eager kernel; returns how many of each op were swapped. (The step's
-    layout metadata needs nothing here: the DCP passes emit it once per step.)"""
+def specialize_for_eager(graph: Graph) -> dict[str, int]:
+    """Swap every functional cache write and static-span attention of ``graph`` (a copy owned
+    by the caller, who builds its GraphModule after every edit: one code generation) for its
+    eager kernel; returns how many of each op were swapped. (The step's layout metadata needs
+    nothing here: the DCP passes emit it once per step.)"""
     counts: dict[str, int] = {}
-    for node in list(gm.graph.nodes):
+    for node in list(graph.nodes):
         rewrite = EAGER_KERNELS.get(node.target) if node.op == "call_function" else None
         if rewrite is not None:
             key = node.target._opname
-            rewrite(gm, node)
+            rewrite(graph, node)
             counts[key] = counts.get(key, 0) + 1
-    gm.graph.lint()
-    gm.recompile()
+    graph.lint()
     return counts

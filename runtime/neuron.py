@@ -144,7 +144,7 @@ def bind_xla_collectives(gm: GraphModule, groups: dict[str, list[list[int]]]) ->
         if node.op == "call_function" and node.target == WAIT_TARGET:
             node.replace_all_uses_with(node.args[0])
             out.graph.erase_node(node)
-    for c in bound_collectives(out, groups, error=DCPNeuronError,
+    for c in bound_collectives(out.graph, groups, error=DCPNeuronError,
                                fix="Bind the program's own topology"):
         node, kind = c.node, c.kind
         splits = uneven_splits(node, kind)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from torch.fx import Graph, GraphModule
 
@@ -12,18 +15,29 @@ from .roles import bound_collectives
 from .step_contract import StepContract
 
 
-def copy_graph_module(gm: GraphModule) -> GraphModule:
+def copy_graph(graph: Graph) -> Graph:
     """A structurally independent copy (node args may then be edited per rank)."""
     g = Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    return GraphModule(gm, g)
+    g.output(g.graph_copy(graph, {}))
+    return g
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    return GraphModule(gm, copy_graph(gm.graph))
 
 
 def _inductor(gm: GraphModule):
     # Static shapes (one graph per step kind and bucket); the functional collectives stay in
     # the graph, so Inductor sees and may reorder them.
     return torch.compile(gm, backend="inductor", dynamic=False, fullgraph=True)
+
+
+# Bound eager graphs, by source graph -> (its code, the rank's group names): ranks of a world
+# that share group names, and a rank of the next threaded world, share one bound graph (it is
+# a pure function of its inputs; binding costs ~20 ms a graph and rank at tp8). The source's
+# code is in the key, so a graph edited and recompiled after a load is bound again.
+_BOUND_EAGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BINDING = threading.Lock()     # the ranks of a threaded world load at once: bind once
 
 
 # How a loaded rank runs its (eager-specialized, bound) graphs: compile mode -> wrapper.
@@ -75,17 +89,28 @@ class RankProgram:
 
     def _bind(self, program, group_names):
         graphs, eager_kernels = {}, {}
+        names = tuple(sorted(group_names.items()))
         for kind, gm in program.graphs.items():
-            gm = copy_graph_module(gm)
-            eager_kernels[kind] = specialize_for_eager(gm)
-            for c in bound_collectives(
-                    gm, group_names, error=DCPWorldError, fix="Bind every role of the topology",
-                    binder=f"rank {self.rank}'s process groups",
-                    where=lambda n, kind=kind: f"at node {n.name} (step {kind!r})"):
-                c.node.update_arg(c.kind.group_arg, c.binding)
-            gm.recompile()
-            graphs[kind] = COMPILERS[self.compile](gm)
+            key = (gm.code, names)
+            with _BINDING:
+                shared = _BOUND_EAGER.setdefault(gm, {}) if self.compile == "eager" else {}
+                if key not in shared:
+                    shared[key] = self._bind_graph(kind, gm, group_names)
+                graphs[kind], kernels = shared[key]
+            eager_kernels[kind] = dict(kernels)
         return graphs, eager_kernels
+
+    def _bind_graph(self, kind: str, gm: GraphModule, group_names):
+        graph = copy_graph(gm.graph)
+        kernels = specialize_for_eager(graph)
+        for c in bound_collectives(
+                graph, group_names, error=DCPWorldError, fix="Bind every role of the topology",
+                binder=f"rank {self.rank}'s process groups",
+                where=lambda n: f"at node {n.name} (step {kind!r})"):
+            c.node.update_arg(c.kind.group_arg, c.binding)
+        # Built after every edit: one code generation per graph (copying, specializing and
+        # binding a GraphModule each generated its code again).
+        return COMPILERS[self.compile](GraphModule(gm, graph)), kernels
 
     def run(self, kind: str, input_ids, positions, block_table, caches):
         if kind not in self.graphs:

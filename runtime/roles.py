@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
 from .names import ROLE_PREFIX
 
@@ -126,17 +126,17 @@ class BoundCollective:
     binding: Any
 
 
-def bound_collectives(gm: GraphModule, bindings: Mapping[str, Any], *,
+def bound_collectives(graph: Graph, bindings: Mapping[str, Any], *,
                       error: type[Exception], fix: str, binder: str = "the topology",
                       where: Callable[[Node], str] = lambda n: f"at node {n.name}"
                       ) -> list[BoundCollective]:
-    """Every collective of ``gm`` in graph order with its role's binding (``bindings[role]``).
+    """Every collective of ``graph`` in graph order with its role's binding (``bindings[role]``).
 
     The one place roles are resolved. A role ``bindings`` lacks raises ``error`` naming the
     collective (``where(node)`` says where it is), the role, the bound roles and ``fix``.
     """
     found = []
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         role = role_of(node)
         if role is None:
             continue

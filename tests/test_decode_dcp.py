@@ -45,7 +45,7 @@ def program_for(model_name: str, tp: int, dcp: int, interleave: int, max_len: in
     model = demo_model(MODELS[model_name], dtype=dtype)
     shapes = StepShapes.fitting(4, max_len, max_len + STEPS, block_size=16, dcp=dcp)
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes,
-                                 interleave_size=interleave)
+                                 interleave_size=interleave, check=False)  # compared every step below
     return model, prog
 
 

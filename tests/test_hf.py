@@ -78,7 +78,7 @@ def hf_reference(model, prompts, steps):
 
 def transform_or_xfail(wrapper, mode):
     return dcp_compile.transform(wrapper, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
-                                 shapes=SHAPES)
+                                 shapes=SHAPES, check=False)  # compared with generate()
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])

@@ -67,7 +67,7 @@ MODELS = {
 
 def transform(model, mode):
     return dcp_compile.transform(model, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
-                                 shapes=SHAPES)
+                                 shapes=SHAPES, check=False)  # the tests compare every step
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])

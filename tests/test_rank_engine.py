@@ -51,3 +51,45 @@ def test_ranks_are_set_up_in_one_place():
     assert by_hand == []
     check = (ROOT / "dcp_compile" / "check.py").read_text()
     assert not re.search(r"from \.verify import [^\n]*\b_\w", check)
+
+
+def _small_program():
+    import dcp_compile
+    from dcp_compile.models.demo import DemoConfig, demo_model
+    from dcp_compile.runtime.engine import StepShapes
+    model = demo_model(DemoConfig(num_layers=1))
+    return dcp_compile.transform(model, tp=4, dcp=2, check=False,
+                                 shapes=StepShapes.fitting(2, 8, 16, block_size=16, dcp=2))
+
+
+def test_ranks_with_the_same_group_names_share_one_bound_graph_and_an_edit_rebinds():
+    """Loading binds each graph once per (graph code, group names): ranks of one DCP group
+    (same names) share it, ranks of the other group get their own, and a graph edited and
+    recompiled after a load is bound again (its edit runs)."""
+    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.verify import run_threaded_program
+    from helpers import prompts_of
+    program = _small_program()
+
+    def graphs(rank):
+        loaded = program.load(rank, bind_roles(program.topology, rank))
+        return loaded.graphs["decode"], loaded.eager_kernels["decode"]
+    out = run_threaded(4, graphs)
+    assert out[0][0] is out[1][0] and out[2][0] is out[3][0] and out[0][0] is not out[2][0]
+    assert out[0][1] == out[2][1] and out[0][1] is not out[1][1]   # counts: a copy per rank
+    assert out[0][0] is run_threaded(4, graphs)[0][0]               # the next world too
+
+    prompts = prompts_of([3, 5])
+    before = run_threaded_program(program, prompts, 2)[0].result.logits
+    gm = program.graphs["decode"]
+    for node in gm.graph.nodes:          # the decode step's logits, doubled
+        if node.op == "output":
+            with gm.graph.inserting_before(node):
+                doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor,
+                                                 (node.args[0][0], 2.0))
+            doubled.meta["val"] = node.args[0][0].meta["val"]
+            node.args = ((doubled, *node.args[0][1:]),)
+    gm.recompile()
+    after = run_threaded_program(program, prompts, 2)[0].result.logits
+    assert torch.equal(after[0], before[0])              # the context step: unchanged
+    assert torch.allclose(after[1], 2 * before[1])       # the decode step: edited, rebound

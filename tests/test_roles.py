@@ -66,14 +66,14 @@ def _graph(role: str, kind: str = "all_gather", args=None) -> GraphModule:
 
 def test_bound_collectives_binds_and_refuses_an_unbound_role():
     gm = _graph("dcp")
-    [c] = bound_collectives(gm, {"dcp": "the group"}, error=ValueError, fix="Do it")
+    [c] = bound_collectives(gm.graph, {"dcp": "the group"}, error=ValueError, fix="Do it")
     assert (c.kind.name, c.role, c.binding, role_of(c.node)) == \
         ("all_gather", "dcp", "the group", "dcp")
     with pytest.raises(ValueError, match=r"^collective all_gather at node "
                                          r"all_gather_into_tensor_default runs on role 'dcp', "
                                          r"which the topology does not have: roles are "
                                          r"\['tp'\]. Do it.$"):
-        bound_collectives(gm, {"tp": "x"}, error=ValueError, fix="Do it")
+        bound_collectives(gm.graph, {"tp": "x"}, error=ValueError, fix="Do it")
 
 
 def test_uneven_splits():

@@ -125,7 +125,7 @@ def find_collectives(gm: GraphModule, step: str,
         return f"at node {name} (introduced by pass {pass_name}, step {step!r})"
 
     found = []
-    for c in bound_collectives(gm, groups, error=DCPLoweringError, where=where,
+    for c in bound_collectives(gm.graph, groups, error=DCPLoweringError, where=where,
                                fix="Emit collectives on a topology role "
                                    "(dcp_compile.passes.collectives.role_name)"):
         node, kind, role = c.node, c.kind, c.role
