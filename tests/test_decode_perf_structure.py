@@ -208,46 +208,8 @@ def test_combine_is_a_decode_option():
         dcp_compile.DCPConfig(tp=4, dcp=2, mode="prefill", combine="all_to_all")
 
 
-def _interpreter_all_to_all_world(out: str) -> None:
-    """Child process: a tp=2/dcp=2 all_to_all decode program, lowered, served on the StableHLO
-    interpreter's replicas and by the single-device model; save both."""
-    from dcp_compile.lowering import InterpreterExecutor, lower
-    from dcp_compile.verify import run_reference
-    shapes = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
-    model = demo_model(DemoConfig(num_layers=1, num_kv_heads=1))
-    prog = dcp_compile.transform(model, tp=2, dcp=2, shapes=shapes, combine="all_to_all")
-    lowered = lower(prog)
-    prompts, steps = prompts_of((3, 7)), 3
-    engine = Engine(InterpreterExecutor(prog, lowered), shapes, block_size=16, dcp=2,
-                    prompt_kind="context")
-    ref, _ = run_reference(model, prog, prompts, steps)
-    got = engine.generate(prompts, steps)
-    torch.save({"tokens": got.tokens, "logits": got.logits, "ref_tokens": ref.tokens,
-                "ref_logits": ref.logits}, out)
-
-
-def test_lowered_all_to_all_program_on_interpreter_replicas_matches_single_device(tmp_path):
-    import os
-    import subprocess
-    import sys
-    pytest.importorskip("torch_mlir")
-    from dcp_compile.lowering import interpreter_available
-    available, why = interpreter_available()
-    if not available:
-        pytest.skip(why)
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("the interpreter needs one CPU per rank (2)")
-    out = tmp_path / "world.pt"
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import test_decode_perf_structure as t; "
-            f"t._interpreter_all_to_all_world({str(out)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = torch.load(out)
-    assert r["tokens"] == r["ref_tokens"]
-    for t, (got, exp) in enumerate(zip(r["logits"], r["ref_logits"])):
-        assert_close_report(got, exp, atol=1e-4, what=f"all_to_all step {t} logits")
+# The all-to-all decode program, lowered, on interpreter replicas against the single-device
+# model: tests/test_lowering_interpreter.py (world decode-demo-all_to_all).
 
 
 def test_live_span_kernel_takes_every_argument_of_the_op_it_replaces():

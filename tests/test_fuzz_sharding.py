@@ -8,6 +8,11 @@ for the model's head counts are never drawn — the program is built with
 runs the context step and two greedy decode steps, prefill two chunks (and each rank's cache
 must hold exactly its own positions); fp32 logits within 1e-4.
 
+Every transform here also runs the placement analysis both ways on each graph (the worklist
+sweeps the product uses and the old full sweeps, asserted to give the same plan or the same
+refusal: tests/test_placement_worklist.compare_both), so the worklist is checked on every
+fuzz model; the product's plan is the one used.
+
 A mismatch fails the test, printing the drawn model, unless the model has a feature listed in
 ``KNOWN_UNSOUND_FEATURES`` (sharding known to be wrong on this branch, fixed by the sound-
 sharding work): then ``transform(check=True)`` must refuse it with DCPCheckError, so that no
@@ -28,6 +33,7 @@ runs with a fixed seed per mode, without a database: CI sees the same models eve
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import time
@@ -45,6 +51,7 @@ from dcp_compile.runtime.engine import StepShapes
 from helpers import prompts_of
 from model_grammar import ModelSpec, build, model_specs
 from full_runs import full  # noqa: E402
+from test_placement_worklist import compare_both
 
 DEFAULT_EXAMPLES = 500          # the issue's floor; ~0.5 s CPU per model
 FULL_EXAMPLES = 2000          # DCP_FUZZ_FULL=1 or DCP_FULL=1
@@ -62,7 +69,7 @@ CONTEXT_LEN = 12
 # all q/k heads without a gain were wrong (33 of 500 models, errors 0.47 to 5.2).
 KNOWN_UNSOUND_FEATURES: set[str] = set()
 
-STATS: dict = {"drawn": 0, "refused": 0, "refused_by_check": 0, "equal": 0,
+STATS: dict = {"drawn": 0, "plans_compared": 0, "refused": 0, "refused_by_check": 0, "equal": 0,
                "mismatched": 0, "mismatch_caught_by_check": 0, "max_equal_error": 0.0,
                "by_feature": collections.defaultdict(collections.Counter),
                "refusals": collections.Counter(), "mismatches": []}
@@ -120,8 +127,18 @@ def report_counts():
     # Tiny tensors: a second intra-op thread only spins (measured: half the CPU per model).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # Each model allocates ~10^5 short-lived objects (export's fake tensors, nodes, stack
+    # summaries): the cyclic GC's full collections rescanned the whole process (torch,
+    # sympy, every import) many times per model, ~8% of the fuzz's CPU. The objects alive
+    # now are frozen (never scanned again) and the young generation collects less often;
+    # both are undone after the module. Memory stays bounded: garbage is still collected.
+    gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10_000, 50, 100)
     cpu, wall = time.process_time(), time.perf_counter()
     yield
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
     torch.set_num_threads(threads)
     STATS["cpu_seconds"] = round(time.process_time() - cpu, 1)
     STATS["wall_seconds"] = round(time.perf_counter() - wall, 1)
@@ -137,6 +154,18 @@ def report_counts():
                        "refusals": dict(STATS["refusals"].most_common(40))}, f, indent=1)
 
 
+def transform_comparing_plans(model, **kwargs):
+    """dcp_compile.transform, with the placement analysis run both ways on each graph (the
+    worklist the product uses and the old full sweeps: the same plan or the same refusal,
+    asserted in tests/test_placement_worklist.compare_both); the product's plan is used."""
+    with pytest.MonkeyPatch.context() as mp:
+        compared = compare_both(mp)
+        try:
+            return dcp_compile.transform(model, **kwargs)
+        finally:
+            STATS["plans_compared"] += len(compared)
+
+
 def check_case(case):
     spec, tp, dcp, mode = case
     model = build(spec)
@@ -146,7 +175,7 @@ def check_case(case):
                   expert_parallel=spec.expert_parallel)
     known = spec.features() & KNOWN_UNSOUND_FEATURES
     try:
-        program = dcp_compile.transform(model, check=WITH_CHECK, **kwargs)
+        program = transform_comparing_plans(model, check=WITH_CHECK, **kwargs)
     except DCPCheckError as e:
         _count("refused_by_check", spec)
         assert known, f"check=True refused a model with no known-unsound feature: {where}: {e}"

@@ -55,7 +55,7 @@ MODELS = {"demo": lambda: demo_model(), "hf-llama": _tiny_hf_llama}
 @pytest.mark.parametrize("model_id", list(MODELS))
 def test_incremental_equals_full_after_every_pass(checked, model_id, mode):
     program = dcp_compile.transform(MODELS[model_id](), tp=4, dcp=2, mode=mode,
-                                    block_size=4, shapes=SHAPES)
+                                    block_size=4, shapes=SHAPES, check=False)  # shapes only
     passes = [r for r in program.history if r.name != "capture"]
     assert len(checked) == len(passes) > 0
     for record, (nodes, bad) in zip(passes, checked):

@@ -22,7 +22,8 @@ from dcp_compile.lowering import collectives_in, deserialize, lower, op_counts  
 from dcp_compile.passes.collectives import role_of  # noqa: E402
 from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
 
-from lowering_helpers import LAYERS, SHAPES, lowered_for, program_for  # noqa: E402
+from lowering_helpers import (LAYERS, SHAPES, XLA_SHAPES, lowered_for,  # noqa: E402
+                              program_for)
 
 # The specification's process groups ("Process Groups"), written out, not computed.
 SPEC_GROUPS = {
@@ -167,8 +168,11 @@ def test_modules_parse_back_round_trip_and_keep_the_contract(tp, dcp, mode, tmp_
                                                                "all_reduce", "all_to_all")
 
 
-def test_bf16_program_lowers_with_bf16_collectives(tmp_path_factory):
-    prog, result = lowered_for(8, 4, "decode", tmp_path_factory, dtype=torch.bfloat16)
+def test_bf16_program_lowers_with_bf16_collectives():
+    # A collective's dtype is the same in every layer: the one-layer bf16 program that
+    # test_xla runs on XLA and compares with the model every step (shared, lowering_helpers).
+    prog, result = lowered_for(8, 4, "decode", None, torch.bfloat16, XLA_SHAPES, layers=1,
+                               check=False)
     for step, m in result.modules.items():
         assert "xbf16>" in m.text.split("\n", 2)[1]              # bf16 weights and caches
         assert "f64" not in m.text
@@ -253,7 +257,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     mine = lower_graph(gm, step="decode", groups=prog.topology.groups, tp=8,
                        input_shapes={n: (tuple(prog.cache_spec().shape), torch.float32)
                                      for n in captured.user_inputs if n.startswith("kv")})
-    reference = lower(prog, steps=["decode"])["decode"]
+    reference = lowered_for(8, 4, "decode")[1]["decode"]        # transform()'s, lowered
     strip = lambda m: [(c.kind, c.dim, c.replica_groups, c.channel_handle, c.role)  # noqa: E731
                        for c in m.collectives]
     assert strip(mine) == strip(reference)

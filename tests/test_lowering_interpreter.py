@@ -47,9 +47,23 @@ def _step_inputs(kind, g):
 @needs_interpreter
 @pytest.mark.parametrize("dtype,atol", [pytest.param(torch.float32, 1e-4, id="fp32"),
                                         pytest.param(torch.bfloat16, None, id="bf16")])
-def test_tp1_program_in_the_interpreter_matches_the_eager_model(dtype, atol):
-    model, prog = program_for(1, 1, "decode", dtype, TP1_SHAPES)
+def test_tp1_program_in_the_interpreter_matches_the_eager_model(dtype, atol, monkeypatch):
+    """The tp=1 program (no collective left) against the eager model, every step kind; its
+    layer 1 is lowered from layer 0's decompositions (decompose_by_op's copies), so this
+    also shows the copies compute the model (tests/test_lowering_reuse.py: the structure)."""
+    from dcp_compile import lowering
+    caches = []
+
+    class Recorded(lowering.DecompositionCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(lowering, "DecompositionCache", Recorded)
+    model, prog = program_for(1, 1, "decode", dtype, TP1_SHAPES,
+                              check=False)      # compared with the model below, every step
     result = lower(prog)
+    assert prog.num_layers == LAYERS > 1 and caches[0].copied > 0, caches
     for m in result.modules.values():
         assert not collectives_in(m.text) and len(m.elided) == 2 * LAYERS + 2
     spec = prog.cache_spec(dtype)
@@ -195,32 +209,49 @@ def test_integer_floor_division_and_remainder_are_exact_for_negative_operands():
 
 # The whole DCP program, lowered, on interpreter replicas with real StableHLO collectives.
 # The interpreter runs replicas on one thread per CPU and aborts a collective after 3 s, so:
-# two ranks (this machine has two CPUs), tiny shapes, one child process per run.
+# two ranks (this machine has two CPUs), tiny shapes, a child process for the runs.
 SPMD_SHAPES = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
 
+# (mode, model kind, decode combine) -> the collectives (kind, role) the module must run:
+# the spec's decode collectives (or the all-to-all combine's), prefill's CP-KV ones.
+WORLDS = {
+    ("decode", "demo", "all_gather"): {("all_gather", "dcp"), ("reduce_scatter", "dcp"),
+                                       ("all_reduce", "tp")},
+    ("decode", "demo", "all_to_all"): {("all_gather", "dcp"), ("all_to_all", "dcp"),
+                                       ("all_reduce", "tp")},
+    ("prefill", "demo", None): {("all_gather", "cp_kv"), ("reduce_scatter", "cp_kv")},
+    ("decode", "mla", "all_gather"): {("all_gather", "dcp"), ("reduce_scatter", "dcp"),
+                                      ("all_reduce", "tp")},
+    ("prefill", "mla", None): {("all_gather", "cp_kv"), ("reduce_scatter", "cp_kv")},
+}
 
-def _interpreter_world(tp: int, dcp: int, mode: str, out: str, model_kind: str = "demo"
-                       ) -> None:
-    """Child process: serve prompts with the lowered modules on the interpreter's replicas,
-    and with the single-device model (an ordinary model: its own full forward); save both."""
+
+def _interpreter_world(tp: int, dcp: int, mode: str, model_kind: str = "demo",
+                       combine: str | None = None) -> dict:
+    """Serve prompts with the lowered modules on the interpreter's replicas, and with the
+    single-device model (an ordinary model: its own full forward); return both."""
     from dcp_compile.lowering import InterpreterExecutor
     from dcp_compile.runtime.rank_engine import prompt_kind
     from dcp_compile.verify import run_reference
     from dcp_compile.runtime.engine import Engine
 
     from helpers import prompts_of
+    options = {"check": False}       # the world compares every step with the model
+    if combine is not None:
+        options["combine"] = combine
     if model_kind == "mla":               # one latent head, absorbed (README: MLA)
         from dcp_compile.models.mla import plain_mla
         from dcp_compile.frontends.ordinary import FullForwardReference
         model = plain_mla(num_layers=1)
         vocab = model.config.vocab_size
         prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES,
-                                     check=False)
+                                     **options)
         model = FullForwardReference(model)
     else:
         model = demo_model(DemoConfig(num_layers=1, num_kv_heads=1))  # tp=2 > kv heads
         vocab = model.config.vocab_size
-        prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES)
+        prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SPMD_SHAPES,
+                                     **options)
     lowered = lower(prog)
     prompts, steps = prompts_of((3, 7), vocab=vocab), 3
     engine = Engine(InterpreterExecutor(prog, lowered), SPMD_SHAPES,
@@ -234,15 +265,22 @@ def _interpreter_world(tp: int, dcp: int, mode: str, out: str, model_kind: str =
         result = {"logits": [engine.prefill(prompts)]}
     collectives = {step: [(c.kind, c.role, c.replica_groups) for c in m.collectives]
                    for step, m in lowered.modules.items()}
-    torch.save({"result": result, "ref_tokens": ref.tokens, "ref_logits": ref.logits,
-                "collectives": collectives}, out)
+    return {"result": result, "ref_tokens": ref.tokens, "ref_logits": ref.logits,
+            "collectives": collectives}
+
+
+def _interpreter_worlds(out: str) -> None:
+    """Child process: every world of WORLDS at tp=2/dcp=2, one after the other (one process
+    start for all); save the results by world."""
+    torch.save({world: _interpreter_world(2, 2, *world) for world in WORLDS}, out)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode,model_kind", [("decode", "demo"), ("prefill", "demo"),
-                                             ("decode", "mla"), ("prefill", "mla")])
-def test_lowered_program_on_interpreter_replicas_matches_the_single_device_model(
-        mode, model_kind, tmp_path):
+def test_lowered_programs_on_interpreter_replicas_match_the_single_device_model(tmp_path):
+    """Each world of WORLDS (decode with either combine, prefill; the demo model and MLA),
+    lowered, on two interpreter replicas: its collectives ran, on real data, and its tokens
+    and logits equal the single-device model's. One test, one child process for the five
+    worlds (each world was a test and a process of its own; the claims are the same)."""
     # tp=2/dcp=2: the interpreter runs one replica per CPU (two here); the MLA program at
     # tp=8/dcp=8 runs on XLA:CPU replicas instead (tests/test_mla_xla.py).
     import os
@@ -250,22 +288,23 @@ def test_lowered_program_on_interpreter_replicas_matches_the_single_device_model
     import sys
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the interpreter needs one CPU per rank (2)")
-    out = tmp_path / "world.pt"
+    out = tmp_path / "worlds.pt"
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {here!r}); import test_lowering_interpreter as t; "
-            f"t._interpreter_world(2, 2, {mode!r}, {str(out)!r}, {model_kind!r})")
+            f"t._interpreter_worlds({str(out)!r})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=900)
+                          timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = torch.load(out)
-    kinds = {(kind, role) for coll in r["collectives"].values() for kind, role, _ in coll}
-    if mode == "decode":     # the spec's decode collectives ran, on real data
-        assert {("all_gather", "dcp"), ("reduce_scatter", "dcp"), ("all_reduce", "tp")} <= kinds
-        assert r["result"]["tokens"] == r["ref_tokens"]
-    else:
-        assert {("all_gather", "cp_kv"), ("reduce_scatter", "cp_kv")} <= kinds
-    for t, (got, exp) in enumerate(zip(r["result"]["logits"], r["ref_logits"])):
-        assert_close_report(got, exp, atol=1e-4, what=f"{mode} step {t} logits")
+    worlds = torch.load(out)
+    assert set(worlds) == set(WORLDS)
+    for world, expected in WORLDS.items():
+        r, mode = worlds[world], world[0]
+        kinds = {(kind, role) for coll in r["collectives"].values() for kind, role, _ in coll}
+        assert expected <= kinds, (world, kinds)
+        if mode == "decode":
+            assert r["result"]["tokens"] == r["ref_tokens"], world
+        for t, (got, exp) in enumerate(zip(r["result"]["logits"], r["ref_logits"])):
+            assert_close_report(got, exp, atol=1e-4, what=f"{world} step {t} logits")
 
 
 def test_interpreter_refuses_what_would_abort_it(tmp_path_factory):

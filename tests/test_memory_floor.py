@@ -29,6 +29,10 @@ if __name__ == "__main__":        # child process of _on_xla: this worktree firs
 
 pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stablehlo extra)")
 
+from dcp_compile import xla as X  # noqa: E402
+
+X.request_host_devices(4)       # before jax starts (if it has not): run the XLA case here
+
 import dcp_compile  # noqa: E402
 from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
@@ -162,7 +166,11 @@ def test_compiled_decode_writes_in_place_copies_no_cache_and_reads_by_bucket(tmp
 
 
 def _on_xla(case: str, tmp_path) -> dict:
-    """Run ``case`` in a fresh process with 4 XLA:CPU host devices."""
+    """Run ``case`` with 4 XLA:CPU host devices: here if jax has them (this module asks for
+    them at import, test_xla.py for 8), else in a fresh process."""
+    import jax
+    if len(jax.devices("cpu")) >= 4:
+        return globals()[case]()
     out = tmp_path / "case.pt"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run([sys.executable, __file__, case, str(out)], env=env,

@@ -2,7 +2,10 @@
 head counts transform and match their own single-device forward (fp32 logits within 1e-4,
 the same greedy tokens), or transform() refuses. Decode (context + 8 decode steps) and
 chunked prefill (two unaligned chunks, every token's logits and each rank's cache) on the
-threaded world."""
+threaded world. Programs are built with check=False: each test compares every step with
+the model, which the transform's one-step check (tests/test_transform_check.py) repeated.
+The feature models' placement analysis also runs both ways (worklist and full sweeps, the
+same plan: tests/test_placement_worklist.compare_both)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dcp_compile.verify import verify, verify_prefill
 from dcp_compile.runtime.engine import StepShapes
 
 from sharding_models import FeatureConfig, FeatureLM
+from test_placement_worklist import compare_both
 
 STEPS = 8
 GQA = dict(num_q_heads=8, num_kv_heads=2)       # tp=4, dcp=2: KV heads replicated twice
@@ -45,13 +49,16 @@ SHAPES = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=2)
 
 
 @pytest.mark.parametrize("name", list(FEATURES))
-def test_feature_model_decode_matches_single_device(name):
+def test_feature_model_decode_matches_single_device(name, monkeypatch):
     cfg, tp, dcp = FEATURES[name]
+    compared = compare_both(monkeypatch)     # placement: worklist == full sweeps, per graph
     model = FeatureLM(cfg)
     shapes = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=dcp)
-    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes)
+    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes,
+                                 check=False)
     report = verify(model, prog, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2]], STEPS)
     assert report.tokens_agree and report.max_abs_error < 1e-4, report
+    assert [kind for kind, _, _ in compared] == ["plan", "plan"]    # context, decode
 
 
 # The output gate is computed on the rank's owned (interleaved) tokens in prefill, but the
@@ -62,8 +69,9 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6], [7, 
 
 
 @pytest.mark.parametrize("name", list(FEATURES))
-def test_feature_model_prefill_matches_single_device(name):
+def test_feature_model_prefill_matches_single_device(name, monkeypatch):
     cfg, tp, dcp = FEATURES[name]
+    compared = compare_both(monkeypatch)
     model = FeatureLM(cfg)
     shapes = StepShapes.fitting(2, 16, 40, block_size=8, dcp=dcp)
     if name in PREFILL_REFUSED:
@@ -72,9 +80,10 @@ def test_feature_model_prefill_matches_single_device(name):
                                   shapes=shapes)
         return
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill", block_size=8,
-                                 shapes=shapes)
+                                 shapes=shapes, check=False)
     report = verify_prefill(model, prog, PROMPTS, 2)    # two chunks, unaligned prior
     assert report.ok and report.max_abs_error < 1e-4, report
+    assert [kind for kind, _, _ in compared] == ["plan"]
 
 
 # -- Hugging Face architectures with these features, built from config with random weights --
@@ -119,7 +128,7 @@ def test_hf_model_prefill_matches_single_device(model_id):
     shapes = StepShapes.fitting(3, 12, 24, block_size=4, dcp=dcp)
     wrapper = hf.prepare(model)      # its single-device forward equals HF's (test_hf.py)
     prog = dcp_compile.transform(wrapper, tp=tp, dcp=dcp, mode="prefill", block_size=4,
-                                 shapes=shapes)
+                                 shapes=shapes, check=False)
     report = verify_prefill(wrapper, prog, prompts_of((1, 6, 20), vocab=256), 2)
     assert report.ok and report.max_abs_error < 1e-4, report
 
@@ -136,7 +145,7 @@ def test_hf_model_decode_matches_its_own_forward(model_id):
     model = build(config_name, model_name, overrides)
     shapes = StepShapes.fitting(4, 12, 12 + STEPS, block_size=4, dcp=dcp)
     program = dcp_compile.transform(hf.prepare(model), tp=tp, dcp=dcp, mode="decode",
-                                    block_size=4, shapes=shapes)
+                                    block_size=4, shapes=shapes, check=False)
     prompts = prompts_of((1, 6, 12), vocab=256)
     runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
     ref_tokens, ref_logits = hf_reference(model, prompts, STEPS)

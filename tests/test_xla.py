@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -27,13 +28,14 @@ pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stableh
 import dcp_compile  # noqa: E402
 from dcp_compile import xla as X  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
-from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
 from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+
+from lowering_helpers import XLA_SHAPES, lowered_for, program_for  # noqa: E402
 
 MAX_TP = 8
 X.request_host_devices(MAX_TP)
 
-SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
+SHAPES = XLA_SHAPES
 LENGTHS = (3, 7)
 DECODE_STEPS, CHUNKS = 4, 2
 FP32_ATOL = 1e-4
@@ -49,15 +51,41 @@ def _prompts():
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-@functools.lru_cache(maxsize=None)
 def _program(tp, dcp, mode, dtype="f32", combine="all_gather"):
-    """(model, program, lowered), shared by the cases that use the same program."""
-    model = demo_model(DemoConfig(num_layers=1), dtype=DTYPES[dtype])
-    options = {} if combine == "all_gather" else {"combine": combine}
-    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, shapes=SHAPES, **options)
-    return model, prog, X.lower_for_xla(prog)
+    """(model, program, lowered), shared by the cases (and, through lowering_helpers, the
+    other lowering tests of this process) that use the same program."""
+    options = {"check": False}      # every case compares every step with the model
+    if combine != "all_gather":
+        options["combine"] = combine
+    model, prog = program_for(tp, dcp, mode, DTYPES[dtype], SHAPES, layers=1, **options)
+    _, lowered = lowered_for(tp, dcp, mode, None, DTYPES[dtype], SHAPES, layers=1, **options)
+    for step, m in lowered.modules.items():      # what lower_for_xla adds to the lowering
+        X.check_xla_cpu_forms(m.text, step=step, path=m.paths.get("text"))
+    return model, prog, lowered
 
 
+_COMPILE, _EXECUTABLES = X.compile_module, {}
+
+
+def _compile_once(source, devices, *, step, path=None):
+    """X.compile_module, once per (module source, devices) in this process: a case that runs
+    a program another case compiled reuses its executables (an executable is immutable; each
+    executor owns its buffers)."""
+    key = (source, tuple(d.id for d in devices))
+    if key not in _EXECUTABLES:
+        _EXECUTABLES[key] = _COMPILE(source, devices, step=step, path=path)
+    return _EXECUTABLES[key]
+
+
+def _sharing_executables(case):
+    @functools.wraps(case)
+    def run(*args):
+        with mock.patch.object(X, "compile_module", _compile_once):
+            return case(*args)
+    return run
+
+
+@_sharing_executables
 def case_verify(tp, dcp, mode, dtype, combine="all_gather", source="text") -> dict:
     """One verification on XLA; returns the report (runs here or in a child process)."""
     model, prog, lowered = _program(tp, dcp, mode, dtype, combine)
@@ -95,6 +123,7 @@ def _bf16_decode(model, prog, lowered) -> dict:
     return {"errors": errors, "flips": flips, "steps": len(errors)}
 
 
+@_sharing_executables
 def case_wrong_rank(tp, dcp) -> dict:
     """The comparison can fail: replicas fed each other's tp_rank compute wrong logits."""
     from dcp_compile.verify import run_reference
