@@ -33,7 +33,6 @@ runs with a fixed seed per mode, without a database: CI sees the same models eve
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import os
 import time
@@ -127,18 +126,9 @@ def report_counts():
     # Tiny tensors: a second intra-op thread only spins (measured: half the CPU per model).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # Each model allocates ~10^5 short-lived objects (export's fake tensors, nodes, stack
-    # summaries): the cyclic GC's full collections rescanned the whole process (torch,
-    # sympy, every import) many times per model, ~8% of the fuzz's CPU. The objects alive
-    # now are frozen (never scanned again) and the young generation collects less often;
-    # both are undone after the module. Memory stays bounded: garbage is still collected.
-    gc.freeze()
-    thresholds = gc.get_threshold()
-    gc.set_threshold(10_000, 50, 100)
+    # (The cyclic GC's settings for the fuzz's many short-lived objects: tests/conftest.py.)
     cpu, wall = time.process_time(), time.perf_counter()
     yield
-    gc.set_threshold(*thresholds)
-    gc.unfreeze()
     torch.set_num_threads(threads)
     STATS["cpu_seconds"] = round(time.process_time() - cpu, 1)
     STATS["wall_seconds"] = round(time.perf_counter() - wall, 1)
