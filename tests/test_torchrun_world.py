@@ -87,23 +87,25 @@ def test_torchrun_gloo_prefill_matches_single_device(world):
     _assert_matches(prog, runs, ref, what="torchrun ")
 
 
-def test_torchrun_gloo_decode_matches_single_device(world):
-    """Every rank loaded the program file the test wrote."""
-    got = json.loads((world["tmp"] / "tokens.json").read_text())
-    ref = single_device_reference(DECODE_LENGTHS, DECODE_STEPS)
+def _decoded_like_single_device(path, steps: int) -> dict:
+    """Rank 0's tokens and logits (json at ``path``) against the single-device model's."""
+    got = json.loads(path.read_text())
+    ref = single_device_reference(DECODE_LENGTHS, steps)
     assert got["tokens"] == ref.tokens
     for t, (g, r) in enumerate(zip(got["logits"], ref.logits)):
         assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")
+    return got
+
+
+def test_torchrun_gloo_decode_matches_single_device(world):
+    """Every rank loaded the program file the test wrote."""
+    _decoded_like_single_device(world["tmp"] / "tokens.json", DECODE_STEPS)
     for rank in range(WORLD):
         assert f"decode_worker rank={rank} ok" in world["stdout"]
 
 
 def test_torchrun_gloo_compiled_model_decodes_the_single_device_tokens(world):
-    got = json.loads((world["tmp"] / "backend.json").read_text())
-    ref = single_device_reference(DECODE_LENGTHS, BACKEND_STEPS)
-    assert got["tokens"] == ref.tokens
-    for t, (g, r) in enumerate(zip(got["logits"], ref.logits)):
-        assert_close_report(torch.tensor(g), r, atol=1e-4, what=f"step {t}")
+    got = _decoded_like_single_device(world["tmp"] / "backend.json", BACKEND_STEPS)
     for err in got["graph_break_errors"]:
         assert err is not None and err["inner"] == "DCPTransformError", err
         assert "graph break" in err["message"]
