@@ -14,7 +14,8 @@ torchrun; both worlds run at the same time, each with its own master port)::
         --batch 3 --max-context 48 --steps 8 --handoff OUT/handoff.pt --out-dir OUT
 
 Prefill rank. Transforms the model (``mode="prefill"``; every rank builds the same SPMD
-program: :func:`build_program`), or loads the world's program file (``--program``), runs the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
+program: :func:`build_program`), or loads the world's program file (``--program``), runs
+the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
 :func:`dcp_compile.workers.prefill.plan_tokens`) through the engine, registers its final caches
 with a :class:`~dcp_compile.runtime.nixl.connector.PrefillKVConnector` (side channel at ``--port +
 rank``), and after a gloo barrier (every side channel is up) rank 0 writes the *handoff*
@@ -28,15 +29,15 @@ until every decode rank that :meth:`TransferPlan.readers_of` names, of every eng
 saves its caches, block table and lengths (``prefill_rank<r>.pt``) for the test.
 
 Decode rank. Transforms the model (``mode="decode"``; ``--dcp 1`` is the standard TP
-decode), or loads the world's program file (``--program``), allocates its caches poisoned with NaN, waits for the handoff, takes block tables
-from its own allocator (``--reserve-blocks`` first holds some blocks for a dummy sequence, so
-local and remote block numbers differ), creates a
-:class:`~dcp_compile.runtime.nixl.connector.DecodeKVConnector`, handshakes with the prefill ranks of its
-plan, reads every request and waits for all of them. Sequence lengths are the prompt lengths;
-decoding starts from the first token chosen (argmax) from the prefill's last-token logits and
-runs ``--steps`` greedy steps. Each rank saves its caches *right after the transfer*
-(``decode_rank<r>.pt``, with its block table and transfer stats); rank 0 writes the tokens and
-logits (``decode.json``).
+decode), or loads the world's program file (``--program``), allocates its caches poisoned
+with NaN, waits for the handoff, takes block tables from its own allocator
+(``--reserve-blocks`` first holds some blocks for a dummy sequence, so local and remote block
+numbers differ), creates a :class:`~dcp_compile.runtime.nixl.connector.DecodeKVConnector`,
+handshakes with the prefill ranks of its plan, reads every request and waits for all of
+them. Sequence lengths are the prompt lengths; decoding starts from the first token chosen
+(argmax) from the prefill's last-token logits and runs ``--steps`` greedy steps. Each rank
+saves its caches *right after the transfer* (``decode_rank<r>.pt``, with its block table and
+transfer stats); rank 0 writes the tokens and logits (``decode.json``).
 
 Failures stop both worlds in bounded time: a rank that fails appends its error to
 ``--abort-file``; a prefill rank waiting for readers and a decode rank waiting for the handoff
