@@ -306,9 +306,15 @@ def lower_for_xla(program, out_dir: str | Path | None = None):
     """Lower ``program`` (every step) and check its collective forms run on XLA:CPU."""
     from .lowering import lower
     lowered = lower(program, out_dir=out_dir)
+    check_lowered_for_xla(lowered)
+    return lowered
+
+
+def check_lowered_for_xla(lowered) -> None:
+    """Check that every lowered step's collective forms run on XLA:CPU (a LoweringResult
+    lowered elsewhere, e.g. reused)."""
     for step, m in lowered.modules.items():
         check_xla_cpu_forms(m.text, step=step, path=m.paths.get("text"))
-    return lowered
 
 
 def generate(program, prompts, steps: int, *, lowered=None, source: str = "text",

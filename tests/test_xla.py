@@ -59,8 +59,7 @@ def _program(tp, dcp, mode, dtype="f32", combine="all_gather"):
         options["combine"] = combine
     model, prog = program_for(tp, dcp, mode, DTYPES[dtype], SHAPES, layers=1, **options)
     _, lowered = lowered_for(tp, dcp, mode, None, DTYPES[dtype], SHAPES, layers=1, **options)
-    for step, m in lowered.modules.items():      # what lower_for_xla adds to the lowering
-        X.check_xla_cpu_forms(m.text, step=step, path=m.paths.get("text"))
+    X.check_lowered_for_xla(lowered)             # what lower_for_xla adds to the lowering
     return model, prog, lowered
 
 
