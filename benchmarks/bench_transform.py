@@ -16,7 +16,9 @@ A 1-layer transform and lowering run first, untimed, so one-time costs (imports,
 registration, torch-mlir's tables) are not charged to the first row. ``--full-propagation``
 also times the passes with a full shape re-propagation after every pass (the pass manager's
 old behaviour), for comparison; ``--full-placement-sweeps`` the passes with the placement
-analysis's old full sweeps (env DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1).
+analysis's old full sweeps (env DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1); ``--stack-traces``
+the transform with every node recording its source line (what a dump gets; the default
+records none: dcp_compile.capture.stack_traces).
 
     python3 -m benchmarks.bench_transform [--layers 8,32,80] [--repeat N] [--no-lower]
 
@@ -70,6 +72,17 @@ def time_transform(model, args, shapes):
     capture = sum(r.matched.get("capture_seconds", 0.0) for r in prog.history)
     passes = sum(r.seconds for r in prog.history)
     return prog, capture, passes, total
+
+
+def time_transform_with_stack_traces(model, args, shapes) -> float:
+    """The transform again, every node recording its source line (CompileOptions)."""
+    from dcp_compile.driver import CompileOptions, compile_program
+    from dcp_compile.frontends import frontend_for
+    from dcp_compile.runtime.config import DCPConfig
+    config = DCPConfig(tp=args.tp, dcp=args.dcp, mode="decode", block_size=BLOCK)
+    t0 = time.perf_counter()
+    compile_program(frontend_for(model, shapes), config, CompileOptions(stack_traces=True))
+    return time.perf_counter() - t0
 
 
 def time_passes_full_propagation(model, args, shapes) -> float:
@@ -138,6 +151,8 @@ def main():
     ap.add_argument("--no-lower", action="store_true", help="skip the lowering column")
     ap.add_argument("--full-propagation", action="store_true",
                     help="also time the passes with a full re-propagation after each")
+    ap.add_argument("--stack-traces", action="store_true",
+                    help="also time the transform with every node's source line recorded")
     ap.add_argument("--full-placement-sweeps", action="store_true",
                     help="also time the passes with the placement analysis's old full sweeps")
     args = ap.parse_args()
@@ -178,6 +193,11 @@ def main():
             full = time_passes_full_propagation(model, args, shapes)
             print(f"{'':>6} passes with full re-propagation after each pass: {full:.2f} s "
                   f"(incremental: {passes:.2f} s)", flush=True)
+        if args.stack_traces:
+            traced = min(time_transform_with_stack_traces(model, args, shapes)
+                         for _ in range(args.repeat))
+            print(f"{'':>6} transform with stack traces: {traced:.2f} s (without: "
+                  f"{total:.2f} s, {traced / total:.2f}x)", flush=True)
         if args.full_placement_sweeps:
             full = time_passes_full_placement_sweeps(model, args, shapes)
             print(f"{'':>6} passes with full placement sweeps: {full:.2f} s "

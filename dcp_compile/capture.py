@@ -3,10 +3,17 @@
 ``torch.export`` (non-strict) at ATen level: parameters and buffers become placeholders
 (so a meta-device model transforms without allocating weights), our ``dcp`` custom ops stay
 single nodes, and every node carries ``meta['val']``.
+
+:func:`stack_traces` decides whether the nodes also carry ``meta['stack_trace']`` (the user
+source line each op came from). Recording it costs 10-25% of a whole transform
+(``benchmarks/bench_transform.py --stack-traces``), so the driver captures without it
+unless someone will read the graphs (a dump) or a refusal has to name a source line (then
+it captures again with it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +45,22 @@ def example_step_inputs(batch: int, tokens: int, max_blocks: int, cache_shape, n
     caches = [torch.zeros(cache_shape, dtype=dtype, device=device)
               for _ in range(2 * num_layers)]
     return ids, positions, table, caches
+
+
+@contextlib.contextmanager
+def stack_traces(enabled: bool):
+    """Within: FX tracing records each node's ``stack_trace`` (``enabled``) or not.
+
+    torch's ``torch.fx.config.do_not_emit_stack_traces``; the previous value comes back on
+    exit. Tracing looks up the source line of every frame on the stack for every node, so the
+    cost grows with the caller's stack depth as well as with the graph."""
+    import torch.fx.config as fx_config
+    previous = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = not enabled
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = previous
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:

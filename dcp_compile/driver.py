@@ -40,6 +40,9 @@ class CompileOptions:
     certificate: object | None = None     # a certificate already proven for this layout
     check: bool | None = False            # transform(check=...); see dcp_compile.check
     progress: bool = False                # a line per capture and pass on stderr
+    # Nodes record their user source line (capture.stack_traces): None = only when a dump
+    # or TORCH_TRACE shows the graphs, or to name the line a refusal refuses.
+    stack_traces: bool | None = None
 
 
 def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE, *,
@@ -47,7 +50,8 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
               kv_role: str | None = None, shapes=None, dump_dir: str | Path | None = None,
               certificate=None, progress: bool = False, combine: str = "all_gather",
               combine_dtype: str = "float32", check: bool | None = None,
-              expert_parallel: bool = False, buckets=None) -> DCPProgram:
+              expert_parallel: bool = False, buckets=None,
+              stack_traces: bool | None = None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (dcp_compile.runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
@@ -64,6 +68,12 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
     always the last bucket (dcp_compile.runtime.buckets; README "Context buckets").
 
+    ``stack_traces``: whether the graph nodes record the user source line they came from
+    (``meta['stack_trace']``; dcp_compile.capture.stack_traces). ``None``: only when a dump
+    (``dump_dir``, ``DCP_COMPILE_DUMP``) or ``TORCH_TRACE`` shows the graphs; a refusal is
+    then compiled again with them to name its source line. ``False``: never (a refusal names
+    the module instead).
+
     ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
     a program whose logits differ (dcp_compile.check: steps, inputs, tolerance). ``None``:
@@ -79,12 +89,15 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     sizes = check_buckets(buckets, block_size=block_size, dcp=dcp,
                           max_blocks=(shapes or StepShapes()).max_blocks)
     program = compile_program(frontend_for(model, shapes), config, CompileOptions(
-        dump_dir=dump_dir, certificate=certificate, check=check, progress=progress))
-    program.bucket_graphs = _bucket_graphs(model, program, config, sizes[:-1], progress)
+        dump_dir=dump_dir, certificate=certificate, check=check, progress=progress,
+        stack_traces=stack_traces))
+    program.bucket_graphs = _bucket_graphs(model, program, config, sizes[:-1], progress,
+                                           stack_traces)
     return program
 
 
-def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progress) -> dict:
+def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progress,
+                   stack_traces: bool | None) -> dict:
     """Each smaller bucket's graphs: the same compile with that bucket's block-table width
     (a captured step's shapes are static), over the same weights; the certificate is
     reused, not proven again, and nothing is dumped (the dump is the full program's)."""
@@ -98,7 +111,8 @@ def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progr
             _report(f"[bucket {bucket}] block table of {width} entries")
         shapes = dataclasses.replace(program.shapes, max_blocks=width)
         sub = compile_program(frontend_for(model, shapes), config, CompileOptions(
-            dump=False, certificate=program.certificate, check=False, progress=progress))
+            dump=False, certificate=program.certificate, check=False, progress=progress,
+            stack_traces=stack_traces))
         if sub.weight_inputs != program.weight_inputs:
             raise DCPTransformError(
                 f"context bucket {bucket} captured other weights than the full program: "
@@ -110,21 +124,78 @@ def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progr
 
 def compile_program(frontend: Frontend, config: DCPConfig,
                     options: CompileOptions = CompileOptions()) -> DCPProgram:
-    """Capture each of the frontend's step kinds, run its pipeline, build the DCPProgram."""
+    """Capture each of the frontend's step kinds, run its pipeline, build the DCPProgram.
+
+    The steps are captured without source lines (:func:`~dcp_compile.capture.stack_traces`:
+    10-25% of a transform's time) unless a pass dump or ``TORCH_TRACE`` will show the
+    graphs. A refusal is compiled once more with them, so that it names the line it refuses.
+    """
     from . import check as checking
-    from dcp_compile.passes.dump import dump_root_for
+    from dcp_compile.passes.dump import dump_root_for, tracing_enabled
 
     reference = frontend.reference()
     check = _resolve_check(checking, options.check, reference, config, frontend)
     dump_path = dump_root_for(frontend.dump_name, config.mode, options.dump_dir) \
         if options.dump else None
+    traced = options.stack_traces if options.stack_traces is not None else \
+        dump_path is not None or tracing_enabled()
+    try:
+        steps = _compile_steps(frontend, config, options, dump_path, traced)
+    except DCPTransformError as refusal:
+        if traced or options.stack_traces is False:
+            raise
+        if options.progress:
+            _report("[refused] compiling again with stack traces to name the source line")
+        _compile_steps(frontend, config, options, dump_path, traced=True)  # raises it again
+        raise DCPTransformError(
+            f"{refusal} (compiled again with stack traces to name the source line, the "
+            f"transform did not refuse: report this model to dcp_compile)") from refusal
+    frontend.accept(steps.config)
+    config, first, facts = steps.config, steps.first, steps.facts
+    program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
+                                                          config=config),
+                         graphs=steps.graphs, shapes=frontend.shapes,
+                         constants=first.constants(), shards=steps.shards,
+                         weight_inputs=list(first.weight_inputs),
+                         facts=replace(facts, cache_dtype=facts.cache_dtype or torch.float32),
+                         source=frontend.source,
+                         dump_dir=str(dump_path) if dump_path else None,
+                         report=CompileReport(history=steps.history,
+                                              certificate=steps.certificate))
+    if check:
+        report = checking.check_program(reference, program)  # raises: no program
+        program.report.check = report
+        if options.progress:
+            _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
+                    f"{report.tolerance:.2g} ({report.seconds:.2f}s)")
+    return program
+
+
+@dataclass
+class _Steps:
+    """What capturing and rewriting every step kind gave (before the program is built)."""
+
+    graphs: dict
+    history: list
+    shards: dict
+    config: DCPConfig
+    certificate: object
+    facts: ModelFacts
+    first: StepCapture
+
+
+def _compile_steps(frontend: Frontend, config: DCPConfig, options: CompileOptions,
+                   dump_path, traced: bool) -> _Steps:
+    from .capture import stack_traces
+
     facts, certificate = frontend.facts(), options.certificate
     graphs, history, shards = {}, [], {}
     first: StepCapture | None = None
     # Plain strings from here on (the StepKind values): graphs, history and dumps are data
     # that is saved and loaded (torch.load's weights_only refuses unknown classes).
     for step in map(str, frontend.steps(config.mode)):
-        captured = frontend.capture(step, config)
+        with stack_traces(traced):
+            captured = frontend.capture(step, config)
         if options.progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
                     f"({captured.seconds:.1f}s)")
@@ -134,22 +205,7 @@ def compile_program(frontend: Frontend, config: DCPConfig,
         graphs[step], shards = gm, {**shards, **ctx.shards}
         history += records
         first = first or captured
-    frontend.accept(config)
-    program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
-                                                          config=config),
-                         graphs=graphs, shapes=frontend.shapes, constants=first.constants(),
-                         shards=shards, weight_inputs=list(first.weight_inputs),
-                         facts=replace(facts, cache_dtype=facts.cache_dtype or torch.float32),
-                         source=frontend.source,
-                         dump_dir=str(dump_path) if dump_path else None,
-                         report=CompileReport(history=history, certificate=certificate))
-    if check:
-        report = checking.check_program(reference, program)  # raises: no program
-        program.report.check = report
-        if options.progress:
-            _report(f"[check] {report.steps}: max errors {report.step_errors} <= "
-                    f"{report.tolerance:.2g} ({report.seconds:.2f}s)")
-    return program
+    return _Steps(graphs, history, shards, config, certificate, facts, first)
 
 
 def _resolve_check(checking, check, reference, config: DCPConfig, frontend) -> bool:

@@ -117,3 +117,74 @@ def test_check_true_without_a_reference_is_refused():
     with pytest.raises(DCPTransformError, match="check=True needs the model's own forward"):
         compile_program(front, DCPConfig(tp=2, dcp=1, mode="decode", block_size=16),
                         CompileOptions(check=True))
+
+
+# -- source lines: recorded when the graphs will be read, or to explain a refusal ----------
+
+class NonCausalLM(torch.nn.Module):
+    """An encoder-style attention (no causal mask): the cache insertion refuses it."""
+
+    def __init__(self, heads=4, dim=8):
+        super().__init__()
+        self.heads, self.embed = heads, torch.nn.Embedding(16, heads * dim)
+        self.qkv = torch.nn.Linear(heads * dim, 3 * heads * dim, bias=False)
+        self.head = torch.nn.Linear(heads * dim, 16, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.head(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class RecordingOrdinary(OrdinaryFrontend):
+    """Records, per capture, whether FX was recording stack traces."""
+
+    def __init__(self, model, shapes):
+        super().__init__(model, shapes)
+        self.traced: list[bool] = []
+
+    def capture(self, step, config):
+        self.traced.append(not torch.fx.config.do_not_emit_stack_traces)
+        return super().capture(step, config)
+
+
+def _nodes_with_source(program) -> list[str]:
+    return [n.meta["stack_trace"] for gm in program.graphs.values() for n in gm.graph.nodes
+            if n.meta.get("stack_trace")]
+
+
+def test_graphs_carry_source_lines_only_when_a_dump_shows_them(tmp_path):
+    model, config = demo_model(DemoConfig(num_layers=1)), DCPConfig(tp=4, dcp=2)
+    plain = compile_program(PagedFrontend(model, SMALL), config, CompileOptions())
+    dumped = compile_program(PagedFrontend(model, SMALL), config,
+                             CompileOptions(dump_dir=tmp_path / "dump"))
+    assert _nodes_with_source(plain) == []
+    traces = _nodes_with_source(dumped)
+    assert traces and any("models/demo.py" in t for t in traces), traces[:2]
+    assert torch.fx.config.do_not_emit_stack_traces is False      # torch's setting, restored
+
+
+def test_a_refusal_is_compiled_again_to_name_its_source_line():
+    front = RecordingOrdinary(NonCausalLM(), SMALL)
+    with pytest.raises(DCPTransformError, match="non-causal attention") as e:
+        compile_program(front, DCPConfig(tp=2, dcp=1, mode="decode", block_size=4),
+                        CompileOptions())
+    assert front.traced == [False, True]      # refused untraced, then captured with lines
+    assert re.search(r'test_driver\.py", line \d+', str(e.value)), str(e.value)
+    assert torch.fx.config.do_not_emit_stack_traces is False
+
+
+def test_stack_traces_true_records_them_without_a_dump_and_false_never_retries():
+    model = demo_model(DemoConfig(num_layers=1))
+    traced = compile_program(PagedFrontend(model, SMALL), DCPConfig(tp=4, dcp=2),
+                             CompileOptions(stack_traces=True))
+    assert _nodes_with_source(traced)
+    front = RecordingOrdinary(NonCausalLM(), SMALL)
+    with pytest.raises(DCPTransformError, match="non-causal attention") as e:
+        compile_program(front, DCPConfig(tp=2, dcp=1, mode="decode", block_size=4),
+                        CompileOptions(stack_traces=False))
+    assert front.traced == [False]            # refused once, not compiled again
+    assert "test_driver.py" not in str(e.value) and "at node " in str(e.value)
