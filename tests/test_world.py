@@ -421,7 +421,8 @@ import torch, torch.distributed as dist
 from dcp_compile.runtime.launch import init_distributed_from_env
 
 def gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    tasks = os.listdir("/proc/self/task")
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
     return sorted(n for n in names if "gloo" in n)
 
 init_distributed_from_env()
