@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     for part in PARTS:
         ap.add_argument(f"--{part}", required=True, help="JSON: that worker's argv")
     args = ap.parse_args(argv)
+    run_readme_blocks(json.loads(args.readme))    # first: nothing of ours imported before
 
     import torch.distributed as dist
 
@@ -71,7 +72,6 @@ def main(argv=None) -> int:
 
     workers = {"selftest": selftest_worker, "prefill": prefill, "decode": decode,
                "backend": backend_worker}
-    run_readme_blocks(json.loads(args.readme))
     rank, world = init_world_again()
     try:
         for part in PARTS:
