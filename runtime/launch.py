@@ -76,7 +76,8 @@ def init_distributed_from_env(*, timeout: float = 120.0) -> tuple[int, int]:
     Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; MASTER_ADDR must be a loopback
     address. Gloo is pinned to the loopback interface (``GLOO_SOCKET_IFNAME``, unless already
     set). ``timeout`` (seconds) bounds every collective. Returns ``(rank, world_size)``; call
-    ``torch.distributed.destroy_process_group()`` when done.
+    ``torch.distributed.destroy_process_group()`` when done: it frees the default group, so
+    no gloo thread outlives it into interpreter shutdown.
     """
     import torch.distributed as dist
 
@@ -101,6 +102,12 @@ def init_distributed_from_env(*, timeout: float = 120.0) -> tuple[int, int]:
     iface = loopback_interface()
     if iface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+    # torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when it is
+    # imported, and torch._dynamo imports it (a transform, a program's first step,
+    # torch.compile). Imported after init_process_group, it keeps the default gloo group --
+    # and its three C++ threads -- alive past destroy_process_group into interpreter
+    # shutdown. Imported first, it binds None.
+    import torch.distributed.nn  # noqa: F401
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     _dump_stacks_when_terminated(rank)

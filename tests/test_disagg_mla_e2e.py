@@ -59,11 +59,7 @@ def worlds(tmp_path_factory):
     pytest.importorskip("transformers")
     return launch_worlds(tmp_path_factory.mktemp("disagg_mla"), model=MODEL, block=BLOCK,
                          plan=PLAN, prefill=PREFILL, prefill_id="p-tp2dcp2", decoders=DECODE,
-                         max_context=MAX_CONTEXT, steps=STEPS, reserve_blocks=RESERVE_BLOCKS,
-                         # Every rank transforms: with program files 2 of 7 runs after the
-                         # demo e2e had a decode rank abort at exit ("terminate called without
-                         # an active exception") after its work succeeded; cause not found yet.
-                         program_files=False)
+                         max_context=MAX_CONTEXT, steps=STEPS, reserve_blocks=RESERVE_BLOCKS)
 
 
 def test_mla_prefill_dcp_to_larger_decode_dcp_over_nixl(worlds):

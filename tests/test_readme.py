@@ -9,6 +9,8 @@ Tags in an HTML comment right above a fence change how a block runs:
     <!-- readme-test: name NAME -->    the block can be continued by another
     <!-- readme-test: after NAME -->   runs appended to block NAME, in the same interpreter
     <!-- readme-test: torchrun N -->   runs on N torchrun ranks (a multiprocess test)
+    <!-- readme-test: world N -->      runs first, as written, in the N-rank torchrun world
+                                       of tests/test_torchrun_world.py (one launch for both)
 
 A ```bash line that is not run must match NOT_RUN, with the reason.
 """
@@ -95,8 +97,9 @@ def _env() -> dict:
 def _python_cases():
     cases = []
     for b in BLOCKS:
-        if b.lang != "python" or "after" in b.tags:
-            continue                       # a continuation runs appended to the block it names
+        if b.lang != "python" or "after" in b.tags or "world" in b.tags:
+            continue                       # a continuation runs appended to the block it names;
+                                           # a world block in tests/test_torchrun_world.py
         marks = [pytest.mark.multiprocess] if "torchrun" in b.tags else []
         cases.append(pytest.param(b, id=f"python-line{b.line}", marks=marks))
     return cases
@@ -126,7 +129,7 @@ def test_every_bash_line_runs_or_is_excluded_with_a_reason():
         assert any(_not_run(c, [key]) for b in BLOCKS if b.lang == "bash"
                    for c in bash_commands(b)), f"NOT_RUN entry matches no README line: {key}"
     tags = {k for b in BLOCKS for k in b.tags}
-    assert tags <= {"name", "after", "torchrun"}, tags
+    assert tags <= {"name", "after", "torchrun", "world"}, tags
     assert all(b.tags["after"] in NAMED for b in BLOCKS if "after" in b.tags)
 
 

@@ -1,7 +1,12 @@
-"""Real processes: one torchrun/gloo world of 4 ranks (tp=4, dcp=2) serves four claims.
+"""Real processes: one torchrun/gloo world of 4 ranks (tp=4, dcp=2) serves five claims.
 
-The world (tests/world_worker.py) runs four workers one after the other, so every rank
-starts (torch, gloo) once instead of four times; each test reads its part's output:
+The world (tests/world_worker.py) runs the README's torchrun blocks, then four workers one
+after the other, so every rank starts (torch, gloo) once instead of five times; each test
+reads its part's output:
+
+0. The README's torch.compile block (``<!-- readme-test: world 4 -->``) runs first, as
+   written, in the fresh ranks: it initialises the world itself and destroys it; the parts
+   then run in a world initialised again (tests/test_readme.py leaves these blocks here).
 
 1. The collectives self-test: bind the prefill roles, check every collective on cp_kv and
    dcp_tp in float32/bfloat16/int64, eager and from a GraphModule, also through role
@@ -40,6 +45,7 @@ from dcp_compile.workers import decode, prefill
 
 from helpers import assert_close_report, single_device_reference
 from test_prefill_dcp import _assert_matches, mixed_plan
+from test_readme import BLOCKS
 
 pytestmark = pytest.mark.multiprocess  # one 4-rank torchrun world, ~20-40 s on two cores
 
@@ -48,6 +54,7 @@ SELFTEST = ["--dcp", "2", "--mode", "prefill", "--roles", "cp_kv", "dcp_tp", "--
 PREFILL_S, PREFILL_PLAN, PREFILL_SEED = 36, mixed_plan(36, 2, 8), 5
 DECODE_LENGTHS, DECODE_STEPS = [1, 31, 33, 32], 16
 BACKEND_STEPS = 8
+README_BLOCKS = [b for b in BLOCKS if "world" in b.tags]   # README blocks this world runs
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +71,25 @@ def world(tmp_path_factory):
                     "--dump", str(tmp / "dump")]
     decode.build_program(decode.parse(decode_argv), tp=WORLD, check=False).save(
         tmp / "decode.dcp")
+    readme = []
+    for b in README_BLOCKS:
+        readme.append(tmp / f"readme_line{b.line}.py")
+        readme[-1].write_text(b.code)
     proc = run_torchrun(WORLD, "tests.world_worker",
-                        ["--selftest", json.dumps(SELFTEST), "--prefill",
+                        ["--readme", json.dumps([str(p) for p in readme]),
+                         "--selftest", json.dumps(SELFTEST), "--prefill",
                          json.dumps(prefill_argv), "--decode", json.dumps(decode_argv),
                          "--backend", json.dumps(backend_argv)],
                         timeout=600)
     return {"tmp": tmp, "stdout": proc.stdout, "prefill_argv": prefill_argv}
+
+
+def test_readme_torchrun_blocks_run_as_written(world):
+    assert README_BLOCKS, "no README block is tagged <!-- readme-test: world 4 -->"
+    for b in README_BLOCKS:
+        assert int(b.tags["world"]) == WORLD, f"README line {b.line}: world {b.tags['world']}"
+        for rank in range(WORLD):
+            assert f"readme block readme_line{b.line}.py ok rank={rank}" in world["stdout"]
 
 
 def test_torchrun_gloo_selftest(world):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -410,3 +413,37 @@ def test_launch_error_puts_the_failing_rank_first(tmp_path):
     assert "rank 1 failed; ranks [0, 3] stopped after it" in str(err)
     assert "ValueError: the real bug" in str(err) and "Connection closed" not in str(err)
     assert list(err.failures) == [1, 0, 3]
+
+
+_TEARDOWN_SCRIPT = """
+import gc, os, sys
+import torch, torch.distributed as dist
+from dcp_compile.runtime.launch import init_distributed_from_env
+
+def gloo_threads():
+    tasks = os.listdir("/proc/self/task")
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
+    return sorted(n for n in names if "gloo" in n)
+
+init_distributed_from_env()
+assert gloo_threads(), "the gloo group runs no thread: nothing to check"
+import torch._dynamo  # first imported inside the world, as a transform or a program's step does
+dist.destroy_process_group()
+gc.collect()
+print("gloo threads after destroy_process_group:", gloo_threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc (Linux)")
+def test_destroy_process_group_leaves_no_gloo_thread(tmp_path):
+    """torch._dynamo imported after init (a rank's transform or first step) must not keep the
+    default gloo group alive: destroy_process_group frees it and joins its threads, so none
+    is left running into interpreter shutdown (where one aborted a rank at exit)."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(launch.free_port()), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(launch._SOURCE_ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", _TEARDOWN_SCRIPT], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "gloo threads after destroy_process_group: []" in r.stdout, r.stdout + r.stderr[-2000:]

@@ -1,41 +1,78 @@
-"""One torchrun/gloo world for four launches' worth of claims (tests/test_torchrun_world.py):
-the collectives self-test (tests/selftest_worker.py), the prefill worker, the decode worker
+"""One torchrun/gloo world for five launches' worth of claims (tests/test_torchrun_world.py):
+the README's torchrun blocks, run first and as written (each initialises the world with
+``init_distributed_from_env`` and destroys it), then, in one world initialised again, the
+collectives self-test (tests/selftest_worker.py), the prefill worker, the decode worker
 (dcp_compile/workers/prefill.py, decode.py) and the torch.compile backend
-(tests/backend_worker.py), one after the other in the same initialised world, so that
-every rank starts (torch, gloo) once instead of four times.
+(tests/backend_worker.py), one after the other, so that every rank starts (torch, gloo)
+once instead of five times.
 
-    run_torchrun(4, "tests.world_worker", ["--selftest", SELFTEST_ARGV_JSON,
+    run_torchrun(4, "tests.world_worker", ["--readme", README_BLOCK_PATHS_JSON,
+                                           "--selftest", SELFTEST_ARGV_JSON,
                                            "--prefill", PREFILL_ARGV_JSON,
                                            "--decode", DECODE_ARGV_JSON,
                                            "--backend", BACKEND_ARGV_JSON])
 
-Each ``--<part>`` is the JSON list of that worker's own command-line arguments.
+Each ``--<part>`` is the JSON list of that worker's own command-line arguments; ``--readme``
+the JSON list of the README blocks' script files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import runpy
 import sys
+from datetime import timedelta
 
 PARTS = ("selftest", "prefill", "decode", "backend")
+TIMEOUT = 120.0     # seconds: every collective of the parts' world (init_distributed_from_env's)
+
+
+def run_readme_blocks(paths: list[str]) -> None:
+    """Run each README block as a script, as written: it initialises the world from
+    torchrun's environment and destroys it at its end."""
+    import torch
+    import torch.distributed as dist
+
+    for path in paths:
+        runpy.run_path(path, run_name="__main__")
+        if dist.is_initialized():
+            raise RuntimeError(f"README block {path} left its process group initialised: it "
+                               f"must end with torch.distributed.destroy_process_group().")
+        torch._dynamo.reset()   # the parts compile other models: no cache entry carries over
+        print(f"readme block {os.path.basename(path)} ok rank={os.environ['RANK']}", flush=True)
+
+
+def init_world_again() -> tuple[int, int]:
+    """The default group again, on keys of its own in torchrun's store: a second env://
+    init would read the first group's gloo addresses, still in the store."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timedelta(seconds=TIMEOUT))
+    dist.init_process_group("gloo", store=dist.PrefixStore("world_worker/", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=TIMEOUT))
+    return rank, world
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--readme", required=True, help="JSON: the README blocks' script files")
     for part in PARTS:
         ap.add_argument(f"--{part}", required=True, help="JSON: that worker's argv")
     args = ap.parse_args(argv)
+    run_readme_blocks(json.loads(args.readme))    # first: nothing of ours imported before
 
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import init_distributed_from_env
     from dcp_compile.workers import decode, prefill
     from tests import backend_worker, selftest_worker
 
     workers = {"selftest": selftest_worker, "prefill": prefill, "decode": decode,
                "backend": backend_worker}
-    rank, world = init_distributed_from_env()
+    rank, world = init_world_again()
     try:
         for part in PARTS:
             worker = workers[part]
