@@ -6,8 +6,8 @@ was defined from in ``PYTHON_KERNELS``. A loaded eager program calls those funct
 of a custom op goes through its autograd wrapper (even under ``no_grad``: a threaded tp=8
 decode run took 12.5-13.2 CPU-s through it, 10.8-11.1 direct), and the first call in a
 process imports ``torch._dynamo`` (custom_op disables Dynamo around its kernels: a fresh
-process's first threaded run of a loaded program took 1.73 CPU-s, 0.43 direct). The ops themselves stay what the
-program's graphs, export, Inductor and the StableHLO lowering see.
+process's first threaded run of a loaded program took 1.73 CPU-s, 0.43 direct). The ops
+themselves stay what the program's graphs, export, Inductor and the StableHLO lowering see.
 """
 
 from __future__ import annotations
