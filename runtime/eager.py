@@ -18,6 +18,11 @@ a second code path in the passes:
                                                         matmul per expert (no [T, k] weight
                                                         gather)
 
+Then every ``dcp`` op of the graph is called as the Python function it was defined from
+(:func:`call_kernels_directly`, ``op_defs.PYTHON_KERNELS``): the same code without the
+dispatcher's per-call autograd wrapper or its import of torch._dynamo. Only an eager
+backend does this; Inductor compiles the ops.
+
 The layout metadata (slot mapping, prior bound, current key positions) is already computed
 once per step in the program's graphs (passes/dcp_decode.py, dcp_prefill.py): nothing here
 deduplicates it.
@@ -31,6 +36,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from .op_defs import PYTHON_KERNELS
 from .errors import DCPTransformError
 
 dcp_ops = torch.ops.dcp
@@ -92,3 +98,16 @@ def specialize_for_eager(graph: Graph) -> dict[str, int]:
             counts[key] = counts.get(key, 0) + 1
     graph.lint()
     return counts
+
+
+def call_kernels_directly(graph: Graph) -> int:
+    """Retarget every ``dcp`` op call of ``graph`` (a copy the caller owns) to the Python
+    function the op was defined from; returns how many calls were retargeted."""
+    count = 0
+    for node in graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+                and target.namespace == "dcp" and target._opname in PYTHON_KERNELS:
+            node.target = PYTHON_KERNELS[target._opname]
+            count += 1
+    return count

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .op_defs import dcp_op
+
 
 class ExpertActivation(StrEnum):
     """The gate of a gated expert: glu(gate, up)."""
@@ -178,7 +180,7 @@ def _moe_impl(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: T
     return _combine(y, topk_weights, mine, x.dtype)
 
 
-@torch.library.custom_op("dcp::moe", mutates_args=())
+@dcp_op("moe", mutates_args=())
 def moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
         down_proj: Tensor, expert_rank: Tensor, activation: str = "silu",
         gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,
@@ -196,7 +198,7 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, expert_rank, activatio
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("dcp::moe_grouped", mutates_args=())
+@dcp_op("moe_grouped", mutates_args=())
 def moe_grouped(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
                 down_proj: Tensor, expert_rank: Tensor, activation: str = "silu",
                 gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,

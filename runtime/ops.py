@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import layout
+from .op_defs import dcp_op
 from .live_attention import live_entries, live_partial_attention, readable_table  # noqa: F401
 
 NEG_INF = float("-inf")
@@ -53,7 +54,7 @@ def _slot_mapping_impl(positions: Tensor, block_table: Tensor, rank: Tensor, dcp
     return torch.where(writable, slots, torch.full_like(slots, -1))
 
 
-@torch.library.custom_op("dcp::slot_mapping", mutates_args=())
+@dcp_op("slot_mapping", mutates_args=())
 def slot_mapping(positions: Tensor, block_table: Tensor, rank: Tensor, dcp: int,
                  interleave: int, block: int) -> Tensor:
     """Cache row each token is written to on ``rank``; -1 for padding or another rank's."""
@@ -71,7 +72,7 @@ def _local_filled_impl(n: Tensor, rank: Tensor, dcp: int, interleave: int,
                                block=block)
 
 
-@torch.library.custom_op("dcp::local_filled", mutates_args=())
+@dcp_op("local_filled", mutates_args=())
 def local_filled(n: Tensor, rank: Tensor, dcp: int, interleave: int, block: int) -> Tensor:
     """Prior tokens (of the first n) that live in ``rank``'s shard (spec: local_filled)."""
     return _local_filled_impl(n, rank, dcp, interleave, block)
@@ -92,7 +93,7 @@ def _query_bound_impl(positions: Tensor, rank: Tensor, dcp: int, interleave: int
     return torch.where(positions >= 0, bound, torch.zeros_like(bound))
 
 
-@torch.library.custom_op("dcp::query_bound", mutates_args=())
+@dcp_op("query_bound", mutates_args=())
 def query_bound(positions: Tensor, rank: Tensor, dcp: int, interleave: int,
                 block: int) -> Tensor:
     """[B, K]: local slots of ``rank`` each query of a width-K decode row reads (prior and
@@ -112,7 +113,7 @@ def _active_mask_impl(n: Tensor, rank: Tensor, dcp: int, interleave: int,
     return owned * (n >= 0).to(owned.dtype)
 
 
-@torch.library.custom_op("dcp::active_mask", mutates_args=())
+@dcp_op("active_mask", mutates_args=())
 def active_mask(n: Tensor, rank: Tensor, dcp: int, interleave: int, block: int) -> Tensor:
     """dcp_active_mask: 1 where this rank owns position n (and n is not padding), else 0."""
     return _active_mask_impl(n, rank, dcp, interleave, block)
@@ -151,7 +152,7 @@ def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tens
     return new_k, new_v
 
 
-@torch.library.custom_op("dcp::cache_write", mutates_args=())
+@dcp_op("cache_write", mutates_args=())
 def cache_write(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
                 slots: Tensor) -> tuple[Tensor, Tensor]:
     """Return the caches with k/v written at ``slots`` (slot -1 goes to the garbage block)."""
@@ -240,7 +241,7 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     return out, lse
 
 
-@torch.library.custom_op("dcp::partial_attention", mutates_args=())
+@dcp_op("partial_attention", mutates_args=())
 def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_pos: Tensor,
                       key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                       prior_len: Tensor, rank: Tensor, dcp: int, interleave: int,
@@ -277,7 +278,7 @@ def _lse_correct_impl(out: Tensor, lse: Tensor, lse_all: Tensor) -> Tensor:
     return out.float() * weight[..., None]
 
 
-@torch.library.custom_op("dcp::lse_correct", mutates_args=())
+@dcp_op("lse_correct", mutates_args=())
 def lse_correct(out: Tensor, lse: Tensor, lse_all: Tensor) -> Tensor:
     """Scale a partial output by exp(local_lse - global_lse); ``lse_all`` is [W, *lse.shape]."""
     return _lse_correct_impl(out, lse, lse_all)
@@ -295,7 +296,7 @@ def _sink_correct_impl(out: Tensor, global_lse: Tensor, sinks: Tensor) -> Tensor
     return out.float() * torch.sigmoid(global_lse - sinks.float())[..., None]
 
 
-@torch.library.custom_op("dcp::sink_correct", mutates_args=())
+@dcp_op("sink_correct", mutates_args=())
 def sink_correct(out: Tensor, global_lse: Tensor, sinks: Tensor) -> Tensor:
     """Attention sinks: scale ``out`` [..., H, D] (already normalised over every key of every
     rank) by sigmoid(global_lse - sink) per head, i.e. add exp(sink) to the softmax
@@ -334,7 +335,7 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
     return out, new_kc, new_vc
 
 
-@torch.library.custom_op("dcp::paged_attention", mutates_args=())
+@dcp_op("paged_attention", mutates_args=())
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
                     positions: Tensor, block_table: Tensor,
                     scale: float, window: int = 0,
@@ -356,7 +357,7 @@ def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, 
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
-@torch.library.custom_op("dcp::attention", mutates_args=())
+@dcp_op("attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor,
               positions: Tensor, block_table: Tensor,
               scale: float, window: int = 0,
@@ -427,7 +428,7 @@ def _interleave_slice_index_impl(positions: Tensor, rank: Tensor, capacity: int,
     return torch.where(index < length, index, torch.full_like(index, -1))
 
 
-@torch.library.custom_op("dcp::interleave_slice_index", mutates_args=())
+@dcp_op("interleave_slice_index", mutates_args=())
 def interleave_slice_index(positions: Tensor, rank: Tensor, capacity: int, dcp: int,
                            interleave: int, block: int) -> Tensor:
     """[B, capacity] chunk indices of the tokens ``rank`` owns, in order; -1 pads the row.
@@ -455,7 +456,7 @@ def _q_unshuffle_index_impl(positions: Tensor, capacity: int, dcp: int, interlea
     return torch.where(positions >= 0, row, torch.zeros_like(row))
 
 
-@torch.library.custom_op("dcp::q_unshuffle_index", mutates_args=())
+@dcp_op("q_unshuffle_index", mutates_args=())
 def q_unshuffle_index(positions: Tensor, capacity: int, dcp: int, interleave: int,
                       block: int) -> Tensor:
     """[B, S]: row of the rank-major gathered slices ([B, W * capacity]) holding each chunk
@@ -482,7 +483,7 @@ def _lse_merge_impl(out_parts: Tensor, lse_parts: Tensor) -> Tensor:
     return _lse_correct_impl(out_parts, lse_parts, lse_parts.unsqueeze(1)).sum(0)
 
 
-@torch.library.custom_op("dcp::lse_merge", mutates_args=())
+@dcp_op("lse_merge", mutates_args=())
 def lse_merge(out_parts: Tensor, lse_parts: Tensor) -> Tensor:
     """Sum over dim 0 of W partial outputs [W, ..., D], each weighted by
     exp(lse - logsumexp(lse_parts, 0)); ``lse_parts`` is [W, ...]. Returns float32."""
@@ -503,7 +504,7 @@ DECOMPOSITIONS[torch.ops.dcp.lse_merge.default] = _lse_merge_impl
 # ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dcp::cache_write_", mutates_args=("key_cache", "value_cache"))
+@dcp_op("cache_write_", mutates_args=("key_cache", "value_cache"))
 def cache_write_(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
                  slots: Tensor) -> None:
     """cache_write in place: only the written rows are touched, nothing is copied."""
@@ -521,7 +522,7 @@ def _(key_cache, value_cache, k, v, slots):
     return None
 
 
-@torch.library.custom_op("dcp::partial_attention_live", mutates_args=())
+@dcp_op("partial_attention_live", mutates_args=())
 def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
                            k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
                            block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,

@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch.fx import Graph, GraphModule
 
-from .eager import specialize_for_eager
+from .eager import call_kernels_directly, specialize_for_eager
 from .errors import DCPInputError, DCPWorldError
 from .names import RANK_INPUT
 from .roles import bound_collectives
@@ -103,6 +103,8 @@ class RankProgram:
     def _bind_graph(self, kind: str, gm: GraphModule, group_names):
         graph = copy_graph(gm.graph)
         kernels = specialize_for_eager(graph)
+        if self.compile == "eager":   # Inductor compiles the ops themselves
+            call_kernels_directly(graph)
         for c in bound_collectives(
                 graph, group_names, error=DCPWorldError, fix="Bind every role of the topology",
                 binder=f"rank {self.rank}'s process groups",

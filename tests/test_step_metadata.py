@@ -26,6 +26,7 @@ from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.models.mla import MLAConfig, plain_mla
 from dcp_compile.models.plain import plain_llama
 from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.op_defs import op_of
 
 dcp_ops = torch.ops.dcp
 LAYERS = 2
@@ -63,8 +64,9 @@ def program(model: str, mode: str, decode_len: int = 1):
 
 
 def metadata_counts(gm) -> dict[str, int]:
-    return dict(Counter(n.target._opname for n in gm.graph.nodes
-                        if n.op == "call_function" and n.target in METADATA_OPS))
+    # A loaded eager graph calls the ops' Python functions (op_of: the op each stands for).
+    return dict(Counter(op_of(n.target)._opname for n in gm.graph.nodes
+                        if n.op == "call_function" and op_of(n.target) in METADATA_OPS))
 
 
 def attention_layers(gm) -> int:
