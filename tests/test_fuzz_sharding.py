@@ -52,7 +52,7 @@ from model_grammar import ModelSpec, build, model_specs
 from full_runs import full  # noqa: E402
 from test_placement_worklist import compare_both
 
-DEFAULT_EXAMPLES = 500          # the floor; ~0.5 s CPU per model
+DEFAULT_EXAMPLES = 500          # the floor; 0.4-0.55 s CPU per model (machine speed)
 FULL_EXAMPLES = 2000          # DCP_FUZZ_FULL=1 or DCP_FULL=1
 EXAMPLES = int(os.environ.get("DCP_FUZZ_EXAMPLES",
                               FULL_EXAMPLES if full("DCP_FUZZ_FULL") else DEFAULT_EXAMPLES))
