@@ -36,8 +36,8 @@ import torch
 from torch.fx import Graph, Node
 
 from . import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from .op_defs import PYTHON_KERNELS
 from .errors import DCPTransformError
+from .op_defs import PYTHON_KERNELS
 
 dcp_ops = torch.ops.dcp
 
