@@ -131,14 +131,14 @@ def compile_program(frontend: Frontend, config: DCPConfig,
     graphs. A refusal is compiled once more with them, so that it names the line it refuses.
     """
     from . import check as checking
-    from dcp_compile.passes.dump import dump_root_for, tracing_enabled
+    from dcp_compile.passes.dump import dump_root_for, dump_wanted
 
     reference = frontend.reference()
     check = _resolve_check(checking, options.check, reference, config, frontend)
     dump_path = dump_root_for(frontend.dump_name, config.mode, options.dump_dir) \
         if options.dump else None
     traced = options.stack_traces if options.stack_traces is not None else \
-        dump_path is not None or tracing_enabled()
+        dump_wanted(dump_path)
     try:
         steps = _compile_steps(frontend, config, options, dump_path, traced)
     except DCPTransformError as refusal:

@@ -270,9 +270,14 @@ def pass_dump(root: str | Path | None, step: str, *, source: str = "transform",
               config: Any = None) -> PassDump | None:
     """The ``on_pass`` callback for one step: files under ``root`` (if given) and trace
     artifacts when ``TORCH_TRACE`` is set; None when neither is wanted."""
-    if root is None and not tracing_enabled():
+    if not dump_wanted(root):
         return None
     return PassDump(root, step, source=source, config=config)
+
+
+def dump_wanted(root: str | Path | None) -> bool:
+    """Whether anyone will see the passes' graphs: files under ``root``, or ``TORCH_TRACE``."""
+    return root is not None or tracing_enabled()
 
 
 def dump_root_for(source: str, mode: str, explicit: str | Path | None = None) -> Path | None:
@@ -391,5 +396,5 @@ def _wrote(d: Path, name: str) -> bool:
 
 # What callers import from here; the rendering names live in dcp_compile.passes.dump_render.
 __all__ = ["ENV_VAR", "LEDGER", "OwnedDir", "PassDump", "pass_dump", "dump_root_for",
-           "env_dump_root", "tracing_enabled", "load_steps", "write_index",
+           "env_dump_root", "tracing_enabled", "dump_wanted", "load_steps", "write_index",
            "dot_executable", "KIND_COLOURS", "NEW_COLOUR"]
