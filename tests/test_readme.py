@@ -1,9 +1,13 @@
 """README.md's code blocks run as written.
 
-Every ```python block runs in a fresh interpreter in a temporary directory; every line of a
-```bash block that is a ``dcp-compile ...`` or ``python3 -m ...`` command runs there too
+Every ```python block runs as a script in a temporary directory; every line of a ```bash
+block that is a ``dcp-compile ...`` or ``python3 -m ...`` command runs there too
 (``dcp-compile`` as ``python3 -m dcp_compile.cli``, this source tree first on PYTHONPATH);
 every ``$ command`` of a ```console block runs and must print the lines shown under it.
+They all run, in README order, in one fresh interpreter (tests/readme_runner.py: each as its
+own process would, in a directory of its own; a process per block paid ~3 CPU-s of start-up
+and imports for every block), except a command with shell syntax (run by bash) and a
+torchrun block; each test reads its block's result.
 Tags in an HTML comment right above a fence change how a block runs:
 
     <!-- readme-test: name NAME -->    the block can be continued by another
@@ -17,6 +21,7 @@ A ```bash line that is not run must match NOT_RUN, with the reason.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -100,9 +105,14 @@ def _python_cases():
         if b.lang != "python" or "after" in b.tags or "world" in b.tags:
             continue                       # a continuation runs appended to the block it names;
                                            # a world block in tests/test_torchrun_world.py
-        marks = [pytest.mark.multiprocess] if "torchrun" in b.tags else []
-        cases.append(pytest.param(b, id=f"python-line{b.line}", marks=marks))
+        cases.append(pytest.param(b, id=f"python-line{b.line}", marks=[pytest.mark.multiprocess]))
     return cases
+
+
+def _block_code(block: Block) -> str:
+    """The block, with the blocks that continue it (``after NAME``) appended."""
+    return block.code + "".join(o.code for o in BLOCKS if o.tags.get("after") ==
+                                block.tags.get("name") and "name" in block.tags)
 
 
 def _command_cases():
@@ -116,46 +126,9 @@ def _command_cases():
             if _not_run(cmd) or not runs or key in seen:
                 continue
             seen.add(key)
-            cases.append(pytest.param(cmd, id=f"line{b.line}:{key}"))
+            cases.append(pytest.param(cmd, id=f"line{b.line}:{key}",
+                                      marks=[pytest.mark.multiprocess]))
     return cases
-
-
-def test_every_bash_line_runs_or_is_excluded_with_a_reason():
-    unknown = [(b.line, c) for b in BLOCKS if b.lang == "bash" for c in bash_commands(b)
-               if not c.startswith(("dcp-compile ", "python3 -m "))
-               and not _not_run(c)]
-    assert not unknown, f"README bash lines neither run nor in NOT_RUN: {unknown}"
-    for key in NOT_RUN:                                 # no stale exclusions
-        assert any(_not_run(c, [key]) for b in BLOCKS if b.lang == "bash"
-                   for c in bash_commands(b)), f"NOT_RUN entry matches no README line: {key}"
-    tags = {k for b in BLOCKS for k in b.tags}
-    assert tags <= {"name", "after", "torchrun", "world"}, tags
-    assert all(b.tags["after"] in NAMED for b in BLOCKS if "after" in b.tags)
-
-
-@pytest.mark.parametrize("block", _python_cases())
-def test_python_block_runs(block, tmp_path):
-    code = block.code + "".join(o.code for o in BLOCKS if o.tags.get("after") ==
-                                block.tags.get("name") and "name" in block.tags)
-    script = tmp_path / "readme_block.py"
-    script.write_text(code)
-    if "torchrun" in block.tags:
-        from dcp_compile.runtime.launch import run_torchrun
-        run_torchrun(int(block.tags["torchrun"]), "readme_block", cwd=tmp_path,
-                     timeout=TIMEOUT)                   # raises, naming the failing rank
-        return
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 0, f"README line {block.line}:\n{r.stderr[-3000:]}"
-
-
-@pytest.mark.parametrize("command", _command_cases())
-def test_bash_command_runs(command, tmp_path):
-    if command.startswith("dcp-compile "):
-        command = "python3 -m dcp_compile.cli " + command[len("dcp-compile "):]
-    r = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(),
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 0, f"{command}\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}"
 
 
 def _console_cases():
@@ -165,15 +138,105 @@ def _console_cases():
             continue
         for part in re.split(r"^\$ ", b.code, flags=re.M)[1:]:
             cmd, _, shown = part.partition("\n")
-            cases.append(pytest.param(cmd, shown, id=f"line{b.line}:{cmd}"))
+            cases.append(pytest.param(cmd, shown, id=f"line{b.line}:{cmd}",
+                                      marks=[pytest.mark.multiprocess]))
     return cases
 
 
+_SHELL = set("|&;<>()$`\\\"'*?[]{}~")   # a command with any of these runs through bash
+
+
+def module_argv(command: str) -> list[str] | None:
+    """``[MODULE, *ARGS]`` of a ``dcp-compile ...`` (= ``python3 -m dcp_compile.cli ...``) or
+    ``python3 -m MODULE ...`` command without shell syntax (its comment dropped), else None."""
+    command = command.split("#")[0]
+    if _SHELL & set(command):
+        return None
+    argv = command.split()
+    if argv[0] == "dcp-compile":
+        return ["dcp_compile.cli", *argv[1:]]
+    if argv[:2] == ["python3", "-m"] and len(argv) > 2:
+        return argv[2:]
+    return None
+
+
+def _job(test: str, params: dict) -> dict | None:
+    """The job of tests/readme_runner.py that runs one case, or None (it runs on its own)."""
+    if test == "test_python_block_runs":
+        block = params["block"]
+        return None if "torchrun" in block.tags else {"code": _block_code(block)}
+    argv = module_argv(params["command"])
+    if test == "test_console_transcript_prints_what_it_shows":
+        assert argv and argv[0] == "dcp_compile.cli", params["command"]
+    return None if argv is None else {"module": argv[0], "args": argv[1:]}
+
+
+@pytest.fixture(scope="module")
+def shared_interpreter(request, tmp_path_factory):
+    """Run every selected case that tests/readme_runner.py can run in one interpreter, in
+    README order, each in a directory of its own; {(test, case id): result}."""
+    jobs = []
+    for item in request.session.items:
+        if item.module is not request.module or not hasattr(item, "callspec"):
+            continue
+        job = _job(item.originalname, item.callspec.params)
+        if job is None:
+            continue
+        cwd = tmp_path_factory.mktemp("readme_job")
+        job.update(id=f"{item.originalname}[{item.callspec.id}]", cwd=str(cwd))
+        if "code" in job:
+            (cwd / "readme_block.py").write_text(job.pop("code"))
+            job["script"] = str(cwd / "readme_block.py")
+        jobs.append(job)
+    tmp = tmp_path_factory.mktemp("readme_runner")
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_runner.py"),
+                           str(tmp / "jobs.json"), str(tmp / "results.jsonl"), "--timeout",
+                           str(TIMEOUT)], cwd=tmp, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT * max(len(jobs), 1))
+    path = tmp / "results.jsonl"
+    results = {r["id"]: r for r in map(json.loads, path.read_text().splitlines())} \
+        if path.exists() else {}
+    return {"results": results, "runner": proc}
+
+
+def _shared_result(request, shared_interpreter) -> dict:
+    key = f"{request.node.originalname}[{request.node.callspec.id}]"
+    result = shared_interpreter["results"].get(key)
+    if result is None:
+        runner = shared_interpreter["runner"]
+        pytest.fail(f"tests/readme_runner.py did not finish {key} (exit "
+                    f"{runner.returncode}):\n{runner.stderr[-4000:]}")
+    return result
+
+
+@pytest.mark.parametrize("block", _python_cases())
+def test_python_block_runs(block, tmp_path, request, shared_interpreter):
+    if "torchrun" in block.tags:
+        from dcp_compile.runtime.launch import run_torchrun
+        (tmp_path / "readme_block.py").write_text(_block_code(block))
+        run_torchrun(int(block.tags["torchrun"]), "readme_block", cwd=tmp_path,
+                     timeout=TIMEOUT)                   # raises, naming the failing rank
+        return
+    r = _shared_result(request, shared_interpreter)
+    assert r["returncode"] == 0, f"README line {block.line}:\n{r['output'][-3000:]}"
+
+
+@pytest.mark.parametrize("command", _command_cases())
+def test_bash_command_runs(command, tmp_path, request, shared_interpreter):
+    if module_argv(command) is not None:
+        r = _shared_result(request, shared_interpreter)
+        assert r["returncode"] == 0, f"{command}\n{r['output'][-3000:]}"
+        return
+    if command.startswith("dcp-compile "):
+        command = "python3 -m dcp_compile.cli " + command[len("dcp-compile "):]
+    r = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, f"{command}\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("command,shown", _console_cases())
-def test_console_transcript_prints_what_it_shows(command, shown, tmp_path):
-    argv = shlex.split(command)
-    assert argv[0] == "dcp-compile", command
-    r = subprocess.run([sys.executable, "-m", "dcp_compile.cli", *argv[1:]], cwd=tmp_path,
-                       env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    printed = " ".join((r.stdout + r.stderr).split())
+def test_console_transcript_prints_what_it_shows(command, shown, request, shared_interpreter):
+    assert shlex.split(command)[0] == "dcp-compile", command
+    printed = " ".join(_shared_result(request, shared_interpreter)["output"].split())
     assert " ".join(shown.split()) in printed, printed

@@ -23,6 +23,7 @@ import json
 import os
 import runpy
 import sys
+import time
 from datetime import timedelta
 
 PARTS = ("selftest", "prefill", "decode", "backend")
@@ -41,7 +42,8 @@ def run_readme_blocks(paths: list[str]) -> None:
             raise RuntimeError(f"README block {path} left its process group initialised: it "
                                f"must end with torch.distributed.destroy_process_group().")
         torch._dynamo.reset()   # the parts compile other models: no cache entry carries over
-        print(f"readme block {os.path.basename(path)} ok rank={os.environ['RANK']}", flush=True)
+        print(f"readme block {os.path.basename(path)} ok rank={os.environ['RANK']} "
+              f"cpu={time.process_time():.1f}s", flush=True)
 
 
 def init_world_again() -> tuple[int, int]:
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
         for part in PARTS:
             worker = workers[part]
             worker.run(worker.parse(json.loads(getattr(args, part))), rank, world)
+            print(f"world part {part} done rank={rank} cpu={time.process_time():.1f}s",
+                  flush=True)   # this rank's CPU so far: where a launch's time goes
     finally:
         dist.destroy_process_group()
     return 0
