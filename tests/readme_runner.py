@@ -9,7 +9,8 @@ Each job of JOBS.json is ``{"id", "cwd", "script": PATH}`` (a ```python block, r
 torch, transformers and dcp_compile costs ~3 CPU-s per process, more than most jobs' own
 work, so the README's jobs share one process; what a fresh process gives a job is restored
 before each: its own working directory, the environment, ``sys.argv``/``sys.path``, a
-random torch seed, grad mode and default dtype, an empty Dynamo cache. Each job's exit code
+random torch seed, grad mode and default dtype, an empty Dynamo cache, empty memos in
+dcp_compile's modules (:func:`clear_project_caches`). Each job's exit code
 (an exception is 1, ``SystemExit`` its code), output and CPU seconds go to RESULTS.jsonl,
 one line per job as it ends; a job still running after ``--timeout`` seconds ends the
 process with every thread's stack on stderr (the results so far are kept).
@@ -40,6 +41,22 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def clear_project_caches() -> int:
+    """Empty every memo (``functools.lru_cache``/``cache``) of a dcp_compile module, so that
+    a job proves, renders and decomposes from scratch as in a fresh process (the prover's
+    certificates are cached per (dcp, interleave, block)); what stays warm is Python's,
+    torch's and sympy's own state. Returns the number of memos emptied."""
+    emptied = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("dcp_compile") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            if callable(getattr(obj, "cache_clear", None)) and hasattr(obj, "cache_info"):
+                obj.cache_clear()
+                emptied += 1
+    return emptied
+
+
 def run_job(job: dict) -> dict:
     """Run one job as its own process would; its exit code, output and CPU seconds."""
     import torch
@@ -48,6 +65,7 @@ def run_job(job: dict) -> dict:
     grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     torch.seed()             # a fresh interpreter's torch starts from a random seed too
     torch._dynamo.reset()
+    clear_project_caches()
     out = io.StringIO()
     start = time.process_time()
     os.chdir(job["cwd"])
