@@ -15,7 +15,9 @@ error names it first; ranks that timed out or were killed inside a collective ar
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import ipaddress
 import os
 import re
@@ -30,8 +32,8 @@ from typing import Mapping, Sequence
 
 from .errors import DCPWorldError
 
-__all__ = ["free_port", "init_distributed_from_env", "loopback_interface", "run_torchrun",
-           "torchrun_command"]
+__all__ = ["free_port", "freeze_gc", "init_distributed_from_env", "loopback_interface",
+           "run_torchrun", "torchrun_command"]
 
 LOOPBACK = "127.0.0.1"
 # The directory holding the dcp_compile, passes and runtime packages.
@@ -112,6 +114,19 @@ def init_distributed_from_env(*, timeout: float = 120.0) -> tuple[int, int]:
                             timeout=timedelta(seconds=timeout))
     _dump_stacks_when_terminated(rank)
     return rank, world_size
+
+
+def freeze_gc() -> None:
+    """Keep the objects alive now (a worker's imports: torch, sympy, transformers...) out of
+    the cyclic garbage collector's scans, for the rest of the process and at exit.
+
+    A rank's compile allocates ~10^5 short-lived objects (fake tensors, nodes), and every
+    full collection rescanned each import; interpreter shutdown collects once more over
+    everything (~0.7 of the ~3.5 CPU-s a torch process spends starting and stopping). Call
+    it once the imports are done; garbage made later is still collected.
+    """
+    gc.freeze()
+    atexit.register(gc.freeze)   # at exit: what the process built since, too
 
 
 def _dump_stacks_when_terminated(rank: int) -> None:

@@ -72,10 +72,11 @@ def parse(argv=None):
 def main(argv=None) -> int:
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
 
     args = parse(argv)
     rank, world = init_distributed_from_env()
+    freeze_gc()
     try:
         run(args, rank, world)
     finally:

@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with open(args.jobs) as f:
         jobs = json.load(f)
+    import torch  # noqa: F401 - every job's first import: out of the collector's scans
+    from dcp_compile.runtime.launch import freeze_gc
+    freeze_gc()
     for job in jobs:
         print(f"readme job {job['id']}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback_later(args.timeout, exit=True)

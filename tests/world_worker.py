@@ -69,9 +69,11 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
+    from dcp_compile.runtime.launch import freeze_gc
     from dcp_compile.workers import decode, prefill
     from tests import backend_worker, selftest_worker
 
+    freeze_gc()
     workers = {"selftest": selftest_worker, "prefill": prefill, "decode": decode,
                "backend": backend_worker}
     rank, world = init_world_again()

@@ -72,9 +72,11 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
 
     rank, world = init_distributed_from_env()
+
+    freeze_gc()
     try:
         run = compile_and_decode(args, world)
         if rank == 0:

@@ -37,9 +37,11 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
 
     rank, world = init_distributed_from_env()
+
+    freeze_gc()
     try:
         run(args, rank, world)
     finally:

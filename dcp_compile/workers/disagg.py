@@ -410,10 +410,11 @@ def main(argv=None) -> int:
     args = parse(argv)
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
 
     torch.set_num_threads(1)
     rank, world = init_distributed_from_env()
+    freeze_gc()
     who = f"{args.role} world ({getattr(args, 'engine_id', '')}) rank {rank}"
     try:
         if args.out_dir:
