@@ -415,17 +415,24 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     rank, world = init_distributed_from_env()
     freeze_gc()
-    who = f"{args.role} world ({getattr(args, 'engine_id', '')}) rank {rank}"
+    try:
+        run_role(args, rank, world)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def run_role(args, rank: int, world: int) -> None:
+    """This rank's part of the launch ``args`` (prefill or decode) in the initialised world
+    (``main``, or a caller that runs more parts on the same ranks); a failure is appended
+    to ``--abort-file`` first, so the other worlds stop waiting."""
     try:
         if args.out_dir:
             os.makedirs(args.out_dir, exist_ok=True)
         (run_prefill_rank if args.role == "prefill" else run_decode_rank)(args, rank, world)
     except BaseException:
-        _report_failure(args.abort_file, who)
+        _report_failure(args.abort_file, f"{args.role} world ({args.engine_id}) rank {rank}")
         raise
-    finally:
-        dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
