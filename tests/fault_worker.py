@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dcp_compile.runtime.launch import init_distributed_from_env
+from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
 
 
 def stop_answering() -> None:
@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--collective-timeout", type=float, required=True)
     args = ap.parse_args()
     rank, world_size = init_distributed_from_env(timeout=600)
+    freeze_gc()
     dist.barrier()
     group = dist.new_group(list(range(world_size)),
                            timeout=timedelta(seconds=args.collective_timeout))
