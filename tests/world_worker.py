@@ -19,6 +19,7 @@ the JSON list of the README blocks' script files.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import runpy
@@ -65,6 +66,10 @@ def main(argv=None) -> int:
     for part in PARTS:
         ap.add_argument(f"--{part}", required=True, help="JSON: that worker's argv")
     args = ap.parse_args(argv)
+    # The collector's young generation less often (launch.GC_THRESHOLDS, not imported: the
+    # blocks start in a process where nothing of ours is): a compile allocates ~10^5
+    # short-lived objects. It changes when garbage is collected, not what the blocks run.
+    gc.set_threshold(10_000, 50, 100)
     run_readme_blocks(json.loads(args.readme))    # first: nothing of ours imported before
 
     import torch.distributed as dist
