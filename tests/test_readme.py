@@ -171,10 +171,24 @@ def _job(test: str, params: dict) -> dict | None:
     return None if argv is None else {"module": argv[0], "args": argv[1:]}
 
 
+# Two jobs of the runner's own, run after the README's: the first changes what a process
+# owns (environment, default dtype, a file in its directory) and exits 3; the second must
+# see none of it, and fails with a NameError.
+PROBES = {
+    "probe-changes": "import os, sys, torch\nos.environ['DCP_README_PROBE'] = '1'\n"
+                     "torch.set_default_dtype(torch.float64)\nopen('mine.txt', 'w').close()\n"
+                     "sys.exit(3)\n",
+    "probe-sees": "import os, torch\nprint('env', os.environ.get('DCP_README_PROBE'), "
+                  "torch.get_default_dtype(), sorted(os.listdir('.')))\nundefined_name\n",
+}
+
+
 @pytest.fixture(scope="module")
 def shared_interpreter(request, tmp_path_factory):
-    """Run every selected case that tests/readme_runner.py can run in one interpreter, in
-    README order, each in a directory of its own; {(test, case id): result}."""
+    """Run every selected case that tests/readme_runner.py can run, in one interpreter, in
+    README order, each in a directory of its own, then PROBES; {"test[case id]": result}.
+    (Every case is marked multiprocess: tests/conftest.py keeps a module's multiprocess
+    tests on one xdist worker, so the interpreter starts once.)"""
     jobs = []
     for item in request.session.items:
         if item.module is not request.module or not hasattr(item, "callspec"):
@@ -188,6 +202,10 @@ def shared_interpreter(request, tmp_path_factory):
             (cwd / "readme_block.py").write_text(job.pop("code"))
             job["script"] = str(cwd / "readme_block.py")
         jobs.append(job)
+    for name, code in PROBES.items():
+        cwd = tmp_path_factory.mktemp("readme_job")
+        (cwd / "readme_block.py").write_text(code)
+        jobs.append({"id": name, "cwd": str(cwd), "script": str(cwd / "readme_block.py")})
     tmp = tmp_path_factory.mktemp("readme_runner")
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_runner.py"),
@@ -200,8 +218,8 @@ def shared_interpreter(request, tmp_path_factory):
     return {"results": results, "runner": proc}
 
 
-def _shared_result(request, shared_interpreter) -> dict:
-    key = f"{request.node.originalname}[{request.node.callspec.id}]"
+def _shared_result(request, shared_interpreter, key: str | None = None) -> dict:
+    key = key or f"{request.node.originalname}[{request.node.callspec.id}]"
     result = shared_interpreter["results"].get(key)
     if result is None:
         runner = shared_interpreter["runner"]
@@ -240,3 +258,12 @@ def test_console_transcript_prints_what_it_shows(command, shown, request, shared
     assert shlex.split(command)[0] == "dcp-compile", command
     printed = " ".join(_shared_result(request, shared_interpreter)["output"].split())
     assert " ".join(shown.split()) in printed, printed
+
+
+@pytest.mark.multiprocess
+def test_shared_interpreter_runs_each_job_as_its_own_process(request, shared_interpreter):
+    changes = _shared_result(request, shared_interpreter, "probe-changes")
+    assert changes["returncode"] == 3, changes["output"]
+    sees = _shared_result(request, shared_interpreter, "probe-sees")
+    assert sees["returncode"] == 1 and "NameError: name 'undefined_name'" in sees["output"]
+    assert "env None torch.float32 ['readme_block.py']" in sees["output"], sees["output"]
