@@ -156,17 +156,29 @@ def _call_key(n: Node):
         return None
     if torch.Tag.nondeterministic_seeded in n.target.tags:
         return None
-    sig = []
-    for leaf in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
-        if isinstance(leaf, Node):
-            v = leaf.meta.get("val", _MISSING)
-            meta = _fake_metadata(v)
-            if meta is None:
-                return None
-            sig.append(meta)
-        else:
-            sig.append((type(leaf).__name__, repr(leaf)))
-    return n.target, repr(torch.utils._pytree.tree_structure((n.args, n.kwargs))), tuple(sig)
+    try:
+        return n.target, _signature(n.args), _signature(n.kwargs)
+    except _NotReusable:
+        return None
+
+
+class _NotReusable(Exception):
+    """An argument whose value the reuse does not handle (see _fake_metadata)."""
+
+
+def _signature(x):
+    """Arguments as a hashable value: nested containers keep their type and order, nodes
+    become their value's metadata, anything else its type and repr."""
+    if isinstance(x, Node):
+        meta = _fake_metadata(x.meta.get("val", _MISSING))
+        if meta is None:
+            raise _NotReusable
+        return meta
+    if isinstance(x, (list, tuple)):
+        return type(x).__name__, tuple(_signature(a) for a in x)
+    if isinstance(x, dict):
+        return "dict", tuple((k, _signature(v)) for k, v in x.items())
+    return type(x).__name__, repr(x)
 
 
 def _fake_metadata(v):
