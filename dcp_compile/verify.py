@@ -103,7 +103,9 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
 def shared_group_names(program: DCPProgram, rank: int) -> dict[str, str]:
     """This rank's groups of every role, registered under names every rank shares
     (``world.bind_roles(aliases=True)``): the ranks of a threaded world then load one bound
-    graph per step kind instead of one each (binding generates and compiles its code)."""
+    graph per step kind instead of one each (binding generates and compiles its code).
+    Only for a world that runs one program: binding aliases again replaces them, so a second
+    program on the same world (a draft program) binds its own names (program_engine)."""
     from dcp_compile.runtime.world import bind_roles
     return bind_roles(program.topology, rank, aliases=True)
 
@@ -350,8 +352,8 @@ class SpecReport(VerifyReport):
 def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False,
                    prefix_caching=False):
     """An Engine over ``program`` loaded on ``rank`` of the (already running) world."""
-    return rank_engine(program, rank, group_names=shared_group_names(program, rank),
-                       fill=fill, poison=poison_garbage, prefix_caching=prefix_caching)
+    return rank_engine(program, rank, fill=fill, poison=poison_garbage,
+                       prefix_caching=prefix_caching)
 
 
 def generate_per_token(engine, prompts, steps, drafter):
