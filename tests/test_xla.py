@@ -66,13 +66,13 @@ def _program(tp, dcp, mode, dtype="f32", combine="all_gather"):
 _COMPILE, _EXECUTABLES = X.compile_module, {}
 
 
-def _compile_once(source, devices, *, step, path=None):
-    """X.compile_module, once per (module source, devices) in this process: a case that runs
-    a program another case compiled reuses its executables (an executable is immutable; each
-    executor owns its buffers)."""
-    key = (source, tuple(d.id for d in devices))
+def _compile_once(source, devices, *, step, path=None, effort="optimized"):
+    """X.compile_module, once per (module source, devices, effort) in this process: a case
+    that runs a program another case compiled reuses its executables (an executable is
+    immutable; each executor owns its buffers)."""
+    key = (source, tuple(d.id for d in devices), effort)
     if key not in _EXECUTABLES:
-        _EXECUTABLES[key] = _COMPILE(source, devices, step=step, path=path)
+        _EXECUTABLES[key] = _COMPILE(source, devices, step=step, path=path, effort=effort)
     return _EXECUTABLES[key]
 
 
@@ -257,6 +257,42 @@ def test_forms_xla_cpu_aborts_on_are_refused(op, name):
     lowered = SimpleNamespace(modules={"decode": SimpleNamespace(text=text, paths={})})
     with pytest.raises(DCPTransformError, match="XLA:CPU"):
         X.XLAExecutor(SimpleNamespace(topology=SimpleNamespace(tp=2)), lowered)
+
+
+def case_compile_efforts() -> dict:
+    """A module with collectives compiled at each COMPILE_EFFORT: XLA's optimised HLO and its
+    cost analysis (what the memory-floor tests read), and the results."""
+    import re
+    import numpy as np
+    text = _MODULE.format(op=_A2A.format(ch=""))
+    devices = X.host_devices(2)
+    x = torch.arange(16, dtype=torch.float32).reshape(2, 2, 4)
+    replicas = X._Replicas(devices)
+    got = {}
+    for effort in X.COMPILE_EFFORT:
+        ex = X.compile_module(text, devices, step="decode", effort=effort)
+        hlo = re.sub(r"HloModule \S+", "", ex.hlo_modules()[0].to_string())
+        out = ex.execute_sharded([replicas.per_rank([x[0], x[1]])])
+        out = [np.asarray(b) for b in out.disassemble_into_single_device_arrays()[0]]
+        got[effort] = {"hlo": hlo, "cost": ex.cost_analysis(), "out": out}
+    try:
+        X.compile_module(text, devices, step="decode", effort="max")
+        got["unknown"] = None
+    except X.DCPXLAError as e:
+        got["unknown"] = str(e)
+    return got
+
+
+def test_compile_efforts_differ_only_in_machine_code(tmp_path):
+    """"fast" (what the verifiers compile) and "optimized" give XLA the same optimised HLO and
+    cost analysis, and the same results; an unknown effort is refused."""
+    got = _in_xla_process("case_compile_efforts", tmp_path=tmp_path)
+    fast, optimized = got["fast"], got["optimized"]
+    assert fast["hlo"] == optimized["hlo"] and "all-to-all" in fast["hlo"]
+    assert fast["cost"] == optimized["cost"]
+    for a, b in zip(fast["out"], optimized["out"]):
+        assert (a == b).all()
+    assert got["unknown"].startswith("unknown compile effort 'max'"), got["unknown"]
 
 
 def test_forms_xla_cpu_runs_pass_the_check():
