@@ -129,7 +129,7 @@ def case_wrong_rank(tp, dcp) -> dict:
     from dcp_compile.runtime.engine import Engine
     from dcp_compile.runtime.errors import DCPInputError
     model, prog, lowered = _program(tp, dcp, "decode")
-    executor = X.XLAExecutor(prog, lowered)
+    executor = X.XLAExecutor(prog, lowered, effort=X.VERIFY_EFFORT)   # case_verify's build
     ids, pos = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
     try:                              # the step contract runs before anything executes
         executor.step("decode", ids, pos, torch.full((2, 2), 99, dtype=torch.int64))
@@ -324,17 +324,40 @@ def test_cli_backend_xla_without_jax_exits_2_naming_the_extra(command, capsys, m
     assert code == 2 and "--backend xla cannot run here" in err and "'.[xla]'" in err, err
 
 
-def test_cli_verify_backend_xla():
-    """`dcp-compile verify --backend xla` (fresh process: it sets the device count itself)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "dcp_compile.cli", "verify", "--tp", "4",
-                           "--dcp", "2", "--steps", "2", "--backend", "xla", "--json"],
-                          env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def case_cli_verify() -> dict:
+    """`dcp-compile verify --backend xla` through the CLI's main: its exit code and report."""
+    import contextlib
+    import io
     import json
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    from dcp_compile import cli
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli.main(["verify", "--tp", "4", "--dcp", "2", "--steps", "2", "--backend",
+                         "xla", "--json"])
+    return {"code": code, "report": json.loads(out.getvalue().strip().splitlines()[-1])}
+
+
+def test_cli_verify_backend_xla(tmp_path):
+    """`dcp-compile verify --backend xla` end to end (here when jax has the devices, as the
+    test process has; the next test shows the CLI asks for them itself)."""
+    got = _in_xla_process("case_cli_verify", tmp_path=tmp_path)
+    report = got["report"]
+    assert got["code"] == 0
     assert report["ok"] and report["tp"] == 4 and report["max_abs_error"] <= FP32_ATOL, report
+
+
+def test_cli_backend_xla_asks_for_its_devices_before_any_work(monkeypatch):
+    """In a fresh process XLA_FLAGS has no device count: the CLI sets tp of them while it
+    checks the options, before the command runs (and so before jax starts)."""
+    from dcp_compile import cli
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    parser = cli.build_parser()
+    seen = []
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.set_defaults(_run=lambda args: seen.append(os.environ.get("XLA_FLAGS")))
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main(["verify", "--tp", "4", "--dcp", "2", "--backend", "xla"]) == 0
+    assert seen == ["--xla_force_host_platform_device_count=4"], seen
 
 
 def case_moe_verify(mode, expert_parallel, model_id="mixtral") -> dict:
