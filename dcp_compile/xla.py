@@ -32,6 +32,16 @@ from dcp_compile.runtime.names import StepKind
 EXTRA = "xla"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
+# How hard XLA:CPU's LLVM backend works on a module (rules as data: debug options by effort).
+# Both run the same HLO passes -- the optimised HLO and its cost analysis, what a Neuron
+# compiler would see of the module, are identical -- and differ only in the machine code:
+# "fast" skips LLVM's expensive optimisations and compiles these small modules in about half
+# the time (verification runs each step a few times); "optimized" is for timing steps.
+COMPILE_EFFORT = {
+    "fast": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True},
+    "optimized": {},
+}
+
 
 # ------------------------------------------------------------------------------------------
 # Collective forms XLA:CPU cannot run (rules as data)
@@ -127,9 +137,10 @@ def host_devices(n: int) -> list:
 
 
 def compile_module(source: str | bytes, devices: list, *, step: str,
-                   path: str | None = None):
+                   path: str | None = None, effort: str = "optimized"):
     """Compile one StableHLO module for ``len(devices)`` replicas, one partition: ``source``
-    is its text or its portable artifact (VHLO bytecode, read back to text for the check).
+    is its text or its portable artifact (VHLO bytecode, read back to text for the check);
+    ``effort`` is a key of COMPILE_EFFORT.
 
     jax has no public API for compiling an externally built module; this is the one place
     that uses jax.extend's backend client (``compile_and_load``), as jax's own pxla does."""
@@ -139,12 +150,17 @@ def compile_module(source: str | bytes, devices: list, *, step: str,
     else:
         text = source
     check_xla_cpu_forms(text, step=step, path=path)
+    if effort not in COMPILE_EFFORT:
+        raise DCPXLAError(f"unknown compile effort {effort!r}. Use one of "
+                          f"{sorted(COMPILE_EFFORT)}.")
     import numpy as np
     from jax.extend import backend as jb
     client = jb.get_backend("cpu")
     n = len(devices)
     options = jb.get_compile_options(num_replicas=n, num_partitions=1,
                                      device_assignment=np.array(devices).reshape(n, 1))
+    for name, value in COMPILE_EFFORT[effort].items():
+        setattr(options.executable_build_options.debug_options, name, value)
     try:
         return client.compile_and_load(source, devices, options)
     except Exception as e:        # jaxlib's XlaRuntimeError
@@ -216,12 +232,14 @@ class XLAExecutor:
     each module's XLA compile time (by module name). A program with context buckets has one
     module per (step kind, bucket), each compiled once here; a step runs the module of its
     block table's width. ``source="artifact"`` compiles each module's portable
-    artifact (.mlirbc bytes) instead of its text; ``fill`` is the caches' initial value.
+    artifact (.mlirbc bytes) instead of its text; ``fill`` is the caches' initial value;
+    ``effort`` the compile effort (COMPILE_EFFORT: the verifiers below compile "fast").
     """
 
     SOURCES = ("text", "artifact")
 
-    def __init__(self, program, lowered, *, fill: float = 0.0, source: str = "text"):
+    def __init__(self, program, lowered, *, fill: float = 0.0, source: str = "text",
+                 effort: str = "optimized"):
         from dcp_compile.runtime.names import RANK_INPUT
         from dcp_compile.runtime.step_contract import StepContract
         if source not in self.SOURCES:
@@ -241,7 +259,8 @@ class XLAExecutor:
             key = (kind, view.shapes.max_blocks)
             t = time.perf_counter()
             self.executables[key] = compile_module(getattr(m, source), self.devices,
-                                                   step=name, path=m.paths.get(source))
+                                                   step=name, path=m.paths.get(source),
+                                                   effort=effort)
             self.compile_seconds[name] = time.perf_counter() - t
             self.contracts[key] = StepContract.for_program(view, kind)
             self.modules[key] = name
@@ -301,6 +320,9 @@ class XLAExecutor:
 # Verification against the single-device model (same signatures as dcp_compile.verify)
 # ------------------------------------------------------------------------------------------
 
+# The verifiers run each step a few times: compile time dominates, not the steps'.
+VERIFY_EFFORT = "fast"
+
 
 def lower_for_xla(program, out_dir: str | Path | None = None):
     """Lower ``program`` (every step) and check its collective forms run on XLA:CPU."""
@@ -324,7 +346,8 @@ def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"
 
     from dcp_compile.runtime.rank_engine import prompt_kind
     if executor is None:
-        executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source)
+        executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source,
+                               effort=VERIFY_EFFORT)
     engine = Engine(executor, program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
                     prompt_kind=prompt_kind(program), buckets=program.buckets)
@@ -339,7 +362,8 @@ def verify(model, program, prompts, steps: int, *, atol: float = 1e-4, lowered=N
     start = time.perf_counter()
     from .memory_floor import bucket_table
     ref, _ = V.run_reference(model, program, prompts, steps)
-    executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source)
+    executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source,
+                           effort=VERIFY_EFFORT)
     got = generate(program, prompts, steps, executor=executor)
     errors, first = [], None
     for t, (g, e) in enumerate(zip(got.logits, ref.logits)):
@@ -368,7 +392,8 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
     start = time.perf_counter()
     ref, _ = V.run_reference(model, program, prompts, steps)
     lowered = lowered or lower_for_xla(program)
-    engine = Engine(XLAExecutor(program, lowered, source=source), program.shapes,
+    engine = Engine(XLAExecutor(program, lowered, source=source, effort=VERIFY_EFFORT),
+                    program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
                     prompt_kind=prompt_kind(program), prefix_caching=prefix_caching)
     got, reused = V.generate_per_token(engine, prompts, steps, drafter)
@@ -382,7 +407,8 @@ def draft_drafter(draft):
     from dcp_compile.runtime.speculative import ModelDrafter
 
     from dcp_compile.runtime.rank_engine import prompt_kind
-    return ModelDrafter(Engine(XLAExecutor(draft, lower_for_xla(draft)), draft.shapes,
+    return ModelDrafter(Engine(XLAExecutor(draft, lower_for_xla(draft), effort=VERIFY_EFFORT),
+                               draft.shapes,
                                block_size=draft.config.block_size, dcp=draft.config.dcp,
                                prompt_kind=prompt_kind(draft)))
 
@@ -404,7 +430,7 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     ref = V.run_prefill_reference(model, program, chunk_plan)
     from .memory_floor import bucket_table
     executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0,
-                           source=source)
+                           source=source, effort=VERIFY_EFFORT)
     recorder = RecordingExecutor(executor)
     engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
                     dcp=program.config.dcp, prompt_kind=StepKind.PREFILL, buckets=program.buckets)

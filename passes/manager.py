@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dcp_compile.runtime.errors import DCPTransformError
@@ -94,7 +95,7 @@ def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None 
     interp = FakeTensorProp(gm, mode)
     dirty: set[Node] = set()
     count = 0
-    memo: dict = {}
+    memo = _call_results()
     with mode:
         for n in gm.graph.nodes:
             if n.op == "placeholder":
@@ -115,8 +116,9 @@ def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None 
             if n not in changed:
                 old = n.meta.get("val", _MISSING)
             key = _call_key(n)
-            if key is not None and key in memo:
-                n.meta["val"] = _fresh_fake(memo[key])
+            reused = memo.get(key) if key is not None else None
+            if reused is not None:
+                n.meta["val"] = _fresh_fake(reused, mode)
             else:
                 interp.run_node(n)
                 if key is not None:
@@ -128,10 +130,23 @@ def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None 
     return count
 
 
-# Layers repeat the same op calls on values of the same shapes: the second and later calls
-# of an ATen/dcp op on inputs with the same metadata (and the same other arguments) take the
-# first one's result metadata instead of dispatching again (a fake tensor has no data, so
-# its result depends on nothing else). Exact: the full re-propagation check compares them.
+# Layers repeat the same op calls on values of the same shapes, and so do the passes, the
+# step kinds and the models of one process (the same hidden sizes, heads and token counts):
+# the second and later calls of an ATen/dcp op on inputs with the same metadata (and the
+# same other arguments) take the first one's result metadata instead of dispatching again (a
+# fake tensor has no data, so its result depends on nothing else). The results are kept per
+# process (metadata only, no tensors), bounded by _MAX_CALL_RESULTS. Exact: the full
+# re-propagation check (DCP_COMPILE_FULL_PROPAGATION=1) compares them.
+_MAX_CALL_RESULTS = 50_000
+_CALL_RESULTS: dict = {}
+
+
+def _call_results() -> dict:
+    """The process's call key -> result metadata table (emptied when it reaches its bound)."""
+    if len(_CALL_RESULTS) >= _MAX_CALL_RESULTS:
+        _CALL_RESULTS.clear()
+    return _CALL_RESULTS
+
 
 
 def _call_key(n: Node):
@@ -141,17 +156,29 @@ def _call_key(n: Node):
         return None
     if torch.Tag.nondeterministic_seeded in n.target.tags:
         return None
-    sig = []
-    for leaf in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
-        if isinstance(leaf, Node):
-            v = leaf.meta.get("val", _MISSING)
-            meta = _fake_metadata(v)
-            if meta is None:
-                return None
-            sig.append(meta)
-        else:
-            sig.append((type(leaf).__name__, repr(leaf)))
-    return n.target, repr(torch.utils._pytree.tree_structure((n.args, n.kwargs))), tuple(sig)
+    try:
+        return n.target, _signature(n.args), _signature(n.kwargs)
+    except _NotReusable:
+        return None
+
+
+class _NotReusable(Exception):
+    """An argument whose value the reuse does not handle (see _fake_metadata)."""
+
+
+def _signature(x):
+    """Arguments as a hashable value: nested containers keep their type and order, nodes
+    become their value's metadata, anything else its type and repr."""
+    if isinstance(x, Node):
+        meta = _fake_metadata(x.meta.get("val", _MISSING))
+        if meta is None:
+            raise _NotReusable
+        return meta
+    if isinstance(x, (list, tuple)):
+        return type(x).__name__, tuple(_signature(a) for a in x)
+    if isinstance(x, dict):
+        return "dict", tuple((k, _signature(v)) for k, v in x.items())
+    return type(x).__name__, repr(x)
 
 
 def _fake_metadata(v):
@@ -168,16 +195,22 @@ def _fake_metadata(v):
             v.device)
 
 
-def _fresh_fake(meta):
-    """A new fake tensor (in the active fake mode) with that metadata."""
+def _fresh_fake(meta, mode=None):
+    """A new fake tensor of ``mode`` (default: the active fake mode) with that metadata.
+
+    Built from a meta tensor (storage of the extent the strides reach, then the view) and
+    wrapped directly: no fake-mode dispatch, a tenth of the cost of creating it by ops."""
+    mode = mode or detect_fake_mode()
     if meta[0] != "tensor":
-        parts = [_fresh_fake(m) for m in meta[1]]
+        parts = [_fresh_fake(m, mode) for m in meta[1]]
         return tuple(parts) if meta[0] == "tuple" else parts
     _, shape, stride, offset, dtype, device = meta
     extent = 1 + sum((d - 1) * st for d, st in zip(shape, stride)) if all(shape) else 0
-    base = torch.empty(offset + extent, dtype=dtype, device=device)
-    return base.as_strided(shape, stride, offset) if offset or shape != (offset + extent,) \
-        else base
+    with unset_fake_temporarily():
+        base = torch.empty(offset + extent, dtype=dtype, device="meta")
+        if offset or shape != (offset + extent,):
+            base = base.as_strided(shape, stride, offset)
+    return FakeTensor(mode, base, device)
 
 
 def same_value(a, b) -> bool:

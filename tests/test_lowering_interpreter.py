@@ -20,7 +20,7 @@ from dcp_compile.runtime.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
 
 from helpers import assert_close_report  # noqa: E402
-from lowering_helpers import LAYERS, lowered_for, program_for  # noqa: E402
+from lowering_helpers import LAYERS, program_for  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not interpreter_available()[0],
                                        reason=interpreter_available()[1])
@@ -307,13 +307,32 @@ def test_lowered_programs_on_interpreter_replicas_match_the_single_device_model(
             assert_close_report(got, exp, atol=1e-4, what=f"{world} step {t} logits")
 
 
-def test_interpreter_refuses_what_would_abort_it(tmp_path_factory):
+def _module_with_collectives_over(tp: int):
+    """A lowered module whose collectives span ``tp`` replicas, as a tp program's do (the
+    refusals read only the module's collectives: a two-collective graph lowers in ~0.1 s,
+    the tp=8 demo program in seconds)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dcp_compile.lowering import lower_graph
+    F = torch.ops._c10d_functional
+
+    def f(x):
+        y = F.wait_tensor(F.all_reduce(x, "sum", "dcp_role:tp"))
+        return F.wait_tensor(F.all_gather_into_tensor(y, tp // 2, "dcp_role:dcp"))
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 4))
+    groups = {"tp": [list(range(tp))],
+              "dcp": [list(range(tp // 2)), list(range(tp // 2, tp))]}
+    return lower_graph(gm, step="decode", groups=groups, tp=tp)
+
+
+def test_interpreter_refuses_what_would_abort_it():
     import os
     from dcp_compile.lowering import run_interpreter_spmd
-    _, result = lowered_for(8, 4, "decode", tmp_path_factory)
+    module = _module_with_collectives_over(8)
     with pytest.raises(DCPLoweringError, match=r"collectives span replicas \[0, 1, .*7\], "
                                                r"but 1 rank"):
-        run_interpreter(result["decode"], [])
+        run_interpreter(module, [])
     if len(os.sched_getaffinity(0)) < 8:
         with pytest.raises(DCPLoweringError, match="8 ranks would deadlock"):
-            run_interpreter_spmd(result["decode"], [[]] * 8)
+            run_interpreter_spmd(module, [[]] * 8)

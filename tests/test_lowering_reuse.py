@@ -99,3 +99,29 @@ def test_repeated_calls_are_merged_but_not_random_ones_or_other_arguments():
     x = torch.randn(3)
     got = gm(x)
     assert torch.equal(got[0], x + 1) and not torch.equal(got[4], got[5])
+
+
+def test_a_later_lowering_takes_the_traces_of_earlier_ones(monkeypatch):
+    """The process remembers each decomposed op call (decompose._TRACES): lowering the same
+    calls again traces none of them and gives the same module as a process that traced
+    everything."""
+    import sys
+    decompose = sys.modules["dcp_compile.lowering.decompose"]
+    caches = []
+
+    class Recorded(lowering.DecompositionCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    def f(a, b):
+        return a // b, a % b, torch.where(a > b, a, b) * 3
+
+    inputs = [torch.tensor([[-7, 7, 0, 33]]), torch.tensor([[2, -2, 3, 4]])]
+    monkeypatch.setattr(decompose, "DecompositionCache", Recorded)
+    monkeypatch.setattr(decompose, "_TRACES", {})          # a fresh process's memo
+    first = lowering.lower_function(f, inputs, name="f")
+    again = lowering.lower_function(f, inputs, name="f")
+    assert caches[0].traced > 0 and caches[0].remembered == 0, caches[0]
+    assert caches[1].remembered == caches[1].traced == caches[0].traced, caches[1]
+    assert again.text == first.text

@@ -30,9 +30,9 @@ def test_reused_values_equal_a_full_repropagation_including_offsets(mode, monkey
     reused = []
     fresh = manager._fresh_fake
 
-    def spy(meta):
+    def spy(meta, *mode):
         reused.append(meta)
-        return fresh(meta)
+        return fresh(meta, *mode)
 
     monkeypatch.setattr(manager, "_fresh_fake", spy)
     prog = dcp_compile.transform(demo_model(DemoConfig(num_layers=3)), tp=4, dcp=2, mode=mode,

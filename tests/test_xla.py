@@ -66,13 +66,13 @@ def _program(tp, dcp, mode, dtype="f32", combine="all_gather"):
 _COMPILE, _EXECUTABLES = X.compile_module, {}
 
 
-def _compile_once(source, devices, *, step, path=None):
-    """X.compile_module, once per (module source, devices) in this process: a case that runs
-    a program another case compiled reuses its executables (an executable is immutable; each
-    executor owns its buffers)."""
-    key = (source, tuple(d.id for d in devices))
+def _compile_once(source, devices, *, step, path=None, effort="optimized"):
+    """X.compile_module, once per (module source, devices, effort) in this process: a case
+    that runs a program another case compiled reuses its executables (an executable is
+    immutable; each executor owns its buffers)."""
+    key = (source, tuple(d.id for d in devices), effort)
     if key not in _EXECUTABLES:
-        _EXECUTABLES[key] = _COMPILE(source, devices, step=step, path=path)
+        _EXECUTABLES[key] = _COMPILE(source, devices, step=step, path=path, effort=effort)
     return _EXECUTABLES[key]
 
 
@@ -129,7 +129,7 @@ def case_wrong_rank(tp, dcp) -> dict:
     from dcp_compile.runtime.engine import Engine
     from dcp_compile.runtime.errors import DCPInputError
     model, prog, lowered = _program(tp, dcp, "decode")
-    executor = X.XLAExecutor(prog, lowered)
+    executor = X.XLAExecutor(prog, lowered, effort=X.VERIFY_EFFORT)   # case_verify's build
     ids, pos = torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
     try:                              # the step contract runs before anything executes
         executor.step("decode", ids, pos, torch.full((2, 2), 99, dtype=torch.int64))
@@ -259,6 +259,42 @@ def test_forms_xla_cpu_aborts_on_are_refused(op, name):
         X.XLAExecutor(SimpleNamespace(topology=SimpleNamespace(tp=2)), lowered)
 
 
+def case_compile_efforts() -> dict:
+    """A module with collectives compiled at each COMPILE_EFFORT: XLA's optimised HLO and its
+    cost analysis (what the memory-floor tests read), and the results."""
+    import re
+    import numpy as np
+    text = _MODULE.format(op=_A2A.format(ch=""))
+    devices = X.host_devices(2)
+    x = torch.arange(16, dtype=torch.float32).reshape(2, 2, 4)
+    replicas = X._Replicas(devices)
+    got = {}
+    for effort in X.COMPILE_EFFORT:
+        ex = X.compile_module(text, devices, step="decode", effort=effort)
+        hlo = re.sub(r"HloModule \S+", "", ex.hlo_modules()[0].to_string())
+        out = ex.execute_sharded([replicas.per_rank([x[0], x[1]])])
+        out = [np.asarray(b) for b in out.disassemble_into_single_device_arrays()[0]]
+        got[effort] = {"hlo": hlo, "cost": ex.cost_analysis(), "out": out}
+    try:
+        X.compile_module(text, devices, step="decode", effort="max")
+        got["unknown"] = None
+    except X.DCPXLAError as e:
+        got["unknown"] = str(e)
+    return got
+
+
+def test_compile_efforts_differ_only_in_machine_code(tmp_path):
+    """"fast" (what the verifiers compile) and "optimized" give XLA the same optimised HLO and
+    cost analysis, and the same results; an unknown effort is refused."""
+    got = _in_xla_process("case_compile_efforts", tmp_path=tmp_path)
+    fast, optimized = got["fast"], got["optimized"]
+    assert fast["hlo"] == optimized["hlo"] and "all-to-all" in fast["hlo"]
+    assert fast["cost"] == optimized["cost"]
+    for a, b in zip(fast["out"], optimized["out"]):
+        assert (a == b).all()
+    assert got["unknown"].startswith("unknown compile effort 'max'"), got["unknown"]
+
+
 def test_forms_xla_cpu_runs_pass_the_check():
     X.check_xla_cpu_forms(_MODULE.format(op=_A2A.format(ch="")))           # no channel
     X.check_xla_cpu_forms(_MODULE.format(op=_PERMUTE.format(ch="")))
@@ -288,17 +324,40 @@ def test_cli_backend_xla_without_jax_exits_2_naming_the_extra(command, capsys, m
     assert code == 2 and "--backend xla cannot run here" in err and "'.[xla]'" in err, err
 
 
-def test_cli_verify_backend_xla():
-    """`dcp-compile verify --backend xla` (fresh process: it sets the device count itself)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "dcp_compile.cli", "verify", "--tp", "4",
-                           "--dcp", "2", "--steps", "2", "--backend", "xla", "--json"],
-                          env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def case_cli_verify() -> dict:
+    """`dcp-compile verify --backend xla` through the CLI's main: its exit code and report."""
+    import contextlib
+    import io
     import json
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    from dcp_compile import cli
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli.main(["verify", "--tp", "4", "--dcp", "2", "--steps", "2", "--backend",
+                         "xla", "--json"])
+    return {"code": code, "report": json.loads(out.getvalue().strip().splitlines()[-1])}
+
+
+def test_cli_verify_backend_xla(tmp_path):
+    """`dcp-compile verify --backend xla` end to end (here when jax has the devices, as the
+    test process has; the next test shows the CLI asks for them itself)."""
+    got = _in_xla_process("case_cli_verify", tmp_path=tmp_path)
+    report = got["report"]
+    assert got["code"] == 0
     assert report["ok"] and report["tp"] == 4 and report["max_abs_error"] <= FP32_ATOL, report
+
+
+def test_cli_backend_xla_asks_for_its_devices_before_any_work(monkeypatch):
+    """In a fresh process XLA_FLAGS has no device count: the CLI sets tp of them while it
+    checks the options, before the command runs (and so before jax starts)."""
+    from dcp_compile import cli
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    parser = cli.build_parser()
+    seen = []
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.set_defaults(_run=lambda args: seen.append(os.environ.get("XLA_FLAGS")))
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main(["verify", "--tp", "4", "--dcp", "2", "--backend", "xla"]) == 0
+    assert seen == ["--xla_force_host_platform_device_count=4"], seen
 
 
 def case_moe_verify(mode, expert_parallel, model_id="mixtral") -> dict:

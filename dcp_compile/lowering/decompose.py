@@ -133,10 +133,22 @@ _INHERITED_META = ("custom", "stack_trace", "nn_module_stack", "source_fn_stack"
 
 @dataclass
 class DecompositionCache:
-    """op-call signature -> its decomposed graph; counts how many calls were traced."""
+    """op-call signature -> its decomposed graph. ``traced``: distinct calls decomposed for
+    this cache (``remembered`` of them taken from the process's earlier traces, _TRACES);
+    ``copied``: calls that copied one of them."""
     graphs: dict = field(default_factory=dict)
     traced: int = 0
     copied: int = 0
+    remembered: int = 0
+
+
+# (decomposition table, op-call key) -> its make_fx trace, for every lowering in this
+# process: a trace depends on nothing else (see decompose_by_op), so the graphs a process
+# lowers one after another -- the steps and buckets of a program, the same model at another
+# tp, dcp or mode (whose unsharded calls keep their shapes), a test session -- trace each
+# distinct call once. Bounded: the oldest trace goes first.
+_TRACES: dict = {}
+TRACES_KEPT = 4096
 
 
 def decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.dtype]], *,
@@ -162,6 +174,7 @@ def _decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.d
     from torch.fx._lazy_graph_module import _make_graph_module
 
     table = decomposition_table()
+    table_key = frozenset(table.items())
     graph, root, env = torch.fx.Graph(), torch.nn.Module(), {}
     shapes = iter(specs)
     for node in gm.graph.nodes:
@@ -181,9 +194,11 @@ def _decompose_by_op(gm: GraphModule, specs: list[tuple[tuple[int, ...], torch.d
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             key, inputs = op_call_key(node.target, args, kwargs)
             if key not in cache.graphs:
-                cache.graphs[key] = _trace_op_call(node.target, args, kwargs, inputs, table,
-                                                   mode)
+                remembered = (table_key, key) in _TRACES
+                cache.graphs[key] = _remembered_trace(table_key, key, node.target, args,
+                                                      kwargs, inputs, table, mode)
                 cache.traced += 1
+                cache.remembered += remembered
             else:
                 cache.copied += 1
             env[node] = _copy_decomposition(graph, root, cache.graphs[key], inputs, node)
@@ -226,6 +241,17 @@ def _signature(x):
     if isinstance(x, dict):
         return ("dict", tuple((k, _signature(v)) for k, v in x.items()))
     return (type(x).__name__, repr(x))
+
+
+def _remembered_trace(table_key, key, target, args, kwargs, inputs: list[Node], table: dict,
+                      mode) -> GraphModule:
+    """_trace_op_call, once per (table, key) in this process (_TRACES)."""
+    memo = (table_key, key)
+    if memo not in _TRACES:
+        if len(_TRACES) >= TRACES_KEPT:
+            del _TRACES[next(iter(_TRACES))]
+        _TRACES[memo] = _trace_op_call(target, args, kwargs, inputs, table, mode)
+    return _TRACES[memo]
 
 
 def _trace_op_call(target, args, kwargs, inputs: list[Node], table: dict, mode
