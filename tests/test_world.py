@@ -416,7 +416,7 @@ def test_launch_error_puts_the_failing_rank_first(tmp_path):
 
 
 _TEARDOWN_SCRIPT = """
-import gc, os, sys
+import gc, os, sys, time
 import torch, torch.distributed as dist
 from dcp_compile.runtime.launch import init_distributed_from_env
 
@@ -426,7 +426,11 @@ def gloo_threads():
     return sorted(n for n in names if "gloo" in n)
 
 init_distributed_from_env()
-assert gloo_threads(), "the gloo group runs no thread: nothing to check"
+# gloo starts and names its threads asynchronously: wait for them (a bounded poll).
+deadline = time.monotonic() + 30
+while not gloo_threads() and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert gloo_threads(), "the gloo group runs no thread after 30 s: nothing to check"
 import torch._dynamo  # first imported inside the world, as a transform or a program's step does
 dist.destroy_process_group()
 gc.collect()
