@@ -227,9 +227,11 @@ WORLDS = {
 
 
 def _interpreter_world(tp: int, dcp: int, mode: str, model_kind: str = "demo",
-                       combine: str | None = None) -> dict:
+                       combine: str | None = None, results: dict | None = None) -> dict:
     """Serve prompts with the lowered modules on the interpreter's replicas, and with the
-    single-device model (an ordinary model: its own full forward); return both."""
+    single-device model (an ordinary model: its own full forward); return both. ``results``:
+    the interpreter runs of earlier worlds (InterpreterExecutor: a step whose module text
+    and inputs are byte-identical to an earlier run's takes its outputs)."""
     from dcp_compile.lowering import InterpreterExecutor
     from dcp_compile.runtime.rank_engine import prompt_kind
     from dcp_compile.verify import run_reference
@@ -254,7 +256,8 @@ def _interpreter_world(tp: int, dcp: int, mode: str, model_kind: str = "demo",
                                      **options)
     lowered = lower(prog)
     prompts, steps = prompts_of((3, 7), vocab=vocab), 3
-    engine = Engine(InterpreterExecutor(prog, lowered), SPMD_SHAPES,
+    executor = InterpreterExecutor(prog, lowered, results=results)
+    engine = Engine(executor, SPMD_SHAPES,
                     block_size=prog.config.block_size, dcp=prog.config.dcp,
                     prompt_kind=prompt_kind(prog))
     ref, _ = run_reference(model, prog, prompts, steps if mode == "decode" else 1)
@@ -266,13 +269,17 @@ def _interpreter_world(tp: int, dcp: int, mode: str, model_kind: str = "demo",
     collectives = {step: [(c.kind, c.role, c.replica_groups) for c in m.collectives]
                    for step, m in lowered.modules.items()}
     return {"result": result, "ref_tokens": ref.tokens, "ref_logits": ref.logits,
-            "collectives": collectives}
+            "collectives": collectives, "reused": executor.reused}
 
 
 def _interpreter_worlds(out: str) -> None:
     """Child process: every world of WORLDS at tp=2/dcp=2, one after the other (one process
-    start for all); save the results by world."""
-    torch.save({world: _interpreter_world(2, 2, *world) for world in WORLDS}, out)
+    start for all), sharing their interpreter runs (the two demo decode worlds differ only
+    in their decode combine: their prompt steps are the same module on the same inputs);
+    save the results by world."""
+    results: dict = {}
+    torch.save({world: _interpreter_world(2, 2, *world, results=results) for world in WORLDS},
+               out)
 
 
 @needs_interpreter
@@ -303,8 +310,26 @@ def test_lowered_programs_on_interpreter_replicas_match_the_single_device_model(
         assert expected <= kinds, (world, kinds)
         if mode == "decode":
             assert r["result"]["tokens"] == r["ref_tokens"], world
+        # Only the all-to-all world's prompt step is the all-gather world's, byte for byte.
+        assert (r["reused"] > 0) == (world == ("decode", "demo", "all_to_all")), (world, r)
         for t, (got, exp) in enumerate(zip(r["result"]["logits"], r["ref_logits"])):
             assert_close_report(got, exp, atol=1e-4, what=f"{world} step {t} logits")
+
+
+def test_interpreter_run_digest_tells_apart_text_dtype_shape_and_bytes():
+    """InterpreterExecutor's shared results key runs by this digest: anything that could
+    change a run's outputs changes it."""
+    from dcp_compile.lowering.interpreter import _run_digest
+    x = torch.arange(6, dtype=torch.float32)
+    base = _run_digest("m", [[x, torch.tensor(0)]])
+    assert base == _run_digest("m", [[x.clone(), torch.tensor(0)]])
+    variants = [_run_digest("m2", [[x, torch.tensor(0)]]),
+                _run_digest("m", [[x.view(2, 3), torch.tensor(0)]]),
+                _run_digest("m", [[x.view(torch.int32), torch.tensor(0)]]),
+                _run_digest("m", [[x + 1, torch.tensor(0)]]),
+                _run_digest("m", [[x, torch.tensor(1)]]),
+                _run_digest("m", [[x], [torch.tensor(0)]])]
+    assert len({base, *variants}) == 1 + len(variants)
 
 
 def _module_with_collectives_over(tp: int):
