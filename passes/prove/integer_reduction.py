@@ -54,16 +54,18 @@ class _Split(Exception):
 
 
 def affine(expr):
-    """``({symbol: Fraction}, Fraction)`` when ``expr`` is affine in its symbols, else None."""
+    """``({symbol: coefficient}, constant)`` when ``expr`` is affine in its symbols, else
+    None; the numbers are ints, or Fractions where they are not integers."""
     expr = sympy.sympify(expr)
     terms = expr.as_coefficients_dict()
     if any(t is not sympy.S.One and not t.is_Symbol for t in terms):
         terms = sympy.expand(expr).as_coefficients_dict()
-    coeffs, const = {}, Fraction(0)
+    coeffs, const = {}, 0
     for term, c in terms.items():
         if not c.is_Rational:
             return None
-        c = Fraction(int(c.p), int(c.q))
+        # Integer coefficients stay ints (exact, and far cheaper than Fraction arithmetic).
+        c = int(c.p) if c.q == 1 else Fraction(int(c.p), int(c.q))
         if term is sympy.S.One:
             const += c
         elif term.is_Symbol:
@@ -127,6 +129,7 @@ def _threshold_split(coeffs, const, box, s):
     c = coeffs[s]
     lo, hi = box[s]
     m, M = affine_range({x: v for x, v in coeffs.items() if x is not s}, const, box)
+    c = Fraction(c)  # exact division below (int / int would be a float)
     if c > 0:  # D < 0 surely iff s < -M/c; D >= 0 surely iff s >= -m/c
         low_end = lo - 1 if M is None else math.ceil(-M / c) - 1
         high_start = hi + 1 if m is None else math.ceil(-m / c)
@@ -200,21 +203,48 @@ def _symbols_of(e, cache: dict) -> tuple:
     return hit
 
 
+def _is_polynomial(e, cache: dict) -> bool:
+    """True when ``e`` has nothing to reduce (only the arithmetic reduce keeps as it is),
+    cached by object identity."""
+    hit = cache.get(id(e))
+    if hit is None:
+        f = e.func
+        if e.is_Atom:
+            hit = True
+        elif f is sympy.Add or f is sympy.Mul or (
+                f is sympy.Pow and e.args[1].is_Integer
+                and (e.args[0].is_Number or e.args[1] >= 0)):
+            hit = all(_is_polynomial(a, cache) for a in e.args)
+        else:
+            hit = False
+        cache[id(e)] = hit
+    return hit
+
+
+class _Caches:
+    """What the pieces of one expression share: the expression's subtrees stay alive and
+    are interned, so object ids are stable keys."""
+
+    def __init__(self):
+        self.memo = {}        # (id of a subtree, ranges of its symbols) -> reduced
+        self.symbols = {}     # id of a subtree -> its free symbols in a fixed order
+        self.polynomial = {}  # id of a subtree -> nothing to reduce in it
+        self.affine = {}      # expression -> affine(expression)
+
+
 class _Reducer:
     """Rewrites one expression on one box; raises _Split when the box must be cut."""
 
-    def __init__(self, box: Box, enumerable, memo: dict, symbols: dict):
+    def __init__(self, box: Box, enumerable, caches: _Caches):
         self.box = box
         self.enumerable = enumerable
-        # (id of a subtree, ranges of its symbols) -> reduced, shared by all pieces of one
-        # expression (whose subtrees stay alive and are interned, so ids are stable).
-        self.memo = memo
-        self.symbols = symbols
+        self.caches = caches
+        self.memo = caches.memo
 
     def reduce(self, e):
-        if e.is_Atom:
-            return e
-        key = (id(e), tuple(self.box[s] for s in _symbols_of(e, self.symbols)))
+        if e.is_Atom or _is_polynomial(e, self.caches.polynomial):
+            return e  # reducing would rebuild the same expression
+        key = (id(e), tuple(map(self.box.__getitem__, _symbols_of(e, self.caches.symbols))))
         hit = self.memo.get(key)
         if hit is not None:
             return hit
@@ -243,14 +273,20 @@ class _Reducer:
                 raise Stuck(f"no branch of {e} holds")
         elif f in (sympy.Add, sympy.Mul) or (f is sympy.Pow and e.args[1].is_Integer
                                              and (e.args[0].is_Number or e.args[1] >= 0)):
-            out = f(*(self.reduce(x) for x in e.args))
+            args = [self.reduce(x) for x in e.args]
+            # Nothing changed below: rebuilding would give e again (it is canonical).
+            unchanged = all(a is x for a, x in zip(args, e.args))
+            out = e if unchanged else f(*args)
         else:
             raise Stuck(f"no reduction rule for {f.__name__}: {e}")
         self.memo[key] = out
         return out
 
     def _affine(self, e):
-        lin = affine(e)
+        cache = self.caches.affine
+        lin = cache.get(e, False)
+        if lin is False:
+            lin = cache[e] = affine(e)
         if lin is None:
             raise Stuck(f"not an affine form: {e}")
         return lin
@@ -355,11 +391,11 @@ def reduce_on_box(expr, box: Box, enumerable=frozenset()):
     ranges must be small). Raises Stuck when a rule's side condition cannot be decided.
     """
     expr = _canonical(sympy.sympify(expr))
-    out, stack, memo, symbols = [], [box], {}, {}
+    out, stack, caches = [], [box], _Caches()
     while stack:
         piece = stack.pop()
         try:
-            reduced = _Reducer(piece, enumerable, memo, symbols).reduce(expr)
+            reduced = _Reducer(piece, enumerable, caches).reduce(expr)
         except _Split as split:
             stack.extend(reversed(split.pieces))
         else:
