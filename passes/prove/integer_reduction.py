@@ -221,6 +221,29 @@ def _is_polynomial(e, cache: dict) -> bool:
     return hit
 
 
+class _FloorParts:
+    """``floor(a)`` split once per affine ``a`` into the integer part Q and the fractional
+    part R (``floor(a) = Q + floor(R)``); R is also kept scaled by its common denominator,
+    so deciding ``n <= R < n + 1`` on a box takes int arithmetic only."""
+
+    def __init__(self, coeffs, const):
+        self.q_coeffs, self.r_coeffs = {}, {}
+        for s, c in coeffs.items():
+            whole = math.floor(c)
+            if whole:
+                self.q_coeffs[s] = Fraction(whole)
+            if c != whole:
+                self.r_coeffs[s] = c - whole
+        self.q_const = math.floor(const)
+        self.r_const = const - self.q_const
+        d = math.lcm(*(Fraction(c).denominator for c in self.r_coeffs.values()),
+                     Fraction(self.r_const).denominator)
+        self.denominator = d
+        self.r_scaled = {s: int(c * d) for s, c in self.r_coeffs.items()}
+        self.r_const_scaled = int(self.r_const * d)
+        self.results = {}  # n -> Q + n as sympy
+
+
 class _Caches:
     """What the pieces of one expression share: the expression's subtrees stay alive and
     are interned, so object ids are stable keys."""
@@ -230,6 +253,7 @@ class _Caches:
         self.symbols = {}     # id of a subtree -> its free symbols in a fixed order
         self.polynomial = {}  # id of a subtree -> nothing to reduce in it
         self.affine = {}      # expression -> affine(expression)
+        self.floor_parts = {}  # affine expression -> _FloorParts
 
 
 class _Reducer:
@@ -292,23 +316,20 @@ class _Reducer:
         return lin
 
     def _floor(self, a):
-        coeffs, const = self._affine(a)
-        q_coeffs, r_coeffs = {}, {}
-        for s, c in coeffs.items():
-            whole = math.floor(c)
-            if whole:
-                q_coeffs[s] = Fraction(whole)
-            if c != whole:
-                r_coeffs[s] = c - whole
-        whole_const = math.floor(const)
-        r_const = const - whole_const
-        lo, hi = affine_range(r_coeffs, r_const, self.box)
+        parts = self.caches.floor_parts.get(a)
+        if parts is None:
+            parts = self.caches.floor_parts[a] = _FloorParts(*self._affine(a))
+        # The range of the fractional part R, scaled by its common denominator to ints.
+        lo, hi = affine_range(parts.r_scaled, parts.r_const_scaled, self.box)
         if lo is None or hi is None:
             raise Stuck(f"floor({a}): the fractional part is unbounded on {_show(self.box)}")
-        n = math.floor(lo)
-        if math.floor(hi) == n:
-            return _to_sympy(q_coeffs, Fraction(whole_const + n))
-        raise _Split(_split(r_coeffs, r_const - (n + 1), self.box, self.enumerable))
+        n = lo // parts.denominator
+        if hi // parts.denominator == n:
+            out = parts.results.get(n)
+            if out is None:
+                out = parts.results[n] = _to_sympy(parts.q_coeffs, Fraction(parts.q_const + n))
+            return out
+        raise _Split(_split(parts.r_coeffs, parts.r_const - (n + 1), self.box, self.enumerable))
 
     def _nonneg(self, e) -> bool:
         coeffs, const = self._affine(e)
