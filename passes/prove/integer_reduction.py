@@ -252,6 +252,8 @@ class _Caches:
         self.memo = {}        # (id of a subtree, ranges of its symbols) -> reduced
         self.symbols = {}     # id of a subtree -> its free symbols in a fixed order
         self.polynomial = {}  # id of a subtree -> nothing to reduce in it
+        # id of a subtree -> its symbols (its memo key), None when it has nothing to reduce
+        self.key_symbols = {}
         self.affine = {}      # expression -> affine(expression)
         self.floor_parts = {}  # affine expression -> _FloorParts
 
@@ -264,11 +266,20 @@ class _Reducer:
         self.enumerable = enumerable
         self.caches = caches
         self.memo = caches.memo
+        self.key_symbols = caches.key_symbols
 
     def reduce(self, e):
-        if e.is_Atom or _is_polynomial(e, self.caches.polynomial):
-            return e  # reducing would rebuild the same expression
-        key = (id(e), tuple(map(self.box.__getitem__, _symbols_of(e, self.caches.symbols))))
+        if e.is_Atom:
+            return e
+        node = id(e)
+        symbols = self.key_symbols.get(node, False)
+        if symbols is False:
+            symbols = self.key_symbols[node] = (
+                None if _is_polynomial(e, self.caches.polynomial)
+                else _symbols_of(e, self.caches.symbols))
+        if symbols is None:
+            return e  # nothing to reduce: rebuilding would give the same expression
+        key = (node, tuple(map(self.box.__getitem__, symbols)))
         hit = self.memo.get(key)
         if hit is not None:
             return hit
