@@ -131,6 +131,19 @@ def _command_cases():
     return cases
 
 
+def test_every_bash_line_runs_or_is_excluded_with_a_reason():
+    unknown = [(b.line, c) for b in BLOCKS if b.lang == "bash" for c in bash_commands(b)
+               if not c.startswith(("dcp-compile ", "python3 -m "))
+               and not _not_run(c)]
+    assert not unknown, f"README bash lines neither run nor in NOT_RUN: {unknown}"
+    for key in NOT_RUN:                                 # no stale exclusions
+        assert any(_not_run(c, [key]) for b in BLOCKS if b.lang == "bash"
+                   for c in bash_commands(b)), f"NOT_RUN entry matches no README line: {key}"
+    tags = {k for b in BLOCKS for k in b.tags}
+    assert tags <= {"name", "after", "torchrun", "world"}, tags
+    assert all(b.tags["after"] in NAMED for b in BLOCKS if "after" in b.tags)
+
+
 def _console_cases():
     cases = []
     for b in BLOCKS:

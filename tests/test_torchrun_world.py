@@ -11,22 +11,21 @@ reads its part's output:
 1. The collectives self-test: bind the prefill roles, check every collective on cp_kv and
    dcp_tp in float32/bfloat16/int64, eager and from a GraphModule, also through role
    aliases (tests/selftest_worker.py).
-2. Prefill (dcp_compile.workers.prefill): the test transforms the 2-layer demo model once
-   and every rank loads the program file (``--program``, runtime/program_file.py), then
-   runs a mixed chunked prefill; logits and caches match the single-device model
-   (tests/test_prefill_dcp.py's comparison, on the program the ranks loaded).
-3. Decode (dcp_compile.workers.decode): the same with the decode program; greedy decode of
-   prompts of 1, 31, 33 and 32 tokens (an empty shard, lengths around the interleave
-   period) for 16 steps gives the single-device model's tokens, and logits within 1e-4.
+2. Prefill (dcp_compile.workers.prefill): every rank transforms the 2-layer demo model
+   itself (the workers' default, rank 0 with transform's check: this launch keeps each
+   rank's own transform covered, and that it is the same SPMD program on every rank), then
+   runs a mixed chunked prefill;
+   logits and caches match the single-device model (tests/test_prefill_dcp.py's
+   comparison).
+3. Decode (dcp_compile.workers.decode): the test transforms once and every rank loads the
+   program file (``--program``, runtime/program_file.py); greedy decode of prompts of 1, 31,
+   33 and 32 tokens (an empty shard, lengths around the interleave period) for 16 steps
+   gives the single-device model's tokens, and logits within 1e-4.
 4. The torch.compile backend (tests/backend_worker.py over dcp_compile.workers.compiled):
    every rank compiles the single-device model with ``backend="dcp"`` (found by name),
    ``fullgraph=True``, and decodes 8 steps of the same prompts: the single-device tokens,
    logits within 1e-4; ``DCP_COMPILE_DUMP`` covers the backend's compiles; a model with a
-   graph break raises DCPTransformError on every rank (never runs unsharded). This part
-   and the README block are where each rank compiles the model itself (the one compile
-   driver, Dynamo's capture): independent processes build the same SPMD program, or the
-   tokens would differ. No rank runs transform()'s export capture any more (the prefill
-   part did, ~1.5 CPU-s per rank); every other launch loads one program file.
+   graph break raises DCPTransformError on every rank (never runs unsharded).
 
 The numerics of these layouts and many more (tp8/dcp4 among them) are covered on threads
 (tests/test_prefill_dcp.py, test_decode_dcp.py); this launch proves that real processes,
@@ -63,8 +62,7 @@ def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torchrun_world")
     prefill_argv = ["--dcp", "2", "--tp", str(WORLD), "--block-size", "8", "--context-len",
                     str(PREFILL_S), "--layers", "2", "--plan", json.dumps(PREFILL_PLAN),
-                    "--seed", str(PREFILL_SEED), "--out-dir", str(tmp / "prefill"),
-                    "--program", str(tmp / "prefill.dcp")]
+                    "--seed", str(PREFILL_SEED), "--out-dir", str(tmp / "prefill")]
     decode_argv = ["--dcp", "2", "--steps", str(DECODE_STEPS), "--lengths",
                    ",".join(map(str, DECODE_LENGTHS)), "--out", str(tmp / "tokens.json"),
                    "--program", str(tmp / "decode.dcp")]
@@ -73,9 +71,6 @@ def world(tmp_path_factory):
                     "--dump", str(tmp / "dump")]
     decode.build_program(decode.parse(decode_argv), tp=WORLD, check=False).save(
         tmp / "decode.dcp")
-    prefill_model, prefill_program = prefill.build_program(prefill.parse(prefill_argv),
-                                                           PREFILL_PLAN, check=False)
-    prefill_program.save(tmp / "prefill.dcp")
     readme = []
     for b in README_BLOCKS:
         readme.append(tmp / f"readme_line{b.line}.py")
@@ -86,7 +81,7 @@ def world(tmp_path_factory):
                          json.dumps(prefill_argv), "--decode", json.dumps(decode_argv),
                          "--backend", json.dumps(backend_argv)],
                         timeout=600)
-    return {"tmp": tmp, "stdout": proc.stdout, "prefill": (prefill_model, prefill_program)}
+    return {"tmp": tmp, "stdout": proc.stdout, "prefill_argv": prefill_argv}
 
 
 def test_readme_torchrun_blocks_run_as_written(world):
@@ -103,8 +98,9 @@ def test_torchrun_gloo_selftest(world):
 
 
 def test_torchrun_gloo_prefill_matches_single_device(world):
-    """Two layers, a mixed chunked prefill; every rank loaded the program file."""
-    model, prog = world["prefill"]
+    """Two layers, a mixed chunked prefill; each rank transformed the model itself."""
+    args = prefill.parse(world["prefill_argv"])
+    model, prog = prefill.build_program(args, PREFILL_PLAN, check=False)
     ref = run_prefill_reference(model, prog, prefill.plan_tokens(PREFILL_PLAN, PREFILL_SEED))
     runs = [PrefillRun(**torch.load(world["tmp"] / "prefill" / f"rank{r}.pt"))
             for r in range(WORLD)]
