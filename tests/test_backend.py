@@ -131,7 +131,9 @@ def test_backend_programs_match_transform_and_the_single_device_model_on_threads
     decode = _backend_program(model, 4, 2, 1, SHAPES)
     assert list(context.graphs) == ["context"] and list(decode.graphs) == ["decode"]
     program = merge_programs(context, decode)
-    reference = dcp_compile.transform(model, tp=4, dcp=2, shapes=SHAPES)
+    # The reference's structure only (the default check of the demo model at tp=4/dcp=2 is
+    # test_transform_check's); the backend's program is verified below.
+    reference = dcp_compile.transform(model, tp=4, dcp=2, shapes=SHAPES, check=False)
     for step in ("context", "decode"):
         assert program.collectives_per_layer(step) == reference.collectives_per_layer(step)
         assert program.model_collectives(step) == reference.model_collectives(step)
@@ -146,10 +148,6 @@ def test_backend_programs_match_transform_and_the_single_device_model_on_threads
 def test_backend_prefill_program_matches_the_single_device_model_on_threads():
     model = demo_model(DemoConfig(num_layers=1))
     shapes = StepShapes(batch=2, context_len=16, max_blocks=4, num_blocks=9)
-    try:
-        dcp_compile.transform(model, tp=4, dcp=2, mode="prefill", shapes=shapes)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"transform(mode='prefill') does not work in this version yet: {e}")
     program = _backend_program(model, 4, 2, shapes.context_len, shapes, mode="prefill")
     assert list(program.graphs) == ["prefill"]
     report = V.verify_prefill(model, program, prompts_of([20, 33]), chunks=3)

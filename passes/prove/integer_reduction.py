@@ -54,16 +54,18 @@ class _Split(Exception):
 
 
 def affine(expr):
-    """``({symbol: Fraction}, Fraction)`` when ``expr`` is affine in its symbols, else None."""
+    """``({symbol: coefficient}, constant)`` when ``expr`` is affine in its symbols, else
+    None; the numbers are ints, or Fractions where they are not integers."""
     expr = sympy.sympify(expr)
     terms = expr.as_coefficients_dict()
     if any(t is not sympy.S.One and not t.is_Symbol for t in terms):
         terms = sympy.expand(expr).as_coefficients_dict()
-    coeffs, const = {}, Fraction(0)
+    coeffs, const = {}, 0
     for term, c in terms.items():
         if not c.is_Rational:
             return None
-        c = Fraction(int(c.p), int(c.q))
+        # Integer coefficients stay ints (exact, and far cheaper than Fraction arithmetic).
+        c = int(c.p) if c.q == 1 else Fraction(int(c.p), int(c.q))
         if term is sympy.S.One:
             const += c
         elif term.is_Symbol:
@@ -127,6 +129,7 @@ def _threshold_split(coeffs, const, box, s):
     c = coeffs[s]
     lo, hi = box[s]
     m, M = affine_range({x: v for x, v in coeffs.items() if x is not s}, const, box)
+    c = Fraction(c)  # exact division below (int / int would be a float)
     if c > 0:  # D < 0 surely iff s < -M/c; D >= 0 surely iff s >= -m/c
         low_end = lo - 1 if M is None else math.ceil(-M / c) - 1
         high_start = hi + 1 if m is None else math.ceil(-m / c)
@@ -200,21 +203,83 @@ def _symbols_of(e, cache: dict) -> tuple:
     return hit
 
 
+def _is_polynomial(e, cache: dict) -> bool:
+    """True when ``e`` has nothing to reduce (only the arithmetic reduce keeps as it is),
+    cached by object identity."""
+    hit = cache.get(id(e))
+    if hit is None:
+        f = e.func
+        if e.is_Atom:
+            hit = True
+        elif f is sympy.Add or f is sympy.Mul or (
+                f is sympy.Pow and e.args[1].is_Integer
+                and (e.args[0].is_Number or e.args[1] >= 0)):
+            hit = all(_is_polynomial(a, cache) for a in e.args)
+        else:
+            hit = False
+        cache[id(e)] = hit
+    return hit
+
+
+class _FloorParts:
+    """``floor(a)`` split once per affine ``a`` into the integer part Q and the fractional
+    part R (``floor(a) = Q + floor(R)``); R is also kept scaled by its common denominator,
+    so deciding ``n <= R < n + 1`` on a box takes int arithmetic only."""
+
+    def __init__(self, coeffs, const):
+        self.q_coeffs, self.r_coeffs = {}, {}
+        for s, c in coeffs.items():
+            whole = math.floor(c)
+            if whole:
+                self.q_coeffs[s] = Fraction(whole)
+            if c != whole:
+                self.r_coeffs[s] = c - whole
+        self.q_const = math.floor(const)
+        self.r_const = const - self.q_const
+        d = math.lcm(*(Fraction(c).denominator for c in self.r_coeffs.values()),
+                     Fraction(self.r_const).denominator)
+        self.denominator = d
+        self.r_scaled = {s: int(c * d) for s, c in self.r_coeffs.items()}
+        self.r_const_scaled = int(self.r_const * d)
+        self.results = {}  # n -> Q + n as sympy
+
+
+class _Caches:
+    """What the pieces of one expression share: the expression's subtrees stay alive and
+    are interned, so object ids are stable keys."""
+
+    def __init__(self):
+        self.memo = {}        # (id of a subtree, ranges of its symbols) -> reduced
+        self.symbols = {}     # id of a subtree -> its free symbols in a fixed order
+        self.polynomial = {}  # id of a subtree -> nothing to reduce in it
+        # id of a subtree -> its symbols (its memo key), None when it has nothing to reduce
+        self.key_symbols = {}
+        self.affine = {}      # expression -> affine(expression)
+        self.floor_parts = {}  # affine expression -> _FloorParts
+
+
 class _Reducer:
     """Rewrites one expression on one box; raises _Split when the box must be cut."""
 
-    def __init__(self, box: Box, enumerable, memo: dict, symbols: dict):
+    def __init__(self, box: Box, enumerable, caches: _Caches):
         self.box = box
         self.enumerable = enumerable
-        # (id of a subtree, ranges of its symbols) -> reduced, shared by all pieces of one
-        # expression (whose subtrees stay alive and are interned, so ids are stable).
-        self.memo = memo
-        self.symbols = symbols
+        self.caches = caches
+        self.memo = caches.memo
+        self.key_symbols = caches.key_symbols
 
     def reduce(self, e):
         if e.is_Atom:
             return e
-        key = (id(e), tuple(self.box[s] for s in _symbols_of(e, self.symbols)))
+        node = id(e)
+        symbols = self.key_symbols.get(node, False)
+        if symbols is False:
+            symbols = self.key_symbols[node] = (
+                None if _is_polynomial(e, self.caches.polynomial)
+                else _symbols_of(e, self.caches.symbols))
+        if symbols is None:
+            return e  # nothing to reduce: rebuilding would give the same expression
+        key = (node, tuple(map(self.box.__getitem__, symbols)))
         hit = self.memo.get(key)
         if hit is not None:
             return hit
@@ -243,36 +308,39 @@ class _Reducer:
                 raise Stuck(f"no branch of {e} holds")
         elif f in (sympy.Add, sympy.Mul) or (f is sympy.Pow and e.args[1].is_Integer
                                              and (e.args[0].is_Number or e.args[1] >= 0)):
-            out = f(*(self.reduce(x) for x in e.args))
+            args = [self.reduce(x) for x in e.args]
+            # Nothing changed below: rebuilding would give e again (it is canonical).
+            unchanged = all(a is x for a, x in zip(args, e.args))
+            out = e if unchanged else f(*args)
         else:
             raise Stuck(f"no reduction rule for {f.__name__}: {e}")
         self.memo[key] = out
         return out
 
     def _affine(self, e):
-        lin = affine(e)
+        cache = self.caches.affine
+        lin = cache.get(e, False)
+        if lin is False:
+            lin = cache[e] = affine(e)
         if lin is None:
             raise Stuck(f"not an affine form: {e}")
         return lin
 
     def _floor(self, a):
-        coeffs, const = self._affine(a)
-        q_coeffs, r_coeffs = {}, {}
-        for s, c in coeffs.items():
-            whole = math.floor(c)
-            if whole:
-                q_coeffs[s] = Fraction(whole)
-            if c != whole:
-                r_coeffs[s] = c - whole
-        whole_const = math.floor(const)
-        r_const = const - whole_const
-        lo, hi = affine_range(r_coeffs, r_const, self.box)
+        parts = self.caches.floor_parts.get(a)
+        if parts is None:
+            parts = self.caches.floor_parts[a] = _FloorParts(*self._affine(a))
+        # The range of the fractional part R, scaled by its common denominator to ints.
+        lo, hi = affine_range(parts.r_scaled, parts.r_const_scaled, self.box)
         if lo is None or hi is None:
             raise Stuck(f"floor({a}): the fractional part is unbounded on {_show(self.box)}")
-        n = math.floor(lo)
-        if math.floor(hi) == n:
-            return _to_sympy(q_coeffs, Fraction(whole_const + n))
-        raise _Split(_split(r_coeffs, r_const - (n + 1), self.box, self.enumerable))
+        n = lo // parts.denominator
+        if hi // parts.denominator == n:
+            out = parts.results.get(n)
+            if out is None:
+                out = parts.results[n] = _to_sympy(parts.q_coeffs, Fraction(parts.q_const + n))
+            return out
+        raise _Split(_split(parts.r_coeffs, parts.r_const - (n + 1), self.box, self.enumerable))
 
     def _nonneg(self, e) -> bool:
         coeffs, const = self._affine(e)
@@ -355,11 +423,11 @@ def reduce_on_box(expr, box: Box, enumerable=frozenset()):
     ranges must be small). Raises Stuck when a rule's side condition cannot be decided.
     """
     expr = _canonical(sympy.sympify(expr))
-    out, stack, memo, symbols = [], [box], {}, {}
+    out, stack, caches = [], [box], _Caches()
     while stack:
         piece = stack.pop()
         try:
-            reduced = _Reducer(piece, enumerable, memo, symbols).reduce(expr)
+            reduced = _Reducer(piece, enumerable, caches).reduce(expr)
         except _Split as split:
             stack.extend(reversed(split.pieces))
         else:
