@@ -61,3 +61,14 @@ def test_no_build_installed_says_how_to_install(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r"no NIXL build is installed: tried nixl "
                                                   r".*pip install -e '\.\[nixl\]'"):
         nixl_api()
+
+
+def test_loopback_port_bases_stay_below_the_ephemeral_range():
+    """Outgoing connections (UCX, gloo) take ephemeral ports at any moment: a scenario's
+    side-channel ports chosen there could be taken before it binds them (a flake seen once)."""
+    from dcp_compile.runtime.nixl.loopback import ephemeral_port_start, free_port_base
+    start = ephemeral_port_start()
+    for n in (1, 8, 100):
+        for _ in range(20):
+            base = free_port_base(n)
+            assert 20000 <= base and base + n <= start, (n, base, start)

@@ -346,9 +346,27 @@ def _wait_refused(host: str, port: int, timeout: float) -> None:
         time.sleep(0.02)
 
 
-def _free_port_base(n: int, lo: int = 20000, hi: int = 60000) -> int:
-    """A base port with n consecutive free ports on 127.0.0.1."""
+def ephemeral_port_start(default: int = 32768) -> int:
+    """The first port of the kernel's ephemeral range (Linux: ip_local_port_range).
+
+    Outgoing connections (UCX between engines, gloo, torchrun's store) take ports of that range
+    at any moment, so a port chosen free there can be gone when a later scenario binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def _free_port_base(n: int, lo: int = 20000, hi: int | None = None) -> int:
+    """A base port with n consecutive free ports on 127.0.0.1, below the ephemeral range
+    (``hi``, default :func:`ephemeral_port_start`)."""
     import random
+    hi = ephemeral_port_start() if hi is None else hi
+    if hi - n <= lo:
+        raise DCPTransferError(f"no room for {n} ports in [{lo}, {hi}) below the ephemeral "
+                               f"range. Lower the kernel's ip_local_port_range start or use "
+                               f"fewer ports.")
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(200):
         base = rng.randrange(lo, hi - n)
