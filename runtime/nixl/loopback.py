@@ -365,7 +365,7 @@ def _free_port_base(n: int, lo: int = 20000, hi: int | None = None) -> int:
     hi = ephemeral_port_start() if hi is None else hi
     if hi - n <= lo:
         raise DCPTransferError(f"no room for {n} ports in [{lo}, {hi}) below the ephemeral "
-                               f"range. Lower the kernel's ip_local_port_range start or use "
+                               f"range. Raise the start of net.ipv4.ip_local_port_range or use "
                                f"fewer ports.")
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(200):
