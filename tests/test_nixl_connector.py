@@ -79,6 +79,13 @@ def _connector_spec(tmp: Path, base: int) -> dict:
             "stop_file": str(tmp / "decode.json")}
 
 
+def _plan(spec: dict, p_id: str, tp: int, dcp: int):
+    """The transfer plan of a (tp, dcp) decode engine reading prefill engine ``p_id``."""
+    p_eng = next(e for e in spec["prefill"] if e["engine_id"] == p_id)
+    return plan_transfer(engine_config(spec, p_eng, "prefill"),
+                         engine_config(spec, {"tp": tp, "dcp": dcp}, "decode"))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The three scenarios, run once by the same engine processes (ports apart)."""
@@ -114,9 +121,7 @@ def test_decode_caches_equal_direct_scatter_bit_for_bit(run, engine):
     assert res["mismatches"] == []
     assert res["kind"] == kind
     spec = run["spec"]
-    p_eng = next(e for e in spec["prefill"] if e["engine_id"] == p_id)
-    plan = plan_transfer(engine_config(spec, p_eng, "prefill"),
-                         engine_config(spec, {"tp": tp, "dcp": dcp}, "decode"))
+    plan = _plan(spec, p_id, tp, dcp)
     assert res["remote_ranks"] == [rp.remote_ranks for rp in plan.ranks]
     long = res["requests"]["long"][0]
     kv_bytes = 2 * 2 * 61 * 4 * 8 * 2  # layers * (k, v) * tokens * heads * head_dim * bf16
@@ -215,9 +220,7 @@ def test_decode_latent_caches_equal_direct_scatter_bit_for_bit(mla_run, engine):
     p_id, tp, dcp = MLA_DECODE[engine]
     assert res["mismatches"] == []
     spec = mla_run["spec"]
-    p_eng = next(e for e in spec["prefill"] if e["engine_id"] == p_id)
-    plan = plan_transfer(engine_config(spec, p_eng, "prefill"),
-                         engine_config(spec, {"tp": tp, "dcp": dcp}, "decode"))
+    plan = _plan(spec, p_id, tp, dcp)
     assert res["remote_ranks"] == [rp.remote_ranks for rp in plan.ranks]
     long = res["requests"]["long"][0]
     # The latent cache: layers x (key half, value half) x tokens x 1 head x 288 x bf16 =
