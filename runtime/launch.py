@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 from .errors import DCPWorldError
 
 __all__ = ["free_port", "freeze_gc", "init_distributed_from_env", "loopback_interface",
-           "run_torchrun", "torchrun_command"]
+           "run_in_world", "run_torchrun", "torchrun_command"]
 
 LOOPBACK = "127.0.0.1"
 # The directory holding the dcp_compile, passes and runtime packages.
@@ -135,6 +135,19 @@ def freeze_gc() -> None:
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
     atexit.register(gc.freeze)   # at exit: what the process built since, too
+
+
+def run_in_world(part, *, timeout: float = 120.0):
+    """A worker's life in the world torchrun started: initialise it, freeze the collector
+    (``freeze_gc``), run ``part(rank, world_size)``, and destroy the process group whatever
+    happens; returns what ``part`` returns."""
+    import torch.distributed as dist
+    rank, world = init_distributed_from_env(timeout=timeout)
+    freeze_gc()
+    try:
+        return part(rank, world)
+    finally:
+        dist.destroy_process_group()
 
 
 def _dump_stacks_when_terminated(rank: int) -> None:

@@ -70,17 +70,10 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
-    import torch.distributed as dist
-
-    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
+    from dcp_compile.runtime.launch import run_in_world
 
     args = parse(argv)
-    rank, world = init_distributed_from_env()
-    freeze_gc()
-    try:
-        run(args, rank, world)
-    finally:
-        dist.destroy_process_group()
+    run_in_world(lambda rank, world: run(args, rank, world))
     return 0
 
 

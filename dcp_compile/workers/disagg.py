@@ -408,17 +408,11 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
+    from dcp_compile.runtime.launch import run_in_world
 
     torch.set_num_threads(1)
-    rank, world = init_distributed_from_env()
-    freeze_gc()
-    try:
-        run_role(args, rank, world)
-    finally:
-        dist.destroy_process_group()
+    run_in_world(lambda rank, world: run_role(args, rank, world))
     return 0
 
 
