@@ -144,6 +144,16 @@ def prefill_gathered(worlds, reference):
     return out
 
 
+def assert_bit_equal(caches, expected, who: str) -> None:
+    """Each cache equals the direct scatter bit for bit (NaN where nothing was written)."""
+    for i, (g, e) in enumerate(zip(caches, expected)):
+        same = g.view(torch.int32) == e.view(torch.int32)
+        if not same.all():
+            rows = (~same).flatten(2).any(-1).nonzero()[:4].tolist()
+            pytest.fail(f"{who}, cache {i}: differs from the direct scatter at [block, offset] "
+                        f"{rows}")
+
+
 def test_prefill_world_caches_match_single_device(prefill_gathered, reference):
     # Sanity of the source: every prompt position of every KV head was written by exactly the
     # prefill ranks that own it, within fp32 rounding of the single-device model's KV.
@@ -183,12 +193,7 @@ def test_prefill_dcp_to_decode_over_nixl(worlds, reference, prefill_gathered, en
         scatter_cache(prefill_gathered, reference["table"], LENGTHS, expected, table,
                       cp_rank=d_topo.cp_rank(d), dcp=dcp, interleave=BLOCK,
                       kv_heads=d_topo.kv_heads_of(d))
-        for i, (g, e) in enumerate(zip(run["caches"], expected)):
-            same = g.view(torch.int32) == e.view(torch.int32)
-            if not same.all():
-                rows = (~same).flatten(2).any(-1).nonzero()[:4].tolist()
-                pytest.fail(f"{engine} decode rank {d}, cache {i}: differs from the direct "
-                            f"scatter at [block, offset] {rows}")
+        assert_bit_equal(run["caches"], expected, f"{engine} decode rank {d}")
         kv_values += sum(int((~torch.isnan(e)).sum()) for e in expected)
         kv_bytes += sum(s["kv_bytes"] for s in run["stats"])
         # Every request finished; a rank with nothing to read still notified.
@@ -252,12 +257,7 @@ def test_mla_prefill_dcp_to_larger_decode_dcp_over_nixl(worlds):
         expected = [torch.full_like(t, float("nan")) for t in run["caches"]]
         scatter_cache(gathered, ref_table, MLA_LENGTHS, expected, table, cp_rank=d_topo.cp_rank(d),
                       dcp=dcp, interleave=MLA_BLOCK, kv_heads=d_topo.kv_heads_of(d))
-        for i, (g, e) in enumerate(zip(run["caches"], expected)):
-            same = g.view(torch.int32) == e.view(torch.int32)
-            if not same.all():
-                rows = (~same).flatten(2).any(-1).nonzero()[:4].tolist()
-                pytest.fail(f"decode rank {d}, cache {i}: differs from the direct scatter at "
-                            f"[block, offset] {rows}")
+        assert_bit_equal(run["caches"], expected, f"decode rank {d}")
         kv_bytes += sum(s["kv_bytes"] for s in run["stats"])
     # Each (position, latent) moved once: layers x (K, V) x tokens x head_dim x fp32.
     assert kv_bytes == 2 * 2 * sum(MLA_LENGTHS) * MLA_HEAD_DIM * 4
