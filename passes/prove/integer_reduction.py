@@ -203,17 +203,22 @@ def _symbols_of(e, cache: dict) -> tuple:
     return hit
 
 
+def _is_arithmetic(e) -> bool:
+    """``e`` is a sum, a product or an integer power (the nodes reduction keeps, reducing
+    only their arguments); a negative power of anything but a number is not."""
+    f = e.func
+    return f is sympy.Add or f is sympy.Mul or (
+        f is sympy.Pow and e.args[1].is_Integer and (e.args[0].is_Number or e.args[1] >= 0))
+
+
 def _is_polynomial(e, cache: dict) -> bool:
     """True when ``e`` has nothing to reduce (only the arithmetic reduce keeps as it is),
     cached by object identity."""
     hit = cache.get(id(e))
     if hit is None:
-        f = e.func
         if e.is_Atom:
             hit = True
-        elif f is sympy.Add or f is sympy.Mul or (
-                f is sympy.Pow and e.args[1].is_Integer
-                and (e.args[0].is_Number or e.args[1] >= 0)):
+        elif _is_arithmetic(e):
             hit = all(_is_polynomial(a, cache) for a in e.args)
         else:
             hit = False
@@ -306,8 +311,7 @@ class _Reducer:
                     break
             else:
                 raise Stuck(f"no branch of {e} holds")
-        elif f in (sympy.Add, sympy.Mul) or (f is sympy.Pow and e.args[1].is_Integer
-                                             and (e.args[0].is_Number or e.args[1] >= 0)):
+        elif _is_arithmetic(e):
             args = [self.reduce(x) for x in e.args]
             # Nothing changed below: rebuilding would give e again (it is canonical).
             unchanged = all(a is x for a, x in zip(args, e.args))
