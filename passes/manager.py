@@ -148,7 +148,6 @@ def _call_results() -> dict:
     return _CALL_RESULTS
 
 
-
 def _call_key(n: Node):
     """(op, argument signature) of a call_function of an OpOverload whose tensor inputs
     have plain static metadata; None when the result cannot be reused."""

@@ -46,9 +46,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
+    from dcp_compile.runtime.launch import GC_THRESHOLDS   # the workers' thresholds too
     gc.collect()
     gc.freeze()
-    gc.set_threshold(10_000, 50, 100)
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _long(item) -> bool:
