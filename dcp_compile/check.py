@@ -262,12 +262,9 @@ def run_program(program: DCPProgram, steps: list[CheckStep]) -> list:
     from dcp_compile.runtime.rank_engine import rank_engine
     from dcp_compile.runtime.world import run_threaded
 
-    from .verify import shared_group_names
-
     def rank_main(rank):
         # One program on this world: its ranks share one bound graph per step kind.
-        engine = rank_engine(program, rank, group_names=shared_group_names(program, rank),
-                             poison=True, record=True)
+        engine = rank_engine(program, rank, shared_names=True, poison=True, record=True)
         _run_steps(engine, steps)
         return engine.executor
 

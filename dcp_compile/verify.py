@@ -85,8 +85,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     from dcp_compile.runtime.world import run_threaded
 
     def rank_main(rank):
-        engine = rank_engine(program, rank, group_names=shared_group_names(program, rank),
-                             fill=fill, poison=poison_garbage)
+        engine = rank_engine(program, rank, shared_names=True, fill=fill, poison=poison_garbage)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -98,16 +97,6 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
         return RankRun(rank, result, engine.executor.caches, table, list(engine.lengths))
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
-
-
-def shared_group_names(program: DCPProgram, rank: int) -> dict[str, str]:
-    """This rank's groups of every role, registered under names every rank shares
-    (``world.bind_roles(aliases=True)``): the ranks of a threaded world then load one bound
-    graph per step kind instead of one each (binding generates and compiles its code).
-    Only for a world that runs one program: binding aliases again replaces them, so a second
-    program on the same world (a draft program) binds its own names (program_engine)."""
-    from dcp_compile.runtime.world import bind_roles
-    return bind_roles(program.topology, rank, aliases=True)
 
 
 def _start_from_reference(program, rank, engine, ref_engine) -> None:
@@ -241,8 +230,8 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
                             f"steps {sorted(program.graphs)}. Transform with mode='prefill'.")
 
     def rank_main(rank):
-        engine = rank_engine(program, rank, group_names=shared_group_names(program, rank),
-                             fill=fill, poison=poison_garbage, record=True)
+        engine = rank_engine(program, rank, shared_names=True, fill=fill,
+                             poison=poison_garbage, record=True)
         return run_chunks(engine, engine.executor, chunk_plan, rank, program.shapes.max_blocks)
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)

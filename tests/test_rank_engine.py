@@ -93,3 +93,19 @@ def test_ranks_with_the_same_group_names_share_one_bound_graph_and_an_edit_rebin
     after = run_threaded_program(program, prompts, 2)[0].result.logits
     assert torch.equal(after[0], before[0])              # the context step: unchanged
     assert torch.allclose(after[1], 2 * before[1])       # the decode step: edited, rebound
+
+
+def test_shared_names_give_every_rank_one_bound_graph_and_exclude_explicit_names():
+    """``shared_names=True`` binds the groups under the aliases every rank shares: all four
+    ranks (two DCP groups) load the very same bound decode graph. Passing names as well is
+    refused: the shared names are the ones bound here."""
+    import pytest
+
+    from dcp_compile.runtime.rank_engine import load_rank
+    from dcp_compile.runtime.world import run_threaded
+    program = _small_program()
+    decode = run_threaded(4, lambda rank: load_rank(program, rank, shared_names=True)
+                          .graphs["decode"])
+    assert all(g is decode[0] for g in decode)
+    with pytest.raises(ValueError, match="group_names or shared_names=True, not both"):
+        load_rank(program, 0, {"cp_kv": "x"}, shared_names=True)
