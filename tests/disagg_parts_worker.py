@@ -17,20 +17,18 @@ import sys
 
 def main(argv=None) -> int:
     import torch
-    import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
+    from dcp_compile.runtime.launch import run_in_world
     from dcp_compile.workers import disagg
 
     parts = [disagg.parse(a) for a in json.loads((argv or sys.argv[1:])[0])]
     torch.set_num_threads(1)
-    rank, world = init_distributed_from_env()
-    freeze_gc()
-    try:
+
+    def run_parts(rank: int, world: int) -> None:
         for args in parts:
             disagg.run_role(args, rank, world)
-    finally:
-        dist.destroy_process_group()
+
+    run_in_world(run_parts)
     return 0
 
 
