@@ -9,8 +9,8 @@ Each job of JOBS.json is ``{"id", "cwd", "script": PATH}`` (a ```python block, r
 torch, transformers and dcp_compile costs ~3 CPU-s per process, more than most jobs' own
 work, so the README's jobs share one process; what a fresh process gives a job is restored
 before each: its own working directory, the environment, ``sys.argv``/``sys.path``, a
-random torch seed, grad mode and default dtype, an empty Dynamo cache, empty memos in
-dcp_compile's modules (:func:`clear_project_caches`). Each job's exit code
+random torch seed, grad mode and default dtype, an empty Dynamo cache, empty ``lru_cache``
+memos in dcp_compile's modules (:func:`clear_project_caches`). Each job's exit code
 (an exception is 1, ``SystemExit`` its code), output and CPU seconds go to RESULTS.jsonl,
 one line per job as it ends; a job still running after ``--timeout`` seconds ends the
 process with every thread's stack on stderr (the results so far are kept).
@@ -43,9 +43,11 @@ def _exit_code(exc: SystemExit) -> int:
 
 def clear_project_caches() -> int:
     """Empty every memo (``functools.lru_cache``/``cache``) of a dcp_compile module, so that
-    a job proves, renders and decomposes from scratch as in a fresh process (the prover's
-    certificates are cached per (dcp, interleave, block)); what stays warm is Python's,
-    torch's and sympy's own state. Returns the number of memos emptied."""
+    a job proves and renders from scratch as in a fresh process (the prover's certificates
+    are cached per (dcp, interleave, block)). What stays warm is Python's, torch's and
+    sympy's own state, and the two op-call tables (``passes.manager._CALL_RESULTS``,
+    ``lowering.decompose._TRACES``): keyed on an op call's full metadata, they give a job
+    the results it would compute, sooner. Returns the number of memos emptied."""
     emptied = 0
     for name, module in list(sys.modules.items()):
         if not name.startswith("dcp_compile") or module is None:
