@@ -5,7 +5,7 @@ them — the machine is shared, single numbers are noisy):
 
   1. step time vs cache capacity at a fixed context (1x, 8x, 64x the blocks needed; the block
      table widened with it): the goal is flat (<= 1.1x), which in-place cache writes and
-     live-span attention (dcp_compile.runtime.eager) give on eager backends;
+     live-span attention (dcp_compile.runtime.kernels.eager) give on eager backends;
   2. step time vs context length at tp=4 for dcp = 1, 2, 4;
   3. program vs a hand-written eager DCP step (written here from the spec's "Decode Compute
      Pattern", without the passes; it also writes in place and reads the live span);
@@ -13,7 +13,7 @@ them — the machine is shared, single numbers are noisy):
   5. KV tokens and bytes per rank vs the single device.
 Then a torch.profiler table of one rank's decode steps. ``--sections kernel`` times, on one
 world and interleaved step by step, the program with the reference live-span attention body
-(``where``/``cat`` copies: the kernel before runtime/live_attention.py), the program as it
+(``where``/``cat`` copies: the kernel before runtime/kernels/live_attention.py), the program as it
 loads now, and the hand-written step.
 
 Caches are filled with random KV (no prompt step: a 16k-token prompt chunk would dominate
@@ -36,9 +36,9 @@ import dcp_compile
 from dcp_compile.runtime import layout
 from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
 from dcp_compile.passes.collectives import collective_summary
-from dcp_compile.runtime.engine import StepShapes
-from dcp_compile.runtime.rank_engine import load_rank
-from dcp_compile.runtime.world import run_threaded
+from dcp_compile.runtime.serving.engine import StepShapes
+from dcp_compile.runtime.serving.rank_engine import load_rank
+from dcp_compile.runtime.distributed.world import run_threaded
 
 FC = torch.ops._c10d_functional
 BLOCK = 16
@@ -127,10 +127,10 @@ def hand_written_step(model, cfg, rank, tp, dcp, groups, input_ids, positions, t
 
 def reference_live_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                              block_table, prior_len, *rest, **kwargs):
-    """The eager attention before runtime/live_attention.py: the static op's reference body
+    """The eager attention before runtime/kernels/live_attention.py: the static op's reference body
     (cat of prior and current keys, where-zeroed values) on the live block-table span."""
-    from dcp_compile.runtime.live_attention import live_entries
-    from dcp_compile.runtime.ops import _partial_attention_impl
+    from dcp_compile.runtime.kernels.live_attention import live_entries
+    from dcp_compile.runtime.kernels.ops import _partial_attention_impl
     entries = live_entries(prior_len, key_cache.shape[1], block_table.shape[1])
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table[:, :entries], prior_len, *rest, **kwargs)
@@ -188,7 +188,7 @@ def run_steps(prog, model, context, steps, *, hand=False, profile=None, compile=
     c = prog.config
 
     def rank_main(rank):
-        from dcp_compile.runtime.world import bind_roles
+        from dcp_compile.runtime.distributed.world import bind_roles
         names = bind_roles(prog.topology, rank)
         loaded = load_rank(prog, rank, names, compile=compile)
         caches, table, ids, pos = random_decode_inputs(prog, model, context, rank)
@@ -332,7 +332,7 @@ def random_decode_inputs(prog, model, context, rank):
 
 
 def _kernel_rank(prog, model, context, steps, rank):
-    from dcp_compile.runtime.world import bind_roles
+    from dcp_compile.runtime.distributed.world import bind_roles
     c = prog.config
     names = bind_roles(prog.topology, rank)
     now = load_rank(prog, rank, names)

@@ -27,9 +27,9 @@ import torch
 
 import dcp_compile
 from dcp_compile.models.mla import MLAConfig, plain_mla
-from dcp_compile.runtime.engine import StepShapes
-from dcp_compile.runtime.rank_engine import load_rank
-from dcp_compile.runtime.world import run_threaded
+from dcp_compile.runtime.serving.engine import StepShapes
+from dcp_compile.runtime.serving.rank_engine import load_rank
+from dcp_compile.runtime.distributed.world import run_threaded
 
 BLOCK = 16
 

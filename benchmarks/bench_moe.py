@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 import dcp_compile
 from dcp_compile import hf
-from dcp_compile.runtime.engine import StepShapes
-from dcp_compile.runtime.rank_engine import load_rank
-from dcp_compile.runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.serving.engine import StepShapes
+from dcp_compile.runtime.serving.rank_engine import load_rank
+from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
 
 BLOCK, VOCAB = 16, 256
 MODES = {"TP": False, "EP": True}        # label -> expert_parallel

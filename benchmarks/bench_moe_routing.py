@@ -39,7 +39,7 @@ import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
 from dcp_compile.routing import (ModelRouting, RoutingComparison, compare_routing,  # noqa: E402
                                  model_routing, trace_routing)
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
 
 from test_moe import MODELS, build  # noqa: E402  (the tests' configs)

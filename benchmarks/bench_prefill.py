@@ -28,13 +28,13 @@ import torch.nn.functional as F
 import dcp_compile
 from dcp_compile.runtime import layout
 from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
-from dcp_compile.runtime.rank_engine import RecordingExecutor
+from dcp_compile.runtime.serving.rank_engine import RecordingExecutor
 from dcp_compile.verify import run_chunks
 from dcp_compile.passes.collectives import collective_summary
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
-from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.rank_engine import load_rank
-from dcp_compile.runtime.world import run_threaded
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
+from dcp_compile.runtime.serving.rank_engine import load_rank
+from dcp_compile.runtime.distributed.world import run_threaded
 
 FC = torch.ops._c10d_functional
 

@@ -25,10 +25,10 @@ import torch
 
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
-from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.speculative import NgramDrafter
-from dcp_compile.runtime.world import run_threaded
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
+from dcp_compile.runtime.serving.speculative import NgramDrafter
+from dcp_compile.runtime.distributed.world import run_threaded
 from dcp_compile.verify import program_engine
 
 BLOCK = 16

@@ -1,7 +1,7 @@
 """KV transfer over NIXL per topology vs the floor: time and bytes per request.
 
 One long request is prefilled (its KV scattered into each prefill engine's DCP layout) in a
-prefill process (runtime/nixl/loopback.py); this process is the decode side. For each
+prefill process (tests/nixl_loopback.py); this process is the decode side. For each
 topology every decode rank posts its planned READs at once and the request's time runs until
 the last rank has finished (the handshake is excluded; the median of --repeat requests).
 
@@ -33,9 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dcp_compile.runtime.nixl.loopback import (_rid, block_tables, engine_config,  # noqa: E402
-                                   filled_caches, free_port_base, loopback_env, new_caches,
-                                   request_epoch)
+from dcp_compile.runtime.distributed.launch import free_port_base, loopback_env
+from tests.nixl_loopback import _rid, block_tables, engine_config, filled_caches, new_caches, request_epoch
 
 # (name, prefill tp, prefill dcp, decode tp, decode dcp)
 TOPOLOGIES = [
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
 
 def _block_groups(args) -> dict:
     """Block-table grouping of each engine of the bench (prefill p<i>, its decode d-p<i>)."""
-    from dcp_compile.runtime.transfer_plan import engine_configs, plan_transfer
+    from dcp_compile.runtime.transfer.plan import engine_configs, plan_transfer
     out = {}
     for i, (_, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
         plan = plan_transfer(*engine_configs(prefill_tp=ptp, prefill_dcp=pdcp, decode_tp=dtp,
@@ -159,7 +158,7 @@ def _block_groups(args) -> dict:
 def _measure(spec, p_eng, d_eng, args, mode) -> dict:
     import torch
 
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
     p_cfg, d_cfg = engine_config(spec, p_eng, "prefill"), engine_config(spec, d_eng, "decode")
     _, p_tables = block_tables(spec, p_cfg, p_eng["engine_id"])
     num_blocks, d_tables = block_tables(spec, d_cfg, "d-" + p_eng["engine_id"])
@@ -203,7 +202,7 @@ def _floor_read(spec, p_eng, nbytes: int, repeat: int, pieces: int = 1) -> float
     bytes: what the descriptor count alone costs, see --profile)."""
     import numpy as np
 
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector
     p_cfg = engine_config(spec, p_eng, "prefill")
     d_cfg = engine_config(spec, {"tp": 1, "dcp": 1}, "decode")
     num_blocks, _ = block_tables(spec, d_cfg, "floor")
@@ -269,7 +268,7 @@ def _prefill_process(spec, engines, readers, tmp, tag):
     """A loopback prefill process serving ``engines`` (held for ``readers``) while inside."""
     spec = dict(spec, prefill=engines, decode=readers, stop_file=str(tmp / f"done-{tag}"))
     (tmp / f"{tag}.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.nixl_loopback", "prefill",
                              str(tmp / f"{tag}.json"), str(tmp / f"prefill-{tag}.json")],
                             cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL)
     try:

@@ -38,7 +38,7 @@ import dcp_compile
 from dcp_compile.capture import example_step_inputs
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.passes.pipeline import STEPS_BY_MODE
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 BLOCK = 16
 

@@ -53,8 +53,8 @@ def eager_threaded(program, prompts, steps) -> dict:
     """Rank 0's step times on the threaded world (every rank runs; collectives sync them)."""
     import torch
 
-    from dcp_compile.runtime.rank_engine import rank_engine
-    from dcp_compile.runtime.world import run_threaded
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    from dcp_compile.runtime.distributed.world import run_threaded
 
     def rank_main(rank):
         engine = rank_engine(program, rank, wrap=Timed)
@@ -68,8 +68,8 @@ def eager_threaded(program, prompts, steps) -> dict:
 def on_executor(executor, program, prompts, steps):
     import torch
 
-    from dcp_compile.runtime.rank_engine import prompt_kind
-    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.serving.rank_engine import prompt_kind
+    from dcp_compile.runtime.serving.engine import Engine
     timed = Timed(executor)
     engine = Engine(timed, program.shapes, block_size=program.config.block_size,
                     dcp=program.config.dcp, prompt_kind=prompt_kind(program))
@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="sequences per step (--buckets)")
     ap.add_argument("--reference-attention", action="store_true",
                     help="with --buckets: lower decode attention with the reference kernel "
-                         "(runtime/ops.py) instead of lowering/paged_attention.py, to compare")
+                         "(runtime/kernels/ops.py) instead of lowering/paged_attention.py, to compare")
     ap.add_argument("--ops", type=int, default=0,
                     help="with --buckets: print the N costliest HLO instructions per bucket")
     ap.add_argument("--interpreter", action="store_true",
@@ -110,7 +110,7 @@ def main() -> int:
     import dcp_compile
     from dcp_compile.commands.verify import default_lengths
     from dcp_compile.models.demo import DemoConfig, demo_model
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
 
     lengths = default_lengths(args.dcp, 16, 16)
     g = torch.Generator().manual_seed(0)
@@ -156,7 +156,7 @@ def full_context_step_seconds(executor, program, kind="decode", repeats=25) -> d
     each per round, so a load spike on the shared machine hits every bucket alike."""
     import torch
 
-    from dcp_compile.runtime.buckets import bucket_width
+    from dcp_compile.runtime.program.buckets import bucket_width
     c, batch = program.config, program.shapes.batch
     inputs = {}
     for bucket in program.buckets:
@@ -178,8 +178,8 @@ def bucket_table_main(args) -> int:
     import dcp_compile
     from dcp_compile.memory_floor import bucket_table, format_bucket_table
     from dcp_compile.models.demo import DemoConfig, demo_model
-    from dcp_compile.runtime.buckets import bucket_width
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.program.buckets import bucket_width
+    from dcp_compile.runtime.serving.engine import StepShapes
     capacity = max(args.buckets)
     width = bucket_width(capacity, block_size=16, dcp=args.dcp)
     shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=width,
@@ -194,7 +194,7 @@ def bucket_table_main(args) -> int:
     from dcp_compile.lowering.paged_attention import LOWERING_KERNELS
     if args.reference_attention:
         LOWERING_KERNELS.clear()
-        print("decode attention: the reference kernel (runtime/ops.py), lowered as is")
+        print("decode attention: the reference kernel (runtime/kernels/ops.py), lowered as is")
     executor = X.XLAExecutor(program, lower(program, steps=["decode"]))
     seconds = full_context_step_seconds(executor, program)
     table = bucket_table(executor, program)
@@ -211,7 +211,7 @@ def bucket_table_main(args) -> int:
 def ops_table(executor, program, n: int) -> None:
     """The n instructions of each compiled decode module XLA counts the most bytes for."""
     from dcp_compile.memory_floor import bytes_by_op
-    from dcp_compile.runtime.buckets import bucket_of_width
+    from dcp_compile.runtime.program.buckets import bucket_of_width
     c = program.config
     for (kind, width), executable in sorted(executor.executables.items(),
                                             key=lambda kv: kv[0][1]):
@@ -231,7 +231,7 @@ def interpreter_row(layers: int) -> None:
     import dcp_compile
     from dcp_compile.lowering import InterpreterExecutor
     from dcp_compile.models.demo import DemoConfig, demo_model
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     shapes = StepShapes(batch=2, context_len=8, max_blocks=1, num_blocks=3)
     model = demo_model(DemoConfig(num_layers=layers, num_kv_heads=1))
     program = dcp_compile.transform(model, tp=2, dcp=2, shapes=shapes)

@@ -28,7 +28,7 @@ def __getattr__(name):
         from dcp_compile.passes.prove.theorems import prove
         return prove
     if name == "compute_slot_mapping":
-        from dcp_compile.runtime.metadata import compute_slot_mapping
+        from dcp_compile.runtime.serving.metadata import compute_slot_mapping
         return compute_slot_mapping
     if name == "backend":  # the torch.compile backend module (callable: backend(tp=..))
         import importlib

@@ -33,11 +33,11 @@ What happens per compile (Dynamo compiles once per input shape):
    (:mod:`dcp_compile.frontends.dynamo`). Then the one driver (``driver.compile_program``,
    as for ``transform()``) runs the step kind's row of
    ``dcp_compile.passes.pipeline.PIPELINE`` and builds the program.
-4. The result is a :class:`DCPCompiledStep` (``dcp_compile.runtime.compiled_step``): on its first call
-   on a rank it binds the topology's process groups (``dcp_compile.runtime.world.bind_roles``, once per
+4. The result is a :class:`DCPCompiledStep` (``dcp_compile.runtime.serving.compiled_step``): on its first call
+   on a rank it binds the topology's process groups (``dcp_compile.runtime.distributed.world.bind_roles``, once per
    world) and cuts this rank's weight shards from the weights Dynamo passes in; every call
    runs this rank's program. It needs an initialised torch.distributed world of ``tp`` ranks
-   (torchrun + ``dcp_compile.runtime.launch.init_distributed_from_env``, or a threaded world) and this
+   (torchrun + ``dcp_compile.runtime.distributed.launch.init_distributed_from_env``, or a threaded world) and this
    rank's KV caches (:func:`kv_cache_spec`).
 """
 
@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.compiled_step import DCPCompiledStep
+from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.serving.compiled_step import DCPCompiledStep
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPError, DCPTransformError
 from dcp_compile.runtime.names import Mode, StepKind
@@ -96,7 +96,7 @@ class BackendOptions:
         if not isinstance(opts.expert_parallel, bool):
             raise DCPConfigError(f"backend 'dcp' option expert_parallel="
                                  f"{opts.expert_parallel!r} is not a bool. Pass True or False.")
-        from dcp_compile.runtime.rank_program import COMPILERS
+        from dcp_compile.runtime.serving.rank_program import COMPILERS
         if opts.compile not in COMPILERS:
             raise DCPConfigError(f"unknown compile mode for backend 'dcp': "
                                  f"compile={opts.compile!r}. Pass one of {sorted(COMPILERS)}.")
@@ -162,7 +162,7 @@ def kv_cache_spec(model, *, tp: int, dcp: int, num_blocks: int, mode: str = Mode
     there are fewer than the attention shard) and ``num_blocks`` blocks of ``block_size``
     of its own positions; block ``num_blocks - 1`` is the garbage block.
     """
-    from dcp_compile.runtime.kv_cache import KVCacheSpec
+    from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
 
     shape = model.kv_cache_shape(num_blocks, block_size)
     cfg = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size, num_kv_heads=shape[2],
@@ -256,7 +256,7 @@ def _writes_dump() -> bool:
     the one compiling thread does."""
     import torch.distributed as dist
 
-    from dcp_compile.runtime.world import current_rank
+    from dcp_compile.runtime.distributed.world import current_rank
     if not (dist.is_available() and dist.is_initialized()) or current_rank() is not None:
         return True
     return dist.get_rank() == 0

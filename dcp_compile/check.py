@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.program.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
 from dcp_compile.runtime.names import Mode, StepKind
 
@@ -95,7 +95,7 @@ def skip_reasons(model: torch.nn.Module, tp: int, shapes) -> list[str]:
     """Why check=None leaves the check off for this model and config ([] = it runs)."""
     import torch.distributed as dist
 
-    from dcp_compile.runtime.world import current_rank
+    from dcp_compile.runtime.distributed.world import current_rank
     tensors = list(model.parameters()) + list(model.buffers())
     reasons = []
     if any(_fake_or_meta(t) for t in tensors):
@@ -249,8 +249,8 @@ def _run_steps(engine, steps: list[CheckStep]) -> None:
 
 
 def run_model(model, program: DCPProgram, steps: list[CheckStep]):
-    from dcp_compile.runtime.engine import LocalExecutor
-    from dcp_compile.runtime.rank_engine import RecordingExecutor
+    from dcp_compile.runtime.serving.engine import LocalExecutor
+    from dcp_compile.runtime.serving.rank_engine import RecordingExecutor
 
     from .verify import reference_engine
     engine = reference_engine(program, lambda c: RecordingExecutor(LocalExecutor(model, c)))
@@ -259,8 +259,8 @@ def run_model(model, program: DCPProgram, steps: list[CheckStep]):
 
 
 def run_program(program: DCPProgram, steps: list[CheckStep]) -> list:
-    from dcp_compile.runtime.rank_engine import rank_engine
-    from dcp_compile.runtime.world import run_threaded
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    from dcp_compile.runtime.distributed.world import run_threaded
 
     def rank_main(rank):
         # One program on this world: its ranks share one bound graph per step kind.

@@ -19,9 +19,9 @@ import torch
 
 from dcp_compile.passes.pipeline import passes_for
 from dcp_compile.runtime.config import DCPConfig
-from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.program.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode
 from dcp_compile.runtime.topology import topology
 
@@ -54,7 +54,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
               stack_traces: bool | None = None) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
-    ``shapes`` (dcp_compile.runtime.engine.StepShapes) fixes the static batch, prompt-chunk length,
+    ``shapes`` (dcp_compile.runtime.serving.engine.StepShapes) fixes the static batch, prompt-chunk length,
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
@@ -66,7 +66,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     ``buckets`` (context lengths in tokens, each a multiple of ``block_size * dcp``) adds one
     graph per (step kind, bucket) over the same weights, with a block table of
     ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
-    always the last bucket (dcp_compile.runtime.buckets; README "Context buckets").
+    always the last bucket (dcp_compile.runtime.program.buckets; README "Context buckets").
 
     ``stack_traces``: whether the graph nodes record the user source line they came from
     (``meta['stack_trace']``; dcp_compile.capture.stack_traces). ``None``: only when a dump
@@ -81,8 +81,8 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
     ``True`` on a meta model raises.
     """
-    from dcp_compile.runtime.buckets import check_buckets
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.program.buckets import check_buckets
+    from dcp_compile.runtime.serving.engine import StepShapes
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
                        combine_dtype=combine_dtype, expert_parallel=expert_parallel)
@@ -103,7 +103,7 @@ def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progr
     reused, not proven again, and nothing is dumped (the dump is the full program's)."""
     import dataclasses
 
-    from dcp_compile.runtime.buckets import bucket_width
+    from dcp_compile.runtime.program.buckets import bucket_width
     out = {}
     for bucket in buckets:
         width = bucket_width(bucket, block_size=config.block_size, dcp=config.dcp)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
 
 ATTN_IMPLEMENTATION = "dcp_paged"
@@ -268,7 +268,7 @@ def experts_form(experts: nn.Module) -> dict:
     """dcp.moe's data arguments (activation, layout, alpha, limit) for a transformers experts
     module: the layout from ``is_transposed`` and the gate's own split, the activation from
     its gate (``_GATES``: the default ``act_fn(gate) * up``, or a known custom gate)."""
-    from dcp_compile.runtime.moe import LAYOUTS
+    from dcp_compile.runtime.kernels.moe import LAYOUTS
 
     name = type(experts).__name__
     wrong = {k: getattr(experts, k, None) for k, v in _UNSUPPORTED_FLAGS.items()
@@ -300,13 +300,13 @@ def _default_gate(experts: nn.Module):
             f"{type(experts).__name__}'s activation "
             f"{type(getattr(experts, 'act_fn', None)).__name__} is not one dcp.moe computes "
             f"({sorted(a.value for a in set(_ACTIVATIONS.values()))}). Use hidden_act='silu' "
-            f"(or add it to dcp_compile.runtime.moe.GATES and dcp_compile.hf._ACTIVATIONS).")
+            f"(or add it to dcp_compile.runtime.kernels.moe.GATES and dcp_compile.hf._ACTIVATIONS).")
     return act, False, {}
 
 
 def _gpt_oss_gate(experts: nn.Module):
     """gpt-oss's ``_apply_gate``: gate/up interleaved, clamped SwiGLU (alpha, limit)."""
-    from dcp_compile.runtime.moe import ExpertActivation
+    from dcp_compile.runtime.kernels.moe import ExpertActivation
     return (ExpertActivation.CLAMPED_SWIGLU, True,
             {"alpha": float(experts.alpha), "limit": float(experts.limit)})
 
@@ -329,7 +329,7 @@ _register_experts()
 def _activation_table():
     from transformers import activations as A
 
-    from dcp_compile.runtime.moe import ExpertActivation as Act
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
     return {A.SiLUActivation: Act.SILU, nn.SiLU: Act.SILU, nn.ReLU: Act.RELU,
             A.GELUTanh: Act.GELU_TANH}
 

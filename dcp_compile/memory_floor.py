@@ -46,7 +46,7 @@ class IdealBytes:
 
 def ideal_bytes(program, kind: str, bucket: int, rank: int = 0) -> IdealBytes:
     """The memory floor of step ``kind`` of ``program``'s context bucket ``bucket``."""
-    from dcp_compile.runtime.step_contract import StepContract
+    from dcp_compile.runtime.serving.step_contract import StepContract
     state = program.state_dict_for(rank)
     weights = sum(_nbytes(t) for name, t in state.items() if name != RANK_INPUT)
     view = program.for_bucket(bucket)
@@ -137,7 +137,7 @@ def bucket_table(executor, program) -> dict[int, dict[str, dict]]:
     XLAExecutor's compiled modules; ``seconds`` is the median time of the steps that ran in
     that bucket (None if none did)."""
     import statistics
-    from dcp_compile.runtime.buckets import bucket_of_width
+    from dcp_compile.runtime.program.buckets import bucket_of_width
     c = program.config
     table: dict[int, dict[str, dict]] = {}
     for (kind, width), executable in sorted(executor.executables.items(),

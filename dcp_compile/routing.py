@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.dcp_program import DCPProgram
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.program.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPInputError
-from dcp_compile.runtime.rank_program import copy_graph_module
-from dcp_compile.runtime.world import current_rank
+from dcp_compile.runtime.serving.rank_program import copy_graph_module
+from dcp_compile.runtime.distributed.world import current_rank
 
 MOE = torch.ops.dcp.moe.default
 POSITIONS = "positions"

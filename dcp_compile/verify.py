@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from dcp_compile.runtime.dcp_program import DCPProgram
+from dcp_compile.runtime.program.dcp_program import DCPProgram
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.names import StepKind
-from dcp_compile.runtime.rank_engine import RecordingExecutor, rank_engine
+from dcp_compile.runtime.serving.rank_engine import RecordingExecutor, rank_engine
 
 from .compare import token_errors
 
@@ -18,7 +18,7 @@ from .compare import token_errors
 @dataclass
 class RankRun:
     rank: int
-    result: object                       # dcp_compile.runtime.engine.GenerateResult
+    result: object                       # dcp_compile.runtime.serving.engine.GenerateResult
     caches: list[torch.Tensor]
     block_table: torch.Tensor
     lengths: list[int]
@@ -53,8 +53,8 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
     ``executor_for(caches)`` builds the executor around the freshly allocated caches."""
     from dataclasses import replace
 
-    from dcp_compile.runtime.engine import Engine
-    from dcp_compile.runtime.kv_cache import KVCacheSpec
+    from dcp_compile.runtime.serving.engine import Engine
+    from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
     c = program.config
     shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
@@ -65,7 +65,7 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
 
 def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
     """The single-device model through the same engine (dcp=1 block tables)."""
-    from dcp_compile.runtime.engine import LocalExecutor
+    from dcp_compile.runtime.serving.engine import LocalExecutor
     engine = reference_engine(program, lambda caches: LocalExecutor(model, caches), fill=fill)
     with torch.no_grad():
         result = engine.generate(prompts, steps)
@@ -81,8 +81,8 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     rank scatters the single-device engine's caches into its DCP layout and decodes from
     there.
     """
-    from dcp_compile.runtime.rank_engine import rank_engine
-    from dcp_compile.runtime.world import run_threaded
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    from dcp_compile.runtime.distributed.world import run_threaded
 
     def rank_main(rank):
         engine = rank_engine(program, rank, shared_names=True, fill=fill, poison=poison_garbage)
@@ -100,7 +100,7 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
 
 
 def _start_from_reference(program, rank, engine, ref_engine) -> None:
-    from dcp_compile.runtime.cache_layout import scatter_cache
+    from dcp_compile.runtime.transfer.cache_layout import scatter_cache
     lengths = list(ref_engine.lengths)
     n = len(lengths)
     engine.lengths = list(lengths)
@@ -208,7 +208,7 @@ def run_chunks(engine, recorder, chunk_plan, rank, max_blocks) -> PrefillRun:
 
 def run_prefill_reference(model, program: DCPProgram, chunk_plan, *, fill=0.0) -> PrefillRun:
     """The single-device model, chunk by chunk, through the same engine (dcp=1 tables)."""
-    from dcp_compile.runtime.engine import LocalExecutor
+    from dcp_compile.runtime.serving.engine import LocalExecutor
     _check_plan(chunk_plan)
     engine = reference_engine(
         program, lambda caches: RecordingExecutor(LocalExecutor(model, caches)), fill=fill)
@@ -222,8 +222,8 @@ def run_threaded_prefill(program: DCPProgram, chunk_plan, *, fill=0.0, poison_ga
     ``fill=float('nan')`` poisons every cache row first: a row the program never writes
     stays NaN, and one it reads without masking surfaces as NaN in the logits.
     """
-    from dcp_compile.runtime.rank_engine import rank_engine
-    from dcp_compile.runtime.world import run_threaded
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    from dcp_compile.runtime.distributed.world import run_threaded
     _check_plan(chunk_plan)
     if StepKind.PREFILL not in program.graphs:
         raise DCPInputError(f"run_threaded_prefill needs a prefill program: this one has "
@@ -269,7 +269,7 @@ def check_prefill_caches(program: DCPProgram, runs: list[PrefillRun], ref: Prefi
     ``atol``) to the single-device cache's entries for its KV heads; every other row except
     the garbage block is still NaN (the rank caches must have been allocated with NaN).
     Returns the first problem found, or None."""
-    from dcp_compile.runtime.cache_layout import scatter_cache
+    from dcp_compile.runtime.transfer.cache_layout import scatter_cache
     c, topo = program.config, program.topology
     for run in runs:
         expected = program.cache_spec().allocate(fill=float("nan"))
@@ -348,7 +348,7 @@ def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=F
 def generate_per_token(engine, prompts, steps, drafter):
     """``engine.generate`` as a SpecResult (logits per sequence per token) with or without
     a drafter, and the prompt tokens the prefix cache served."""
-    from dcp_compile.runtime.speculative import SpecResult, SpecStats
+    from dcp_compile.runtime.serving.speculative import SpecResult, SpecStats
     with torch.no_grad():
         got = engine.generate(prompts, steps, drafter=drafter)
     if drafter is None:
@@ -362,7 +362,7 @@ def generate_per_token(engine, prompts, steps, drafter):
 def draft_program_drafter(draft: DCPProgram, target: DCPProgram):
     """``drafter_for(rank)`` of a draft model given as another program of the same world
     (same tp; dcp 1 or the target's): each rank drafts with its own rank of it."""
-    from dcp_compile.runtime.speculative import ModelDrafter
+    from dcp_compile.runtime.serving.speculative import ModelDrafter
     if draft.config.tp != target.config.tp or draft.config.dcp not in (1, target.config.dcp):
         raise DCPInputError(
             f"a draft program runs on the target's world: draft tp={draft.config.tp}, "
@@ -379,7 +379,7 @@ def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_
     same loop with its own ``drafter_for(rank)``; None: plain greedy) against the
     single-device model's plain greedy decoding (no prefix cache): tokens, and the logits
     of every verified position. ``prefix_caching``: the program's engine shares prefixes."""
-    from dcp_compile.runtime.world import run_threaded
+    from dcp_compile.runtime.distributed.world import run_threaded
     start = time.perf_counter()
     ref, _ = run_reference(model, program, prompts, steps)
 

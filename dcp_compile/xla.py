@@ -222,7 +222,7 @@ class _Replicas:
 
 
 class XLAExecutor:
-    """A dcp_compile.runtime.engine executor running a program's lowered modules on XLA:CPU replicas.
+    """A dcp_compile.runtime.serving.engine executor running a program's lowered modules on XLA:CPU replicas.
 
     ``Engine(XLAExecutor(program, lower(program)), shapes, ...)`` serves requests with the
     compiled StableHLO. Every step's inputs are checked against the program's step contract
@@ -241,7 +241,7 @@ class XLAExecutor:
     def __init__(self, program, lowered, *, fill: float = 0.0, source: str = "text",
                  effort: str = "optimized"):
         from dcp_compile.runtime.names import RANK_INPUT
-        from dcp_compile.runtime.step_contract import StepContract
+        from dcp_compile.runtime.serving.step_contract import StepContract
         if source not in self.SOURCES:
             raise DCPXLAError(f"unknown module source {source!r}. Use one of {self.SOURCES}.")
         self.lowered = lowered
@@ -342,9 +342,9 @@ def check_lowered_for_xla(lowered) -> None:
 def generate(program, prompts, steps: int, *, lowered=None, source: str = "text",
              executor=None):
     """Greedy-decode ``steps`` tokens with the lowered program on XLA (GenerateResult)."""
-    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.serving.engine import Engine
 
-    from dcp_compile.runtime.rank_engine import prompt_kind
+    from dcp_compile.runtime.serving.rank_engine import prompt_kind
     if executor is None:
         executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source,
                                effort=VERIFY_EFFORT)
@@ -385,8 +385,8 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
                        lowered=None, source: str = "text", prefix_caching: bool = False):
     """dcp_compile.verify.verify_speculative with the program lowered and run on XLA:CPU
     (one SPMD engine, so one ``drafter``; None: plain greedy)."""
-    from dcp_compile.runtime.engine import Engine
-    from dcp_compile.runtime.rank_engine import prompt_kind
+    from dcp_compile.runtime.serving.engine import Engine
+    from dcp_compile.runtime.serving.rank_engine import prompt_kind
 
     from . import verify as V
     start = time.perf_counter()
@@ -403,10 +403,10 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
 
 def draft_drafter(draft):
     """A ModelDrafter over a draft program lowered and run on the same XLA:CPU devices."""
-    from dcp_compile.runtime.engine import Engine
-    from dcp_compile.runtime.speculative import ModelDrafter
+    from dcp_compile.runtime.serving.engine import Engine
+    from dcp_compile.runtime.serving.speculative import ModelDrafter
 
-    from dcp_compile.runtime.rank_engine import prompt_kind
+    from dcp_compile.runtime.serving.rank_engine import prompt_kind
     return ModelDrafter(Engine(XLAExecutor(draft, lower_for_xla(draft), effort=VERIFY_EFFORT),
                                draft.shapes,
                                block_size=draft.config.block_size, dcp=draft.config.dcp,
@@ -419,8 +419,8 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     """dcp_compile.verify.verify_prefill with the program lowered and run on XLA:CPU
     replicas: every chunk's logits, and each rank's cache (allocated NaN) holding exactly
     its owned positions."""
-    from dcp_compile.runtime.engine import Engine
-    from dcp_compile.runtime.rank_engine import RecordingExecutor
+    from dcp_compile.runtime.serving.engine import Engine
+    from dcp_compile.runtime.serving.rank_engine import RecordingExecutor
 
     from . import verify as V
     start = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 from dcp_compile.runtime.errors import DCPTransformError
 

@@ -1,6 +1,6 @@
 """Canonicalize mixture-of-experts blocks: one ``dcp.moe`` node per MoE layer, its router named.
 
-Accepted experts: ``dcp.moe`` (runtime/moe.py) — transformers' experts classes reach it
+Accepted experts: ``dcp.moe`` (runtime/kernels/moe.py) — transformers' experts classes reach it
 through dcp_compile.hf's ``"dcp"`` experts implementation, whatever implementation the model
 was configured with (eager loop, grouped_mm, batched_mm: the same function of the same
 weights); a plain model calls ``torch.ops.dcp.moe`` itself.
@@ -28,10 +28,10 @@ import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import MixtureOfExperts, ModelFacts
-from dcp_compile.runtime.moe import (LAYOUTS, OPERANDS, PARAMETRISED, ExpertActivation,
+from dcp_compile.runtime.program.facts import MixtureOfExperts, ModelFacts
+from dcp_compile.runtime.kernels.moe import (LAYOUTS, OPERANDS, PARAMETRISED, ExpertActivation,
                                      ExpertLayout)
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
@@ -262,7 +262,7 @@ class CanonicalizeMoE(DCPPass):
                 f"dcp.moe shapes do not agree ({a['layout']} layout): x {tuple(x)}, ids "
                 f"{tuple(ids)}, weights {tuple(weights)}, gate_up {tuple(gate_up)}, wrong "
                 f"{wrong or 'none'} (expected {expected}): {where}. Pass x [T, H], routing "
-                f"[T, k] and expert weights laid out as the layout says (runtime/moe.py).")
+                f"[T, k] and expert weights laid out as the layout says (runtime/kernels/moe.py).")
         if cfg.expert_parallel and num_experts % cfg.tp:
             raise DCPTransformError(
                 f"expert parallelism partitions the experts over the tp ranks, which needs tp "

@@ -1,7 +1,7 @@
 """Emit functional collectives (`_c10d_functional` + `wait_tensor`) on group *roles*.
 
 A collective names a role (``tp``, ``dcp``, ``world``, ``dcp_tp``, ``cp_kv``) through the
-placeholder group name ``dcp_role:<role>``; ``dcp_compile.runtime.rank_program.load`` binds each role to this
+placeholder group name ``dcp_role:<role>``; ``dcp_compile.runtime.serving.rank_program.load`` binds each role to this
 rank's real process-group name, so the graph is the same for every rank.
 """
 
@@ -11,8 +11,8 @@ import torch
 from torch.fx import Graph, Node
 
 # The role naming convention and the collectives table are the runtime's (it binds the roles
-# when loading a program); arguments are in the order dcp_compile.runtime.roles.COLLECTIVES describes.
-from dcp_compile.runtime.roles import COLLECTIVE_TARGETS, WAIT_TARGET, role_name, role_of  # noqa: F401
+# when loading a program); arguments are in the order dcp_compile.runtime.distributed.roles.COLLECTIVES describes.
+from dcp_compile.runtime.distributed.roles import COLLECTIVE_TARGETS, WAIT_TARGET, role_name, role_of  # noqa: F401
 from dcp_compile.runtime.names import META_LAYER, META_PASS, ROLE_PREFIX  # noqa: F401
 
 F = torch.ops._c10d_functional

@@ -53,7 +53,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.ops import owned_capacity
+from dcp_compile.runtime.kernels.ops import owned_capacity
 from dcp_compile.runtime.names import (Mode, Role, StepKind, META_LAYER, META_NORM_REDUCE, PROJECTIONS_META, ROLE_META,
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 

@@ -16,10 +16,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import META_KIND, META_LAYER, META_PASS, StepKind
 
 if TYPE_CHECKING:

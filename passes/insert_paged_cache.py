@@ -37,9 +37,9 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import LatentAttention, ModelFacts
+from dcp_compile.runtime.program.facts import LatentAttention, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .absorb_latent_attention import absorb_latent_attention

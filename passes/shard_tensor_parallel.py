@@ -26,8 +26,8 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.moe import ARG
-from dcp_compile.runtime.shards import ShardSpec
+from dcp_compile.runtime.kernels.moe import ARG
+from dcp_compile.runtime.program.shards import ShardSpec
 from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
@@ -238,7 +238,7 @@ class ShardTensorParallel(DCPPass):
 
     def _expert_shard_rank(self, g, rank: Node, expert_parallel: bool) -> None:
         """Which shard of the experts this rank holds is data, the rank input (dcp.moe,
-        runtime/moe.py): expert parallel, rank r holds experts [r * E/tp, (r + 1) * E/tp)
+        runtime/kernels/moe.py): expert parallel, rank r holds experts [r * E/tp, (r + 1) * E/tp)
         (``expert_rank``); tensor parallel, slice r of every expert's intermediate dim
         (``inner_rank``: only slice 0 adds the down bias, counted once by the all-reduce)."""
         operand = ARG["expert_rank"] if expert_parallel else ARG["inner_rank"]

@@ -16,7 +16,7 @@ from torch.fx import GraphModule
 
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPProofError, DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import META_CERTIFICATE
 
 from .infra import DCPPass, Found, attention_nodes, val

@@ -1,11 +1,18 @@
 """What executes a DCP program: worlds of ranks, paged KV caches, host-side metadata.
 
-Modules (import the one you need; this package imports nothing heavy):
+The top level holds what every room reads: the layout formulas (``layout``), the validated
+configuration (``config``), process groups by role (``topology``), shared names and enums
+(``names``), the exception types (``errors``) and the version. The rooms, by job:
 
-- ``dcp_compile.runtime.world``  — ``run_threaded``: one SPMD function on N threads of this process with a
-  real threaded process group; ``bind_roles``: create the process groups of every role of a
-  ``Topology`` and return role -> ``group_name`` for ``torch.ops._c10d_functional.*``;
-  ``each_rank_in_turn``: trace (fx.symbolic_trace) safely inside a threaded world.
-- ``dcp_compile.runtime.launch`` — torchrun + gloo on 127.0.0.1: ``init_distributed_from_env``,
-  ``torchrun_command``, ``run_torchrun``.
+- ``program``      a DCP program and its files: ``DCPProgram``, program files, model facts,
+  weight shards, context buckets;
+- ``serving``      rank loading and the engine: a program on one rank, the step contract, the
+  paged KV cache, host metadata, the greedy / speculative / prefix-cached loops;
+- ``kernels``      the ``dcp`` custom ops: definitions, reference bodies, eager kernels;
+- ``distributed``  worlds, launch and collectives: threaded and torchrun worlds, group roles,
+  the Neuron backend;
+- ``transfer``     moving KV between layouts and engines: host-side cache layouts, the
+  prefill -> decode transfer plan, NIXL.
+
+Import the module you need; this package imports nothing heavy.
 """

@@ -6,8 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .errors import DCPConfigError
-from .names import Mode
+from dcp_compile.runtime.errors import DCPConfigError
+from dcp_compile.runtime.names import Mode
 
 MODES = tuple(Mode)
 KV_ROLES = (None, "kv_producer", "kv_consumer")

@@ -37,7 +37,7 @@ class DCPProofError(DCPError):
 class DCPInputError(DCPError, ValueError):
     """Runtime inputs (positions, block tables, caches) that the layout cannot serve.
 
-    A step-contract violation (dcp_compile.runtime.step_contract) also carries ``rule`` (the rule's
+    A step-contract violation (dcp_compile.runtime.serving.step_contract) also carries ``rule`` (the rule's
     name), ``field`` (the input) and ``index`` (the offending element, e.g. ``(row, col)``).
     """
 
@@ -83,7 +83,7 @@ class DCPWorldError(DCPError, RuntimeError):
 
     ``failures`` maps each failing rank to its traceback or captured output; ``timed_out``
     lists the ranks that did not finish in time; ``leaked``, the thread ranks that could not
-    be stopped and still run (``dcp_compile.runtime.world.leaked_ranks()``).
+    be stopped and still run (``dcp_compile.runtime.distributed.world.leaked_ranks()``).
     """
 
     def __init__(self, message, failures=None, timed_out=(), leaked=()):

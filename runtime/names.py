@@ -34,7 +34,7 @@ class StepKind(_Word):
 
 class Role(_Word):
     """A collective's group role (README: topology); bound to real groups when a rank loads
-    the program (dcp_compile.runtime.roles)."""
+    the program (dcp_compile.runtime.distributed.roles)."""
 
     WORLD = "world"               # every rank
     TP = "tp"                     # decode: the tensor-parallel group (every rank)

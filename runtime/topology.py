@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import DCPConfig
-from .names import Mode
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.names import Mode
 
 
 @dataclass(frozen=True)

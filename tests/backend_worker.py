@@ -70,7 +70,7 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
-    from dcp_compile.runtime.launch import run_in_world
+    from dcp_compile.runtime.distributed.launch import run_in_world
 
     args = parse(argv)
     run_in_world(lambda rank, world: run(args, rank, world))

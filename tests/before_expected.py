@@ -174,9 +174,9 @@ def run_world(gm: GraphModule, config: DCPConfig, inputs_of_rank) -> list:
     its roles bound to that rank's groups; ``inputs_of_rank(rank)`` gives the inputs by
     name. Returns each rank's outputs."""
     from dcp_compile.runtime.topology import topology
-    from dcp_compile.runtime.roles import role_of
-    from dcp_compile.runtime.rank_program import copy_graph_module
-    from dcp_compile.runtime.world import ROLE_ALIAS_PREFIX, bind_roles, run_threaded
+    from dcp_compile.runtime.distributed.roles import role_of
+    from dcp_compile.runtime.serving.rank_program import copy_graph_module
+    from dcp_compile.runtime.distributed.world import ROLE_ALIAS_PREFIX, bind_roles, run_threaded
 
     topo = topology(config.tp, config.dcp, config.mode, config=config)
     # Everything but running is done here, not in the rank threads (tracing patches torch

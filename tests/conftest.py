@@ -46,7 +46,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    from dcp_compile.runtime.launch import GC_THRESHOLDS   # the workers' thresholds too
+    from dcp_compile.runtime.distributed.launch import GC_THRESHOLDS   # the workers' thresholds too
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)

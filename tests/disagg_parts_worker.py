@@ -18,7 +18,7 @@ import sys
 def main(argv=None) -> int:
     import torch
 
-    from dcp_compile.runtime.launch import run_in_world
+    from dcp_compile.runtime.distributed.launch import run_in_world
     from dcp_compile.workers import disagg
 
     parts = [disagg.parse(a) for a in json.loads((argv or sys.argv[1:])[0])]

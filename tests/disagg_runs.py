@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from dcp_compile.runtime.errors import DCPWorldError
-from dcp_compile.runtime.launch import run_torchrun
-from dcp_compile.runtime.nixl.loopback import free_port_base
+from dcp_compile.runtime.distributed.launch import run_torchrun
+from dcp_compile.runtime.distributed.launch import free_port_base
 from dcp_compile.workers.disagg import build_program, parse
 
 LAUNCH_TIMEOUT = 900.0      # seconds per torchrun launch (a loaded two-core machine)
@@ -80,7 +80,7 @@ def launch_worlds(tmp: Path, scenarios: dict[str, dict]) -> dict:
     world makes the others give up (the abort file) and fails the test with every failing
     world's output; a NIXL wheel that does not import skips it."""
     try:
-        from dcp_compile.runtime.nixl.build import nixl_api
+        from dcp_compile.runtime.transfer.nixl.build import nixl_api
         nixl_api()
     except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
         pytest.skip(f"import nixl failed: {type(e).__name__}: {e}")

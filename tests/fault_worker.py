@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
+from dcp_compile.runtime.distributed.launch import freeze_gc, init_distributed_from_env
 
 
 def stop_answering() -> None:

@@ -64,8 +64,8 @@ def single_device_reference(lengths, steps, *, seed=0):
     and shapes (dcp_compile.workers.decode): what every multi-process decode test compares to."""
     from dcp_compile.models.demo import demo_model
     from dcp_compile.workers.decode import prompt_tokens, shapes_for
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.kv_cache import KVCacheSpec
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
 
     model = demo_model()
     shapes = shapes_for(lengths, steps, 1)

@@ -246,7 +246,7 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
     """One corpus cell: transform, run on a threaded world, compare with the model."""
     import dcp_compile
     from dcp_compile import hf
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     from dcp_compile.runtime.errors import DCPError
     from dcp_compile.verify import run_threaded_program
 

@@ -18,7 +18,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 SHAPES = StepShapes(batch=2, context_len=16, max_blocks=4, num_blocks=8)
 LAYERS = 2

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import dcp_compile  # noqa: E402
 from dcp_compile.models.mla import plain_mla  # noqa: E402
 from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 
 def report() -> dict:

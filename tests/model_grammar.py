@@ -39,7 +39,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 HEADS = [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]     # (q heads, kv heads)
 QKV_MHA_ONLY = {"fused_3hd"}                                  # [3, h, d] needs hq == hkv

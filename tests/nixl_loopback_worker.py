@@ -1,5 +1,5 @@
 """One engine process of tests/nixl_runs.py running several loopback scenarios one after the
-other (``dcp_compile.runtime.nixl.loopback``'s ``main`` per scenario), so that the process
+other (``tests.nixl_loopback``'s ``main`` per scenario), so that the process
 starts (Python, torch, NIXL) once for all of them:
 
     python3 -m tests.nixl_loopback_worker ROLE SPEC_1 RESULT_1 [SPEC_2 RESULT_2 ...]
@@ -15,8 +15,8 @@ import sys
 
 
 def main(argv=None) -> int:
-    from dcp_compile.runtime.launch import freeze_gc
-    from dcp_compile.runtime.nixl import loopback
+    from dcp_compile.runtime.distributed.launch import freeze_gc
+    from tests import nixl_loopback as loopback
 
     role, *paths = argv or sys.argv[1:]
     freeze_gc()

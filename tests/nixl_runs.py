@@ -1,4 +1,4 @@
-"""Run `dcp_compile.runtime.nixl.loopback` engines as real processes and collect their results (the NIXL
+"""Run `tests.nixl_loopback` engines as real processes and collect their results (the NIXL
 tests' one harness). Several scenarios share the processes (tests/nixl_loopback_worker.py:
 one process per role runs every scenario that has that role, in order): a process's start
 (Python, torch, NIXL: ~3 CPU-s) costs more than a scenario's transfers."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_compile.runtime.nixl.loopback import loopback_env
+from dcp_compile.runtime.distributed.launch import loopback_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     with open(args.jobs) as f:
         jobs = json.load(f)
     import torch  # noqa: F401 - every job's first import: out of the collector's scans
-    from dcp_compile.runtime.launch import freeze_gc
+    from dcp_compile.runtime.distributed.launch import freeze_gc
     freeze_gc()
     for job in jobs:
         print(f"readme job {job['id']}", file=sys.stderr, flush=True)

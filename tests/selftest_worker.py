@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import init_distributed_from_env
+    from dcp_compile.runtime.distributed.launch import init_distributed_from_env
 
     rank, world_size = init_distributed_from_env()
     try:
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(opts: argparse.Namespace, rank: int, world_size: int) -> None:
     """This rank's self-test in the initialised world (``main``, or tests/world_worker.py)."""
     from dcp_compile.runtime.topology import topology
-    from dcp_compile.runtime.world import bind_roles
+    from dcp_compile.runtime.distributed.world import bind_roles
 
     topo = topology(world_size, opts.dcp, opts.mode)
     dtypes = [getattr(torch, d) for d in opts.dtypes]

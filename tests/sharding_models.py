@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-import dcp_compile.runtime.ops  # noqa: F401
+import dcp_compile.runtime.kernels.ops  # noqa: F401
 from dcp_compile.models.demo import RMSNorm, rope_cos_sin, rotate_half
 
 

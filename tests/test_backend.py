@@ -20,9 +20,9 @@ from dcp_compile.backend import (BackendOptions, build_program, kv_cache_spec,
                                  merge_programs)
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError, DCPWorldError
 from dcp_compile.models.demo import DemoConfig, DemoLlama, demo_model
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
-from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.world import run_threaded
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
+from dcp_compile.runtime.distributed.world import run_threaded
 
 from backend_worker import PrintingDemo
 from helpers import assert_close_report, prompts_of

@@ -6,7 +6,7 @@ counts made local, the KV caches holding this rank's KV heads."""
 import torch
 
 from dcp_compile.passes.shard_tensor_parallel import ShardTensorParallel
-from dcp_compile.runtime.shards import ShardSpec
+from dcp_compile.runtime.program.shards import ShardSpec
 
 from before_expected import aten, assert_code, attention_inputs, before, call, context, \
     run_alone, run_world

@@ -1,4 +1,4 @@
-"""Context buckets (runtime/buckets.py): one graph per (step kind, bucket) over one set of
+"""Context buckets (runtime/program/buckets.py): one graph per (step kind, bucket) over one set of
 weights; the Engine runs each step in the smallest bucket holding its batch, every executor
 (threads, XLA, the Neuron modules) runs that bucket's graph, and the logits equal the model's
 own forward whichever buckets a run crosses.
@@ -25,8 +25,8 @@ if __name__ == "__main__":        # child process of _on_xla: this worktree firs
 
 import dcp_compile  # noqa: E402
 from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
-from dcp_compile.runtime.buckets import check_buckets, smallest_bucket  # noqa: E402
-from dcp_compile.runtime.engine import Engine, StepShapes  # noqa: E402
+from dcp_compile.runtime.program.buckets import check_buckets, smallest_bucket  # noqa: E402
+from dcp_compile.runtime.serving.engine import Engine, StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError  # noqa: E402
 from full_runs import full  # noqa: E402
 
@@ -89,7 +89,7 @@ def _run_case(tp, dcp, mode, backend) -> dict:
         cls.step = wrap(cls.step)
     else:
         from dcp_compile import verify as V
-        from dcp_compile.runtime.rank_program import RankProgram
+        from dcp_compile.runtime.serving.rank_program import RankProgram
         seen, wrap = _widths_seen()
         original = RankProgram.run
         RankProgram.run = wrap(original)

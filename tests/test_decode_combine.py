@@ -16,7 +16,7 @@ import torch
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.verify import run_reference, run_threaded_program
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 from helpers import assert_close_report, prompts_of
 

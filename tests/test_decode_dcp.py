@@ -17,9 +17,9 @@ import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.verify import run_reference, run_threaded_program
 import dcp_compile.runtime.layout
-import dcp_compile.runtime.ops
-from dcp_compile.runtime.cache_layout import gather_cache
-from dcp_compile.runtime.engine import StepShapes
+import dcp_compile.runtime.kernels.ops
+from dcp_compile.runtime.transfer.cache_layout import gather_cache
+from dcp_compile.runtime.serving.engine import StepShapes
 
 from helpers import assert_close_report, prompts_of
 
@@ -147,8 +147,8 @@ def test_broken_layout_is_caught_by_numerics(monkeypatch):
     model, prog = program_for("demo-16q2kv", 4, 2, 16, max(lengths))
     prompts = prompts_of(lengths, seed=5)
     ref, _ = run_reference(model, prog, prompts, 4)
-    real = dcp_compile.runtime.ops._active_mask_impl
-    monkeypatch.setattr(dcp_compile.runtime.ops, "_active_mask_impl",
+    real = dcp_compile.runtime.kernels.ops._active_mask_impl
+    monkeypatch.setattr(dcp_compile.runtime.kernels.ops, "_active_mask_impl",
                         lambda n, rank, *a: torch.ones_like(real(n, rank, *a)))
     runs = run_threaded_program(prog, prompts, 4)
     diff = (runs[0].result.logits[1] - ref.logits[1]).abs().max()

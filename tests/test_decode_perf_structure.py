@@ -14,11 +14,11 @@ from torch.profiler import ProfilerActivity, profile
 import dcp_compile
 from dcp_compile.runtime.config import COMBINE_DTYPES, COMBINES
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
-from dcp_compile.runtime.op_defs import op_of
+from dcp_compile.runtime.kernels.op_defs import op_of
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.verify import run_reference
-from dcp_compile.runtime.eager import specialize_for_eager
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.kernels.eager import specialize_for_eager
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 
 from helpers import assert_close_report, prompts_of
 
@@ -139,7 +139,7 @@ def test_a_step_at_64x_capacity_allocates_no_cache_and_matches_the_single_device
     """tp=2/dcp=2 with caches and block tables 64x what the context needs: every rank's decode
     steps return its cache tensors themselves, no op allocates a cache's worth (or the block
     table span's: rank 0, profiled), and the logits equal the single-device model's."""
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
     model, prog = program(capacity=64)
     prompts = prompts_of([1, 33], seed=4)
     ref, _ = run_reference(model, prog, prompts, 3)

@@ -54,12 +54,12 @@ import torch
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.runtime.topology import topology
-from dcp_compile.runtime.cache_layout import gather_cache, scatter_cache
+from dcp_compile.runtime.transfer.cache_layout import gather_cache, scatter_cache
 from dcp_compile.workers.disagg import MODELS, build_model, prefill_chunks
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
-from dcp_compile.runtime.kv_cache import KVCacheSpec
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
 from dcp_compile.workers.prefill import plan_tokens
-from dcp_compile.runtime.transfer_plan import plan_transfer
+from dcp_compile.runtime.transfer.plan import plan_transfer
 
 from disagg_runs import launch_worlds
 from helpers import assert_close_report, full_forward_reference

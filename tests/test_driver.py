@@ -17,9 +17,9 @@ from dcp_compile.frontends.paged import PagedFrontend
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.models.plain import plain_llama
 from dcp_compile.runtime.config import DCPConfig
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.passes import dump as D
 from dcp_compile.passes.manager import PassRecord
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +205,7 @@ def test_torch_trace_gets_every_pass_as_artifacts(tmp_path):
     """With TORCH_TRACE and no dump dir, every pass is still a structured-trace artifact."""
     trace = tmp_path / "trace"
     code = ("import dcp_compile; from dcp_compile.models.demo import DemoConfig, demo_model; "
-            "from dcp_compile.runtime.engine import StepShapes; "
+            "from dcp_compile.runtime.serving.engine import StepShapes; "
             "dcp_compile.transform(demo_model(DemoConfig(num_layers=1)), tp=2, dcp=1, "
             "shapes=StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5), "
             "check=False)")   # the trace artifacts only; the check is test_transform_check's

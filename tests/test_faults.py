@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dcp_compile.runtime.errors import DCPWorldError
-from dcp_compile.runtime.world import leaked_ranks, run_threaded
+from dcp_compile.runtime.distributed.world import leaked_ranks, run_threaded
 
 ROOT = Path(__file__).resolve().parent.parent
 F = torch.ops._c10d_functional
@@ -215,7 +215,7 @@ def test_hung_torchrun_rank_is_named_not_its_victim():
     """Rank 1 sleeps outside any collective; rank 0's all_reduce times out (5 s) and torchrun
     reports rank 0 as the root cause. The launcher must name rank 1 (from the stacks each
     rank dumps when terminated) and call rank 0 its victim."""
-    from dcp_compile.runtime import launch
+    from dcp_compile.runtime.distributed import launch
     with pytest.raises(DCPWorldError) as info:
         launch.run_torchrun(2, "tests.fault_worker",
                             ["--hang-rank", "1", "--collective-timeout", "5"],
@@ -251,7 +251,7 @@ _SLEEPING = ("Thread 0x00007f01 (most recent call first):\n"
 
 
 def _launch_timeout_error(stacks):
-    from dcp_compile.runtime import launch
+    from dcp_compile.runtime.distributed import launch
     proc = subprocess.CompletedProcess(["python", "-m", "w"], -15, "", "")
     return launch._launch_error(len(stacks), "w", proc, {r: "" for r in stacks}, True, 30.0,
                                 stacks)

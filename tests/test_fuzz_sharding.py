@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 import dcp_compile
 from dcp_compile.runtime.errors import DCPCheckError, DCPConfigError, DCPTransformError, DCPWorldError
 from dcp_compile.verify import verify, verify_prefill
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 from helpers import prompts_of
 from model_grammar import ModelSpec, build, model_specs
@@ -224,8 +224,8 @@ def test_the_grammar_builds_every_feature_and_runs_single_device():
     """Every feature value of the grammar builds a model that runs and gives finite logits
     (so a refusal in the fuzz is about the transform, not a broken model)."""
     from model_grammar import FEATURES, HEADS
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.kv_cache import KVCacheSpec
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
     for name, values in FEATURES.items():
         for value in values:
             hq, hkv = (4, 4) if name == "qkv" else HEADS[1]

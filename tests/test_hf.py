@@ -14,7 +14,7 @@ import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 from helpers import assert_close_report, prompts_of, seeded_weights  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 import dcp_compile
 from dcp_compile.backend import BackendOptions
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
 from full_runs import full  # noqa: E402
 
@@ -39,7 +39,7 @@ def test_unknown_compile_modes_are_refused():
                     reason="Inductor compiles take minutes here; set DCP_INDUCTOR=1")
 def test_inductor_program_matches_eager_and_the_model():
     from dcp_compile import verify as V
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
     model, program = _program()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 7)]

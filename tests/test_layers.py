@@ -88,8 +88,8 @@ def test_the_layers_install_under_the_dcp_compile_namespace():
         import sys
         import dcp_compile
         assert "torch" not in sys.modules and "sympy" not in sys.modules, "import is heavy"
-        import dcp_compile.runtime.ops, dcp_compile.passes.prove.theorems
-        assert dcp_compile.runtime.ops.__spec__.name == "dcp_compile.runtime.ops"
+        import dcp_compile.runtime.kernels.ops, dcp_compile.passes.prove.theorems
+        assert dcp_compile.runtime.kernels.ops.__spec__.name == "dcp_compile.runtime.kernels.ops"
         assert "runtime" not in sys.modules and "passes" not in sys.modules
         assert hasattr(__import__("torch").ops.dcp, "attention")
         print("ok")

@@ -1,4 +1,4 @@
-"""The eager live-span kernel (runtime/live_attention.py) equals ``dcp.partial_attention``.
+"""The eager live-span kernel (runtime/kernels/live_attention.py) equals ``dcp.partial_attention``.
 
 The static op's body is the reference (it is also the StableHLO decomposition). Inputs hit
 the edge cases of the kernel's two segments and in-place masks: empty priors, priors ending
@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime import layout
 
 dcp_ops = torch.ops.dcp

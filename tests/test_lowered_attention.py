@@ -1,5 +1,5 @@
 """The lowering's decode attention kernel (dcp_compile/lowering/paged_attention.py) equals
-the reference ``dcp.partial_attention`` (runtime/ops.py) on the edge cases: unallocated (-1)
+the reference ``dcp.partial_attention`` (runtime/kernels/ops.py) on the edge cases: unallocated (-1)
 and out-of-range table entries, poisoned (NaN) unwritten rows, padding queries, rows with no
 key at all (lse = -inf, output 0), empty shards, per-query bounds (width-K decode), sliding
 window, soft-capping, GQA and the shared latent cache (MLA). The lowered path itself is
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dcp_compile.lowering.paged_attention import MAX_QUERIES, _fused_decode_attention
-from dcp_compile.runtime.ops import _partial_attention_impl
+from dcp_compile.runtime.kernels.ops import _partial_attention_impl
 
 BLOCK, NUM_BLOCKS, DCP, INTERLEAVE = 4, 7, 2, 1
 

@@ -234,7 +234,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from dcp_compile.driver import passes_for
     from dcp_compile.passes.infra import TransformContext
     from dcp_compile.passes.manager import repropagate
-    from dcp_compile.runtime.facts import ModelFacts
+    from dcp_compile.runtime.program.facts import ModelFacts
 
     model, prog = program_for(8, 4, "decode")
     example = example_step_inputs(SHAPES.batch, 1, SHAPES.max_blocks,
@@ -280,7 +280,7 @@ def _(x):
 
 
 def _with_graph(prog, step, edit):
-    from dcp_compile.runtime.rank_program import copy_graph_module
+    from dcp_compile.runtime.serving.rank_program import copy_graph_module
     gm = copy_graph_module(prog.graphs[step])
     edit(gm)
     gm.recompile()

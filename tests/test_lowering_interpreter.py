@@ -16,7 +16,7 @@ from dcp_compile.lowering import (COLLECTIVE_OPS, collectives_in,  # noqa: E402
                                   interpreter_available, lower, lower_function,
                                   run_interpreter)
 from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
 
 from helpers import assert_close_report  # noqa: E402
@@ -233,9 +233,9 @@ def _interpreter_world(tp: int, dcp: int, mode: str, model_kind: str = "demo",
     the interpreter runs of earlier worlds (InterpreterExecutor: a step whose module text
     and inputs are byte-identical to an earlier run's takes its outputs)."""
     from dcp_compile.lowering import InterpreterExecutor
-    from dcp_compile.runtime.rank_engine import prompt_kind
+    from dcp_compile.runtime.serving.rank_engine import prompt_kind
     from dcp_compile.verify import run_reference
-    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.serving.engine import Engine
 
     from helpers import prompts_of
     options = {"check": False}       # the world compares every step with the model

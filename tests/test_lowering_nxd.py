@@ -1,4 +1,4 @@
-"""NxD's traced route: the torch_xla collective backend (dcp_compile.runtime.neuron) with a
+"""NxD's traced route: the torch_xla collective backend (dcp_compile.runtime.distributed.neuron) with a
 threaded stand-in for torch_xla's collectives, and on a real Neuron host."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ThreadedXM:
 
 
 def test_nxd_backend_binds_explicit_full_replica_groups():
-    from dcp_compile.runtime.neuron import bind_xla_collectives, collective_calls
+    from dcp_compile.runtime.distributed.neuron import bind_xla_collectives, collective_calls
     _, prog = program_for(8, 4, "decode")
     bound = bind_xla_collectives(prog.graphs["decode"], prog.topology.groups)
     calls = collective_calls(bound)
@@ -75,10 +75,10 @@ def test_nxd_backend_binds_explicit_full_replica_groups():
 def test_nxd_backend_decodes_like_the_single_device_model_with_a_threaded_xm():
     """The NxD-bound program on 4 rank threads, with a CPU stand-in for torch_xla's
     collectives, generates the single-device model's tokens and logits."""
-    from dcp_compile.runtime.rank_engine import prompt_kind
+    from dcp_compile.runtime.serving.rank_engine import prompt_kind
     from dcp_compile.verify import run_reference
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.neuron import NeuronStepModule, use_xla_module
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.distributed.neuron import NeuronStepModule, use_xla_module
 
     from helpers import prompts_of
     model, prog = program_for(4, 2, "decode")
@@ -119,13 +119,13 @@ def test_nxd_backend_decodes_like_the_single_device_model_with_a_threaded_xm():
 
 
 def test_nxd_backend_on_real_torch_xla():
-    from dcp_compile.runtime.neuron import neuron_available
+    from dcp_compile.runtime.distributed.neuron import neuron_available
     ok, reason = neuron_available()
     if not ok:
         pytest.skip(reason)
     import torch_xla.core.xla_model as xm  # noqa: F401  (the real module, on a Neuron host)
 
-    from dcp_compile.runtime.neuron import NeuronStepModule
+    from dcp_compile.runtime.distributed.neuron import NeuronStepModule
     _, prog = program_for(4, 2, "decode")
     mod = NeuronStepModule(prog, "decode", 0)
     assert mod.input_output_aliases == {3 + k: 1 + k for k in range(2 * LAYERS)}

@@ -22,9 +22,9 @@ from dcp_compile import check as checking
 from dcp_compile.models.demo import DemoConfig
 from dcp_compile.models.plain import plain_llama
 from dcp_compile.frontends.ordinary import FullForwardReference
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from full_runs import full  # noqa: E402
 
 VOCAB, BLOCK = 256, 4

@@ -35,7 +35,7 @@ X.request_host_devices(4)       # before jax starts (if it has not): run the XLA
 
 import dcp_compile  # noqa: E402
 from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 SHAPES = StepShapes(batch=2, context_len=8, max_blocks=4, num_blocks=9)
 BUCKETS = [48]            # tp=4, dcp=2, block 8: vblock 16, capacity 64
@@ -72,7 +72,7 @@ def _check_attention_reads(lowered, program) -> None:
     """Cache gathers take one index per block-table entry; no per-slot gather of the block
     table; no copy of the keys with the current key appended; one dot for the scores and
     one for the weighted sum and its denominator."""
-    from dcp_compile.runtime.buckets import bucket_width
+    from dcp_compile.runtime.program.buckets import bucket_width
     c, batch = program.config, SHAPES.batch
     cache = "x".join(map(str, program.cache_spec().shape)) + "xf32"
     for name, m in lowered.modules.items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dcp_compile.runtime.errors import DCPInputError
-from dcp_compile.runtime.metadata import compute_slot_mapping
+from dcp_compile.runtime.serving.metadata import compute_slot_mapping
 
 
 def brute_slot(pos, table_row, rank, W, I, B):

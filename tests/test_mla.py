@@ -16,7 +16,7 @@ from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
 from dcp_compile.models.mla import MLAConfig, plain_mla
 from dcp_compile.verify import run_threaded_program
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.names import SPEC_STEP
 
 from helpers import assert_close_report, assert_runs_match, full_forward_reference, prompts_of

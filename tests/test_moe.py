@@ -1,4 +1,4 @@
-"""Mixture-of-experts models in DCP form (runtime/moe.py, passes/canonicalize_moe.py).
+"""Mixture-of-experts models in DCP form (runtime/kernels/moe.py, passes/canonicalize_moe.py).
 
 Each transformers MoE model (tiny config, seeded random weights) is transformed with
 tensor-parallel experts (default) or ``expert_parallel=True`` and run on a threaded world
@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
 from dcp_compile.runtime.config import DCPConfig  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
 

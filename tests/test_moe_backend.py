@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 
 from dcp_compile import hf  # noqa: E402
 from dcp_compile.backend import BackendOptions, kv_cache_spec  # noqa: E402
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPConfigError, DCPWorldError  # noqa: E402
-from dcp_compile.runtime.rank_engine import poison_garbage  # noqa: E402
-from dcp_compile.runtime.world import run_threaded  # noqa: E402
+from dcp_compile.runtime.serving.rank_engine import poison_garbage  # noqa: E402
+from dcp_compile.runtime.distributed.world import run_threaded  # noqa: E402
 
 from helpers import assert_close_report, full_forward_reference, prompts_of  # noqa: E402
 from test_backend import _step_inputs, fresh_dynamo  # noqa: E402,F401  (autouse: Dynamo reset)

@@ -1,4 +1,4 @@
-"""gpt-oss's experts as ``dcp.moe`` (runtime/moe.py): biased, gate/up interleaved and
+"""gpt-oss's experts as ``dcp.moe`` (runtime/kernels/moe.py): biased, gate/up interleaved and
 transposed, clamped SwiGLU.
 
 - the op against transformers' own ``GptOssExperts`` (its eager loop and batched_mm), with a
@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
 
@@ -123,7 +123,7 @@ def test_whole_model_with_the_down_bias_added_per_rank_does_not_match(monkeypatc
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_experts", "expert_parallel"])
 def test_shards_rank_operands_and_one_all_reduce_per_moe_layer(ep):
-    from dcp_compile.runtime.moe import ARG
+    from dcp_compile.runtime.kernels.moe import ARG
     from dcp_compile.runtime.names import RANK_INPUT
     model = test_moe.build("gpt_oss")
     cfg, tp = model.config, 4

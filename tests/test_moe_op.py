@@ -1,4 +1,4 @@
-"""dcp.moe (runtime/moe.py) on its own, the MoE recogniser's refusals, and the structure of a
+"""dcp.moe (runtime/kernels/moe.py) on its own, the MoE recogniser's refusals, and the structure of a
 transformed MoE program: expert shards per rank and one all-reduce per MoE layer."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dcp_compile.runtime.ops  # noqa: F401
+import dcp_compile.runtime.kernels.ops  # noqa: F401
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.moe import DECOMPOSITIONS
+from dcp_compile.runtime.kernels.moe import DECOMPOSITIONS
 
 T, K, E, H, I = 9, 3, 8, 16, 12
 
@@ -92,7 +92,7 @@ def _mixtral(**overrides):
 
 def test_expert_parallel_needs_tp_to_divide_the_experts(monkeypatch):
     import dcp_compile
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     import test_moe
     monkeypatch.setitem(test_moe.MODELS, "mixtral6", (
         "MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=6, num_experts_per_tok=2)))
@@ -109,7 +109,7 @@ def test_unrouted_batched_mm_experts_are_refused_with_node_and_line(monkeypatch)
     the experts are refused by the recogniser, naming the gather and its source line."""
     import dcp_compile
     from dcp_compile import hf
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     monkeypatch.setitem(hf.EXPERTS_SWITCH, "_experts_implementation_internal", "batched_mm")
     with pytest.raises(DCPTransformError,
                        match=r"unrecognised experts form, batched_mm's gather.*moe\.py"):
@@ -132,7 +132,7 @@ def test_experts_layout_dcp_moe_does_not_compute_is_refused_by_class():
 @pytest.mark.parametrize("ep", [False, True], ids=["tp_experts", "expert_parallel"])
 def test_expert_shards_and_one_all_reduce_per_moe_layer(ep):
     import dcp_compile
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     from dcp_compile.runtime.names import ROLE_PREFIX
     import test_moe
     model = test_moe.build("qwen2_moe")       # routed + shared expert behind a sigmoid gate

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
 from dcp_compile.routing import compare_routing, model_routing, trace_routing  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
 
 from helpers import prompts_of  # noqa: E402

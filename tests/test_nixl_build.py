@@ -1,4 +1,4 @@
-"""One NIXL build: the `[nixl]` extra installs exactly one wheel, and dcp_compile.runtime.nixl.build
+"""One NIXL build: the `[nixl]` extra installs exactly one wheel, and dcp_compile.runtime.transfer.nixl.build
 loads the API from it when the `nixl` meta-package (every CUDA variant) is absent."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_compile.runtime.nixl.build import NIXL_MODULES, nixl_api
+from dcp_compile.runtime.transfer.nixl.build import NIXL_MODULES, nixl_api
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def test_the_extras_build_alone_serves_the_api():
     code = textwrap.dedent("""
         import sys
         sys.modules["nixl"] = None          # as if only the extra's build were installed
-        from dcp_compile.runtime.nixl.build import nixl_api
+        from dcp_compile.runtime.transfer.nixl.build import nixl_api
         api = nixl_api()
         assert api.__name__ == "nixl_cu12._api", api.__name__
         # The agent the connector builds exists and is constructible on CPU.
@@ -66,7 +66,7 @@ def test_no_build_installed_says_how_to_install(monkeypatch):
 def test_loopback_port_bases_stay_below_the_ephemeral_range():
     """Outgoing connections (UCX, gloo) take ephemeral ports at any moment: a scenario's
     side-channel ports chosen there could be taken before it binds them (a flake seen once)."""
-    from dcp_compile.runtime.nixl.loopback import ephemeral_port_start, free_port_base
+    from dcp_compile.runtime.distributed.launch import ephemeral_port_start, free_port_base
     start = ephemeral_port_start()
     for n in (1, 8, 100):
         for _ in range(20):

@@ -1,6 +1,6 @@
-"""Real KV transfers over NIXL between processes on 127.0.0.1 (runtime/nixl/connector.py).
+"""Real KV transfers over NIXL between processes on 127.0.0.1 (runtime/transfer/nixl/connector.py).
 
-Three processes (runtime/nixl/loopback.py, through tests/nixl_runs.py): prefill engines, a
+Three processes (tests/nixl_loopback.py, through tests/nixl_runs.py): prefill engines, a
 prefill engine that dies on request, and decode engines of other topologies. Each rank has
 its own NIXL agent; UCX runs over tcp on loopback. Prefill caches are the reference KV
 scattered into their DCP layout; the decode engines pull by the plan and their whole caches
@@ -16,11 +16,11 @@ checked in a section below:
    value caches hold the two halves of [latent ; k_pe] (passes/absorb_latent_attention.py):
    DeepSeek's L=512, dr=64 give ``kv_heads=1, head_dim=288``. Every rank of a DCP group
    holds different tokens of that same head, so the transfer planner
-   (runtime/transfer_plan.py) has no head to split or merge: each decode rank reads its owned
+   (runtime/transfer/plan.py) has no head to split or merge: each decode rank reads its owned
    tokens from whichever prefill ranks own them. The bytes moved must be exactly the latent
    cache's (nothing expanded, nothing twice).
 
-3. Any pair of DCP degrees, with the engines' own block allocator (runtime/kv_cache.py):
+3. Any pair of DCP degrees, with the engines' own block allocator (runtime/serving/kv_cache.py):
    prefill engines TP2/DCP2, standard TP1 and TP4/DCP4; decode engines TP8/DCP4 (a prefill
    DCP smaller than the decode DCP), TP8/DCP8 (a standard prefill feeding eight DCP ranks)
    and TP6/DCP3 (gcd(4, 3) = 1: every decode cp_rank reads every prefill cp_rank). Block
@@ -36,9 +36,10 @@ from pathlib import Path
 
 import pytest
 
-from dcp_compile.runtime.nixl.loopback import block_tables, engine_config, free_port_base
+from dcp_compile.runtime.distributed.launch import free_port_base
+from tests.nixl_loopback import block_tables, engine_config
 from dcp_compile.runtime.topology import topology
-from dcp_compile.runtime.transfer_plan import plan_transfer
+from dcp_compile.runtime.transfer.plan import plan_transfer
 
 from nixl_runs import run_loopback
 

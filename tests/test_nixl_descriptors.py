@@ -1,4 +1,4 @@
-"""Descriptor arithmetic of the NIXL KV transfer (runtime/nixl/descriptors.py), without NIXL.
+"""Descriptor arithmetic of the NIXL KV transfer (runtime/transfer/nixl/descriptors.py), without NIXL.
 
 The READs a decode rank would post are carried out here by a memory copy (descriptor by
 descriptor, each checked to lie inside a buffer the test owns), the staged copies applied,
@@ -20,12 +20,12 @@ import torch
 
 from dcp_compile.runtime.errors import DCPTransferError
 from dcp_compile.runtime.topology import topology
-from dcp_compile.runtime.nixl.descriptors import (EPOCH_BYTES, apply_staged, check_caches,
+from dcp_compile.runtime.transfer.nixl.descriptors import (EPOCH_BYTES, apply_staged, check_caches,
                                       epoch_descriptors, nx3, plan_reads, probe_descriptor,
                                       read_epochs, stage, stale_epochs)
-from dcp_compile.runtime.nixl.handshake import NeuronNixlAgentMetadata, check_metadata
-from dcp_compile.runtime.nixl.loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
-from dcp_compile.runtime.transfer_plan import plan_transfer
+from dcp_compile.runtime.transfer.nixl.handshake import NeuronNixlAgentMetadata, check_metadata
+from tests.nixl_loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
+from dcp_compile.runtime.transfer.plan import plan_transfer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def test_descriptors_move_exactly_the_decode_layout(case, allocation):
 def test_fragmented_allocator_tables_still_move_exactly():
     """The allocator falls back to scattered blocks when no run is free: still bit-exact,
     and more descriptors than the contiguous floor."""
-    from dcp_compile.runtime.kv_cache import BlockAllocator
+    from dcp_compile.runtime.serving.kv_cache import BlockAllocator
     p_cfg = engine_config(SPEC, {"tp": 4, "dcp": 2}, "prefill")
     d_cfg = engine_config(SPEC, {"tp": 2, "dcp": 1}, "decode")
     plan = plan_transfer(p_cfg, d_cfg)
@@ -179,7 +179,7 @@ def _run_descriptors(spec, plan, partial_rows, floor_count=False, d_table=None) 
 
 
 def _scattered(spec, cfg, rank, num_blocks, tables):
-    from dcp_compile.runtime.nixl.loopback import reference_kv, scatter_reference
+    from tests.nixl_loopback import reference_kv, scatter_reference
     caches = new_caches(spec, cfg, rank, num_blocks)
     for i, r in enumerate(spec["requests"]):
         scatter_reference(reference_kv(spec, i, r["seq_len"]), cfg, rank, caches,
@@ -230,14 +230,14 @@ def test_probe_reads_the_start_of_the_remote_garbage_block():
 
 
 def test_descriptor_and_handshake_modules_do_not_import_nixl():
-    code = ("import sys, dcp_compile.runtime.nixl.descriptors, dcp_compile.runtime.nixl.handshake; "
+    code = ("import sys, dcp_compile.runtime.transfer.nixl.descriptors, dcp_compile.runtime.transfer.nixl.handshake; "
             "assert 'nixl' not in sys.modules, sorted(m for m in sys.modules if 'nixl' in m)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 def test_allocator_prefers_contiguous_runs_and_groups_entries():
     from dcp_compile.runtime.errors import DCPInputError
-    from dcp_compile.runtime.kv_cache import BlockAllocator
+    from dcp_compile.runtime.serving.kv_cache import BlockAllocator
     alloc = BlockAllocator(21, 4)                        # blocks 0..19, 20 is garbage
     assert alloc.ensure(0, 12) == [0, 1, 2]
     assert alloc.ensure(1, 16, groups=2) == [3, 5, 4, 6]  # entries 0, 2 | 1, 3: one run each

@@ -1,4 +1,4 @@
-"""Fault injection on the NIXL KV transfer (runtime/nixl/connector.py): each fault ends in a
+"""Fault injection on the NIXL KV transfer (runtime/transfer/nixl/connector.py): each fault ends in a
 DCPTransferError within its bound, or is ignored and counted, never in a completion.
 
 Prefill and decode agents share this process (UCX over tcp on 127.0.0.1) and the test drives
@@ -35,12 +35,12 @@ DRIVE = 20.0                                       # seconds a forced interleavi
 @pytest.fixture(scope="module", autouse=True)
 def loopback_ucx():
     try:
-        from dcp_compile.runtime.nixl.build import nixl_api
+        from dcp_compile.runtime.transfer.nixl.build import nixl_api
         nixl_api()
     except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
         pytest.skip(f"import nixl failed: {type(e).__name__}: {e}")
     saved = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", "NIXL_LOG_LEVEL")}
-    from dcp_compile.runtime.nixl.loopback import loopback_env
+    from dcp_compile.runtime.distributed.launch import loopback_env
     os.environ.update({k: v for k, v in loopback_env().items() if k in saved})
     yield
     for k, v in saved.items():
@@ -66,8 +66,8 @@ def _caches(heads: int, fill=None, seed: int = 0):
 def engines():
     """A TP=1 prefill rank and a TP=2 decode engine (each decode rank reads one head of it:
     both are planned readers of prefill rank 0), on 127.0.0.1, handshaken."""
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, PrefillKVConnector
-    from dcp_compile.runtime.nixl.loopback import free_port_base
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, PrefillKVConnector
+    from dcp_compile.runtime.distributed.launch import free_port_base
 
     port = free_port_base(1)
     freed = []
@@ -153,7 +153,7 @@ READERS = [("dec", 0), ("dec", 1)]
 
 
 def test_read_after_deadline_freed_and_reused_blocks_fails_never_completes(engines):
-    from dcp_compile.runtime.nixl.connector import TransferRequest
+    from dcp_compile.runtime.transfer.nixl.connector import TransferRequest
     pre, decs, freed = engines
     epoch_a = pre.hold("A", [0, 1], READERS, timeout=0.2)
     _drive(pre, [], lambda: "A" in pre.released, "lease A expiring")
@@ -183,7 +183,7 @@ def test_read_after_deadline_freed_and_reused_blocks_fails_never_completes(engin
 def test_blocks_freed_and_reused_between_data_and_epoch_read_fail(engines, monkeypatch):
     """The race the epoch check exists for: data read, then the prefill side frees the blocks
     and writes another request into them before the decode side checks."""
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
     pre, decs, freed = engines
     epoch_a = pre.hold("A", [3, 4], READERS, timeout=DRIVE)
     post = DecodeKVConnector._post_epoch_check
@@ -205,7 +205,7 @@ def test_blocks_freed_and_reused_between_data_and_epoch_read_fail(engines, monke
 
 
 def test_never_held_blocks_or_missing_epoch_fail(engines):
-    from dcp_compile.runtime.nixl.connector import TransferRequest
+    from dcp_compile.runtime.transfer.nixl.connector import TransferRequest
     pre, decs, _ = engines
     pre.hold("A", [0], READERS, timeout=DRIVE)
     # Blocks 2, 3 were never held: a made-up (large) epoch does not pass the check.
@@ -235,7 +235,7 @@ def test_hold_refuses_bad_leases(engines):
 
 
 def test_spoofed_notifications_are_ignored_and_counted(engines):
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
     pre, decs, freed = engines
     epoch = pre.hold("R", [2], READERS, timeout=DRIVE)
     intruder = DecodeKVConnector(_cfg(1, "prefill"), _cfg(1, "decode"), 0,
@@ -328,7 +328,7 @@ def _huge(conn, stop):
 
 
 def test_trickling_peer_fails_within_the_whole_exchange_deadline():
-    from dcp_compile.runtime.nixl.connector import fetch_metadata
+    from dcp_compile.runtime.transfer.nixl.connector import fetch_metadata
     fake = _FakeSideChannel(_trickle)
     try:
         t0 = time.monotonic()
@@ -340,7 +340,7 @@ def test_trickling_peer_fails_within_the_whole_exchange_deadline():
 
 
 def test_trickling_peer_bounds_the_connector_handshake():
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector
     fake = _FakeSideChannel(_trickle)
     dec = DecodeKVConnector(_cfg(1, "prefill"), _cfg(1, "decode"), 0, _caches(HEADS, fill=0.0),
                             engine_id="dec", side_channel_port=fake.port,
@@ -356,7 +356,7 @@ def test_trickling_peer_bounds_the_connector_handshake():
 
 
 def test_huge_length_prefix_is_refused_before_allocating():
-    from dcp_compile.runtime.nixl.handshake import MAX_MESSAGE, fetch_metadata
+    from dcp_compile.runtime.transfer.nixl.handshake import MAX_MESSAGE, fetch_metadata
     fake = _FakeSideChannel(_huge)
     try:
         t0 = time.monotonic()
@@ -369,8 +369,8 @@ def test_huge_length_prefix_is_refused_before_allocating():
 
 
 def test_idle_clients_do_not_hold_the_side_channel():
-    from dcp_compile.runtime.nixl.connector import PrefillKVConnector, fetch_metadata
-    from dcp_compile.runtime.nixl.loopback import free_port_base
+    from dcp_compile.runtime.transfer.nixl.connector import PrefillKVConnector, fetch_metadata
+    from dcp_compile.runtime.distributed.launch import free_port_base
     port = free_port_base(1)
     # Idle clients would be dropped after 60 s: far beyond this test's handshake deadline.
     with PrefillKVConnector(_cfg(1, "prefill"), 0, _caches(HEADS), side_channel_port=port,
@@ -386,8 +386,8 @@ def test_idle_clients_do_not_hold_the_side_channel():
 
 
 def test_side_channel_drops_a_client_at_its_deadline_and_beyond_its_capacity():
-    from dcp_compile.runtime.nixl.handshake import SideChannelServer, fetch_metadata
-    from dcp_compile.runtime.nixl.loopback import free_port_base
+    from dcp_compile.runtime.transfer.nixl.handshake import SideChannelServer, fetch_metadata
+    from dcp_compile.runtime.distributed.launch import free_port_base
     port = free_port_base(1)
     server = SideChannelServer("127.0.0.1", port, b"payload", client_timeout=0.5,
                                max_clients=1)
@@ -413,9 +413,9 @@ def test_side_channel_drops_a_client_at_its_deadline_and_beyond_its_capacity():
 def test_prefill_killed_mid_transfer_is_an_error_never_a_completion(tmp_path):
     """A prefill process holds a request; the decode side posts its READs, the process is
     killed (SIGKILL) before the reads are checked: the request fails within its bound."""
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest
-    from dcp_compile.runtime.nixl.loopback import (block_tables, engine_config, free_port_base,
-                                       loopback_env, new_caches, request_epoch)
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
+    from dcp_compile.runtime.distributed.launch import free_port_base, loopback_env
+    from tests.nixl_loopback import block_tables, engine_config, new_caches, request_epoch
     spec = {"num_kv_heads": HEADS, "head_dim": HEAD_DIM, "layers": 2, "dtype": "float32",
             "block_size": BLOCK, "seed": 0, "timeout": 120,
             "prefill": [{"engine_id": "pK", "tp": 1, "dcp": 1, "port": free_port_base(1)}],
@@ -423,7 +423,7 @@ def test_prefill_killed_mid_transfer_is_an_error_never_a_completion(tmp_path):
             "requests": [{"id": "r", "seq_len": 29}],
             "stop_file": str(tmp_path / "never")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "dcp_compile.runtime.nixl.loopback", "prefill",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.nixl_loopback", "prefill",
                              str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
                             cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import dcp_compile.runtime.ops
+import dcp_compile.runtime.kernels.ops
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.ops import owned_capacity
+from dcp_compile.runtime.kernels.ops import owned_capacity
 
 ops = torch.ops.dcp
 
@@ -75,10 +75,10 @@ def test_fake_implementations_give_shapes_only():
 
 def test_slot_mapping_masks_entries_whose_row_arithmetic_would_wrap():
     pos = torch.tensor([[0, 1]])
-    for entry in (2 ** 62, 2 ** 63 - 1, dcp_compile.runtime.ops.max_block_id(4) + 1):
+    for entry in (2 ** 62, 2 ** 63 - 1, dcp_compile.runtime.kernels.ops.max_block_id(4) + 1):
         got = ops.slot_mapping(pos, torch.tensor([[entry]]), torch.tensor(0), 1, 4, 4)
         assert got.tolist() == [[-1, -1]], entry
-    edge = dcp_compile.runtime.ops.max_block_id(4)
+    edge = dcp_compile.runtime.kernels.ops.max_block_id(4)
     got = ops.slot_mapping(pos, torch.tensor([[edge]]), torch.tensor(0), 1, 4, 4)
     assert got.tolist() == [[edge * 4, edge * 4 + 1]]      # largest id: exact, no wrap
 

@@ -18,7 +18,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models.demo import DemoConfig
 from dcp_compile.models.plain import plain_llama
 from dcp_compile.verify import run_threaded_program
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 from helpers import assert_close_report, assert_runs_match, full_forward_reference, prompts_of
 
@@ -229,7 +229,7 @@ def test_paged_signature_without_hooks_still_needs_them():
 
 def test_window_and_softcap_of_the_paged_op_match_dense_attention():
     """dcp.paged_attention(window, softcap) equals dense masked attention over the chunk."""
-    from dcp_compile.runtime.ops import _paged_attention_impl
+    from dcp_compile.runtime.kernels.ops import _paged_attention_impl
     g = torch.Generator().manual_seed(0)
     b, s, hq, hkv, d, window, cap = 2, 10, 4, 2, 8, 3, 2.5
     q, k, v = (torch.randn(b, s, h, d, generator=g) for h in (hq, hkv, hkv))

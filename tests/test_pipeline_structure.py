@@ -24,7 +24,7 @@ from dcp_compile.capture import capture
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.ops import owned_capacity
+from dcp_compile.runtime.kernels.ops import owned_capacity
 from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.passes.dcp_prefill import DCPPrefill
@@ -33,7 +33,7 @@ from dcp_compile.passes.infra import TransformContext
 from dcp_compile.passes.insert_rank import InsertRank
 from dcp_compile.passes.sequence_parallel import SPEC_STEP, SequenceParallel
 from dcp_compile.passes.shard_tensor_parallel import ShardTensorParallel
-from dcp_compile.runtime.shards import ShardSpec
+from dcp_compile.runtime.program.shards import ShardSpec
 from dcp_compile.passes.validate_and_prove import ValidateAndProve
 
 from passes_helpers import ctx_for, op_counts, run, tiny_graph
@@ -146,7 +146,7 @@ def test_inserted_nodes_are_tagged_by_kind():
 
 def test_transform_runs_sequence_parallel_right_before_dcp_prefill():
     model = demo_model(DemoConfig(num_layers=1))
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     prog = dcp_compile.transform(model, tp=4, dcp=2, mode="prefill", block_size=8,
                                  shapes=StepShapes(batch=2, context_len=24, max_blocks=2,
                                                    num_blocks=5))

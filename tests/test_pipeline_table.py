@@ -21,7 +21,7 @@ from dcp_compile.models.plain import plain_llama
 from dcp_compile.passes import pipeline
 from dcp_compile.passes.infra import DCPPass, TransformContext
 from dcp_compile.passes.insert_paged_cache import InsertPagedCache
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)

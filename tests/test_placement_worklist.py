@@ -19,7 +19,7 @@ import pytest
 
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPError, DCPTransformError
 import dcp_compile.passes.shard_tensor_parallel as stp
 from dcp_compile.passes.placement.analysis import Analysis

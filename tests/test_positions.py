@@ -14,7 +14,7 @@ from torch import nn
 
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import run_threaded_program
 

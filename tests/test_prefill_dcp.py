@@ -31,7 +31,7 @@ from dcp_compile.runtime import layout
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.rank_program import copy_graph_module
+from dcp_compile.runtime.serving.rank_program import copy_graph_module
 from dcp_compile.verify import (check_prefill_caches, compare_prefill_logits,
                                 run_prefill_reference, run_threaded_prefill, verify_prefill)
 from dcp_compile.workers.prefill import plan_tokens, shapes_for
@@ -139,10 +139,10 @@ class _PadIds:
 
 def test_pad_tokens_never_reach_outputs_or_caches():
     """Changing the ids of pad tokens changes no real token's logits and no cache row."""
-    from dcp_compile.runtime.rank_engine import RecordingExecutor
+    from dcp_compile.runtime.serving.rank_engine import RecordingExecutor
     from dcp_compile.verify import run_chunks
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
     case = "tp8-dcp4-I8-S30-S_not_multiple_of_tp"
     _, prog = program_for(case)
     chunks = plan_tokens(plan_of(case), seed=1)
@@ -237,8 +237,8 @@ def test_dcp1_prefill_needs_no_di_role():
 def test_chunk_beyond_the_block_table_is_refused_and_writes_nothing():
     """Grow one sequence to the end of its block table; the chunk that would pass it, and a
     chunk longer than the static chunk length, raise DCPInputError before anything runs."""
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
     _, prog = program_for("tp4-dcp4-I16-S20-dcp_tp-size-1")
     capacity = prog.shapes.max_blocks * 16 * 4        # positions a block table addresses
     chunk = [[3] * 20, [], []]

@@ -10,11 +10,11 @@ import torch
 
 from dcp_compile import cli
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.errors import DCPInputError
-from dcp_compile.runtime.kv_cache import BlockAllocator, KVCacheSpec
-from dcp_compile.runtime.speculative import NgramDrafter
-from dcp_compile.runtime.step_contract import StepContract
+from dcp_compile.runtime.serving.kv_cache import BlockAllocator, KVCacheSpec
+from dcp_compile.runtime.serving.speculative import NgramDrafter
+from dcp_compile.runtime.serving.step_contract import StepContract
 
 V = 4                                           # tokens per vblock (block 4, dcp 1)
 

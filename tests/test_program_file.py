@@ -1,4 +1,4 @@
-"""Program files (runtime/program_file.py): one transform serves every rank of a launch.
+"""Program files (runtime/program/program_file.py): one transform serves every rank of a launch.
 
 A loaded program must be the program: the same graphs (code, node names, the metadata the
 runtime reads), weights, layout and context buckets, and on a threaded world the same
@@ -20,11 +20,11 @@ import torch
 
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime import program_file
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.program import program_file
+from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.names import META_SCOPE
-from dcp_compile.runtime.program_file import load_program, save_program
+from dcp_compile.runtime.program.program_file import load_program, save_program
 from dcp_compile.verify import run_threaded_program, verify, verify_prefill
 from dcp_compile.workers import program_for
 
@@ -105,7 +105,7 @@ def test_loading_runs_no_compiler_or_pass_code(tmp_path):
     path = tmp_path / "p.dcp"
     program.save(path)
     code = ("import sys\n"
-            "from dcp_compile.runtime.program_file import load_program\n"
+            "from dcp_compile.runtime.program.program_file import load_program\n"
             f"p = load_program({str(path)!r})\n"
             "p.state_dict_for(3); print(p.summary())\n"
             "bad = sorted(m for m in sys.modules if m.startswith('dcp_compile.') and\n"

@@ -12,7 +12,7 @@ import torch
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.passes import manager
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 

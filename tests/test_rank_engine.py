@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dcp_compile.compare import token_errors
-from dcp_compile.runtime.rank_engine import RecordingExecutor, poison_garbage
+from dcp_compile.runtime.serving.rank_engine import RecordingExecutor, poison_garbage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def test_ranks_are_set_up_in_one_place():
 def _small_program():
     import dcp_compile
     from dcp_compile.models.demo import DemoConfig, demo_model
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     model = demo_model(DemoConfig(num_layers=1))
     return dcp_compile.transform(model, tp=4, dcp=2, check=False,
                                  shapes=StepShapes.fitting(2, 8, 16, block_size=16, dcp=2))
@@ -66,7 +66,7 @@ def test_ranks_with_the_same_group_names_share_one_bound_graph_and_an_edit_rebin
     """Loading binds each graph once per (graph code, group names): ranks of one DCP group
     (same names) share it, ranks of the other group get their own, and a graph edited and
     recompiled after a load is bound again (its edit runs)."""
-    from dcp_compile.runtime.world import bind_roles, run_threaded
+    from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
     from dcp_compile.verify import run_threaded_program
     from helpers import prompts_of
     program = _small_program()
@@ -101,8 +101,8 @@ def test_shared_names_give_every_rank_one_bound_graph_and_exclude_explicit_names
     refused: the shared names are the ones bound here."""
     import pytest
 
-    from dcp_compile.runtime.rank_engine import load_rank
-    from dcp_compile.runtime.world import run_threaded
+    from dcp_compile.runtime.serving.rank_engine import load_rank
+    from dcp_compile.runtime.distributed.world import run_threaded
     program = _small_program()
     decode = run_threaded(4, lambda rank: load_rank(program, rank, shared_names=True)
                           .graphs["decode"])

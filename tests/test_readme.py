@@ -244,7 +244,7 @@ def _shared_result(request, shared_interpreter, key: str | None = None) -> dict:
 @pytest.mark.parametrize("block", _python_cases())
 def test_python_block_runs(block, tmp_path, request, shared_interpreter):
     if "torchrun" in block.tags:
-        from dcp_compile.runtime.launch import run_torchrun
+        from dcp_compile.runtime.distributed.launch import run_torchrun
         (tmp_path / "readme_block.py").write_text(_block_code(block))
         run_torchrun(int(block.tags["torchrun"]), "readme_block", cwd=tmp_path,
                      timeout=TIMEOUT)                   # raises, naming the failing rank

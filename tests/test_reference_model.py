@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.models.demo import DemoConfig, demo_model, rope_cos_sin, rotate_half
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
-from dcp_compile.runtime.kv_cache import BlockAllocator, KVCacheSpec, check_step_inputs
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.kv_cache import BlockAllocator, KVCacheSpec, check_step_inputs
 
 from helpers import assert_close_report, prompts_of
 

@@ -1,5 +1,5 @@
-"""The one collectives table (dcp_compile.runtime.roles.COLLECTIVES) against torch's own ops, and the one
-role-binding helper (dcp_compile.runtime.roles.bound_collectives) as its three users call it."""
+"""The one collectives table (dcp_compile.runtime.distributed.roles.COLLECTIVES) against torch's own ops, and the one
+role-binding helper (dcp_compile.runtime.distributed.roles.bound_collectives) as its three users call it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule
 
 from dcp_compile.runtime.errors import DCPLoweringError, DCPNeuronError, DCPWorldError
-from dcp_compile.runtime.roles import (COLLECTIVES, KINDS, REDUCTIONS, WAIT_TARGET, bound_collectives,
+from dcp_compile.runtime.distributed.roles import (COLLECTIVES, KINDS, REDUCTIONS, WAIT_TARGET, bound_collectives,
                            role_name, role_of, uneven_splits)
 
 F = torch.ops._c10d_functional
@@ -88,7 +88,7 @@ def test_uneven_splits():
 def test_each_user_raises_its_own_error_for_an_unbound_role():
     """The three binders (lowering, NxD backend, RankProgram) refuse a role the topology or
     the rank's groups lack, each with its own exception type."""
-    from dcp_compile.runtime.neuron import bind_xla_collectives
+    from dcp_compile.runtime.distributed.neuron import bind_xla_collectives
     gm = _graph("cp_kv")
     groups = {"tp": [[0, 1, 2, 3]], "dcp": [[0, 1], [2, 3]]}
     with pytest.raises(DCPNeuronError, match="role 'cp_kv', which the topology does not have"):
@@ -103,7 +103,7 @@ def test_each_user_raises_its_own_error_for_an_unbound_role():
 def test_rank_program_refuses_an_unbound_role():
     import dcp_compile
     from dcp_compile.models.demo import DemoConfig, demo_model
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     prog = dcp_compile.transform(demo_model(DemoConfig(num_layers=1)), tp=4, dcp=2,
                                  mode="decode", shapes=StepShapes(batch=2, context_len=8,
                                                                   max_blocks=2, num_blocks=4))

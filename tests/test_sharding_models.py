@@ -15,7 +15,7 @@ import torch
 import dcp_compile
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import verify, verify_prefill
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 from sharding_models import FeatureConfig, FeatureLM
 from test_placement_worklist import compare_both

@@ -31,8 +31,8 @@ from torch import nn
 
 import dcp_compile
 from dcp_compile.models import demo
-from dcp_compile.runtime import ops
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.kernels import ops
+from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import run_threaded_program
 

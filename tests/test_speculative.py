@@ -21,11 +21,11 @@ import torch
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.frontends.ordinary import FullForwardReference
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.errors import DCPInputError
-from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.speculative import ModelDrafter, NgramDrafter, accept_greedy
-from dcp_compile.runtime.step_contract import StepContract
+from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
+from dcp_compile.runtime.serving.speculative import ModelDrafter, NgramDrafter, accept_greedy
+from dcp_compile.runtime.serving.step_contract import StepContract
 from dcp_compile.verify import draft_program_drafter, verify_speculative
 from full_runs import full  # noqa: E402
 

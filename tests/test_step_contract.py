@@ -1,4 +1,4 @@
-"""The step-input contract (runtime/step_contract.py): every fault is refused before any write.
+"""The step-input contract (runtime/serving/step_contract.py): every fault is refused before any write.
 
 Fault injection: one probe per rule, on a loaded program's direct entry (RankProgram.run, on
 the threaded world: tp=2, dcp=2) and on the Engine. Each asserts the DCPInputError names the
@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 import dcp_compile
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.engine import Engine, LocalExecutor, StepShapes
-from dcp_compile.runtime.kv_cache import KVCacheSpec
-from dcp_compile.runtime.step_contract import RULE_NAMES, StepContract
-from dcp_compile.runtime.world import bind_roles, run_threaded
+from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
+from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
+from dcp_compile.runtime.serving.step_contract import RULE_NAMES, StepContract
+from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
 
 from helpers import assert_close_report
 

@@ -25,8 +25,8 @@ import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.models.mla import MLAConfig, plain_mla
 from dcp_compile.models.plain import plain_llama
-from dcp_compile.runtime.engine import StepShapes
-from dcp_compile.runtime.op_defs import op_of
+from dcp_compile.runtime.serving.engine import StepShapes
+from dcp_compile.runtime.kernels.op_defs import op_of
 
 dcp_ops = torch.ops.dcp
 LAYERS = 2

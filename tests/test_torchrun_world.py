@@ -18,7 +18,7 @@ reads its part's output:
    logits and caches match the single-device model (tests/test_prefill_dcp.py's
    comparison).
 3. Decode (dcp_compile.workers.decode): the test transforms once and every rank loads the
-   program file (``--program``, runtime/program_file.py); greedy decode of prompts of 1, 31,
+   program file (``--program``, runtime/program/program_file.py); greedy decode of prompts of 1, 31,
    33 and 32 tokens (an empty shard, lengths around the interleave period) for 16 steps
    gives the single-device model's tokens, and logits within 1e-4.
 4. The torch.compile backend (tests/backend_worker.py over dcp_compile.workers.compiled):
@@ -39,7 +39,7 @@ import json
 import pytest
 import torch
 
-from dcp_compile.runtime.launch import run_torchrun
+from dcp_compile.runtime.distributed.launch import run_torchrun
 from dcp_compile.verify import PrefillRun, run_prefill_reference
 from dcp_compile.workers import decode, prefill
 

@@ -1,4 +1,4 @@
-"""Transfer planning (runtime/transfer_plan.py): the spec's worked examples, a brute-force
+"""Transfer planning (runtime/transfer/plan.py): the spec's worked examples, a brute-force
 coverage check over many topologies, the spec formula's disagreements, errors and the CLI."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dcp_compile.runtime import layout
 from dcp_compile.cli import main as cli_main
 from dcp_compile.runtime.errors import DCPTransferError
 from dcp_compile.runtime.topology import topology
-from dcp_compile.runtime.transfer_plan import (CHUNK_COLUMNS, engine_configs, plan_transfer,
+from dcp_compile.runtime.transfer.plan import (CHUNK_COLUMNS, engine_configs, plan_transfer,
                                    spec_remote_ranks)
 
 

@@ -9,7 +9,7 @@ import dcp_compile
 from dcp_compile.runtime.errors import DCPConfigError, DCPTransformError
 from dcp_compile.models.demo import DemoConfig, DemoLlama, demo_model
 from dcp_compile.passes.check_static_shapes import CheckStaticShapes
-from dcp_compile.runtime.engine import StepShapes
+from dcp_compile.runtime.serving.engine import StepShapes
 
 from passes_helpers import ctx_for
 

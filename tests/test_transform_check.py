@@ -11,9 +11,9 @@ import dcp_compile
 from dcp_compile import check as checking
 from dcp_compile.runtime.errors import DCPCheckError, DCPTransformError
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.dcp_program import DCPProgram
-from dcp_compile.runtime.engine import StepShapes
-import dcp_compile.runtime.ops
+from dcp_compile.runtime.program.dcp_program import DCPProgram
+from dcp_compile.runtime.serving.engine import StepShapes
+import dcp_compile.runtime.kernels.ops
 
 SHAPES = StepShapes(batch=3, context_len=20, max_blocks=2, num_blocks=7)
 SMALL = DemoConfig(num_layers=1, vocab_size=64, hidden_size=64, num_q_heads=8,
@@ -56,8 +56,8 @@ def test_wrong_program_is_refused_naming_step_error_and_position(monkeypatch, mo
 def test_a_decode_step_only_error_is_named_as_the_decode_step(monkeypatch):
     """Counting the active token on every rank breaks DCP decode only: the context step
     passes and the refusal names the decode step."""
-    real = dcp_compile.runtime.ops._active_mask_impl
-    monkeypatch.setattr(dcp_compile.runtime.ops, "_active_mask_impl",
+    real = dcp_compile.runtime.kernels.ops._active_mask_impl
+    monkeypatch.setattr(dcp_compile.runtime.kernels.ops, "_active_mask_impl",
                         lambda n, rank, *a: torch.ones_like(real(n, rank, *a)))
     with pytest.raises(DCPCheckError, match="in the 'decode 1' step") as info:
         dcp_compile.transform(_model(), tp=4, dcp=2, shapes=SHAPES, check=True)
@@ -66,7 +66,7 @@ def test_a_decode_step_only_error_is_named_as_the_decode_step(monkeypatch):
 
 
 def test_a_program_that_does_not_run_is_refused(monkeypatch):
-    from dcp_compile.runtime.rank_program import RankProgram
+    from dcp_compile.runtime.serving.rank_program import RankProgram
     real = RankProgram.run
 
     def crash(self, kind, *args):

@@ -15,10 +15,10 @@ import torch.fx as fx
 
 from dcp_compile.runtime.errors import DCPWorldError
 from dcp_compile.runtime.topology import topology
-from dcp_compile.runtime import launch
+from dcp_compile.runtime.distributed import launch
 from selftest_worker import (KINDS, check_collectives, collective_graph, expected,
                                       rank_input)
-from dcp_compile.runtime.world import ROLE_ALIAS_PREFIX, bind_roles, each_rank_in_turn, run_threaded
+from dcp_compile.runtime.distributed.world import ROLE_ALIAS_PREFIX, bind_roles, each_rank_in_turn, run_threaded
 
 F = torch.ops._c10d_functional
 W = F.wait_tensor.default
@@ -418,7 +418,7 @@ def test_launch_error_puts_the_failing_rank_first(tmp_path):
 _TEARDOWN_SCRIPT = """
 import gc, os, sys, time
 import torch, torch.distributed as dist
-from dcp_compile.runtime.launch import init_distributed_from_env
+from dcp_compile.runtime.distributed.launch import init_distributed_from_env
 
 def gloo_threads():
     tasks = os.listdir("/proc/self/task")

@@ -28,7 +28,7 @@ pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stableh
 import dcp_compile  # noqa: E402
 from dcp_compile import xla as X  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
-from dcp_compile.runtime.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 from lowering_helpers import XLA_SHAPES, lowered_for, program_for  # noqa: E402
 
@@ -126,7 +126,7 @@ def _bf16_decode(model, prog, lowered) -> dict:
 def case_wrong_rank(tp, dcp) -> dict:
     """The comparison can fail: replicas fed each other's tp_rank compute wrong logits."""
     from dcp_compile.verify import run_reference
-    from dcp_compile.runtime.engine import Engine
+    from dcp_compile.runtime.serving.engine import Engine
     from dcp_compile.runtime.errors import DCPInputError
     model, prog, lowered = _program(tp, dcp, "decode")
     executor = X.XLAExecutor(prog, lowered, effort=X.VERIFY_EFFORT)   # case_verify's build

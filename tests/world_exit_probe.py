@@ -17,7 +17,7 @@ import torch
 
 from dcp_compile.runtime.errors import DCPWorldError
 from dcp_compile.runtime.topology import topology
-from dcp_compile.runtime.world import bind_roles, leaked_ranks, run_threaded
+from dcp_compile.runtime.distributed.world import bind_roles, leaked_ranks, run_threaded
 
 F = torch.ops._c10d_functional
 TOPO = topology(4, 2, "prefill")

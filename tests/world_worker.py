@@ -74,7 +74,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import freeze_gc
+    from dcp_compile.runtime.distributed.launch import freeze_gc
     from dcp_compile.workers import decode, prefill
     from tests import backend_worker, selftest_worker
 

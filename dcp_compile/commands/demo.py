@@ -54,7 +54,7 @@ def run(args) -> int:
 
     import dcp_compile
     from dcp_compile.commands.verify import default_lengths
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
 
     loaded = load_model(args)
     model = loaded.model

@@ -39,7 +39,7 @@ def run(args) -> int:
     import dcp_compile
     from dcp_compile.models.demo import DemoConfig
     from dcp_compile.passes.dump import dot_executable
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
 
     loaded = load_model(args, demo_config=DemoConfig(num_layers=args.layers))
     model = loaded.model

@@ -52,7 +52,7 @@ def run(args) -> int:
     import dcp_compile
     from dcp_compile.lowering import lower
     from dcp_compile.models.demo import DemoConfig
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
 
     model = load_model(args, demo_config=DemoConfig(num_layers=args.layers),
                        dtype=getattr(torch, args.dtype)).model

@@ -131,7 +131,7 @@ def add_buckets_argument(p) -> None:
 def check_buckets_option(args, block_size: int) -> None:
     """Raise DCPConfigError unless every ``--buckets`` entry is a multiple of the vblock."""
     if getattr(args, "buckets", None):
-        from dcp_compile.runtime.buckets import check_buckets
+        from dcp_compile.runtime.program.buckets import check_buckets
         check_buckets(args.buckets, block_size=block_size, dcp=args.dcp,
                       max_blocks=max(args.buckets))
 

@@ -1,7 +1,7 @@
 """Plan a prefill -> decode KV transfer: remote ranks, heads and blocks of each decode rank.
 
 Prints, for every decode rank, the prefill ranks it reads from (spec: "Remote Rank
-Computation"; see runtime/transfer_plan.py for where the plan departs from the spec's formula),
+Computation"; see runtime/transfer/plan.py for where the plan departs from the spec's formula),
 the KV heads it takes from each with their head offsets (splitting / merging), and the block
 mapping pattern (which remote block-table entry lands in which local one).
 """
@@ -35,7 +35,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.runtime.transfer_plan import engine_configs, plan_transfer
+    from dcp_compile.runtime.transfer.plan import engine_configs, plan_transfer
 
     sizes = dict(prefill_tp=args.prefill_tp, prefill_dcp=args.prefill_dcp,
                  decode_tp=args.decode_tp, decode_dcp=args.decode_dcp,

@@ -128,7 +128,7 @@ def run(args) -> int:
     import torch
 
     import dcp_compile
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
 
     interleave = args.interleave_size or args.block_size
     lengths = args.lengths or default_lengths(args.dcp, interleave, args.block_size)
@@ -191,7 +191,7 @@ def drafter_for(args, program, shapes):
     from dataclasses import replace
 
     import dcp_compile
-    from dcp_compile.runtime.speculative import NgramDrafter
+    from dcp_compile.runtime.serving.speculative import NgramDrafter
     spec = args.speculative
     if spec.drafter == "ngram":
         return NgramDrafter() if args.backend == "xla" else (lambda rank: NgramDrafter())

@@ -7,7 +7,7 @@ runs every one the same way. It provides:
   * ``capture(step)``: stage 0, the step's ATen graph (:class:`StepCapture`);
   * ``prologue(ctx, captured)``: the optional passes of the pipeline table this graph needs
     (an ordinary model's cache insertion), built from the model;
-  * ``facts()``: the typed :class:`~dcp_compile.runtime.facts.ModelFacts` it knows before
+  * ``facts()``: the typed :class:`~dcp_compile.runtime.program.facts.ModelFacts` it knows before
     the passes run;
   * ``reference()``: the forward ``check=`` compares the program with (None: no check).
 
@@ -28,13 +28,13 @@ from torch import nn
 from torch.fx import GraphModule
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, KV_CACHES
 
 if TYPE_CHECKING:
     from dcp_compile.passes.infra import DCPPass, TransformContext
     from dcp_compile.runtime.config import DCPConfig
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
 
 
 @dataclass
@@ -146,7 +146,7 @@ FRONTEND_RULES: tuple[tuple[Callable[[nn.Module], bool], Callable], ...] = (
 
 def frontend_for(model: nn.Module, shapes: "StepShapes | None" = None) -> Frontend:
     """The frontend for ``model``: the first of ``FRONTEND_RULES`` whose test holds."""
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     shapes = shapes or StepShapes()
     for applies, make in FRONTEND_RULES:
         if applies(model):

@@ -25,7 +25,7 @@ import torch
 from torch.fx import GraphModule
 
 from dcp_compile.runtime.errors import DCPError, DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode, StepKind
 
 from ..capture import refuse_mutation
@@ -40,7 +40,7 @@ class DynamoCapture:
     weights: list[tuple[str, int]]       # (placeholder name, Dynamo argument index)
     user: list[tuple[str, int]]          # input_ids, positions, block_table, caches...
     step: str
-    shapes: Any                          # dcp_compile.runtime.engine.StepShapes
+    shapes: Any                          # dcp_compile.runtime.serving.engine.StepShapes
     num_layers: int
     block_size: int
     kv_heads: int                        # heads of the KV caches passed in
@@ -100,7 +100,7 @@ def capture_dynamo(gm: GraphModule, example_inputs: list, mode: str) -> DynamoCa
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from dcp_compile.passes.manager import repropagate
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = []

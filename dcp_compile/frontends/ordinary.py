@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import Captured, capture, constant_values

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.facts import ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, constant_values, example_step_inputs

@@ -27,7 +27,7 @@ One module serves every rank: the rank is its ``tp_rank`` input (``mhlo.num_repl
 replica groups name global device ids = tp ranks). KV caches are inputs and are returned
 updated; each cache input carries ``tf.aliasing_output`` (the XLA convention for a donated
 buffer) naming the result that replaces it. What each collective is (arguments, shape effect,
-StableHLO op) comes from dcp_compile.runtime.roles.COLLECTIVES, the one table of collectives.
+StableHLO op) comes from dcp_compile.runtime.distributed.roles.COLLECTIVES, the one table of collectives.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ TARGETS = ("stablehlo",)
 def lower(program, target: str = "stablehlo", out_dir: str | Path | None = None, *,
           steps: Sequence[str] | None = None, target_version: str | None = None,
           elide_trivial: bool = True) -> LoweringResult:
-    """Lower every step kind of ``program`` (a :class:`~dcp_compile.runtime.dcp_program.DCPProgram`).
+    """Lower every step kind of ``program`` (a :class:`~dcp_compile.runtime.program.dcp_program.DCPProgram`).
 
     A program with context buckets gets one module per (step kind, bucket): the full bucket's
     named by the step kind, the smaller ones ``<step>_<bucket>`` (:func:`module_name`).

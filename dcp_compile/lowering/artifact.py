@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from dcp_compile.runtime.errors import DCPLoweringError
-from dcp_compile.runtime.roles import COLLECTIVES
+from dcp_compile.runtime.distributed.roles import COLLECTIVES
 
 from .prepare import CollectiveSite
 from .stablehlo import _walk, new_context
 
-# The StableHLO collectives a lowered module can hold (dcp_compile.runtime.roles.COLLECTIVES).
+# The StableHLO collectives a lowered module can hold (dcp_compile.runtime.distributed.roles.COLLECTIVES).
 COLLECTIVE_OPS = tuple(kind.stablehlo for kind in COLLECTIVES.values())
 _DIM_ATTRS = tuple(kind.stablehlo_dim_attr for kind in COLLECTIVES.values()
                    if kind.stablehlo_dim_attr)

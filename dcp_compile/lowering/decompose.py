@@ -1,6 +1,6 @@
 """Step 3 of the lowering: decompose to ATen, each distinct op call traced once.
 
-make_fx with dcp_compile.runtime.ops.DECOMPOSITIONS and torch-mlir's own table leaves ATen only (plus exact
+make_fx with dcp_compile.runtime.kernels.ops.DECOMPOSITIONS and torch-mlir's own table leaves ATen only (plus exact
 integer floor division / remainder: torch-mlir would lower them through f64 / to a truncating
 stablehlo.remainder). Each distinct op call is traced once (DecompositionCache) and copied for
 the calls that repeat it (the layers); then repeated ATen calls on the same arguments merge
@@ -58,7 +58,7 @@ def decomposition_table() -> dict:
     """torch-mlir's FX decomposition table, every dcp op's reference implementation (but
     decode attention: paged_attention.LOWERING_KERNELS), and exact integer floor division /
     remainder (see _int_div_mode, _int_remainder)."""
-    from dcp_compile.runtime.ops import DECOMPOSITIONS
+    from dcp_compile.runtime.kernels.ops import DECOMPOSITIONS
 
     from .paged_attention import LOWERING_KERNELS
     aten = torch.ops.aten
@@ -359,7 +359,7 @@ def check_decomposed(out: GraphModule, step: str) -> None:
             raise DCPLoweringError(
                 f"cannot lower op {_op_name(node.target)} from node {name} (introduced by pass "
                 f"{pass_name}, step {step!r}): it is still there after decomposition. Give it "
-                f"a decomposition to ATen (dcp_compile.runtime.ops.DECOMPOSITIONS).")
+                f"a decomposition to ATen (dcp_compile.runtime.kernels.ops.DECOMPOSITIONS).")
 
 
 def _resolve_site_shapes(decomposed: GraphModule,

@@ -177,7 +177,7 @@ def _wrap_in_run_parallel(module, func, ranks: int) -> None:
 
 
 class InterpreterExecutor:
-    """A dcp_compile.runtime.engine executor that runs a program's lowered modules in the StableHLO
+    """A dcp_compile.runtime.serving.engine executor that runs a program's lowered modules in the StableHLO
     reference interpreter, every rank at once (:func:`run_interpreter_spmd`), each rank with
     its weight shards, ``tp_rank`` and KV caches. ``step`` returns rank 0's logits after
     checking that every rank computed the same ones.

@@ -1,6 +1,6 @@
 """The lowering's decomposition of ``dcp.partial_attention`` for decode-width queries.
 
-The reference implementation (runtime/ops.py) is what eager backends run; lowered as is,
+The reference implementation (runtime/kernels/ops.py) is what eager backends run; lowered as is,
 XLA's cost analysis counts, per layer and step (``memory_floor.bytes_by_op``):
 
   * a per-slot gather of the block table ([batch, slots] int64) to mask the keys, and the
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.ops import NEG_INF, _partial_attention_impl, readable_table
+from dcp_compile.runtime.kernels.ops import NEG_INF, _partial_attention_impl, readable_table
 
 # Queries per row up to which the fused form is used (decode, speculative decode widths).
 MAX_QUERIES = 8

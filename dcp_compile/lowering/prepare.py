@@ -6,8 +6,8 @@
                      a marker that survives decomposition and import (a collective of a role
                      whose groups have one rank is the identity and is elided)
 
-Roles resolve to their replica groups through dcp_compile.runtime.roles.bound_collectives; what each
-collective's arguments are comes from dcp_compile.runtime.roles.COLLECTIVES.
+Roles resolve to their replica groups through dcp_compile.runtime.distributed.roles.bound_collectives; what each
+collective's arguments are comes from dcp_compile.runtime.distributed.roles.COLLECTIVES.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPLoweringError
 from dcp_compile.runtime.names import META_LAYER, META_NODE, META_PASS, is_cache_input
-from dcp_compile.runtime.roles import COLLECTIVES, KINDS, REDUCTIONS, WAIT_TARGET, bound_collectives, \
+from dcp_compile.runtime.distributed.roles import COLLECTIVES, KINDS, REDUCTIONS, WAIT_TARGET, bound_collectives, \
     uneven_splits
 
 
@@ -58,7 +58,7 @@ def _op_name(target) -> str:
 
 def check_lowerable(gm: GraphModule, step: str) -> None:
     """Raise DCPLoweringError for the first op without a lowering or shape that is not static."""
-    from dcp_compile.runtime.ops import DECOMPOSITIONS
+    from dcp_compile.runtime.kernels.ops import DECOMPOSITIONS
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "call_function"):
             _check_static(node, step)
@@ -82,7 +82,7 @@ def check_lowerable(gm: GraphModule, step: str) -> None:
         raise DCPLoweringError(
             f"cannot lower op {_op_name(target)} at node {name} (introduced by pass "
             f"{pass_name}, step {step!r}): it has no decomposition to ATen. Add one to "
-            f"dcp_compile.runtime.ops.DECOMPOSITIONS (a plain-torch reference implementation), or "
+            f"dcp_compile.runtime.kernels.ops.DECOMPOSITIONS (a plain-torch reference implementation), or "
             f"emit ATen ops in pass {pass_name}.")
 
 
@@ -161,7 +161,7 @@ def mark_collectives(gm: GraphModule, step: str, groups: dict[str, list[list[int
     """A copy of ``gm`` with each collective a marker (or, on one-rank groups, its input) and
     every ``wait_tensor`` gone. Each node records its provenance in ``meta['custom']``, which
     make_fx copies onto the nodes it decomposes it into."""
-    from dcp_compile.runtime.rank_program import copy_graph_module
+    from dcp_compile.runtime.serving.rank_program import copy_graph_module
     out = copy_graph_module(gm)
     for node in out.graph.nodes:
         name, pass_name = provenance(node)

@@ -2,7 +2,7 @@
 
 4 import_graph       torch-mlir's FxImporter: torch dialect; a marker is a torch.operator
 5 emit_collectives   each marker -> stablehlo.all_gather | reduce_scatter | all_reduce |
-                     all_to_all (dcp_compile.runtime.roles.COLLECTIVES), built through the MLIR Python
+                     all_to_all (dcp_compile.runtime.distributed.roles.COLLECTIVES), built through the MLIR Python
                      bindings between torch_c casts
 6 run_torch_mlir     torchdynamo-export-to-torch-backend-pipeline, then
                      torch-backend-to-stablehlo-backend-pipeline; a failure names the FX
@@ -20,7 +20,7 @@ import torch
 from torch.fx import GraphModule
 
 from dcp_compile.runtime.errors import DCPLoweringError
-from dcp_compile.runtime.roles import COLLECTIVE_DIM, KINDS, REDUCTIONS
+from dcp_compile.runtime.distributed.roles import COLLECTIVE_DIM, KINDS, REDUCTIONS
 
 from .prepare import CollectiveSite, provenance
 

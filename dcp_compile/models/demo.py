@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from dcp_compile.runtime import ops  # noqa: F401  (registers torch.ops.dcp.*)
+from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Each worker transforms the model itself (deterministic: the same SPMD program on every rank),
 or, with ``--program PATH``, loads the program file one process wrote for the whole launch
-(``program.save(PATH)``; runtime/program_file.py), binds its process groups through
-``dcp_compile.runtime.world.bind_roles`` and runs the engine:
+(``program.save(PATH)``; runtime/program/program_file.py), binds its process groups through
+``dcp_compile.runtime.distributed.world.bind_roles`` and runs the engine:
 
     torchrun --nproc-per-node 4 -m dcp_compile.workers.decode --dcp 2 --out tokens.json
     torchrun --nproc-per-node 4 -m dcp_compile.workers.prefill --dcp 2 ...
@@ -35,7 +35,7 @@ def program_for(path: str | None, build: Callable, **expected):
     if not path:
         return build()
     from dcp_compile.runtime.errors import DCPInputError
-    from dcp_compile.runtime.program_file import load_program
+    from dcp_compile.runtime.program.program_file import load_program
     program = load_program(path)
     wrong = {k: (getattr(program.config, k), v) for k, v in expected.items()
              if v is not None and getattr(program.config, k) != v}

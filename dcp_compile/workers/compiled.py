@@ -35,9 +35,9 @@ class CompiledRun:
 
     model: torch.nn.Module
     options: dict
-    shapes: Any                 # dcp_compile.runtime.engine.StepShapes
+    shapes: Any                 # dcp_compile.runtime.serving.engine.StepShapes
     caches: list
-    result: Any                 # dcp_compile.runtime.engine's generate() result: tokens, logits
+    result: Any                 # dcp_compile.runtime.serving.engine's generate() result: tokens, logits
 
 
 def compile_and_decode(args, world: int) -> CompiledRun:
@@ -45,7 +45,7 @@ def compile_and_decode(args, world: int) -> CompiledRun:
     from dcp_compile.backend import kv_cache_spec
     from dcp_compile.models.demo import demo_model
     from dcp_compile.workers.decode import prompt_tokens, shapes_for
-    from dcp_compile.runtime.engine import Engine, LocalExecutor
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
 
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = prompt_tokens(lengths, args.seed)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from dcp_compile.runtime.launch import freeze_gc, init_distributed_from_env
+    from dcp_compile.runtime.distributed.launch import freeze_gc, init_distributed_from_env
 
     rank, world = init_distributed_from_env()
 

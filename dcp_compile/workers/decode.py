@@ -35,7 +35,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
 
-    from dcp_compile.runtime.launch import run_in_world
+    from dcp_compile.runtime.distributed.launch import run_in_world
 
     run_in_world(lambda rank, world: run(args, rank, world))
     return 0
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 def run(args, rank: int, world: int) -> None:
     """This rank's decode in the initialised world of ``world`` ranks (``main``, or a caller
     that runs more in the same world)."""
-    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
 
     program = program_for(args.program,
                           lambda: build_program(args, tp=world, check=rank_check(rank)),
@@ -80,7 +80,7 @@ def prompt_tokens(lengths, seed) -> list[list[int]]:
 
 
 def shapes_for(lengths, steps, dcp):
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     return StepShapes.fitting(len(lengths), max(lengths), max(lengths) + steps,
                               block_size=16, dcp=dcp)
 

@@ -17,7 +17,7 @@ Prefill rank. Transforms the model (``mode="prefill"``; every rank builds the sa
 program: :func:`build_program`), or loads the world's program file (``--program``), runs
 the prompt chunks of ``--plan`` (chunk -> tokens per sequence, tokens from
 :func:`dcp_compile.workers.prefill.plan_tokens`) through the engine, registers its final caches
-with a :class:`~dcp_compile.runtime.nixl.connector.PrefillKVConnector` (side channel at ``--port +
+with a :class:`~dcp_compile.runtime.transfer.nixl.connector.PrefillKVConnector` (side channel at ``--port +
 rank``), and after a gloo barrier (every side channel is up) rank 0 writes the *handoff*
 (what a router passes to the decode engine: per sequence the request id, prompt length, the
 prefill block table and the epoch of its lease, plus each sequence's last-token logits).
@@ -32,7 +32,7 @@ Decode rank. Transforms the model (``mode="decode"``; ``--dcp 1`` is the standar
 decode), or loads the world's program file (``--program``), allocates its caches poisoned
 with NaN, waits for the handoff, takes block tables from its own allocator
 (``--reserve-blocks`` first holds some blocks for a dummy sequence, so local and remote block
-numbers differ), creates a :class:`~dcp_compile.runtime.nixl.connector.DecodeKVConnector`,
+numbers differ), creates a :class:`~dcp_compile.runtime.transfer.nixl.connector.DecodeKVConnector`,
 handshakes with the prefill ranks of its plan, reads every request and waits for all of
 them. Sequence lengths are the prompt lengths; decoding starts from the first token chosen
 (argmax) from the prefill's last-token logits and runs ``--steps`` greedy steps. Each rank
@@ -43,7 +43,7 @@ Failures stop both worlds in bounded time: a rank that fails appends its error t
 ``--abort-file``; a prefill rank waiting for readers and a decode rank waiting for the handoff
 give up as soon as that file exists (the launching test also writes it when a world fails).
 Everything listens on 127.0.0.1 only; UCX runs over tcp on loopback
-(:func:`dcp_compile.runtime.nixl.connector.configure_ucx_env`).
+(:func:`dcp_compile.runtime.transfer.nixl.connector.configure_ucx_env`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def decode_shapes(batch: int, max_context: int, dcp: int, block_size: int,
                   reserve_blocks: int = 0):
     """Static shapes of the decode program: ``max_context`` tokens (prompt + generated) per
     sequence. ``context_len`` (the program's own prompt step, not run here) is one block."""
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     return StepShapes.fitting(batch, block_size, max_context, block_size=block_size, dcp=dcp,
                               spare_blocks=reserve_blocks)
 
@@ -191,10 +191,10 @@ def run_prefill_rank(args, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.runtime.rank_engine import rank_engine
-    from dcp_compile.runtime.nixl.connector import PrefillKVConnector
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    from dcp_compile.runtime.transfer.nixl.connector import PrefillKVConnector
     from dcp_compile.workers.prefill import plan_tokens
-    from dcp_compile.runtime.transfer_plan import plan_transfer
+    from dcp_compile.runtime.transfer.plan import plan_transfer
 
     plan = json.loads(args.plan)
     decoders = json.loads(args.decoders)
@@ -295,8 +295,8 @@ def _wait_for_handoff(args, rank: int) -> dict:
 
 def run_decode_rank(args, rank: int, world: int) -> None:
     from dcp_compile.runtime.errors import DCPTransferError
-    from dcp_compile.runtime.rank_engine import rank_engine
-    from dcp_compile.runtime.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest, wait_all
 
     shapes = decode_shapes(args.batch, args.max_context, args.dcp, args.block_size,
                            args.reserve_blocks)
@@ -409,7 +409,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
 
-    from dcp_compile.runtime.launch import run_in_world
+    from dcp_compile.runtime.distributed.launch import run_in_world
 
     torch.set_num_threads(1)
     run_in_world(lambda rank, world: run_role(args, rank, world))

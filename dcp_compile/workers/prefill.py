@@ -35,7 +35,7 @@ def plan_tokens(plan: list[list[int]], seed: int = 0, vocab: int = 256
 
 def shapes_for(plan: list[list[int]], context_len: int, dcp: int, block: int):
     """Static shapes that hold the plan: batch = sequences, blocks for the longest total."""
-    from dcp_compile.runtime.engine import StepShapes
+    from dcp_compile.runtime.serving.engine import StepShapes
     totals = [sum(chunk[b] for chunk in plan) for b in range(len(plan[0]))]
     return StepShapes.fitting(len(totals), context_len, max(totals), block_size=block,
                               dcp=dcp)
@@ -70,7 +70,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
 
-    from dcp_compile.runtime.launch import run_in_world
+    from dcp_compile.runtime.distributed.launch import run_in_world
 
     run_in_world(lambda rank, world: run(args, rank, world))
     return 0
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
 def run(args, rank: int, world: int) -> None:
     """This rank's chunked prefill in the initialised world of ``world`` ranks (``main``, or
     a caller that runs more in the same world)."""
-    from dcp_compile.runtime.rank_engine import rank_engine
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
     from dcp_compile.verify import run_chunks
 
     args.tp = args.tp or world

@@ -11,7 +11,7 @@ from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDi
                                                      dim_squeeze, dim_transpose,
                                                      dim_unsqueeze, expand, view_groups)
 
-from dcp_compile.runtime.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
+from dcp_compile.runtime.distributed.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
 
 from ..op_classes import IDENTITY_VIEWS
 from .lattice import Refusal, Seg, Shard, canon, scale_segs

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.moe)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.moe)
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.moe import ARG, LAYOUTS, ExpertLayout
+from dcp_compile.runtime.kernels.moe import ARG, LAYOUTS, ExpertLayout
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from ..infra import source_of
@@ -20,7 +20,7 @@ MOE = torch.ops.dcp.moe.default
 LINEAR = aten.linear.default
 
 
-# The weight operands of dcp.moe (runtime/moe.py), each cut by ``expert_cuts``.
+# The weight operands of dcp.moe (runtime/kernels/moe.py), each cut by ``expert_cuts``.
 WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 from .lattice import Seg, Shard, canon
 

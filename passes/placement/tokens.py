@@ -9,7 +9,7 @@ import operator
 import torch
 from torch.fx import Node
 
-import dcp_compile.runtime.ops  # noqa: F401  (registers torch.ops.dcp.*)
+import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 from .lattice import R, Refusal, Seg, Shard, show
 from .node_args import fake, shape_of

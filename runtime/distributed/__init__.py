@@ -1,0 +1,1 @@
+"""Worlds, launch and collectives: threaded and torchrun worlds, group roles, the Neuron backend."""

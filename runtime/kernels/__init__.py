@@ -1,0 +1,1 @@
+"""The dcp custom ops: their definitions, reference implementations and eager kernels."""

@@ -1,0 +1,123 @@
+"""The eager kernel of ``dcp.partial_attention``: the live span, scalar masks, no ``cat``.
+
+``dcp.partial_attention``'s reference body (runtime/kernels/ops.py, also its decomposition for the
+StableHLO lowering) builds one key set: ``cat([prior keys, current keys])``, the same for the
+values, then zeroes invalid values with ``where(valid, values, zeros_like(values))``. Run
+eagerly, each of those is a fresh copy of the whole prior span per layer (profiled at 8k
+context, dcp=2: fill_/where/cat were 50% of the op, the gather itself 10%).
+
+This kernel reads the same keys in two segments and never copies them again:
+
+  prior    the block-table entries the longest row's prior uses (a host value: eager only),
+           gathered once (``cache[table]`` is already a fresh tensor, so its stale/poisoned
+           rows are zeroed in place by a scalar ``masked_fill_``, never by ``where``);
+  current  this step's keys (a few rows).
+
+Scores of each segment are masked in place with the scalar -inf, and the two softmax
+segments are joined through their log-sum-exps (``logaddexp``), which is the softmax over the
+concatenated keys. Shared K = V halves (MLA) are read as two matmuls on the halves, not a
+``cat`` of them. Same arguments and results as ``partial_attention`` (tests compare them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dcp_compile.runtime import layout
+
+NEG_INF = float("-inf")
+
+
+def readable_table(block_table: Tensor, num_blocks: int) -> tuple[Tensor, Tensor]:
+    """(usable, table): which block-table entries name a usable block, and the table with
+    every other entry (-1 unallocated, the garbage block, ids beyond the cache) pointing at
+    the garbage block, so a gather never reads block 0 for them; readers mask them out."""
+    usable = (block_table >= 0) & (block_table < num_blocks - 1)
+    return usable, torch.where(usable, block_table, num_blocks - 1)
+
+
+def live_entries(prior_len: Tensor, block: int, max_blocks: int) -> int:
+    """Block-table entries the longest row's prior slots [0, prior_len) span (host value)."""
+    live = int(prior_len.clamp(min=0).max()) if prior_len.numel() else 0
+    return min(max_blocks, -(-live // block))
+
+
+def _scores(qf: Tensor, keys: list[Tensor], scale: float, softcap: float) -> Tensor:
+    """[b, k, g, i, j] scores of q [b, i, k, g, d] against keys [b, j, k, d] given as
+    feature-dim pieces (one piece, or the two halves of a shared K = V vector)."""
+    out, start = None, 0
+    for piece in keys:
+        width = piece.shape[-1]
+        part = torch.einsum("bikgd,bjkd->bkgij", qf[..., start:start + width], piece.float())
+        out = part if out is None else out.add_(part)
+        start += width
+    out = out.mul_(scale)
+    if softcap > 0:  # logit soft-capping (Gemma 2): on the scaled scores, before the mask
+        out = torch.tanh(out.div_(softcap)).mul_(softcap)
+    return out
+
+
+def _weighted(probs: Tensor, values: list[Tensor]) -> Tensor:
+    """probs [b, k, g, i, j] @ values [b, j, k, d] -> [b, i, k, g, d] (pieces side by side)."""
+    parts = [torch.einsum("bkgij,bjkd->bikgd", probs, v.float()) for v in values]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
+                           k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
+                           block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
+                           interleave: int, scale: float, window: int = 0,
+                           softcap: float = 0.0,
+                           kv_shared: bool = False) -> tuple[Tensor, Tensor]:
+    """``partial_attention``'s result, reading only the live block-table span (module doc)."""
+    batch, q_len, q_heads, _ = q.shape
+    num_blocks, block, kv_heads, width = key_cache.shape
+    entries = live_entries(prior_len, block, block_table.shape[1])
+    table = block_table[:, :entries]
+    usable, safe = readable_table(table, num_blocks)                             # [b, e]
+    span = entries * block
+    local = torch.arange(span, device=q.device)
+    # Prior slot bounds: one per row [b, 1, 1], or one per query of a width-K row [b, i, 1].
+    bound = prior_len[:, :, None] if prior_len.dim() == 2 else prior_len[:, None, None]
+    allocated = usable[:, local // block]                                       # [b, span]
+    row_bound = bound.amax(dim=1)                                               # [b, 1]
+    k_prior = key_cache[safe].view(batch, span, kv_heads, width).to(q.dtype)
+    v_prior = value_cache[safe].view(batch, span, kv_heads, width).to(q.dtype)
+    # Unwritten or poisoned rows must not leak through 0 * NaN: the gathers are fresh
+    # tensors, so zero their invalid rows in place (a scalar fill, no copy).
+    stale = ~((local[None, :] < row_bound) & allocated)[:, :, None, None]
+    v_prior.masked_fill_(stale, 0.0)
+    if kv_shared:
+        k_prior.masked_fill_(stale, 0.0)
+    q_ok = (q_pos >= 0)[:, :, None]                                             # [b, i, 1]
+    prior_ok = (local[None, None, :] < bound) & allocated[:, None, :] & q_ok     # [b, i, span]
+    prior_pos = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
+    if prior_len.dim() != 2:  # a row bound: causal on global positions too
+        prior_ok &= prior_pos[None, None, :] <= q_pos[:, :, None]
+    cur_ok = (k_pos >= 0)[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None]) & q_ok
+    if window > 0:  # per position: each rank applies it to its own keys
+        prior_ok &= q_pos[:, :, None] - prior_pos[None, None, :] < window
+        cur_ok &= q_pos[:, :, None] - k_pos[:, None, :] < window
+    current = (k_pos >= 0)[:, :, None, None]
+    v_cur = torch.where(current, v_cur.to(q.dtype), 0.0)
+    k_cur = torch.where(current, k_cur.to(q.dtype), 0.0) if kv_shared else k_cur.to(q.dtype)
+    if kv_shared:  # keys = values = [k half ; v half], read as two pieces
+        prior_pieces, cur_pieces = [k_prior, v_prior], [k_cur, v_cur]
+    else:
+        prior_pieces, cur_pieces = [k_prior], [k_cur]
+    groups = q_heads // kv_heads
+    qf = q.float().reshape(batch, q_len, kv_heads, groups, q.shape[-1])
+    s_prior = _scores(qf, prior_pieces, scale, softcap)
+    s_cur = _scores(qf, cur_pieces, scale, softcap)
+    s_prior.masked_fill_(~prior_ok[:, None, None], NEG_INF)
+    s_cur.masked_fill_(~cur_ok[:, None, None], NEG_INF)
+    lse = torch.logaddexp(torch.logsumexp(s_prior, dim=-1), torch.logsumexp(s_cur, dim=-1))
+    # A query with no allowed key has lse = -inf: its probabilities are exactly 0, never NaN.
+    safe_lse = torch.where(torch.isinf(lse), 0.0, lse)[..., None]
+    p_prior = s_prior.sub_(safe_lse).exp_()
+    p_cur = s_cur.sub_(safe_lse).exp_()
+    out = _weighted(p_prior, prior_pieces if kv_shared else [v_prior])
+    out = out.add_(_weighted(p_cur, cur_pieces if kv_shared else [v_cur]))
+    out = out.reshape(batch, q_len, q_heads, out.shape[-1]).to(q.dtype)
+    return out, lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)

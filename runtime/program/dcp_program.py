@@ -1,0 +1,159 @@
+"""DCPProgram: the SPMD result of a transform, and its per-rank loading.
+
+One GraphModule per step kind, shared by every rank (and, with context buckets, one more per
+(step kind, smaller bucket): ``bucket_graphs``, runtime/program/buckets.py). Per-rank state is only (a) the weight
+shards (``state_dict_for(rank)``, which includes the ``tp_rank`` input) and (b) the binding of
+collective roles to this rank's process groups (``load(rank, group_names)``).
+
+Program calling convention (every step kind):
+    graph(*weights_and_buffers, tp_rank, input_ids, positions, block_table, *kv_caches)
+        -> (logits, *new_kv_caches)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx import GraphModule
+
+from dcp_compile.runtime.names import META_SCOPE, SCOPE_MODEL
+
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.program.facts import ModelFacts
+from dcp_compile.runtime.names import RANK_INPUT
+from dcp_compile.runtime.distributed.roles import role_of
+from dcp_compile.runtime.program.shards import ShardSpec
+from dcp_compile.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from dcp_compile.runtime.serving.engine import StepShapes
+
+
+@dataclass
+class DCPProgram:
+    """A compiled program: its graphs, weights and layout; built by dcp_compile.driver."""
+
+    config: DCPConfig
+    topology: Topology
+    graphs: dict[str, GraphModule]              # step kind -> graph (StepKind values)
+    shapes: "StepShapes"
+    constants: dict[str, torch.Tensor]          # placeholder -> full weight/buffer
+    shards: dict[str, ShardSpec]                # placeholder -> how a rank's shard is cut
+    weight_inputs: list[str]                    # placeholder names, in graph order
+    facts: ModelFacts                           # layers, cache dtype, windows, MLA
+    source: str = "transform"                   # the frontend: transform, torch.compile
+    dump_dir: str | None = None
+    # The compiler's record (dcp_compile.report.CompileReport: history, certificate,
+    # check); the runtime passes it on and never reads it.
+    report: object = None
+    # Context buckets below the full capacity: tokens -> step kind -> graph (same weights).
+    bucket_graphs: dict[int, dict[str, GraphModule]] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.facts.num_layers
+
+    @property
+    def history(self) -> list:
+        """Every pass of every step (dcp_compile.passes.manager.PassRecord)."""
+        return self.report.history
+
+    @property
+    def certificate(self):
+        """The layout's proof certificate (dcp_compile.passes.prove)."""
+        return self.report.certificate
+
+    # -- context buckets -------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Context tokens the full-width graphs (``graphs``) hold: the largest bucket."""
+        from dcp_compile.runtime.program.buckets import bucket_of_width
+        return bucket_of_width(self.shapes.max_blocks, block_size=self.config.block_size,
+                               dcp=self.config.dcp)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Every context bucket in tokens, ascending; the last is ``capacity``."""
+        return tuple(sorted(self.bucket_graphs)) + (self.capacity,)
+
+    def for_bucket(self, bucket: int) -> "DCPProgram":
+        """The one-bucket program of ``bucket`` (its graphs, its block-table width), sharing
+        this program's weights: what loading, lowering and contracts take per bucket."""
+        import dataclasses
+
+        from dcp_compile.runtime.program.buckets import bucket_width
+        from dcp_compile.runtime.errors import DCPInputError
+        if bucket == self.capacity:
+            graphs = self.graphs
+        elif bucket in self.bucket_graphs:
+            graphs = self.bucket_graphs[bucket]
+        else:
+            raise DCPInputError(f"this program has no context bucket of {bucket} tokens: it "
+                                f"has {list(self.buckets)}. Pick one of those.")
+        width = bucket_width(bucket, block_size=self.config.block_size, dcp=self.config.dcp)
+        return dataclasses.replace(self, graphs=graphs, bucket_graphs={},
+                                   shapes=dataclasses.replace(self.shapes, max_blocks=width))
+
+    # -- per-rank state --------------------------------------------------------------------
+
+    def state_dict_for(self, rank: int) -> dict[str, torch.Tensor]:
+        """This rank's weight shards (replicated weights as is) plus its ``tp_rank``."""
+        self.topology._check_rank(rank)
+        out = {}
+        for name in self.weight_inputs:
+            full = self.constants[name]
+            spec = self.shards.get(name)
+            out[name] = spec.shard(full, rank) if spec is not None else full
+        out[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
+        return out
+
+    def cache_spec(self, dtype: torch.dtype | None = None):
+        """Shape of one rank's KV caches (KV heads after TP sharding/replication)."""
+        from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
+        return KVCacheSpec(self.num_layers, self.shapes.num_blocks, self.config.block_size,
+                           self.config.kv_heads_per_rank, self.config.head_dim,
+                           dtype or self.facts.cache_dtype or torch.float32)
+
+    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager"):
+        """This rank's runnable program: roles bound to real process-group names;
+        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS)."""
+        from dcp_compile.runtime.serving.rank_program import RankProgram
+        return RankProgram(self, rank, group_names, compile=compile)
+
+    def save(self, path) -> None:
+        """Write this program to a program file every rank of a launch can load
+        (``dcp_compile.runtime.program.program_file.load_program``): one transform per launch."""
+        from dcp_compile.runtime.program.program_file import save_program
+        save_program(self, path)
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def collectives_per_layer(self, step: str) -> dict[str, float]:
+        """'<op>@<role>' -> how many per decoder layer in ``step``'s graph (collectives of
+        the embedding and LM head, once per model, are in ``model_collectives``)."""
+        counts = self._collective_counts(step, per_model=False)
+        return {k: v / self.num_layers for k, v in counts.items()}
+
+    def model_collectives(self, step: str) -> dict[str, int]:
+        return self._collective_counts(step, per_model=True)
+
+    def _collective_counts(self, step: str, *, per_model: bool) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.graphs[step].graph.nodes:
+            role = role_of(n)
+            if role is not None and (n.meta.get(META_SCOPE) == SCOPE_MODEL) == per_model:
+                key = f"{n.target._opname}@{role}"
+                counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def summary(self) -> str:
+        c = self.config
+        return json.dumps({"tp": c.tp, "dcp": c.dcp, "mode": c.mode,
+                           "block_size": c.block_size, "interleave_size": c.interleave_size,
+                           "steps": list(self.graphs),
+                           "buckets": list(self.buckets)},
+                          indent=None)

@@ -1,0 +1,281 @@
+"""Host side of serving: sequences, block tables, padded static-shape step inputs, greedy loop.
+
+The engine is the same for the single-device model and for every transformed program: it
+builds ``(input_ids, positions, block_table)`` — identical on every rank — and hands them to
+an *executor*, which owns the caches (one set, or one per rank) and runs the step.
+
+Packing. A step is a padded batch ``[batch, tokens]``: row b holds sequence b's new tokens at
+positions ``prior_b, prior_b + 1, ...`` and -1 after them; unused rows are all -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
+
+from dcp_compile.runtime.serving.kv_cache import BlockAllocator
+from dcp_compile.runtime.names import StepKind
+from dcp_compile.runtime.serving.step_contract import StepContract, check_engine_caches
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The static shapes a program is built for."""
+
+    batch: int = 4
+    context_len: int = 64      # tokens per sequence in a prompt (context/prefill) step
+    max_blocks: int = 8        # block-table entries per sequence
+    num_blocks: int = 40       # cache blocks per rank, including the garbage block
+    decode_len: int = 1        # tokens per row in a decode step (K > 1: speculative verify)
+
+    def __post_init__(self):
+        # Typed and O(1): a bad shape is a config error here, not a raw torch error later.
+        bad = [f"{name}={getattr(self, name)!r}" for name, least in _SHAPE_MINIMA
+               if not (isinstance(getattr(self, name), int)
+                       and not isinstance(getattr(self, name), bool)
+                       and getattr(self, name) >= least)]
+        if bad:
+            raise DCPConfigError(
+                f"StepShapes fields must be ints with batch, context_len, max_blocks, "
+                f"decode_len >= 1 "
+                f"and num_blocks >= 2 (one usable block besides the garbage block): "
+                f"{', '.join(bad)}. Pass positive ints.")
+
+    @classmethod
+    def fitting(cls, batch: int, context_len: int, max_tokens: int, *, block_size: int,
+                dcp: int, spare_blocks: int = 0, decode_len: int = 1) -> "StepShapes":
+        """Shapes for ``batch`` sequences of up to ``max_tokens`` tokens each (prompt +
+        generated), prompt chunks of ``context_len``: one block-table entry per vblock
+        (``block_size * dcp`` positions), blocks for every sequence, ``spare_blocks`` more,
+        and the garbage block. A decode step of width ``decode_len`` may write up to
+        ``decode_len - 1`` positions past ``max_tokens`` (drafts later rejected)."""
+        max_blocks = -(-(max_tokens + decode_len - 1) // (block_size * dcp))
+        return cls(batch=batch, context_len=context_len, max_blocks=max_blocks,
+                   num_blocks=batch * max_blocks + spare_blocks + 1, decode_len=decode_len)
+
+
+_SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2),
+                 ("decode_len", 1))
+
+
+class Executor(Protocol):
+    def step(self, kind: str, input_ids: torch.Tensor, positions: torch.Tensor,
+             block_table: torch.Tensor) -> torch.Tensor:
+        """Run one step of ``kind`` ("context" | "decode" | "prefill"); return logits."""
+
+
+class LocalExecutor:
+    """Runs ``fn(input_ids, positions, block_table, caches) -> (logits, caches)`` in-process.
+
+    ``fn`` is one callable for every step kind (the single-device model) or a mapping
+    kind -> callable (a loaded program). ``before_step(caches)`` is a test hook.
+    """
+
+    def __init__(self, fn, caches: list[torch.Tensor], *, before_step=None):
+        self.fns = fn if isinstance(fn, dict) else None
+        self.fn = fn
+        self.caches = caches
+        self.before_step = before_step
+
+    @torch.no_grad()
+    def step(self, kind, input_ids, positions, block_table):
+        if self.fns is not None and kind not in self.fns:
+            raise DCPInputError(f"this program has no {kind!r} step: it has "
+                                f"{sorted(self.fns)}.")
+        fn = self.fns[kind] if self.fns is not None else self.fn
+        if self.before_step is not None:
+            self.before_step(self.caches)
+        logits, caches = fn(input_ids, positions, block_table, self.caches)
+        self.caches = list(caches)
+        return logits
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]                 # generated tokens per sequence
+    logits: list[torch.Tensor] = field(default_factory=list)   # per step: [n, vocab]
+
+
+class Engine:
+    """Greedy serving loop over an executor, with static-shape padded steps.
+
+    ``prompt_kind`` is the step kind prompt chunks run as: "prefill" (the single-device model,
+    prefill-mode programs; later chunks continue a sequence) or "context" (a decode-mode
+    program's own first-chunk-only prompt step).
+
+    ``buckets`` (context lengths in tokens, ascending; default: the shapes' full capacity) are
+    the program's context buckets: each step's block table has the width of the smallest
+    bucket holding every sequence after the step (runtime/program/buckets.py), and the executor runs
+    that bucket's graph.
+
+    Every step it builds is checked against the step contract (``dcp_compile.runtime.serving.step_contract``),
+    plus what only the engine knows: each row continues its sequence. ``vocab_size`` adds
+    the token-id rule (a loaded program checks it itself).
+    """
+
+    def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
+                 dcp: int = 1, prompt_kind: str = StepKind.PREFILL, vocab_size: int | None = None,
+                 prefix_caching: bool = False, buckets=None):
+        from dcp_compile.runtime.program.buckets import bucket_width, check_buckets
+        self.executor = executor
+        self.shapes = shapes
+        self.block_size = block_size
+        self.dcp = dcp
+        self.prompt_kind = prompt_kind
+        # An executor that shows its caches must hold every block the shapes promise.
+        check_engine_caches(shapes.num_blocks, block_size, getattr(executor, "caches", None))
+        self.buckets = check_buckets(buckets, block_size=block_size, dcp=dcp,
+                                     max_blocks=shapes.max_blocks)
+        self.contracts = {(kind, width): StepContract(
+            kind=kind, batch=shapes.batch,
+            tokens=shapes.decode_len if kind == StepKind.DECODE else shapes.context_len,
+            max_blocks=width, num_blocks=shapes.num_blocks, block_size=block_size,
+            dcp=dcp, vocab_size=vocab_size) for kind in StepKind
+            for width in (bucket_width(b, block_size=block_size, dcp=dcp)
+                          for b in self.buckets)}
+        self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp,
+                                        prefix_caching=prefix_caching)
+        self.lengths: list[int] = []
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Run prompt chunks for sequences 0..n-1; returns logits of each chunk's last token.
+
+        The first call starts the sequences; later calls continue them (chunked prefill —
+        only program kinds that attend to a prior cache accept a non-empty prior).
+        """
+        n = len(prompts)
+        if not self.lengths:
+            self.lengths = [0] * n
+        self._check_batch(n)
+        if self.allocator.prefix_caching and not any(self.lengths):
+            from dcp_compile.runtime.serving.prefix_cache import prefill_sharing_prefixes
+            return prefill_sharing_prefixes(self, prompts)
+        return self.prompt_step(prompts)
+
+    def prompt_step(self, prompts: list[list[int]]) -> torch.Tensor:
+        """One prompt step of ``prompt_kind`` (``prefill`` without the prefix cache)."""
+        n = len(prompts)
+        if self.prompt_kind == StepKind.CONTEXT and any(self.lengths):
+            raise DCPInputError(
+                f"the decode engine's context step runs a first prompt chunk only (no prior "
+                f"context): sequences already hold {self.lengths} tokens. Send the whole "
+                f"prompt in one chunk, or prefill on a prefill-mode program.")
+        S = self.shapes.context_len
+        if any(len(p) > S for p in prompts):
+            raise DCPInputError(
+                f"prompt chunk longer than the program's context_len: lengths="
+                f"{[len(p) for p in prompts]}, context_len={S}. Split it into chunks of at "
+                f"most {S} tokens or build the program with a larger context_len.")
+        input_ids, positions = self._pack(prompts, S)
+        logits = self._run(self.prompt_kind, input_ids, positions,
+                           [len(c) for c in prompts])
+        last = torch.tensor([max(len(c) - 1, 0) for c in prompts])
+        return logits[torch.arange(n), last]
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """One new token per sequence; returns its logits [n, vocab]."""
+        return self.decode_rows([[t] for t in tokens])[:, 0]
+
+    def decode_rows(self, rows: list[list[int]]) -> torch.Tensor:
+        """Up to ``decode_len`` new tokens per sequence at its next positions (padded with
+        -1; an empty row sits the step out); returns their logits [n, decode_len, vocab]
+        and advances each length by its row's tokens (``rewind`` takes back what a
+        verification rejects)."""
+        n, K = len(rows), self.shapes.decode_len
+        self._check_batch(n)
+        if any(not 0 <= len(r) <= K for r in rows):
+            raise DCPInputError(
+                f"decode rows must hold 0..decode_len={K} tokens: lengths "
+                f"{[len(r) for r in rows]}. Split longer rows over steps or build the "
+                f"program with a larger StepShapes.decode_len.")
+        input_ids, positions = self._pack(rows, K)
+        return self._run("decode", input_ids, positions, [len(r) for r in rows])[:n]
+
+    def rewind(self, seq: int, length: int) -> None:
+        """Keep only sequence ``seq``'s first ``length`` tokens: later positions' KV is
+        simply overwritten by later steps (no copy), blocks past it are returned."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise DCPInputError(f"cannot rewind sequence {seq} to {length} tokens: it holds "
+                                f"{self.lengths[seq]}. Pass a length in [0, "
+                                f"{self.lengths[seq]}].")
+        self.lengths[seq] = length
+        self.allocator.shrink(seq, length)
+
+    def generate(self, prompts: list[list[int]], steps: int, *, drafter=None):
+        """Prefill the prompts, then greedy-decode ``steps`` tokens.
+
+        With a ``drafter`` (dcp_compile.runtime.serving.speculative), drafts are verified in decode
+        steps of width ``decode_len``: same tokens, a ``SpecResult`` (logits per sequence
+        per token, acceptance statistics) instead of a ``GenerateResult``.
+        """
+        logits = self.prefill(prompts)
+        if drafter is None:
+            return self.continue_generate(logits, steps)
+        from dcp_compile.runtime.serving.speculative import speculative_generate
+        if hasattr(drafter, "start"):
+            drafter.start(prompts)
+        return speculative_generate(self, logits, steps, drafter, prompts)
+
+    def continue_generate(self, logits: torch.Tensor, steps: int) -> GenerateResult:
+        """Greedy-decode ``steps`` tokens from the logits of each sequence's last token."""
+        result = GenerateResult(tokens=[[] for _ in range(logits.shape[0])], logits=[logits])
+        for step in range(steps):
+            nxt = logits.argmax(-1).tolist()
+            for b, t in enumerate(nxt):
+                result.tokens[b].append(t)
+            if step == steps - 1:
+                break
+            logits = self.decode(nxt)
+            result.logits.append(logits)
+        return result
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _pack(self, rows: list[list[int]], width: int):
+        """[batch, width] input_ids and positions: row b's tokens at its next positions,
+        then -1 (ids 0); unused rows all padding."""
+        input_ids = torch.zeros(self.shapes.batch, width, dtype=torch.int64)
+        positions = torch.full((self.shapes.batch, width), -1, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            start = self.lengths[b]
+            input_ids[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+            positions[b, :len(row)] = torch.arange(start, start + len(row))
+        return input_ids, positions
+
+    def _check_batch(self, n: int) -> None:
+        if n > self.shapes.batch:
+            raise DCPInputError(f"batch of {n} sequences exceeds the program's batch size "
+                                f"{self.shapes.batch}. Build it with batch >= {n}.")
+        if self.lengths and n != len(self.lengths):
+            raise DCPInputError(f"step has {n} sequences, engine holds {len(self.lengths)}. "
+                                f"Pass one entry per sequence.")
+
+    def bucket_width(self, lengths: list[int]) -> int:
+        """Block-table width of the smallest bucket holding sequences of ``lengths`` tokens."""
+        from dcp_compile.runtime.program.buckets import bucket_width, smallest_bucket
+        tokens = max(lengths, default=0)
+        # Past the capacity: the full width, where the allocator names the overflow.
+        bucket = smallest_bucket(self.buckets, min(tokens, self.buckets[-1]))
+        return bucket_width(bucket, block_size=self.block_size, dcp=self.dcp)
+
+    def _run(self, kind, input_ids, positions, new_tokens: list[int]) -> torch.Tensor:
+        seqs = list(range(len(new_tokens)))
+        for b, k in enumerate(new_tokens):
+            self.allocator.ensure(b, self.lengths[b] + k)
+        seq_ids = seqs + [None] * (self.shapes.batch - len(seqs))
+        width = self.bucket_width([self.lengths[b] + k for b, k in enumerate(new_tokens)])
+        block_table = self.allocator.table(seq_ids, width)
+        # The step contract, plus the engine's own knowledge: each row continues its sequence.
+        seq_lens = torch.full((self.shapes.batch,), -1, dtype=torch.int64)
+        seq_lens[:len(seqs)] = torch.tensor(self.lengths[:len(seqs)], dtype=torch.int64)
+        self.contracts[kind, width].check(input_ids, positions, block_table, seq_lens=seq_lens)
+        logits = self.executor.step(kind, input_ids, positions, block_table)
+        for b, k in enumerate(new_tokens):
+            self.lengths[b] += k
+        return logits

@@ -1,0 +1,1 @@
+"""Moving KV between layouts and engines: host-side cache layouts, the prefill -> decode transfer plan, NIXL."""

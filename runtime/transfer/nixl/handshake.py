@@ -1,0 +1,255 @@
+"""The handshake of the NIXL KV transfer: what a prefill rank advertises and how a decode rank
+fetches and checks it (spec: "Disaggregated Inference (NIXL Transfer)":
+NeuronNixlAgentMetadata).
+
+Each prefill rank serves its :class:`NeuronNixlAgentMetadata` -- the NIXL agent metadata plus
+the spec's ``dcp_size`` extension and the cache geometry -- on a small TCP side channel at
+``host:side_channel_port + tp_rank`` (vLLM's NIXL side channel uses the same
+base-port-plus-rank convention). Protocol: the client sends ``DCPKV-META 2\\n``; the server
+answers an 8-byte big-endian length and the JSON-serialised metadata (no pickle: the bytes
+come from the network). The server runs each client on its own thread (at most 64 at once)
+with one deadline for its whole exchange; the client too has one deadline for the whole
+handshake (the remaining time is recomputed for every recv) and refuses a length above 1 MiB
+before allocating. The channel has no authentication: bind it to loopback or a trusted
+network. :func:`check_metadata` compares what a remote rank advertised with what the transfer
+plan expects of it. Nothing here imports nixl.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+
+from dcp_compile.runtime.config import DCPConfig
+from dcp_compile.runtime.errors import DCPTransferError
+from dcp_compile.runtime.topology import topology
+
+__all__ = ["MAX_MESSAGE", "NeuronNixlAgentMetadata", "SideChannelServer", "agent_name",
+           "check_metadata", "fetch_metadata"]
+
+_HELLO = b"DCPKV-META 2\n"
+_MD_FORMAT = "dcp-nixl-agent-metadata/2"
+MAX_MESSAGE = 1 << 20                # bytes a side-channel message may announce
+SIDE_CHANNEL_CLIENT_TIMEOUT = 5.0    # seconds one client's whole exchange may take
+SIDE_CHANNEL_MAX_CLIENTS = 64        # exchanges served at once (a thread each)
+
+
+def agent_name(engine_id: str, rank: int) -> str:
+    """The NIXL agent name of ``rank`` of engine ``engine_id`` (both sides use it)."""
+    return f"{engine_id}-rank{rank}"
+
+
+# ---------------------------------------------------------------------------------------
+# Metadata (spec: NeuronNixlAgentMetadata = NixlAgentMetadata + dcp_size)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NeuronNixlAgentMetadata:
+    """What a prefill rank tells a decode rank in the handshake.
+
+    ``dcp_size`` is the spec's extension (0: not advertised, i.e. an engine without DCP);
+    the rest is the NIXL agent metadata and the geometry the decode side needs to address
+    remote rows. ``block_len`` is the bytes of one block of one layer's key (or value) cache;
+    ``block_epochs_addr`` is the registered int64 array of block epochs (one per block) that a
+    decode rank reads after its data to prove the blocks were not freed meanwhile.
+    """
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    tp_rank: int
+    tp_size: int
+    kv_caches_base_addr: tuple[tuple[int, int], ...]
+    num_blocks: int
+    block_size: int
+    block_len: int
+    kv_heads: tuple[int, ...]
+    head_dim: int
+    dtype: str
+    block_epochs_addr: int
+    dcp_size: int = 0
+
+    def serialize(self) -> bytes:
+        d = asdict(self)
+        d["agent_metadata"] = base64.b64encode(self.agent_metadata).decode("ascii")
+        d["format"] = _MD_FORMAT
+        return json.dumps(d).encode()
+
+    @classmethod
+    def deserialize(cls, raw: bytes) -> "NeuronNixlAgentMetadata":
+        try:
+            d = json.loads(raw)
+            if d.pop("format", None) != _MD_FORMAT:
+                raise ValueError(f"format is not {_MD_FORMAT}")
+            d["agent_metadata"] = base64.b64decode(d["agent_metadata"])
+            d["kv_caches_base_addr"] = tuple(tuple(int(a) for a in kv)
+                                             for kv in d["kv_caches_base_addr"])
+            d["kv_heads"] = tuple(d["kv_heads"])
+            return cls(**d)
+        except (ValueError, TypeError, KeyError) as e:
+            raise DCPTransferError(f"handshake metadata is not readable: {e}. Connect to a "
+                                   f"PrefillKVConnector side channel of this version.") from e
+
+    @property
+    def effective_dcp(self) -> int:
+        return self.dcp_size if self.dcp_size > 0 else 1
+
+
+# ---------------------------------------------------------------------------------------
+# Side channel
+# ---------------------------------------------------------------------------------------
+
+
+class SideChannelServer:
+    """Serves one payload to every client that says hello, each client on its own thread.
+
+    A client gets ``client_timeout`` seconds for the whole exchange (one deadline, not one
+    per recv), so an idle or trickling client holds one handler thread at most that long and
+    never delays another client. At most ``max_clients`` exchanges run at once; a client
+    beyond that is closed at once (bounded threads; the channel has no authentication).
+    """
+
+    def __init__(self, host: str, port: int, payload: bytes, *,
+                 client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT,
+                 max_clients: int = SIDE_CHANNEL_MAX_CLIENTS):
+        self._payload = struct.pack(">Q", len(payload)) + payload
+        self._client_timeout = client_timeout
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._clients: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise DCPTransferError(f"side channel cannot listen: {host}:{port}: {e}. Pick a free "
+                                   f"side_channel_port (base port + tp_rank must be free).") from e
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name=f"dcp-kv-side-{port}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # too many exchanges at once: this client retries
+                continue
+            with self._lock:
+                self._clients.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name=f"dcp-kv-side-client-{self._sock.getsockname()[1]}").start()
+
+    def _serve(self, conn: socket.socket):
+        deadline = time.monotonic() + self._client_timeout
+        try:
+            if _recv_exact(conn, len(_HELLO), deadline) == _HELLO:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                conn.sendall(self._payload)
+        except (OSError, ConnectionError):
+            pass  # a client that hangs up, stalls or speaks another protocol is dropped
+        finally:
+            with self._lock:
+                self._clients.discard(conn)
+            conn.close()
+            self._slots.release()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._sock.close()
+        with self._lock:
+            clients = list(self._clients)
+        for conn in clients:  # wakes their handler threads, which then exit
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes before ``deadline`` (time.monotonic()): the remaining time is recomputed
+    for every recv, so a peer that trickles bytes cannot stretch the exchange."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"deadline passed after {len(buf)} of {n} bytes")
+        conn.settimeout(left)
+        part = conn.recv(min(n - len(buf), 1 << 16))
+        if not part:
+            raise ConnectionError(f"peer closed after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
+
+
+def fetch_metadata(host: str, port: int, deadline: float, *, what: str = "remote rank",
+                   max_message: int = MAX_MESSAGE) -> bytes:
+    """The side-channel payload at host:port; retries until ``deadline`` (time.monotonic()).
+
+    The whole exchange (connect, hello, length, payload) shares the one deadline. A length
+    prefix above ``max_message`` is refused before anything is allocated.
+    """
+    last = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.create_connection((host, port), timeout=left) as conn:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                conn.sendall(_HELLO)
+                (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline))
+                if n > max_message:
+                    raise DCPTransferError(
+                        f"{what}: the side channel at {host}:{port} announced a message of {n} "
+                        f"bytes, above the limit of {max_message} bytes. Connect to a "
+                        f"PrefillKVConnector side channel (its metadata is a few KiB).")
+                return _recv_exact(conn, n, deadline)
+        except (OSError, ConnectionError) as e:
+            last = f"{type(e).__name__}: {e}"
+        time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+    raise DCPTransferError(f"{what} did not answer the handshake at {host}:{port} in time "
+                           f"(last error: {last}). Check that the prefill engine is running and "
+                           f"its side_channel_port, or raise handshake_timeout.")
+
+
+
+def check_metadata(md: NeuronNixlAgentMetadata, p: int, prefill: DCPConfig, geometry, *,
+                   decode_rank: int) -> None:
+    """Refuse metadata of prefill rank ``p`` that does not match the plan: its rank, degrees,
+    KV heads and cache geometry must be what ``prefill`` and the decode rank's own
+    ``geometry`` (a :class:`dcp_compile.runtime.transfer.nixl.descriptors.CacheGeometry`) imply."""
+    g, pc = geometry, prefill
+    remote_heads = tuple(topology(pc.tp, pc.dcp, pc.mode, config=pc).kv_heads_of(p))
+    remote = replace(g, block_size=pc.block_size, num_heads=len(remote_heads))
+    expect = {
+        "tp_rank": (md.tp_rank, p), "tp_size": (md.tp_size, pc.tp),
+        "dcp_size": (md.effective_dcp, pc.dcp), "kv_heads": (md.kv_heads, remote_heads),
+        "block_size": (md.block_size, pc.block_size), "head_dim": (md.head_dim, g.head_dim),
+        "dtype": (md.dtype, str(g.dtype).replace("torch.", "")),
+        "num_layers": (len(md.kv_caches_base_addr), g.num_layers),
+        "block_len": (md.block_len, remote.block_len),
+    }
+    wrong = [f"{k} advertised {got!r}, plan expects {want!r}"
+             for k, (got, want) in expect.items() if got != want]
+    if md.num_blocks < 2:
+        wrong.append(f"num_blocks advertised {md.num_blocks}, needs >= 2")
+    if wrong:
+        raise DCPTransferError(
+            f"decode rank {decode_rank}: handshake metadata of prefill rank {p} "
+            f"({md.agent_name}, engine {md.engine_id!r}) does not match the transfer plan "
+            f"(prefill TP={pc.tp}/DCP={pc.dcp}): {'; '.join(wrong)}. Plan with the prefill "
+            f"engine's real layout, or connect to the right engine.")
