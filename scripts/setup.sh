@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Idempotent set-up from a clean clone: torch's CPU wheel first (pip finds it on this
 # machine's disk), then this package with its test, Hugging Face, NIXL and StableHLO/XLA
-# extras, then the Debian packages below.
+# extras, then the third-party corpus' libraries (requirements/corpus.txt), then the Debian
+# packages below.
 #
+# DCP_SETUP_CORPUS=1 (the default): the corpus' pinned libraries are installed with --no-deps
+#   unless they already are. DCP_SETUP_CORPUS=0: they are not (tests/corpora skip).
 # DCP_SETUP_APT=1 (the default): missing Debian packages are installed with apt-get when run
 #   as root, after printing which and why (CI on a fresh machine gets them this way).
 # DCP_SETUP_APT=0: apt is never run; the tests that need a package skip, saying why.
@@ -17,6 +20,32 @@ if ! $PY -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13
 fi
 say "pip: this package (editable) with the extras test,hf,nixl,stablehlo,xla"
 $PY -m pip install --quiet --disable-pip-version-check -e ".[test,hf,nixl,stablehlo,xla]"
+
+# The third-party model corpus (tests/corpora/test_third_party_corpus.py): its libraries,
+# pinned, with --no-deps so that torch and transformers stay as they are; pip runs only when
+# a pin is missing or at another version. DCP_SETUP_CORPUS=0 skips it (those tests skip).
+case "${DCP_SETUP_CORPUS:-1}" in
+    0) say "not installing the third-party corpus (DCP_SETUP_CORPUS=0): tests/corpora skip" ;;
+    1) if ! $PY - requirements/corpus.txt <<'PINS'
+import sys
+from importlib import metadata
+for line in open(sys.argv[1]):
+    pin = line.split("#")[0].strip()
+    if pin:
+        name, version = pin.split("==")
+        try:
+            if metadata.version(name) != version:
+                sys.exit(1)
+        except metadata.PackageNotFoundError:
+            sys.exit(1)
+PINS
+       then
+           say "pip: the third-party corpus (requirements/corpus.txt, --no-deps)"
+           $PY -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/corpus.txt
+       fi ;;
+    *) say "DCP_SETUP_CORPUS must be 0 or 1: '${DCP_SETUP_CORPUS}'. Use DCP_SETUP_CORPUS=0 to skip the corpus."
+       exit 2 ;;
+esac
 
 # Debian packages: package, the command that shows it is there, why it is wanted.
 APT_PACKAGES=(

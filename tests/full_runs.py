@@ -28,6 +28,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_POSITIONS_FULL": ("test_positions.py", "every position form in both modes, every HF "
                                                 "family"),
     "DCP_SINKS_MATRIX": ("test_sinks.py", "every sinks form x mode x tp/dcp"),
+    "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py", "every architecture of "
+                                                             "torchtune, litgpt, torchtitan, "
+                                                             "x-transformers, nanoGPT and "
+                                                             "gpt-fast, decode and prefill"),
     "DCP_SPEC_FULL": ("test_speculative.py", "every model x dcp x interleave x K, and XLA"),
 }
 

@@ -226,14 +226,20 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def reference(model, prompt_list, steps):
-    """Greedy tokens and each step's logits from the model's own full forward (no cache)."""
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """A transformers causal LM's logits for ``ids`` from its full forward, no cache."""
+    return model(ids, use_cache=False).logits
+
+
+def reference(model, prompt_list, steps, logits_of=hf_logits):
+    """Greedy tokens and each step's logits from the model's own full forward (no cache);
+    ``logits_of(model, ids)`` is that forward's ``[1, S, V]`` (or ``[1, 1, V]``) logits."""
     tokens, logits = [], []
     with torch.no_grad():
         for p in prompt_list:
             ids, got, rows = list(p), [], []
             for _ in range(steps):
-                row = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                row = logits_of(model, torch.tensor([ids]))[0, -1]
                 rows.append(row)
                 got.append(int(row.argmax()))
                 ids.append(got[-1])
@@ -244,11 +250,7 @@ def reference(model, prompt_list, steps):
 
 def run_case(model_type: str, path: str, mode: str) -> Outcome:
     """One corpus cell: transform, run on a threaded world, compare with the model."""
-    import dcp_compile
     from dcp_compile import hf
-    from dcp_compile.runtime.serving.engine import StepShapes
-    from dcp_compile.runtime.errors import DCPError
-    from dcp_compile.verify import run_threaded_program
 
     try:
         model = build(model_type, None if path == "prepare" else path)
@@ -256,20 +258,34 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
         if path != "prepare" and "attn" in str(e).lower() or "support" in str(e).lower():
             return Outcome("n/a", message=str(e).splitlines()[0])
         raise
+    return run_model(model, mode, prepare=hf.prepare if path == "prepare" else None)
+
+
+def run_model(model, mode: str, *, prepare=None, logits_of=hf_logits,
+              check: bool | None = None) -> Outcome:
+    """One corpus cell for a built ``model`` (any corpus: tests/corpora/third_party.py uses
+    it too): transform ``prepare(model)`` (or the model itself) with ``check``, run the
+    program on a threaded world with the garbage block poisoned, compare every step with
+    the model's own full forward (``logits_of``)."""
+    import dcp_compile
+    from dcp_compile.runtime.serving.engine import StepShapes
+    from dcp_compile.runtime.errors import DCPError
+    from dcp_compile.verify import run_threaded_program
+
     steps = STEPS[mode]
     shapes = StepShapes(batch=len(LENGTHS), context_len=max(LENGTHS),
                         max_blocks=4, num_blocks=4 * len(LENGTHS) + 2)
     try:
-        target = hf.prepare(model) if path == "prepare" else model
+        target = prepare(model) if prepare is not None else model
         program = dcp_compile.transform(target, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
-                                        shapes=shapes)
+                                        shapes=shapes, check=check)
         runs = run_threaded_program(program, prompts(), steps, poison_garbage=True)
     except DCPError as e:
         return Outcome("refused", reason_of(str(e)), str(e))
     except Exception as e:  # noqa: BLE001  (a non-project exception is a corpus failure)
         return Outcome("crash", type(e).__name__,
                        "".join(traceback.format_exception_only(type(e), e)).strip()[:2000])
-    ref_tokens, ref_logits = reference(model, prompts(), steps)
+    ref_tokens, ref_logits = reference(model, prompts(), steps, logits_of)
     worst = 0.0
     for run in runs:
         for t, got in enumerate(run.result.logits):

@@ -13,7 +13,7 @@ from full_runs import EVERYTHING, SWITCHES, full
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Environment variables tests read that are not full-run switches (counts, outputs, set-up).
 NOT_SWITCHES = {"DCP_FUZZ_EXAMPLES", "DCP_FUZZ_CHECK", "DCP_FUZZ_STATS", "DCP_TEST_CPU",
-                "DCP_SETUP_APT", "DCP_COMPILE_DUMP"}
+                "DCP_SETUP_APT", "DCP_SETUP_CORPUS", "DCP_COMPILE_DUMP"}
 
 
 def test_readme_has_the_table_of_switches():

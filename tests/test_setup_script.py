@@ -76,3 +76,53 @@ def test_bad_value_is_refused_before_apt(tmp_path, value):
     assert r.returncode == 2
     assert "APT-GET" not in r.stderr
     assert f"DCP_SETUP_APT must be 0 or 1: '{value}'" in r.stderr
+
+
+def _run_corpus(tmp_path, *, corpus=None, pins_installed=True):
+    """setup.sh with a python3 stub whose corpus pin check (python3 - requirements/...)
+    exits 0 (pins installed) or 1 (a pin missing); every other call succeeds."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("dirname", "mktemp", "rm", "tail", "cat"):
+        (bin_dir / tool).unlink(missing_ok=True)
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    check_rc = 0 if pins_installed else 1
+    _stub(bin_dir, "python3", 'echo "PYTHON $*" >&2\n'
+                              f'[ "$1" = "-" ] && {{ cat >/dev/null; exit {check_rc}; }}\nexit 0')
+    for tool in ("chromium", "dot"):        # present: apt has nothing to do
+        _stub(bin_dir, tool, "exit 0")
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    if corpus is not None:
+        env["DCP_SETUP_CORPUS"] = corpus
+    return subprocess.run([BASH, str(ROOT / "scripts" / "setup.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+CORPUS_PIP = "-m pip install --quiet --disable-pip-version-check --no-deps -r requirements/corpus.txt"
+
+
+def test_corpus_libraries_are_installed_without_deps_when_a_pin_is_missing(tmp_path):
+    r = _run_corpus(tmp_path, pins_installed=False)
+    assert r.returncode == 0, r.stderr
+    assert "pip: the third-party corpus (requirements/corpus.txt, --no-deps)" in r.stderr
+    assert CORPUS_PIP in r.stderr
+
+
+def test_corpus_already_installed_runs_no_pip(tmp_path):
+    r = _run_corpus(tmp_path, pins_installed=True)
+    assert r.returncode == 0, r.stderr
+    assert "PYTHON - requirements/corpus.txt" in r.stderr       # the pins were checked
+    assert CORPUS_PIP not in r.stderr
+
+
+def test_corpus_opt_out(tmp_path):
+    r = _run_corpus(tmp_path, corpus="0", pins_installed=False)
+    assert r.returncode == 0, r.stderr
+    assert "not installing the third-party corpus (DCP_SETUP_CORPUS=0)" in r.stderr
+    assert "requirements/corpus.txt" not in r.stderr.replace("(DCP_SETUP_CORPUS=0)", "")
+
+
+def test_corpus_bad_value_is_refused(tmp_path):
+    r = _run_corpus(tmp_path, corpus="yes")
+    assert r.returncode == 2
+    assert "DCP_SETUP_CORPUS must be 0 or 1: 'yes'" in r.stderr
