@@ -62,6 +62,7 @@ class Arch:
     build: Callable[[], nn.Module]     # the library's module, tiny, before seeding
     logits: Callable[[nn.Module], nn.Module] = lambda m: m   # wraps it to ids -> logits
     what: str = ""                     # what this architecture adds over its siblings
+    kv_heads: int | None = KV_HEADS    # its KV heads as built (None: MLA, latent KV)
 
 
 class LogitsLM(nn.Module):
@@ -108,7 +109,8 @@ def _torchtune_archs():
     out = []
     for builder, kw, what in rows:
         name = f"torchtune/{builder}" + ("-mha" if kw.get("num_kv_heads") == HEADS else "")
-        out.append(Arch(name, Library.TORCHTUNE, _torchtune(builder, **kw), what=what))
+        out.append(Arch(name, Library.TORCHTUNE, _torchtune(builder, **kw), what=what,
+                        kv_heads=kw.get("num_kv_heads", KV_HEADS)))
     return out
 
 
@@ -117,37 +119,38 @@ def _torchtune_archs():
 # One config per distinct architecture among litgpt's 210 named configs (grouped by the
 # Config fields that change the model's code path); the names are litgpt's own.
 LITGPT_CONFIGS = {
-    "pythia/stablelm-base-alpha-3b": "GPT-NeoX: parallel residual, partial rotary, LayerNorm",
-    "stablelm-3b-4e1t": "StableLM 2: sequential residual, partial rotary",
-    "falcon-7b": "Falcon: MQA, shared attention norm, parallel residual",
-    "falcon-40b": "Falcon 40B: grouped KV, two norms, parallel residual",
-    "Falcon3-1B-Base": "Falcon 3: Llama-like GQA",
-    "open_llama_3b": "Llama 2 family (Llama-2, Vicuna, CodeLlama...)",
-    "Llama-3.1-8B": "Llama 3.x: RoPE adjustments (scaled frequencies)",
-    "OLMo-1B-hf": "OLMo: non-parametric LayerNorm",
-    "OLMo-2-1124-7B": "OLMo 2: q/k norm over all heads, post-norms",
-    "Gemma-2b": "Gemma: MQA, GELU-tanh, scaled embeddings",
-    "Gemma-7b": "Gemma 7B: multi-head attention",
-    "Gemma-2-2b": "Gemma 2: soft-capping, sliding window, post-norms",
-    "Gemma-3-1b-it": "Gemma 3: q/k norm, local RoPE base, 5:1 window pattern",
-    "Gemma-3-4b-it": "Gemma 3 (4B+): the same with GQA",
-    "phi-1_5": "Phi-1.5 / Phi-2: parallel residual, partial rotary, biased head",
-    "Phi-3-mini-4k-instruct": "Phi-3: fused gate-up, LongRoPE for 128k",
-    "Phi-4-mini-instruct": "Phi-4 mini: partial rotary, tied embeddings",
-    "Mistral-7B-v0.1": "Mistral: sliding window",
-    "Mixtral-8x7B-v0.1": "Mixtral: mixture of experts",
-    "Qwen2.5-0.5B": "Qwen 2.5: biased q/k/v",
-    "Qwen3-0.6B": "Qwen 3: q/k norm per head",
-    "Qwen3-30B-A3B": "Qwen 3 MoE",
+    "pythia/stablelm-base-alpha-3b": (HEADS, "GPT-NeoX: parallel residual, partial rotary, LayerNorm"),
+    "stablelm-3b-4e1t": (HEADS, "StableLM 2: sequential residual, partial rotary"),
+    "falcon-7b": (1, "Falcon: MQA, shared attention norm, parallel residual"),
+    "falcon-40b": (KV_HEADS, "Falcon 40B: grouped KV, two norms, parallel residual"),
+    "Falcon3-1B-Base": (KV_HEADS, "Falcon 3: Llama-like GQA"),
+    "open_llama_3b": (HEADS, "Llama 2 family (Llama-2, Vicuna, CodeLlama...)"),
+    "Llama-3.1-8B": (KV_HEADS, "Llama 3.x: RoPE adjustments (scaled frequencies)"),
+    "OLMo-1B-hf": (HEADS, "OLMo: non-parametric LayerNorm"),
+    "OLMo-2-1124-7B": (HEADS, "OLMo 2: q/k norm over all heads, post-norms"),
+    "Gemma-2b": (1, "Gemma: MQA, GELU-tanh, scaled embeddings"),
+    "Gemma-7b": (HEADS, "Gemma 7B: multi-head attention"),
+    "Gemma-2-2b": (KV_HEADS, "Gemma 2: soft-capping, sliding window, post-norms"),
+    "Gemma-3-1b-it": (KV_HEADS, "Gemma 3: q/k norm, local RoPE base, 5:1 window pattern"),
+    "Gemma-3-4b-it": (KV_HEADS, "Gemma 3 (4B+): the same with GQA"),
+    "phi-1_5": (HEADS, "Phi-1.5 / Phi-2: parallel residual, partial rotary, biased head"),
+    "Phi-3-mini-4k-instruct": (KV_HEADS, "Phi-3: fused gate-up, LongRoPE for 128k"),
+    "Phi-4-mini-instruct": (KV_HEADS, "Phi-4 mini: partial rotary, tied embeddings"),
+    "Mistral-7B-v0.1": (KV_HEADS, "Mistral: sliding window"),
+    "Mixtral-8x7B-v0.1": (KV_HEADS, "Mixtral: mixture of experts"),
+    "Qwen2.5-0.5B": (KV_HEADS, "Qwen 2.5: biased q/k/v"),
+    "Qwen3-0.6B": (KV_HEADS, "Qwen 3: q/k norm per head"),
+    "Qwen3-30B-A3B": (KV_HEADS, "Qwen 3 MoE"),
 }
 
 
-def _litgpt(config_name: str):
+def _litgpt(config_name: str, kv: int):
     def build():
         from litgpt.config import Config
         from litgpt.model import GPT
         base = Config.from_name(config_name.split("/")[-1])
-        kv = {base.n_head: HEADS, 1: 1}.get(base.n_query_groups, KV_HEADS)
+        kind = {base.n_head: HEADS, 1: 1}.get(base.n_query_groups, KV_HEADS)
+        assert kind == kv, f"{config_name}: LITGPT_CONFIGS says {kv} KV heads, litgpt {kind}"
         tiny = dict(n_layer=LAYERS, n_embd=DIM, n_head=HEADS, n_query_groups=kv,
                     head_size=HEAD_DIM, intermediate_size=FFN, vocab_size=VOCAB,
                     padded_vocab_size=VOCAB, block_size=MAX_LEN)
@@ -163,8 +166,8 @@ def _litgpt(config_name: str):
 
 
 def _litgpt_archs():
-    return [Arch(f"litgpt/{name.split('/')[-1]}", Library.LITGPT, _litgpt(name), what=what)
-            for name, what in LITGPT_CONFIGS.items()]
+    return [Arch(f"litgpt/{name.split('/')[-1]}", Library.LITGPT, _litgpt(name, kv), what=what,
+                 kv_heads=kv) for name, (kv, what) in LITGPT_CONFIGS.items()]
 
 
 # --------------------------------------------------------------------------------- torchtitan
@@ -292,18 +295,24 @@ def _torchtitan(config_of):
 
 
 def _torchtitan_archs():
-    return [Arch(f"torchtitan/{name}", Library.TORCHTITAN, _torchtitan(config), what=what)
+    return [Arch(f"torchtitan/{name}", Library.TORCHTITAN, _torchtitan(config), what=what,
+                 kv_heads=None if name == "deepseek_v3" else KV_HEADS)
             for name, (config, what) in TORCHTITAN.items()]
 
 
 # ------------------------------------------------------------------------------ x-transformers
 
-# x-transformers is one Decoder with switches; each row is one architecture it offers.
+# x-transformers is one Decoder with switches; each row is one architecture it offers. Its
+# attention is einsum scores + softmax unless attn_flash=True (then SDPA).
+LLAMA_LIKE = dict(rotary_pos_emb=True, attn_kv_heads=KV_HEADS, use_rmsnorm=True, ff_glu=True,
+                  ff_swish=True, ff_no_bias=True)
 X_TRANSFORMERS = {
     "absolute": ({}, "GPT-style learned absolute positions"),
-    "rotary-gqa-llama": (dict(rotary_pos_emb=True, attn_kv_heads=KV_HEADS, use_rmsnorm=True,
-                              ff_glu=True, ff_swish=True, ff_no_bias=True),
-                         "Llama-like: RoPE, GQA, RMSNorm, SwiGLU"),
+    "rotary-gqa-llama": (LLAMA_LIKE, "Llama-like: RoPE, GQA, RMSNorm, SwiGLU"),
+    "rotary-gqa-llama-flash": ({**LLAMA_LIKE, "attn_flash": True},
+                               "the same through SDPA (attn_flash) instead of einsum"),
+    "shift-tokens-flash": (dict(rotary_pos_emb=True, shift_tokens=1, attn_flash=True),
+                           "token shift, SDPA attention"),
     "alibi": (dict(alibi_pos_bias=True, alibi_num_heads=4), "ALiBi"),
     "rel-pos-bias": (dict(rel_pos_bias=True), "T5 relative position bias"),
     "dynamic-pos-bias": (dict(dynamic_pos_bias=True), "an MLP of relative distances"),
@@ -337,7 +346,8 @@ def _x_transformers(kw: dict):
 
 def _x_transformers_archs():
     return [Arch(f"x-transformers/{name}", Library.X_TRANSFORMERS, _x_transformers(kw),
-                 what=what) for name, (kw, what) in X_TRANSFORMERS.items()]
+                 what=what, kv_heads=kw.get("attn_kv_heads", HEADS))
+            for name, (kw, what) in X_TRANSFORMERS.items()]
 
 
 # ----------------------------------------------------------------------------------- classics
@@ -397,12 +407,15 @@ def _gptfast_call(model, ids):
 def _classic_archs():
     return [
         Arch("nanoGPT/sdpa", Library.NANOGPT, _nanogpt(True),
-             logits=lambda m: LogitsLM(m, _nanogpt_all), what="GPT-2: SDPA is_causal"),
+             logits=lambda m: LogitsLM(m, _nanogpt_all), what="GPT-2: SDPA is_causal",
+             kv_heads=HEADS),
         Arch("nanoGPT/manual", Library.NANOGPT, _nanogpt(False),
-             logits=lambda m: LogitsLM(m, _nanogpt_all), what="GPT-2: masked_fill softmax"),
+             logits=lambda m: LogitsLM(m, _nanogpt_all), what="GPT-2: masked_fill softmax",
+             kv_heads=HEADS),
         Arch("nanoGPT/sdpa-last-logits", Library.NANOGPT, _nanogpt(True),
              logits=lambda m: LogitsLM(m, _nanogpt_last),
-             what="nanoGPT's own inference forward: logits of the last position only"),
+             what="nanoGPT's own inference forward: logits of the last position only",
+             kv_heads=HEADS),
         Arch("gpt-fast/llama", Library.GPT_FAST, _gptfast,
              logits=lambda m: LogitsLM(m, _gptfast_call),
              what="Llama: fused wqkv, GQA by repeat_interleave, bool mask"),
