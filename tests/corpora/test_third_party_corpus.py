@@ -4,7 +4,7 @@ in decode and prefill.
 
 A cell passes when the program matches the model's own forward (fp32, 1e-4, greedy tokens
 equal; tests/hf_corpus.run_model) or is refused by a DCPError whose reason is a real DCP
-limit (REAL_LIMITS). Anything else (a silent mismatch, a non-project exception, a refusal of
+limit (T.REAL_LIMITS). Anything else (a silent mismatch, a non-project exception, a refusal of
 an ordinary form) is a bug: the ones known today are xfail(strict=True) with their issue
 #35 reason, so a fix flips them loudly and the entry must go.
 
@@ -29,69 +29,6 @@ from full_runs import full
 FULL = full("DCP_THIRD_PARTY")
 ROOT = Path(__file__).resolve().parents[2]
 
-# Refusals that name a real limit of DCP, not of this compiler's pattern matching: a score
-# bias that is not a function the KV layout keeps (ALiBi's slopes are; we do not shard
-# them yet), decode DCP's rule that KV heads be replicated over the DCP group.
-REAL_LIMITS = {
-    "MHA: decode DCP needs tp > kv heads",
-    "ALiBi",
-}
-
-_GQA_DECODE = ("issue #35: torchtune's GQA (k.unsqueeze(2).expand(...).flatten(1, 2)) is not read "
-               "as GQA: decode is refused as if the model had num_kv_heads=8 (it has 2)")
-_GQA_PREFILL = ("issue #35: torchtune's GQA expand + flatten is refused in prefill: 'the token dim "
-                "and the dims before it must stay as they are' (node expand)")
-_INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (fill_ into a "
-                   "full(-inf)); the mask proof reads it without the writes and refuses with a "
-                   "false counterexample (i=0, j=0 hidden)")
-_WHERE_LOOP = ("issue #35: litgpt's MoE is a torch.where loop over experts; refused for a dynamic "
-               "shape instead of being canonicalised to dcp.moe")
-_EINSUM = ("issue #35: x-transformers' attention (einsum scores, softmax, einsum) is not "
-           "recognised: 'no attention this compiler recognises'")
-_AUTOCAST = ("issue #35: x-transformers' RoPE runs under autocast(enabled=False): the key is "
-             "computed through wrap_with_autocast, which has no placement rule")
-
-# Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
-# its cell into an XPASS, which fails (strict) until the entry goes.
-KNOWN: dict[tuple[str, str], str] = {
-    **{(f"torchtune/{a}", "decode"): _GQA_DECODE
-       for a in ("llama2", "llama3", "llama3_1", "llama3_2", "mistral", "gemma", "gemma2",
-                 "phi3", "qwen2", "qwen2_tied")},
-    **{(f"torchtune/{a}", "prefill"): _GQA_PREFILL
-       for a in ("llama2", "llama3", "llama3_1", "llama3_2", "mistral", "gemma", "phi3",
-                 "qwen2", "qwen2_tied")},
-    **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in T.MODES
-       for a in ("Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
-                 "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
-    **{(f"litgpt/{a}", m): _WHERE_LOOP for m in T.MODES
-       for a in ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B")},
-    **{("litgpt/Gemma-2-2b", m): "issue #35: litgpt's scores as q @ k.mT are refused ('the "
-       "right operand of `q @ k` is not k.transpose(-2, -1)')" for m in T.MODES},
-    ("litgpt/OLMo-2-1124-7B", "prefill"): (
-        "issue #35: OLMo-2's q/k norm over all heads casts its weight (weight.float()): 'replicated "
-        "operand spans the sharded dim'"),
-    **{(f"torchtitan/{a}", "decode"): (
-        "issue #35: torchtitan's fused wqkv: the K/V segment (2 heads) is required sharded by "
-        "tp=4 in decode ('segment 8/4 does not divide by 4') instead of replicated over the DCP "
-        "group") for a in ("llama3", "qwen3")},
-    **{("torchtitan/qwen3-moe", m): "issue #35: torchtitan's MoE through torch._grouped_mm is "
-       "refused instead of being canonicalised to dcp.moe" for m in T.MODES},
-    **{("torchtitan/deepseek_v3", m): "issue #35: torchtitan's DeepSeek-V3 (MLA + MoE) crashes "
-       "with a plain RuntimeError (an mm shape error) instead of a DCPError" for m in T.MODES},
-    **{(f"x-transformers/{a}", m): _EINSUM for m in T.MODES
-       for a in ("absolute", "rotary-gqa-llama", "rel-pos-bias", "dynamic-pos-bias", "xpos",
-                 "shift-tokens", "qk-norm", "sandwich-norm", "residual-attn", "mem-kv",
-                 "talking-heads", "gate-values", "macaron", "scalenorm")},
-    **{(f"x-transformers/{a}", m): _AUTOCAST for m in T.MODES
-       for a in ("rotary-gqa-llama-flash", "shift-tokens-flash")},
-    **{("nanoGPT/sdpa-last-logits", m): "issue #35: nanoGPT's inference forward returns the last "
-       "position's logits only; the ordinary frontend refuses anything but [B, S, vocab]"
-       for m in T.MODES},
-    **{("gpt-fast/llama", m): "issue #35: gpt-fast's mask (a tril buffer indexed as "
-       "causal_mask[None, None, input_pos]) is refused: 'indexing with None or slices between "
-       "tensor indices'" for m in T.MODES},
-}
-
 # The slice: a cell per library and per behaviour (matches, a real limit, a known bug).
 SLICE = [("litgpt/Llama-3.1-8B", "decode"), ("torchtitan/qwen3-separate-qkv", "prefill"),
          ("nanoGPT/sdpa", "prefill"), ("x-transformers/alibi", "decode"),
@@ -108,8 +45,10 @@ def _needs(library: T.Library) -> None:
 
 
 def _param(name: str, mode: str):
-    marks = ([pytest.mark.xfail(strict=True, reason=KNOWN[(name, mode)])]
-             if (name, mode) in KNOWN else [])
+    # raises=AssertionError: only the cell's verdict is the expected failure; a model that
+    # no longer builds (or a broken harness) fails the test.
+    marks = ([pytest.mark.xfail(strict=True, raises=AssertionError, reason=T.KNOWN[(name, mode)])]
+             if (name, mode) in T.KNOWN else [])
     return pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
 
 
@@ -120,7 +59,7 @@ def test_cell_matches_or_is_refused_for_a_real_dcp_limit(name, mode):
     assert out.kind != "mismatch", f"SILENTLY WRONG: {out.reason} ({out.message[:300]})"
     assert out.kind != "crash", f"a non-project exception: {out.message[:600]}"
     if out.kind == "refused":
-        assert out.reason in REAL_LIMITS, (
+        assert out.reason in T.REAL_LIMITS, (
             f"refused for {out.reason!r}, not a real DCP limit: {out.message[:600]}")
         if out.reason == "MHA: decode DCP needs tp > kv heads":
             kv = T.ARCHS[name].kv_heads
@@ -129,7 +68,7 @@ def test_cell_matches_or_is_refused_for_a_real_dcp_limit(name, mode):
 
 
 def test_known_cells_are_corpus_cells_with_issue_reasons():
-    for (name, mode), why in KNOWN.items():
+    for (name, mode), why in T.KNOWN.items():
         assert name in T.ARCHS and mode in T.MODES, (name, mode)
         assert why.startswith("issue #35: "), why
     assert set(SLICE) <= {(n, m) for n in T.ARCHS for m in T.MODES}
