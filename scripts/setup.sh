@@ -41,9 +41,11 @@ for line in open(sys.argv[1]):
 PINS
        then
            say "pip: the third-party corpus (requirements/corpus.txt, --no-deps)"
-           $PY -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/corpus.txt
+           $PY -m pip install --quiet --disable-pip-version-check --no-deps \
+               -r requirements/corpus.txt
        fi ;;
-    *) say "DCP_SETUP_CORPUS must be 0 or 1: '${DCP_SETUP_CORPUS}'. Use DCP_SETUP_CORPUS=0 to skip the corpus."
+    *) say "DCP_SETUP_CORPUS must be 0 or 1: '${DCP_SETUP_CORPUS}'." \
+           "Use DCP_SETUP_CORPUS=0 to skip the corpus."
        exit 2 ;;
 esac
 

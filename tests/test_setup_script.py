@@ -98,7 +98,8 @@ def _run_corpus(tmp_path, *, corpus=None, pins_installed=True):
                           capture_output=True, text=True, timeout=60)
 
 
-CORPUS_PIP = "-m pip install --quiet --disable-pip-version-check --no-deps -r requirements/corpus.txt"
+CORPUS_PIP = ("-m pip install --quiet --disable-pip-version-check --no-deps "
+              "-r requirements/corpus.txt")
 
 
 def test_corpus_libraries_are_installed_without_deps_when_a_pin_is_missing(tmp_path):

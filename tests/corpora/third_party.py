@@ -119,7 +119,8 @@ def _torchtune_archs():
 # One config per distinct architecture among litgpt's 210 named configs (grouped by the
 # Config fields that change the model's code path); the names are litgpt's own.
 LITGPT_CONFIGS = {
-    "pythia/stablelm-base-alpha-3b": (HEADS, "GPT-NeoX: parallel residual, partial rotary, LayerNorm"),
+    "stablelm-base-alpha-3b": (HEADS, "GPT-NeoX (also Pythia): parallel residual, partial "
+                                      "rotary, LayerNorm"),
     "stablelm-3b-4e1t": (HEADS, "StableLM 2: sequential residual, partial rotary"),
     "falcon-7b": (1, "Falcon: MQA, shared attention norm, parallel residual"),
     "falcon-40b": (KV_HEADS, "Falcon 40B: grouped KV, two norms, parallel residual"),
@@ -484,8 +485,8 @@ KNOWN: dict[tuple[str, str], str] = {
     **{("litgpt/Gemma-2-2b", m): "issue #35: litgpt's scores as q @ k.mT are refused ('the "
        "right operand of `q @ k` is not k.transpose(-2, -1)')" for m in MODES},
     ("litgpt/OLMo-2-1124-7B", "prefill"): (
-        "issue #35: OLMo-2's q/k norm over all heads casts its weight (weight.float()): 'replicated "
-        "operand spans the sharded dim'"),
+        "issue #35: OLMo-2's q/k norm over all heads casts its weight (weight.float()): "
+        "'replicated operand spans the sharded dim'"),
     **{(f"torchtitan/{a}", "decode"): (
         "issue #35: torchtitan's fused wqkv: the K/V segment (2 heads) is required sharded by "
         "tp=4 in decode ('segment 8/4 does not divide by 4') instead of replicated over the DCP "
