@@ -67,8 +67,9 @@ class Arch:
 
 class LogitsLM(nn.Module):
     """``forward(input_ids) -> logits [B, S, V]`` over a library model whose forward needs
-    more (positions, masks) or returns more (a loss, a tuple). ``call(model, ids)`` is the
-    library's own inference call, unchanged."""
+    more (positions, a cache) or returns less (the last position's logits). ``call(model,
+    ids)`` is the library's own call, or its forward's body over the library's own modules;
+    each such call says which."""
 
     def __init__(self, model: nn.Module, call: Callable):
         super().__init__()
@@ -80,10 +81,9 @@ class LogitsLM(nn.Module):
 
 # ---------------------------------------------------------------------------------- torchtune
 
-def _torchtune(builder: str, **kw):
+def _torchtune(family: str, **kw):
     def build():
         import importlib
-        family = builder if builder != "qwen2_tied" else "qwen2"
         fn = getattr(importlib.import_module(f"torchtune.models.{family}"), family)
         return fn(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=DIM,
                   max_seq_len=MAX_LEN, **{"num_kv_heads": KV_HEADS, **kw})
@@ -92,26 +92,24 @@ def _torchtune(builder: str, **kw):
 
 def _torchtune_archs():
     ffn = dict(intermediate_dim=FFN)
-    rows = [
-        ("llama2", {}, "Llama 2 (also code_llama2): GQA by expand + flatten, RoPE"),
-        ("llama2", {"num_kv_heads": HEADS}, "Llama-2-7B's multi-head attention"),
-        ("llama3", {}, "Llama 3: theta 500k"),
-        ("llama3_1", {}, "Llama 3.1 (also 3.3): RoPE frequency scaling"),
-        ("llama3_2", {}, "Llama 3.2: scaled RoPE, tied embeddings"),
-        ("mistral", ffn, "Mistral"),
-        ("gemma", {**ffn, "head_dim": HEAD_DIM}, "Gemma: GELU-tanh MLP, scaled embeddings"),
-        ("gemma2", {**ffn, "head_dim": HEAD_DIM, "sliding_window_size": WINDOW},
-         "Gemma 2: soft-capping, local/global layers, sandwich norms"),
-        ("phi3", ffn, "Phi-3 (also phi4): fused qkv and gate-up projections"),
-        ("qwen2", ffn, "Qwen 2 (also qwen2_5): biased q/k/v"),
-        ("qwen2_tied", {**ffn, "tie_word_embeddings": True}, "Qwen 2.5 small: tied head"),
+    rows = [   # (name, the component builder, its arguments, what it is)
+        ("llama2", "llama2", {}, "Llama 2 (also code_llama2): GQA by expand + flatten, RoPE"),
+        ("llama2-mha", "llama2", {"num_kv_heads": HEADS}, "Llama-2-7B's multi-head attention"),
+        ("llama3", "llama3", {}, "Llama 3: theta 500k"),
+        ("llama3_1", "llama3_1", {}, "Llama 3.1 (also 3.3): RoPE frequency scaling"),
+        ("llama3_2", "llama3_2", {}, "Llama 3.2: scaled RoPE, tied embeddings"),
+        ("mistral", "mistral", ffn, "Mistral"),
+        ("gemma", "gemma", {**ffn, "head_dim": HEAD_DIM},
+         "Gemma: GELU-tanh MLP, scaled embeddings"),
+        ("gemma2", "gemma2", {**ffn, "head_dim": HEAD_DIM, "sliding_window_size": WINDOW},
+         "Gemma 2: soft-capping, local/global layers"),
+        ("phi3", "phi3", ffn, "Phi-3 (also phi4)"),
+        ("qwen2", "qwen2", ffn, "Qwen 2 (also qwen2_5): biased q/k/v"),
+        ("qwen2_tied", "qwen2", {**ffn, "tie_word_embeddings": True},
+         "Qwen 2.5 small: tied head"),
     ]
-    out = []
-    for builder, kw, what in rows:
-        name = f"torchtune/{builder}" + ("-mha" if kw.get("num_kv_heads") == HEADS else "")
-        out.append(Arch(name, Library.TORCHTUNE, _torchtune(builder, **kw), what=what,
-                        kv_heads=kw.get("num_kv_heads", KV_HEADS)))
-    return out
+    return [Arch(f"torchtune/{name}", Library.TORCHTUNE, _torchtune(family, **kw), what=what,
+                 kv_heads=kw.get("num_kv_heads", KV_HEADS)) for name, family, kw, what in rows]
 
 
 # ------------------------------------------------------------------------------------- litgpt
@@ -135,7 +133,7 @@ LITGPT_CONFIGS = {
     "Gemma-3-1b-it": (1, "Gemma 3: q/k norm, local RoPE base, 5:1 window pattern"),
     "Gemma-3-4b-it": (KV_HEADS, "Gemma 3 (4B+): the same with GQA"),
     "phi-1_5": (HEADS, "Phi-1.5 / Phi-2: parallel residual, partial rotary, biased head"),
-    "Phi-3-mini-4k-instruct": (HEADS, "Phi-3: fused gate-up, LongRoPE for 128k"),
+    "Phi-3-mini-4k-instruct": (HEADS, "Phi-3 mini: sliding window"),
     "Phi-4-mini-instruct": (KV_HEADS, "Phi-4 mini: partial rotary, tied embeddings"),
     "Mistral-7B-v0.1": (KV_HEADS, "Mistral: sliding window"),
     "Mixtral-8x7B-v0.1": (KV_HEADS, "Mixtral: mixture of experts"),
@@ -149,7 +147,7 @@ def _litgpt(config_name: str, kv: int):
     def build():
         from litgpt.config import Config
         from litgpt.model import GPT
-        base = Config.from_name(config_name.split("/")[-1])
+        base = Config.from_name(config_name)
         kind = {base.n_head: HEADS, 1: 1}.get(base.n_query_groups, KV_HEADS)
         if kind != kv:
             raise ValueError(f"{config_name}: LITGPT_CONFIGS says {kv} KV heads, litgpt's "
@@ -164,12 +162,12 @@ def _litgpt(config_name: str, kv: int):
         if base.rope_adjustments and "original_max_seq_len" in base.rope_adjustments:
             tiny.update(rope_adjustments={**base.rope_adjustments,
                                           "original_max_seq_len": MAX_LEN // 2})
-        return GPT(Config.from_name(config_name.split("/")[-1], **tiny))
+        return GPT(Config.from_name(config_name, **tiny))
     return build
 
 
 def _litgpt_archs():
-    return [Arch(f"litgpt/{name.split('/')[-1]}", Library.LITGPT, _litgpt(name, kv), what=what,
+    return [Arch(f"litgpt/{name}", Library.LITGPT, _litgpt(name, kv), what=what,
                  kv_heads=kv) for name, (kv, what) in LITGPT_CONFIGS.items()]
 
 
