@@ -1,7 +1,7 @@
 """bf16 routing: how many of a MoE program's expert choices differ from the single-device
 model's, and how close to a tie they were.
 
-Each model (tests/test_moe.py's tiny configs and seeded weights, cast to bf16) is transformed
+Each model (tests/frontends/test_moe.py's tiny configs and seeded weights, cast to bf16) is transformed
 at tp=4/dcp=2 (decode mode: a context step, then decode steps) with tensor-parallel experts
 and with ``expert_parallel=True``, and decodes ``--steps`` greedy tokens for ``--batch``
 random prompts of 1..``--max-prompt`` tokens on a threaded world, its routing traced

@@ -1,7 +1,7 @@
 """KV transfer over NIXL per topology vs the floor: time and bytes per request.
 
 One long request is prefilled (its KV scattered into each prefill engine's DCP layout) in a
-prefill process (tests/nixl_loopback.py); this process is the decode side. For each
+prefill process (tests/support/nixl_loopback.py); this process is the decode side. For each
 topology every decode rank posts its planned READs at once and the request's time runs until
 the last rank has finished (the handshake is excluded; the median of --repeat requests).
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dcp_compile.runtime.distributed.launch import free_port_base, loopback_env
-from tests.nixl_loopback import _rid, block_tables, engine_config, filled_caches, new_caches, request_epoch
+from tests.support.nixl_loopback import _rid, block_tables, engine_config, filled_caches, new_caches, request_epoch
 
 # (name, prefill tp, prefill dcp, decode tp, decode dcp)
 TOPOLOGIES = [
@@ -268,7 +268,7 @@ def _prefill_process(spec, engines, readers, tmp, tag):
     """A loopback prefill process serving ``engines`` (held for ``readers``) while inside."""
     spec = dict(spec, prefill=engines, decode=readers, stop_file=str(tmp / f"done-{tag}"))
     (tmp / f"{tag}.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.nixl_loopback", "prefill",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.nixl_loopback", "prefill",
                              str(tmp / f"{tag}.json"), str(tmp / f"prefill-{tag}.json")],
                             cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL)
     try:

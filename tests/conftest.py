@@ -1,4 +1,16 @@
-"""Suite-wide settings: one intra-op thread per process, and the long tests first.
+"""Suite-wide settings: the import path, one intra-op thread per process, and the long tests first.
+
+The tests live in rooms by job (passes/, runtime/, frontends/, lowering/, transfer/, e2e/,
+corpora/, repository/) and the modules they share in support/. Test modules and helpers
+import each other by plain module name (``from helpers import ...``, ``from test_moe import
+MATRIX``), so this conftest puts tests/support and every room on sys.path
+(support/suite_path.py, the one definition; the child scripts some tests start call it too).
+Plain names rather than packages with ``__init__.py``: several tests re-run their own file as
+a child script (``python tests/runtime/test_buckets.py ...``) and the workers run by path or
+with ``-m tests.support.X``; a module that imports by plain name runs the same way in each.
+The price is that two modules of tests/ must never share a basename (pytest would import the
+second under the first's name, or stop with "import file mismatch"), so collection refuses
+a duplicate, naming both paths.
 
 The README's test command runs the suite on pytest-xdist workers (``-n auto --dist
 worksteal``: one worker per core). Two choices keep the cores busy with real work:
@@ -32,15 +44,38 @@ import os
 import resource
 import time
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+import suite_path  # noqa: E402
+
+suite_path.install()
 
 LONG_MODULES = ("test_fuzz_sharding.py",)     # besides every test marked multiprocess
 LONG_TESTS = ("test_lowering_interpreter.py::test_lowered_programs_on_interpreter_replicas_"
               "match_the_single_device_model",)   # five interpreter worlds, one child
 
 
+class DuplicateTestModule(Exception):
+    """Two modules of tests/ share a basename: plain-name imports would mix them up."""
+
+
+def refuse_duplicate_basenames(paths=None) -> None:
+    clashes = suite_path.duplicate_basenames(paths)
+    if clashes:
+        listed = "; ".join(f"{name}: {', '.join(str(p.relative_to(suite_path.TESTS)) for p in found)}"
+                           for name, found in sorted(clashes.items()))
+        raise DuplicateTestModule(
+            f"modules of tests/ share a basename (tests import each other by plain module name, "
+            f"so one would shadow the other): {listed}. Rename one of each pair.")
+
+
 def pytest_configure(config):
+    refuse_duplicate_basenames()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 

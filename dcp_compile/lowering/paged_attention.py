@@ -23,8 +23,8 @@ recomputed for each query head of a GQA group), and costs that fusion as reading
 cache operand (a gather fused with an elementwise op), whatever the bucket.
 
 Numerics: ``exp(s - m) / l`` instead of ``exp(s - lse)``, the same value up to rounding
-(tests/test_lowered_attention.py against the reference; tests/test_xla.py and
-tests/test_buckets.py against the model's forward). Queries wider than ``MAX_QUERIES``
+(tests/lowering/test_lowered_attention.py against the reference; tests/lowering/test_xla.py and
+tests/runtime/test_buckets.py against the model's forward). Queries wider than ``MAX_QUERIES``
 (prompt steps) keep the reference kernel.
 """
 

@@ -8,7 +8,7 @@ placements, requirements or decisions changed since their last visit, in the ord
 sweep would, so the work is linear in the graph (one fixpoint per MLP down projection used to
 re-walk the whole graph: quadratic in the layers). ``DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1``
 sweeps every node instead, with the same decisions and errors
-(tests/test_placement_worklist.py)."""
+(tests/passes/test_placement_worklist.py)."""
 
 from __future__ import annotations
 

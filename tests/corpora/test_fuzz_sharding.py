@@ -1,4 +1,4 @@
-"""Fuzz: for random small models from tests/model_grammar.py, transform() returns a program
+"""Fuzz: for random small models from tests/support/model_grammar.py, transform() returns a program
 equal to the single-device model, or refuses. A silent mismatch fails.
 
 Two tests, one per mode (decode, prefill), draw half of the models each. For each drawn
@@ -10,7 +10,7 @@ must hold exactly its own positions); fp32 logits within 1e-4.
 
 Every transform here also runs the placement analysis both ways on each graph (the worklist
 sweeps the product uses and the old full sweeps, asserted to give the same plan or the same
-refusal: tests/test_placement_worklist.compare_both), so the worklist is checked on every
+refusal: tests/passes/test_placement_worklist.compare_both), so the worklist is checked on every
 fuzz model; the product's plan is the one used.
 
 A mismatch fails the test, printing the drawn model, unless the model has a feature listed in
@@ -152,7 +152,7 @@ def report_counts():
 def transform_comparing_plans(model, **kwargs):
     """dcp_compile.transform, with the placement analysis run both ways on each graph (the
     worklist the product uses and the old full sweeps: the same plan or the same refusal,
-    asserted in tests/test_placement_worklist.compare_both); the product's plan is used."""
+    asserted in tests/passes/test_placement_worklist.compare_both); the product's plan is used."""
     with pytest.MonkeyPatch.context() as mp:
         compared = compare_both(mp)
         try:

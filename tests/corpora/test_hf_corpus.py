@@ -1,4 +1,4 @@
-"""The corpus (tests/hf_corpus.py): every causal decoder type of transformers 5.x that builds
+"""The corpus (tests/support/hf_corpus.py): every causal decoder type of transformers 5.x that builds
 from a tiny config, through hf.prepare and directly (sdpa, eager), in decode and prefill.
 
 Each cell either matches the model's own forward (fp32, 1e-4, 8 greedy steps, prompts inside,
@@ -8,7 +8,7 @@ table is what the compiler does today: each cell run here must read as the READM
 
 By default a representative slice runs (one cell per behaviour class); ``DCP_CORPUS=1``
 runs every cell against the README (about 700 cells; spread over xdist's workers).
-``python tests/hf_corpus.py --write-readme`` runs every cell and rewrites the README table.
+``python tests/support/hf_corpus.py --write-readme`` runs every cell and rewrites the README table.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ pytest.importorskip("transformers")
 import hf_corpus as C  # noqa: E402
 from full_runs import full  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from suite_path import ROOT  # noqa: E402
+README = ROOT / "README.md"
 START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 FULL = full("DCP_CORPUS")
 
@@ -62,7 +63,7 @@ def test_corpus_cell_matches_or_names_its_refusal(model_type, path, mode):
     assert out.cell() == expected, (
         f"README's corpus table says {expected!r}, the compiler now gives {out.cell()!r} "
         f"({out.message[:300]}). If the change is intended, refresh the table: "
-        f"python tests/hf_corpus.py --write-readme")
+        f"python tests/support/hf_corpus.py --write-readme")
 
 
 def test_every_causal_lm_type_is_in_the_corpus_or_excluded_with_a_reason():
@@ -88,4 +89,4 @@ def test_readme_table_has_every_corpus_cell():
     missing = [c for c in ((t, p, m) for t in C.CORPUS for p in C.PATHS for m in C.MODES)
                if c not in table]
     assert not missing, (f"README's corpus table lacks {len(missing)} cells (first "
-                         f"{missing[:3]}): run `python tests/hf_corpus.py --write-readme`")
+                         f"{missing[:3]}): run `python tests/support/hf_corpus.py --write-readme`")

@@ -13,7 +13,7 @@ import pytest
 from dcp_compile import cli
 from dcp_compile.commands import options
 
-ROOT = Path(__file__).resolve().parent.parent
+from suite_path import ROOT  # noqa: E402  (the repository root)
 
 # (argv, what stderr must say). Each one used to crash with a traceback, print an impossible
 # layout with exit 0, or start work before failing.

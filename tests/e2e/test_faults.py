@@ -15,12 +15,12 @@ import torch
 from dcp_compile.runtime.errors import DCPWorldError
 from dcp_compile.runtime.distributed.world import leaked_ranks, run_threaded
 
-ROOT = Path(__file__).resolve().parent.parent
+from suite_path import ROOT  # noqa: E402  (the repository root)
 F = torch.ops._c10d_functional
 
 # --- threaded worlds ----------------------------------------------------------------------
 
-# Cycles of every scenario of tests/world_exit_probe.py (5 worlds each) in the CI guard.
+# Cycles of every scenario of tests/support/world_exit_probe.py (5 worlds each) in the CI guard.
 EXIT_PROBE_REPEAT = 6
 
 
@@ -28,7 +28,7 @@ def test_threaded_worlds_never_abort_the_interpreter_at_exit():
     """CI guard for `terminate called without an active exception` (exit 134): worlds that
     fail, time out and hang are created and torn down repeatedly in a fresh interpreter that
     then exits at once. No rank thread may outlive its world unless it is reported leaked."""
-    proc = subprocess.run([sys.executable, "tests/world_exit_probe.py",
+    proc = subprocess.run([sys.executable, "tests/support/world_exit_probe.py",
                            str(EXIT_PROBE_REPEAT), "fail-before-bind"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -217,7 +217,7 @@ def test_hung_torchrun_rank_is_named_not_its_victim():
     rank dumps when terminated) and call rank 0 its victim."""
     from dcp_compile.runtime.distributed import launch
     with pytest.raises(DCPWorldError) as info:
-        launch.run_torchrun(2, "tests.fault_worker",
+        launch.run_torchrun(2, "tests.support.fault_worker",
                             ["--hang-rank", "1", "--collective-timeout", "5"],
                             timeout=600, cwd=ROOT)
     err = info.value

@@ -4,7 +4,7 @@ Every ```python block runs as a script in a temporary directory; every line of a
 block that is a ``dcp-compile ...`` or ``python3 -m ...`` command runs there too
 (``dcp-compile`` as ``python3 -m dcp_compile.cli``, this source tree first on PYTHONPATH);
 every ``$ command`` of a ```console block runs and must print the lines shown under it.
-They all run, in README order, in one fresh interpreter (tests/readme_runner.py: each as its
+They all run, in README order, in one fresh interpreter (tests/support/readme_runner.py: each as its
 own process would, in a directory of its own; a process per block paid ~3 CPU-s of start-up
 and imports for every block), except a command with shell syntax (run by bash) and a
 torchrun block; each test reads its block's result.
@@ -14,7 +14,7 @@ Tags in an HTML comment right above a fence change how a block runs:
     <!-- readme-test: after NAME -->   runs appended to block NAME, in the same interpreter
     <!-- readme-test: torchrun N -->   runs on N torchrun ranks (a multiprocess test)
     <!-- readme-test: world N -->      runs first, as written, in the N-rank torchrun world
-                                       of tests/test_torchrun_world.py (one launch for both)
+                                       of tests/e2e/test_torchrun_world.py (one launch for both)
 
 A ```bash line that is not run must match NOT_RUN, with the reason.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from suite_path import ROOT  # noqa: E402  (the repository root)
 README = ROOT / "README.md"
 TIMEOUT = 300                      # seconds for one block or command (none needs a tenth)
 
@@ -43,10 +43,10 @@ NOT_RUN = {
                               "second one through .ci/run",
     "python3 benchmarks/": "benchmarks take minutes and assert nothing",
     "python3 -m benchmarks.bench_transform": "benchmarks take minutes and assert nothing",
-    "torchrun ": "a 4-process world; tests/test_torchrun_world.py runs "
+    "torchrun ": "a 4-process world; tests/e2e/test_torchrun_world.py runs "
                  "dcp_compile.workers.decode on torchrun",
     "dcp-compile verify --tp 4 --dcp 2 --steps 2 --backend xla":
-        "tests/test_xla.py::test_cli_verify_backend_xla runs this very command (XLA compiles "
+        "tests/lowering/test_xla.py::test_cli_verify_backend_xla runs this very command (XLA compiles "
         "take most of a minute on two shared cores)",
 }
 
@@ -104,7 +104,7 @@ def _python_cases():
     for b in BLOCKS:
         if b.lang != "python" or "after" in b.tags or "world" in b.tags:
             continue                       # a continuation runs appended to the block it names;
-                                           # a world block in tests/test_torchrun_world.py
+                                           # a world block in tests/e2e/test_torchrun_world.py
         cases.append(pytest.param(b, id=f"python-line{b.line}", marks=[pytest.mark.multiprocess]))
     return cases
 
@@ -174,7 +174,7 @@ def module_argv(command: str) -> list[str] | None:
 
 
 def _job(test: str, params: dict) -> dict | None:
-    """The job of tests/readme_runner.py that runs one case, or None (it runs on its own)."""
+    """The job of tests/support/readme_runner.py that runs one case, or None (it runs on its own)."""
     if test == "test_python_block_runs":
         block = params["block"]
         return None if "torchrun" in block.tags else {"code": _block_code(block)}
@@ -198,7 +198,7 @@ PROBES = {
 
 @pytest.fixture(scope="module")
 def shared_interpreter(request, tmp_path_factory):
-    """Run every selected case that tests/readme_runner.py can run, in one interpreter, in
+    """Run every selected case that tests/support/readme_runner.py can run, in one interpreter, in
     README order, each in a directory of its own, then PROBES; {"test[case id]": result}.
     (Every case is marked multiprocess: tests/conftest.py keeps a module's multiprocess
     tests on one xdist worker, so the interpreter starts once.)"""
@@ -236,7 +236,7 @@ def _shared_result(request, shared_interpreter, key: str | None = None) -> dict:
     result = shared_interpreter["results"].get(key)
     if result is None:
         runner = shared_interpreter["runner"]
-        pytest.fail(f"tests/readme_runner.py did not finish {key} (exit "
+        pytest.fail(f"tests/support/readme_runner.py did not finish {key} (exit "
                     f"{runner.returncode}):\n{runner.stderr[-4000:]}")
     return result
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from suite_path import ROOT  # noqa: E402  (the repository root)
 BASH = shutil.which("bash")
 
 
@@ -48,7 +48,7 @@ def test_default_says_what_and_why_before_apt_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     announce = r.stderr.index("installing with apt-get (set DCP_SETUP_APT=0 to skip): "
                               "chromium graphviz")
-    assert "chromium: headless browser: tests/test_dump.py" in r.stderr
+    assert "chromium: headless browser: tests/passes/test_dump.py" in r.stderr
     assert "graphviz: Graphviz dot draws the dump's SVG pictures" in r.stderr
     assert announce < r.stderr.index("APT-GET update")
     assert "APT-GET install -y -qq chromium graphviz" in r.stderr

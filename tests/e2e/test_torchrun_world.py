@@ -1,34 +1,34 @@
 """Real processes: one torchrun/gloo world of 4 ranks (tp=4, dcp=2) serves five claims.
 
-The world (tests/world_worker.py) runs the README's torchrun blocks, then four workers one
+The world (tests/support/world_worker.py) runs the README's torchrun blocks, then four workers one
 after the other, so every rank starts (torch, gloo) once instead of five times; each test
 reads its part's output:
 
 0. The README's torch.compile block (``<!-- readme-test: world 4 -->``) runs first, as
    written, in the fresh ranks: it initialises the world itself and destroys it; the parts
-   then run in a world initialised again (tests/test_readme.py leaves these blocks here).
+   then run in a world initialised again (tests/e2e/test_readme.py leaves these blocks here).
 
 1. The collectives self-test: bind the prefill roles, check every collective on cp_kv and
    dcp_tp in float32/bfloat16/int64, eager and from a GraphModule, also through role
-   aliases (tests/selftest_worker.py).
+   aliases (tests/support/selftest_worker.py).
 2. Prefill (dcp_compile.workers.prefill): every rank transforms the 2-layer demo model
    itself (the workers' default, rank 0 with transform's check: this launch keeps each
    rank's own transform covered, and that it is the same SPMD program on every rank), then
    runs a mixed chunked prefill;
-   logits and caches match the single-device model (tests/test_prefill_dcp.py's
+   logits and caches match the single-device model (tests/passes/test_prefill_dcp.py's
    comparison).
 3. Decode (dcp_compile.workers.decode): the test transforms once and every rank loads the
    program file (``--program``, runtime/program/program_file.py); greedy decode of prompts of 1, 31,
    33 and 32 tokens (an empty shard, lengths around the interleave period) for 16 steps
    gives the single-device model's tokens, and logits within 1e-4.
-4. The torch.compile backend (tests/backend_worker.py over dcp_compile.workers.compiled):
+4. The torch.compile backend (tests/support/backend_worker.py over dcp_compile.workers.compiled):
    every rank compiles the single-device model with ``backend="dcp"`` (found by name),
    ``fullgraph=True``, and decodes 8 steps of the same prompts: the single-device tokens,
    logits within 1e-4; ``DCP_COMPILE_DUMP`` covers the backend's compiles; a model with a
    graph break raises DCPTransformError on every rank (never runs unsharded).
 
 The numerics of these layouts and many more (tp8/dcp4 among them) are covered on threads
-(tests/test_prefill_dcp.py, test_decode_dcp.py); this launch proves that real processes,
+(tests/passes/test_prefill_dcp.py, test_decode_dcp.py); this launch proves that real processes,
 with process groups bound per role over gloo and weight shards cut per rank, compute them.
 """
 
@@ -75,7 +75,7 @@ def world(tmp_path_factory):
     for b in README_BLOCKS:
         readme.append(tmp / f"readme_line{b.line}.py")
         readme[-1].write_text(b.code)
-    proc = run_torchrun(WORLD, "tests.world_worker",
+    proc = run_torchrun(WORLD, "tests.support.world_worker",
                         ["--readme", json.dumps([str(p) for p in readme]),
                          "--selftest", json.dumps(SELFTEST), "--prefill",
                          json.dumps(prefill_argv), "--decode", json.dumps(decode_argv),

@@ -1,6 +1,6 @@
 """torch.compile backend "dcp": entry point, options, same numerics as transform(), graph
 breaks and unsupported constructs as clear errors (the real torchrun + gloo world: the
-backend part of tests/test_torchrun_world.py)."""
+backend part of tests/e2e/test_torchrun_world.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dcp_compile.runtime.distributed.world import run_threaded
 from backend_worker import PrintingDemo
 from helpers import assert_close_report, prompts_of
 
-ROOT = Path(__file__).resolve().parent.parent
+from suite_path import ROOT  # noqa: E402  (the repository root)
 SHAPES = StepShapes(batch=3, context_len=17, max_blocks=2, num_blocks=7)
 
 

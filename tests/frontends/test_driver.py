@@ -22,7 +22,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 
 

@@ -130,7 +130,7 @@ def test_wrapper_matches_hf_forward_single_device():
 
 def test_fused_qkv_and_norms_across_heads_are_left_to_the_placement_analysis():
     # Phi3's fused qkv_proj and OLMo2's q_norm over all heads prepare; transform() shards
-    # them segment-aware (numerics: tests/test_sharding_models.py).
+    # them segment-aware (numerics: tests/frontends/test_sharding_models.py).
     hf.prepare(build("Phi3Config", "Phi3ForCausalLM",
                      dict(num_attention_heads=8, num_key_value_heads=2)))
     hf.prepare(build("Olmo2Config", "Olmo2ForCausalLM",

@@ -49,7 +49,7 @@ _MLA = dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_
             v_head_dim=12, num_key_value_heads=8, attn_implementation="sdpa")
 # gpt-oss as it ships (alternating sliding/full layers, yarn RoPE, attention sinks) with a
 # swiglu_limit of 1 so that its clamped gate bites; the window (64 = max positions) fits
-# hf.prepare's rule (tests/test_sinks.py runs a window that bites).
+# hf.prepare's rule (tests/frontends/test_sinks.py runs a window that bites).
 _GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, head_dim=8, sliding_window=64,
                 swiglu_limit=1.0, layer_types=["sliding_attention", "full_attention"],
                 rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,

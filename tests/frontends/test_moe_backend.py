@@ -1,7 +1,7 @@
 """Mixture of experts through the torch.compile backend: ``options={"expert_parallel": True}``
 (dcp_compile/backend.py) partitions the experts over the tp ranks as transform() does.
 
-The model is hf.prepare(Mixtral) (one layer of tests/test_moe.py's tiny config and seeded
+The model is hf.prepare(Mixtral) (one layer of tests/frontends/test_moe.py's tiny config and seeded
 weights), compiled with ``torch.compile(backend="dcp", fullgraph=True)`` on every rank of a threaded
 tp=4/dcp=2 world; each rank decodes greedily with its own KV caches (the garbage block
 NaN-poisoned before every step), and its tokens and logits must equal the model's OWN full forward (no cache) within 1e-4 over 4 decode steps.

@@ -11,7 +11,7 @@ transposed, clamped SwiGLU.
 - the structure of a transformed gpt-oss (shard shapes, ``inner_rank`` / ``expert_rank`` the
   rank input, one all-reduce per MoE layer) and the refusals (an unknown gate by class, bad
   op data by node and source line).
-The whole-model matrix rows are ``tests/test_moe.py`` (``gpt_oss``).
+The whole-model matrix rows are ``tests/frontends/test_moe.py`` (``gpt_oss``).
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def test_bad_op_data_is_refused_by_node_and_line(monkeypatch):
 
 def test_whole_gpt_oss_expert_parallel_matches_own_forward():
     """The default slice's whole-model row with expert-parallel experts (tp=8: one expert per
-    rank; dcp=4, the largest the heads allow); TP experts run whole in tests/test_sinks.py
-    (prepare and direct), every other row in the matrix (tests/test_moe.py, gpt_oss)."""
+    rank; dcp=4, the largest the heads allow); TP experts run whole in tests/frontends/test_sinks.py
+    (prepare and direct), every other row in the matrix (tests/frontends/test_moe.py, gpt_oss)."""
     model = test_moe.build("gpt_oss")
     assert test_moe.largest_dcp(model, 8) == 4
     assert test_moe.check_matches_own_forward("gpt_oss", "decode", 8, 4, True) <= 1e-4

@@ -3,9 +3,9 @@ head counts transform and match their own single-device forward (fp32 logits wit
 the same greedy tokens), or transform() refuses. Decode (context + 8 decode steps) and
 chunked prefill (two unaligned chunks, every token's logits and each rank's cache) on the
 threaded world. Programs are built with check=False: each test compares every step with
-the model, which the transform's one-step check (tests/test_transform_check.py) repeated.
+the model, which the transform's one-step check (tests/frontends/test_transform_check.py) repeated.
 The feature models' placement analysis also runs both ways (worklist and full sweeps, the
-same plan: tests/test_placement_worklist.compare_both)."""
+same plan: tests/passes/test_placement_worklist.compare_both)."""
 
 from __future__ import annotations
 

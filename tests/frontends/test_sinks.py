@@ -16,7 +16,7 @@ shards), at tp=4/dcp=2 and tp=8/dcp=4:
   through ``hf.prepare`` (``s_aux`` -> ``sinks``; window 24 >= max_model_len) and directly
   (its eager cat-sinks-softmax-slice form; window 5, which bites), against its own eager
   forward. The model is whole: its own attention and its own MoE layers (biased,
-  interleaved, clamped-gate experts as dcp.moe, tensor-parallel; tests/test_moe.py runs the
+  interleaved, clamped-gate experts as dcp.moe, tensor-parallel; tests/frontends/test_moe.py runs the
   gpt-oss MoE matrix).
 The default run is a slice; DCP_SINKS_MATRIX=1 runs every case.
 """

@@ -3,7 +3,7 @@ the reference ``dcp.partial_attention`` (runtime/kernels/ops.py) on the edge cas
 and out-of-range table entries, poisoned (NaN) unwritten rows, padding queries, rows with no
 key at all (lse = -inf, output 0), empty shards, per-query bounds (width-K decode), sliding
 window, soft-capping, GQA and the shared latent cache (MLA). The lowered path itself is
-compared with the model's forward by tests/test_xla.py and tests/test_memory_floor.py."""
+compared with the model's forward by tests/lowering/test_xla.py and tests/lowering/test_memory_floor.py."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Structure: every step kind of the demo programs lowers to a module that parses b
 round-trips through the portable artifact, is pure StableHLO with static shapes, and has
 exactly the specification's collectives on the specification's replica groups (read back from
 the module, not from our own summary); bad input; the CLI. Numerics in the StableHLO
-reference interpreter: tests/test_lowering_interpreter.py; the NxD collective backend:
-tests/test_lowering_nxd.py.
+reference interpreter: tests/lowering/test_lowering_interpreter.py; the NxD collective backend:
+tests/lowering/test_lowering_nxd.py.
 """
 
 from __future__ import annotations

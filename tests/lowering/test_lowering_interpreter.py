@@ -50,7 +50,7 @@ def _step_inputs(kind, g):
 def test_tp1_program_in_the_interpreter_matches_the_eager_model(dtype, atol, monkeypatch):
     """The tp=1 program (no collective left) against the eager model, every step kind; its
     layer 1 is lowered from layer 0's decompositions (decompose_by_op's copies), so this
-    also shows the copies compute the model (tests/test_lowering_reuse.py: the structure)."""
+    also shows the copies compute the model (tests/lowering/test_lowering_reuse.py: the structure)."""
     from dcp_compile import lowering
     caches = []
 
@@ -289,15 +289,17 @@ def test_lowered_programs_on_interpreter_replicas_match_the_single_device_model(
     and logits equal the single-device model's. One test, one child process for the five
     worlds (each world was a test and a process of its own; the claims are the same)."""
     # tp=2/dcp=2: the interpreter runs one replica per CPU (two here); the MLA program at
-    # tp=8/dcp=8 runs on XLA:CPU replicas instead (tests/test_mla_xla.py).
+    # tp=8/dcp=8 runs on XLA:CPU replicas instead (tests/lowering/test_mla_xla.py).
     import os
     import subprocess
     import sys
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the interpreter needs one CPU per rank (2)")
     out = tmp_path / "worlds.pt"
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import test_lowering_interpreter as t; "
+    from suite_path import ROOT
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+            f"from tests.support.suite_path import install; install(); "
+            f"import test_lowering_interpreter as t; "
             f"t._interpreter_worlds({str(out)!r})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=1800)

@@ -5,7 +5,7 @@ traces each distinct op call once and copies its decomposition for the others. C
 the structural fact (how many calls are traced does not depend on the number of layers), that
 the module is exactly the one the whole-graph make_fx retrace gives. Numerics of a program
 whose second layer is lowered from copies, in the StableHLO interpreter against the eager
-single-device model: tests/test_lowering_interpreter.py (the tp=1 program).
+single-device model: tests/lowering/test_lowering_interpreter.py (the tp=1 program).
 """
 
 from __future__ import annotations

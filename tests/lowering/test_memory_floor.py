@@ -25,11 +25,14 @@ import pytest
 import torch
 
 if __name__ == "__main__":        # child process of _on_xla: this worktree first
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+    from tests.support.suite_path import install   # the suite's import path, as conftest sets it
+    install()
 
 pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stablehlo extra)")
 
 from dcp_compile import xla as X  # noqa: E402
+from suite_path import ROOT  # noqa: E402
 
 X.request_host_devices(4)       # before jax starts (if it has not): run the XLA case here
 
@@ -139,7 +142,7 @@ def case_compiled_facts() -> dict:
     lowered = lower(program, steps=["decode"])
     _check_in_place_writes(lowered)
     _check_attention_reads(lowered, program)
-    # "fast": the same optimised HLO and cost analysis as "optimized" (tests/test_xla.py),
+    # "fast": the same optimised HLO and cost analysis as "optimized" (tests/lowering/test_xla.py),
     # which is all this reads; only the machine code differs.
     executor = X.XLAExecutor(program, lowered, effort="fast")
     spec = program.cache_spec()
@@ -176,7 +179,7 @@ def _on_xla(case: str, tmp_path) -> dict:
     out = tmp_path / "case.pt"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run([sys.executable, __file__, case, str(out)], env=env,
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                          capture_output=True, text=True, cwd=ROOT,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 if __name__ == "__main__":        # child process of _in_xla_process: this worktree first
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+    from tests.support.suite_path import install   # the suite's import path, as conftest sets it
+    install()
 
 pytest.importorskip("jax", reason="XLA tests need jax/jaxlib (pip install -e '.[xla]')")
 pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stablehlo extra)")
@@ -31,6 +33,7 @@ from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 from lowering_helpers import XLA_SHAPES, lowered_for, program_for  # noqa: E402
+from suite_path import ROOT  # noqa: E402
 
 MAX_TP = 8
 X.request_host_devices(MAX_TP)
@@ -169,7 +172,7 @@ def _in_xla_process(case: str, *args, tmp_path) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_TP}"
     proc = subprocess.run([sys.executable, __file__, case, repr(args), str(out)], env=env,
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+                          capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 

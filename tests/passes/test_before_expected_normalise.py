@@ -1,4 +1,4 @@
-"""tests/before_expected.py's normalisation: FX's generated node names become stable names
+"""tests/support/before_expected.py's normalisation: FX's generated node names become stable names
 numbered by order of definition; names a pass chose stay."""
 
 import operator

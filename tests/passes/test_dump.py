@@ -22,7 +22,7 @@ from dcp_compile.passes.manager import PassRecord
 from dcp_compile.runtime.serving.engine import StepShapes
 
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
-ROOT = Path(__file__).resolve().parent.parent
+from suite_path import ROOT  # noqa: E402  (the repository root)
 
 
 @pytest.fixture(scope="module")

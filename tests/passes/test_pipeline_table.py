@@ -23,7 +23,7 @@ from dcp_compile.passes.infra import DCPPass, TransformContext
 from dcp_compile.passes.insert_paged_cache import InsertPagedCache
 from dcp_compile.runtime.serving.engine import StepShapes
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 STEPS = pipeline.STEPS_BY_MODE
 

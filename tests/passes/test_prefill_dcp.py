@@ -1,5 +1,5 @@
 """Prefill DCP numerics: threaded world vs the single-device model (the torchrun/gloo world:
-tests/test_torchrun_world.py).
+tests/e2e/test_torchrun_world.py).
 
 Each case runs a chunked prefill — a first chunk, then chunks that attend to the prior cache —
 on the transformed program and on the single-device demo model, through the same engine.

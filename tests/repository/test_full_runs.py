@@ -1,4 +1,4 @@
-"""The full-run switches (tests/full_runs.py): one list, read one way, documented in the README."""
+"""The full-run switches (tests/support/full_runs.py): one list, read one way, documented in the README."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import full_runs
 from full_runs import EVERYTHING, SWITCHES, full
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 # Environment variables tests read that are not full-run switches (counts, outputs, set-up).
 NOT_SWITCHES = {"DCP_FUZZ_EXAMPLES", "DCP_FUZZ_CHECK", "DCP_FUZZ_STATS", "DCP_TEST_CPU",
                 "DCP_SETUP_APT", "DCP_COMPILE_DUMP"}
@@ -21,8 +21,8 @@ def test_readme_has_the_table_of_switches():
     block = re.search(r"<!-- full-runs:start -->\n(.*?)\n<!-- full-runs:end -->", readme, re.S)
     assert block, "README lacks the <!-- full-runs:start/end --> table"
     assert block.group(1).strip() == full_runs.readme_table(), \
-        "README's table of switches differs from tests/full_runs.SWITCHES: paste the output " \
-        "of `python3 tests/full_runs.py` between the markers"
+        "README's table of switches differs from tests/support/full_runs.SWITCHES: paste the output " \
+        "of `python3 tests/support/full_runs.py` between the markers"
 
 
 def test_every_switch_names_a_test_module_that_reads_it():
@@ -32,7 +32,7 @@ def test_every_switch_names_a_test_module_that_reads_it():
 
 def test_no_test_reads_a_full_run_switch_around_full():
     """A module reading its switch from os.environ would not see DCP_FULL."""
-    for path in (ROOT / "tests").glob("*.py"):
+    for path in (ROOT / "tests").rglob("*.py"):
         for name in re.findall(r"environ(?:\.get)?[(\[]\s*\"(DCP_[A-Z_]+)\"", path.read_text()):
             assert name in NOT_SWITCHES, f"{path.name} reads {name} from os.environ: use " \
                                          f"full_runs.full({name!r}) or list it in NOT_SWITCHES"

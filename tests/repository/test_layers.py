@@ -13,7 +13,7 @@ from pathlib import Path
 
 from importlinter.api import read_configuration
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 # Folder at the repository's top level -> where it installs inside the `dcp_compile` package.
 MAPPED = {"passes": "passes", "runtime": "runtime"}
 # import-linter's command line, run by this interpreter (it puts its cwd first on sys.path).

@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import module_tree  # noqa: E402

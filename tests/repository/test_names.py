@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dcp_compile.runtime import names
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 LIBRARY = ("dcp_compile", "passes", "runtime")
 
 INPUT_NAMES = {names.RANK_INPUT, names.INPUT_IDS, names.POSITIONS, names.BLOCK_TABLE,

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 if __name__ == "__main__":        # child process of _on_xla: this worktree first
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+    from tests.support.suite_path import install   # the suite's import path, as conftest sets it
+    install()
 
 import dcp_compile  # noqa: E402
 from dcp_compile.models.demo import DemoConfig, demo_model  # noqa: E402
@@ -29,6 +30,7 @@ from dcp_compile.runtime.program.buckets import check_buckets, smallest_bucket  
 from dcp_compile.runtime.serving.engine import Engine, StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError  # noqa: E402
 from full_runs import full  # noqa: E402
+from suite_path import ROOT  # noqa: E402
 
 BLOCK = 4
 ATOL = 1e-4
@@ -111,7 +113,7 @@ def _on_xla(tp, dcp, mode, tmp_path) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, __file__, repr((tp, dcp, mode)), str(out)],
                           env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).parent.parent, timeout=900)
+                          cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 

@@ -213,7 +213,7 @@ def test_combine_is_a_decode_option():
 
 
 # The all-to-all decode program, lowered, on interpreter replicas against the single-device
-# model: tests/test_lowering_interpreter.py (world decode-demo-all_to_all).
+# model: tests/lowering/test_lowering_interpreter.py (world decode-demo-all_to_all).
 
 
 def test_live_span_kernel_takes_every_argument_of_the_op_it_replaces():

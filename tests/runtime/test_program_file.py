@@ -28,7 +28,7 @@ from dcp_compile.runtime.program.program_file import load_program, save_program
 from dcp_compile.verify import run_threaded_program, verify, verify_prefill
 from dcp_compile.workers import program_for
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 BLOCK = 4
 PROMPTS = [[5, 9, 2], [7]]          # a 1-token prompt: a rank with an empty shard
 

@@ -11,7 +11,7 @@ import torch
 from dcp_compile.compare import token_errors
 from dcp_compile.runtime.serving.rank_engine import RecordingExecutor, poison_garbage
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 
 
 def test_token_errors_flags_non_finite_and_ignores_padding():

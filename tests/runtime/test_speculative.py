@@ -230,13 +230,13 @@ def test_cli_width_k_decode_lowers_and_runs_on_xla(spec):
     import json
     import subprocess
     import sys
-    from pathlib import Path
+    from suite_path import ROOT
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-m", "dcp_compile.cli", "verify", "--tp", "4",
                            "--dcp", "2", "--block-size", "4", "--steps", "5",
                            "--speculative", spec, "--shared-prefix", "9", "--backend", "xla",
                            "--json"], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).parent.parent)
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["tokens_agree"] and report["max_abs_error"] <= ATOL

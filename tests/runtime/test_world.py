@@ -361,12 +361,12 @@ def test_group_name_of_another_group_does_not_resolve():
 # --- torchrun + gloo ----------------------------------------------------------------------
 
 def test_torchrun_command_shape():
-    cmd = launch.torchrun_command(4, "tests.selftest_worker", ["--dcp", 2], master_port=1234)
+    cmd = launch.torchrun_command(4, "tests.support.selftest_worker", ["--dcp", 2], master_port=1234)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
     assert cmd[cmd.index("--master-addr") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--master-port") + 1] == "1234"
-    assert cmd[-4:] == ["-m", "tests.selftest_worker", "--dcp", "2"]
+    assert cmd[-4:] == ["-m", "tests.support.selftest_worker", "--dcp", "2"]
     cmd = launch.torchrun_command(2, "m")
     assert 0 < int(cmd[cmd.index("--master-port") + 1]) < 65536
 

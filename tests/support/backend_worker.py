@@ -1,10 +1,10 @@
-"""A torchrun worker for the backend part of tests/test_torchrun_world.py:
+"""A torchrun worker for the backend part of tests/e2e/test_torchrun_world.py:
 dcp_compile.workers.compiled's compiled decode, then, in the same world, a model with a graph
 break compiled with ``fullgraph=False``, whose error every rank records. Rank 0 writes
 tokens, logits and the ranks' errors to ``--out``; ``--dump DIR`` compiles with
 ``DCP_COMPILE_DUMP=DIR``.
 
-    run_torchrun(4, "tests.backend_worker", ["--dcp", "2", "--out", "result.json"])
+    run_torchrun(4, "tests.support.backend_worker", ["--dcp", "2", "--out", "result.json"])
 
 Also home of ``PrintingDemo``, the graph-break fixture test_backend.py compiles in-process.
 """
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
 
 def run(args, rank: int, world: int) -> None:
-    """This rank's part in the initialised world (``main``, or tests/world_worker.py)."""
+    """This rank's part in the initialised world (``main``, or tests/support/world_worker.py)."""
     import torch.distributed as dist
 
     from dcp_compile.workers.compiled import compile_and_decode, result_json

@@ -1,9 +1,9 @@
 """One torchrun world running several disaggregated parts one after the other (the launch of
-tests/disagg_runs.py): each part is one world's role of dcp_compile/workers/disagg.py (its own
+tests/support/disagg_runs.py): each part is one world's role of dcp_compile/workers/disagg.py (its own
 command line), run on the same ranks, in the same gloo world, so that the ranks start
 (Python, torch, gloo) once for every part.
 
-    run_torchrun(4, "tests.disagg_parts_worker", [json.dumps([PREFILL_ARGV, DECODE_ARGV])])
+    run_torchrun(4, "tests.support.disagg_parts_worker", [json.dumps([PREFILL_ARGV, DECODE_ARGV])])
 
 A part that fails appends its error to its ``--abort-file`` (``disagg.run_role``), so the
 other worlds stop waiting for it.

@@ -1,9 +1,9 @@
-"""Launch the disaggregated worlds of dcp_compile/workers/disagg.py (tests/test_disagg_e2e.py's
+"""Launch the disaggregated worlds of dcp_compile/workers/disagg.py (tests/transfer/test_disagg_e2e.py's
 launcher): for every scenario, one prefill world and decode worlds, each a torchrun/gloo
 launch of its own size, NIXL over UCX/tcp on 127.0.0.1, all at the same time.
 
 A torchrun world costs its processes' start-up (~3 CPU-s each: Python, torch, gloo) more
-than its work, so the scenarios share worlds: one launch of ``tests.disagg_parts_worker``
+than its work, so the scenarios share worlds: one launch of ``tests.support.disagg_parts_worker``
 runs, one after the other on the same ranks, a part of each scenario that has a world of
 that size (:func:`pack`). A world runs its parts in scenario order, so the first scenario's
 parts never wait for a later one's, and each later one starts once its worlds are done with
@@ -100,7 +100,7 @@ def launch_worlds(tmp: Path, scenarios: dict[str, dict]) -> dict:
 
     def launch(label, nproc, part_argvs):
         try:
-            outputs[label] = run_torchrun(nproc, "tests.disagg_parts_worker",
+            outputs[label] = run_torchrun(nproc, "tests.support.disagg_parts_worker",
                                           [json.dumps(part_argvs)], timeout=LAUNCH_TIMEOUT,
                                           env=_loopback_env()).stdout
         except DCPWorldError as e:

@@ -1,4 +1,4 @@
-"""A torchrun worker on which one rank stops answering (run by tests/test_faults.py).
+"""A torchrun worker on which one rank stops answering (run by tests/e2e/test_faults.py).
 
 Every rank starts, meets the others in a barrier (so what follows is not start-up time) and
 creates a group whose collectives time out after ``--collective-timeout`` seconds. Then rank

@@ -12,36 +12,36 @@ import os
 EVERYTHING = "DCP_FULL"
 ON = ("1", "all")
 
-# switch -> (test module, what the full run adds to the slice)
+# switch -> (test module, under tests/; what the full run adds to the slice)
 SWITCHES: dict[str, tuple[str, str]] = {
-    "DCP_BUCKET_CASES": ("test_buckets.py", "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, "
+    "DCP_BUCKET_CASES": ("runtime/test_buckets.py", "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, "
                                             "threads and XLA"),
-    "DCP_CORPUS": ("test_hf_corpus.py", "every cell of the transformers corpus vs the README table"),
-    "DCP_FUZZ_FULL": ("test_fuzz_sharding.py", "2000 fuzz models instead of 500 "
+    "DCP_CORPUS": ("corpora/test_hf_corpus.py", "every cell of the transformers corpus vs the README table"),
+    "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py", "2000 fuzz models instead of 500 "
                                                "(DCP_FUZZ_EXAMPLES=N sets any count)"),
-    "DCP_INDUCTOR": ("test_inductor.py", "the numerical Inductor cases (compiles take minutes)"),
-    "DCP_MASK_FULL": ("test_mask_proof.py", "every (tp, dcp) x mode of the mask-proof matches"),
-    "DCP_MOE_MATRIX": ("test_moe.py", "every MoE model x mode x tp/dcp x TP/EP x experts "
+    "DCP_INDUCTOR": ("runtime/test_inductor.py", "the numerical Inductor cases (compiles take minutes)"),
+    "DCP_MASK_FULL": ("passes/test_mask_proof.py", "every (tp, dcp) x mode of the mask-proof matches"),
+    "DCP_MOE_MATRIX": ("frontends/test_moe.py", "every MoE model x mode x tp/dcp x TP/EP x experts "
                                       "implementation x prepare/direct; test_moe_backend's TP "
                                       "experts and test_xla's gpt-oss EP case (they read "
                                       "test_moe.MATRIX)"),
-    "DCP_POSITIONS_FULL": ("test_positions.py", "every position form in both modes, every HF "
+    "DCP_POSITIONS_FULL": ("frontends/test_positions.py", "every position form in both modes, every HF "
                                                 "family"),
-    "DCP_SINKS_MATRIX": ("test_sinks.py", "every sinks form x mode x tp/dcp"),
-    "DCP_SPEC_FULL": ("test_speculative.py", "every model x dcp x interleave x K, and XLA"),
+    "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
+    "DCP_SPEC_FULL": ("runtime/test_speculative.py", "every model x dcp x interleave x K, and XLA"),
 }
 
 
 def full(switch: str) -> bool:
     """True when ``switch`` (one of SWITCHES) or DCP_FULL is set to 1 (or ``all``)."""
     if switch not in SWITCHES:
-        raise KeyError(f"unknown full-run switch {switch!r}: add it to tests/full_runs.SWITCHES "
+        raise KeyError(f"unknown full-run switch {switch!r}: add it to tests/support/full_runs.SWITCHES "
                        f"(known: {sorted(SWITCHES)}).")
     return any(os.environ.get(name, "").lower() in ON for name in (switch, EVERYTHING))
 
 
 def readme_table() -> str:
-    """The README's table of switches (tests/test_full_runs.py checks it is the README's)."""
+    """The README's table of switches (tests/repository/test_full_runs.py checks it is the README's)."""
     rows = [f"| `{name}=1` | `tests/{module}` | {adds} |"
             for name, (module, adds) in sorted(SWITCHES.items())]
     return "\n".join(["| switch | test module | the full run adds to the slice |",

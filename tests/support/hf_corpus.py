@@ -3,9 +3,9 @@ config, built with random weights (nothing is downloaded), and what dcp_compile 
 
 `CORPUS` is our own list, by model type: the overrides that make the type's config tiny.
 `EXCLUDED` names the model types of transformers' causal-LM mapping that are not in the
-corpus and why (they do not build as a tiny text decoder). tests/test_hf_corpus.py runs
+corpus and why (they do not build as a tiny text decoder). tests/corpora/test_hf_corpus.py runs
 each corpus type through transform() (via hf.prepare and directly, decode and prefill) and
-compares with the model's own forward; `python tests/hf_corpus.py --table` prints the
+compares with the model's own forward; `python tests/support/hf_corpus.py --table` prints the
 README's table.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from helpers import seeded_weights
+from suite_path import ROOT
 
 # Every tiny config starts from this; CORPUS rows add or drop keys for their type.
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -283,7 +284,7 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
     return Outcome("matches")
 
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+README = str(ROOT / "README.md")
 START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 
 
@@ -324,9 +325,9 @@ def write_readme(processes: int = 2) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    """``python tests/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
+    """``python tests/support/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
     one line each (tab-separated: type, path, mode, cell, message).
-    ``python tests/hf_corpus.py --write-readme [PROCESSES]``: every cell, into the README."""
+    ``python tests/support/hf_corpus.py --write-readme [PROCESSES]``: every cell, into the README."""
     import logging
     import warnings
     warnings.filterwarnings("ignore")

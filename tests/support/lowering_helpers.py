@@ -7,7 +7,7 @@ the same program, so each is built and lowered once per process, keyed by its bu
 arguments. Tests only read what they get: a test that edits a program copies it first.
 
 The programs are built with ``check=False``: transform's check runs the program against the
-model and changes neither (tests/test_transform_check.py), and it was most of the build (the
+model and changes neither (tests/frontends/test_transform_check.py), and it was most of the build (the
 tp=8/dcp=4 decode check decodes past a vblock on 8 threads: ~8 of its ~10 CPU-s). The
 lowered programs are compared with the model by the interpreter and XLA tests instead.
 """

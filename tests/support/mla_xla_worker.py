@@ -1,4 +1,4 @@
-"""tests/test_mla_xla.py's case: the MLA model's tp=8/dcp=8 decode program, lowered to
+"""tests/lowering/test_mla_xla.py's case: the MLA model's tp=8/dcp=8 decode program, lowered to
 StableHLO and compiled by XLA:CPU for 8 replicas, against the model's own forward. Run as a
 script (a fresh process, when the test's process initialised jax with fewer devices: XLA_FLAGS
 must be set before jax starts), it prints the verify report as JSON."""
@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":        # child process: this worktree first
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+    from tests.support.suite_path import install   # the suite's import path, as conftest sets it
+    install()
 
 from dcp_compile import xla as X  # noqa: E402
 

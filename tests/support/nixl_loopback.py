@@ -1,7 +1,7 @@
 """Test harness: prefill and decode engines on one machine, moving real KV over NIXL (the NIXL
 tests and benchmarks/bench_transfer.py; not part of the installed package).
 
-``python -m tests.nixl_loopback prefill|prefill-doomed|decode SPEC.json OUT.json`` runs one
+``python -m tests.support.nixl_loopback prefill|prefill-doomed|decode SPEC.json OUT.json`` runs one
 engine process:
 every rank of every engine in the spec gets its own NIXL agent in that process, and the two
 processes talk over UCX on 127.0.0.1 (one agent per rank; a process per engine keeps a

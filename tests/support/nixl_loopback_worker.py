@@ -1,8 +1,8 @@
-"""One engine process of tests/nixl_runs.py running several loopback scenarios one after the
-other (``tests.nixl_loopback``'s ``main`` per scenario), so that the process
+"""One engine process of tests/support/nixl_runs.py running several loopback scenarios one after the
+other (``tests.support.nixl_loopback``'s ``main`` per scenario), so that the process
 starts (Python, torch, NIXL) once for all of them:
 
-    python3 -m tests.nixl_loopback_worker ROLE SPEC_1 RESULT_1 [SPEC_2 RESULT_2 ...]
+    python3 -m tests.support.nixl_loopback_worker ROLE SPEC_1 RESULT_1 [SPEC_2 RESULT_2 ...]
 
 Every engine process runs the scenarios in the same order, and a scenario's prefill side
 serves until its decode side has written its result (the spec's ``stop_file``), so a
@@ -16,7 +16,7 @@ import sys
 
 def main(argv=None) -> int:
     from dcp_compile.runtime.distributed.launch import freeze_gc
-    from tests import nixl_loopback as loopback
+    from tests.support import nixl_loopback as loopback
 
     role, *paths = argv or sys.argv[1:]
     freeze_gc()

@@ -1,5 +1,5 @@
-"""Run `tests.nixl_loopback` engines as real processes and collect their results (the NIXL
-tests' one harness). Several scenarios share the processes (tests/nixl_loopback_worker.py:
+"""Run `tests.support.nixl_loopback` engines as real processes and collect their results (the NIXL
+tests' one harness). Several scenarios share the processes (tests/support/nixl_loopback_worker.py:
 one process per role runs every scenario that has that role, in order): a process's start
 (Python, torch, NIXL: ~3 CPU-s) costs more than a scenario's transfers."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from dcp_compile.runtime.distributed.launch import loopback_env
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 
 
 def run_loopback(tmp: Path, scenarios: dict[str, tuple[dict, tuple[str, ...]]], *,
@@ -33,7 +33,7 @@ def run_loopback(tmp: Path, scenarios: dict[str, tuple[dict, tuple[str, ...]]], 
             jobs.setdefault(role, []).extend(
                 [str(tmp / name / "spec.json"), str(tmp / name / f"{role}.json")])
     procs = {role: subprocess.Popen(
-        [sys.executable, "-m", "tests.nixl_loopback_worker", role, *paths], cwd=ROOT,
+        [sys.executable, "-m", "tests.support.nixl_loopback_worker", role, *paths], cwd=ROOT,
         env=loopback_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for role, paths in jobs.items()}
     deadline = time.monotonic() + timeout

@@ -1,6 +1,6 @@
 """Capture the tiny demo model and run passes on it through the real pass manager (the
 numeric and structure tests of the whole pipeline; Before/Expected tests of one pass use
-tests/before_expected.py)."""
+tests/support/before_expected.py)."""
 
 from __future__ import annotations
 

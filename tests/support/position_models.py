@@ -1,4 +1,4 @@
-"""Hand-written causal LMs whose positions are computed the usual ways (tests/test_positions).
+"""Hand-written causal LMs whose positions are computed the usual ways (tests/frontends/test_positions).
 
 Each is ``forward(input_ids [B, S]) -> logits``, no KV cache, no ``position_ids``: positions
 come from ``torch.arange(S)`` or from a table sliced by the length, as people write them.

@@ -1,6 +1,6 @@
-"""Run README jobs one after the other in this one interpreter (tests/test_readme.py).
+"""Run README jobs one after the other in this one interpreter (tests/e2e/test_readme.py).
 
-    python3 tests/readme_runner.py JOBS.json RESULTS.jsonl
+    python3 tests/support/readme_runner.py JOBS.json RESULTS.jsonl
 
 Each job of JOBS.json is ``{"id", "cwd", "script": PATH}`` (a ```python block, run as
 ``python3 PATH`` would run it: ``runpy.run_path`` as ``__main__``, a fresh namespace) or

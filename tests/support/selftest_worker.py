@@ -2,7 +2,7 @@
 
 Under torchrun (gloo, one process per rank)::
 
-    python -m torch.distributed.run --nproc-per-node 4 ... -m tests.selftest_worker \
+    python -m torch.distributed.run --nproc-per-node 4 ... -m tests.support.selftest_worker \
         --dcp 2 --mode prefill --roles cp_kv dcp_tp
 
 Each rank prints ``selftest ok rank=<r> checks=<n>`` and exits 0, or raises on the first
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(opts: argparse.Namespace, rank: int, world_size: int) -> None:
-    """This rank's self-test in the initialised world (``main``, or tests/world_worker.py)."""
+    """This rank's self-test in the initialised world (``main``, or tests/support/world_worker.py)."""
     from dcp_compile.runtime.topology import topology
     from dcp_compile.runtime.distributed.world import bind_roles
 

@@ -1,6 +1,6 @@
 """Create and tear down threaded worlds, with failures and hangs, then exit at once.
 
-Run by tests/test_faults.py in a subprocess: ``python3 tests/world_exit_probe.py REPEAT LAST``
+Run by tests/e2e/test_faults.py in a subprocess: ``python3 tests/support/world_exit_probe.py REPEAT LAST``
 runs every scenario REPEAT times, then scenario LAST, prints the rank threads still alive
 right after it, and exits at once. A rank thread left in a C++ wait (torch's store barrier
 retries every 10 s) that wakes while the interpreter shuts down is killed inside C++ and

@@ -1,12 +1,12 @@
-"""One torchrun/gloo world for five launches' worth of claims (tests/test_torchrun_world.py):
+"""One torchrun/gloo world for five launches' worth of claims (tests/e2e/test_torchrun_world.py):
 the README's torchrun blocks, run first and as written (each initialises the world with
 ``init_distributed_from_env`` and destroys it), then, in one world initialised again, the
-collectives self-test (tests/selftest_worker.py), the prefill worker, the decode worker
+collectives self-test (tests/support/selftest_worker.py), the prefill worker, the decode worker
 (dcp_compile/workers/prefill.py, decode.py) and the torch.compile backend
-(tests/backend_worker.py), one after the other, so that every rank starts (torch, gloo)
+(tests/support/backend_worker.py), one after the other, so that every rank starts (torch, gloo)
 once instead of five times.
 
-    run_torchrun(4, "tests.world_worker", ["--readme", README_BLOCK_PATHS_JSON,
+    run_torchrun(4, "tests.support.world_worker", ["--readme", README_BLOCK_PATHS_JSON,
                                            "--selftest", SELFTEST_ARGV_JSON,
                                            "--prefill", PREFILL_ARGV_JSON,
                                            "--decode", DECODE_ARGV_JSON,
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     from dcp_compile.runtime.distributed.launch import freeze_gc
     from dcp_compile.workers import decode, prefill
-    from tests import backend_worker, selftest_worker
+    from tests.support import backend_worker, selftest_worker
 
     freeze_gc()
     workers = {"selftest": selftest_worker, "prefill": prefill, "decode": decode,

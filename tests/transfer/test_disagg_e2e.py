@@ -2,7 +2,7 @@
 
 Two scenarios, each a prefill world and decode worlds running at the same time
 (dcp_compile/workers/disagg.py, each world with its own master port). They share three
-torchrun launches (tests/disagg_runs.py: a world runs a part of each scenario, one after the
+torchrun launches (tests/support/disagg_runs.py: a world runs a part of each scenario, one after the
 other, so its ranks start once): 4 ranks (demo prefill, then MLA decode), 2 ranks (demo
 decode, then MLA prefill), 4 ranks (demo decode).
 

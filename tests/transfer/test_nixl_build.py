@@ -14,7 +14,7 @@ import pytest
 
 from dcp_compile.runtime.transfer.nixl.build import NIXL_MODULES, nixl_api
 
-ROOT = Path(__file__).resolve().parent.parent
+from suite_path import ROOT  # noqa: E402  (the repository root)
 
 
 def _hide(monkeypatch, *names):

@@ -1,6 +1,6 @@
 """Real KV transfers over NIXL between processes on 127.0.0.1 (runtime/transfer/nixl/connector.py).
 
-Three processes (tests/nixl_loopback.py, through tests/nixl_runs.py): prefill engines, a
+Three processes (tests/support/nixl_loopback.py, through tests/support/nixl_runs.py): prefill engines, a
 prefill engine that dies on request, and decode engines of other topologies. Each rank has
 its own NIXL agent; UCX runs over tcp on loopback. Prefill caches are the reference KV
 scattered into their DCP layout; the decode engines pull by the plan and their whole caches
@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from dcp_compile.runtime.distributed.launch import free_port_base
-from tests.nixl_loopback import block_tables, engine_config
+from nixl_loopback import block_tables, engine_config
 from dcp_compile.runtime.topology import topology
 from dcp_compile.runtime.transfer.plan import plan_transfer
 

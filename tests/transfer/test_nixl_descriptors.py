@@ -3,7 +3,7 @@
 The READs a decode rank would post are carried out here by a memory copy (descriptor by
 descriptor, each checked to lie inside a buffer the test owns), the staged copies applied,
 and the decode caches compared bit for bit with the reference scattered into the decode
-layout -- the same end state the real transfer must reach (tests/test_nixl_connector.py).
+layout -- the same end state the real transfer must reach (tests/transfer/test_nixl_connector.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dcp_compile.runtime.transfer.nixl.descriptors import (EPOCH_BYTES, apply_st
                                       epoch_descriptors, nx3, plan_reads, probe_descriptor,
                                       read_epochs, stage, stale_epochs)
 from dcp_compile.runtime.transfer.nixl.handshake import NeuronNixlAgentMetadata, check_metadata
-from tests.nixl_loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
+from nixl_loopback import SENTINEL, block_tables, engine_config, filled_caches, new_caches
 from dcp_compile.runtime.transfer.plan import plan_transfer
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 
 SPEC = {"num_kv_heads": 4, "head_dim": 8, "layers": 2, "dtype": "bfloat16", "block_size": 4,
         "seed": 3, "requests": [{"id": "long", "seq_len": 61}, {"id": "vblock", "seq_len": 16},
@@ -179,7 +179,7 @@ def _run_descriptors(spec, plan, partial_rows, floor_count=False, d_table=None) 
 
 
 def _scattered(spec, cfg, rank, num_blocks, tables):
-    from tests.nixl_loopback import reference_kv, scatter_reference
+    from nixl_loopback import reference_kv, scatter_reference
     caches = new_caches(spec, cfg, rank, num_blocks)
     for i, r in enumerate(spec["requests"]):
         scatter_reference(reference_kv(spec, i, r["seq_len"]), cfg, rank, caches,

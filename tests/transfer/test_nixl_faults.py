@@ -25,7 +25,7 @@ import torch
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransferError
 
-ROOT = Path(__file__).resolve().parents[1]
+from suite_path import ROOT  # noqa: E402  (the repository root)
 BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 8, 6   # 5 usable blocks + the garbage block
 SEQ = 7                                            # two blocks of the prefill table
 BOUND = 2.0                                        # seconds a failure may take (x3 asserted)
@@ -415,7 +415,7 @@ def test_prefill_killed_mid_transfer_is_an_error_never_a_completion(tmp_path):
     killed (SIGKILL) before the reads are checked: the request fails within its bound."""
     from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
     from dcp_compile.runtime.distributed.launch import free_port_base, loopback_env
-    from tests.nixl_loopback import block_tables, engine_config, new_caches, request_epoch
+    from nixl_loopback import block_tables, engine_config, new_caches, request_epoch
     spec = {"num_kv_heads": HEADS, "head_dim": HEAD_DIM, "layers": 2, "dtype": "float32",
             "block_size": BLOCK, "seed": 0, "timeout": 120,
             "prefill": [{"engine_id": "pK", "tp": 1, "dcp": 1, "port": free_port_base(1)}],
@@ -423,7 +423,7 @@ def test_prefill_killed_mid_transfer_is_an_error_never_a_completion(tmp_path):
             "requests": [{"id": "r", "seq_len": 29}],
             "stop_file": str(tmp_path / "never")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.nixl_loopback", "prefill",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.nixl_loopback", "prefill",
                              str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
                             cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
