@@ -4,10 +4,13 @@ the same greedy tokens), or transform() refuses. Decode (context + 8 decode step
 chunked prefill (two unaligned chunks, every token's logits and each rank's cache) on the
 threaded world. Programs are built with check=False: each test compares every step with
 the model, which the transform's one-step check (tests/frontends/test_transform_check.py) repeated.
+The models are named points of the fuzz's grammar (tests/support/model_grammar.SHARDING_CASES).
 The feature models' placement analysis also runs both ways (worklist and full sweeps, the
 same plan: tests/passes/test_placement_worklist.compare_both)."""
 
 from __future__ import annotations
+
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -17,42 +20,32 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import verify, verify_prefill
 from dcp_compile.runtime.serving.engine import StepShapes
 
-from sharding_models import FeatureConfig, FeatureLM
+from model_grammar import FEATURES, GQA, SHARDING, SHARDING_CASES, GrammarModel, ModelSpec, build
 from test_placement_worklist import compare_both
 
 STEPS = 8
-GQA = dict(num_q_heads=8, num_kv_heads=2)       # tp=4, dcp=2: KV heads replicated twice
-MHA = dict(num_q_heads=4, num_kv_heads=4)       # tp=4, dcp=1: plain tensor parallelism
-MQA = dict(num_q_heads=4, num_kv_heads=1)       # tp=2, dcp=1: the one KV head on every rank
-
-FEATURES = {
-    "fused-gate-up": (FeatureConfig(mlp="fused", **GQA), 4, 2),
-    "fused-qkv-rows": (FeatureConfig(qkv="fused_rows", **GQA), 4, 2),
-    "fused-qkv-slices": (FeatureConfig(qkv="fused_slices", mlp="fused", **GQA), 4, 2),
-    # K and V pieces of the fused output are replicated, not sharded (found by the fuzz;
-    # the same model taking q/k/v by slices instead of split is refused, not wrong).
-    "fused-qkv-rows-mqa": (FeatureConfig(qkv="fused_rows", **MQA), 2, 1),
-    "fused-qkv-per-head-h3d": (FeatureConfig(qkv="per_head", **MHA), 4, 1),
-    "fused-qkv-3hd": (FeatureConfig(qkv="three_first", **MHA), 4, 1),
-    "q-output-gate": (FeatureConfig(q_gate=True, **GQA), 4, 2),
-    "qk-norm-across-heads": (FeatureConfig(qk_norm="across", **GQA), 4, 2),
-    "qk-norm-across-heads-mha": (FeatureConfig(qk_norm="across", **MHA), 4, 1),
-    "qk-norm-per-head": (FeatureConfig(qk_norm="per_head", **GQA), 4, 2),
-    "literal-head-counts": (FeatureConfig(literal_heads=True, qkv="fused_rows", **GQA), 4, 2),
-    "literal-heads-h3d": (FeatureConfig(literal_heads=True, qkv="per_head", **MHA), 4, 1),
-    "interleaved-rope": (FeatureConfig(rope="interleaved", **GQA), 4, 2),
-    "everything": (FeatureConfig(qkv="fused_slices", mlp="fused", qk_norm="across",
-                                 literal_heads=True, rope="interleaved", **GQA), 4, 2),
-}
 
 SHAPES = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=2)
 
 
-@pytest.mark.parametrize("name", list(FEATURES))
+@pytest.mark.parametrize("name", list(SHARDING_CASES))
+def test_sharding_case_is_a_point_of_the_fuzz_grammar(name):
+    """Every feature value a case picks is one the fuzz draws, and the case builds the model
+    it names (so the fuzz and these tests cover one space of models)."""
+    spec, _, _ = SHARDING_CASES[name]
+    for feature, value in asdict(spec).items():
+        if feature in FEATURES:
+            assert value in FEATURES[feature], (name, feature, value)
+    model = build(spec)
+    assert isinstance(model, GrammarModel) and model.spec == spec
+    assert model.num_layers == 2 and model.kv_cache_shape(5, 16) == (5, 16, spec.kv_heads, 8)
+
+
+@pytest.mark.parametrize("name", list(SHARDING_CASES))
 def test_feature_model_decode_matches_single_device(name, monkeypatch):
-    cfg, tp, dcp = FEATURES[name]
+    spec, tp, dcp = SHARDING_CASES[name]
     compared = compare_both(monkeypatch)     # placement: worklist == full sweeps, per graph
-    model = FeatureLM(cfg)
+    model = build(spec)
     shapes = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=dcp)
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes,
                                  check=False)
@@ -68,11 +61,11 @@ PREFILL_REFUSED = {"q-output-gate": r"token-indexed inputs \['sigmoid'\]"}
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6], [7, 2, 5]]
 
 
-@pytest.mark.parametrize("name", list(FEATURES))
+@pytest.mark.parametrize("name", list(SHARDING_CASES))
 def test_feature_model_prefill_matches_single_device(name, monkeypatch):
-    cfg, tp, dcp = FEATURES[name]
+    spec, tp, dcp = SHARDING_CASES[name]
     compared = compare_both(monkeypatch)
-    model = FeatureLM(cfg)
+    model = build(spec)
     shapes = StepShapes.fitting(2, 16, 40, block_size=8, dcp=dcp)
     if name in PREFILL_REFUSED:
         with pytest.raises(DCPTransformError, match=PREFILL_REFUSED[name]):
@@ -159,38 +152,49 @@ def test_hf_model_decode_matches_its_own_forward(model_id):
 
 # -- refused, by op and source line: never a silently wrong program ------------------------
 
-class AmaxAcrossHeads(FeatureLM):
+ONE_LAYER = replace(ModelSpec(**GQA, **SHARDING), layers=1)
+
+
+def _q_heads(q):
+    """The q projection's output as [B, S, 8 heads, 8]."""
+    return q.view(*q.shape[:2], 8, 8)
+
+
+class AmaxAcrossHeads(GrammarModel):
     """q scaled by its max over all heads: no sharded form (a max is not a sum)."""
 
     def __init__(self):
-        super().__init__(FeatureConfig(**GQA, layers=1))
-        attn = self.layers[0].self_attn
-        project = attn.project
+        super().__init__(ONE_LAYER)
+        self.eval()
+        attn = self.layers[0].attn
+        project = attn._project
 
         def scaled(x):
             q, k, v, gate = project(x)
+            q = _q_heads(q)
             return q / q.amax(dim=(2, 3), keepdim=True), k, v, gate
-        attn.project = scaled
+        attn._project = scaled
 
 
-class ReplicatedSpanningHeads(FeatureLM):
+class ReplicatedSpanningHeads(GrammarModel):
     """q plus a tensor computed in the graph over all heads: every rank holds all of it, and
     only a broadcast over heads is placeable (a parameter or buffer would be cut instead)."""
 
     def __init__(self):
-        super().__init__(FeatureConfig(**GQA, layers=1))
-        attn = self.layers[0].self_attn
-        project = attn.project
+        super().__init__(ONE_LAYER)
+        self.eval()
+        attn = self.layers[0].attn
+        project = attn._project
 
         def shifted(x):
             q, k, v, gate = project(x)
-            return q + torch.arange(64, dtype=q.dtype).view(8, 8), k, v, gate
-        attn.project = shifted
+            return _q_heads(q) + torch.arange(64, dtype=q.dtype).view(8, 8), k, v, gate
+        attn._project = shifted
 
 
 @pytest.mark.parametrize("model_cls,pattern", [
-    (AmaxAcrossHeads, r"aten\.amax\.default.*not a sum.*sharding_models\.py"),
-    (ReplicatedSpanningHeads, r"aten\.add\.Tensor.*spans the sharded dim.*sharding_models\.py"),
+    (AmaxAcrossHeads, r"aten\.amax\.default.*not a sum.*model_grammar\.py"),
+    (ReplicatedSpanningHeads, r"aten\.add\.Tensor.*spans the sharded dim.*model_grammar\.py"),
 ], ids=["amax-over-heads", "full-width-add"])
 def test_unplaceable_op_is_refused_naming_op_and_source(model_cls, pattern):
     with pytest.raises(DCPTransformError, match=pattern):

@@ -8,9 +8,9 @@ Here ``analyze`` is wrapped to run both on every graph a transform analyses (dem
 Face, refused models) and compare the whole plan: every node's placement, sharded
 parameters, linear kinds and roles, attention projections; or the refusal and its message.
 The tests that transform models anyway wrap it the same way (:func:`compare_both`): the
-feature models of tests/support/sharding_models.py in tests/frontends/test_sharding_models.py, and every model
-of the sharding fuzz (tests/corpora/test_fuzz_sharding.py, 500 models of tests/support/model_grammar.py),
-instead of capturing them again here.
+named cases of tests/support/model_grammar.py in tests/frontends/test_sharding_models.py,
+and every model the sharding fuzz draws from the same grammar
+(tests/corpora/test_fuzz_sharding.py, 500 models), instead of capturing them again here.
 """
 
 from __future__ import annotations

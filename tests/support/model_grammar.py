@@ -1,11 +1,15 @@
-"""A grammar of small decoder models written against ``torch.ops.dcp.paged_attention``.
+"""A grammar of small decoder models written against ``torch.ops.dcp.paged_attention``: the one
+model zoo of hand-written layouts, drawn at random by the sharding fuzz
+(tests/corpora/test_fuzz_sharding.py, :func:`model_specs`) and named case by case by the
+sharding tests (tests/frontends/test_sharding_models.py, :data:`SHARDING_CASES`).
 
 Each model is described by a :class:`ModelSpec` (one choice per feature) and built by
 :class:`GrammarModel`, which has the demo model's step interface (``num_layers``,
 ``kv_cache_shape``, ``forward(input_ids, positions, block_table, kv_caches) -> (logits,
 new_caches)``). The features are the ways real checkpoints lay out the same computation:
 
-  qkv       separate q/k/v | fused [q;k;v] rows | fused per head ([h, 3, d] for MHA as
+  qkv       separate q/k/v | fused [q;k;v] rows cut by split | the same cut by slicing (Phi3)
+            | fused per head ([h, 3, d] for MHA as
             GPT-NeoX, [kv_heads, q_per_kv + 2, d] for GQA as InternLM2) | fused [3, h, d]
   q_gate    none | q projection carries an output gate as [q ; gate] rows | per head
             [h, 2, d] (Qwen3-Next); then chunk, and sigmoid(gate) scales the attention output
@@ -18,7 +22,8 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
   head_matmul  none | q through a per-head [d, d] matrix | the attention output through one:
             ``x_h @ W.view(h, d, d)[h]`` as one matmul batched over heads against a view of a
             [h*d, d] parameter (MLA's absorbed W_UK / W_UV)
-  explicit_heads  head counts written in views (view(b, s, 8, d)) instead of -1
+  explicit_heads  head counts written in views (view(b, s, 8, d), and the attention output's
+            reshape(b, s, 8 * d)) instead of -1
   tied      LM head shares the embedding's weight
   moe       none (dense MLP) | a mixture of experts calling dcp.moe, routed by softmax ->
             top-k -> renormalise (Mixtral) | top-k of the logits -> softmax over the k
@@ -83,7 +88,7 @@ class ModelSpec:
 
 
 FEATURES = {
-    "qkv": ["separate", "fused_rows", "fused_per_head", "fused_3hd"],
+    "qkv": ["separate", "fused_rows", "fused_slices", "fused_per_head", "fused_3hd"],
     "q_gate": ["none", "rows", "per_head"],
     "qk_norm": ["none", "per_head", "all_heads", "all_heads_plain"],
     "rope": ["half", "interleaved", "none"],
@@ -216,6 +221,9 @@ class Attention(nn.Module):
         if spec.qkv == "fused_rows":
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             return q, k, v, None
+        if spec.qkv == "fused_slices":                   # Phi3: the same rows, cut by slicing
+            q, k, v = qkv[..., :hq * d], qkv[..., hq * d:(hq + hkv) * d], qkv[..., (hq + hkv) * d:]
+            return q, k, v, None
         if spec.qkv == "fused_3hd":
             q, k, v = qkv.view(b, s, 3, n(hq), d).unbind(2)
             return q, k, v, None
@@ -247,7 +255,7 @@ class Attention(nn.Module):
             q, k, v, key_cache, value_cache, positions, block_table, spec.head_dim ** -0.5)
         if spec.head_matmul == "out":
             out = self._per_head(out)
-        out = out.reshape(b, s, -1)
+        out = out.reshape(b, s, spec.q_heads * spec.head_dim if spec.explicit_heads else -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out), key_cache, value_cache
@@ -401,3 +409,39 @@ class GrammarModel(nn.Module):
 
 def build(spec: ModelSpec) -> GrammarModel:
     return GrammarModel(spec).eval()
+
+
+# -- the sharding tests' cases: named points of the grammar ----------------------------------
+
+GQA = dict(q_heads=8, kv_heads=2)       # tp=4, dcp=2: KV heads replicated twice
+MHA = dict(q_heads=4, kv_heads=4)       # tp=4, dcp=1: plain tensor parallelism
+MQA = dict(q_heads=4, kv_heads=1)       # tp=2, dcp=1: the one KV head on every rank
+# Two layers, biased q/k/v, a wider model than the fuzz's default: a wrong shard of any
+# projection (or of a bias) shows in the logits.
+SHARDING = dict(layers=2, hidden=64, vocab=128, bias="qkv")
+
+
+def sharding_case(tp: int, dcp: int, heads: dict, **features) -> tuple[ModelSpec, int, int]:
+    return ModelSpec(**heads, **SHARDING, **features), tp, dcp
+
+
+# id -> (spec, tp, dcp): the projection and norm layouts real models use, one or a few at a time.
+SHARDING_CASES: dict[str, tuple[ModelSpec, int, int]] = {
+    "fused-gate-up": sharding_case(4, 2, GQA, mlp="fused_chunk"),
+    "fused-qkv-rows": sharding_case(4, 2, GQA, qkv="fused_rows"),
+    "fused-qkv-slices": sharding_case(4, 2, GQA, qkv="fused_slices", mlp="fused_chunk"),
+    # K and V pieces of the fused output are replicated, not sharded (found by the fuzz;
+    # the same model taking q/k/v by slices instead of split is refused, not wrong).
+    "fused-qkv-rows-mqa": sharding_case(2, 1, MQA, qkv="fused_rows"),
+    "fused-qkv-per-head-h3d": sharding_case(4, 1, MHA, qkv="fused_per_head"),
+    "fused-qkv-3hd": sharding_case(4, 1, MHA, qkv="fused_3hd"),
+    "q-output-gate": sharding_case(4, 2, GQA, q_gate="rows"),
+    "qk-norm-across-heads": sharding_case(4, 2, GQA, qk_norm="all_heads"),
+    "qk-norm-across-heads-mha": sharding_case(4, 1, MHA, qk_norm="all_heads"),
+    "qk-norm-per-head": sharding_case(4, 2, GQA, qk_norm="per_head"),
+    "literal-head-counts": sharding_case(4, 2, GQA, explicit_heads=True, qkv="fused_rows"),
+    "literal-heads-h3d": sharding_case(4, 1, MHA, explicit_heads=True, qkv="fused_per_head"),
+    "interleaved-rope": sharding_case(4, 2, GQA, rope="interleaved"),
+    "everything": sharding_case(4, 2, GQA, qkv="fused_slices", mlp="fused_chunk",
+                                qk_norm="all_heads", explicit_heads=True, rope="interleaved"),
+}
