@@ -42,9 +42,8 @@ from __future__ import annotations
 import gc
 import os
 import resource
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,22 +59,11 @@ LONG_TESTS = ("test_lowering_interpreter.py::test_lowered_programs_on_interprete
               "match_the_single_device_model",)   # five interpreter worlds, one child
 
 
-class DuplicateTestModule(Exception):
-    """Two modules of tests/ share a basename: plain-name imports would mix them up."""
-
-
-def refuse_duplicate_basenames(paths=None) -> None:
-    clashes = suite_path.duplicate_basenames(paths)
-    if clashes:
-        listed = "; ".join(f"{name}: {', '.join(str(p.relative_to(suite_path.TESTS)) for p in found)}"
-                           for name, found in sorted(clashes.items()))
-        raise DuplicateTestModule(
-            f"modules of tests/ share a basename (tests import each other by plain module name, "
-            f"so one would shadow the other): {listed}. Rename one of each pair.")
-
-
 def pytest_configure(config):
-    refuse_duplicate_basenames()
+    try:
+        suite_path.refuse_duplicate_basenames()
+    except suite_path.DuplicateTestModule as e:
+        raise pytest.UsageError(str(e)) from e     # before collection, no traceback
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 

@@ -14,21 +14,25 @@ ON = ("1", "all")
 
 # switch -> (test module, under tests/; what the full run adds to the slice)
 SWITCHES: dict[str, tuple[str, str]] = {
-    "DCP_BUCKET_CASES": ("runtime/test_buckets.py", "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, "
-                                            "threads and XLA"),
-    "DCP_CORPUS": ("corpora/test_hf_corpus.py", "every cell of the transformers corpus vs the README table"),
-    "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py", "2000 fuzz models instead of 500 "
-                                               "(DCP_FUZZ_EXAMPLES=N sets any count)"),
-    "DCP_INDUCTOR": ("runtime/test_inductor.py", "the numerical Inductor cases (compiles take minutes)"),
-    "DCP_MASK_FULL": ("passes/test_mask_proof.py", "every (tp, dcp) x mode of the mask-proof matches"),
-    "DCP_MOE_MATRIX": ("frontends/test_moe.py", "every MoE model x mode x tp/dcp x TP/EP x experts "
-                                      "implementation x prepare/direct; test_moe_backend's TP "
-                                      "experts and test_xla's gpt-oss EP case (they read "
-                                      "test_moe.MATRIX)"),
-    "DCP_POSITIONS_FULL": ("frontends/test_positions.py", "every position form in both modes, every HF "
-                                                "family"),
+    "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
+                         "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
+    "DCP_CORPUS": ("corpora/test_hf_corpus.py",
+                   "every cell of the transformers corpus vs the README table"),
+    "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
+                      "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
+    "DCP_INDUCTOR": ("runtime/test_inductor.py",
+                     "the numerical Inductor cases (compiles take minutes)"),
+    "DCP_MASK_FULL": ("passes/test_mask_proof.py",
+                      "every (tp, dcp) x mode of the mask-proof matches"),
+    "DCP_MOE_MATRIX": ("frontends/test_moe.py",
+                       "every MoE model x mode x tp/dcp x TP/EP x experts implementation x "
+                       "prepare/direct; test_moe_backend's TP experts and test_xla's gpt-oss EP "
+                       "case (they read test_moe.MATRIX)"),
+    "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
+                           "every position form in both modes, every HF family"),
     "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
-    "DCP_SPEC_FULL": ("runtime/test_speculative.py", "every model x dcp x interleave x K, and XLA"),
+    "DCP_SPEC_FULL": ("runtime/test_speculative.py",
+                      "every model x dcp x interleave x K, and XLA"),
 }
 
 

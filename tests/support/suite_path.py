@@ -41,6 +41,22 @@ def duplicate_basenames(paths: list[Path] | None = None) -> dict[str, list[Path]
     return {name: found for name, found in by_name.items() if len(found) > 1}
 
 
+class DuplicateTestModule(Exception):
+    """Two modules of tests/ share a basename: plain-name imports would mix them up."""
+
+
+def refuse_duplicate_basenames(paths: list[Path] | None = None) -> None:
+    """Raise :class:`DuplicateTestModule` naming every clash (conftest calls it before
+    collection)."""
+    clashes = duplicate_basenames(paths)
+    if clashes:
+        listed = "; ".join(f"{name}: {', '.join(str(p.relative_to(TESTS)) for p in found)}"
+                           for name, found in sorted(clashes.items()))
+        raise DuplicateTestModule(
+            f"modules of tests/ share a basename (tests import each other by plain module "
+            f"name, so one would shadow the other): {listed}. Rename one of each pair.")
+
+
 def install() -> None:
     """Put the repository root, tests/support and every room on sys.path (each once, in front:
     this worktree's modules before any installed copy)."""
