@@ -33,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # the repository root
+from tests.support.suite_path import install  # noqa: E402
+
+install()           # the tests' modules by plain name, as tests/conftest.py sets them
 
 import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402

@@ -221,7 +221,7 @@ def shared_interpreter(request, tmp_path_factory):
         jobs.append({"id": name, "cwd": str(cwd), "script": str(cwd / "readme_block.py")})
     tmp = tmp_path_factory.mktemp("readme_runner")
     (tmp / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_runner.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "readme_runner.py"),
                            str(tmp / "jobs.json"), str(tmp / "results.jsonl"), "--timeout",
                            str(TIMEOUT)], cwd=tmp, env=_env(), capture_output=True, text=True,
                           timeout=TIMEOUT * max(len(jobs), 1))
