@@ -69,18 +69,20 @@ def test_a_duplicate_basename_is_refused_naming_both_paths():
 
 
 def test_pytest_stops_before_collection_on_a_duplicate(tmp_path):
-    """conftest refuses the clash as a usage error (exit 4) before any test is collected."""
-    twin = TESTS / "e2e" / "test_suite_layout.py"       # the same basename as this module
-    assert not twin.exists()
-    twin.write_text("def test_nothing():\n    pass\n")
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                               "-p", "no:cacheprovider", str(twin)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-    finally:
-        twin.unlink()
+    """conftest refuses the clash as a usage error (exit 4) before any test is collected: run
+    on a copy of the suite's conftest and import path with two rooms sharing a basename."""
+    tests = tmp_path / "tests"
+    (tests / "support").mkdir(parents=True)
+    (tests / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tests / "support" / "suite_path.py").write_text((SUPPORT / "suite_path.py").read_text())
+    for room in ("passes", "runtime"):
+        (tests / room).mkdir()
+        (tests / room / "test_twin.py").write_text("def test_nothing():\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "-p", "no:cacheprovider", "tests"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "e2e/test_suite_layout.py, repository/test_suite_layout.py" in proc.stderr, \
+    assert "test_twin.py: passes/test_twin.py, runtime/test_twin.py" in proc.stderr, \
         proc.stderr[-2000:]
 
 
