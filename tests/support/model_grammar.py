@@ -9,8 +9,8 @@ Each model is described by a :class:`ModelSpec` (one choice per feature) and bui
 new_caches)``). The features are the ways real checkpoints lay out the same computation:
 
   qkv       separate q/k/v | fused [q;k;v] rows cut by split | the same cut by slicing (Phi3)
-            | fused per head ([h, 3, d] for MHA as
-            GPT-NeoX, [kv_heads, q_per_kv + 2, d] for GQA as InternLM2) | fused [3, h, d]
+            | fused per head ([h, 3, d] for MHA as GPT-NeoX, [kv_heads, q_per_kv + 2, d] for
+            GQA as InternLM2) | fused [3, h, d]
   q_gate    none | q projection carries an output gate as [q ; gate] rows | per head
             [h, 2, d] (Qwen3-Next); then chunk, and sigmoid(gate) scales the attention output
   qk_norm   none | RMSNorm per head (Qwen3) | RMSNorm over all heads before the view (OLMo2)
