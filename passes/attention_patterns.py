@@ -257,13 +257,9 @@ def eager_site(sm: Node) -> Site | None:
                 mask_kind=kind, softcap=softcap, sinks=sinks)
 
 
-SLICES = {aten.slice.Tensor}
-MAX_VALUES = {aten.amax.default}
-
-
 def _drops_last_column(n: Node, src: Node) -> bool:
     """``src[..., :-1]``: every key column but the last (the sink's)."""
-    if not is_call(n, SLICES) or n.args[0] is not src:
+    if not is_call(n, {aten.slice.Tensor}) or n.args[0] is not src:
         return False
     nd, width = len(val(src).shape), val(src).shape[-1]
     dim, start, end, step = (tuple(n.args[1:]) + (0, None, None, 1)[len(n.args) - 1:])[:4]
@@ -275,7 +271,7 @@ def _max_of(m: Node, x: Node) -> bool:
     if is_call(m, {operator.getitem}) and m.args[1] == 0:
         m = m.args[0]
         return is_call(m, {aten.max.dim}) and m.args[0] is x
-    return is_call(m, MAX_VALUES) and m.args[0] is x
+    return is_call(m, {aten.amax.default}) and m.args[0] is x
 
 
 def sink_scores(sm: Node, x: Node) -> tuple[Node, Node]:

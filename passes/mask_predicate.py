@@ -29,6 +29,8 @@ from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
 from .infra import val
+from .op_classes import (ADDS, ANDS, CASTS, FILLS_OF_ONE, FILLS_OF_ZERO, MULS, ORS, REMAINDERS,
+                         RESHAPES, RSUBS, SQUEEZES, SUBS, XORS)
 
 aten = torch.ops.aten
 
@@ -341,27 +343,19 @@ RULES = {
     aten.full.default: _filled(lambda a: a[1]), aten.new_full.default: _filled(lambda a: a[2]),
     aten.full_like.default: _filled(lambda a: a[1]), aten.scalar_tensor.default:
         _filled(lambda a: a[0]),
-    **{t: _filled(lambda a: 1) for t in (aten.ones.default, aten.new_ones.default,
-                                         aten.ones_like.default)},
-    **{t: _filled(lambda a: 0) for t in (aten.zeros.default, aten.new_zeros.default,
-                                         aten.zeros_like.default)},
-    **{t: _cast for t in (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
-                          aten.clone.default, aten.contiguous.default, aten.alias.default,
-                          aten.detach.default, aten.lift_fresh_copy.default,
-                          aten.type_as.default)},
-    **{t: _view for t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                          aten.squeeze.default)},
+    **dict.fromkeys(FILLS_OF_ONE, _filled(lambda a: 1)),
+    **dict.fromkeys(FILLS_OF_ZERO, _filled(lambda a: 0)),
+    **dict.fromkeys(CASTS, _cast),
+    **dict.fromkeys(RESHAPES | SQUEEZES, _view),
     aten.expand.default: _expand, aten.expand_copy.default: _expand,
     aten.permute.default: _permute, aten.transpose.int: _permute,
     aten.slice.Tensor: _slice, aten.select.int: _select, aten.index.Tensor: _index,
-    **{t: _arith(lambda a, b: a + b) for t in (aten.add.Tensor, aten.add.Scalar)},
-    **{t: _arith(lambda a, b: a - b) for t in (aten.sub.Tensor, aten.sub.Scalar)},
-    **{t: _arith(lambda a, b: b - a) for t in (aten.rsub.Tensor, aten.rsub.Scalar)},
-    **{t: _arith(lambda a, b: a * b) for t in (aten.mul.Tensor, aten.mul.Scalar)},
+    **dict.fromkeys(ADDS, _arith(lambda a, b: a + b)),
+    **dict.fromkeys(SUBS, _arith(lambda a, b: a - b)),
+    **dict.fromkeys(RSUBS, _arith(lambda a, b: b - a)),
+    **dict.fromkeys(MULS, _arith(lambda a, b: a * b)),
     aten.floor_divide.default: _arith(lambda a, b: sympy.floor(a / b)),
-    **{t: _arith(lambda a, b: sympy.Mod(a, b)) for t in (aten.remainder.Tensor,
-                                                         aten.remainder.Scalar)},
+    **dict.fromkeys(REMAINDERS, _arith(lambda a, b: sympy.Mod(a, b))),
     aten.neg.default: _unary(lambda a: -a), aten.abs.default: _unary(sympy.Abs),
     aten.bitwise_not.default: _unary(lambda a: -a - 1),
     aten.logical_not.default: _unary(lambda a: sympy.Integer(1) - a),
@@ -371,12 +365,9 @@ RULES = {
     **{getattr(aten, name).Scalar: _compare(op) for name, op in (
         ("lt", sympy.Lt), ("le", sympy.Le), ("gt", sympy.Gt), ("ge", sympy.Ge),
         ("eq", sympy.Eq), ("ne", sympy.Ne))},
-    **{t: _logic(sympy.And) for t in (aten.__and__.Tensor, aten.bitwise_and.Tensor,
-                                      aten.logical_and.default)},
-    **{t: _logic(sympy.Or) for t in (aten.__or__.Tensor, aten.bitwise_or.Tensor,
-                                     aten.logical_or.default)},
-    **{t: _logic(sympy.Xor) for t in (aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
-                                      aten.logical_xor.default)},
+    **dict.fromkeys(ANDS, _logic(sympy.And)),
+    **dict.fromkeys(ORS, _logic(sympy.Or)),
+    **dict.fromkeys(XORS, _logic(sympy.Xor)),
     aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
     aten.where.Scalar: _where,
     aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
