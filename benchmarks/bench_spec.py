@@ -29,7 +29,7 @@ from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
 from dcp_compile.runtime.serving.speculative import NgramDrafter
 from dcp_compile.runtime.distributed.world import run_threaded
-from dcp_compile.verify import program_engine
+from dcp_compile.runtime.serving.rank_engine import rank_engine
 
 BLOCK = 16
 
@@ -46,7 +46,7 @@ def step_cost(model, context: int, dcp: int, K: int, steps: int) -> float:
                                     shapes=shapes, check=False)
 
     def rank_main(rank):
-        engine = program_engine(program, rank)
+        engine = rank_engine(program, rank)
         for c in engine.executor.caches:
             c.normal_(generator=torch.Generator().manual_seed(rank))
         engine.lengths = [context]

@@ -338,13 +338,6 @@ class SpecReport(VerifyReport):
     spec: dict = field(default_factory=dict)
 
 
-def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False,
-                   prefix_caching=False):
-    """An Engine over ``program`` loaded on ``rank`` of the (already running) world."""
-    return rank_engine(program, rank, fill=fill, poison=poison_garbage,
-                       prefix_caching=prefix_caching)
-
-
 def generate_per_token(engine, prompts, steps, drafter):
     """``engine.generate`` as a SpecResult (logits per sequence per token) with or without
     a drafter, and the prompt tokens the prefix cache served."""
@@ -369,7 +362,7 @@ def draft_program_drafter(draft: DCPProgram, target: DCPProgram):
             f"dcp={draft.config.dcp}; target tp={target.config.tp}, dcp={target.config.dcp}. "
             f"Transform the draft model with the same tp and dcp=1 or dcp="
             f"{target.config.dcp}.")
-    return lambda rank: ModelDrafter(program_engine(draft, rank))
+    return lambda rank: ModelDrafter(rank_engine(draft, rank))
 
 
 def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_for, *,
@@ -384,8 +377,7 @@ def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_
     ref, _ = run_reference(model, program, prompts, steps)
 
     def rank_main(rank):
-        engine = program_engine(program, rank, poison_garbage=True,
-                                prefix_caching=prefix_caching)
+        engine = rank_engine(program, rank, poison=True, prefix_caching=prefix_caching)
         return generate_per_token(engine, prompts, steps,
                                   drafter_for(rank) if drafter_for else None)
 
