@@ -169,7 +169,7 @@ def _cast(n, args):
 
 def _view(n, args):
     """reshape / view / squeeze / unsqueeze: only inserting or removing size-1 axes."""
-    x, (shape, boolean) = args[0], _out(n)
+    x, (shape, _) = args[0], _out(n)
     if shape == x.shape:
         return Sym(shape, x.expr, x.boolean)
     if n.target == aten.unsqueeze.default:
@@ -445,7 +445,7 @@ def _keep(s: Site, m: Sym):
         else:
             fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
                  f"-inf ({value}): a position bias such as ALiBi", "The paged op has no "
-                 f"attention bias: use a model without one")
+                 "attention bias: use a model without one")
     return sympy.Or(*kept)
 
 

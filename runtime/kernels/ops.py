@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.kernels.op_defs import dcp_op
-from dcp_compile.runtime.kernels.live_attention import live_entries, live_partial_attention, readable_table  # noqa: F401
+from dcp_compile.runtime.kernels.live_attention import live_partial_attention, readable_table  # noqa: F401
 
 NEG_INF = float("-inf")
 
