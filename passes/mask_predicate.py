@@ -29,8 +29,9 @@ from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
 from .infra import val
-from .op_classes import (ADDS, ANDS, CASTS, FILLS_OF_ONE, FILLS_OF_ZERO, MULS, ORS, REMAINDERS,
-                         RESHAPES, RSUBS, SQUEEZES, SUBS, XORS)
+from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS_OF_ONE, FILLS_OF_ZERO,
+                         MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
+                         SQUEEZES, SUBS, WHERES, XORS)
 
 aten = torch.ops.aten
 
@@ -339,7 +340,7 @@ def _cumsum(n, args):
 
 
 RULES = {
-    aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
+    **dict.fromkeys(ARANGES, _arange),
     aten.full.default: _filled(lambda a: a[1]), aten.new_full.default: _filled(lambda a: a[2]),
     aten.full_like.default: _filled(lambda a: a[1]), aten.scalar_tensor.default:
         _filled(lambda a: a[0]),
@@ -347,8 +348,8 @@ RULES = {
     **dict.fromkeys(FILLS_OF_ZERO, _filled(lambda a: 0)),
     **dict.fromkeys(CASTS, _cast),
     **dict.fromkeys(RESHAPES | SQUEEZES, _view),
-    aten.expand.default: _expand, aten.expand_copy.default: _expand,
-    aten.permute.default: _permute, aten.transpose.int: _permute,
+    **dict.fromkeys(EXPANDS, _expand),
+    **dict.fromkeys(PERMUTES, _permute),
     aten.slice.Tensor: _slice, aten.select.int: _select, aten.index.Tensor: _index,
     **dict.fromkeys(ADDS, _arith(lambda a, b: a + b)),
     **dict.fromkeys(SUBS, _arith(lambda a, b: a - b)),
@@ -368,9 +369,8 @@ RULES = {
     **dict.fromkeys(ANDS, _logic(sympy.And)),
     **dict.fromkeys(ORS, _logic(sympy.Or)),
     **dict.fromkeys(XORS, _logic(sympy.Xor)),
-    aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
-    aten.where.Scalar: _where,
-    aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
+    **dict.fromkeys(WHERES, _where),
+    **dict.fromkeys(MASKED_FILLS, _masked_fill),
     aten.triu.default: _triangle(upper=True), aten.tril.default: _triangle(upper=False),
     aten.diff.default: _diff, aten.cumsum.default: _cumsum,
 }

@@ -35,6 +35,10 @@ SQUEEZES = frozenset({aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dim
                       aten.squeeze.default})
 # Swap the two dims of a 2-D tensor (``x.t()``, ``x.T``): no dims argument.
 MATRIX_TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default})
+# Reorder dims (a transpose is a permute of two).
+PERMUTES = frozenset({aten.permute.default, aten.transpose.int})
+# Broadcast size-1 dims to a literal shape.
+EXPANDS = frozenset({aten.expand.default, aten.expand_copy.default})
 # Move, add or drop dims without touching values.
 DIM_MOVES = SQUEEZES | {aten.transpose.int, aten.t.default, aten.permute.default,
                         aten.expand.default}
@@ -83,6 +87,13 @@ XORS = frozenset({aten.__xor__.Tensor, aten.bitwise_xor.Tensor, aten.logical_xor
 FILLS_OF_ONE = frozenset({aten.ones.default, aten.new_ones.default, aten.ones_like.default})
 FILLS_OF_ZERO = frozenset({aten.zeros.default, aten.new_zeros.default,
                            aten.zeros_like.default})
+
+# Positions 0..n (or start..end by step).
+ARANGES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
+# Select between two operands by a condition / fill where a condition holds.
+WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+                    aten.where.Scalar})
+MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
 
 # torch.export's runtime checks of a tensor's metadata: no-ops in a captured graph.
 EXPORT_ASSERTS = frozenset({aten._assert_tensor_metadata.default})

@@ -1,8 +1,9 @@
 """Op classes are defined once, in passes/op_classes.py: no other module of the package keeps a
 module-level set, tuple, list or frozenset of aten ops (named, or inside a rule table's
-construction), so two passes never hold drifting copies of one class. A rule table keyed by
-single ops (op -> rule) is rules as data and stays where its rules are; a group of ops that
-share a row is a class and is imported from op_classes."""
+construction), nor a rule table whose keys share one value, so two passes never hold drifting
+copies of one class. A rule table keyed by single ops (op -> rule) is rules as data and stays
+where its rules are; a group of ops that share a row is a class and is imported from
+op_classes (``dict.fromkeys(CLASS, rule)``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dcp_compile", "passes", "runtime")     # the distribution's three import packages
 HOME = ROOT / "passes" / "op_classes.py"
 COLLECTIONS = (ast.Set, ast.Tuple, ast.List)
+SHARED_RULES = (ast.Name, ast.Attribute, ast.Lambda)
 aten = torch.ops.aten
 
 
@@ -65,8 +67,19 @@ def module_level_op_sets(source: str) -> list[tuple[int, str]]:
         return bool(path) and (path[0] in aliases and len(path) > 1
                                or path[:3] == ["torch", "ops", "aten"] and len(path) > 3)
 
-    found = [(n.lineno, ast.unparse(n)) for n in _module_level(tree)
-             if isinstance(n, COLLECTIONS) and any(is_op(e) for e in n.elts)]
+    found = []
+    for n in _module_level(tree):
+        if isinstance(n, COLLECTIONS) and any(is_op(e) for e in n.elts):
+            found.append((n.lineno, ast.unparse(n)))
+        elif isinstance(n, ast.Dict):
+            # A rule table's rows that share one rule (a name, or a lambda written out again)
+            # are a set in disguise; rows sharing a constant or a rule built per row are not.
+            rows: dict[str, list[ast.expr]] = {}
+            for k, v in zip(n.keys, n.values):
+                if k is not None and is_op(k) and isinstance(v, SHARED_RULES):
+                    rows.setdefault(ast.dump(v), []).append(k)
+            found += [(keys[0].lineno, ", ".join(ast.unparse(k) for k in keys))
+                      for keys in rows.values() if len(keys) > 1]
     return sorted(found)
 
 
@@ -106,8 +119,10 @@ def test_the_scan_catches_each_spelling_of_an_op_set():
             pass
         class Rules:
             KINDS = {aten.mm.default}
+        SHARED = {aten.where.self: rule, aten.mm.default: other, aten.where.Scalar: rule}
+        COPIED = {aten.view.default: lambda n: n.args, aten.reshape.default: lambda n: n.args}
     """)
-    assert [line for line, _ in module_level_op_sets(source)] == [6, 7, 8, 9, 10, 11, 14]
+    assert [line for line, _ in module_level_op_sets(source)] == [6, 7, 8, 9, 10, 11, 14, 15, 16]
 
 
 def test_the_scan_leaves_rule_tables_functions_and_other_sets_alone():
@@ -116,6 +131,8 @@ def test_the_scan_leaves_rule_tables_functions_and_other_sets_alone():
         aten = torch.ops.aten
         SDPA = aten.scaled_dot_product_attention.default
         RULES = {aten.add.Tensor: 1, aten.mul.Tensor: 2}
+        ARGS = {aten.flip.default: 1, aten.cumsum.default: 1, aten.full.default: f(1),
+                aten.full_like.default: f(1)}
         NAMES = {"linear", "embedding"}
         PY = (operator.getitem, operator.add)
         def f(n):
