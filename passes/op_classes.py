@@ -51,9 +51,6 @@ SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk
                     aten.unbind.int})
 JOINS = frozenset({aten.cat.default, aten.stack.default})
 
-# All ops that only rearrange values (no arithmetic).
-SHAPE_OPS = CASTS | RESHAPES | FLATTENS | DIM_MOVES | COMPLEX_VIEWS | SLICES | SPLITS | \
-    JOINS | {operator.getitem}
 # Move a linear's output columns around without arithmetic, so that running them on the
 # columns' indices says which column lands where (MLA absorption reads kv_b_proj's halves so).
 COLUMN_LAYOUT_OPS = CASTS | RESHAPES | {aten.transpose.int, aten.permute.default,
