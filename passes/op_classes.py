@@ -40,8 +40,7 @@ PERMUTES = frozenset({aten.permute.default, aten.transpose.int})
 # Broadcast size-1 dims to a literal shape.
 EXPANDS = frozenset({aten.expand.default, aten.expand_copy.default})
 # Move, add or drop dims without touching values.
-DIM_MOVES = SQUEEZES | {aten.transpose.int, aten.t.default, aten.permute.default,
-                        aten.expand.default}
+DIM_MOVES = SQUEEZES | PERMUTES | {aten.t.default, aten.expand.default}
 # Complex views: a last dim of 2 (re, im) <-> one complex element.
 COMPLEX_VIEWS = frozenset({aten.view_as_complex.default, aten.view_as_real.default})
 
@@ -87,9 +86,10 @@ FILLS_OF_ZERO = frozenset({aten.zeros.default, aten.new_zeros.default,
 
 # Positions 0..n (or start..end by step).
 ARANGES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
-# Select between two operands by a condition / fill where a condition holds.
+# Pick each element from one of two operands by a condition.
 WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
                     aten.where.Scalar})
+# Overwrite the elements where a condition holds with one value.
 MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
 
 # torch.export's runtime checks of a tensor's metadata: no-ops in a captured graph.
