@@ -127,7 +127,7 @@ class OrdinaryStep(nn.Module):
         kwargs = {"position_ids": position_ids} if self.takes_positions else {}
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
-            from ..hf import dcp_experts_enabled  # experts -> dcp.moe (README: MoE)
+            from ..hf import dcp_experts_enabled  # experts -> dcp.moe (docs/moe-mla.md)
             with dcp_experts_enabled(self.model):
                 out = self.model(input_ids, **kwargs)
         else:
