@@ -16,7 +16,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, constant_values, example_step_inputs
-from . import StepCapture
+from .protocol import StepCapture
 
 
 class PagedFrontend:
