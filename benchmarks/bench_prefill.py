@@ -34,7 +34,7 @@ from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
 from dcp_compile.runtime.serving.rank_engine import load_rank
-from dcp_compile.runtime.distributed.world import run_threaded
+from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
 import sys
 from pathlib import Path
 
@@ -194,7 +194,8 @@ def main():
         pos2 = torch.arange(S, 2 * S).repeat(b, 1)
 
         def rank_main(rank):
-            loaded = load_rank(prog, rank)
+            names = bind_roles(prog.topology, rank)     # the hand-written step's groups too
+            loaded = load_rank(prog, rank, names)
             rec = RecordingExecutor(LocalExecutor(loaded.step_fns(),
                                                   prog.cache_spec().allocate()))
             eng = Engine(rec, shapes, block_size=I, dcp=W, prompt_kind="prefill")
