@@ -50,6 +50,31 @@ class DCPTransformError(DCPError):
     """The model's graph cannot be rewritten (unknown attention, no attention, dynamic shapes)."""
 
 
+class DCPTokenMixingError(DCPTransformError):
+    """An op outside attention mixes tokens along the sequence (a token shift, a roll, a
+    pad + slice, a convolution or a cumsum over it): a paged step computes each token once,
+    beside the cached keys of the tokens before it, which it cannot read back."""
+
+
+class DCPLengthDependentError(DCPTransformError):
+    """A position function depends on the sequence length or on ``max(positions)``
+    (LongRoPE's switch to long factors, dynamic NTK) and is not constant over the program's
+    ``max_model_len``: keys already cached cannot follow a change of that function."""
+
+
+class DCPCompilerBug(DCPError):
+    """A non-DCPError exception escaped a pass or a frontend: a bug in dcp_compile, not a
+    refusal. ``stage`` names the pass or frontend step, ``original`` is the exception."""
+
+    def __init__(self, stage: str, original: BaseException):
+        self.stage, self.original = stage, original
+        first = str(original).splitlines()[0] if str(original) else ""
+        super().__init__(
+            f"internal error in {stage}: {type(original).__name__}: {first}. This is a bug "
+            f"in dcp_compile, not a limit of DCP; please report it with the model that "
+            f"triggers it (the original exception is chained below).")
+
+
 class DCPCheckError(DCPTransformError):
     """transform(check=...) ran the program against the model and they differ (or the
     program did not run); ``report`` is the dcp_compile.check.CheckReport."""
