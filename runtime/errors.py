@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class DCPError(Exception):
     """Base class of every error dcp_compile raises on purpose."""
@@ -73,6 +75,18 @@ class DCPCompilerBug(DCPError):
             f"internal error in {stage}: {type(original).__name__}: {first}. This is a bug "
             f"in dcp_compile, not a limit of DCP; please report it with the model that "
             f"triggers it (the original exception is chained below).")
+
+
+@contextlib.contextmanager
+def compiler_bugs_named(stage: str):
+    """Inside: any exception that is not a DCPError becomes a :class:`DCPCompilerBug`
+    naming ``stage`` (a refusal is the library's own word; anything else is a bug)."""
+    try:
+        yield
+    except DCPError:
+        raise
+    except Exception as e:
+        raise DCPCompilerBug(stage, e) from e
 
 
 class DCPCheckError(DCPTransformError):

@@ -156,6 +156,16 @@ def _moe_rows(n: Node, rows: dict, tokens: int):
     return rows[x]
 
 
+def _lookup_rows(n: Node, rows: dict, tokens: int):
+    """A table (no tokens) read at per-token indices: ``gather(table, dim, index)`` has the
+    index's shape, ``table[index]`` puts the index's dims first."""
+    table, index = (n.args[0], n.args[2]) if n.target == aten.gather.default else \
+        (n.args[0], n.args[1][0] if len(n.args[1]) == 1 else None)
+    if table in rows or index not in rows:
+        raise TokenMixing(n, f"{n.target} reads token rows by index")
+    return rows[index]
+
+
 def _getitem_rows(n: Node, rows: dict, tokens: int):
     src = rows[n.args[0]]
     return src[n.args[1]] if isinstance(src, tuple) else src
@@ -169,6 +179,8 @@ ROW_RULES = {
     torch.ops.dcp.paged_attention.default: _attention_rows,
     torch.ops.dcp.attention.default: _attention_rows,
     torch.ops.dcp.moe.default: _moe_rows,
+    aten.gather.default: _lookup_rows,
+    aten.index.Tensor: _lookup_rows,
     operator.getitem: _getitem_rows,
 }
 
