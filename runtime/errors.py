@@ -70,7 +70,7 @@ class DCPCompilerBug(DCPError):
 
     def __init__(self, stage: str, original: BaseException):
         self.stage, self.original = stage, original
-        first = str(original).splitlines()[0] if str(original) else ""
+        first = str(original).splitlines()[0].rstrip(".") if str(original) else ""
         super().__init__(
             f"internal error in {stage}: {type(original).__name__}: {first}. This is a bug "
             f"in dcp_compile, not a limit of DCP; please report it with the model that "
