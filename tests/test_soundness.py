@@ -275,3 +275,58 @@ def test_values_narrower_than_keys_are_padded_and_match(mode):
                                     shapes=SHAPES, check=False)
     assert program.cache_spec().head_dim == 12
     assert matches_own_forward(model, program, steps=4 if mode == "decode" else 1)
+
+
+# -- programs that pass transform() run: the kernels' layouts are their fakes' -------------
+
+
+class NanoGPTLike(nn.Module):
+    """nanoGPT's attention: multi-head (every head its own KV head), SDPA, then
+    ``y.transpose(1, 2).contiguous().view(B, T, C)`` -- a view that needs the attention
+    output laid out as its fake says."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.c_attn = nn.Linear(64, 3 * 64)
+        self.c_proj = nn.Linear(64, 64)
+        self.head = nn.Linear(64, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(64, dim=2)
+        q, k, v = (z.view(b, t, 8, 8).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.head(x + self.c_proj(y))
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_multi_head_attention_output_view_runs_and_matches(mode):
+    """Ran into ``view size is not compatible with input tensor's size and stride`` at run
+    time (tp=2, dcp=1): partial attention's kernel returned a transposed tensor where its
+    fake said contiguous."""
+    model = seeded_weights(NanoGPTLike(), 0).eval()
+    program = dcp_compile.transform(model, tp=2, dcp=1, mode=mode, block_size=BLOCK,
+                                    shapes=SHAPES, check=False)
+    assert matches_own_forward(model, program, steps=4 if mode == "decode" else 1)
+
+
+def test_a_dcp_op_returns_contiguous_tensors_kernel_and_fake_alike():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dcp_compile.runtime.kernels.op_defs import dcp_op
+
+    @dcp_op("test_transposed_output", mutates_args=())
+    def transposed(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).clone().transpose(0, 1)      # same shape, strides (1, 2)
+
+    @transposed.register_fake
+    def _(x):
+        return torch.empty_like(x.transpose(0, 1)).transpose(0, 1)
+
+    x = torch.randn(2, 3)
+    assert torch.ops.dcp.test_transposed_output(x).is_contiguous()
+    with FakeTensorMode() as mode:
+        assert torch.ops.dcp.test_transposed_output(mode.from_tensor(x)).is_contiguous()
