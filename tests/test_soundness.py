@@ -330,3 +330,46 @@ def test_a_dcp_op_returns_contiguous_tensors_kernel_and_fake_alike():
     assert torch.ops.dcp.test_transposed_output(x).is_contiguous()
     with FakeTensorMode() as mode:
         assert torch.ops.dcp.test_transposed_output(mode.from_tensor(x)).is_contiguous()
+
+
+# -- masks written in place ----------------------------------------------------------------
+
+
+class InPlaceMaskLM(nn.Module):
+    """An additive causal mask ``full(-inf).triu(1)``, then written in place: ``fill_`` into a
+    slice (litgpt's form) that also hides key 0 from every later query -- more than causal,
+    which a reader that ignores the write would take for plain causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.q = nn.Linear(64, 64, bias=False)
+        self.k, self.v = (nn.Linear(64, 16, bias=False) for _ in range(2))
+        self.o = nn.Linear(64, 64, bias=False)
+        self.head = nn.Linear(64, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        mask = torch.full((s, s), float("-inf")).triu(1)
+        mask[1:, 0].fill_(float("-inf"))                       # the write the reader missed
+        heads = lambda t: t.view(b, s, -1, 8).transpose(1, 2)  # noqa: E731
+        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)),
+                                             heads(self.v(x)), attn_mask=mask,
+                                             enable_gqa=True)
+        return self.head(x + self.o(out.transpose(1, 2).reshape(b, s, -1)))
+
+
+def test_a_mask_written_in_place_is_refused_naming_the_write():
+    model = seeded_weights(InPlaceMaskLM(), 0).eval()
+    with pytest.raises(DCPTransformError, match=r"is written in place: aten\.fill_") as e:
+        transform(model)
+    assert "test_soundness.py" in str(e.value)
+
+
+def test_mutation_a_reader_blind_to_in_place_writes_compiles_a_wrong_program(monkeypatch):
+    from dcp_compile.passes import mask_predicate
+    model = seeded_weights(InPlaceMaskLM(), 0).eval()
+    monkeypatch.setattr(mask_predicate, "_refuse_writes_in_place", lambda *a: None)
+    program = transform(model)
+    assert not matches_own_forward(model, program)
