@@ -166,6 +166,34 @@ def _lookup_rows(n: Node, rows: dict, tokens: int):
     return rows[index]
 
 
+def _along(dim_at: int, default, keepdim_at: int | None = None, keepdim=False):
+    """An op that works along one dim (``args[dim_at]``): rows stay apart unless that dim is
+    the row dim (or None: all of them); a dim it drops moves the rows down by one."""
+    def rule(n: Node, rows: dict, tokens: int):
+        x = n.args[0]
+        r = rows.get(x)
+        if not isinstance(r, Rows):
+            raise TokenMixing(n, f"{n.target} over a value without token rows")
+        nd = len(shape_of(x))
+        d = n.args[dim_at] if len(n.args) > dim_at else n.kwargs.get("dim", default)
+        if d is None or d % max(nd, 1) == r.dim:
+            raise TokenMixing(n, f"{n.target} works along the token dim {r.dim}")
+        kept = n.args[keepdim_at] if keepdim_at is not None and len(n.args) > keepdim_at \
+            else n.kwargs.get("keepdim", keepdim)
+        out = Rows(r.dim - (not kept and keepdim_at is not None and d % nd < r.dim),
+                   r.extent)
+        return (out, out) if n.target in _PAIRS else out
+    return rule
+
+
+_PAIRS = {aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim}
+
+
+def _untracked(n: Node, rows: dict, tokens: int):
+    """A value made from another's shape only (ones_like, zeros_like): no token's data."""
+    return None
+
+
 def _getitem_rows(n: Node, rows: dict, tokens: int):
     src = rows[n.args[0]]
     return src[n.args[1]] if isinstance(src, tuple) else src
@@ -180,6 +208,16 @@ ROW_RULES = {
     torch.ops.dcp.attention.default: _attention_rows,
     torch.ops.dcp.moe.default: _moe_rows,
     aten.gather.default: _lookup_rows,
+    aten.topk.default: _along(2, -1),
+    aten.sort.default: _along(1, -1),
+    aten.argsort.default: _along(1, -1),
+    aten.max.dim: _along(1, None, 2), aten.min.dim: _along(1, None, 2),
+    aten.argmax.default: _along(1, None, 2), aten.argmin.default: _along(1, None, 2),
+    aten.repeat_interleave.self_int: _along(2, None),
+    **{op: _untracked for op in (aten.ones_like.default, aten.zeros_like.default,
+                                 aten.empty_like.default, aten.full_like.default,
+                                 aten.new_ones.default, aten.new_zeros.default,
+                                 aten.new_empty.default, aten.new_full.default)},
     aten.index.Tensor: _lookup_rows,
     operator.getitem: _getitem_rows,
 }
