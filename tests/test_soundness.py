@@ -373,3 +373,11 @@ def test_mutation_a_reader_blind_to_in_place_writes_compiles_a_wrong_program(mon
     monkeypatch.setattr(mask_predicate, "_refuse_writes_in_place", lambda *a: None)
     program = transform(model)
     assert not matches_own_forward(model, program)
+
+
+def test_longrope_through_the_ordinary_frontend_is_refused_as_length_dependent():
+    """The model itself (no hf.prepare): its max(position_ids) is a positional value that
+    mixes tokens (passes/positions.py), refused with the same type."""
+    model = longrope_phi3(original=8)
+    with pytest.raises(DCPLengthDependentError, match=r"max\(positions\)"):
+        transform(model)
