@@ -189,6 +189,27 @@ def _along(dim_at: int, default, keepdim_at: int | None = None, keepdim=False):
 _PAIRS = {aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim}
 
 
+def _elementwise(n: Node, rows: dict, tokens: int):
+    """An elementwise op torch does not tag pointwise (polar, complex): rows where the
+    broadcast output has them, the same for every operand that has them."""
+    out_nd = fake(n).ndim
+    found = {Rows(r.dim + out_nd - fake(a).ndim, r.extent)
+             for a in n.all_input_nodes if isinstance(r := rows.get(a), Rows)}
+    if len(found) != 1:
+        raise TokenMixing(n, f"{n.target}'s operands hold their rows apart ({found})")
+    return found.pop()
+
+
+def _scatter_rows(n: Node, rows: dict, tokens: int):
+    """``scatter(self, dim, index, src)`` along another dim than the rows': row by row."""
+    d = n.args[1] % max(fake(n).ndim, 1)
+    found = {rows[a] for a in n.all_input_nodes if isinstance(rows.get(a), Rows)}
+    if len(found) != 1 or d == next(iter(found)).dim or \
+            any(fake(a).ndim != fake(n).ndim for a in n.all_input_nodes if a in rows):
+        raise TokenMixing(n, f"{n.target} scatters along the token dim or mixes layouts")
+    return found.pop()
+
+
 def _untracked(n: Node, rows: dict, tokens: int):
     """A value made from another's shape only (ones_like, zeros_like): no token's data."""
     return None
@@ -214,6 +235,9 @@ ROW_RULES = {
     aten.max.dim: _along(1, None, 2), aten.min.dim: _along(1, None, 2),
     aten.argmax.default: _along(1, None, 2), aten.argmin.default: _along(1, None, 2),
     aten.repeat_interleave.self_int: _along(2, None),
+    aten.polar.default: _elementwise, aten.complex.default: _elementwise,
+    **{op: _scatter_rows for op in (aten.scatter.value, aten.scatter.src,
+                                    aten.scatter_add.default)},
     **{op: _untracked for op in (aten.ones_like.default, aten.zeros_like.default,
                                  aten.empty_like.default, aten.full_like.default,
                                  aten.new_ones.default, aten.new_zeros.default,
