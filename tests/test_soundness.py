@@ -381,3 +381,45 @@ def test_longrope_through_the_ordinary_frontend_is_refused_as_length_dependent()
     model = longrope_phi3(original=8)
     with pytest.raises(DCPLengthDependentError, match=r"max\(positions\)"):
         transform(model)
+
+
+# -- the token-wise analysis, op by op -----------------------------------------------------
+
+B, S, H = 2, 5, 6
+KEEP_TOKENS_APART = {
+    "flatten-batch-and-tokens": lambda x: x.reshape(B * S, H).relu().reshape(B, S, H),
+    "topk-over-features": lambda x: x.topk(2, dim=-1).values,
+    "gather-within-rows": lambda x: x.gather(-1, x.topk(2, dim=-1).indices),
+    "softmax-over-features": lambda x: x.softmax(-1),
+    "repeat_interleave-features": lambda x: x.repeat_interleave(2, dim=-1),
+    "scatter-within-rows": lambda x: torch.zeros_like(x).scatter(-1, x.argmax(-1, True), 1.0),
+}
+MIX_TOKENS = {
+    "cumsum-over-tokens": lambda x: x.cumsum(1),
+    "roll": lambda x: x.roll(1, 1),
+    "pad-tokens": lambda x: F.pad(x, (0, 0, 1, 0))[:, :-1],
+    "fold-features-into-tokens": lambda x: x.reshape(B, S * H).relu().reshape(B, S, H),
+    "max-over-tokens": lambda x: x.amax(1, keepdim=True) + x,
+    "topk-over-tokens": lambda x: x.topk(2, dim=1).values,
+}
+
+
+def _rows_of(fn):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dcp_compile.passes.placement.tokens import Rows, follow_tokens
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(B, S, H))
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    return follow_tokens(list(gm.graph.nodes), {x: Rows(1, S)}, S)
+
+
+@pytest.mark.parametrize("name", list(KEEP_TOKENS_APART))
+def test_token_wise_analysis_follows_ops_that_keep_tokens_apart(name):
+    assert _rows_of(KEEP_TOKENS_APART[name])
+
+
+@pytest.mark.parametrize("name", list(MIX_TOKENS))
+def test_token_wise_analysis_refuses_ops_that_mix_tokens(name):
+    from dcp_compile.passes.placement.tokens import TokenMixing
+    with pytest.raises(TokenMixing):
+        _rows_of(MIX_TOKENS[name])

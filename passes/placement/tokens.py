@@ -161,6 +161,10 @@ def _lookup_rows(n: Node, rows: dict, tokens: int):
     index's shape, ``table[index]`` puts the index's dims first."""
     table, index = (n.args[0], n.args[2]) if n.target == aten.gather.default else \
         (n.args[0], n.args[1][0] if len(n.args[1]) == 1 else None)
+    if n.target == aten.gather.default and isinstance(rows.get(table), Rows) and \
+            isinstance(rows.get(index), Rows) and rows[table] == rows[index] and \
+            n.args[1] % fake(n).ndim != rows[index].dim:
+        return rows[index]          # each row picks within itself (a router's top-k scores)
     if table in rows or index not in rows:
         raise TokenMixing(n, f"{n.target} reads token rows by index")
     return rows[index]
