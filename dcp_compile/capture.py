@@ -72,7 +72,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     when someone reads it or runs the graph."""
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     try:
-        with _use_lazy_graph_module(True):
+        with _use_lazy_graph_module(True), keeps_tensor_attributes(model):
             ep = torch.export.export(model, example_inputs, strict=False)
     except Exception as e:
         raise DCPTransformError(
@@ -98,6 +98,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     gm = ep.graph_module
     return Captured(gm=gm, params=params, buffers=buffers, user_inputs=user_inputs,
                     lifted=lifted)
+
+
+@contextlib.contextmanager
+def keeps_tensor_attributes(root: torch.nn.Module):
+    """Undo, on the way out, the fake tensors a fake run (torch.export, a fake-mode trace)
+    cached on the modules as plain attributes: LongRoPE's rotary embedding stores
+    ``long_inv_freq`` so; the next capture would meet a fake tensor of another fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    kept = {(m, k): v for m in root.modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor)}
+    try:
+        yield
+    finally:
+        for m in root.modules():
+            for k, v in list(vars(m).items()):
+                if isinstance(v, FakeTensor):
+                    if (m, k) in kept:
+                        setattr(m, k, kept[(m, k)])
+                    else:
+                        delattr(m, k)
 
 
 def refuse_mutation(mutated: list) -> None:

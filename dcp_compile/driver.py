@@ -20,7 +20,7 @@ import torch
 from dcp_compile.passes.pipeline import passes_for
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.program.dcp_program import DCPProgram
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError, compiler_bugs_named
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode
 from dcp_compile.runtime.topology import topology
@@ -74,6 +74,10 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     then compiled again with them to name its source line. ``False``: never (a refusal names
     the module instead).
 
+    Raises only DCPError: a refusal by its type (DCPConfigError, DCPTransformError and its
+    kinds), and any other exception a pass or frontend raises as a DCPCompilerBug naming
+    where (a bug to report, not a limit of DCP).
+
     ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
     a program whose logits differ (dcp_compile.check: steps, inputs, tolerance). ``None``:
@@ -81,6 +85,19 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
     ``True`` on a meta model raises.
     """
+    with compiler_bugs_named(f"transform of {type(model).__name__} (tp={tp}, dcp={dcp}, "
+                             f"mode={mode})"):
+        return _transform(model, tp, dcp, mode, block_size=block_size,
+                          interleave_size=interleave_size, kv_role=kv_role, shapes=shapes,
+                          dump_dir=dump_dir, certificate=certificate, progress=progress,
+                          combine=combine, combine_dtype=combine_dtype, check=check,
+                          expert_parallel=expert_parallel, buckets=buckets,
+                          stack_traces=stack_traces)
+
+
+def _transform(model, tp, dcp, mode, *, block_size, interleave_size, kv_role, shapes,
+               dump_dir, certificate, progress, combine, combine_dtype, check,
+               expert_parallel, buckets, stack_traces) -> DCPProgram:
     from dcp_compile.runtime.program.buckets import check_buckets
     from dcp_compile.runtime.serving.engine import StepShapes
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
@@ -194,7 +211,8 @@ def _compile_steps(frontend: Frontend, config: DCPConfig, options: CompileOption
     # Plain strings from here on (the StepKind values): graphs, history and dumps are data
     # that is saved and loaded (torch.load's weights_only refuses unknown classes).
     for step in map(str, frontend.steps(config.mode)):
-        with stack_traces(traced):
+        with stack_traces(traced), \
+                compiler_bugs_named(f"{type(frontend).__name__}.capture of step {step!r}"):
             captured = frontend.capture(step, config)
         if options.progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "

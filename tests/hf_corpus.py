@@ -154,6 +154,9 @@ REASONS = (
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
                                       r"|conv1d|short conv|hybrid"),
     ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
+    ("token mixing outside attention", r"mixes tokens along the sequence"),
+    ("length-dependent positions (LongRoPE, dynamic NTK)", r"max\(positions\)"),
+    ("mask written in place", r"is written in place"),
     ("chunked attention", r"chunk"),
     ("softcap", r"softcap"),
     ("mixture of experts", r"expert|\bmoe\b|router"),
@@ -247,7 +250,7 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
     import dcp_compile
     from dcp_compile import hf
     from dcp_compile.runtime.serving.engine import StepShapes
-    from dcp_compile.runtime.errors import DCPError
+    from dcp_compile.runtime.errors import DCPCompilerBug, DCPError
     from dcp_compile.verify import run_threaded_program
 
     try:
@@ -264,6 +267,8 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
         program = dcp_compile.transform(target, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
                                         shapes=shapes)
         runs = run_threaded_program(program, prompts(), steps, poison_garbage=True)
+    except DCPCompilerBug as e:    # a DCPError, but a bug, not a refusal
+        return Outcome("crash", f"DCPCompilerBug({type(e.original).__name__})", str(e)[:2000])
     except DCPError as e:
         return Outcome("refused", reason_of(str(e)), str(e))
     except Exception as e:  # noqa: BLE001  (a non-project exception is a corpus failure)

@@ -452,6 +452,15 @@ class DCPCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self._num_layers
 
+    @property
+    def rope_type(self) -> str | None:
+        """The config's RoPE variant ('default', 'longrope', 'dynamic', ...), for refusals."""
+        cfg = _text_config(self.hf_model.config)
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        if isinstance(params, dict) and isinstance(params.get("rope_type"), str):
+            return params["rope_type"]
+        return None
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
@@ -546,12 +555,15 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
     prepare time, with no compute and no allocation (meta-device models work too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..capture import keeps_tensor_attributes
+
     params = list(wrapper.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     name = type(wrapper.hf_model).__name__
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with keeps_tensor_attributes(wrapper), FakeTensorMode(allow_non_fake_inputs=True), \
+                torch.no_grad():
             ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
             positions = torch.arange(2, device=device).unsqueeze(0)
             table = torch.zeros(1, 1, dtype=torch.int64, device=device)

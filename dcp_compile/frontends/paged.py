@@ -57,7 +57,9 @@ class PagedFrontend:
         return []                   # the graph takes its caches already
 
     def facts(self) -> ModelFacts:
-        return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype)
+        return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype,
+                          max_model_len=getattr(self.model, "max_model_len", None),
+                          rope_type=getattr(self.model, "rope_type", None))
 
     def reference(self) -> nn.Module:
         return self.model

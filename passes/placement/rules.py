@@ -168,6 +168,27 @@ def _slice_bw(n, req):
     return {n.args[0]: replace(req, dim=k)}
 
 
+def _padded_dims(n) -> set[int]:
+    """The dims ``pad(x, [last_lo, last_hi, prev_lo, prev_hi, ...])`` pads (nonzero)."""
+    nd, pads = len(shape_of(n.args[0])), node_arg(n, 1, "pad")
+    return {nd - 1 - i // 2 for i, w in enumerate(pads) if w}
+
+
+def _pad_fw(n, P):
+    p = P(n.args[0])
+    if isinstance(p, Partial):
+        raise Refusal("pads a pending sum")
+    if isinstance(p, Shard) and p.dim in _padded_dims(n):
+        raise Refusal(f"pads the sharded dim {p.dim}")
+    return p
+
+
+def _pad_bw(n, req):
+    if req.dim in _padded_dims(n):
+        raise Refusal(f"pads the sharded dim {req.dim}")
+    return {n.args[0]: req}
+
+
 def _getitem_fw(n, P):
     p = P(n.args[0])
     return p[n.args[1]] if isinstance(p, tuple) else p
@@ -431,6 +452,8 @@ for _op in REDUCTIONS:
 for _op in SOFTMAX | LOG_SOFTMAX:
     RULES[_op] = Rule("softmax", _softmax_fw, lambda n, req: {n.args[0]: req})
 RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
+for _op in (aten.constant_pad_nd.default, aten.pad.default):
+    RULES[_op] = Rule("pad (other dims than the sharded one)", _pad_fw, _pad_bw)
 
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
 

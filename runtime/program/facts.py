@@ -51,6 +51,11 @@ class ModelFacts:
     # One mask theorem per attention layer of an ordinary model (passes/prove/masks.py
     # Theorems), for the certificate.
     mask_theorems: tuple | None = None
+    # The longest sequence the model is served for (hf.prepare(max_model_len=...)): a
+    # decision on max(positions) proven constant below it is folded (check_token_wise).
+    max_model_len: int | None = None
+    # The model config's RoPE variant (Hugging Face rope_parameters), named in refusals.
+    rope_type: str | None = None
 
     def merged(self, found: "ModelFacts | None") -> "ModelFacts":
         """These facts with every field ``found`` knows replaced by its value."""
