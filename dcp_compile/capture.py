@@ -119,3 +119,19 @@ def constant_values(model: torch.nn.Module, captured: Captured) -> dict[str, tor
     for name, fqn in {**captured.params, **captured.buffers}.items():
         out[name] = captured.lifted[name] if name in captured.lifted else state[fqn]
     return out
+
+
+def checkpoint_names(step_module: torch.nn.Module, captured: Captured,
+                     root: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """placeholder -> every name of its parameter in ``root`` (the model a checkpoint is
+    of; ``step_module`` may wrap it): the first its own, the others tied aliases. Found by
+    the tensor itself, so wrappers' prefixes never leak into the names."""
+    names_by_id: dict[int, list[str]] = {}
+    for fqn, p in root.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(p), []).append(fqn)
+    out = {}
+    for name, fqn in captured.params.items():
+        names = names_by_id.get(id(step_module.get_parameter(fqn)))
+        if names:
+            out[name] = tuple(names)
+    return out

@@ -1,0 +1,83 @@
+"""A model without its weights: parameters on the meta device, buffers real.
+
+The way to compile a large model (DESIGN "Weights by name"): build it here, transform it,
+save the weightless program (``program.save(path, weights=False)``, or any program of a
+meta model), and let every rank read its own shard from the checkpoint
+(``program.state_dict_for(rank, checkpoint=DIR)``).
+
+Buffers stay real because a checkpoint does not hold the ones a model computes in its
+constructor (RoPE's ``inv_freq``), and they are small; ``with torch.device("meta")`` puts them
+on meta too, and such a program can then not run (its state_dict_for says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dcp_compile.runtime.errors import DCPInputError
+
+# Attention implementations a meta model may be built with, in the order tried by default.
+ATTENTION = ("sdpa", "eager")
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Within: every parameter a module registers is created on the meta device (its shape
+    and dtype only); buffers are created where they would be."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kwargs = {**param.__dict__, "requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def meta_model(config, *, dtype: torch.dtype | None = None,
+               attn_implementation: str | None = None) -> nn.Module:
+    """A transformers causal LM of ``config`` (a PretrainedConfig, or a checkpoint directory
+    or config.json path) with no weights, in eval mode. ``dtype``: the parameters' dtype
+    (default: the config's ``dtype``, else float32). ``attn_implementation``: "sdpa" or
+    "eager"; default sdpa where transformers offers it for the model, else eager."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if not path.exists():
+            raise DCPInputError(f"no model config at {path}. Pass a checkpoint directory "
+                                f"(config.json inside) or a config.json path.")
+        config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    if attn_implementation is not None and attn_implementation not in ATTENTION:
+        raise DCPInputError(f"unknown attention implementation {attn_implementation!r}. Use "
+                            f"one of {list(ATTENTION)}.")
+    dtype = dtype or _config_dtype(config)
+    errors = []
+    for impl in (attn_implementation,) if attn_implementation else ATTENTION:
+        try:
+            with empty_weights():
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                         attn_implementation=impl)
+        except (ValueError, ImportError) as e:
+            errors.append(f"{impl}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            continue
+        return model.eval()
+    raise DCPInputError(f"transformers builds {type(config).__name__} with none of "
+                        f"{[e.split(':')[0] for e in errors]}: {'; '.join(errors)}. Pick "
+                        f"another attn_implementation, or another model.")
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
