@@ -123,15 +123,21 @@ def constant_values(model: torch.nn.Module, captured: Captured) -> dict[str, tor
 
 def checkpoint_names(step_module: torch.nn.Module, captured: Captured,
                      root: torch.nn.Module) -> dict[str, tuple[str, ...]]:
-    """placeholder -> every name of its parameter in ``root`` (the model a checkpoint is
-    of; ``step_module`` may wrap it): the first its own, the others tied aliases. Found by
-    the tensor itself, so wrappers' prefixes never leak into the names."""
+    """placeholder -> every name its parameter or persistent buffer has in ``root``'s state
+    dict (``root``: the model a checkpoint is of; ``step_module`` may wrap it): the first its
+    own, the others tied aliases. Found by the tensor itself, so a wrapper's prefix never
+    leaks into the names. Non-persistent buffers (RoPE tables) and lifted constants are not
+    in a checkpoint and get no name: the program keeps their values."""
     names_by_id: dict[int, list[str]] = {}
-    for fqn, p in root.named_parameters(remove_duplicate=False):
-        names_by_id.setdefault(id(p), []).append(fqn)
+    for fqn, t in root.state_dict(keep_vars=True).items():
+        names_by_id.setdefault(id(t), []).append(fqn)
     out = {}
-    for name, fqn in captured.params.items():
-        names = names_by_id.get(id(step_module.get_parameter(fqn)))
+    for name, fqn in {**captured.params, **captured.buffers}.items():
+        if name in captured.lifted:
+            continue
+        tensor = step_module.get_parameter(fqn) if name in captured.params else \
+            step_module.get_buffer(fqn)
+        names = names_by_id.get(id(tensor))
         if names:
             out[name] = tuple(names)
     return out

@@ -1,13 +1,16 @@
-"""A model without its weights: parameters on the meta device, buffers real.
+"""A model without its weights: parameters and persistent buffers on the meta device,
+non-persistent buffers real.
 
 The way to compile a large model (DESIGN "Weights by name"): build it here, transform it,
 save the weightless program (``program.save(path, weights=False)``, or any program of a
 meta model), and let every rank read its own shard from the checkpoint
 (``program.state_dict_for(rank, checkpoint=DIR)``).
 
-Buffers stay real because a checkpoint does not hold the ones a model computes in its
-constructor (RoPE's ``inv_freq``), and they are small; ``with torch.device("meta")`` puts them
-on meta too, and such a program can then not run (its state_dict_for says so).
+Non-persistent buffers stay real because a checkpoint does not hold them (a model computes
+them in its constructor: RoPE's ``inv_freq``), and they are small; ``with
+torch.device("meta")`` puts them on meta too, and such a program can then not run (its
+state_dict_for says so). Persistent buffers (a router's score-correction bias) are in the
+checkpoint, so they are weights like the parameters.
 """
 
 from __future__ import annotations
@@ -27,9 +30,15 @@ ATTENTION = ("sdpa", "eager")
 
 @contextlib.contextmanager
 def empty_weights():
-    """Within: every parameter a module registers is created on the meta device (its shape
-    and dtype only); buffers are created where they would be."""
+    """Within: every parameter and persistent buffer a module registers is created on the
+    meta device (its shape and dtype only); non-persistent buffers where they would be."""
     register = nn.Module.register_parameter
+    register_buffer = nn.Module.register_buffer
+
+    def buffer_on_meta(module, name, tensor, persistent=True):
+        if persistent and tensor is not None:
+            tensor = tensor.to("meta")
+        register_buffer(module, name, tensor, persistent)
 
     def on_meta(module, name, param):
         register(module, name, param)
@@ -38,10 +47,12 @@ def empty_weights():
             module._parameters[name] = type(param)(param.to("meta"), **kwargs)
 
     nn.Module.register_parameter = on_meta
+    nn.Module.register_buffer = buffer_on_meta
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        nn.Module.register_buffer = register_buffer
 
 
 def meta_model(config, *, dtype: torch.dtype | None = None,

@@ -602,9 +602,8 @@ def checkpoint_sources(model: nn.Module) -> dict:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (WeightConverter, WeightRenaming,
                                                  rename_source_key, revert_weight_conversion)
-    params = dict(model.named_parameters())
-    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
-            for k, v in model.state_dict().items()}
+    params = model.state_dict(keep_vars=True)       # parameters and persistent buffers
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in params.items()}
     saved = revert_weight_conversion(model, meta)
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]

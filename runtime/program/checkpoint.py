@@ -90,8 +90,8 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise DCPInputError(f"no checkpoint directory at {self.directory}. Pass the "
                                 f"directory save_pretrained wrote (config.json + *.safetensors).")
-        self.files = self._key_files()
         self._handles: dict[Path, object] = {}
+        self.files = self._key_files()
         self.stats = LoadStats()
 
     def _key_files(self) -> dict[str, Path]:
