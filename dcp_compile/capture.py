@@ -141,3 +141,30 @@ def checkpoint_names(step_module: torch.nn.Module, captured: Captured,
         if names:
             out[name] = tuple(names)
     return out
+
+
+HOST = torch.device("cpu")
+
+
+def meta_to_host(gm: GraphModule) -> int:
+    """Point the ops a meta-device model's graph creates tensors with (``arange``, ``zeros``,
+    ``_to_copy``: their ``device`` arguments) at the host instead of the meta device, as
+    capturing the model with its weights on the host gives; returns how many arguments
+    changed. A meta capture has no real device, and a program runs where its weights are
+    read (the host). Other devices are left as captured."""
+    changed = 0
+
+    def host(a):
+        nonlocal changed
+        if isinstance(a, torch.device) and a.type == "meta":
+            changed += 1
+            return HOST
+        return a
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.args = torch.fx.node.map_aggregate(n.args, host)
+            n.kwargs = torch.fx.node.map_aggregate(n.kwargs, host)
+    if changed:
+        gm.recompile()
+    return changed

@@ -25,6 +25,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode
 from dcp_compile.runtime.topology import topology
 
+from .capture import meta_to_host
 from .frontends import Frontend, StepCapture, frontend_for
 from .report import CompileReport
 
@@ -152,6 +153,8 @@ def compile_program(frontend: Frontend, config: DCPConfig,
             f"transform did not refuse: report this model to dcp_compile)") from refusal
     frontend.accept(steps.config)
     config, first, facts = steps.config, steps.first, steps.facts
+    for gm in steps.graphs.values():
+        meta_to_host(gm)
     program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
                                                           config=config),
                          graphs=steps.graphs, shapes=frontend.shapes,

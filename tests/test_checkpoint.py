@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 import dcp_compile
 from dcp_compile.meta_init import empty_weights, meta_model
 from dcp_compile.runtime.errors import DCPInputError
-from dcp_compile.runtime.names import RANK_INPUT
 from dcp_compile.runtime.program.checkpoint import Checkpoint, Piece, WeightSource
 from dcp_compile.runtime.program.program_file import load_program
 from dcp_compile.runtime.program.shards import ShardSpec
@@ -308,8 +307,22 @@ def test_pieces_tile_a_stacked_fused_weight(tmp_path):
     assert ckpt.stats.bytes_read == 2 * full.numel() * 4
 
 
-def test_rank_engine_reads_the_checkpoint(llama):
-    from dcp_compile.runtime.distributed.world import threaded_world  # noqa: F401
-    program, directory = llama
-    state = program.state_dict_for(1, checkpoint=directory)
-    assert int(state[RANK_INPUT]) == 1
+@pytest.mark.parametrize("model_id", ["llama-gqa", "mixtral-experts-ep"])
+def test_threaded_world_decodes_from_the_checkpoint(model_id, tmp_path):
+    """Every rank of a threaded world reads its own shards (rank_engine(checkpoint=)) of a
+    weightless program file and decodes the model's own greedy tokens."""
+    from dcp_compile.runtime.serving.engine import StepShapes
+    from dcp_compile.verify import run_threaded_program
+
+    from helpers import assert_runs_match, full_forward_reference, prompts_of
+    model = build(model_id, torch.float32)
+    directory = save(model, tmp_path / "ckpt")
+    shapes = StepShapes(batch=2, context_len=8, max_blocks=4, num_blocks=12)
+    program = dcp_compile.transform(meta_model(directory), TP, DCP, block_size=4,
+                                    shapes=shapes, **MODELS[model_id][2])
+    program.save(tmp_path / "p.dcp")
+    loaded = load_program(tmp_path / "p.dcp")
+    prompts, steps = prompts_of((3, 8), vocab=BASE["vocab_size"]), 4
+    tokens, logits = full_forward_reference(model, prompts, steps)
+    runs = run_threaded_program(loaded, prompts, steps, checkpoint=directory)
+    assert_runs_match(runs, tokens, logits, atol=1e-4)

@@ -181,11 +181,13 @@ class DCPProgram:
                            self.config.kv_heads_per_rank, self.config.head_dim,
                            dtype or self.facts.cache_dtype or torch.float32)
 
-    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager"):
+    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager",
+             checkpoint: str | os.PathLike | None = None):
         """This rank's runnable program: roles bound to real process-group names;
-        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS)."""
+        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS);
+        ``checkpoint``: read the rank's weights from it (``state_dict_for``)."""
         from dcp_compile.runtime.serving.rank_program import RankProgram
-        return RankProgram(self, rank, group_names, compile=compile)
+        return RankProgram(self, rank, group_names, compile=compile, checkpoint=checkpoint)
 
     def save(self, path, *, weights: bool = True) -> None:
         """Write this program to a program file every rank of a launch can load
