@@ -5,7 +5,7 @@ A program names each weight input by the model's own parameter names
 aliases) and knows how a rank's shard is cut (``ShardSpec.boxes``: boxes of the full
 tensor). A Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``, one file
 or sharded with ``model.safetensors.index.json``) holds each tensor by name, so a rank reads
-``safe_open(file).get_slice(key)[box]`` for each box of each weight and nothing else.
+the bytes of each box of each weight (the safetensors header says where) and nothing else.
 
 Where a model holds a weight in another form than its checkpoint (transformers 5 stacks the
 per-expert tensors of a checkpoint into one fused tensor on load), the program records the
@@ -21,7 +21,9 @@ tensor or file and what was expected, raised before a rank starts serving.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -82,17 +84,43 @@ class LoadStats:
     opened: set = field(default_factory=set, repr=False)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor's bytes are: file, absolute offset, dtype, shape (its header)."""
+
+    path: Path
+    start: int
+    nbytes: int
+    dtype: torch.dtype | str
+    shape: tuple[int, ...]
+
+
 class Checkpoint:
-    """A checkpoint directory's tensors by name (headers read on open, data on demand)."""
+    """A checkpoint directory's tensors by name: the safetensors headers read on open, a
+    tensor's bytes on demand, box by box, with positioned reads (``os.preadv`` into the
+    result), so that a rank's memory holds its shard only: a memory map would keep every
+    page it touched resident, and a column slice of a row-major tensor touches them all."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise DCPInputError(f"no checkpoint directory at {self.directory}. Pass the "
                                 f"directory save_pretrained wrote (config.json + *.safetensors).")
-        self._handles: dict[Path, object] = {}
+        self._headers: dict[Path, dict[str, _Entry]] = {}
+        self._fds: dict[Path, int] = {}
         self.files = self._key_files()
         self.stats = LoadStats()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _key_files(self) -> dict[str, Path]:
         index = self.directory / INDEX
@@ -121,41 +149,87 @@ class Checkpoint:
                                 f"{len(single)} safetensors files and no {INDEX} to say "
                                 f"which holds which tensor. Add the index (save_pretrained "
                                 f"writes it).")
-        return {key: single[0] for key in self._open(single[0]).keys()}
+        return {key: single[0] for key in self._header(single[0])}
 
-    def _open(self, path: Path):
-        handle = self._handles.get(path)
-        if handle is None:
-            from safetensors import safe_open
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as e:  # noqa: BLE001 - safetensors' errors name no file
-                raise DCPInputError(f"checkpoint file {path} is not a readable safetensors "
-                                    f"file ({type(e).__name__}: {e}); it may be truncated or "
-                                    f"corrupt. Copy or write it again.") from None
-            self._handles[path] = handle
-        return handle
+    def _header(self, path: Path) -> dict[str, _Entry]:
+        """The safetensors header of ``path`` (8-byte little-endian length, JSON), checked
+        against the file's size: a truncated or corrupt file is refused here."""
+        header = self._headers.get(path)
+        if header is not None:
+            return header
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n <= size - 8:
+                    raise ValueError(f"header length {n} in a file of {size} bytes")
+                raw = json.loads(f.read(n))
+            header = {}
+            for key, e in raw.items():
+                if key == "__metadata__":
+                    continue
+                begin, end = e["data_offsets"]
+                if not 0 <= begin <= end or 8 + n + end > size:
+                    raise ValueError(f"tensor {key} at bytes [{begin}, {end}) of the data, "
+                                     f"past the end of the file ({size} bytes)")
+                header[key] = _Entry(path, 8 + n + begin, end - begin,
+                                     DTYPES.get(e["dtype"], e["dtype"]), tuple(e["shape"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DCPInputError(f"checkpoint file {path} is not a readable safetensors file "
+                                f"({type(e).__name__}: {e}); it may be truncated or corrupt. "
+                                f"Copy or write it again.") from None
+        self._headers[path] = header
+        return header
+
+    def _entry(self, key: str) -> _Entry:
+        entry = self._header(self.files[key]).get(key)
+        if entry is None:
+            raise DCPInputError(f"checkpoint index names {key} in {self.files[key].name}, "
+                                f"whose header has no such tensor. Write the checkpoint again.")
+        return entry
 
     def has(self, key: str) -> bool:
         return key in self.files
 
     def header(self, key: str) -> tuple[tuple[int, ...], torch.dtype | str]:
-        s = self._open(self.files[key]).get_slice(key)
-        return tuple(s.get_shape()), DTYPES.get(s.get_dtype(), s.get_dtype())
+        e = self._entry(key)
+        return e.shape, e.dtype
 
     def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """The ``box`` of tensor ``key`` (per dim ``(start, stop)``), read from its file."""
-        path = self.files[key]
-        try:
-            out = self._open(path).get_slice(key)[tuple(slice(a, b) for a, b in box)]
-        except Exception as e:  # noqa: BLE001 - a short read names no file either
-            raise DCPInputError(f"reading tensor {key} from checkpoint file {path} failed "
-                                f"({type(e).__name__}: {e}); the file may be truncated or "
-                                f"corrupt. Copy or write it again.") from None
-        self.stats.bytes_read += out.numel() * out.element_size()
+        """The ``box`` of tensor ``key`` (per dim ``(start, stop)``), in its own dtype: one
+        positioned read per contiguous run of the box."""
+        e = self._entry(key)
+        out = torch.empty([b - a for a, b in box], dtype=e.dtype)
+        if out.numel() == 0:
+            return out
+        item = out.element_size()
+        strides = [math.prod(e.shape[d + 1:]) for d in range(len(e.shape))]
+        # The last dim the box cuts: every run is contiguous from there on.
+        cut = max((d for d, (a, b) in enumerate(box) if (a, b) != (0, e.shape[d])),
+                  default=0)
+        run = (box[cut][1] - box[cut][0]) * strides[cut] * item if e.shape else item
+        raw = out.view(torch.uint8).reshape(-1).numpy()
+        fd = self._fd(e.path)
+        at = 0
+        for idx in itertools.product(*(range(a, b) for a, b in box[:cut])):
+            first = sum(i * s for i, s in zip(idx, strides)) + \
+                (box[cut][0] * strides[cut] if e.shape else 0)
+            got = os.preadv(fd, [raw[at:at + run]], e.start + first * item)
+            if got != run:
+                raise DCPInputError(f"reading tensor {key} from checkpoint file {e.path} "
+                                    f"gave {got} of {run} bytes: the file is truncated. Copy "
+                                    f"or write it again.")
+            at += run
+        self.stats.bytes_read += at
         self.stats.tensors += 1
-        self.stats.opened.add(path)
+        self.stats.opened.add(e.path)
         return out
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
 
     # -- one program weight --------------------------------------------------------------
 
@@ -246,7 +320,11 @@ def read_rank_weights(directory, names: dict[str, tuple[str, ...]],
     (``fulls``: shape and dtype, any device), cast to that dtype. Every weight is checked
     against the headers before any is read."""
     start = time.perf_counter()
-    ckpt = Checkpoint(directory)
+    with Checkpoint(directory) as ckpt:
+        return _read_rank_weights(ckpt, names, sources, shards, fulls, rank, progress, start)
+
+
+def _read_rank_weights(ckpt, names, sources, shards, fulls, rank, progress, start):
     planned = {name: ckpt.source_of(fqns, sources.get(fqns[0]), fulls[name])
                for name, fqns in names.items()}
     files = {p for p in ckpt.files.values()}
