@@ -16,6 +16,7 @@ checkpoint, so they are weights like the parameters.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -58,16 +59,21 @@ def empty_weights():
 def meta_model(config, *, dtype: torch.dtype | None = None,
                attn_implementation: str | None = None) -> nn.Module:
     """A transformers causal LM of ``config`` (a PretrainedConfig, or a checkpoint directory
-    or config.json path) with no weights, in eval mode. ``dtype``: the parameters' dtype
-    (default: the config's ``dtype``, else float32). ``attn_implementation``: "sdpa" or
-    "eager"; default sdpa where transformers offers it for the model, else eager."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        if not path.exists():
-            raise DCPInputError(f"no model config at {path}. Pass a checkpoint directory "
-                                f"(config.json inside) or a config.json path.")
-        config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    or config.json path) with no weights (:func:`empty_weights`), in eval mode. ``dtype``:
+    the parameters' dtype (default: the config's ``dtype``, else float32);
+    ``attn_implementation``: as for :func:`causal_lm`."""
+    with empty_weights():
+        return causal_lm(config, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def causal_lm(config, *, dtype: torch.dtype | None = None,
+              attn_implementation: str | None = None) -> nn.Module:
+    """The transformers causal LM of ``config`` (as for :func:`meta_model`), in eval mode,
+    its weights as its constructor initialises them (within :func:`empty_weights`: none).
+    ``attn_implementation``: "sdpa" or "eager"; default: sdpa where transformers offers it
+    for the model, else eager (Gemma-2, gpt-oss) — never transformers' own refusal."""
+    from transformers import AutoModelForCausalLM
+    config = model_config(config)
     if attn_implementation is not None and attn_implementation not in ATTENTION:
         raise DCPInputError(f"unknown attention implementation {attn_implementation!r}. Use "
                             f"one of {list(ATTENTION)}.")
@@ -75,9 +81,8 @@ def meta_model(config, *, dtype: torch.dtype | None = None,
     errors = []
     for impl in (attn_implementation,) if attn_implementation else ATTENTION:
         try:
-            with empty_weights():
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                         attn_implementation=impl)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     attn_implementation=impl)
         except (ValueError, ImportError) as e:
             errors.append(f"{impl}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             continue
@@ -87,8 +92,30 @@ def meta_model(config, *, dtype: torch.dtype | None = None,
                         f"another attn_implementation, or another model.")
 
 
+def model_config(config):
+    """``config`` as a transformers PretrainedConfig: itself, or read from a checkpoint
+    directory or a config.json path (never a download)."""
+    if not isinstance(config, (str, os.PathLike)):
+        return config
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+    path = Path(config)
+    if not path.exists():
+        raise DCPInputError(f"no model config at {path}. Pass a checkpoint directory "
+                            f"(config.json inside) or a config.json path.")
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise DCPInputError(f"{file} is not a readable config.json ({e}). Pass a "
+                            f"transformers config.json or its directory.") from None
+    if "model_type" not in data:
+        raise DCPInputError(f"{file} has no model_type. Use a transformers config.json.")
+    return AutoConfig.for_model(**data)
+
+
 def _config_dtype(config) -> torch.dtype:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32

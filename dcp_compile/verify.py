@@ -116,12 +116,14 @@ def _start_from_reference(program, rank, engine, ref_engine) -> None:
                   kv_heads=program.topology.kv_heads_of(rank))
 
 
-def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4
-           ) -> VerifyReport:
-    """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens."""
+def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4,
+           checkpoint=None) -> VerifyReport:
+    """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens.
+    ``checkpoint``: every rank reads its weight shards from it (a weightless program)."""
     start = time.perf_counter()
     ref, _ = run_reference(model, program, prompts, steps)
-    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True,
+                                checkpoint=checkpoint)
     errors, first = [], None
     tokens_agree = True
     for run in runs:
