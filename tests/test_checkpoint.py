@@ -326,3 +326,45 @@ def test_threaded_world_decodes_from_the_checkpoint(model_id, tmp_path):
     tokens, logits = full_forward_reference(model, prompts, steps)
     runs = run_threaded_program(loaded, prompts, steps, checkpoint=directory)
     assert_runs_match(runs, tokens, logits, atol=1e-4)
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def test_cli_compile_writes_a_weightless_program_and_verify_reads_the_checkpoint(llama,
+                                                                                tmp_path,
+                                                                                capsys):
+    from dcp_compile import cli
+    _, directory = llama
+    out = tmp_path / "p.dcp"
+    assert cli.main(["compile", "--checkpoint", str(directory), "--tp", str(TP), "--dcp",
+                     str(DCP), "--max-model-len", "64", "--chunk", "16", "-o", str(out)]) == 0
+    assert "no weight data" in capsys.readouterr().out
+    program = load_program(out)
+    assert program.weightless and os.path.getsize(out) < 2 * 2**20
+    reference = dcp_compile.transform(build("llama-gqa", torch.float32), TP, DCP, check=False)
+    assert_bit_equal(program.state_dict_for(3, checkpoint=directory),
+                     reference.state_dict_for(3))
+    assert cli.main(["verify", "--checkpoint", str(directory), "--tp", str(TP), "--dcp",
+                     str(DCP), "--steps", "3", "--lengths", "2,9"]) == 0
+    assert "OK: backend=threads" in capsys.readouterr().out
+
+
+def test_cli_checkpoint_verify_refuses_what_it_does_not_run(llama, capsys):
+    from dcp_compile import cli
+    _, directory = llama
+    assert cli.main(["verify", "--checkpoint", str(directory), "--tp", str(TP), "--dcp",
+                     str(DCP), "--mode", "prefill"]) == 2
+    assert "--checkpoint verifies plain greedy decoding on threads" in capsys.readouterr().err
+
+
+def test_cli_hf_config_of_an_eager_only_model_runs(tmp_path, capsys):
+    """Gemma-2 has no sdpa in transformers: the default falls back to eager."""
+    from dcp_compile import cli
+    config = transformers.Gemma2Config(**{**BASE, "head_dim": 8, "num_hidden_layers": 2})
+    config.save_pretrained(tmp_path)
+    assert cli.main(["verify", "--hf-config", str(tmp_path), "--tp", str(TP), "--dcp",
+                     str(DCP), "--steps", "2", "--lengths", "2,5"]) == 0
+    assert "OK: backend=threads" in capsys.readouterr().out
+    with pytest.raises(DCPInputError, match=r"builds Gemma2Config with none of \['sdpa'\]"):
+        meta_model(config, attn_implementation="sdpa")
