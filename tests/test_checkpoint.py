@@ -271,6 +271,14 @@ def test_program_without_names_is_refused(llama, tmp_path):
         nameless.state_dict_for(0, checkpoint=directory)
 
 
+def test_weightless_save_of_a_nameless_program_is_refused(llama, tmp_path):
+    import dataclasses
+    program, _ = llama
+    with pytest.raises(DCPInputError, match="records none: no rank could load it"):
+        dataclasses.replace(program, weight_names={}).save(tmp_path / "x.dcp", weights=False)
+    assert not (tmp_path / "x.dcp").exists()
+
+
 def test_unsupported_conversion_is_named(llama):
     _, directory = llama
     with pytest.raises(DCPInputError, match=r"weight w cannot be read .*: transformers "

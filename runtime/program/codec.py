@@ -46,6 +46,11 @@ DROPPED = ("report", "dump_dir")
 def save_program(program, path: str | os.PathLike, *, weights: bool = True) -> None:
     """Write ``program`` to ``path`` (atomically: a reader never sees half a file);
     ``weights=False``: its named weights as meta tensors (shape and dtype, no data)."""
+    if not weights and not program.weight_names:
+        raise DCPInputError(
+            f"a weightless program file needs the weights' checkpoint names, and this program "
+            f"({program.source}) records none: no rank could load it. Save it with "
+            f"weights=True, or compile with dcp_compile.transform, which names every weight.")
     facts = dataclasses.replace(program.facts, mask_theorems=None)
     body = {f.name: getattr(program, f.name) for f in dataclasses.fields(program)
             if f.name not in DROPPED + ("graphs", "bucket_graphs", "facts", "constants")}
