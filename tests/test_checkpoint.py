@@ -120,6 +120,23 @@ def test_experts_source_is_the_checkpoints_per_expert_tensors():
         "model.layers.0.block_sparse_moe.gate.weight"
 
 
+def test_failing_conversion_rules_leave_the_transform_and_refuse_the_load(llama, monkeypatch):
+    import transformers.core_model_loading as loading
+
+    from dcp_compile.frontends.huggingface import checkpoint_sources
+
+    def broken(model, state):
+        raise ValueError("no rule")
+    monkeypatch.setattr(loading, "revert_weight_conversion", broken)
+    sources = checkpoint_sources(build("llama-gqa", torch.float32))
+    why = sources["model.norm.weight"].unsupported
+    assert "conversion rules failed on LlamaForCausalLM (ValueError: no rule)" in why
+    _, directory = llama
+    with pytest.raises(DCPInputError, match=r"weight model\.norm\.weight cannot be read"):
+        Checkpoint(directory).source_of(("model.norm.weight",), sources["model.norm.weight"],
+                                        torch.empty(64))
+
+
 def test_weightless_program_file(tmp_path):
     model = build("llama-gqa", torch.float32)
     program = dcp_compile.transform(model, TP, DCP, check=False)

@@ -594,9 +594,21 @@ def checkpoint_sources(model: nn.Module) -> dict:
     loading makes of it (``rename_source_key``). transformers 5 stacks per-expert tensors
     (``MergeModulelist``) and fuses gate and up (``Concatenate``); a weight built by any other
     conversion gets a source that says so (the loader refuses it naming the op). Not a
-    transformers model, or none converted: {}."""
+    transformers model, or none converted: {}. Where transformers' rules themselves fail on
+    the model, every weight gets a source naming that failure: the transform goes on (the
+    program runs on the model's own weights), a checkpoint load is refused."""
     if not is_hf(model):
         return {}
+    try:
+        return _checkpoint_sources(model)
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' rules: same answer
+        from dcp_compile.runtime.program.checkpoint import WeightSource
+        why = (f"transformers' conversion rules failed on {type(model).__name__} "
+               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return {fqn: WeightSource((), unsupported=why) for fqn in model.state_dict()}
+
+
+def _checkpoint_sources(model: nn.Module) -> dict:
     from collections import defaultdict
 
     from transformers.conversion_mapping import get_model_conversion_mapping
