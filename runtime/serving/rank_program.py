@@ -72,7 +72,8 @@ class RankProgram:
         self.compile = compile
         self.program = program
         self.rank = rank
-        state = program.state_dict_for(rank, checkpoint)
+        state = program.state_dict_for(rank) if checkpoint is None else \
+            program.state_dict_for(rank, checkpoint=checkpoint)
         self._prefix = [state[n] for n in program.weight_inputs] + [state[RANK_INPUT]]
         device = self._prefix[0].device
         # One (graphs, contracts) per context bucket, by block-table width: a step runs the
