@@ -6,7 +6,7 @@ Public API (see README.md): ``DCPConfig``, ``DCPConfigError``, ``topology``, ``p
 
 Three layers in one namespace, lowest last: the compiler (this package's own modules) >
 ``dcp_compile.passes`` > ``dcp_compile.runtime``; the foundation re-exported here lives in
-``dcp_compile.runtime`` (README: Packages and layers).
+``dcp_compile.runtime`` (docs/architecture.md: Packages and layers).
 """
 
 from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)

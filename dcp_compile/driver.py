@@ -59,15 +59,15 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
-    ``combine_dtype`` choose the decode combine (DCPConfig; README "Decode step cost").
+    ``combine_dtype`` choose the decode combine (DCPConfig; docs/runtime.md "Decode step cost").
 
     ``expert_parallel`` partitions a mixture-of-experts model's experts over the tp ranks
-    instead of cutting each expert's intermediate dim (README "Mixture of experts").
+    instead of cutting each expert's intermediate dim (docs/moe-mla.md "Mixture of experts").
 
     ``buckets`` (context lengths in tokens, each a multiple of ``block_size * dcp``) adds one
     graph per (step kind, bucket) over the same weights, with a block table of
     ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
-    always the last bucket (dcp_compile.runtime.program.buckets; README "Context buckets").
+    always the last bucket (dcp_compile.runtime.program.buckets; docs/lowering.md "Context buckets").
 
     ``stack_traces``: whether the graph nodes record the user source line they came from
     (``meta['stack_trace']``; dcp_compile.capture.stack_traces). ``None``: only when a dump

@@ -20,8 +20,8 @@ This pass rewrites the graph into that form before the cache is inserted: the at
 then MQA with K = V = [c ; k_pe] (insert_paged_cache stores a tensor that is both K and V
 once), q heads and W's head rows are sharded by TP as usual (W_UK/W_UV are per-head views of
 W), and DCP decode gathers q_abs, attends over each rank's latents and combines the partial
-[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded): README, "Multi-head Latent
-Attention".
+[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded): docs/moe-mla.md, "Multi-head
+Latent Attention".
 
 Recognised: ``aten.scaled_dot_product_attention`` or eager ``q @ k^T -> softmax -> @ v``
 whose key is ``cat(k_nope, expand(k_pe))`` (or Hugging Face's new_empty + copy_ of the two)

@@ -2,7 +2,7 @@
 
 ``PIPELINE`` is the one place the order is written. ``transform()`` and the torch.compile
 backend build their passes from it (:func:`passes_for`), the dump records it in each step's
-``manifest.json``, and a test checks the README's "Passes" list against it.
+``manifest.json``, and a test checks the "Passes" list of docs/architecture.md against it.
 
 Step kinds: ``context`` (the decode engine's prompt step), ``decode`` (one token per
 sequence) and ``prefill`` (the prefill engine's chunk; ``sequence_parallel`` lays out the

@@ -23,7 +23,7 @@ Measured on main before the sound-sharding work (500 models, derandomized): chec
 one with a KNOWN_UNSOUND_FEATURES feature (each of the three alone suffices); check=True 373
 refused + 33 refused by the check / 94 equal / 0 mismatches. ~0.47 s CPU per model.
 
-Where the CPU goes (README "The sharding fuzz's CPU"): torch.export 55-60% (a decode model
+Where the CPU goes (docs/benchmarks.md "The sharding fuzz's CPU"): torch.export 55-60% (a decode model
 is captured twice: context and decode steps), the passes ~20%, the threaded verify ~20%.
 500 models: 355 -> 260 CPU-s side by side after the propagation reuse, export's lazy code
 generation and verify's shared bound graphs (~0.5 s CPU per model).

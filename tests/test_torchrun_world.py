@@ -1,10 +1,10 @@
 """Real processes: one torchrun/gloo world of 4 ranks (tp=4, dcp=2) serves five claims.
 
-The world (tests/world_worker.py) runs the README's torchrun blocks, then four workers one
+The world (tests/world_worker.py) runs the pages' torchrun blocks, then four workers one
 after the other, so every rank starts (torch, gloo) once instead of five times; each test
 reads its part's output:
 
-0. The README's torch.compile block (``<!-- readme-test: world 4 -->``) runs first, as
+0. The torch.compile block of docs/runtime.md (``<!-- readme-test: world 4 -->``) runs first, as
    written, in the fresh ranks: it initialises the world itself and destroys it; the parts
    then run in a world initialised again (tests/test_readme.py leaves these blocks here).
 
@@ -56,7 +56,7 @@ SELFTEST = ["--dcp", "2", "--mode", "prefill", "--roles", "cp_kv", "dcp_tp", "--
 PREFILL_S, PREFILL_PLAN, PREFILL_SEED = 36, mixed_plan(36, 2, 8), 5
 DECODE_LENGTHS, DECODE_STEPS = [1, 31, 33, 32], 16
 BACKEND_STEPS = 8
-README_BLOCKS = [b for b in BLOCKS if "world" in b.tags]   # README blocks this world runs
+README_BLOCKS = [b for b in BLOCKS if "world" in b.tags]   # page blocks this world runs
 
 
 def write_checkpoint(model, directory):
@@ -85,7 +85,7 @@ def world(tmp_path_factory):
     write_checkpoint(demo_model(), tmp / "ckpt")
     readme = []
     for b in README_BLOCKS:
-        readme.append(tmp / f"readme_line{b.line}.py")
+        readme.append(tmp / _script_name(b))
         readme[-1].write_text(b.code)
     proc = run_torchrun(WORLD, "tests.world_worker",
                         ["--readme", json.dumps([str(p) for p in readme]),
@@ -96,12 +96,17 @@ def world(tmp_path_factory):
     return {"tmp": tmp, "stdout": proc.stdout, "prefill_argv": prefill_argv}
 
 
+def _script_name(block) -> str:
+    """A block's script file, unique over the pages: ``docs_runtime.md_line140.py``."""
+    return f"{block.page.replace('/', '_')}_line{block.line}.py"
+
+
 def test_readme_torchrun_blocks_run_as_written(world):
-    assert README_BLOCKS, "no README block is tagged <!-- readme-test: world 4 -->"
+    assert README_BLOCKS, "no block of a page is tagged <!-- readme-test: world 4 -->"
     for b in README_BLOCKS:
-        assert int(b.tags["world"]) == WORLD, f"README line {b.line}: world {b.tags['world']}"
+        assert int(b.tags["world"]) == WORLD, f"{b.where}: world {b.tags['world']}"
         for rank in range(WORLD):
-            assert f"readme block readme_line{b.line}.py ok rank={rank}" in world["stdout"]
+            assert f"readme block {_script_name(b)} ok rank={rank}" in world["stdout"]
 
 
 def test_torchrun_gloo_selftest(world):

@@ -121,7 +121,7 @@ def model_heads(args) -> dict:
 
 
 def add_buckets_argument(p) -> None:
-    """``--buckets 64,256``: context buckets in tokens (README "Context buckets")."""
+    """``--buckets 64,256``: context buckets in tokens (docs/lowering.md "Context buckets")."""
     p.add_argument("--buckets", type=positive_int_list, default=None,
                    help="comma-separated context buckets in tokens, each a multiple of "
                         "block_size * dcp: one graph (and lowered module) per step kind and "

@@ -527,8 +527,8 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"{name} is a Multi-head Latent Attention model ({latent}): "
             f"hf.prepare's paged op caches full K and V per head, not MLA's latent cache. "
             f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
-            f"'sdpa'): that path absorbs MLA into latent attention (README: Multi-head Latent "
-            f"Attention).")
+            f"'sdpa'): that path absorbs MLA into latent attention (docs/moe-mla.md: Multi-head "
+            f"Latent Attention).")
     num_layers = _field(cfg, "num_hidden_layers")
     num_q_heads = _field(cfg, "num_attention_heads")
     num_kv_heads = _field(cfg, "num_key_value_heads") or num_q_heads

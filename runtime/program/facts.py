@@ -10,7 +10,7 @@ import torch
 
 @dataclass(frozen=True)
 class LatentAttention:
-    """An MLA layer's widths, as absorb_latent_attention found them (README: MLA)."""
+    """An MLA layer's widths, as absorb_latent_attention found them (docs/moe-mla.md: MLA)."""
 
     kv_lora_rank: int
     qk_rope_head_dim: int
@@ -22,8 +22,8 @@ class LatentAttention:
 
 @dataclass(frozen=True)
 class MixtureOfExperts:
-    """The model's dcp.moe blocks, as canonicalize_moe found them (README: Mixture of
-    experts)."""
+    """The model's dcp.moe blocks, as canonicalize_moe found them (docs/moe-mla.md: Mixture
+    of experts)."""
 
     layers: int                       # MoE layers (dcp.moe nodes)
     experts: tuple[int, ...]          # distinct expert counts
