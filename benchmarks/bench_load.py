@@ -19,6 +19,7 @@ model (dtype bfloat16) in a fresh process, every weight touched once (its tensor
 the files lazily): its RSS growth and seconds.
 
     python3 -m benchmarks.bench_load [--dir /tmp/bench_load] [--tp 1,2,4,8] [--keep]
+                                     [--write-docs]
 
 Measured, never asserted (tests/test_checkpoint.py asserts what the reader reads). The
 page cache is warm after the checkpoint is written; each row reads the same files.
@@ -34,6 +35,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 MiB = 1 << 20
 CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
@@ -118,7 +122,7 @@ def child_hf(checkpoint: str) -> dict:
 
 
 def _in_child(*argv: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_load", "--child", *argv],
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv],
                           capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -129,11 +133,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", default="1,2,4,8")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint for next time")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    docs_section.add_argument(ap)
     args = ap.parse_args(argv)
     if args.child:
         kind, *rest = args.child
         print(json.dumps(child_load(*rest) if kind == "load" else child_hf(*rest)))
         return 0
+    with docs_section.recorded("bench_load", args.write_docs):
+        run(args)
+    return 0
+
+
+def run(args) -> None:
     root = Path(args.dir)
     checkpoint = root / "checkpoint"
     checkpoint.mkdir(parents=True, exist_ok=True)
@@ -156,7 +167,6 @@ def main(argv=None) -> int:
           f"{hf['seconds']:.2f} s")
     if not args.keep:
         shutil.rmtree(root)
-    return 0
 
 
 if __name__ == "__main__":
