@@ -1,5 +1,6 @@
-"""A model without its weights: parameters and persistent buffers on the meta device,
-non-persistent buffers real.
+"""A model without its weights (parameters and persistent buffers on the meta device).
+
+Non-persistent buffers stay real (see below).
 
 The way to compile a large model (DESIGN "Weights by name"): build it here, transform it,
 save the weightless program (``program.save(path, weights=False)``, or any program of a

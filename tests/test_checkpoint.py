@@ -123,7 +123,7 @@ def test_experts_source_is_the_checkpoints_per_expert_tensors():
 def test_failing_conversion_rules_leave_the_transform_and_refuse_the_load(llama, monkeypatch):
     import transformers.core_model_loading as loading
 
-    from dcp_compile.frontends.huggingface import checkpoint_sources
+    from dcp_compile.frontends.hf_checkpoint import checkpoint_sources
 
     def broken(model, state):
         raise ValueError("no rule")

@@ -17,8 +17,8 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import Captured, capture, checkpoint_names, constant_values
-from .huggingface import (check_hf_config, checkpoint_sources, declared_windows,
-                          dcp_experts_enabled, is_hf)
+from .hf_checkpoint import checkpoint_sources
+from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
 

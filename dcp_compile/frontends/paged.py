@@ -16,7 +16,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, checkpoint_names, constant_values, example_step_inputs
-from .huggingface import checkpoint_sources
+from .hf_checkpoint import checkpoint_sources
 from .protocol import StepCapture
 
 

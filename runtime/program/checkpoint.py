@@ -1,5 +1,6 @@
 """Reading one rank's weights from a checkpoint: only this rank's slices, never the model.
 
+
 A program names each weight input by the model's own parameter names
 (``DCPProgram.weight_names``: placeholder -> FQNs, the first the primary, the others tied
 aliases) and knows how a rank's shard is cut (``ShardSpec.boxes``: boxes of the full
