@@ -25,6 +25,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode
 from dcp_compile.runtime.topology import topology
 
+from .capture import meta_to_host
 from .frontends import Frontend, StepCapture, frontend_for
 from .report import CompileReport
 
@@ -169,11 +170,15 @@ def compile_program(frontend: Frontend, config: DCPConfig,
             f"transform did not refuse: report this model to dcp_compile)") from refusal
     frontend.accept(steps.config)
     config, first, facts = steps.config, steps.first, steps.facts
+    for gm in steps.graphs.values():
+        meta_to_host(gm)
     program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
                                                           config=config),
                          graphs=steps.graphs, shapes=frontend.shapes,
                          constants=first.constants(), shards=steps.shards,
                          weight_inputs=list(first.weight_inputs),
+                         weight_names=first.weight_names(),
+                         weight_sources=first.weight_sources(),
                          facts=replace(facts, cache_dtype=facts.cache_dtype or torch.float32),
                          source=frontend.source,
                          dump_dir=str(dump_path) if dump_path else None,

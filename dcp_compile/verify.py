@@ -73,9 +73,10 @@ def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
 
 
 def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
-                         poison_garbage=False, timeout=300.0, from_reference=None
-                         ) -> list[RankRun]:
-    """Every rank runs the same engine loop over its loaded program (SPMD), on threads.
+                         poison_garbage=False, timeout=300.0, from_reference=None,
+                         checkpoint=None) -> list[RankRun]:
+    """Every rank runs the same engine loop over its loaded program (SPMD), on threads;
+    with ``checkpoint``, each reads only its own weight shards from that directory.
 
     ``from_reference=(ref_engine, first_logits)`` skips the program's own prompt step: each
     rank scatters the single-device engine's caches into its DCP layout and decodes from
@@ -85,7 +86,8 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     from dcp_compile.runtime.distributed.world import run_threaded
 
     def rank_main(rank):
-        engine = rank_engine(program, rank, shared_names=True, fill=fill, poison=poison_garbage)
+        engine = rank_engine(program, rank, shared_names=True, fill=fill, poison=poison_garbage,
+                             checkpoint=checkpoint)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -114,12 +116,14 @@ def _start_from_reference(program, rank, engine, ref_engine) -> None:
                   kv_heads=program.topology.kv_heads_of(rank))
 
 
-def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4
-           ) -> VerifyReport:
-    """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens."""
+def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4,
+           checkpoint=None) -> VerifyReport:
+    """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens.
+    ``checkpoint``: every rank reads its weight shards from it (a weightless program)."""
     start = time.perf_counter()
     ref, _ = run_reference(model, program, prompts, steps)
-    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True,
+                                checkpoint=checkpoint)
     errors, first = [], None
     tokens_agree = True
     for run in runs:

@@ -18,7 +18,8 @@ reads its part's output:
    logits and caches match the single-device model (tests/test_prefill_dcp.py's
    comparison).
 3. Decode (dcp_compile.workers.decode): the test transforms once and every rank loads the
-   program file (``--program``, runtime/program/program_file.py); greedy decode of prompts of 1, 31,
+   weightless program file (``--program``, runtime/program/program_file.py) and reads only
+   its own weight shards from a safetensors checkpoint (``--checkpoint``); greedy decode of prompts of 1, 31,
    33 and 32 tokens (an empty shard, lengths around the interleave period) for 16 steps
    gives the single-device model's tokens, and logits within 1e-4.
 4. The torch.compile backend (tests/backend_worker.py over dcp_compile.workers.compiled):
@@ -41,6 +42,7 @@ import torch
 
 from dcp_compile.runtime.distributed.launch import run_torchrun
 from dcp_compile.verify import PrefillRun, run_prefill_reference
+from dcp_compile.models.demo import demo_model
 from dcp_compile.workers import decode, prefill
 
 from helpers import assert_close_report, single_device_reference
@@ -57,6 +59,15 @@ BACKEND_STEPS = 8
 README_BLOCKS = [b for b in BLOCKS if "world" in b.tags]   # page blocks this world runs
 
 
+def write_checkpoint(model, directory):
+    """``model``'s state dict as a one-file safetensors checkpoint (the demo model is no
+    transformers model: its own parameter names)."""
+    from safetensors.torch import save_file
+    directory.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              directory / "model.safetensors")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torchrun_world")
@@ -65,12 +76,13 @@ def world(tmp_path_factory):
                     "--seed", str(PREFILL_SEED), "--out-dir", str(tmp / "prefill")]
     decode_argv = ["--dcp", "2", "--steps", str(DECODE_STEPS), "--lengths",
                    ",".join(map(str, DECODE_LENGTHS)), "--out", str(tmp / "tokens.json"),
-                   "--program", str(tmp / "decode.dcp")]
+                   "--program", str(tmp / "decode.dcp"), "--checkpoint", str(tmp / "ckpt")]
     backend_argv = ["--dcp", "2", "--steps", str(BACKEND_STEPS), "--lengths",
                     ",".join(map(str, DECODE_LENGTHS)), "--out", str(tmp / "backend.json"),
                     "--dump", str(tmp / "dump")]
-    decode.build_program(decode.parse(decode_argv), tp=WORLD, check=False).save(
-        tmp / "decode.dcp")
+    program = decode.build_program(decode.parse(decode_argv), tp=WORLD, check=False)
+    program.save(tmp / "decode.dcp", weights=False)
+    write_checkpoint(demo_model(), tmp / "ckpt")
     readme = []
     for b in README_BLOCKS:
         readme.append(tmp / _script_name(b))
@@ -123,7 +135,8 @@ def _decoded_like_single_device(path, steps: int) -> dict:
 
 
 def test_torchrun_gloo_decode_matches_single_device(world):
-    """Every rank loaded the program file the test wrote."""
+    """Every rank loaded the weightless program file the test wrote and read its shards from
+    the checkpoint."""
     _decoded_like_single_device(world["tmp"] / "tokens.json", DECODE_STEPS)
     for rank in range(WORLD):
         assert f"decode_worker rank={rank} ok" in world["stdout"]

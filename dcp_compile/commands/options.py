@@ -112,7 +112,8 @@ def check_layout(args, *, modes=None, **heads) -> None:
 def model_heads(args) -> dict:
     """Head counts to validate the layout against before work starts: the demo model's. A
     ``--model`` / ``--hf-config`` model's own heads are checked when it is transformed."""
-    if getattr(args, "model", None) or getattr(args, "hf_config", None):
+    if getattr(args, "model", None) or getattr(args, "hf_config", None) or \
+            getattr(args, "checkpoint", None):
         return {}
     from dcp_compile.models.demo import DemoConfig
     c = DemoConfig()

@@ -447,6 +447,11 @@ class DCPCausalLM(nn.Module):
     def config(self):
         return self.hf_model.config
 
+    @property
+    def checkpoint_module(self) -> nn.Module:
+        """The model whose parameter names a checkpoint uses (the frontends read it)."""
+        return self.hf_model
+
     # Facts transform() reads.
     @property
     def num_layers(self) -> int:
@@ -589,3 +594,4 @@ __all__ = ["ATTENTION_SWITCH", "ATTN_IMPLEMENTATION", "DCPCausalLM", "EXPERTS_IM
            "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "check_hf_config", "dcp_experts_enabled",
            "dcp_experts_forward", "declared_windows", "experts_form", "is_hf",
            "paged_attention_forward", "prepare"]
+
