@@ -14,7 +14,7 @@ from torch.fx import GraphModule, Node
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPCompilerBug, DCPError, DCPTransformError
 from .diagnose import explain
 
 
@@ -280,6 +280,10 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
             result = p(gm)
         except DCPTransformError as e:
             raise name_the_features(e, gm)
+        except DCPError:
+            raise
+        except Exception as e:      # not a refusal: a bug of the pass, named
+            raise DCPCompilerBug(f"pass {name} (step {step!r})", e) from e
         if result is not None:
             gm = result.graph_module
         modified = bool(result.modified) if result is not None else True
@@ -292,11 +296,11 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
                 else:
                     stale_code = True
                 propagated = propagate_changed(gm, changed_nodes(gm, before), before)
-        except DCPTransformError:
+        except DCPError:
             raise
-        except Exception as e:  # a pass left an ill-formed graph: say which one
-            raise DCPTransformError(f"pass {name} left an invalid graph for step {step!r}: "
-                                    f"{type(e).__name__}: {e}") from e
+        except Exception as e:  # a pass left an ill-formed graph: a bug of that pass
+            raise DCPCompilerBug(f"pass {name} (step {step!r}), which left an invalid "
+                                 f"graph", e) from e
         seconds = time.perf_counter() - start
         if check_propagation:
             bad = propagation_mismatches(gm)

@@ -2,7 +2,7 @@
 
 ``PIPELINE`` is the one place the order is written. ``transform()`` and the torch.compile
 backend build their passes from it (:func:`passes_for`), the dump records it in each step's
-``manifest.json``, and a test checks the README's "Passes" list against it.
+``manifest.json``, and a test checks the "Passes" list of docs/architecture.md against it.
 
 Step kinds: ``context`` (the decode engine's prompt step), ``decode`` (one token per
 sequence) and ``prefill`` (the prefill engine's chunk; ``sequence_parallel`` lays out the
@@ -22,6 +22,7 @@ from dcp_compile.runtime.names import Mode, StepKind
 from .canonicalize_attention import CanonicalizeAttention
 from .canonicalize_moe import CanonicalizeMoE
 from .check_static_shapes import CheckStaticShapes
+from .check_token_wise import CheckTokenWise
 from .dcp_decode import DCPContext, DCPDecode
 from .dcp_prefill import DCPPrefill
 from .drop_export_asserts import DropExportAsserts
@@ -41,14 +42,15 @@ STEPS_BY_MODE: dict[Mode, tuple[StepKind, ...]] = {
 # Step kind -> its passes, in order.
 PIPELINE: dict[StepKind, tuple[type[DCPPass], ...]] = {
     StepKind.CONTEXT: (InsertPagedCache, DropExportAsserts, CheckStaticShapes,
-                       CanonicalizeAttention, CanonicalizeMoE, ValidateAndProve, InsertRank,
-                       ShardTensorParallel, DCPContext),
+                       CanonicalizeAttention, CanonicalizeMoE, CheckTokenWise,
+                       ValidateAndProve, InsertRank, ShardTensorParallel, DCPContext),
     StepKind.DECODE: (InsertPagedCache, DropExportAsserts, CheckStaticShapes,
-                      CanonicalizeAttention, CanonicalizeMoE, ValidateAndProve, InsertRank,
-                      ShardTensorParallel, DCPDecode),
+                      CanonicalizeAttention, CanonicalizeMoE, CheckTokenWise,
+                      ValidateAndProve, InsertRank, ShardTensorParallel, DCPDecode),
     StepKind.PREFILL: (InsertPagedCache, DropExportAsserts, CheckStaticShapes,
-                       CanonicalizeAttention, CanonicalizeMoE, ValidateAndProve, InsertRank,
-                       ShardTensorParallel, SequenceParallel, DCPPrefill),
+                       CanonicalizeAttention, CanonicalizeMoE, CheckTokenWise,
+                       ValidateAndProve, InsertRank, ShardTensorParallel, SequenceParallel,
+                       DCPPrefill),
 }
 
 # Passes that run only when the frontend built one (their arguments come from the model).
@@ -56,7 +58,8 @@ OPTIONAL: frozenset[type[DCPPass]] = frozenset({InsertPagedCache})
 
 # Passes built from more than the context: pass -> its extra constructor arguments, from the
 # name of the graph's first step input (the rank input goes before it).
-_EXTRA_ARGS = {InsertRank: lambda first_user_input: (first_user_input,)}
+_EXTRA_ARGS = {InsertRank: lambda first_user_input: (first_user_input,),
+               CheckTokenWise: lambda first_user_input: (first_user_input,)}
 
 
 def pass_names(step: str) -> list[str]:

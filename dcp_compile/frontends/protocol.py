@@ -30,6 +30,10 @@ class StepCapture:
     seconds: float = 0.0             # how long the capture took (history, progress)
     # placeholder -> the full weight (asked once, of the first step's capture)
     constants: Callable[[], dict[str, torch.Tensor]] = field(default=dict, repr=False)
+    # placeholder -> the model's parameter names (DCPProgram.weight_names), and FQN -> the
+    # checkpoint tensors of a weight held in another form (DCPProgram.weight_sources)
+    weight_names: Callable[[], dict[str, tuple[str, ...]]] = field(default=dict, repr=False)
+    weight_sources: Callable[[], dict] = field(default=dict, repr=False)
 
     @property
     def first_user_input(self) -> str:

@@ -109,8 +109,8 @@ def test_every_tests_path_and_module_name_written_in_the_repository_exists():
 
 
 @pytest.mark.parametrize("text, stale", [
-    ("see tests/test_world.py", ["tests/test_world"]),
-    ("python -m tests.world_worker", ["tests.world_worker"]),
+    ("see tests/runtime/test_world.py", ["tests/runtime/test_world"]),
+    ("python -m tests.support.world_worker", ["tests.support.world_worker"]),
     ("`tests/runtime/test_world.py::test_x`, tests/support/full_runs.SWITCHES", []),
     ("python -m tests.support.world_worker; tests.support.full_runs.SWITCHES", []),
     ("tests/support/no_such_helper.py", ["tests/support/no_such_helper"]),
