@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .infra import DCPPass
+from .infra import DCPPass, Property
 
 
 class DropExportAsserts(DCPPass):
     name = "drop_export_asserts"
+    required = frozenset({Property.ATEN_GRAPH})
+    ensured = frozenset({Property.NO_EXPORT_ASSERTS})
     TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
 
     def call(self, gm):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from dcp_compile.passes.infra import CAPTURED, Property
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, KV_CACHES
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from dcp_compile.passes.infra import DCPPass, TransformContext
     from dcp_compile.runtime.config import DCPConfig
     from dcp_compile.runtime.serving.engine import StepShapes
+
+
+# What a captured paged step (the model takes positions, block table and caches) holds.
+PAGED_STEP: frozenset[Property] = CAPTURED | {Property.PAGED_CACHE, Property.POSITIONS_LIFTED}
 
 
 @dataclass
@@ -47,6 +52,9 @@ class StepCapture:
     seconds: float = 0.0             # how long the capture took (history, progress)
     # placeholder -> the full weight (asked once, of the first step's capture)
     constants: Callable[[], dict[str, torch.Tensor]] = field(default=dict, repr=False)
+    # What the graph holds as captured (passes.infra.Property): the pipeline checks its
+    # row's order from it. A paged step signature gives what the cache insertion ensures.
+    provides: frozenset = field(default_factory=lambda: CAPTURED)
 
     @property
     def first_user_input(self) -> str:

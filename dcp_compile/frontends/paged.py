@@ -16,7 +16,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, constant_values, example_step_inputs
-from . import StepCapture
+from . import PAGED_STEP, StepCapture
 
 
 class PagedFrontend:
@@ -51,7 +51,8 @@ class PagedFrontend:
         return StepCapture(captured.gm, captured.user_inputs,
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,
-                           constants=lambda: constant_values(self.model, captured))
+                           constants=lambda: constant_values(self.model, captured),
+                           provides=PAGED_STEP)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
         return []                   # the graph takes its caches already
