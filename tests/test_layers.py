@@ -97,3 +97,61 @@ def test_the_layers_install_under_the_dcp_compile_namespace():
     out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True,
                          text=True, timeout=300, env={"PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+# Import cycles between the package's modules (lazy imports included): a strongly connected
+# component of more than one module in grimp's import graph. Printed one per line.
+CYCLES = r'''
+import sys, grimp
+graph = grimp.build_graph("dcp_compile", cache_dir=None)
+edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+index, low, stack, on, out = {}, {}, [], set(), []
+sys.setrecursionlimit(10000)
+def visit(v):
+    index[v] = low[v] = len(index); stack.append(v); on.add(v)
+    for w in edges[v]:
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        comp = []
+        while True:
+            w = stack.pop(); on.discard(w); comp.append(w)
+            if w == v:
+                break
+        if len(comp) > 1:
+            out.append(sorted(comp))
+for v in sorted(edges):
+    if v not in index:
+        visit(v)
+for comp in out:
+    print(" <-> ".join(comp))
+'''
+
+
+def import_cycles(tree: Path) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", CYCLES], cwd=tree, capture_output=True,
+                         text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_no_import_cycle(tmp_path):
+    cycles = import_cycles(installed_layout(ROOT, tmp_path))
+    assert not cycles, (
+        "modules import each other (lazy imports included); move the shared piece into a "
+        "module both import:\n" + "\n".join(cycles))
+
+
+def test_a_cycle_is_found(tmp_path):
+    # Not vacuous: a lazy import back from a module its importer depends on is a cycle.
+    tree = installed_layout(ROOT, tmp_path)
+    names = tree / "dcp_compile" / "runtime" / "names.py"
+    names.write_text(names.read_text() + "\n\ndef _back():\n"
+                     "    from dcp_compile.runtime import topology\n    return topology\n")
+    topology = (tree / "dcp_compile" / "runtime" / "topology.py").read_text()
+    assert "from dcp_compile.runtime.names import" in topology, "the probe needs this edge"
+    assert any("dcp_compile.runtime.topology" in c and "dcp_compile.runtime.names" in c
+               for c in import_cycles(tree))

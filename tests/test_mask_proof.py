@@ -258,7 +258,7 @@ def test_prepare_reads_windows_the_attention_function_is_not_told(case):
 def test_hf_windows_longer_than_the_chunk_are_read_from_the_mask(case, attn):
     """The mask shows the 14-token window (longer than the 12-token chunk): the proof finds
     it, and it agrees with the config's windows (0 on Qwen2-MoE's full layer)."""
-    from dcp_compile.frontends.ordinary import declared_windows
+    from dcp_compile.frontends.huggingface import declared_windows
     model = _hf(case, sliding_window=WINDOW, attn_implementation=attn)
     declared = declared_windows(model)
     assert WINDOW in declared

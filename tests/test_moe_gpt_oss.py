@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import dcp_compile  # noqa: E402
-from dcp_compile import hf  # noqa: E402
+from dcp_compile.frontends import huggingface as hf  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402

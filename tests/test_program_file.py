@@ -20,7 +20,7 @@ import torch
 
 import dcp_compile
 from dcp_compile.models.demo import DemoConfig, demo_model
-from dcp_compile.runtime.program import program_file
+from dcp_compile.runtime.program import codec
 from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.names import META_SCOPE
@@ -170,4 +170,4 @@ def test_a_graph_calling_an_unknown_function_is_not_saved(tmp_path):
     finally:
         gm.graph.erase_node(odd)
     assert not (tmp_path / "p.dcp").exists()
-    assert program_file.PYTHON_TARGETS  # getitem (multi-output ops) is the one allowed
+    assert codec.PYTHON_TARGETS  # getitem (multi-output ops) is the one allowed

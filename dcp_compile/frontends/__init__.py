@@ -19,74 +19,20 @@ of ``FRONTEND_RULES``, tried in order.
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
-import torch
 from torch import nn
-from torch.fx import GraphModule
 
-from dcp_compile.passes.infra import CAPTURED, Property
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, KV_CACHES
 
+from .huggingface import is_hf
+from .protocol import Frontend, StepCapture, forward_params
+
 if TYPE_CHECKING:
-    from dcp_compile.passes.infra import DCPPass, TransformContext
-    from dcp_compile.runtime.config import DCPConfig
     from dcp_compile.runtime.serving.engine import StepShapes
 
-
-# What a captured paged step (the model takes positions, block table and caches) holds.
-PAGED_STEP: frozenset[Property] = CAPTURED | {Property.PAGED_CACHE, Property.POSITIONS_LIFTED}
-
-
-@dataclass
-class StepCapture:
-    """One captured step: its graph and how the program feeds it."""
-
-    gm: GraphModule
-    user_inputs: list[str]           # step input placeholders, in order
-    weight_inputs: list[str]         # weight/buffer placeholders, in graph order
-    seconds: float = 0.0             # how long the capture took (history, progress)
-    # placeholder -> the full weight (asked once, of the first step's capture)
-    constants: Callable[[], dict[str, torch.Tensor]] = field(default=dict, repr=False)
-    # What the graph holds as captured (passes.infra.Property): the pipeline checks its
-    # row's order from it. A paged step signature gives what the cache insertion ensures.
-    provides: frozenset = field(default_factory=lambda: CAPTURED)
-
-    @property
-    def first_user_input(self) -> str:
-        """The placeholder the rank input goes before (insert_rank)."""
-        return self.user_inputs[0]
-
-
-class Frontend(Protocol):
-    """Where a program's graphs come from (see the module doc)."""
-
-    source: str                      # the dump's label: "transform", "torch.compile backend"
-    dump_name: str                   # the dump folder's prefix (dump_root_for)
-    shapes: "StepShapes"             # the static shapes the steps are captured at
-
-    def steps(self, mode: str) -> tuple[str, ...]:
-        """The step kinds a program of ``mode`` gets from this frontend, in capture order."""
-
-    def capture(self, step: str, config: "DCPConfig") -> StepCapture:
-        """Stage 0: ``step``'s ATen graph (``config``: the layout asked for; its block size
-        shapes the caches)."""
-
-    def prologue(self, ctx: "TransformContext", captured: StepCapture) -> list["DCPPass"]:
-        """The optional passes of the table (``pipeline.OPTIONAL``) this graph needs."""
-
-    def facts(self) -> ModelFacts:
-        """What the frontend knows about the model before the passes run."""
-
-    def reference(self) -> nn.Module | None:
-        """The forward ``check=`` compares with (paged step signature); None: none."""
-
-    def accept(self, config: "DCPConfig") -> None:
-        """Refuse a validated config this frontend's inputs cannot run (raises)."""
+__all__ = ["Frontend", "StepCapture", "frontend_for", "forward_params", "is_hf"]
 
 
 # -- which frontend an nn.Module gets ------------------------------------------------------
@@ -97,7 +43,7 @@ def _paged(model, shapes):
 
 
 def _hf_prepared(model, shapes):
-    from dcp_compile.hf import prepare   # attention already "dcp_paged": the fast path
+    from .huggingface import prepare   # attention already "dcp_paged": the fast path
     return _paged(prepare(model), shapes)
 
 
@@ -114,17 +60,6 @@ def _refuse_hf_attention(model, shapes):
         f"cache is inserted from the graph), or wrap it with dcp_compile.hf.prepare.")
 
 
-def _forward_params(model: nn.Module) -> dict:
-    try:
-        return dict(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return {}
-
-
-def is_hf(model) -> bool:
-    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
-
-
 def _hf_attention(model) -> str | None:
     return getattr(model.config, "_attn_implementation", None) if is_hf(model) else None
 
@@ -134,7 +69,7 @@ def has_paged_hooks(model) -> bool:
 
 
 def takes_paged_args(model) -> bool:
-    return any(name in _forward_params(model) for name in PAGED_ARGS)
+    return any(name in forward_params(model) for name in PAGED_ARGS)
 
 
 PAGED_ARGS = (BLOCK_TABLE, KV_CACHES)          # a forward with these is a paged step

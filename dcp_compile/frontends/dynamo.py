@@ -29,7 +29,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode, StepKind
 
 from ..capture import refuse_mutation
-from . import PAGED_STEP, StepCapture
+from .protocol import PAGED_STEP, StepCapture
 
 __all__ = ["DynamoCapture", "DynamoFrontend", "capture_dynamo", "check_whole_step"]
 

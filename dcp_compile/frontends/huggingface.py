@@ -66,7 +66,7 @@ class PagedStep:
     num_layers: int
     max_model_len: int | None
     module_names: dict[int, str]
-    # Per-layer windows the config declares (frontends.ordinary.declared_windows): what the
+    # Per-layer windows the config declares (declared_windows): what the
     # model's own mask applies when its attention function is not told (Qwen2-MoE, PhiMoE).
     windows: list[int] | None = None
     new_caches: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
@@ -389,6 +389,45 @@ def dcp_experts_enabled(hf_model: nn.Module):
     return _switched(_attention_configs(hf_model), EXPERTS_SWITCH)
 
 
+def is_hf(model) -> bool:
+    """A transformers model (its class lives in ``transformers.``, it has a config)."""
+    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
+
+
+# Hugging Face config fields that change attention in ways the paged op does not compute.
+_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
+
+
+def check_hf_config(model) -> None:
+    cfg = _text_config(model.config)
+    for key, what in _HF_REFUSED:
+        value = getattr(cfg, key, None)
+        if value is not None:
+            raise DCPTransformError(
+                f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
+                f"does not compute it, so the program would differ from the model. Use a "
+                f"model without {key}.")
+
+
+def declared_windows(model) -> list[int] | None:
+    """Per-layer sliding windows a Hugging Face config declares (0: full attention); None
+    for other models. The graph shows a window only when it is shorter than the captured
+    chunk, so the config is read too (insert_paged_cache checks the two agree)."""
+    if not is_hf(model):
+        return None
+    cfg = _text_config(model.config)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(layers, int):
+        return None
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return [0] * layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [int(window)] * layers
+    return [int(window) if t == "sliding_attention" else 0 for t in types]
+
+
 class DCPCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` with the demo model's step signature (see module doc)."""
 
@@ -402,7 +441,6 @@ class DCPCausalLM(nn.Module):
         self.max_model_len = max_model_len
         self._module_names = {id(m): n for n, m in hf_model.named_modules()}
         self._configs = _attention_configs(hf_model)
-        from .frontends.ordinary import declared_windows
         self._windows = declared_windows(hf_model)
 
     @property
@@ -535,6 +573,7 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
             f"and {len(new)} caches). Pass a *ForCausalLM model.")
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "DCPCausalLM",
-           "dcp_experts_enabled", "dcp_experts_forward", "PagedStep", "paged_attention_forward",
-           "prepare"]
+__all__ = ["ATTENTION_SWITCH", "ATTN_IMPLEMENTATION", "DCPCausalLM", "EXPERTS_IMPLEMENTATION",
+           "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "check_hf_config", "dcp_experts_enabled",
+           "dcp_experts_forward", "declared_windows", "experts_form", "is_hf",
+           "paged_attention_forward", "prepare"]

@@ -18,47 +18,8 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import Captured, capture, constant_values
-from . import StepCapture, _forward_params, is_hf
-
-
-# Hugging Face config fields that change attention in ways the paged op does not compute.
-_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
-
-
-def _text_config(model):
-    cfg = model.config
-    get = getattr(cfg, "get_text_config", None)
-    return get() if callable(get) else cfg
-
-
-def _check_hf_config(model) -> None:
-    cfg = _text_config(model)
-    for key, what in _HF_REFUSED:
-        value = getattr(cfg, key, None)
-        if value is not None:
-            raise DCPTransformError(
-                f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
-                f"does not compute it, so the program would differ from the model. Use a "
-                f"model without {key}.")
-
-
-def declared_windows(model) -> list[int] | None:
-    """Per-layer sliding windows a Hugging Face config declares (0: full attention); None
-    for other models. The graph shows a window only when it is shorter than the captured
-    chunk, so the config is read too (insert_paged_cache checks the two agree)."""
-    if not is_hf(model):
-        return None
-    cfg = _text_config(model)
-    layers = getattr(cfg, "num_hidden_layers", None)
-    window = getattr(cfg, "sliding_window", None)
-    if not isinstance(layers, int):
-        return None
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
-        return [0] * layers
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        return [int(window)] * layers
-    return [int(window) if t == "sliding_attention" else 0 for t in types]
+from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
+from .protocol import StepCapture, forward_params
 
 
 class OrdinaryFrontend:
@@ -68,7 +29,7 @@ class OrdinaryFrontend:
 
     def __init__(self, model: nn.Module, shapes):
         if is_hf(model):
-            _check_hf_config(model)
+            check_hf_config(model)
         self.model, self.shapes = model, shapes
         self.step_model = OrdinaryStep(model)
         params = list(model.parameters())
@@ -124,7 +85,7 @@ class OrdinaryStep(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        params = _forward_params(model)
+        params = forward_params(model)
         self.takes_positions = "position_ids" in params
         self.hf = is_hf(model)
         first = next(iter(params), None)
@@ -137,7 +98,6 @@ class OrdinaryStep(nn.Module):
         kwargs = {"position_ids": position_ids} if self.takes_positions else {}
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
-            from ..hf import dcp_experts_enabled  # experts -> dcp.moe (README: MoE)
             with dcp_experts_enabled(self.model):
                 out = self.model(input_ids, **kwargs)
         else:

@@ -16,7 +16,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, constant_values, example_step_inputs
-from . import PAGED_STEP, StepCapture
+from .protocol import PAGED_STEP, StepCapture
 
 
 class PagedFrontend:

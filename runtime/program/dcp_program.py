@@ -127,7 +127,7 @@ class DCPProgram:
     def save(self, path) -> None:
         """Write this program to a program file every rank of a launch can load
         (``dcp_compile.runtime.program.program_file.load_program``): one transform per launch."""
-        from dcp_compile.runtime.program.program_file import save_program
+        from dcp_compile.runtime.program.codec import save_program
         save_program(self, path)
 
     # -- reports ---------------------------------------------------------------------------
