@@ -143,3 +143,26 @@ def test_a_graph_without_the_cache_insertions_clamp_is_refused():
                                                 r"clamp_min\(positions, 0\).*Run "
                                                 r"insert_paged_cache before lift_positions"):
         run_alone(_pass(), before(_uncached, **_inputs()))
+
+
+def _one_token(p_embed, p_cos, input_ids, positions, block_table):
+    clamped = aten.clamp_min.default(positions, 0)
+    cos = aten.slice.Tensor(p_cos, 0, 0, 1)               # cos_cached[:1]: S = 1
+    return (aten.mul.Tensor(aten.embedding.default(p_embed, input_ids), cos), clamped)
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["prompt-step-sliced-it",
+                                                      "first-row-literal"])
+def test_a_one_token_step_lifts_only_the_tables_its_prompt_step_sliced(known):
+    """``table[:1]`` is the first row or the length's slice: the prompt step's facts say."""
+    facts = ModelFacts(position_tables=(("p_cos", 0),)) if known else ModelFacts()
+    p = _pass(facts)
+    inputs = dict(p_embed=torch.randn(VOCAB, HIDDEN), p_cos=torch.randn(ROWS, HIDDEN),
+                  input_ids=torch.tensor([[3], [5]]), positions=torch.tensor([[4], [9]]),
+                  block_table=torch.zeros(B, 2, dtype=torch.int64))
+    gm = run_alone(p, before(_one_token, **inputs))
+    h, _ = call(gm)
+    rows = inputs["positions"] if known else torch.zeros(B, 1, dtype=torch.int64)
+    want = inputs["p_embed"][inputs["input_ids"]] * inputs["p_cos"][rows]
+    torch.testing.assert_close(h, want, rtol=0, atol=0)
+    assert p.matched["position_tables"] == int(known)
