@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "prove": "prove",
     "topology": "topology",
     "verify": "verify",
+    "compile": "compile",
     "dump": "dump",
     "demo": "demo",
     "plan-transfer": "plan_transfer",

@@ -22,10 +22,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from .infra import DCPPass, Property, val
-from .op_classes import is_call, skip_casts
+from .op_classes import MATRIX_TRANSPOSES, is_call, skip_casts
 
 aten = torch.ops.aten
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default}
 
 
 def _weight_transposed(b, weights: set[str]) -> Node | None:
@@ -34,7 +33,7 @@ def _weight_transposed(b, weights: set[str]) -> Node | None:
         w = b.args[0]
     elif is_call(b, {aten.transpose.int}) and {d % 2 for d in b.args[1:]} == {0, 1}:
         w = b.args[0]
-    elif is_call(b, _TRANSPOSES):
+    elif is_call(b, MATRIX_TRANSPOSES):
         w = b.args[0]
     else:
         return None

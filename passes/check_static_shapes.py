@@ -1,4 +1,4 @@
-"""Reject graphs with symbolic shapes: every DCP program has static shapes (DESIGN.md)."""
+"""Reject graphs with symbolic shapes: every DCP program has static shapes (a graph per context bucket)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,8 @@ class Property(str, Enum):
     POSITIONS_LIFTED = "positions_lifted"        # positional values read the positions input
     CANONICAL_ATTENTION = "canonical_attention"  # one dcp.attention per layer
     CANONICAL_MOE = "canonical_moe"              # one dcp.moe per experts block, checked
+    TOKEN_WISE = "token_wise"                    # no op outside attention mixes tokens or
+                                                 # depends on the sequence length
     PROVEN = "proven"                            # config validated, layout certificate
     RANK_INPUT = "rank_input"                    # the tp_rank input
     TP_SHARDED = "tp_sharded"                    # weights and ops cut by tensor parallelism

@@ -140,9 +140,15 @@ class InsertPagedCache(DCPPass):
     @staticmethod
     def _cache_row(s: Site):
         """((kv heads, head_dim of each cache), dtype, K is V). A tensor that is both the key
-        and the value (MLA's [latent ; k_pe]) is stored once: its halves in the two caches."""
+        and the value (MLA's [latent ; k_pe]) is stored once: its halves in the two caches.
+        Values narrower than the keys (MLA not absorbed: v_head_dim < qk_head_dim) are
+        stored padded with zeros to the keys' width; the output is cut back to theirs."""
         heads, width = val(s.k).shape[1], val(s.k).shape[3]
         shared = s.k is s.v
+        if not shared and val(s.v).shape[3] > width:
+            fail(s.node, f"attention {s.node.name}'s values are wider ({val(s.v).shape[3]}) "
+                 f"than its keys ({width}): the paged cache holds one head_dim for both",
+                 "Use a value head_dim no larger than the key head_dim")
         if shared and width % 2:
             fail(s.node, f"attention {s.node.name} uses one tensor {s.k.name} as key and "
                   f"value, of odd width {width}: it is stored once, split in halves over the "
@@ -299,6 +305,9 @@ class InsertPagedCache(DCPPass):
                     h = plan.head_dim
                     k, v = (g.call_function(aten.slice.Tensor, (k, 3, a, a + h))
                             for a in (0, h))
+                v_width = val(s.v).shape[3]
+                if not plan.kv_shared and v_width < plan.head_dim:
+                    v = _pad_values(g, v, plan.head_dim - v_width)
                 params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap),
                                             ("kv_shared", plan.kv_shared)) if x}
                 if s.sinks is not None:
@@ -307,6 +316,8 @@ class InsertPagedCache(DCPPass):
                                        (q, k, v, caches[2 * layer], caches[2 * layer + 1],
                                         positions, table, s.scale), params)
                 out, kc, vc = (g.call_function(operator.getitem, (attn, i)) for i in range(3))
+                if not plan.kv_shared and v_width < plan.head_dim:   # the values' own width
+                    out = g.call_function(aten.slice.Tensor, (out, 3, 0, v_width))
                 bhsd = g.call_function(aten.transpose.int, (out, 1, 2))
             if val(s.out).dtype != val(s.q).dtype:
                 with g.inserting_after(bhsd):
@@ -376,6 +387,12 @@ def _example(verdict: MaskVerdict) -> str:
         return ""
     return (f" (at query position i={e['i']}, key position j={e['j']} the mask "
             f"{'keeps' if e['mask'] else 'hides'} the key)")
+
+
+def _pad_values(g, v: Node, extra: int) -> Node:
+    """V [B, S, H, Dv] -> [B, S, H, Dv + extra], zeros after: softmax(q k^T) @ [v, 0] is
+    [out, 0], so keys and values share one cache head_dim (unabsorbed MLA, Dv < Dqk)."""
+    return g.call_function(aten.constant_pad_nd.default, (v, [0, extra], 0.0))
 
 
 def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule
 
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPCompilerBug, DCPError, DCPTransformError
 
 from . import propagation
 from .diagnose import explain
@@ -72,6 +72,10 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
             result = p(gm)
         except DCPTransformError as e:
             raise name_the_features(e, gm)
+        except DCPError:
+            raise
+        except Exception as e:      # not a refusal: a bug of the pass, named
+            raise DCPCompilerBug(f"pass {name} (step {step!r})", e) from e
         if result is not None:
             gm = result.graph_module
         modified = bool(result.modified) if result is not None else True
@@ -85,11 +89,11 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
                     stale_code = True
                 propagated = propagation.propagate_changed(
                     gm, propagation.changed_nodes(gm, before), before)
-        except DCPTransformError:
+        except DCPError:
             raise
-        except Exception as e:  # a pass left an ill-formed graph: say which one
-            raise DCPTransformError(f"pass {name} left an invalid graph for step {step!r}: "
-                                    f"{type(e).__name__}: {e}") from e
+        except Exception as e:  # a pass left an ill-formed graph: a bug of that pass
+            raise DCPCompilerBug(f"pass {name} (step {step!r}), which left an invalid "
+                                 f"graph", e) from e
         seconds = time.perf_counter() - start
         if check_propagation:
             bad = propagation.propagation_mismatches(gm)

@@ -4,7 +4,8 @@
 shard, DCP rewrite); ``DCP_REWRITE`` holds the one stage that differs by step kind, and
 ``PIPELINE`` is each step kind's row, built from the stages (:func:`row`). ``transform()``
 and the torch.compile backend build their passes from it (:func:`passes_for`), the dump
-records it in each step's ``manifest.json``.
+records it in each step's ``manifest.json``, and a test checks the "Passes" list of
+docs/architecture.md against it.
 
 Each pass states the graph properties it requires and those it ensures
 (:class:`~dcp_compile.passes.infra.Property`); :func:`check_order` walks a row from what the
@@ -34,6 +35,7 @@ from .canonical_ops import CanonicalizeOps
 from .canonicalize_attention import CanonicalizeAttention
 from .canonicalize_moe import CanonicalizeMoE
 from .check_static_shapes import CheckStaticShapes
+from .check_token_wise import CheckTokenWise
 from .dcp_decode import DCPContext, DCPDecode
 from .dcp_prefill import DCPPrefill
 from .drop_export_asserts import DropExportAsserts
@@ -56,7 +58,8 @@ class Stage(str, Enum):
     """The pipeline's stages, in the order they run (DESIGN "Data flow")."""
 
     CAPTURE_PROLOGUE = "capture prologue"   # a captured graph made into a paged step
-    CANONICALIZE = "canonicalize"           # one dcp.attention / dcp.moe per layer
+    CANONICALIZE = "canonicalize"           # one dcp.attention / dcp.moe per layer, and
+                                            # every other op token-wise (or refused)
     PROVE = "prove"                         # config validated, layout proven
     SHARD = "shard"                         # rank input, tensor-parallel weights and ops
     DCP_REWRITE = "dcp rewrite"             # attention in its DCP form, per step kind
@@ -69,7 +72,7 @@ class Stage(str, Enum):
 STAGES: dict[Stage, tuple[type[DCPPass], ...]] = {
     Stage.CAPTURE_PROLOGUE: (DropExportAsserts, CheckStaticShapes, CanonicalizeOps,
                              AbsorbLatentAttention, InsertPagedCache, LiftPositions),
-    Stage.CANONICALIZE: (CanonicalizeAttention, CanonicalizeMoE),
+    Stage.CANONICALIZE: (CanonicalizeAttention, CanonicalizeMoE, CheckTokenWise),
     Stage.PROVE: (ValidateAndProve,),
     Stage.SHARD: (InsertRank, ShardTensorParallel),
 }
@@ -86,7 +89,8 @@ OPTIONAL: frozenset[type[DCPPass]] = frozenset({
 
 # Passes built from more than the context: pass -> its extra constructor arguments, from the
 # name of the graph's first step input (the rank input goes before it).
-_EXTRA_ARGS = {InsertRank: lambda first_user_input: (first_user_input,)}
+_EXTRA_ARGS = {InsertRank: lambda first_user_input: (first_user_input,),
+               CheckTokenWise: lambda first_user_input: (first_user_input,)}
 
 
 def _all_passes() -> set[type[DCPPass]]:

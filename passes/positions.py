@@ -34,7 +34,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPLengthDependentError, DCPTransformError
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, is_cache_input
 from dcp_compile.runtime.program.facts import ModelFacts
 
@@ -229,10 +229,14 @@ def _check_token_wise(positional, sources, tokens: int) -> dict:
         try:
             dims[n] = carried_dim(n, dims, tokens)
         except Refusal as e:
-            _fail(n, f"a value computed from the positions mixes tokens ({e})",
-                  "Compute position-dependent values token by token (RoPE angles, table "
-                  "rows); a reduction or scan over the positions cannot be served one "
-                  "decode step at a time")
+            raise DCPLengthDependentError(
+                f"a value computed from the positions mixes tokens ({e}): a function of the "
+                f"sequence length or of max(positions) (LongRoPE, dynamic NTK): node "
+                f"{n.name} ({n.target}) at {source_of(n)}. Compute position-dependent "
+                f"values token by token (RoPE angles, table rows); a reduction or scan over "
+                f"the positions cannot be served one decode step at a time (through "
+                f"dcp_compile.hf.prepare(max_model_len=...), a LongRoPE switch proven "
+                f"constant below max_model_len is folded)") from None
     return dims
 
 

@@ -34,6 +34,7 @@ from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_RE
 from . import collectives as C
 from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Property,
                     attention_nodes, placeholder, source_of, val)
+from .op_classes import SHAPED_VIEWS, SPLITS
 from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
 aten = torch.ops.aten
@@ -59,11 +60,6 @@ class ShardPlan:
 def _is_linear(n: Node) -> bool:
     return n.op == "call_function" and n.target == LINEAR and n.args[1].op == "placeholder"
 
-
-
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
-_SHAPED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-           aten.expand.default)
 
 
 def _local_shape(n: Node, p) -> list[int]:
@@ -150,13 +146,13 @@ class ShardTensorParallel(DCPPass):
     def _localize(self, n: Node, pl: PlacementPlan) -> None:
         """Literal sizes along a sharded dim -> this rank's sizes."""
         t, out = n.target, pl.of(n)
-        if t in _SHAPED and isinstance(out, Shard):
+        if t in SHAPED_VIEWS and isinstance(out, Shard):
             n.args = (n.args[0], _local_shape(n, out)) + tuple(n.args[2:])
         elif t == aten.unflatten.int and isinstance(out, Shard):
             d = n.args[1] % val(n.args[0]).ndim
             local = _local_shape(n, out)
             n.args = (n.args[0], d, local[d:d + len(n.args[2])])
-        elif t in _SPLITS:
+        elif t in SPLITS:
             x = pl.of(n.args[0])
             d, bounds = split_ranges(n)
             if isinstance(x, Shard) and d == x.dim:

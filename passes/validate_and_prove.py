@@ -70,7 +70,8 @@ class ValidateAndProve(DCPPass):
     name = "validate_and_prove"
     # The whole single-device step: proven facts (mask theorems, MLA) are in by now.
     required = frozenset({Property.STATIC_SHAPES, Property.POSITIONS_LIFTED,
-                          Property.CANONICAL_ATTENTION, Property.CANONICAL_MOE})
+                          Property.CANONICAL_ATTENTION, Property.CANONICAL_MOE,
+                          Property.TOKEN_WISE})
     ensured = frozenset({Property.PROVEN})
 
     def call(self, gm):

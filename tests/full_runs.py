@@ -1,7 +1,7 @@
 """The suite's full runs: each large matrix, corpus or fuzz runs a representative slice in the
-README's test command, and in full behind its switch. ``DCP_FULL=1`` turns every switch on.
+README's test command, and in full behind its switch (docs/testing.md). ``DCP_FULL=1`` turns every switch on.
 
-``SWITCHES`` is the one list (the README's table is checked against it): a test module reads
+``SWITCHES`` is the one list (docs/testing.md's table is checked against it): a test module reads
 its switch with ``full(SWITCH)``, never ``os.environ`` directly, so ``DCP_FULL`` reaches it.
 """
 
@@ -16,7 +16,8 @@ ON = ("1", "all")
 SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_BUCKET_CASES": ("test_buckets.py", "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, "
                                             "threads and XLA"),
-    "DCP_CORPUS": ("test_hf_corpus.py", "every cell of the transformers corpus vs the README table"),
+    "DCP_CORPUS": ("test_hf_corpus.py", "every cell of the transformers corpus vs its table in "
+                                 "docs/models.md"),
     "DCP_FUZZ_FULL": ("test_fuzz_sharding.py", "2000 fuzz models instead of 500 "
                                                "(DCP_FUZZ_EXAMPLES=N sets any count)"),
     "DCP_INDUCTOR": ("test_inductor.py", "the numerical Inductor cases (compiles take minutes)"),
@@ -40,8 +41,8 @@ def full(switch: str) -> bool:
     return any(os.environ.get(name, "").lower() in ON for name in (switch, EVERYTHING))
 
 
-def readme_table() -> str:
-    """The README's table of switches (tests/test_full_runs.py checks it is the README's)."""
+def docs_table() -> str:
+    """docs/testing.md's table of switches (tests/test_full_runs.py checks it is the page's)."""
     rows = [f"| `{name}=1` | `tests/{module}` | {adds} |"
             for name, (module, adds) in sorted(SWITCHES.items())]
     return "\n".join(["| switch | test module | the full run adds to the slice |",
@@ -49,4 +50,4 @@ def readme_table() -> str:
 
 
 if __name__ == "__main__":
-    print(readme_table())
+    print(docs_table())

@@ -5,8 +5,8 @@ config, built with random weights (nothing is downloaded), and what dcp_compile 
 `EXCLUDED` names the model types of transformers' causal-LM mapping that are not in the
 corpus and why (they do not build as a tiny text decoder). tests/test_hf_corpus.py runs
 each corpus type through transform() (via hf.prepare and directly, decode and prefill) and
-compares with the model's own forward; `python tests/hf_corpus.py --table` prints the
-README's table.
+compares with the model's own forward; `python tests/hf_corpus.py --write-docs` rewrites
+the table of docs/models.md.
 """
 
 from __future__ import annotations
@@ -154,6 +154,9 @@ REASONS = (
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
                                       r"|conv1d|short conv|hybrid"),
     ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
+    ("token mixing outside attention", r"mixes tokens along the sequence"),
+    ("length-dependent positions (LongRoPE, dynamic NTK)", r"max\(positions\)"),
+    ("mask written in place", r"is written in place"),
     ("chunked attention", r"chunk"),
     ("softcap", r"softcap"),
     ("mixture of experts", r"expert|\bmoe\b|router"),
@@ -247,7 +250,7 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
     import dcp_compile
     from dcp_compile import hf
     from dcp_compile.runtime.serving.engine import StepShapes
-    from dcp_compile.runtime.errors import DCPError
+    from dcp_compile.runtime.errors import DCPCompilerBug, DCPError
     from dcp_compile.verify import run_threaded_program
 
     try:
@@ -264,6 +267,8 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
         program = dcp_compile.transform(target, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
                                         shapes=shapes)
         runs = run_threaded_program(program, prompts(), steps, poison_garbage=True)
+    except DCPCompilerBug as e:    # a DCPError, but a bug, not a refusal
+        return Outcome("crash", f"DCPCompilerBug({type(e.original).__name__})", str(e)[:2000])
     except DCPError as e:
         return Outcome("refused", reason_of(str(e)), str(e))
     except Exception as e:  # noqa: BLE001  (a non-project exception is a corpus failure)
@@ -283,12 +288,12 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
     return Outcome("matches")
 
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "models.md")
 START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 
 
 def render_table(results: dict) -> str:
-    """The README's table (a row per type, a column per path x mode) and the counts."""
+    """The corpus table of docs/models.md (a row per type, a column per path x mode) and the counts."""
     head = "| model type | " + " | ".join(f"{p} {m}" for p in PATHS for m in MODES) + " |"
     rule = "|" + "---|" * (1 + len(PATHS) * len(MODES))
     rows = [f"| `{t}` | " + " | ".join(results[(t, p, m)].cell() for p in PATHS
@@ -309,30 +314,30 @@ def _cell(args):
     return args, run_case(*args)
 
 
-def write_readme(processes: int = 2) -> dict:
-    """Run every cell (a process pool) and rewrite the README table between its markers."""
+def write_docs(processes: int = 2) -> dict:
+    """Run every cell (a process pool) and rewrite docs/models.md's table between its markers."""
     import multiprocessing
     cells = [(t, p, m) for t in CORPUS for p in PATHS for m in MODES]
     with multiprocessing.get_context("spawn").Pool(processes, maxtasksperchild=20) as pool:
         results = dict(pool.imap_unordered(_cell, cells))
-    text = open(README).read()
+    text = open(PAGE).read()
     table = render_table(results)
     new = re.sub(re.escape(START) + ".*?" + re.escape(END),
                  lambda _: f"{START}\n{table}\n{END}", text, flags=re.S)
-    open(README, "w").write(new)
+    open(PAGE, "w").write(new)
     return results
 
 
 def main(argv: list[str]) -> int:
     """``python tests/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
     one line each (tab-separated: type, path, mode, cell, message).
-    ``python tests/hf_corpus.py --write-readme [PROCESSES]``: every cell, into the README."""
+    ``python tests/hf_corpus.py --write-docs [PROCESSES]``: every cell, into docs/models.md."""
     import logging
     import warnings
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    if argv and argv[0] == "--write-readme":
-        results = write_readme(int(argv[1]) if len(argv) > 1 else 2)
+    if argv and argv[0] == "--write-docs":
+        results = write_docs(int(argv[1]) if len(argv) > 1 else 2)
         bad = {k: v for k, v in results.items() if v.kind in ("mismatch", "crash")
                or v.reason == "other"}
         for k, v in sorted(bad.items()):

@@ -29,6 +29,11 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
   expert_parallel  (MoE) transform(..., expert_parallel=True): experts partitioned over tp
   experts_form  (MoE) concatenated [gate; up], act(gate) * up (Mixtral) | gpt-oss's: biased,
             gate/up interleaved and transposed, clamped SwiGLU (limit 1: the clamps bite)
+  token_mix  none | the attention input mixes tokens along the sequence before attention:
+            a token shift of half the features (x-transformers ``shift_tokens=1``) | a roll
+            | pad + slice | a cumsum | a causal depthwise convolution. A paged step cannot
+            compute these (it holds no earlier token's hidden state): a model with one must
+            be refused (DCPTokenMixingError), never compiled.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class ModelSpec:
     top_k: int = 2
     expert_parallel: bool = False
     experts_form: str = "concatenated"
+    token_mix: str = "none"
     layers: int = 1
     hidden: int = 32
     head_dim: int = 8
@@ -97,7 +103,11 @@ FEATURES = {
     "shared": ["none", "plain", "gated"],
     "expert_parallel": [False, True],
     "experts_form": ["concatenated", "gpt_oss"],
+    "token_mix": ["none", "shift", "roll", "pad_slice", "cumsum", "conv"],
 }
+
+# Features whose every non-plain value must be refused (the fuzz expects the refusal).
+REFUSED_FEATURES = {"token_mix"}
 
 
 def _feature(name: str, values: list | None = None):
@@ -116,7 +126,7 @@ def model_specs(draw) -> ModelSpec:
     q_gate = draw(_feature("q_gate")) if qkv == "separate" else "none"
     picks = {k: draw(_feature(k))
              for k in ("qk_norm", "rope", "mlp", "bias", "norm", "head_matmul",
-                       "explicit_heads", "tied")}
+                       "explicit_heads", "tied", "token_mix")}
     moe = draw(_feature("moe"))
     if moe != "none":
         picks.update(moe=moe, shared=draw(_feature("shared")),
@@ -339,17 +349,42 @@ class MoE(nn.Module):
         return out.view(b, s, h)
 
 
+CONV_WIDTH = 3
+
+
+def mix_tokens(kind: str, x: Tensor, conv: Tensor | None) -> Tensor:
+    """``x`` [B, S, H] with each token mixed with earlier ones along S (``token_mix``)."""
+    if kind == "shift":         # x-transformers shift_tokens=1: half the features, one back
+        half = x.shape[-1] // 2
+        shifted = nn.functional.pad(x[..., :half], (0, 0, 1, -1))
+        return torch.cat([shifted, x[..., half:]], dim=-1)
+    if kind == "roll":
+        return x + torch.roll(x, 1, dims=1)
+    if kind == "pad_slice":
+        return x + nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+    if kind == "cumsum":
+        return x + 0.1 * x.cumsum(dim=1)
+    if kind == "conv":          # causal depthwise convolution over the tokens
+        t = nn.functional.pad(x.transpose(1, 2), (CONV_WIDTH - 1, 0))
+        return nn.functional.conv1d(t, conv, groups=x.shape[-1]).transpose(1, 2)
+    return x
+
+
 class Layer(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
+        self.token_mix = spec.token_mix
+        self.mix_conv = nn.Parameter(torch.empty(spec.hidden, 1, CONV_WIDTH)) \
+            if spec.token_mix == "conv" else None
         self.input_norm = _norm(spec, spec.hidden)
         self.attn = Attention(spec)
         self.post_norm = _norm(spec, spec.hidden)
         self.mlp = MLP(spec) if spec.moe == "none" else MoE(spec)
 
     def forward(self, x, cos, sin, positions, block_table, key_cache, value_cache):
-        h, key_cache, value_cache = self.attn(self.input_norm(x), cos, sin, positions,
-                                              block_table, key_cache, value_cache)
+        a = mix_tokens(self.token_mix, self.input_norm(x), self.mix_conv)
+        h, key_cache, value_cache = self.attn(a, cos, sin, positions, block_table, key_cache,
+                                              value_cache)
         x = x + h
         return x + self.mlp(self.post_norm(x)), key_cache, value_cache
 

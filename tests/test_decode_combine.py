@@ -73,7 +73,7 @@ def test_bf16_combines_within_stated_tolerance(combine, combine_dtype):
     """bf16 weights and caches: every step's logits within 0.1 of the bf16 single-device model
     (the bound test_decode_dcp states for the default combine; bf16 has 8 mantissa bits and
     the combine reorders sums). Sending the partial outputs in bf16 rounds each partial once
-    more before the merge; the measured cost is in the README."""
+    more before the merge; the measured cost is in docs/benchmarks.md."""
     model, prog = program_for("gqa-16q2kv", 4, 2, 4, combine, combine_dtype, torch.bfloat16)
     ref, runs = _errors(model, prog, seed=3, steps=4)
     for t, (got, exp) in enumerate(zip(runs[0].result.logits, ref.logits)):

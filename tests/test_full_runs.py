@@ -1,4 +1,5 @@
-"""The full-run switches (tests/full_runs.py): one list, read one way, documented in the README."""
+"""The full-run switches (tests/full_runs.py): one list, read one way, documented in
+docs/testing.md."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ NOT_SWITCHES = {"DCP_FUZZ_EXAMPLES", "DCP_FUZZ_CHECK", "DCP_FUZZ_STATS", "DCP_TE
                 "DCP_SETUP_APT", "DCP_COMPILE_DUMP"}
 
 
-def test_readme_has_the_table_of_switches():
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- full-runs:start -->\n(.*?)\n<!-- full-runs:end -->", readme, re.S)
-    assert block, "README lacks the <!-- full-runs:start/end --> table"
-    assert block.group(1).strip() == full_runs.readme_table(), \
-        "README's table of switches differs from tests/full_runs.SWITCHES: paste the output " \
+def test_the_testing_page_has_the_table_of_switches():
+    page = (ROOT / "docs" / "testing.md").read_text()
+    block = re.search(r"<!-- full-runs:start -->\n(.*?)\n<!-- full-runs:end -->", page, re.S)
+    assert block, "docs/testing.md lacks the <!-- full-runs:start/end --> table"
+    assert block.group(1).strip() == full_runs.docs_table(), \
+        "docs/testing.md's table of switches differs from tests/full_runs.SWITCHES: paste the output " \
         "of `python3 tests/full_runs.py` between the markers"
 
 

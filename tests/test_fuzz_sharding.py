@@ -23,7 +23,7 @@ Measured on main before the sound-sharding work (500 models, derandomized): chec
 one with a KNOWN_UNSOUND_FEATURES feature (each of the three alone suffices); check=True 373
 refused + 33 refused by the check / 94 equal / 0 mismatches. ~0.47 s CPU per model.
 
-Where the CPU goes (README "The sharding fuzz's CPU"): torch.export 55-60% (a decode model
+Where the CPU goes (docs/benchmarks.md "The sharding fuzz's CPU"): torch.export 55-60% (a decode model
 is captured twice: context and decode steps), the passes ~20%, the threaded verify ~20%.
 500 models: 355 -> 260 CPU-s side by side after the propagation reuse, export's lazy code
 generation and verify's shared bound graphs (~0.5 s CPU per model).
@@ -48,12 +48,13 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import dcp_compile
-from dcp_compile.runtime.errors import DCPCheckError, DCPConfigError, DCPTransformError, DCPWorldError
+from dcp_compile.runtime.errors import (DCPCheckError, DCPConfigError, DCPTokenMixingError,
+                                       DCPTransformError, DCPWorldError)
 from dcp_compile.verify import verify, verify_prefill
 from dcp_compile.runtime.serving.engine import StepShapes
 
 from helpers import prompts_of
-from model_grammar import ModelSpec, build, model_specs
+from model_grammar import REFUSED_FEATURES, ModelSpec, build, model_specs
 from full_runs import full  # noqa: E402
 from test_placement_worklist import compare_both
 
@@ -171,6 +172,15 @@ def check_case(case):
     kwargs = dict(tp=tp, dcp=dcp, mode=mode, block_size=BLOCK, shapes=shapes_for(dcp),
                   expert_parallel=spec.expert_parallel, stack_traces=False)
     known = spec.features() & KNOWN_UNSOUND_FEATURES
+    if any(getattr(spec, f) != getattr(ModelSpec(1, 1), f) for f in REFUSED_FEATURES):
+        _count("refused", spec)
+        # Refused: by the token-wise check, or earlier by a refusal of another feature.
+        with pytest.raises((DCPTransformError, DCPConfigError)) as e:
+            dcp_compile.transform(model, check=False, **kwargs)
+        STATS["refusals"][str(e.value).split(":")[0][:90]] += 1
+        STATS["refused_token_mixing"] = STATS.get("refused_token_mixing", 0) + \
+            isinstance(e.value, DCPTokenMixingError)
+        return
     try:
         program = transform_comparing_plans(model, check=WITH_CHECK, **kwargs)
     except DCPCheckError as e:

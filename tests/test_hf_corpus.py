@@ -3,12 +3,12 @@ from a tiny config, through hf.prepare and directly (sdpa, eager), in decode and
 
 Each cell either matches the model's own forward (fp32, 1e-4, 8 greedy steps, prompts inside,
 at and past a vblock's edge, the garbage block NaN-poisoned) or is refused by a DCPError that
-names the real reason. Zero silent mismatches, zero non-project exceptions, and the README's
-table is what the compiler does today: each cell run here must read as the README says.
+names the real reason. Zero silent mismatches, zero non-project exceptions, and the table of
+docs/models.md is what the compiler does today: each cell run here must read as it says.
 
 By default a representative slice runs (one cell per behaviour class); ``DCP_CORPUS=1``
-runs every cell against the README (about 700 cells; spread over xdist's workers).
-``python tests/hf_corpus.py --write-readme`` runs every cell and rewrites the README table.
+runs every cell against the page (about 700 cells; spread over xdist's workers).
+``python tests/hf_corpus.py --write-docs`` runs every cell and rewrites the page's table.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 import hf_corpus as C  # noqa: E402
 from full_runs import full  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 FULL = full("DCP_CORPUS")
 
@@ -36,8 +36,8 @@ SLICE = [("llama", "sdpa", "decode"), ("qwen2", "prepare", "prefill"),
 CELLS = [(t, p, m) for t in C.CORPUS for p in C.PATHS for m in C.MODES] if FULL else SLICE
 
 
-def readme_table() -> dict[tuple[str, str, str], str]:
-    text = README.read_text()
+def docs_table() -> dict[tuple[str, str, str], str]:
+    text = PAGE.read_text()
     if START not in text:
         return {}
     rows = text.split(START)[1].split(END)[0].strip().splitlines()[2:]
@@ -58,11 +58,11 @@ def test_corpus_cell_matches_or_names_its_refusal(model_type, path, mode):
     assert out.kind != "crash", f"a non-project exception: {out.message}"
     if out.kind == "refused":
         assert out.reason != "other", f"a refusal that names no reason: {out.message}"
-    expected = readme_table().get((model_type, path, mode))
+    expected = docs_table().get((model_type, path, mode))
     assert out.cell() == expected, (
-        f"README's corpus table says {expected!r}, the compiler now gives {out.cell()!r} "
+        f"docs/models.md's corpus table says {expected!r}, the compiler now gives {out.cell()!r} "
         f"({out.message[:300]}). If the change is intended, refresh the table: "
-        f"python tests/hf_corpus.py --write-readme")
+        f"python tests/hf_corpus.py --write-docs")
 
 
 def test_every_causal_lm_type_is_in_the_corpus_or_excluded_with_a_reason():
@@ -83,9 +83,9 @@ def test_refusal_reasons_are_classified_by_the_feature_named():
     assert C.reason_of("something vague happened") == "other"
 
 
-def test_readme_table_has_every_corpus_cell():
-    table = readme_table()
+def test_docs_table_has_every_corpus_cell():
+    table = docs_table()
     missing = [c for c in ((t, p, m) for t in C.CORPUS for p in C.PATHS for m in C.MODES)
                if c not in table]
-    assert not missing, (f"README's corpus table lacks {len(missing)} cells (first "
-                         f"{missing[:3]}): run `python tests/hf_corpus.py --write-readme`")
+    assert not missing, (f"docs/models.md's corpus table lacks {len(missing)} cells (first "
+                         f"{missing[:3]}): run `python tests/hf_corpus.py --write-docs`")

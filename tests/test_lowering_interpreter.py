@@ -241,7 +241,7 @@ def _interpreter_world(tp: int, dcp: int, mode: str, model_kind: str = "demo",
     options = {"check": False}       # the world compares every step with the model
     if combine is not None:
         options["combine"] = combine
-    if model_kind == "mla":               # one latent head, absorbed (README: MLA)
+    if model_kind == "mla":               # one latent head, absorbed (docs/moe-mla.md: MLA)
         from dcp_compile.models.mla import plain_mla
         from dcp_compile.frontends.ordinary import FullForwardReference
         model = plain_mla(num_layers=1)

@@ -143,6 +143,8 @@ PROVEN = {   # id -> (mask(i, j), built from position_ids, window)
     "window-20-longer-than-the-chunk": (lambda i, j: (j <= i) & (i - j < 20), False, 20),
     "window-5-position_ids": (lambda i, j: (j <= i) & (j > i - 5), True, 5),
     "window-1-diagonal": (lambda i, j: i == j, False, 1),
+    # aten.to.device: a cast (op_classes.CASTS); the mask reader's own copy once lacked it.
+    "causal-moved-to-a-device": (lambda i, j: (j <= i).to(i.device, torch.bool), False, 0),
 }
 
 

@@ -1,4 +1,4 @@
-"""The README's module tree ("Packages and layers") names every module of the three
+"""The module tree of docs/architecture.md ("Packages and layers") names every module of the three
 packages, no more (scripts/module_tree.py prints it)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import module_tree  # noqa: E402
 
 
-def test_the_readme_tree_names_every_module():
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### The tree: module", 1)[1].split("```text\n", 1)[1]
+def test_the_architecture_page_tree_names_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("\n## The module tree: module", 1)[1].split("```text\n", 1)[1]
     listed = [re.split(r" — ", line, maxsplit=1)[0]
               for line in section.split("```", 1)[0].splitlines() if line.strip()]
     assert listed == [name for name, _ in module_tree.modules()]

@@ -1,8 +1,8 @@
 """Routing in bf16 (dcp_compile/routing.py): every rank of a MoE program picks the same
 experts for every token, bit for bit, including at exact ties between experts, in both
 sharding modes. (How many choices differ from the single-device bf16 model, and how close to
-a tie they were, is measured by benchmarks/bench_moe_routing.py: README "Mixture of
-experts".)"""
+a tie they were, is measured by benchmarks/bench_moe_routing.py: docs/benchmarks.md "MoE
+routing in bf16".)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The pipeline is data (dcp_compile.passes.pipeline.PIPELINE, built from named stages): the
-README lists it, transform(), the torch.compile backend and the dump follow it, a row whose
+"""The pipeline is data (dcp_compile.passes.pipeline.PIPELINE, built from named stages): 
+docs/architecture.md lists it, transform(), the torch.compile backend and the dump follow it, a row whose
 passes are out of order is refused naming the pass and the property; post-conditions raise."""
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from dcp_compile.passes.infra import CAPTURED, DCPPass, Property, TransformConte
 from dcp_compile.runtime.serving.engine import StepShapes
 
 ROOT = Path(__file__).resolve().parents[1]
+PASSES_PAGE = ROOT / "docs" / "architecture.md"   # its "Passes" section
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 STEPS = pipeline.STEPS_BY_MODE
 # The passes a paged model's capture makes unnecessary (it takes its caches already).
 OPTIONAL = {cls.name for cls in pipeline.OPTIONAL}
 
 
-def readme_pipeline() -> dict[str, list[str]]:
-    """The README's "Passes" list: ``- `step`: `pass`, `pass`, ...`` items (may wrap)."""
-    text = (ROOT / "README.md").read_text()
+def documented_pipeline() -> dict[str, list[str]]:
+    """The page's "Passes" list: ``- `step`: `pass`, `pass`, ...`` items (may wrap)."""
+    text = PASSES_PAGE.read_text()
     section = text.split("\n## Passes\n", 1)[1].split("\n## ", 1)[0]
     items = re.findall(r"^- `(\w+)`: (.+?)(?=^- |^$)", section, flags=re.M | re.S)
     return {step: re.findall(r"`(\w+)`", passes) for step, passes in items}
@@ -43,13 +44,13 @@ def test_every_modes_step_kinds_have_a_row():
         set(pipeline.PIPELINE)
 
 
-def test_readme_lists_the_table_in_order():
-    listed = readme_pipeline()
+def test_the_page_lists_the_table_in_order():
+    listed = documented_pipeline()
     assert listed == {step: pipeline.pass_names(step) for step in pipeline.PIPELINE}
 
 
-def test_the_readmes_pass_descriptions_cover_every_pass_of_the_table():
-    text = (ROOT / "README.md").read_text()
+def test_the_pages_pass_descriptions_cover_every_pass_of_the_table():
+    text = PASSES_PAGE.read_text()
     section = text.split("\n## Passes\n", 1)[1].split("\n## ", 1)[0]
     described = set(re.findall(r"^\| `(\w+)`(?: / `(\w+)`)?", section, flags=re.M))
     names = {n for pair in described for n in pair if n}

@@ -314,3 +314,15 @@ def test_a_parameter_viewed_per_head_in_a_batched_matmul_takes_the_heads_cut():
     got = {n.name: p for n, p in analyze(gm, ctx.config).placements.items()}
     assert got["p_per_head"] == Shard(0, (Seg(32, 4),), "attn")
     assert got["matmul"] == Shard(1, (Seg(4, 4),), "attn")
+
+
+@pytest.mark.parametrize("target", [aten._softmax.default, aten._safe_softmax.default,
+                                    aten._log_softmax.default], ids=lambda t: t._opname)
+def test_every_softmax_keeps_a_shard_off_its_dim_and_refuses_one_on_it(target):
+    # op_classes.SOFTMAX | LOG_SOFTMAX: placement once had its own set without _safe_softmax.
+    args = (-1,) if target == aten._safe_softmax.default else (-1, False)
+    _, n = node_of(lambda x: target(x, *args), (2, 8, 3, 3), target=target)
+    heads = Shard(1, (Seg(8, 4),), "attn")
+    assert placed(n, [heads]) == heads
+    with pytest.raises(Refusal, match="softmax over the sharded dim"):
+        placed(n, [Shard(3, (Seg(3, 3),), "attn")])

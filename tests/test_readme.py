@@ -1,13 +1,16 @@
-"""README.md's code blocks run as written.
+"""The code blocks of README.md and of every docs/*.md page run as written.
+
+The pages are README.md and docs/*.md (not recursive: docs/incoming/ holds drafts for the
+lead, not pages); a block's test is named by its page and its name tag, or its page and line.
 
 Every ```python block runs as a script in a temporary directory; every line of a ```bash
 block that is a ``dcp-compile ...`` or ``python3 -m ...`` command runs there too
 (``dcp-compile`` as ``python3 -m dcp_compile.cli``, this source tree first on PYTHONPATH);
 every ``$ command`` of a ```console block runs and must print the lines shown under it.
-They all run, in README order, in one fresh interpreter (tests/readme_runner.py: each as its
-own process would, in a directory of its own; a process per block paid ~3 CPU-s of start-up
-and imports for every block), except a command with shell syntax (run by bash) and a
-torchrun block; each test reads its block's result.
+They all run, in page order (README first), in one fresh interpreter
+(tests/readme_runner.py: each as its own process would, in a directory of its own; a process
+per block paid ~3 CPU-s of start-up and imports for every block), except a command with
+shell syntax (run by bash) and a torchrun block; each test reads its block's result.
 Tags in an HTML comment right above a fence change how a block runs:
 
     <!-- readme-test: name NAME -->    the block can be continued by another
@@ -34,6 +37,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def doc_pages() -> list[Path]:
+    """README.md, then docs/*.md by name (docs/incoming/ and other folders are not pages)."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 TIMEOUT = 300                      # seconds for one block or command (none needs a tenth)
 
 # A ```bash command (without its comment), or the start of one when the key ends with a
@@ -62,11 +71,21 @@ _TAG = re.compile(r"<!-- readme-test: (\w+) (.+?) -->")
 class Block:
     lang: str
     code: str
-    line: int                                  # README line of the opening fence
+    line: int                                  # page line of the opening fence
     tags: dict = field(default_factory=dict)
+    page: str = "README.md"                    # the page, relative to the repository
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
+
+    @property
+    def test_name(self) -> str:
+        """Stable while the page is edited around the block when the block has a name."""
+        return f"{self.page}:{self.tags.get('name') or f'line{self.line}'}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = re.fullmatch(r"```(\w*)", lines[i])
@@ -78,7 +97,7 @@ def readme_blocks(text: str) -> list[Block]:
             tags[t.group(1)] = t.group(2)
             j -= 1
         end = lines.index("```", i + 1)
-        blocks.append(Block(m.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1, tags))
+        blocks.append(Block(m.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1, tags, page))
         i = end + 1
     return blocks
 
@@ -88,8 +107,9 @@ def bash_commands(block: Block) -> list[str]:
     return [c.strip() for c in block.code.replace("\\\n", " ").splitlines() if c.strip()]
 
 
-BLOCKS = readme_blocks(README.read_text())
-NAMED = {b.tags["name"]: b for b in BLOCKS if "name" in b.tags}
+BLOCKS = [b for path in doc_pages()
+          for b in readme_blocks(path.read_text(), path.relative_to(ROOT).as_posix())]
+NAMED = {b.tags["name"]: b for b in BLOCKS if "name" in b.tags}   # names span every page
 
 
 def _env() -> dict:
@@ -105,7 +125,8 @@ def _python_cases():
         if b.lang != "python" or "after" in b.tags or "world" in b.tags:
             continue                       # a continuation runs appended to the block it names;
                                            # a world block in tests/test_torchrun_world.py
-        cases.append(pytest.param(b, id=f"python-line{b.line}", marks=[pytest.mark.multiprocess]))
+        cases.append(pytest.param(b, id=f"python-{b.test_name}",
+                                  marks=[pytest.mark.multiprocess]))
     return cases
 
 
@@ -126,22 +147,24 @@ def _command_cases():
             if _not_run(cmd) or not runs or key in seen:
                 continue
             seen.add(key)
-            cases.append(pytest.param(cmd, id=f"line{b.line}:{key}",
+            cases.append(pytest.param(cmd, id=f"{b.page}:line{b.line}:{key}",
                                       marks=[pytest.mark.multiprocess]))
     return cases
 
 
 def test_every_bash_line_runs_or_is_excluded_with_a_reason():
-    unknown = [(b.line, c) for b in BLOCKS if b.lang == "bash" for c in bash_commands(b)
+    unknown = [(b.where, c) for b in BLOCKS if b.lang == "bash" for c in bash_commands(b)
                if not c.startswith(("dcp-compile ", "python3 -m "))
                and not _not_run(c)]
-    assert not unknown, f"README bash lines neither run nor in NOT_RUN: {unknown}"
+    assert not unknown, f"bash lines neither run nor in NOT_RUN: {unknown}"
     for key in NOT_RUN:                                 # no stale exclusions
         assert any(_not_run(c, [key]) for b in BLOCKS if b.lang == "bash"
-                   for c in bash_commands(b)), f"NOT_RUN entry matches no README line: {key}"
+                   for c in bash_commands(b)), f"NOT_RUN entry matches no line of a page: {key}"
     tags = {k for b in BLOCKS for k in b.tags}
     assert tags <= {"name", "after", "torchrun", "world"}, tags
     assert all(b.tags["after"] in NAMED for b in BLOCKS if "after" in b.tags)
+    names = [b.tags["name"] for b in BLOCKS if "name" in b.tags]
+    assert len(names) == len(set(names)), f"a block name is used twice: {sorted(names)}"
 
 
 def _console_cases():
@@ -151,7 +174,7 @@ def _console_cases():
             continue
         for part in re.split(r"^\$ ", b.code, flags=re.M)[1:]:
             cmd, _, shown = part.partition("\n")
-            cases.append(pytest.param(cmd, shown, id=f"line{b.line}:{cmd}",
+            cases.append(pytest.param(cmd, shown, id=f"{b.page}:line{b.line}:{cmd}",
                                       marks=[pytest.mark.multiprocess]))
     return cases
 
@@ -199,7 +222,7 @@ PROBES = {
 @pytest.fixture(scope="module")
 def shared_interpreter(request, tmp_path_factory):
     """Run every selected case that tests/readme_runner.py can run, in one interpreter, in
-    README order, each in a directory of its own, then PROBES; {"test[case id]": result}.
+    page order, each in a directory of its own, then PROBES; {"test[case id]": result}.
     (Every case is marked multiprocess: tests/conftest.py keeps a module's multiprocess
     tests on one xdist worker, so the interpreter starts once.)"""
     jobs = []
@@ -250,7 +273,7 @@ def test_python_block_runs(block, tmp_path, request, shared_interpreter):
                      timeout=TIMEOUT)                   # raises, naming the failing rank
         return
     r = _shared_result(request, shared_interpreter)
-    assert r["returncode"] == 0, f"README line {block.line}:\n{r['output'][-3000:]}"
+    assert r["returncode"] == 0, f"{block.where}:\n{r['output'][-3000:]}"
 
 
 @pytest.mark.parametrize("command", _command_cases())

@@ -1,5 +1,5 @@
 """One torchrun/gloo world for five launches' worth of claims (tests/test_torchrun_world.py):
-the README's torchrun blocks, run first and as written (each initialises the world with
+the pages' torchrun blocks, run first and as written (each initialises the world with
 ``init_distributed_from_env`` and destroys it), then, in one world initialised again, the
 collectives self-test (tests/selftest_worker.py), the prefill worker, the decode worker
 (dcp_compile/workers/prefill.py, decode.py) and the torch.compile backend
@@ -13,7 +13,7 @@ once instead of five times.
                                            "--backend", BACKEND_ARGV_JSON])
 
 Each ``--<part>`` is the JSON list of that worker's own command-line arguments; ``--readme``
-the JSON list of the README blocks' script files.
+the JSON list of the page blocks' script files.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TIMEOUT = 120.0     # seconds: every collective of the parts' world (init_distri
 
 
 def run_readme_blocks(paths: list[str]) -> None:
-    """Run each README block as a script, as written: it initialises the world from
+    """Run each page block as a script, as written: it initialises the world from
     torchrun's environment and destroys it at its end."""
     import torch
     import torch.distributed as dist
@@ -40,7 +40,7 @@ def run_readme_blocks(paths: list[str]) -> None:
     for path in paths:
         runpy.run_path(path, run_name="__main__")
         if dist.is_initialized():
-            raise RuntimeError(f"README block {path} left its process group initialised: it "
+            raise RuntimeError(f"page block {path} left its process group initialised: it "
                                f"must end with torch.distributed.destroy_process_group().")
         torch._dynamo.reset()   # the parts compile other models: no cache entry carries over
         print(f"readme block {os.path.basename(path)} ok rank={os.environ['RANK']} "
@@ -62,7 +62,7 @@ def init_world_again() -> tuple[int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--readme", required=True, help="JSON: the README blocks' script files")
+    ap.add_argument("--readme", required=True, help="JSON: the page blocks' script files")
     for part in PARTS:
         ap.add_argument(f"--{part}", required=True, help="JSON: that worker's argv")
     args = ap.parse_args(argv)

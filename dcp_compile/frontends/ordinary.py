@@ -17,7 +17,8 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
-from ..capture import Captured, capture, constant_values
+from ..capture import Captured, capture, checkpoint_names, constant_values
+from .hf_checkpoint import checkpoint_sources
 from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
@@ -47,7 +48,10 @@ class OrdinaryFrontend:
         return StepCapture(captured.gm, captured.user_inputs,
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,
-                           constants=lambda: constant_values(self.step_model, captured))
+                           constants=lambda: constant_values(self.step_model, captured),
+                           weight_names=lambda: checkpoint_names(self.step_model, captured,
+                                                                 self.model),
+                           weight_sources=lambda: checkpoint_sources(self.model))
 
     def prologue(self, ctx, captured: StepCapture) -> list:
         """The graph has no cache yet: the optional passes of the pipeline's capture

@@ -38,6 +38,10 @@ class StepCapture:
     # What the graph holds as captured (passes.infra.Property): the pipeline checks its
     # row's order from it. A paged step signature gives what the cache insertion ensures.
     provides: frozenset[Property] = CAPTURED
+    # placeholder -> the model's parameter names (DCPProgram.weight_names), and FQN -> the
+    # checkpoint tensors of a weight held in another form (DCPProgram.weight_sources)
+    weight_names: Callable[[], dict[str, tuple[str, ...]]] = field(default=dict, repr=False)
+    weight_sources: Callable[[], dict] = field(default=dict, repr=False)
 
     @property
     def first_user_input(self) -> str:
