@@ -92,18 +92,18 @@ def time_transform_with_stack_traces(model, args, shapes) -> float:
 
 def time_passes_full_propagation(model, args, shapes) -> float:
     """The passes again, re-propagating the whole graph after each (the old manager)."""
-    from dcp_compile.passes import manager
+    from dcp_compile.passes import propagation
 
     def full(gm, changed, before=None):
-        manager.repropagate(gm)
+        propagation.repropagate(gm)
         return len(gm.graph.nodes)
 
-    real = manager.propagate_changed
-    manager.propagate_changed = full
+    real = propagation.propagate_changed
+    propagation.propagate_changed = full
     try:
         return time_transform(model, args, shapes)[2]
     finally:
-        manager.propagate_changed = real
+        propagation.propagate_changed = real
 
 
 def time_passes_full_placement_sweeps(model, args, shapes) -> float:

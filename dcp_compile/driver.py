@@ -253,8 +253,8 @@ def _run_pipeline(frontend: Frontend, captured: StepCapture, config: DCPConfig, 
     dump = pass_dump(dump_path, step, source=frontend.source, config=config)
     try:
         gm, records = run_passes(captured.gm, passes_for(
-            ctx, captured.first_user_input, prologue=frontend.prologue(ctx, captured)),
-            step=step, on_pass=_with_progress(dump, progress))
+            ctx, captured.first_user_input, prologue=frontend.prologue(ctx, captured),
+            given=captured.provides), step=step, on_pass=_with_progress(dump, progress))
         records[0].matched["capture_seconds"] = round(captured.seconds, 4)
     finally:  # a failed pass leaves the dump up to it
         if dump is not None:

@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek MLA) -> attention in latent space, one shared head.
+"""absorb_latent_attention: Multi-head Latent Attention (DeepSeek MLA) -> attention in latent
+space, one shared head.
 
 An ordinary MLA model attends with expanded K/V (dcp_compile/models/mla.py, Hugging Face
 ``DeepseekV3Attention``)::
@@ -39,8 +40,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.program.facts import LatentAttention, ModelFacts
 
-from .infra import source_of, val
+from .infra import DCPPass, Found, Property, source_of, val
 from .op_classes import CASTS, COLUMN_LAYOUT_OPS, MATMUL, SOFTMAX
 from .op_classes import is_call as _call
 from .op_classes import skip_casts as _skip_casts
@@ -118,6 +120,22 @@ def _new(g, mode, target, args, kwargs=None, like: Node | None = None) -> Node:
         if like is not None and key in like.meta:
             n.meta[key] = like.meta[key]
     return n
+
+
+class AbsorbLatentAttention(DCPPass):
+    """An ordinary model's graph (the ordinary frontend builds this pass): every MLA
+    attention in its absorbed form (module doc); the latent widths go to the facts
+    (``ModelFacts.mla``). A model without MLA passes through unchanged."""
+
+    name = "absorb_latent_attention"
+    required = frozenset({Property.CANONICAL_OPS})      # the kv_b_proj is a linear
+    ensured = frozenset({Property.LATENT_ABSORBED})
+
+    def call(self, gm):
+        latent = absorb_latent_attention(gm)
+        self.record(mla_layers=len(latent))
+        return Found(gm, True, facts=ModelFacts(
+            mla=LatentAttention(**latent[0]) if latent else None))
 
 
 def absorb_latent_attention(gm: GraphModule) -> list[dict]:

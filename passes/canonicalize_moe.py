@@ -35,7 +35,7 @@ from dcp_compile.runtime.kernels.moe import (LAYOUTS, OPERANDS, PARAMETRISED, Ex
                                      ExpertLayout)
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
-from .infra import DCPPass, Found, ensure, source_of, val
+from .infra import DCPPass, Found, Property, ensure, source_of, val
 from .op_classes import RESHAPES
 
 aten = torch.ops.aten
@@ -182,6 +182,8 @@ def _ordered(form, experts, out_features, in_features) -> tuple:
 
 class CanonicalizeMoE(DCPPass):
     name = "canonicalize_moe"
+    required = frozenset({Property.PAGED_CACHE})
+    ensured = frozenset({Property.CANONICAL_MOE})
 
     def call(self, gm):
         cfg = self.ctx.config

@@ -31,7 +31,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPLengthDependentError, DCPTokenMixingError
 
-from .infra import DCPPass, attention_nodes, placeholder, source_of, val
+from .infra import DCPPass, Property, attention_nodes, placeholder, source_of, val
 from .op_classes import CASTS, is_call
 from .placement.tokens import Rows, TokenMixing, follow_tokens
 
@@ -63,6 +63,8 @@ class CheckTokenWise(DCPPass):
     """Every op outside attention acts on each token on its own (module doc)."""
 
     name = "check_token_wise"
+    required = frozenset({Property.CANONICAL_ATTENTION, Property.POSITIONS_LIFTED})
+    ensured = frozenset({Property.TOKEN_WISE})
 
     def __init__(self, ctx, token_input: str):
         super().__init__(ctx)

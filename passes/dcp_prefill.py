@@ -62,7 +62,8 @@ from .dcp_decode import attention_kwargs, correct_sinks, cp_rank_node, replace_a
 from .op_classes import SHAPED_VIEWS
 from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
-                    KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
+                    KIND_SLICE, DCPPass, Property, attention_nodes, getitem_users, source_of,
+                    val)
 from .sequence_parallel import pad_tokens, reduce_scatter_tokens
 from .shard_tensor_parallel import _is_linear
 
@@ -157,6 +158,8 @@ class DCPPrefill(DCPPass):
     """Rewrite every attention block into the spec's nine-step prefill DCP pattern."""
 
     name = "dcp_prefill"
+    required = frozenset({Property.SEQUENCE_PARALLEL})
+    ensured = frozenset({Property.DCP_REWRITTEN})
 
     def requires(self, gm):
         if self.ctx.config.mode != Mode.PREFILL:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .infra import DCPPass
+from .infra import DCPPass, Property
 from .op_classes import EXPORT_ASSERTS
 
 
 class DropExportAsserts(DCPPass):
     name = "drop_export_asserts"
+    required = frozenset({Property.ATEN_GRAPH})
+    ensured = frozenset({Property.NO_EXPORT_ASSERTS})
 
     def call(self, gm):
         dropped = [n for n in gm.graph.nodes

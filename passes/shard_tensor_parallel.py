@@ -32,8 +32,8 @@ from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_RE
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
-from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, attention_nodes, \
-    placeholder, source_of, val
+from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Property,
+                    attention_nodes, placeholder, source_of, val)
 from .op_classes import SHAPED_VIEWS, SPLITS
 from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
@@ -71,6 +71,8 @@ def _local_shape(n: Node, p) -> list[int]:
 
 class ShardTensorParallel(DCPPass):
     name = "shard_tensor_parallel"
+    required = frozenset({Property.PROVEN, Property.RANK_INPUT})
+    ensured = frozenset({Property.TP_SHARDED})
 
     def plan(self, gm: GraphModule) -> ShardPlan:
         placements = analyze(gm, self.ctx.config)

@@ -1,7 +1,8 @@
 """The ordinary frontend: any causal LM ``forward(input_ids (, position_ids)) -> logits`` (or
 an object with ``.logits``), Hugging Face models with ``attn_implementation`` "sdpa" or
-"eager" included. Captured with :func:`capture_ordinary`; its prologue is the pass
-``dcp_compile.passes.insert_paged_cache``, which adds the KV cache; its reference is the
+"eager" included. Captured with :func:`capture_ordinary`; its prologue is the optional
+passes of the pipeline's capture prologue (canonicalize_ops, absorb_latent_attention,
+insert_paged_cache, which adds the KV cache, and lift_positions); its reference is the
 model's own full forward, recomputed every step (:class:`FullForwardReference`).
 """
 
@@ -53,15 +54,24 @@ class OrdinaryFrontend:
                            weight_sources=lambda: checkpoint_sources(self.model))
 
     def prologue(self, ctx, captured: StepCapture) -> list:
-        """The cache insertion (passes/insert_paged_cache): the graph has no cache yet."""
+        """The graph has no cache yet: the optional passes of the pipeline's capture
+        prologue (canonical ops, MLA absorption, the cache insertion, positions lifted),
+        built from the model."""
+        from dcp_compile.passes.absorb_latent_attention import AbsorbLatentAttention
+        from dcp_compile.passes.canonical_ops import CanonicalizeOps
         from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+        from dcp_compile.passes.positions import LiftPositions
         inputs = captured.user_inputs
-        return [InsertPagedCache(ctx, token_input=inputs[0],
+        return [CanonicalizeOps(ctx, weights=set(captured.weight_inputs),
+                                constants=captured.constants),
+                AbsorbLatentAttention(ctx),
+                InsertPagedCache(ctx, token_input=inputs[0],
                                  position_input=inputs[1] if len(inputs) > 1 else None,
                                  num_blocks=self.shapes.num_blocks,
                                  max_blocks=self.shapes.max_blocks,
                                  constants=captured.constants,
-                                 windows=declared_windows(self.model))]
+                                 windows=declared_windows(self.model)),
+                LiftPositions(ctx, inputs[0])]
 
     def facts(self) -> ModelFacts:
         return ModelFacts()          # the cache insertion finds them in the graph

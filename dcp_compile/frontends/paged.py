@@ -17,7 +17,7 @@ from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, checkpoint_names, constant_values, example_step_inputs
 from .hf_checkpoint import checkpoint_sources
-from .protocol import StepCapture
+from .protocol import PAGED_STEP, StepCapture
 
 
 class PagedFrontend:
@@ -53,6 +53,7 @@ class PagedFrontend:
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,
                            constants=lambda: constant_values(self.model, captured),
+                           provides=PAGED_STEP,
                            weight_names=lambda: checkpoint_names(self.model, captured,
                                                                  self.checkpoint_module),
                            weight_sources=lambda: checkpoint_sources(self.checkpoint_module))

@@ -52,8 +52,8 @@ def test_mla_decode_matches_own_forward(tp, dcp, block, interleave):
     shapes = _shapes(period, block, dcp)
     program = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", block_size=block,
                                     interleave_size=interleave, shapes=shapes, check=False)
-    inserted = next(r for r in program.history if r.name == "insert_paged_cache")
-    assert inserted.matched["mla_layers"] == CFG.num_layers and program.config.mla
+    absorbed = next(r for r in program.history if r.name == "absorb_latent_attention")
+    assert absorbed.matched["mla_layers"] == CFG.num_layers and program.config.mla
     # The cache: one head, [latent ; k_pe] once (two halves), nothing per query head.
     spec = program.cache_spec()
     width = CFG.kv_lora_rank + CFG.qk_rope_head_dim
@@ -126,7 +126,7 @@ def test_mla_q_lora_check():
                                     shapes=StepShapes(batch=4, context_len=9, max_blocks=3,
                                                       num_blocks=13), check=True)
     assert program.report.check.ok
-    mla = program.facts.mla                 # insert_paged_cache returned the widths it found
+    mla = program.facts.mla                 # absorb_latent_attention returned the widths it found
     assert (mla.kv_lora_rank, mla.qk_rope_head_dim) == (CFG.kv_lora_rank, CFG.qk_rope_head_dim)
 
 

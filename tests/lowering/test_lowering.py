@@ -233,7 +233,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from dcp_compile.lowering import lower_graph
     from dcp_compile.driver import passes_for
     from dcp_compile.passes.infra import TransformContext
-    from dcp_compile.passes.manager import repropagate
+    from dcp_compile.passes.propagation import repropagate
     from dcp_compile.runtime.program.facts import ModelFacts
 
     model, prog = program_for(8, 4, "decode")

@@ -2,11 +2,13 @@
 attention with GQA) gets the step signature of a paged model: positions, block table and
 one K/V cache pair per layer as inputs, the attention a `dcp.paged_attention` over them, the
 new caches returned after the logits. On a first chunk with empty caches it computes the
-model's logits."""
+model's logits. What the model computes from positions is left to lift_positions."""
 
+import pytest
 import torch
 
 from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+from dcp_compile.runtime.errors import DCPTransformError
 
 from before_expected import aten, assert_code, before, call, context, node, run_alone
 
@@ -126,17 +128,17 @@ def _eager_before():
 
 
 # q @ k^T * 0.25 -> where(window mask) -> softmax -> @ v becomes one op with scale 0.25 and
-# window=2 (the mask, the repeats and the arange are gone); the position embedding reads
-# the positions input (clamped: padding -1 reads position 0), lifted per row by
-# passes/positions.py: [1, S] per row is [B, 1, S], its size-1 dim dropped where the batch is.
+# window=2 (the mask and the repeats are gone). The position embedding still reads
+# arange(4): lift_positions, the next pass, rewrites it over the positions input
+# (test_before_expected_lift_positions.py).
 EAGER = """
     def forward(self, p_embed, p_pos, p_q, p_k, p_v, p_head, input_ids, positions, block_table, kv_caches_0, kv_caches_1):
         clamp_min_default = aten.clamp_min.default(positions, 0)
+        arange_default = aten.arange.default(4)
         embedding_default = aten.embedding.default(p_embed, input_ids)
-        unsqueeze = aten.unsqueeze.default(clamp_min_default, 1)
-        embedding = aten.embedding.default(p_pos, unsqueeze)
-        squeeze_dim = aten.squeeze.dim(embedding, 1)
-        add_tensor = aten.add.Tensor(embedding_default, squeeze_dim)
+        unsqueeze_default = aten.unsqueeze.default(arange_default, 0)
+        embedding_default_1 = aten.embedding.default(p_pos, unsqueeze_default)
+        add_tensor = aten.add.Tensor(embedding_default, embedding_default_1)
         linear_default = aten.linear.default(add_tensor, p_q)
         view_default = aten.view.default(linear_default, [1, 4, 4, 8])
         linear_default_1 = aten.linear.default(add_tensor, p_k)
@@ -169,3 +171,24 @@ def test_eager_first_chunk_on_empty_caches_computes_the_model():
                         kv_caches_1=caches.clone())
     (want,) = call(_eager_before())
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _encoder(p_embed, p_q, p_k, p_v, p_head, input_ids):
+    h = aten.embedding.default(p_embed, input_ids)
+    q = aten.transpose.int(aten.view.default(aten.linear.default(h, p_q), [1, 4, 4, 8]), 1, 2)
+    k = aten.transpose.int(aten.view.default(aten.linear.default(h, p_k), [1, 4, 2, 8]), 1, 2)
+    v = aten.transpose.int(aten.view.default(aten.linear.default(h, p_v), [1, 4, 2, 8]), 1, 2)
+    a = aten.scaled_dot_product_attention.default(q, k, v, enable_gqa=True)
+    return (aten.linear.default(aten.reshape.default(aten.transpose.int(a, 1, 2), [1, 4, 32]),
+                                p_head),)
+
+
+def test_non_causal_attention_is_refused_naming_the_node():
+    """An encoder (no mask, is_causal=False): every token sees later ones, nothing to cache."""
+    gm = before(_encoder, p_embed=torch.randn(VOCAB, HIDDEN), p_q=torch.randn(HQ * D, HIDDEN),
+                p_k=torch.randn(HKV * D, HIDDEN), p_v=torch.randn(HKV * D, HIDDEN),
+                p_head=torch.randn(VOCAB, HIDDEN), input_ids=torch.tensor([[3, 1, 4, 1]]))
+    with pytest.raises(DCPTransformError, match=r"non-causal attention \(is_causal=False, no "
+                                                r"mask\) over 4 tokens.*at node "
+                                                r"scaled_dot_product_attention"):
+        run_alone(_pass(), gm)

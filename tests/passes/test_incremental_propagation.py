@@ -15,7 +15,7 @@ import torch
 import dcp_compile
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models.demo import demo_model
-from dcp_compile.passes import manager
+from dcp_compile.passes import propagation
 from dcp_compile.runtime.serving.engine import StepShapes
 
 SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
@@ -25,15 +25,15 @@ SHAPES = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 def checked(monkeypatch):
     """Turn the full comparison on and record, per pass, the nodes compared and mismatches."""
     seen = []
-    full = manager.propagation_mismatches
+    full = propagation.propagation_mismatches
 
     def spy(gm):
         bad = full(gm)
         seen.append((len(gm.graph.nodes), bad))
         return bad
 
-    monkeypatch.setattr(manager, "propagation_mismatches", spy)
-    monkeypatch.setenv(manager.FULL_PROPAGATION_ENV, "1")
+    monkeypatch.setattr(propagation, "propagation_mismatches", spy)
+    monkeypatch.setenv(propagation.FULL_PROPAGATION_ENV, "1")
     return seen
 
 
@@ -70,14 +70,14 @@ def test_incremental_equals_full_after_every_pass(checked, model_id, mode):
 
 def test_check_catches_a_pass_whose_changes_are_not_propagated(checked, monkeypatch):
     """A manager that skipped propagation after the pass that shards weights and caches."""
-    real = manager.propagate_changed
+    real = propagation.propagate_changed
 
     def skip_after_sharding(gm, changed, before=None):
         if any(n.op == "placeholder" and "dcp_full_shape" in n.meta for n in changed):
             return 0
         return real(gm, changed, before)
 
-    monkeypatch.setattr(manager, "propagate_changed", skip_after_sharding)
+    monkeypatch.setattr(propagation, "propagate_changed", skip_after_sharding)
     with pytest.raises(DCPTransformError, match="after pass shard_tensor_parallel .* "
                                                 "differs from a full one"):
         dcp_compile.transform(demo_model(), tp=4, dcp=2, mode="decode", block_size=4,
@@ -91,24 +91,24 @@ def test_changed_nodes_sees_new_nodes_new_args_and_replaced_values():
 
     gm = torch.export.export(M(), (torch.zeros(2, 3),)).graph_module
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    assert manager.changed_nodes(gm, manager.snapshot(gm)) == [out]  # export left no val
-    manager.repropagate(gm)
-    before = manager.snapshot(gm)
-    assert manager.changed_nodes(gm, before) == []
+    assert propagation.changed_nodes(gm, propagation.snapshot(gm)) == [out]  # export left no val
+    propagation.repropagate(gm)
+    before = propagation.snapshot(gm)
+    assert propagation.changed_nodes(gm, before) == []
     x = next(n for n in gm.graph.nodes if n.op == "placeholder")
     add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
     relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
-    mode = manager._fake_mode(gm)
+    mode = propagation.fake_mode(gm)
     with mode:
         x.meta["val"] = torch.empty(4, 3)                   # a sharded input
     with gm.graph.inserting_after(add):
         neg = gm.graph.call_function(torch.ops.aten.neg.default, (add,))
     relu.args = (neg,)                                       # rewired user
-    assert set(manager.changed_nodes(gm, before)) == {x, neg, relu}
-    n = manager.propagate_changed(gm, manager.changed_nodes(gm, before))
+    assert set(propagation.changed_nodes(gm, before)) == {x, neg, relu}
+    n = propagation.propagate_changed(gm, propagation.changed_nodes(gm, before))
     assert n == len(gm.graph.nodes) - 1  # every node depends on x
     assert tuple(out.meta["val"][0].shape) == (4, 3)
-    assert manager.propagation_mismatches(gm) == []
+    assert propagation.propagation_mismatches(gm) == []
 
 
 def test_a_value_the_pass_set_itself_still_reaches_the_users():
@@ -119,12 +119,12 @@ def test_a_value_the_pass_set_itself_still_reaches_the_users():
             return torch.relu(x + 1) * 2 + y.sum()
 
     gm = torch.export.export(M(), (torch.zeros(2, 3), torch.zeros(4, 3))).graph_module
-    manager.repropagate(gm)
-    before = manager.snapshot(gm)
+    propagation.repropagate(gm)
+    before = propagation.snapshot(gm)
     y = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
     add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
     add.args = (y, 1)
-    with manager._fake_mode(gm):
+    with propagation.fake_mode(gm):
         add.meta["val"] = torch.empty(4, 3)  # what the pass knows the new value is
-    manager.propagate_changed(gm, manager.changed_nodes(gm, before), before)
-    assert manager.propagation_mismatches(gm) == []
+    propagation.propagate_changed(gm, propagation.changed_nodes(gm, before), before)
+    assert propagation.propagation_mismatches(gm) == []

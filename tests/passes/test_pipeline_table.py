@@ -1,5 +1,6 @@
-"""The pipeline is data (dcp_compile.passes.pipeline.PIPELINE): docs/architecture.md lists it, transform(), the
-torch.compile backend's transform_graph and the dump follow it; post-conditions raise."""
+"""The pipeline is data (dcp_compile.passes.pipeline.PIPELINE, built from named stages): 
+docs/architecture.md lists it, transform(), the torch.compile backend and the dump follow it, a row whose
+passes are out of order is refused naming the pass and the property; post-conditions raise."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.models.plain import plain_llama
 from dcp_compile.passes import pipeline
-from dcp_compile.passes.infra import DCPPass, TransformContext
-from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+from dcp_compile.passes.infra import CAPTURED, DCPPass, Property, TransformContext
 from dcp_compile.runtime.serving.engine import StepShapes
 
 from suite_path import ROOT  # noqa: E402  (the repository root)
@@ -28,6 +28,8 @@ from suite_path import ROOT  # noqa: E402  (the repository root)
 PASSES_PAGE = ROOT / "docs" / "architecture.md"   # its "Passes" section
 SMALL = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5)
 STEPS = pipeline.STEPS_BY_MODE
+# The passes a paged model's capture makes unnecessary (it takes its caches already).
+OPTIONAL = {cls.name for cls in pipeline.OPTIONAL}
 
 
 def documented_pipeline() -> dict[str, list[str]]:
@@ -62,16 +64,16 @@ def _ran(program, step):
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_transform_runs_each_step_kinds_row(mode):
-    """A paged model (no insert_paged_cache): capture, then exactly its row."""
+    """A paged model (no cache insertion): capture, then exactly its row."""
     prog = dcp_compile.transform(demo_model(DemoConfig(num_layers=1)), tp=4, dcp=2,
                                  mode=mode, shapes=SMALL, check=False)
     assert tuple(prog.graphs) == STEPS[mode]
     for step in STEPS[mode]:
-        row = [n for n in pipeline.pass_names(step) if n != InsertPagedCache.name]
+        row = [n for n in pipeline.pass_names(step) if n not in OPTIONAL]
         assert _ran(prog, step) == row
 
 
-def test_an_ordinary_model_runs_the_optional_cache_insertion_first():
+def test_an_ordinary_model_runs_the_optional_capture_prologue():
     model = plain_llama(DemoConfig(num_layers=1, hidden_size=64, num_q_heads=8,
                                    intermediate_size=96))
     prog = dcp_compile.transform(model, tp=4, dcp=2, mode="decode", shapes=SMALL,
@@ -89,9 +91,30 @@ class Witness(DCPPass):
         return PassResult(gm, False)
 
 
-def test_the_table_drives_transform_and_transform_graph(monkeypatch):
+def _backend_history(model) -> list[str]:
+    """The pass names the torch.compile backend's program ran for the decode step."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from dcp_compile.backend import BackendOptions, build_program, kv_cache_spec
+    ran = []
+
+    def grab(gm, example_inputs):
+        program, _ = build_program(gm, example_inputs, BackendOptions(tp=4, dcp=2))
+        ran.extend(r.name for r in program.history)
+        raise RuntimeError("grabbed")
+
+    caches = kv_cache_spec(model, tp=4, dcp=2, num_blocks=SMALL.num_blocks).allocate()
+    ids = torch.zeros(SMALL.batch, 1, dtype=torch.int64)
+    table = torch.arange(SMALL.batch * SMALL.max_blocks).view(SMALL.batch, SMALL.max_blocks)
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed), torch.no_grad():
+        torch.compile(model, backend=grab, fullgraph=True)(ids, ids.clone(), table, caches)
+    return ran
+
+
+def test_the_table_drives_transform_and_the_backend(monkeypatch):
     """Editing the table (here: a witness pass after insert_rank) changes what transform()
-    and the backend's transform_graph run, with no other code change."""
+    and the torch.compile backend run, with no other code change."""
     at = {step: [c.name for c in row].index("insert_rank") + 1
           for step, row in pipeline.PIPELINE.items()}
     table = {step: row[:at[step]] + (Witness,) + row[at[step]:]
@@ -104,17 +127,9 @@ def test_the_table_drives_transform_and_transform_graph(monkeypatch):
         ran = _ran(prog, step)
         i = ran.index("insert_rank")
         assert ran[i:i + 2] == ["insert_rank", "witness"]
-
-    from dcp_compile.capture import capture, example_step_inputs
-    from dcp_compile.driver import transform_graph
-    captured = capture(model, example_step_inputs(
-        SMALL.batch, 1, SMALL.max_blocks, model.kv_cache_shape(SMALL.num_blocks, 16), 1,
-        device="cpu", dtype=torch.float32))
-    config = DCPConfig(tp=4, dcp=2, mode="decode", block_size=16)
-    _, records, _ = transform_graph(captured.gm, config, "decode",
-                                    first_user_input=captured.user_inputs[0])
-    assert [r.name for r in records] == [n for n in pipeline.pass_names("decode")
-                                         if n != InsertPagedCache.name]
+    ran = _backend_history(model)
+    assert ran == [n for n in pipeline.pass_names("decode") if n not in OPTIONAL]
+    assert ran[ran.index("insert_rank") + 1] == "witness"
 
 
 def test_the_dump_records_the_steps_pipeline(tmp_path):
@@ -125,7 +140,90 @@ def test_the_dump_records_the_steps_pipeline(tmp_path):
         assert manifest["pipeline"] == pipeline.pass_names(step)
         ran = [e["pass"] for e in manifest["entries"]]
         assert ran[0] == "capture" and ran[1:] == [n for n in manifest["pipeline"]
-                                                  if n != InsertPagedCache.name]
+                                                  if n not in OPTIONAL]
+
+
+# ------------------------------------------------------------------------------------------
+# Stages and the order of a row: requires / ensures as Property values, checked
+# ------------------------------------------------------------------------------------------
+
+def test_each_row_is_its_stages_in_order_with_the_steps_dcp_rewrite_last():
+    for step, row in pipeline.PIPELINE.items():
+        stages = [c for stage in pipeline.Stage if stage is not pipeline.Stage.DCP_REWRITE
+                  for c in pipeline.STAGES[stage]]
+        assert row == tuple(stages) + pipeline.DCP_REWRITE[step]
+    assert [s.value for s in pipeline.Stage] == [
+        "capture prologue", "canonicalize", "prove", "shard", "dcp rewrite"]
+
+
+def test_every_pass_declares_what_it_requires_and_ensures():
+    for cls in {c for row in pipeline.PIPELINE.values() for c in row}:
+        assert cls.required and cls.ensured, cls.name
+        assert all(isinstance(p, Property) for p in cls.required | cls.ensured), cls.name
+
+
+def _swap(row, a: str, b: str):
+    names = [c.name for c in row]
+    i, j = names.index(a), names.index(b)
+    out = list(row)
+    out[i], out[j] = out[j], out[i]
+    return out
+
+
+MISORDERED = {  # id -> (the row, the pass and the missing property the refusal names)
+    "rank-input-before-proof": (_swap(pipeline.PIPELINE["decode"], "validate_and_prove",
+                                      "insert_rank"),
+                                r"pass insert_rank requires \['proven'\].*"
+                                r"Run \['validate_and_prove'\] before insert_rank"),
+    "shard-before-rank-input": (_swap(pipeline.PIPELINE["decode"], "insert_rank",
+                                      "shard_tensor_parallel"),
+                                r"pass shard_tensor_parallel requires \['rank_input'\]"),
+    "dcp-prefill-before-sequence-parallel": (
+        _swap(pipeline.PIPELINE["prefill"], "sequence_parallel", "dcp_prefill"),
+        r"pass dcp_prefill requires \['sequence_parallel'\]"),
+    "lift-before-cache": (_swap(pipeline.PIPELINE["decode"], "insert_paged_cache",
+                                "lift_positions"),
+                          r"pass lift_positions requires \['paged_cache'\]"),
+    "no-mla-absorption": ([c for c in pipeline.PIPELINE["context"]
+                           if c.name != "absorb_latent_attention"],
+                          r"pass insert_paged_cache requires \['latent_absorbed'\].*"
+                          r"Run \['absorb_latent_attention'\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISORDERED))
+def test_a_misordered_row_is_refused_naming_the_pass_and_property(case):
+    row, message = MISORDERED[case]
+    with pytest.raises(DCPTransformError, match=message):
+        pipeline.check_order(row, CAPTURED)
+
+
+def test_a_pass_that_ensures_what_the_capture_gives_is_refused():
+    """A paged capture takes its caches already: a cache insertion after it is refused."""
+    from dcp_compile.frontends.protocol import PAGED_STEP
+    with pytest.raises(DCPTransformError, match=r"pass insert_paged_cache ensures "
+                                                r"\['paged_cache'\].*already holds"):
+        pipeline.check_order(pipeline.PIPELINE["decode"], PAGED_STEP)
+
+
+def test_a_row_built_without_the_prologue_it_needs_is_refused():
+    """An ordinary capture (no caches) given no prologue: the first pass that needs the
+    cache names it, instead of running on a graph without one."""
+    ctx = TransformContext(config=DCPConfig(tp=4, dcp=2, mode="decode", block_size=16),
+                           step="decode")
+    with pytest.raises(DCPTransformError, match=r"pass canonicalize_attention requires "
+                                                r"\['paged_cache'\] for step decode"):
+        pipeline.passes_for(ctx, "input_ids")
+
+
+def test_the_tables_rows_are_checked_when_built(monkeypatch):
+    """row() checks what it builds: a stage edited out of order fails at import."""
+    stages = dict(pipeline.STAGES)
+    stages[pipeline.Stage.SHARD] = tuple(reversed(stages[pipeline.Stage.SHARD]))
+    monkeypatch.setattr(pipeline, "STAGES", stages)
+    with pytest.raises(DCPTransformError, match=r"pass shard_tensor_parallel requires "
+                                                r"\['rank_input'\] in the decode row"):
+        pipeline.row("decode")
 
 
 def test_an_unknown_step_kind_is_refused():

@@ -45,7 +45,7 @@ def clear_project_caches() -> int:
     """Empty every memo (``functools.lru_cache``/``cache``) of a dcp_compile module, so that
     a job proves and renders from scratch as in a fresh process (the prover's certificates
     are cached per (dcp, interleave, block)). What stays warm is Python's, torch's and
-    sympy's own state, and the two op-call tables (``passes.manager._CALL_RESULTS``,
+    sympy's own state, and the two op-call tables (``passes.propagation._CALL_RESULTS``,
     ``lowering.decompose._TRACES``): keyed on an op call's full metadata, they give a job
     the results it would compute, sooner. Returns the number of memos emptied."""
     emptied = 0
