@@ -39,6 +39,11 @@ from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.serving.rank_engine import load_rank
 from dcp_compile.runtime.distributed.world import run_threaded
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 FC = torch.ops._c10d_functional
 BLOCK = 16
@@ -254,39 +259,41 @@ def main():
     ap.add_argument("--sections", default="capacity,context,kv,profile,inductor,kernel",
                     help="comma-separated subset of capacity,context,kv,profile,inductor,"
                          "kernel")
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    # 16 q heads, head_dim 64 (hidden 1024). One KV head: tp=4 with dcp in {1, 2, 4} needs
-    # tp > KV heads (decode DCP replicates a KV head over its replica set); each rank then
-    # holds one KV head, as it would with 4 KV heads at tp=4, dcp=1.
-    cfg = DemoConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=1, head_dim=64,
-                     intermediate_size=2816, num_layers=args.layers, vocab_size=1024)
-    model = demo_model(cfg)
-    tp, b = args.tp, args.batch
-    print(f"decode step, demo model hidden={cfg.hidden_size}, {cfg.num_q_heads} q heads, "
-          f"{cfg.num_kv_heads} KV head, head_dim={cfg.head_dim}, {cfg.num_layers} layers, "
-          f"batch={b}, fp32, {tp} ranks on threads of one shared {os.cpu_count()}-core "
-          f"machine ({load()} at start); median of {args.steps} steps")
+    with docs_section.recorded("bench_decode kernel" if args.sections == "kernel" else "bench_decode", args.write_docs):
+        torch.set_num_threads(1)
+        # 16 q heads, head_dim 64 (hidden 1024). One KV head: tp=4 with dcp in {1, 2, 4} needs
+        # tp > KV heads (decode DCP replicates a KV head over its replica set); each rank then
+        # holds one KV head, as it would with 4 KV heads at tp=4, dcp=1.
+        cfg = DemoConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=1, head_dim=64,
+                         intermediate_size=2816, num_layers=args.layers, vocab_size=1024)
+        model = demo_model(cfg)
+        tp, b = args.tp, args.batch
+        print(f"decode step, demo model hidden={cfg.hidden_size}, {cfg.num_q_heads} q heads, "
+              f"{cfg.num_kv_heads} KV head, head_dim={cfg.head_dim}, {cfg.num_layers} layers, "
+              f"batch={b}, fp32, {tp} ranks on threads of one shared {os.cpu_count()}-core "
+              f"machine ({load()} at start); median of {args.steps} steps")
 
-    def transform(dcp, shapes, combine="all_gather"):
-        return dcp_compile.transform(model, tp=tp, dcp=dcp, shapes=shapes, combine=combine)
+        def transform(dcp, shapes, combine="all_gather"):
+            return dcp_compile.transform(model, tp=tp, dcp=dcp, shapes=shapes, combine=combine)
 
-    sections = set(args.sections.split(","))
-    if "capacity" in sections:
-        capacity_table(args, model, transform, b, tp)
-    if "kernel" in sections:
-        kernel_table(args, model, transform, b, tp)
-    if sections & {"context", "kv", "profile", "inductor"}:
-        progs = context_tables(args, model, transform, b, tp, "context" in sections)
-    if "kv" in sections:
-        kv_table(args, cfg, progs)
-    if "inductor" in sections:
-        inductor_table(args, model, progs[2])
-    if "profile" in sections:
-        longest = max(args.contexts)
-        print(f"\nprofile: rank 0 of tp={tp}, dcp=2, context={longest}, {args.steps} steps")
-        print(run_steps(progs[2], model, longest, args.steps,
-                        profile=args.profile_rows)["profile"])
+        sections = set(args.sections.split(","))
+        if "capacity" in sections:
+            capacity_table(args, model, transform, b, tp)
+        if "kernel" in sections:
+            kernel_table(args, model, transform, b, tp)
+        if sections & {"context", "kv", "profile", "inductor"}:
+            progs = context_tables(args, model, transform, b, tp, "context" in sections)
+        if "kv" in sections:
+            kv_table(args, cfg, progs)
+        if "inductor" in sections:
+            inductor_table(args, model, progs[2])
+        if "profile" in sections:
+            longest = max(args.contexts)
+            print(f"\nprofile: rank 0 of tp={tp}, dcp=2, context={longest}, {args.steps} steps")
+            print(run_steps(progs[2], model, longest, args.steps,
+                            profile=args.profile_rows)["profile"])
 
 
 def inductor_table(args, model, prog):

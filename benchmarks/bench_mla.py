@@ -30,6 +30,11 @@ from dcp_compile.models.mla import MLAConfig, plain_mla
 from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.serving.rank_engine import load_rank
 from dcp_compile.runtime.distributed.world import run_threaded
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 BLOCK = 16
 
@@ -66,34 +71,36 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    cfg = MLAConfig(num_layers=args.layers, hidden_size=512, num_q_heads=16, kv_lora_rank=512,
-                    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                    intermediate_size=512, vocab_size=256)
-    model = plain_mla(cfg)
-    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    expanded = cfg.num_q_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    print(f"MLA: heads={cfg.num_q_heads} L={cfg.kv_lora_rank} dr={cfg.qk_rope_head_dim} "
-          f"dn=dv={cfg.v_head_dim}, {cfg.num_layers} layers: {latent} values/token/layer "
-          f"latent vs {expanded} expanded K/V; tp={args.tp}, batch {args.batch} x context "
-          f"{args.context}, block {BLOCK}, fp32, {torch.get_num_threads()} intra-op threads")
-    print(f"{'dcp':>4} {'KV MB/rank':>11} {'x dcp=1':>8} {'tp-only expanded MB/rank':>25} "
-          f"{'decode step s':>14} {'x dcp=1':>8}")
-    base = None
-    for dcp in map(int, args.dcps.split(",")):
-        max_blocks = -(-(args.context + 1) // (BLOCK * dcp))
-        shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=max_blocks,
-                            num_blocks=args.batch * max_blocks + 1)
-        program = dcp_compile.transform(model, tp=args.tp, dcp=dcp, mode="decode",
-                                        block_size=BLOCK, shapes=shapes, check=False)
-        kv = program.cache_spec().bytes_per_rank()
-        # The same token capacity with an expanded K/V cache sharded by heads over tp only.
-        tokens = (shapes.num_blocks - 1) * dcp * BLOCK + BLOCK
-        tp_expanded = cfg.num_layers * tokens * (expanded // args.tp) * 4
-        step = decode_step_seconds(program, args.batch, args.context, args.steps)
-        base = base or (kv, step)
-        print(f"{dcp:>4} {kv / 2**20:>11.2f} {kv / base[0]:>8.3f} {tp_expanded / 2**20:>25.2f} "
-              f"{step:>14.4f} {step / base[1]:>8.3f}", flush=True)
+    with docs_section.recorded("bench_mla", args.write_docs):
+        cfg = MLAConfig(num_layers=args.layers, hidden_size=512, num_q_heads=16, kv_lora_rank=512,
+                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                        intermediate_size=512, vocab_size=256)
+        model = plain_mla(cfg)
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        expanded = cfg.num_q_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+        print(f"MLA: heads={cfg.num_q_heads} L={cfg.kv_lora_rank} dr={cfg.qk_rope_head_dim} "
+              f"dn=dv={cfg.v_head_dim}, {cfg.num_layers} layers: {latent} values/token/layer "
+              f"latent vs {expanded} expanded K/V; tp={args.tp}, batch {args.batch} x context "
+              f"{args.context}, block {BLOCK}, fp32, {torch.get_num_threads()} intra-op threads")
+        print(f"{'dcp':>4} {'KV MB/rank':>11} {'x dcp=1':>8} {'tp-only expanded MB/rank':>25} "
+              f"{'decode step s':>14} {'x dcp=1':>8}")
+        base = None
+        for dcp in map(int, args.dcps.split(",")):
+            max_blocks = -(-(args.context + 1) // (BLOCK * dcp))
+            shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=max_blocks,
+                                num_blocks=args.batch * max_blocks + 1)
+            program = dcp_compile.transform(model, tp=args.tp, dcp=dcp, mode="decode",
+                                            block_size=BLOCK, shapes=shapes, check=False)
+            kv = program.cache_spec().bytes_per_rank()
+            # The same token capacity with an expanded K/V cache sharded by heads over tp only.
+            tokens = (shapes.num_blocks - 1) * dcp * BLOCK + BLOCK
+            tp_expanded = cfg.num_layers * tokens * (expanded // args.tp) * 4
+            step = decode_step_seconds(program, args.batch, args.context, args.steps)
+            base = base or (kv, step)
+            print(f"{dcp:>4} {kv / 2**20:>11.2f} {kv / base[0]:>8.3f} {tp_expanded / 2**20:>25.2f} "
+                  f"{step:>14.4f} {step / base[1]:>8.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ from dcp_compile import hf
 from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.serving.rank_engine import load_rank
 from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 BLOCK, VOCAB = 16, 256
 MODES = {"TP": False, "EP": True}        # label -> expert_parallel
@@ -115,35 +120,37 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--top-k", default="2,8")
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    print(f"Mixtral-shaped MoE, hidden {args.hidden}, expert intermediate {args.intermediate}, "
-          f"{args.layers} layers, tp={args.tp} dcp={args.dcp}, decode batch {args.batch} x "
-          f"context {args.context}, fp32, {torch.get_num_threads()} intra-op threads; "
-          f"TP/EP steps alternating, {args.reps} each; ms: median [q1-q3]")
-    print(f"| experts | top-k | TP MB/rank | EP MB/rank | TP step ms | EP step ms | "
-          f"EP/TP (paired median) |")
-    print("|---|---|---|---|---|---|---|")
-    max_blocks = -(-(args.context + 1) // (BLOCK * args.dcp))
-    shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=max_blocks,
-                        num_blocks=args.batch * max_blocks + 1)
-    for experts in map(int, args.experts.split(",")):
-        for top_k in map(int, args.top_k.split(",")):
-            if top_k > experts:
-                continue
-            model = mixtral(experts, top_k, args)
-            wrapper = hf.prepare(model)
-            programs = {label: dcp_compile.transform(
-                wrapper, tp=args.tp, dcp=args.dcp, mode="decode", block_size=BLOCK,
-                shapes=shapes, check=False, expert_parallel=ep) for label, ep in MODES.items()}
-            mb = {label: expert_bytes_per_rank(p, model) / 2**20
-                  for label, p in programs.items()}
-            seconds = interleaved_step_seconds(programs, args)
-            ratio = statistics.median(e / t for t, e in zip(seconds["TP"], seconds["EP"]))
-            print(f"| {experts} | {top_k} | {mb['TP']:.1f} | {mb['EP']:.1f} | "
-                  f"{spread(seconds['TP'])} | {spread(seconds['EP'])} | {ratio:.2f} |",
-                  flush=True)
-            del programs, wrapper, model
-            gc.collect()
+    with docs_section.recorded("bench_moe", args.write_docs):
+        print(f"Mixtral-shaped MoE, hidden {args.hidden}, expert intermediate {args.intermediate}, "
+              f"{args.layers} layers, tp={args.tp} dcp={args.dcp}, decode batch {args.batch} x "
+              f"context {args.context}, fp32, {torch.get_num_threads()} intra-op threads; "
+              f"TP/EP steps alternating, {args.reps} each; ms: median [q1-q3]")
+        print(f"| experts | top-k | TP MB/rank | EP MB/rank | TP step ms | EP step ms | "
+              f"EP/TP (paired median) |")
+        print("|---|---|---|---|---|---|---|")
+        max_blocks = -(-(args.context + 1) // (BLOCK * args.dcp))
+        shapes = StepShapes(batch=args.batch, context_len=16, max_blocks=max_blocks,
+                            num_blocks=args.batch * max_blocks + 1)
+        for experts in map(int, args.experts.split(",")):
+            for top_k in map(int, args.top_k.split(",")):
+                if top_k > experts:
+                    continue
+                model = mixtral(experts, top_k, args)
+                wrapper = hf.prepare(model)
+                programs = {label: dcp_compile.transform(
+                    wrapper, tp=args.tp, dcp=args.dcp, mode="decode", block_size=BLOCK,
+                    shapes=shapes, check=False, expert_parallel=ep) for label, ep in MODES.items()}
+                mb = {label: expert_bytes_per_rank(p, model) / 2**20
+                      for label, p in programs.items()}
+                seconds = interleaved_step_seconds(programs, args)
+                ratio = statistics.median(e / t for t, e in zip(seconds["TP"], seconds["EP"]))
+                print(f"| {experts} | {top_k} | {mb['TP']:.1f} | {mb['EP']:.1f} | "
+                      f"{spread(seconds['TP'])} | {spread(seconds['EP'])} | {ratio:.2f} |",
+                      flush=True)
+                del programs, wrapper, model
+                gc.collect()
 
 
 if __name__ == "__main__":

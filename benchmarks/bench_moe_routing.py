@@ -1,7 +1,7 @@
 """bf16 routing: how many of a MoE program's expert choices differ from the single-device
 model's, and how close to a tie they were.
 
-Each model (tests/test_moe.py's tiny configs and seeded weights, cast to bf16) is transformed
+Each model (tests/frontends/test_moe.py's tiny configs and seeded weights, cast to bf16) is transformed
 at tp=4/dcp=2 (decode mode: a context step, then decode steps) with tensor-parallel experts
 and with ``expert_parallel=True``, and decodes ``--steps`` greedy tokens for ``--batch``
 random prompts of 1..``--max-prompt`` tokens on a threaded world, its routing traced
@@ -33,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # the repository root
+from tests.support.suite_path import install  # noqa: E402
+
+install()           # the tests' modules by plain name, as tests/conftest.py sets them
 
 import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
@@ -43,6 +46,9 @@ from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.verify import run_threaded_program  # noqa: E402
 
 from test_moe import MODELS, build  # noqa: E402  (the tests' configs)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 TP, DCP, BLOCK, INTERLEAVE = 4, 2, 4, 2
 THRESHOLDS = (1e-3, 1e-2, 3e-2, 1e-1)
@@ -90,31 +96,33 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    print(f"bf16, tp={TP} dcp={DCP}, batch {args.batch}, prompts 1..{args.max_prompt} tokens, "
-          f"{args.steps} greedy steps; flips vs the single-device bf16 model's own forward")
-    gaps = "".join(f" {'gap<' + format(t, 'g'):>9}" for t in THRESHOLDS)
-    margins = "".join(f" {'margin<' + format(t, 'g'):>11}" for t in THRESHOLDS)
-    print(f"{'model':<12} {'experts':<8} {'decisions':>9} {'choices':>8} {'flips':>6} {'cascade':>7}"
-          f"{gaps}{margins} {'s':>5}")
-    total = RoutingComparison()
-    for model_id in args.models.split(","):
-        for ep in (False, True):
-            start = time.perf_counter()
-            r = measure(model_id, ep, args)
-            total = total.merged(r)
-            print(f"{model_id:<12} {'EP' if ep else 'TP':<8} {r.decisions:>9} {r.choices:>8} "
-                  f"{r.flips:>6} {r.cascades:>7}"
-                  + "".join(f" {r.flips_below(t):>9}" for t in THRESHOLDS)
-                  + "".join(f" {r.near_ties(t):>11}" for t in THRESHOLDS)
-                  + f" {time.perf_counter() - start:>5.0f}", flush=True)
-    r = total
-    print(f"{'total':<12} {'':<8} {r.decisions:>9} {r.choices:>8} {r.flips:>6} {r.cascades:>7}"
-          + "".join(f" {r.flips_below(t):>9}" for t in THRESHOLDS)
-          + "".join(f" {r.near_ties(t):>11}" for t in THRESHOLDS))
-    if r.flip_gaps:
-        print(f"first flips' gaps (largest {max(r.flip_gaps):.4g}): "
-              f"{sorted(round(g, 4) for g in r.flip_gaps)}")
+    with docs_section.recorded("bench_moe_routing", args.write_docs):
+        print(f"bf16, tp={TP} dcp={DCP}, batch {args.batch}, prompts 1..{args.max_prompt} tokens, "
+              f"{args.steps} greedy steps; flips vs the single-device bf16 model's own forward")
+        gaps = "".join(f" {'gap<' + format(t, 'g'):>9}" for t in THRESHOLDS)
+        margins = "".join(f" {'margin<' + format(t, 'g'):>11}" for t in THRESHOLDS)
+        print(f"{'model':<12} {'experts':<8} {'decisions':>9} {'choices':>8} {'flips':>6} {'cascade':>7}"
+              f"{gaps}{margins} {'s':>5}")
+        total = RoutingComparison()
+        for model_id in args.models.split(","):
+            for ep in (False, True):
+                start = time.perf_counter()
+                r = measure(model_id, ep, args)
+                total = total.merged(r)
+                print(f"{model_id:<12} {'EP' if ep else 'TP':<8} {r.decisions:>9} {r.choices:>8} "
+                      f"{r.flips:>6} {r.cascades:>7}"
+                      + "".join(f" {r.flips_below(t):>9}" for t in THRESHOLDS)
+                      + "".join(f" {r.near_ties(t):>11}" for t in THRESHOLDS)
+                      + f" {time.perf_counter() - start:>5.0f}", flush=True)
+        r = total
+        print(f"{'total':<12} {'':<8} {r.decisions:>9} {r.choices:>8} {r.flips:>6} {r.cascades:>7}"
+              + "".join(f" {r.flips_below(t):>9}" for t in THRESHOLDS)
+              + "".join(f" {r.near_ties(t):>11}" for t in THRESHOLDS))
+        if r.flip_gaps:
+            print(f"first flips' gaps (largest {max(r.flip_gaps):.4g}): "
+                  f"{sorted(round(g, 4) for g in r.flip_gaps)}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,12 @@ from dcp_compile.passes.collectives import collective_summary
 from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
 from dcp_compile.runtime.serving.rank_engine import load_rank
-from dcp_compile.runtime.distributed.world import run_threaded
+from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 FC = torch.ops._c10d_functional
 
@@ -172,91 +177,94 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=12)
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    tp, W, I, S, b = args.tp, args.dcp, args.block, args.chunk, args.batch
-    torch.set_num_threads(1)
-    model = demo_model(DemoConfig(num_layers=args.layers))
-    shapes = StepShapes.fitting(b, S, 2 * S, block_size=I, dcp=W)
-    t0 = time.perf_counter()
-    prog = dcp_compile.transform(model, tp=tp, dcp=W, mode="prefill", block_size=I,
-                                 shapes=shapes)
-    t_transform = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(0)
-    chunk1 = [torch.randint(0, 256, (S,), generator=g).tolist() for _ in range(b)]
-    chunk2 = torch.randint(0, 256, (b, S), generator=g)
-    pos2 = torch.arange(S, 2 * S).repeat(b, 1)
+    with docs_section.recorded("bench_prefill", args.write_docs):
+        tp, W, I, S, b = args.tp, args.dcp, args.block, args.chunk, args.batch
+        torch.set_num_threads(1)
+        model = demo_model(DemoConfig(num_layers=args.layers))
+        shapes = StepShapes.fitting(b, S, 2 * S, block_size=I, dcp=W)
+        t0 = time.perf_counter()
+        prog = dcp_compile.transform(model, tp=tp, dcp=W, mode="prefill", block_size=I,
+                                     shapes=shapes)
+        t_transform = time.perf_counter() - t0
+        g = torch.Generator().manual_seed(0)
+        chunk1 = [torch.randint(0, 256, (S,), generator=g).tolist() for _ in range(b)]
+        chunk2 = torch.randint(0, 256, (b, S), generator=g)
+        pos2 = torch.arange(S, 2 * S).repeat(b, 1)
 
-    def rank_main(rank):
-        loaded = load_rank(prog, rank)
-        rec = RecordingExecutor(LocalExecutor(loaded.step_fns(),
-                                              prog.cache_spec().allocate()))
-        eng = Engine(rec, shapes, block_size=I, dcp=W, prompt_kind="prefill")
+        def rank_main(rank):
+            names = bind_roles(prog.topology, rank)     # the hand-written step's groups too
+            loaded = load_rank(prog, rank, names)
+            rec = RecordingExecutor(LocalExecutor(loaded.step_fns(),
+                                                  prog.cache_spec().allocate()))
+            eng = Engine(rec, shapes, block_size=I, dcp=W, prompt_kind="prefill")
+            with torch.no_grad():
+                run_chunks(eng, rec, [chunk1], rank, shapes.max_blocks)      # the prior: S tokens
+                for s in range(b):
+                    eng.allocator.ensure(s, 2 * S)
+                table = eng.allocator.table(list(range(b)), shapes.max_blocks)
+                caches = list(rec.caches)
+                t_prog = timed(lambda: loaded.run("prefill", chunk2, pos2, table, caches),
+                               args.reps)
+                t_hand = timed(lambda: hand_written_step(model, rank, tp, W, I, names, chunk2,
+                                                         pos2, table, caches), args.reps)
+                got, _ = loaded.run("prefill", chunk2, pos2, table, caches)
+                hand, _ = hand_written_step(model, rank, tp, W, I, names, chunk2, pos2, table,
+                                            caches)
+            return t_prog, t_hand, got, float((got - hand).abs().max())
+
+        res = run_threaded(tp, rank_main, timeout=900)
+        t_prog, t_hand, got, diff_hand = res[0]
+
+        c = model.config
+        ref_shapes = StepShapes(b, S, shapes.max_blocks * W, (shapes.num_blocks - 1) * W + 1)
+        spec = KVCacheSpec(args.layers, ref_shapes.num_blocks, I, c.num_kv_heads, c.head_dim)
+        ex = LocalExecutor(model, spec.allocate())
+        eng = Engine(ex, ref_shapes, block_size=I, prompt_kind="prefill")
         with torch.no_grad():
-            run_chunks(eng, rec, [chunk1], rank, shapes.max_blocks)      # the prior: S tokens
+            eng.prefill(chunk1)
             for s in range(b):
                 eng.allocator.ensure(s, 2 * S)
-            table = eng.allocator.table(list(range(b)), shapes.max_blocks)
-            caches = list(rec.caches)
-            t_prog = timed(lambda: loaded.run("prefill", chunk2, pos2, table, caches),
-                           args.reps)
-            t_hand = timed(lambda: hand_written_step(model, rank, tp, W, I, names, chunk2,
-                                                     pos2, table, caches), args.reps)
-            got, _ = loaded.run("prefill", chunk2, pos2, table, caches)
-            hand, _ = hand_written_step(model, rank, tp, W, I, names, chunk2, pos2, table,
-                                        caches)
-        return t_prog, t_hand, got, float((got - hand).abs().max())
+            table = eng.allocator.table(list(range(b)), ref_shapes.max_blocks)
+            caches = list(ex.caches)
+            t_single = timed(lambda: model(chunk2, pos2, table, caches), args.reps)
+            ref, _ = model(chunk2, pos2, table, caches)
+        diff_ref = float((got - ref).abs().max())
 
-    res = run_threaded(tp, rank_main, timeout=900)
-    t_prog, t_hand, got, diff_hand = res[0]
+        print(f"prefill step (second chunk, prior = {S} tokens), demo model ({args.layers} "
+              f"layers), batch={b}, S={S}, tp={tp}, dcp={W}, interleave=block={I}; {tp} ranks on "
+              f"threads of one 2-core machine; transform took {t_transform:.1f} s")
+        print(f"{'version':<30} {'ms/step':>9} {'vs hand-written':>16} {'vs single device':>17}")
+        for name, t in (("transformed program", t_prog), ("hand-written eager (spec)", t_hand),
+                        ("single device (eager)", t_single)):
+            print(f"{name:<30} {t * 1e3:>9.2f} {t / t_hand:>16.2f} {t / t_single:>17.2f}")
+        print(f"max |logits(program) - hand-written| = {diff_hand:.2e}, "
+              f"|logits(program) - single device| = {diff_ref:.2e}")
 
-    c = model.config
-    ref_shapes = StepShapes(b, S, shapes.max_blocks * W, (shapes.num_blocks - 1) * W + 1)
-    spec = KVCacheSpec(args.layers, ref_shapes.num_blocks, I, c.num_kv_heads, c.head_dim)
-    ex = LocalExecutor(model, spec.allocate())
-    eng = Engine(ex, ref_shapes, block_size=I, prompt_kind="prefill")
-    with torch.no_grad():
-        eng.prefill(chunk1)
-        for s in range(b):
-            eng.allocator.ensure(s, 2 * S)
-        table = eng.allocator.table(list(range(b)), ref_shapes.max_blocks)
-        caches = list(ex.caches)
-        t_single = timed(lambda: model(chunk2, pos2, table, caches), args.reps)
-        ref, _ = model(chunk2, pos2, table, caches)
-    diff_ref = float((got - ref).abs().max())
-
-    print(f"prefill step (second chunk, prior = {S} tokens), demo model ({args.layers} "
-          f"layers), batch={b}, S={S}, tp={tp}, dcp={W}, interleave=block={I}; {tp} ranks on "
-          f"threads of one 2-core machine; transform took {t_transform:.1f} s")
-    print(f"{'version':<30} {'ms/step':>9} {'vs hand-written':>16} {'vs single device':>17}")
-    for name, t in (("transformed program", t_prog), ("hand-written eager (spec)", t_hand),
-                    ("single device (eager)", t_single)):
-        print(f"{name:<30} {t * 1e3:>9.2f} {t / t_hand:>16.2f} {t / t_single:>17.2f}")
-    print(f"max |logits(program) - hand-written| = {diff_hand:.2e}, "
-          f"|logits(program) - single device| = {diff_ref:.2e}")
-
-    gm = prog.graphs["prefill"]
-    per_layer = defaultdict(list)
-    model_level = []
-    for col in collective_summary(gm):
-        (per_layer[col["layer"]] if col["layer"] is not None else model_level).append(col)
-    hq = c.num_q_heads // (tp // W)
-    want = spec_pattern(b, S, c.hidden_size, hq, c.head_dim, tp, W, 4)
-    got0 = [(x["op"].replace("_into_tensor", "").replace("_tensor", ""), x["role"],
-             x["bytes_in"]) for x in per_layer[0]]
-    print(f"\ncollectives per layer (layer 0 of {args.layers}; every layer is the same: "
-          f"{all(len(per_layer[i]) == len(per_layer[0]) for i in range(args.layers))})")
-    print(f"{'spec step':<26} {'spec op@role':<22} {'spec bytes':>11} {'program op@role':<22} "
-          f"{'bytes':>11}")
-    for k in range(max(len(want), len(got0))):
-        w = want[k] if k < len(want) else ("-", "-", 0, "(not in spec)")
-        g_ = got0[k] if k < len(got0) else ("-", "-", 0)
-        print(f"{w[3]:<26} {w[0] + '@' + w[1]:<22} {w[2]:>11} {g_[0] + '@' + g_[1]:<22} "
-              f"{g_[2]:>11}")
-    tot_w, tot_g = sum(w[2] for w in want), sum(g_[2] for g_ in got0)
-    print(f"{'total per layer':<26} {len(want):<22} {tot_w:>11} {len(got0):<22} {tot_g:>11} "
-          f"(ratio {tot_g / tot_w:.2f})")
-    print("model level (embedding reduce-scatter, final gathers): "
-          + ", ".join(f"{x['op']}@{x['role']} {x['bytes_in']} B" for x in model_level))
+        gm = prog.graphs["prefill"]
+        per_layer = defaultdict(list)
+        model_level = []
+        for col in collective_summary(gm):
+            (per_layer[col["layer"]] if col["layer"] is not None else model_level).append(col)
+        hq = c.num_q_heads // (tp // W)
+        want = spec_pattern(b, S, c.hidden_size, hq, c.head_dim, tp, W, 4)
+        got0 = [(x["op"].replace("_into_tensor", "").replace("_tensor", ""), x["role"],
+                 x["bytes_in"]) for x in per_layer[0]]
+        print(f"\ncollectives per layer (layer 0 of {args.layers}; every layer is the same: "
+              f"{all(len(per_layer[i]) == len(per_layer[0]) for i in range(args.layers))})")
+        print(f"{'spec step':<26} {'spec op@role':<22} {'spec bytes':>11} {'program op@role':<22} "
+              f"{'bytes':>11}")
+        for k in range(max(len(want), len(got0))):
+            w = want[k] if k < len(want) else ("-", "-", 0, "(not in spec)")
+            g_ = got0[k] if k < len(got0) else ("-", "-", 0)
+            print(f"{w[3]:<26} {w[0] + '@' + w[1]:<22} {w[2]:>11} {g_[0] + '@' + g_[1]:<22} "
+                  f"{g_[2]:>11}")
+        tot_w, tot_g = sum(w[2] for w in want), sum(g_[2] for g_ in got0)
+        print(f"{'total per layer':<26} {len(want):<22} {tot_w:>11} {len(got0):<22} {tot_g:>11} "
+              f"(ratio {tot_g / tot_w:.2f})")
+        print("model level (embedding reduce-scatter, final gathers): "
+              + ", ".join(f"{x['op']}@{x['role']} {x['bytes_in']} B" for x in model_level))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,12 @@ from dcp_compile.runtime.serving.engine import Engine, LocalExecutor, StepShapes
 from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
 from dcp_compile.runtime.serving.speculative import NgramDrafter
 from dcp_compile.runtime.distributed.world import run_threaded
-from dcp_compile.verify import program_engine
+from dcp_compile.runtime.serving.rank_engine import rank_engine
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 BLOCK = 16
 
@@ -46,7 +51,7 @@ def step_cost(model, context: int, dcp: int, K: int, steps: int) -> float:
                                     shapes=shapes, check=False)
 
     def rank_main(rank):
-        engine = program_engine(program, rank)
+        engine = rank_engine(program, rank)
         for c in engine.executor.caches:
             c.normal_(generator=torch.Generator().manual_seed(rank))
         engine.lengths = [context]
@@ -89,46 +94,48 @@ def main():
     ap.add_argument("--dcps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prefix", type=int, default=1024)
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    model = demo_model(DemoConfig())
+    with docs_section.recorded("bench_spec", args.write_docs):
+        torch.set_num_threads(1)
+        model = demo_model(DemoConfig())
 
-    print(f"## 2. n-gram acceptance, K=4, 48 tokens ({load()})")
-    acc = acceptance(model, 4, 48)
-    for name, st in acc.items():
-        print(f"{name:>10}: {st.mean_accepted:.2f} tokens/step "
-              f"({st.accepted}/{st.drafted} drafts accepted, {st.steps} steps)")
-    rep = acc["repetitive"].mean_accepted
+        print(f"## 2. n-gram acceptance, K=4, 48 tokens ({load()})")
+        acc = acceptance(model, 4, 48)
+        for name, st in acc.items():
+            print(f"{name:>10}: {st.mean_accepted:.2f} tokens/step "
+                  f"({st.accepted}/{st.drafted} drafts accepted, {st.steps} steps)")
+        rep = acc["repetitive"].mean_accepted
 
-    print(f"\n## 1. width-K decode step, batch 1 ({load()})")
-    print(f"{'context':>8} {'dcp':>4} {'K':>3} {'cpu ms':>8} {'vs K=1':>7} "
-          f"{'tok/s all-acc':>13} {'tok/s rep':>10}")
-    for context in args.contexts:
-        for dcp in args.dcps:
-            base = None
-            for K in args.widths:
-                t = step_cost(model, context, dcp, K, args.steps)
-                base = base or t
-                print(f"{context:>8} {dcp:>4} {K:>3} {t * 1e3:>8.2f} {t / base:>6.2f}x "
-                      f"{K / t:>13.1f} {min(rep, K) / t:>10.1f}", flush=True)
+        print(f"\n## 1. width-K decode step, batch 1 ({load()})")
+        print(f"{'context':>8} {'dcp':>4} {'K':>3} {'cpu ms':>8} {'vs K=1':>7} "
+              f"{'tok/s all-acc':>13} {'tok/s rep':>10}")
+        for context in args.contexts:
+            for dcp in args.dcps:
+                base = None
+                for K in args.widths:
+                    t = step_cost(model, context, dcp, K, args.steps)
+                    base = base or t
+                    print(f"{context:>8} {dcp:>4} {K:>3} {t * 1e3:>8.2f} {t / base:>6.2f}x "
+                          f"{K / t:>13.1f} {min(rep, K) / t:>10.1f}", flush=True)
 
-    print(f"\n## 3. prompt tokens computed, 4 prompts = {args.prefix}-token shared prefix "
-          f"+ 32 own ({load()})")
-    g = torch.Generator().manual_seed(1)
-    shared = torch.randint(0, model.config.vocab_size, (args.prefix,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, model.config.vocab_size, (32,),
-                                      generator=g).tolist() for _ in range(4)]
-    total = sum(len(p) for p in prompts)
-    for caching in (False, True):
-        engine = single_engine(model, 4, args.prefix + 32, args.prefix + 40,
-                               prefix_caching=caching)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            engine.prefill(prompts)
-        wall = time.perf_counter() - t0
-        computed = total - engine.allocator.reused_tokens
-        print(f"prefix cache {'on ' if caching else 'off'}: {computed:>5} of {total} tokens "
-              f"computed, prompt phase {wall:.2f} s")
+        print(f"\n## 3. prompt tokens computed, 4 prompts = {args.prefix}-token shared prefix "
+              f"+ 32 own ({load()})")
+        g = torch.Generator().manual_seed(1)
+        shared = torch.randint(0, model.config.vocab_size, (args.prefix,), generator=g).tolist()
+        prompts = [shared + torch.randint(0, model.config.vocab_size, (32,),
+                                          generator=g).tolist() for _ in range(4)]
+        total = sum(len(p) for p in prompts)
+        for caching in (False, True):
+            engine = single_engine(model, 4, args.prefix + 32, args.prefix + 40,
+                                   prefix_caching=caching)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                engine.prefill(prompts)
+            wall = time.perf_counter() - t0
+            computed = total - engine.allocator.reused_tokens
+            print(f"prefix cache {'on ' if caching else 'off'}: {computed:>5} of {total} tokens "
+                  f"computed, prompt phase {wall:.2f} s")
 
 
 if __name__ == "__main__":

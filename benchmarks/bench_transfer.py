@@ -1,7 +1,7 @@
 """KV transfer over NIXL per topology vs the floor: time and bytes per request.
 
 One long request is prefilled (its KV scattered into each prefill engine's DCP layout) in a
-prefill process (tests/nixl_loopback.py); this process is the decode side. For each
+prefill process (tests/support/nixl_loopback.py); this process is the decode side. For each
 topology every decode rank posts its planned READs at once and the request's time runs until
 the last rank has finished (the handshake is excluded; the median of --repeat requests).
 
@@ -30,11 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dcp_compile.runtime.distributed.launch import free_port_base, loopback_env
-from tests.nixl_loopback import _rid, block_tables, engine_config, filled_caches, new_caches, request_epoch
+from tests.support.nixl_loopback import _rid, block_tables, engine_config, filled_caches, new_caches, request_epoch
 
 # (name, prefill tp, prefill dcp, decode tp, decode dcp)
 TOPOLOGIES = [
@@ -67,80 +70,82 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="only the floor READ cut into 1..N descriptors per tensor (same "
                          "bytes): where the time goes, descriptors vs bytes")
+    docs_section.add_argument(ap)
     args = ap.parse_args(argv)
-    os.environ.update(loopback_env())
+    with docs_section.recorded("bench_transfer profile" if args.profile else "bench_transfer", args.write_docs):
+        os.environ.update(loopback_env())
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_transfer_"))
-    base = free_port_base(20 * (len(TOPOLOGIES) + 1))
-    prefill = [{"engine_id": f"p{i}", "tp": ptp, "dcp": pdcp, "port": base + 20 * i}
-               for i, (_, ptp, pdcp, _, _) in enumerate(TOPOLOGIES)]
-    prefill.append({"engine_id": "floor", "tp": 1, "dcp": 1, "port": base + 20 * len(TOPOLOGIES)})
-    spec = {"num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "layers": args.layers,
-            "dtype": args.dtype, "block_size": args.block_size, "seed": 0, "timeout": 3600,
-            "prefill": prefill,
-            # The prefill process holds the request (+1 warm-up repeat) for these readers.
-            "decode": [{"engine_id": f"bench-{mode}", "prefill": f"p{i}", "tp": dtp, "dcp": ddcp}
-                       for i, (_, _, _, dtp, ddcp) in enumerate(TOPOLOGIES)
-                       for mode in ("staged", "descriptors")],
-            "repeat": args.repeat + 1,
-            # The engines' own allocator, entries grouped so that each remote rank's blocks
-            # are one run on both sides (TransferPlan.*_block_groups); --shuffled: scattered.
-            "allocation": "shuffled" if args.shuffled else "contiguous",
-            "block_groups": _block_groups(args),
-            "requests": [{"id": "long", "seq_len": args.seq_len}],
-            "stop_file": str(tmp / "done")}
-    if args.profile:
-        return _profile(spec, prefill, tmp, args)
-    rows, nbytes = [], None
-    # The floor's prefill process lives through the run: each row's floor is measured right
-    # after the row (the machine is shared: its load drifts over minutes).
-    prefill[-1]["port"] = free_port_base(1)
-    with _prefill_process(spec, prefill[-1:], [], tmp, "floor"):
-        for i, (name, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
-            if args.only not in name:
-                continue
-            # One prefill process per topology, serving only its engine (one process per
-            # engine: each agent is polled as often as a prefill rank polls its own).
-            readers = [d for d in spec["decode"] if d["prefill"] == f"p{i}"]
-            prefill[i]["port"] = free_port_base(ptp)  # picked now: the machine is shared
-            measured = []
-            with _prefill_process(spec, prefill[i:i + 1], readers, tmp, f"p{i}"):
-                for mode in args.modes.split(","):
-                    r = _measure(spec, prefill[i], {"tp": dtp, "dcp": ddcp}, args, mode)
-                    if r["kind"] == "match" and mode == "descriptors":
-                        continue  # whole rows: both modes are the same reads
-                    measured.append(r)
-            for r in measured:
-                nbytes = r["kv_bytes"]
-                r["floor_ms"] = _floor_read(spec, prefill[-1], nbytes, args.repeat)
-                rows.append((name, r))
-                print(f"  measured {name} [{r['mode']}]: {r['ms']:.1f} ms, floor "
-                      f"{r['floor_ms']:.1f} ms", file=sys.stderr, flush=True)
-    floor_ms = statistics.median(r["floor_ms"] for _, r in rows)
-    memcpy_ms = _memcpy(nbytes, args.repeat)
+        tmp = Path(tempfile.mkdtemp(prefix="bench_transfer_"))
+        base = free_port_base(20 * (len(TOPOLOGIES) + 1))
+        prefill = [{"engine_id": f"p{i}", "tp": ptp, "dcp": pdcp, "port": base + 20 * i}
+                   for i, (_, ptp, pdcp, _, _) in enumerate(TOPOLOGIES)]
+        prefill.append({"engine_id": "floor", "tp": 1, "dcp": 1, "port": base + 20 * len(TOPOLOGIES)})
+        spec = {"num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "layers": args.layers,
+                "dtype": args.dtype, "block_size": args.block_size, "seed": 0, "timeout": 3600,
+                "prefill": prefill,
+                # The prefill process holds the request (+1 warm-up repeat) for these readers.
+                "decode": [{"engine_id": f"bench-{mode}", "prefill": f"p{i}", "tp": dtp, "dcp": ddcp}
+                           for i, (_, _, _, dtp, ddcp) in enumerate(TOPOLOGIES)
+                           for mode in ("staged", "descriptors")],
+                "repeat": args.repeat + 1,
+                # The engines' own allocator, entries grouped so that each remote rank's blocks
+                # are one run on both sides (TransferPlan.*_block_groups); --shuffled: scattered.
+                "allocation": "shuffled" if args.shuffled else "contiguous",
+                "block_groups": _block_groups(args),
+                "requests": [{"id": "long", "seq_len": args.seq_len}],
+                "stop_file": str(tmp / "done")}
+        if args.profile:
+            return _profile(spec, prefill, tmp, args)
+        rows, nbytes = [], None
+        # The floor's prefill process lives through the run: each row's floor is measured right
+        # after the row (the machine is shared: its load drifts over minutes).
+        prefill[-1]["port"] = free_port_base(1)
+        with _prefill_process(spec, prefill[-1:], [], tmp, "floor"):
+            for i, (name, ptp, pdcp, dtp, ddcp) in enumerate(TOPOLOGIES):
+                if args.only not in name:
+                    continue
+                # One prefill process per topology, serving only its engine (one process per
+                # engine: each agent is polled as often as a prefill rank polls its own).
+                readers = [d for d in spec["decode"] if d["prefill"] == f"p{i}"]
+                prefill[i]["port"] = free_port_base(ptp)  # picked now: the machine is shared
+                measured = []
+                with _prefill_process(spec, prefill[i:i + 1], readers, tmp, f"p{i}"):
+                    for mode in args.modes.split(","):
+                        r = _measure(spec, prefill[i], {"tp": dtp, "dcp": ddcp}, args, mode)
+                        if r["kind"] == "match" and mode == "descriptors":
+                            continue  # whole rows: both modes are the same reads
+                        measured.append(r)
+                for r in measured:
+                    nbytes = r["kv_bytes"]
+                    r["floor_ms"] = _floor_read(spec, prefill[-1], nbytes, args.repeat)
+                    rows.append((name, r))
+                    print(f"  measured {name} [{r['mode']}]: {r['ms']:.1f} ms, floor "
+                          f"{r['floor_ms']:.1f} ms", file=sys.stderr, flush=True)
+        floor_ms = statistics.median(r["floor_ms"] for _, r in rows)
+        memcpy_ms = _memcpy(nbytes, args.repeat)
 
-    print(f"\nKV transfer per request: seq_len={args.seq_len}, num_kv_heads={args.num_kv_heads},"
-          f" head_dim={args.head_dim}, layers={args.layers}, {args.dtype}, block_size="
-          f"{args.block_size}; {nbytes / 2**20:.1f} MiB per request; median of {args.repeat}; "
-          f"UCX_TLS={os.environ['UCX_TLS']}")
-    print("MiB read = bytes over NIXL (staged splitting reads whole remote rows); KV GiB/s "
-          "= the request's KV bytes / time; x 1-read = / the floor measured right after the row")
-    head = (f"{'topology':<29} {'kind':<5} {'rows':<6} {'remotes':>7} {'descs':>7} "
-            f"{'MiB read':>8} {'ms':>8} {'KV GiB/s':>8} {'x 1-read':>8} {'x memcpy':>8} verified")
-    print(head)
-    print("-" * len(head))
-    for name, r in rows:
-        rows_mode = r["mode"] if r["kind"] != "match" else "whole"
-        print(f"{name:<29} {r['kind']:<5} {rows_mode[:6]:<6} {r['remotes']:>7} "
-              f"{r['descriptors']:>7} {r['bytes'] / 2**20:>8.1f} {r['ms']:>8.1f} "
-              f"{r['kv_bytes'] / 2**30 / (r['ms'] / 1e3):>8.2f} {r['ms'] / r['floor_ms']:>8.1f} "
-              f"{r['ms'] / memcpy_ms:>8.1f} {r['verified']}")
-    for name, ms, descs in (("floor: nixl 1-read (median)", floor_ms, 2 * args.layers),
-                            ("floor: memcpy", memcpy_ms, "")):
-        print(f"{name:<29} {'':<5} {'':<6} {'':>7} {descs:>7} {nbytes / 2**20:>8.1f} "
-              f"{ms:>8.1f} {nbytes / 2**30 / (ms / 1e3):>8.2f} {ms / floor_ms:>8.1f} "
-              f"{ms / memcpy_ms:>8.1f}")
-    return 0
+        print(f"\nKV transfer per request: seq_len={args.seq_len}, num_kv_heads={args.num_kv_heads},"
+              f" head_dim={args.head_dim}, layers={args.layers}, {args.dtype}, block_size="
+              f"{args.block_size}; {nbytes / 2**20:.1f} MiB per request; median of {args.repeat}; "
+              f"UCX_TLS={os.environ['UCX_TLS']}")
+        print("MiB read = bytes over NIXL (staged splitting reads whole remote rows); KV GiB/s "
+              "= the request's KV bytes / time; x 1-read = / the floor measured right after the row")
+        head = (f"{'topology':<29} {'kind':<5} {'rows':<6} {'remotes':>7} {'descs':>7} "
+                f"{'MiB read':>8} {'ms':>8} {'KV GiB/s':>8} {'x 1-read':>8} {'x memcpy':>8} verified")
+        print(head)
+        print("-" * len(head))
+        for name, r in rows:
+            rows_mode = r["mode"] if r["kind"] != "match" else "whole"
+            print(f"{name:<29} {r['kind']:<5} {rows_mode[:6]:<6} {r['remotes']:>7} "
+                  f"{r['descriptors']:>7} {r['bytes'] / 2**20:>8.1f} {r['ms']:>8.1f} "
+                  f"{r['kv_bytes'] / 2**30 / (r['ms'] / 1e3):>8.2f} {r['ms'] / r['floor_ms']:>8.1f} "
+                  f"{r['ms'] / memcpy_ms:>8.1f} {r['verified']}")
+        for name, ms, descs in (("floor: nixl 1-read (median)", floor_ms, 2 * args.layers),
+                                ("floor: memcpy", memcpy_ms, "")):
+            print(f"{name:<29} {'':<5} {'':<6} {'':>7} {descs:>7} {nbytes / 2**20:>8.1f} "
+                  f"{ms:>8.1f} {nbytes / 2**30 / (ms / 1e3):>8.2f} {ms / floor_ms:>8.1f} "
+                  f"{ms / memcpy_ms:>8.1f}")
+        return 0
 
 
 def _block_groups(args) -> dict:
@@ -268,7 +273,7 @@ def _prefill_process(spec, engines, readers, tmp, tag):
     """A loopback prefill process serving ``engines`` (held for ``readers``) while inside."""
     spec = dict(spec, prefill=engines, decode=readers, stop_file=str(tmp / f"done-{tag}"))
     (tmp / f"{tag}.json").write_text(json.dumps(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.nixl_loopback", "prefill",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.nixl_loopback", "prefill",
                              str(tmp / f"{tag}.json"), str(tmp / f"prefill-{tag}.json")],
                             cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL)
     try:

@@ -39,6 +39,11 @@ from dcp_compile.capture import example_step_inputs
 from dcp_compile.models.demo import DemoConfig, demo_model
 from dcp_compile.passes.pipeline import STEPS_BY_MODE
 from dcp_compile.runtime.serving.engine import StepShapes
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
 
 BLOCK = 16
 
@@ -87,18 +92,18 @@ def time_transform_with_stack_traces(model, args, shapes) -> float:
 
 def time_passes_full_propagation(model, args, shapes) -> float:
     """The passes again, re-propagating the whole graph after each (the old manager)."""
-    from dcp_compile.passes import manager
+    from dcp_compile.passes import propagation
 
     def full(gm, changed, before=None):
-        manager.repropagate(gm)
+        propagation.repropagate(gm)
         return len(gm.graph.nodes)
 
-    real = manager.propagate_changed
-    manager.propagate_changed = full
+    real = propagation.propagate_changed
+    propagation.propagate_changed = full
     try:
         return time_transform(model, args, shapes)[2]
     finally:
-        manager.propagate_changed = real
+        propagation.propagate_changed = real
 
 
 def time_passes_full_placement_sweeps(model, args, shapes) -> float:
@@ -155,64 +160,66 @@ def main():
                     help="also time the transform with every node's source line recorded")
     ap.add_argument("--full-placement-sweeps", action="store_true",
                     help="also time the passes with the placement analysis's old full sweeps")
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    print("load:", _load())
-    shapes = StepShapes(batch=8, context_len=1024, max_blocks=256, num_blocks=2049)
-    warm = dcp_compile.transform(demo_model(llama3_8b(1), device="meta"), tp=args.tp,
-                                 dcp=args.dcp, mode="decode", block_size=BLOCK, shapes=shapes)
-    if not args.no_lower:
-        dcp_compile.lower(warm)     # one-time costs: torch-mlir's tables, MLIR contexts
+    with docs_section.recorded("bench_transform", args.write_docs):
+        print("load:", _load())
+        shapes = StepShapes(batch=8, context_len=1024, max_blocks=256, num_blocks=2049)
+        warm = dcp_compile.transform(demo_model(llama3_8b(1), device="meta"), tp=args.tp,
+                                     dcp=args.dcp, mode="decode", block_size=BLOCK, shapes=shapes)
+        if not args.no_lower:
+            dcp_compile.lower(warm)     # one-time costs: torch-mlir's tables, MLIR contexts
 
-    cols = ["export", "capture", "passes", "transform", "lower", "prove"]
-    print(f"seconds (x torch.export), tp={args.tp} dcp={args.dcp} block={BLOCK}, decode "
-          f"mode = context + decode graphs")
-    print(f"{'layers':>6} " + " ".join(f"{c:>16}" for c in cols) + f" {'maxrss MB':>10}")
-    rows = {}
-    for layers in [int(x) for x in args.layers.split(",")]:
-        model = demo_model(llama3_8b(layers), device="meta")
-        # Alternate export and transform, keep each one's fastest run: on a loaded machine
-        # the minimum is the run least disturbed by other processes.
-        export, capture, passes, total = (float("inf"),) * 4
-        for _ in range(args.repeat):
-            export = min(export, time_export(model, shapes, "decode"))
-            prog, c, p, t = time_transform(model, args, shapes)
-            capture, passes, total = min(capture, c), min(passes, p), min(total, t)
-        lower, phases = ("skipped", {}) if args.no_lower else time_lower(prog)
-        prove = time_prove(args.dcp)
-        row = dict(export=export, capture=capture, passes=passes, transform=total,
-                   lower=lower, prove=prove)
-        rows[layers] = row
-        cells = []
-        for c in cols:
-            v = row[c]
-            cells.append(f"{v:>7.2f} ({v / export:>5.2f}x)" if isinstance(v, float)
-                         else f"{v[:16]:>16}")
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"{layers:>6} " + " ".join(cells) + f" {rss:>10.0f}", flush=True)
-        if args.full_propagation:
-            full = time_passes_full_propagation(model, args, shapes)
-            print(f"{'':>6} passes with full re-propagation after each pass: {full:.2f} s "
-                  f"(incremental: {passes:.2f} s)", flush=True)
-        if args.stack_traces:
-            traced = min(time_transform_with_stack_traces(model, args, shapes)
-                         for _ in range(args.repeat))
-            print(f"{'':>6} transform with stack traces: {traced:.2f} s (without: "
-                  f"{total:.2f} s, {traced / total:.2f}x)", flush=True)
-        if args.full_placement_sweeps:
-            full = time_passes_full_placement_sweeps(model, args, shapes)
-            print(f"{'':>6} passes with full placement sweeps: {full:.2f} s "
-                  f"(worklist: {passes:.2f} s)", flush=True)
-        if isinstance(lower, str) and lower.startswith("failed"):
-            print(f"{'':>6} lower {lower}")
-        if phases:
-            print(f"{'':>6} lower phases: " + ", ".join(f"{k} {v:.2f} s"
-                                                        for k, v in phases.items()))
-    print("load:", _load())
-    if len(rows) > 1:
-        first, last = min(rows), max(rows)
-        scale = rows[last]["transform"] / rows[first]["transform"]
-        print(f"transform {last} layers / {first} layers: {scale:.2f}x "
-              f"(layers ratio {last / first:.2f}x)")
+        cols = ["export", "capture", "passes", "transform", "lower", "prove"]
+        print(f"seconds (x torch.export), tp={args.tp} dcp={args.dcp} block={BLOCK}, decode "
+              f"mode = context + decode graphs")
+        print(f"{'layers':>6} " + " ".join(f"{c:>16}" for c in cols) + f" {'maxrss MB':>10}")
+        rows = {}
+        for layers in [int(x) for x in args.layers.split(",")]:
+            model = demo_model(llama3_8b(layers), device="meta")
+            # Alternate export and transform, keep each one's fastest run: on a loaded machine
+            # the minimum is the run least disturbed by other processes.
+            export, capture, passes, total = (float("inf"),) * 4
+            for _ in range(args.repeat):
+                export = min(export, time_export(model, shapes, "decode"))
+                prog, c, p, t = time_transform(model, args, shapes)
+                capture, passes, total = min(capture, c), min(passes, p), min(total, t)
+            lower, phases = ("skipped", {}) if args.no_lower else time_lower(prog)
+            prove = time_prove(args.dcp)
+            row = dict(export=export, capture=capture, passes=passes, transform=total,
+                       lower=lower, prove=prove)
+            rows[layers] = row
+            cells = []
+            for c in cols:
+                v = row[c]
+                cells.append(f"{v:>7.2f} ({v / export:>5.2f}x)" if isinstance(v, float)
+                             else f"{v[:16]:>16}")
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"{layers:>6} " + " ".join(cells) + f" {rss:>10.0f}", flush=True)
+            if args.full_propagation:
+                full = time_passes_full_propagation(model, args, shapes)
+                print(f"{'':>6} passes with full re-propagation after each pass: {full:.2f} s "
+                      f"(incremental: {passes:.2f} s)", flush=True)
+            if args.stack_traces:
+                traced = min(time_transform_with_stack_traces(model, args, shapes)
+                             for _ in range(args.repeat))
+                print(f"{'':>6} transform with stack traces: {traced:.2f} s (without: "
+                      f"{total:.2f} s, {traced / total:.2f}x)", flush=True)
+            if args.full_placement_sweeps:
+                full = time_passes_full_placement_sweeps(model, args, shapes)
+                print(f"{'':>6} passes with full placement sweeps: {full:.2f} s "
+                      f"(worklist: {passes:.2f} s)", flush=True)
+            if isinstance(lower, str) and lower.startswith("failed"):
+                print(f"{'':>6} lower {lower}")
+            if phases:
+                print(f"{'':>6} lower phases: " + ", ".join(f"{k} {v:.2f} s"
+                                                            for k, v in phases.items()))
+        print("load:", _load())
+        if len(rows) > 1:
+            first, last = min(rows), max(rows)
+            scale = rows[last]["transform"] / rows[first]["transform"]
+            print(f"transform {last} layers / {first} layers: {scale:.2f}x "
+                  f"(layers ratio {last / first:.2f}x)")
 
 
 if __name__ == "__main__":

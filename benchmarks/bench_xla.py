@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dcp_compile import xla as X  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+import docs_section  # noqa: E402  (benchmarks/docs_section.py: --write-docs)
+
 
 class Timed:
     """Executor wrapper recording each step's wall time by kind."""
@@ -100,54 +103,56 @@ def main() -> int:
                     help="with --buckets: print the N costliest HLO instructions per bucket")
     ap.add_argument("--interpreter", action="store_true",
                     help="also time the StableHLO interpreter (at tp=2/dcp=2, small shapes)")
+    docs_section.add_argument(ap)
     args = ap.parse_args()
-    X.request_host_devices(args.tp)
-    if args.buckets:
-        return bucket_table_main(args)
+    with docs_section.recorded("bench_xla buckets" if args.buckets else "bench_xla", args.write_docs):
+        X.request_host_devices(args.tp)
+        if args.buckets:
+            return bucket_table_main(args)
 
-    import torch
+        import torch
 
-    import dcp_compile
-    from dcp_compile.commands.verify import default_lengths
-    from dcp_compile.models.demo import DemoConfig, demo_model
-    from dcp_compile.runtime.serving.engine import StepShapes
+        import dcp_compile
+        from dcp_compile.commands.verify import default_lengths
+        from dcp_compile.models.demo import DemoConfig, demo_model
+        from dcp_compile.runtime.serving.engine import StepShapes
 
-    lengths = default_lengths(args.dcp, 16, 16)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
-    shapes = StepShapes.fitting(len(prompts), max(lengths), max(lengths) + args.steps,
-                                block_size=16, dcp=args.dcp)
-    model = demo_model(DemoConfig(num_layers=args.layers))
-    print(f"demo model ({args.layers} layers), tp={args.tp} dcp={args.dcp}, prompts "
-          f"{lengths}, {args.steps} decode steps, load average {os.getloadavg()[0]:.1f}, "
-          f"{len(os.sched_getaffinity(0))} CPUs")
-    t = time.perf_counter()
-    program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, shapes=shapes)
-    print(f"transform: {time.perf_counter() - t:.2f} s")
-    t = time.perf_counter()
-    lowered = X.lower_for_xla(program)
-    per_module = ", ".join(f"{s} {sum(m.seconds.values()):.2f} s"
-                           for s, m in lowered.modules.items())
-    print(f"lower to StableHLO: {time.perf_counter() - t:.2f} s ({per_module})")
-    executor = X.XLAExecutor(program, lowered)
-    for step, s in executor.compile_seconds.items():
-        print(f"XLA compile {step}: {s:.2f} s "
-              f"({sum(lowered[step].op_counts().values())} StableHLO ops)")
+        lengths = default_lengths(args.dcp, 16, 16)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+        shapes = StepShapes.fitting(len(prompts), max(lengths), max(lengths) + args.steps,
+                                    block_size=16, dcp=args.dcp)
+        model = demo_model(DemoConfig(num_layers=args.layers))
+        print(f"demo model ({args.layers} layers), tp={args.tp} dcp={args.dcp}, prompts "
+              f"{lengths}, {args.steps} decode steps, load average {os.getloadavg()[0]:.1f}, "
+              f"{len(os.sched_getaffinity(0))} CPUs")
+        t = time.perf_counter()
+        program = dcp_compile.transform(model, tp=args.tp, dcp=args.dcp, shapes=shapes)
+        print(f"transform: {time.perf_counter() - t:.2f} s")
+        t = time.perf_counter()
+        lowered = X.lower_for_xla(program)
+        per_module = ", ".join(f"{s} {sum(m.seconds.values()):.2f} s"
+                               for s, m in lowered.modules.items())
+        print(f"lower to StableHLO: {time.perf_counter() - t:.2f} s ({per_module})")
+        executor = X.XLAExecutor(program, lowered)
+        for step, s in executor.compile_seconds.items():
+            print(f"XLA compile {step}: {s:.2f} s "
+                  f"({sum(lowered[step].op_counts().values())} StableHLO ops)")
 
-    xla_times, xla_tokens = on_executor(executor, program, prompts, args.steps)
-    eager_times, eager_tokens = eager_threaded(program, prompts, args.steps)
-    prompt = "context" if "context" in program.graphs else "prefill"
-    rows = [("prompt step (" + prompt + ")", prompt, False), ("decode step", "decode", True)]
-    print(f"\n{'':<24}{'XLA:CPU':>12}{'eager threads':>15}{'XLA / eager':>13}")
-    for label, kind, skip in rows:
-        x, e = mean_ms(xla_times, kind, skip), mean_ms(eager_times, kind, skip)
-        print(f"{label:<24}{x:>10.2f}ms{e:>13.2f}ms{x / e:>12.2f}x")
-    print(f"(decode: mean of {len(xla_times.get('decode', [])) - 1} steps after the first; "
-          f"greedy tokens agree: {xla_tokens == eager_tokens})")
+        xla_times, xla_tokens = on_executor(executor, program, prompts, args.steps)
+        eager_times, eager_tokens = eager_threaded(program, prompts, args.steps)
+        prompt = "context" if "context" in program.graphs else "prefill"
+        rows = [("prompt step (" + prompt + ")", prompt, False), ("decode step", "decode", True)]
+        print(f"\n{'':<24}{'XLA:CPU':>12}{'eager threads':>15}{'XLA / eager':>13}")
+        for label, kind, skip in rows:
+            x, e = mean_ms(xla_times, kind, skip), mean_ms(eager_times, kind, skip)
+            print(f"{label:<24}{x:>10.2f}ms{e:>13.2f}ms{x / e:>12.2f}x")
+        print(f"(decode: mean of {len(xla_times.get('decode', [])) - 1} steps after the first; "
+              f"greedy tokens agree: {xla_tokens == eager_tokens})")
 
-    if args.interpreter:
-        interpreter_row(args.layers)
-    return 0
+        if args.interpreter:
+            interpreter_row(args.layers)
+        return 0
 
 
 def full_context_step_seconds(executor, program, kind="decode", repeats=25) -> dict:

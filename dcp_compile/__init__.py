@@ -6,17 +6,20 @@ Public API (see README.md): ``DCPConfig``, ``DCPConfigError``, ``topology``, ``p
 
 Three layers in one namespace, lowest last: the compiler (this package's own modules) >
 ``dcp_compile.passes`` > ``dcp_compile.runtime``; the foundation re-exported here lives in
-``dcp_compile.runtime`` (README: Packages and layers).
+``dcp_compile.runtime`` (docs/architecture.md: Packages and layers).
 """
 
 from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)
 from .runtime.config import DCPConfig
-from .runtime.errors import (DCPCheckError, DCPConfigError, DCPError, DCPInputError,
-                             DCPProofError, DCPTransferError, DCPTransformError, DCPWorldError)
+from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPConfigError, DCPError,
+                             DCPInputError, DCPLengthDependentError, DCPProofError,
+                             DCPTokenMixingError, DCPTransferError, DCPTransformError,
+                             DCPWorldError)
 from .runtime.topology import Topology, topology
 
 __all__ = [
-    "DCPCheckError", "DCPConfig", "DCPConfigError", "DCPError", "DCPInputError", "DCPProofError",
+    "DCPCheckError", "DCPCompilerBug", "DCPConfig", "DCPConfigError", "DCPError",
+    "DCPInputError", "DCPLengthDependentError", "DCPProofError", "DCPTokenMixingError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
     "prove", "compute_slot_mapping", "transform", "backend", "lower",
 ]

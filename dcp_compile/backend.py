@@ -63,7 +63,6 @@ from .frontends.dynamo import DynamoFrontend
 __all__ = ["BackendOptions", "DCPCompiledStep", "build_program", "dcp_backend",
            "kv_cache_spec", "make_backend"]
 
-BACKEND_NAME = "dcp"
 _OPTION_KEYS = ("tp", "dcp", "mode", "block_size", "interleave_size", "kv_role",
                 "expert_parallel", "dump_dir", "compile")
 

@@ -72,7 +72,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     when someone reads it or runs the graph."""
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     try:
-        with _use_lazy_graph_module(True):
+        with _use_lazy_graph_module(True), keeps_tensor_attributes(model):
             ep = torch.export.export(model, example_inputs, strict=False)
     except Exception as e:
         raise DCPTransformError(
@@ -100,6 +100,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
                     lifted=lifted)
 
 
+@contextlib.contextmanager
+def keeps_tensor_attributes(root: torch.nn.Module):
+    """Undo, on the way out, the fake tensors a fake run (torch.export, a fake-mode trace)
+    cached on the modules as plain attributes: LongRoPE's rotary embedding stores
+    ``long_inv_freq`` so; the next capture would meet a fake tensor of another fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    kept = {(m, k): v for m in root.modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor)}
+    try:
+        yield
+    finally:
+        for m in root.modules():
+            for k, v in list(vars(m).items()):
+                if isinstance(v, FakeTensor):
+                    if (m, k) in kept:
+                        setattr(m, k, kept[(m, k)])
+                    else:
+                        delattr(m, k)
+
+
 def refuse_mutation(mutated: list) -> None:
     """Both capture frontends (this one and :mod:`dcp_compile.frontends.dynamo`): a step that
     writes an input or buffer in place cannot be sharded as a pure function of its inputs."""
@@ -119,3 +140,52 @@ def constant_values(model: torch.nn.Module, captured: Captured) -> dict[str, tor
     for name, fqn in {**captured.params, **captured.buffers}.items():
         out[name] = captured.lifted[name] if name in captured.lifted else state[fqn]
     return out
+
+
+def checkpoint_names(step_module: torch.nn.Module, captured: Captured,
+                     root: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """placeholder -> every name its parameter or persistent buffer has in ``root``'s state
+    dict (``root``: the model a checkpoint is of; ``step_module`` may wrap it): the first its
+    own, the others tied aliases. Found by the tensor itself, so a wrapper's prefix never
+    leaks into the names. Non-persistent buffers (RoPE tables) and lifted constants are not
+    in a checkpoint and get no name: the program keeps their values."""
+    names_by_id: dict[int, list[str]] = {}
+    for fqn, t in root.state_dict(keep_vars=True).items():
+        names_by_id.setdefault(id(t), []).append(fqn)
+    out = {}
+    for name, fqn in {**captured.params, **captured.buffers}.items():
+        if name in captured.lifted:
+            continue
+        tensor = step_module.get_parameter(fqn) if name in captured.params else \
+            step_module.get_buffer(fqn)
+        names = names_by_id.get(id(tensor))
+        if names:
+            out[name] = tuple(names)
+    return out
+
+
+HOST = torch.device("cpu")
+
+
+def meta_to_host(gm: GraphModule) -> int:
+    """Point the ops a meta-device model's graph creates tensors with (``arange``, ``zeros``,
+    ``_to_copy``: their ``device`` arguments) at the host instead of the meta device, as
+    capturing the model with its weights on the host gives; returns how many arguments
+    changed. A meta capture has no real device, and a program runs where its weights are
+    read (the host). Other devices are left as captured."""
+    changed = 0
+
+    def host(a):
+        nonlocal changed
+        if isinstance(a, torch.device) and a.type == "meta":
+            changed += 1
+            return HOST
+        return a
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.args = torch.fx.node.map_aggregate(n.args, host)
+            n.kwargs = torch.fx.node.map_aggregate(n.kwargs, host)
+    if changed:
+        gm.recompile()
+    return changed

@@ -153,7 +153,7 @@ def row_lengths(program: DCPProgram) -> list[tuple[int, int]]:
     kept (``decode_steps``).
     """
     c, s = program.config, program.shapes
-    capacity = s.max_blocks * c.block_size * c.dcp
+    capacity = _capacity(program)
     first_max = max(1, min(s.context_len, capacity - 1))
     if c.mode != Mode.DECODE:
         return _fit_rows(program, first_max, None)
@@ -166,10 +166,19 @@ def row_lengths(program: DCPProgram) -> list[tuple[int, int]]:
         steps = more
 
 
+def _capacity(program: DCPProgram) -> int:
+    """The longest row the program serves: what its block table addresses, and no longer
+    than the model's max_model_len (a LongRoPE program is exact only below it)."""
+    c, s = program.config, program.shapes
+    addressed = s.max_blocks * c.block_size * c.dcp
+    limit = program.facts.max_model_len if program.facts is not None else None
+    return min(addressed, limit) if limit else addressed
+
+
 def _fit_rows(program: DCPProgram, first_max: int, steps: int | None):
     c, s = program.config, program.shapes
     period, vblock = c.interleave_size * c.dcp, c.block_size * c.dcp
-    capacity = s.max_blocks * vblock
+    capacity = _capacity(program)
     wanted = [period + 1, period - 1, 1, first_max]
     rows, free = [], s.num_blocks - 1
     for i, want in enumerate(wanted):
@@ -199,7 +208,7 @@ def decode_steps(program: DCPProgram, prompts: list[int]) -> int:
     boundary = min((n // vblock + 1) * vblock - n + 1 for n in prompts)
     window = max(program_windows(program), default=0)
     past_window = window - longest + 1 if window else 0
-    room = s.max_blocks * vblock - longest
+    room = _capacity(program) - longest
     return max(1, min(max(boundary, past_window), room, MAX_DECODE_STEPS))
 
 

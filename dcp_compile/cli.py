@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "prove": "prove",
     "topology": "topology",
     "verify": "verify",
+    "compile": "compile",
     "dump": "dump",
     "demo": "demo",
     "plan-transfer": "plan_transfer",
@@ -23,7 +24,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter,
     """Keeps a command's description (its module docstring) as written, and appends
     ``(default: X)`` to an option's help unless the help already says its default or there
     is no value to show (a required option, a flag, None: those helps say what absence
-    means themselves; tests/test_cli.py checks every option)."""
+    means themselves; tests/e2e/test_cli.py checks every option)."""
 
     def _get_help_string(self, action):
         text = action.help or ""

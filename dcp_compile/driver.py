@@ -20,11 +20,12 @@ import torch
 from dcp_compile.passes.pipeline import passes_for
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.program.dcp_program import DCPProgram
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError, compiler_bugs_named
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode
 from dcp_compile.runtime.topology import topology
 
+from .capture import meta_to_host
 from .frontends import Frontend, StepCapture, frontend_for
 from .report import CompileReport
 
@@ -58,21 +59,25 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     block-table width and cache blocks. The transform proves the layout first and never
     returns a partially rewritten graph: any failure raises. ``progress=True`` reports each
     capture and pass on stderr as it finishes (useful for large models). ``combine`` and
-    ``combine_dtype`` choose the decode combine (DCPConfig; README "Decode step cost").
+    ``combine_dtype`` choose the decode combine (DCPConfig; docs/runtime.md "Decode step cost").
 
     ``expert_parallel`` partitions a mixture-of-experts model's experts over the tp ranks
-    instead of cutting each expert's intermediate dim (README "Mixture of experts").
+    instead of cutting each expert's intermediate dim (docs/moe-mla.md "Mixture of experts").
 
     ``buckets`` (context lengths in tokens, each a multiple of ``block_size * dcp``) adds one
     graph per (step kind, bucket) over the same weights, with a block table of
     ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
-    always the last bucket (dcp_compile.runtime.program.buckets; README "Context buckets").
+    always the last bucket (dcp_compile.runtime.program.buckets; docs/lowering.md "Context buckets").
 
     ``stack_traces``: whether the graph nodes record the user source line they came from
     (``meta['stack_trace']``; dcp_compile.capture.stack_traces). ``None``: only when a dump
     (``dump_dir``, ``DCP_COMPILE_DUMP``) or ``TORCH_TRACE`` shows the graphs; a refusal is
     then compiled again with them to name its source line. ``False``: never (a refusal names
     the module instead).
+
+    Raises only DCPError: a refusal by its type (DCPConfigError, DCPTransformError and its
+    kinds), and any other exception a pass or frontend raises as a DCPCompilerBug naming
+    where (a bug to report, not a limit of DCP).
 
     ``check`` runs one step of each emitted graph on the threaded world against ``model`` on
     seeded random inputs and raises DCPCheckError (a DCPTransformError) instead of returning
@@ -81,6 +86,19 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     ``check.skip_reasons`` (small enough that this takes seconds), off otherwise;
     ``True`` on a meta model raises.
     """
+    with compiler_bugs_named(f"transform of {type(model).__name__} (tp={tp}, dcp={dcp}, "
+                             f"mode={mode})"):
+        return _transform(model, tp, dcp, mode, block_size=block_size,
+                          interleave_size=interleave_size, kv_role=kv_role, shapes=shapes,
+                          dump_dir=dump_dir, certificate=certificate, progress=progress,
+                          combine=combine, combine_dtype=combine_dtype, check=check,
+                          expert_parallel=expert_parallel, buckets=buckets,
+                          stack_traces=stack_traces)
+
+
+def _transform(model, tp, dcp, mode, *, block_size, interleave_size, kv_role, shapes,
+               dump_dir, certificate, progress, combine, combine_dtype, check,
+               expert_parallel, buckets, stack_traces) -> DCPProgram:
     from dcp_compile.runtime.program.buckets import check_buckets
     from dcp_compile.runtime.serving.engine import StepShapes
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
@@ -152,11 +170,15 @@ def compile_program(frontend: Frontend, config: DCPConfig,
             f"transform did not refuse: report this model to dcp_compile)") from refusal
     frontend.accept(steps.config)
     config, first, facts = steps.config, steps.first, steps.facts
+    for gm in steps.graphs.values():
+        meta_to_host(gm)
     program = DCPProgram(config=config, topology=topology(config.tp, config.dcp, config.mode,
                                                           config=config),
                          graphs=steps.graphs, shapes=frontend.shapes,
                          constants=first.constants(), shards=steps.shards,
                          weight_inputs=list(first.weight_inputs),
+                         weight_names=first.weight_names(),
+                         weight_sources=first.weight_sources(),
                          facts=replace(facts, cache_dtype=facts.cache_dtype or torch.float32),
                          source=frontend.source,
                          dump_dir=str(dump_path) if dump_path else None,
@@ -194,7 +216,8 @@ def _compile_steps(frontend: Frontend, config: DCPConfig, options: CompileOption
     # Plain strings from here on (the StepKind values): graphs, history and dumps are data
     # that is saved and loaded (torch.load's weights_only refuses unknown classes).
     for step in map(str, frontend.steps(config.mode)):
-        with stack_traces(traced):
+        with stack_traces(traced), \
+                compiler_bugs_named(f"{type(frontend).__name__}.capture of step {step!r}"):
             captured = frontend.capture(step, config)
         if options.progress:
             _report(f"[{step}] captured {len(captured.gm.graph.nodes)} nodes "
@@ -230,8 +253,8 @@ def _run_pipeline(frontend: Frontend, captured: StepCapture, config: DCPConfig, 
     dump = pass_dump(dump_path, step, source=frontend.source, config=config)
     try:
         gm, records = run_passes(captured.gm, passes_for(
-            ctx, captured.first_user_input, prologue=frontend.prologue(ctx, captured)),
-            step=step, on_pass=_with_progress(dump, progress))
+            ctx, captured.first_user_input, prologue=frontend.prologue(ctx, captured),
+            given=captured.provides), step=step, on_pass=_with_progress(dump, progress))
         records[0].matched["capture_seconds"] = round(captured.seconds, 4)
     finally:  # a failed pass leaves the dump up to it
         if dump is not None:

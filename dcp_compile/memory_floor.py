@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
 
 from dcp_compile.runtime.names import RANK_INPUT
 
-# Element bytes of the HLO element types a lowered module uses.
-HLO_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 # Ops whose operands HloCostAnalysis does not count as read (names, views, tuples).
 _FREE_OPS = ("parameter", "constant", "bitcast", "get-tuple-element", "tuple")
 
@@ -75,16 +71,6 @@ def xla_cost(executable) -> dict[str, float]:
             "flops": float(analysis.get("flops", math.nan))}
 
 
-def hlo_type_bytes(type_text: str) -> int:
-    """Bytes of an HLO type (``f32[4,8]{1,0}``, or a tuple of them)."""
-    total = 0
-    for element, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", type_text):
-        if element in HLO_ELEMENT_BYTES:
-            total += math.prod(int(d) for d in dims.split(",") if d) * \
-                HLO_ELEMENT_BYTES[element]
-    return total
-
-
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*?)\)(, .*)?$")
 
 
@@ -122,14 +108,6 @@ def bytes_by_op(executable) -> list[tuple[int, str, str]]:
         cost = xla_client._xla.hlo_module_cost_analysis(client, module)
         rows.append((int(cost.get("bytes accessed", 0)), name, opcode))
     return sorted(rows, reverse=True)
-
-
-def bytes_by_kind(rows) -> Counter:
-    """Bytes per instruction name stem (``wrapped_scatter.3`` -> ``wrapped_scatter``)."""
-    out: Counter = Counter()
-    for n, name, _ in rows:
-        out[re.sub(r"[.\d]+$", "", name)] += n
-    return out
 
 
 def bucket_table(executor, program) -> dict[int, dict[str, dict]]:

@@ -1,6 +1,6 @@
 """Which experts a mixture-of-experts program routes each token to, on every rank, and how
-that compares with the model's own routing (the bf16 measurement of README "Mixture of
-experts": benchmarks/bench_moe_routing.py; tests/test_moe_routing.py).
+that compares with the model's own routing (the bf16 measurement of docs/benchmarks.md "MoE
+routing in bf16": benchmarks/bench_moe_routing.py; tests/frontends/test_moe_routing.py).
 
 * :func:`trace_routing` — a copy of a program whose every ``dcp.moe`` first hands its
   ``topk_ids`` (with the step's positions) to a :class:`RoutingTrace`, per rank. The recorder

@@ -73,9 +73,10 @@ def run_reference(model, program: DCPProgram, prompts, steps, *, fill=0.0):
 
 
 def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
-                         poison_garbage=False, timeout=300.0, from_reference=None
-                         ) -> list[RankRun]:
-    """Every rank runs the same engine loop over its loaded program (SPMD), on threads.
+                         poison_garbage=False, timeout=300.0, from_reference=None,
+                         checkpoint=None) -> list[RankRun]:
+    """Every rank runs the same engine loop over its loaded program (SPMD), on threads;
+    with ``checkpoint``, each reads only its own weight shards from that directory.
 
     ``from_reference=(ref_engine, first_logits)`` skips the program's own prompt step: each
     rank scatters the single-device engine's caches into its DCP layout and decodes from
@@ -85,7 +86,8 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
     from dcp_compile.runtime.distributed.world import run_threaded
 
     def rank_main(rank):
-        engine = rank_engine(program, rank, shared_names=True, fill=fill, poison=poison_garbage)
+        engine = rank_engine(program, rank, shared_names=True, fill=fill, poison=poison_garbage,
+                             checkpoint=checkpoint)
         with torch.no_grad():
             if from_reference is None:
                 result = engine.generate(prompts, steps)
@@ -114,12 +116,14 @@ def _start_from_reference(program, rank, engine, ref_engine) -> None:
                   kv_heads=program.topology.kv_heads_of(rank))
 
 
-def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4
-           ) -> VerifyReport:
-    """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens."""
+def verify(model, program: DCPProgram, prompts, steps: int, *, atol: float = 1e-4,
+           checkpoint=None) -> VerifyReport:
+    """Greedy-decode ``steps`` tokens both ways; compare logits every step and tokens.
+    ``checkpoint``: every rank reads its weight shards from it (a weightless program)."""
     start = time.perf_counter()
     ref, _ = run_reference(model, program, prompts, steps)
-    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True,
+                                checkpoint=checkpoint)
     errors, first = [], None
     tokens_agree = True
     for run in runs:
@@ -338,13 +342,6 @@ class SpecReport(VerifyReport):
     spec: dict = field(default_factory=dict)
 
 
-def program_engine(program: DCPProgram, rank: int, *, fill=0.0, poison_garbage=False,
-                   prefix_caching=False):
-    """An Engine over ``program`` loaded on ``rank`` of the (already running) world."""
-    return rank_engine(program, rank, fill=fill, poison=poison_garbage,
-                       prefix_caching=prefix_caching)
-
-
 def generate_per_token(engine, prompts, steps, drafter):
     """``engine.generate`` as a SpecResult (logits per sequence per token) with or without
     a drafter, and the prompt tokens the prefix cache served."""
@@ -369,7 +366,7 @@ def draft_program_drafter(draft: DCPProgram, target: DCPProgram):
             f"dcp={draft.config.dcp}; target tp={target.config.tp}, dcp={target.config.dcp}. "
             f"Transform the draft model with the same tp and dcp=1 or dcp="
             f"{target.config.dcp}.")
-    return lambda rank: ModelDrafter(program_engine(draft, rank))
+    return lambda rank: ModelDrafter(rank_engine(draft, rank))
 
 
 def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_for, *,
@@ -384,8 +381,7 @@ def verify_speculative(model, program: DCPProgram, prompts, steps: int, drafter_
     ref, _ = run_reference(model, program, prompts, steps)
 
     def rank_main(rank):
-        engine = program_engine(program, rank, poison_garbage=True,
-                                prefix_caching=prefix_caching)
+        engine = rank_engine(program, rank, poison=True, prefix_caching=prefix_caching)
         return generate_per_token(engine, prompts, steps,
                                   drafter_for(rank) if drafter_for else None)
 

@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek MLA) -> attention in latent space, one shared head.
+"""absorb_latent_attention: Multi-head Latent Attention (DeepSeek MLA) -> attention in latent
+space, one shared head.
 
 An ordinary MLA model attends with expanded K/V (dcp_compile/models/mla.py, Hugging Face
 ``DeepseekV3Attention``)::
@@ -20,8 +21,8 @@ This pass rewrites the graph into that form before the cache is inserted: the at
 then MQA with K = V = [c ; k_pe] (insert_paged_cache stores a tensor that is both K and V
 once), q heads and W's head rows are sharded by TP as usual (W_UK/W_UV are per-head views of
 W), and DCP decode gathers q_abs, attends over each rank's latents and combines the partial
-[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded): README, "Multi-head Latent
-Attention".
+[L + dr] outputs by LSE before W_UV. Why absorbed (not expanded): docs/moe-mla.md, "Multi-head
+Latent Attention".
 
 Recognised: ``aten.scaled_dot_product_attention`` or eager ``q @ k^T -> softmax -> @ v``
 whose key is ``cat(k_nope, expand(k_pe))`` (or Hugging Face's new_empty + copy_ of the two)
@@ -33,27 +34,21 @@ cached expanded.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.program.facts import LatentAttention, ModelFacts
 
-from .infra import source_of, val
-from .op_classes import CASTS
+from .infra import DCPPass, Found, Property, source_of, val
+from .op_classes import CASTS, COLUMN_LAYOUT_OPS, MATMUL, SOFTMAX
 from .op_classes import is_call as _call
 from .op_classes import skip_casts as _skip_casts
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-# Ops that only move a linear's output columns around (evaluated on column indices).
-LAYOUT_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-              aten.transpose.int, aten.permute.default, aten.split_with_sizes.default,
-              aten.split.Tensor, aten.slice.Tensor, aten.narrow.default,
-              aten.unsqueeze.default, operator.getitem, *CASTS}
 
 
 def _fail(node: Node, why: str, fix: str):
@@ -86,7 +81,7 @@ def weight_name(lin: Node) -> str:
 def _linear_behind(n: Node) -> tuple[Node, list[Node]]:
     """The linear a tensor's columns come from, through layout-only ops (and the path)."""
     path = []
-    while _call(n, LAYOUT_OPS):
+    while _call(n, COLUMN_LAYOUT_OPS):
         path.append(n)
         n = n.args[0]
     return n, path
@@ -105,7 +100,7 @@ def _column_map(lin: Node, out: Node) -> torch.Tensor:
         need.add(n)
         stack.extend(n.all_input_nodes)
     for n in sorted(need, key=order.get):
-        if not _call(n, LAYOUT_OPS):
+        if not _call(n, COLUMN_LAYOUT_OPS):
             _fail(n, f"the kv_b projection's output reaches {out.name} through {n.target}",
                   "Only views, transposes and splits may sit between kv_b_proj and k_nope / v")
         if _call(n, CASTS):
@@ -125,6 +120,22 @@ def _new(g, mode, target, args, kwargs=None, like: Node | None = None) -> Node:
         if like is not None and key in like.meta:
             n.meta[key] = like.meta[key]
     return n
+
+
+class AbsorbLatentAttention(DCPPass):
+    """An ordinary model's graph (the ordinary frontend builds this pass): every MLA
+    attention in its absorbed form (module doc); the latent widths go to the facts
+    (``ModelFacts.mla``). A model without MLA passes through unchanged."""
+
+    name = "absorb_latent_attention"
+    required = frozenset({Property.CANONICAL_OPS})      # the kv_b_proj is a linear
+    ensured = frozenset({Property.LATENT_ABSORBED})
+
+    def call(self, gm):
+        latent = absorb_latent_attention(gm)
+        self.record(mla_layers=len(latent))
+        return Found(gm, True, facts=ModelFacts(
+            mla=LatentAttention(**latent[0]) if latent else None))
 
 
 def absorb_latent_attention(gm: GraphModule) -> list[dict]:
@@ -271,7 +282,7 @@ def _feeds_attention(n: Node) -> bool:
         if x in seen:
             continue
         seen.add(x)
-        if _call(x, {aten.softmax.int, aten._softmax.default, aten.matmul.default}) or (
+        if _call(x, SOFTMAX | MATMUL) or (
                 x.op == "call_function" and "attention" in str(x.target)):
             return True
         stack.extend(x.users)
@@ -420,7 +431,7 @@ def _pv_matmul(qk: Node) -> Node | None:
     n, seen_softmax = qk, False
     while len(n.users) == 1:
         (n,) = n.users
-        if _call(n, {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}):
+        if _call(n, SOFTMAX):
             seen_softmax = True
         elif _call(n, {aten.matmul.default}):
             return n if seen_softmax and n.args[0] is not qk else None

@@ -29,7 +29,9 @@ from torch.fx.operator_schemas import normalize_function
 from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
-from .op_classes import CASTS, MATMUL, RESHAPES, SOFTMAX, is_call, skip_casts  # noqa: F401
+# RESHAPES and is_call are re-exported: insert_paged_cache reads them from here.
+from .op_classes import (CASTS, DIVS, MATMUL, MULS, RESHAPES, SOFTMAX, is_call,  # noqa: F401
+                         skip_casts)
 
 aten = torch.ops.aten
 
@@ -105,16 +107,16 @@ def number(x):
 
 def softcap_of(x: Node):
     """``tanh(y / c) * c`` (or ``tanh(y * (1/c)) * c``) -> (c, y); anything else -> None."""
-    if not is_call(x, {aten.mul.Tensor, aten.mul.Scalar}):
+    if not is_call(x, MULS):
         return None
     a, c = x.args if isinstance(x.args[0], Node) else x.args[::-1]
     t = skip_casts(a) if isinstance(a, Node) else None
     if number(c) is None or not is_call(t, {aten.tanh.default}):
         return None
     d = t.args[0]
-    if is_call(d, {aten.div.Tensor, aten.div.Scalar}) and number(d.args[1]) is not None:
+    if is_call(d, DIVS) and number(d.args[1]) is not None:
         inner = d.args[1]
-    elif is_call(d, {aten.mul.Tensor, aten.mul.Scalar}) and number(d.args[1]) is not None \
+    elif is_call(d, MULS) and number(d.args[1]) is not None \
             and d.args[1] != 0:
         inner = 1.0 / d.args[1]
     else:
@@ -207,15 +209,15 @@ def eager_site(sm: Node) -> Site | None:
             if scale != 1.0:
                 fail(x, "scores scaled after soft-capping", "Scale before the tanh cap")
             softcap, x = cap
-        elif is_call(x, {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}):
+        elif is_call(x, MULS | DIVS):
             a, b = x.args
             c = number(b) if isinstance(a, Node) else number(a)
-            if x.target in (aten.div.Tensor, aten.div.Scalar) and not isinstance(a, Node):
+            if x.target in DIVS and not isinstance(a, Node):
                 c = None                                  # number / scores: not a scale
             if c is None:
                 fail(x, f"attention scores scaled by a tensor ({x.target})",
                      "Scale scores by a Python number (a per-layer constant)")
-            scale *= (1.0 / c) if x.target in (aten.div.Tensor, aten.div.Scalar) else c
+            scale *= (1.0 / c) if x.target in DIVS else c
             x = a if isinstance(a, Node) else b
         elif softcap and is_call(x, {aten.add.Tensor, aten.masked_fill.Scalar,
                                      aten.where.self, aten.where.ScalarOther}):
@@ -257,13 +259,9 @@ def eager_site(sm: Node) -> Site | None:
                 mask_kind=kind, softcap=softcap, sinks=sinks)
 
 
-SLICES = {aten.slice.Tensor}
-MAX_VALUES = {aten.amax.default}
-
-
 def _drops_last_column(n: Node, src: Node) -> bool:
     """``src[..., :-1]``: every key column but the last (the sink's)."""
-    if not is_call(n, SLICES) or n.args[0] is not src:
+    if not is_call(n, {aten.slice.Tensor}) or n.args[0] is not src:
         return False
     nd, width = len(val(src).shape), val(src).shape[-1]
     dim, start, end, step = (tuple(n.args[1:]) + (0, None, None, 1)[len(n.args) - 1:])[:4]
@@ -275,7 +273,7 @@ def _max_of(m: Node, x: Node) -> bool:
     if is_call(m, {operator.getitem}) and m.args[1] == 0:
         m = m.args[0]
         return is_call(m, {aten.max.dim}) and m.args[0] is x
-    return is_call(m, MAX_VALUES) and m.args[0] is x
+    return is_call(m, {aten.amax.default}) and m.args[0] is x
 
 
 def sink_scores(sm: Node, x: Node) -> tuple[Node, Node]:
@@ -296,7 +294,7 @@ def sink_scores(sm: Node, x: Node) -> tuple[Node, Node]:
     sink = skip_casts(column)
     if is_call(sink, {aten.expand.default}):
         sink = skip_casts(sink.args[0])
-    if is_call(sink, RESHAPES | {aten.view.default}):
+    if is_call(sink, RESHAPES):
         sink = skip_casts(sink.args[0])
     if tuple(val(column).shape) != (b, h, s, 1) or tuple(val(sink).shape) != (h,):
         fail(sm, f"attention sink column of shape {tuple(val(column).shape)} from a tensor "
@@ -322,8 +320,7 @@ def _reaches_matmul(n: Node) -> bool:
         n = skip_casts(n)
         if is_call(n, MATMUL):
             return True
-        if is_call(n, {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar,
-                       aten.tanh.default}):
+        if is_call(n, MULS | DIVS | {aten.tanh.default}):
             n = n.args[0] if isinstance(n.args[0], Node) else n.args[1]
             continue
         return False

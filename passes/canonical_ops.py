@@ -1,5 +1,6 @@
-"""Small canonicalizations of an ordinary model's graph before the cache insertion, so that
-the placement rules see the ops they have rules for (rules as data: ``CANONICAL_FORMS``).
+"""canonicalize_ops: small canonicalizations of an ordinary model's graph before the cache
+insertion, so that the placement rules see the ops they have rules for (rules as data:
+``CANONICAL_FORMS``).
 
   * ``x @ w.T`` with ``w`` a 2-D weight input (Falcon's ``FalconLinear``, hand-written
     linears) -> ``linear(x, w)``: the placement analysis shards linears by role.
@@ -18,12 +19,12 @@ from typing import Callable
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
-from .infra import val
-from .op_classes import is_call, skip_casts
+from .infra import DCPPass, Property, val
+from .op_classes import MATRIX_TRANSPOSES, is_call, skip_casts
 
 aten = torch.ops.aten
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default}
 
 
 def _weight_transposed(b, weights: set[str]) -> Node | None:
@@ -32,7 +33,7 @@ def _weight_transposed(b, weights: set[str]) -> Node | None:
         w = b.args[0]
     elif is_call(b, {aten.transpose.int}) and {d % 2 for d in b.args[1:]} == {0, 1}:
         w = b.args[0]
-    elif is_call(b, _TRANSPOSES):
+    elif is_call(b, MATRIX_TRANSPOSES):
         w = b.args[0]
     else:
         return None
@@ -158,3 +159,29 @@ def canonicalize_ops(gm: GraphModule, weights: set[str], constants) -> dict[str,
              CANONICAL_FORMS.items()}
     gm.graph.eliminate_dead_code()
     return {k: v for k, v in found.items() if v}
+
+
+class CanonicalizeOps(DCPPass):
+    """An ordinary model's graph (the ordinary frontend builds this pass): each of
+    ``CANONICAL_FORMS`` rewritten where it matches; ``constants``: the model's tensors by
+    input name (asked only when a constant index is met)."""
+
+    name = "canonicalize_ops"
+    required = frozenset({Property.NO_EXPORT_ASSERTS})
+    ensured = frozenset({Property.CANONICAL_OPS})
+
+    def __init__(self, ctx, *, weights: set[str], constants: Callable[[], dict]):
+        super().__init__(ctx)
+        self.weights, self.constants = set(weights), constants
+        self._values = None
+
+    def _constant_values(self) -> dict:
+        if self._values is None:
+            self._values = self.constants()
+        return self._values
+
+    def call(self, gm):
+        nodes = len(gm.graph.nodes)
+        found = canonicalize_ops(gm, self.weights, self._constant_values)
+        self.record(**found)
+        return PassResult(gm, bool(found) or len(gm.graph.nodes) != nodes)

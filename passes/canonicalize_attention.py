@@ -15,7 +15,7 @@ import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*
 
 from dcp_compile.runtime.errors import DCPTransformError
 
-from .infra import KIND_ATTENTION, DCPPass, ensure, source_of
+from .infra import KIND_ATTENTION, DCPPass, Property, ensure, source_of
 
 ACCEPTED = (torch.ops.dcp.paged_attention.default, torch.ops.dcp.attention.default)
 
@@ -42,6 +42,8 @@ OPTIONS = tuple(a.name for a in torch.ops.dcp.attention.default._schema.argument
 
 class CanonicalizeAttention(DCPPass):
     name = "canonicalize_attention"
+    required = frozenset({Property.PAGED_CACHE})
+    ensured = frozenset({Property.CANONICAL_ATTENTION})
 
     def call(self, gm):
         layer = 0

@@ -35,7 +35,8 @@ from dcp_compile.runtime.kernels.moe import (LAYOUTS, OPERANDS, PARAMETRISED, Ex
                                      ExpertLayout)
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
-from .infra import DCPPass, Found, ensure, source_of, val
+from .infra import DCPPass, Found, Property, ensure, source_of, val
+from .op_classes import RESHAPES
 
 aten = torch.ops.aten
 MOE = torch.ops.dcp.moe.default
@@ -150,13 +151,12 @@ def _functionalize(gm, router: set[Node]) -> int:
     return done
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _same_tokens(x: Node) -> list[Node]:
     """The experts' input and the tensors it is a view of (a shared-expert gate reads one)."""
     out = [x]
-    while out[-1].op == "call_function" and out[-1].target in _VIEWS:
+    while out[-1].op == "call_function" and out[-1].target in RESHAPES:
         out.append(out[-1].args[0])
     return out
 
@@ -182,6 +182,8 @@ def _ordered(form, experts, out_features, in_features) -> tuple:
 
 class CanonicalizeMoE(DCPPass):
     name = "canonicalize_moe"
+    required = frozenset({Property.PAGED_CACHE})
+    ensured = frozenset({Property.CANONICAL_MOE})
 
     def call(self, gm):
         cfg = self.ctx.config

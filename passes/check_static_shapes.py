@@ -1,4 +1,4 @@
-"""Reject graphs with symbolic shapes: every DCP program has static shapes (DESIGN.md)."""
+"""Reject graphs with symbolic shapes: every DCP program has static shapes (a graph per context bucket)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
 
-from .infra import DCPPass
+from .infra import DCPPass, Property
 
 
 class CheckStaticShapes(DCPPass):
     name = "check_static_shapes"
+    required = frozenset({Property.ATEN_GRAPH})
+    ensured = frozenset({Property.STATIC_SHAPES})
 
     def call(self, gm):
         for n in gm.graph.nodes:

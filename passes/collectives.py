@@ -12,8 +12,8 @@ from torch.fx import Graph, Node
 
 # The role naming convention and the collectives table are the runtime's (it binds the roles
 # when loading a program); arguments are in the order dcp_compile.runtime.distributed.roles.COLLECTIVES describes.
-from dcp_compile.runtime.distributed.roles import COLLECTIVE_TARGETS, WAIT_TARGET, role_name, role_of  # noqa: F401
-from dcp_compile.runtime.names import META_LAYER, META_PASS, ROLE_PREFIX  # noqa: F401
+from dcp_compile.runtime.distributed.roles import WAIT_TARGET, role_name, role_of  # noqa: F401
+from dcp_compile.runtime.names import META_LAYER, META_PASS
 
 F = torch.ops._c10d_functional
 

@@ -38,7 +38,8 @@ from dcp_compile.runtime.names import META_KIND, RANK_INPUT, Mode, Role
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
-                    DCPPass, attention_nodes, ensure, getitem_users, placeholder, val)
+                    DCPPass, Property, attention_nodes, ensure, getitem_users, placeholder,
+                    val)
 
 aten = torch.ops.aten
 dcp_ops = torch.ops.dcp
@@ -216,6 +217,8 @@ class DCPDecode(DCPPass):
     per row), or its width-K form (up to K tokens per row, each query bounded per rank)."""
 
     name = "dcp_decode"
+    required = frozenset({Property.TP_SHARDED})
+    ensured = frozenset({Property.DCP_REWRITTEN})
 
     def requires(self, gm):
         from .prove.theorems import MAX_DECODE_LEN
@@ -306,6 +309,8 @@ class DCPContext(DCPPass):
     """Decode engine's prompt step: plain TP attention, owner-only cache writes, no prior."""
 
     name = "dcp_context"
+    required = frozenset({Property.TP_SHARDED})
+    ensured = frozenset({Property.DCP_REWRITTEN})
 
     def call(self, gm):
         cfg, g = self.ctx.config, gm.graph

@@ -59,10 +59,11 @@ from dcp_compile.runtime.names import (Mode, Role, StepKind, META_LAYER, META_NO
 
 from . import collectives as C
 from .dcp_decode import attention_kwargs, correct_sinks, cp_rank_node, replace_attention
-from .op_classes import RESHAPES
+from .op_classes import SHAPED_VIEWS
 from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
-                    KIND_SLICE, DCPPass, attention_nodes, getitem_users, source_of, val)
+                    KIND_SLICE, DCPPass, Property, attention_nodes, getitem_users, source_of,
+                    val)
 from .sequence_parallel import pad_tokens, reduce_scatter_tokens
 from .shard_tensor_parallel import _is_linear
 
@@ -71,7 +72,6 @@ dcp_ops = torch.ops.dcp
 F = torch.ops._c10d_functional
 
 # Ops that name sizes literally: on the q/k/v and O paths their token count is rewritten.
-_VIEWS = RESHAPES | {aten.expand.default}
 
 
 def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
@@ -94,7 +94,7 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
         src_ndim = (src_val.ndim if isinstance(src_val, torch.Tensor)
                     else out.ndim if isinstance(out, torch.Tensor) else None)
         t = n.target
-        if t in _VIEWS:
+        if t in SHAPED_VIEWS:
             shape = list(n.args[1])
             in_shape = list(val(src).shape)
             if len(shape) <= d or shape[:d] != in_shape[:d] or shape[d] != tokens:
@@ -158,6 +158,8 @@ class DCPPrefill(DCPPass):
     """Rewrite every attention block into the spec's nine-step prefill DCP pattern."""
 
     name = "dcp_prefill"
+    required = frozenset({Property.SEQUENCE_PARALLEL})
+    ensured = frozenset({Property.DCP_REWRITTEN})
 
     def requires(self, gm):
         if self.ctx.config.mode != Mode.PREFILL:
@@ -480,7 +482,7 @@ def _chain_root(lin: Node, limit: int = 8) -> tuple[Node, list[Node]]:
 def _retoken_views(path: list[Node], token_dim: dict[Node, int], count: int) -> None:
     """Views on a path name the token count explicitly: give them the new count."""
     for n in path:
-        if n.target in _VIEWS:
+        if n.target in SHAPED_VIEWS:
             shape = list(n.args[1])
             shape[token_dim[n]] = count
             n.args = (n.args[0], shape) + tuple(n.args[2:])

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .infra import DCPPass
+from .infra import DCPPass, Property
+from .op_classes import EXPORT_ASSERTS
 
 
 class DropExportAsserts(DCPPass):
     name = "drop_export_asserts"
-    TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
+    required = frozenset({Property.ATEN_GRAPH})
+    ensured = frozenset({Property.NO_EXPORT_ASSERTS})
 
     def call(self, gm):
         dropped = [n for n in gm.graph.nodes
-                   if n.op == "call_function" and n.target in self.TARGETS and not n.users]
+                   if n.op == "call_function" and n.target in EXPORT_ASSERTS and not n.users]
         for n in dropped:
             gm.graph.erase_node(n)
         self.record(dropped=len(dropped))

@@ -46,7 +46,7 @@ from typing import Any
 from torch.fx import GraphModule
 
 from dcp_compile.runtime.errors import DCPConfigError
-from dcp_compile.runtime.names import META_CERTIFICATE, META_KIND, META_PASS
+from dcp_compile.runtime.names import META_CERTIFICATE
 
 from .dump_render import (DOT_TIMEOUT, KIND_COLOURS, MAX_RENDERED_NODES, NEW_COLOUR,
                           dot_executable, finish_svg_render, graph_to_dot, inserted_nodes,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.fx import GraphModule, Node
@@ -24,6 +25,38 @@ from dcp_compile.runtime.names import META_KIND, META_LAYER, META_PASS, StepKind
 
 if TYPE_CHECKING:
     from .prove.certificate import Certificate
+
+class Property(str, Enum):
+    """What a graph is known to hold at a point of the pipeline. A capture gives some
+    (``StepCapture.provides``); each pass states those it needs before it runs
+    (``DCPPass.required``) and those it makes hold (``DCPPass.ensured``), and building a
+    row of the pipeline checks the order (``pipeline.check_order``)."""
+
+    ATEN_GRAPH = "aten_graph"                    # captured ATen graph, meta['val'] on nodes
+    NO_EXPORT_ASSERTS = "no_export_asserts"      # no _assert_tensor_metadata left
+    STATIC_SHAPES = "static_shapes"              # no symbolic size anywhere
+    CANONICAL_OPS = "canonical_ops"              # linears, slices and splits in one form
+    LATENT_ABSORBED = "latent_absorbed"          # MLA attends in latent space (one KV head)
+    PAGED_CACHE = "paged_cache"                  # step signature: caches are inputs,
+                                                 # attention a dcp.paged_attention
+    POSITIONS_LIFTED = "positions_lifted"        # positional values read the positions input
+    CANONICAL_ATTENTION = "canonical_attention"  # one dcp.attention per layer
+    CANONICAL_MOE = "canonical_moe"              # one dcp.moe per experts block, checked
+    TOKEN_WISE = "token_wise"                    # no op outside attention mixes tokens or
+                                                 # depends on the sequence length
+    PROVEN = "proven"                            # config validated, layout certificate
+    RANK_INPUT = "rank_input"                    # the tp_rank input
+    TP_SHARDED = "tp_sharded"                    # weights and ops cut by tensor parallelism
+    SEQUENCE_PARALLEL = "sequence_parallel"      # prefill tokens laid out per rank
+    DCP_REWRITTEN = "dcp_rewritten"              # attention in its DCP form
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# What a captured step graph holds before any pass (a frontend's capture may give more).
+CAPTURED: frozenset[Property] = frozenset({Property.ATEN_GRAPH})
+
 
 # Kinds of inserted nodes (for history, structure tests and dump highlighting).
 KIND_COLLECTIVE = "collective"
@@ -79,6 +112,10 @@ class DCPPass(PassBase):
     """A named rewrite with a context; records what it matched and what it inserted."""
 
     name: str = "dcp_pass"
+    # What the graph must hold before the pass runs, and what holds after it (the pipeline
+    # checks a row's order by them; ``requires``/``ensures`` check the graph itself).
+    required: ClassVar[frozenset[Property]] = frozenset()
+    ensured: ClassVar[frozenset[Property]] = frozenset()
 
     def __init__(self, ctx: TransformContext):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Insert the paged KV cache into an ordinary causal LM's graph.
+"""insert_paged_cache: the paged KV cache in an ordinary causal LM's graph.
 
 Input: the torch.export graph of ``forward(input_ids [B, S] (, position_ids [B, S])) ->
 logits`` -- a model with no cache and no project API (dcp_compile.frontends.ordinary
@@ -18,8 +18,11 @@ Masks are proven, not sampled: each is read as a predicate K(i, j) of positions
 window W (passes/prove/masks.py); it is then replaced by the op's causality (and ``window``)
 on positions, and its theorem goes to the certificate. Windows a Hugging Face config declares
 per layer are checked against the proven mask, and used where the graph has no mask
-(``is_causal``); a one-token decode step reuses the windows of the prompt step. Positions come from the
-``position_ids`` input or an ``arange(S).unsqueeze(0)`` in the graph.
+(``is_causal``); a one-token decode step reuses the windows of the prompt step. A
+``position_ids`` input becomes ``clamp_min(positions, 0)``; what the model computes from an
+``arange(S)`` is rewritten over that by the next pass, lift_positions (passes/positions.py).
+The passes before this one (pipeline.py's capture prologue) dropped export's asserts,
+canonicalized linears and slices (canonical_ops.py) and absorbed MLA (one shared K = V).
 Refused (DCPTransformError naming the node and its source line): non-causal or bidirectional
 attention, masks that are neither causal nor a window or that depend on the tokens, additive
 biases (ALiBi), cross-attention (K/V not computed from this step's tokens), K/V that are
@@ -39,17 +42,13 @@ from torch.fx import GraphModule, Node
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.program.facts import LatentAttention, ModelFacts
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
-from .absorb_latent_attention import absorb_latent_attention
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
-from .canonical_ops import canonicalize_ops
-from .infra import KIND_ATTENTION, DCPPass, Found, ensure, placeholder, source_of, val
-from .manager import propagate_changed
+from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
 from .placement import Refusal, carried_dim
-from .positions import lift_positions
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
                           unmasked_theorem)
 
@@ -73,6 +72,9 @@ class InsertPagedCache(DCPPass):
     """Ordinary causal LM graph -> paged step graph (see module doc)."""
 
     name = "insert_paged_cache"
+    # Export's metadata asserts would hold dead values alive; an MLA key is stored once.
+    required = frozenset({Property.NO_EXPORT_ASSERTS, Property.LATENT_ABSORBED})
+    ensured = frozenset({Property.PAGED_CACHE})
 
     def __init__(self, ctx, *, token_input: str, position_input: str | None,
                  num_blocks: int, max_blocks: int,
@@ -138,9 +140,15 @@ class InsertPagedCache(DCPPass):
     @staticmethod
     def _cache_row(s: Site):
         """((kv heads, head_dim of each cache), dtype, K is V). A tensor that is both the key
-        and the value (MLA's [latent ; k_pe]) is stored once: its halves in the two caches."""
+        and the value (MLA's [latent ; k_pe]) is stored once: its halves in the two caches.
+        Values narrower than the keys (MLA not absorbed: v_head_dim < qk_head_dim) are
+        stored padded with zeros to the keys' width; the output is cut back to theirs."""
         heads, width = val(s.k).shape[1], val(s.k).shape[3]
         shared = s.k is s.v
+        if not shared and val(s.v).shape[3] > width:
+            fail(s.node, f"attention {s.node.name}'s values are wider ({val(s.v).shape[3]}) "
+                 f"than its keys ({width}): the paged cache holds one head_dim for both",
+                 "Use a value head_dim no larger than the key head_dim")
         if shared and width % 2:
             fail(s.node, f"attention {s.node.name} uses one tensor {s.k.name} as key and "
                   f"value, of odd width {width}: it is stored once, split in halves over the "
@@ -266,14 +274,6 @@ class InsertPagedCache(DCPPass):
 
     def call(self, gm):
         g = gm.graph
-        for n in list(g.nodes):  # export's metadata asserts would hold dead values alive
-            if is_call(n, {aten._assert_tensor_metadata.default}):
-                g.erase_node(n)
-        weights = {n.name for n in g.nodes if n.op == "placeholder"
-                   and n.name not in (self.token_input, self.position_input)}
-        canonical = canonicalize_ops(gm, weights, self._constant_values)
-        propagate_changed(gm, [n for n in g.nodes if "val" not in n.meta])
-        latent = absorb_latent_attention(gm)    # MLA -> one shared latent head (no-op else)
         plan = self.plan(gm)
         ids = placeholder(gm, self.token_input)
         mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
@@ -305,6 +305,9 @@ class InsertPagedCache(DCPPass):
                     h = plan.head_dim
                     k, v = (g.call_function(aten.slice.Tensor, (k, 3, a, a + h))
                             for a in (0, h))
+                v_width = val(s.v).shape[3]
+                if not plan.kv_shared and v_width < plan.head_dim:
+                    v = _pad_values(g, v, plan.head_dim - v_width)
                 params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap),
                                             ("kv_shared", plan.kv_shared)) if x}
                 if s.sinks is not None:
@@ -313,6 +316,8 @@ class InsertPagedCache(DCPPass):
                                        (q, k, v, caches[2 * layer], caches[2 * layer + 1],
                                         positions, table, s.scale), params)
                 out, kc, vc = (g.call_function(operator.getitem, (attn, i)) for i in range(3))
+                if not plan.kv_shared and v_width < plan.head_dim:   # the values' own width
+                    out = g.call_function(aten.slice.Tensor, (out, 3, 0, v_width))
                 bhsd = g.call_function(aten.transpose.int, (out, 1, 2))
             if val(s.out).dtype != val(s.q).dtype:
                 with g.inserting_after(bhsd):
@@ -334,27 +339,20 @@ class InsertPagedCache(DCPPass):
         first_op = next(n for n in g.nodes if n.op != "placeholder")
         with g.inserting_before(first_op):
             # Padding (position -1) gets the embedding of position 0; the op zeroes its output.
+            # What the model computes from positions reads this (lift_positions).
             clamped = g.call_function(aten.clamp_min.default, (positions, 0))
         if plan.position_input is not None:
             plan.position_input.replace_all_uses_with(clamped)
-        lifted = self._lift_positions(gm, plan, ids, clamped, [positions, table, *caches])
-        if plan.position_input is not None:
             g.erase_node(plan.position_input)
         # A one-token step's mask shows no window: it keeps the prompt step's. The prompt
         # step's mask theorems go to the certificate (validate_and_prove).
         windows = tuple(s.window for s in plan.sites) \
             if plan.tokens > 1 or self.ctx.facts.windows is None else None
-        # The tables the prompt step sliced by its length (a one-token step cannot tell).
-        tables = tuple(lifted["tables"]) if plan.tokens > 1 else None
         found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
-                           windows=windows, position_tables=tables,
-                           mla=LatentAttention(**latent[0]) if latent else None,
-                           mask_theorems=plan.mask_theorems or None)
+                           windows=windows, mask_theorems=plan.mask_theorems or None)
         self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
-                    forms=sorted({site_form(s) for s in plan.sites}), mla_layers=len(latent),
-                    positions="position_ids" if plan.position_input is not None else "arange",
-                    positional_values=lifted["values"], position_tables=len(lifted["tables"]),
-                    canonical_ops=canonical)
+                    forms=sorted({site_form(s) for s in plan.sites}),
+                    positions="position_ids" if plan.position_input is not None else "arange")
         return Found(gm, True, facts=found)
 
     @staticmethod
@@ -364,24 +362,6 @@ class InsertPagedCache(DCPPass):
         if is_call(t, {aten.transpose.int}) and {d % 4 for d in t.args[1:]} == {1, 2}:
             return t.args[0]
         return g.call_function(aten.transpose.int, (t, 1, 2))
-
-    def _lift_positions(self, gm, plan: Plan, ids: Node, clamped: Node,
-                        inputs: list[Node]) -> dict:
-        """Positional values (RoPE angles, tables sliced by the length, learned positions)
-        become functions of the step's positions (passes/positions.py). A one-token step
-        recognises the tables its prompt step sliced by the length."""
-        propagate_changed(gm, [n for n in gm.graph.nodes if "val" not in n.meta])
-        data = self._depends_on_any(gm, [ids, *inputs])
-        known = set(self.ctx.facts.position_tables or ())
-        return lift_positions(gm, clamped, plan.tokens, data, {ids: 0}, known)
-
-    @staticmethod
-    def _depends_on_any(gm, roots: list[Node]) -> set[Node]:
-        out = set(roots)
-        for n in gm.graph.nodes:
-            if any(a in out for a in n.all_input_nodes):
-                out.add(n)
-        return out
 
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
@@ -407,6 +387,12 @@ def _example(verdict: MaskVerdict) -> str:
         return ""
     return (f" (at query position i={e['i']}, key position j={e['j']} the mask "
             f"{'keeps' if e['mask'] else 'hides'} the key)")
+
+
+def _pad_values(g, v: Node, extra: int) -> Node:
+    """V [B, S, H, Dv] -> [B, S, H, Dv + extra], zeros after: softmax(q k^T) @ [v, 0] is
+    [out, 0], so keys and values share one cache head_dim (unabsorbed MLA, Dv < Dqk)."""
+    return g.call_function(aten.constant_pad_nd.default, (v, [0, extra], 0.0))
 
 
 def _fold_layout_noops(bhsd: Node, bshd: Node | None, shape: tuple) -> None:

@@ -8,13 +8,15 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.names import RANK_INPUT
 
-from .infra import KIND_RANK, DCPPass, ensure
+from .infra import KIND_RANK, DCPPass, Property, ensure
 
 
 class InsertRank(DCPPass):
     """Insert the 0-d int64 placeholder `tp_rank` before the step inputs."""
 
     name = "insert_rank"
+    required = frozenset({Property.PROVEN})
+    ensured = frozenset({Property.RANK_INPUT})
 
     def __init__(self, ctx, first_user_input: str):
         super().__init__(ctx)

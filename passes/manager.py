@@ -1,5 +1,5 @@
-"""The pass manager: fixed order, lint + incremental shape propagation after each pass,
-history, dump."""
+"""The pass runner: passes in a fixed order; after each, lint, shape propagation (the
+service in :mod:`.propagation`), history, dump."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch._guards import detect_fake_mode
-from torch.fx import GraphModule, Node
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx import GraphModule
 
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPCompilerBug, DCPError, DCPTransformError
+
+from . import propagation
 from .diagnose import explain
 
 
@@ -37,214 +36,6 @@ class PassRecord:
                 "seconds": round(self.seconds, 6), "propagated": self.propagated}
 
 
-FULL_PROPAGATION_ENV = "DCP_COMPILE_FULL_PROPAGATION"
-_MISSING = object()
-
-
-def _fake_mode(gm: GraphModule):
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode(inputs)
-    if mode is None:
-        raise DCPTransformError("graph inputs carry no fake tensors; capture with "
-                                "torch.export so that every node has meta['val'].")
-    return mode
-
-
-def repropagate(gm: GraphModule) -> None:
-    """Recompute every node's meta['val'] from the placeholders' fake values."""
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, _fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
-
-
-# ------------------------------------------------------------------------------------------
-# Incremental propagation: only the nodes a pass touched, and users whose inputs changed
-# ------------------------------------------------------------------------------------------
-
-
-def snapshot(gm: GraphModule) -> dict:
-    """What a pass may change about each node: op, target, args, kwargs, meta['val']."""
-    return {n: (n.op, n.target, n.args, n.kwargs, n.meta.get("val", _MISSING))
-            for n in gm.graph.nodes}
-
-
-def changed_nodes(gm: GraphModule, before: dict) -> list[Node]:
-    """Nodes inserted since ``before``, or with another op/target/args/kwargs, or whose
-    meta['val'] a pass replaced (placeholders of sharded weights and caches) or that have
-    none yet (export leaves the output node without one). get_attr nodes always count: a
-    pass may swap the module attribute they read."""
-    out = []
-    for n in gm.graph.nodes:
-        old = before.get(n)
-        val = n.meta.get("val", _MISSING)
-        if (old is None or val is not old[4] or val is _MISSING or n.op == "get_attr"
-                or (n.op, n.target, n.args, n.kwargs) != old[:4]):
-            out.append(n)
-    return out
-
-
-def propagate_changed(gm: GraphModule, changed: list[Node], before: dict | None = None
-                      ) -> int:
-    """Re-run fake propagation on ``changed`` nodes and, in graph order, on every node one
-    of whose inputs got a different value (shape, dtype, stride, device) than before the
-    pass (``before``: its ``snapshot``; without it every changed node counts as different).
-    Returns how many nodes were recomputed. A placeholder keeps the value its pass gave it."""
-    changed = set(changed)
-    if not changed:
-        return 0
-    mode = _fake_mode(gm)
-    interp = FakeTensorProp(gm, mode)
-    dirty: set[Node] = set()
-    count = 0
-    memo = _call_results()
-    with mode:
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                if n in changed:
-                    dirty.add(n)
-                continue
-            inputs = n.all_input_nodes
-            if n not in changed and not any(a in dirty for a in inputs):
-                continue
-            for a in inputs:
-                if "val" not in a.meta:
-                    raise DCPTransformError(
-                        f"node {a.name} ({a.op} {a.target}) has no meta['val'] to propagate "
-                        f"from. A pass that adds a placeholder must give it a fake value.")
-                interp.env[a] = a.meta["val"]
-            # Users saw the value from before the pass (a pass may have replaced it).
-            old = before[n][4] if before is not None and n in before else _MISSING
-            if n not in changed:
-                old = n.meta.get("val", _MISSING)
-            key = _call_key(n)
-            reused = memo.get(key) if key is not None else None
-            if reused is not None:
-                n.meta["val"] = _fresh_fake(reused, mode)
-            else:
-                interp.run_node(n)
-                if key is not None:
-                    memo[key] = _fake_metadata(n.meta.get("val", _MISSING))
-            count += 1
-            if not same_value(old, n.meta.get("val", _MISSING)):
-                dirty.add(n)
-    interp.env.clear()
-    return count
-
-
-# Layers repeat the same op calls on values of the same shapes, and so do the passes, the
-# step kinds and the models of one process (the same hidden sizes, heads and token counts):
-# the second and later calls of an ATen/dcp op on inputs with the same metadata (and the
-# same other arguments) take the first one's result metadata instead of dispatching again (a
-# fake tensor has no data, so its result depends on nothing else). The results are kept per
-# process (metadata only, no tensors), bounded by _MAX_CALL_RESULTS. Exact: the full
-# re-propagation check (DCP_COMPILE_FULL_PROPAGATION=1) compares them.
-_MAX_CALL_RESULTS = 50_000
-_CALL_RESULTS: dict = {}
-
-
-def _call_results() -> dict:
-    """The process's call key -> result metadata table (emptied when it reaches its bound)."""
-    if len(_CALL_RESULTS) >= _MAX_CALL_RESULTS:
-        _CALL_RESULTS.clear()
-    return _CALL_RESULTS
-
-
-def _call_key(n: Node):
-    """(op, argument signature) of a call_function of an OpOverload whose tensor inputs
-    have plain static metadata; None when the result cannot be reused."""
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-        return None
-    if torch.Tag.nondeterministic_seeded in n.target.tags:
-        return None
-    try:
-        return n.target, _signature(n.args), _signature(n.kwargs)
-    except _NotReusable:
-        return None
-
-
-class _NotReusable(Exception):
-    """An argument whose value the reuse does not handle (see _fake_metadata)."""
-
-
-def _signature(x):
-    """Arguments as a hashable value: nested containers keep their type and order, nodes
-    become their value's metadata, anything else its type and repr."""
-    if isinstance(x, Node):
-        meta = _fake_metadata(x.meta.get("val", _MISSING))
-        if meta is None:
-            raise _NotReusable
-        return meta
-    if isinstance(x, (list, tuple)):
-        return type(x).__name__, tuple(_signature(a) for a in x)
-    if isinstance(x, dict):
-        return "dict", tuple((k, _signature(v)) for k, v in x.items())
-    return type(x).__name__, repr(x)
-
-
-def _fake_metadata(v):
-    """Everything a fake tensor's value is (shape, stride, offset, dtype, device), or None
-    for values this reuse does not handle (symbolic sizes, constants, non-tensors)."""
-    if isinstance(v, (list, tuple)):
-        parts = [_fake_metadata(x) for x in v]
-        return None if any(p is None for p in parts) else (type(v).__name__, tuple(parts))
-    if not isinstance(v, torch.Tensor) or v.requires_grad or \
-            getattr(v, "constant", None) is not None or \
-            not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
-        return None     # a fake carrying a real constant computes from its data
-    return ("tensor", tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype,
-            v.device)
-
-
-def _fresh_fake(meta, mode=None):
-    """A new fake tensor of ``mode`` (default: the active fake mode) with that metadata.
-
-    Built from a meta tensor (storage of the extent the strides reach, then the view) and
-    wrapped directly: no fake-mode dispatch, a tenth of the cost of creating it by ops."""
-    mode = mode or detect_fake_mode()
-    if meta[0] != "tensor":
-        parts = [_fresh_fake(m, mode) for m in meta[1]]
-        return tuple(parts) if meta[0] == "tuple" else parts
-    _, shape, stride, offset, dtype, device = meta
-    extent = 1 + sum((d - 1) * st for d, st in zip(shape, stride)) if all(shape) else 0
-    with unset_fake_temporarily():
-        base = torch.empty(offset + extent, dtype=dtype, device="meta")
-        if offset or shape != (offset + extent,):
-            base = base.as_strided(shape, stride, offset)
-    return FakeTensor(mode, base, device)
-
-
-def same_value(a, b) -> bool:
-    """Equal fake metadata: shape, dtype, stride and device of tensors; == otherwise."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                and a.stride() == b.stride())
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a is _MISSING \
-            or b is _MISSING:
-        return False
-    return type(a) is type(b) and a == b
-
-
-def propagation_mismatches(gm: GraphModule) -> list[str]:
-    """Re-propagate the whole graph and list the nodes whose meta['val'] differed from the
-    incremental result (the incremental values are replaced by the full ones)."""
-    before = {n: n.meta.get("val", _MISSING) for n in gm.graph.nodes}
-    repropagate(gm)
-    return [f"{n.name} ({n.target}): incremental {_describe(before[n])} vs full "
-            f"{_describe(n.meta.get('val', _MISSING))}"
-            for n in gm.graph.nodes if not same_value(before[n], n.meta.get("val", _MISSING))]
-
-
-def _describe(v) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"{tuple(v.shape)}/{v.dtype}/stride {v.stride()}"
-    if isinstance(v, (list, tuple)):
-        return "(" + ", ".join(_describe(x) for x in v) + ")"
-    return "missing" if v is _MISSING else repr(v)
-
-
 def name_the_features(error: DCPTransformError, gm: GraphModule) -> DCPTransformError:
     """A pass's refusal, with the model features behind it named (passes.diagnose): "no
     attention recognised" in a Bloom graph is ALiBi, in a Mamba graph an SSM."""
@@ -260,12 +51,13 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
                ) -> tuple[GraphModule, list[PassRecord]]:
     """Run ``passes`` in order; after each: lint, re-propagate, record, dump (recompile).
 
-    Shapes are re-propagated only from the nodes a pass changed (see ``changed_nodes``).
+    Shapes are re-propagated only from the nodes a pass changed (see ``propagation.changed_nodes``).
     ``check_propagation`` (default: env DCP_COMPILE_FULL_PROPAGATION=1) then also
     re-propagates the whole graph and raises if any node's value differs.
     """
     if check_propagation is None:
-        check_propagation = os.environ.get(FULL_PROPAGATION_ENV, "") not in ("", "0")
+        check_propagation = os.environ.get(propagation.FULL_PROPAGATION_ENV, "") \
+            not in ("", "0")
     history: list[PassRecord] = []
     # Python code is regenerated per pass only for the dump/progress callback (which shows
     # it); otherwise once at the end: recompiling is a large share of a pass's time.
@@ -275,11 +67,15 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
     for p in passes:
         name = getattr(p, "name", type(p).__name__)
         start = time.perf_counter()
-        before = snapshot(gm)
+        before = propagation.snapshot(gm)
         try:
             result = p(gm)
         except DCPTransformError as e:
             raise name_the_features(e, gm)
+        except DCPError:
+            raise
+        except Exception as e:      # not a refusal: a bug of the pass, named
+            raise DCPCompilerBug(f"pass {name} (step {step!r})", e) from e
         if result is not None:
             gm = result.graph_module
         modified = bool(result.modified) if result is not None else True
@@ -291,15 +87,16 @@ def run_passes(gm: GraphModule, passes: list, *, step: str,
                     gm.recompile()
                 else:
                     stale_code = True
-                propagated = propagate_changed(gm, changed_nodes(gm, before), before)
-        except DCPTransformError:
+                propagated = propagation.propagate_changed(
+                    gm, propagation.changed_nodes(gm, before), before)
+        except DCPError:
             raise
-        except Exception as e:  # a pass left an ill-formed graph: say which one
-            raise DCPTransformError(f"pass {name} left an invalid graph for step {step!r}: "
-                                    f"{type(e).__name__}: {e}") from e
+        except Exception as e:  # a pass left an ill-formed graph: a bug of that pass
+            raise DCPCompilerBug(f"pass {name} (step {step!r}), which left an invalid "
+                                 f"graph", e) from e
         seconds = time.perf_counter() - start
         if check_propagation:
-            bad = propagation_mismatches(gm)
+            bad = propagation.propagation_mismatches(gm)
             if bad:
                 raise DCPTransformError(
                     f"incremental shape propagation after pass {name} (step {step!r}) "

@@ -29,6 +29,9 @@ from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
 from .infra import val
+from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS_OF_ONE, FILLS_OF_ZERO,
+                         MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
+                         SQUEEZES, SUBS, WHERES, XORS)
 
 aten = torch.ops.aten
 
@@ -167,7 +170,7 @@ def _cast(n, args):
 
 def _view(n, args):
     """reshape / view / squeeze / unsqueeze: only inserting or removing size-1 axes."""
-    x, (shape, boolean) = args[0], _out(n)
+    x, (shape, _) = args[0], _out(n)
     if shape == x.shape:
         return Sym(shape, x.expr, x.boolean)
     if n.target == aten.unsqueeze.default:
@@ -337,31 +340,23 @@ def _cumsum(n, args):
 
 
 RULES = {
-    aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
+    **dict.fromkeys(ARANGES, _arange),
     aten.full.default: _filled(lambda a: a[1]), aten.new_full.default: _filled(lambda a: a[2]),
     aten.full_like.default: _filled(lambda a: a[1]), aten.scalar_tensor.default:
         _filled(lambda a: a[0]),
-    **{t: _filled(lambda a: 1) for t in (aten.ones.default, aten.new_ones.default,
-                                         aten.ones_like.default)},
-    **{t: _filled(lambda a: 0) for t in (aten.zeros.default, aten.new_zeros.default,
-                                         aten.zeros_like.default)},
-    **{t: _cast for t in (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
-                          aten.clone.default, aten.contiguous.default, aten.alias.default,
-                          aten.detach.default, aten.lift_fresh_copy.default,
-                          aten.type_as.default)},
-    **{t: _view for t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                          aten.squeeze.default)},
-    aten.expand.default: _expand, aten.expand_copy.default: _expand,
-    aten.permute.default: _permute, aten.transpose.int: _permute,
+    **dict.fromkeys(FILLS_OF_ONE, _filled(lambda a: 1)),
+    **dict.fromkeys(FILLS_OF_ZERO, _filled(lambda a: 0)),
+    **dict.fromkeys(CASTS, _cast),
+    **dict.fromkeys(RESHAPES | SQUEEZES, _view),
+    **dict.fromkeys(EXPANDS, _expand),
+    **dict.fromkeys(PERMUTES, _permute),
     aten.slice.Tensor: _slice, aten.select.int: _select, aten.index.Tensor: _index,
-    **{t: _arith(lambda a, b: a + b) for t in (aten.add.Tensor, aten.add.Scalar)},
-    **{t: _arith(lambda a, b: a - b) for t in (aten.sub.Tensor, aten.sub.Scalar)},
-    **{t: _arith(lambda a, b: b - a) for t in (aten.rsub.Tensor, aten.rsub.Scalar)},
-    **{t: _arith(lambda a, b: a * b) for t in (aten.mul.Tensor, aten.mul.Scalar)},
+    **dict.fromkeys(ADDS, _arith(lambda a, b: a + b)),
+    **dict.fromkeys(SUBS, _arith(lambda a, b: a - b)),
+    **dict.fromkeys(RSUBS, _arith(lambda a, b: b - a)),
+    **dict.fromkeys(MULS, _arith(lambda a, b: a * b)),
     aten.floor_divide.default: _arith(lambda a, b: sympy.floor(a / b)),
-    **{t: _arith(lambda a, b: sympy.Mod(a, b)) for t in (aten.remainder.Tensor,
-                                                         aten.remainder.Scalar)},
+    **dict.fromkeys(REMAINDERS, _arith(lambda a, b: sympy.Mod(a, b))),
     aten.neg.default: _unary(lambda a: -a), aten.abs.default: _unary(sympy.Abs),
     aten.bitwise_not.default: _unary(lambda a: -a - 1),
     aten.logical_not.default: _unary(lambda a: sympy.Integer(1) - a),
@@ -371,15 +366,11 @@ RULES = {
     **{getattr(aten, name).Scalar: _compare(op) for name, op in (
         ("lt", sympy.Lt), ("le", sympy.Le), ("gt", sympy.Gt), ("ge", sympy.Ge),
         ("eq", sympy.Eq), ("ne", sympy.Ne))},
-    **{t: _logic(sympy.And) for t in (aten.__and__.Tensor, aten.bitwise_and.Tensor,
-                                      aten.logical_and.default)},
-    **{t: _logic(sympy.Or) for t in (aten.__or__.Tensor, aten.bitwise_or.Tensor,
-                                     aten.logical_or.default)},
-    **{t: _logic(sympy.Xor) for t in (aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
-                                      aten.logical_xor.default)},
-    aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
-    aten.where.Scalar: _where,
-    aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
+    **dict.fromkeys(ANDS, _logic(sympy.And)),
+    **dict.fromkeys(ORS, _logic(sympy.Or)),
+    **dict.fromkeys(XORS, _logic(sympy.Xor)),
+    **dict.fromkeys(WHERES, _where),
+    **dict.fromkeys(MASKED_FILLS, _masked_fill),
     aten.triu.default: _triangle(upper=True), aten.tril.default: _triangle(upper=False),
     aten.diff.default: _diff, aten.cumsum.default: _cumsum,
 }
@@ -401,6 +392,7 @@ def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | 
     """The site's mask as K(i, j) (see module doc); refuses what it cannot read.
     ``constants()``: placeholder name -> tensor, for masks read from a buffer."""
     env: dict[Node, object] = {}
+    _refuse_writes_in_place(s, _ancestors(s.mask))
     for n in _ancestors(s.mask):
         if n.op == "placeholder":
             env[n] = _placeholder(n, s, tokens, token_input, position_input, constants)
@@ -454,7 +446,7 @@ def _keep(s: Site, m: Sym):
         else:
             fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
                  f"-inf ({value}): a position bias such as ALiBi", "The paged op has no "
-                 f"attention bias: use a model without one")
+                 "attention bias: use a model without one")
     return sympy.Or(*kept)
 
 
@@ -510,6 +502,55 @@ def _diagonal_formula(table: torch.Tensor, boolean: bool):
                         sympy.And(d > runs[-2][0], runs[-1][1]) if len(runs) > 1
                         else runs[-1][1])
     return sympy.Piecewise(*((v, d <= last) for last, v in runs[:-1]), (runs[-1][1], True))
+
+
+def _schema(n: Node):
+    return getattr(n.target, "_schema", None) if n.op == "call_function" else None
+
+
+def _is_view(n: Node) -> bool:
+    """``n`` aliases its input (a slice, a view, a transpose...; a getitem of a split)."""
+    schema = _schema(n)
+    if schema is not None:
+        return bool(schema.returns) and schema.returns[0].alias_info is not None \
+            and not schema.returns[0].alias_info.is_write
+    return n.op == "call_function" and n.target.__name__ == "getitem" and \
+        isinstance(n.args[0], Node) and _is_view(n.args[0])
+
+
+def _written(n: Node) -> list[Node]:
+    """The nodes that write ``n`` in place: an op whose schema marks the argument written
+    (``fill_``, ``copy_``, ``masked_fill_``, ``index_put_``, an ``out=``)."""
+    out = []
+    for u in n.users:
+        schema = _schema(u)
+        if schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            value = u.args[i] if i < len(u.args) else u.kwargs.get(arg.name)
+            if value is n and arg.alias_info is not None and arg.alias_info.is_write:
+                out.append(u)
+    return out
+
+
+def _refuse_writes_in_place(s: Site, ancestors: list[Node]) -> None:
+    """The reader follows values, not memory: a write into a mask tensor (or a view of it)
+    after it was made is not among the mask's inputs (litgpt: ``fill_`` into slices of a
+    ``full(-inf)``). Refused, naming the write, rather than read without it."""
+    for a in ancestors:
+        aliases, stack = set(), [a]
+        while stack:
+            x = stack.pop()
+            if x not in aliases:
+                aliases.add(x)
+                stack.extend(u for u in x.users if _is_view(u))
+        for x in aliases:
+            for w in _written(x):
+                fail(w, f"the attention mask of {s.node.name} is written in place: "
+                     f"{w.target} writes {x.name} (a view of {a.name}, which the mask is "
+                     f"built from) after it was made", "Build the mask out of place "
+                     "(torch.where, masked_fill, triu/tril) so that its value is its "
+                     "computation")
 
 
 def _ancestors(root: Node) -> list[Node]:

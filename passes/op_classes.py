@@ -1,6 +1,8 @@
 """Op classes, defined once: every pass that decides by the kind of an op reads these sets
-(two passes never keep their own, drifting copies). Pointwise ops are found by their torch
-tag (``torch.Tag.pointwise``), not listed."""
+(two passes never keep their own, drifting copies; tests/repository/test_op_classes.py refuses a
+module-level set of aten ops anywhere else). Each is named by what its ops mean; a class that
+is a union of others is written as that union. Pointwise ops are found by their torch tag
+(``torch.Tag.pointwise``), not listed."""
 
 from __future__ import annotations
 
@@ -22,14 +24,23 @@ IDENTITY_VIEWS = CASTS | {aten.dropout.default}
 
 # Regroup dims by a literal target shape.
 RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+# Views whose second argument is the whole output shape (x.view(shape), x.expand(shape)).
+SHAPED_VIEWS = RESHAPES | {aten.expand.default}
 FLATTENS = frozenset({aten.flatten.using_ints, aten.unflatten.int})
 # Ops whose arguments spell out sizes (a rewrite that changes a dim's size must rescale them).
-LITERAL_SHAPES = RESHAPES | {aten.expand.default, aten.unflatten.int}
+LITERAL_SHAPES = SHAPED_VIEWS | {aten.unflatten.int}
 
+# Add or drop a dim of size 1.
+SQUEEZES = frozenset({aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                      aten.squeeze.default})
+# Swap the two dims of a 2-D tensor (``x.t()``, ``x.T``): no dims argument.
+MATRIX_TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default})
+# Reorder dims (a transpose is a permute of two).
+PERMUTES = frozenset({aten.permute.default, aten.transpose.int})
+# Broadcast size-1 dims to a literal shape.
+EXPANDS = frozenset({aten.expand.default, aten.expand_copy.default})
 # Move, add or drop dims without touching values.
-DIM_MOVES = frozenset({aten.transpose.int, aten.t.default, aten.permute.default,
-                       aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                       aten.squeeze.default, aten.expand.default})
+DIM_MOVES = SQUEEZES | PERMUTES | {aten.t.default, aten.expand.default}
 # Complex views: a last dim of 2 (re, im) <-> one complex element.
 COMPLEX_VIEWS = frozenset({aten.view_as_complex.default, aten.view_as_real.default})
 
@@ -39,22 +50,54 @@ SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk
                     aten.unbind.int})
 JOINS = frozenset({aten.cat.default, aten.stack.default})
 
-# All ops that only rearrange values (no arithmetic).
-SHAPE_OPS = CASTS | RESHAPES | FLATTENS | DIM_MOVES | COMPLEX_VIEWS | SLICES | SPLITS | \
-    JOINS | {operator.getitem}
+# Move a linear's output columns around without arithmetic, so that running them on the
+# columns' indices says which column lands where (MLA absorption reads kv_b_proj's halves so).
+COLUMN_LAYOUT_OPS = CASTS | RESHAPES | {aten.transpose.int, aten.permute.default,
+                                        aten.unsqueeze.default, aten.split_with_sizes.default,
+                                        aten.split.Tensor, aten.slice.Tensor,
+                                        aten.narrow.default, operator.getitem}
 
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
+LOG_SOFTMAX = frozenset({aten._log_softmax.default, aten.log_softmax.int})
 MATMUL = frozenset({aten.matmul.default})
-REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.amax.default,
-                        aten.amin.default, aten.var.correction})
+# Matmuls whose leading dims are a batch (heads as a batch dim).
+BATCHED_MATMULS = MATMUL | {aten.bmm.default}
+LAYER_NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
+# Reductions that are a sum (mean: a scaled one): over a sharded dim, an all-reduce.
+SUM_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
+REDUCTIONS = SUM_REDUCTIONS | {aten.amax.default, aten.amin.default, aten.var.correction}
+
+# Elementwise arithmetic, each op's overloads (a tensor or a Python scalar operand).
+ADDS = frozenset({aten.add.Tensor, aten.add.Scalar})
+SUBS = frozenset({aten.sub.Tensor, aten.sub.Scalar})
+RSUBS = frozenset({aten.rsub.Tensor, aten.rsub.Scalar})
+MULS = frozenset({aten.mul.Tensor, aten.mul.Scalar})
+DIVS = frozenset({aten.div.Tensor, aten.div.Scalar})
+REMAINDERS = frozenset({aten.remainder.Tensor, aten.remainder.Scalar})
+# Boolean connectives: on bool tensors the bitwise, logical and operator forms agree.
+ANDS = frozenset({aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default})
+ORS = frozenset({aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default})
+XORS = frozenset({aten.__xor__.Tensor, aten.bitwise_xor.Tensor, aten.logical_xor.default})
+
+# Tensors filled with one constant, whatever the shape argument's form.
+FILLS_OF_ONE = frozenset({aten.ones.default, aten.new_ones.default, aten.ones_like.default})
+FILLS_OF_ZERO = frozenset({aten.zeros.default, aten.new_zeros.default,
+                           aten.zeros_like.default})
+
+# Positions 0..n (or start..end by step).
+ARANGES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
+# Pick each element from one of two operands by a condition.
+WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+                    aten.where.Scalar})
+# Overwrite the elements where a condition holds with one value.
+MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
+
+# torch.export's runtime checks of a tensor's metadata: no-ops in a captured graph.
+EXPORT_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
 
 
 def is_call(n, targets) -> bool:
     return isinstance(n, Node) and n.op == "call_function" and n.target in targets
-
-
-def is_pointwise(target) -> bool:
-    return torch.Tag.pointwise in getattr(target, "tags", ())
 
 
 def skip_casts(n: Node) -> Node:

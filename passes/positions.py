@@ -1,5 +1,5 @@
-"""Positions as a dataflow fact: what a model computes token-wise from its positions is
-rewritten as the same function of the step's ``positions [B, S]``.
+"""lift_positions: positions as a dataflow fact. What a model computes token-wise from its
+positions is rewritten as the same function of the step's ``positions [B, S]``.
 
 An ordinary model sees positions ``0 .. S-1``: it writes them ``torch.arange(S)`` (cast,
 scaled, turned into RoPE angles, a learned or sinusoidal table's row index...) or slices a
@@ -34,9 +34,11 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPLengthDependentError, DCPTransformError
+from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, is_cache_input
+from dcp_compile.runtime.program.facts import ModelFacts
 
-from .infra import source_of, val
+from .infra import DCPPass, Found, Property, placeholder, source_of, val
 from .op_classes import IDENTITY_VIEWS, is_call
 from .placement import Refusal, aligned_dim, carried_dim, rule_for
 from .placement.rules import POINTWISE
@@ -103,6 +105,56 @@ def batch_dims(g: Graph, seeds: dict[Node, int], batch: int) -> dict:
             except Refusal:
                 continue
     return dims
+
+
+# -- the pass ------------------------------------------------------------------------------
+
+class LiftPositions(DCPPass):
+    """An ordinary model's paged step (after insert_paged_cache; the ordinary frontend
+    builds this pass): its positional values rewritten over the ``positions`` input, read
+    through the ``clamp_min(positions, 0)`` the cache insertion made (padding, position -1,
+    reads position 0; the attention op zeroes its output). ``token_input``: the token ids
+    input (batch dim 0). The tables a prompt step sliced by its length go to the facts
+    (``ModelFacts.position_tables``) for the one-token step after it."""
+
+    name = "lift_positions"
+    required = frozenset({Property.PAGED_CACHE})
+    ensured = frozenset({Property.POSITIONS_LIFTED})
+
+    def __init__(self, ctx, token_input: str):
+        super().__init__(ctx)
+        self.token_input = token_input
+
+    def call(self, gm):
+        ids = placeholder(gm, self.token_input)
+        positions = placeholder(gm, POSITIONS)
+        clamped = [u for u in positions.users if is_call(u, {aten.clamp_min.default})
+                   and u.args[1:] == (0,)]
+        if len(clamped) != 1:
+            raise DCPTransformError(
+                f"lift_positions reads the positions through one clamp_min(positions, 0): "
+                f"the graph has {len(clamped)} ({[n.name for n in clamped]}). Run "
+                f"insert_paged_cache before lift_positions (dcp_compile.passes.pipeline).")
+        tokens = val(positions).shape[1]
+        roots = [ids, positions] + [n for n in gm.graph.nodes if n.op == "placeholder"
+                                    and (n.name == BLOCK_TABLE or is_cache_input(n.name))]
+        data = _depends_on(gm, roots)
+        known = set(self.ctx.facts.position_tables or ())
+        lifted = lift_positions(gm, clamped[0], tokens, data, {ids: 0}, known)
+        self.record(sources=lifted["sources"], positional_values=lifted["values"],
+                    position_tables=len(lifted["tables"]))
+        # The tables the prompt step sliced by its length (a one-token step cannot tell).
+        tables = tuple(lifted["tables"]) if tokens > 1 else None
+        return Found(gm, bool(lifted["sources"] or lifted["tables"]),
+                     facts=ModelFacts(position_tables=tables))
+
+
+def _depends_on(gm: GraphModule, roots: list[Node]) -> set[Node]:
+    out = set(roots)
+    for n in gm.graph.nodes:
+        if any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
 
 
 # -- the rewrite ---------------------------------------------------------------------------
@@ -177,10 +229,14 @@ def _check_token_wise(positional, sources, tokens: int) -> dict:
         try:
             dims[n] = carried_dim(n, dims, tokens)
         except Refusal as e:
-            _fail(n, f"a value computed from the positions mixes tokens ({e})",
-                  "Compute position-dependent values token by token (RoPE angles, table "
-                  "rows); a reduction or scan over the positions cannot be served one "
-                  "decode step at a time")
+            raise DCPLengthDependentError(
+                f"a value computed from the positions mixes tokens ({e}): a function of the "
+                f"sequence length or of max(positions) (LongRoPE, dynamic NTK): node "
+                f"{n.name} ({n.target}) at {source_of(n)}. Compute position-dependent "
+                f"values token by token (RoPE angles, table rows); a reduction or scan over "
+                f"the positions cannot be served one decode step at a time (through "
+                f"dcp_compile.hf.prepare(max_model_len=...), a LongRoPE switch proven "
+                f"constant below max_model_len is folded)") from None
     return dims
 
 

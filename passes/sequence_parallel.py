@@ -46,7 +46,8 @@ from dcp_compile.runtime.names import (Mode, Role, META_NORM_REDUCE, META_SCOPE,
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
-from .infra import KIND_COLLECTIVE, KIND_SLICE, DCPPass, attention_nodes, placeholder, source_of, val
+from .infra import (KIND_COLLECTIVE, KIND_SLICE, DCPPass, Property, attention_nodes, placeholder,
+                    source_of, val)
 from .op_classes import LITERAL_SHAPES
 from .placement import Refusal, token_dim
 from .shard_tensor_parallel import _is_linear
@@ -176,6 +177,8 @@ class SequenceParallel(DCPPass):
     after them (Megatron-style sequence parallelism on the spec's world group)."""
 
     name = "sequence_parallel"
+    required = frozenset({Property.TP_SHARDED})
+    ensured = frozenset({Property.SEQUENCE_PARALLEL})
 
     def requires(self, gm):
         if self.ctx.config.mode != Mode.PREFILL:

@@ -32,8 +32,9 @@ from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_RE
                            RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
-from .infra import KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, attention_nodes, \
-    placeholder, source_of, val
+from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Property,
+                    attention_nodes, placeholder, source_of, val)
+from .op_classes import SHAPED_VIEWS, SPLITS
 from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
 
 aten = torch.ops.aten
@@ -61,11 +62,6 @@ def _is_linear(n: Node) -> bool:
 
 
 
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
-_SHAPED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-           aten.expand.default)
-
-
 def _local_shape(n: Node, p) -> list[int]:
     shape = list(val(n).shape)
     if isinstance(p, Shard):
@@ -75,6 +71,8 @@ def _local_shape(n: Node, p) -> list[int]:
 
 class ShardTensorParallel(DCPPass):
     name = "shard_tensor_parallel"
+    required = frozenset({Property.PROVEN, Property.RANK_INPUT})
+    ensured = frozenset({Property.TP_SHARDED})
 
     def plan(self, gm: GraphModule) -> ShardPlan:
         placements = analyze(gm, self.ctx.config)
@@ -148,13 +146,13 @@ class ShardTensorParallel(DCPPass):
     def _localize(self, n: Node, pl: PlacementPlan) -> None:
         """Literal sizes along a sharded dim -> this rank's sizes."""
         t, out = n.target, pl.of(n)
-        if t in _SHAPED and isinstance(out, Shard):
+        if t in SHAPED_VIEWS and isinstance(out, Shard):
             n.args = (n.args[0], _local_shape(n, out)) + tuple(n.args[2:])
         elif t == aten.unflatten.int and isinstance(out, Shard):
             d = n.args[1] % val(n.args[0]).ndim
             local = _local_shape(n, out)
             n.args = (n.args[0], d, local[d:d + len(n.args[2])])
-        elif t in _SPLITS:
+        elif t in SPLITS:
             x = pl.of(n.args[0])
             d, bounds = split_ranges(n)
             if isinstance(x, Shard) and d == x.dim:

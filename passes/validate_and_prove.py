@@ -19,7 +19,7 @@ from dcp_compile.runtime.errors import DCPProofError, DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import META_CERTIFICATE
 
-from .infra import DCPPass, Found, attention_nodes, val
+from .infra import DCPPass, Found, Property, attention_nodes, val
 from .prove.certificate import Certificate
 
 
@@ -68,6 +68,11 @@ def with_mask_theorems(certificate, theorems):
 
 class ValidateAndProve(DCPPass):
     name = "validate_and_prove"
+    # The whole single-device step: proven facts (mask theorems, MLA) are in by now.
+    required = frozenset({Property.STATIC_SHAPES, Property.POSITIONS_LIFTED,
+                          Property.CANONICAL_ATTENTION, Property.CANONICAL_MOE,
+                          Property.TOKEN_WISE})
+    ensured = frozenset({Property.PROVEN})
 
     def call(self, gm):
         config, certificate = validate_and_prove(gm, self.ctx.config, self.ctx.facts,

@@ -81,10 +81,6 @@ class DCPConfig:
         return self.tp if self.mode == Mode.DECODE else self.dcp_tp_size
 
     @property
-    def q_heads_per_rank(self) -> int:
-        return self.num_q_heads // self.attention_shard
-
-    @property
     def kv_heads_per_rank(self) -> int:
         """KV heads a rank holds; 1 when TP replicates each KV head across several ranks."""
         return max(1, self.num_kv_heads // self.attention_shard)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class DCPError(Exception):
     """Base class of every error dcp_compile raises on purpose."""
@@ -48,6 +50,43 @@ class DCPInputError(DCPError, ValueError):
 
 class DCPTransformError(DCPError):
     """The model's graph cannot be rewritten (unknown attention, no attention, dynamic shapes)."""
+
+
+class DCPTokenMixingError(DCPTransformError):
+    """An op outside attention mixes tokens along the sequence (a token shift, a roll, a
+    pad + slice, a convolution or a cumsum over it): a paged step computes each token once,
+    beside the cached keys of the tokens before it, which it cannot read back."""
+
+
+class DCPLengthDependentError(DCPTransformError):
+    """A position function depends on the sequence length or on ``max(positions)``
+    (LongRoPE's switch to long factors, dynamic NTK) and is not constant over the program's
+    ``max_model_len``: keys already cached cannot follow a change of that function."""
+
+
+class DCPCompilerBug(DCPError):
+    """A non-DCPError exception escaped a pass or a frontend: a bug in dcp_compile, not a
+    refusal. ``stage`` names the pass or frontend step, ``original`` is the exception."""
+
+    def __init__(self, stage: str, original: BaseException):
+        self.stage, self.original = stage, original
+        first = str(original).splitlines()[0].rstrip(".") if str(original) else ""
+        super().__init__(
+            f"internal error in {stage}: {type(original).__name__}: {first}. This is a bug "
+            f"in dcp_compile, not a limit of DCP; please report it with the model that "
+            f"triggers it (the original exception is chained below).")
+
+
+@contextlib.contextmanager
+def compiler_bugs_named(stage: str):
+    """Inside: any exception that is not a DCPError becomes a :class:`DCPCompilerBug`
+    naming ``stage`` (a refusal is the library's own word; anything else is a bug)."""
+    try:
+        yield
+    except DCPError:
+        raise
+    except Exception as e:
+        raise DCPCompilerBug(stage, e) from e
 
 
 class DCPCheckError(DCPTransformError):

@@ -33,7 +33,7 @@ class StepKind(_Word):
 
 
 class Role(_Word):
-    """A collective's group role (README: topology); bound to real groups when a rank loads
+    """A collective's group role (docs/runtime.md: the program on a rank); bound to real groups when a rank loads
     the program (dcp_compile.runtime.distributed.roles)."""
 
     WORLD = "world"               # every rank

@@ -1,5 +1,5 @@
 """Print the package tree, one line per module: its import path and the first line of its
-docstring (the README's "Packages and layers" lists it; tests/test_module_tree.py keeps the
+docstring (docs/architecture.md's "Packages and layers" lists it; tests/repository/test_module_tree.py keeps the
 two in step). Run from the repository root: ``python3 scripts/module_tree.py``."""
 
 from __future__ import annotations

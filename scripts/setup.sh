@@ -51,7 +51,7 @@ esac
 
 # Debian packages: package, the command that shows it is there, why it is wanted.
 APT_PACKAGES=(
-    "chromium|chromium|headless browser: tests/test_dump.py opens the pass-by-pass dump's index.html in it (those tests skip without it)"
+    "chromium|chromium|headless browser: tests/passes/test_dump.py opens the pass-by-pass dump's index.html in it (those tests skip without it)"
     "graphviz|dot|Graphviz dot draws the dump's SVG pictures (without it they are DOT text)"
 )
 missing=() reasons=()

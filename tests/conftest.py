@@ -1,4 +1,16 @@
-"""Suite-wide settings: one intra-op thread per process, and the long tests first.
+"""Suite-wide settings: the import path, one intra-op thread per process, and the long tests first.
+
+The tests live in rooms by job (passes/, runtime/, frontends/, lowering/, transfer/, e2e/,
+corpora/, repository/) and the modules they share in support/. Test modules and helpers
+import each other by plain module name (``from helpers import ...``, ``from test_moe import
+MATRIX``), so this conftest puts tests/support and every room on sys.path
+(support/suite_path.py, the one definition; the child scripts some tests start call it too).
+Plain names rather than packages with ``__init__.py``: several tests re-run their own file as
+a child script (``python tests/runtime/test_buckets.py ...``) and the workers run by path or
+with ``-m tests.support.X``; a module that imports by plain name runs the same way in each.
+The price is that two modules of tests/ must never share a basename (pytest would import the
+second under the first's name, or stop with "import file mismatch"), so collection refuses
+a duplicate, naming both paths.
 
 The README's test command runs the suite on pytest-xdist workers (``-n auto --dist
 worksteal``: one worker per core). Two choices keep the cores busy with real work:
@@ -30,10 +42,17 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+import suite_path  # noqa: E402
+
+suite_path.install()
 
 LONG_MODULES = ("test_fuzz_sharding.py",)     # besides every test marked multiprocess
 LONG_TESTS = ("test_lowering_interpreter.py::test_lowered_programs_on_interpreter_replicas_"
@@ -41,6 +60,10 @@ LONG_TESTS = ("test_lowering_interpreter.py::test_lowered_programs_on_interprete
 
 
 def pytest_configure(config):
+    try:
+        suite_path.refuse_duplicate_basenames()
+    except suite_path.DuplicateTestModule as e:
+        raise pytest.UsageError(str(e)) from e     # before collection, no traceback
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 

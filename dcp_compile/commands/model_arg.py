@@ -1,20 +1,23 @@
-"""The model a command runs: the built-in demo model, ``--model PKG.MODULE:FACTORY`` or
-``--hf-config PATH_OR_DIR`` (a Hugging Face config.json; random weights, never a download).
+"""The model a command runs: the built-in demo model, ``--model PKG.MODULE:FACTORY``,
+``--hf-config PATH_OR_DIR`` (a Hugging Face config.json; random weights, never a download) or
+``--checkpoint DIR`` (a Hugging Face checkpoint: config.json + *.safetensors).
 
 ``load_model(args)`` returns a :class:`LoadedModel`: the model to transform and the
 single-device reference the verify commands compare against (an ordinary model's reference
 is its own full forward, recomputed every step: dcp_compile.frontends.ordinary.FullForwardReference).
+A checkpoint's model is transformed on the meta device (no weights read), its ranks read
+their shards from the checkpoint, and its reference is the checkpoint's own model, loaded
+whole on one device.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dcp_compile.meta_init import ATTENTION
 from dcp_compile.runtime.errors import DCPInputError
 
 
@@ -27,6 +30,13 @@ def add_model_arguments(p) -> None:
                    help="a Hugging Face config.json (or its directory): the causal LM it "
                         "describes, with random weights (seed 0); nothing is downloaded "
                         "(default: none, the demo model or --model)")
+    g.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="a Hugging Face checkpoint directory (config.json + *.safetensors): "
+                        "compiled on the meta device, each rank reads only its weight shards "
+                        "(default: none)")
+    p.add_argument("--attn-implementation", choices=ATTENTION, default=None,
+                   help="attention of an --hf-config / --checkpoint model (default: sdpa "
+                        "where transformers offers it for the model, else eager)")
 
 
 @dataclass
@@ -37,16 +47,20 @@ class LoadedModel:
     make_reference: Callable[[], object]   # a fresh single-device reference per comparison
     num_kv_heads: int | None = None        # for topology tables, when known up front
     reference_has_cache: bool = True       # False: a full-forward reference (no caches)
+    checkpoint: str | None = None          # the ranks read their weights from it
 
 
 def load_model(args, *, demo_config=None, dtype=None) -> LoadedModel:
     import torch
 
+    if getattr(args, "checkpoint", None):
+        return _from_checkpoint(args.checkpoint, getattr(args, "attn_implementation", None),
+                                dtype)
     if getattr(args, "model", None):
         model = _from_factory(args.model)
         label = args.model
     elif getattr(args, "hf_config", None):
-        model = _from_hf_config(args.hf_config)
+        model = _from_hf_config(args.hf_config, getattr(args, "attn_implementation", None))
         label = f"{type(model).__name__} from {args.hf_config}"
     else:
         from dcp_compile.models.demo import demo_model
@@ -81,23 +95,41 @@ def _from_factory(spec: str):
     return model
 
 
-def _from_hf_config(path: str):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")   # a config path never means a download
+def _from_hf_config(path: str, attn_implementation: str | None = None):
     import torch
-    import transformers
-    p = Path(path)
-    if not p.exists():
+
+    from dcp_compile.meta_init import causal_lm, model_config
+    if not Path(path).exists():
         raise DCPInputError(f"--hf-config {path}: no such file or directory. Give a "
                             f"config.json or the directory holding it.")
-    data = json.loads((p / "config.json" if p.is_dir() else p).read_text())
-    if "model_type" not in data:
-        raise DCPInputError(f"--hf-config {path} has no model_type. Use a transformers "
-                            f"config.json.")
-    config = transformers.AutoConfig.for_model(**data)
-    if getattr(config, "_attn_implementation_internal", None) is None:
-        config._attn_implementation = "sdpa"
+    config = model_config(path)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return causal_lm(config, attn_implementation=attn_implementation)
+
+
+def _from_checkpoint(directory: str, attn_implementation: str | None, dtype) -> LoadedModel:
+    """The checkpoint's model on the meta device (to transform) and, on demand, the same
+    model loaded whole with its weights (the reference)."""
+    import torch
+
+    from dcp_compile.frontends import frontend_for
+    from dcp_compile.meta_init import meta_model
+    if not (Path(directory) / "config.json").exists():
+        raise DCPInputError(f"--checkpoint {directory}: no config.json there. Give the "
+                            f"directory save_pretrained wrote.")
+    model = meta_model(directory, dtype=dtype, attn_implementation=attn_implementation)
+    impl = model.config._attn_implementation
+
+    def reference():
+        import transformers
+        real = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dtype or model.dtype, attn_implementation=impl).eval()
+        return frontend_for(real).reference()
+
+    return LoadedModel(model, f"{type(model).__name__} from {directory}", _vocab_size(model),
+                       reference, _config_int(model, "num_key_value_heads", "num_kv_heads"),
+                       reference_has_cache=frontend_for(model).reference_has_cache,
+                       checkpoint=str(directory))
 
 
 def _config_int(model, *names):

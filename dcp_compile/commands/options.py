@@ -112,7 +112,8 @@ def check_layout(args, *, modes=None, **heads) -> None:
 def model_heads(args) -> dict:
     """Head counts to validate the layout against before work starts: the demo model's. A
     ``--model`` / ``--hf-config`` model's own heads are checked when it is transformed."""
-    if getattr(args, "model", None) or getattr(args, "hf_config", None):
+    if getattr(args, "model", None) or getattr(args, "hf_config", None) or \
+            getattr(args, "checkpoint", None):
         return {}
     from dcp_compile.models.demo import DemoConfig
     c = DemoConfig()
@@ -120,7 +121,7 @@ def model_heads(args) -> dict:
 
 
 def add_buckets_argument(p) -> None:
-    """``--buckets 64,256``: context buckets in tokens (README "Context buckets")."""
+    """``--buckets 64,256``: context buckets in tokens (docs/lowering.md "Context buckets")."""
     p.add_argument("--buckets", type=positive_int_list, default=None,
                    help="comma-separated context buckets in tokens, each a multiple of "
                         "block_size * dcp: one graph (and lowered module) per step kind and "

@@ -1,7 +1,8 @@
 """Transform a model, run it on a threaded world and compare with the single device.
 
-The model is the demo model, --model or --hf-config; an ordinary model is compared with its
-own full forward. ``--backend xla`` lowers the program to StableHLO and runs it compiled by
+The model is the demo model, --model, --hf-config or --checkpoint (compiled on the meta
+device, each rank reading its own weight shards, compared with the checkpoint's model loaded
+whole); an ordinary model is compared with its own full forward. ``--backend xla`` lowers the program to StableHLO and runs it compiled by
 XLA:CPU on tp host devices instead (the ``[xla]`` extra).
 
 Prints the max absolute logit error and whether greedy tokens agree; exits 1 on mismatch.
@@ -111,6 +112,16 @@ def validate(args) -> None:
     check_layout(args, **model_heads(args))
     check_buckets_option(args, args.block_size)
     check_backend(args)
+    if getattr(args, "checkpoint", None) and (
+            args.mode != Mode.DECODE or args.backend != "threads" or args.speculative
+            or args.shared_prefix):
+        from dcp_compile.runtime.errors import DCPConfigError
+        raise DCPConfigError(
+            f"--checkpoint verifies plain greedy decoding on threads (each rank reading its "
+            f"shards): --mode {args.mode} --backend {args.backend}"
+            f"{' --speculative' if args.speculative else ''}"
+            f"{' --shared-prefix' if args.shared_prefix else ''}. Use --mode decode "
+            f"--backend threads without drafts, or --hf-config for the others.")
     if args.speculative is not None and args.mode != Mode.DECODE:
         from dcp_compile.runtime.errors import DCPConfigError
         raise DCPConfigError(f"--speculative verifies drafts in decode steps: --mode "
@@ -162,6 +173,9 @@ def run(args) -> int:
         report = V.verify_speculative(loaded.make_reference(), program, prompts, args.steps,
                                       drafter, atol=args.atol,
                                       prefix_caching=bool(args.shared_prefix))
+    elif args.mode == Mode.DECODE and loaded.checkpoint:
+        report = V.verify(loaded.make_reference(), program, prompts, args.steps,
+                          atol=args.atol, checkpoint=loaded.checkpoint)
     elif args.mode == Mode.DECODE:
         report = V.verify(loaded.make_reference(), program, prompts, args.steps,
                           atol=args.atol)

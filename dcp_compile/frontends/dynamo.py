@@ -29,7 +29,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import Mode, StepKind
 
 from ..capture import refuse_mutation
-from .protocol import StepCapture
+from .protocol import PAGED_STEP, StepCapture
 
 __all__ = ["DynamoCapture", "DynamoFrontend", "capture_dynamo", "check_whole_step"]
 
@@ -99,7 +99,7 @@ def capture_dynamo(gm: GraphModule, example_inputs: list, mode: str) -> DynamoCa
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from dcp_compile.passes.manager import repropagate
+    from dcp_compile.passes.propagation import repropagate
     from dcp_compile.runtime.serving.engine import StepShapes
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -246,7 +246,7 @@ class DynamoFrontend:
     def capture(self, step: str, config) -> StepCapture:
         c = self.captured
         return StepCapture(c.gm, [name for name, _ in c.user],
-                           [name for name, _ in c.weights], self.seconds)
+                           [name for name, _ in c.weights], self.seconds, provides=PAGED_STEP)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
         return []

@@ -447,10 +447,24 @@ class DCPCausalLM(nn.Module):
     def config(self):
         return self.hf_model.config
 
+    @property
+    def checkpoint_module(self) -> nn.Module:
+        """The model whose parameter names a checkpoint uses (the frontends read it)."""
+        return self.hf_model
+
     # Facts transform() reads.
     @property
     def num_layers(self) -> int:
         return self._num_layers
+
+    @property
+    def rope_type(self) -> str | None:
+        """The config's RoPE variant ('default', 'longrope', 'dynamic', ...), for refusals."""
+        cfg = _text_config(self.hf_model.config)
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        if isinstance(params, dict) and isinstance(params.get("rope_type"), str):
+            return params["rope_type"]
+        return None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -522,8 +536,8 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"{name} is a Multi-head Latent Attention model ({latent}): "
             f"hf.prepare's paged op caches full K and V per head, not MLA's latent cache. "
             f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
-            f"'sdpa'): that path absorbs MLA into latent attention (README: Multi-head Latent "
-            f"Attention).")
+            f"'sdpa'): that path absorbs MLA into latent attention (docs/moe-mla.md: Multi-head "
+            f"Latent Attention).")
     num_layers = _field(cfg, "num_hidden_layers")
     num_q_heads = _field(cfg, "num_attention_heads")
     num_kv_heads = _field(cfg, "num_key_value_heads") or num_q_heads
@@ -546,12 +560,15 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
     prepare time, with no compute and no allocation (meta-device models work too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..capture import keeps_tensor_attributes
+
     params = list(wrapper.parameters())
     device = params[0].device if params else torch.device("cpu")
     dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     name = type(wrapper.hf_model).__name__
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with keeps_tensor_attributes(wrapper), FakeTensorMode(allow_non_fake_inputs=True), \
+                torch.no_grad():
             ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
             positions = torch.arange(2, device=device).unsqueeze(0)
             table = torch.zeros(1, 1, dtype=torch.int64, device=device)
@@ -577,3 +594,4 @@ __all__ = ["ATTENTION_SWITCH", "ATTN_IMPLEMENTATION", "DCPCausalLM", "EXPERTS_IM
            "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "check_hf_config", "dcp_experts_enabled",
            "dcp_experts_forward", "declared_windows", "experts_form", "is_hf",
            "paged_attention_forward", "prepare"]
+

@@ -1,7 +1,8 @@
 """The ordinary frontend: any causal LM ``forward(input_ids (, position_ids)) -> logits`` (or
 an object with ``.logits``), Hugging Face models with ``attn_implementation`` "sdpa" or
-"eager" included. Captured with :func:`capture_ordinary`; its prologue is the pass
-``dcp_compile.passes.insert_paged_cache``, which adds the KV cache; its reference is the
+"eager" included. Captured with :func:`capture_ordinary`; its prologue is the optional
+passes of the pipeline's capture prologue (canonicalize_ops, absorb_latent_attention,
+insert_paged_cache, which adds the KV cache, and lift_positions); its reference is the
 model's own full forward, recomputed every step (:class:`FullForwardReference`).
 """
 
@@ -16,7 +17,8 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
-from ..capture import Captured, capture, constant_values
+from ..capture import Captured, capture, checkpoint_names, constant_values
+from .hf_checkpoint import checkpoint_sources
 from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
@@ -46,18 +48,30 @@ class OrdinaryFrontend:
         return StepCapture(captured.gm, captured.user_inputs,
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,
-                           constants=lambda: constant_values(self.step_model, captured))
+                           constants=lambda: constant_values(self.step_model, captured),
+                           weight_names=lambda: checkpoint_names(self.step_model, captured,
+                                                                 self.model),
+                           weight_sources=lambda: checkpoint_sources(self.model))
 
     def prologue(self, ctx, captured: StepCapture) -> list:
-        """The cache insertion (passes/insert_paged_cache): the graph has no cache yet."""
+        """The graph has no cache yet: the optional passes of the pipeline's capture
+        prologue (canonical ops, MLA absorption, the cache insertion, positions lifted),
+        built from the model."""
+        from dcp_compile.passes.absorb_latent_attention import AbsorbLatentAttention
+        from dcp_compile.passes.canonical_ops import CanonicalizeOps
         from dcp_compile.passes.insert_paged_cache import InsertPagedCache
+        from dcp_compile.passes.positions import LiftPositions
         inputs = captured.user_inputs
-        return [InsertPagedCache(ctx, token_input=inputs[0],
+        return [CanonicalizeOps(ctx, weights=set(captured.weight_inputs),
+                                constants=captured.constants),
+                AbsorbLatentAttention(ctx),
+                InsertPagedCache(ctx, token_input=inputs[0],
                                  position_input=inputs[1] if len(inputs) > 1 else None,
                                  num_blocks=self.shapes.num_blocks,
                                  max_blocks=self.shapes.max_blocks,
                                  constants=captured.constants,
-                                 windows=declared_windows(self.model))]
+                                 windows=declared_windows(self.model)),
+                LiftPositions(ctx, inputs[0])]
 
     def facts(self) -> ModelFacts:
         return ModelFacts()          # the cache insertion finds them in the graph

@@ -15,8 +15,9 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.names import StepKind
 
-from ..capture import capture, constant_values, example_step_inputs
-from .protocol import StepCapture
+from ..capture import capture, checkpoint_names, constant_values, example_step_inputs
+from .hf_checkpoint import checkpoint_sources
+from .protocol import PAGED_STEP, StepCapture
 
 
 class PagedFrontend:
@@ -51,13 +52,25 @@ class PagedFrontend:
         return StepCapture(captured.gm, captured.user_inputs,
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,
-                           constants=lambda: constant_values(self.model, captured))
+                           constants=lambda: constant_values(self.model, captured),
+                           provides=PAGED_STEP,
+                           weight_names=lambda: checkpoint_names(self.model, captured,
+                                                                 self.checkpoint_module),
+                           weight_sources=lambda: checkpoint_sources(self.checkpoint_module))
+
+    @property
+    def checkpoint_module(self) -> nn.Module:
+        """The model a checkpoint is of: a wrapper (hf.prepare's) names the model it wraps
+        as ``checkpoint_module``; else the model itself."""
+        return getattr(self.model, "checkpoint_module", self.model)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
         return []                   # the graph takes its caches already
 
     def facts(self) -> ModelFacts:
-        return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype)
+        return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype,
+                          max_model_len=getattr(self.model, "max_model_len", None),
+                          rope_type=getattr(self.model, "rope_type", None))
 
     def reference(self) -> nn.Module:
         return self.model

@@ -12,12 +12,17 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from dcp_compile.passes.infra import CAPTURED, Property
 from dcp_compile.runtime.program.facts import ModelFacts
 
 if TYPE_CHECKING:
     from dcp_compile.passes.infra import DCPPass, TransformContext
     from dcp_compile.runtime.config import DCPConfig
     from dcp_compile.runtime.serving.engine import StepShapes
+
+
+# What a captured paged step (the model takes positions, block table and caches) holds.
+PAGED_STEP: frozenset[Property] = CAPTURED | {Property.PAGED_CACHE, Property.POSITIONS_LIFTED}
 
 
 @dataclass
@@ -30,6 +35,13 @@ class StepCapture:
     seconds: float = 0.0             # how long the capture took (history, progress)
     # placeholder -> the full weight (asked once, of the first step's capture)
     constants: Callable[[], dict[str, torch.Tensor]] = field(default=dict, repr=False)
+    # What the graph holds as captured (passes.infra.Property): the pipeline checks its
+    # row's order from it. A paged step signature gives what the cache insertion ensures.
+    provides: frozenset[Property] = CAPTURED
+    # placeholder -> the model's parameter names (DCPProgram.weight_names), and FQN -> the
+    # checkpoint tensors of a weight held in another form (DCPProgram.weight_sources)
+    weight_names: Callable[[], dict[str, tuple[str, ...]]] = field(default=dict, repr=False)
+    weight_sources: Callable[[], dict] = field(default=dict, repr=False)
 
     @property
     def first_user_input(self) -> str:

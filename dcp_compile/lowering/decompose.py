@@ -88,7 +88,7 @@ def decompose(gm: GraphModule, step: str, *,
     same input shapes/strides/dtypes -- is traced once and its decomposition copied for every
     other call (see decompose_by_op): the layers of a model repeat the same calls, so the
     cost is that of one layer plus a graph copy per layer. ``reuse=False`` retraces the whole
-    graph with make_fx; both give the same graph op for op (tests/test_lowering_reuse.py).
+    graph with make_fx; both give the same graph op for op (tests/lowering/test_lowering_reuse.py).
     Then calls repeated on the same arguments are merged (eliminate_common_calls): the
     decompositions' own index arithmetic repeats (see the module doc), and torch-mlir's
     canonicalizer grows faster than linearly with the duplicates (8B shape, 24 layers,

@@ -17,14 +17,14 @@ weighted sum and the denominator together. Keys and values of slots no query see
 zeroed as they are read: unwritten or poisoned rows must not reach a score (the mask is
 added, and NaN + -inf is NaN) nor leak through 0 * NaN.
 
-What it cannot remove on XLA:CPU (README: the memory floor): XLA materialises the read
+What it cannot remove on XLA:CPU (docs/lowering.md: the memory floor): XLA materialises the read
 blocks (a dot never fuses its producer, and a gather fused into a reduction would be
 recomputed for each query head of a GQA group), and costs that fusion as reading its whole
 cache operand (a gather fused with an elementwise op), whatever the bucket.
 
 Numerics: ``exp(s - m) / l`` instead of ``exp(s - lse)``, the same value up to rounding
-(tests/test_lowered_attention.py against the reference; tests/test_xla.py and
-tests/test_buckets.py against the model's forward). Queries wider than ``MAX_QUERIES``
+(tests/lowering/test_lowered_attention.py against the reference; tests/lowering/test_xla.py and
+tests/runtime/test_buckets.py against the model's forward). Queries wider than ``MAX_QUERIES``
 (prompt steps) keep the reference kernel.
 """
 
@@ -88,7 +88,7 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     qs = (q.float() * scale).reshape(batch, q_len, kv_heads, groups, d).permute(0, 2, 3, 1, 4)
     # Scores, prior [b, k, g, i, W, n] and current [b, k, g, i, K] apart (no concatenated
     # copy of the keys), as dots: a multiply + sum counts fewer bytes (2.60x instead of
-    # 2.98x the floor at bucket 512) but ran 2.3x slower at bucket 4096 on XLA:CPU (README).
+    # 2.98x the floor at bucket 512) but ran 2.3x slower at bucket 4096 on XLA:CPU (docs/lowering.md).
     # Keys of slots no query sees are zeroed with the read (unwritten or poisoned rows must
     # not reach a score: the mask below is added, and NaN + -inf is NaN).
     zero = torch.zeros((), dtype=torch.float32, device=q.device)

@@ -21,6 +21,10 @@ PROGRAM_HELP = ("a program file (program.save) of this launch's layout: every ra
                 "instead of transforming the model")
 
 
+CHECKPOINT_HELP = ("a checkpoint directory (config.json + *.safetensors) every rank reads only "
+                   "its own weight shards from (a weightless program file needs one)")
+
+
 def rank_check(rank: int) -> bool | None:
     """``transform(check=...)`` for a rank that transforms the model itself: transform's
     default on rank 0, off on the others. Every rank builds the same program, so rank 0's

@@ -4,8 +4,9 @@
 
 Every process transforms the demo model itself (deterministic: the same SPMD program on every
 rank), or loads the program file ``--program PATH`` written once for the launch
-(:func:`build_program` then ``program.save(PATH)``), binds its process groups, loads its
-weight shard and runs the greedy engine — the program's own context step, then decode.
+(:func:`build_program` then ``program.save(PATH)``, weightless with ``weights=False``), binds
+its process groups, loads its weight shard (with ``--checkpoint DIR``: reads only its own
+slices of the checkpoint) and runs the greedy engine — the program's own context step, then decode.
 Rank 0 writes the generated tokens and logits.
 """
 
@@ -17,7 +18,7 @@ import json
 import torch
 
 from dcp_compile.runtime.names import Mode
-from dcp_compile.workers import PROGRAM_HELP, program_for, rank_check
+from dcp_compile.workers import CHECKPOINT_HELP, PROGRAM_HELP, program_for, rank_check
 
 
 def parse(argv=None):
@@ -29,6 +30,7 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--program", default=None, help=PROGRAM_HELP)
+    ap.add_argument("--checkpoint", default=None, help=CHECKPOINT_HELP)
     return ap.parse_args(argv)
 
 
@@ -49,7 +51,7 @@ def run(args, rank: int, world: int) -> None:
     program = program_for(args.program,
                           lambda: build_program(args, tp=world, check=rank_check(rank)),
                           dcp=args.dcp, mode=Mode.DECODE, interleave_size=args.interleave_size)
-    engine = rank_engine(program, rank)
+    engine = rank_engine(program, rank, checkpoint=args.checkpoint)
     with torch.no_grad():
         result = engine.generate(prompt_tokens(lengths_of(args), args.seed), args.steps)
     if rank == 0:

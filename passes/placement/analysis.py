@@ -8,7 +8,7 @@ placements, requirements or decisions changed since their last visit, in the ord
 sweep would, so the work is linear in the graph (one fixpoint per MLP down projection used to
 re-walk the whole graph: quadratic in the layers). ``DCP_COMPILE_FULL_PLACEMENT_SWEEPS=1``
 sweeps every node instead, with the same decisions and errors
-(tests/test_placement_worklist.py)."""
+(tests/passes/test_placement_worklist.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
+from ..op_classes import SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
@@ -321,9 +322,7 @@ class Analysis:
                     self.decide(n, self.req[n], n)
                     changed = True
                 continue
-            if n in self.known or n.target == operator.getitem or n.target in (
-                    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-                    aten.unbind.int):
+            if n in self.known or n.target == operator.getitem or n.target in SPLITS:
                 continue   # split outputs: their input collects them (_from_range_users)
             req = self.req.get(n)
             if req is None:
@@ -363,8 +362,9 @@ class Analysis:
         for u in n.users:
             if u.op != "call_function":
                 return None
-            if u.target in (aten.split.Tensor, aten.split_with_sizes.default,
-                            aten.chunk.default):
+            if u.target == aten.unbind.int:
+                return self._same_for_all(u, n)
+            elif u.target in SPLITS:
                 d, bounds = split_ranges(u)
                 items = {g.args[1]: g for g in u.users}
                 for i, (a, b) in enumerate(bounds):
@@ -373,8 +373,6 @@ class Analysis:
             elif u.target in (aten.slice.Tensor, aten.narrow.default):
                 d, a, b, step = slice_bounds(u)
                 runs.append((a, b, self.req.get(u) if step == 1 else None, d))
-            elif u.target == aten.unbind.int:
-                return self._same_for_all(u, n)
             else:
                 return None
         if not runs:

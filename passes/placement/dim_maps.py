@@ -13,7 +13,7 @@ from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDi
 
 from dcp_compile.runtime.distributed.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
 
-from ..op_classes import IDENTITY_VIEWS
+from ..op_classes import FLATTENS, IDENTITY_VIEWS, RESHAPES
 from .lattice import Refusal, Seg, Shard, canon, scale_segs
 from .node_args import norm_dim, shape_of
 
@@ -141,16 +141,15 @@ def _view_as_complex(n):
     return _identity(n)[:-1]
 
 
+def _regroup(n):
+    """A reshape, flatten or unflatten: dims regrouped from the input's shape to the output's."""
+    return view_groups(list(shape_of(n.args[0])), list(shape_of(n)))
+
+
 DIM_MAPS: dict = {
     aten.view_as_real.default: _view_as_real,
     aten.view_as_complex.default: _view_as_complex,
-    aten.view.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
-    aten.reshape.default: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
-    aten._unsafe_view.default: lambda n: view_groups(list(shape_of(n.args[0])),
-                                                     list(shape_of(n))),
-    aten.unflatten.int: lambda n: view_groups(list(shape_of(n.args[0])), list(shape_of(n))),
-    aten.flatten.using_ints: lambda n: view_groups(list(shape_of(n.args[0])),
-                                                   list(shape_of(n))),
+    **dict.fromkeys(RESHAPES | FLATTENS, _regroup),
     aten.transpose.int: lambda n: dim_transpose(len(shape_of(n.args[0])), n.args[1], n.args[2]),
     aten.t.default: lambda n: dim_transpose(2, 0, 1),
     aten.permute.default: _permute,

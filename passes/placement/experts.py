@@ -11,6 +11,7 @@ from dcp_compile.runtime.kernels.moe import ARG, LAYOUTS, ExpertLayout
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from ..infra import source_of
+from ..op_classes import RESHAPES
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import node_arg, shape_of, tensor_args
 from .rules import RULES, Rule
@@ -72,7 +73,6 @@ def _moe_fw(n, P):
                   f"intermediate dim (TP)")
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def carry_experts_sum(n, P):
@@ -90,7 +90,7 @@ def carry_experts_sum(n, P):
     if any((p.axis, p.scale) != (axis, scale) for p in pending):
         return None
     out = Partial(axis, scale, experts=True)
-    if n.target in _VIEWS and len(ins) == 1:
+    if n.target in RESHAPES and len(ins) == 1:
         return out
     if n.target == aten.add.Tensor and len(pending) == len(ins) == 2 \
             and node_arg(n, 2, "alpha", 1) == 1:

@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
+from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, REDUCTIONS, SLICES,
+                          SOFTMAX, SPLITS, SUM_REDUCTIONS)
 from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
 from .lattice import R, Partial, Refusal, Shard, canon, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
@@ -166,6 +168,27 @@ def _slice_bw(n, req):
     return {n.args[0]: replace(req, dim=k)}
 
 
+def _padded_dims(n) -> set[int]:
+    """The dims ``pad(x, [last_lo, last_hi, prev_lo, prev_hi, ...])`` pads (nonzero)."""
+    nd, pads = len(shape_of(n.args[0])), node_arg(n, 1, "pad")
+    return {nd - 1 - i // 2 for i, w in enumerate(pads) if w}
+
+
+def _pad_fw(n, P):
+    p = P(n.args[0])
+    if isinstance(p, Partial):
+        raise Refusal("pads a pending sum")
+    if isinstance(p, Shard) and p.dim in _padded_dims(n):
+        raise Refusal(f"pads the sharded dim {p.dim}")
+    return p
+
+
+def _pad_bw(n, req):
+    if req.dim in _padded_dims(n):
+        raise Refusal(f"pads the sharded dim {req.dim}")
+    return {n.args[0]: req}
+
+
 def _getitem_fw(n, P):
     p = P(n.args[0])
     return p[n.args[1]] if isinstance(p, tuple) else p
@@ -222,9 +245,6 @@ def _reduced_dims(n) -> tuple[list[int], bool]:
     return sorted(norm_dim(d, nd) for d in dims), bool(keep)
 
 
-SUMMABLE = {aten.mean.dim, aten.sum.dim_IntList}
-
-
 def _reduce_fw(n, P):
     p = P(n.args[0])
     if not isinstance(p, Shard):
@@ -232,7 +252,7 @@ def _reduce_fw(n, P):
     dims, keep = _reduced_dims(n)
     if p.dim not in dims:
         return replace(p, dim=p.dim - (0 if keep else sum(d < p.dim for d in dims)))
-    if n.target not in SUMMABLE:
+    if n.target not in SUM_REDUCTIONS:
         raise Refusal(f"reduces over the sharded dim {p.dim} with {n.target}, which is not a "
                       f"sum (only sum and mean, e.g. RMSNorm, become an all-reduce)")
     if len({s.replicas for s in p.segs}) != 1:
@@ -410,10 +430,10 @@ def _matmul_adopt(n, P) -> dict:
 
 
 RULES: dict = {}
-for _op in (aten.matmul.default, aten.bmm.default):
+for _op in BATCHED_MATMULS:
     RULES[_op] = Rule("batched matmul (heads as a batch dim)", _matmul_fw, _matmul_bw,
                       _matmul_adopt, _matmul_aligned)
-for _op in (aten.layer_norm.default, aten.rms_norm.default):
+for _op in LAYER_NORMS:
     RULES[_op] = Rule("layer norm over the last dims", _layer_norm_fw, _layer_norm_bw)
 for _op in _ALONG_DIMS:
     RULES[_op] = Rule("along dims (roll, flip, cumsum)", _along_fw, _along_bw)
@@ -421,19 +441,19 @@ for _op in DIM_MAPS:
     RULES[_op] = Rule("dim map (torch.distributed.tensor view ops)", _dims_fw, _dims_bw)
 for _op in COLLECTIVES:
     RULES[_op] = Rule("dim map (collective, elementwise across ranks)", _dims_fw, _dims_bw)
-for _op in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-            aten.unbind.int):
+for _op in SPLITS:
     RULES[_op] = Rule("split (segment-aware)", _split_fw, None)
-for _op in (aten.slice.Tensor, aten.narrow.default, aten.select.int):
+for _op in SLICES:
     RULES[_op] = Rule("slice (segment-aware)", _slice_fw, _slice_bw)
-for _op in (aten.cat.default, aten.stack.default):
+for _op in JOINS:
     RULES[_op] = Rule("concatenate", _cat_fw, _cat_bw)
-for _op in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
-            aten.var.correction):
+for _op in REDUCTIONS:
     RULES[_op] = Rule("reduction", _reduce_fw, _reduce_bw)
-for _op in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default):
+for _op in SOFTMAX | LOG_SOFTMAX:
     RULES[_op] = Rule("softmax", _softmax_fw, lambda n, req: {n.args[0]: req})
 RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
+for _op in (aten.constant_pad_nd.default, aten.pad.default):
+    RULES[_op] = Rule("pad (other dims than the sharded one)", _pad_fw, _pad_bw)
 
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
 

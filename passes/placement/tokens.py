@@ -5,6 +5,7 @@ placement analysis places by hand (linear, embedding) or never meets."""
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
@@ -95,3 +96,187 @@ def carried_dim(n: Node, dims: dict, size: int):
     if d is None:
         raise Refusal(f"{n.target} does not carry the dim")
     return d
+
+
+# -- token-wise analysis: every op outside attention keeps the tokens apart ------------------
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where a value keeps its rows: dim ``dim``, of ``extent`` elements, one row per token
+    (or per (sequence, token) pair once the batch dim is folded into it, as a [B*S, H] MoE
+    input is)."""
+
+    dim: int
+    extent: int
+
+
+class TokenMixing(Exception):
+    """``node`` computes a row from other rows (tokens) of its input: ``reason`` says how."""
+
+    def __init__(self, node: Node, reason: str):
+        super().__init__(reason)
+        self.node, self.reason = node, reason
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def _reshape_rows(n: Node, rows: dict, tokens: int):
+    """A view keeps rows apart iff the elements after the row dim stay together: an output
+    dim whose trailing product equals the input's, holding whole rows (a multiple of the
+    token count when sequences fold in)."""
+    src = n.args[0]
+    r, ins, outs = rows[src], list(shape_of(src)), list(shape_of(n))
+    inner = _prod(ins[r.dim + 1:])
+    for d in reversed(range(len(outs))):
+        if _prod(outs[d + 1:]) == inner and outs[d] > 1 and outs[d] % tokens == 0:
+            return Rows(d, outs[d])
+    raise TokenMixing(n, f"the view {tuple(ins)} -> {tuple(outs)} splits the token dim "
+                      f"{r.dim} or folds features into it")
+
+
+def _attention_rows(n: Node, rows: dict, tokens: int):
+    """Attention mixes tokens by design, over the cache: its output rows are its queries'."""
+    q = n.args[0]
+    if q not in rows:
+        raise TokenMixing(n, "attention whose queries are not this step's tokens")
+    return (rows[q], None, None)
+
+
+def _moe_rows(n: Node, rows: dict, tokens: int):
+    """Routed experts act on each row of ``x`` [T, H] on its own."""
+    x = n.args[0]
+    if x not in rows or rows[x].dim != 0:
+        raise TokenMixing(n, "experts whose input x is not [tokens, hidden]")
+    return rows[x]
+
+
+def _lookup_rows(n: Node, rows: dict, tokens: int):
+    """A table (no tokens) read at per-token indices: ``gather(table, dim, index)`` has the
+    index's shape, ``table[index]`` puts the index's dims first."""
+    table, index = (n.args[0], n.args[2]) if n.target == aten.gather.default else \
+        (n.args[0], n.args[1][0] if len(n.args[1]) == 1 else None)
+    if n.target == aten.gather.default and isinstance(rows.get(table), Rows) and \
+            isinstance(rows.get(index), Rows) and rows[table] == rows[index] and \
+            n.args[1] % fake(n).ndim != rows[index].dim:
+        return rows[index]          # each row picks within itself (a router's top-k scores)
+    if table in rows or index not in rows:
+        raise TokenMixing(n, f"{n.target} reads token rows by index")
+    return rows[index]
+
+
+def _along(dim_at: int, default, keepdim_at: int | None = None, keepdim=False):
+    """An op that works along one dim (``args[dim_at]``): rows stay apart unless that dim is
+    the row dim (or None: all of them); a dim it drops moves the rows down by one."""
+    def rule(n: Node, rows: dict, tokens: int):
+        x = n.args[0]
+        r = rows.get(x)
+        if not isinstance(r, Rows):
+            raise TokenMixing(n, f"{n.target} over a value without token rows")
+        nd = len(shape_of(x))
+        d = n.args[dim_at] if len(n.args) > dim_at else n.kwargs.get("dim", default)
+        if d is None or d % max(nd, 1) == r.dim:
+            raise TokenMixing(n, f"{n.target} works along the token dim {r.dim}")
+        kept = n.args[keepdim_at] if keepdim_at is not None and len(n.args) > keepdim_at \
+            else n.kwargs.get("keepdim", keepdim)
+        out = Rows(r.dim - (not kept and keepdim_at is not None and d % nd < r.dim),
+                   r.extent)
+        return (out, out) if n.target in _PAIRS else out
+    return rule
+
+
+_PAIRS = {aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim}
+
+
+def _elementwise(n: Node, rows: dict, tokens: int):
+    """An elementwise op torch does not tag pointwise (polar, complex): rows where the
+    broadcast output has them, the same for every operand that has them."""
+    out_nd = fake(n).ndim
+    found = {Rows(r.dim + out_nd - fake(a).ndim, r.extent)
+             for a in n.all_input_nodes if isinstance(r := rows.get(a), Rows)}
+    if len(found) != 1:
+        raise TokenMixing(n, f"{n.target}'s operands hold their rows apart ({found})")
+    return found.pop()
+
+
+def _scatter_rows(n: Node, rows: dict, tokens: int):
+    """``scatter(self, dim, index, src)`` along another dim than the rows': row by row."""
+    d = n.args[1] % max(fake(n).ndim, 1)
+    found = {rows[a] for a in n.all_input_nodes if isinstance(rows.get(a), Rows)}
+    if len(found) != 1 or d == next(iter(found)).dim or \
+            any(fake(a).ndim != fake(n).ndim for a in n.all_input_nodes if a in rows):
+        raise TokenMixing(n, f"{n.target} scatters along the token dim or mixes layouts")
+    return found.pop()
+
+
+def _untracked(n: Node, rows: dict, tokens: int):
+    """A value made from another's shape only (ones_like, zeros_like): no token's data."""
+    return None
+
+
+def _getitem_rows(n: Node, rows: dict, tokens: int):
+    src = rows[n.args[0]]
+    return src[n.args[1]] if isinstance(src, tuple) else src
+
+
+# Ops the token-wise analysis reads by hand (rows of a whole op, not a placement rule).
+ROW_RULES = {
+    **{op: _reshape_rows for op in (aten.view.default, aten.reshape.default,
+                                    aten._unsafe_view.default, aten.flatten.using_ints,
+                                    aten.unflatten.int)},
+    torch.ops.dcp.paged_attention.default: _attention_rows,
+    torch.ops.dcp.attention.default: _attention_rows,
+    torch.ops.dcp.moe.default: _moe_rows,
+    aten.gather.default: _lookup_rows,
+    aten.topk.default: _along(2, -1),
+    aten.sort.default: _along(1, -1),
+    aten.argsort.default: _along(1, -1),
+    aten.max.dim: _along(1, None, 2), aten.min.dim: _along(1, None, 2),
+    aten.argmax.default: _along(1, None, 2), aten.argmin.default: _along(1, None, 2),
+    aten.repeat_interleave.self_int: _along(2, None),
+    aten.polar.default: _elementwise, aten.complex.default: _elementwise,
+    **{op: _scatter_rows for op in (aten.scatter.value, aten.scatter.src,
+                                    aten.scatter_add.default)},
+    **{op: _untracked for op in (aten.ones_like.default, aten.zeros_like.default,
+                                 aten.empty_like.default, aten.full_like.default,
+                                 aten.new_ones.default, aten.new_zeros.default,
+                                 aten.new_empty.default, aten.new_full.default)},
+    aten.index.Tensor: _lookup_rows,
+    operator.getitem: _getitem_rows,
+}
+
+
+def follow_tokens(nodes, seeds: dict[Node, Rows], tokens: int) -> dict:
+    """The rows of every value computed from ``seeds`` (token data, positions), in graph
+    order; raises :class:`TokenMixing` at the first op that computes a row from other rows
+    (placement rules with the row dim as the "sharded" one; ``ROW_RULES`` by hand)."""
+    rows: dict = dict(seeds)
+    for n in nodes:
+        if n.op != "call_function" or n in rows:
+            continue
+        ins = [a for a in n.all_input_nodes if isinstance(rows.get(a), Rows)]
+        if not ins and not any(isinstance(rows.get(a), tuple) for a in n.all_input_nodes):
+            continue
+        hand = ROW_RULES.get(n.target)
+        if hand is not None:
+            got = hand(n, rows, tokens)
+            if got is not None:
+                rows[n] = got
+            continue
+        extents = {rows[a].extent for a in ins}
+        if len(extents) != 1:
+            raise TokenMixing(n, f"operands hold their rows in dims of different sizes "
+                              f"{sorted(extents)}")
+        extent = extents.pop()
+        try:
+            d = carried_dim(n, {a: rows[a].dim for a in ins}, extent)
+        except Refusal as e:
+            raise TokenMixing(n, str(e)) from e
+        rows[n] = tuple(None if x is None else Rows(x, extent) for x in d) \
+            if isinstance(d, tuple) else Rows(d, extent)
+    return rows

@@ -1,6 +1,6 @@
 """The placement analysis' sweeps as worklists: a sweep visits only the nodes whose inputs'
 placements, requirements or decisions changed since their last visit, in the order a full
-sweep would (README: Compile time)."""
+sweep would (docs/benchmarks.md: Compile time)."""
 
 from __future__ import annotations
 

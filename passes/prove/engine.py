@@ -1,5 +1,5 @@
 """How the layout theorems are proven: mixed-radix positions, residuals reduced piecewise,
-counterexamples rechecked with ints (DESIGN.md: Proofs). The theorems themselves are the
+counterexamples rechecked with ints. The theorems themselves are the
 registry in :mod:`dcp_compile.passes.prove.theorems`.
 
 Method. The formulas in :mod:`dcp_compile.runtime.layout` are built from ``//``, ``%``, ``*``, ``+``,

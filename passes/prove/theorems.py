@@ -1,4 +1,4 @@
-"""The DCP layout theorems, as a registry of data, and ``prove`` (DESIGN.md: Proofs).
+"""The DCP layout theorems, as a registry of data, and ``prove``.
 
 ``prove(dcp, interleave_size, block_size)`` proves, for every sequence length N >= 0, the
 properties the rewritten graph relies on: exactly one rank owns each position, ``local_filled``

@@ -1,6 +1,6 @@
 """Neuron (Trainium): the collective backend of NxD's traced route.
 
-Two routes reach a NeuronCore (see README, "Running on Trainium"):
+Two routes reach a NeuronCore (see docs/lowering.md, "Neuron (Trainium)"):
 
 1. The current Neuron vLLM plugin's: torch.compile -> FX passes -> AOTAutograd -> torch-mlir ->
    StableHLO -> neuronx-cc. ``dcp_compile.lowering`` produces that StableHLO, collectives

@@ -76,7 +76,6 @@ COLLECTIVES: dict[Any, CollectiveKind] = {
         "all_to_all", group_arg=3, size_arg=None, reduce_arg=None, split_args=(1, 2),
         dim="exchange", stablehlo="stablehlo.all_to_all", stablehlo_dim_attr="split_dimension"),
 }
-COLLECTIVE_TARGETS = tuple(COLLECTIVES)
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in COLLECTIVES.values()}
 # The wait every collective's result goes through (a no-op once bound to replica groups).
 WAIT_TARGET = _F.wait_tensor.default

@@ -6,7 +6,7 @@ real data between the threads, and ``torch.ops._c10d_functional.*`` resolve grou
 thread. ``bind_roles`` creates the process groups of a :class:`~dcp_compile.runtime.topology.Topology`
 in whatever world is initialised (threaded here, gloo under torchrun — see ``dcp_compile.runtime.distributed.launch``).
 
-Threaded-PG facts our programs rely on (each one is tested in ``tests/test_world.py``):
+Threaded-PG facts our programs rely on (each one is tested in ``tests/runtime/test_world.py``):
 
 - A collective runs when it is issued (all members block in the op until the last one
   arrives); ``wait_tensor`` is then a no-op. So ranks must issue the collectives of one group

@@ -14,7 +14,7 @@ Tensor conventions (one batch of sequences, padded to a static shape):
   value_cache  [num_blocks, block_size, kv_heads, head_dim]; block num_blocks-1 is the
                reserved garbage block that slot -1 writes land in and no block table names
   block_table  [batch, max_blocks] int64; -1 marks an unallocated entry
-  rank         0-d int64 tensor: this rank's cp_rank (rank is data, see DESIGN.md)
+  rank         0-d int64 tensor: this rank's cp_rank (rank is data: one graph serves every rank)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.kernels.op_defs import dcp_op
-from dcp_compile.runtime.kernels.live_attention import live_entries, live_partial_attention, readable_table  # noqa: F401
+from dcp_compile.runtime.kernels.live_attention import live_partial_attention, readable_table  # noqa: F401
 
 NEG_INF = float("-inf")
 

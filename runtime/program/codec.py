@@ -20,6 +20,7 @@ from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.program.facts import LatentAttention, MixtureOfExperts, ModelFacts
 from dcp_compile.runtime.names import Mode, Role, StepKind
+from dcp_compile.runtime.program.checkpoint import Piece, WeightSource
 from dcp_compile.runtime.program.shards import ShardSpec
 from dcp_compile.runtime.topology import Topology
 from dcp_compile.runtime.version import __version__
@@ -29,7 +30,8 @@ FORMAT = 1   # the file layout below; a change of it is a new dcp_compile versio
 
 # The types a file may name, by name (a file names a class; loading looks it up here only).
 DATACLASSES = {cls.__name__: cls for cls in (DCPConfig, Topology, StepShapes, ShardSpec,
-                                              ModelFacts, LatentAttention, MixtureOfExperts)}
+                                              ModelFacts, LatentAttention, MixtureOfExperts,
+                                              Piece, WeightSource)}
 ENUMS = {cls.__name__: cls for cls in (StepKind, Role, Mode)}
 # Python callables a graph may call besides torch ops (getitem of a multi-output op).
 PYTHON_TARGETS = {f"operator.{f.__name__}": f for f in (operator.getitem,)}
@@ -41,15 +43,23 @@ OURS = "dcp_"
 DROPPED = ("report", "dump_dir")
 
 
-def save_program(program, path: str | os.PathLike) -> None:
-    """Write ``program`` to ``path`` (atomically: a reader never sees half a file)."""
+def save_program(program, path: str | os.PathLike, *, weights: bool = True) -> None:
+    """Write ``program`` to ``path`` (atomically: a reader never sees half a file);
+    ``weights=False``: its named weights as meta tensors (shape and dtype, no data)."""
+    if not weights and not program.weight_names:
+        raise DCPInputError(
+            f"a weightless program file needs the weights' checkpoint names, and this program "
+            f"({program.source}) records none: no rank could load it. Save it with "
+            f"weights=True, or compile with dcp_compile.transform, which names every weight.")
     facts = dataclasses.replace(program.facts, mask_theorems=None)
     body = {f.name: getattr(program, f.name) for f in dataclasses.fields(program)
             if f.name not in DROPPED + ("graphs", "bucket_graphs", "facts", "constants")}
     payload = {
         "magic": MAGIC, "format": FORMAT, "dcp_compile": __version__, "torch": str(torch.__version__),
         "fields": _encode({**body, "facts": facts}, "the program"),
-        "constants": dict(program.constants),
+        "constants": program.constants if weights else {
+            k: v.to("meta") if k in program.weight_names else v
+            for k, v in program.constants.items()},
         "graphs": {str(k): _encode_graph(gm, str(k)) for k, gm in program.graphs.items()},
         "bucket_graphs": [[bucket, {str(k): _encode_graph(gm, f"{k} (bucket {bucket})")
                                     for k, gm in graphs.items()}]

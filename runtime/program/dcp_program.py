@@ -13,6 +13,7 @@ Program calling convention (every step kind):
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,10 @@ from dcp_compile.runtime.names import META_SCOPE, SCOPE_MODEL
 
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.program.facts import ModelFacts
+from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.names import RANK_INPUT
 from dcp_compile.runtime.distributed.roles import role_of
+from dcp_compile.runtime.program.checkpoint import LoadStats, WeightSource
 from dcp_compile.runtime.program.shards import ShardSpec
 from dcp_compile.runtime.topology import Topology
 
@@ -51,6 +54,12 @@ class DCPProgram:
     report: object = None
     # Context buckets below the full capacity: tokens -> step kind -> graph (same weights).
     bucket_graphs: dict[int, dict[str, GraphModule]] = field(default_factory=dict)
+    # Weights by name (runtime/program/checkpoint.py): placeholder -> the model's parameter
+    # names (fully qualified; the first its own, the others tied aliases), and, for weights
+    # the model holds in another form than its checkpoint, FQN -> the checkpoint tensors
+    # that tile it. A weightless program's named constants are meta tensors (shape, dtype).
+    weight_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    weight_sources: dict[str, WeightSource] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -86,7 +95,6 @@ class DCPProgram:
         import dataclasses
 
         from dcp_compile.runtime.program.buckets import bucket_width
-        from dcp_compile.runtime.errors import DCPInputError
         if bucket == self.capacity:
             graphs = self.graphs
         elif bucket in self.bucket_graphs:
@@ -100,16 +108,71 @@ class DCPProgram:
 
     # -- per-rank state --------------------------------------------------------------------
 
-    def state_dict_for(self, rank: int) -> dict[str, torch.Tensor]:
-        """This rank's weight shards (replicated weights as is) plus its ``tp_rank``."""
+    @property
+    def weightless(self) -> bool:
+        """Whether the program holds no values for its named weights (compiled from a meta
+        model, or saved with ``weights=False``): a rank reads them from a checkpoint."""
+        return any(self.constants[n].is_meta for n in self.weight_names if n in self.constants)
+
+    def state_dict_for(self, rank: int, checkpoint: str | os.PathLike | None = None, *,
+                       progress: bool | None = None) -> dict[str, torch.Tensor]:
+        """This rank's weight shards (replicated weights as is) plus its ``tp_rank``.
+
+        ``checkpoint``: a Hugging Face checkpoint directory (``config.json`` +
+        ``*.safetensors``) to read the named weights from, only this rank's slices, cast to
+        the program's dtypes (:meth:`read_checkpoint`); else they are cut from the program's
+        own weights, which a weightless program has not."""
+        if checkpoint is not None:
+            return self.read_checkpoint(rank, checkpoint, progress=progress)[0]
         self.topology._check_rank(rank)
         out = {}
         for name in self.weight_inputs:
-            full = self.constants[name]
+            full = self._constant(name, checkpoint_named=True)
             spec = self.shards.get(name)
             out[name] = spec.shard(full, rank) if spec is not None else full
         out[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
         return out
+
+    def read_checkpoint(self, rank: int, checkpoint: str | os.PathLike, *,
+                        progress: bool | None = None) -> tuple[dict[str, torch.Tensor], LoadStats]:
+        """``state_dict_for(rank, checkpoint)`` and what the read cost (LoadStats). Every
+        named weight comes from the checkpoint (bad tensors are refused before any is
+        read); buffers the checkpoint does not hold (RoPE tables) from the program."""
+        from dcp_compile.runtime.program.checkpoint import read_rank_weights
+        self.topology._check_rank(rank)
+        named = {n: self.weight_names[n] for n in self.weight_inputs if n in self.weight_names}
+        if not named:
+            raise DCPInputError(
+                f"this program ({self.source}) records no checkpoint names for its weights, "
+                f"so it cannot read them from a checkpoint. Compile it with "
+                f"dcp_compile.transform (of the model or its meta-device twin), which names "
+                f"every weight by its parameter name.")
+        state, stats = read_rank_weights(checkpoint, named, self.weight_sources, self.shards,
+                                         self.constants, rank, progress=progress)
+        for name in self.weight_inputs:
+            if name not in state:
+                full = self._constant(name, checkpoint_named=False)
+                spec = self.shards.get(name)
+                state[name] = spec.shard(full, rank) if spec is not None else full
+        state = {n: state[n] for n in self.weight_inputs}
+        state[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
+        return state, stats
+
+    def _constant(self, name: str, *, checkpoint_named: bool) -> torch.Tensor:
+        full = self.constants[name]
+        if not full.is_meta:
+            return full
+        if name in self.weight_names:
+            raise DCPInputError(
+                f"this program holds no weights (compiled from a meta-device model or saved "
+                f"with weights=False): weight {self.weight_names[name][0]} has no value. "
+                f"Pass the model's checkpoint: state_dict_for(rank, checkpoint=DIR), "
+                f"rank_engine(program, rank, checkpoint=DIR).")
+        raise DCPInputError(
+            f"program input {name} (a buffer the checkpoint does not hold) is on the meta "
+            f"device: the model was built with its buffers on meta too. Build it with "
+            f"dcp_compile.meta_init.empty_weights() (parameters on meta, buffers real) or "
+            f"dcp_compile.meta_init.meta_model(config).")
 
     def cache_spec(self, dtype: torch.dtype | None = None):
         """Shape of one rank's KV caches (KV heads after TP sharding/replication)."""
@@ -118,17 +181,21 @@ class DCPProgram:
                            self.config.kv_heads_per_rank, self.config.head_dim,
                            dtype or self.facts.cache_dtype or torch.float32)
 
-    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager"):
+    def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager",
+             checkpoint: str | os.PathLike | None = None):
         """This rank's runnable program: roles bound to real process-group names;
-        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS)."""
+        ``compile="inductor"`` compiles each graph with Inductor (rank_program.COMPILERS);
+        ``checkpoint``: read the rank's weights from it (``state_dict_for``)."""
         from dcp_compile.runtime.serving.rank_program import RankProgram
-        return RankProgram(self, rank, group_names, compile=compile)
+        return RankProgram(self, rank, group_names, compile=compile, checkpoint=checkpoint)
 
-    def save(self, path) -> None:
+    def save(self, path, *, weights: bool = True) -> None:
         """Write this program to a program file every rank of a launch can load
-        (``dcp_compile.runtime.program.program_file.load_program``): one transform per launch."""
+        (``dcp_compile.runtime.program.program_file.load_program``): one transform per launch.
+        ``weights=False`` leaves the named weights out (their shapes and dtypes stay): a few
+        MB for any model, each rank then reads its shard from the checkpoint."""
         from dcp_compile.runtime.program.codec import save_program
-        save_program(self, path)
+        save_program(self, path, weights=weights)
 
     # -- reports ---------------------------------------------------------------------------
 

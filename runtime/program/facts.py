@@ -10,7 +10,7 @@ import torch
 
 @dataclass(frozen=True)
 class LatentAttention:
-    """An MLA layer's widths, as absorb_latent_attention found them (README: MLA)."""
+    """An MLA layer's widths, as absorb_latent_attention found them (docs/moe-mla.md: MLA)."""
 
     kv_lora_rank: int
     qk_rope_head_dim: int
@@ -22,8 +22,8 @@ class LatentAttention:
 
 @dataclass(frozen=True)
 class MixtureOfExperts:
-    """The model's dcp.moe blocks, as canonicalize_moe found them (README: Mixture of
-    experts)."""
+    """The model's dcp.moe blocks, as canonicalize_moe found them (docs/moe-mla.md: Mixture
+    of experts)."""
 
     layers: int                       # MoE layers (dcp.moe nodes)
     experts: tuple[int, ...]          # distinct expert counts
@@ -51,6 +51,11 @@ class ModelFacts:
     # One mask theorem per attention layer of an ordinary model (passes/prove/masks.py
     # Theorems), for the certificate.
     mask_theorems: tuple | None = None
+    # The longest sequence the model is served for (hf.prepare(max_model_len=...)): a
+    # decision on max(positions) proven constant below it is folded (check_token_wise).
+    max_model_len: int | None = None
+    # The model config's RoPE variant (Hugging Face rope_parameters), named in refusals.
+    rope_type: str | None = None
 
     def merged(self, found: "ModelFacts | None") -> "ModelFacts":
         """These facts with every field ``found`` knows replaced by its value."""

@@ -27,16 +27,29 @@ class ShardSpec:
     def index(self, rank: int) -> int:
         return (rank % self.group) // self.replicas
 
-    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        parts, offset = [], 0
-        for size, pieces, replicas in self.segments_of(full.shape[self.dim]):
+    def boxes(self, full_shape, rank: int) -> list[tuple[tuple[int, int], ...]]:
+        """Rank ``rank``'s shard as boxes of the full tensor (per dim ``(start, stop)``), one
+        per segment, concatenated along ``dim``: what a checkpoint reader reads (only these
+        slices) and what :meth:`shard` cuts."""
+        out, offset = [], 0
+        for size, pieces, replicas in self.segments_of(full_shape[self.dim]):
             n = size // pieces
-            i = (rank % self.group) // replicas
-            parts.append(full.narrow(self.dim, offset + i * n, n))
+            start = offset + ((rank % self.group) // replicas) * n
+            out.append(tuple((start, start + n) if d == self.dim else (0, s)
+                             for d, s in enumerate(full_shape)))
             offset += size
+        return out
+
+    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        parts = [full.narrow(self.dim, *_start_length(box[self.dim]))
+                 for box in self.boxes(full.shape, rank)]
         return (torch.cat(parts, self.dim) if len(parts) > 1 else parts[0]).contiguous()
 
     def shape(self, full_shape) -> tuple[int, ...]:
         s = list(full_shape)
         s[self.dim] = sum(size // pieces for size, pieces, _ in self.segments_of(s[self.dim]))
         return tuple(s)
+
+
+def _start_length(span: tuple[int, int]) -> tuple[int, int]:
+    return span[0], span[1] - span[0]

@@ -45,10 +45,12 @@ def prompt_kind(program: DCPProgram) -> StepKind:
 
 
 def load_rank(program: DCPProgram, rank: int, group_names: dict[str, str] | None = None,
-              *, compile: str = "eager", shared_names: bool = False):
+              *, compile: str = "eager", shared_names: bool = False, checkpoint=None):
     """``program`` loaded on ``rank`` (a RankProgram), its roles bound to this world's
     groups (default: ``world.bind_roles``, which creates them: every rank must call it);
-    ``compile``: how each graph runs (``DCPProgram.load``).
+    ``compile``: how each graph runs (``DCPProgram.load``); ``checkpoint``: a checkpoint
+    directory the rank reads only its own weight shards from (``DCPProgram.state_dict_for``;
+    a weightless program needs one).
 
     ``shared_names``: bind the groups under names every rank shares
     (``bind_roles(aliases=True)``), so the ranks of a threaded world load one bound graph per
@@ -61,22 +63,25 @@ def load_rank(program: DCPProgram, rank: int, group_names: dict[str, str] | None
     elif shared_names:
         raise ValueError("load_rank: pass group_names or shared_names=True, not both (the "
                          "shared names are bound here).")
-    return program.load(rank, group_names, compile=compile)
+    return program.load(rank, group_names, compile=compile, checkpoint=checkpoint)
 
 
 def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] | None = None,
                 shared_names: bool = False, fill: float = 0.0, poison: bool = False,
                 record: bool = False, shapes: StepShapes | None = None, prefix_caching: bool = False,
-                wrap: Callable[[Executor], Executor] | None = None) -> Engine:
+                wrap: Callable[[Executor], Executor] | None = None,
+                checkpoint=None) -> Engine:
     """``rank``'s Engine over its loaded ``program``, in the current world.
 
     ``group_names``, ``shared_names``: as for :func:`load_rank`. ``fill`` initialises the
     caches (NaN shows a row the program never writes); ``poison`` re-poisons the garbage
     block before every step; ``record`` keeps every step's full logits (``engine.executor`` is then a
     :class:`RecordingExecutor`); ``prefix_caching`` shares full vblocks of identical
-    prompt prefixes (runtime/serving/prefix_cache.py); ``wrap`` wraps the executor further.
+    prompt prefixes (runtime/serving/prefix_cache.py); ``wrap`` wraps the executor further;
+    ``checkpoint``: as for :func:`load_rank`.
     """
-    loaded = load_rank(program, rank, group_names, shared_names=shared_names)
+    loaded = load_rank(program, rank, group_names, shared_names=shared_names,
+                       checkpoint=checkpoint)
     executor: Executor = LocalExecutor(loaded.step_fns(),
                                        program.cache_spec().allocate(fill=fill),
                                        before_step=poison_garbage if poison else None)

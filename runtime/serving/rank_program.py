@@ -64,14 +64,16 @@ class RankProgram:
     """
 
     def __init__(self, program, rank: int, group_names: dict[str, str], *,
-                 max_model_len: int | None = None, compile: str = "eager"):
+                 max_model_len: int | None = None, compile: str = "eager",
+                 checkpoint=None):
         if compile not in COMPILERS:
             raise DCPInputError(f"unknown compile mode for a loaded program: {compile!r}. "
                                 f"Use one of {sorted(COMPILERS)}.")
         self.compile = compile
         self.program = program
         self.rank = rank
-        state = program.state_dict_for(rank)
+        state = program.state_dict_for(rank) if checkpoint is None else \
+            program.state_dict_for(rank, checkpoint=checkpoint)
         self._prefix = [state[n] for n in program.weight_inputs] + [state[RANK_INPUT]]
         device = self._prefix[0].device
         # One (graphs, contracts) per context bucket, by block-table width: a step runs the

@@ -44,7 +44,7 @@ What we found: the spec's remote-rank formula vs its worked examples
 --------------------------------------------------------------------
 :func:`spec_remote_ranks` transcribes the formula literally. Against the spec's own examples
 (num_kv_heads=8, the largest count the decode constraints allow for D:TP=16/DCP=2) and the
-brute-force coverage test (tests/test_transfer_plan.py):
+brute-force coverage test (tests/transfer/test_transfer_plan.py):
 
 1. ``P:TP=4/DCP=2 -> D:TP=2``: formula and example agree ([0, 2], [1, 3]).
 2. ``P:TP=32/DCP=2 -> D:TP=16/DCP=2``: the formula gives decode rank 1 -> [17], the example

@@ -1,9 +1,9 @@
-"""The third-party corpus (tests/corpora/third_party.py): every decoder architecture of
+"""The third-party corpus (tests/support/third_party.py): every decoder architecture of
 torchtune, litgpt, torchtitan and x-transformers, and the nanoGPT / gpt-fast classics, tiny,
 in decode and prefill.
 
 A cell passes when the program matches the model's own forward (fp32, 1e-4, greedy tokens
-equal; tests/hf_corpus.run_model) or is refused by a DCPError whose reason is a real DCP
+equal; tests/support/hf_corpus.run_model) or is refused by a DCPError whose reason is a real DCP
 limit (T.REAL_LIMITS). Anything else (a silent mismatch, a non-project exception, a refusal of
 an ordinary form) is a bug: the ones known today are xfail(strict=True) with their issue
 #35 reason, so a fix flips them loudly and the entry must go.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 # (module, where it comes from), tried in order; the extra in pyproject.toml installs the
-# last one (tests/test_nixl_build.py checks that the two agree).
+# last one (tests/transfer/test_nixl_build.py checks that the two agree).
 NIXL_MODULES = (
     ("nixl", "the `nixl` meta-package (every CUDA variant; picks one for torch's CUDA)"),
     ("nixl_cu12", "the `nixl-cu12` wheel, which `pip install -e '.[nixl]'` installs"),

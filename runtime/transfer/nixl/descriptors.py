@@ -1,7 +1,7 @@
 """Descriptor arithmetic of the NIXL KV transfer: which bytes of which cache a READ covers.
 
 Pure arithmetic over addresses and the transfer plan's chunks; nothing here imports nixl or
-touches memory it is not given, so it is tested on ordinary tensors (tests/test_nixl_descriptors.py
+touches memory it is not given, so it is tested on ordinary tensors (tests/transfer/test_nixl_descriptors.py
 carries out the descriptors with a memory copy and compares the caches).
 
 Cache layout (both engines): per layer a key and a value tensor ``[num_blocks, block_size,

@@ -1,0 +1,201 @@
+"""Sound sharding: models with fused projections, output gates, norms across heads and literal
+head counts transform and match their own single-device forward (fp32 logits within 1e-4,
+the same greedy tokens), or transform() refuses. Decode (context + 8 decode steps) and
+chunked prefill (two unaligned chunks, every token's logits and each rank's cache) on the
+threaded world. Programs are built with check=False: each test compares every step with
+the model, which the transform's one-step check (tests/frontends/test_transform_check.py) repeated.
+The models are named points of the fuzz's grammar (tests/support/model_grammar.SHARDING_CASES).
+The feature models' placement analysis also runs both ways (worklist and full sweeps, the
+same plan: tests/passes/test_placement_worklist.compare_both)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+
+import dcp_compile
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.verify import verify, verify_prefill
+from dcp_compile.runtime.serving.engine import StepShapes
+
+from model_grammar import FEATURES, GQA, SHARDING, SHARDING_CASES, GrammarModel, ModelSpec, build
+from test_placement_worklist import compare_both
+
+STEPS = 8
+
+SHAPES = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=2)
+
+
+@pytest.mark.parametrize("name", list(SHARDING_CASES))
+def test_sharding_case_is_a_point_of_the_fuzz_grammar(name):
+    """Every feature value a case picks is one the fuzz draws, and the case builds the model
+    it names (so the fuzz and these tests cover one space of models)."""
+    spec, _, _ = SHARDING_CASES[name]
+    for feature, value in asdict(spec).items():
+        if feature in FEATURES:
+            assert value in FEATURES[feature], (name, feature, value)
+    model = build(spec)
+    assert isinstance(model, GrammarModel) and model.spec == spec
+    assert model.num_layers == 2 and model.kv_cache_shape(5, 16) == (5, 16, spec.kv_heads, 8)
+
+
+@pytest.mark.parametrize("name", list(SHARDING_CASES))
+def test_feature_model_decode_matches_single_device(name, monkeypatch):
+    spec, tp, dcp = SHARDING_CASES[name]
+    compared = compare_both(monkeypatch)     # placement: worklist == full sweeps, per graph
+    model = build(spec)
+    shapes = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=dcp)
+    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes,
+                                 check=False)
+    report = verify(model, prog, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2]], STEPS)
+    assert report.tokens_agree and report.max_abs_error < 1e-4, report
+    assert [kind for kind, _, _ in compared] == ["plan", "plan"]    # context, decode
+
+
+# The output gate is computed on the rank's owned (interleaved) tokens in prefill, but the
+# attention output it multiplies arrives on contiguous S/W tokens after the reduce-scatter:
+# refused by name, not gathered.
+PREFILL_REFUSED = {"q-output-gate": r"token-indexed inputs \['sigmoid'\]"}
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6], [7, 2, 5]]
+
+
+@pytest.mark.parametrize("name", list(SHARDING_CASES))
+def test_feature_model_prefill_matches_single_device(name, monkeypatch):
+    spec, tp, dcp = SHARDING_CASES[name]
+    compared = compare_both(monkeypatch)
+    model = build(spec)
+    shapes = StepShapes.fitting(2, 16, 40, block_size=8, dcp=dcp)
+    if name in PREFILL_REFUSED:
+        with pytest.raises(DCPTransformError, match=PREFILL_REFUSED[name]):
+            dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill", block_size=8,
+                                  shapes=shapes)
+        return
+    prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill", block_size=8,
+                                 shapes=shapes, check=False)
+    report = verify_prefill(model, prog, PROMPTS, 2)    # two chunks, unaligned prior
+    assert report.ok and report.max_abs_error < 1e-4, report
+    assert [kind for kind, _, _ in compared] == ["plan"]
+
+
+# -- Hugging Face architectures with these features, built from config with random weights --
+
+HF_MODELS = {  # id: (config class, model class, overrides, tp, dcp)
+    # fused qkv_proj ([q; k; v] rows cut by slicing) and fused gate_up_proj (chunk)
+    "phi3-fused-qkv-gate-up": ("Phi3Config", "Phi3ForCausalLM",
+                               dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    # query_key_value per head ([h, 3, d]), parallel residual, partial rotary
+    "gpt-neox-per-head-qkv": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                              dict(num_attention_heads=4, rotary_pct=0.5), 4, 1),
+    # q_norm / k_norm over the whole projection (all heads), before the head view
+    "olmo2-qk-norm-across-heads": ("Olmo2Config", "Olmo2ForCausalLM",
+                                   dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+}
+
+
+# Families whose prefill used to be refused by the token-wise op lists (embedding scale,
+# LayerNorm, parallel blocks, logit scale, partial rotary, [B, H, S, D] RoPE transposes).
+HF_PREFILL_FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",
+              dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8), 4, 2),
+    "cohere": ("CohereConfig", "CohereForCausalLM",
+               dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM",
+             dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+    "phi": ("PhiConfig", "PhiForCausalLM",
+            dict(num_attention_heads=8, num_key_value_heads=2), 4, 2),
+}
+
+
+@pytest.mark.parametrize("model_id", list(HF_MODELS) + list(HF_PREFILL_FAMILIES))
+def test_hf_model_prefill_matches_single_device(model_id):
+    pytest.importorskip("transformers")
+    from dcp_compile import hf
+    from helpers import prompts_of
+    from test_hf import build
+
+    config_name, model_name, overrides, tp, dcp = {**HF_MODELS,
+                                                   **HF_PREFILL_FAMILIES}[model_id]
+    model = build(config_name, model_name, overrides)
+    shapes = StepShapes.fitting(3, 12, 24, block_size=4, dcp=dcp)
+    wrapper = hf.prepare(model)      # its single-device forward equals HF's (test_hf.py)
+    prog = dcp_compile.transform(wrapper, tp=tp, dcp=dcp, mode="prefill", block_size=4,
+                                 shapes=shapes, check=False)
+    report = verify_prefill(wrapper, prog, prompts_of((1, 6, 20), vocab=256), 2)
+    assert report.ok and report.max_abs_error < 1e-4, report
+
+
+@pytest.mark.parametrize("model_id", list(HF_MODELS))
+def test_hf_model_decode_matches_its_own_forward(model_id):
+    pytest.importorskip("transformers")
+    from dcp_compile import hf
+    from dcp_compile.verify import run_threaded_program
+    from helpers import assert_close_report, prompts_of
+    from test_hf import build, hf_reference
+
+    config_name, model_name, overrides, tp, dcp = HF_MODELS[model_id]
+    model = build(config_name, model_name, overrides)
+    shapes = StepShapes.fitting(4, 12, 12 + STEPS, block_size=4, dcp=dcp)
+    program = dcp_compile.transform(hf.prepare(model), tp=tp, dcp=dcp, mode="decode",
+                                    block_size=4, shapes=shapes, check=False)
+    prompts = prompts_of((1, 6, 12), vocab=256)
+    runs = run_threaded_program(program, prompts, STEPS, poison_garbage=True)
+    ref_tokens, ref_logits = hf_reference(model, prompts, STEPS)
+    for run in runs:
+        assert run.result.tokens == ref_tokens, f"rank {run.rank}"
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(prompts)):
+                assert_close_report(got[b], ref_logits[b][t], atol=1e-4,
+                                    what=f"rank {run.rank} step {t} seq {b}")
+
+
+# -- refused, by op and source line: never a silently wrong program ------------------------
+
+ONE_LAYER = replace(ModelSpec(**GQA, **SHARDING), layers=1)
+
+
+def _q_heads(q):
+    """The q projection's output as [B, S, 8 heads, 8]."""
+    return q.view(*q.shape[:2], 8, 8)
+
+
+class AmaxAcrossHeads(GrammarModel):
+    """q scaled by its max over all heads: no sharded form (a max is not a sum)."""
+
+    def __init__(self):
+        super().__init__(ONE_LAYER)
+        self.eval()
+        attn = self.layers[0].attn
+        project = attn._project
+
+        def scaled(x):
+            q, k, v, gate = project(x)
+            q = _q_heads(q)
+            return q / q.amax(dim=(2, 3), keepdim=True), k, v, gate
+        attn._project = scaled
+
+
+class ReplicatedSpanningHeads(GrammarModel):
+    """q plus a tensor computed in the graph over all heads: every rank holds all of it, and
+    only a broadcast over heads is placeable (a parameter or buffer would be cut instead)."""
+
+    def __init__(self):
+        super().__init__(ONE_LAYER)
+        self.eval()
+        attn = self.layers[0].attn
+        project = attn._project
+
+        def shifted(x):
+            q, k, v, gate = project(x)
+            return _q_heads(q) + torch.arange(64, dtype=q.dtype).view(8, 8), k, v, gate
+        attn._project = shifted
+
+
+@pytest.mark.parametrize("model_cls,pattern", [
+    (AmaxAcrossHeads, r"aten\.amax\.default.*not a sum.*model_grammar\.py"),
+    (ReplicatedSpanningHeads, r"aten\.add\.Tensor.*spans the sharded dim.*model_grammar\.py"),
+], ids=["amax-over-heads", "full-width-add"])
+def test_unplaceable_op_is_refused_naming_op_and_source(model_cls, pattern):
+    with pytest.raises(DCPTransformError, match=pattern):
+        dcp_compile.transform(model_cls(), tp=4, dcp=2, mode="decode", shapes=SHAPES)

@@ -1,0 +1,60 @@
+"""The suite's full runs: each large matrix, corpus or fuzz runs a representative slice in the
+README's test command, and in full behind its switch (docs/testing.md). ``DCP_FULL=1`` turns every switch on.
+
+``SWITCHES`` is the one list (docs/testing.md's table is checked against it): a test module reads
+its switch with ``full(SWITCH)``, never ``os.environ`` directly, so ``DCP_FULL`` reaches it.
+"""
+
+from __future__ import annotations
+
+import os
+
+EVERYTHING = "DCP_FULL"
+ON = ("1", "all")
+
+# switch -> (test module, under tests/; what the full run adds to the slice)
+SWITCHES: dict[str, tuple[str, str]] = {
+    "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
+                         "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
+    "DCP_CORPUS": ("corpora/test_hf_corpus.py",
+                   "every cell of the transformers corpus vs its table in docs/models.md"),
+    "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
+                      "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
+    "DCP_INDUCTOR": ("runtime/test_inductor.py",
+                     "the numerical Inductor cases (compiles take minutes)"),
+    "DCP_MASK_FULL": ("passes/test_mask_proof.py",
+                      "every (tp, dcp) x mode of the mask-proof matches"),
+    "DCP_MOE_MATRIX": ("frontends/test_moe.py",
+                       "every MoE model x mode x tp/dcp x TP/EP x experts implementation x "
+                       "prepare/direct; test_moe_backend's TP experts and test_xla's gpt-oss EP "
+                       "case (they read test_moe.MATRIX)"),
+    "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
+                           "every position form in both modes, every HF family"),
+    "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
+    "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py",
+                        "every architecture of torchtune, litgpt, torchtitan, x-transformers, "
+                        "nanoGPT and gpt-fast, decode and prefill"),
+    "DCP_SPEC_FULL": ("runtime/test_speculative.py",
+                      "every model x dcp x interleave x K, and XLA"),
+}
+
+
+def full(switch: str) -> bool:
+    """True when ``switch`` (one of SWITCHES) or DCP_FULL is set to 1 (or ``all``)."""
+    if switch not in SWITCHES:
+        raise KeyError(f"unknown full-run switch {switch!r}: add it to tests/support/full_runs.SWITCHES "
+                       f"(known: {sorted(SWITCHES)}).")
+    return any(os.environ.get(name, "").lower() in ON for name in (switch, EVERYTHING))
+
+
+def docs_table() -> str:
+    """docs/testing.md's table of switches (tests/repository/test_full_runs.py checks it is the
+    page's)."""
+    rows = [f"| `{name}=1` | `tests/{module}` | {adds} |"
+            for name, (module, adds) in sorted(SWITCHES.items())]
+    return "\n".join(["| switch | test module | the full run adds to the slice |",
+                      "|---|---|---|", *rows])
+
+
+if __name__ == "__main__":
+    print(docs_table())

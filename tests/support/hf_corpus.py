@@ -1,0 +1,376 @@
+"""The corpus: every causal decoder model type of transformers 5.x that builds from a tiny
+config, built with random weights (nothing is downloaded), and what dcp_compile does with it.
+
+`CORPUS` is our own list, by model type: the overrides that make the type's config tiny.
+`EXCLUDED` names the model types of transformers' causal-LM mapping that are not in the
+corpus and why (they do not build as a tiny text decoder). tests/corpora/test_hf_corpus.py runs
+each corpus type through transform() (via hf.prepare and directly, decode and prefill) and
+compares with the model's own forward; `python tests/support/hf_corpus.py --write-docs` rewrites
+the table of docs/models.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from helpers import seeded_weights
+from suite_path import ROOT
+
+# Every tiny config starts from this; CORPUS rows add or drop keys for their type.
+TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, intermediate_size=96, head_dim=8,
+            max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, attention_dropout=0.0)
+MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+           shared_expert_intermediate_size=32, decoder_sparse_step=1, n_group=2,
+           topk_group=1, norm_topk_prob=True)
+MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=8,
+           v_head_dim=8, head_dim=4, num_key_value_heads=8)
+DROP = object()   # a CORPUS value: do not pass this key (the config derives it)
+
+OVR = {
+    **{t: MLA for t in ("deepseek_v2", "deepseek_v32", "minicpm3", "glm4_moe_lite",
+                        "glm_moe_dsa", "sarvam_mla", "axk1", "axk2", "youtu")},
+    "deepseek_v3": {**MOE, **MLA}, "longcat_flash": {**MOE, **MLA, "num_layers": 2},
+    "codegen": dict(rotary_dim=4), "gptj": dict(rotary_dim=4),
+    "falcon": dict(head_dim=DROP), "gpt_neo": dict(attention_types=[[["global", "local"], 1]],
+                                                   num_layers=2, num_heads=8),
+    "dbrx": dict(d_model=64, n_heads=8, n_layers=2),
+    "ministral": dict(sliding_window=64), "cwm": dict(bos_token_id=DROP, eos_token_id=DROP, pad_token_id=DROP),
+    "modernbert-decoder": dict(pad_token_id=DROP, bos_token_id=DROP, eos_token_id=DROP),
+    "exaone4": dict(sliding_window=64, sliding_window_pattern=2),
+}
+for _t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
+           "glm4_moe", "phimoe", "jetmoe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax",
+           "minimax_m2", "flex_olmo", "sarvam_moe", "afmoe", "gpt_oss", "lfm2_moe", "cohere2_moe",
+           "exaone_moe", "granitemoe_swa", "aria_text", "llama4_text"):
+    OVR[_t] = {**MOE, **OVR.get(_t, {})}
+
+# Our list: every causal decoder type of transformers 5.x that builds from a tiny config.
+CORPUS = (
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "bert", "bert-generation",
+    "big_bird", "biogpt", "bitnet", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe",
+    "ctrl", "cwm", "deepseek_v3", "deepseek_v32", "diffllama", "doge", "dory", "dots1",
+    "electra", "ernie", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe",
+    "falcon", "falcon_h1", "falcon_mamba", "flex_olmo", "flint", "fuyu", "gemma", "gemma2",
+    "gemma3_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm_moe_dsa", "gpt-sw3",
+    "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_neox_japanese", "gpt_oss", "gptj",
+    "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium",
+    "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax",
+    "internlm3", "iquestcoder", "jais2", "jetmoe", "lfm2", "llama", "llama4_text",
+    "longcat_flash", "mamba", "megatron-bert", "mellum", "minicpm3", "minimax", "minimax_m2",
+    "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mpt", "nanochat",
+    "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "openai-gpt",
+    "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+    "rembert", "roformer", "rwkv", "sarvam_moe", "seed_oss", "smollm3", "solar_open",
+    "stablelm", "starcoder2", "trocr", "vaultgemma", "xglm", "youtu",
+)
+
+# Not in the corpus, and why: composite (multimodal / encoder-decoder) models whose causal LM
+# needs more than a text config, and types whose configs do not build as a tiny decoder here.
+EXCLUDED = {
+    "bart": "encoder-decoder family (decoder-only head needs decoder_* sizes)",
+    "bigbird_pegasus": "encoder-decoder family", "blenderbot": "encoder-decoder family",
+    "blenderbot-small": "encoder-decoder family", "marian": "encoder-decoder family",
+    "mbart": "encoder-decoder family", "mvp": "encoder-decoder family",
+    "pegasus": "encoder-decoder family", "plbart": "encoder-decoder family",
+    "prophetnet": "encoder-decoder family", "whisper": "speech encoder-decoder",
+    "blt": "byte-latent composite",
+    "emu3": "multimodal composite", "gemma3": "multimodal composite (gemma3_text is in)",
+    "gemma3n": "multimodal composite", "gemma4": "multimodal composite",
+    "gemma4_unified": "multimodal composite (gemma4_unified_text is in)",
+    "gemma4_assistant": "assistant head of a composite",
+    "gemma4_unified_assistant": "assistant head of a composite",
+    "git": "vision-text composite", "got_ocr2": "vision-text composite",
+    "llama4": "multimodal composite (llama4_text is in)", "mllama": "multimodal composite",
+    "moss_transcribe_diarize": "speech composite", "phi4_multimodal": "multimodal composite",
+    "qwen3_5": "multimodal composite (qwen3_5_text is in)",
+    "qwen3_5_moe": "multimodal composite (qwen3_5_moe_text is in)",
+    "qwen4_exp": "multimodal composite", "musicgen": "audio composite",
+    "musicgen_melody": "audio composite", "xlnet": "permutation LM (no causal mask)",
+    "reformer": "LSH attention model", "xmod": "needs a language adapter",
+    "xlm": "masked LM", "cpmant": "does not build tiny (fixed prompt embedding sizes)",
+    # Not yet built tiny here (the corpus probe's outcome; a config override would add them):
+    "axk1": "its tiny config does not build here: RuntimeError",
+    "axk2": "its tiny config does not build here: RuntimeError",
+    "bailing_hybrid": "its tiny config does not build here: ValueError",
+    "bamba": "its tiny config does not build here: ValueError",
+    "beam": "its tiny config does not build here: TypeError",
+    "camembert": "its tiny config does not build here: TypeError",
+    "cohere_compass_text": "its tiny config does not build here: KeyError",
+    "data2vec-text": "its tiny config does not build here: TypeError",
+    "dbrx": "its tiny config does not build here: AttributeError",
+    "deepseek_v2": "CRASH/timeout",
+    "deepseek_v4": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "dots3_note": "its tiny config does not build here: StrictDataclassClassValidationError",
+    "dots3_note_text": "its tiny config does not build here: StrictDataclassClassValidationError",
+    "gemma3n_text": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "gemma4_text": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "glm4_moe_lite": "its tiny config does not build here: RuntimeError",
+    "granitemoehybrid": "its tiny config does not build here: ValueError",
+    "inkling2_loop_text": "its tiny config does not build here: TypeError",
+    "inkling2_text": "its tiny config does not build here: TypeError",
+    "inkling_text": "its tiny config does not build here: TypeError",
+    "jamba": "its tiny config does not build here: ValueError",
+    "kimi_linear": "our tiny overrides leave it at 4.4M parameters (sizes under other config names)",
+    "kolibri1": "its tiny config does not build here: StrictDataclassClassValidationError",
+    "laguna": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "lara_mini": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "lfm2_moe": "its tiny config does not build here: TypeError",
+    "lfm3": "its tiny config does not build here: ValueError",
+    "mamba2": "its tiny config does not build here: StrictDataclassClassValidationError",
+    "mimo_v2_flash": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "modernbert-decoder": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "moshi": "its tiny config does not build here: StrictDataclassFieldValidationError",
+    "qwen3_5_moe_text": "its tiny config does not build here: ValueError",
+    "qwen3_5_text": "its tiny config does not build here: ValueError",
+    "qwen3_next": "its tiny config does not build here: ValueError",
+    "qwen4_exp_text": "our tiny overrides leave it at 3.1M parameters (sizes under other config names)",
+    "recurrent_gemma": "its tiny config does not build here: ValueError",
+    "roberta": "its tiny config does not build here: TypeError",
+    "roberta-prelayernorm": "its tiny config does not build here: TypeError",
+    "roc_bert": "our tiny overrides leave it at 13.6M parameters (sizes under other config names)",
+    "sarvam_mla": "its tiny config does not build here: RuntimeError",
+    "xlm-roberta": "its tiny config does not build here: TypeError",
+    "xlm-roberta-xl": "its tiny config does not build here: TypeError",
+    "xlstm": "its tiny config does not build here: AttributeError",
+    "zamba": "its tiny config does not build here: StrictDataclassClassValidationError",
+    "zamba2": "its tiny config does not build here: StrictDataclassClassValidationError",
+    "zaya": "its tiny config does not build here: StrictDataclassClassValidationError",
+}
+
+# What a DCPError says, by the feature it names (first match wins). A refusal that names
+# none of these is reported as "other" and fails the corpus test: users must learn why.
+REASONS = (
+    ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
+    ("ALiBi", r"alibi"),
+    ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
+    ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
+                                      r"|conv1d|short conv|hybrid"),
+    ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
+    ("token mixing outside attention", r"mixes tokens along the sequence"),
+    ("length-dependent positions (LongRoPE, dynamic NTK)", r"max\(positions\)"),
+    ("mask written in place", r"is written in place"),
+    ("chunked attention", r"chunk"),
+    ("softcap", r"softcap"),
+    ("mixture of experts", r"expert|\bmoe\b|router"),
+    ("latent attention (MLA)", r"latent|\bmla\b"),
+    ("sliding window", r"window"),
+    ("model-built attention mask", r"attention mask|its own mask"),
+    ("position encoding", r"position|rope|rotary"),
+    ("no AttentionInterface (prepare)", r"AttentionInterface"),
+    ("decoder layer drops attention kwargs", r"does not pass \*\*kwargs"),
+    # Limits of the compiler itself, named by what the message says it met:
+    ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
+                                                    r"survived sequence parallelism"),
+    ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
+    ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
+    ("attention shared across calls", r"called attention twice"),
+    ("data-dependent control flow (not exportable)", r"could not capture|data-dependent"),
+    ("attention form not recognised", r"no attention this compiler recognises"),
+    ("prefill: a view folds the token dim", r"the token dim \(dim \d+, size \d+\) and the "
+                                            r"dims before it must stay"),
+    ("unsupported op", r"no (placement )?rule|not recogni[sz]ed|cannot shard|refus"),
+    ("config", r"config"),
+)
+
+PATHS = ("prepare", "sdpa", "eager")   # hf.prepare; the model itself, with that attention
+MODES = ("decode", "prefill")
+TP, DCP, BLOCK = 4, 2, 4
+LENGTHS = (1, 7, 9, 16)               # vblock = 8: inside, at and past a vblock's edge
+STEPS = {"decode": 8, "prefill": 1}
+ATOL = 1e-4
+
+
+@dataclass
+class Outcome:
+    kind: str            # "matches" | "refused" | "mismatch" | "crash" | "n/a"
+    reason: str = ""     # refused: the REASONS name; mismatch: the error; crash: the type
+    message: str = ""
+
+    def cell(self) -> str:
+        return {"matches": "matches", "n/a": "n/a"}.get(self.kind, f"{self.kind}: {self.reason}")
+
+
+def reason_of(message: str) -> str:
+    # The ordinary frontend's note on how it took the model is context, not the reason.
+    message = message.split(" was taken as an ordinary causal LM")[0]
+    for name, pattern in REASONS:
+        if re.search(pattern, message, re.IGNORECASE):
+            return name
+    return "other"
+
+
+def config_kwargs(model_type: str) -> dict:
+    kw = {**TINY, **OVR.get(model_type, {})}
+    return {k: v for k, v in kw.items() if v is not DROP}
+
+
+def build(model_type: str, attention: str | None = None, *, seed: int = 0):
+    """The tiny model of ``model_type`` with seeded weights large enough that greedy tokens
+    are not near-ties; norms and biases random too, so a mis-sharded one shows."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type](**config_kwargs(model_type))
+    kwargs = {"attn_implementation": attention} if attention else {}
+    model = AutoModelForCausalLM.from_config(config, **kwargs).eval()
+    return seeded_weights(model, seed)
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """A transformers causal LM's logits for ``ids`` from its full forward, no cache."""
+    return model(ids, use_cache=False).logits
+
+
+def reference(model, prompt_list, steps, logits_of=hf_logits):
+    """Greedy tokens and each step's logits from the model's own full forward (no cache);
+    ``logits_of(model, ids)`` is that forward's ``[1, S, V]`` (or ``[1, 1, V]``) logits."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        for p in prompt_list:
+            ids, got, rows = list(p), [], []
+            for _ in range(steps):
+                row = logits_of(model, torch.tensor([ids]))[0, -1]
+                rows.append(row)
+                got.append(int(row.argmax()))
+                ids.append(got[-1])
+            tokens.append(got)
+            logits.append(torch.stack(rows))
+    return tokens, logits
+
+
+def run_case(model_type: str, path: str, mode: str) -> Outcome:
+    """One corpus cell: transform, run on a threaded world, compare with the model."""
+    from dcp_compile import hf
+
+    try:
+        model = build(model_type, None if path == "prepare" else path)
+    except (ValueError, ImportError) as e:
+        if path != "prepare" and "attn" in str(e).lower() or "support" in str(e).lower():
+            return Outcome("n/a", message=str(e).splitlines()[0])
+        raise
+    return run_model(model, mode, prepare=hf.prepare if path == "prepare" else None)
+
+
+def run_model(model, mode: str, *, prepare=None, logits_of=hf_logits,
+              check: bool | None = None) -> Outcome:
+    """One corpus cell for a built ``model`` (any corpus: tests/support/third_party.py uses
+    it too): transform ``prepare(model)`` (or the model itself) with ``check``, run the
+    program on a threaded world with the garbage block poisoned, compare every step with
+    the model's own full forward (``logits_of``)."""
+    import dcp_compile
+    from dcp_compile.runtime.serving.engine import StepShapes
+    from dcp_compile.runtime.errors import DCPCompilerBug, DCPError
+    from dcp_compile.verify import run_threaded_program
+
+    steps = STEPS[mode]
+    shapes = StepShapes(batch=len(LENGTHS), context_len=max(LENGTHS),
+                        max_blocks=4, num_blocks=4 * len(LENGTHS) + 2)
+    try:
+        target = prepare(model) if prepare is not None else model
+        program = dcp_compile.transform(target, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                                        shapes=shapes, check=check)
+        runs = run_threaded_program(program, prompts(), steps, poison_garbage=True)
+    except DCPCompilerBug as e:    # a DCPError, but a bug, not a refusal
+        return Outcome("crash", f"DCPCompilerBug({type(e.original).__name__})", str(e)[:2000])
+    except DCPError as e:
+        return Outcome("refused", reason_of(str(e)), str(e))
+    except Exception as e:  # noqa: BLE001  (a non-project exception is a corpus failure)
+        return Outcome("crash", type(e).__name__,
+                       "".join(traceback.format_exception_only(type(e), e)).strip()[:2000])
+    ref_tokens, ref_logits = reference(model, prompts(), steps, logits_of)
+    worst = 0.0
+    for run in runs:
+        for t, got in enumerate(run.result.logits):
+            for b in range(len(LENGTHS)):
+                worst = max(worst, float((got[b] - ref_logits[b][t]).abs().max()))
+        if run.result.tokens != ref_tokens:
+            return Outcome("mismatch", f"tokens differ on rank {run.rank}",
+                           f"max |logits error| {worst:.3g}")
+    if not worst <= ATOL:
+        return Outcome("mismatch", f"max |logits error| {worst:.3g}")
+    return Outcome("matches")
+
+
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "models.md")
+START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
+
+
+def render_table(results: dict) -> str:
+    """The corpus table of docs/models.md (a row per type, a column per path x mode) and the counts."""
+    head = "| model type | " + " | ".join(f"{p} {m}" for p in PATHS for m in MODES) + " |"
+    rule = "|" + "---|" * (1 + len(PATHS) * len(MODES))
+    rows = [f"| `{t}` | " + " | ".join(results[(t, p, m)].cell() for p in PATHS
+                                       for m in MODES) + " |" for t in CORPUS]
+    counts: dict[str, int] = {}
+    for out in results.values():
+        counts[out.cell()] = counts.get(out.cell(), 0) + 1
+    summary = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return "\n".join([head, rule, *rows, "", f"Cells: {len(results)}. {summary}."])
+
+
+def _cell(args):
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    return args, run_case(*args)
+
+
+def write_docs(processes: int = 2) -> dict:
+    """Run every cell (a process pool) and rewrite docs/models.md's table between its markers."""
+    import multiprocessing
+    cells = [(t, p, m) for t in CORPUS for p in PATHS for m in MODES]
+    with multiprocessing.get_context("spawn").Pool(processes, maxtasksperchild=20) as pool:
+        results = dict(pool.imap_unordered(_cell, cells))
+    text = open(PAGE).read()
+    table = render_table(results)
+    new = re.sub(re.escape(START) + ".*?" + re.escape(END),
+                 lambda _: f"{START}\n{table}\n{END}", text, flags=re.S)
+    open(PAGE, "w").write(new)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/support/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
+    one line each (tab-separated: type, path, mode, cell, message).
+    ``python tests/support/hf_corpus.py --write-docs [PROCESSES]``: every cell, into docs/models.md."""
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    if argv and argv[0] == "--write-docs":
+        results = write_docs(int(argv[1]) if len(argv) > 1 else 2)
+        bad = {k: v for k, v in results.items() if v.kind in ("mismatch", "crash")
+               or v.reason == "other"}
+        for k, v in sorted(bad.items()):
+            print("\t".join(k), v.cell(), v.message[:300], sep="\t")
+        return 1 if bad else 0
+    types = argv[0].split(",")
+    paths = argv[1].split(",") if len(argv) > 1 else PATHS
+    modes = argv[2].split(",") if len(argv) > 2 else MODES
+    for t in types:
+        for path in paths:
+            for mode in modes:
+                out = run_case(t, path, mode)
+                msg = out.message.replace("\n", " ")[:300]
+                print(f"{t}\t{path}\t{mode}\t{out.cell()}\t{msg}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
