@@ -9,7 +9,7 @@ Each section of the page sits between two markers that name it::
 A section is named by its benchmark's file stem, plus a variant word when one benchmark
 writes several (``bench_xla buckets``). ``recorded(name, args)`` tees what the benchmark
 prints and, when the run asked for ``--write-docs``, replaces the section with the command,
-the date, the machine's load and that output. tests/test_benchmark_docs.py checks that every
+the date, the machine's load and that output. tests/repository/test_docs_pages.py checks that every
 section of the page has a benchmark that writes it.
 """
 

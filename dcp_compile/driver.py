@@ -29,7 +29,7 @@ from .capture import meta_to_host
 from .frontends import Frontend, StepCapture, frontend_for
 from .report import CompileReport
 
-__all__ = ["CompileOptions", "compile_program", "passes_for", "transform", "transform_graph"]
+__all__ = ["CompileOptions", "compile_program", "passes_for", "transform"]
 
 
 @dataclass(frozen=True)
@@ -280,22 +280,3 @@ def _with_progress(on_pass, progress: bool):
             on_pass(record, gm)
     return callback
 
-
-def transform_graph(gm: torch.fx.GraphModule, config: DCPConfig, step: str, *,
-                    first_user_input: str, facts: ModelFacts | None = None, certificate=None,
-                    on_pass=None):
-    """Run ``step``'s row of the pipeline table on an already captured ATen graph in the
-    program calling convention (no prologue): the passes ``compile_program`` runs after
-    capture. ``first_user_input`` names the placeholder the ``tp_rank`` input goes before.
-    Returns ``(gm, records, ctx)``: the rewritten graph, its PassRecords, and the
-    TransformContext holding what the passes found (validated config, certificate, facts,
-    weight shards).
-    """
-    from dcp_compile.passes.infra import TransformContext
-    from dcp_compile.passes.manager import run_passes
-
-    ctx = TransformContext(config=config, step=step, facts=facts or ModelFacts(),
-                           certificate=certificate)
-    gm, records = run_passes(gm, passes_for(ctx, first_user_input), step=step,
-                             on_pass=on_pass)
-    return gm, records, ctx

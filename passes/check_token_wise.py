@@ -32,31 +32,34 @@ import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*
 from dcp_compile.runtime.errors import DCPLengthDependentError, DCPTokenMixingError
 
 from .infra import DCPPass, Property, attention_nodes, placeholder, source_of, val
-from .op_classes import CASTS, is_call
+from .op_classes import (ADDS, CASTS, EXTREMA, GREATER, GREATER_EQUAL, LESS, LESS_EQUAL, MULS,
+                         SUBS, TENSOR_WHERES, is_call)
 from .placement.tokens import Rows, TokenMixing, follow_tokens
 
 aten = torch.ops.aten
 
 # Ops whose value lies in the range of their input (an extremum of the positions).
-LENGTH_SOURCES = frozenset({aten.max.default, aten.amax.default, aten.min.default,
-                            aten.amin.default})
+LENGTH_SOURCES = EXTREMA
+
+
+def _add(ab, c, alpha=1):
+    return ab[0], ab[1] + alpha * c
+
+
+def _sub(ab, c, alpha=1):
+    return ab[0], ab[1] - alpha * c
+
+
+def _mul(ab, c):
+    return ab[0] * c, ab[1] * c
+
 
 # Affine scalar arithmetic: (a, b) of a*m + b -> with a Python number c.
-AFFINE = {
-    aten.add.Tensor: lambda ab, c, alpha=1: (ab[0], ab[1] + alpha * c),
-    aten.add.Scalar: lambda ab, c, alpha=1: (ab[0], ab[1] + alpha * c),
-    aten.sub.Tensor: lambda ab, c, alpha=1: (ab[0], ab[1] - alpha * c),
-    aten.sub.Scalar: lambda ab, c, alpha=1: (ab[0], ab[1] - alpha * c),
-    aten.mul.Tensor: lambda ab, c: (ab[0] * c, ab[1] * c),
-    aten.mul.Scalar: lambda ab, c: (ab[0] * c, ab[1] * c),
-}
-COMPARISONS = {
-    aten.gt.Scalar: operator.gt, aten.gt.Tensor: operator.gt,
-    aten.ge.Scalar: operator.ge, aten.ge.Tensor: operator.ge,
-    aten.lt.Scalar: operator.lt, aten.lt.Tensor: operator.lt,
-    aten.le.Scalar: operator.le, aten.le.Tensor: operator.le,
-}
-WHERE = frozenset({aten.where.self})
+AFFINE = {**dict.fromkeys(ADDS, _add), **dict.fromkeys(SUBS, _sub),
+          **dict.fromkeys(MULS, _mul)}
+COMPARISONS = {**dict.fromkeys(GREATER, operator.gt), **dict.fromkeys(GREATER_EQUAL, operator.ge),
+               **dict.fromkeys(LESS, operator.lt), **dict.fromkeys(LESS_EQUAL, operator.le)}
+WHERE = TENSOR_WHERES
 
 
 class CheckTokenWise(DCPPass):

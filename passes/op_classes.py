@@ -95,6 +95,31 @@ MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
 # torch.export's runtime checks of a tensor's metadata: no-ops in a captured graph.
 EXPORT_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
 
+# An extremum of a whole tensor or of dims: its value lies in its input's range.
+EXTREMA = frozenset({aten.max.default, aten.amax.default, aten.min.default, aten.amin.default})
+# Comparisons, by the relation they test (tensor or scalar right operand).
+GREATER = frozenset({aten.gt.Scalar, aten.gt.Tensor})
+GREATER_EQUAL = frozenset({aten.ge.Scalar, aten.ge.Tensor})
+LESS = frozenset({aten.lt.Scalar, aten.lt.Tensor})
+LESS_EQUAL = frozenset({aten.le.Scalar, aten.le.Tensor})
+# A where of two tensors (the form a decision between two computed branches takes).
+TENSOR_WHERES = frozenset({aten.where.self})
+# Pads of a tensor's borders.
+PADS = frozenset({aten.constant_pad_nd.default, aten.pad.default})
+# Ops that return (values, indices) along a dim.
+VALUES_AND_INDICES = frozenset({aten.topk.default, aten.sort.default, aten.max.dim,
+                                aten.min.dim})
+# Rows looked up by index tensors.
+LOOKUPS = frozenset({aten.gather.default, aten.index.Tensor})
+# Elementwise ops torch does not tag pointwise.
+UNTAGGED_ELEMENTWISE = frozenset({aten.polar.default, aten.complex.default})
+SCATTERS = frozenset({aten.scatter.value, aten.scatter.src, aten.scatter_add.default})
+# Tensors made from another's shape only (no data of it).
+SHAPE_ONLY_FILLS = frozenset({aten.ones_like.default, aten.zeros_like.default,
+                              aten.empty_like.default, aten.full_like.default,
+                              aten.new_ones.default, aten.new_zeros.default,
+                              aten.new_empty.default, aten.new_full.default})
+
 
 def is_call(n, targets) -> bool:
     return isinstance(n, Node) and n.op == "call_function" and n.target in targets

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, REDUCTIONS, SLICES,
-                          SOFTMAX, SPLITS, SUM_REDUCTIONS)
+from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, PADS, REDUCTIONS,
+                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS)
 from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
 from .lattice import R, Partial, Refusal, Shard, canon, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
@@ -452,7 +452,7 @@ for _op in REDUCTIONS:
 for _op in SOFTMAX | LOG_SOFTMAX:
     RULES[_op] = Rule("softmax", _softmax_fw, lambda n, req: {n.args[0]: req})
 RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
-for _op in (aten.constant_pad_nd.default, aten.pad.default):
+for _op in PADS:
     RULES[_op] = Rule("pad (other dims than the sharded one)", _pad_fw, _pad_bw)
 
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)

@@ -12,6 +12,8 @@ from torch.fx import Node
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
+from ..op_classes import (FLATTENS, LOOKUPS, RESHAPES, SCATTERS, SHAPE_ONLY_FILLS,
+                          UNTAGGED_ELEMENTWISE, VALUES_AND_INDICES)
 from .lattice import R, Refusal, Seg, Shard, show
 from .node_args import fake, shape_of
 from .rules import aligned_dim, rule_for
@@ -190,7 +192,7 @@ def _along(dim_at: int, default, keepdim_at: int | None = None, keepdim=False):
     return rule
 
 
-_PAIRS = {aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim}
+_PAIRS = VALUES_AND_INDICES
 
 
 def _elementwise(n: Node, rows: dict, tokens: int):
@@ -226,27 +228,20 @@ def _getitem_rows(n: Node, rows: dict, tokens: int):
 
 # Ops the token-wise analysis reads by hand (rows of a whole op, not a placement rule).
 ROW_RULES = {
-    **{op: _reshape_rows for op in (aten.view.default, aten.reshape.default,
-                                    aten._unsafe_view.default, aten.flatten.using_ints,
-                                    aten.unflatten.int)},
+    **dict.fromkeys(RESHAPES | FLATTENS, _reshape_rows),
     torch.ops.dcp.paged_attention.default: _attention_rows,
     torch.ops.dcp.attention.default: _attention_rows,
     torch.ops.dcp.moe.default: _moe_rows,
-    aten.gather.default: _lookup_rows,
+    **dict.fromkeys(LOOKUPS, _lookup_rows),
     aten.topk.default: _along(2, -1),
     aten.sort.default: _along(1, -1),
     aten.argsort.default: _along(1, -1),
     aten.max.dim: _along(1, None, 2), aten.min.dim: _along(1, None, 2),
     aten.argmax.default: _along(1, None, 2), aten.argmin.default: _along(1, None, 2),
     aten.repeat_interleave.self_int: _along(2, None),
-    aten.polar.default: _elementwise, aten.complex.default: _elementwise,
-    **{op: _scatter_rows for op in (aten.scatter.value, aten.scatter.src,
-                                    aten.scatter_add.default)},
-    **{op: _untracked for op in (aten.ones_like.default, aten.zeros_like.default,
-                                 aten.empty_like.default, aten.full_like.default,
-                                 aten.new_ones.default, aten.new_zeros.default,
-                                 aten.new_empty.default, aten.new_full.default)},
-    aten.index.Tensor: _lookup_rows,
+    **dict.fromkeys(UNTAGGED_ELEMENTWISE, _elementwise),
+    **dict.fromkeys(SCATTERS, _scatter_rows),
+    **dict.fromkeys(SHAPE_ONLY_FILLS, _untracked),
     operator.getitem: _getitem_rows,
 }
 

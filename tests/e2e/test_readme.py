@@ -1,7 +1,7 @@
 """The code blocks of README.md and of every docs/*.md page run as written.
 
-The pages are README.md and docs/*.md (not recursive: docs/incoming/ holds drafts for the
-lead, not pages); a block's test is named by its page and its name tag, or its page and line.
+The pages are README.md and docs/*.md (not recursive: a folder under docs/ holds no
+pages); a block's test is named by its page and its name tag, or its page and line.
 
 Every ```python block runs as a script in a temporary directory; every line of a ```bash
 block that is a ``dcp-compile ...`` or ``python3 -m ...`` command runs there too
@@ -41,7 +41,7 @@ DOCS = ROOT / "docs"
 
 
 def doc_pages() -> list[Path]:
-    """README.md, then docs/*.md by name (docs/incoming/ and other folders are not pages)."""
+    """README.md, then docs/*.md by name (folders under docs/ are not pages)."""
     return [README, *sorted(DOCS.glob("*.md"))]
 TIMEOUT = 300                      # seconds for one block or command (none needs a tenth)
 

@@ -154,7 +154,9 @@ def test_hf_family_direct_path_matches_own_forward(family, mode):
     assert_matches_own_forward(model, program, STEPS[mode])
     if family.startswith("falcon"):
         canonical = next(r for r in program.history if r.name == "canonicalize_ops")
-        assert set(canonical.matched) >= {"linear_from_matmul", "constant_index_as_slice"}
+        # Its fused QKV is a matmul of the weight (transformers 5.25 routes Falcon through the
+        # attention interface: no constant index left for constant_index_as_slice).
+        assert "linear_from_matmul" in canonical.matched
     if family.startswith("opt"):          # the 2050-row table is replicated
         assert not any("embed_positions" in n for n in program.shards), program.shards
 

@@ -232,6 +232,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     from dcp_compile.runtime.config import DCPConfig
     from dcp_compile.lowering import lower_graph
     from dcp_compile.driver import passes_for
+    from dcp_compile.frontends.protocol import PAGED_STEP
     from dcp_compile.passes.infra import TransformContext
     from dcp_compile.passes.propagation import repropagate
     from dcp_compile.runtime.program.facts import ModelFacts
@@ -243,7 +244,7 @@ def test_passes_run_by_a_foreign_pass_manager_then_lower_like_transform():
     captured = capture(model, example)
     ctx = TransformContext(config=DCPConfig(tp=8, dcp=4, mode="decode", block_size=16),
                            step="decode", facts=ModelFacts(num_layers=LAYERS))
-    ours = passes_for(ctx, captured.user_inputs[0])
+    ours = passes_for(ctx, captured.user_inputs[0], given=PAGED_STEP)   # a paged model
     assert all(callable(p) and isinstance(p.name, str) for p in ours)
 
     def reprop(gm):

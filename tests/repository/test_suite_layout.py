@@ -105,12 +105,12 @@ def test_every_tests_path_and_module_name_written_in_the_repository_exists():
     missing = [f"{path.relative_to(ROOT)}: {ref}" for path in _referring_files() if path != here
                for ref in stale_references(path.read_text(errors="replace"))]
     assert not missing, "paths or module names of tests/ that name no file (moved? rewrite " \
-                        "them with the sed in docs/incoming/tests.md):\n" + "\n".join(missing)
+                        "the reference to the file's room: tests/<room>/...):\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("text, stale", [
-    ("see tests/runtime/test_world.py", ["tests/runtime/test_world"]),
-    ("python -m tests.support.world_worker", ["tests.support.world_worker"]),
+    ("see tests/test_world.py", ["tests/test_world"]),
+    ("python -m tests.world_worker", ["tests.world_worker"]),
     ("`tests/runtime/test_world.py::test_x`, tests/support/full_runs.SWITCHES", []),
     ("python -m tests.support.world_worker; tests.support.full_runs.SWITCHES", []),
     ("tests/support/no_such_helper.py", ["tests/support/no_such_helper"]),

@@ -506,7 +506,7 @@ KNOWN: dict[tuple[str, str], str] = {
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
-    """The tiny ``name`` model, seeded (tests/helpers.seeded_weights), fp32, eval, as
+    """The tiny ``name`` model, seeded (tests/support/helpers.seeded_weights), fp32, eval, as
     ``forward(input_ids) -> logits``."""
     arch = ARCHS[name]
     torch.manual_seed(seed)
