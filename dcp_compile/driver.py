@@ -106,37 +106,39 @@ def _transform(model, tp, dcp, mode, *, block_size, interleave_size, kv_role, sh
                        combine_dtype=combine_dtype, expert_parallel=expert_parallel)
     sizes = check_buckets(buckets, block_size=block_size, dcp=dcp,
                           max_blocks=(shapes or StepShapes()).max_blocks)
-    program = compile_program(frontend_for(model, shapes), config, CompileOptions(
+    frontend = frontend_for(model, shapes)
+    program = compile_program(frontend, config, CompileOptions(
         dump_dir=dump_dir, certificate=certificate, check=check, progress=progress,
         stack_traces=stack_traces))
-    program.bucket_graphs = _bucket_graphs(model, program, config, sizes[:-1], progress,
+    program.bucket_graphs = _bucket_graphs(frontend, program, config, sizes[:-1], progress,
                                            stack_traces)
     return program
 
 
-def _bucket_graphs(model, program: DCPProgram, config: DCPConfig, buckets, progress,
-                   stack_traces: bool | None) -> dict:
-    """Each smaller bucket's graphs: the same compile with that bucket's block-table width
-    (a captured step's shapes are static), over the same weights; the certificate is
-    reused, not proven again, and nothing is dumped (the dump is the full program's)."""
-    import dataclasses
-
+def _bucket_graphs(frontend: Frontend, program: DCPProgram, config: DCPConfig, buckets,
+                   progress, stack_traces: bool | None) -> dict:
+    """Each smaller bucket's graphs: the program's frontend at that bucket's block-table
+    width (a captured step's shapes are static) through the same rows, over the same
+    weights. Only the steps are compiled: no program is built, the certificate is reused,
+    not proven again, nothing is checked or dumped (the dump is the full program's)."""
     from dcp_compile.runtime.program.buckets import bucket_width
+    options = CompileOptions(dump=False, certificate=program.certificate, check=False,
+                             progress=progress, stack_traces=stack_traces)
     out = {}
     for bucket in buckets:
         width = bucket_width(bucket, block_size=config.block_size, dcp=config.dcp)
         if progress:
             _report(f"[bucket {bucket}] block table of {width} entries")
-        shapes = dataclasses.replace(program.shapes, max_blocks=width)
-        sub = compile_program(frontend_for(model, shapes), config, CompileOptions(
-            dump=False, certificate=program.certificate, check=False, progress=progress,
-            stack_traces=stack_traces))
-        if sub.weight_inputs != program.weight_inputs:
+        steps = _compile_steps(frontend.at_shapes(replace(program.shapes, max_blocks=width)),
+                               config, options, dump_path=None, traced=bool(stack_traces))
+        if list(steps.first.weight_inputs) != list(program.weight_inputs):
             raise DCPTransformError(
                 f"context bucket {bucket} captured other weights than the full program: "
-                f"{sub.weight_inputs[:4]}... vs {program.weight_inputs[:4]}... . Buckets "
-                f"share one set of weights; report this model to dcp_compile.")
-        out[bucket] = sub.graphs
+                f"{steps.first.weight_inputs[:4]}... vs {program.weight_inputs[:4]}... . "
+                f"Buckets share one set of weights; report this model to dcp_compile.")
+        for gm in steps.graphs.values():
+            meta_to_host(gm)
+        out[bucket] = steps.graphs
     return out
 
 

@@ -243,6 +243,11 @@ class DynamoFrontend:
     def steps(self, mode: str) -> tuple[str, ...]:
         return (self.captured.step,)
 
+    def at_shapes(self, shapes) -> "DynamoFrontend":
+        raise DCPTransformError(
+            "context buckets need transform(model, buckets=...): the torch.compile backend "
+            "gets one graph from Dynamo, at the shapes it was called with.")
+
     def capture(self, step: str, config) -> StepCapture:
         c = self.captured
         return StepCapture(c.gm, [name for name, _ in c.user],

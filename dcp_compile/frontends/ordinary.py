@@ -8,6 +8,7 @@ model's own full forward, recomputed every step (:class:`FullForwardReference`).
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -39,6 +40,11 @@ class OrdinaryFrontend:
     def steps(self, mode: str) -> tuple[str, ...]:
         from dcp_compile.passes.pipeline import STEPS_BY_MODE
         return STEPS_BY_MODE[mode]
+
+    def at_shapes(self, shapes) -> "OrdinaryFrontend":
+        other = copy.copy(self)             # the same model, checks done, wrappers kept
+        other.shapes = shapes
+        return other
 
     def capture(self, step: str, config) -> StepCapture:
         tokens = self.shapes.decode_len if step == StepKind.DECODE else self.shapes.context_len

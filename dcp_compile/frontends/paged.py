@@ -6,6 +6,7 @@ reference."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -40,6 +41,11 @@ class PagedFrontend:
     def steps(self, mode: str) -> tuple[str, ...]:
         from dcp_compile.passes.pipeline import STEPS_BY_MODE
         return STEPS_BY_MODE[mode]
+
+    def at_shapes(self, shapes) -> "PagedFrontend":
+        other = copy.copy(self)             # the same model, checks done, wrappers kept
+        other.shapes = shapes
+        return other
 
     def capture(self, step: str, config) -> StepCapture:
         s = self.shapes

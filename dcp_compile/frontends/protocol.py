@@ -59,6 +59,10 @@ class Frontend(Protocol):
     def steps(self, mode: str) -> tuple[str, ...]:
         """The step kinds a program of ``mode`` gets from this frontend, in capture order."""
 
+    def at_shapes(self, shapes: "StepShapes") -> "Frontend":
+        """This frontend for the same model at other static shapes (a context bucket's
+        narrower block table): no model checks or wrapping again."""
+
     def capture(self, step: str, config: "DCPConfig") -> StepCapture:
         """Stage 0: ``step``'s ATen graph (``config``: the layout asked for; its block size
         shapes the caches)."""

@@ -157,6 +157,26 @@ def test_one_graph_per_step_and_bucket_over_one_set_of_weights():
         assert view.constants is program.constants
 
 
+def test_buckets_reuse_the_frontend_and_build_one_program(monkeypatch):
+    """The bucket loop captures each bucket through the program's own frontend (at a
+    narrower block table): the model is inspected and wrapped once, one program is built
+    and one check runs, whatever the number of buckets."""
+    from dcp_compile import driver
+    from dcp_compile.runtime.program import dcp_program
+    made, programs = [], []
+    frontend_for, program_init = driver.frontend_for, dcp_program.DCPProgram.__init__
+    monkeypatch.setattr(driver, "frontend_for", lambda *a, **k: made.append(a) or
+                        frontend_for(*a, **k))
+    monkeypatch.setattr(dcp_program.DCPProgram, "__init__", lambda self, *a, **k:
+                        programs.append(self) or program_init(self, *a, **k))
+    model = demo_model(DemoConfig(num_layers=1))
+    program = dcp_compile.transform(model, tp=4, dcp=2, block_size=BLOCK, buckets=[8, 16],
+                                    shapes=StepShapes(batch=2, context_len=16, max_blocks=4,
+                                                      num_blocks=9), check=False)
+    assert program.buckets == (8, 16, 32)
+    assert len(made) == 1 and programs == [program]
+
+
 def test_lower_emits_one_module_per_step_and_bucket():
     pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir")
     from dcp_compile.lowering import lower
