@@ -4,6 +4,10 @@ insertion, so that the placement rules see the ops they have rules for (rules as
 
   * ``x @ w.T`` with ``w`` a 2-D weight input (Falcon's ``FalconLinear``, hand-written
     linears) -> ``linear(x, w)``: the placement analysis shards linears by role.
+  * ``addmm(b, x.view(-1, nx), w).view(*x.shape[:-1], nf)`` with ``w`` a 2-D weight input
+    (transformers' ``Conv1D``: GPT-2, GPT-SW3, OpenAI-GPT; a linear whose weight is stored
+    ``[in, out]``) -> ``linear(x, w.t(), b)``: a linear over the unflattened tokens, its
+    weight read through a transpose (the analysis places the weight itself, dims swapped).
   * ``x[..., idx, :]`` with ``idx`` a constant of consecutive ascending indices (Falcon's
     ``qkv[..., [-2], :]``, a list index torch.export lifts to a constant) -> a slice of that
     dim: slices are segment-aware (a fused projection's part), gathers are not.
@@ -22,7 +26,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from .infra import DCPPass, Property, val
-from .op_classes import MATRIX_TRANSPOSES, is_call, skip_casts
+from .op_classes import MATRIX_TRANSPOSES, RESHAPES, is_call, skip_casts
 
 aten = torch.ops.aten
 
@@ -54,6 +58,51 @@ def linear_from_matmul(gm: GraphModule, weights: set[str], constants) -> int:
             lin = gm.graph.call_function(aten.linear.default, (n.args[0], w))
         lin.meta.update(n.meta)
         n.replace_all_uses_with(lin)
+        gm.graph.erase_node(n)
+        count += 1
+    return count
+
+
+def _flattened_rows(v, nx: int) -> Node | None:
+    """``x`` if ``v`` is ``x.view(-1, nx)`` folding every dim of ``x`` but its last (nx)."""
+    if not is_call(v, RESHAPES) or val(v).dim() != 2:
+        return None
+    x = v.args[0]
+    ok = isinstance(x, Node) and val(x).dim() >= 2 and val(x).shape[-1] == nx
+    return x if ok else None
+
+
+def conv1d_as_linear(gm: GraphModule, weights: set[str], constants) -> int:
+    """transformers' ``Conv1D`` (``addmm(bias, x.view(-1, nx), weight)``, weight ``[nx, nf]``)
+    -> ``linear(x, weight.t(), bias)`` over x's own dims; the views back to them die."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, {aten.addmm.default}) or n.kwargs.get("beta", 1) != 1 \
+                or n.kwargs.get("alpha", 1) != 1:
+            continue
+        bias, rows, w = n.args[:3]
+        if not (isinstance(w, Node) and w.op == "placeholder" and w.name in weights
+                and val(w).dim() == 2):
+            continue
+        x = _flattened_rows(rows, val(w).shape[0])
+        if x is None or not (isinstance(bias, Node) and val(bias).dim() == 1):
+            continue
+        with gm.graph.inserting_before(n):
+            wt = gm.graph.call_function(aten.t.default, (w,))
+            lin = gm.graph.call_function(aten.linear.default, (x, wt, bias))
+            flat = gm.graph.call_function(aten.view.default, (lin, list(val(n).shape)))
+        shape = [*val(x).shape[:-1], val(w).shape[1]]
+        for m in (wt, lin, flat):
+            m.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        mode = detect_fake_mode([val(x)])
+        with mode:
+            wt.meta["val"] = val(w).t()
+            lin.meta["val"] = torch.empty(shape, dtype=val(n).dtype, device=val(n).device)
+            flat.meta["val"] = lin.meta["val"].view(list(val(n).shape))
+        for u in list(n.users):     # the view back to x's dims is the linear itself
+            if is_call(u, RESHAPES) and list(val(u).shape) == shape:
+                u.replace_all_uses_with(lin)
+        n.replace_all_uses_with(flat)
         gm.graph.erase_node(n)
         count += 1
     return count
@@ -149,6 +198,7 @@ def slices_as_split(gm: GraphModule, weights: set[str], constants) -> int:
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     "linear_from_matmul": linear_from_matmul,
+    "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,
     "slices_as_split": slices_as_split,
 }

@@ -65,7 +65,11 @@ class PagedFrontend:
         return getattr(self.model, "checkpoint_module", self.model)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
-        return []                   # the graph takes its caches already
+        """The graph takes its caches already; only the canonical ops (a Conv1D's addmm a
+        linear) are left to make."""
+        from dcp_compile.passes.canonical_ops import CanonicalizeOps
+        return [CanonicalizeOps(ctx, weights=set(captured.weight_inputs),
+                                constants=captured.constants)]
 
     def facts(self) -> ModelFacts:
         return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype,

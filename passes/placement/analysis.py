@@ -25,7 +25,7 @@ from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
-from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
+from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_chain, weight_param
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
@@ -205,10 +205,14 @@ class Analysis:
         a0 = next(a for a in ins if isinstance(self.P(a), Shard))
         j = sh[0].dim + out_nd - fake(a0).ndim
         for a in ins:
-            if a in self.params and a not in self.decided:
+            base = weight_param(a)   # a weight or a cast of it (OLMo-2's weight.float())
+            if base in self.params and base not in self.decided:
                 k = j - (out_nd - fake(a).ndim)
                 if k >= 0 and fake(a).shape[k] != 1:
-                    self.decide(a, replace(sh[0], dim=k), n)
+                    if a is base:
+                        self.decide(a, replace(sh[0], dim=k), n)
+                    else:
+                        self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
 
     def _read(self, a: Node):
         return R if isinstance(self.P(a), Partial) else self.P(a)
@@ -251,10 +255,7 @@ class Analysis:
     def _linear_fw(self, n, strict):
         x, w = n.args[0], n.args[1]
         b = n.args[2] if len(n.args) > 2 else None
-        # A weight computed from a parameter (a router's weight.float()) has its placement.
-        px, pw = self.P(x), self.decided.get(w) if w in self.params else self.P(w)
-        if pw is None and strict:
-            pw = R
+        px, pw = self.P(x), self._weight_placement(n, w, strict)
         if px is None or pw is None or (b is not None and self.P(b) is None):
             return None
         px = R if isinstance(px, Partial) else px
@@ -279,6 +280,27 @@ class Analysis:
                       f"tensor-parallel form",
                    "Column-parallel needs a replicated input, row-parallel an input sharded "
                    "like the weight's columns")
+
+    def _weight_placement(self, n, w, strict):
+        """A linear's weight as the linear reads it: its parameter's decision (None while
+        undecided), mapped through the casts and transposes on the way (a Conv1D weight.t())."""
+        base, chain = weight_chain(w)
+        if base not in self.params:
+            return self.P(w)      # computed from something else: its own placement
+        p = self.decided.get(base)
+        if p is None:             # a router's weight.float() runs whole on every rank
+            return R if strict or self.linears.get(n) == "replicated" else None
+        for c in reversed(chain):
+            p = rule_for(c.target).forward(c, lambda a, p=p: p)
+        return p
+
+    def _decide_weight(self, n, w, p) -> None:
+        """Decide the parameter a linear's weight ``w`` reads (through casts and transposes)
+        as the cut ``p`` of ``w``, the cut mapped back through those ops."""
+        base, chain = weight_chain(w)
+        for c in chain:
+            p = rule_for(c.target).backward(c, p).get(c.args[0])
+        self.decide(base, p, n)
 
     def _attention_fw(self, n, strict):
         q, k, v, kc, vc = n.args[:5]
@@ -428,7 +450,7 @@ class Analysis:
         last = len(shape_of(n)) - 1
         if req == R:   # an MQA KV projection: every rank computes the one head
             self._check_weight(n, w)
-            self.decide(w, R, n)
+            self._decide_weight(n, w, R)
             if b is not None:
                 self.decide(b, R, n)
             self._set_linear(n, "replicated")
@@ -437,20 +459,21 @@ class Analysis:
             raise _err(n, f"linear output is required to be {show(req)}",
                        "Only the output features of a projection can be cut")
         self._check_weight(n, w)
-        self.decide(w, replace(req, dim=0), n)
+        self._decide_weight(n, w, replace(req, dim=0))
         if b is not None:
             self.decide(b, replace(req, dim=0), n)
         self._set_linear(n, "column")
         return True
 
     def _check_weight(self, n, w):
-        if w not in self.params:
+        if weight_param(w) not in self.params:
             raise _err(n, f"linear weight {w.name} is not a parameter",
-                       "Use nn.Linear weights directly (no transposed or computed weights)")
+                       "Use nn.Linear weights directly, or a cast or transpose of one (no "
+                       "computed weights)")
 
     def _decide_row(self, n: Node, px: Shard) -> None:
         self._check_weight(n, n.args[1])
-        self.decide(n.args[1], replace(px, dim=1), n)
+        self._decide_weight(n, n.args[1], replace(px, dim=1))
         self._set_linear(n, "row")
 
     # -- driver ----------------------------------------------------------------------------
@@ -524,7 +547,7 @@ class Analysis:
                            "Pad the vocabulary to a multiple of tp")
             self._check_weight(n, n.args[1])
             spec = Shard(0, (Seg(vocab, self.cfg.tp),), "mlp")
-            self.decide(n.args[1], spec, n)
+            self._decide_weight(n, n.args[1], spec)
             if len(n.args) > 2 and n.args[2] is not None:
                 self.decide(n.args[2], spec, n)
             self._set_linear(n, "lm_head")
