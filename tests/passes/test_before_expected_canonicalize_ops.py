@@ -73,3 +73,47 @@ def test_a_graph_without_these_forms_is_unmodified():
     p = _pass()
     gm = before(f, p_w=torch.randn(6, 8), c_idx=IDX, x=torch.randn(2, 3, 8))
     assert not p(gm).modified and p.matched == {}
+
+
+# transformers' Conv1D (GPT-2, GPT-SW3, OpenAI-GPT): a linear whose weight is stored
+# [in, out], written addmm(bias, x.view(-1, nx), weight).view(*x.shape[:-1], nf).
+def _conv1d(p_w, p_b, x):
+    flat = aten.view.default(x, [-1, 8])
+    y = aten.addmm.default(p_b, flat, p_w)
+    return (aten.view.default(y, [2, 3, 6]),)
+
+
+def _conv1d_before(bias_shape=(6,)):
+    g = torch.Generator().manual_seed(0)
+    return before(_conv1d, p_w=torch.randn(8, 6, generator=g),
+                  p_b=torch.randn(*bias_shape, generator=g), x=torch.randn(2, 3, 8, generator=g))
+
+
+# One linear over x's own dims, its weight read through a transpose; the flattening views die.
+CONV1D_EXPECTED = """
+    def forward(self, p_w, p_b, x):
+        t_default = aten.t.default(p_w)
+        linear_default = aten.linear.default(x, t_default, p_b)
+        return (linear_default,)
+    """
+
+
+def _conv1d_pass():
+    return CanonicalizeOps(context(2, 1, "context"), weights={"p_w", "p_b"},
+                           constants=dict)
+
+
+def test_conv1d_becomes_a_linear_of_the_transposed_weight():
+    p = _conv1d_pass()
+    gm = run_alone(p, _conv1d_before())
+    assert_code(gm, CONV1D_EXPECTED)
+    assert p.matched == {"conv1d_as_linear": 1}
+    torch.testing.assert_close(call(gm)[0], call(_conv1d_before())[0])
+
+
+def test_an_addmm_of_a_computed_matrix_stays():
+    """addmm's matrix not a weight input (an activation): no linear to make."""
+    p = CanonicalizeOps(context(2, 1, "context"), weights={"p_b"}, constants=dict)
+    gm = run_alone(p, _conv1d_before())
+    assert any(n.target == aten.addmm.default for n in gm.graph.nodes)
+    assert p.matched == {}
