@@ -479,9 +479,6 @@ KNOWN: dict[tuple[str, str], str] = {
        for a in ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B")},
     **{("litgpt/Gemma-2-2b", m): "issue #35: litgpt's scores as q @ k.mT are refused ('the "
        "right operand of `q @ k` is not k.transpose(-2, -1)')" for m in MODES},
-    ("litgpt/OLMo-2-1124-7B", "prefill"): (
-        "issue #35: OLMo-2's q/k norm over all heads casts its weight (weight.float()): "
-        "'replicated operand spans the sharded dim'"),
     **{(f"torchtitan/{a}", "decode"): (
         "issue #35: torchtitan's fused wqkv: the K/V segment (2 heads) is required sharded by "
         "tp=4 in decode ('segment 8/4 does not divide by 4') instead of replicated over the DCP "
