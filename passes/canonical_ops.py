@@ -13,6 +13,10 @@ insertion, so that the placement rules see the ops they have rules for (rules as
     dim: slices are segment-aware (a fused projection's part), gathers are not.
   * slices that partition one dim of one tensor -> one ``split_with_sizes`` (each part of a
     fused projection placed on its own, as a split is).
+  * ``x.reshape(-1, H)`` of a ``[B, S, H]`` tensor, ops that act on each row alone (linears,
+    a norm over the last dim, elementwise ops), and ``.view(B, S, H')`` back (OPT's MLP):
+    the flatten and the view dropped, so the token dim stays a dim (sequence parallelism
+    reduce-scatters along it).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from .infra import DCPPass, Property, val
-from .op_classes import MATRIX_TRANSPOSES, RESHAPES, is_call, skip_casts
+from .op_classes import (IDENTITY_VIEWS, LAYER_NORMS, MATRIX_TRANSPOSES, RESHAPES, is_call,
+                         skip_casts)
 
 aten = torch.ops.aten
 
@@ -195,12 +200,79 @@ def slices_as_split(gm: GraphModule, weights: set[str], constants) -> int:
     return count
 
 
+def _token_flatten(n: Node) -> Node | None:
+    """``x`` if ``n`` is ``x.reshape(-1, H)`` folding every dim of an ``x`` of 3 or more dims
+    but its last."""
+    if not is_call(n, RESHAPES) or val(n).dim() != 2:
+        return None
+    x = n.args[0]
+    ok = isinstance(x, Node) and val(x).dim() >= 3 and val(x).shape[-1] == val(n).shape[-1]
+    return x if ok else None
+
+
+def _row_wise(n: Node) -> bool:
+    """Acts on each row of a ``[rows, H]`` tensor on its own: a linear, a norm over the last
+    dim, an elementwise op, a cast, eval-mode dropout."""
+    if is_call(n, {aten.linear.default}):
+        return True
+    if is_call(n, LAYER_NORMS):
+        return len(n.args[1]) == 1
+    return is_call(n, IDENTITY_VIEWS) or n.op == "call_function" and \
+        torch.Tag.pointwise in getattr(n.target, "tags", ())
+
+
+def _rows_region(flat: Node, x: Node) -> tuple[set[Node], list[Node]] | None:
+    """The row-wise ops from ``flat`` (``x`` flattened) to views back to ``x``'s leading
+    dims (region, those views); None if a value leaves the region any other way, or an
+    operand from outside it is more than a per-feature vector (it would not broadcast)."""
+    lead = list(val(x).shape[:-1])
+    region, ends, todo = {flat}, [], list(flat.users)
+    while todo:
+        u = todo.pop()
+        if u in region or u in ends:
+            continue
+        if is_call(u, RESHAPES) and val(u.args[0]).dim() == 2 \
+                and list(val(u).shape[:-1]) == lead and val(u).dim() == len(lead) + 1:
+            ends.append(u)
+            continue
+        if not _row_wise(u):
+            return None
+        region.add(u)
+        todo.extend(u.users)
+    for u in region - {flat}:
+        operands = [u.args[0]] if is_call(u, {aten.linear.default}) or is_call(u, LAYER_NORMS) \
+            else [a for a in u.all_input_nodes]
+        for a in operands:
+            if a not in region and isinstance(val(a), torch.Tensor) and val(a).dim() > 1:
+                return None
+    return region, ends
+
+
+def token_flatten_dropped(gm: GraphModule, weights: set[str], constants) -> int:
+    """OPT's MLP on ``hidden.reshape(-1, H)`` viewed back to ``[B, S, H]``: the row-wise ops
+    read ``hidden`` itself and the view is dropped (values are the same row by row)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        x = _token_flatten(n) if n in gm.graph.nodes else None
+        found = _rows_region(n, x) if x is not None else None
+        if not found:
+            continue
+        region, ends = found
+        n.replace_all_uses_with(x)
+        for e in ends:
+            e.replace_all_uses_with(e.args[0])
+        count += 1
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     "linear_from_matmul": linear_from_matmul,
     "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,
     "slices_as_split": slices_as_split,
+    # last: the ops it moves off the flattened rows get their values from the pass manager
+    "token_flatten_dropped": token_flatten_dropped,
 }
 
 

@@ -476,6 +476,22 @@ class Analysis:
         self._decide_weight(n, n.args[1], replace(px, dim=1))
         self._set_linear(n, "row")
 
+    def _decide_lm_head(self, n: Node) -> None:
+        """The linear reaching the output: vocab-parallel, all-gathered. Its input is whole
+        on every rank, so a linear before it that is none of the roles (OPT's project_out)
+        runs whole too, like vLLM's ReplicatedLinear."""
+        vocab = shape_of(n)[-1]
+        if vocab % self.cfg.tp:
+            raise _err(n, f"vocabulary of {vocab} does not split over tp={self.cfg.tp}",
+                       "Pad the vocabulary to a multiple of tp")
+        self._check_weight(n, n.args[1])
+        spec = Shard(0, (Seg(vocab, self.cfg.tp),), "mlp")
+        self._decide_weight(n, n.args[1], spec)
+        if len(n.args) > 2 and n.args[2] is not None:
+            self.decide(n.args[2], spec, n)
+        self._set_linear(n, "lm_head")
+        self.require(n.args[0], R, n)
+
     # -- driver ----------------------------------------------------------------------------
 
     def forward_sweep(self) -> bool:
@@ -502,7 +518,8 @@ class Analysis:
         and inputs only get known, so the first such one never moves back: a cursor."""
         for i in range(self.down_cursor, len(self.linear_nodes)):
             n = self.linear_nodes[i]
-            if n not in self.linears and self.P(n.args[0]) is None:
+            if n not in self.linears and self.P(n.args[0]) is None \
+                    and not reaches_output_directly(n):    # the LM head: decided below
                 self.down_cursor = i
                 return n
         self.down_cursor = len(self.linear_nodes)
@@ -535,22 +552,15 @@ class Analysis:
                 continue
             break
         for n in self.linear_nodes:
-            if n in self.linears:
-                continue
-            if not reaches_output_directly(n):
+            if n not in self.linears and reaches_output_directly(n):
+                self._decide_lm_head(n)
+        while self.forward_sweep() | self.backward_sweep():
+            pass
+        for n in self.linear_nodes:
+            if n not in self.linears:
                 raise _err(n, "cannot tell how to shard this linear: it is not a q/k/v/o "
                               "projection, an MLP pair or the LM head",
                            "Refusing to leave it unsharded; restructure the model")
-            vocab = shape_of(n)[-1]
-            if vocab % self.cfg.tp:
-                raise _err(n, f"vocabulary of {vocab} does not split over tp={self.cfg.tp}",
-                           "Pad the vocabulary to a multiple of tp")
-            self._check_weight(n, n.args[1])
-            spec = Shard(0, (Seg(vocab, self.cfg.tp),), "mlp")
-            self._decide_weight(n, n.args[1], spec)
-            if len(n.args) > 2 and n.args[2] is not None:
-                self.decide(n.args[2], spec, n)
-            self._set_linear(n, "lm_head")
         # Token embeddings are vocab-parallel; a table looked up by positions (learned or
         # sinusoidal positions) is replicated: its rows are not a vocabulary.
         embeddings = [n for n in self.nodes if n.target == EMBEDDING
