@@ -49,7 +49,7 @@ from . import collectives as C
 from .infra import (KIND_COLLECTIVE, KIND_SLICE, DCPPass, Property, attention_nodes, placeholder,
                     source_of, val)
 from .op_classes import LITERAL_SHAPES
-from .placement import Refusal, carried_dim, token_dim
+from .placement import Refusal, carried_dim, linears_ahead, token_dim
 from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
@@ -110,6 +110,15 @@ def _sp_role(lin: Node) -> str:
     if role.startswith("mlp"):
         return "mlp"
     return "qkv"     # q/k/v (fused or not) and other attention column projections
+
+
+def _in_the_stream(lin: Node) -> bool:
+    """A linear run whole on every rank whose output is the residual stream (OPT's
+    project_in / project_out: an MLP or the LM head reads it), not a low-rank path into q/k/v
+    (MLA's q_a_proj, gathered like the projections it feeds)."""
+    if lin.meta.get(ROLE_META) != "replicated":
+        return False
+    return any(_sp_role(x) != "qkv" for x in linears_ahead(lin))
 
 
 def layer_of(gm: GraphModule) -> dict[Node, int]:
@@ -234,8 +243,7 @@ class SequenceParallel(DCPPass):
                         plan.frontier[n].append(u)
                     plan.roles[u] = "moe"
                     continue
-                if _is_linear(u) and u.meta.get(ROLE_META) == "replicated" \
-                        and u.args[0] is n:
+                if _is_linear(u) and u.args[0] is n and _in_the_stream(u):
                     pass    # whole on every rank (OPT's project_in): token-wise, in the region
                 elif _is_linear(u):
                     if u.args[0] is not n:

@@ -51,7 +51,7 @@ def attention_projections(attn: list[Node], linears: dict[Node, str], decided: d
     for at in attn:
         sites = {w: sorted(_linears_behind(at.args[i]), key=order.__getitem__)
                  for i, w in enumerate("qkv")}
-        ahead = _linears_ahead(at)
+        ahead = linears_ahead(at)
         o = ahead[0] if len(ahead) == 1 else None
         if o is not None and not (linears.get(o) == "row"
                                   and decided[weight_param(o.args[1])].axis == "attn"):
@@ -107,7 +107,7 @@ def _linears_behind(start: Node) -> set[Node]:
     return set(_linears_reached([start], lambda n: n.all_input_nodes))
 
 
-def _linears_ahead(start: Node) -> list[Node]:
+def linears_ahead(start: Node) -> list[Node]:
     """Linears reached forward from ``start`` before any other linear or attention."""
     return _linears_reached(list(start.users), lambda n: n.users)
 
