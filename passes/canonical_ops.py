@@ -107,8 +107,11 @@ def conv1d_as_linear(gm: GraphModule, weights: set[str], constants) -> int:
         for u in list(n.users):     # the view back to x's dims is the linear itself
             if is_call(u, RESHAPES) and list(val(u).shape) == shape:
                 u.replace_all_uses_with(lin)
+                gm.graph.erase_node(u)
         n.replace_all_uses_with(flat)
         gm.graph.erase_node(n)
+        if not flat.users:
+            gm.graph.erase_node(flat)
         count += 1
     return count
 
@@ -226,6 +229,8 @@ def _rows_region(flat: Node, x: Node) -> tuple[set[Node], list[Node]] | None:
     dims (region, those views); None if a value leaves the region any other way, or an
     operand from outside it is more than a per-feature vector (it would not broadcast)."""
     lead = list(val(x).shape[:-1])
+    if not flat.users:
+        return None
     region, ends, todo = {flat}, [], list(flat.users)
     while todo:
         u = todo.pop()
@@ -245,7 +250,7 @@ def _rows_region(flat: Node, x: Node) -> tuple[set[Node], list[Node]] | None:
         for a in operands:
             if a not in region and isinstance(val(a), torch.Tensor) and val(a).dim() > 1:
                 return None
-    return region, ends
+    return (region, ends) if ends else None
 
 
 def token_flatten_dropped(gm: GraphModule, weights: set[str], constants) -> int:

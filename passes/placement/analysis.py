@@ -476,6 +476,15 @@ class Analysis:
         self._decide_weight(n, n.args[1], replace(px, dim=1))
         self._set_linear(n, "row")
 
+    def _plain_lm_head(self, n: Node) -> bool:
+        """An LM head that must be vocab-parallel, never a row-parallel down projection (OPT's,
+        behind project_out): its logits are returned as they are (a pending sum cannot be),
+        or its weight is tied to a token embedding (cut by vocab rows)."""
+        w = weight_param(n.args[1])
+        return reaches_output_directly(n) and (
+            any(u.op == "output" for u in n.users)
+            or any(u.target == EMBEDDING for u in w.users))
+
     def _decide_lm_head(self, n: Node) -> None:
         """The linear reaching the output: vocab-parallel, all-gathered. Its input is whole
         on every rank, so a linear before it that is none of the roles (OPT's project_out)
@@ -519,7 +528,7 @@ class Analysis:
         for i in range(self.down_cursor, len(self.linear_nodes)):
             n = self.linear_nodes[i]
             if n not in self.linears and self.P(n.args[0]) is None \
-                    and not reaches_output_directly(n):    # the LM head: decided below
+                    and not self._plain_lm_head(n):     # vocab-parallel: decided below
                 self.down_cursor = i
                 return n
         self.down_cursor = len(self.linear_nodes)
