@@ -177,6 +177,8 @@ REASONS = (
     ("attention form not recognised", r"no attention this compiler recognises"),
     ("prefill: a view folds the token dim", r"the token dim \(dim \d+, size \d+\) and the "
                                             r"dims before it must stay"),
+    ("per-head modules over split + cat (StableLM qk_layernorm)",
+     r"per-head modules with their own parameters"),
     ("a projection fused per group, cut finer than its groups",
      r"is finer than the \d+ groups"),
     ("unsupported op", r"no (placement )?rule|not recogni[sz]ed|cannot shard|refus"),
