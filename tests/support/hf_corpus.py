@@ -171,6 +171,8 @@ REASONS = (
     ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
                                                     r"survived sequence parallelism"),
     ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
+    # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
+    ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
     ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
     ("attention shared across calls", r"called attention twice"),
     ("data-dependent control flow (not exportable)", r"could not capture|data-dependent"),
