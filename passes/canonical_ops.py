@@ -281,25 +281,27 @@ CANONICAL_FORMS: dict[str, Callable] = {
 }
 
 
-def canonicalize_ops(gm: GraphModule, weights: set[str], constants) -> dict[str, int]:
+def canonicalize_ops(gm: GraphModule, weights: set[str], constants,
+                     forms: tuple[str, ...] | None = None) -> dict[str, int]:
     found = {name: rewrite(gm, weights, constants) for name, rewrite in
-             CANONICAL_FORMS.items()}
+             CANONICAL_FORMS.items() if forms is None or name in forms}
     gm.graph.eliminate_dead_code()
     return {k: v for k, v in found.items() if v}
 
 
 class CanonicalizeOps(DCPPass):
     """An ordinary model's graph (the ordinary frontend builds this pass): each of
-    ``CANONICAL_FORMS`` rewritten where it matches; ``constants``: the model's tensors by
-    input name (asked only when a constant index is met)."""
+    ``CANONICAL_FORMS`` (or of ``forms``, by name) rewritten where it matches; ``constants``:
+    the model's tensors by input name (asked only when a constant index is met)."""
 
     name = "canonicalize_ops"
     required = frozenset({Property.NO_EXPORT_ASSERTS})
     ensured = frozenset({Property.CANONICAL_OPS})
 
-    def __init__(self, ctx, *, weights: set[str], constants: Callable[[], dict]):
+    def __init__(self, ctx, *, weights: set[str], constants: Callable[[], dict],
+                 forms: tuple[str, ...] | None = None):
         super().__init__(ctx)
-        self.weights, self.constants = set(weights), constants
+        self.weights, self.constants, self.forms = set(weights), constants, forms
         self._values = None
 
     def _constant_values(self) -> dict:
@@ -309,6 +311,6 @@ class CanonicalizeOps(DCPPass):
 
     def call(self, gm):
         nodes = len(gm.graph.nodes)
-        found = canonicalize_ops(gm, self.weights, self._constant_values)
+        found = canonicalize_ops(gm, self.weights, self._constant_values, self.forms)
         self.record(**found)
         return PassResult(gm, bool(found) or len(gm.graph.nodes) != nodes)

@@ -20,6 +20,12 @@ from .hf_checkpoint import checkpoint_sources
 from .protocol import PAGED_STEP, StepCapture
 
 
+# The canonical forms a paged capture (hf.prepare's) still needs: transformers' Conv1D as a
+# linear, OPT's MLP over flattened tokens. The others are for ordinary models' own code (the
+# slices of GPT-NeoX's per-head qkv in a paged capture must stay slices).
+PAGED_FORMS = ("conv1d_as_linear", "token_flatten_dropped")
+
+
 class PagedFrontend:
     source = "transform"
     dump_name = "transform"
@@ -65,11 +71,11 @@ class PagedFrontend:
         return getattr(self.model, "checkpoint_module", self.model)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
-        """The graph takes its caches already; only the canonical ops (a Conv1D's addmm a
-        linear) are left to make."""
+        """The graph takes its caches already; of the canonical ops, the forms of
+        ``PAGED_FORMS`` are left to make."""
         from dcp_compile.passes.canonical_ops import CanonicalizeOps
         return [CanonicalizeOps(ctx, weights=set(captured.weight_inputs),
-                                constants=captured.constants)]
+                                constants=captured.constants, forms=PAGED_FORMS)]
 
     def facts(self) -> ModelFacts:
         return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype,

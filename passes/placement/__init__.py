@@ -39,7 +39,8 @@ are all replicated need no rule (every rank computes the same thing).
 The package, by job: ``lattice`` (the placements and segments), ``node_args`` (what rules read
 of a node), ``dim_maps`` (shape ops' dim maps, both directions), ``rules`` (the ``RULES``
 table by op family), ``plan`` (the result and the projections' roles), ``analysis`` (the
-driver and its errors), ``tokens`` (``token_dim`` for prefill).
+driver and its errors), ``tokens`` (``token_dim`` for prefill), ``weights`` (a weight read
+through casts and transposes; which linear is the LM head).
 """
 
 from .analysis import analyze

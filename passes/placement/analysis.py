@@ -25,10 +25,11 @@ from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
-from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_chain, weight_param
+from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_param
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
+from .weights import decide_weight, plain_lm_head, weight_placement
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
@@ -255,7 +256,7 @@ class Analysis:
     def _linear_fw(self, n, strict):
         x, w = n.args[0], n.args[1]
         b = n.args[2] if len(n.args) > 2 else None
-        px, pw = self.P(x), self._weight_placement(n, w, strict)
+        px, pw = self.P(x), weight_placement(self, n, w, strict)
         if px is None or pw is None or (b is not None and self.P(b) is None):
             return None
         px = R if isinstance(px, Partial) else px
@@ -280,27 +281,6 @@ class Analysis:
                       f"tensor-parallel form",
                    "Column-parallel needs a replicated input, row-parallel an input sharded "
                    "like the weight's columns")
-
-    def _weight_placement(self, n, w, strict):
-        """A linear's weight as the linear reads it: its parameter's decision (None while
-        undecided), mapped through the casts and transposes on the way (a Conv1D weight.t())."""
-        base, chain = weight_chain(w)
-        if base not in self.params:
-            return self.P(w)      # computed from something else: its own placement
-        p = self.decided.get(base)
-        if p is None:             # a router's weight.float() runs whole on every rank
-            return R if strict or self.linears.get(n) == "replicated" else None
-        for c in reversed(chain):
-            p = rule_for(c.target).forward(c, lambda a, p=p: p)
-        return p
-
-    def _decide_weight(self, n, w, p) -> None:
-        """Decide the parameter a linear's weight ``w`` reads (through casts and transposes)
-        as the cut ``p`` of ``w``, the cut mapped back through those ops."""
-        base, chain = weight_chain(w)
-        for c in chain:
-            p = rule_for(c.target).backward(c, p).get(c.args[0])
-        self.decide(base, p, n)
 
     def _attention_fw(self, n, strict):
         q, k, v, kc, vc = n.args[:5]
@@ -450,7 +430,7 @@ class Analysis:
         last = len(shape_of(n)) - 1
         if req == R:   # an MQA KV projection: every rank computes the one head
             self._check_weight(n, w)
-            self._decide_weight(n, w, R)
+            decide_weight(self, n, w, R)
             if b is not None:
                 self.decide(b, R, n)
             self._set_linear(n, "replicated")
@@ -459,7 +439,7 @@ class Analysis:
             raise _err(n, f"linear output is required to be {show(req)}",
                        "Only the output features of a projection can be cut")
         self._check_weight(n, w)
-        self._decide_weight(n, w, replace(req, dim=0))
+        decide_weight(self, n, w, replace(req, dim=0))
         if b is not None:
             self.decide(b, replace(req, dim=0), n)
         self._set_linear(n, "column")
@@ -473,17 +453,8 @@ class Analysis:
 
     def _decide_row(self, n: Node, px: Shard) -> None:
         self._check_weight(n, n.args[1])
-        self._decide_weight(n, n.args[1], replace(px, dim=1))
+        decide_weight(self, n, n.args[1], replace(px, dim=1))
         self._set_linear(n, "row")
-
-    def _plain_lm_head(self, n: Node) -> bool:
-        """An LM head that must be vocab-parallel, never a row-parallel down projection (OPT's,
-        behind project_out): its logits are returned as they are (a pending sum cannot be),
-        or its weight is tied to a token embedding (cut by vocab rows)."""
-        w = weight_param(n.args[1])
-        return reaches_output_directly(n) and (
-            any(u.op == "output" for u in n.users)
-            or any(u.target == EMBEDDING for u in w.users))
 
     def _decide_lm_head(self, n: Node) -> None:
         """The linear reaching the output: vocab-parallel, all-gathered. Its input is whole
@@ -495,7 +466,7 @@ class Analysis:
                        "Pad the vocabulary to a multiple of tp")
         self._check_weight(n, n.args[1])
         spec = Shard(0, (Seg(vocab, self.cfg.tp),), "mlp")
-        self._decide_weight(n, n.args[1], spec)
+        decide_weight(self, n, n.args[1], spec)
         if len(n.args) > 2 and n.args[2] is not None:
             self.decide(n.args[2], spec, n)
         self._set_linear(n, "lm_head")
@@ -528,7 +499,7 @@ class Analysis:
         for i in range(self.down_cursor, len(self.linear_nodes)):
             n = self.linear_nodes[i]
             if n not in self.linears and self.P(n.args[0]) is None \
-                    and not self._plain_lm_head(n):     # vocab-parallel: decided below
+                    and not plain_lm_head(n):     # vocab-parallel: decided below
                 self.down_cursor = i
                 return n
         self.down_cursor = len(self.linear_nodes)
