@@ -20,12 +20,6 @@ from .hf_checkpoint import checkpoint_sources
 from .protocol import PAGED_STEP, StepCapture
 
 
-# The canonical forms a paged capture (hf.prepare's) still needs: transformers' Conv1D as a
-# linear, OPT's MLP over flattened tokens. The others are for ordinary models' own code (the
-# slices of GPT-NeoX's per-head qkv in a paged capture must stay slices).
-PAGED_FORMS = ("conv1d_as_linear", "token_flatten_dropped")
-
-
 class PagedFrontend:
     source = "transform"
     dump_name = "transform"
@@ -71,11 +65,15 @@ class PagedFrontend:
         return getattr(self.model, "checkpoint_module", self.model)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
-        """The graph takes its caches already; of the canonical ops, the forms of
-        ``PAGED_FORMS`` are left to make."""
+        """The graph takes its caches already; only the canonical forms the model names
+        (``canonical_forms``: hf.prepare's wrapper names transformers' Conv1D and OPT's
+        flattened MLP) are left to make."""
+        forms = tuple(getattr(self.model, "canonical_forms", ()))
+        if not forms:
+            return []
         from dcp_compile.passes.canonical_ops import CanonicalizeOps
         return [CanonicalizeOps(ctx, weights=set(captured.weight_inputs),
-                                constants=captured.constants, forms=PAGED_FORMS)]
+                                constants=captured.constants, forms=forms)]
 
     def facts(self) -> ModelFacts:
         return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype,
