@@ -452,9 +452,7 @@ class DCPCausalLM(nn.Module):
         """The model whose parameter names a checkpoint uses (the frontends read it)."""
         return self.hf_model
 
-    # The canonical forms (passes/canonical_ops.py) transformers' code still needs in a paged
-    # capture: Conv1D (GPT-2, GPT-SW3) as a linear, OPT's MLP over flattened tokens. The
-    # paged frontend runs them; GPT-NeoX's per-head qkv slices must stay slices there.
+    # canonical_ops' forms a paged capture still needs: GPT-2's Conv1D, OPT's flattened MLP
     canonical_forms = ("conv1d_as_linear", "token_flatten_dropped")
 
     # Facts transform() reads.
