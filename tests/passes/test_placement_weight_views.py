@@ -14,7 +14,7 @@ from dcp_compile.capture import capture
 from dcp_compile.passes.canonicalize_attention import CanonicalizeAttention
 from dcp_compile.passes.drop_export_asserts import DropExportAsserts
 from dcp_compile.passes.insert_rank import InsertRank
-from dcp_compile.passes.placement import R, Seg, Shard, analyze
+from dcp_compile.passes.placement import Seg, Shard, analyze
 from dcp_compile.passes.validate_and_prove import ValidateAndProve
 from dcp_compile.runtime.errors import DCPTransformError
 
@@ -82,3 +82,43 @@ def test_a_cast_norm_weight_over_all_heads_takes_the_heads_cut():
 def test_a_computed_weight_is_still_refused():
     with pytest.raises(DCPTransformError, match="weight Replicate has no tensor-parallel form"):
         _analyze("computed")
+
+
+class ProjectInOut(nn.Module):
+    """OPT's word_embed_proj_dim: embeddings of 16 projected in to 32 and back out to 16
+    before an LM head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.project_in = nn.Linear(16, 32, bias=False)
+        self.q, self.k, self.v = (nn.Linear(32, n, bias=False) for n in (64, 16, 16))
+        self.o = nn.Linear(64, 32, bias=False)
+        self.project_out = nn.Linear(32, 16, bias=False)
+
+    def forward(self, input_ids, positions, table, caches):
+        x = self.project_in(self.embed(input_ids))
+        b, s, _ = x.shape
+        q, k, v = self.q(x).view(b, s, 8, 8), self.k(x).view(b, s, 2, 8), self.v(x).view(b, s, 2, 8)
+        out, kc, vc = torch.ops.dcp.paged_attention(q, k, v, caches[0], caches[1], positions,
+                                                    table, 0.35)
+        x = x + self.o(out.reshape(b, s, -1))
+        return F.linear(self.project_out(x), self.embed.weight), [kc, vc]
+
+
+def test_linears_of_no_role_before_a_tied_lm_head_run_whole():
+    """project_in / project_out are no q/k/v/o, MLP or LM head: whole on every rank (vLLM's
+    ReplicatedLinear); the LM head tied to the embedding is vocab-parallel like it."""
+    ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+          torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, 2, 8)] * 2)
+    cap = capture(ProjectInOut(), ex)
+    ctx = ctx_for(4, 2, "decode")
+    gm = run(cap.gm, [DropExportAsserts(ctx), CanonicalizeAttention(ctx), ValidateAndProve(ctx),
+                      InsertRank(ctx, cap.user_inputs[0])])
+    plan = analyze(gm, ctx.config)
+    roles = {plan.roles[n.name] for n in plan.linears}
+    kinds = {n.args[1].name: k for n, k in plan.linears.items()}
+    assert kinds["p_project_in_weight"] == kinds["p_project_out_weight"] == "replicated"
+    assert plan.params[next(p for p in plan.params if p.name == "p_embed_weight")] == \
+        Shard(0, (Seg(64, 4),), "mlp")
+    assert "lm_head" in roles
