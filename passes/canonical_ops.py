@@ -4,11 +4,19 @@ insertion, so that the placement rules see the ops they have rules for (rules as
 
   * ``x @ w.T`` with ``w`` a 2-D weight input (Falcon's ``FalconLinear``, hand-written
     linears) -> ``linear(x, w)``: the placement analysis shards linears by role.
+  * ``addmm(b, x.view(-1, nx), w).view(*x.shape[:-1], nf)`` with ``w`` a 2-D weight input
+    (transformers' ``Conv1D``: GPT-2, GPT-SW3, OpenAI-GPT; a linear whose weight is stored
+    ``[in, out]``) -> ``linear(x, w.t(), b)``: a linear over the unflattened tokens, its
+    weight read through a transpose (the analysis places the weight itself, dims swapped).
   * ``x[..., idx, :]`` with ``idx`` a constant of consecutive ascending indices (Falcon's
     ``qkv[..., [-2], :]``, a list index torch.export lifts to a constant) -> a slice of that
     dim: slices are segment-aware (a fused projection's part), gathers are not.
   * slices that partition one dim of one tensor -> one ``split_with_sizes`` (each part of a
     fused projection placed on its own, as a split is).
+  * ``x.reshape(-1, H)`` of a ``[B, S, H]`` tensor, ops that act on each row alone (linears,
+    a norm over the last dim, elementwise ops), and ``.view(B, S, H')`` back (OPT's MLP):
+    the flatten and the view dropped, so the token dim stays a dim (sequence parallelism
+    reduce-scatters along it).
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from .infra import DCPPass, Property, val
-from .op_classes import MATRIX_TRANSPOSES, is_call, skip_casts
+from .op_classes import (IDENTITY_VIEWS, LAYER_NORMS, MATRIX_TRANSPOSES, RESHAPES, is_call,
+                         skip_casts)
 
 aten = torch.ops.aten
 
@@ -55,6 +64,54 @@ def linear_from_matmul(gm: GraphModule, weights: set[str], constants) -> int:
         lin.meta.update(n.meta)
         n.replace_all_uses_with(lin)
         gm.graph.erase_node(n)
+        count += 1
+    return count
+
+
+def _flattened_rows(v, nx: int) -> Node | None:
+    """``x`` if ``v`` is ``x.view(-1, nx)`` folding every dim of ``x`` but its last (nx)."""
+    if not is_call(v, RESHAPES) or val(v).dim() != 2:
+        return None
+    x = v.args[0]
+    ok = isinstance(x, Node) and val(x).dim() >= 2 and val(x).shape[-1] == nx
+    return x if ok else None
+
+
+def conv1d_as_linear(gm: GraphModule, weights: set[str], constants) -> int:
+    """transformers' ``Conv1D`` (``addmm(bias, x.view(-1, nx), weight)``, weight ``[nx, nf]``)
+    -> ``linear(x, weight.t(), bias)`` over x's own dims; the views back to them die."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, {aten.addmm.default}) or n.kwargs.get("beta", 1) != 1 \
+                or n.kwargs.get("alpha", 1) != 1:
+            continue
+        bias, rows, w = n.args[:3]
+        if not (isinstance(w, Node) and w.op == "placeholder" and w.name in weights
+                and val(w).dim() == 2):
+            continue
+        x = _flattened_rows(rows, val(w).shape[0])
+        if x is None or not (isinstance(bias, Node) and val(bias).dim() == 1):
+            continue
+        with gm.graph.inserting_before(n):
+            wt = gm.graph.call_function(aten.t.default, (w,))
+            lin = gm.graph.call_function(aten.linear.default, (x, wt, bias))
+            flat = gm.graph.call_function(aten.view.default, (lin, list(val(n).shape)))
+        shape = [*val(x).shape[:-1], val(w).shape[1]]
+        for m in (wt, lin, flat):
+            m.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        mode = detect_fake_mode([val(x)])
+        with mode:
+            wt.meta["val"] = val(w).t()
+            lin.meta["val"] = torch.empty(shape, dtype=val(n).dtype, device=val(n).device)
+            flat.meta["val"] = lin.meta["val"].view(list(val(n).shape))
+        for u in list(n.users):     # the view back to x's dims is the linear itself
+            if is_call(u, RESHAPES) and list(val(u).shape) == shape:
+                u.replace_all_uses_with(lin)
+                gm.graph.erase_node(u)
+        n.replace_all_uses_with(flat)
+        gm.graph.erase_node(n)
+        if not flat.users:
+            gm.graph.erase_node(flat)
         count += 1
     return count
 
@@ -146,33 +203,105 @@ def slices_as_split(gm: GraphModule, weights: set[str], constants) -> int:
     return count
 
 
+def _token_flatten(n: Node) -> Node | None:
+    """``x`` if ``n`` is ``x.reshape(-1, H)`` folding every dim of an ``x`` of 3 or more dims
+    but its last."""
+    if not is_call(n, RESHAPES) or val(n).dim() != 2:
+        return None
+    x = n.args[0]
+    ok = isinstance(x, Node) and val(x).dim() >= 3 and val(x).shape[-1] == val(n).shape[-1]
+    return x if ok else None
+
+
+def _row_wise(n: Node) -> bool:
+    """Acts on each row of a ``[rows, H]`` tensor on its own: a linear, a norm over the last
+    dim, an elementwise op, a cast, eval-mode dropout."""
+    if is_call(n, {aten.linear.default}):
+        return True
+    if is_call(n, LAYER_NORMS):
+        return len(n.args[1]) == 1
+    return is_call(n, IDENTITY_VIEWS) or n.op == "call_function" and \
+        torch.Tag.pointwise in getattr(n.target, "tags", ())
+
+
+def _rows_region(flat: Node, x: Node) -> tuple[set[Node], list[Node]] | None:
+    """The row-wise ops from ``flat`` (``x`` flattened) to views back to ``x``'s leading
+    dims (region, those views); None if a value leaves the region any other way, or an
+    operand from outside it is more than a per-feature vector (it would not broadcast)."""
+    lead = list(val(x).shape[:-1])
+    if not flat.users:
+        return None
+    region, ends, todo = {flat}, [], list(flat.users)
+    while todo:
+        u = todo.pop()
+        if u in region or u in ends:
+            continue
+        if is_call(u, RESHAPES) and val(u.args[0]).dim() == 2 \
+                and list(val(u).shape[:-1]) == lead and val(u).dim() == len(lead) + 1:
+            ends.append(u)
+            continue
+        if not _row_wise(u):
+            return None
+        region.add(u)
+        todo.extend(u.users)
+    for u in region - {flat}:
+        operands = [u.args[0]] if is_call(u, {aten.linear.default}) or is_call(u, LAYER_NORMS) \
+            else [a for a in u.all_input_nodes]
+        for a in operands:
+            if a not in region and isinstance(val(a), torch.Tensor) and val(a).dim() > 1:
+                return None
+    return (region, ends) if ends else None
+
+
+def token_flatten_dropped(gm: GraphModule, weights: set[str], constants) -> int:
+    """OPT's MLP on ``hidden.reshape(-1, H)`` viewed back to ``[B, S, H]``: the row-wise ops
+    read ``hidden`` itself and the view is dropped (values are the same row by row)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        x = _token_flatten(n) if n in gm.graph.nodes else None
+        found = _rows_region(n, x) if x is not None else None
+        if not found:
+            continue
+        region, ends = found
+        n.replace_all_uses_with(x)
+        for e in ends:
+            e.replace_all_uses_with(e.args[0])
+        count += 1
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     "linear_from_matmul": linear_from_matmul,
+    "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,
     "slices_as_split": slices_as_split,
+    # last: the ops it moves off the flattened rows get their values from the pass manager
+    "token_flatten_dropped": token_flatten_dropped,
 }
 
 
-def canonicalize_ops(gm: GraphModule, weights: set[str], constants) -> dict[str, int]:
+def canonicalize_ops(gm: GraphModule, weights: set[str], constants,
+                     forms: tuple[str, ...] | None = None) -> dict[str, int]:
     found = {name: rewrite(gm, weights, constants) for name, rewrite in
-             CANONICAL_FORMS.items()}
+             CANONICAL_FORMS.items() if forms is None or name in forms}
     gm.graph.eliminate_dead_code()
     return {k: v for k, v in found.items() if v}
 
 
 class CanonicalizeOps(DCPPass):
     """An ordinary model's graph (the ordinary frontend builds this pass): each of
-    ``CANONICAL_FORMS`` rewritten where it matches; ``constants``: the model's tensors by
-    input name (asked only when a constant index is met)."""
+    ``CANONICAL_FORMS`` (or of ``forms``, by name) rewritten where it matches; ``constants``:
+    the model's tensors by input name (asked only when a constant index is met)."""
 
     name = "canonicalize_ops"
     required = frozenset({Property.NO_EXPORT_ASSERTS})
     ensured = frozenset({Property.CANONICAL_OPS})
 
-    def __init__(self, ctx, *, weights: set[str], constants: Callable[[], dict]):
+    def __init__(self, ctx, *, weights: set[str], constants: Callable[[], dict],
+                 forms: tuple[str, ...] | None = None):
         super().__init__(ctx)
-        self.weights, self.constants = set(weights), constants
+        self.weights, self.constants, self.forms = set(weights), constants, forms
         self._values = None
 
     def _constant_values(self) -> dict:
@@ -182,6 +311,6 @@ class CanonicalizeOps(DCPPass):
 
     def call(self, gm):
         nodes = len(gm.graph.nodes)
-        found = canonicalize_ops(gm, self.weights, self._constant_values)
+        found = canonicalize_ops(gm, self.weights, self._constant_values, self.forms)
         self.record(**found)
         return PassResult(gm, bool(found) or len(gm.graph.nodes) != nodes)

@@ -74,6 +74,16 @@ F = torch.ops._c10d_functional
 # Ops that name sizes literally: on the q/k/v and O paths their token count is rewritten.
 
 
+def _keeps_leading_dims(in_shape: list[int], d: int, shape: list[int], tokens: int) -> bool:
+    """A view keeps the token dim (dim ``d`` of ``in_shape``) whole and the dims before it as
+    they are, but for dims of size 1 (GPT-BigCode's multi-query ``unsqueeze(1)`` that a
+    ``view(B, S, H, D)`` drops again)."""
+    def lead(dims):
+        return [x for x in dims if x != 1]
+    return any(shape[j] == tokens and lead(shape[:j]) == lead(in_shape[:d])
+               for j in range(len(shape)))
+
+
 def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
                     what: str) -> tuple[dict[Node, int], dict[Node, list[tuple[Node, int]]]]:
     """Follow the token dim (of size ``tokens``) through ``path`` (graph order), starting
@@ -97,7 +107,7 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
         if t in SHAPED_VIEWS:
             shape = list(n.args[1])
             in_shape = list(val(src).shape)
-            if len(shape) <= d or shape[:d] != in_shape[:d] or shape[d] != tokens:
+            if not _keeps_leading_dims(in_shape, d, shape, tokens):
                 raise DCPTransformError(
                     f"{where} views {tuple(in_shape)} as {shape}: the token dim (dim {d}, "
                     f"size {tokens}) and the dims before it must stay as they are.")

@@ -33,7 +33,9 @@ FEATURES = (
             "to the scores or as s_aux, is supported)", r"\bsinks?\b|s_aux"),
     Feature("SSM / linear-attention layers", "some layers carry a recurrent state instead of a "
             "KV cache, which DCP does not shard",
-            r"mamba|selective_scan|\bssm\b|ssm_|conv1d|short_?conv|linear_?attn|"
+            # conv1d: torch's Conv1d / conv1d (a short convolution over the sequence), not
+            # transformers' Conv1D (GPT-2's linear with a transposed weight): case-sensitive d
+            r"mamba|selective_scan|\bssm\b|ssm_|(?-i:[Cc]onv1d)|short_?conv|linear_?attn|"
             r"linearattention|gated_?delta|deltanet|rwkv|recurrent|xlstm|mlstm|slstm"),
 )
 

@@ -37,6 +37,9 @@ SQUEEZES = frozenset({aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dim
 MATRIX_TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default})
 # Reorder dims (a transpose is a permute of two).
 PERMUTES = frozenset({aten.permute.default, aten.transpose.int})
+# What a weight is read through and still is that weight, cut the same way (dims mapped):
+# a cast (OLMo-2's ``weight.float()``) or a transpose (a ``Conv1D`` weight stored [in, out]).
+WEIGHT_VIEWS = CASTS | MATRIX_TRANSPOSES | PERMUTES
 # Broadcast size-1 dims to a literal shape.
 EXPANDS = frozenset({aten.expand.default, aten.expand_copy.default})
 # Move, add or drop dims without touching values.

@@ -49,7 +49,7 @@ from . import collectives as C
 from .infra import (KIND_COLLECTIVE, KIND_SLICE, DCPPass, Property, attention_nodes, placeholder,
                     source_of, val)
 from .op_classes import LITERAL_SHAPES
-from .placement import Refusal, token_dim
+from .placement import Refusal, carried_dim, linears_ahead, token_dim
 from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
@@ -110,6 +110,15 @@ def _sp_role(lin: Node) -> str:
     if role.startswith("mlp"):
         return "mlp"
     return "qkv"     # q/k/v (fused or not) and other attention column projections
+
+
+def _in_the_stream(lin: Node) -> bool:
+    """A linear run whole on every rank whose output is the residual stream (OPT's
+    project_in / project_out: an MLP or the LM head reads it), not a low-rank path into q/k/v
+    (MLA's q_a_proj, gathered like the projections it feeds)."""
+    if lin.meta.get(ROLE_META) != "replicated":
+        return False
+    return any(_sp_role(x) != "qkv" for x in linears_ahead(lin))
 
 
 def layer_of(gm: GraphModule) -> dict[Node, int]:
@@ -234,7 +243,9 @@ class SequenceParallel(DCPPass):
                         plan.frontier[n].append(u)
                     plan.roles[u] = "moe"
                     continue
-                if _is_linear(u):
+                if _is_linear(u) and u.args[0] is n and _in_the_stream(u):
+                    pass    # whole on every rank (OPT's project_in): token-wise, in the region
+                elif _is_linear(u):
                     if u.args[0] is not n:
                         raise DCPTransformError(
                             f"linear {u.name} ({source_of(u)}) reads the sequence-parallel "
@@ -287,7 +298,9 @@ class SequenceParallel(DCPPass):
                 f"attention and the MLP.")
         # Token-wise by the placement rules (dcp_compile.passes.placement): tokens in, tokens out at dim 1.
         try:
-            d = token_dim(u, {a: 1 for a in u.all_input_nodes if a in region}, plan.tokens)
+            marked = {a: 1 for a in u.all_input_nodes if a in region}
+            d = carried_dim(u, marked, plan.tokens) if _is_linear(u) else \
+                token_dim(u, marked, plan.tokens)     # a replicated linear: by hand
         except Refusal as e:
             d, why = None, str(e)
         if d != 1 or out.shape[0] != plan.batch:
@@ -297,7 +310,7 @@ class SequenceParallel(DCPPass):
                 f"stream between layers may only pass ops that keep each token apart when it "
                 f"is sequence-parallel. Move this op inside a projection, or add its rule to "
                 f"dcp_compile.passes.placement.RULES.")
-        for a in u.all_input_nodes:
+        for a in [u.args[0]] if _is_linear(u) else u.all_input_nodes:   # not its weights
             if a in region:
                 continue
             v = a.meta.get("val")

@@ -35,7 +35,8 @@ from . import collectives as C
 from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Property,
                     attention_nodes, placeholder, source_of, val)
 from .op_classes import SHAPED_VIEWS, SPLITS
-from .placement import Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges
+from .placement import (Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges,
+                        weight_param)
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -58,7 +59,8 @@ class ShardPlan:
 
 
 def _is_linear(n: Node) -> bool:
-    return n.op == "call_function" and n.target == LINEAR and n.args[1].op == "placeholder"
+    return n.op == "call_function" and n.target == LINEAR \
+        and weight_param(n.args[1]).op == "placeholder"
 
 
 
@@ -277,7 +279,7 @@ class ShardTensorParallel(DCPPass):
 
     def ensures(self, gm):
         for n in gm.graph.nodes:
-            if _is_linear(n) and n.args[1].name not in self.shards \
+            if _is_linear(n) and weight_param(n.args[1]).name not in self.shards \
                     and n.name not in self.replicated:
                 raise DCPTransformError(f"linear {n.name} ({source_of(n)}) was left "
                                         f"unsharded.")

@@ -186,6 +186,13 @@ def _head_violations(c: DCPConfig) -> list[str]:
         return out
     fix = _largest_valid_decode_dcp(c)
     fix_text = f"Use dcp={fix}" if fix > 1 else "Use dcp=1"
+    if not tp > hkv and hq == hkv:
+        # MHA: query heads split over tp too (tp <= num_q_heads), so no tp replicates KV.
+        out.append(f"decode DCP needs tp > num_kv_heads (KV must be replicated across the DCP "
+                   f"group), and multi-head attention has as many KV heads as query heads, "
+                   f"which split over tp: tp={tp}, num_q_heads={hq}, num_kv_heads={hkv}. "
+                   f"Use dcp=1 (decode DCP needs grouped-query attention).")
+        return out
     if not tp > hkv:
         out.append(f"decode DCP needs tp > num_kv_heads (KV must be replicated across the DCP "
                    f"group): tp={tp}, num_kv_heads={hkv}. Use tp={2 * hkv} or more, or dcp=1.")

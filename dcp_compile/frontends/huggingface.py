@@ -452,6 +452,9 @@ class DCPCausalLM(nn.Module):
         """The model whose parameter names a checkpoint uses (the frontends read it)."""
         return self.hf_model
 
+    # canonical_ops' forms a paged capture still needs: GPT-2's Conv1D, OPT's flattened MLP
+    canonical_forms = ("conv1d_as_linear", "token_flatten_dropped")
+
     # Facts transform() reads.
     @property
     def num_layers(self) -> int:

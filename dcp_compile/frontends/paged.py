@@ -71,7 +71,15 @@ class PagedFrontend:
         return getattr(self.model, "checkpoint_module", self.model)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
-        return []                   # the graph takes its caches already
+        """The graph takes its caches already; only the canonical forms the model names
+        (``canonical_forms``: hf.prepare's wrapper names transformers' Conv1D and OPT's
+        flattened MLP) are left to make."""
+        forms = tuple(getattr(self.model, "canonical_forms", ()))
+        if not forms:
+            return []
+        from dcp_compile.passes.canonical_ops import CanonicalizeOps
+        return [CanonicalizeOps(ctx, weights=set(captured.weight_inputs),
+                                constants=captured.constants, forms=forms)]
 
     def facts(self) -> ModelFacts:
         return ModelFacts(num_layers=self.model.num_layers, cache_dtype=self.dtype,

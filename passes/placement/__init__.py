@@ -39,17 +39,19 @@ are all replicated need no rule (every rank computes the same thing).
 The package, by job: ``lattice`` (the placements and segments), ``node_args`` (what rules read
 of a node), ``dim_maps`` (shape ops' dim maps, both directions), ``rules`` (the ``RULES``
 table by op family), ``plan`` (the result and the projections' roles), ``analysis`` (the
-driver and its errors), ``tokens`` (``token_dim`` for prefill).
+driver and its errors), ``tokens`` (``token_dim`` for prefill), ``weights`` (a weight read
+through casts and transposes; which linear is the LM head).
 """
 
 from .analysis import analyze
 from .dim_maps import DIM_MAPS
 from .lattice import R, Partial, Placement, Refusal, Replicate, Seg, Shard, canon, show
-from .plan import PlacementPlan, head_shards
+from .plan import PlacementPlan, head_shards, linears_ahead
 from .rules import RULES, Rule, aligned_dim, rule_for, slice_bounds, split_ranges
+from .node_args import weight_param
 from .tokens import HAND_PLACED_DIMS, carried_dim, token_dim
 
 __all__ = ["Seg", "Shard", "Replicate", "Partial", "R", "Placement", "Refusal", "canon",
            "show", "Rule", "RULES", "rule_for", "aligned_dim", "DIM_MAPS", "slice_bounds",
            "split_ranges", "PlacementPlan", "head_shards", "analyze", "token_dim",
-           "carried_dim", "HAND_PLACED_DIMS"]
+           "carried_dim", "HAND_PLACED_DIMS", "weight_param", "linears_ahead"]

@@ -25,10 +25,11 @@ from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
-from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
+from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_param
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
+from .weights import decide_weight, plain_lm_head, weight_placement
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
@@ -205,10 +206,14 @@ class Analysis:
         a0 = next(a for a in ins if isinstance(self.P(a), Shard))
         j = sh[0].dim + out_nd - fake(a0).ndim
         for a in ins:
-            if a in self.params and a not in self.decided:
+            base = weight_param(a)   # a weight or a cast of it (OLMo-2's weight.float())
+            if base in self.params and base not in self.decided:
                 k = j - (out_nd - fake(a).ndim)
                 if k >= 0 and fake(a).shape[k] != 1:
-                    self.decide(a, replace(sh[0], dim=k), n)
+                    if a is base:
+                        self.decide(a, replace(sh[0], dim=k), n)
+                    else:
+                        self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
 
     def _read(self, a: Node):
         return R if isinstance(self.P(a), Partial) else self.P(a)
@@ -251,10 +256,7 @@ class Analysis:
     def _linear_fw(self, n, strict):
         x, w = n.args[0], n.args[1]
         b = n.args[2] if len(n.args) > 2 else None
-        # A weight computed from a parameter (a router's weight.float()) has its placement.
-        px, pw = self.P(x), self.decided.get(w) if w in self.params else self.P(w)
-        if pw is None and strict:
-            pw = R
+        px, pw = self.P(x), weight_placement(self, n, w, strict)
         if px is None or pw is None or (b is not None and self.P(b) is None):
             return None
         px = R if isinstance(px, Partial) else px
@@ -428,7 +430,7 @@ class Analysis:
         last = len(shape_of(n)) - 1
         if req == R:   # an MQA KV projection: every rank computes the one head
             self._check_weight(n, w)
-            self.decide(w, R, n)
+            decide_weight(self, n, w, R)
             if b is not None:
                 self.decide(b, R, n)
             self._set_linear(n, "replicated")
@@ -437,21 +439,38 @@ class Analysis:
             raise _err(n, f"linear output is required to be {show(req)}",
                        "Only the output features of a projection can be cut")
         self._check_weight(n, w)
-        self.decide(w, replace(req, dim=0), n)
+        decide_weight(self, n, w, replace(req, dim=0))
         if b is not None:
             self.decide(b, replace(req, dim=0), n)
         self._set_linear(n, "column")
         return True
 
     def _check_weight(self, n, w):
-        if w not in self.params:
+        if weight_param(w) not in self.params:
             raise _err(n, f"linear weight {w.name} is not a parameter",
-                       "Use nn.Linear weights directly (no transposed or computed weights)")
+                       "Use nn.Linear weights directly, or a cast or transpose of one (no "
+                       "computed weights)")
 
     def _decide_row(self, n: Node, px: Shard) -> None:
         self._check_weight(n, n.args[1])
-        self.decide(n.args[1], replace(px, dim=1), n)
+        decide_weight(self, n, n.args[1], replace(px, dim=1))
         self._set_linear(n, "row")
+
+    def _decide_lm_head(self, n: Node) -> None:
+        """The linear reaching the output: vocab-parallel, all-gathered. Its input is whole
+        on every rank, so a linear before it that is none of the roles (OPT's project_out)
+        runs whole too, like vLLM's ReplicatedLinear."""
+        vocab = shape_of(n)[-1]
+        if vocab % self.cfg.tp:
+            raise _err(n, f"vocabulary of {vocab} does not split over tp={self.cfg.tp}",
+                       "Pad the vocabulary to a multiple of tp")
+        self._check_weight(n, n.args[1])
+        spec = Shard(0, (Seg(vocab, self.cfg.tp),), "mlp")
+        decide_weight(self, n, n.args[1], spec)
+        if len(n.args) > 2 and n.args[2] is not None:
+            self.decide(n.args[2], spec, n)
+        self._set_linear(n, "lm_head")
+        self.require(n.args[0], R, n)
 
     # -- driver ----------------------------------------------------------------------------
 
@@ -479,7 +498,8 @@ class Analysis:
         and inputs only get known, so the first such one never moves back: a cursor."""
         for i in range(self.down_cursor, len(self.linear_nodes)):
             n = self.linear_nodes[i]
-            if n not in self.linears and self.P(n.args[0]) is None:
+            if n not in self.linears and self.P(n.args[0]) is None \
+                    and not plain_lm_head(n):     # vocab-parallel: decided below
                 self.down_cursor = i
                 return n
         self.down_cursor = len(self.linear_nodes)
@@ -512,22 +532,15 @@ class Analysis:
                 continue
             break
         for n in self.linear_nodes:
-            if n in self.linears:
-                continue
-            if not reaches_output_directly(n):
+            if n not in self.linears and reaches_output_directly(n):
+                self._decide_lm_head(n)
+        while self.forward_sweep() | self.backward_sweep():
+            pass
+        for n in self.linear_nodes:
+            if n not in self.linears:
                 raise _err(n, "cannot tell how to shard this linear: it is not a q/k/v/o "
                               "projection, an MLP pair or the LM head",
                            "Refusing to leave it unsharded; restructure the model")
-            vocab = shape_of(n)[-1]
-            if vocab % self.cfg.tp:
-                raise _err(n, f"vocabulary of {vocab} does not split over tp={self.cfg.tp}",
-                           "Pad the vocabulary to a multiple of tp")
-            self._check_weight(n, n.args[1])
-            spec = Shard(0, (Seg(vocab, self.cfg.tp),), "mlp")
-            self.decide(n.args[1], spec, n)
-            if len(n.args) > 2 and n.args[2] is not None:
-                self.decide(n.args[2], spec, n)
-            self._set_linear(n, "lm_head")
         # Token embeddings are vocab-parallel; a table looked up by positions (learned or
         # sinusoidal positions) is replicated: its rows are not a vocabulary.
         embeddings = [n for n in self.nodes if n.target == EMBEDDING

@@ -84,6 +84,16 @@ def _split_landing(spec: Split, segs) -> int | None:
                   f"[{', '.join(map(str, segs))}] whole")
 
 
+def _finer_than_groups(segs, groups: int, inner: int) -> str:
+    # A per-group fused layout ([groups, ...] rows: torchtitan's wqkv by KV head, CodeGen's
+    # mp_num shards) cut finer than its groups: a rank would hold part of one group's q heads
+    # and all of its k/v; one Shard of one dim cannot say that.
+    cut = ", ".join(map(str, segs))
+    return (f"the cut [{cut}] is finer than the {groups} groups of {inner} this view merges "
+            f"(a projection fused per group: each rank would hold part of one group); "
+            f"the attention shard (tp in decode, tp/dcp in prefill) must divide {groups}")
+
+
 def _backward_spec(spec, segs, in_shape) -> tuple[int, tuple[Seg, ...]]:
     """(input dim, its segments) so that the output dim ``spec`` carries ``segs``."""
     if isinstance(spec, InputDim):
@@ -95,8 +105,10 @@ def _backward_spec(spec, segs, in_shape) -> tuple[int, tuple[Seg, ...]]:
     if isinstance(spec, Flatten):
         sizes = [_spec_size(s, in_shape) for s in spec.input_dims]
         i = next(i for i, s in enumerate(sizes) if s > 1)
-        return _backward_spec(spec.input_dims[i], scale_segs(segs, 1, math.prod(sizes[i + 1:])),
-                              in_shape)
+        inner = math.prod(sizes[i + 1:])
+        if any(s.local % inner for s in segs) and sizes[i] > 1:
+            raise Refusal(_finer_than_groups(segs, sizes[i], inner))
+        return _backward_spec(spec.input_dims[i], scale_segs(segs, 1, inner), in_shape)
     raise Refusal(f"{type(spec).__name__} cannot carry a shard")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from ..op_classes import WEIGHT_VIEWS, is_call
+
 
 def fake(n):
     return n.meta.get("val") if isinstance(n, Node) else None
@@ -32,3 +34,18 @@ def node_arg(n: Node, i: int, name: str, default=None):
     if len(n.args) > i:
         return n.args[i]
     return n.kwargs.get(name, default)
+
+
+def weight_chain(w: Node) -> tuple[Node, list[Node]]:
+    """The node ``w`` reads a weight through (a cast, a transpose: ``WEIGHT_VIEWS``), and the
+    ops on the way, nearest the weight last: ``(base, [w, ..])``; ``(w, [])`` for a plain one."""
+    chain = []
+    while is_call(w, WEIGHT_VIEWS) and isinstance(w.args[0], Node):
+        chain.append(w)
+        w = w.args[0]
+    return w, chain
+
+
+def weight_param(w: Node) -> Node:
+    """The weight ``w`` is read from, through casts and transposes."""
+    return weight_chain(w)[0]

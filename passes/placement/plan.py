@@ -11,6 +11,7 @@ from torch.fx import Node
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
 from .lattice import Seg, Shard, canon
+from .node_args import weight_param
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -50,10 +51,10 @@ def attention_projections(attn: list[Node], linears: dict[Node, str], decided: d
     for at in attn:
         sites = {w: sorted(_linears_behind(at.args[i]), key=order.__getitem__)
                  for i, w in enumerate("qkv")}
-        ahead = _linears_ahead(at)
+        ahead = linears_ahead(at)
         o = ahead[0] if len(ahead) == 1 else None
         if o is not None and not (linears.get(o) == "row"
-                                  and decided[o.args[1]].axis == "attn"):
+                                  and decided[weight_param(o.args[1])].axis == "attn"):
             o = None
         out[at] = {**sites, "o": o}
     return out
@@ -72,13 +73,13 @@ def linear_roles(attn: list[Node], linears: dict[Node, str], decided: dict,
         if kind == "lm_head":
             roles[n.name] = "lm_head"
         elif kind == "row":
-            roles[n.name] = "o_proj" if decided[n.args[1]].axis == "attn" else "mlp_row"
+            roles[n.name] = "o_proj" if decided[weight_param(n.args[1])].axis == "attn" else "mlp_row"
         elif n in feeds:
             roles[n.name] = "".join(w for w in "qkv" if w in feeds[n]) + "_proj"
         elif kind == "replicated":       # e.g. MLA's q_a_proj (low-rank q path)
             roles[n.name] = "replicated"
         else:
-            roles[n.name] = "mlp_column" if decided[n.args[1]].axis == "mlp" \
+            roles[n.name] = "mlp_column" if decided[weight_param(n.args[1])].axis == "mlp" \
                 else "attention_column"
     for e in embeddings:
         roles[e.name] = "embedding"
@@ -106,7 +107,7 @@ def _linears_behind(start: Node) -> set[Node]:
     return set(_linears_reached([start], lambda n: n.all_input_nodes))
 
 
-def _linears_ahead(start: Node) -> list[Node]:
+def linears_ahead(start: Node) -> list[Node]:
     """Linears reached forward from ``start`` before any other linear or attention."""
     return _linears_reached(list(start.users), lambda n: n.users)
 

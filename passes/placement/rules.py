@@ -226,9 +226,24 @@ def _cat_bw(n, req):
     out, pos = {}, 0
     for x in xs:
         size = shape_of(x)[d]
-        out[x] = Shard(d, _covering(req.segs, pos, pos + size), req.axis)
+        try:
+            out[x] = Shard(d, _covering(req.segs, pos, pos + size), req.axis)
+        except Refusal as e:
+            if len(xs) > 1 and size < max(s.size for s in req.segs):
+                raise Refusal(_finer_parts(req, size, len(xs))) from e
+            raise
         pos += size
     return out
+
+
+def _finer_parts(req, size: int, parts: int) -> str:
+    # Each part its own computation (StableLM's qk_layernorm: one LayerNorm module, with its
+    # own weight, per head over split + cat): which parts a rank computes depends on the
+    # rank, and one graph for every rank (weights cut per parameter) cannot say that.
+    return (f"concatenates {parts} parts of {size} along the dim cut as {show(req)}, each "
+            f"inside one cut segment: a rank would compute other parts than its neighbours "
+            f"(per-head modules with their own parameters). Write it as one op over all parts "
+            f"(one norm with a [heads, head_dim] weight)")
 
 
 # -- reductions --------------------------------------------------------------------------

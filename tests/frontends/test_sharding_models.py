@@ -199,3 +199,29 @@ class ReplicatedSpanningHeads(GrammarModel):
 def test_unplaceable_op_is_refused_naming_op_and_source(model_cls, pattern):
     with pytest.raises(DCPTransformError, match=pattern):
         dcp_compile.transform(model_cls(), tp=4, dcp=2, mode="decode", shapes=SHAPES)
+
+
+@pytest.mark.parametrize("mode,tp,dcp", [("decode", 4, 2), ("prefill", 4, 2)],
+                         ids=["decode-gqa-8to2-tp4-dcp2", "prefill-gqa-8to2-tp4-dcp2"])
+def test_olmo2_qk_norm_with_a_cast_weight_matches(mode, tp, dcp):
+    """litgpt's OLMo-2: q/k RMSNorm over all heads with ``weight.float()`` (a cast of a weight
+    is cut like the weight), here with grouped-query attention (8 q heads, 2 KV heads), so
+    that decode DCP runs too; the corpus' cell harness compares every step (prompts of 1,
+    7, 9 and 16 tokens)."""
+    pytest.importorskip("litgpt")
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    import hf_corpus
+    import third_party as T
+    from helpers import seeded_weights
+
+    name = "OLMo-2-1124-7B"
+    tiny = dict(n_layer=T.LAYERS, n_embd=T.DIM, n_head=T.HEADS, n_query_groups=2,
+                head_size=T.HEAD_DIM, intermediate_size=T.FFN, vocab_size=T.VOCAB,
+                padded_vocab_size=T.VOCAB, block_size=T.MAX_LEN)
+    torch.manual_seed(0)
+    model = T.ARCHS[f"litgpt/{name}"].logits(GPT(Config.from_name(name, **tiny)))
+    model = seeded_weights(model.float().eval(), 0)
+    out = hf_corpus.run_model(model, mode, logits_of=T.logits_of, check=False, tp=tp, dcp=dcp)
+    assert out.kind == "matches", out

@@ -76,6 +76,17 @@ def test_head_counts_that_break_a_rule_are_a_config_error():
         dcp_compile.transform(model, tp=2, dcp=2, shapes=SMALL)
 
 
+def test_multi_head_decode_dcp_names_the_limit_and_dcp_1():
+    """As many KV heads as query heads: query heads split over tp, so no tp exceeds the KV
+    heads; the fix is dcp=1, not a larger tp (which would not split the query heads)."""
+    from dcp_compile import DCPConfig
+    with pytest.raises(DCPConfigError, match=r"multi-head attention .* num_q_heads=8, "
+                                             r"num_kv_heads=8\. Use dcp=1") as e:
+        DCPConfig(tp=4, dcp=2, mode="decode", num_q_heads=8, num_kv_heads=8)
+    assert "tp=16" not in str(e.value)
+    DCPConfig(tp=4, dcp=1, mode="decode", num_q_heads=8, num_kv_heads=8)     # no DCP: fine
+
+
 class NoAttentionModel(DemoLlama):
     """Demo-shaped model whose layers skip attention entirely."""
 

@@ -73,3 +73,99 @@ def test_a_graph_without_these_forms_is_unmodified():
     p = _pass()
     gm = before(f, p_w=torch.randn(6, 8), c_idx=IDX, x=torch.randn(2, 3, 8))
     assert not p(gm).modified and p.matched == {}
+
+
+# transformers' Conv1D (GPT-2, GPT-SW3, OpenAI-GPT): a linear whose weight is stored
+# [in, out], written addmm(bias, x.view(-1, nx), weight).view(*x.shape[:-1], nf).
+def _conv1d(p_w, p_b, x):
+    flat = aten.view.default(x, [-1, 8])
+    y = aten.addmm.default(p_b, flat, p_w)
+    return (aten.view.default(y, [2, 3, 6]),)
+
+
+def _conv1d_before(bias_shape=(6,)):
+    g = torch.Generator().manual_seed(0)
+    return before(_conv1d, p_w=torch.randn(8, 6, generator=g),
+                  p_b=torch.randn(*bias_shape, generator=g), x=torch.randn(2, 3, 8, generator=g))
+
+
+# One linear over x's own dims, its weight read through a transpose; the flattening views die.
+CONV1D_EXPECTED = """
+    def forward(self, p_w, p_b, x):
+        t_default = aten.t.default(p_w)
+        linear_default = aten.linear.default(x, t_default, p_b)
+        return (linear_default,)
+    """
+
+
+def _conv1d_pass():
+    return CanonicalizeOps(context(2, 1, "context"), weights={"p_w", "p_b"},
+                           constants=dict)
+
+
+def test_conv1d_becomes_a_linear_of_the_transposed_weight():
+    p = _conv1d_pass()
+    gm = run_alone(p, _conv1d_before())
+    assert_code(gm, CONV1D_EXPECTED)
+    assert p.matched == {"conv1d_as_linear": 1}
+    torch.testing.assert_close(call(gm)[0], call(_conv1d_before())[0])
+
+
+def test_an_addmm_of_a_computed_matrix_stays():
+    """addmm's matrix not a weight input (an activation): no linear to make."""
+    p = CanonicalizeOps(context(2, 1, "context"), weights={"p_b"}, constants=dict)
+    gm = run_alone(p, _conv1d_before())
+    assert any(n.target == aten.addmm.default for n in gm.graph.nodes)
+    assert p.matched == {}
+
+
+# OPT's MLP: x.reshape(-1, H), a norm, fc1, relu, fc2, the residual add, .view(B, S, H).
+def _opt_mlp(p_ln, p_fc1, p_fc2, x):
+    flat = aten.view.default(x, [-1, 8])
+    h = aten.layer_norm.default(flat, [8], p_ln)
+    h = aten.relu.default(aten.linear.default(h, p_fc1))
+    h = aten.add.Tensor(flat, aten.linear.default(h, p_fc2))
+    return (aten.view.default(h, [2, 3, 8]),)
+
+
+def _opt_before(fn=_opt_mlp):
+    g = torch.Generator().manual_seed(0)
+    return before(fn, p_ln=torch.randn(8, generator=g), p_fc1=torch.randn(16, 8, generator=g),
+                  p_fc2=torch.randn(8, 16, generator=g), x=torch.randn(2, 3, 8, generator=g))
+
+
+# The same ops on [B, S, H]: the flatten and the view back are gone.
+OPT_EXPECTED = """
+    def forward(self, p_ln, p_fc1, p_fc2, x):
+        layer_norm_default = aten.layer_norm.default(x, [8], p_ln)
+        linear_default = aten.linear.default(layer_norm_default, p_fc1)
+        relu_default = aten.relu.default(linear_default)
+        linear_default_1 = aten.linear.default(relu_default, p_fc2)
+        add_tensor = aten.add.Tensor(x, linear_default_1)
+        return (add_tensor,)
+    """
+
+
+def _opt_pass():
+    return CanonicalizeOps(context(2, 1, "context"), weights={"p_ln", "p_fc1", "p_fc2"},
+                           constants=dict)
+
+
+def test_an_mlp_over_flattened_tokens_keeps_the_token_dim():
+    p = _opt_pass()
+    gm = run_alone(p, _opt_before())
+    assert_code(gm, OPT_EXPECTED)
+    assert p.matched == {"token_flatten_dropped": 1}
+    torch.testing.assert_close(call(gm)[0], call(_opt_before())[0])
+
+
+def test_flattened_tokens_that_meet_a_non_row_wise_op_stay_flattened():
+    """A sum over the flattened rows mixes tokens: nothing is rewritten."""
+    def mixes(p_ln, p_fc1, p_fc2, x):
+        flat = aten.view.default(x, [-1, 8])
+        h = aten.linear.default(aten.layer_norm.default(flat, [8], p_ln), p_fc1)
+        s = aten.sum.dim_IntList(h, [0], True)
+        return (aten.view.default(aten.linear.default(h + s, p_fc2), [2, 3, 8]),)
+    p = _opt_pass()
+    gm = run_alone(p, _opt_before(mixes))
+    assert p.matched == {} and sum(n.target == aten.view.default for n in gm.graph.nodes) == 2

@@ -326,3 +326,20 @@ def test_every_softmax_keeps_a_shard_off_its_dim_and_refuses_one_on_it(target):
     assert placed(n, [heads]) == heads
     with pytest.raises(Refusal, match="softmax over the sharded dim"):
         placed(n, [Shard(3, (Seg(3, 3),), "attn")])
+
+
+# -- refusals that name the form -----------------------------------------------------------
+
+def test_a_cat_of_per_head_parts_names_per_head_modules():
+    """StableLM's qk_layernorm: one module per head over split + cat; heads cut 8/4."""
+    _, n = node_of(lambda x: torch.cat(list(x.split(1, dim=1)), dim=1), (2, 8, 3, 4),
+                   target=aten.cat.default)
+    with pytest.raises(Refusal, match="per-head modules with their own parameters"):
+        rule_for(n.target).backward(n, Shard(1, (Seg(8, 4),), "attn"))
+
+
+def test_a_view_merging_groups_cut_finer_than_the_groups_names_them():
+    """CodeGen / torchtitan: [B, S, 4 groups, 16] viewed [B, S, 8 heads, 8], heads cut 8/8."""
+    _, n = node_of(lambda x: x.reshape(2, 3, 8, 8), (2, 3, 4, 16), target=aten.view.default)
+    with pytest.raises(Refusal, match="finer than the 4 groups of 16"):
+        rule_for(n.target).backward(n, Shard(2, (Seg(8, 8),), "attn"))

@@ -177,12 +177,18 @@ REASONS = (
     ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
                                                     r"survived sequence parallelism"),
     ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
+    # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
+    ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
     ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
     ("attention shared across calls", r"called attention twice"),
     ("data-dependent control flow (not exportable)", r"could not capture|data-dependent"),
     ("attention form not recognised", r"no attention this compiler recognises"),
     ("prefill: a view folds the token dim", r"the token dim \(dim \d+, size \d+\) and the "
                                             r"dims before it must stay"),
+    ("per-head modules over split + cat (StableLM qk_layernorm)",
+     r"per-head modules with their own parameters"),
+    ("a projection fused per group, cut finer than its groups",
+     r"is finer than the \d+ groups"),
     ("unsupported op", r"no (placement )?rule|not recogni[sz]ed|cannot shard|refus"),
     ("config", r"config"),
 )
@@ -219,13 +225,14 @@ def config_kwargs(model_type: str) -> dict:
     return {k: v for k, v in kw.items() if v is not DROP}
 
 
-def build(model_type: str, attention: str | None = None, *, seed: int = 0):
-    """The tiny model of ``model_type`` with seeded weights large enough that greedy tokens
-    are not near-ties; norms and biases random too, so a mis-sharded one shows."""
+def build(model_type: str, attention: str | None = None, *, seed: int = 0, **overrides):
+    """The tiny model of ``model_type`` (its config keys ``overrides`` changed) with seeded
+    weights large enough that greedy tokens are not near-ties; norms and biases random too,
+    so a mis-sharded one shows."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type](**config_kwargs(model_type))
+    config = CONFIG_MAPPING[model_type](**{**config_kwargs(model_type), **overrides})
     kwargs = {"attn_implementation": attention} if attention else {}
     model = AutoModelForCausalLM.from_config(config, **kwargs).eval()
     return seeded_weights(model, seed)
@@ -272,22 +279,23 @@ def run_case(model_type: str, path: str, mode: str) -> Outcome:
 
 
 def run_model(model, mode: str, *, prepare=None, logits_of=hf_logits,
-              check: bool | None = None) -> Outcome:
+              check: bool | None = None, tp: int = TP, dcp: int = DCP) -> Outcome:
     """One corpus cell for a built ``model`` (any corpus: tests/support/third_party.py uses
-    it too): transform ``prepare(model)`` (or the model itself) with ``check``, run the
-    program on a threaded world with the garbage block poisoned, compare every step with
-    the model's own full forward (``logits_of``)."""
+    it too): transform ``prepare(model)`` (or the model itself) with ``check`` at ``tp`` /
+    ``dcp``, run the program on a threaded world with the garbage block poisoned, compare
+    every step with the model's own full forward (``logits_of``)."""
     import dcp_compile
     from dcp_compile.runtime.serving.engine import StepShapes
     from dcp_compile.runtime.errors import DCPCompilerBug, DCPError
     from dcp_compile.verify import run_threaded_program
 
     steps = STEPS[mode]
+    blocks = 4 * DCP // dcp          # a row's context over fewer ranks needs more blocks
     shapes = StepShapes(batch=len(LENGTHS), context_len=max(LENGTHS),
-                        max_blocks=4, num_blocks=4 * len(LENGTHS) + 2)
+                        max_blocks=blocks, num_blocks=blocks * len(LENGTHS) + 2)
     try:
         target = prepare(model) if prepare is not None else model
-        program = dcp_compile.transform(target, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+        program = dcp_compile.transform(target, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
                                         shapes=shapes, check=check)
         runs = run_threaded_program(program, prompts(), steps, poison_garbage=True)
     except DCPCompilerBug as e:    # a DCPError, but a bug, not a refusal

@@ -479,13 +479,11 @@ KNOWN: dict[tuple[str, str], str] = {
        for a in ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B")},
     **{("litgpt/Gemma-2-2b", m): "issue #35: litgpt's scores as q @ k.mT are refused ('the "
        "right operand of `q @ k` is not k.transpose(-2, -1)')" for m in MODES},
-    ("litgpt/OLMo-2-1124-7B", "prefill"): (
-        "issue #35: OLMo-2's q/k norm over all heads casts its weight (weight.float()): "
-        "'replicated operand spans the sharded dim'"),
     **{(f"torchtitan/{a}", "decode"): (
-        "issue #35: torchtitan's fused wqkv: the K/V segment (2 heads) is required sharded by "
-        "tp=4 in decode ('segment 8/4 does not divide by 4') instead of replicated over the DCP "
-        "group") for a in ("llama3", "qwen3")},
+        "issue #35: torchtitan's wqkv is fused per KV head ([q heads; k; v] of each group): at "
+        "tp=4 over 2 KV heads a rank holds half of one group's q heads and its whole k/v, a cut "
+        "one Shard of one dim cannot say ('the cut [8/4] is finer than the 2 groups') — a "
+        "limit of the placement lattice, not of DCP") for a in ("llama3", "qwen3")},
     **{("torchtitan/qwen3-moe", m): "issue #35: torchtitan's MoE through torch._grouped_mm is "
        "refused instead of being canonicalised to dcp.moe" for m in MODES},
     **{("torchtitan/deepseek_v3", m): "issue #35: torchtitan's DeepSeek-V3 (MLA + MoE) crashes "
