@@ -94,6 +94,9 @@ MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
 
 # torch.export's runtime checks of a tensor's metadata: no-ops in a captured graph.
 EXPORT_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
+# torch.export keeps a `with torch.autocast(...)` block as this higher-order op over a
+# subgraph: (device_type, dtype, enabled, cache_enabled, subgraph, *operands).
+AUTOCAST_REGIONS = frozenset({torch.ops.higher_order.wrap_with_autocast})
 
 
 def is_call(n, targets) -> bool:

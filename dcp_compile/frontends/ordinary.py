@@ -19,6 +19,7 @@ from dcp_compile.runtime.names import StepKind
 
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
+from .module_experts import module_experts_enabled, stacked_experts
 from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
@@ -32,7 +33,7 @@ class OrdinaryFrontend:
         if is_hf(model):
             check_hf_config(model)
         self.model, self.shapes = model, shapes
-        self.step_model = OrdinaryStep(model)
+        self.step_model = OrdinaryStep(model, library_experts=True)
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
 
@@ -86,9 +87,12 @@ class OrdinaryFrontend:
 class OrdinaryStep(nn.Module):
     """``forward(input_ids (, position_ids)) -> logits`` around any causal LM."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, library_experts: bool = False):
         super().__init__()
         self.model = model
+        # The model libraries' MoE blocks as dcp.moe (module_experts): for the capture only;
+        # the reference runs the model's own blocks.
+        self.library_experts = stacked_experts(model) if library_experts else nn.ModuleDict()
         params = forward_params(model)
         self.takes_positions = "position_ids" in params
         self.hf = is_hf(model)
@@ -103,6 +107,9 @@ class OrdinaryStep(nn.Module):
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
             with dcp_experts_enabled(self.model):
+                out = self.model(input_ids, **kwargs)
+        elif len(self.library_experts):
+            with module_experts_enabled(self.model, self.library_experts):
                 out = self.model(input_ids, **kwargs)
         else:
             out = self.model(input_ids, **kwargs)

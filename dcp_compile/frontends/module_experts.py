@@ -1,0 +1,281 @@
+"""Mixture-of-experts blocks of the model libraries, read at the module level: each becomes
+one ``dcp.moe`` call while ``transform()`` captures the model.
+
+torch.export cannot capture these blocks as written, and should not: litgpt's ``LLaMAMoE``
+picks each expert's tokens with ``torch.where(mask)`` (a shape that depends on the routing),
+torchtitan's ``RoutedExperts`` sorts the tokens into groups of data-dependent sizes for
+``torch._grouped_mm``. Both compute what ``dcp.moe`` computes — gated experts, the routing
+weight applied to each expert's output, summed over the top-k — so, as transformers' experts
+interface lets the HF frontend route experts to ``"dcp"``, the ordinary frontend swaps the
+block's forward (on the instance, for the capture only) for one that calls ``dcp.moe``.
+
+No guessing: a rule (``RULES``, one row per library block) names the class, and the source
+of every function whose meaning the swap relies on is pinned by its hash (the library
+versions of requirements/corpus.txt). A block of a listed class whose code differs (another
+version, a subclass, an override of ``_grouped_mm``) is refused, naming what changed.
+
+Stacked weights. ``dcp.moe`` takes each projection of all experts as one ``[E, ...]``
+parameter. litgpt keeps one module per expert and torchtitan keeps gate (``w1``) and up
+(``w3``) apart, so the frontend builds the stacked tensors once (``StackedExperts``, held by
+the step module, so they are captured as parameters and the program keeps their values;
+on a meta-device model they are meta too). They are copies: a checkpoint has no tensor of
+that name, so these weights come with the program, not from a checkpoint
+(``checkpoint_names`` gives them no name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dcp_compile.runtime.errors import DCPTransformError
+
+
+def source_hash(fn) -> str:
+    """The first 12 hex digits of the sha256 of ``fn``'s source."""
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:12]
+
+
+class StackedExperts(nn.Module):
+    """One MoE block's experts as dcp.moe takes them: ``gate_up_proj [E, 2I, H]`` ([gate;
+    up]), ``down_proj [E, H, I]``, optional biases ``[E, 2I]`` / ``[E, H]``."""
+
+    def __init__(self, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
+                 down_bias: Tensor | None = None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up.detach(), requires_grad=False)
+        self.down_proj = nn.Parameter(down.detach(), requires_grad=False)
+        self.gate_up_bias = None if gate_up_bias is None else \
+            nn.Parameter(gate_up_bias.detach(), requires_grad=False)
+        self.down_bias = None if down_bias is None else \
+            nn.Parameter(down_bias.detach(), requires_grad=False)
+
+    def moe(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """dcp.moe over ``x [T, H]`` with these experts, one device (rank 0, all experts)."""
+        rank0 = torch.zeros((), dtype=torch.int64, device=x.device)
+        biases = {} if self.gate_up_bias is None else {"gate_up_bias": self.gate_up_bias,
+                                                       "down_bias": self.down_bias}
+        return torch.ops.dcp.moe(x, ids.long(), weights, self.gate_up_proj, self.down_proj,
+                                 rank0, **biases)
+
+
+# ------------------------------------------------------------------------------------ litgpt
+
+def _litgpt_stack(block: nn.Module) -> StackedExperts:
+    """litgpt's experts (``LLaMAMLP``: ``proj(silu(fc_1 x) * fc_2 x)``) stacked."""
+    experts = list(block.experts)
+    gate_up = torch.stack([torch.cat([e.fc_1.weight, e.fc_2.weight]) for e in experts])
+    down = torch.stack([e.proj.weight for e in experts])
+    if experts[0].fc_1.bias is None:
+        return StackedExperts(gate_up, down)
+    return StackedExperts(gate_up, down,
+                          torch.stack([torch.cat([e.fc_1.bias, e.fc_2.bias]) for e in experts]),
+                          torch.stack([e.proj.bias for e in experts]))
+
+
+def _litgpt_forward(block: nn.Module, stacked: StackedExperts) -> Callable:
+    """``LLaMAMoE.forward`` (litgpt 0.5.13, litgpt/model.py) with its per-expert
+    ``torch.where`` loop as one dcp.moe: the router lines are the model's own, verbatim."""
+    config = block.config
+
+    def forward(x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        residual_x = x
+        x = x.reshape(-1, C)
+        if not config.n_expert_groups:
+            router = block.gate(x)
+            probs, indices = torch.topk(router, config.n_expert_per_token)
+            probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        else:
+            probs, indices = block.gate(x)
+        if config.routed_scaling_factor != 1.0:
+            probs = probs * config.routed_scaling_factor
+        y = stacked.moe(x, indices, probs).view(B, T, C)
+        if config.n_shared_expert:
+            y = y + block.shared_experts(residual_x)
+        return y
+    return forward
+
+
+def _litgpt_experts(block: nn.Module) -> list:
+    return list(block.experts)
+
+
+# -------------------------------------------------------------------------------- torchtitan
+
+def _titan_stack(block: nn.Module) -> StackedExperts:
+    """torchtitan's ``GroupedExperts`` (``w2(silu(w1 x) * w3 x)``, weights ``[E, F, D]``,
+    ``[E, D, F]``): gate and up concatenated."""
+    inner = block.inner_experts
+    return StackedExperts(torch.cat([inner.w1_EFD, inner.w3_EFD], dim=1), inner.w2_EDF)
+
+
+def _titan_forward(block: nn.Module, stacked: StackedExperts) -> Callable:
+    """``RoutedExperts.forward`` (torchtitan 0.3.0): dispatch (sort by expert), grouped
+    experts, combine (scores times outputs, scatter-add back) as one dcp.moe."""
+
+    def forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+        B, L, D = x_BLD.shape
+        K = topk_scores_BLK.size(-1)
+        out = stacked.moe(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
+                          topk_scores_BLK.reshape(B * L, K))
+        return out.view(B, -1, D)
+    return forward
+
+
+def _titan_parts(block: nn.Module) -> list:
+    return [block.inner_experts, block.token_dispatcher]
+
+
+def _titan_unparallelised(block: nn.Module) -> str | None:
+    if getattr(block.token_dispatcher, "ep_mesh", None) is not None:
+        return ("its token dispatcher has an expert-parallel mesh (torchtitan's own "
+                "parallelize ran); transform the model before torchtitan parallelises it")
+    return None
+
+
+# ------------------------------------------------------------------------------------- rules
+
+@dataclass(frozen=True)
+class ExpertsRule:
+    """One library's MoE block: the class (``module:qualname``), the functions whose meaning
+    the swap relies on (``module:qualname`` -> source hash), which submodules' classes those
+    are read from, how its experts stack, and the forward that calls dcp.moe."""
+
+    block: str
+    library: str
+    pinned: dict[str, set[str]]                  # what runs here -> accepted source hashes
+    parts: Callable[[nn.Module], list]          # the block's submodules the pins cover
+    stack: Callable[[nn.Module], StackedExperts]
+    forward: Callable[[nn.Module, StackedExperts], Callable]
+    why: str                                     # why torch.export cannot capture it
+    definitions: dict[str, str] = field(default_factory=dict)   # functions it calls by name
+    state: Callable[[nn.Module], str | None] = lambda block: None   # why not now, or None
+
+
+_TITAN = "torchtitan.models.common"
+# torchtitan's MoE with moe_comm_backend="standard" builds an AllToAllTokenDispatcher, which
+# runs LocalTokenDispatcher's own dispatch and combine until it is given an EP mesh
+# (``ep_mesh is None``: ``_titan_unparallelised``); both dispatchers' code is accepted.
+_LOCAL_FALLBACK = {f"{_TITAN}.token_dispatcher:LocalTokenDispatcher.dispatch": "4cc2047fc69a",
+                   f"{_TITAN}.token_dispatcher:LocalTokenDispatcher.combine": "a3e39756b240"}
+
+RULES = (
+    ExpertsRule(
+        block="litgpt.model:LLaMAMoE", library="litgpt 0.5.13",
+        pinned={"litgpt.model:LLaMAMoE.forward": {"8fbca80cb5b0"},
+                "litgpt.model:LLaMAMLP.forward": {"1a88679b4724"}},
+        parts=_litgpt_experts, stack=_litgpt_stack, forward=_litgpt_forward,
+        why="a torch.where loop over experts (data-dependent token counts)"),
+    ExpertsRule(
+        block=f"{_TITAN}.moe:RoutedExperts", library="torchtitan 0.3.0",
+        pinned={f"{_TITAN}.moe:RoutedExperts.forward": {"1a660aa196e5"},
+                f"{_TITAN}.moe:GroupedExperts.forward": {"a59df6e1179e"},
+                f"{_TITAN}.moe:GroupedExperts._grouped_mm": {"882a2f00d3ef"},
+                f"{_TITAN}.token_dispatcher:LocalTokenDispatcher.dispatch":
+                    {"4cc2047fc69a", "fd3f2ca6281e"},
+                f"{_TITAN}.token_dispatcher:LocalTokenDispatcher._local_reorder":
+                    {"9b2c4dcb8bd4"},
+                f"{_TITAN}.token_dispatcher:LocalTokenDispatcher.combine":
+                    {"a3e39756b240", "05f7f2a9c1af"}},
+        definitions=_LOCAL_FALLBACK, state=_titan_unparallelised,
+        parts=_titan_parts, stack=_titan_stack, forward=_titan_forward,
+        why="torch._grouped_mm over tokens sorted by expert (data-dependent group sizes)"),
+)
+
+
+def _class_key(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def rule_for(module: nn.Module) -> ExpertsRule | None:
+    """The rule whose block class ``module`` is (or derives from); None: not a listed block."""
+    keys = {_class_key(c) for c in type(module).__mro__}
+    return next((r for r in RULES if r.block in keys), None)
+
+
+def _pinned_source(objects: list, pin: str):
+    """The function ``pin`` (``module:Class.fn``) as the object of that class among
+    ``objects`` resolves it (an override in a subclass is what runs, so it is what counts)."""
+    cls_key, fn = pin.rsplit(".", 1)
+    for obj in objects:
+        if cls_key in {_class_key(c) for c in type(obj).__mro__}:
+            return getattr(type(obj), fn)
+    return None
+
+
+def _definition(pin: str):
+    """``module:Class.fn`` as defined (imported: the block's library is already loaded)."""
+    import importlib
+    module, path = pin.split(":")
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_pins(name: str, block: nn.Module, rule: ExpertsRule) -> None:
+    """Refuse a block whose code is not the code the rule was written from, or that is in a
+    state the swap does not read (``rule.state``)."""
+    objects = [block, *rule.parts(block)]
+    changed = {}
+    for pin, digests in rule.pinned.items():
+        fn = _pinned_source(objects, pin)
+        got = None if fn is None else source_hash(fn)
+        if got not in digests:
+            changed[pin] = got or "missing"
+    for pin, digest in rule.definitions.items():
+        got = source_hash(_definition(pin))
+        if got != digest:
+            changed[pin] = got
+    if changed:
+        raise DCPTransformError(
+            f"{name} ({type(block).__qualname__}) is {rule.library}'s MoE block, {rule.why}, "
+            f"which dcp_compile reads as one dcp.moe from that version's code; here the code "
+            f"differs: {changed} (source hashes). Use {rule.library}, or write the experts as "
+            f"a torch.ops.dcp.moe call (docs/moe-mla.md: Mixture of experts).")
+    why = rule.state(block)
+    if why is not None:
+        raise DCPTransformError(f"{name} ({type(block).__qualname__}), {rule.library}'s MoE "
+                                f"block, cannot be read as one dcp.moe: {why}.")
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsRule]]:
+    """Every listed library MoE block of ``model``: (name, module, rule), code checked."""
+    found = []
+    for name, m in model.named_modules():
+        rule = rule_for(m)
+        if rule is not None:
+            check_pins(name or type(m).__name__, m, rule)
+            found.append((name, m, rule))
+    return found
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__") or "root"
+
+
+def stacked_experts(model: nn.Module) -> nn.ModuleDict:
+    """The stacked experts of every listed block (built once; empty for other models)."""
+    return nn.ModuleDict({_key(name): rule.stack(m) for name, m, rule in blocks(model)})
+
+
+@contextlib.contextmanager
+def module_experts_enabled(model: nn.Module, stacked: nn.ModuleDict):
+    """Within: every listed MoE block of ``model`` computes its experts as one dcp.moe (its
+    forward swapped on the instance; the class is untouched and the swap undone on exit)."""
+    swapped = []
+    try:
+        for name, m, rule in blocks(model):
+            m.forward = rule.forward(m, stacked[_key(name)])
+            swapped.append(m)
+        yield len(swapped)
+    finally:
+        for m in swapped:
+            del m.forward
