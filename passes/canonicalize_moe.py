@@ -271,6 +271,15 @@ class CanonicalizeMoE(DCPPass):
                 f"to divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp "
                 f"that divides {num_experts}, or expert_parallel=False (tensor-parallel "
                 f"experts).")
+        narrow = val(a["gate_up_proj"]).dtype
+        if not cfg.expert_parallel and narrow.itemsize < val(a["x"]).dtype.itemsize:
+            raise DCPTransformError(
+                f"the experts compute in {narrow} inside a {val(a['x']).dtype} model "
+                f"(torchtitan's GroupedExperts casts its tokens and weights to bfloat16): "
+                f"tensor-parallel experts would round each rank's partial down projection to "
+                f"{narrow} where the model rounds the whole sum once, so the program would "
+                f"differ from the model by that rounding ({where}). Use "
+                f"expert_parallel=True (whole experts per rank round as the model does).")
         if not cfg.expert_parallel and (two_i // 2) % cfg.tp:
             raise DCPTransformError(
                 f"tensor-parallel experts cut each expert's intermediate dim over tp, which "

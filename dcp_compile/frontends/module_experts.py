@@ -112,29 +112,40 @@ def _litgpt_experts(block: nn.Module) -> list:
 def _titan_stack(block: nn.Module) -> StackedExperts:
     """torchtitan's ``GroupedExperts`` (``w2(silu(w1 x) * w3 x)``, weights ``[E, F, D]``,
     ``[E, D, F]``): gate and up concatenated."""
-    inner = block.inner_experts
-    return StackedExperts(torch.cat([inner.w1_EFD, inner.w3_EFD], dim=1), inner.w2_EDF)
+    inner = block.routed_experts.inner_experts
+    return StackedExperts(torch.cat([inner.w1_EFD, inner.w3_EFD], dim=1).bfloat16(),
+                          inner.w2_EDF.bfloat16())
 
 
 def _titan_forward(block: nn.Module, stacked: StackedExperts) -> Callable:
-    """``RoutedExperts.forward`` (torchtitan 0.3.0): dispatch (sort by expert), grouped
-    experts, combine (scores times outputs, scatter-add back) as one dcp.moe."""
+    """``MoE.forward`` (torchtitan 0.3.0, eval) with its routed experts (dispatch: sort by
+    expert; grouped experts; combine: scores times outputs, scatter-add back) as one dcp.moe.
+    The router and the shared experts are the model's own modules; the per-expert token
+    counts it builds for the grouped matmul and the training-only usage count are not
+    needed by dcp.moe."""
 
-    def forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+    def forward(x_BLD: Tensor) -> Tensor:
+        topk_scores_BLK, topk_expert_ids_BLK, _ = block.router(x_BLD, block.expert_bias_E)
         B, L, D = x_BLD.shape
         K = topk_scores_BLK.size(-1)
-        out = stacked.moe(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
-                          topk_scores_BLK.reshape(B * L, K))
-        return out.view(B, -1, D)
+        out_BLD = stacked.moe(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
+                              topk_scores_BLK.reshape(B * L, K)).view(B, L, D)
+        if block.shared_experts is not None:
+            out_BLD = out_BLD + block.shared_experts(x_BLD)
+        return out_BLD
     return forward
 
 
 def _titan_parts(block: nn.Module) -> list:
-    return [block.inner_experts, block.token_dispatcher]
+    routed = block.routed_experts
+    return [routed, routed.inner_experts, routed.token_dispatcher]
 
 
 def _titan_unparallelised(block: nn.Module) -> str | None:
-    if getattr(block.token_dispatcher, "ep_mesh", None) is not None:
+    if block.training:
+        return ("it is in training mode (its forward then counts expert usage into a "
+                "buffer); call model.eval() first")
+    if getattr(block.routed_experts.token_dispatcher, "ep_mesh", None) is not None:
         return ("its token dispatcher has an expert-parallel mesh (torchtitan's own "
                 "parallelize ran); transform the model before torchtitan parallelises it")
     return None
@@ -174,8 +185,9 @@ RULES = (
         parts=_litgpt_experts, stack=_litgpt_stack, forward=_litgpt_forward,
         why="a torch.where loop over experts (data-dependent token counts)"),
     ExpertsRule(
-        block=f"{_TITAN}.moe:RoutedExperts", library="torchtitan 0.3.0",
-        pinned={f"{_TITAN}.moe:RoutedExperts.forward": {"1a660aa196e5"},
+        block=f"{_TITAN}.moe:MoE", library="torchtitan 0.3.0",
+        pinned={f"{_TITAN}.moe:MoE.forward": {"65d694c5b617"},
+                f"{_TITAN}.moe:RoutedExperts.forward": {"1a660aa196e5"},
                 f"{_TITAN}.moe:GroupedExperts.forward": {"a59df6e1179e"},
                 f"{_TITAN}.moe:GroupedExperts._grouped_mm": {"882a2f00d3ef"},
                 f"{_TITAN}.token_dispatcher:LocalTokenDispatcher.dispatch":
