@@ -36,7 +36,7 @@ from dcp_compile.runtime.kernels.moe import (LAYOUTS, OPERANDS, PARAMETRISED, Ex
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from .infra import DCPPass, Found, Property, ensure, source_of, val
-from .op_classes import RESHAPES
+from .op_classes import MULS, RESHAPES, TOP_K
 
 aten = torch.ops.aten
 MOE = torch.ops.dcp.moe.default
@@ -83,12 +83,30 @@ def _ancestors(n: Node) -> set[Node]:
     return seen
 
 
-def _router(moe: Node) -> set[Node]:
-    """The ops computing the routing (ids, weights) from the block's input: the backward
-    slice of the routing stopped where it meets the experts' input's own history."""
+def _scaled_tokens(moe: Node) -> tuple[Node, list[Node]]:
+    """(the block's tokens, routing factors applied to them): dcp.moe's input itself, or,
+    where the experts' input is the tokens times their routing score (Llama-4 scales inputs,
+    not outputs), the tokens and that score (a factor descending from the ids' top-k)."""
     x = moe.args[0]
+    if x.target not in MULS or len(x.all_input_nodes) != 2:
+        return x, []
+    routing = _ancestors(moe.args[1])
+    topks = {n for n in routing if n.target in TOP_K}
+    a, b = x.args[:2]
+    for tokens, factor in ((a, b), (b, a)):
+        if isinstance(factor, Node) and topks & (_ancestors(factor) | {factor}) \
+                and not topks & _ancestors(tokens):
+            return tokens, [factor]
+    return x, []
+
+
+def _router(moe: Node) -> set[Node]:
+    """The ops computing the routing (ids, weights, a score scaling the input) from the
+    block's input: the backward slice of the routing stopped where it meets the tokens' own
+    history."""
+    x, factors = _scaled_tokens(moe)
     stop = _ancestors(x) | {x}
-    seen, stack = set(), [moe.args[1], moe.args[2]]
+    seen, stack = set(), [moe.args[1], moe.args[2], *factors]
     while stack:
         n = stack.pop()
         if n in seen or n in stop or n.op != "call_function":

@@ -42,19 +42,27 @@ def source_hash(fn) -> str:
     return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:12]
 
 
+def _parameter(t: Tensor | None) -> nn.Parameter | None:
+    """The model's own parameter as it is (captured under its own name), or a new one."""
+    if t is None or isinstance(t, nn.Parameter):
+        return t
+    return nn.Parameter(t.detach(), requires_grad=False)
+
+
 class StackedExperts(nn.Module):
     """One MoE block's experts as dcp.moe takes them: ``gate_up_proj [E, 2I, H]`` ([gate;
-    up]), ``down_proj [E, H, I]``, optional biases ``[E, 2I]`` / ``[E, H]``."""
+    up]; ``[E, H, 2I]`` transposed), ``down_proj [E, H, I]`` (``[E, I, H]``), optional
+    biases ``[E, 2I]`` / ``[E, H]``, and the op's data (activation, layout)."""
 
     def __init__(self, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
-                 down_bias: Tensor | None = None):
+                 down_bias: Tensor | None = None, *, activation: str = "silu",
+                 layout: str = "concatenated"):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(gate_up.detach(), requires_grad=False)
-        self.down_proj = nn.Parameter(down.detach(), requires_grad=False)
-        self.gate_up_bias = None if gate_up_bias is None else \
-            nn.Parameter(gate_up_bias.detach(), requires_grad=False)
-        self.down_bias = None if down_bias is None else \
-            nn.Parameter(down_bias.detach(), requires_grad=False)
+        self.gate_up_proj = _parameter(gate_up)
+        self.down_proj = _parameter(down)
+        self.gate_up_bias = _parameter(gate_up_bias)
+        self.down_bias = _parameter(down_bias)
+        self.activation, self.layout = activation, layout
 
     def moe(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """dcp.moe over ``x [T, H]`` with these experts, one device (rank 0, all experts)."""
@@ -62,7 +70,8 @@ class StackedExperts(nn.Module):
         biases = {} if self.gate_up_bias is None else {"gate_up_bias": self.gate_up_bias,
                                                        "down_bias": self.down_bias}
         return torch.ops.dcp.moe(x, ids.long(), weights, self.gate_up_proj, self.down_proj,
-                                 rank0, **biases)
+                                 rank0, activation=self.activation, layout=self.layout,
+                                 **biases)
 
 
 # ------------------------------------------------------------------------------------ litgpt
@@ -151,6 +160,57 @@ def _titan_unparallelised(block: nn.Module) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------- transformers Llama-4
+
+def _llama4_stack(block: nn.Module) -> StackedExperts:
+    """``Llama4TextExperts``: ``bmm(x, gate_up_proj [E, H, 2I])``, ``chunk(2)`` -> gate, up,
+    ``bmm(up * act(gate), down_proj [E, I, H])``: transposed, concatenated; its own
+    parameters (no copy)."""
+    from .huggingface import _ACTIVATIONS
+    experts = block.experts
+    act = _ACTIVATIONS.get(type(experts.act_fn))
+    if act is None:
+        raise DCPTransformError(
+            f"Llama4TextExperts' activation {type(experts.act_fn).__name__} is not one "
+            f"dcp.moe computes ({sorted(a.value for a in set(_ACTIVATIONS.values()))}). Use "
+            f"hidden_act='silu'.")
+    return StackedExperts(experts.gate_up_proj, experts.down_proj, activation=act,
+                          layout="concatenated_transposed")
+
+
+def _llama4_forward(block: nn.Module, stacked: StackedExperts) -> Callable:
+    """``Llama4TextMoe.forward`` (transformers 5): every expert runs on every token, its input
+    scaled by the token's sigmoid score (0 for experts not in its top-k: sigmoid(-inf)), and
+    the outputs summed. An expert of a zero input is zero (no biases), so this is the sum over
+    the top-k of ``expert_e(score * x)``: the input, not the output, is scaled, so each choice
+    is a dcp.moe of its own (top-1 of the scaled tokens, weight 1; Llama-4 routes top-1, one
+    op). The router's own linear and top-k;
+    its dense ``full(-inf).scatter_`` is not needed for the chosen scores."""
+    k = block.top_k
+
+    def forward(hidden_states: Tensor):
+        x = hidden_states.reshape(-1, block.hidden_dim)
+        router_logits = nn.Linear.forward(block.router, x)
+        top_value, top_ids = torch.topk(router_logits, k, dim=1)
+        scores = torch.sigmoid(top_value.float()).to(top_value.dtype)          # [T, k]
+        ones = torch.ones_like(scores[:, :1])
+        out = block.shared_expert(x)
+        for j in range(k):     # one dcp.moe per choice: the tokens stay one row each
+            out = out + stacked.moe(x * scores[:, j:j + 1], top_ids[:, j:j + 1], ones)
+        return out, router_logits
+    return forward
+
+
+def _llama4_parts(block: nn.Module) -> list:
+    return [block.router, block.experts, block.shared_expert]
+
+
+def _llama4_state(block: nn.Module) -> str | None:
+    if block.experts.act_fn is None:
+        return "its experts have no activation"
+    return None
+
+
 # ------------------------------------------------------------------------------------- rules
 
 @dataclass(frozen=True)
@@ -170,6 +230,7 @@ class ExpertsRule:
     state: Callable[[nn.Module], str | None] = lambda block: None   # why not now, or None
 
 
+_LLAMA4 = "transformers.models.llama4.modeling_llama4"
 _TITAN = "torchtitan.models.common"
 # torchtitan's MoE with moe_comm_backend="standard" builds an AllToAllTokenDispatcher, which
 # runs LocalTokenDispatcher's own dispatch and combine until it is given an EP mesh
@@ -199,6 +260,15 @@ RULES = (
         definitions=_LOCAL_FALLBACK, state=_titan_unparallelised,
         parts=_titan_parts, stack=_titan_stack, forward=_titan_forward,
         why="torch._grouped_mm over tokens sorted by expert (data-dependent group sizes)"),
+    ExpertsRule(
+        block=f"{_LLAMA4}:Llama4TextMoe", library="transformers 5.25 (Llama-4)",
+        pinned={f"{_LLAMA4}:Llama4TextMoe.forward": {"558256dc4289"},
+                f"{_LLAMA4}:Llama4Router.forward": {"1f606d051a01"},
+                f"{_LLAMA4}:Llama4TextExperts.forward": {"055567467fb6"}},
+        parts=_llama4_parts, stack=_llama4_stack, forward=_llama4_forward,
+        state=_llama4_state,
+        why="every expert over every token (bmm), inputs scaled by a dense scatter of the "
+            "router's top-k"),
 )
 
 
@@ -283,6 +353,9 @@ def module_experts_enabled(model: nn.Module, stacked: nn.ModuleDict):
     """Within: every listed MoE block of ``model`` computes its experts as one dcp.moe (its
     forward swapped on the instance; the class is untouched and the swap undone on exit)."""
     swapped = []
+    if not len(stacked):
+        yield 0
+        return
     try:
         for name, m, rule in blocks(model):
             m.forward = rule.forward(m, stacked[_key(name)])

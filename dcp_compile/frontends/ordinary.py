@@ -8,6 +8,7 @@ model's own full forward, recomputed every step (:class:`FullForwardReference`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -106,12 +107,8 @@ class OrdinaryStep(nn.Module):
         kwargs = {"position_ids": position_ids} if self.takes_positions else {}
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
-            with dcp_experts_enabled(self.model):
-                out = self.model(input_ids, **kwargs)
-        elif len(self.library_experts):
-            with module_experts_enabled(self.model, self.library_experts):
-                out = self.model(input_ids, **kwargs)
-        else:
+        experts = dcp_experts_enabled(self.model) if self.hf else contextlib.nullcontext()
+        with experts, module_experts_enabled(self.model, self.library_experts):
             out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if not isinstance(logits, Tensor):
