@@ -24,6 +24,8 @@ tp that divides neither the experts (expert parallel) nor the intermediate dim (
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassResult
@@ -36,7 +38,7 @@ from dcp_compile.runtime.kernels.moe import (LAYOUTS, OPERANDS, PARAMETRISED, Ex
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from .infra import DCPPass, Found, Property, ensure, source_of, val
-from .op_classes import MULS, RESHAPES, TOP_K
+from .op_classes import CASTS, MULS, RESHAPES, SLICES, SPLITS, TOP_K
 
 aten = torch.ops.aten
 MOE = torch.ops.dcp.moe.default
@@ -83,6 +85,18 @@ def _ancestors(n: Node) -> set[Node]:
     return seen
 
 
+def _top_k_of(ids: Node) -> Node | None:
+    """The top-k that chose ``ids`` (through getitem, slices, casts, views), or None."""
+    n = ids
+    while isinstance(n, Node) and n.op == "call_function" and n.target not in TOP_K:
+        ins = n.all_input_nodes
+        if n.target is not operator.getitem and n.target not in SLICES | SPLITS | CASTS | RESHAPES \
+                or len(ins) != 1:
+            return None
+        n = ins[0]
+    return n if isinstance(n, Node) and n.target in TOP_K else None
+
+
 def _scaled_tokens(moe: Node) -> tuple[Node, list[Node]]:
     """(the block's tokens, routing factors applied to them): dcp.moe's input itself, or,
     where the experts' input is the tokens times their routing score (Llama-4 scales inputs,
@@ -90,8 +104,7 @@ def _scaled_tokens(moe: Node) -> tuple[Node, list[Node]]:
     x = moe.args[0]
     if x.target not in MULS or len(x.all_input_nodes) != 2:
         return x, []
-    routing = _ancestors(moe.args[1])
-    topks = {n for n in routing if n.target in TOP_K}
+    topks = {_top_k_of(moe.args[1])} - {None}
     a, b = x.args[:2]
     for tokens, factor in ((a, b), (b, a)):
         if isinstance(factor, Node) and topks & (_ancestors(factor) | {factor}) \

@@ -194,10 +194,9 @@ def _llama4_forward(block: nn.Module, stacked: StackedExperts) -> Callable:
         top_value, top_ids = torch.topk(router_logits, k, dim=1)
         scores = torch.sigmoid(top_value.float()).to(top_value.dtype)          # [T, k]
         ones = torch.ones_like(scores[:, :1])
-        out = block.shared_expert(x)
-        for j in range(k):     # one dcp.moe per choice: the tokens stay one row each
-            out = out + stacked.moe(x * scores[:, j:j + 1], top_ids[:, j:j + 1], ones)
-        return out, router_logits
+        routed = [stacked.moe(x * scores[:, j:j + 1], top_ids[:, j:j + 1], ones)
+                  for j in range(k)]     # one dcp.moe per choice: a token stays one row
+        return block.shared_expert(x) + sum(routed[1:], routed[0]), router_logits
     return forward
 
 
