@@ -296,6 +296,15 @@ class CanonicalizeMoE(DCPPass):
                 f"{tuple(ids)}, weights {tuple(weights)}, gate_up {tuple(gate_up)}, wrong "
                 f"{wrong or 'none'} (expected {expected}): {where}. Pass x [T, H], routing "
                 f"[T, k] and expert weights laid out as the layout says (runtime/kernels/moe.py).")
+        if cfg.expert_parallel and num_experts < cfg.tp:
+            raise DCPTransformError(
+                f"expert parallelism gives each of the tp ranks whole experts, and there are "
+                f"fewer experts than ranks: experts={num_experts}, tp={cfg.tp} ({where}). "
+                f"Serving it would cut each expert over tp/experts ranks by its intermediate "
+                f"dim as well (experts x intermediate on one weight), a cut the placement's "
+                f"one-dim shards do not express. Use expert_parallel=False (tensor-parallel "
+                f"experts: every rank holds 1/tp of every expert, the same bytes per rank), "
+                f"or a tp of at most {num_experts} that divides it.")
         if cfg.expert_parallel and num_experts % cfg.tp:
             raise DCPTransformError(
                 f"expert parallelism partitions the experts over the tp ranks, which needs tp "

@@ -447,6 +447,9 @@ EXCLUDED = {
 REAL_LIMITS = {
     "MHA: decode DCP needs tp > kv heads",
     "ALiBi",
+    # torchtitan's experts compute in bf16 inside an fp32 model: tensor-parallel experts
+    # would round each rank's partial down projection (expert_parallel=True matches).
+    "bf16 experts: expert parallel only",
 }
 
 _GQA_DECODE = ("issue #35: torchtune's GQA (k.unsqueeze(2).expand(...).flatten(1, 2)) is not read "
@@ -456,8 +459,6 @@ _GQA_PREFILL = ("issue #35: torchtune's GQA expand + flatten is refused in prefi
 _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (fill_ into a "
                    "full(-inf)); the mask proof reads it without the writes and refuses with a "
                    "false counterexample (i=0, j=0 hidden)")
-_WHERE_LOOP = ("issue #35: litgpt's MoE is a torch.where loop over experts; refused for a dynamic "
-               "shape instead of being canonicalised to dcp.moe")
 _EINSUM = ("issue #35: x-transformers' attention (einsum scores, softmax, einsum) is not "
            "recognised: 'no attention this compiler recognises'")
 _AUTOCAST = ("issue #35: x-transformers' RoPE runs under autocast(enabled=False): the key is "
@@ -475,8 +476,6 @@ KNOWN: dict[tuple[str, str], str] = {
     **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in MODES
        for a in ("Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
                  "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
-    **{(f"litgpt/{a}", m): _WHERE_LOOP for m in MODES
-       for a in ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B")},
     **{("litgpt/Gemma-2-2b", m): "issue #35: litgpt's scores as q @ k.mT are refused ('the "
        "right operand of `q @ k` is not k.transpose(-2, -1)')" for m in MODES},
     ("litgpt/OLMo-2-1124-7B", "prefill"): (
@@ -485,11 +484,13 @@ KNOWN: dict[tuple[str, str], str] = {
     **{(f"torchtitan/{a}", "decode"): (
         "issue #35: torchtitan's fused wqkv: the K/V segment (2 heads) is required sharded by "
         "tp=4 in decode ('segment 8/4 does not divide by 4') instead of replicated over the DCP "
-        "group") for a in ("llama3", "qwen3")},
-    **{("torchtitan/qwen3-moe", m): "issue #35: torchtitan's MoE through torch._grouped_mm is "
-       "refused instead of being canonicalised to dcp.moe" for m in MODES},
-    **{("torchtitan/deepseek_v3", m): "issue #35: torchtitan's DeepSeek-V3 (MLA + MoE) crashes "
-       "with a plain RuntimeError (an mm shape error) instead of a DCPError" for m in MODES},
+        "group") for a in ("llama3", "qwen3", "qwen3-moe")},
+    ("torchtitan/deepseek_v3", "decode"): (
+        "issue #35: torchtitan's MLA (k = cat(k_nope, k_pe.expand) in [B, S, H, D], transposed "
+        "by its inner attention) is not absorbed: refused as MHA with 16 KV heads"),
+    ("torchtitan/deepseek_v3", "prefill"): (
+        "issue #35: torchtitan's MLA is not absorbed: its k_pe.expand over heads has no "
+        "placement rule (model.py line 135)"),
     **{(f"x-transformers/{a}", m): _EINSUM for m in MODES
        for a in ("absolute", "rotary-gqa-llama", "rel-pos-bias", "dynamic-pos-bias", "xpos",
                  "shift-tokens", "qk-norm", "sandwich-norm", "residual-attn", "mem-kv",

@@ -1,0 +1,164 @@
+"""MoE blocks of the model libraries read at the module level (dcp_compile/frontends/
+module_experts.py): litgpt's torch.where loop over experts (Mixtral, Qwen3-MoE), torchtitan's
+grouped-matmul experts (Qwen3-MoE), Hugging Face Llama-4's dense bmm over all experts with
+score-scaled inputs. Each becomes dcp.moe while the model is captured.
+
+Shown here: (1) the swapped block computes the model's own forward (eager, every library, a
+few lengths); (2) the transformed program matches the model's own full forward (fp32, 1e-4,
+greedy tokens; tests/support/hf_corpus.run_model: threaded tp=4/dcp=2 world, prompts of
+1, 7, 9 and 16 tokens around the vblock of 8, garbage block poisoned), TP and EP experts;
+(3) the refusals name the real limit: library code that is not the pinned code, bf16 experts
+in an fp32 model under tensor-parallel experts, a model in training mode, expert parallelism
+with fewer experts than ranks. The default run is a slice; ``DCP_MOE_MATRIX=1`` runs every
+row (test_moe.MATRIX).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+import torch
+
+import dcp_compile
+import hf_corpus
+from dcp_compile.frontends import module_experts as mx
+from dcp_compile.runtime.errors import DCPTransformError
+
+transformers = pytest.importorskip("transformers")
+
+import test_moe  # noqa: E402
+import third_party as T  # noqa: E402
+
+MATRIX = test_moe.MATRIX
+
+
+def _needs(dist: str) -> None:
+    if importlib.util.find_spec(dist) is None:
+        pytest.skip(f"{dist} is not installed: run scripts/setup.sh (requirements/corpus.txt)")
+
+
+def llama4(chunked: bool = False):
+    """The HF corpus' tiny Llama-4 (MoE in both layers, top-2, a shared expert); without
+    chunked attention unless asked (the ordinary path refuses attention_chunk_size)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from helpers import seeded_weights
+    kw = hf_corpus.config_kwargs("llama4_text")
+    if not chunked:
+        kw["attention_chunk_size"] = None
+    config = CONFIG_MAPPING["llama4_text"](**kw)
+    return seeded_weights(AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa").eval(), 0)
+
+
+# name -> (distribution, build, logits of ids)
+MODELS = {
+    "litgpt-mixtral": ("litgpt", lambda: T.build("litgpt/Mixtral-8x7B-v0.1"), T.logits_of),
+    "litgpt-qwen3-moe": ("litgpt", lambda: T.build("litgpt/Qwen3-30B-A3B"), T.logits_of),
+    "torchtitan-qwen3-moe": ("torchtitan", lambda: T.build("torchtitan/qwen3-moe"),
+                             T.logits_of),
+    "hf-llama4": ("transformers", llama4, hf_corpus.hf_logits),
+}
+
+
+@pytest.mark.parametrize("length", [1, 7, 16], ids=lambda n: f"len={n}")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_swapped_block_computes_the_models_own_forward(name, length):
+    dist, build, logits_of = MODELS[name]
+    _needs(dist)
+    model = build()
+    stacked = mx.stacked_experts(model)
+    assert len(stacked) >= 1
+    ids = torch.randint(0, 200, (2, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        want = logits_of(model, ids)
+        with mx.module_experts_enabled(model, stacked) as swapped:
+            got = logits_of(model, ids)
+        again = logits_of(model, ids)
+    assert swapped == len(stacked)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)    # the swap is undone
+
+
+# (model, mode, expert_parallel, through hf.prepare): the slice, then the rest of the matrix.
+SLICE = [("litgpt-mixtral", "decode", False, False),
+         ("litgpt-qwen3-moe", "prefill", False, False),
+         ("torchtitan-qwen3-moe", "prefill", True, False),
+         ("hf-llama4", "decode", False, True)]
+ROWS = SLICE + ([] if not MATRIX else [
+    ("litgpt-mixtral", "prefill", False, False), ("litgpt-mixtral", "decode", True, False),
+    ("litgpt-qwen3-moe", "decode", False, False), ("litgpt-qwen3-moe", "prefill", True, False),
+    ("hf-llama4", "prefill", False, True), ("hf-llama4", "decode", True, False),
+    ("hf-llama4", "prefill", False, False), ("hf-llama4", "prefill", True, True)])
+
+
+@pytest.mark.parametrize("name,mode,ep,prepare", ROWS, ids=[
+    f"{n}-{m}-{'ep' if e else 'tp'}{'-prepare' if p else ''}" for n, m, e, p in ROWS])
+def test_program_matches_the_models_own_forward(name, mode, ep, prepare, monkeypatch):
+    dist, build, logits_of = MODELS[name]
+    _needs(dist)
+    monkeypatch.setattr(dcp_compile, "transform",
+                        functools.partial(dcp_compile.transform, expert_parallel=ep))
+    model = build() if name != "hf-llama4" or not prepare else llama4(chunked=True)
+    out = hf_corpus.run_model(model, mode, logits_of=logits_of, check=False,
+                              prepare=dcp_compile.hf.prepare if prepare else None)
+    assert out.kind == "matches", (out.cell(), out.message[:800])
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+def test_library_code_other_than_the_pinned_code_is_refused_naming_it():
+    """A subclass that overrides the block's forward is not the code the rule was written
+    from: refused, naming the function and the library version."""
+    _needs("litgpt")
+    from litgpt.model import LLaMAMoE
+    model = T.build("litgpt/Mixtral-8x7B-v0.1")
+
+    class Tweaked(LLaMAMoE):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model.transformer.h[0].mlp.__class__ = Tweaked
+    with pytest.raises(DCPTransformError, match=r"litgpt 0\.5\.13's MoE block.*code differs.*"
+                                                r"LLaMAMoE\.forward"):
+        mx.stacked_experts(model)
+
+
+def test_bf16_experts_of_an_fp32_model_refuse_tensor_parallel_experts():
+    """torchtitan's GroupedExperts computes in bf16 inside an fp32 model: cut by the
+    intermediate dim, each rank would round its partial down projection; refused, naming
+    expert_parallel=True (which the matching rows above use)."""
+    _needs("torchtitan")
+    out = hf_corpus.run_model(T.build("torchtitan/qwen3-moe"), "prefill",
+                              logits_of=T.logits_of, check=False)
+    assert out.kind == "refused" and out.reason == "bf16 experts: expert parallel only", \
+        out.message
+    assert "expert_parallel=True" in out.message and "bfloat16" in out.message
+
+
+def test_a_library_block_in_training_mode_is_refused():
+    _needs("torchtitan")
+    model = T.build("torchtitan/qwen3-moe").train()
+    with pytest.raises(DCPTransformError, match=r"training mode.*model\.eval\(\)"):
+        mx.stacked_experts(model)
+
+
+def test_expert_parallel_with_fewer_experts_than_ranks_is_refused_naming_the_limit(
+        monkeypatch):
+    from dcp_compile.runtime.serving.engine import StepShapes
+    monkeypatch.setitem(test_moe.MODELS, "mixtral4", (
+        "MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)))
+    model = test_moe.build("mixtral4")
+    with pytest.raises(DCPTransformError, match=r"fewer experts than ranks: experts=4, "
+                                                r"tp=8.*expert_parallel=False"):
+        dcp_compile.transform(model, tp=8, dcp=4, mode="decode", block_size=4,
+                              shapes=StepShapes(batch=1, context_len=4, max_blocks=2,
+                                                num_blocks=4),
+                              check=False, expert_parallel=True)
+
+
+def test_models_without_library_blocks_get_no_stacked_experts():
+    model = test_moe.build("mixtral")          # transformers' experts interface, not a rule
+    assert len(mx.stacked_experts(model)) == 0
