@@ -461,8 +461,9 @@ _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (f
                    "false counterexample (i=0, j=0 hidden)")
 _EINSUM = ("issue #35: x-transformers' attention (einsum scores, softmax, einsum) is not "
            "recognised: 'no attention this compiler recognises'")
-_AUTOCAST = ("issue #35: x-transformers' RoPE runs under autocast(enabled=False): the key is "
-             "computed through wrap_with_autocast, which has no placement rule")
+_AUTOCAST = ("issue #35: x-transformers' RoPE angles are an einsum of the positions and the "
+             "inverse frequencies (its autocast(enabled=False) region is inlined now): "
+             "'aten.einsum.default has no placement rule', filed as length-dependent positions")
 
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
