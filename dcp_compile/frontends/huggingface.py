@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
-from .module_experts import module_experts_enabled, stacked_experts
+from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -327,15 +327,7 @@ def _register_experts() -> None:
 _register_experts()
 
 
-def _activation_table():
-    from transformers import activations as A
-
-    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
-    return {A.SiLUActivation: Act.SILU, nn.SiLU: Act.SILU, nn.ReLU: Act.RELU,
-            A.GELUTanh: Act.GELU_TANH}
-
-
-_ACTIVATIONS = _activation_table()
+_ACTIVATIONS = hf_expert_activations()
 _GATES = _gate_table()
 
 # The attention switch edits the model's shared config: wrapper calls are serialised.

@@ -26,6 +26,7 @@ that name, so these weights come with the program, not from a checkpoint
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -162,11 +163,22 @@ def _titan_unparallelised(block: nn.Module) -> str | None:
 
 # ----------------------------------------------------------------------- transformers Llama-4
 
+@functools.lru_cache(maxsize=None)
+def hf_expert_activations() -> dict:
+    """transformers' activation module class -> dcp.moe's ``ExpertActivation`` (the HF
+    frontend's experts classes and Llama-4's experts read it)."""
+    from transformers import activations as A
+
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    return {A.SiLUActivation: Act.SILU, nn.SiLU: Act.SILU, nn.ReLU: Act.RELU,
+            A.GELUTanh: Act.GELU_TANH}
+
+
 def _llama4_stack(block: nn.Module) -> StackedExperts:
     """``Llama4TextExperts``: ``bmm(x, gate_up_proj [E, H, 2I])``, ``chunk(2)`` -> gate, up,
     ``bmm(up * act(gate), down_proj [E, I, H])``: transposed, concatenated; its own
     parameters (no copy)."""
-    from .huggingface import _ACTIVATIONS
+    _ACTIVATIONS = hf_expert_activations()
     experts = block.experts
     act = _ACTIVATIONS.get(type(experts.act_fn))
     if act is None:
