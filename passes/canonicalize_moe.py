@@ -312,6 +312,33 @@ class CanonicalizeMoE(DCPPass):
                 f"that divides {num_experts}, or expert_parallel=False (tensor-parallel "
                 f"experts).")
         narrow = val(a["gate_up_proj"]).dtype
+        if narrow.itemsize < val(a["x"]).dtype.itemsize:
+            raise DCPTransformError(
+                f"the experts compute in {narrow} inside a {val(a['x']).dtype} model "
+                f"(torchtitan's GroupedExperts casts its tokens and weights to bfloat16): "
+                f"{narrow} matmuls round by the shape of the batch they are given, so no "
+                f"program equals the model at {val(a['x']).dtype} tolerance (its own forward "
+                f"differs from itself by 4.7e-4 when only the batch changes: torchtitan's "
+                f"DeepSeek-V3; tensor-parallel experts add each rank's rounded partial down "
+                f"projection) ({where}). Transform the model in {narrow} "
+                f"(model.to({narrow})), whose programs are compared at {narrow} tolerance, or "
+                f"make its experts compute in the model's dtype.")
+        if cfg.expert_parallel and num_experts < cfg.tp:
+            raise DCPTransformError(
+                f"expert parallelism gives each of the tp ranks whole experts, and there are "
+                f"fewer experts than ranks: experts={num_experts}, tp={cfg.tp} ({where}). "
+                f"Serving it would cut each expert over tp/experts ranks by its intermediate "
+                f"dim as well (experts x intermediate on one weight), a cut the placement's "
+                f"one-dim shards do not express. Use expert_parallel=False (tensor-parallel "
+                f"experts: every rank holds 1/tp of every expert, the same bytes per rank), "
+                f"or a tp of at most {num_experts} that divides it.")
+        if cfg.expert_parallel and num_experts % cfg.tp:
+            raise DCPTransformError(
+                f"expert parallelism partitions the experts over the tp ranks, which needs tp "
+                f"to divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp "
+                f"that divides {num_experts}, or expert_parallel=False (tensor-parallel "
+                f"experts).")
+        narrow = val(a["gate_up_proj"]).dtype
         if not cfg.expert_parallel and narrow.itemsize < val(a["x"]).dtype.itemsize:
             raise DCPTransformError(
                 f"the experts compute in {narrow} inside a {val(a['x']).dtype} model "

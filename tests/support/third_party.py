@@ -447,9 +447,10 @@ EXCLUDED = {
 REAL_LIMITS = {
     "MHA: decode DCP needs tp > kv heads",
     "ALiBi",
-    # torchtitan's experts compute in bf16 inside an fp32 model: tensor-parallel experts
-    # would round each rank's partial down projection (expert_parallel=True matches).
-    "bf16 experts: expert parallel only",
+    # torchtitan's experts compute in bf16 inside an fp32 model: bf16 matmuls round by the
+    # batch they are given (the model's own forward differs from itself by 4.7e-4 when only
+    # the batch changes), so no program equals it at fp32 tolerance.
+    "experts in bf16 inside an fp32 model",
 }
 
 _GQA_DECODE = ("issue #35: torchtune's GQA (k.unsqueeze(2).expand(...).flatten(1, 2)) is not read "
@@ -486,12 +487,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "issue #35: torchtitan's fused wqkv: the K/V segment (2 heads) is required sharded by "
         "tp=4 in decode ('segment 8/4 does not divide by 4') instead of replicated over the DCP "
         "group") for a in ("llama3", "qwen3", "qwen3-moe")},
-    ("torchtitan/deepseek_v3", "decode"): (
-        "issue #35: torchtitan's MLA (k = cat(k_nope, k_pe.expand) in [B, S, H, D], transposed "
-        "by its inner attention) is not absorbed: refused as MHA with 16 KV heads"),
-    ("torchtitan/deepseek_v3", "prefill"): (
-        "issue #35: torchtitan's MLA is not absorbed: its k_pe.expand over heads has no "
-        "placement rule (model.py line 135)"),
     **{(f"x-transformers/{a}", m): _EINSUM for m in MODES
        for a in ("absolute", "rotary-gqa-llama", "rel-pos-bias", "dynamic-pos-bias", "xpos",
                  "shift-tokens", "qk-norm", "sandwich-norm", "residual-attn", "mem-kv",
