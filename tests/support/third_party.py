@@ -486,7 +486,7 @@ KNOWN: dict[tuple[str, str], str] = {
     **{(f"torchtitan/{a}", "decode"): (
         "issue #35: torchtitan's fused wqkv: the K/V segment (2 heads) is required sharded by "
         "tp=4 in decode ('segment 8/4 does not divide by 4') instead of replicated over the DCP "
-        "group") for a in ("llama3", "qwen3", "qwen3-moe")},
+        "group") for a in ("llama3", "qwen3")},
     **{(f"x-transformers/{a}", m): _EINSUM for m in MODES
        for a in ("absolute", "rotary-gqa-llama", "rel-pos-bias", "dynamic-pos-bias", "xpos",
                  "shift-tokens", "qk-norm", "sandwich-norm", "residual-attn", "mem-kv",
