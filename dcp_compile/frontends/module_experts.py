@@ -121,7 +121,8 @@ def _litgpt_experts(block: nn.Module) -> list:
 
 def _titan_stack(block: nn.Module) -> StackedExperts:
     """torchtitan's ``GroupedExperts`` (``w2(silu(w1 x) * w3 x)``, weights ``[E, F, D]``,
-    ``[E, D, F]``): gate and up concatenated."""
+    ``[E, D, F]``): gate and up concatenated, in bf16 as its pinned forward casts them
+    (``canonicalize_moe`` refuses experts narrower than the model's tokens)."""
     inner = block.routed_experts.inner_experts
     return StackedExperts(torch.cat([inner.w1_EFD, inner.w3_EFD], dim=1).bfloat16(),
                           inner.w2_EDF.bfloat16())
@@ -293,14 +294,12 @@ def rule_for(module: nn.Module) -> ExpertsRule | None:
     return next((r for r in RULES if r.block in keys), None)
 
 
-def _pinned_source(objects: list, pin: str):
-    """The function ``pin`` (``module:Class.fn``) as the object of that class among
+def _pinned_sources(objects: list, pin: str) -> list:
+    """The function ``pin`` (``module:Class.fn``) as each object of that class among
     ``objects`` resolves it (an override in a subclass is what runs, so it is what counts)."""
     cls_key, fn = pin.rsplit(".", 1)
-    for obj in objects:
-        if cls_key in {_class_key(c) for c in type(obj).__mro__}:
-            return getattr(type(obj), fn)
-    return None
+    return [getattr(type(obj), fn) for obj in objects
+            if cls_key in {_class_key(c) for c in type(obj).__mro__}]
 
 
 def _definition(pin: str):
@@ -319,10 +318,9 @@ def check_pins(name: str, block: nn.Module, rule: ExpertsRule) -> None:
     objects = [block, *rule.parts(block)]
     changed = {}
     for pin, digests in rule.pinned.items():
-        fn = _pinned_source(objects, pin)
-        got = None if fn is None else source_hash(fn)
-        if got not in digests:
-            changed[pin] = got or "missing"
+        got = {source_hash(fn) for fn in _pinned_sources(objects, pin)} or {"missing"}
+        if not got <= digests:
+            changed[pin] = sorted(got - digests)
     for pin, digest in rule.definitions.items():
         got = source_hash(_definition(pin))
         if got != digest:
@@ -354,9 +352,22 @@ def _key(name: str) -> str:
     return name.replace(".", "__") or "root"
 
 
+def _stack(name: str, block: nn.Module, rule: ExpertsRule) -> StackedExperts:
+    try:
+        return rule.stack(block)
+    except DCPTransformError:
+        raise
+    except Exception as e:  # noqa: BLE001 - experts that do not stack: a refusal, named
+        raise DCPTransformError(
+            f"{name} ({type(block).__qualname__}), {rule.library}'s MoE block: its experts do "
+            f"not stack into one [E, ...] weight per projection ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). dcp.moe needs experts of one "
+            f"shape; build the block with identical experts.") from e
+
+
 def stacked_experts(model: nn.Module) -> nn.ModuleDict:
     """The stacked experts of every listed block (built once; empty for other models)."""
-    return nn.ModuleDict({_key(name): rule.stack(m) for name, m, rule in blocks(model)})
+    return nn.ModuleDict({_key(name): _stack(name, m, rule) for name, m, rule in blocks(model)})
 
 
 @contextlib.contextmanager
@@ -369,6 +380,10 @@ def module_experts_enabled(model: nn.Module, stacked: nn.ModuleDict):
         return
     try:
         for name, m, rule in blocks(model):
+            if _key(name) not in stacked:
+                raise DCPTransformError(
+                    f"{name} ({type(m).__qualname__}) became {rule.library}'s MoE block after "
+                    f"the model was prepared for capture. Transform the model as it is.")
             m.forward = rule.forward(m, stacked[_key(name)])
             swapped.append(m)
         yield len(swapped)

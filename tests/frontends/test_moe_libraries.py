@@ -209,3 +209,14 @@ def test_expert_parallel_with_fewer_experts_than_ranks_is_refused_naming_the_lim
 def test_models_without_library_blocks_get_no_stacked_experts():
     model = test_moe.build("mixtral")          # transformers' experts interface, not a rule
     assert len(mx.stacked_experts(model)) == 0
+
+
+def test_experts_that_do_not_stack_are_refused_naming_the_block():
+    """One litgpt expert with another intermediate size: no [E, ...] weight holds them all."""
+    _needs("litgpt")
+    model = T.build("litgpt/Mixtral-8x7B-v0.1")
+    expert = model.transformer.h[1].mlp.experts[2]
+    expert.fc_1 = torch.nn.Linear(expert.fc_1.in_features, 7, bias=False)
+    with pytest.raises(DCPTransformError, match=r"transformer\.h\.1\.mlp \(LLaMAMoE\).*do not "
+                                                r"stack"):
+        mx.stacked_experts(model)
