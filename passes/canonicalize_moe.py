@@ -18,8 +18,13 @@ Every ``dcp.moe`` node is normalised to all its operands positional (``runtime.m
 indexes them for the later passes). Refused, naming the node and its source line: expert
 computations that did not become ``dcp.moe`` (``UNRECOGNISED``: grouped matmuls, batched_mm's
 per-choice gather of a stacked [E, ...] weight), expert weights or biases that are not
-parameters or whose shapes disagree with the layout, an unknown activation or layout, and a
-tp that divides neither the experts (expert parallel) nor the intermediate dim (TP).
+parameters or whose shapes disagree with the layout, an unknown activation or layout, a
+tp that divides neither the experts (expert parallel) nor the intermediate dim (TP), fewer
+experts than ranks under expert parallelism, and experts narrower than the tokens (bf16
+experts in an fp32 model: no program equals such a model at fp32 tolerance).
+
+Where a routing score scales the experts' input rather than their output (Llama-4: one
+dcp.moe per choice over ``score * x``, weight 1), the router is found behind that score too.
 """
 
 from __future__ import annotations
@@ -296,64 +301,49 @@ class CanonicalizeMoE(DCPPass):
                 f"{tuple(ids)}, weights {tuple(weights)}, gate_up {tuple(gate_up)}, wrong "
                 f"{wrong or 'none'} (expected {expected}): {where}. Pass x [T, H], routing "
                 f"[T, k] and expert weights laid out as the layout says (runtime/kernels/moe.py).")
-        if cfg.expert_parallel and num_experts < cfg.tp:
-            raise DCPTransformError(
-                f"expert parallelism gives each of the tp ranks whole experts, and there are "
-                f"fewer experts than ranks: experts={num_experts}, tp={cfg.tp} ({where}). "
-                f"Serving it would cut each expert over tp/experts ranks by its intermediate "
-                f"dim as well (experts x intermediate on one weight), a cut the placement's "
-                f"one-dim shards do not express. Use expert_parallel=False (tensor-parallel "
-                f"experts: every rank holds 1/tp of every expert, the same bytes per rank), "
-                f"or a tp of at most {num_experts} that divides it.")
-        if cfg.expert_parallel and num_experts % cfg.tp:
-            raise DCPTransformError(
-                f"expert parallelism partitions the experts over the tp ranks, which needs tp "
-                f"to divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp "
-                f"that divides {num_experts}, or expert_parallel=False (tensor-parallel "
-                f"experts).")
-        narrow = val(a["gate_up_proj"]).dtype
-        if narrow.itemsize < val(a["x"]).dtype.itemsize:
-            raise DCPTransformError(
-                f"the experts compute in {narrow} inside a {val(a['x']).dtype} model "
-                f"(torchtitan's GroupedExperts casts its tokens and weights to bfloat16): "
-                f"{narrow} matmuls round by the shape of the batch they are given, so no "
-                f"program equals the model at {val(a['x']).dtype} tolerance (its own forward "
-                f"differs from itself by 4.7e-4 when only the batch changes: torchtitan's "
-                f"DeepSeek-V3; tensor-parallel experts add each rank's rounded partial down "
-                f"projection) ({where}). Transform the model in {narrow} "
-                f"(model.to({narrow})), whose programs are compared at {narrow} tolerance, or "
-                f"make its experts compute in the model's dtype.")
-        if cfg.expert_parallel and num_experts < cfg.tp:
-            raise DCPTransformError(
-                f"expert parallelism gives each of the tp ranks whole experts, and there are "
-                f"fewer experts than ranks: experts={num_experts}, tp={cfg.tp} ({where}). "
-                f"Serving it would cut each expert over tp/experts ranks by its intermediate "
-                f"dim as well (experts x intermediate on one weight), a cut the placement's "
-                f"one-dim shards do not express. Use expert_parallel=False (tensor-parallel "
-                f"experts: every rank holds 1/tp of every expert, the same bytes per rank), "
-                f"or a tp of at most {num_experts} that divides it.")
-        if cfg.expert_parallel and num_experts % cfg.tp:
-            raise DCPTransformError(
-                f"expert parallelism partitions the experts over the tp ranks, which needs tp "
-                f"to divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp "
-                f"that divides {num_experts}, or expert_parallel=False (tensor-parallel "
-                f"experts).")
-        narrow = val(a["gate_up_proj"]).dtype
-        if not cfg.expert_parallel and narrow.itemsize < val(a["x"]).dtype.itemsize:
-            raise DCPTransformError(
-                f"the experts compute in {narrow} inside a {val(a['x']).dtype} model "
-                f"(torchtitan's GroupedExperts casts its tokens and weights to bfloat16): "
-                f"tensor-parallel experts would round each rank's partial down projection to "
-                f"{narrow} where the model rounds the whole sum once, so the program would "
-                f"differ from the model by that rounding ({where}). Use "
-                f"expert_parallel=True (whole experts per rank round as the model does).")
-        if not cfg.expert_parallel and (two_i // 2) % cfg.tp:
-            raise DCPTransformError(
-                f"tensor-parallel experts cut each expert's intermediate dim over tp, which "
-                f"needs tp to divide it: intermediate={two_i // 2}, tp={cfg.tp} ({where}). "
-                f"Use a tp that divides it, or expert_parallel=True.")
+        _check_dtype(val(a["gate_up_proj"]).dtype, val(a["x"]).dtype, where)
+        _check_cut(cfg, num_experts, two_i // 2, where)
 
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if n.op == "call_function"
                 and n.target in UNRECOGNISED]
         ensure(not left, self.name, "unrecognised expert computations left", left)
+
+
+def _check_dtype(narrow: torch.dtype, tokens: torch.dtype, where: str) -> None:
+    """Experts narrower than the tokens (torchtitan's bf16 GroupedExperts in an fp32 model)
+    cannot be matched at the tokens' tolerance: refused, naming why."""
+    if narrow.itemsize < tokens.itemsize:
+        raise DCPTransformError(
+            f"the experts compute in {narrow} inside a {tokens} model (torchtitan's "
+            f"GroupedExperts casts its tokens and weights to bfloat16): {narrow} matmuls round "
+            f"by the shape of the batch they are given, so no program equals the model at "
+            f"{tokens} tolerance (its own forward differs from itself by 4.7e-4 when only the "
+            f"batch changes: torchtitan's DeepSeek-V3; tensor-parallel experts add each rank's "
+            f"rounded partial down projection) ({where}). Transform the model in {narrow} "
+            f"(model.to({narrow})), whose programs are compared at {narrow} tolerance, or make "
+            f"its experts compute in the model's dtype.")
+
+
+def _check_cut(cfg, num_experts: int, intermediate: int, where: str) -> None:
+    """The experts' cut over the tp ranks exists: whole experts per rank (expert parallel)
+    or a slice of every expert's intermediate dim (tensor parallel)."""
+    if cfg.expert_parallel and num_experts < cfg.tp:
+        raise DCPTransformError(
+            f"expert parallelism gives each of the tp ranks whole experts, and there are "
+            f"fewer experts than ranks: experts={num_experts}, tp={cfg.tp} ({where}). Serving "
+            f"it would cut each expert over tp/experts ranks by its intermediate dim as well "
+            f"(experts x intermediate on one weight), a cut the placement's one-dim shards do "
+            f"not express. Use expert_parallel=False (tensor-parallel experts: every rank "
+            f"holds 1/tp of every expert, the same bytes per rank), or a tp of at most "
+            f"{num_experts} that divides it.")
+    if cfg.expert_parallel and num_experts % cfg.tp:
+        raise DCPTransformError(
+            f"expert parallelism partitions the experts over the tp ranks, which needs tp to "
+            f"divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp that divides "
+            f"{num_experts}, or expert_parallel=False (tensor-parallel experts).")
+    if not cfg.expert_parallel and intermediate % cfg.tp:
+        raise DCPTransformError(
+            f"tensor-parallel experts cut each expert's intermediate dim over tp, which needs "
+            f"tp to divide it: intermediate={intermediate}, tp={cfg.tp} ({where}). Use a tp "
+            f"that divides it, or expert_parallel=True.")
