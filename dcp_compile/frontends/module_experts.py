@@ -240,6 +240,7 @@ class ExpertsRule:
     why: str                                     # why torch.export cannot capture it
     definitions: dict[str, str] = field(default_factory=dict)   # functions it calls by name
     state: Callable[[nn.Module], str | None] = lambda block: None   # why not now, or None
+    replaced: Callable[[nn.Module], nn.Module] = lambda block: block.experts   # not called
 
 
 _LLAMA4 = "transformers.models.llama4.modeling_llama4"
@@ -270,6 +271,7 @@ RULES = (
                 f"{_TITAN}.token_dispatcher:LocalTokenDispatcher.combine":
                     {"a3e39756b240", "05f7f2a9c1af"}},
         definitions=_LOCAL_FALLBACK, state=_titan_unparallelised,
+        replaced=lambda block: block.routed_experts.inner_experts,
         parts=_titan_parts, stack=_titan_stack, forward=_titan_forward,
         why="torch._grouped_mm over tokens sorted by expert (data-dependent group sizes)"),
     ExpertsRule(
@@ -390,3 +392,25 @@ def module_experts_enabled(model: nn.Module, stacked: nn.ModuleDict):
     finally:
         for m in swapped:
             del m.forward
+
+
+def drop_replaced_weights(captured, step_module: nn.Module, model: nn.Module) -> int:
+    """Remove from a capture the weight inputs of the experts the swap replaced (litgpt's
+    per-expert linears, torchtitan's fp32 w1/w2/w3, the second name Llama-4's own stacked
+    weights get through ``StackedExperts``): torch.export lifts every parameter of the
+    module, used or not, and a program would carry them to every rank unread. Only inputs
+    no node reads are removed."""
+    replaced = {id(t) for _, m, rule in blocks(model) for t in rule.replaced(m).parameters()}
+    if not replaced:
+        return 0
+    dropped = 0
+    for n in list(captured.gm.graph.nodes):
+        fqn = captured.params.get(n.name)
+        if n.op == "placeholder" and fqn is not None and not n.users and \
+                id(step_module.get_parameter(fqn)) in replaced:
+            captured.gm.graph.erase_node(n)
+            del captured.params[n.name]
+            dropped += 1
+    if dropped:
+        captured.gm.recompile()
+    return dropped

@@ -20,7 +20,7 @@ from dcp_compile.runtime.names import StepKind
 
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
-from .module_experts import module_experts_enabled, stacked_experts
+from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
 from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
@@ -47,6 +47,7 @@ class OrdinaryFrontend:
         start = time.perf_counter()
         captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
                                     device=self.device)
+        drop_replaced_weights(captured, self.step_model, self.model)
         return StepCapture(captured.gm, captured.user_inputs,
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,

@@ -220,3 +220,25 @@ def test_experts_that_do_not_stack_are_refused_naming_the_block():
     with pytest.raises(DCPTransformError, match=r"transformer\.h\.1\.mlp \(LLaMAMoE\).*do not "
                                                 r"stack"):
         mx.stacked_experts(model)
+
+
+@pytest.mark.parametrize("name", ["litgpt-mixtral", "hf-llama4"])
+def test_replaced_expert_weights_are_no_program_inputs(name):
+    """torch.export lifts every parameter; the experts the swap replaced (litgpt's per-expert
+    linears; Llama-4's own stacked weights under their second name) are unread and are not
+    program weights, so no rank carries them. Llama-4's experts keep their checkpoint names."""
+    from dcp_compile.runtime.serving.engine import StepShapes
+    dist, build, _ = MODELS[name]
+    _needs(dist)
+    model = build()
+    target = dcp_compile.hf.prepare(llama4(chunked=True)) if name == "hf-llama4" else model
+    program = dcp_compile.transform(target, tp=4, dcp=2, mode="decode", block_size=4,
+                                    shapes=StepShapes(batch=4, context_len=16, max_blocks=4,
+                                                      num_blocks=18), check=False)
+    experts = [w for w in program.weight_inputs if "experts" in w and "shared" not in w]
+    assert all(w.startswith("p_library_experts_") for w in experts), experts
+    assert len(experts) == 4                          # gate_up and down of 2 MoE layers
+    if name == "hf-llama4":
+        assert {program.weight_names[w][0] for w in experts} == {
+            f"model.layers.{i}.feed_forward.experts.{p}" for i in (0, 1)
+            for p in ("gate_up_proj", "down_proj")}
