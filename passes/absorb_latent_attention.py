@@ -144,6 +144,7 @@ def absorb_latent_attention(gm: GraphModule) -> list[dict]:
     g = gm.graph
     mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
     realify_complex_rope(g, mode)
+    heads_first_keys(g, mode)
     records, rewritten = [], set()
     for n in list(g.nodes):
         if not _call(n, {SDPA}):
@@ -273,6 +274,44 @@ def _key_from_copies(g, reader: Node, key: Node, mode) -> None:
     for n in dead:
         g.erase_node(n)
     g.erase_node(key)
+
+
+def _swaps_dims_1_2(n: Node) -> bool:
+    return _call(n, {aten.transpose.int}) and len(val(n).shape) == 4 and \
+        sorted(d % 4 for d in n.args[1:3]) == [1, 2]
+
+
+def heads_first_keys(g, mode) -> int:
+    """torchtitan builds MLA's key tokens-first, ``cat([k_nope, k_pe.expand(B, S, H, dr)],
+    -1)`` ``[B, S, H, D]``, and its inner attention transposes it to ``[B, H, S, D]``: the
+    transpose is moved in front of the cat and the expand (it swaps neither the cat dim nor
+    the expanded one's size-1 dim away), so the key reads ``cat([k_nope^T, k_pe^T.expand])``
+    as in DeepSeek's own layout. Only a transpose of exactly that key is moved."""
+    count = 0
+    for n in list(g.nodes):
+        if not _swaps_dims_1_2(n) or not _call(n.args[0], {aten.cat.default}):
+            continue
+        cat = n.args[0]
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        parts = list(cat.args[0])
+        if dim % 4 != 3 or len(parts) != 2 or not _call(parts[1], {aten.expand.default}):
+            continue
+        k_nope, (k_pe, _size) = parts[0], parts[1].args[:2]
+        if val(k_pe).shape[2] != 1 or val(parts[1]).shape[2] == 1:
+            continue
+
+        def new(target, *args):
+            return _new(g, mode, target, args, like=n)
+
+        with g.inserting_before(n):
+            shared = new(aten.transpose.int, k_pe, 1, 2)
+            key = new(aten.cat.default, [new(aten.transpose.int, k_nope, 1, 2),
+                                         new(aten.expand.default, shared,
+                                             list(val(n).shape[:3]) + [-1])], -1)
+        n.replace_all_uses_with(key)
+        g.erase_node(n)
+        count += 1
+    return count
 
 
 def _feeds_attention(n: Node) -> bool:

@@ -18,11 +18,18 @@ Every ``dcp.moe`` node is normalised to all its operands positional (``runtime.m
 indexes them for the later passes). Refused, naming the node and its source line: expert
 computations that did not become ``dcp.moe`` (``UNRECOGNISED``: grouped matmuls, batched_mm's
 per-choice gather of a stacked [E, ...] weight), expert weights or biases that are not
-parameters or whose shapes disagree with the layout, an unknown activation or layout, and a
-tp that divides neither the experts (expert parallel) nor the intermediate dim (TP).
+parameters or whose shapes disagree with the layout, an unknown activation or layout, a
+tp that divides neither the experts (expert parallel) nor the intermediate dim (TP), fewer
+experts than ranks under expert parallelism, and experts narrower than the tokens (bf16
+experts in an fp32 model: no program equals such a model at fp32 tolerance).
+
+Where a routing score scales the experts' input rather than their output (Llama-4: one
+dcp.moe per choice over ``score * x``, weight 1), the router is found behind that score too.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.fx import Node
@@ -36,7 +43,7 @@ from dcp_compile.runtime.kernels.moe import (LAYOUTS, OPERANDS, PARAMETRISED, Ex
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from .infra import DCPPass, Found, Property, ensure, source_of, val
-from .op_classes import RESHAPES
+from .op_classes import CASTS, MULS, RESHAPES, SLICES, SPLITS, TOP_K
 
 aten = torch.ops.aten
 MOE = torch.ops.dcp.moe.default
@@ -83,12 +90,41 @@ def _ancestors(n: Node) -> set[Node]:
     return seen
 
 
-def _router(moe: Node) -> set[Node]:
-    """The ops computing the routing (ids, weights) from the block's input: the backward
-    slice of the routing stopped where it meets the experts' input's own history."""
+def _top_k_of(ids: Node) -> Node | None:
+    """The top-k that chose ``ids`` (through getitem, slices, casts, views), or None."""
+    n = ids
+    while isinstance(n, Node) and n.op == "call_function" and n.target not in TOP_K:
+        ins = n.all_input_nodes
+        if n.target is not operator.getitem and n.target not in SLICES | SPLITS | CASTS | RESHAPES \
+                or len(ins) != 1:
+            return None
+        n = ins[0]
+    return n if isinstance(n, Node) and n.target in TOP_K else None
+
+
+def _scaled_tokens(moe: Node) -> tuple[Node, list[Node]]:
+    """(the block's tokens, routing factors applied to them): dcp.moe's input itself, or,
+    where the experts' input is the tokens times their routing score (Llama-4 scales inputs,
+    not outputs), the tokens and that score (a factor descending from the ids' top-k)."""
     x = moe.args[0]
+    if x.target not in MULS or len(x.all_input_nodes) != 2:
+        return x, []
+    topks = {_top_k_of(moe.args[1])} - {None}
+    a, b = x.args[:2]
+    for tokens, factor in ((a, b), (b, a)):
+        if isinstance(factor, Node) and topks & (_ancestors(factor) | {factor}) \
+                and not topks & _ancestors(tokens):
+            return tokens, [factor]
+    return x, []
+
+
+def _router(moe: Node) -> set[Node]:
+    """The ops computing the routing (ids, weights, a score scaling the input) from the
+    block's input: the backward slice of the routing stopped where it meets the tokens' own
+    history."""
+    x, factors = _scaled_tokens(moe)
     stop = _ancestors(x) | {x}
-    seen, stack = set(), [moe.args[1], moe.args[2]]
+    seen, stack = set(), [moe.args[1], moe.args[2], *factors]
     while stack:
         n = stack.pop()
         if n in seen or n in stop or n.op != "call_function":
@@ -265,19 +301,49 @@ class CanonicalizeMoE(DCPPass):
                 f"{tuple(ids)}, weights {tuple(weights)}, gate_up {tuple(gate_up)}, wrong "
                 f"{wrong or 'none'} (expected {expected}): {where}. Pass x [T, H], routing "
                 f"[T, k] and expert weights laid out as the layout says (runtime/kernels/moe.py).")
-        if cfg.expert_parallel and num_experts % cfg.tp:
-            raise DCPTransformError(
-                f"expert parallelism partitions the experts over the tp ranks, which needs tp "
-                f"to divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp "
-                f"that divides {num_experts}, or expert_parallel=False (tensor-parallel "
-                f"experts).")
-        if not cfg.expert_parallel and (two_i // 2) % cfg.tp:
-            raise DCPTransformError(
-                f"tensor-parallel experts cut each expert's intermediate dim over tp, which "
-                f"needs tp to divide it: intermediate={two_i // 2}, tp={cfg.tp} ({where}). "
-                f"Use a tp that divides it, or expert_parallel=True.")
+        _check_dtype(val(a["gate_up_proj"]).dtype, val(a["x"]).dtype, where)
+        _check_cut(cfg, num_experts, two_i // 2, where)
 
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if n.op == "call_function"
                 and n.target in UNRECOGNISED]
         ensure(not left, self.name, "unrecognised expert computations left", left)
+
+
+def _check_dtype(narrow: torch.dtype, tokens: torch.dtype, where: str) -> None:
+    """Experts narrower than the tokens (torchtitan's bf16 GroupedExperts in an fp32 model)
+    cannot be matched at the tokens' tolerance: refused, naming why."""
+    if narrow.itemsize < tokens.itemsize:
+        raise DCPTransformError(
+            f"the experts compute in {narrow} inside a {tokens} model (torchtitan's "
+            f"GroupedExperts casts its tokens and weights to bfloat16): {narrow} matmuls round "
+            f"by the shape of the batch they are given, so no program equals the model at "
+            f"{tokens} tolerance (its own forward differs from itself by 4.7e-4 when only the "
+            f"batch changes: torchtitan's DeepSeek-V3; tensor-parallel experts add each rank's "
+            f"rounded partial down projection) ({where}). Transform the model in {narrow} "
+            f"(model.to({narrow})), whose programs are compared at {narrow} tolerance, or make "
+            f"its experts compute in the model's dtype.")
+
+
+def _check_cut(cfg, num_experts: int, intermediate: int, where: str) -> None:
+    """The experts' cut over the tp ranks exists: whole experts per rank (expert parallel)
+    or a slice of every expert's intermediate dim (tensor parallel)."""
+    if cfg.expert_parallel and num_experts < cfg.tp:
+        raise DCPTransformError(
+            f"expert parallelism gives each of the tp ranks whole experts, and there are "
+            f"fewer experts than ranks: experts={num_experts}, tp={cfg.tp} ({where}). Serving "
+            f"it would cut each expert over tp/experts ranks by its intermediate dim as well "
+            f"(experts x intermediate on one weight), a cut the placement's one-dim shards do "
+            f"not express. Use expert_parallel=False (tensor-parallel experts: every rank "
+            f"holds 1/tp of every expert, the same bytes per rank), or a tp of at most "
+            f"{num_experts} that divides it.")
+    if cfg.expert_parallel and num_experts % cfg.tp:
+        raise DCPTransformError(
+            f"expert parallelism partitions the experts over the tp ranks, which needs tp to "
+            f"divide them: experts={num_experts}, tp={cfg.tp} ({where}). Use a tp that divides "
+            f"{num_experts}, or expert_parallel=False (tensor-parallel experts).")
+    if not cfg.expert_parallel and intermediate % cfg.tp:
+        raise DCPTransformError(
+            f"tensor-parallel experts cut each expert's intermediate dim over tp, which needs "
+            f"tp to divide it: intermediate={intermediate}, tp={cfg.tp} ({where}). Use a tp "
+            f"that divides it, or expert_parallel=True.")

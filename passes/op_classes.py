@@ -95,8 +95,14 @@ WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSe
 # Overwrite the elements where a condition holds with one value.
 MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
 
+# Top-k selections (a router's choice of experts).
+TOP_K = frozenset({aten.topk.default})
+
 # torch.export's runtime checks of a tensor's metadata: no-ops in a captured graph.
 EXPORT_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
+# torch.export keeps a `with torch.autocast(...)` block as this higher-order op over a
+# subgraph: (device_type, dtype, enabled, cache_enabled, subgraph, *operands).
+AUTOCAST_REGIONS = frozenset({torch.ops.higher_order.wrap_with_autocast})
 
 # An extremum of a whole tensor or of dims: its value lies in its input's range.
 EXTREMA = frozenset({aten.max.default, aten.amax.default, aten.min.default, aten.amin.default})

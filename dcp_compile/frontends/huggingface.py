@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
+from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -326,15 +327,7 @@ def _register_experts() -> None:
 _register_experts()
 
 
-def _activation_table():
-    from transformers import activations as A
-
-    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
-    return {A.SiLUActivation: Act.SILU, nn.SiLU: Act.SILU, nn.ReLU: Act.RELU,
-            A.GELUTanh: Act.GELU_TANH}
-
-
-_ACTIVATIONS = _activation_table()
+_ACTIVATIONS = hf_expert_activations()
 _GATES = _gate_table()
 
 # The attention switch edits the model's shared config: wrapper calls are serialised.
@@ -442,6 +435,8 @@ class DCPCausalLM(nn.Module):
         self._module_names = {id(m): n for n, m in hf_model.named_modules()}
         self._configs = _attention_configs(hf_model)
         self._windows = declared_windows(hf_model)
+        # MoE blocks outside transformers' experts interface (Llama-4) as dcp.moe.
+        self.library_experts = stacked_experts(hf_model)
 
     @property
     def config(self):
@@ -478,7 +473,8 @@ class DCPCausalLM(nn.Module):
                          kv_caches=list(kv_caches), num_layers=self._num_layers,
                          max_model_len=self.max_model_len, module_names=self._module_names,
                          windows=self._windows)
-        with _paged_attention_enabled(self._configs):
+        with _paged_attention_enabled(self._configs), \
+                module_experts_enabled(self.hf_model, self.library_experts):
             _wrapper_running.active = True
             try:
                 # Padding rows (position -1) get RoPE of position 0; the op zeroes their output.

@@ -8,6 +8,7 @@ model's own full forward, recomputed every step (:class:`FullForwardReference`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -20,6 +21,7 @@ from dcp_compile.runtime.names import StepKind
 
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
+from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
 from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
@@ -33,7 +35,7 @@ class OrdinaryFrontend:
         if is_hf(model):
             check_hf_config(model)
         self.model, self.shapes = model, shapes
-        self.step_model = OrdinaryStep(model)
+        self.step_model = OrdinaryStep(model, library_experts=True)
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
 
@@ -51,6 +53,7 @@ class OrdinaryFrontend:
         start = time.perf_counter()
         captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
                                     device=self.device)
+        drop_replaced_weights(captured, self.step_model, self.model)
         return StepCapture(captured.gm, captured.user_inputs,
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,
@@ -92,9 +95,12 @@ class OrdinaryFrontend:
 class OrdinaryStep(nn.Module):
     """``forward(input_ids (, position_ids)) -> logits`` around any causal LM."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, library_experts: bool = False):
         super().__init__()
         self.model = model
+        # The model libraries' MoE blocks as dcp.moe (module_experts): for the capture only;
+        # the reference runs the model's own blocks.
+        self.library_experts = stacked_experts(model) if library_experts else nn.ModuleDict()
         params = forward_params(model)
         self.takes_positions = "position_ids" in params
         self.hf = is_hf(model)
@@ -108,9 +114,8 @@ class OrdinaryStep(nn.Module):
         kwargs = {"position_ids": position_ids} if self.takes_positions else {}
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
-            with dcp_experts_enabled(self.model):
-                out = self.model(input_ids, **kwargs)
-        else:
+        experts = dcp_experts_enabled(self.model) if self.hf else contextlib.nullcontext()
+        with experts, module_experts_enabled(self.model, self.library_experts):
             out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if not isinstance(logits, Tensor):

@@ -18,6 +18,7 @@ from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, checkpoint_names, constant_values, example_step_inputs
 from .hf_checkpoint import checkpoint_sources
+from .module_experts import drop_replaced_weights
 from .protocol import PAGED_STEP, StepCapture
 
 
@@ -55,6 +56,7 @@ class PagedFrontend:
         captured = capture(self.model, example_step_inputs(
             s.batch, tokens, s.max_blocks, cache_shape, self.model.num_layers,
             device=self.device, dtype=self.dtype))
+        drop_replaced_weights(captured, self.model, self.checkpoint_module)
         return StepCapture(captured.gm, captured.user_inputs,
                            list(captured.params) + list(captured.buffers),
                            time.perf_counter() - start,

@@ -101,3 +101,35 @@ def test_attention_without_mla_is_left_alone():
             return (scaled_dot_product_attention_default,)
         """)
     assert p.matched == {"mla_layers": 0} and p.ctx.facts.mla is None
+
+
+# -- torchtitan's tokens-first key -----------------------------------------------------------
+
+def _mla_tokens_first(p_kv_b, latent, q, k_pe):
+    """torchtitan's DeepSeek-V3: the key built [B, S, H, D] (k_pe [B, S, 1, dr] expanded over
+    the heads' dim 2), the value split likewise; its inner attention transposes q, k, v."""
+    kv = aten.view.default(aten.linear.default(latent, p_kv_b), [B, S, H, DN + DV])
+    parts = aten.split_with_sizes.default(kv, [DN, DV], -1)
+    k = aten.cat.default([parts[0], aten.expand.default(k_pe, [-1, -1, H, -1])], -1)
+    return (aten.scaled_dot_product_attention.default(
+        q, aten.transpose.int(k, 1, 2), aten.transpose.int(parts[1], 1, 2), is_causal=True),)
+
+
+def _tokens_first_inputs(seed=0):
+    inputs = _inputs(seed)
+    inputs["k_pe"] = inputs["k_pe"].transpose(1, 2).contiguous()     # [B, S, 1, dr]
+    return inputs
+
+
+def test_a_tokens_first_mla_key_is_absorbed_too():
+    """The key's transpose moves in front of its cat and expand (heads_first_keys), so the
+    attention reads as DeepSeek's layout and is absorbed: the same latent graph as above
+    but for k_pe, transposed twice on its way into the latent head."""
+    p = AbsorbLatentAttention(context(2, 1, "context"))
+    gm = run_alone(p, before(_mla_tokens_first, **_tokens_first_inputs()))
+    assert p.matched == {"mla_layers": 1}
+    sdpa = [n for n in gm.graph.nodes if n.target == aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == 1 and tuple(sdpa[0].args[1].meta["val"].shape) == (B, 1, S, L + DR)
+    assert not any(n.target == aten.expand.default for n in gm.graph.nodes)
+    (got,), (want,) = call(gm), call(before(_mla_tokens_first, **_tokens_first_inputs()))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

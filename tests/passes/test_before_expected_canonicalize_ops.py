@@ -2,9 +2,11 @@
 the placement rules have rules for -- ``x @ w.T`` a linear, a constant index of consecutive
 entries a slice, slices that partition one dim a split -- and compute the same."""
 
+import pytest
 import torch
 
 from dcp_compile.passes.canonical_ops import CanonicalizeOps
+from dcp_compile.passes.op_classes import AUTOCAST_REGIONS
 
 from before_expected import aten, assert_code, before, call, context, run_alone
 
@@ -169,3 +171,74 @@ def test_flattened_tokens_that_meet_a_non_row_wise_op_stay_flattened():
     p = _opt_pass()
     gm = run_alone(p, _opt_before(mixes))
     assert p.matched == {} and sum(n.target == aten.view.default for n in gm.graph.nodes) == 2
+
+
+# -- autocast regions ----------------------------------------------------------------------
+
+class _Autocast(torch.nn.Module):
+    """torchtitan's router: its gate under ``autocast(dtype=float32)``."""
+
+    def __init__(self, dtype=torch.float32, enabled=True, device="cpu"):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.dtype, self.enabled, self.device = dtype, enabled, device
+
+    def forward(self, x):
+        with torch.autocast(device_type=self.device, dtype=self.dtype, enabled=self.enabled):
+            scores = self.gate(x)
+        return (scores.softmax(-1),)
+
+
+def _exported(module, x):
+    """The region as torch.export captures it (a wrap_with_autocast over a subgraph)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # CPU autocast to float32 disables itself
+        gm = torch.export.export(module, (x,), strict=False).graph_module
+    gm.meta["example_inputs"] = {"p_gate_weight": module.gate.weight, "x": x}
+    return gm
+
+
+def _autocast_pass():
+    return CanonicalizeOps(context(2, 1, "context"), weights={"p_gate_weight"},
+                           constants=lambda: {})
+
+
+# The region's linear inline; the higher-order op, its getitem and its subgraph gone.
+EXPECTED_AUTOCAST = """
+    def forward(self, p_gate_weight, x):
+        linear_1 = aten.linear.default(x, p_gate_weight)
+        softmax = aten.softmax.int(linear_1, -1)
+        return (softmax,)
+    """
+
+
+def _enabled(gm):
+    """The region as a GPU capture holds it: autocast to float32 enabled (on CPU torch
+    disables it itself, so export records enabled=False)."""
+    region, = [n for n in gm.graph.nodes if n.target in AUTOCAST_REGIONS]
+    region.args = region.args[:2] + (True,) + region.args[3:]
+    return gm
+
+
+@pytest.mark.parametrize("enable", [True, False], ids=["enabled-float32", "disabled"])
+def test_an_autocast_region_that_changes_nothing_is_inlined(enable):
+    x = torch.randn(3, 8)
+    module = _Autocast()
+    with torch.no_grad():
+        want = module.gate(x).softmax(-1)
+    before_gm = _exported(module, x)
+    before_gm = _enabled(before_gm) if enable else before_gm
+    p = _autocast_pass()
+    gm = run_alone(p, before_gm)
+    assert_code(gm, EXPECTED_AUTOCAST)
+    assert p.matched == {"inline_autocast": 1}
+    torch.testing.assert_close(call(gm)[0], want, rtol=0, atol=0)
+
+
+def test_an_autocast_region_that_casts_stays():
+    """Autocast to bfloat16 over float32 values casts them: not inlined (the placement
+    refuses the region later, naming it)."""
+    x = torch.randn(3, 8)
+    gm = run_alone(_autocast_pass(), _exported(_Autocast(dtype=torch.bfloat16), x))
+    assert any(n.target in AUTOCAST_REGIONS for n in gm.graph.nodes)

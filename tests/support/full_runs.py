@@ -26,8 +26,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                       "every (tp, dcp) x mode of the mask-proof matches"),
     "DCP_MOE_MATRIX": ("frontends/test_moe.py",
                        "every MoE model x mode x tp/dcp x TP/EP x experts implementation x "
-                       "prepare/direct; test_moe_backend's TP experts and test_xla's gpt-oss EP "
-                       "case (they read test_moe.MATRIX)"),
+                       "prepare/direct; test_moe_backend's TP experts, test_xla's gpt-oss EP "
+                       "case and test_moe_libraries' rows (they read test_moe.MATRIX)"),
     "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
                            "every position form in both modes, every HF family"),
     "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),

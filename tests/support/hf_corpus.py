@@ -166,6 +166,7 @@ REASONS = (
     ("mask written in place", r"is written in place"),
     ("chunked attention", r"chunk"),
     ("softcap", r"softcap"),
+    ("experts in bf16 inside an fp32 model", r"the experts compute in \S+ inside a"),
     ("mixture of experts", r"expert|\bmoe\b|router"),
     ("latent attention (MLA)", r"latent|\bmla\b"),
     ("sliding window", r"window"),
