@@ -19,7 +19,8 @@ import pytest
 
 from suite_path import ROOT
 
-VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# scripts/setup.sh's place for it (DCP_VLLM_VENV moves it, for both).
+VENV_PYTHON = Path(os.environ.get("DCP_VLLM_VENV") or ROOT / ".venv-vllm") / "bin" / "python"
 LLM_ARGS = dict(tensor_parallel_size=2, decode_context_parallel_size=2,
                 hf_overrides={"architectures": ["DcpCompiledForCausalLM"]}, dtype="float32",
                 block_size=16, max_model_len=256, max_num_seqs=4,
