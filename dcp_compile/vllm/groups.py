@@ -28,7 +28,7 @@ def vllm_group_names(topology) -> tuple[int, dict[str, str]]:
             raise DCPConfigError(
                 f"the program needs a {role!r} group, which vLLM's tp/dcp groups do not give: "
                 f"roles {sorted(topology.groups)}. Serve a decode-mode program "
-                f"(transform(..., mode='decode')).")
+                f"(transform(..., mode=Mode.DECODE)).")
         want = topology.group_of(role, rank)
         got = sorted(r - base for r in group.ranks)
         if got != want:

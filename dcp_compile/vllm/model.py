@@ -22,6 +22,7 @@ from torch import nn
 
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.runtime.garbage_block import FIRST
+from dcp_compile.runtime.names import Mode, StepKind
 from dcp_compile.vllm.batch import ProgramShapes, calls_of, scatter_logits, table_rows
 
 PROGRAM_DEFAULTS = {"batch": 4, "context_len": 64, "decode_len": 4}
@@ -79,7 +80,7 @@ class DcpCompiledForCausalLM(nn.Module):
         self.layer_names = [a.layer_name for a in self.attn]
         self.loaded = None                  # the program on this rank, from the first step
         self.program = None
-        self.calls = {"context": 0, "decode": 0}   # program calls so far, by step kind
+        self.calls = {kind: 0 for kind in (StepKind.CONTEXT, StepKind.DECODE)}  # calls so far
 
     # -- the vLLM model interface ----------------------------------------------------------
 
@@ -145,7 +146,7 @@ class DcpCompiledForCausalLM(nn.Module):
                                     decode_len=o["decode_len"],
                                     max_blocks=-(-self.max_model_len // vblock), vblock=vblock)
         self.program = dcp_compile.transform(
-            meta_model(checkpoint), tp=self.tp, dcp=self.dcp, mode="decode",
+            meta_model(checkpoint), tp=self.tp, dcp=self.dcp, mode=Mode.DECODE,
             block_size=self.block_size, interleave_size=self.interleave, check=False,
             garbage_block=FIRST,
             shapes=StepShapes(batch=o["batch"], context_len=o["context_len"],
