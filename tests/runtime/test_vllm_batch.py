@@ -82,3 +82,19 @@ def test_the_slot_mapping_override_is_vllms_kernel(world, interleave):
                              table, table.shape[1], got, block, world, rank, interleave)
         want = _vllm_kernel(starts, pos, table, block, world, rank, interleave)
         assert got[:len(pos)].tolist() == want and (got[len(pos):] == -1).all()
+
+
+def test_program_options_come_from_hf_overrides_and_are_checked_by_name():
+    from types import SimpleNamespace
+
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.vllm.model import program_options
+    assert program_options(SimpleNamespace(), max_num_seqs=2) == \
+        {"batch": 2, "context_len": 64, "decode_len": 4}
+    given = SimpleNamespace(dcp_compile={"decode_len": 8, "batch": 6})
+    assert program_options(given, max_num_seqs=16) == \
+        {"batch": 6, "context_len": 64, "decode_len": 8}
+    with pytest.raises(DCPConfigError, match=r"unknown dcp_compile options .*\['width'\]"):
+        program_options(SimpleNamespace(dcp_compile={"width": 2}), max_num_seqs=4)
+    with pytest.raises(DCPConfigError, match="positive ints: context_len=0"):
+        program_options(SimpleNamespace(dcp_compile={"context_len": 0}), max_num_seqs=4)
