@@ -136,6 +136,7 @@ class DcpCompiledForCausalLM(nn.Module):
         import dcp_compile
         from dcp_compile.meta_init import meta_model
         from dcp_compile.runtime.serving.engine import StepShapes
+        from dcp_compile.runtime.serving.rank_engine import load_rank
         from dcp_compile.vllm.groups import vllm_group_names
 
         start = time.perf_counter()
@@ -160,7 +161,8 @@ class DcpCompiledForCausalLM(nn.Module):
                     f"is {spec.dtype} {list(spec.shape)}. Serve the checkpoint in its own "
                     f"dtype (dtype='auto') with kv_cache_dtype='auto'.")
         rank, names = vllm_group_names(self.program.topology)
-        self.loaded = self.program.load(rank, names, checkpoint=checkpoint)
+        # vLLM's engine is the host side, so the rank is loaded without one of ours.
+        self.loaded = load_rank(self.program, rank, names, checkpoint=checkpoint)
         self.build_seconds = time.perf_counter() - start
 
     def _step(self, input_ids, positions, common, caches) -> torch.Tensor:
