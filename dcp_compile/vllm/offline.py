@@ -26,7 +26,8 @@ def program_record(model) -> dict:
     vllm_kv = [layer.kv_cache for layer in model.attn]
     same = all(c.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
                for kv, pair in zip(vllm_kv, zip(caches[::2], caches[1::2])) for c in pair)
-    return {"calls": {str(k): n for k, n in model.calls.items()}, "num_blocks": int(caches[0].shape[0]),
+    return {"calls": {str(k): n for k, n in model.calls.items()},
+            "num_blocks": int(caches[0].shape[0]),
             "garbage_block": model.program.config.garbage_block,
             "caches_are_vllms": same, "build_seconds": round(model.build_seconds, 2)}
 

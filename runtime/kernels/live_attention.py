@@ -79,7 +79,7 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     num_blocks, block, kv_heads, width = key_cache.shape
     entries = live_entries(prior_len, block, block_table.shape[1])
     table = block_table[:, :entries]
-    usable, safe = readable_table(table, num_blocks, garbage_block)                             # [b, e]
+    usable, safe = readable_table(table, num_blocks, garbage_block)             # [b, e]
     span = entries * block
     local = torch.arange(span, device=q.device)
     # Prior slot bounds: one per row [b, 1, 1], or one per query of a width-K row [b, i, 1].
