@@ -52,7 +52,7 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
               certificate=None, progress: bool = False, combine: str = "all_gather",
               combine_dtype: str = "float32", check: bool | None = None,
               expert_parallel: bool = False, buckets=None,
-              stack_traces: bool | None = None) -> DCPProgram:
+              stack_traces: bool | None = None, garbage_block: int = -1) -> DCPProgram:
     """Rewrite ``model`` into its DCP form for ``tp`` ranks with DCP degree ``dcp``.
 
     ``shapes`` (dcp_compile.runtime.serving.engine.StepShapes) fixes the static batch, prompt-chunk length,
@@ -68,6 +68,9 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
     graph per (step kind, bucket) over the same weights, with a block table of
     ``bucket / (block_size * dcp)`` entries; the full capacity (``shapes.max_blocks``) is
     always the last bucket (dcp_compile.runtime.program.buckets; docs/lowering.md "Context buckets").
+
+    ``garbage_block``: which cache block receives the masked writes and is never read: -1
+    the last (dcp_compile's engine), 0 the first (vLLM's null block; runtime/garbage_block.py).
 
     ``stack_traces``: whether the graph nodes record the user source line they came from
     (``meta['stack_trace']``; dcp_compile.capture.stack_traces). ``None``: only when a dump
@@ -93,17 +96,18 @@ def transform(model: torch.nn.Module, tp: int, dcp: int, mode: str = Mode.DECODE
                           dump_dir=dump_dir, certificate=certificate, progress=progress,
                           combine=combine, combine_dtype=combine_dtype, check=check,
                           expert_parallel=expert_parallel, buckets=buckets,
-                          stack_traces=stack_traces)
+                          stack_traces=stack_traces, garbage_block=garbage_block)
 
 
 def _transform(model, tp, dcp, mode, *, block_size, interleave_size, kv_role, shapes,
                dump_dir, certificate, progress, combine, combine_dtype, check,
-               expert_parallel, buckets, stack_traces) -> DCPProgram:
+               expert_parallel, buckets, stack_traces, garbage_block) -> DCPProgram:
     from dcp_compile.runtime.program.buckets import check_buckets
     from dcp_compile.runtime.serving.engine import StepShapes
     config = DCPConfig(tp=tp, dcp=dcp, mode=mode, block_size=block_size,
                        interleave_size=interleave_size, kv_role=kv_role, combine=combine,
-                       combine_dtype=combine_dtype, expert_parallel=expert_parallel)
+                       combine_dtype=combine_dtype, expert_parallel=expert_parallel,
+                       garbage_block=garbage_block)
     sizes = check_buckets(buckets, block_size=block_size, dcp=dcp,
                           max_blocks=(shapes or StepShapes()).max_blocks)
     frontend = frontend_for(model, shapes)

@@ -34,6 +34,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.names import META_KIND, RANK_INPUT, Mode, Role
 
 from . import collectives as C
@@ -64,7 +65,8 @@ def masked_cache_write(p: DCPPass, g: Graph, attn: Node, slots: Node, layer: int
     """Write k/v only where this rank owns the position (spec: slot_mapping -1 elsewhere);
     ``slots`` is the step's slot mapping (one node for every layer)."""
     q, k, v, kc, vc = attn.args[:5]
-    write = p.tag(g.call_function(dcp_ops.cache_write.default, (kc, vc, k, v, slots)),
+    write = p.tag(g.call_function(dcp_ops.cache_write.default, (kc, vc, k, v, slots),
+                                  garbage_kwargs(p.ctx.config)),
                   KIND_CACHE_WRITE, layer)
     return (g.call_function(operator.getitem, (write, 0)),
             g.call_function(operator.getitem, (write, 1)))
@@ -109,11 +111,18 @@ def replace_attention(attn: Node, out: Node, kc: Node, vc: Node) -> None:
     attn.graph.erase_node(attn)
 
 
-def attention_kwargs(attn: Node) -> tuple[dict, Node | None]:
-    """dcp.attention's keyword arguments for partial_attention (window, softcap, kv_shared)
-    and its sinks, which never go to a rank's partial attention: the sink joins the softmax
-    denominator once, after the combine (dcp.sink_correct on the global LSE)."""
-    kwargs = dict(attn.kwargs)
+def garbage_kwargs(cfg) -> dict:
+    """The cache ops' ``garbage_block`` keyword: none for the default (the last block), so
+    the graphs of a default program read as before; ``garbage_block=0`` for vLLM's layout."""
+    return {} if cfg.garbage_block == LAST else {"garbage_block": cfg.garbage_block}
+
+
+def attention_kwargs(attn: Node, cfg) -> tuple[dict, Node | None]:
+    """dcp.attention's keyword arguments for partial_attention (window, softcap, kv_shared,
+    and the config's garbage block) and its sinks, which never go to a rank's partial
+    attention: the sink joins the softmax denominator once, after the combine
+    (dcp.sink_correct on the global LSE)."""
+    kwargs = dict(attn.kwargs) | garbage_kwargs(cfg)
     return kwargs, kwargs.pop("sinks", None)
 
 
@@ -251,7 +260,7 @@ class DCPDecode(DCPPass):
                     q_all = g.call_function(aten.reshape.default, (q5, [b, s, W * hq, d]))
                 else:
                     q_all = q
-                kwargs, sinks = attention_kwargs(attn)
+                kwargs, sinks = attention_kwargs(attn, self.ctx.config)
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_all, positions, k, v, m["current_key_positions"], kc2, vc2, table,
@@ -323,7 +332,7 @@ class DCPContext(DCPPass):
             m = step[(positions, table)]
             with g.inserting_before(attn):
                 kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer)
-                kwargs, sinks = attention_kwargs(attn)
+                kwargs, sinks = attention_kwargs(attn, self.ctx.config)
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q, positions, k, v, positions, kc2, vc2, table, m["no_prior"], cp, W, I,

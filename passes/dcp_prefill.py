@@ -58,7 +58,8 @@ from dcp_compile.runtime.names import (Mode, Role, StepKind, META_LAYER, META_NO
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
-from .dcp_decode import attention_kwargs, correct_sinks, cp_rank_node, replace_attention
+from .dcp_decode import (attention_kwargs, correct_sinks, cp_rank_node, garbage_kwargs,
+                         replace_attention)
 from .op_classes import SHAPED_VIEWS
 from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
@@ -332,7 +333,8 @@ class DCPPrefill(DCPPass):
             with g.inserting_before(attn):
                 # 4. KV cache write of owned positions only
                 cw = self._step(g.call_function(dcp_ops.cache_write.default,
-                                                (kc, vc, k, v, m["slots"])),
+                                                (kc, vc, k, v, m["slots"]),
+                                                garbage_kwargs(self.ctx.config)),
                                 4, KIND_CACHE_WRITE, layer)
                 kc2 = g.call_function(operator.getitem, (cw, 0))
                 vc2 = g.call_function(operator.getitem, (cw, 1))
@@ -349,7 +351,7 @@ class DCPPrefill(DCPPass):
                 q_full = self._token_gather(g, q_all, m["unshuffle"], (b, W * cap, hq, d), s)
                 self._step(q_full, 6, KIND_SLICE, layer)
                 # 7. segmented attention: full Q x (local prior cache + own current k/v)
-                kwargs, sinks = attention_kwargs(attn)
+                kwargs, sinks = attention_kwargs(attn, self.ctx.config)
                 pa = self._step(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_full, positions, k, v, m["k_pos"], kc2, vc2, table, m["prior"], cp, W,

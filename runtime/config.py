@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from dcp_compile.runtime.errors import DCPConfigError
+from dcp_compile.runtime.garbage_block import check_garbage_block
 from dcp_compile.runtime.names import Mode
 
 MODES = tuple(Mode)
@@ -49,6 +50,9 @@ class DCPConfig:
     # Mixture of experts: experts partitioned over the tp ranks (expert parallel) instead of
     # each expert's intermediate dim cut over them (tensor parallel, the default).
     expert_parallel: bool = False
+    # Which cache block is the garbage block (runtime/garbage_block.py): -1 the last (the
+    # project's engine), 0 the first (vLLM's null block).
+    garbage_block: int = -1
 
     def __post_init__(self):
         if self.interleave_size is None and _is_positive_int(self.block_size):
@@ -121,6 +125,10 @@ def _violations(c: DCPConfig) -> list[str]:
         out.append(f"kv_role must be one of {KV_ROLES}: kv_role={c.kv_role!r}. "
                    "Use None, 'kv_producer' or 'kv_consumer'.")
     out.extend(_combine_violations(c))
+    try:
+        check_garbage_block(c.garbage_block)
+    except DCPConfigError as e:
+        out.extend(e.violations)
     if bad or out:
         return out  # the rules below need well-formed sizes
 

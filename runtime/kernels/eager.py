@@ -55,7 +55,7 @@ def _in_place_cache_write(graph: Graph, node: Node) -> None:
                 f", so overwriting it would change what they read. Keep each cache input "
                 f"read only through its cache_write (as the DCP passes emit).")
     with graph.inserting_before(node):
-        write = graph.call_function(dcp_ops.cache_write_.default, node.args)
+        write = graph.call_function(dcp_ops.cache_write_.default, node.args, node.kwargs)
     write.meta.update({k: v for k, v in node.meta.items() if k != "val"})
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:

@@ -25,16 +25,19 @@ import torch
 from torch import Tensor
 
 from dcp_compile.runtime import layout
+from dcp_compile.runtime.garbage_block import LAST, garbage_block_id, usable_block
 
 NEG_INF = float("-inf")
 
 
-def readable_table(block_table: Tensor, num_blocks: int) -> tuple[Tensor, Tensor]:
+def readable_table(block_table: Tensor, num_blocks: int,
+                   garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     """(usable, table): which block-table entries name a usable block, and the table with
     every other entry (-1 unallocated, the garbage block, ids beyond the cache) pointing at
-    the garbage block, so a gather never reads block 0 for them; readers mask them out."""
-    usable = (block_table >= 0) & (block_table < num_blocks - 1)
-    return usable, torch.where(usable, block_table, num_blocks - 1)
+    the garbage block, so a gather never reads a sequence's block for them; readers mask
+    them out."""
+    usable = usable_block(block_table, num_blocks, garbage_block)
+    return usable, torch.where(usable, block_table, garbage_block_id(num_blocks, garbage_block))
 
 
 def live_entries(prior_len: Tensor, block: int, max_blocks: int) -> int:
@@ -69,13 +72,14 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
                            interleave: int, scale: float, window: int = 0,
                            softcap: float = 0.0,
-                           kv_shared: bool = False) -> tuple[Tensor, Tensor]:
+                           kv_shared: bool = False,
+                           garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
     entries = live_entries(prior_len, block, block_table.shape[1])
     table = block_table[:, :entries]
-    usable, safe = readable_table(table, num_blocks)                             # [b, e]
+    usable, safe = readable_table(table, num_blocks, garbage_block)             # [b, e]
     span = entries * block
     local = torch.arange(span, device=q.device)
     # Prior slot bounds: one per row [b, 1, 1], or one per query of a width-K row [b, i, 1].

@@ -11,8 +11,9 @@ Tensor conventions (one batch of sequences, padded to a static shape):
   positions    [batch, tokens] int64 global positions; -1 marks padding (writes nothing,
                attends to nothing, output 0)
   key_cache,
-  value_cache  [num_blocks, block_size, kv_heads, head_dim]; block num_blocks-1 is the
-               reserved garbage block that slot -1 writes land in and no block table names
+  value_cache  [num_blocks, block_size, kv_heads, head_dim]; one block is the reserved
+               garbage block that slot -1 writes land in and no block table names: the last
+               by default, the first with ``garbage_block=0`` (runtime/garbage_block.py)
   block_table  [batch, max_blocks] int64; -1 marks an unallocated entry
   rank         0-d int64 tensor: this rank's cp_rank (rank is data: one graph serves every rank)
 """
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dcp_compile.runtime import layout
+from dcp_compile.runtime.garbage_block import LAST, garbage_block_id
 from dcp_compile.runtime.kernels.op_defs import dcp_op
 from dcp_compile.runtime.kernels.live_attention import live_partial_attention, readable_table  # noqa: F401
 
@@ -129,21 +131,22 @@ def _(n, rank, dcp, interleave, block):
 # ----------------------------------------------------------------------------------------
 
 
-def _write_rows(key_cache: Tensor, slots: Tensor) -> Tensor:
+def _write_rows(key_cache: Tensor, slots: Tensor, garbage_block: int = LAST) -> Tensor:
     """Flat cache row each token is written to (shared by cache_write and cache_write_)."""
     num_blocks, block = key_cache.shape[:2]
-    garbage_row = (num_blocks - 1) * block
+    garbage = garbage_block_id(num_blocks, garbage_block)
+    garbage_row = garbage * block
     # Slot -1, and any slot outside the usable blocks (a block id the cache does not have, or
     # the garbage block itself), lands in the garbage block: a write never reaches a block
     # its table does not name, whatever the inputs.
-    usable = (slots >= 0) & (slots < garbage_row)
+    usable = (slots >= 0) & (slots < num_blocks * block) & (slots // block != garbage)
     return torch.where(usable, slots, torch.full_like(slots, garbage_row)).reshape(-1)
 
 
 def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
-                      slots: Tensor) -> tuple[Tensor, Tensor]:
+                      slots: Tensor, garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     num_blocks, block, heads, dim = key_cache.shape
-    rows = _write_rows(key_cache, slots)
+    rows = _write_rows(key_cache, slots, garbage_block)
     # (block, offset) indices on the cache itself, not rows of a flattened view: a reshaped
     # cache is laid out apart from the cache by XLA, which then copies it whole every step.
     where = (rows // block, rows % block)
@@ -154,13 +157,13 @@ def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tens
 
 @dcp_op("cache_write", mutates_args=())
 def cache_write(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
-                slots: Tensor) -> tuple[Tensor, Tensor]:
+                slots: Tensor, garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     """Return the caches with k/v written at ``slots`` (slot -1 goes to the garbage block)."""
-    return _cache_write_impl(key_cache, value_cache, k, v, slots)
+    return _cache_write_impl(key_cache, value_cache, k, v, slots, garbage_block)
 
 
 @cache_write.register_fake
-def _(key_cache, value_cache, k, v, slots):
+def _(key_cache, value_cache, k, v, slots, garbage_block=LAST):
     return torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -174,7 +177,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
                             interleave: int, scale: float, window: int = 0,
                             softcap: float = 0.0,
-                            kv_shared: bool = False) -> tuple[Tensor, Tensor]:
+                            kv_shared: bool = False,
+                            garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -183,12 +187,10 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     local = torch.arange(max_blocks * block, device=q.device)
     # Only entries naming a usable block are read; -1 (unallocated), the garbage block and ids
     # beyond the cache read the garbage block instead and are masked out, never block 0.
-    entries = block_table[:, local // block]
-    allocated = (entries >= 0) & (entries < num_blocks - 1)
-    rows = torch.where(allocated, entries, num_blocks - 1) * block + local % block
     # Whole blocks, one per block-table entry (a gather of batch * max_blocks blocks, not of
     # every slot): [batch, max_blocks, block, heads, dim] -> [batch, max_blocks * block, ...].
-    _, table = readable_table(block_table, num_blocks)
+    usable, table = readable_table(block_table, num_blocks, garbage_block)
+    allocated = usable[:, local // block]
     k_prior = key_cache[table].reshape(batch, max_blocks * block, kv_heads,
                                        key_cache.shape[-1])
     v_prior = value_cache[table].reshape(batch, max_blocks * block, kv_heads,
@@ -205,7 +207,7 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     row_len = prior_len.amax(dim=1) if per_query else prior_len
     prior_valid = (local.unsqueeze(0) < row_len.unsqueeze(1)) & allocated
     prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
-                            torch.full_like(rows, -1))
+                            torch.full_like(allocated, -1, dtype=torch.int64))
 
     keys = torch.cat([k_prior.to(q.dtype), k_cur.to(q.dtype)], dim=1)
     # Shared: the values are the keys (one tensor), not a second copy of the same rows.
@@ -246,7 +248,8 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                       prior_len: Tensor, rank: Tensor, dcp: int, interleave: int,
                       scale: float, window: int = 0,
-                      softcap: float = 0.0, kv_shared: bool = False) -> tuple[Tensor, Tensor]:
+                      softcap: float = 0.0, kv_shared: bool = False,
+                      garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -255,15 +258,16 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``window > 0``: only keys with ``q_pos - k_pos < window``; ``softcap > 0``: scores
     ``tanh(s / softcap) * softcap``; ``kv_shared``: keys and values are both
     ``cat(k, v, dim=-1)`` (one vector stored once, in halves, in the two caches).
+    ``garbage_block``: which block is never read (runtime/garbage_block.py).
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
-                                   window, softcap, kv_shared)
+                                   window, softcap, kv_shared, garbage_block)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False):
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -506,10 +510,10 @@ DECOMPOSITIONS[torch.ops.dcp.lse_merge.default] = _lse_merge_impl
 
 @dcp_op("cache_write_", mutates_args=("key_cache", "value_cache"))
 def cache_write_(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
-                 slots: Tensor) -> None:
+                 slots: Tensor, garbage_block: int = LAST) -> None:
     """cache_write in place: only the written rows are touched, nothing is copied."""
     num_blocks, block, heads, dim = key_cache.shape
-    rows = _write_rows(key_cache, slots)
+    rows = _write_rows(key_cache, slots, garbage_block)
     # view, never reshape: a reshape of a non-contiguous cache would copy and lose the write.
     key_cache.view(num_blocks * block, heads, dim).index_copy_(
         0, rows, k.reshape(-1, heads, dim).to(key_cache.dtype))
@@ -518,7 +522,7 @@ def cache_write_(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
 
 
 @cache_write_.register_fake
-def _(key_cache, value_cache, k, v, slots):
+def _(key_cache, value_cache, k, v, slots, garbage_block=LAST):
     return None
 
 
@@ -528,7 +532,8 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
                            interleave: int, scale: float, window: int = 0,
                            softcap: float = 0.0,
-                           kv_shared: bool = False) -> tuple[Tensor, Tensor]:
+                           kv_shared: bool = False,
+                           garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -539,12 +544,12 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     """
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
-                                  window, softcap, kv_shared)
+                                  window, softcap, kv_shared, garbage_block)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False):
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 

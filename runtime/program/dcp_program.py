@@ -179,7 +179,8 @@ class DCPProgram:
         from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
         return KVCacheSpec(self.num_layers, self.shapes.num_blocks, self.config.block_size,
                            self.config.kv_heads_per_rank, self.config.head_dim,
-                           dtype or self.facts.cache_dtype or torch.float32)
+                           dtype or self.facts.cache_dtype or torch.float32,
+                           garbage=self.config.garbage_block)
 
     def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager",
              checkpoint: str | os.PathLike | None = None):

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
+from dcp_compile.runtime.garbage_block import LAST
 
 from dcp_compile.runtime.serving.kv_cache import BlockAllocator
 from dcp_compile.runtime.names import StepKind
@@ -114,12 +115,13 @@ class Engine:
 
     Every step it builds is checked against the step contract (``dcp_compile.runtime.serving.step_contract``),
     plus what only the engine knows: each row continues its sequence. ``vocab_size`` adds
-    the token-id rule (a loaded program checks it itself).
+    the token-id rule (a loaded program checks it itself). ``garbage_block``: the program's
+    (``program.config.garbage_block``; runtime/garbage_block.py).
     """
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
                  dcp: int = 1, prompt_kind: str = StepKind.PREFILL, vocab_size: int | None = None,
-                 prefix_caching: bool = False, buckets=None):
+                 prefix_caching: bool = False, buckets=None, garbage_block: int = LAST):
         from dcp_compile.runtime.program.buckets import bucket_width, check_buckets
         self.executor = executor
         self.shapes = shapes
@@ -134,11 +136,12 @@ class Engine:
             kind=kind, batch=shapes.batch,
             tokens=shapes.decode_len if kind == StepKind.DECODE else shapes.context_len,
             max_blocks=width, num_blocks=shapes.num_blocks, block_size=block_size,
-            dcp=dcp, vocab_size=vocab_size) for kind in StepKind
+            dcp=dcp, vocab_size=vocab_size, garbage_block=garbage_block) for kind in StepKind
             for width in (bucket_width(b, block_size=block_size, dcp=dcp)
                           for b in self.buckets)}
         self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp,
-                                        prefix_caching=prefix_caching)
+                                        prefix_caching=prefix_caching,
+                                        garbage_block=garbage_block)
         self.lengths: list[int] = []
 
     # -- steps -----------------------------------------------------------------------------

@@ -4,9 +4,10 @@ Layout. Per layer one key cache and one value cache, each
     [num_blocks, block_size, kv_heads, head_dim]
 and a program takes them as a flat list [k_0, v_0, k_1, v_1, ...]. Row ``block * block_size
 + offset`` of the flattened cache is one token's K (or V) for all of this rank's KV heads.
-Block ``num_blocks - 1`` is the garbage block: slot -1 writes (padding, positions another
-rank owns, unallocated entries) land there, no block table may name it and attention never
-reads it.
+One block is the garbage block: slot -1 writes (padding, positions another rank owns,
+unallocated entries) land there, no block table may name it and attention never reads it. It
+is the last block (``num_blocks - 1``) by default and the first with ``garbage_block=0``
+(vLLM's null block); runtime/garbage_block.py is the one definition.
 
 Block tables. One row per sequence, one entry per ``block_size * dcp`` global positions (a
 vblock: each rank stores its ``block_size`` owned positions of that vblock in that block);
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.garbage_block import (LAST, check_garbage_block, garbage_block_id,
+                                               usable_blocks)
 
 from dcp_compile.runtime.serving.step_contract import SLOT_MAPPING_RULES, StepContract
 
@@ -32,10 +35,11 @@ class KVCacheSpec:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
+    garbage: int = LAST                     # which block is the garbage block: -1 or 0
 
     @property
     def garbage_block(self) -> int:
-        return self.num_blocks - 1
+        return garbage_block_id(self.num_blocks, self.garbage)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -58,7 +62,8 @@ class KVCacheSpec:
 
 
 class BlockAllocator:
-    """Hands out blocks to sequences; never the garbage block (the last one).
+    """Hands out blocks to sequences; never the garbage block (``garbage_block``: -1 the
+    last, 0 the first; runtime/garbage_block.py).
 
     It prefers contiguous runs (a KV transfer then moves a run of blocks with one descriptor,
     runtime/transfer/nixl/descriptors.py): a sequence grows into the block after its last one when that
@@ -76,15 +81,15 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, tokens_per_block: int, *,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, garbage_block: int = LAST):
         if num_blocks < 2:
             raise DCPInputError(f"num_blocks must leave one usable block besides the garbage "
                                 f"block: num_blocks={num_blocks}. Use num_blocks >= 2.")
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
-        self.garbage_block = num_blocks - 1
+        self.garbage_block = garbage_block_id(num_blocks, check_garbage_block(garbage_block))
         self.prefix_caching = prefix_caching
-        self._free = set(range(num_blocks - 1))
+        self._free = set(usable_blocks(num_blocks, garbage_block))
         self._tables: dict[int, list[int]] = {}
         self._refs: dict[int, int] = {}             # block -> sequences holding it
         self._by_hash: dict[int, int] = {}          # vblock hash -> block

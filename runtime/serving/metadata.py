@@ -21,6 +21,7 @@ import torch
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.config import layout_config
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
+from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.serving.step_contract import SLOT_MAPPING_RULES, StepContract
 
 __all__ = ["compute_slot_mapping"]
@@ -29,7 +30,7 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def compute_slot_mapping(block_table, positions, cp_rank, dcp, block_size, interleave_size,
-                         *, num_blocks=None) -> torch.Tensor:
+                         *, num_blocks=None, garbage_block=LAST) -> torch.Tensor:
     """Cache row this rank writes for each token of a batch; -1 where it writes nothing.
 
     Args:
@@ -39,8 +40,9 @@ def compute_slot_mapping(block_table, positions, cp_rank, dcp, block_size, inter
             positions is one sequence.
         positions: ``[batch, tokens]`` global positions; -1 marks padding.
         cp_rank: this rank's index in the DCP group, 0 <= cp_rank < dcp.
-        num_blocks: cache size; when given, entries must lie in [0, num_blocks - 1): the last
-            block is the garbage block and no block table may reference it.
+        num_blocks: cache size; when given, entries must be block ids of the cache other
+            than the garbage block (no block table may reference it).
+        garbage_block: -1 (the last block, the default) or 0 (the first, vLLM's null block).
 
     Returns:
         int64 tensor shaped like ``positions``: ``block * block_size + offset`` for the
@@ -58,7 +60,7 @@ def compute_slot_mapping(block_table, positions, cp_rank, dcp, block_size, inter
 
     # Block ids and position placement: the step contract's rules, checked in one place.
     StepContract(num_blocks=num_blocks, block_size=block_size, dcp=dcp,
-                 rules=SLOT_MAPPING_RULES).check(None, pos, table)
+                 rules=SLOT_MAPPING_RULES, garbage_block=garbage_block).check(None, pos, table)
 
     kw = dict(dcp=dcp, interleave=interleave_size, block=block_size)
     valid = pos >= 0

@@ -3,10 +3,12 @@ caches -> executor -> Engine (check, verify, the workers and the benchmarks all 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 
+from dcp_compile.runtime.garbage_block import LAST, garbage_block_id
 from dcp_compile.runtime.program.dcp_program import DCPProgram
 from dcp_compile.runtime.serving.engine import Engine, Executor, LocalExecutor, StepShapes
 from dcp_compile.runtime.names import StepKind
@@ -32,11 +34,11 @@ class RecordingExecutor:
         return logits
 
 
-def poison_garbage(caches: list[torch.Tensor]) -> None:
-    """Re-poison the garbage block (the last) with NaN: a step that reads it unmasked shows
-    NaN in its logits (a before_step hook)."""
+def poison_garbage(caches: list[torch.Tensor], garbage_block: int = LAST) -> None:
+    """Re-poison the garbage block with NaN: a step that reads it unmasked shows NaN in its
+    logits (a before_step hook)."""
     for c in caches:
-        c[-1] = float("nan")
+        c[garbage_block_id(c.shape[0], garbage_block)] = float("nan")
 
 
 def prompt_kind(program: DCPProgram) -> StepKind:
@@ -82,9 +84,11 @@ def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] |
     """
     loaded = load_rank(program, rank, group_names, shared_names=shared_names,
                        checkpoint=checkpoint)
+    garbage = program.config.garbage_block
     executor: Executor = LocalExecutor(loaded.step_fns(),
                                        program.cache_spec().allocate(fill=fill),
-                                       before_step=poison_garbage if poison else None)
+                                       before_step=partial(poison_garbage, garbage_block=garbage)
+                                       if poison else None)
     if record:
         executor = RecordingExecutor(executor)
     if wrap is not None:
@@ -92,4 +96,4 @@ def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] |
     return Engine(executor, shapes or program.shapes, block_size=program.config.block_size,
                   dcp=program.config.dcp, prompt_kind=prompt_kind(program),
                   buckets=program.buckets if shapes is None else None,
-                  prefix_caching=prefix_caching)
+                  prefix_caching=prefix_caching, garbage_block=garbage)

@@ -29,6 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError, DCPTransformError
+from dcp_compile.runtime.garbage_block import LAST, check_garbage_block, garbage_block_id
 from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS,
                                       StepKind)
 
@@ -54,7 +55,7 @@ class StepContract:
     batch: int | None = None
     tokens: int | None = None
     max_blocks: int | None = None
-    num_blocks: int | None = None           # cache blocks, the last one the garbage block
+    num_blocks: int | None = None           # cache blocks, one of them the garbage block
     block_size: int = 16
     dcp: int = 1
     vocab_size: int | None = None
@@ -64,6 +65,7 @@ class StepContract:
     cache_dtype: torch.dtype | None = None
     device: torch.device | None = None      # of the caches and the step inputs
     rules: tuple[str, ...] | None = None    # rule names to run; None: all of RULES
+    garbage_block: int = LAST               # -1 the last block, 0 the first (vLLM)
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)!r}" for k in ("batch", "tokens", "max_blocks",
@@ -74,6 +76,7 @@ class StepContract:
                                                 and self.num_blocks >= 2):
             bad.append(f"num_blocks={self.num_blocks!r} (needs >= 2: one usable block "
                        f"besides the garbage block)")
+        check_garbage_block(self.garbage_block)
         unknown = sorted(set(self.rules or ()) - set(RULE_NAMES))
         if unknown:
             bad.append(f"rules={unknown} (not in RULES: {list(RULE_NAMES)})")
@@ -136,7 +139,8 @@ class StepContract:
                    vocab_size=int(logits.shape[-1]),
                    max_model_len=max_model_len, cache_count=2 * spec.num_layers,
                    cache_shape=tuple(spec.shape), cache_dtype=spec.dtype,
-                   device=torch.device(device) if device is not None else None)
+                   device=torch.device(device) if device is not None else None,
+                   garbage_block=program.config.garbage_block)
 
 
 def _positive_int(x) -> bool:
@@ -254,25 +258,34 @@ def _block_id_range(c, s):
     (b, j), n = hit
     where = "below -1" if int(t[b, j]) < -1 else f"outside the cache (num_blocks=" \
                                                   f"{c.num_blocks})"
-    top = f"{c.num_blocks - 2}" if c.num_blocks is not None else "num_blocks - 2"
+    ids = _usable_ids(c)
     return (b, j), _msg(f"{_el('block_table', (b, j))} = {int(t[b, j])}{_more(n)} is {where}",
-                        f"an entry is a block id in [0, {top}] or -1 (unallocated)",
+                        f"an entry is a block id in {ids} or -1 (unallocated)",
                         "Allocate blocks with BlockAllocator")
+
+
+def _usable_ids(c) -> str:
+    """The block ids a table may name, as text: [0, n-2] or [1, n-1] (garbage first)."""
+    if c.num_blocks is None:
+        return "[0, num_blocks - 2]" if c.garbage_block == LAST else "[1, num_blocks - 1]"
+    low = 1 if garbage_block_id(c.num_blocks, c.garbage_block) == 0 else 0
+    return f"[{low}, {low + c.num_blocks - 2}]"
 
 
 def _garbage_block(c, s):
     if c.num_blocks is None:
         return None
-    garbage = c.num_blocks - 1
+    garbage = garbage_block_id(c.num_blocks, c.garbage_block)
     hit = _first(s.block_table == garbage)
     if hit is None:
         return None
     (b, j), n = hit
+    which = "num_blocks - 1" if garbage == c.num_blocks - 1 else "0"
     return (b, j), _msg(
         f"{_el('block_table', (b, j))} = {garbage}{_more(n)} is the garbage block",
-        "block num_blocks - 1 receives every masked write (padding, positions another rank "
-        "owns) and no block table names it",
-        f"Use blocks 0..{garbage - 1}; BlockAllocator never hands the garbage block out")
+        f"block {which} (garbage_block={c.garbage_block}) receives every masked write "
+        f"(padding, positions another rank owns) and no block table names it",
+        f"Use blocks {_usable_ids(c)}; BlockAllocator never hands the garbage block out")
 
 
 def _written_entries(c, s) -> torch.Tensor:

@@ -18,6 +18,9 @@ Tags in an HTML comment right above a fence change how a block runs:
     <!-- readme-test: torchrun N -->   runs on N torchrun ranks (a multiprocess test)
     <!-- readme-test: world N -->      runs first, as written, in the N-rank torchrun world
                                        of tests/e2e/test_torchrun_world.py (one launch for both)
+    <!-- readme-test: env vllm -->     runs as its own script in the vLLM environment
+                                       (.venv-vllm, tests/support/vllm_env.py: vLLM pins
+                                       another transformers than the suite's)
 
 A ```bash line that is not run must match NOT_RUN, with the reason.
 """
@@ -161,7 +164,8 @@ def test_every_bash_line_runs_or_is_excluded_with_a_reason():
         assert any(_not_run(c, [key]) for b in BLOCKS if b.lang == "bash"
                    for c in bash_commands(b)), f"NOT_RUN entry matches no line of a page: {key}"
     tags = {k for b in BLOCKS for k in b.tags}
-    assert tags <= {"name", "after", "torchrun", "world"}, tags
+    assert tags <= {"name", "after", "torchrun", "world", "env"}, tags
+    assert all(b.tags["env"] == "vllm" for b in BLOCKS if "env" in b.tags)
     assert all(b.tags["after"] in NAMED for b in BLOCKS if "after" in b.tags)
     names = [b.tags["name"] for b in BLOCKS if "name" in b.tags]
     assert len(names) == len(set(names)), f"a block name is used twice: {sorted(names)}"
@@ -200,7 +204,8 @@ def _job(test: str, params: dict) -> dict | None:
     """The job of tests/support/readme_runner.py that runs one case, or None (it runs on its own)."""
     if test == "test_python_block_runs":
         block = params["block"]
-        return None if "torchrun" in block.tags else {"code": _block_code(block)}
+        return None if "torchrun" in block.tags or "env" in block.tags \
+            else {"code": _block_code(block)}
     argv = module_argv(params["command"])
     if test == "test_console_transcript_prints_what_it_shows":
         assert argv and argv[0] == "dcp_compile.cli", params["command"]
@@ -271,6 +276,13 @@ def test_python_block_runs(block, tmp_path, request, shared_interpreter):
         (tmp_path / "readme_block.py").write_text(_block_code(block))
         run_torchrun(int(block.tags["torchrun"]), "readme_block", cwd=tmp_path,
                      timeout=TIMEOUT)                   # raises, naming the failing rank
+        return
+    if "env" in block.tags:                             # the vLLM environment's python
+        from vllm_env import child_env, vllm_python
+        (tmp_path / "readme_block.py").write_text(_block_code(block))
+        r = subprocess.run([str(vllm_python()), "readme_block.py"], cwd=tmp_path,
+                           env=child_env(), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{block.where}:\n{r.stderr[-3000:]}"
         return
     r = _shared_result(request, shared_interpreter)
     assert r["returncode"] == 0, f"{block.where}:\n{r['output'][-3000:]}"

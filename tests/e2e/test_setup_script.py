@@ -1,6 +1,7 @@
 """scripts/setup.sh says what it installs with apt before installing it, and DCP_SETUP_APT=0
-opts out. Run against stub commands (python3, apt-get, id) on a PATH without chromium or dot,
-so nothing is installed."""
+opts out; the corpus and the vLLM environment likewise. Run against stub commands (python3,
+apt-get, id) on a PATH without chromium or dot, so nothing is installed (the apt and corpus
+cases with DCP_SETUP_VLLM=0; the vLLM cases in a temporary DCP_VLLM_VENV)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _run(tmp_path, *, uid=0, apt=None):
     transcript.write_text("")
     _stub(bin_dir, "apt-get", f'echo "APT-GET $*" >>{transcript}')
     _stub(bin_dir, "id", f"echo {uid}")
-    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "DCP_SETUP_VLLM": "0"}
     if apt is not None:
         env["DCP_SETUP_APT"] = apt
     with open(transcript, "a") as err:
@@ -91,7 +92,7 @@ def _run_corpus(tmp_path, *, corpus=None, pins_installed=True):
                               f'[ "$1" = "-" ] && {{ cat >/dev/null; exit {check_rc}; }}\nexit 0')
     for tool in ("chromium", "dot"):        # present: apt has nothing to do
         _stub(bin_dir, tool, "exit 0")
-    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "DCP_SETUP_VLLM": "0"}
     if corpus is not None:
         env["DCP_SETUP_CORPUS"] = corpus
     return subprocess.run([BASH, str(ROOT / "scripts" / "setup.sh")], env=env,
@@ -127,3 +128,60 @@ def test_corpus_bad_value_is_refused(tmp_path):
     r = _run_corpus(tmp_path, corpus="yes")
     assert r.returncode == 2
     assert "DCP_SETUP_CORPUS must be 0 or 1: 'yes'" in r.stderr
+
+
+def _run_vllm(tmp_path, *, vllm=None, complete=False):
+    """setup.sh with a python3 stub whose ``-m venv DIR`` makes DIR/bin/python a stub that
+    logs its calls and answers the completeness check with ``complete``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("dirname", "mktemp", "rm", "tail", "cat", "mkdir", "chmod"):
+        (bin_dir / tool).unlink(missing_ok=True)
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    venv_python = (f'#!{BASH}\necho "VENV-PYTHON $*" >&2\n'
+                   f'[ "$1" = "-" ] && {{ cat >/dev/null; exit {0 if complete else 1}; }}\nexit 0')
+    venv = tmp_path / "venv-vllm"
+    if complete:
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "python").write_text(venv_python)
+        (venv / "bin" / "python").chmod(0o755)
+    _stub(bin_dir, "python3", 'echo "PYTHON $*" >&2\n'
+                              '[ "$1" = "-" ] && { cat >/dev/null; exit 0; }\n'
+                              'if [ "$2" = venv ]; then mkdir -p "$4/bin"; '
+                              f"cat >\"$4/bin/python\" <<'PY'\n{venv_python}\nPY\n"
+                              'chmod +x "$4/bin/python"; fi\nexit 0')
+    for tool in ("chromium", "dot"):
+        _stub(bin_dir, tool, "exit 0")
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "DCP_VLLM_VENV": str(venv)}
+    if vllm is not None:
+        env["DCP_SETUP_VLLM"] = vllm
+    return subprocess.run([BASH, str(ROOT / "scripts" / "setup.sh")], env=env,
+                          capture_output=True, text=True, timeout=60), venv
+
+
+def test_vllm_environment_is_created_with_its_pin_and_without_the_cuda_wheels(tmp_path):
+    r, venv = _run_vllm(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "vLLM environment" in r.stderr and "transformers < 5.20" in r.stderr
+    assert f"PYTHON -m venv --system-site-packages {venv}" in r.stderr
+    install = r.stderr.index("VENV-PYTHON -m pip install --quiet --disable-pip-version-check "
+                             "-e .[vllm]")
+    assert install < r.stderr.index("VENV-PYTHON -m pip uninstall --quiet "
+                                    "--disable-pip-version-check -y torchvision torchaudio "
+                                    "torchcodec")
+
+
+def test_a_complete_vllm_environment_is_left_as_it_is(tmp_path):
+    r, _ = _run_vllm(tmp_path, complete=True)
+    assert r.returncode == 0, r.stderr
+    assert "-m venv" not in r.stderr and "[vllm]" not in r.stderr
+
+
+def test_vllm_environment_opt_out_and_bad_value(tmp_path):
+    r, _ = _run_vllm(tmp_path, vllm="0")
+    assert r.returncode == 0, r.stderr
+    assert "not creating the vLLM environment (DCP_SETUP_VLLM=0)" in r.stderr
+    assert "VENV-PYTHON" not in r.stderr and "-m venv" not in r.stderr
+    r, _ = _run_vllm(tmp_path, vllm="yes")
+    assert r.returncode == 2
+    assert "DCP_SETUP_VLLM must be 0 or 1: 'yes'" in r.stderr

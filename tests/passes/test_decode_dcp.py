@@ -41,11 +41,12 @@ def lengths_for(dcp: int, interleave: int, block: int) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def program_for(model_name: str, tp: int, dcp: int, interleave: int, max_len: int,
-                dtype: torch.dtype = torch.float32):
+                dtype: torch.dtype = torch.float32, garbage_block: int = -1):
     model = demo_model(MODELS[model_name], dtype=dtype)
     shapes = StepShapes.fitting(4, max_len, max_len + STEPS, block_size=16, dcp=dcp)
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes,
-                                 interleave_size=interleave, check=False)  # compared every step below
+                                 interleave_size=interleave, check=False,  # compared below
+                                 garbage_block=garbage_block)
     return model, prog
 
 
@@ -55,6 +56,9 @@ CASES = [
     ("mqa-16q1kv", 4, 4, 16), ("demo-16q2kv", 8, 2, 4), ("demo-16q2kv", 8, 4, 16),
     ("demo-16q2kv", 8, 4, 1), ("mqa-16q1kv", 2, 2, 16), ("more-kv-16q4kv", 8, 2, 4),
 ]
+# With the garbage block first (vLLM's null block, garbage_block=0): a few of the cases.
+CASES_FIRST = [("demo-16q2kv", 4, 2, 4), ("mqa-16q1kv", 2, 2, 16)]
+GARBAGE_CASES = [(*c, -1) for c in CASES] + [(*c, 0) for c in CASES_FIRST]
 
 
 def _check_against_reference(model, prog, prompts, runs, ref, atol):
@@ -64,11 +68,13 @@ def _check_against_reference(model, prog, prompts, runs, ref, atol):
             assert_close_report(got, exp, atol=atol, what=f"rank {run.rank} step {t}")
 
 
-@pytest.mark.parametrize("model_name,tp,dcp,interleave", CASES,
-                         ids=[f"{m}-tp{t}-dcp{d}-I{i}" for m, t, d, i in CASES])
-def test_decode_matches_single_device(model_name, tp, dcp, interleave):
+@pytest.mark.parametrize("model_name,tp,dcp,interleave,garbage", GARBAGE_CASES,
+                         ids=[f"{m}-tp{t}-dcp{d}-I{i}" + ("-garbage-first" if g == 0 else "")
+                              for m, t, d, i, g in GARBAGE_CASES])
+def test_decode_matches_single_device(model_name, tp, dcp, interleave, garbage):
     lengths = lengths_for(dcp, interleave, 16)
-    model, prog = program_for(model_name, tp, dcp, interleave, max(lengths))
+    model, prog = program_for(model_name, tp, dcp, interleave, max(lengths),
+                              garbage_block=garbage)
     prompts = prompts_of(lengths, seed=tp * 10 + dcp)
     ref, ref_engine = run_reference(model, prog, prompts, STEPS)
     runs = run_threaded_program(prog, prompts, STEPS, poison_garbage=True)
@@ -92,11 +98,13 @@ def test_decode_matches_single_device(model_name, tp, dcp, interleave):
                                 what=f"cache {layer} seq {b}")
 
 
-@pytest.mark.parametrize("tp,dcp,interleave", [(4, 2, 16), (8, 4, 1)])
-def test_each_rank_writes_exactly_the_positions_it_owns(tp, dcp, interleave):
+@pytest.mark.parametrize("tp,dcp,interleave,garbage", [(4, 2, 16, -1), (8, 4, 1, -1),
+                                                        (4, 2, 16, 0)])
+def test_each_rank_writes_exactly_the_positions_it_owns(tp, dcp, interleave, garbage):
     """Caches start as NaN: after the run, exactly the owned slots are finite."""
     lengths = lengths_for(dcp, interleave, 16)
-    _, prog = program_for("demo-16q2kv", tp, dcp, interleave, max(lengths))
+    _, prog = program_for("demo-16q2kv", tp, dcp, interleave, max(lengths),
+                          garbage_block=garbage)
     prompts = prompts_of(lengths)
     runs = run_threaded_program(prog, prompts, 4, fill=float("nan"))
     kw = prog.config.layout_kwargs()
@@ -110,8 +118,8 @@ def test_each_rank_writes_exactly_the_positions_it_owns(tp, dcp, interleave):
                     expected[int(run.block_table[b, slot // 16]) * 16 + slot % 16] = True
         written = torch.isfinite(run.caches[0]).reshape(-1, run.caches[0].shape[2]
                                                         * run.caches[0].shape[3]).all(-1)
-        garbage = slice((prog.shapes.num_blocks - 1) * 16, None)
-        written[garbage] = False     # non-owners' writes land in the garbage block
+        block = prog.cache_spec().garbage_block
+        written[block * 16:(block + 1) * 16] = False   # non-owners' writes land there
         assert torch.equal(written, expected), f"rank {run.rank} wrote other slots"
 
 

@@ -58,6 +58,8 @@ CASES = {  # id: (tp, dcp, interleave = block_size, S, plan kind, layers)
     "tp8-dcp4-I8-S30-S_not_multiple_of_tp": (8, 4, 8, 30, "mixed", 1),
     "tp8-dcp2-I8-S24-kv-heads-replicated": (8, 2, 8, 24, "mixed", 1),
     "tp4-dcp4-I16-S20-dcp_tp-size-1": (4, 4, 16, 20, "mixed", 1),
+    # The garbage block first (vLLM's null block): garbage_block=0.
+    "tp4-dcp2-I16-S36-padded-garbage-first": (4, 2, 16, 36, "mixed", 1),
 }
 
 
@@ -73,7 +75,8 @@ def program_for(case: str):
     plan = plan_of(case)
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill",
                                  block_size=interleave,
-                                 shapes=shapes_for(plan, S, dcp, interleave))
+                                 shapes=shapes_for(plan, S, dcp, interleave),
+                                 garbage_block=0 if case.endswith("garbage-first") else -1)
     return model, prog
 
 

@@ -14,7 +14,8 @@ from full_runs import EVERYTHING, SWITCHES, full
 from suite_path import ROOT  # noqa: E402  (the repository root)
 # Environment variables tests read that are not full-run switches (counts, outputs, set-up).
 NOT_SWITCHES = {"DCP_FUZZ_EXAMPLES", "DCP_FUZZ_CHECK", "DCP_FUZZ_STATS", "DCP_TEST_CPU",
-                "DCP_SETUP_APT", "DCP_SETUP_CORPUS", "DCP_COMPILE_DUMP"}
+                "DCP_SETUP_APT", "DCP_SETUP_CORPUS", "DCP_COMPILE_DUMP", "DCP_SETUP_VLLM",
+                "DCP_VLLM_VENV"}
 
 
 def test_the_testing_page_has_the_table_of_switches():

@@ -1,0 +1,183 @@
+"""``DcpCompiledForCausalLM``: a vLLM model whose whole step is a dcp_compile program.
+
+vLLM builds it on every worker with stub attention layers (dcp_compile/vllm/attention.py),
+so that it sizes, allocates and block-tables the KV cache as for any model. At the first
+real step, when vLLM has sized the cache, the model transforms the checkpoint's model (built
+on the meta device: no weights) for vLLM's tp, dcp, block size and interleave, with the
+garbage block first (vLLM's null block), binds vLLM's own groups to the program's roles,
+reads only this rank's weight shards from the checkpoint, and from then on runs each vLLM
+batch as program calls (dcp_compile/vllm/batch.py) on vLLM's own KV tensors.
+
+Program shapes beyond vLLM's (the rows of a call, the prompt-step length, the decode width)
+come from ``hf_overrides={"dcp_compile": {"batch": 4, "context_len": 64, "decode_len":
+4}}`` (the defaults: ``PROGRAM_DEFAULTS``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
+from dcp_compile.runtime.garbage_block import FIRST
+from dcp_compile.runtime.names import Mode, StepKind
+from dcp_compile.vllm.batch import ProgramShapes, calls_of, scatter_logits, table_rows
+
+PROGRAM_DEFAULTS = {"batch": 4, "context_len": 64, "decode_len": 4}
+
+
+def program_options(hf_config, max_num_seqs: int) -> dict:
+    """The program shapes from ``hf_config.dcp_compile`` (hf_overrides), checked by name."""
+    given = dict(getattr(hf_config, "dcp_compile", None) or {})
+    unknown = sorted(set(given) - set(PROGRAM_DEFAULTS))
+    if unknown:
+        raise DCPConfigError(f"unknown dcp_compile options in hf_overrides: {unknown}. Use "
+                             f"{sorted(PROGRAM_DEFAULTS)}.")
+    out = PROGRAM_DEFAULTS | {"batch": min(PROGRAM_DEFAULTS["batch"], max_num_seqs)} | given
+    bad = [f"{k}={v!r}" for k, v in out.items()
+           if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad:
+        raise DCPConfigError(f"dcp_compile options must be positive ints: {', '.join(bad)}. "
+                             f"Pass e.g. {PROGRAM_DEFAULTS}.")
+    return out
+
+
+class DcpCompiledForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        from vllm.model_executor.layers.attention import Attention
+
+        from dcp_compile.vllm.attention import DcpStubBackend
+        from dcp_compile.vllm.slot_mapping import register_slot_mapping
+
+        register_slot_mapping()
+        self.vllm_config = vllm_config
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        hf = model.hf_config
+        if parallel.pipeline_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
+            raise DCPConfigError(
+                f"dcp_compile serves tensor + decode context parallelism only: "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}, "
+                f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}. "
+                f"Use 1 for both.")
+        self.tp = parallel.tensor_parallel_size
+        self.dcp = parallel.decode_context_parallel_size
+        self.interleave = parallel.cp_kv_cache_interleave_size
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = model.max_model_len
+        self.vocab_size = hf.vocab_size
+        self.options = program_options(hf, vllm_config.scheduler_config.max_num_seqs)
+        self.head_dim = model.get_head_size()
+        heads, kv_heads = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)
+        self.attn = nn.ModuleList(
+            Attention(heads, self.head_dim, self.head_dim ** -0.5, num_kv_heads=kv_heads,
+                      cache_config=vllm_config.cache_config,
+                      prefix=f"{prefix}model.layers.{i}.self_attn.attn",
+                      attn_backend=DcpStubBackend)
+            for i in range(hf.num_hidden_layers))
+        self.layer_names = [a.layer_name for a in self.attn]
+        self.loaded = None                  # the program on this rank, from the first step
+        self.program = None
+        self.calls = {kind: 0 for kind in (StepKind.CONTEXT, StepKind.DECODE)}  # calls so far
+
+    # -- the vLLM model interface ----------------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise DCPInputError("DcpCompiledForCausalLM takes token ids, not embeddings: its "
+                            "program embeds them itself. Pass prompts as text or token ids.")
+
+    def load_weights(self, weights) -> set[str]:
+        # vLLM's iterator would read every tensor whole; the program reads only this rank's
+        # slices of the checkpoint at its first step (DCPProgram.read_checkpoint). The
+        # iterator is not consumed, so nothing is read here.
+        return set()
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states                # forward returns the program's logits
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        metadata = get_forward_context().attn_metadata
+        caches = self._caches()
+        if metadata is None or caches is None:
+            # vLLM's profiling and warm-up runs (no KV cache, or no requests): no tokens
+            # are generated from them, and the program cannot run without a cache.
+            return torch.zeros(input_ids.shape[0], self.vocab_size)
+        if isinstance(metadata, list):
+            raise DCPConfigError("micro-batched steps (vLLM's dual batch overlap) are not "
+                                 "served by dcp_compile. Leave enable_dbo off.")
+        common = metadata[self.layer_names[0]]
+        if self.loaded is None:
+            self._build(caches)
+        return self._step(input_ids, positions, common, caches)
+
+    # -- the program -----------------------------------------------------------------------
+
+    def _caches(self) -> list[torch.Tensor] | None:
+        """[k_0, v_0, k_1, v_1, ...] as views of vLLM's own KV tensors, or None before
+        vLLM has allocated them."""
+        from dcp_compile.vllm.attention import kv_views
+        out = []
+        for layer in self.attn:
+            kv = layer.kv_cache
+            kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+            if kv.numel() == 0:
+                return None
+            out.extend(kv_views(kv, self.head_dim))
+        return out
+
+    def _build(self, caches: list[torch.Tensor]) -> None:
+        """Transform for vLLM's layout and cache size, bind vLLM's groups, read this rank's
+        weight shards (module doc)."""
+        import dcp_compile
+        from dcp_compile.meta_init import meta_model
+        from dcp_compile.runtime.serving.engine import StepShapes
+        from dcp_compile.runtime.serving.rank_engine import load_rank
+        from dcp_compile.vllm.groups import vllm_group_names
+
+        start = time.perf_counter()
+        checkpoint = self.vllm_config.model_config.model
+        vblock = self.block_size * self.dcp
+        o = self.options
+        self.shapes = ProgramShapes(batch=o["batch"], context_len=o["context_len"],
+                                    decode_len=o["decode_len"],
+                                    max_blocks=-(-self.max_model_len // vblock), vblock=vblock)
+        self.program = dcp_compile.transform(
+            meta_model(checkpoint), tp=self.tp, dcp=self.dcp, mode=Mode.DECODE,
+            block_size=self.block_size, interleave_size=self.interleave, check=False,
+            garbage_block=FIRST,
+            shapes=StepShapes(batch=o["batch"], context_len=o["context_len"],
+                              max_blocks=self.shapes.max_blocks,
+                              num_blocks=int(caches[0].shape[0]), decode_len=o["decode_len"]))
+        spec = self.program.cache_spec()
+        for i, cache in enumerate(caches):
+            if tuple(cache.shape) != tuple(spec.shape) or cache.dtype != spec.dtype:
+                raise DCPConfigError(
+                    f"vLLM's KV cache {i} is {cache.dtype} {list(cache.shape)}, the program's "
+                    f"is {spec.dtype} {list(spec.shape)}. Serve the checkpoint in its own "
+                    f"dtype (dtype='auto') with kv_cache_dtype='auto'.")
+        rank, names = vllm_group_names(self.program.topology)
+        # vLLM's engine is the host side, so the rank is loaded without one of ours.
+        self.loaded = load_rank(self.program, rank, names, checkpoint=checkpoint)
+        self.build_seconds = time.perf_counter() - start
+
+    def _step(self, input_ids, positions, common, caches) -> torch.Tensor:
+        n_req = common.num_reqs
+        starts = common.query_start_loc_cpu[:n_req + 1].tolist()
+        seq_lens = common.seq_lens[:n_req].tolist()
+        table = table_rows(common.block_table_tensor[:n_req].cpu(), seq_lens, self.shapes)
+        ids, pos = input_ids.cpu().to(torch.int64), positions.cpu().to(torch.int64)
+        done = []
+        for call in calls_of(ids, pos, starts, table, self.shapes):
+            logits, out = self.loaded.run(call.kind, call.input_ids, call.positions,
+                                          call.block_table, caches)
+            # Zero copy: the program wrote vLLM's own tensors in place, never a copy.
+            if any(o.data_ptr() != c.data_ptr() for o, c in zip(out, caches)):
+                raise AssertionError("the program returned other KV tensors than vLLM's")
+            self.calls[call.kind] += 1
+            done.append((call, logits))
+        return scatter_logits(done, input_ids.shape[0], self.vocab_size)

@@ -1,0 +1,79 @@
+"""Run batches of token prompts through ``vllm.LLM`` (greedy) and write what came out.
+
+    python -m dcp_compile.vllm.offline SPEC.json OUT.json
+
+SPEC: ``{"llm": {keyword arguments of vllm.LLM}, "batches": [{"name": ..., "prompts":
+[[token ids], ...], "max_tokens": n}, ...]}``; the batches run one after another in one
+engine (so a later batch can hit the prefix cache an earlier one filled). OUT: per batch the
+generated token ids, vLLM's prefix-cache hits (``num_cached_tokens``) and seconds; and, when
+the plugin serves the model, each rank's program record (``program_record``). The tests,
+docs/vllm.md and benchmarks/bench_vllm.py run it in the vLLM environment (``.venv-vllm``):
+vLLM pins another transformers than the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def program_record(model) -> dict:
+    """What the plugin did on one rank: program calls by step kind, its cache blocks, and
+    whether its KV caches are vLLM's own tensors (the same memory, not a copy)."""
+    caches = model._caches()
+    vllm_kv = [layer.kv_cache for layer in model.attn]
+    same = all(c.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+               for kv, pair in zip(vllm_kv, zip(caches[::2], caches[1::2])) for c in pair)
+    return {"calls": {str(k): n for k, n in model.calls.items()},
+            "num_blocks": int(caches[0].shape[0]),
+            "garbage_block": model.program.config.garbage_block,
+            "caches_are_vllms": same, "build_seconds": round(model.build_seconds, 2)}
+
+
+def run(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")   # two ranks on two cores
+    # program_record reaches the workers through LLM.apply_model, which vLLM sends pickled
+    # only when allowed: a local tool on loopback, never a server setting.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    llm = LLM(**spec["llm"])
+    out = {"start_seconds": round(time.perf_counter() - start, 2), "batches": []}
+    for batch in spec["batches"]:
+        params = SamplingParams(temperature=0.0, max_tokens=batch["max_tokens"],
+                                ignore_eos=True)
+        t = time.perf_counter()
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]],
+                               params, use_tqdm=False)
+        out["batches"].append({
+            "name": batch["name"], "seconds": round(time.perf_counter() - t, 3),
+            "tokens": [list(r.outputs[0].token_ids) for r in results],
+            "cached": [r.num_cached_tokens or 0 for r in results]})
+    archs = (spec["llm"].get("hf_overrides") or {}).get("architectures", [])
+    if "DcpCompiledForCausalLM" in archs:
+        # By its module's name: under ``python -m`` this module is __main__, which the
+        # workers cannot import.
+        from dcp_compile.vllm.offline import program_record as record
+        out["ranks"] = llm.apply_model(record)
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m dcp_compile.vllm.offline SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""vllm.LLM at tp=2/dcp=2 serving a tiny Llama through the dcp_compile plugin: greedy tokens
+equal transformers' generate, with prompts of mixed lengths, prefix caching, chunked prefill
+and a small KV cache, in one vLLM start (one engine, four batches; docs/vllm.md).
+
+The engine: max_num_batched_tokens=32 (prompts longer than that are prefilled in chunks, the
+later chunks after prior context), prefix caching on, 12 KV blocks per rank (11 usable: six
+prompts of 80 tokens wait for each other's blocks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_env import LLM_ARGS, prompts, reference_tokens, run_offline, write_checkpoint
+
+pytestmark = pytest.mark.multiprocess
+
+BASE = prompts([70], seed=1)[0]             # a shared prefix of two full vblocks and more
+BATCHES = {
+    "mixed": (prompts([1, 5, 31, 32, 33, 70, 150], seed=0), 12),
+    "prefix-fill": ([BASE + [10, 11]], 4),
+    "prefix-hit": ([BASE + [12], BASE + [13, 14, 15], BASE[:40] + [20] * 5], 12),
+    "small-cache": (prompts([80] * 6, seed=2), 16),
+}
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm_offline")
+    checkpoint = write_checkpoint(work / "tiny-llama")
+    spec = {"llm": dict(LLM_ARGS, model=str(checkpoint), max_num_batched_tokens=32,
+                        enable_prefix_caching=True, num_gpu_blocks_override=NUM_BLOCKS,
+                        kv_cache_memory_bytes=1 << 20, enforce_eager=True),
+            "batches": [{"name": name, "prompts": p, "max_tokens": n}
+                        for name, (p, n) in BATCHES.items()]}
+    out = run_offline(spec, work)
+    return checkpoint, {b["name"]: b for b in out["batches"]}, out["ranks"]
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_greedy_tokens_equal_transformers_generate(served, name):
+    checkpoint, batches, _ = served
+    prompt_ids, max_tokens = BATCHES[name]
+    assert batches[name]["tokens"] == reference_tokens(checkpoint, prompt_ids, max_tokens)
+
+
+def test_the_prefix_cache_was_hit(served):
+    """Whole vblocks (block_size * dcp = 32 tokens) of the shared prefix came from vLLM's
+    prefix cache: 64 of the 70 shared tokens, 32 of the 40."""
+    _, batches, _ = served
+    assert batches["prefix-fill"]["cached"] == [0]
+    assert batches["prefix-hit"]["cached"] == [64, 64, 32]
+
+
+def test_the_program_ran_on_vllms_cache_with_the_garbage_block_first(served):
+    _, _, ranks = served
+    assert len(ranks) == 2
+    for record in ranks:
+        assert record["caches_are_vllms"] and record["garbage_block"] == 0
+        assert record["num_blocks"] == NUM_BLOCKS
+        # Prompt steps and width-K decode steps (chunks after prior context, cache hits,
+        # generated tokens) both ran.
+        assert record["calls"]["context"] > 0 and record["calls"]["decode"] > 0
+    assert ranks[0]["calls"] == ranks[1]["calls"]      # SPMD: the same calls on each rank
