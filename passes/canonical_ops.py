@@ -22,7 +22,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from .infra import DCPPass, Property, val
-from .op_classes import MATRIX_TRANSPOSES, is_call, skip_casts
+from .op_classes import (BATCHED_MATMULS, EXPANDS, MATRIX_TRANSPOSES, RESHAPES, is_call,
+                         skip_casts)
 
 aten = torch.ops.aten
 
@@ -146,11 +147,122 @@ def slices_as_split(gm: GraphModule, weights: set[str], constants) -> int:
     return count
 
 
+def _replace(gm: GraphModule, n: Node, target, args) -> Node:
+    """``n`` replaced by ``target(*args)``, same value and source (meta kept)."""
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    gm.graph.erase_node(n)
+    return new
+
+
+def flatten_as_reshape(gm: GraphModule, weights: set[str], constants) -> int:
+    """``x.flatten(a, b)`` -> ``x.reshape(shape)`` (torchtune's GQA
+    ``k.unsqueeze(2).expand(b, n_kv, q_per_kv, s, d).flatten(1, 2)``): one spelling of a
+    regrouping, the one the GQA reader (``strip_repeat``) and the view rules read. Shapes are
+    static here (check_static_shapes ran), so the reshape's literal shape is the output's."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if is_call(n, {aten.flatten.using_ints}) and \
+                all(isinstance(d, int) for d in val(n).shape):
+            _replace(gm, n, aten.reshape.default, (n.args[0], list(val(n).shape)))
+            count += 1
+    return count
+
+
+def _last_two_swapped(n: Node) -> bool:
+    """``x.mT`` or a permute that swaps the last two dims and keeps the others."""
+    if is_call(n, {aten.mT.default}):
+        return True
+    if not is_call(n, {aten.permute.default}):
+        return False
+    nd, perm = val(n).dim(), [d % val(n).dim() for d in n.args[1]]
+    return nd >= 2 and perm == [*range(nd - 2), nd - 1, nd - 2]
+
+
+def _feeds_right_of_matmul(n: Node) -> bool:
+    return bool(n.users) and all(is_call(u, BATCHED_MATMULS) and u.args[1] is n
+                                 and u.args[0] is not n for u in n.users)
+
+
+def transpose_of_last_two(gm: GraphModule, weights: set[str], constants) -> int:
+    """``k.mT``, ``k.permute(0, 1, 3, 2)`` -> ``k.transpose(-2, -1)``; and a permute that also
+    moves the leading dims, read as the right operand of a matmul (``q @ k.permute(0, 2, 3,
+    1)``, k as [B, S, H, D]) -> ``k.permute(0, 2, 1, 3).transpose(-2, -1)``: the one
+    spelling of ``k^T`` the attention reader reads (its K is then the permute)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not isinstance(n.meta.get("val"), torch.Tensor) or val(n).dim() < 3:
+            continue
+        nd = val(n).dim()
+        if _last_two_swapped(n):
+            _replace(gm, n, aten.transpose.int, (n.args[0], nd - 2, nd - 1))
+            count += 1
+        elif is_call(n, {aten.permute.default}) and _feeds_right_of_matmul(n):
+            perm = [d % nd for d in n.args[1]]
+            if perm[-2:] == [nd - 2, nd - 1]:
+                continue                          # keeps the matrix dims: not a k^T
+            inner = perm[:-2] + [perm[-1], perm[-2]]
+            with gm.graph.inserting_before(n):
+                k = gm.graph.call_function(aten.permute.default, (n.args[0], inner))
+            k.meta.update({key: v for key, v in n.meta.items() if key != "val"})
+            with detect_fake_mode([val(n)]):
+                k.meta["val"] = val(n).transpose(-2, -1)
+            _replace(gm, n, aten.transpose.int, (k, nd - 2, nd - 1))
+            count += 1
+    return count
+
+
+def _heads_repeated_token_major(t: Node):
+    """``x.expand(B, S, Hkv, g, D).reshape(B, S, Hkv * g, D).transpose(1, 2)`` with x of
+    shape [B, S, Hkv, 1, D] (torchtune's Gemma 2) -> (x, its shape); else None."""
+    if not (is_call(t, {aten.transpose.int}) and {d % 4 for d in t.args[1:]} == {1, 2}):
+        return None
+    r = t.args[0]
+    if not (is_call(r, RESHAPES) and val(r).dim() == 4 and is_call(r.args[0], EXPANDS)):
+        return None
+    e = r.args[0]
+    x = e.args[0]
+    if val(e).dim() != 5:
+        return None
+    b, s, h, g, d = val(e).shape
+    if tuple(val(x).shape) != (b, s, h, 1, d) or tuple(val(r).shape) != (b, s, h * g, d):
+        return None
+    return x, (b, s, h, g, d)
+
+
+def repeat_after_head_transpose(gm: GraphModule, weights: set[str], constants) -> int:
+    """Heads repeated on [B, S, H, D] then moved to [B, H, S, D] (torchtune's Gemma 2) ->
+    moved first, then repeated as ``repeat_kv`` writes it (``x[:, :, None].expand(B, Hkv, g,
+    S, D).reshape(B, Hkv * g, S, D)``), which the GQA reader strips: the cache then holds the
+    kv heads. Same values: both orders put kv head h // g at head h."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        found = _heads_repeated_token_major(n)
+        if found is None:
+            continue
+        x, (b, s, h, g, d) = found
+        kv = x
+        for target, args in ((aten.reshape.default, ([b, s, h, d],)), (aten.transpose.int, (1, 2)),
+                             (aten.unsqueeze.default, (2,)),
+                             (aten.expand.default, ([b, h, g, s, d],))):
+            with gm.graph.inserting_before(n):
+                kv = gm.graph.call_function(target, (kv, *args))
+            kv.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        _replace(gm, n, aten.reshape.default, (kv, [b, h * g, s, d]))
+        count += 1
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     "linear_from_matmul": linear_from_matmul,
     "constant_index_as_slice": constant_index_as_slice,
     "slices_as_split": slices_as_split,
+    "flatten_as_reshape": flatten_as_reshape,
+    "transpose_of_last_two": transpose_of_last_two,
+    "repeat_after_head_transpose": repeat_after_head_transpose,
 }
 
 

@@ -449,10 +449,6 @@ REAL_LIMITS = {
     "ALiBi",
 }
 
-_GQA_DECODE = ("issue #35: torchtune's GQA (k.unsqueeze(2).expand(...).flatten(1, 2)) is not read "
-               "as GQA: decode is refused as if the model had num_kv_heads=8 (it has 2)")
-_GQA_PREFILL = ("issue #35: torchtune's GQA expand + flatten is refused in prefill: 'the token dim "
-                "and the dims before it must stay as they are' (node expand)")
 _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (fill_ into a "
                    "full(-inf)); the mask proof reads it without the writes and refuses with a "
                    "false counterexample (i=0, j=0 hidden)")
@@ -466,19 +462,11 @@ _AUTOCAST = ("issue #35: x-transformers' RoPE runs under autocast(enabled=False)
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
 KNOWN: dict[tuple[str, str], str] = {
-    **{(f"torchtune/{a}", "decode"): _GQA_DECODE
-       for a in ("llama2", "llama3", "llama3_1", "llama3_2", "mistral", "gemma", "gemma2",
-                 "phi3", "qwen2", "qwen2_tied")},
-    **{(f"torchtune/{a}", "prefill"): _GQA_PREFILL
-       for a in ("llama2", "llama3", "llama3_1", "llama3_2", "mistral", "gemma", "phi3",
-                 "qwen2", "qwen2_tied")},
     **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in MODES
-       for a in ("Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
+       for a in ("Gemma-2-2b", "Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
                  "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
     **{(f"litgpt/{a}", m): _WHERE_LOOP for m in MODES
        for a in ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B")},
-    **{("litgpt/Gemma-2-2b", m): "issue #35: litgpt's scores as q @ k.mT are refused ('the "
-       "right operand of `q @ k` is not k.transpose(-2, -1)')" for m in MODES},
     ("litgpt/OLMo-2-1124-7B", "prefill"): (
         "issue #35: OLMo-2's q/k norm over all heads casts its weight (weight.float()): "
         "'replicated operand spans the sharded dim'"),
