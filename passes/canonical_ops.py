@@ -21,8 +21,10 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .infra import DCPPass, Property, val
-from .op_classes import (BATCHED_MATMULS, EXPANDS, MATRIX_TRANSPOSES, RESHAPES, is_call,
+from dcp_compile.runtime.errors import DCPTransformError
+
+from .infra import DCPPass, Property, source_of, val
+from .op_classes import (BATCHED_MATMULS, EXPANDS, EXPORT_ASSERTS, MATRIX_TRANSPOSES, RESHAPES, is_call,
                          skip_casts)
 
 aten = torch.ops.aten
@@ -157,16 +159,28 @@ def _replace(gm: GraphModule, n: Node, target, args) -> Node:
     return new
 
 
-def flatten_as_reshape(gm: GraphModule, weights: set[str], constants) -> int:
-    """``x.flatten(a, b)`` -> ``x.reshape(shape)`` (torchtune's GQA
-    ``k.unsqueeze(2).expand(b, n_kv, q_per_kv, s, d).flatten(1, 2)``): one spelling of a
-    regrouping, the one the GQA reader (``strip_repeat``) and the view rules read. Shapes are
-    static here (check_static_shapes ran), so the reshape's literal shape is the output's."""
+def _as_literal_shape(n: Node):
+    """The literal-shape view ``n`` is another spelling of, or None: a flatten is a reshape,
+    ``expand_as`` / ``broadcast_to`` an expand, to the output's (static) shape."""
+    if is_call(n, {aten.flatten.using_ints}):
+        return aten.reshape.default
+    if is_call(n, {aten.expand_as.default, aten.broadcast_to.default}):
+        return aten.expand.default
+    return None
+
+
+def views_with_literal_shapes(gm: GraphModule, weights: set[str], constants) -> int:
+    """``x.flatten(a, b)`` -> ``x.reshape(shape)``, ``x.expand_as(y)`` / ``x.broadcast_to(s)``
+    -> ``x.expand(shape)``: one spelling of each view, the one the GQA reader
+    (``strip_repeat``) and the placement's view rules read. torchtune's GQA is
+    ``k.unsqueeze(2).expand(b, n_kv, q_per_kv, s, d).flatten(1, 2)``, Falcon's grouped K/V a
+    ``broadcast_to``, ``F.normalize`` (x-transformers' RMSNorm) an ``expand_as``. Shapes are
+    static here (check_static_shapes ran), so the output's shape is the literal."""
     count = 0
     for n in list(gm.graph.nodes):
-        if is_call(n, {aten.flatten.using_ints}) and \
-                all(isinstance(d, int) for d in val(n).shape):
-            _replace(gm, n, aten.reshape.default, (n.args[0], list(val(n).shape)))
+        target = _as_literal_shape(n)
+        if target is not None and all(isinstance(d, int) for d in val(n).shape):
+            _replace(gm, n, target, (n.args[0], list(val(n).shape)))
             count += 1
     return count
 
@@ -255,12 +269,157 @@ def repeat_after_head_transpose(gm: GraphModule, weights: set[str], constants) -
     return count
 
 
+def _terms(equation: str):
+    """(input terms, output term) of an einsum without ``...`` or repeated letters."""
+    eq = equation.replace(" ", "")
+    if "..." in eq or eq.count("->") != 1:
+        return None
+    ins, out = eq.split("->")
+    terms = ins.split(",")
+    if any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    return terms, out
+
+
+def _matmul_of_einsum(equation: str):
+    """A two-operand einsum that is a batched matmul -> whether its right operand is
+    transposed (``'b h i d, b h j d -> b h i j'``: True; ``'b h i j, b h j d -> b h i d'``:
+    False); None for any other equation. Batch letters must lead every term in the same
+    order; one letter is contracted, one kept from each side."""
+    found = _terms(equation)
+    if found is None or len(found[0]) != 2:
+        return None
+    (a, b), out = found
+    if not (len(a) == len(b) == len(out) >= 3 and a[:-2] == b[:-2] == out[:-2]):
+        return None
+    i, c = a[-2:]
+    if out[-2] != i or c in out:
+        return None
+    if b[-1] == c and b[-2] == out[-1]:
+        return True
+    if b[-2] == c and b[-1] == out[-1]:
+        return False
+    return None
+
+
+def _is_outer_product(equation: str) -> bool:
+    """Two operands, nothing summed (every letter kept, each once per term): a broadcast
+    product, as x-transformers' RoPE writes its angles (``'b i , j -> b i j'``)."""
+    found = _terms(equation)
+    if found is None or len(found[0]) != 2:
+        return False
+    (a, b), out = found
+    return not set(a) & set(b) and set(a) | set(b) == set(out)
+
+
+def _spread(gm: GraphModule, x: Node, term: str, out: str, meta: dict) -> Node:
+    """``x`` (letters ``term``) with its dims in ``out``'s order and a size-1 dim for each
+    letter of ``out`` it lacks, so that it broadcasts against the other operand."""
+    steps = []
+    order = sorted(range(len(term)), key=lambda d: out.index(term[d]))
+    if order != list(range(len(term))):
+        steps.append((aten.permute.default, (order,)))
+    kept = sorted(out.index(c) for c in term)
+    steps += [(aten.unsqueeze.default, (d,)) for d in range(len(out)) if d not in kept]
+    for target, args in steps:
+        with gm.graph.inserting_before(meta["node"]):
+            x = gm.graph.call_function(target, (x, *args))
+        x.meta.update(meta["meta"])
+    return x
+
+
+def einsum_as_matmul(gm: GraphModule, weights: set[str], constants) -> int:
+    """x-transformers' attention: ``einsum('b h i d, b h j d -> b h i j', q, k)`` ->
+    ``q @ k.transpose(-2, -1)`` and ``einsum('b h i j, b h j d -> b h i d', p, v)`` -> ``p @
+    v``, the forms the attention reader reads; an outer product (its RoPE angles, ``'b i, j
+    -> b i j'``) -> a broadcast ``mul``. Other equations are left as they are (and refused
+    where they matter: einsum has no placement rule)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, {aten.einsum.default}) or len(n.args[1]) != 2:
+            continue
+        if _is_outer_product(n.args[0]):
+            (ta, tb), out = _terms(n.args[0])
+            meta = {"node": n, "meta": {k: v for k, v in n.meta.items() if k != "val"}}
+            a, b = (_spread(gm, x, t, out, meta) for x, t in zip(n.args[1], (ta, tb)))
+            _replace(gm, n, aten.mul.Tensor, (a, b))
+            count += 1
+            continue
+        transposed = _matmul_of_einsum(n.args[0])
+        if transposed is None:
+            continue
+        a, b = n.args[1]
+        if transposed:
+            nd = val(b).dim()
+            with gm.graph.inserting_before(n):
+                b = gm.graph.call_function(aten.transpose.int, (b, nd - 2, nd - 1))
+            b.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        _replace(gm, n, aten.matmul.default, (a, b))
+        count += 1
+    return count
+
+
+def _autocast_region(n: Node):
+    """(enabled, the region's GraphModule) of a ``wrap_with_autocast`` call, else None."""
+    if not (n.op == "call_function" and n.target is torch.ops.higher_order.wrap_with_autocast):
+        return None
+    _device, _dtype, enabled, _cache, sub = n.args[:5]
+    return enabled, getattr(n.graph.owning_module, sub.target)
+
+
+def _inline(gm: GraphModule, n: Node, sub: GraphModule) -> None:
+    """The region's nodes copied in place of ``n``; ``n[i]`` becomes its i-th output. Its
+    export asserts are dropped, as drop_export_asserts (run before) did the graph's."""
+    env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], n.args[5:]))
+    outputs = None
+    for s in sub.graph.nodes:
+        if s.op == "placeholder" or is_call(s, EXPORT_ASSERTS):   # as drop_export_asserts
+            continue
+        if s.op == "output":
+            outputs = s.args[0]
+            break
+        with gm.graph.inserting_before(n):
+            env[s] = gm.graph.node_copy(s, lambda x: env[x])
+    outputs = torch.fx.node.map_arg(outputs, lambda x: env[x])
+    for u in list(n.users):
+        if u.target is not operator.getitem:
+            raise DCPTransformError(f"the autocast region's result is used whole by "
+                                    f"{u.name} ({source_of(u)}). Report this model")
+        u.replace_all_uses_with(outputs[u.args[1]])
+        gm.graph.erase_node(u)
+    gm.graph.erase_node(n)
+
+
+def autocast_off_inlined(gm: GraphModule, weights: set[str], constants) -> int:
+    """``with torch.autocast(device, enabled=False):`` (x-transformers' RoPE): torch.export
+    keeps the region as a ``wrap_with_autocast`` call. Turning autocast off changes nothing in
+    a program that runs without autocast, as ours do (the dtypes are the captured ones), so
+    the region is inlined. A region that turns autocast on changes dtypes the graph does
+    not show: refused by name."""
+    count = 0
+    while True:
+        regions = [(n, r) for n in gm.graph.nodes if (r := _autocast_region(n)) is not None]
+        if not regions:
+            return count
+        for n, (enabled, sub) in regions:
+            if enabled:
+                raise DCPTransformError(
+                    f"torch.autocast(enabled=True) region at node {n.name} "
+                    f"({source_of(n)}): its ops run in the autocast dtype, which the "
+                    f"captured graph does not show. Run the model without autocast (cast "
+                    f"it to the dtype you want instead)")
+            _inline(gm, n, sub)
+            count += 1
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
+    "autocast_off_inlined": autocast_off_inlined,
     "linear_from_matmul": linear_from_matmul,
     "constant_index_as_slice": constant_index_as_slice,
     "slices_as_split": slices_as_split,
-    "flatten_as_reshape": flatten_as_reshape,
+    "views_with_literal_shapes": views_with_literal_shapes,
+    "einsum_as_matmul": einsum_as_matmul,
     "transpose_of_last_two": transpose_of_last_two,
     "repeat_after_head_transpose": repeat_after_head_transpose,
 }

@@ -65,7 +65,11 @@ BATCHED_MATMULS = MATMUL | {aten.bmm.default}
 LAYER_NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Reductions that are a sum (mean: a scaled one): over a sharded dim, an all-reduce.
 SUM_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
-REDUCTIONS = SUM_REDUCTIONS | {aten.amax.default, aten.amin.default, aten.var.correction}
+# Vector norms over dims (``F.normalize``, x-transformers' RMSNorm): arguments (x, ord, dim,
+# keepdim), dims one position later than the other reductions'.
+VECTOR_NORMS = frozenset({aten.linalg_vector_norm.default})
+REDUCTIONS = SUM_REDUCTIONS | VECTOR_NORMS | {aten.amax.default, aten.amin.default,
+                                              aten.var.correction}
 
 # Elementwise arithmetic, each op's overloads (a tensor or a Python scalar operand).
 ADDS = frozenset({aten.add.Tensor, aten.add.Scalar})
