@@ -160,22 +160,23 @@ def _replace(gm: GraphModule, n: Node, target, args) -> Node:
 
 
 def _as_literal_shape(n: Node):
-    """The literal-shape view ``n`` is another spelling of, or None: a flatten is a reshape,
-    ``expand_as`` / ``broadcast_to`` an expand, to the output's (static) shape."""
-    if is_call(n, {aten.flatten.using_ints}):
+    """The literal-shape view ``n`` is another spelling of, or None: the flatten of an
+    expand (heads repeated) is a reshape, ``broadcast_to`` an expand, to the output's
+    (static) shape. Other flattens and ``expand_as`` stay: they name no shape, so sequence
+    parallelism need not rescale them (the residual stream's are refused if literal)."""
+    if is_call(n, {aten.flatten.using_ints}) and is_call(n.args[0], EXPANDS):
         return aten.reshape.default
-    if is_call(n, {aten.expand_as.default, aten.broadcast_to.default}):
+    if is_call(n, {aten.broadcast_to.default}):
         return aten.expand.default
     return None
 
 
 def views_with_literal_shapes(gm: GraphModule, weights: set[str], constants) -> int:
-    """``x.flatten(a, b)`` -> ``x.reshape(shape)``, ``x.expand_as(y)`` / ``x.broadcast_to(s)``
-    -> ``x.expand(shape)``: one spelling of each view, the one the GQA reader
-    (``strip_repeat``) and the placement's view rules read. torchtune's GQA is
-    ``k.unsqueeze(2).expand(b, n_kv, q_per_kv, s, d).flatten(1, 2)``, Falcon's grouped K/V a
-    ``broadcast_to``, ``F.normalize`` (x-transformers' RMSNorm) an ``expand_as``. Shapes are
-    static here (check_static_shapes ran), so the output's shape is the literal."""
+    """``x.flatten(a, b)`` -> ``x.reshape(shape)``, ``x.broadcast_to(s)`` -> ``x.expand(s)``:
+    one spelling of each view, the one the GQA reader (``strip_repeat``) and the placement's
+    view rules read. torchtune's GQA is ``k.unsqueeze(2).expand(b, n_kv, q_per_kv, s,
+    d).flatten(1, 2)``, Falcon's grouped K/V a ``broadcast_to``. Shapes are static here
+    (check_static_shapes ran), so the output's shape is the literal."""
     count = 0
     for n in list(gm.graph.nodes):
         target = _as_literal_shape(n)

@@ -158,6 +158,8 @@ DIM_MAPS: dict = {
     aten.squeeze.dims: lambda n: dim_squeeze(shape_of(n.args[0]), tuple(n.args[1])),
     aten.squeeze.default: lambda n: dim_squeeze(shape_of(n.args[0])),
     aten.expand.default: lambda n: expand(shape_of(n.args[0]), shape_of(n)),
+    # x.expand_as(y) (F.normalize): an expand to y's shape; y gives only its shape.
+    aten.expand_as.default: lambda n: expand(shape_of(n.args[0]), shape_of(n)),
 }
 # Ops that keep every dim as it is (type conversions, copies, eval-mode dropout).
 for _op in IDENTITY_VIEWS:

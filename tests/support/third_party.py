@@ -443,10 +443,15 @@ EXCLUDED = {
 
 # Refusals that name a real limit (of DCP or of this compiler's design), not a form it fails
 # to read: decode DCP replicates the KV heads over the DCP group, so it needs tp > kv heads
-# (the specification's rule); ALiBi's per-head score bias is refused by design (README).
+# (the specification's rule); ALiBi's per-head score bias is refused by design (README); a
+# paged step cannot read the hidden states of cached tokens (x-transformers' shift_tokens),
+# nor follow a position function of the sequence length (x-transformers' xpos scale,
+# centred on max_pos // 2) for tokens already cached.
 REAL_LIMITS = {
     "MHA: decode DCP needs tp > kv heads",
     "ALiBi",
+    "token mixing outside attention",
+    "length-dependent positions (LongRoPE, dynamic NTK)",
 }
 
 _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (fill_ into a "
@@ -454,10 +459,12 @@ _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (f
                    "false counterexample (i=0, j=0 hidden)")
 _WHERE_LOOP = ("issue #35: litgpt's MoE is a torch.where loop over experts; refused for a dynamic "
                "shape instead of being canonicalised to dcp.moe")
-_EINSUM = ("issue #35: x-transformers' attention (einsum scores, softmax, einsum) is not "
-           "recognised: 'no attention this compiler recognises'")
-_AUTOCAST = ("issue #35: x-transformers' RoPE runs under autocast(enabled=False): the key is "
-             "computed through wrap_with_autocast, which has no placement rule")
+_TILED_GQA = ("issue #35: x-transformers repeats K/V heads tiled (einops 'b kvh n d -> b (r kvh) n "
+              "d': q head h reads kv head h % kvh); dcp.attention groups q heads as h // "
+              "q_per_kv, so it is refused by name ('K/V heads tiled')")
+_SCORE_BIAS = ("issue #35: x-transformers adds a bias to the attention scores (a relative / "
+               "dynamic position bias, the previous layer's scores, talking heads' head mixing): "
+               "refused as 'unrecognised op add between q @ k^T and softmax'")
 
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
@@ -478,12 +485,16 @@ KNOWN: dict[tuple[str, str], str] = {
        "refused instead of being canonicalised to dcp.moe" for m in MODES},
     **{("torchtitan/deepseek_v3", m): "issue #35: torchtitan's DeepSeek-V3 (MLA + MoE) crashes "
        "with a plain RuntimeError (an mm shape error) instead of a DCPError" for m in MODES},
-    **{(f"x-transformers/{a}", m): _EINSUM for m in MODES
-       for a in ("absolute", "rotary-gqa-llama", "rel-pos-bias", "dynamic-pos-bias", "xpos",
-                 "shift-tokens", "qk-norm", "sandwich-norm", "residual-attn", "mem-kv",
-                 "talking-heads", "gate-values", "macaron", "scalenorm")},
-    **{(f"x-transformers/{a}", m): _AUTOCAST for m in MODES
-       for a in ("rotary-gqa-llama-flash", "shift-tokens-flash")},
+    **{(f"x-transformers/{a}", m): _TILED_GQA for m in MODES
+       for a in ("rotary-gqa-llama", "rotary-gqa-llama-flash")},
+    **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
+       for a in ("rel-pos-bias", "dynamic-pos-bias", "residual-attn", "talking-heads")},
+    **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
+       "keys concatenated before the sequence's) are refused as cross-attention" for m in MODES},
+    ("x-transformers/gate-values", "prefill"): (
+        "issue #35: x-transformers' gate_values (the attention output times a per-token "
+        "sigmoid gate before the O projection) is refused in prefill: 'reaches its O projection "
+        "through token-indexed inputs'"),
     **{("nanoGPT/sdpa-last-logits", m): "issue #35: nanoGPT's inference forward returns the last "
        "position's logits only; the ordinary frontend refuses anything but [B, S, vocab]"
        for m in MODES},
