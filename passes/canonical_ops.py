@@ -24,8 +24,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import DCPPass, Property, source_of, val
-from .op_classes import (BATCHED_MATMULS, EXPANDS, EXPORT_ASSERTS, MATRIX_TRANSPOSES, RESHAPES, is_call,
-                         skip_casts)
+from .attention_patterns import MASKED_OUT
+from .op_classes import (BATCHED_MATMULS, CASTS, CONSTANT_WRAPPERS, EXPANDS, EXPORT_ASSERTS, MATRIX_TRANSPOSES,
+                         RESHAPES, SOFTMAX, is_call, skip_casts)
 
 aten = torch.ops.aten
 
@@ -413,6 +414,68 @@ def autocast_off_inlined(gm: GraphModule, weights: set[str], constants) -> int:
             count += 1
 
 
+def _feeds_softmax(n: Node) -> bool:
+    """``n`` reaches a softmax over its last dim through dtype casts only."""
+    while len(n.users) == 1:
+        (n,) = n.users
+        if is_call(n, SOFTMAX):
+            return n.args[1] in (-1, val(n).dim() - 1)
+        if not is_call(n, CASTS):
+            return False
+    return False
+
+
+def _number(x, constants):
+    """``x`` as a Python number: a number, or a one-element constant input (GPT-Neo's
+    ``torch.tensor(finfo.min)``, lifted by torch.export) through its wrappers; else None."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x
+    while is_call(x, CONSTANT_WRAPPERS):
+        x = x.args[0]
+    if not (isinstance(x, Node) and x.op == "placeholder"):
+        return None
+    value = constants().get(x.name)
+    if value is None or value.is_meta or value.numel() != 1:
+        return None
+    return value.item()
+
+
+def _where_masked_scores(a: Node, constants):
+    """(cond, scores, fill) of ``where(cond, scores, fill)`` with a masked-out number fill."""
+    if not is_call(a, {aten.where.ScalarOther, aten.where.self}) or \
+            not isinstance(a.args[1], Node):
+        return None
+    fill = _number(a.args[2], constants)
+    ok = fill is not None and fill <= MASKED_OUT
+    return (a.args[0], a.args[1], fill) if ok else None
+
+
+def where_then_additive_mask(gm: GraphModule, weights: set[str], constants) -> int:
+    """GPT-Neo's eager scores, ``where(causal, s, min) + attention_mask`` before a softmax,
+    -> ``s + where(causal, attention_mask, min)``: one additive mask (which the mask prover
+    reads) on the scores. Equal after the softmax: kept entries are ``s + mask`` in both;
+    entries the where hides are ``min + mask`` and ``s + min``, both masked out (exp
+    underflows to 0; a causal row keeps its diagonal, which the prover checks)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not (is_call(n, {aten.add.Tensor}) and all(isinstance(x, Node) for x in n.args)
+                and _feeds_softmax(n)):
+            continue
+        for w, m in (n.args, n.args[::-1]):
+            found = _where_masked_scores(w, constants)
+            if found is None or len(w.users) != 1 or val(m).dtype == torch.bool \
+                    or not val(m).dtype.is_floating_point:
+                continue
+            cond, scores, fill = found
+            with gm.graph.inserting_before(n):
+                mask = gm.graph.call_function(aten.where.ScalarOther, (cond, m, fill))
+            mask.meta.update({k: v for k, v in w.meta.items() if k != "val"})
+            _replace(gm, n, aten.add.Tensor, (scores, mask))
+            count += 1
+            break
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     "autocast_off_inlined": autocast_off_inlined,
@@ -423,6 +486,7 @@ CANONICAL_FORMS: dict[str, Callable] = {
     "einsum_as_matmul": einsum_as_matmul,
     "transpose_of_last_two": transpose_of_last_two,
     "repeat_after_head_transpose": repeat_after_head_transpose,
+    "where_then_additive_mask": where_then_additive_mask,
 }
 
 

@@ -19,6 +19,9 @@ CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
                    aten.alias.default, aten.detach.default, aten.type_as.default,
                    aten.lift_fresh_copy.default})
 
+# A lifted constant's wrappers (``torch.tensor(x)`` in a forward: lift_fresh_copy, detach_).
+CONSTANT_WRAPPERS = CASTS | {aten.detach_.default}
+
 # Keep every dim where it is: the casts, and eval-mode dropout.
 IDENTITY_VIEWS = CASTS | {aten.dropout.default}
 
