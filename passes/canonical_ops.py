@@ -414,6 +414,18 @@ def autocast_off_inlined(gm: GraphModule, weights: set[str], constants) -> int:
             count += 1
 
 
+def _call(gm: GraphModule, at: Node, target, args) -> Node:
+    """``target(*args)`` inserted before ``at``, with ``at``'s source and its own fake value
+    (a rewrite that chains several steps reads the values of the nodes it made)."""
+    with gm.graph.inserting_before(at):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update({k: v for k, v in at.meta.items() if k != "val"})
+    fakes = torch.fx.node.map_arg(new.args, lambda x: val(x))
+    with detect_fake_mode([v for v in fakes if isinstance(v, torch.Tensor)]):
+        new.meta["val"] = target(*fakes)
+    return new
+
+
 def _feeds_softmax(n: Node) -> bool:
     """``n`` reaches a softmax over its last dim through dtype casts only."""
     while len(n.users) == 1:
@@ -476,6 +488,118 @@ def where_then_additive_mask(gm: GraphModule, weights: set[str], constants) -> i
     return count
 
 
+def _noop_dropout(n: Node) -> bool:
+    return is_call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
+
+
+def _heads_source(n: Node, lead: int):
+    """The 4-D [B, H, M, K] tensor whose heads a [B·H, M, K] operand merely flattens
+    (through reshapes and eval-mode dropouts; B·H = ``lead``), deepest first; else None."""
+    found = None
+    while is_call(n, RESHAPES) or _noop_dropout(n):
+        n = n.args[0]
+        shape = tuple(val(n).shape)
+        if len(shape) == 4 and shape[0] * shape[1] == lead:
+            found = n
+    return found
+
+
+def _bmm_operands(n: Node):
+    """(a4, b4, transpose b4?) of ``bmm(a, b)`` on heads flattened into the batch (XGLM:
+    ``bmm(q.reshape(B·H, S, D), k.reshape(B·H, S, D).transpose(1, 2))``); else None."""
+    a, b = n.args
+    lead = val(n).shape[0]
+    a4 = _heads_source(a, lead)
+    transposed = is_call(b, {aten.transpose.int}) and {d % 3 for d in b.args[1:]} == {1, 2}
+    b4 = _heads_source(b.args[0] if transposed else b, lead)
+    if a4 is None or b4 is None or tuple(val(a4).shape[:2]) != tuple(val(b4).shape[:2]):
+        return None
+    return a4, b4, transposed
+
+
+def _reshape_round_trip(n: Node):
+    """``x`` when ``n`` is a reshape of a reshape of ``x`` back to x's shape; else None."""
+    if is_call(n, RESHAPES) and is_call(n.args[0], RESHAPES):
+        x = n.args[0].args[0]
+        if tuple(val(x).shape) == tuple(val(n).shape):
+            return x
+    return None
+
+
+def _softmax_of_merged_heads(n: Node):
+    """(y, merged shape) of ``softmax(y.reshape(B·H, S, T), -1)`` with y [B, H, S, T]."""
+    if not (is_call(n, SOFTMAX) and n.args[1] in (-1, 2) and is_call(n.args[0], RESHAPES)):
+        return None
+    y = n.args[0].args[0]
+    shape, merged = tuple(val(y).shape), tuple(val(n).shape)
+    if len(shape) == 4 and len(merged) == 3 and shape[2:] == merged[1:]:
+        return y, list(merged)
+    return None
+
+
+def _unflatten_heads_once(gm: GraphModule) -> int:
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not n.users:
+            continue
+        if is_call(n, {aten.bmm.default}) and (found := _bmm_operands(n)) is not None:
+            a4, b4, transposed = found
+            if transposed:
+                b4 = _call(gm, n, aten.transpose.int, (b4, 2, 3))
+            mm = _call(gm, n, aten.matmul.default, (a4, b4))
+            _replace(gm, n, aten.reshape.default, (mm, list(val(n).shape)))
+        elif (found := _softmax_of_merged_heads(n)) is not None:
+            y, merged = found
+            sm = _call(gm, n, n.target, (y, -1, *n.args[2:]))
+            _replace(gm, n, aten.reshape.default, (sm, merged))
+        elif (x := _reshape_round_trip(n)) is not None:
+            n.replace_all_uses_with(x)
+        else:
+            continue
+        count += 1
+    return count
+
+
+def heads_unflattened_from_batch(gm: GraphModule, weights: set[str], constants) -> int:
+    """XGLM's attention on heads flattened into the batch: ``bmm`` of [B·H, S, D] operands
+    -> a reshape of ``matmul`` on the [B, H, S, D] tensors they flatten; a softmax over the
+    last dim of a [B·H, S, T] reshape -> the reshape of the [B, H, S, T] softmax; a
+    reshape and its inverse -> nothing. Repeated until nothing changes: the attention then
+    reads as ``softmax(q @ k^T + mask) @ v`` on [B, H, S, D]."""
+    count = 0
+    while (step := _unflatten_heads_once(gm)) > 0:
+        count += step
+        for n in list(gm.graph.nodes):
+            if _noop_dropout(n) and not n.users:   # seeded: eliminate_dead_code keeps it
+                gm.graph.erase_node(n)
+        gm.graph.eliminate_dead_code()
+    return count
+
+
+def _masked_out_floor(n: Node, constants):
+    """``x`` when ``n`` is ``max(x, c)`` / ``clamp_min(x, c)`` with c a masked-out constant
+    (XGLM's ``max(scores, finfo.min)``) feeding a softmax: it only turns -inf into another
+    masked-out value, the same 0 after the softmax. Else None."""
+    if not (is_call(n, {aten.max.other, aten.maximum.default, aten.clamp_min.default})
+            and _feeds_softmax(n)):
+        return None
+    x, c = n.args[:2]
+    if is_call(c, {aten.full.default}) and list(c.args[0]) == []:
+        c = c.args[1]
+    c = _number(c, constants)
+    return x if c is not None and c <= MASKED_OUT else None
+
+
+def masked_out_floor_dropped(gm: GraphModule, weights: set[str], constants) -> int:
+    count = 0
+    for n in list(gm.graph.nodes):
+        if (x := _masked_out_floor(n, constants)) is not None:
+            n.replace_all_uses_with(x)
+            gm.graph.erase_node(n)
+            count += 1
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     "autocast_off_inlined": autocast_off_inlined,
@@ -486,6 +610,8 @@ CANONICAL_FORMS: dict[str, Callable] = {
     "einsum_as_matmul": einsum_as_matmul,
     "transpose_of_last_two": transpose_of_last_two,
     "repeat_after_head_transpose": repeat_after_head_transpose,
+    "heads_unflattened_from_batch": heads_unflattened_from_batch,
+    "masked_out_floor_dropped": masked_out_floor_dropped,
     "where_then_additive_mask": where_then_additive_mask,
 }
 
