@@ -98,6 +98,27 @@ def constant_index_as_slice(gm: GraphModule, weights: set[str], constants) -> in
     return count
 
 
+def index_as_index_select(gm: GraphModule, weights: set[str], constants) -> int:
+    """``x[..., idx]`` with one 1-D tensor index (Nones before it keep their dims) ->
+    ``index_select(x, d, idx)`` (gpt-fast's ``freqs_cis[input_pos]`` and
+    ``causal_mask[None, None, input_pos]``): the gather the position lifting and the token-dim
+    rules know. Runs after constant_index_as_slice (a constant run of indices is a slice)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, {aten.index.Tensor}):
+            continue
+        index = list(n.args[1])
+        used = [i for i, x in enumerate(index) if x is not None]
+        if len(used) != 1 or not isinstance(index[used[0]], Node):
+            continue
+        idx = index[used[0]]
+        if val(idx).dim() != 1 or val(idx).dtype not in (torch.int64, torch.int32):
+            continue
+        _replace(gm, n, aten.index_select.default, (n.args[0], used[0], idx))
+        count += 1
+    return count
+
+
 def _mutates(n: Node) -> bool:
     """An in-place op (``copy_`` into a slice: a view written through stays a slice)."""
     schema = getattr(n.target, "_schema", None)
@@ -605,6 +626,7 @@ CANONICAL_FORMS: dict[str, Callable] = {
     "autocast_off_inlined": autocast_off_inlined,
     "linear_from_matmul": linear_from_matmul,
     "constant_index_as_slice": constant_index_as_slice,
+    "index_as_index_select": index_as_index_select,
     "slices_as_split": slices_as_split,
     "views_with_literal_shapes": views_with_literal_shapes,
     "einsum_as_matmul": einsum_as_matmul,

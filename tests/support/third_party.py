@@ -498,9 +498,6 @@ KNOWN: dict[tuple[str, str], str] = {
     **{("nanoGPT/sdpa-last-logits", m): "issue #35: nanoGPT's inference forward returns the last "
        "position's logits only; the ordinary frontend refuses anything but [B, S, vocab]"
        for m in MODES},
-    **{("gpt-fast/llama", m): "issue #35: gpt-fast's mask (a tril buffer indexed as "
-       "causal_mask[None, None, input_pos]) is refused: 'indexing with None or slices between "
-       "tensor indices'" for m in MODES},
 }
 
 
