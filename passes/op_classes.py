@@ -42,6 +42,8 @@ MATRIX_TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default})
 PERMUTES = frozenset({aten.permute.default, aten.transpose.int})
 # Broadcast size-1 dims to a literal shape.
 EXPANDS = frozenset({aten.expand.default, aten.expand_copy.default})
+# Broadcast size-1 dims to the output's shape: a literal one, or another tensor's (expand_as).
+BROADCAST_VIEWS = frozenset({aten.expand.default, aten.expand_as.default})
 # Move, add or drop dims without touching values.
 DIM_MOVES = SQUEEZES | PERMUTES | {aten.t.default, aten.expand.default}
 # Complex views: a last dim of 2 (re, im) <-> one complex element.
