@@ -43,6 +43,18 @@ def replace_node(gm: GraphModule, n: Node, target, args) -> Node:
     return new
 
 
+def call_like(gm: GraphModule, at: Node, target, args) -> Node:
+    """``target(*args)`` inserted before ``at``, with ``at``'s source and its own fake value
+    (a rewrite that chains several steps reads the values of the nodes it made)."""
+    with gm.graph.inserting_before(at):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update({k: v for k, v in at.meta.items() if k != "val"})
+    fakes = torch.fx.node.map_arg(new.args, lambda x: val(x))
+    with detect_fake_mode([v for v in fakes if isinstance(v, torch.Tensor)]):
+        new.meta["val"] = target(*fakes)
+    return new
+
+
 def _as_literal_shape(n: Node):
     """The literal-shape view ``n`` is another spelling of, or None: the flatten of an
     expand (heads repeated) is a reshape, ``broadcast_to`` an expand, to the output's
@@ -85,6 +97,22 @@ def _feeds_right_of_matmul(n: Node) -> bool:
                                  and u.args[0] is not n for u in n.users)
 
 
+def _permuted(gm: GraphModule, at: Node, x: Node, perm: list[int]) -> Node:
+    """``x.permute(perm)``, composed with a permute / transpose that made ``x`` (a K moved to
+    [B, S, H, D] and back is the K it was, whose head repetition the reader then sees)."""
+    nd = len(perm)
+    if is_call(x, {aten.transpose.int}):
+        first = list(range(nd))
+        a, b = (d % nd for d in x.args[1:])
+        first[a], first[b] = first[b], first[a]
+        x, perm = x.args[0], [first[p] for p in perm]
+    elif is_call(x, {aten.permute.default}):
+        x, perm = x.args[0], [x.args[1][p] % nd for p in perm]
+    if perm == list(range(nd)):
+        return x
+    return call_like(gm, at, aten.permute.default, (x, perm))
+
+
 def transpose_of_last_two(gm: GraphModule, weights: set[str], constants) -> int:
     """``k.mT``, ``k.permute(0, 1, 3, 2)`` -> ``k.transpose(-2, -1)``; and a permute that also
     moves the leading dims, read as the right operand of a matmul (``q @ k.permute(0, 2, 3,
@@ -102,12 +130,7 @@ def transpose_of_last_two(gm: GraphModule, weights: set[str], constants) -> int:
             perm = [d % nd for d in n.args[1]]
             if perm[-2:] == [nd - 2, nd - 1]:
                 continue                          # keeps the matrix dims: not a k^T
-            inner = perm[:-2] + [perm[-1], perm[-2]]
-            with gm.graph.inserting_before(n):
-                k = gm.graph.call_function(aten.permute.default, (n.args[0], inner))
-            k.meta.update({key: v for key, v in n.meta.items() if key != "val"})
-            with detect_fake_mode([val(n)]):
-                k.meta["val"] = val(n).transpose(-2, -1)
+            k = _permuted(gm, n, n.args[0], perm[:-2] + [perm[-1], perm[-2]])
             replace_node(gm, n, aten.transpose.int, (k, nd - 2, nd - 1))
             count += 1
     return count
@@ -146,9 +169,7 @@ def repeat_after_head_transpose(gm: GraphModule, weights: set[str], constants) -
         for target, args in ((aten.reshape.default, ([b, s, h, d],)), (aten.transpose.int, (1, 2)),
                              (aten.unsqueeze.default, (2,)),
                              (aten.expand.default, ([b, h, g, s, d],))):
-            with gm.graph.inserting_before(n):
-                kv = gm.graph.call_function(target, (kv, *args))
-            kv.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+            kv = call_like(gm, n, target, (kv, *args))
         replace_node(gm, n, aten.reshape.default, (kv, [b, h * g, s, d]))
         count += 1
     return count
@@ -275,6 +296,15 @@ def _inline(gm: GraphModule, n: Node, sub: GraphModule) -> None:
     gm.graph.erase_node(n)
 
 
+def _region_source(n: Node, sub: GraphModule) -> str:
+    """Where the region's code is: its first op that knows its source line (the call node
+    itself carries only the module)."""
+    for s in sub.graph.nodes:
+        if s.meta.get("stack_trace"):
+            return source_of(s)
+    return source_of(n)
+
+
 def autocast_off_inlined(gm: GraphModule, weights: set[str], constants) -> int:
     """``with torch.autocast(device, enabled=False):`` (x-transformers' RoPE): torch.export
     keeps the region as a ``wrap_with_autocast`` call. Turning autocast off changes nothing in
@@ -290,23 +320,11 @@ def autocast_off_inlined(gm: GraphModule, weights: set[str], constants) -> int:
             if enabled:
                 raise DCPTransformError(
                     f"torch.autocast(enabled=True) region at node {n.name} "
-                    f"({source_of(n)}): its ops run in the autocast dtype, which the "
+                    f"({_region_source(n, sub)}): its ops run in the autocast dtype, which the "
                     f"captured graph does not show. Run the model without autocast (cast "
                     f"it to the dtype you want instead)")
             _inline(gm, n, sub)
             count += 1
-
-
-def _call(gm: GraphModule, at: Node, target, args) -> Node:
-    """``target(*args)`` inserted before ``at``, with ``at``'s source and its own fake value
-    (a rewrite that chains several steps reads the values of the nodes it made)."""
-    with gm.graph.inserting_before(at):
-        new = gm.graph.call_function(target, tuple(args))
-    new.meta.update({k: v for k, v in at.meta.items() if k != "val"})
-    fakes = torch.fx.node.map_arg(new.args, lambda x: val(x))
-    with detect_fake_mode([v for v in fakes if isinstance(v, torch.Tensor)]):
-        new.meta["val"] = target(*fakes)
-    return new
 
 
 def _feeds_softmax(n: Node) -> bool:
@@ -428,12 +446,12 @@ def _unflatten_heads_once(gm: GraphModule) -> int:
         if is_call(n, {aten.bmm.default}) and (found := _bmm_operands(n)) is not None:
             a4, b4, transposed = found
             if transposed:
-                b4 = _call(gm, n, aten.transpose.int, (b4, 2, 3))
-            mm = _call(gm, n, aten.matmul.default, (a4, b4))
+                b4 = call_like(gm, n, aten.transpose.int, (b4, 2, 3))
+            mm = call_like(gm, n, aten.matmul.default, (a4, b4))
             replace_node(gm, n, aten.reshape.default, (mm, list(val(n).shape)))
         elif (found := _softmax_of_merged_heads(n)) is not None:
             y, merged = found
-            sm = _call(gm, n, n.target, (y, -1, *n.args[2:]))
+            sm = call_like(gm, n, n.target, (y, -1, *n.args[2:]))
             replace_node(gm, n, aten.reshape.default, (sm, merged))
         elif (x := _reshape_round_trip(n)) is not None:
             n.replace_all_uses_with(x)

@@ -49,11 +49,16 @@ def _causal_additive(s):
     return torch.full((s, s), float("-inf")).triu(1)
 
 
-def _rope(x, pos):
-    """Rotary embedding on [B, H, S, D] at positions ``pos`` [S] (half-split form)."""
+def _angles(pos):
+    """RoPE's cos and sin [S, D/2] at positions ``pos`` [S] (x-transformers' outer-product
+    einsum)."""
     inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
     ang = torch.einsum("i , j -> i j", pos.float(), inv)
-    cos, sin = ang.cos(), ang.sin()
+    return ang.cos(), ang.sin()
+
+
+def _rope(x, cos, sin):
+    """Rotary embedding on [B, H, S, D] (half-split form)."""
     x1, x2 = x[..., : HD // 2], x[..., HD // 2:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -107,7 +112,9 @@ def kt_permute(m, q, k, v, pos):
 
 
 def kt_permute_bshd(m, q, k, v, pos):
-    return _eager(q, k, v, lambda q, k: q @ k.transpose(1, 2).contiguous().permute(0, 2, 3, 1))
+    """K moved to [B, S, H, D] (after its heads were repeated), then ``permute(0, 2, 3, 1)``
+    makes k^T from it."""
+    return _eager(q, k, v, lambda q, k: q @ k.transpose(1, 2).permute(0, 2, 3, 1))
 
 
 def kt_transpose_2_3(m, q, k, v, pos):
@@ -125,8 +132,10 @@ def einsum(m, q, k, v, pos):
 
 
 def autocast_off_rope(m, q, k, v, pos):
+    """x-transformers: RoPE applied under autocast(enabled=False) (its tables too, in
+    FormLM.forward)."""
     with torch.autocast("cpu", enabled=False):
-        q, k = _rope(q, pos), _rope(k, pos)
+        q, k = _rope(q, *pos.tables), _rope(k, *pos.tables)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
@@ -154,7 +163,7 @@ def where_then_mask(m, q, k, v, pos):
 
 def tril_buffer_index(m, q, k, v, pos):
     """gpt-fast: its bool tril buffer indexed by the positions, cut to the keys."""
-    mask = m.tril2d[None, None, pos][..., : q.shape[2]]
+    mask = m.tril2d[None, None, pos.positions][..., : q.shape[2]]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -162,6 +171,13 @@ FORMS = {f.__name__.replace("_", "-"): f for f in (
     gqa_expand_flatten, gqa_expand_reshape, gqa_token_major, gqa_broadcast_to, kt_mT,
     kt_permute, kt_permute_bshd, kt_transpose_2_3, einsum, autocast_off_rope,
     bmm_heads_in_batch, where_then_mask, tril_buffer_index)}
+
+
+class Positions:
+    """A forward's positions [S] and RoPE tables, made once before the layers."""
+
+    def __init__(self, positions):
+        self.positions, self.tables = positions, None
 
 
 class FormLM(nn.Module):
@@ -183,12 +199,17 @@ class FormLM(nn.Module):
     def forward(self, input_ids):
         x = self.embed(input_ids)
         b, s, _ = x.shape
-        pos = torch.arange(s)
+        pos = Positions(torch.arange(s))
+        if self.attend is autocast_off_rope:
+            with torch.autocast("cpu", enabled=False):
+                pos.tables = _angles(pos.positions)
+        else:
+            pos.tables = _angles(pos.positions)
         for layer in self.layers:
             heads = lambda t: t.view(b, s, -1, HD).transpose(1, 2)  # noqa: E731
             q, k, v = heads(layer["q"](x)), heads(layer["k"](x)), heads(layer["v"](x))
             if self.attend is not autocast_off_rope:
-                q, k = _rope(q, pos), _rope(k, pos)
+                q, k = _rope(q, *pos.tables), _rope(k, *pos.tables)
             y = self.attend(self, q, k, v, pos)
             x = x + layer["o"](y.transpose(1, 2).reshape(b, s, -1))
         return self.head(x)
@@ -213,7 +234,7 @@ def test_form_matches_the_models_own_forward(form, mode):
 def test_gqa_forms_cache_the_kv_heads():
     """The cache holds the 2 kv heads (decode at tp=4 > 2 is served, not refused as MHA)."""
     program = _transform(seeded_weights(FormLM(gqa_expand_flatten), 0).eval(), "decode")
-    assert program.facts.num_kv_heads == KV
+    assert program.config.num_kv_heads == KV
 
 
 # -- refused by name -----------------------------------------------------------------------
