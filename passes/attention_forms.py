@@ -395,12 +395,14 @@ def _noop_dropout(n: Node) -> bool:
 
 def _heads_source(n: Node, lead: int):
     """The 4-D [B, H, M, K] tensor whose heads a [B·H, M, K] operand merely flattens
-    (through reshapes and eval-mode dropouts; B·H = ``lead``), deepest first; else None."""
-    found = None
+    (through reshapes and eval-mode dropouts; B·H = ``lead``), deepest first; else None.
+    Reshapes keep the row-major order, so any chain of them from [B, H, M, K] to
+    [B·H, M, K] is that one reshape."""
+    found, rows = None, tuple(val(n).shape[1:])
     while is_call(n, RESHAPES) or _noop_dropout(n):
         n = n.args[0]
         shape = tuple(val(n).shape)
-        if len(shape) == 4 and shape[0] * shape[1] == lead:
+        if len(shape) == 4 and shape[0] * shape[1] == lead and shape[2:] == rows:
             found = n
     return found
 

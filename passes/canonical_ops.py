@@ -23,7 +23,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .attention_forms import ATTENTION_FORMS, replace_node
 from .infra import DCPPass, Property, val
-from .op_classes import MATRIX_TRANSPOSES, is_call, skip_casts
+from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, MATRIX_TRANSPOSES, MULS, RESHAPES,
+                         SLICES, SQUEEZES, is_call, skip_casts)
 
 aten = torch.ops.aten
 
@@ -95,11 +96,31 @@ def constant_index_as_slice(gm: GraphModule, weights: set[str], constants) -> in
     return count
 
 
+def _non_negative(n, constants) -> bool:
+    """``n`` is >= 0 everywhere: an ``arange`` from a start >= 0, a constant >= 0, or views
+    and sums of such (index_select has no negative indices; indexing wraps them)."""
+    while is_call(n, CASTS | RESHAPES | SQUEEZES | SLICES | EXPANDS):
+        n = n.args[0]
+    if isinstance(n, (int, float)):
+        return n >= 0
+    if is_call(n, ARANGES):
+        args = list(n.args) + [1]
+        start, step = (0, 1) if n.target == aten.arange.default else (args[0], args[2])
+        return isinstance(start, int) and start >= 0 and isinstance(step, int) and step > 0
+    if is_call(n, ADDS | MULS):
+        return all(_non_negative(a, constants) for a in n.args[:2])
+    if isinstance(n, Node) and n.op == "placeholder":
+        value = constants().get(n.name)
+        return value is not None and not value.is_meta and bool((value >= 0).all())
+    return False
+
+
 def index_as_index_select(gm: GraphModule, weights: set[str], constants) -> int:
-    """``x[..., idx]`` with one 1-D tensor index (Nones before it keep their dims) ->
+    """``x[..., idx]`` with one 1-D tensor index >= 0 (Nones before it keep their dims) ->
     ``index_select(x, d, idx)`` (gpt-fast's ``freqs_cis[input_pos]`` and
-    ``causal_mask[None, None, input_pos]``): the gather the position lifting and the token-dim
-    rules know. Runs after constant_index_as_slice (a constant run of indices is a slice)."""
+    ``causal_mask[None, None, input_pos]``, input_pos an arange): the gather the position
+    lifting and the token-dim rules know. Runs after constant_index_as_slice (a constant run
+    of indices is a slice)."""
     count = 0
     for n in list(gm.graph.nodes):
         if not is_call(n, {aten.index.Tensor}):
@@ -109,7 +130,8 @@ def index_as_index_select(gm: GraphModule, weights: set[str], constants) -> int:
         if len(used) != 1 or not isinstance(index[used[0]], Node):
             continue
         idx = index[used[0]]
-        if val(idx).dim() != 1 or val(idx).dtype not in (torch.int64, torch.int32):
+        if val(idx).dim() != 1 or val(idx).dtype not in (torch.int64, torch.int32) \
+                or not _non_negative(idx, constants):
             continue
         replace_node(gm, n, aten.index_select.default, (n.args[0], used[0], idx))
         count += 1

@@ -122,7 +122,10 @@ CASES = {
             softmax_int = aten.softmax.int(add_tensor, -1)
             return (softmax_int,)
         """),
-    "tril-index": (gpt_fast_index, dict(table=TRIL, pos=torch.tensor([2, 0, 1])), {}, """
+    # positions >= 0 (a constant here; an arange in a model): index_select has no negative
+    # indices, so a possibly negative index stays an index.
+    "tril-index": (gpt_fast_index, dict(table=TRIL, pos=torch.tensor([2, 0, 1])),
+                   {"pos": torch.tensor([2, 0, 1])}, """
         def forward(self, table, pos):
             index_select_default = aten.index_select.default(table, 2, pos)
             return (index_select_default,)
@@ -144,6 +147,13 @@ def test_same_values_as_before(name):
     gm = run_alone(_pass(constants), before(fn, **inputs))
     for got, want in zip(call(gm), call(before(fn, **inputs))):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_an_index_that_may_be_negative_stays_an_index():
+    """x[..., idx] wraps a negative index; index_select would fail on it: not rewritten."""
+    p = _pass()                                        # idx is data: its sign is unknown
+    gm = run_alone(p, before(gpt_fast_index, table=TRIL, pos=torch.tensor([2, 0, 1])))
+    assert "aten.index.Tensor" in code(gm) and "index_as_index_select" not in p.matched
 
 
 def test_an_einsum_that_is_no_matmul_stays():
