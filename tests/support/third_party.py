@@ -483,8 +483,9 @@ KNOWN: dict[tuple[str, str], str] = {
         "group") for a in ("llama3", "qwen3")},
     **{("torchtitan/qwen3-moe", m): "issue #35: torchtitan's MoE through torch._grouped_mm is "
        "refused instead of being canonicalised to dcp.moe" for m in MODES},
-    **{("torchtitan/deepseek_v3", m): "issue #35: torchtitan's DeepSeek-V3 (MLA + MoE) crashes "
-       "with a plain RuntimeError (an mm shape error) instead of a DCPError" for m in MODES},
+    **{("torchtitan/deepseek_v3", m): "issue #35: torchtitan's DeepSeek-V3 (MLA + MoE): its MoE "
+       "through torch._grouped_mm is refused instead of being canonicalised to dcp.moe (it "
+       "crashed with an mm shape error before)" for m in MODES},
     **{(f"x-transformers/{a}", m): _TILED_GQA for m in MODES
        for a in ("rotary-gqa-llama", "rotary-gqa-llama-flash")},
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
