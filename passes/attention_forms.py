@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
 
-from .attention_patterns import MASKED_OUT
+from .attention_patterns import MASKED_OUT, reaches_matmul
 from .infra import source_of, val
 from .op_classes import (BATCHED_MATMULS, CASTS, CONSTANT_WRAPPERS, EXPANDS, EXPORT_ASSERTS,
                          RESHAPES, SOFTMAX, is_call)
@@ -380,6 +380,8 @@ def where_then_additive_mask(gm: GraphModule, weights: set[str], constants) -> i
                     or not val(m).dtype.is_floating_point:
                 continue
             cond, scores, fill = found
+            if not reaches_matmul(scores) or reaches_matmul(m):
+                continue       # the where is the mask (HF's where(causal, 0, min)), not this
             with gm.graph.inserting_before(n):
                 mask = gm.graph.call_function(aten.where.ScalarOther, (cond, m, fill))
             mask.meta.update({k: v for k, v in w.meta.items() if k != "val"})

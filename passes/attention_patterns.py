@@ -246,7 +246,7 @@ def eager_site(sm: Node) -> Site | None:
             a, b = x.args
             if not (isinstance(a, Node) and isinstance(b, Node)):
                 fail(x, "a constant added to the attention scores", "Remove it")
-            x, mask = (a, b) if _reaches_matmul(a) else (b, a)
+            x, mask = (a, b) if reaches_matmul(a) else (b, a)
             kind = "additive"
         elif is_call(x, {aten.masked_fill.Scalar}) and mask is None:
             if number(x.args[2]) is None or x.args[2] > MASKED_OUT:
@@ -334,7 +334,8 @@ def _feeds_matmul(sm: Node) -> bool:
     return any(is_call(u, MATMUL) for u in n.users)
 
 
-def _reaches_matmul(n: Node) -> bool:
+def reaches_matmul(n: Node) -> bool:
+    """``n`` is ``q @ k^T`` under casts, constant scales and a soft-cap: the scores."""
     while True:
         n = skip_casts(n)
         if is_call(n, MATMUL):

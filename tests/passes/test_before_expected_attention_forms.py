@@ -175,6 +175,18 @@ def test_a_where_whose_fill_is_not_masked_out_stays():
     assert "where_then_additive_mask" not in p.matched
 
 
+def test_a_mask_built_by_where_is_left_to_the_reader():
+    """HF's additive mask ``where(causal, zeros, min)`` added to the scores is the mask, not
+    the scores: not rewritten (the reader reads it as it is)."""
+    def f(q, k, tril, zeros):
+        s = aten.matmul.default(q, aten.transpose.int(k, -1, -2))
+        mask = aten.where.ScalarOther(tril, zeros, MIN)
+        return (aten.softmax.int(aten.add.Tensor(s, mask), -1),)
+    p = _pass()
+    run_alone(p, before(f, q=Q, k=K, tril=TRIL, zeros=torch.zeros(1, 1, 3, 3)))
+    assert "where_then_additive_mask" not in p.matched
+
+
 def test_scale_is_kept_through_the_rewrites():
     """A scale between einsum and softmax stays where it was."""
     def f(q, k, v):
