@@ -2,7 +2,7 @@
 model of its own, transformed and compared with the model's own forward (fp32, 1e-4, greedy
 tokens) at edge-case lengths, decode and prefill -- or refused by name where DCP cannot
 serve it. canonicalize_ops rewrites each form into the one the attention reader reads
-(tests/passes/test_before_expected_library_forms.py shows the rewrites).
+(tests/passes/test_before_expected_attention_forms.py shows the rewrites).
 
   gqa-expand-flatten     torchtune: k.unsqueeze(2).expand(b, n_kv, g, s, d).flatten(1, 2)
   gqa-expand-reshape     the same, ending in reshape
