@@ -17,6 +17,7 @@ serve it. canonicalize_ops rewrites each form into the one the attention reader 
   bmm-heads-in-batch     XGLM: bmm on [B*H, S, D], max(scores, finfo.min)
   where-then-mask        GPT-Neo: where(tril buffer, scores, tensor(min)) + additive mask
   tril-buffer-index      gpt-fast: tril buffer indexed as causal_mask[None, None, pos]
+  l2-normalize           x-transformers: F.normalize as qk_norm and as its RMSNorm
 """
 
 from __future__ import annotations
@@ -167,10 +168,17 @@ def tril_buffer_index(m, q, k, v, pos):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def l2_normalize(m, q, k, v, pos):
+    """x-transformers' qk_norm: q and k l2-normalised per head (F.normalize: a vector norm and
+    an expand_as), a fixed scale; FormLM also normalises its residual stream so (its RMSNorm)."""
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=10.0)
+
+
 FORMS = {f.__name__.replace("_", "-"): f for f in (
     gqa_expand_flatten, gqa_expand_reshape, gqa_token_major, gqa_broadcast_to, kt_mT,
     kt_permute, kt_permute_bshd, kt_transpose_2_3, einsum, autocast_off_rope,
-    bmm_heads_in_batch, where_then_mask, tril_buffer_index)}
+    bmm_heads_in_batch, where_then_mask, tril_buffer_index, l2_normalize)}
 
 
 class Positions:
@@ -206,6 +214,8 @@ class FormLM(nn.Module):
         else:
             pos.tables = _angles(pos.positions)
         for layer in self.layers:
+            if self.attend is l2_normalize:       # x-transformers' RMSNorm
+                x = F.normalize(x, dim=-1) * DIM ** 0.5
             heads = lambda t: t.view(b, s, -1, HD).transpose(1, 2)  # noqa: E731
             q, k, v = heads(layer["q"](x)), heads(layer["k"](x)), heads(layer["v"](x))
             if self.attend is not autocast_off_rope:
