@@ -194,3 +194,26 @@ def test_scale_is_kept_through_the_rewrites():
         return (aten.einsum.default("bhij,bhjd->bhid", [aten.softmax.int(s, -1), v]),)
     gm = run_alone(_pass(), before(f, q=Q, k=K, v=V))
     assert "aten.mul.Tensor(matmul_default, 0.35355" in code(gm)
+
+
+@pytest.mark.parametrize("at", [2, 3], ids=["index-the-rows", "index-the-columns"])
+def test_the_mask_reader_reads_an_index_after_nones(at):
+    """gpt-fast's ``causal_mask[None, None, input_pos]`` when input_pos may be negative (it
+    stays an index): read element by element as torch indexes (the None dims kept)."""
+    import itertools
+    import types
+
+    import sympy
+
+    from dcp_compile.passes import mask_predicate as mp
+    m, s = 5, 3
+    tril = mp.Sym((1, 1, m, m), sympy.Le(mp.axis(3), mp.axis(2)), True)
+    pos = mp.Sym((s,), mp.axis(0) + 1, False)                       # positions 1..s
+    want = torch.ones(m, m, dtype=torch.bool).tril()[None, None][
+        (slice(None),) * at + (torch.arange(s) + 1,)]
+    node = types.SimpleNamespace(name="index", meta={"val": torch.empty(want.shape,
+                                                                         dtype=torch.bool)})
+    got = mp._index(node, [tril, [None] * at + [pos]])
+    assert got.shape == tuple(want.shape)
+    for ix in itertools.product(*map(range, want.shape)):
+        assert bool(got.expr.subs({mp.axis(k): v for k, v in enumerate(ix)})) == bool(want[ix])
