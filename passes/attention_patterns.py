@@ -75,18 +75,37 @@ def _is_dropout_noop(n: Node) -> bool:
     return is_call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
 
 
+def _repeated_heads(n: Node):
+    """(x [B, Hkv, S, D], the dim the copies go to) when ``n`` is ``x`` with each head
+    repeated g times by ``x.unsqueeze(d).expand(...).reshape(B, Hkv * g, S, D)``: d = 2 puts
+    a head's copies side by side (q head h reads kv head h // g, ``repeat_kv``), d = 1 tiles
+    the heads (h reads h % Hkv, einops' ``'b kvh n d -> b (r kvh) n d'``). Else None."""
+    if not is_call(n, RESHAPES):
+        return None
+    e = skip_casts(n.args[0])
+    if not (is_call(e, {aten.expand.default}) and val(e).dim() == 5):
+        return None
+    u = e.args[0]
+    if not (is_call(u, {aten.unsqueeze.default}) and u.args[1] in (1, 2)):
+        return None
+    b, *mid, s, d = val(e).shape
+    if tuple(val(n).shape) != (b, mid[0] * mid[1], s, d):   # heads repeated, nothing else
+        return None
+    return skip_casts(u.args[0]), u.args[1]
+
+
 def strip_repeat(n: Node) -> Node:
     """K/V before GQA head repetition (the cache stores kv heads, not q heads)."""
     n = skip_casts(n)
-    # repeat_kv: x[:, :, None].expand(B, Hkv, g, S, D).reshape(B, Hkv * g, S, D)
-    if is_call(n, RESHAPES):
-        e = skip_casts(n.args[0])
-        if is_call(e, {aten.expand.default}):
-            u = e.args[0]
-            if is_call(u, {aten.unsqueeze.default}) and u.args[1] == 2 and len(val(e).shape) == 5:
-                b, h, g, s, d = val(e).shape
-                if tuple(val(n).shape) == (b, h * g, s, d):   # heads repeated, nothing else
-                    return skip_casts(u.args[0])
+    repeated = _repeated_heads(n)
+    if repeated is not None:
+        x, dim = repeated
+        if dim == 1 and val(x).shape[1] > 1:
+            fail(n, f"K/V heads tiled (q head h reads kv head h % {val(x).shape[1]}, as "
+                 f"einops' 'b kvh n d -> b (r kvh) n d' repeats them)", "dcp.attention "
+                 "groups q heads as h // q_per_kv (repeat_kv's order): repeat each kv head "
+                 "in place ('b kvh n d -> b (kvh r) n d', k.repeat_interleave(r, dim=1))")
+        return x
     if is_call(n, {aten.repeat_interleave.self_int}):
         dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
         if dim == 1:
@@ -227,7 +246,7 @@ def eager_site(sm: Node) -> Site | None:
             a, b = x.args
             if not (isinstance(a, Node) and isinstance(b, Node)):
                 fail(x, "a constant added to the attention scores", "Remove it")
-            x, mask = (a, b) if _reaches_matmul(a) else (b, a)
+            x, mask = (a, b) if reaches_matmul(a) else (b, a)
             kind = "additive"
         elif is_call(x, {aten.masked_fill.Scalar}) and mask is None:
             if number(x.args[2]) is None or x.args[2] > MASKED_OUT:
@@ -315,7 +334,8 @@ def _feeds_matmul(sm: Node) -> bool:
     return any(is_call(u, MATMUL) for u in n.users)
 
 
-def _reaches_matmul(n: Node) -> bool:
+def reaches_matmul(n: Node) -> bool:
+    """``n`` is ``q @ k^T`` under casts, constant scales and a soft-cap: the scores."""
     while True:
         n = skip_casts(n)
         if is_call(n, MATMUL):

@@ -29,9 +29,11 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from .attention_forms import ATTENTION_FORMS, replace_node
 from .infra import DCPPass, Property, val
-from .op_classes import (AUTOCAST_REGIONS, IDENTITY_VIEWS, LAYER_NORMS, MATRIX_TRANSPOSES, RESHAPES,
-                         is_call, skip_casts)
+from .op_classes import (ADDS, ARANGES, AUTOCAST_REGIONS, CASTS, EXPANDS, IDENTITY_VIEWS, LAYER_NORMS,
+                         MATRIX_TRANSPOSES, MULS, RESHAPES, SLICES, SQUEEZES, is_call,
+                         skip_casts)
 
 aten = torch.ops.aten
 
@@ -147,6 +149,48 @@ def constant_index_as_slice(gm: GraphModule, weights: set[str], constants) -> in
         s.meta.update(n.meta)
         n.replace_all_uses_with(s)
         gm.graph.erase_node(n)
+        count += 1
+    return count
+
+
+def _non_negative(n, constants) -> bool:
+    """``n`` is >= 0 everywhere: an ``arange`` from a start >= 0, a constant >= 0, or views
+    and sums of such (index_select has no negative indices; indexing wraps them)."""
+    while is_call(n, CASTS | RESHAPES | SQUEEZES | SLICES | EXPANDS):
+        n = n.args[0]
+    if isinstance(n, (int, float)):
+        return n >= 0
+    if is_call(n, ARANGES):
+        args = list(n.args) + [1]
+        start, step = (0, 1) if n.target == aten.arange.default else (args[0], args[2])
+        return isinstance(start, int) and start >= 0 and isinstance(step, int) and step > 0
+    if is_call(n, ADDS | MULS):
+        return all(_non_negative(a, constants) for a in n.args[:2])
+    if isinstance(n, Node) and n.op == "placeholder":
+        value = constants().get(n.name)
+        return value is not None and not value.is_meta and bool((value >= 0).all())
+    return False
+
+
+def index_as_index_select(gm: GraphModule, weights: set[str], constants) -> int:
+    """``x[..., idx]`` with one 1-D tensor index >= 0 (Nones before it keep their dims) ->
+    ``index_select(x, d, idx)`` (gpt-fast's ``freqs_cis[input_pos]`` and
+    ``causal_mask[None, None, input_pos]``, input_pos an arange): the gather the position
+    lifting and the token-dim rules know. Runs after constant_index_as_slice (a constant run
+    of indices is a slice)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, {aten.index.Tensor}):
+            continue
+        index = list(n.args[1])
+        used = [i for i, x in enumerate(index) if x is not None]
+        if len(used) != 1 or not isinstance(index[used[0]], Node):
+            continue
+        idx = index[used[0]]
+        if val(idx).dim() != 1 or val(idx).dtype not in (torch.int64, torch.int32) \
+                or not _non_negative(idx, constants):
+            continue
+        replace_node(gm, n, aten.index_select.default, (n.args[0], used[0], idx))
         count += 1
     return count
 
@@ -317,10 +361,14 @@ def inline_autocast(gm: GraphModule, weights: set[str], constants) -> int:
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     "inline_autocast": inline_autocast,
+    # an autocast region left (one that casts) is refused there, naming its source line
+    "autocast_off_inlined": ATTENTION_FORMS["autocast_off_inlined"],
     "linear_from_matmul": linear_from_matmul,
     "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,
+    "index_as_index_select": index_as_index_select,
     "slices_as_split": slices_as_split,
+    **ATTENTION_FORMS,                  # the attention forms (passes/attention_forms.py)
     # last: the ops it moves off the flattened rows get their values from the pass manager
     "token_flatten_dropped": token_flatten_dropped,
 }

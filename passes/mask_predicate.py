@@ -228,15 +228,34 @@ def _select(n, args):
 
 
 def _index(n, args):
-    """Advanced indexing x[idx_0, ..., idx_{m-1}] with tensor indices (no None)."""
-    x, indices, (shape, _) = args[0], args[1], _out(n)
-    if any(not isinstance(t, Sym) for t in indices):
-        raise NotAFormula("indexing with None or slices between tensor indices")
-    m = len(indices)
-    lead = tuple(torch.broadcast_shapes(*(t.shape for t in indices)))
-    mapping = {k: broadcast_to(t, lead) for k, t in enumerate(indices)}
-    mapping.update({k: axis(k - m + len(lead)) for k in range(m, len(x.shape))})
+    """Advanced indexing ``x[idx_0, ..., idx_{m-1}]``; a None index keeps its dim (gpt-fast's
+    ``causal_mask[None, None, input_pos]`` indexes the unsqueezed tril buffer so). The
+    broadcast index dims stand where the tensor indices stood when those are adjacent, and
+    first otherwise (numpy's rule, which torch follows)."""
+    x, indices, (shape, _) = args[0], list(args[1]), _out(n)
+    used = [k for k, t in enumerate(indices) if t is not None]
+    if not used or any(not isinstance(indices[k], Sym) for k in used):
+        raise NotAFormula("indexing with slices or non-tensor indices")
+    lead = tuple(torch.broadcast_shapes(*(indices[k].shape for k in used)))
+    at = used[0] if used == list(range(used[0], used[-1] + 1)) else 0
+    kept = [k for k in range(len(x.shape)) if k not in used]
+    # output dims: the kept dims before `at`, the broadcast index dims, the other kept dims
+    out_axis = {k: i if k < at else i + len(lead) for i, k in enumerate(kept)}
+    shift = {i: axis(i + at) for i in range(len(lead))}
+    mapping = {k: rename(broadcast_to(indices[k], lead), shift) for k in used}
+    mapping.update({k: axis(out_axis[k]) for k in kept})
+    if len(shape) != len(lead) + len(kept):
+        raise NotAFormula(f"indexing {x.shape} gives {shape}, not {len(lead) + len(kept)} dims")
     return Sym(shape, rename(x.expr, mapping), x.boolean)
+
+
+def _index_select(n, args):
+    """``index_select(x, d, idx)``: x's axis d read at idx (a 1-D index, on output axis d)."""
+    x, d, idx = args[0], args[1] % len(args[0].shape), args[2]
+    shape, _ = _out(n)
+    if not isinstance(idx, Sym) or len(idx.shape) != 1:
+        raise NotAFormula("index_select with an index that is not a 1-D formula")
+    return Sym(shape, rename(x.expr, {d: rename(idx.expr, {0: axis(d)})}), x.boolean)
 
 
 def _operands(n, args):
@@ -351,6 +370,7 @@ RULES = {
     **dict.fromkeys(EXPANDS, _expand),
     **dict.fromkeys(PERMUTES, _permute),
     aten.slice.Tensor: _slice, aten.select.int: _select, aten.index.Tensor: _index,
+    aten.index_select.default: _index_select,
     **dict.fromkeys(ADDS, _arith(lambda a, b: a + b)),
     **dict.fromkeys(SUBS, _arith(lambda a, b: a - b)),
     **dict.fromkeys(RSUBS, _arith(lambda a, b: b - a)),

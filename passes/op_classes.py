@@ -19,6 +19,9 @@ CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
                    aten.alias.default, aten.detach.default, aten.type_as.default,
                    aten.lift_fresh_copy.default})
 
+# A lifted constant's wrappers (``torch.tensor(x)`` in a forward: lift_fresh_copy, detach_).
+CONSTANT_WRAPPERS = CASTS | {aten.detach_.default}
+
 # Keep every dim where it is: the casts, and eval-mode dropout.
 IDENTITY_VIEWS = CASTS | {aten.dropout.default}
 
@@ -42,6 +45,8 @@ PERMUTES = frozenset({aten.permute.default, aten.transpose.int})
 WEIGHT_VIEWS = CASTS | MATRIX_TRANSPOSES | PERMUTES
 # Broadcast size-1 dims to a literal shape.
 EXPANDS = frozenset({aten.expand.default, aten.expand_copy.default})
+# Broadcast size-1 dims to the output's shape: a literal one, or another tensor's (expand_as).
+BROADCAST_VIEWS = frozenset({aten.expand.default, aten.expand_as.default})
 # Move, add or drop dims without touching values.
 DIM_MOVES = SQUEEZES | PERMUTES | {aten.t.default, aten.expand.default}
 # Complex views: a last dim of 2 (re, im) <-> one complex element.
@@ -68,7 +73,11 @@ BATCHED_MATMULS = MATMUL | {aten.bmm.default}
 LAYER_NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Reductions that are a sum (mean: a scaled one): over a sharded dim, an all-reduce.
 SUM_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
-REDUCTIONS = SUM_REDUCTIONS | {aten.amax.default, aten.amin.default, aten.var.correction}
+# Vector norms over dims (``F.normalize``, x-transformers' RMSNorm): arguments (x, ord, dim,
+# keepdim), dims one position later than the other reductions'.
+VECTOR_NORMS = frozenset({aten.linalg_vector_norm.default})
+REDUCTIONS = SUM_REDUCTIONS | VECTOR_NORMS | {aten.amax.default, aten.amin.default,
+                                              aten.var.correction}
 
 # Elementwise arithmetic, each op's overloads (a tensor or a Python scalar operand).
 ADDS = frozenset({aten.add.Tensor, aten.add.Scalar})

@@ -13,7 +13,7 @@ from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDi
 
 from dcp_compile.runtime.distributed.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
 
-from ..op_classes import FLATTENS, IDENTITY_VIEWS, RESHAPES
+from ..op_classes import BROADCAST_VIEWS, FLATTENS, IDENTITY_VIEWS, RESHAPES
 from .lattice import Refusal, Seg, Shard, canon, scale_segs
 from .node_args import norm_dim, shape_of
 
@@ -169,7 +169,8 @@ DIM_MAPS: dict = {
     aten.squeeze.dim: lambda n: dim_squeeze(shape_of(n.args[0]), n.args[1]),
     aten.squeeze.dims: lambda n: dim_squeeze(shape_of(n.args[0]), tuple(n.args[1])),
     aten.squeeze.default: lambda n: dim_squeeze(shape_of(n.args[0])),
-    aten.expand.default: lambda n: expand(shape_of(n.args[0]), shape_of(n)),
+    # x.expand_as(y) (F.normalize) is an expand to y's shape; y gives only its shape.
+    **dict.fromkeys(BROADCAST_VIEWS, lambda n: expand(shape_of(n.args[0]), shape_of(n))),
 }
 # Ops that keep every dim as it is (type conversions, copies, eval-mode dropout).
 for _op in IDENTITY_VIEWS:

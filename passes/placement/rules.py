@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, PADS, REDUCTIONS,
-                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS)
+                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS, VECTOR_NORMS)
 from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
 from .lattice import R, Partial, Refusal, Shard, canon, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
@@ -250,12 +250,13 @@ def _finer_parts(req, size: int, parts: int) -> str:
 
 def _reduced_dims(n) -> tuple[list[int], bool]:
     nd = len(shape_of(n.args[0]))
-    dims = node_arg(n, 1, "dim")
+    at = 2 if n.target in VECTOR_NORMS else 1          # after a norm's `ord`
+    dims = node_arg(n, at, "dim")
     if dims is None or dims == []:
         dims = list(range(nd))
     elif isinstance(dims, int):
         dims = [dims]
-    keep = node_arg(n, 2, "keepdim", False) if n.target != aten.var.correction else \
+    keep = node_arg(n, at + 1, "keepdim", False) if n.target != aten.var.correction else \
         n.kwargs.get("keepdim", False)
     return sorted(norm_dim(d, nd) for d in dims), bool(keep)
 

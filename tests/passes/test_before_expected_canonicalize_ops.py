@@ -62,10 +62,12 @@ def test_same_values_as_before():
 
 
 def test_an_index_that_is_not_consecutive_stays_a_gather():
-    """[5, 4] is no slice: it stays an index (the placement rules refuse or replicate it)."""
+    """[5, 4] is no slice: it stays a gather, written as index_select (the one spelling of a
+    single 1-D index; the placement rules refuse or replicate it)."""
     p = _pass({"c_idx": torch.tensor([5, 4])})
     gm = run_alone(p, _before())
-    assert any(n.target == aten.index.Tensor for n in gm.graph.nodes)
+    assert [n.args[1:] for n in gm.graph.nodes if n.target == aten.index_select.default] \
+        == [(2, next(n for n in gm.graph.nodes if n.name == "c_idx"))]
     assert "constant_index_as_slice" not in p.matched
 
 

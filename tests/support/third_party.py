@@ -443,7 +443,10 @@ EXCLUDED = {
 
 # Refusals that name a real limit (of DCP or of this compiler's design), not a form it fails
 # to read: decode DCP replicates the KV heads over the DCP group, so it needs tp > kv heads
-# (the specification's rule); ALiBi's per-head score bias is refused by design (README).
+# (the specification's rule); ALiBi's per-head score bias is refused by design (README); a
+# paged step cannot read the hidden states of cached tokens (x-transformers' shift_tokens),
+# nor follow a position function of the sequence length (x-transformers' xpos scale,
+# centred on max_pos // 2) for tokens already cached.
 REAL_LIMITS = {
     "MHA: decode DCP needs tp > kv heads",
     "ALiBi",
@@ -451,52 +454,45 @@ REAL_LIMITS = {
     # batch they are given (the model's own forward differs from itself by 4.7e-4 when only
     # the batch changes), so no program equals it at fp32 tolerance.
     "experts in bf16 inside an fp32 model",
+    "token mixing outside attention",
+    "length-dependent positions (LongRoPE, dynamic NTK)",
 }
 
-_GQA_DECODE = ("issue #35: torchtune's GQA (k.unsqueeze(2).expand(...).flatten(1, 2)) is not read "
-               "as GQA: decode is refused as if the model had num_kv_heads=8 (it has 2)")
-_GQA_PREFILL = ("issue #35: torchtune's GQA expand + flatten is refused in prefill: 'the token dim "
-                "and the dims before it must stay as they are' (node expand)")
 _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (fill_ into a "
-                   "full(-inf)); the mask proof reads it without the writes and refuses with a "
-                   "false counterexample (i=0, j=0 hidden)")
-_EINSUM = ("issue #35: x-transformers' attention (einsum scores, softmax, einsum) is not "
-           "recognised: 'no attention this compiler recognises'")
-_AUTOCAST = ("issue #35: x-transformers' RoPE angles are an einsum of the positions and the "
-             "inverse frequencies (its autocast(enabled=False) region is inlined now): "
-             "'aten.einsum.default has no placement rule', filed as length-dependent positions")
+                   "full(-inf)); the mask reader follows values, not memory, so the mask is "
+                   "refused by name ('mask written in place') instead of being read with its "
+                   "writes")
+_TILED_GQA = ("issue #35: x-transformers repeats K/V heads tiled (einops 'b kvh n d -> b (r kvh) n "
+              "d': q head h reads kv head h % kvh); dcp.attention groups q heads as h // "
+              "q_per_kv, so it is refused by name ('K/V heads tiled')")
+_SCORE_BIAS = ("issue #35: x-transformers adds a bias to the attention scores (a relative / "
+               "dynamic position bias, the previous layer's scores, talking heads' head mixing): "
+               "refused as 'unrecognised op add between q @ k^T and softmax'")
 
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
 KNOWN: dict[tuple[str, str], str] = {
-    **{(f"torchtune/{a}", "decode"): _GQA_DECODE
-       for a in ("llama2", "llama3", "llama3_1", "llama3_2", "mistral", "gemma", "gemma2",
-                 "phi3", "qwen2", "qwen2_tied")},
-    **{(f"torchtune/{a}", "prefill"): _GQA_PREFILL
-       for a in ("llama2", "llama3", "llama3_1", "llama3_2", "mistral", "gemma", "phi3",
-                 "qwen2", "qwen2_tied")},
     **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in MODES
-       for a in ("Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
+       for a in ("Gemma-2-2b", "Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
                  "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
-    **{("litgpt/Gemma-2-2b", m): "issue #35: litgpt's scores as q @ k.mT are refused ('the "
-       "right operand of `q @ k` is not k.transpose(-2, -1)')" for m in MODES},
     **{(f"torchtitan/{a}", "decode"): (
         "issue #35: torchtitan's wqkv is fused per KV head ([q heads; k; v] of each group): at "
         "tp=4 over 2 KV heads a rank holds half of one group's q heads and its whole k/v, a cut "
         "one Shard of one dim cannot say ('the cut [8/4] is finer than the 2 groups') — a "
         "limit of the placement lattice, not of DCP") for a in ("llama3", "qwen3")},
-    **{(f"x-transformers/{a}", m): _EINSUM for m in MODES
-       for a in ("absolute", "rotary-gqa-llama", "rel-pos-bias", "dynamic-pos-bias", "xpos",
-                 "shift-tokens", "qk-norm", "sandwich-norm", "residual-attn", "mem-kv",
-                 "talking-heads", "gate-values", "macaron", "scalenorm")},
-    **{(f"x-transformers/{a}", m): _AUTOCAST for m in MODES
-       for a in ("rotary-gqa-llama-flash", "shift-tokens-flash")},
+    **{(f"x-transformers/{a}", m): _TILED_GQA for m in MODES
+       for a in ("rotary-gqa-llama", "rotary-gqa-llama-flash")},
+    **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
+       for a in ("rel-pos-bias", "dynamic-pos-bias", "residual-attn", "talking-heads")},
+    **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
+       "keys concatenated before the sequence's) are refused as cross-attention" for m in MODES},
+    ("x-transformers/gate-values", "prefill"): (
+        "issue #35: x-transformers' gate_values (the attention output times a per-token "
+        "sigmoid gate before the O projection) is refused in prefill: 'reaches its O projection "
+        "through token-indexed inputs'"),
     **{("nanoGPT/sdpa-last-logits", m): "issue #35: nanoGPT's inference forward returns the last "
        "position's logits only; the ordinary frontend refuses anything but [B, S, vocab]"
        for m in MODES},
-    **{("gpt-fast/llama", m): "issue #35: gpt-fast's mask (a tril buffer indexed as "
-       "causal_mask[None, None, input_pos]) is refused: 'indexing with None or slices between "
-       "tensor indices'" for m in MODES},
 }
 
 

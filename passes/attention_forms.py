@@ -1,0 +1,520 @@
+"""Attention as the model libraries spell it, rewritten into the one form
+:mod:`dcp_compile.passes.attention_patterns` reads (rules as data: ``ATTENTION_FORMS``, run
+by canonicalize_ops in its table's order). Each rewrite computes the same values (or, where
+noted, the same softmax), on static shapes:
+
+  * heads repeated for GQA: torchtune's ``expand(...).flatten(1, 2)``, Falcon's
+    ``broadcast_to``, torchtune Gemma 2's repetition on [B, S, H, D] before the head
+    transpose -> ``repeat_kv``'s ``unsqueeze(2).expand(...).reshape(...)`` on [B, H, S, D];
+  * ``k^T`` as ``k.mT`` or a permute -> ``k.transpose(-2, -1)``;
+  * x-transformers: ``einsum`` scores and output -> matmuls, its RoPE's outer-product
+    einsum -> a broadcast mul, its ``autocast(enabled=False)`` region inlined;
+  * XGLM: ``bmm`` on heads flattened into the batch -> matmul on [B, H, S, D], and its
+    ``max(scores, finfo.min)`` before the softmax dropped;
+  * GPT-Neo: ``where(causal, scores, min) + mask`` -> ``scores + where(causal, mask, min)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import GraphModule, Node
+
+from dcp_compile.runtime.errors import DCPTransformError
+
+from .attention_patterns import MASKED_OUT, reaches_matmul
+from .infra import source_of, val
+from .op_classes import (BATCHED_MATMULS, CASTS, CONSTANT_WRAPPERS, EXPANDS, EXPORT_ASSERTS,
+                         RESHAPES, SOFTMAX, is_call)
+
+aten = torch.ops.aten
+
+
+def replace_node(gm: GraphModule, n: Node, target, args) -> Node:
+    """``n`` replaced by ``target(*args)``, same value and source (meta kept)."""
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    gm.graph.erase_node(n)
+    return new
+
+
+def call_like(gm: GraphModule, at: Node, target, args) -> Node:
+    """``target(*args)`` inserted before ``at``, with ``at``'s source and its own fake value
+    (a rewrite that chains several steps reads the values of the nodes it made)."""
+    with gm.graph.inserting_before(at):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update({k: v for k, v in at.meta.items() if k != "val"})
+    fakes = torch.fx.node.map_arg(new.args, lambda x: val(x))
+    with detect_fake_mode([v for v in fakes if isinstance(v, torch.Tensor)]):
+        new.meta["val"] = target(*fakes)
+    return new
+
+
+def _as_literal_shape(n: Node):
+    """The literal-shape view ``n`` is another spelling of, or None: the flatten of an
+    expand (heads repeated) is a reshape, ``broadcast_to`` an expand, to the output's
+    (static) shape. Other flattens and ``expand_as`` stay: they name no shape, so sequence
+    parallelism need not rescale them (the residual stream's are refused if literal)."""
+    if is_call(n, {aten.flatten.using_ints}) and is_call(n.args[0], EXPANDS):
+        return aten.reshape.default
+    if is_call(n, {aten.broadcast_to.default}):
+        return aten.expand.default
+    return None
+
+
+def views_with_literal_shapes(gm: GraphModule, weights: set[str], constants) -> int:
+    """``x.flatten(a, b)`` -> ``x.reshape(shape)``, ``x.broadcast_to(s)`` -> ``x.expand(s)``:
+    one spelling of each view, the one the GQA reader (``strip_repeat``) and the placement's
+    view rules read. torchtune's GQA is ``k.unsqueeze(2).expand(b, n_kv, q_per_kv, s,
+    d).flatten(1, 2)``, Falcon's grouped K/V a ``broadcast_to``. Shapes are static here
+    (check_static_shapes ran), so the output's shape is the literal."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        target = _as_literal_shape(n)
+        if target is not None and all(isinstance(d, int) for d in val(n).shape):
+            replace_node(gm, n, target, (n.args[0], list(val(n).shape)))
+            count += 1
+    return count
+
+
+def _last_two_swapped(n: Node) -> bool:
+    """``x.mT`` or a permute that swaps the last two dims and keeps the others."""
+    if is_call(n, {aten.mT.default}):
+        return True
+    if not is_call(n, {aten.permute.default}):
+        return False
+    nd, perm = val(n).dim(), [d % val(n).dim() for d in n.args[1]]
+    return nd >= 2 and perm == [*range(nd - 2), nd - 1, nd - 2]
+
+
+def _feeds_right_of_matmul(n: Node) -> bool:
+    return bool(n.users) and all(is_call(u, BATCHED_MATMULS) and u.args[1] is n
+                                 and u.args[0] is not n for u in n.users)
+
+
+def _permuted(gm: GraphModule, at: Node, x: Node, perm: list[int]) -> Node:
+    """``x.permute(perm)``, composed with a permute / transpose that made ``x`` (a K moved to
+    [B, S, H, D] and back is the K it was, whose head repetition the reader then sees)."""
+    nd = len(perm)
+    if is_call(x, {aten.transpose.int}):
+        first = list(range(nd))
+        a, b = (d % nd for d in x.args[1:])
+        first[a], first[b] = first[b], first[a]
+        x, perm = x.args[0], [first[p] for p in perm]
+    elif is_call(x, {aten.permute.default}):
+        x, perm = x.args[0], [x.args[1][p] % nd for p in perm]
+    if perm == list(range(nd)):
+        return x
+    return call_like(gm, at, aten.permute.default, (x, perm))
+
+
+def transpose_of_last_two(gm: GraphModule, weights: set[str], constants) -> int:
+    """``k.mT``, ``k.permute(0, 1, 3, 2)`` -> ``k.transpose(-2, -1)``; and a permute that also
+    moves the leading dims, read as the right operand of a matmul (``q @ k.permute(0, 2, 3,
+    1)``, k as [B, S, H, D]) -> ``k.permute(0, 2, 1, 3).transpose(-2, -1)``: the one
+    spelling of ``k^T`` the attention reader reads (its K is then the permute)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not isinstance(n.meta.get("val"), torch.Tensor) or val(n).dim() < 3:
+            continue
+        nd = val(n).dim()
+        if _last_two_swapped(n):
+            replace_node(gm, n, aten.transpose.int, (n.args[0], nd - 2, nd - 1))
+            count += 1
+        elif is_call(n, {aten.permute.default}) and _feeds_right_of_matmul(n):
+            perm = [d % nd for d in n.args[1]]
+            if perm[-2:] == [nd - 2, nd - 1]:
+                continue                          # keeps the matrix dims: not a k^T
+            k = _permuted(gm, n, n.args[0], perm[:-2] + [perm[-1], perm[-2]])
+            replace_node(gm, n, aten.transpose.int, (k, nd - 2, nd - 1))
+            count += 1
+    return count
+
+
+def _heads_repeated_token_major(t: Node):
+    """``x.expand(B, S, Hkv, g, D).reshape(B, S, Hkv * g, D).transpose(1, 2)`` with x of
+    shape [B, S, Hkv, 1, D] (torchtune's Gemma 2) -> (x, its shape); else None."""
+    if not (is_call(t, {aten.transpose.int}) and {d % 4 for d in t.args[1:]} == {1, 2}):
+        return None
+    r = t.args[0]
+    if not (is_call(r, RESHAPES) and val(r).dim() == 4 and is_call(r.args[0], EXPANDS)):
+        return None
+    e = r.args[0]
+    x = e.args[0]
+    if val(e).dim() != 5:
+        return None
+    b, s, h, g, d = val(e).shape
+    if tuple(val(x).shape) != (b, s, h, 1, d) or tuple(val(r).shape) != (b, s, h * g, d):
+        return None
+    return x, (b, s, h, g, d)
+
+
+def repeat_after_head_transpose(gm: GraphModule, weights: set[str], constants) -> int:
+    """Heads repeated on [B, S, H, D] then moved to [B, H, S, D] (torchtune's Gemma 2) ->
+    moved first, then repeated as ``repeat_kv`` writes it (``x[:, :, None].expand(B, Hkv, g,
+    S, D).reshape(B, Hkv * g, S, D)``), which the GQA reader strips: the cache then holds the
+    kv heads. Same values: both orders put kv head h // g at head h."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        found = _heads_repeated_token_major(n)
+        if found is None:
+            continue
+        x, (b, s, h, g, d) = found
+        kv = x
+        for target, args in ((aten.reshape.default, ([b, s, h, d],)), (aten.transpose.int, (1, 2)),
+                             (aten.unsqueeze.default, (2,)),
+                             (aten.expand.default, ([b, h, g, s, d],))):
+            kv = call_like(gm, n, target, (kv, *args))
+        replace_node(gm, n, aten.reshape.default, (kv, [b, h * g, s, d]))
+        count += 1
+    return count
+
+
+def _terms(equation: str):
+    """(input terms, output term) of an einsum without ``...`` or repeated letters."""
+    eq = equation.replace(" ", "")
+    if "..." in eq or eq.count("->") != 1:
+        return None
+    ins, out = eq.split("->")
+    terms = ins.split(",")
+    if any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    return terms, out
+
+
+def _matmul_of_einsum(equation: str):
+    """A two-operand einsum that is a batched matmul -> whether its right operand is
+    transposed (``'b h i d, b h j d -> b h i j'``: True; ``'b h i j, b h j d -> b h i d'``:
+    False); None for any other equation. Batch letters must lead every term in the same
+    order; one letter is contracted, one kept from each side."""
+    found = _terms(equation)
+    if found is None or len(found[0]) != 2:
+        return None
+    (a, b), out = found
+    if not (len(a) == len(b) == len(out) >= 3 and a[:-2] == b[:-2] == out[:-2]):
+        return None
+    i, c = a[-2:]
+    if out[-2] != i or c in out:
+        return None
+    if b[-1] == c and b[-2] == out[-1]:
+        return True
+    if b[-2] == c and b[-1] == out[-1]:
+        return False
+    return None
+
+
+def _is_outer_product(equation: str) -> bool:
+    """Two operands, nothing summed (every letter kept, each once per term): a broadcast
+    product, as x-transformers' RoPE writes its angles (``'b i , j -> b i j'``)."""
+    found = _terms(equation)
+    if found is None or len(found[0]) != 2:
+        return False
+    (a, b), out = found
+    return not set(a) & set(b) and set(a) | set(b) == set(out)
+
+
+def _spread(gm: GraphModule, x: Node, term: str, out: str, meta: dict) -> Node:
+    """``x`` (letters ``term``) with its dims in ``out``'s order and a size-1 dim for each
+    letter of ``out`` it lacks, so that it broadcasts against the other operand."""
+    steps = []
+    order = sorted(range(len(term)), key=lambda d: out.index(term[d]))
+    if order != list(range(len(term))):
+        steps.append((aten.permute.default, (order,)))
+    kept = sorted(out.index(c) for c in term)
+    steps += [(aten.unsqueeze.default, (d,)) for d in range(len(out)) if d not in kept]
+    for target, args in steps:
+        with gm.graph.inserting_before(meta["node"]):
+            x = gm.graph.call_function(target, (x, *args))
+        x.meta.update(meta["meta"])
+    return x
+
+
+def einsum_as_matmul(gm: GraphModule, weights: set[str], constants) -> int:
+    """x-transformers' attention: ``einsum('b h i d, b h j d -> b h i j', q, k)`` ->
+    ``q @ k.transpose(-2, -1)`` and ``einsum('b h i j, b h j d -> b h i d', p, v)`` -> ``p @
+    v``, the forms the attention reader reads; an outer product (its RoPE angles, ``'b i, j
+    -> b i j'``) -> a broadcast ``mul``. Other equations are left as they are (and refused
+    where they matter: einsum has no placement rule)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, {aten.einsum.default}) or len(n.args[1]) != 2:
+            continue
+        if _is_outer_product(n.args[0]):
+            (ta, tb), out = _terms(n.args[0])
+            meta = {"node": n, "meta": {k: v for k, v in n.meta.items() if k != "val"}}
+            a, b = (_spread(gm, x, t, out, meta) for x, t in zip(n.args[1], (ta, tb)))
+            replace_node(gm, n, aten.mul.Tensor, (a, b))
+            count += 1
+            continue
+        transposed = _matmul_of_einsum(n.args[0])
+        if transposed is None:
+            continue
+        a, b = n.args[1]
+        if transposed:
+            nd = val(b).dim()
+            with gm.graph.inserting_before(n):
+                b = gm.graph.call_function(aten.transpose.int, (b, nd - 2, nd - 1))
+            b.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        replace_node(gm, n, aten.matmul.default, (a, b))
+        count += 1
+    return count
+
+
+def _autocast_region(n: Node):
+    """(enabled, the region's GraphModule) of a ``wrap_with_autocast`` call, else None."""
+    if not (n.op == "call_function" and n.target is torch.ops.higher_order.wrap_with_autocast):
+        return None
+    _device, _dtype, enabled, _cache, sub = n.args[:5]
+    return enabled, getattr(n.graph.owning_module, sub.target)
+
+
+def _inline(gm: GraphModule, n: Node, sub: GraphModule) -> None:
+    """The region's nodes copied in place of ``n``; ``n[i]`` becomes its i-th output. Its
+    export asserts are dropped, as drop_export_asserts (run before) did the graph's."""
+    env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], n.args[5:]))
+    outputs = None
+    for s in sub.graph.nodes:
+        if s.op == "placeholder" or is_call(s, EXPORT_ASSERTS):   # as drop_export_asserts
+            continue
+        if s.op == "output":
+            outputs = s.args[0]
+            break
+        with gm.graph.inserting_before(n):
+            env[s] = gm.graph.node_copy(s, lambda x: env[x])
+    outputs = torch.fx.node.map_arg(outputs, lambda x: env[x])
+    for u in list(n.users):
+        if u.target is not operator.getitem:
+            raise DCPTransformError(f"the autocast region's result is used whole by "
+                                    f"{u.name} ({source_of(u)}). Report this model")
+        u.replace_all_uses_with(outputs[u.args[1]])
+        gm.graph.erase_node(u)
+    gm.graph.erase_node(n)
+
+
+def _region_source(n: Node, sub: GraphModule) -> str:
+    """Where the region's code is: its first op that knows its source line (the call node
+    itself carries only the module)."""
+    for s in sub.graph.nodes:
+        if s.meta.get("stack_trace"):
+            return source_of(s)
+    return source_of(n)
+
+
+def autocast_off_inlined(gm: GraphModule, weights: set[str], constants) -> int:
+    """``with torch.autocast(device, enabled=False):`` (x-transformers' RoPE): torch.export
+    keeps the region as a ``wrap_with_autocast`` call. Turning autocast off changes nothing in
+    a program that runs without autocast, as ours do (the dtypes are the captured ones), so
+    the region is inlined. A region that turns autocast on changes dtypes the graph does
+    not show: refused by name."""
+    count = 0
+    while True:
+        regions = [(n, r) for n in gm.graph.nodes if (r := _autocast_region(n)) is not None]
+        if not regions:
+            return count
+        for n, (enabled, sub) in regions:
+            if enabled:
+                raise DCPTransformError(
+                    f"torch.autocast(enabled=True) region at node {n.name} "
+                    f"({_region_source(n, sub)}): its ops run in the autocast dtype, which the "
+                    f"captured graph does not show. Run the model without autocast (cast "
+                    f"it to the dtype you want instead)")
+            _inline(gm, n, sub)
+            count += 1
+
+
+def _feeds_softmax(n: Node) -> bool:
+    """``n`` reaches a softmax over its last dim through dtype casts only."""
+    while len(n.users) == 1:
+        (n,) = n.users
+        if is_call(n, SOFTMAX):
+            return n.args[1] in (-1, val(n).dim() - 1)
+        if not is_call(n, CASTS):
+            return False
+    return False
+
+
+def _number(x, constants):
+    """``x`` as a Python number: a number, or a one-element constant input (GPT-Neo's
+    ``torch.tensor(finfo.min)``, lifted by torch.export) through its wrappers; else None."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x
+    while is_call(x, CONSTANT_WRAPPERS):
+        x = x.args[0]
+    if not (isinstance(x, Node) and x.op == "placeholder"):
+        return None
+    value = constants().get(x.name)
+    if value is None or value.is_meta or value.numel() != 1:
+        return None
+    return value.item()
+
+
+def _where_masked_scores(a: Node, constants):
+    """(cond, scores, fill) of ``where(cond, scores, fill)`` with a masked-out number fill."""
+    if not is_call(a, {aten.where.ScalarOther, aten.where.self}) or \
+            not isinstance(a.args[1], Node):
+        return None
+    fill = _number(a.args[2], constants)
+    ok = fill is not None and fill <= MASKED_OUT
+    return (a.args[0], a.args[1], fill) if ok else None
+
+
+def where_then_additive_mask(gm: GraphModule, weights: set[str], constants) -> int:
+    """GPT-Neo's eager scores, ``where(causal, s, min) + attention_mask`` before a softmax,
+    -> ``s + where(causal, attention_mask, min)``: one additive mask (which the mask prover
+    reads) on the scores. Equal after the softmax: kept entries are ``s + mask`` in both;
+    entries the where hides are ``min + mask`` and ``s + min``, both masked out (exp
+    underflows to 0; a causal row keeps its diagonal, which the prover checks)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not (is_call(n, {aten.add.Tensor}) and all(isinstance(x, Node) for x in n.args)
+                and _feeds_softmax(n)):
+            continue
+        for w, m in (n.args, n.args[::-1]):
+            found = _where_masked_scores(w, constants)
+            if found is None or len(w.users) != 1 or val(m).dtype == torch.bool \
+                    or not val(m).dtype.is_floating_point:
+                continue
+            cond, scores, fill = found
+            if not reaches_matmul(scores) or reaches_matmul(m):
+                continue       # the where is the mask (HF's where(causal, 0, min)), not this
+            with gm.graph.inserting_before(n):
+                mask = gm.graph.call_function(aten.where.ScalarOther, (cond, m, fill))
+            mask.meta.update({k: v for k, v in w.meta.items() if k != "val"})
+            replace_node(gm, n, aten.add.Tensor, (scores, mask))
+            count += 1
+            break
+    return count
+
+
+def _noop_dropout(n: Node) -> bool:
+    return is_call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
+
+
+def _heads_source(n: Node, lead: int):
+    """The 4-D [B, H, M, K] tensor whose heads a [B·H, M, K] operand merely flattens
+    (through reshapes and eval-mode dropouts; B·H = ``lead``), deepest first; else None.
+    Reshapes keep the row-major order, so any chain of them from [B, H, M, K] to
+    [B·H, M, K] is that one reshape."""
+    found, rows = None, tuple(val(n).shape[1:])
+    while is_call(n, RESHAPES) or _noop_dropout(n):
+        n = n.args[0]
+        shape = tuple(val(n).shape)
+        if len(shape) == 4 and shape[0] * shape[1] == lead and shape[2:] == rows:
+            found = n
+    return found
+
+
+def _bmm_operands(n: Node):
+    """(a4, b4, transpose b4?) of ``bmm(a, b)`` on heads flattened into the batch (XGLM:
+    ``bmm(q.reshape(B·H, S, D), k.reshape(B·H, S, D).transpose(1, 2))``); else None."""
+    a, b = n.args
+    lead = val(n).shape[0]
+    a4 = _heads_source(a, lead)
+    transposed = is_call(b, {aten.transpose.int}) and {d % 3 for d in b.args[1:]} == {1, 2}
+    b4 = _heads_source(b.args[0] if transposed else b, lead)
+    if a4 is None or b4 is None or tuple(val(a4).shape[:2]) != tuple(val(b4).shape[:2]):
+        return None
+    return a4, b4, transposed
+
+
+def _reshape_round_trip(n: Node):
+    """``x`` when ``n`` is a reshape of a reshape of ``x`` back to x's shape; else None."""
+    if is_call(n, RESHAPES) and is_call(n.args[0], RESHAPES):
+        x = n.args[0].args[0]
+        if tuple(val(x).shape) == tuple(val(n).shape):
+            return x
+    return None
+
+
+def _softmax_of_merged_heads(n: Node):
+    """(y, merged shape) of ``softmax(y.reshape(B·H, S, T), -1)`` with y [B, H, S, T]."""
+    if not (is_call(n, SOFTMAX) and n.args[1] in (-1, 2) and is_call(n.args[0], RESHAPES)):
+        return None
+    y = n.args[0].args[0]
+    shape, merged = tuple(val(y).shape), tuple(val(n).shape)
+    if len(shape) == 4 and len(merged) == 3 and shape[2:] == merged[1:]:
+        return y, list(merged)
+    return None
+
+
+def _unflatten_heads_once(gm: GraphModule) -> int:
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not n.users:
+            continue
+        if is_call(n, {aten.bmm.default}) and (found := _bmm_operands(n)) is not None:
+            a4, b4, transposed = found
+            if transposed:
+                b4 = call_like(gm, n, aten.transpose.int, (b4, 2, 3))
+            mm = call_like(gm, n, aten.matmul.default, (a4, b4))
+            replace_node(gm, n, aten.reshape.default, (mm, list(val(n).shape)))
+        elif (found := _softmax_of_merged_heads(n)) is not None:
+            y, merged = found
+            sm = call_like(gm, n, n.target, (y, -1, *n.args[2:]))
+            replace_node(gm, n, aten.reshape.default, (sm, merged))
+        elif (x := _reshape_round_trip(n)) is not None:
+            n.replace_all_uses_with(x)
+        else:
+            continue
+        count += 1
+    return count
+
+
+def heads_unflattened_from_batch(gm: GraphModule, weights: set[str], constants) -> int:
+    """XGLM's attention on heads flattened into the batch: ``bmm`` of [B·H, S, D] operands
+    -> a reshape of ``matmul`` on the [B, H, S, D] tensors they flatten; a softmax over the
+    last dim of a [B·H, S, T] reshape -> the reshape of the [B, H, S, T] softmax; a
+    reshape and its inverse -> nothing. Repeated until nothing changes: the attention then
+    reads as ``softmax(q @ k^T + mask) @ v`` on [B, H, S, D]."""
+    count = 0
+    while (step := _unflatten_heads_once(gm)) > 0:
+        count += step
+        for n in list(gm.graph.nodes):
+            if _noop_dropout(n) and not n.users:   # seeded: eliminate_dead_code keeps it
+                gm.graph.erase_node(n)
+        gm.graph.eliminate_dead_code()
+    return count
+
+
+def _masked_out_floor(n: Node, constants):
+    """``x`` when ``n`` is ``max(x, c)`` / ``clamp_min(x, c)`` with c a masked-out constant
+    (XGLM's ``max(scores, finfo.min)``) feeding a softmax: it only turns -inf into another
+    masked-out value, the same 0 after the softmax. Else None."""
+    if not (is_call(n, {aten.max.other, aten.maximum.default, aten.clamp_min.default})
+            and _feeds_softmax(n)):
+        return None
+    x, c = n.args[:2]
+    if is_call(c, {aten.full.default}) and list(c.args[0]) == []:
+        c = c.args[1]
+    c = _number(c, constants)
+    return x if c is not None and c <= MASKED_OUT else None
+
+
+def masked_out_floor_dropped(gm: GraphModule, weights: set[str], constants) -> int:
+    count = 0
+    for n in list(gm.graph.nodes):
+        if (x := _masked_out_floor(n, constants)) is not None:
+            n.replace_all_uses_with(x)
+            gm.graph.erase_node(n)
+            count += 1
+    return count
+
+
+# name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count, in
+# the order canonicalize_ops runs them (autocast regions first: their ops are read by the
+# others).
+ATTENTION_FORMS: dict[str, Callable] = {
+    "autocast_off_inlined": autocast_off_inlined,
+    "views_with_literal_shapes": views_with_literal_shapes,
+    "einsum_as_matmul": einsum_as_matmul,
+    "transpose_of_last_two": transpose_of_last_two,
+    "repeat_after_head_transpose": repeat_after_head_transpose,
+    "heads_unflattened_from_batch": heads_unflattened_from_batch,
+    "masked_out_floor_dropped": masked_out_floor_dropped,
+    "where_then_additive_mask": where_then_additive_mask,
+}
