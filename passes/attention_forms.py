@@ -8,7 +8,7 @@ noted, the same softmax), on static shapes:
     transpose -> ``repeat_kv``'s ``unsqueeze(2).expand(...).reshape(...)`` on [B, H, S, D];
   * ``k^T`` as ``k.mT`` or a permute -> ``k.transpose(-2, -1)``;
   * x-transformers: ``einsum`` scores and output -> matmuls, its RoPE's outer-product
-    einsum -> a broadcast mul, its ``autocast(enabled=False)`` region inlined;
+    einsum -> a broadcast mul; an autocast region where autocast changes nothing, inlined;
   * XGLM: ``bmm`` on heads flattened into the batch -> matmul on [B, H, S, D], and its
     ``max(scores, finfo.min)`` before the softmax dropped;
   * GPT-Neo: ``where(causal, scores, min) + mask`` -> ``scores + where(causal, mask, min)``.
@@ -27,8 +27,8 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from .attention_patterns import MASKED_OUT, reaches_matmul
 from .infra import source_of, val
-from .op_classes import (BATCHED_MATMULS, CASTS, CONSTANT_WRAPPERS, EXPANDS, EXPORT_ASSERTS,
-                         RESHAPES, SOFTMAX, is_call)
+from .op_classes import (AUTOCAST_REGIONS, BATCHED_MATMULS, CASTS, CONSTANT_WRAPPERS, EXPANDS,
+                         EXPORT_ASSERTS, RESHAPES, SOFTMAX, is_call)
 
 aten = torch.ops.aten
 
@@ -267,7 +267,7 @@ def einsum_as_matmul(gm: GraphModule, weights: set[str], constants) -> int:
 
 def _autocast_region(n: Node):
     """(enabled, the region's GraphModule) of a ``wrap_with_autocast`` call, else None."""
-    if not (n.op == "call_function" and n.target is torch.ops.higher_order.wrap_with_autocast):
+    if not is_call(n, AUTOCAST_REGIONS):
         return None
     _device, _dtype, enabled, _cache, sub = n.args[:5]
     return enabled, getattr(n.graph.owning_module, sub.target)
@@ -305,19 +305,34 @@ def _region_source(n: Node, sub: GraphModule) -> str:
     return source_of(n)
 
 
-def autocast_off_inlined(gm: GraphModule, weights: set[str], constants) -> int:
-    """``with torch.autocast(device, enabled=False):`` (x-transformers' RoPE): torch.export
-    keeps the region as a ``wrap_with_autocast`` call. Turning autocast off changes nothing in
-    a program that runs without autocast, as ours do (the dtypes are the captured ones), so
-    the region is inlined. A region that turns autocast on changes dtypes the graph does
-    not show: refused by name."""
+def _autocast_changes_nothing(region: Node, sub: GraphModule) -> bool:
+    """Autocast changes nothing in ``region`` when it is disabled (x-transformers' RoPE; on CPU
+    torch records autocast to float32 as disabled itself), or when it casts to float32 and
+    every floating value the region reads or computes is float32 already (torchtitan's
+    router on a GPU capture: its casts, down and up, are no-ops)."""
+    _device, dtype, enabled = region.args[:3]
+    if not enabled:
+        return True
+    values = [val(a) for a in region.args[5:] if isinstance(a, Node)] + \
+        [s.meta.get("val") for s in sub.graph.nodes if s.op == "call_function"]
+    return dtype == torch.float32 and all(
+        v.dtype == torch.float32 for v in values
+        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
+
+
+def autocast_inlined(gm: GraphModule, weights: set[str], constants) -> int:
+    """``with torch.autocast(...)``: torch.export keeps the region as a ``wrap_with_autocast``
+    call, which no placement rule reads. A region where autocast changes nothing
+    (:func:`_autocast_changes_nothing`; the program runs with the captured dtypes) is
+    inlined; one that would cast runs its ops in a dtype the graph does not show: refused by
+    name."""
     count = 0
     while True:
         regions = [(n, r) for n in gm.graph.nodes if (r := _autocast_region(n)) is not None]
         if not regions:
             return count
-        for n, (enabled, sub) in regions:
-            if enabled:
+        for n, (_enabled, sub) in regions:
+            if not _autocast_changes_nothing(n, sub):
                 raise DCPTransformError(
                     f"torch.autocast(enabled=True) region at node {n.name} "
                     f"({_region_source(n, sub)}): its ops run in the autocast dtype, which the "
@@ -509,7 +524,7 @@ def masked_out_floor_dropped(gm: GraphModule, weights: set[str], constants) -> i
 # the order canonicalize_ops runs them (autocast regions first: their ops are read by the
 # others).
 ATTENTION_FORMS: dict[str, Callable] = {
-    "autocast_off_inlined": autocast_off_inlined,
+    "autocast_inlined": autocast_inlined,
     "views_with_literal_shapes": views_with_literal_shapes,
     "einsum_as_matmul": einsum_as_matmul,
     "transpose_of_last_two": transpose_of_last_two,

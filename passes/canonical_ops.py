@@ -31,7 +31,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .attention_forms import ATTENTION_FORMS, replace_node
 from .infra import DCPPass, Property, val
-from .op_classes import (ADDS, ARANGES, AUTOCAST_REGIONS, CASTS, EXPANDS, IDENTITY_VIEWS, LAYER_NORMS,
+from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, IDENTITY_VIEWS, LAYER_NORMS,
                          MATRIX_TRANSPOSES, MULS, RESHAPES, SLICES, SQUEEZES, is_call,
                          skip_casts)
 
@@ -314,55 +314,10 @@ def token_flatten_dropped(gm: GraphModule, weights: set[str], constants) -> int:
     return count
 
 
-def _autocast_is_identity(region: Node, sub: GraphModule) -> bool:
-    """Autocast changes nothing in ``region`` when it is disabled (torch disables CPU
-    autocast to float32 itself), or when it casts to float32 and every floating value the
-    region reads or computes is float32 already (both its casts, down and up, are then
-    to float32: no-ops)."""
-    _device, dtype, enabled = region.args[:3]
-    if not enabled:
-        return True
-    values = [val(a) for a in region.args[5:] if isinstance(a, Node)] + \
-        [n.meta.get("val") for n in sub.graph.nodes if n.op == "call_function"]
-    return dtype == torch.float32 and all(
-        v.dtype == torch.float32 for v in values
-        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
-
-
-def inline_autocast(gm: GraphModule, weights: set[str], constants) -> int:
-    """``with torch.autocast(...)`` regions whose autocast changes nothing (torchtitan's
-    router computes its gate under autocast to float32, x-transformers its RoPE under
-    ``autocast(enabled=False)``) -> their ops inline, which the placement rules read. A
-    region where autocast would cast stays (and is refused later, naming it)."""
-    count = 0
-    for n in list(gm.graph.nodes):
-        if not is_call(n, AUTOCAST_REGIONS):
-            continue
-        sub = getattr(gm, n.args[4].target)
-        if not _autocast_is_identity(n, sub):
-            continue
-        with gm.graph.inserting_before(n):
-            outs = gm.graph.graph_copy(sub.graph, dict(zip(
-                [p for p in sub.graph.nodes if p.op == "placeholder"], n.args[5:])),
-                return_output_node=True)
-        results = outs[0] if isinstance(outs, tuple) else outs
-        results = results.args[0] if isinstance(results, Node) and results.op == "output" \
-            else results
-        for u in list(n.users):
-            if u.target is operator.getitem:
-                u.replace_all_uses_with(results[u.args[1]])
-                gm.graph.erase_node(u)
-        if not n.users:
-            gm.graph.erase_node(n)
-            count += 1
-    return count
-
-
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
-    "inline_autocast": inline_autocast,
-    # an autocast region left (one that casts) is refused there, naming its source line
-    "autocast_off_inlined": ATTENTION_FORMS["autocast_off_inlined"],
+    # first: the ops of an autocast region are read by the rows after it
+    "autocast_inlined": ATTENTION_FORMS["autocast_inlined"],
     "linear_from_matmul": linear_from_matmul,
     "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,

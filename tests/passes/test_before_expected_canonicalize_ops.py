@@ -235,7 +235,7 @@ def test_an_autocast_region_that_changes_nothing_is_inlined(enable):
     p = _autocast_pass()
     gm = run_alone(p, before_gm)
     assert_code(gm, EXPECTED_AUTOCAST)
-    assert p.matched == {"inline_autocast": 1}
+    assert p.matched == {"autocast_inlined": 1}
     torch.testing.assert_close(call(gm)[0], want, rtol=0, atol=0)
 
 
