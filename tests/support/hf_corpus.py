@@ -178,11 +178,14 @@ REASONS = (
     ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
                                                     r"survived sequence parallelism"),
     ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
+    ("a bias added to the scores", r"unrecognised op aten\.add\.Tensor between `q @ k\^T`"),
+    ("K/V heads tiled", r"K/V heads tiled"),
     # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
     ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
     ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
     ("attention shared across calls", r"called attention twice"),
-    ("data-dependent control flow (not exportable)", r"could not capture|data-dependent"),
+    ("data-dependent control flow (not exportable)", r"could not capture|data-dependent|"
+                                                      r"dynamic shape \(u\d+"),
     ("attention form not recognised", r"no attention this compiler recognises"),
     ("prefill: a view folds the token dim", r"the token dim \(dim \d+, size \d+\) and the "
                                             r"dims before it must stay"),
