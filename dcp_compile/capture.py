@@ -72,7 +72,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     when someone reads it or runs the graph."""
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     try:
-        with _use_lazy_graph_module(True), keeps_tensor_attributes(model):
+        # Under no_grad, as a program runs: a model's own no_grad regions (PhiMoE's router)
+        # are then no-ops, not higher-order ops the passes would have to read.
+        with torch.no_grad(), _use_lazy_graph_module(True), keeps_tensor_attributes(model):
             ep = torch.export.export(model, example_inputs, strict=False)
     except Exception as e:
         raise DCPTransformError(

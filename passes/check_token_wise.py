@@ -29,7 +29,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.errors import DCPLengthDependentError, DCPTokenMixingError
+from dcp_compile.runtime.errors import (DCPLengthDependentError, DCPTokenMixingError,
+                                        DCPTransformError)
 
 from .infra import DCPPass, Property, attention_nodes, placeholder, source_of, val
 from .op_classes import (ADDS, CASTS, EXTREMA, GREATER, GREATER_EQUAL, LESS, LESS_EQUAL, MULS,
@@ -90,7 +91,7 @@ class CheckTokenWise(DCPPass):
             try:
                 checked = len(follow_tokens(list(g.nodes), seeds, tokens))
             except TokenMixing as e:
-                raise self._refusal(e.node, e.reason, ids, hi) from None
+                raise self._refusal(e.node, e.reason, ids, hi, e.unknown) from None
         self.record(length_decisions_folded=len(folded), token_wise_values=checked,
                     max_position=hi)
         return PassResult(gm, bool(folded))
@@ -105,8 +106,17 @@ class CheckTokenWise(DCPPass):
         bounds = [b for b in (addressed, self.ctx.facts.max_model_len) if b]
         return min(bounds) - 1 if bounds else 2 ** 62
 
-    def _refusal(self, n: Node, reason: str, ids: Node, hi: int):
+    def _refusal(self, n: Node, reason: str, ids: Node, hi: int, unknown: bool = False):
         where = f"node {n.name} ({n.target}) at {source_of(n)}"
+        # An op without a rule is not shown to mix tokens, nor to keep them apart; an
+        # extremum of everything (max(positions)) does reduce over the tokens.
+        if unknown and not is_call(n, LENGTH_SOURCES):
+            return DCPTransformError(
+                f"dcp_compile cannot show that an op outside attention computes each token "
+                f"from that token alone: {where} ({reason}). A paged step computes each "
+                f"token once, beside the cached keys of the tokens before it. If the op acts "
+                f"on each token on its own, it needs a placement rule "
+                f"(dcp_compile.passes.placement.rules): report the model.")
         if _reads(n, {ids}):
             return DCPTokenMixingError(
                 f"an op outside attention mixes tokens along the sequence: {where} "

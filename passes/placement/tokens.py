@@ -29,7 +29,7 @@ def token_dim(n: Node, dims: dict[Node, int], tokens: int) -> int:
     token dim counts as token-sharded (callers gather or refuse it). Refusal otherwise."""
     rule = rule_for(n.target)
     if rule is None:
-        raise Refusal(f"{n.target} has no placement rule")
+        raise NoPlacementRule(f"{n.target} has no placement rule")
     seg = (Seg(tokens, tokens),)
     out_nd = fake(n).ndim if isinstance(fake(n), torch.Tensor) else None
     first = next(iter(dims))
@@ -113,12 +113,17 @@ class Rows:
     extent: int
 
 
-class TokenMixing(Exception):
-    """``node`` computes a row from other rows (tokens) of its input: ``reason`` says how."""
+class NoPlacementRule(Refusal):
+    """The op has no placement rule: the analysis cannot say whether it mixes tokens."""
 
-    def __init__(self, node: Node, reason: str):
+
+class TokenMixing(Exception):
+    """``node`` computes a row from other rows (tokens) of its input: ``reason`` says how.
+    ``unknown``: the op has no rule, so it is not shown to keep tokens apart (it may)."""
+
+    def __init__(self, node: Node, reason: str, unknown: bool = False):
         super().__init__(reason)
-        self.node, self.reason = node, reason
+        self.node, self.reason, self.unknown = node, reason, unknown
 
 
 def _prod(xs) -> int:
@@ -271,7 +276,7 @@ def follow_tokens(nodes, seeds: dict[Node, Rows], tokens: int) -> dict:
         try:
             d = carried_dim(n, {a: rows[a].dim for a in ins}, extent)
         except Refusal as e:
-            raise TokenMixing(n, str(e)) from e
+            raise TokenMixing(n, str(e), unknown=isinstance(e, NoPlacementRule)) from e
         rows[n] = tuple(None if x is None else Rows(x, extent) for x in d) \
             if isinstance(d, tuple) else Rows(d, extent)
     return rows

@@ -158,7 +158,9 @@ class ShiftTokensLM(nn.Module):
     def forward(self, input_ids):
         x = self.embed(input_ids)
         b, s, _ = x.shape
-        if self.mix == "shift":
+        if self.mix == "no_rule":                       # token-wise, but no placement rule
+            h = x + torch.floor_divide(x, 2.0)
+        elif self.mix == "shift":
             a, rest = x[..., :32], x[..., 32:]
             a = F.pad(a, (0, 0, 1, -1))                      # x-transformers shift()
             h = torch.cat([a, rest], dim=-1)
@@ -196,6 +198,16 @@ def test_the_same_model_without_the_shift_matches():
     program = dcp_compile.transform(model, tp=TP, dcp=DCP, mode="decode", block_size=BLOCK,
                                     shapes=SHAPES, check=False)
     assert matches_own_forward(model, program)
+
+
+def test_an_op_without_a_rule_is_refused_as_unknown_not_as_token_mixing():
+    """An op the analysis has no rule for is not shown to mix tokens: refused as what it is
+    (a DCPTransformError naming the op), not as a DCPTokenMixingError."""
+    model = seeded_weights(ShiftTokensLM("no_rule"), 0).eval()
+    with pytest.raises(DCPTransformError) as e:
+        transform(model, mode="prefill")
+    assert not isinstance(e.value, DCPTokenMixingError)
+    assert "cannot show" in str(e.value) and "floor_divide" in str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["shift", "roll", "pad_slice", "cumsum", "conv"])

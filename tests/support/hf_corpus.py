@@ -167,7 +167,7 @@ REASONS = (
     ("chunked attention", r"chunk"),
     ("softcap", r"softcap"),
     ("experts in bf16 inside an fp32 model", r"the experts compute in \S+ inside a"),
-    ("mixture of experts", r"expert|\bmoe\b|router"),
+    ("mixture of experts", r"expert|\bmoe\b(?!-mla)|router"),   # not docs/moe-mla.md
     ("latent attention (MLA)", r"latent|\bmla\b"),
     ("sliding window", r"window"),
     ("model-built attention mask", r"attention mask|its own mask"),
