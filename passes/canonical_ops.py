@@ -315,6 +315,11 @@ def token_flatten_dropped(gm: GraphModule, weights: set[str], constants) -> int:
     return count
 
 
+def _aliases(u: Node, base: Node) -> bool:
+    """``u`` may share ``base``'s memory: a view (a cast to another dtype is a copy)."""
+    return is_view(u) and not (is_call(u, CASTS) and val(u).dtype != val(base).dtype)
+
+
 def _written_part(w: Node) -> tuple[Node, list[Node]] | None:
     """(base, views) if the write ``w`` writes ``base`` through the chain of cutting views
     ``base -> views[0] -> ... -> views[-1]`` (each read by nothing but the next; none if it
@@ -334,7 +339,7 @@ def _written_part(w: Node) -> tuple[Node, list[Node]] | None:
         return None
     order = {n: i for i, n in enumerate(w.graph.nodes)}
     first = chain[0]
-    if any(u is not first and order[u] < order[w] and is_view(u) for u in base.users):
+    if any(u is not first and order[u] < order[w] and _aliases(u, base) for u in base.users):
         return None
     return base, views
 
