@@ -31,7 +31,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .attention_forms import ATTENTION_FORMS, call_like, replace_node
 from .infra import DCPPass, Property, val
-from .mask_predicate import is_view
+from .memory import is_view
 from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, IDENTITY_VIEWS, IN_PLACE_TWINS,
                          LAYER_NORMS, MATRIX_TRANSPOSES, MULS, RESHAPES, SCATTER_OF_VIEW,
                          SLICES, SQUEEZES, WRITES_IN_PLACE, is_call, skip_casts)

@@ -29,6 +29,7 @@ from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
 from .infra import val
+from .memory import refuse_writes_in_place as _refuse_writes_in_place
 from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
                          FILLS_OF_ZERO, MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
                          SQUEEZES, SUBS, WHERES, XORS)
@@ -579,55 +580,6 @@ def _diagonal_formula(table: torch.Tensor, boolean: bool):
                         sympy.And(d > runs[-2][0], runs[-1][1]) if len(runs) > 1
                         else runs[-1][1])
     return sympy.Piecewise(*((v, d <= last) for last, v in runs[:-1]), (runs[-1][1], True))
-
-
-def _schema(n: Node):
-    return getattr(n.target, "_schema", None) if n.op == "call_function" else None
-
-
-def is_view(n: Node) -> bool:
-    """``n`` aliases its input (a slice, a view, a transpose...; a getitem of a split)."""
-    schema = _schema(n)
-    if schema is not None:
-        return bool(schema.returns) and schema.returns[0].alias_info is not None \
-            and not schema.returns[0].alias_info.is_write
-    return n.op == "call_function" and n.target.__name__ == "getitem" and \
-        isinstance(n.args[0], Node) and is_view(n.args[0])
-
-
-def _written(n: Node) -> list[Node]:
-    """The nodes that write ``n`` in place: an op whose schema marks the argument written
-    (``fill_``, ``copy_``, ``masked_fill_``, ``index_put_``, an ``out=``)."""
-    out = []
-    for u in n.users:
-        schema = _schema(u)
-        if schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            value = u.args[i] if i < len(u.args) else u.kwargs.get(arg.name)
-            if value is n and arg.alias_info is not None and arg.alias_info.is_write:
-                out.append(u)
-    return out
-
-
-def _refuse_writes_in_place(s: Site, ancestors: list[Node]) -> None:
-    """The reader follows values, not memory: a write into a mask tensor (or a view of it)
-    after it was made is not among the mask's inputs (litgpt: ``fill_`` into slices of a
-    ``full(-inf)``). Refused, naming the write, rather than read without it."""
-    for a in ancestors:
-        aliases, stack = set(), [a]
-        while stack:
-            x = stack.pop()
-            if x not in aliases:
-                aliases.add(x)
-                stack.extend(u for u in x.users if is_view(u))
-        for x in aliases:
-            for w in _written(x):
-                fail(w, f"the attention mask of {s.node.name} is written in place: "
-                     f"{w.target} writes {x.name} (a view of {a.name}, which the mask is "
-                     f"built from) after it was made", "Build the mask out of place "
-                     "(torch.where, masked_fill, triu/tril) so that its value is its "
-                     "computation")
 
 
 def _ancestors(root: Node) -> list[Node]:
