@@ -346,12 +346,6 @@ def _written_part(w: Node) -> tuple[Node, list[Node]] | None:
 
 def _written_value(gm: GraphModule, w: Node, constants) -> Node | None:
     """The written part's new value, computed out of place (None: not rewritten)."""
-    part = w.args[0]
-    if w.target == torch.ops.aten.copy_.default:
-        src = w.args[1]
-        if w.kwargs or not isinstance(src, Node) or val(src).dtype != val(part).dtype:
-            return None
-        return call_like(gm, w, aten.expand_copy.default, (src, list(val(part).shape)))
     twin, args = IN_PLACE_TWINS[w.target], list(w.args)
     if w.target == aten.fill_.Tensor:       # a lifted constant (litgpt's ``= 0.0``): a scalar
         c = skip_casts(args[1])
@@ -366,11 +360,12 @@ def writes_out_of_place(gm: GraphModule, weights: set[str], constants) -> int:
     sliding-window mask: ``full(-inf)``, then ``mask[i, a:b] = 0.0`` row by row, kept by
     torch.export as ``fill_`` into ``select``/``slice`` views) -> its value out of place:
     ``x.slice(...).fill_(v)`` becomes ``x' = slice_scatter(x, fill(x.slice(...), v), ...)``,
-    ``masked_fill_`` ``masked_fill``, ``copy_`` its source, and every reader of ``x`` after the
-    write (program order) reads ``x'``. Values then are the computation (the mask reader
-    follows values, not memory). A write into an input or a view of one, through a view
-    other than a slice or select, or with a view of ``x`` read before it, stays as it is
-    (and a mask built so is refused by name)."""
+    ``masked_fill_`` ``masked_fill``, and every reader of ``x`` after the write (program
+    order) reads ``x'``. Values then are the computation (the mask reader follows values, not
+    memory). A write into an input or a view of one, through a view other than a slice or
+    select, with a view of ``x`` read before it, or by another op (``copy_``, ``index_put_``:
+    MLA's key is built by ``copy_`` and read as such) stays as it is (and a mask built so is
+    refused by name)."""
     count, kept = 0, set()
     while True:
         found = next(((w, part) for w in gm.graph.nodes
