@@ -29,11 +29,12 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from .attention_forms import ATTENTION_FORMS, replace_node
+from .attention_forms import ATTENTION_FORMS, call_like, replace_node
 from .infra import DCPPass, Property, val
-from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, IDENTITY_VIEWS, LAYER_NORMS,
-                         MATRIX_TRANSPOSES, MULS, RESHAPES, SLICES, SQUEEZES, is_call,
-                         skip_casts)
+from .memory import is_view
+from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, IDENTITY_VIEWS, IN_PLACE_TWINS,
+                         LAYER_NORMS, MATRIX_TRANSPOSES, MULS, RESHAPES, SCATTER_OF_VIEW,
+                         SLICES, SQUEEZES, WRITES_IN_PLACE, is_call, skip_casts)
 
 aten = torch.ops.aten
 
@@ -314,10 +315,86 @@ def token_flatten_dropped(gm: GraphModule, weights: set[str], constants) -> int:
     return count
 
 
+def _aliases(u: Node, base: Node) -> bool:
+    """``u`` may share ``base``'s memory: a view (a cast to another dtype is a copy)."""
+    return is_view(u) and not (is_call(u, CASTS) and val(u).dtype != val(base).dtype)
+
+
+def _written_part(w: Node) -> tuple[Node, list[Node]] | None:
+    """(base, views) if the write ``w`` writes ``base`` through the chain of cutting views
+    ``base -> views[0] -> ... -> views[-1]`` (each read by nothing but the next; none if it
+    writes ``base`` itself), ``base`` a tensor the graph makes (not an input, not a view of
+    one), no reader of ``base`` before ``w`` a view (it would see the write later) and the
+    write's own result unread unless it is ``base``; else None."""
+    views, x = [], w.args[0]
+    while is_call(x, SCATTER_OF_VIEW):
+        views.append(x)
+        x = x.args[0]
+    base, views = x, views[::-1]
+    if not isinstance(base, Node) or base.op != "call_function" or is_view(base):
+        return None
+    chain = views + [w]
+    if any(list(v.users) != [nxt] for v, nxt in zip(views, chain[1:])) or \
+            (views and w.users):
+        return None
+    order = {n: i for i, n in enumerate(w.graph.nodes)}
+    first = chain[0]
+    if any(u is not first and order[u] < order[w] and _aliases(u, base) for u in base.users):
+        return None
+    return base, views
+
+
+def _written_value(gm: GraphModule, w: Node, constants) -> Node | None:
+    """The written part's new value, computed out of place (None: not rewritten)."""
+    twin, args = IN_PLACE_TWINS[w.target], list(w.args)
+    if w.target == aten.fill_.Tensor:       # a lifted constant (litgpt's ``= 0.0``): a scalar
+        c = skip_casts(args[1])
+        value = constants().get(c.name) if c.op == "placeholder" else None
+        if value is not None and not value.is_meta and value.numel() == 1:
+            twin, args[1] = aten.fill.Scalar, value.item()
+    return call_like(gm, w, twin, args) if not w.kwargs else None
+
+
+def writes_out_of_place(gm: GraphModule, weights: set[str], constants) -> int:
+    """A write into a tensor the graph makes, or into a slice / select of it (litgpt's
+    sliding-window mask: ``full(-inf)``, then ``mask[i, a:b] = 0.0`` row by row, kept by
+    torch.export as ``fill_`` into ``select``/``slice`` views) -> its value out of place:
+    ``x.slice(...).fill_(v)`` becomes ``x' = slice_scatter(x, fill(x.slice(...), v), ...)``,
+    ``masked_fill_`` ``masked_fill``, and every reader of ``x`` after the write (program
+    order) reads ``x'``. Values then are the computation (the mask reader follows values, not
+    memory). A write into an input or a view of one, through a view other than a slice or
+    select, with a view of ``x`` read before it, or by another op (``copy_``, ``index_put_``:
+    MLA's key is built by ``copy_`` and read as such) stays as it is (and a mask built so is
+    refused by name)."""
+    count, kept = 0, set()
+    while True:
+        found = next(((w, part) for w in gm.graph.nodes
+                      if is_call(w, WRITES_IN_PLACE) and w not in kept
+                      and (part := _written_part(w)) is not None), None)
+        if found is None:
+            return count
+        w, (base, views) = found
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        new = _written_value(gm, w, constants)
+        if new is None:
+            kept.add(w)
+            continue
+        for v in reversed(views):
+            new = call_like(gm, w, SCATTER_OF_VIEW[v.target], (v.args[0], new, *v.args[1:]))
+        for u in list(base.users):
+            if u in order and order[u] > order[w]:
+                u.replace_input_with(base, new)
+        w.replace_all_uses_with(new)
+        gm.graph.erase_node(w)
+        count += 1
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     # first: the ops of an autocast region are read by the rows after it
     "autocast_inlined": ATTENTION_FORMS["autocast_inlined"],
+    # before the slices are read: a slice written through is not a part of a value
+    "writes_out_of_place": writes_out_of_place,
     "linear_from_matmul": linear_from_matmul,
     "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,

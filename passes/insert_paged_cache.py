@@ -243,10 +243,15 @@ class InsertPagedCache(DCPPass):
         verdict = prove_mask(keep, name=mask_theorem_name(layer),
                              where=f"layer {layer} ({s.mask.name}, {source_of(s.mask)})")
         if not verdict.proven:
+            past = verdict.theorem.counterexample or {}
+            edge = (f" (past the captured length {tokens}: a mask written at fixed "
+                    f"positions, e.g. row by row by a Python loop as litgpt's sliding window "
+                    f"is, is in the graph at that length only, and past it is what it was "
+                    f"before the writes)") if past.get("i", 0) >= tokens else ""
             fail(s.mask, f"attention {s.node.name} applies {_what_mask(verdict)}: "
-                 f"{verdict.why}{_example(verdict)}", "The paged cache replaces the mask by "
-                 "causality (and a sliding window) on positions; other masks are not "
-                 "supported: use a causal decoder")
+                 f"{verdict.why}{_example(verdict)}{edge}", "The paged cache replaces the "
+                 "mask by causality (and a sliding window) on positions; other masks are not "
+                 "supported: use a causal decoder, its mask a tensor expression of positions")
         s.window = verdict.window
         return verdict
 

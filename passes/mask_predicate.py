@@ -29,8 +29,9 @@ from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
 from .infra import val
-from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS_OF_ONE, FILLS_OF_ZERO,
-                         MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
+from .memory import refuse_writes_in_place as _refuse_writes_in_place
+from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
+                         FILLS_OF_ZERO, MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
                          SQUEEZES, SUBS, WHERES, XORS)
 
 aten = torch.ops.aten
@@ -227,6 +228,61 @@ def _select(n, args):
     return Sym(shape, rename(x.expr, mapping), x.boolean)
 
 
+def _fill(n, args):
+    """``fill(x, v)``: x's shape, every element v (a number, or a one-element formula)."""
+    shape, boolean = _out(n)
+    v = args[1]
+    if isinstance(v, Sym):
+        if math.prod(v.shape) != 1:
+            raise NotAFormula(f"a fill with a value of shape {v.shape}")
+        e = rename(v.expr, {k: sympy.Integer(0) for k in range(len(v.shape))})
+        return Sym(shape, as_bool(e, v.boolean) if boolean else as_number(e, v.boolean),
+                   boolean)
+    return Sym(shape, constant(v, boolean), boolean)
+
+
+def _written_back(x: Sym, src: Sym, inside, at: dict) -> Sym:
+    """x with the part where ``inside`` holds replaced by src read at ``at`` (axis -> its
+    index in src): the value of a slice or select written back (slice_scatter, ...)."""
+    if src.boolean != x.boolean:
+        raise NotAFormula("a part written back with another dtype kind")
+    part = rename(src.expr, at)
+    if x.boolean:
+        return Sym(x.shape, sympy.Or(sympy.And(inside, part),
+                                     sympy.And(sympy.Not(inside), x.expr)), True)
+    return Sym(x.shape, _fold(sympy.Piecewise((part, inside), (x.expr, True))), False)
+
+
+def _slice_scatter(n, args):
+    """``slice_scatter(x, src, dim, start, end, step)``: x, with src on its slice."""
+    x, src = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else 0) % len(x.shape)
+    size = x.shape[dim]
+    start = args[3] if len(args) > 3 and args[3] is not None else 0
+    end = args[4] if len(args) > 4 and args[4] is not None else None
+    step = args[5] if len(args) > 5 else 1
+    start = min(max(start + size if start < 0 else start, 0), size)
+    if step != 1:
+        raise NotAFormula("a slice written back with a step")
+    a = axis(dim)
+    at = {k: axis(k) for k in range(len(x.shape))}
+    at[dim] = a - start
+    # ``x[a:]`` (an end past the tensor) is written to its end at every length; an end
+    # within it is a bound of the formula
+    inside = a >= start if end is None or end > size else sympy.And(
+        a >= start, a < (end + size if end < 0 else end))
+    return _written_back(x, src, inside, at)
+
+
+def _select_scatter(n, args):
+    """``select_scatter(x, src, dim, index)``: x, with src (one dim fewer) at that index."""
+    x, src = args[0], args[1]
+    dim = args[2] % len(x.shape)
+    index = args[3] + x.shape[dim] if args[3] < 0 else args[3]
+    at = {k: axis(k + (k >= dim)) for k in range(len(src.shape))}
+    return _written_back(x, src, sympy.Eq(axis(dim), index), at)
+
+
 def _index(n, args):
     """Advanced indexing ``x[idx_0, ..., idx_{m-1}]``; a None index keeps its dim (gpt-fast's
     ``causal_mask[None, None, input_pos]`` indexes the unsqueezed tril buffer so). The
@@ -371,6 +427,8 @@ RULES = {
     **dict.fromkeys(PERMUTES, _permute),
     aten.slice.Tensor: _slice, aten.select.int: _select, aten.index.Tensor: _index,
     aten.index_select.default: _index_select,
+    **dict.fromkeys(FILLS, _fill),
+    aten.slice_scatter.default: _slice_scatter, aten.select_scatter.default: _select_scatter,
     **dict.fromkeys(ADDS, _arith(lambda a, b: a + b)),
     **dict.fromkeys(SUBS, _arith(lambda a, b: a - b)),
     **dict.fromkeys(RSUBS, _arith(lambda a, b: b - a)),
@@ -522,55 +580,6 @@ def _diagonal_formula(table: torch.Tensor, boolean: bool):
                         sympy.And(d > runs[-2][0], runs[-1][1]) if len(runs) > 1
                         else runs[-1][1])
     return sympy.Piecewise(*((v, d <= last) for last, v in runs[:-1]), (runs[-1][1], True))
-
-
-def _schema(n: Node):
-    return getattr(n.target, "_schema", None) if n.op == "call_function" else None
-
-
-def _is_view(n: Node) -> bool:
-    """``n`` aliases its input (a slice, a view, a transpose...; a getitem of a split)."""
-    schema = _schema(n)
-    if schema is not None:
-        return bool(schema.returns) and schema.returns[0].alias_info is not None \
-            and not schema.returns[0].alias_info.is_write
-    return n.op == "call_function" and n.target.__name__ == "getitem" and \
-        isinstance(n.args[0], Node) and _is_view(n.args[0])
-
-
-def _written(n: Node) -> list[Node]:
-    """The nodes that write ``n`` in place: an op whose schema marks the argument written
-    (``fill_``, ``copy_``, ``masked_fill_``, ``index_put_``, an ``out=``)."""
-    out = []
-    for u in n.users:
-        schema = _schema(u)
-        if schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            value = u.args[i] if i < len(u.args) else u.kwargs.get(arg.name)
-            if value is n and arg.alias_info is not None and arg.alias_info.is_write:
-                out.append(u)
-    return out
-
-
-def _refuse_writes_in_place(s: Site, ancestors: list[Node]) -> None:
-    """The reader follows values, not memory: a write into a mask tensor (or a view of it)
-    after it was made is not among the mask's inputs (litgpt: ``fill_`` into slices of a
-    ``full(-inf)``). Refused, naming the write, rather than read without it."""
-    for a in ancestors:
-        aliases, stack = set(), [a]
-        while stack:
-            x = stack.pop()
-            if x not in aliases:
-                aliases.add(x)
-                stack.extend(u for u in x.users if _is_view(u))
-        for x in aliases:
-            for w in _written(x):
-                fail(w, f"the attention mask of {s.node.name} is written in place: "
-                     f"{w.target} writes {x.name} (a view of {a.name}, which the mask is "
-                     f"built from) after it was made", "Build the mask out of place "
-                     "(torch.where, masked_fill, triu/tril) so that its value is its "
-                     "computation")
 
 
 def _ancestors(root: Node) -> list[Node]:

@@ -103,6 +103,20 @@ WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSe
                     aten.where.Scalar})
 # Overwrite the elements where a condition holds with one value.
 MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
+# Every element set to one value (the functional form of ``fill_``).
+FILLS = frozenset({aten.fill.Scalar, aten.fill.Tensor})
+
+# Writes of one value into their first argument (a tensor or a view of one), by the op that
+# computes the same value out of place. (``copy_`` and ``index_put_`` are not here: a mask
+# written so stays refused, and absorb_latent_attention reads MLA's key built by ``copy_``.)
+IN_PLACE_TWINS = {aten.fill_.Scalar: aten.fill.Scalar, aten.fill_.Tensor: aten.fill.Tensor,
+                  aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+                  aten.masked_fill_.Tensor: aten.masked_fill.Tensor}
+WRITES_IN_PLACE = frozenset(IN_PLACE_TWINS)
+# A view that cuts part of a tensor, by the op that writes a value back into that part
+# (same arguments, the part's new value second).
+SCATTER_OF_VIEW = {aten.slice.Tensor: aten.slice_scatter.default,
+                   aten.select.int: aten.select_scatter.default}
 
 # Top-k selections (a router's choice of experts).
 TOP_K = frozenset({aten.topk.default})

@@ -348,12 +348,15 @@ def test_a_dcp_op_returns_contiguous_tensors_kernel_and_fake_alike():
 
 
 class InPlaceMaskLM(nn.Module):
-    """An additive causal mask ``full(-inf).triu(1)``, then written in place: ``fill_`` into a
-    slice (litgpt's form) that also hides key 0 from every later query -- more than causal,
-    which a reader that ignores the write would take for plain causal."""
+    """An additive causal mask written in place. ``hides-key-0``: ``full(-inf).triu(1)``,
+    then ``fill_`` into a slice (litgpt's form) that also hides key 0 from every later query
+    -- more than causal, which a reader that ignores the write would take for plain causal.
+    ``causal``: litgpt's own causal mask, ``ones.triu(1)`` then ``masked_fill_`` of -inf where
+    it is 1. ``transposed``: the first, written through a transpose (no out-of-place form)."""
 
-    def __init__(self):
+    def __init__(self, write: str = "hides-key-0"):
         super().__init__()
+        self.write = write
         self.embed = nn.Embedding(VOCAB, 64)
         self.q = nn.Linear(64, 64, bias=False)
         self.k, self.v = (nn.Linear(64, 16, bias=False) for _ in range(2))
@@ -363,8 +366,15 @@ class InPlaceMaskLM(nn.Module):
     def forward(self, input_ids):
         x = self.embed(input_ids)
         b, s, _ = x.shape
-        mask = torch.full((s, s), float("-inf")).triu(1)
-        mask[1:, 0].fill_(float("-inf"))                       # the write the reader missed
+        if self.write == "causal":
+            mask = torch.ones(s, s).triu(1)
+            mask.masked_fill_(mask.bool(), float("-inf"))
+        else:
+            mask = torch.full((s, s), float("-inf")).triu(1)
+            if self.write == "transposed":
+                mask.t()[0, 1:].fill_(float("-inf"))            # a write through .t()
+            else:
+                mask[1:, 0].fill_(float("-inf"))                # hides key 0 from later queries
         heads = lambda t: t.view(b, s, -1, 8).transpose(1, 2)  # noqa: E731
         out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)),
                                              heads(self.v(x)), attn_mask=mask,
@@ -372,16 +382,34 @@ class InPlaceMaskLM(nn.Module):
         return self.head(x + self.o(out.transpose(1, 2).reshape(b, s, -1)))
 
 
-def test_a_mask_written_in_place_is_refused_naming_the_write():
+def test_a_mask_written_in_place_is_read_with_the_write():
+    """The write is part of the mask: it hides key 0 from every later query, which is not
+    causal, refused with a counterexample the write makes (at the write's source line)."""
     model = seeded_weights(InPlaceMaskLM(), 0).eval()
+    with pytest.raises(DCPTransformError, match=r"hides some earlier tokens.*the mask "
+                       r"differs from it \(at query position i=\d+, key position j=\d+") as e:
+        transform(model)
+    assert "test_soundness.py" in str(e.value) and "mask[1:, 0].fill_" not in str(e.value)
+
+
+def test_a_causal_mask_written_in_place_is_read_and_matches_its_model():
+    model = seeded_weights(InPlaceMaskLM("causal"), 0).eval()
+    assert matches_own_forward(model, transform(model))
+
+
+def test_a_write_with_no_out_of_place_form_is_refused_naming_it():
+    model = seeded_weights(InPlaceMaskLM("transposed"), 0).eval()
     with pytest.raises(DCPTransformError, match=r"is written in place: aten\.fill_") as e:
         transform(model)
     assert "test_soundness.py" in str(e.value)
 
 
 def test_mutation_a_reader_blind_to_in_place_writes_compiles_a_wrong_program(monkeypatch):
-    from dcp_compile.passes import mask_predicate
+    """Without the out-of-place form and the refusal, the mask is read without its write
+    (plain causal) and the program differs from the model."""
+    from dcp_compile.passes import canonical_ops, mask_predicate
     model = seeded_weights(InPlaceMaskLM(), 0).eval()
+    monkeypatch.delitem(canonical_ops.CANONICAL_FORMS, "writes_out_of_place")
     monkeypatch.setattr(mask_predicate, "_refuse_writes_in_place", lambda *a: None)
     program = transform(model)
     assert not matches_own_forward(model, program)

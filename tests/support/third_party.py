@@ -458,10 +458,12 @@ REAL_LIMITS = {
     "length-dependent positions (LongRoPE, dynamic NTK)",
 }
 
-_INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask in place (fill_ into a "
-                   "full(-inf)); the mask reader follows values, not memory, so the mask is "
-                   "refused by name ('mask written in place') instead of being read with its "
-                   "writes")
+_INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row in a Python loop "
+                   "over the captured length (mask[i, a:b] = 0.0 into a full(-inf)); the writes "
+                   "are read now (canonical form writes_out_of_place), so the mask is exact at "
+                   "the captured length, but past it the graph holds the mask before the "
+                   "writes: refused with a true counterexample at i = that length ('sliding "
+                   "window'), the window the loop would write there not being in the graph")
 _TILED_GQA = ("issue #35: x-transformers repeats K/V heads tiled (einops 'b kvh n d -> b (r kvh) n "
               "d': q head h reads kv head h % kvh); dcp.attention groups q heads as h // "
               "q_per_kv, so it is refused by name ('K/V heads tiled')")
