@@ -129,27 +129,31 @@ def _consecutive(idx: torch.Tensor, size: int) -> tuple[int, int] | None:
     return start, start + idx.numel()
 
 
+def _single_tensor_index(n: Node) -> tuple[int, Node] | None:
+    """(dim, index node) of ``x[..., idx]``: an ``aten.index`` with one tensor index (Nones
+    before it keep their dims), else None."""
+    if not is_call(n, {aten.index.Tensor}):
+        return None
+    used = [(d, x) for d, x in enumerate(n.args[1]) if x is not None]
+    if len(used) != 1 or not isinstance(used[0][1], Node):
+        return None
+    return used[0]
+
+
 def constant_index_as_slice(gm: GraphModule, weights: set[str], constants) -> int:
     count = 0
     for n in list(gm.graph.nodes):
-        if not is_call(n, {aten.index.Tensor}):
+        found = _single_tensor_index(n)
+        if found is None:
             continue
-        index = list(n.args[1])
-        used = [i for i, x in enumerate(index) if x is not None]
-        if len(used) != 1 or not isinstance(index[used[0]], Node):
-            continue
-        d, c = used[0], skip_casts(index[used[0]])
+        d, c = found[0], skip_casts(found[1])
         value = constants().get(c.name) if c.op == "placeholder" else None
         if value is None or value.is_meta:
             continue
         bounds = _consecutive(value, val(n.args[0]).shape[d])
         if bounds is None:
             continue
-        with gm.graph.inserting_before(n):
-            s = gm.graph.call_function(aten.slice.Tensor, (n.args[0], d, *bounds))
-        s.meta.update(n.meta)
-        n.replace_all_uses_with(s)
-        gm.graph.erase_node(n)
+        replace_node(gm, n, aten.slice.Tensor, (n.args[0], d, *bounds))
         count += 1
     return count
 
@@ -181,17 +185,14 @@ def index_as_index_select(gm: GraphModule, weights: set[str], constants) -> int:
     of indices is a slice)."""
     count = 0
     for n in list(gm.graph.nodes):
-        if not is_call(n, {aten.index.Tensor}):
+        found = _single_tensor_index(n)
+        if found is None:
             continue
-        index = list(n.args[1])
-        used = [i for i, x in enumerate(index) if x is not None]
-        if len(used) != 1 or not isinstance(index[used[0]], Node):
-            continue
-        idx = index[used[0]]
+        d, idx = found
         if val(idx).dim() != 1 or val(idx).dtype not in (torch.int64, torch.int32) \
                 or not _non_negative(idx, constants):
             continue
-        replace_node(gm, n, aten.index_select.default, (n.args[0], used[0], idx))
+        replace_node(gm, n, aten.index_select.default, (n.args[0], d, idx))
         count += 1
     return count
 
