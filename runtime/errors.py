@@ -64,6 +64,13 @@ class DCPLengthDependentError(DCPTransformError):
     ``max_model_len``: keys already cached cannot follow a change of that function."""
 
 
+class DCPOutputContractError(DCPTransformError):
+    """The model's forward returns less than every token's logits (nanoGPT's inference
+    forward: the last position's only). A program returns the logits of every token of its
+    step; picking the last one is the caller's, not a silent change of what the model
+    returns."""
+
+
 class DCPCompilerBug(DCPError):
     """A non-DCPError exception escaped a pass or a frontend: a bug in dcp_compile, not a
     refusal. ``stage`` names the pass or frontend step, ``original`` is the exception."""

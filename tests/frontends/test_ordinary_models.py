@@ -218,6 +218,48 @@ def test_refused_with_node_and_source_line(case):
     assert "line " in message, message
 
 
+class LastLogitsLM(TinyAttentionLM):
+    """nanoGPT's inference forward: the LM head over the last position only."""
+
+    def __init__(self, last):
+        super().__init__(lambda m, q, k, v, ids: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True))
+        self.last = last
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        heads = lambda t: t.view(b, s, -1, 8).transpose(1, 2)  # noqa: E731
+        out = self.attend(self, heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), None)
+        x = x + self.o(out.transpose(1, 2).reshape(b, s, -1))
+        return self.head(self.last(x))
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("last", [lambda x: x[:, [-1], :], lambda x: x[:, -1, :]],
+                         ids=["x[:, [-1], :]", "x[:, -1, :]"])
+def test_last_position_logits_refused_by_name(last, mode):
+    """Issue #35: a forward returning the last position's logits only is refused as that
+    form (DCPOutputContractError), not as an export failure, and the program's output
+    contract is not changed silently; the same model with the head over every position
+    matches (the MHA refusal in decode is the spec's tp > kv heads rule)."""
+    from dcp_compile import DCPOutputContractError
+    model = LastLogitsLM(last).eval()
+    with pytest.raises(DCPOutputContractError, match="logits of the last position only") as e:
+        dcp_compile.transform(model, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                              shapes=SHAPES, check=False)
+    assert "could not capture" not in str(e.value)
+    assert "lm_head(x)" in str(e.value)
+    model.last = lambda x: x                       # the head over every position
+    shapes = StepShapes(batch=4, context_len=12, max_blocks=8, num_blocks=24)   # dcp=1
+    program = dcp_compile.transform(model, tp=TP, dcp=1, mode=mode, block_size=BLOCK,
+                                    shapes=shapes, check=False)
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    runs = run_threaded_program(program, prompts, STEPS[mode], poison_garbage=True)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS[mode])
+    assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL)
+
+
 def test_paged_signature_without_hooks_still_needs_them():
     class PagedNoHooks(nn.Module):
         def forward(self, input_ids, positions, block_table, kv_caches):

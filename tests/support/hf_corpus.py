@@ -162,6 +162,7 @@ REASONS = (
                                       r"|conv1d|short conv|hybrid"),
     ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
     ("token mixing outside attention", r"mixes tokens along the sequence"),
+    ("logits of the last position only", r"returns the logits of the last position only"),
     ("length-dependent positions (LongRoPE, dynamic NTK)", r"max\(positions\)"),
     ("mask written in place", r"is written in place"),
     ("chunked attention", r"chunk"),

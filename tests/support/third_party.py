@@ -456,6 +456,10 @@ REAL_LIMITS = {
     "experts in bf16 inside an fp32 model",
     "token mixing outside attention",
     "length-dependent positions (LongRoPE, dynamic NTK)",
+    # Not a limit of DCP but of the program's contract: a program returns every token's
+    # logits and never changes what the model returns (nanoGPT's inference forward returns
+    # the last position's only: DCPOutputContractError says to apply the head everywhere).
+    "logits of the last position only",
 }
 
 _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row in a Python loop "
@@ -492,9 +496,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "issue #35: x-transformers' gate_values (the attention output times a per-token "
         "sigmoid gate before the O projection) is refused in prefill: 'reaches its O projection "
         "through token-indexed inputs'"),
-    **{("nanoGPT/sdpa-last-logits", m): "issue #35: nanoGPT's inference forward returns the last "
-       "position's logits only; the ordinary frontend refuses anything but [B, S, vocab]"
-       for m in MODES},
 }
 
 
