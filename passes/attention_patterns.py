@@ -75,7 +75,7 @@ def _is_dropout_noop(n: Node) -> bool:
     return is_call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
 
 
-def _repeated_heads(n: Node):
+def repeated_heads(n: Node):
     """(x [B, Hkv, S, D], the dim the copies go to) when ``n`` is ``x`` with each head
     repeated g times by ``x.unsqueeze(d).expand(...).reshape(B, Hkv * g, S, D)``: d = 2 puts
     a head's copies side by side (q head h reads kv head h // g, ``repeat_kv``), d = 1 tiles
@@ -97,7 +97,7 @@ def _repeated_heads(n: Node):
 def strip_repeat(n: Node) -> Node:
     """K/V before GQA head repetition (the cache stores kv heads, not q heads)."""
     n = skip_casts(n)
-    repeated = _repeated_heads(n)
+    repeated = repeated_heads(n)
     if repeated is not None:
         x, dim = repeated
         if dim == 1 and val(x).shape[1] > 1:

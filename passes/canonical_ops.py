@@ -31,6 +31,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .attention_forms import ATTENTION_FORMS, call_like, replace_node
 from .infra import DCPPass, Property, val
+from .untile_kv_heads import tiled_kv_heads_untiled
 from .memory import is_view
 from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, IDENTITY_VIEWS, IN_PLACE_TWINS,
                          LAYER_NORMS, MATRIX_TRANSPOSES, MULS, RESHAPES, SCATTER_OF_VIEW,
@@ -402,6 +403,9 @@ CANONICAL_FORMS: dict[str, Callable] = {
     "index_as_index_select": index_as_index_select,
     "slices_as_split": slices_as_split,
     **ATTENTION_FORMS,                  # the attention forms (passes/attention_forms.py)
+    # after them (its rules read their one spelling): tiled K/V heads as GQA with the query
+    # heads permuted, the permutation recorded on the weights (passes/untile_kv_heads.py)
+    "tiled_kv_heads_untiled": tiled_kv_heads_untiled,
     # last: the ops it moves off the flattened rows get their values from the pass manager
     "token_flatten_dropped": token_flatten_dropped,
 }

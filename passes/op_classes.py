@@ -65,6 +65,9 @@ COLUMN_LAYOUT_OPS = CASTS | RESHAPES | {aten.transpose.int, aten.permute.default
                                         aten.split.Tensor, aten.slice.Tensor,
                                         aten.narrow.default, operator.getitem}
 
+# Scaled dot-product attention as torch.export keeps it (q, k, v, attn_mask, ...).
+SDPA_OPS = frozenset({aten.scaled_dot_product_attention.default})
+
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
 LOG_SOFTMAX = frozenset({aten._log_softmax.default, aten.log_softmax.int})
 MATMUL = frozenset({aten.matmul.default})

@@ -468,9 +468,6 @@ _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row 
                    "the captured length, but past it the graph holds the mask before the "
                    "writes: refused with a true counterexample at i = that length ('sliding "
                    "window'), the window the loop would write there not being in the graph")
-_TILED_GQA = ("issue #35: x-transformers repeats K/V heads tiled (einops 'b kvh n d -> b (r kvh) n "
-              "d': q head h reads kv head h % kvh); dcp.attention groups q heads as h // "
-              "q_per_kv, so it is refused by name ('K/V heads tiled')")
 _SCORE_BIAS = ("issue #35: x-transformers adds a bias to the attention scores (a relative / "
                "dynamic position bias, the previous layer's scores, talking heads' head mixing): "
                "refused as 'unrecognised op add between q @ k^T and softmax'")
@@ -486,8 +483,6 @@ KNOWN: dict[tuple[str, str], str] = {
         "tp=4 over 2 KV heads a rank holds half of one group's q heads and its whole k/v, a cut "
         "one Shard of one dim cannot say ('the cut [8/4] is finer than the 2 groups') — a "
         "limit of the placement lattice, not of DCP") for a in ("llama3", "qwen3")},
-    **{(f"x-transformers/{a}", m): _TILED_GQA for m in MODES
-       for a in ("rotary-gqa-llama", "rotary-gqa-llama-flash")},
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
        for a in ("rel-pos-bias", "dynamic-pos-bias", "residual-attn", "talking-heads")},
     **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
