@@ -17,6 +17,9 @@ insertion, so that the placement rules see the ops they have rules for (rules as
     a norm over the last dim, elementwise ops), and ``.view(B, S, H')`` back (OPT's MLP):
     the flatten and the view dropped, so the token dim stays a dim (sequence parallelism
     reduce-scatters along it).
+  * K/V heads repeated tiled (einops ``'b kvh n d -> b (r kvh) n d'``, x-transformers) ->
+    the interleaved repeat, with the query heads permuted by the q projection's rows and
+    the O projection's columns (``passes/untile_kv_heads.py``).
 """
 
 from __future__ import annotations

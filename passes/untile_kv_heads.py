@@ -1,5 +1,6 @@
-"""untile_kv_heads (a canonical form of canonicalize_ops): K/V heads repeated *tiled* read as
-grouped-query attention with the query heads permuted.
+"""Tiled K/V heads read as GQA with the query heads permuted (a form of canonicalize_ops).
+
+``tiled_kv_heads_untiled``, a row of canonicalize_ops' ``CANONICAL_FORMS``.
 
 x-transformers repeats K/V heads by tiling (einops ``'b kvh n d -> b (r kvh) n d'``): query
 head ``h`` reads KV head ``h % kvh``. ``dcp.attention`` groups query heads as

@@ -18,6 +18,8 @@ serve it. canonicalize_ops rewrites each form into the one the attention reader 
   where-then-mask        GPT-Neo: where(tril buffer, scores, tensor(min)) + additive mask
   tril-buffer-index      gpt-fast: tril buffer indexed as causal_mask[None, None, pos]
   l2-normalize           x-transformers: F.normalize as qk_norm and as its RMSNorm
+  tiled-heads            x-transformers: K/V heads tiled ('b kvh n d -> b (r kvh) n d') into SDPA
+  tiled-heads-einsum     the same into its einsum attention
 """
 
 from __future__ import annotations
@@ -175,10 +177,32 @@ def l2_normalize(m, q, k, v, pos):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=10.0)
 
 
+def _tile(t):
+    """einops' 'b kvh n d -> b (r kvh) n d' (x-transformers): q head h reads kv head h % KV."""
+    b, _, s, _ = t.shape
+    return t.unsqueeze(1).expand(b, G, KV, s, HD).reshape(b, HEADS, s, HD)
+
+
+def tiled_heads(m, q, k, v, pos):
+    """x-transformers with attn_flash: tiled K/V heads into SDPA. Read as GQA with the query
+    heads permuted (passes/untile_kv_heads.py): the q rows and o columns reordered."""
+    return F.scaled_dot_product_attention(q, _tile(k), _tile(v), is_causal=True)
+
+
+def tiled_heads_einsum(m, q, k, v, pos):
+    """x-transformers' Attend on tiled K/V heads: einsum scores, masked_fill, softmax,
+    einsum; the mask and the scale broadcast over the heads."""
+    sim = torch.einsum("b h i d, b h j d -> b h i j", q, _tile(k)) * HD ** -0.5
+    s = q.shape[2]
+    sim = sim.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), MIN)
+    return torch.einsum("b h i j, b h j d -> b h i d", sim.softmax(dim=-1), _tile(v))
+
+
 FORMS = {f.__name__.replace("_", "-"): f for f in (
     gqa_expand_flatten, gqa_expand_reshape, gqa_token_major, gqa_broadcast_to, kt_mT,
     kt_permute, kt_permute_bshd, kt_transpose_2_3, einsum, autocast_off_rope,
-    bmm_heads_in_batch, where_then_mask, tril_buffer_index, l2_normalize)}
+    bmm_heads_in_batch, where_then_mask, tril_buffer_index, l2_normalize, tiled_heads,
+    tiled_heads_einsum)}
 
 
 class Positions:
@@ -250,11 +274,11 @@ def test_gqa_forms_cache_the_kv_heads():
 # -- refused by name -----------------------------------------------------------------------
 
 
-def tiled_heads(m, q, k, v, pos):
-    """einops' 'b kvh n d -> b (r kvh) n d': q head h reads kv head h % KV."""
-    b, _, s, _ = k.shape
-    k, v = (t.unsqueeze(1).expand(b, G, KV, s, HD).reshape(b, HEADS, s, HD) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def tiled_heads_per_head_scale(m, q, k, v, pos):
+    """Tiled K/V heads, and q scaled per head by a tensor no projection computes: the head
+    permutation would have to reorder it too, which untile_kv_heads does not do."""
+    q = q * torch.linspace(0.5, 1.5, HEADS)[None, :, None, None]
+    return F.scaled_dot_product_attention(q, _tile(k), _tile(v), is_causal=True)
 
 
 def autocast_on(m, q, k, v, pos):
@@ -265,9 +289,12 @@ def autocast_on(m, q, k, v, pos):
 
 
 @pytest.mark.parametrize("attend,match", [
-    (tiled_heads, r"K/V heads tiled \(q head h reads kv head h % 2.*repeat each kv head"),
+    (tiled_heads_per_head_scale, r"K/V heads tiled \(q head h reads kv head h % 2.*cannot "
+                                 r"be read as grouped-query attention with the 8 query heads "
+                                 r"permuted: its operand .* carries heads .*Repeat each kv "
+                                 r"head in place"),
     (autocast_on, r"torch\.autocast\(enabled=True\) region.*Run the model without autocast"),
-], ids=["tiled-kv-heads", "autocast-enabled"])
+], ids=["tiled-kv-heads-per-head-scale", "autocast-enabled"])
 def test_form_is_refused_naming_what_to_change(attend, match):
     model = seeded_weights(FormLM(attend), 0).eval()
     with pytest.raises(DCPTransformError, match=match) as e:
