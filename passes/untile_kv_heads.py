@@ -27,6 +27,7 @@ linear's input is a refusal that names the node ('K/V heads tiled ...').
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -320,7 +321,7 @@ def _refuse(node: Node, why: str, heads: int, kvh: int):
         f"O projection the same for every head")
 
 
-def _values_of_new_nodes(gm: GraphModule) -> None:
+def values_of_new_nodes(gm: GraphModule) -> None:
     """The fake values of the nodes canonicalize_ops' earlier rows made (the pass manager
     gives them after the pass; the rules here read shapes now)."""
     mode = None
@@ -329,8 +330,8 @@ def _values_of_new_nodes(gm: GraphModule) -> None:
             continue
         fakes = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: val(x))
         mode = mode or detect_fake_mode([x.meta["val"] for x in gm.graph.nodes
-                                         if x.op == "placeholder"])
-        with mode:
+                                         if isinstance(x.meta.get("val"), torch.Tensor)])
+        with mode or contextlib.nullcontext():
             n.meta["val"] = n.target(*fakes[0], **fakes[1])
 
 
@@ -338,7 +339,7 @@ def tiled_kv_heads_untiled(gm: GraphModule, weights: set[str], constants) -> int
     """Every region of tiled K/V repeats rewritten (module doc); the number of repeats."""
     if not any(repeated_heads_tiled(n) for n in gm.graph.nodes):
         return 0
-    _values_of_new_nodes(gm)
+    values_of_new_nodes(gm)
     done: set[Node] = set()
     count = 0
     for t in list(gm.graph.nodes):

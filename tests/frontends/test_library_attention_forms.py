@@ -265,6 +265,44 @@ def test_form_matches_the_models_own_forward(form, mode):
     assert_runs_match(runs, *full_forward_reference(model, prompts, steps), atol=1e-4)
 
 
+class PerGroupQKVLM(nn.Module):
+    """torchtitan's fused wqkv: rows [q heads of group g; k_g; v_g] per KV head, read as
+    ``view(b, s, KV, G + 2, HD).split([G, 1, 1], dim=-2)``; RoPE, SDPA with enable_gqa."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.wqkv = nn.ModuleList(nn.Linear(DIM, KV * (G + 2) * HD, bias=True) for _ in range(2))
+        self.wo = nn.ModuleList(nn.Linear(HEADS * HD, DIM, bias=False) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        cos, sin = _angles(torch.arange(s))
+        for wqkv, wo in zip(self.wqkv, self.wo):
+            q, k, v = wqkv(x).view(b, s, -1, G + 2, HD).split([G, 1, 1], dim=-2)
+            q, k, v = (t.reshape(b, s, -1, HD).transpose(1, 2) for t in (q, k, v))
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + wo(y.transpose(1, 2).reshape(b, s, -1))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_qkv_fused_per_kv_group_matches_at_tp_above_kv_heads(mode):
+    """tp=4 over 2 KV heads: a decode rank holds half of one group's q heads and the group's
+    whole k/v. Read as [all q; all k; all v] with the rows reordered (ShardSpec.perm)."""
+    model = seeded_weights(PerGroupQKVLM(), 0).eval()
+    program = _transform(model, mode)
+    assert sorted(n for n, spec in program.shards.items() if spec.perm) == [
+        f"p_model_wqkv_{i}_{w}" for i in (0, 1) for w in ("bias", "weight")]
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    steps = 4 if mode == "decode" else 1
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    assert_runs_match(runs, *full_forward_reference(model, prompts, steps), atol=1e-4)
+
+
 def test_gqa_forms_cache_the_kv_heads():
     """The cache holds the 2 kv heads (decode at tp=4 > 2 is served, not refused as MHA)."""
     program = _transform(seeded_weights(FormLM(gqa_expand_flatten), 0).eval(), "decode")

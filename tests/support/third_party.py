@@ -478,11 +478,6 @@ KNOWN: dict[tuple[str, str], str] = {
     **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in MODES
        for a in ("Gemma-2-2b", "Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
                  "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
-    **{(f"torchtitan/{a}", "decode"): (
-        "issue #35: torchtitan's wqkv is fused per KV head ([q heads; k; v] of each group): at "
-        "tp=4 over 2 KV heads a rank holds half of one group's q heads and its whole k/v, a cut "
-        "one Shard of one dim cannot say ('the cut [8/4] is finer than the 2 groups') — a "
-        "limit of the placement lattice, not of DCP") for a in ("llama3", "qwen3")},
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
        for a in ("rel-pos-bias", "dynamic-pos-bias", "residual-attn", "talking-heads")},
     **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
