@@ -30,7 +30,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
 # RESHAPES and is_call are re-exported: insert_paged_cache reads them from here.
-from .op_classes import (CASTS, DIVS, MATMUL, MULS, RESHAPES, SOFTMAX, is_call,  # noqa: F401
+from .op_classes import (CASTS, CONVOLUTIONS, DIVS, MATMUL, MULS, RESHAPES, SOFTMAX, is_call,  # noqa: F401
                          skip_casts)
 
 aten = torch.ops.aten
@@ -264,6 +264,7 @@ def eager_site(sm: Node) -> Site | None:
             fail(x, "tanh on the attention scores that is not soft-capping "
                  "(tanh(s / c) * c)", "Write the cap as tanh(scores / c) * c")
         else:
+            scores_mixed(x)
             fail(x, f"unrecognised op {x.target} between `q @ k^T` and softmax",
                  "Only a constant scale, a causal mask and dtype casts are recognised")
     q, kt = x.args
@@ -276,6 +277,55 @@ def eager_site(sm: Node) -> Site | None:
     return Site(node=sm, out=user, q=skip_casts(q), k=strip_repeat(kt.args[0]),
                 v=strip_repeat(v), scale=scale, causal=False, mask=mask,
                 mask_kind=kind, softcap=softcap, sinks=sinks)
+
+
+def _score_sources(n: Node) -> tuple[set[Node], bool]:
+    """The score matmuls (``q @ k^T``) ``n`` is computed from within its attention (not
+    through a linear, so not through the layers before), and whether a convolution is on the
+    way."""
+    found, conv, seen, stack = set(), False, set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in seen or not isinstance(x, Node) or x.op != "call_function":
+            continue
+        seen.add(x)
+        if x.target == aten.linear.default:
+            continue
+        if is_call(x, MATMUL):
+            if tuple(val(x).shape) == tuple(val(n).shape):     # scores, not probs @ v
+                found.add(x)
+            continue
+        conv = conv or is_call(x, CONVOLUTIONS)
+        stack.extend(x.all_input_nodes)
+    return found, conv
+
+
+def scores_mixed(x: Node) -> None:
+    """Refuse by name, as the real limits they are, the two score forms of x-transformers that
+    mix what DCP keeps apart: the scores of another layer added to these (residual
+    attention), and the heads' scores mixed before the softmax (talking heads). Anything
+    else returns (and is refused as an unrecognised op)."""
+    if not is_call(x, {aten.add.Tensor}) or not all(isinstance(a, Node) for a in x.args):
+        return
+    own = [a for a in x.args if reaches_matmul(a)]
+    mine = set().union(*(_score_sources(a)[0] for a in own)) if own else set()
+    for other in x.args:
+        if other in own and len(own) == 1:
+            continue
+        sources, conv = _score_sources(other)
+        if sources - mine:
+            fail(x, "the scores of another attention layer are added to this one's before its "
+                 "softmax (residual attention: x-transformers' residual_attn) -- a real limit: "
+                 "a paged attention kernel (dcp.attention, vLLM's, FlashAttention's) never "
+                 "materialises a layer's scores for the next, and under DCP a rank holds only "
+                 "its share of the keys", "Build the model without residual attention")
+        if sources and conv:
+            fail(x, "the heads' scores are mixed across heads before the softmax (talking "
+                 "heads: x-transformers' pre_talking_heads, a 1x1 convolution over the heads) "
+                 "-- a real limit: attention is cut by heads over the ranks (decode DCP "
+                 "shards the query heads over all tp ranks), so no rank holds the other "
+                 "heads' scores, which never leave the attention kernel", "Build the model "
+                 "without pre-softmax talking heads")
 
 
 def _drops_last_column(n: Node, src: Node) -> bool:

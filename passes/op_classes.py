@@ -65,6 +65,8 @@ COLUMN_LAYOUT_OPS = CASTS | RESHAPES | {aten.transpose.int, aten.permute.default
                                         aten.split.Tensor, aten.slice.Tensor,
                                         aten.narrow.default, operator.getitem}
 
+# Convolutions (x-transformers' talking heads: a 1x1 conv2d over the heads as channels).
+CONVOLUTIONS = frozenset({aten.conv1d.default, aten.conv2d.default, aten.convolution.default})
 # Scaled dot-product attention as torch.export keeps it (q, k, v, attn_mask, ...).
 SDPA_OPS = frozenset({aten.scaled_dot_product_attention.default})
 

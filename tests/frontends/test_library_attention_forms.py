@@ -319,6 +319,27 @@ def tiled_heads_per_head_scale(m, q, k, v, pos):
     return F.scaled_dot_product_attention(q, _tile(k), _tile(v), is_causal=True)
 
 
+def residual_scores(m, q, k, v, pos):
+    """x-transformers' residual_attn: each layer's pre-softmax scores carried into the next
+    layer's (the first layer adds nothing)."""
+    s = q @ _repeat_kv(k).transpose(-2, -1) / math.sqrt(HD)
+    if getattr(pos, "prev", None) is not None:
+        s = s + pos.prev
+    s = s.masked_fill(torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1), MIN)
+    pos.prev = s
+    return F.softmax(s, dim=-1) @ _repeat_kv(v)
+
+
+def talking_heads(m, q, k, v, pos):
+    """x-transformers' pre-softmax talking heads: a 1x1 conv2d over the heads (as channels)
+    of the scores, added to them."""
+    s = q @ _repeat_kv(k).transpose(-2, -1) / math.sqrt(HD)
+    mix = torch.eye(HEADS)[:, :, None, None] * 0.5 + 0.01
+    s = (s + F.conv2d(s, mix)).masked_fill(
+        torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1), MIN)
+    return F.softmax(s, dim=-1) @ _repeat_kv(v)
+
+
 def autocast_on(m, q, k, v, pos):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         s = q @ _repeat_kv(k).transpose(-2, -1)
@@ -332,7 +353,12 @@ def autocast_on(m, q, k, v, pos):
                                  r"permuted: its operand .* carries heads .*Repeat each kv "
                                  r"head in place"),
     (autocast_on, r"torch\.autocast\(enabled=True\) region.*Run the model without autocast"),
-], ids=["tiled-kv-heads-per-head-scale", "autocast-enabled"])
+    (residual_scores, r"scores of another attention layer are added.*\(residual attention.*"
+                      r"a real limit.*Build the model without residual attention"),
+    (talking_heads, r"mixed across heads before the softmax \(talking heads.*a real limit.*"
+                    r"Build the model without pre-softmax talking heads"),
+], ids=["tiled-kv-heads-per-head-scale", "autocast-enabled", "residual-attention",
+        "talking-heads"])
 def test_form_is_refused_naming_what_to_change(attend, match):
     model = seeded_weights(FormLM(attend), 0).eval()
     with pytest.raises(DCPTransformError, match=match) as e:

@@ -157,6 +157,8 @@ EXCLUDED = {
 REASONS = (
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
     ("ALiBi", r"alibi"),
+    ("scores carried across layers (residual attention)", r"\(residual attention"),
+    ("heads mixed before the softmax (talking heads)", r"\(talking heads"),
     ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
                                       r"|conv1d|short conv|hybrid"),

@@ -460,6 +460,12 @@ REAL_LIMITS = {
     # logits and never changes what the model returns (nanoGPT's inference forward returns
     # the last position's only: DCPOutputContractError says to apply the head everywhere).
     "logits of the last position only",
+    # x-transformers' residual_attn adds one layer's pre-softmax scores to the next's: a paged
+    # attention kernel never materialises scores, and under DCP a rank holds only its keys'.
+    "scores carried across layers (residual attention)",
+    # x-transformers' pre-softmax talking heads mix the heads' scores: attention is cut by
+    # heads over the ranks, and the scores never leave the attention kernel.
+    "heads mixed before the softmax (talking heads)",
 }
 
 _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row in a Python loop "
@@ -468,9 +474,11 @@ _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row 
                    "the captured length, but past it the graph holds the mask before the "
                    "writes: refused with a true counterexample at i = that length ('sliding "
                    "window'), the window the loop would write there not being in the graph")
-_SCORE_BIAS = ("issue #35: x-transformers adds a bias to the attention scores (a relative / "
-               "dynamic position bias, the previous layer's scores, talking heads' head mixing): "
-               "refused as 'unrecognised op add between q @ k^T and softmax'")
+_SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the attention scores "
+               "(T5's bucketed one, or an MLP of the distance): a function of key - query "
+               "positions, exact under DCP if each rank computed it for the positions it holds, "
+               "which dcp.attention has no argument for: refused as 'unrecognised op add "
+               "between q @ k^T and softmax'")
 
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
@@ -479,7 +487,7 @@ KNOWN: dict[tuple[str, str], str] = {
        for a in ("Gemma-2-2b", "Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
                  "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
-       for a in ("rel-pos-bias", "dynamic-pos-bias", "residual-attn", "talking-heads")},
+       for a in ("rel-pos-bias", "dynamic-pos-bias")},
     **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
        "keys concatenated before the sequence's) are refused as cross-attention" for m in MODES},
     ("x-transformers/gate-values", "prefill"): (
