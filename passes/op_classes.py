@@ -56,7 +56,8 @@ COMPLEX_VIEWS = frozenset({aten.view_as_complex.default, aten.view_as_real.defau
 SLICES = frozenset({aten.slice.Tensor, aten.narrow.default, aten.select.int})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                     aten.unbind.int})
-JOINS = frozenset({aten.cat.default, aten.concat.default, aten.stack.default})  # concat: cat's alias
+CONCATS = frozenset({aten.cat.default, aten.concat.default})   # concat: cat's alias
+JOINS = CONCATS | {aten.stack.default}
 
 # Move a linear's output columns around without arithmetic, so that running them on the
 # columns' indices says which column lands where (MLA absorption reads kv_b_proj's halves so).

@@ -196,6 +196,17 @@ def _alibi(m, q, k, v, ids):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def _memory_kv(m, q, k, v, ids):
+    """x-transformers' attn_num_mem_kv: 2 learned key/value slots joined before the
+    sequence's, attended by every query."""
+    b, s = q.shape[0], q.shape[2]
+    mem = m.memory[:2].view(2, -1, 8).transpose(0, 1)[None].expand(b, -1, -1, -1)
+    k, v = torch.cat([mem, k], dim=2), torch.cat([mem, v], dim=2)
+    scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5
+    hidden = torch.ones(s, s + 2, dtype=torch.bool).triu(3)
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
+
+
 REFUSED = {
     "encoder-non-causal-sdpa": (_encoder, "non-causal attention"),
     "cross-attention": (_cross, "cross-attention"),
@@ -203,6 +214,7 @@ REFUSED = {
     "token-shifted-keys": (_token_shift_keys, "acts on each token on its own"),
     "causal-mask-hiding-a-token": (_hide_first_token, "not as a sliding window"),
     "alibi-bias": (_alibi, "ALiBi"),
+    "memory-key-values": (_memory_kv, r"memory key/values: the key .* joins learned entries"),
 }
 
 

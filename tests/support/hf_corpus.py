@@ -162,6 +162,7 @@ REASONS = (
     ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
                                       r"|conv1d|short conv|hybrid"),
+    ("memory key/values", r"memory key/values"),
     ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
     ("token mixing outside attention", r"mixes tokens along the sequence"),
     ("logits of the last position only", r"returns the logits of the last position only"),

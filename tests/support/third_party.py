@@ -489,7 +489,10 @@ KNOWN: dict[tuple[str, str], str] = {
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
        for a in ("rel-pos-bias", "dynamic-pos-bias")},
     **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
-       "keys concatenated before the sequence's) are refused as cross-attention" for m in MODES},
+       "keys and values concatenated before the sequence's, attended by every query at no "
+       "position) are refused by name ('memory key/values'): not a DCP limit (one rank of the "
+       "DCP group could add them to its partial attention, combined exactly by the LSE), but "
+       "dcp.attention has no argument for keys outside the paged cache" for m in MODES},
     ("x-transformers/gate-values", "prefill"): (
         "issue #35: x-transformers' gate_values (the attention output times a per-token "
         "sigmoid gate before the O projection) is refused in prefill: 'reaches its O projection "
