@@ -303,6 +303,46 @@ def test_qkv_fused_per_kv_group_matches_at_tp_above_kv_heads(mode):
     assert_runs_match(runs, *full_forward_reference(model, prompts, steps), atol=1e-4)
 
 
+class GatedValuesLM(nn.Module):
+    """x-transformers' gate_values: the attention output times a per-token, per-head sigmoid
+    gate of the hidden state, before the O projection (GQA, RoPE, SDPA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            q=nn.Linear(DIM, HEADS * HD, bias=False), k=nn.Linear(DIM, KV * HD, bias=False),
+            v=nn.Linear(DIM, KV * HD, bias=False), gate=nn.Linear(DIM, HEADS),
+            o=nn.Linear(HEADS * HD, DIM, bias=False))) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        cos, sin = _angles(torch.arange(s))
+        for layer in self.layers:
+            heads = lambda t: t.view(b, s, -1, HD).transpose(1, 2)  # noqa: E731
+            q, k, v = heads(layer["q"](x)), heads(layer["k"](x)), heads(layer["v"](x))
+            y = F.scaled_dot_product_attention(_rope(q, cos, sin), _rope(k, cos, sin), v,
+                                               is_causal=True, enable_gqa=True)
+            y = y * layer["gate"](x).sigmoid().transpose(1, 2)[..., None]   # b h n 1
+            x = x + layer["o"](y.transpose(1, 2).reshape(b, s, -1))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_gated_attention_output_matches(mode):
+    """Prefill: the gate is computed on every token of the chunk; the attention output holds
+    this rank's contiguous tokens after the LSE reduce-scatter, and the gate is read at
+    those (dcp_prefill._slice_o_side_inputs), padding rows included."""
+    model = seeded_weights(GatedValuesLM(), 0).eval()
+    program = _transform(model, mode)
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    steps = 4 if mode == "decode" else 1
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    assert_runs_match(runs, *full_forward_reference(model, prompts, steps), atol=1e-4)
+
+
 def test_gqa_forms_cache_the_kv_heads():
     """The cache holds the 2 kv heads (decode at tp=4 > 2 is served, not refused as MHA)."""
     program = _transform(seeded_weights(FormLM(gqa_expand_flatten), 0).eval(), "decode")

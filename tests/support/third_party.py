@@ -493,10 +493,6 @@ KNOWN: dict[tuple[str, str], str] = {
        "position) are refused by name ('memory key/values'): not a DCP limit (one rank of the "
        "DCP group could add them to its partial attention, combined exactly by the LSE), but "
        "dcp.attention has no argument for keys outside the paged cache" for m in MODES},
-    ("x-transformers/gate-values", "prefill"): (
-        "issue #35: x-transformers' gate_values (the attention output times a per-token "
-        "sigmoid gate before the O projection) is refused in prefill: 'reaches its O projection "
-        "through token-indexed inputs'"),
 }
 
 
