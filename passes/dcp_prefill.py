@@ -149,6 +149,22 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
     return td, side
 
 
+def _reads_projections(side: Node, plan) -> bool:
+    """Whether ``side`` is computed from the layer's q/k/v projections (or their path),
+    which step 3 moves to the owned tokens; the walk stops at the layer's hidden state."""
+    stops = {*plan.projections, *plan.chained, *plan.token_dim}
+    stack, seen = [side], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n is plan.hidden:
+            continue
+        seen.add(n)
+        if n in stops:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 @dataclass
 class LayerPlan:
     layer: int
@@ -265,8 +281,11 @@ class DCPPrefill(DCPPass):
                                                  f"attention output (layer {plan.layer})")
         # A per-token input on the way (x-transformers' gate_values: the output times a
         # sigmoid gate of the hidden state) is read at the tokens the output holds there.
+        # Only one computed from the full-sequence stream: one computed from the q/k/v
+        # projections (a gate in the q rows) runs on the owned tokens, in their order.
         plan.o_side_inputs = side
         if any(len({k for _, k in users}) != 1 for users in side.values()) \
+                or any(_reads_projections(a, plan) for a in side) \
                 or plan.o_token_dim.get(plan.o_proj.args[0], 1) != 1:
             raise DCPTransformError(
                 f"the output of attention {attn.name} reaches its O projection "
