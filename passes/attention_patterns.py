@@ -30,8 +30,8 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
 # RESHAPES and is_call are re-exported: insert_paged_cache reads them from here.
-from .op_classes import (CASTS, CONVOLUTIONS, DIVS, MATMUL, MULS, RESHAPES, SOFTMAX, is_call,  # noqa: F401
-                         skip_casts)
+from .op_classes import (CASTS, CONVOLUTIONS, DIVS, MATMUL, MULS, RESHAPES,  # noqa: F401
+                         SOFTMAX, is_call, skip_casts)
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""A q/k/v projection fused per KV-head group read as [all q; all k; all v] (a form of canonicalize_ops).
+"""A q/k/v projection fused per KV-head group read as [all q; all k; all v].
 
 ``qkv_per_group_regrouped``, a row of canonicalize_ops' ``CANONICAL_FORMS``.
 

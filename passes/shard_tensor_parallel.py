@@ -28,8 +28,9 @@ from torch.fx import GraphModule, Node
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.kernels.moe import ARG
 from dcp_compile.runtime.program.shards import ShardSpec
-from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_WEIGHT_PERM, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
-                           RANK_INPUT, ROLE_META, SCOPE_MODEL)
+from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_WEIGHT_PERM,
+                                       META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
+                                       RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
 from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Property,

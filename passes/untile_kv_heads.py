@@ -225,7 +225,8 @@ class _Region:
             if shape_in[:a + 1] == shape_out[:a + 1]:
                 return first
             if blk is not None and shape_out[:a] == shape_in[:a] \
-                    and shape_out[a:a + 2] == (self.H, blk) and shape_out[a + 2:] == shape_in[a + 1:]:
+                    and shape_out[a:a + 2] == (self.H, blk) \
+                    and shape_out[a + 2:] == shape_in[a + 1:]:
                 return Heads(a)
             if blk is None and a + 1 < len(shape_in) and shape_out[:a] == shape_in[:a] \
                     and shape_out[a] == self.H * shape_in[a + 1] \
