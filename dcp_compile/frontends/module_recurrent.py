@@ -1,0 +1,245 @@
+"""Recurrent mixers of hybrid models, read at the module level: each layer's token-mixing
+core becomes one ``dcp`` op with its state as an explicit cache (runtime/kernels/recurrent.py).
+
+transformers' Gated DeltaNet (Qwen3-Next, Qwen3.5) keeps its state in a ``Cache`` object and
+picks its kernel by the chunk's length (chunked rule for a prompt, recurrent rule for one
+token); neither is a graph input, and the convolution over the sequence is token mixing that
+the token-wise check refuses. As ``module_experts`` does for MoE blocks, the frontend swaps
+the mixer's forward on the instance for one that runs the model's own projections, gates,
+norm and output projection verbatim and calls ``dcp.gated_delta_net`` for the convolution and
+the recurrence, reading and writing a ``RecurrentStates`` (the state caches and the step's
+per-row state slots); the class is untouched and the swap undone after.
+
+No guessing: a rule (``RULES``, one row per mixer class) names the class, and the source of
+every function whose meaning the swap relies on is pinned by its hash (transformers 5.25). A
+mixer of a listed class whose code differs is refused naming the function that changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dcp_compile.frontends.module_experts import source_hash
+from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.kernels import recurrent as _recurrent  # noqa: F401 - registers the ops
+
+
+class DCPHybridError(DCPTransformError):
+    """A hybrid (recurrent + attention) model asks for something the recurrent state cannot
+    give yet, or its mixer's code is not the code the swap was written against."""
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """One recurrent layer's state, per sequence: conv ``[C, K-1]``, recurrence ``[Hv, dk, dv]``."""
+
+    conv: tuple[int, int]
+    rec: tuple[int, int, int]
+
+
+@dataclass
+class RecurrentStates:
+    """The state caches of every recurrent layer (``[num_slots + 1, ...]``, the last entry the
+    garbage slot) and the current step's rows: ``state_slot [B]`` (-1: padding row),
+    ``fresh [B]`` (the row starts its sequence), ``lengths [B]`` (real tokens, left-packed)."""
+
+    conv: dict[int, Tensor] = field(default_factory=dict)
+    rec: dict[int, Tensor] = field(default_factory=dict)
+    state_slot: Tensor | None = None
+    fresh: Tensor | None = None
+    lengths: Tensor | None = None
+
+    def step(self, state_slot, fresh, lengths) -> "RecurrentStates":
+        """Set the rows of the next step (lists or tensors)."""
+        self.state_slot = torch.as_tensor(state_slot, dtype=torch.int64)
+        self.fresh = torch.as_tensor(fresh, dtype=torch.bool)
+        self.lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        return self
+
+
+def _gdn_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
+                      rec=(m.num_v_heads, m.head_k_dim, m.head_v_dim))
+
+
+def _qwen3_next_head(m: nn.Module, h: Tensor):
+    """Qwen3-Next's projections, verbatim: (mixed_qkv [B, S, C], z, b, a)."""
+    qkvz, ba = m.in_proj_qkvz(h), m.in_proj_ba(h)
+    query, key, value, z, b, a = m.fix_query_key_value_ordering(qkvz, ba)
+    query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
+    return torch.cat((query, key, value), dim=-1), z, b, a
+
+
+def _qwen3_5_head(m: nn.Module, h: Tensor):
+    """Qwen3.5's projections, verbatim: (mixed_qkv [B, S, C], z, b, a)."""
+    batch_size, seq_len, _ = h.shape
+    z = m.in_proj_z(h).reshape(batch_size, seq_len, -1, m.head_v_dim)
+    return m.in_proj_qkv(h), z, m.in_proj_b(h), m.in_proj_a(h)
+
+
+def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Callable:
+    """The mixer's forward with its conv + gated delta rule as ``dcp.gated_delta_net`` over
+    ``states``; the model's own lines before and after it."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        mixed_qkv, z, b, a = head(m, hidden_states)
+        beta = b.sigmoid()
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        core_attn_out, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
+            torch.ops.dcp.gated_delta_net(
+                mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
+                states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+                m.num_k_heads, m.head_k_dim, m.head_v_dim, m.activation)
+        z_shape_og = z.shape
+        core_attn_out = core_attn_out.reshape(-1, core_attn_out.shape[-1])
+        z = z.reshape(-1, z.shape[-1])
+        core_attn_out = m.norm(core_attn_out, z)
+        core_attn_out = core_attn_out.reshape(z_shape_og)
+        core_attn_out = core_attn_out.reshape(core_attn_out.shape[0], core_attn_out.shape[1], -1)
+        return m.out_proj(core_attn_out)
+    return forward
+
+
+@dataclass(frozen=True)
+class RecurrentRule:
+    """One mixer class: its module path and name, the functions whose source the swap relies
+    on (name -> pinned hash), its state's shape and the swapped forward."""
+
+    module: str
+    cls: str
+    pinned: dict[str, str]
+    state: Callable[[nn.Module], StateShape]
+    forward: Callable[[nn.Module, RecurrentStates], Callable]
+
+
+def _original(fn):
+    """The function behind transformers' kernel-hub wrapper (``use_kernel_func_from_hub_with_
+    fallback`` makes a module whose forward closes over the function as ``func``), or ``fn``."""
+    if isinstance(fn, nn.Module):
+        forward = type(fn).forward
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+        if "func" in cells:
+            return cells["func"].cell_contents
+    return fn
+
+
+def _pins(module: str, cls: str, names: tuple[str, ...]) -> Callable[[], dict[str, Callable]]:
+    def functions():
+        mod = sys.modules.get(module) or __import__(module, fromlist=["_"])
+        klass = getattr(mod, cls)
+        return {n: getattr(klass, n.split(".", 1)[1]) if n.startswith(cls + ".")
+                else _original(getattr(mod, n)) for n in names}
+    return functions
+
+
+_TF = "transformers.models"
+# The functions the Gated DeltaNet swap relies on besides the class's own (identical source
+# in qwen3_next and qwen3_5), and their hashes (transformers 5.25).
+_GDN_FUNCTIONS = {"torch_recurrent_gated_delta_rule": "4bd6ffbdddc0",
+                  "torch_chunk_gated_delta_rule": "a1bbf783aa65",
+                  "causal_conv1d_forward": "80c94f801beb",
+                  "causal_conv1d_fn": "f932149bdf42",
+                  "causal_conv1d_update": "bac68342342b",
+                  "l2norm": "4b6bd3dc1d2f",
+                  "apply_mask_to_padding_states": "ac70fe1177ec"}
+RULES = (
+    RecurrentRule(f"{_TF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
+                  {"Qwen3NextGatedDeltaNet.forward": "d267e937a25e",
+                   "Qwen3NextGatedDeltaNet.fix_query_key_value_ordering": "1b706d1f9a49",
+                   **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head)),
+    RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
+                  {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
+)
+
+
+def _rule_of(m: nn.Module) -> RecurrentRule | None:
+    cls = type(m)
+    return next((r for r in RULES if cls.__name__ == r.cls and cls.__module__ == r.module), None)
+
+
+def _check_pins(rule: RecurrentRule, where: str) -> None:
+    functions = _pins(rule.module, rule.cls, tuple(rule.pinned))()
+    for name, expected in rule.pinned.items():
+        got = source_hash(functions[name])
+        if got != expected:
+            raise DCPHybridError(
+                f"recurrent mixer {rule.cls} at {where}: the source of {name} is not the code "
+                f"dcp.gated_delta_net was written against (sha256 {got}, pinned {expected}). "
+                f"Use the transformers version of requirements/corpus.txt, or re-check the "
+                f"swap against the new code and update RULES in "
+                f"dcp_compile/frontends/module_recurrent.py.")
+
+
+def recurrent_layers(model: nn.Module) -> list[tuple[str, nn.Module, RecurrentRule]]:
+    """Every recurrent mixer of ``model`` that a rule names: (module path, module, rule)."""
+    return [(name, m, rule) for name, m in model.named_modules()
+            if (rule := _rule_of(m)) is not None]
+
+
+def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,
+                    device=None) -> RecurrentStates:
+    """Zeroed state caches for ``num_slots`` sequences (+ the garbage slot) per recurrent layer."""
+    states = RecurrentStates()
+    for _, m, rule in recurrent_layers(model):
+        shape = rule.state(m)
+        states.conv[m.layer_idx] = torch.zeros(num_slots + 1, *shape.conv, dtype=dtype,
+                                               device=device)
+        states.rec[m.layer_idx] = torch.zeros(num_slots + 1, *shape.rec, dtype=torch.float32,
+                                              device=device)
+    return states
+
+
+@contextlib.contextmanager
+def recurrent_as_ops(model: nn.Module, states: RecurrentStates):
+    """Within the block, each recurrent mixer of ``model`` runs as its ``dcp`` op over
+    ``states`` (the swap is on the instances, undone on exit)."""
+    swapped = []
+    try:
+        for name, m, rule in recurrent_layers(model):
+            _check_pins(rule, name)
+            m.forward = rule.forward(m, states)
+            swapped.append(m)
+        yield states
+    finally:
+        for m in swapped:
+            del m.forward
+
+
+# What a hybrid model cannot do yet, by name (docs/hybrid.md).
+UNSUPPORTED = {
+    "speculative": "speculative (width-K) decode needs a state snapshot per draft position, so "
+                   "that a rejected draft rolls the recurrent state back; none is kept yet",
+    "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
+                      "boundaries; a cached prefix's KV alone cannot restore it",
+    "dcp_program": "the state caches are not yet inputs of a DCP program (the op, its state "
+                   "cache and the single-device swap exist; the capture, placement and runtime "
+                   "wiring do not)",
+}
+
+
+def refuse_hybrid(model: nn.Module, *, width: int = 1, prefix_caching: bool = False) -> None:
+    """Raise ``DCPHybridError`` naming what a hybrid ``model`` asks for that is not done;
+    nothing for a model without recurrent mixers."""
+    layers = recurrent_layers(model)
+    if not layers:
+        return
+    name, m, rule = layers[0]
+    what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching
+            else "dcp_program")
+    raise DCPHybridError(
+        f"hybrid model: {len(layers)} recurrent layers ({rule.cls}, first at {name}); "
+        f"{UNSUPPORTED[what]} (width={width}, prefix_caching={prefix_caching}). "
+        + {"speculative": "Decode with width 1.",
+           "prefix_caching": "Turn prefix caching off.",
+           "dcp_program": "Serve this model without DCP for now (see docs/hybrid.md)."}[what])

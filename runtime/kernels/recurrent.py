@@ -1,0 +1,163 @@
+"""Recurrent mixers of hybrid models as ``dcp`` ops: the token-mixing core of a layer whose
+state is O(1) in the context (issue 38), with that state as an explicit cache.
+
+A hybrid model's recurrent layer mixes tokens in order (a causal depthwise convolution, then
+a recurrence), so it is neither token-wise nor attention. Its core becomes one op that the
+rest of the pipeline sees as opaque and token-ordered: it takes a chunk of tokens per row and
+the state the row's sequence left, and returns the outputs and the caches with the state the
+chunk leaves. Everything around the core (input projections, gates, norms, the output
+projection) stays the model's own token-wise ops.
+
+The state cache, per layer (beside the paged KV cache, one entry per sequence slot):
+  conv_state  [num_slots + 1, C, K - 1]   the last K - 1 inputs of the convolution
+  rec_state   [num_slots + 1, Hv, dk, dv] the recurrence's matrix state
+The last entry is the garbage slot (``garbage_state_slot``): a row whose ``state_slot`` is -1
+(a padding row) or outside the cache writes there and reads zeros, so no row reads or writes
+a slot it was not given. Rows are left-packed: row b's first ``lengths[b]`` tokens are real;
+later tokens neither advance the state nor produce output (zeros). ``fresh[b]`` starts the
+row's sequence: its state is read as zeros (a new sequence reuses a slot without a separate
+clearing step).
+
+Ops:
+  dcp.gated_delta_net  Gated DeltaNet (Qwen3-Next / Qwen3.5): conv1d + SiLU over
+                       [q | k | v] channels, l2-normalised q and k, the gated delta rule
+                       S_t = a_t S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T, o_t = S_t^T q_t / sqrt(dk)
+                       (a_t = exp(g_t)), grouped value heads (each k head serves Hv/Hk v heads).
+
+The reference is the recurrent form, a static loop over the chunk's tokens: exact, and the
+same function transformers' ``torch_recurrent_gated_delta_rule`` computes; it is also the
+decomposition (static shapes, no data-dependent control flow).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dcp_compile.runtime.kernels.op_defs import dcp_op
+
+# The activations a recurrent mixer's convolution may apply (transformers' config names).
+CONV_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "identity": lambda x: x}
+
+# dcp.gated_delta_net's operands in schema order.
+GDN_OPERANDS = ("mixed_qkv", "g", "beta", "conv_weight", "conv_state", "rec_state",
+                "state_slot", "fresh", "lengths", "num_k_heads", "head_k_dim", "head_v_dim",
+                "activation")
+GDN_ARG = {name: i for i, name in enumerate(GDN_OPERANDS)}
+
+
+def garbage_state_slot(state_cache: Tensor) -> int:
+    """The garbage slot of a state cache: its last entry."""
+    return state_cache.shape[0] - 1
+
+
+def state_rows(state_cache: Tensor, state_slot: Tensor) -> Tensor:
+    """The cache entry each row reads and writes: its slot, or the garbage slot for -1 and
+    any slot outside the usable entries."""
+    garbage = garbage_state_slot(state_cache)
+    usable = (state_slot >= 0) & (state_slot < garbage)
+    return torch.where(usable, state_slot, torch.full_like(state_slot, garbage)).long()
+
+
+def _read_state(cache: Tensor, rows: Tensor, fresh: Tensor, usable: Tensor) -> Tensor:
+    """Each row's incoming state: zeros for a fresh sequence or a padding row."""
+    state = cache[rows]
+    keep = (usable & ~fresh.bool()).view(-1, *([1] * (state.dim() - 1)))
+    return torch.where(keep, state, torch.zeros_like(state))
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """transformers' l2norm (FLA's convention): x * rsqrt(sum(x^2) + eps)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tensor,
+                      activation: str) -> tuple[Tensor, Tensor]:
+    """Depthwise causal convolution of a chunk after its incoming state.
+
+    x [B, S, C], conv_state [B, C, K-1], weight [C, K]. Returns (out [B, S, C], the last K-1
+    inputs up to each row's last real token [B, C, K-1])."""
+    B, S, C = x.shape
+    K = weight.shape[-1]
+    full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)      # [B, C, K-1+S]
+    windows = full.unfold(-1, K, 1)                                            # [B, C, S, K]
+    out = (windows * weight[None, :, None, :].to(x.dtype)).sum(-1).transpose(1, 2)
+    out = CONV_ACTIVATIONS[activation](out)
+    # Token j sits at full[..., K-1+j]: the K-1 inputs ending at token lengths-1 start at
+    # full[..., lengths]; lengths = 0 keeps the incoming state.
+    idx = lengths.long().view(B, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
+    new_state = full.gather(-1, idx.expand(B, C, K - 1))
+    return out, new_state
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                     valid: Tensor) -> tuple[Tensor, Tensor]:
+    """The gated delta rule, token by token (fp32).
+
+    q, k [B, S, Hv, dk] (normalised, q scaled), v [B, S, Hv, dv], g, beta [B, S, Hv],
+    state [B, Hv, dk, dv], valid [B, S] bool. Returns (o [B, S, Hv, dv], state')."""
+    outs = []
+    for t in range(q.shape[1]):
+        decayed = state * g[:, t].exp()[..., None, None]
+        kv_mem = (decayed * k[:, t, :, :, None]).sum(dim=-2)                   # [B, Hv, dv]
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        new = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
+        keep = valid[:, t].view(-1, 1, 1, 1)
+        state = torch.where(keep, new, state)
+        o = (new * q[:, t, :, :, None]).sum(dim=-2)
+        outs.append(torch.where(keep[..., 0], o, torch.zeros_like(o)))
+    return torch.stack(outs, dim=1), state
+
+
+def _gated_delta_net_impl(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
+                          conv_state: Tensor, rec_state: Tensor, state_slot: Tensor,
+                          fresh: Tensor, lengths: Tensor, num_k_heads: int, head_k_dim: int,
+                          head_v_dim: int, activation: str) -> tuple[Tensor, Tensor, Tensor]:
+    B, S, C = mixed_qkv.shape
+    num_v_heads = g.shape[-1]
+    key_dim = num_k_heads * head_k_dim
+    rows = state_rows(rec_state, state_slot)
+    usable = rows != garbage_state_slot(rec_state)
+    valid = torch.arange(S, device=mixed_qkv.device)[None, :] < lengths.view(-1, 1)
+    conv_in = _read_state(conv_state, rows, fresh, usable)
+    conv_out, conv_new = causal_conv_chunk(mixed_qkv, conv_in, conv_weight, lengths, activation)
+    q, k, v = torch.split(conv_out, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
+    q = q.reshape(B, S, num_k_heads, head_k_dim).float()
+    k = k.reshape(B, S, num_k_heads, head_k_dim).float()
+    v = v.reshape(B, S, num_v_heads, head_v_dim).float()
+    group = num_v_heads // num_k_heads
+    if group != 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    q = _l2norm(q) * head_k_dim ** -0.5
+    k = _l2norm(k)
+    state = _read_state(rec_state, rows, fresh, usable).float()
+    out, state = gated_delta_rule(q, k, v, g.float(), beta.float(), state, valid)
+    new_conv = conv_state.index_put((rows,), conv_new.to(conv_state.dtype))
+    new_rec = rec_state.index_put((rows,), state.to(rec_state.dtype))
+    return out.to(mixed_qkv.dtype), new_conv, new_rec
+
+
+@dcp_op("gated_delta_net", mutates_args=())
+def gated_delta_net(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
+                    conv_state: Tensor, rec_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                    lengths: Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                    activation: str = "silu") -> tuple[Tensor, Tensor, Tensor]:
+    """Gated DeltaNet's core over a chunk (module doc): mixed_qkv [B, S, C] (the projected
+    [q | k | v] before the convolution), g, beta [B, S, Hv], conv_weight [C, K]; the state
+    caches, each row's state slot [B] int64 (-1: padding row), fresh [B] bool, lengths [B].
+    Returns (core output [B, S, Hv, dv], conv_state', rec_state')."""
+    return _gated_delta_net_impl(mixed_qkv, g, beta, conv_weight, conv_state, rec_state,
+                                 state_slot, fresh, lengths, num_k_heads, head_k_dim,
+                                 head_v_dim, activation)
+
+
+@gated_delta_net.register_fake
+def _(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot, fresh, lengths,
+      num_k_heads, head_k_dim, head_v_dim, activation="silu"):
+    B, S, _ = mixed_qkv.shape
+    return (mixed_qkv.new_empty(B, S, g.shape[-1], head_v_dim), torch.empty_like(conv_state),
+            torch.empty_like(rec_state))
+
+
+DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl}
