@@ -60,6 +60,8 @@ POSITIONS = "positions"
 BLOCK_TABLE = "block_table"
 KV_CACHES = "kv_caches"           # the forward argument; its inputs are kv_caches_<i>
 STEP_INPUTS = (INPUT_IDS, POSITIONS, BLOCK_TABLE)
+STATE_SLOT = "state_slot"        # [B] int64: each row's recurrent-state slot (-1: padding row)
+STATE_FRESH = "state_fresh"      # [B] bool: the row starts its sequence (reads a zero state)
 
 
 def cache_input(i: int) -> str:

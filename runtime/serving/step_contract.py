@@ -15,6 +15,13 @@ rule sorts the B*M entries — and allocates nothing larger than the inputs. Rul
 order and the first violation raises, so a rule may rely on the ones above it (types and
 shapes first, then block ids, then positions).
 
+A hybrid model's step also hands each row its recurrent-state slot and whether the row starts
+its sequence (``state_slot``, ``fresh``; runtime/kernels/recurrent.py). The ``state-*`` rules
+keep every row to its own sequence's state: a slot the cache has, one row per slot, no slot
+for a padding row and one for every real row, fresh exactly when the row starts at position 0.
+They run when the step carries these inputs (``StepInputs.state_slot``); a step of a model
+without recurrent layers has none.
+
 What a direct caller still owns (no host check can see it): the cache *history*. A row's
 first position must be its sequence's length, and the cache must hold that sequence's KV
 for every earlier position; the Engine, which knows each sequence's length, checks the
@@ -30,8 +37,8 @@ import torch
 
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError, DCPTransformError
 from dcp_compile.runtime.garbage_block import LAST, check_garbage_block, garbage_block_id
-from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS,
-                                      StepKind)
+from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STATE_FRESH,
+                                      STATE_SLOT, STEP_INPUTS, StepKind)
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.
@@ -44,6 +51,8 @@ class StepInputs(NamedTuple):
     block_table: torch.Tensor
     caches: list | None = None              # None: the caller does not hold them (Engine)
     seq_lens: torch.Tensor | None = None    # [batch] tokens each row's sequence holds (Engine)
+    state_slot: torch.Tensor | None = None  # [batch] int64 recurrent-state slot (hybrid models)
+    fresh: torch.Tensor | None = None       # [batch] bool: the row starts its sequence
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class StepContract:
     device: torch.device | None = None      # of the caches and the step inputs
     rules: tuple[str, ...] | None = None    # rule names to run; None: all of RULES
     garbage_block: int = LAST               # -1 the last block, 0 the first (vLLM)
+    num_state_slots: int | None = None      # recurrent-state slots (the garbage slot excluded)
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)!r}" for k in ("batch", "tokens", "max_blocks",
@@ -102,9 +112,11 @@ class StepContract:
     def vblock(self) -> int:
         return self.block_size * self.dcp
 
-    def check(self, input_ids, positions, block_table, caches=None, *, seq_lens=None) -> None:
+    def check(self, input_ids, positions, block_table, caches=None, *, seq_lens=None,
+              state_slot=None, fresh=None) -> None:
         """Raise ``DCPInputError`` for the first broken rule; return None if all hold."""
-        step = StepInputs(input_ids, positions, block_table, caches, seq_lens)
+        step = StepInputs(input_ids, positions, block_table, caches, seq_lens, state_slot,
+                          fresh)
         for rule in RULES:
             if self.rules is not None and rule.name not in self.rules:
                 continue
@@ -475,6 +487,78 @@ def _token_range(c, s):
         "then discarded)", "Fix the token ids; pad with 0")
 
 
+def _state_slot_range(c, s):
+    if s.state_slot is None:
+        return None
+    slot = s.state_slot
+    if not isinstance(slot, torch.Tensor) or slot.dtype != torch.int64 or \
+            tuple(slot.shape) != (s.positions.shape[0],):
+        got = (f"{slot.dtype} {list(slot.shape)}" if isinstance(slot, torch.Tensor)
+               else type(slot).__name__)
+        return (STATE_SLOT,), _msg(f"{STATE_SLOT} is {got}", "a hybrid step's state_slot is "
+                                   "an int64 tensor [batch]",
+                                   f"Pass torch.as_tensor(slots, dtype=torch.int64), one per row")
+    top = c.num_state_slots
+    hit = _first((slot < -1) | (slot >= top) if top is not None else slot < -1)
+    if hit is None:
+        return None
+    (b,), n = hit
+    return (b,), _msg(
+        f"{_el(STATE_SLOT, (b,))} = {int(slot[b])}{_more(n)} is outside the state cache",
+        f"a row's state slot is in [0, {top if top is not None else 'num_state_slots'}) or "
+        f"-1 for a padding row (the last entry is the garbage slot, which no row names)",
+        "Give each sequence a slot when it starts and free it when it ends")
+
+
+def _shared_state_slot(c, s):
+    if s.state_slot is None or s.state_slot.numel() < 2:
+        return None
+    slot = s.state_slot
+    same = (slot[:, None] == slot[None, :]) & (slot[:, None] >= 0)
+    same &= torch.arange(slot.numel())[:, None] > torch.arange(slot.numel())[None, :]
+    hit = _first(same)
+    if hit is None:
+        return None
+    (b, a), n = hit
+    return (b,), _msg(
+        f"{_el(STATE_SLOT, (b,))} = {int(slot[b])} is also {_el(STATE_SLOT, (a,))}",
+        "a recurrent state belongs to one sequence: two rows of a step never share a slot "
+        "(each would overwrite the other's state)", f"Give row {b} its own slot")
+
+
+def _state_slot_of_rows(c, s):
+    if s.state_slot is None:
+        return None
+    real = (s.positions >= 0).any(dim=1)
+    hit = _first(real != (s.state_slot >= 0))
+    if hit is None:
+        return None
+    (b,), n = hit
+    what = ("has tokens and no state slot (its state would go to the garbage slot and be "
+            "lost)" if bool(real[b]) else "is padding (no tokens) and names a state slot")
+    return (b,), _msg(f"row {b} ({_el(STATE_SLOT, (b,))} = {int(s.state_slot[b])}){_more(n)} "
+                      f"{what}", "a row with tokens has its sequence's slot; a padding row "
+                      "has -1", "Set the row's slot, or -1 for a padding row")
+
+
+def _state_fresh(c, s):
+    if s.state_slot is None or s.fresh is None:
+        return None
+    first = s.positions[:, 0]
+    starts = first == 0
+    bad = (first >= 0) & (s.fresh.bool() != starts)
+    hit = _first(bad)
+    if hit is None:
+        return None
+    (b,), n = hit
+    return (b,), _msg(
+        f"{_el(STATE_FRESH, (b,))} = {bool(s.fresh[b])}{_more(n)} for a row starting at "
+        f"position {int(first[b])}",
+        "a row reads a zero state exactly when it starts its sequence (position 0): fresh "
+        "later would drop the state, not fresh at 0 would read a finished sequence's state",
+        "Set fresh = (positions[:, 0] == 0)")
+
+
 class Rule(NamedTuple):
     name: str
     field: str
@@ -500,6 +584,10 @@ RULES: tuple[Rule, ...] = (
     Rule("allocated-prefix", BLOCK_TABLE, _allocated_prefix),
     Rule("continues-sequence", POSITIONS, _continues_sequence),
     Rule("token-range", INPUT_IDS, _token_range),
+    Rule("state-slot-range", STATE_SLOT, _state_slot_range),
+    Rule("state-shared-slot", STATE_SLOT, _shared_state_slot),
+    Rule("state-slot-of-rows", STATE_SLOT, _state_slot_of_rows),
+    Rule("state-fresh", STATE_FRESH, _state_fresh),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 

@@ -1,0 +1,93 @@
+"""The step contract's recurrent-state rules (runtime/serving/step_contract.py, ``state-*``):
+no row of a hybrid model's step reads or writes another sequence's state, a padding row
+touches only the garbage slot, and fresh is exactly "starts at position 0". Each rule has a
+probe that breaks it alone; the valid step passes; and the op run on a step the rules accept
+never changes a slot no row was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.kernels.recurrent import gated_delta_net
+from dcp_compile.runtime.serving.step_contract import RULE_NAMES, StepContract
+
+SLOTS = 4
+# row 0 starts its sequence (0, 1, 2), row 1 continues at 5, row 2 is padding
+POS = torch.tensor([[0, 1, 2], [5, 6, -1], [-1, -1, -1]])
+TABLE = torch.tensor([[0, -1], [1, 2], [-1, -1]])
+CONTRACT = StepContract(block_size=4, dcp=1, num_blocks=8, num_state_slots=SLOTS,
+                        max_blocks=2, rules=None)
+
+
+def _check(slot, fresh):
+    CONTRACT.check(None, POS, TABLE, state_slot=torch.tensor(slot), fresh=torch.tensor(fresh))
+
+
+def test_a_valid_hybrid_step_passes():
+    _check([3, 0, -1], [True, False, False])
+
+
+def test_a_step_without_state_inputs_skips_the_state_rules():
+    CONTRACT.check(None, POS, TABLE)
+
+
+# id: (state_slot, fresh, rule, substrings)
+PROBES = {
+    "slot-beyond-cache": ([3, SLOTS, -1], [True, False, False], "state-slot-range",
+                          [f"state_slot[1] = {SLOTS} is outside the state cache",
+                           "garbage slot"]),
+    "slot-below-minus-one": ([-2, 0, -1], [True, False, False], "state-slot-range",
+                             ["state_slot[0] = -2"]),
+    "slot-as-int32": (torch.tensor([3, 0, -1], dtype=torch.int32), [True, False, False],
+                      "state-slot-range", ["state_slot is torch.int32"]),
+    "shared-slot": ([1, 1, -1], [True, False, False], "state-shared-slot",
+                    ["state_slot[1] = 1 is also state_slot[0]", "never share a slot"]),
+    "real-row-without-slot": ([3, -1, -1], [True, False, False], "state-slot-of-rows",
+                              ["row 1 (state_slot[1] = -1) has tokens and no state slot"]),
+    "padding-row-with-slot": ([3, 0, 2], [True, False, False], "state-slot-of-rows",
+                              ["row 2 (state_slot[2] = 2) is padding"]),
+    "continuing-row-fresh": ([3, 0, -1], [True, True, False], "state-fresh",
+                             ["state_fresh[1] = True for a row starting at position 5"]),
+    "starting-row-not-fresh": ([3, 0, -1], [False, False, False], "state-fresh",
+                               ["state_fresh[0] = False for a row starting at position 0"]),
+}
+
+
+@pytest.mark.parametrize("probe", PROBES, ids=list(PROBES))
+def test_each_state_rule_refuses_its_fault(probe):
+    slot, fresh, rule, words = PROBES[probe]
+    with pytest.raises(DCPInputError) as e:
+        CONTRACT.check(None, POS, TABLE, state_slot=torch.as_tensor(slot),
+                       fresh=torch.tensor(fresh))
+    assert e.value.rule == rule, str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert str(e.value).rstrip().endswith(".")
+
+
+def test_every_state_rule_has_a_probe():
+    assert {p[2] for p in PROBES.values()} == {r for r in RULE_NAMES if r.startswith("state-")}
+
+
+def test_an_accepted_step_touches_only_its_rows_slots():
+    """The op on a step the rules accept: slots no row names keep their bytes exactly."""
+    gen = torch.Generator().manual_seed(0)
+    B, S, nk, dk, nv, dv, K = 3, 3, 1, 4, 2, 4, 3
+    C = 2 * nk * dk + nv * dv
+    conv = torch.randn(SLOTS + 1, C, K - 1, generator=gen)
+    rec = torch.randn(SLOTS + 1, nv, dk, dv, generator=gen)
+    slot, fresh = torch.tensor([3, 0, -1]), torch.tensor([True, False, False])
+    _check(slot.tolist(), fresh.tolist())
+    lengths = (POS >= 0).sum(1)
+    _, conv2, rec2 = gated_delta_net(torch.randn(B, S, C, generator=gen),
+                                     -torch.rand(B, S, nv, generator=gen),
+                                     torch.rand(B, S, nv, generator=gen),
+                                     torch.randn(C, K, generator=gen), conv, rec, slot, fresh,
+                                     lengths, nk, dk, dv)
+    for untouched in (1, 2):
+        assert torch.equal(conv2[untouched], conv[untouched])
+        assert torch.equal(rec2[untouched], rec[untouched])
+    for written in (0, 3):
+        assert not torch.equal(rec2[written], rec[written])
