@@ -149,3 +149,17 @@ def test_what_is_not_done_is_refused_by_name(model, kwargs, match):
 def test_a_model_without_recurrent_layers_is_not_refused():
     from hf_corpus import build
     refuse_hybrid(build("qwen3", "sdpa"), width=4, prefix_caching=True)
+
+
+@pytest.mark.parametrize("decode_len,match", [
+    (1, r"DCPHybridError|not yet inputs of a DCP program"),
+    (3, r"speculative \(width-K\).*width=3"),
+], ids=["decode", "speculative-width-3"])
+def test_transform_refuses_a_hybrid_by_name(model, decode_len, match):
+    """transform() on a hybrid stops at the frontend with the named reason (before any
+    capture), not with the generic feature diagnosis of the token-wise check."""
+    import dcp_compile
+    from dcp_compile.runtime.serving.engine import StepShapes
+    with pytest.raises(DCPHybridError, match=match):
+        dcp_compile.transform(model, tp=4, dcp=2, mode="decode",
+                              shapes=StepShapes(decode_len=decode_len))
