@@ -160,4 +160,22 @@ def _(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot, fresh,
             torch.empty_like(rec_state))
 
 
+def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                               head_v_dim: int, tp: int, rank: int) -> tuple[Tensor, slice]:
+    """Tensor parallelism by heads: rank ``rank`` of ``tp`` holds k heads
+    ``[rank * Hk/tp, (rank+1) * Hk/tp)`` and the v heads they serve. Returns (the channels of
+    ``mixed_qkv`` / ``conv_weight`` / ``conv_state`` it holds, the v-head slice of g, beta,
+    ``rec_state`` and the output). The op on those slices is exactly those slices of the
+    op (every channel and head is computed on its own); tp must divide Hk."""
+    if num_k_heads % tp:
+        raise ValueError(f"gated_delta_net head shard: tp={tp} does not divide "
+                         f"num_k_heads={num_k_heads}")
+    key_dim = num_k_heads * head_k_dim
+    k_local, v_local = num_k_heads // tp, num_v_heads // tp
+    qk = torch.arange(rank * k_local * head_k_dim, (rank + 1) * k_local * head_k_dim)
+    v = torch.arange(rank * v_local * head_v_dim, (rank + 1) * v_local * head_v_dim)
+    channels = torch.cat([qk, key_dim + qk, 2 * key_dim + v])
+    return channels, slice(rank * v_local, (rank + 1) * v_local)
+
+
 DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl}

@@ -91,3 +91,31 @@ def test_an_accepted_step_touches_only_its_rows_slots():
         assert torch.equal(rec2[untouched], rec[untouched])
     for written in (0, 3):
         assert not torch.equal(rec2[written], rec[written])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda t: f"tp={t}")
+def test_the_op_on_a_head_shard_is_that_shard_of_the_op(tp):
+    """TP by heads is exact: each rank's op over its channels, v heads and state heads gives
+    exactly its slice of the whole op's output and states (GQA-like grouping 8 v : 4 k)."""
+    from dcp_compile.runtime.kernels.recurrent import gated_delta_net_head_shard
+    gen = torch.Generator().manual_seed(1)
+    B, S, nk, dk, nv, dv, K = 2, 5, 4, 4, 8, 3, 4
+    C = 2 * nk * dk + nv * dv
+    args = dict(mixed_qkv=torch.randn(B, S, C, generator=gen),
+                g=-torch.rand(B, S, nv, generator=gen), beta=torch.rand(B, S, nv, generator=gen),
+                conv_weight=torch.randn(C, K, generator=gen),
+                conv_state=torch.randn(3, C, K - 1, generator=gen),
+                rec_state=torch.randn(3, nv, dk, dv, generator=gen))
+    rows = dict(state_slot=torch.tensor([1, 0]), fresh=torch.tensor([False, True]),
+                lengths=torch.tensor([5, 2]))
+    out, conv, rec = gated_delta_net(**args, **rows, num_k_heads=nk, head_k_dim=dk,
+                                     head_v_dim=dv)
+    for rank in range(tp):
+        ch, heads = gated_delta_net_head_shard(nk, nv, dk, dv, tp, rank)
+        local = dict(mixed_qkv=args["mixed_qkv"][..., ch], g=args["g"][..., heads],
+                     beta=args["beta"][..., heads], conv_weight=args["conv_weight"][ch],
+                     conv_state=args["conv_state"][:, ch], rec_state=args["rec_state"][:, heads])
+        o, c, r = gated_delta_net(**local, **rows, num_k_heads=nk // tp, head_k_dim=dk,
+                                  head_v_dim=dv)
+        assert torch.equal(o, out[:, :, heads]) or (o - out[:, :, heads]).abs().max() < 1e-6
+        assert (c - conv[:, ch]).abs().max() < 1e-6 and (r - rec[:, heads]).abs().max() < 1e-6
