@@ -238,7 +238,7 @@ def refuse_hybrid(model: nn.Module, *, width: int = 1, prefix_caching: bool = Fa
     what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching
             else "dcp_program")
     raise DCPHybridError(
-        f"hybrid model: {len(layers)} recurrent layers ({rule.cls}, first at {name}); "
+        f"hybrid model: {len(layers)} recurrent layer(s) ({rule.cls}, first at {name}); "
         f"{UNSUPPORTED[what]} (width={width}, prefix_caching={prefix_caching}). "
         + {"speculative": "Decode with width 1.",
            "prefix_caching": "Turn prefix caching off.",

@@ -39,6 +39,9 @@ from dcp_compile.runtime.errors import DCPConfigError, DCPInputError, DCPTransfo
 from dcp_compile.runtime.garbage_block import LAST, check_garbage_block, garbage_block_id
 from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STATE_FRESH,
                                       STATE_SLOT, STEP_INPUTS, StepKind)
+from dcp_compile.runtime.serving.contract_text import _el, _first, _more, _msg
+from dcp_compile.runtime.serving.state_contract import (_shared_state_slot, _state_fresh,
+                                                        _state_slot_of_rows, _state_slot_range)
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.
@@ -157,34 +160,6 @@ class StepContract:
 
 def _positive_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-# ----------------------------------------------------------------------------------------
-# Helpers: the first offending element, and the message format.
-# ----------------------------------------------------------------------------------------
-
-
-def _first(mask: torch.Tensor):
-    """(index tuple, count) of the first True element in row-major order, or None."""
-    flat = mask.reshape(-1)
-    if flat.numel() == 0 or not bool(flat.any()):
-        return None
-    i = int(flat.to(torch.uint8).argmax())
-    index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), mask.shape))
-    return index, int(flat.sum())
-
-
-def _el(name: str, index) -> str:
-    return f"{name}[{', '.join(map(str, index))}]"
-
-
-def _more(count: int) -> str:
-    return f" (and {count - 1} more)" if count > 1 else ""
-
-
-def _msg(what: str, rule: str, fix: str) -> str:
-    """`<what is wrong>: <the rule>. <how to fix it>.`"""
-    return f"{what}: {rule}. {fix}."
 
 
 # ----------------------------------------------------------------------------------------
@@ -485,78 +460,6 @@ def _token_range(c, s):
         f"[0, {c.vocab_size})",
         "every token id, padding included, indexes the embedding (padding is embedded, "
         "then discarded)", "Fix the token ids; pad with 0")
-
-
-def _state_slot_range(c, s):
-    if s.state_slot is None:
-        return None
-    slot = s.state_slot
-    if not isinstance(slot, torch.Tensor) or slot.dtype != torch.int64 or \
-            tuple(slot.shape) != (s.positions.shape[0],):
-        got = (f"{slot.dtype} {list(slot.shape)}" if isinstance(slot, torch.Tensor)
-               else type(slot).__name__)
-        return (STATE_SLOT,), _msg(f"{STATE_SLOT} is {got}", "a hybrid step's state_slot is "
-                                   "an int64 tensor [batch]",
-                                   f"Pass torch.as_tensor(slots, dtype=torch.int64), one per row")
-    top = c.num_state_slots
-    hit = _first((slot < -1) | (slot >= top) if top is not None else slot < -1)
-    if hit is None:
-        return None
-    (b,), n = hit
-    return (b,), _msg(
-        f"{_el(STATE_SLOT, (b,))} = {int(slot[b])}{_more(n)} is outside the state cache",
-        f"a row's state slot is in [0, {top if top is not None else 'num_state_slots'}) or "
-        f"-1 for a padding row (the last entry is the garbage slot, which no row names)",
-        "Give each sequence a slot when it starts and free it when it ends")
-
-
-def _shared_state_slot(c, s):
-    if s.state_slot is None or s.state_slot.numel() < 2:
-        return None
-    slot = s.state_slot
-    same = (slot[:, None] == slot[None, :]) & (slot[:, None] >= 0)
-    same &= torch.arange(slot.numel())[:, None] > torch.arange(slot.numel())[None, :]
-    hit = _first(same)
-    if hit is None:
-        return None
-    (b, a), n = hit
-    return (b,), _msg(
-        f"{_el(STATE_SLOT, (b,))} = {int(slot[b])} is also {_el(STATE_SLOT, (a,))}",
-        "a recurrent state belongs to one sequence: two rows of a step never share a slot "
-        "(each would overwrite the other's state)", f"Give row {b} its own slot")
-
-
-def _state_slot_of_rows(c, s):
-    if s.state_slot is None:
-        return None
-    real = (s.positions >= 0).any(dim=1)
-    hit = _first(real != (s.state_slot >= 0))
-    if hit is None:
-        return None
-    (b,), n = hit
-    what = ("has tokens and no state slot (its state would go to the garbage slot and be "
-            "lost)" if bool(real[b]) else "is padding (no tokens) and names a state slot")
-    return (b,), _msg(f"row {b} ({_el(STATE_SLOT, (b,))} = {int(s.state_slot[b])}){_more(n)} "
-                      f"{what}", "a row with tokens has its sequence's slot; a padding row "
-                      "has -1", "Set the row's slot, or -1 for a padding row")
-
-
-def _state_fresh(c, s):
-    if s.state_slot is None or s.fresh is None:
-        return None
-    first = s.positions[:, 0]
-    starts = first == 0
-    bad = (first >= 0) & (s.fresh.bool() != starts)
-    hit = _first(bad)
-    if hit is None:
-        return None
-    (b,), n = hit
-    return (b,), _msg(
-        f"{_el(STATE_FRESH, (b,))} = {bool(s.fresh[b])}{_more(n)} for a row starting at "
-        f"position {int(first[b])}",
-        "a row reads a zero state exactly when it starts its sequence (position 0): fresh "
-        "later would drop the state, not fresh at 0 would read a finished sequence's state",
-        "Set fresh = (positions[:, 0] == 0)")
 
 
 class Rule(NamedTuple):
