@@ -109,6 +109,36 @@ def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Calla
     return forward
 
 
+def _mamba2_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
+                      rec=(m.num_heads, m.head_dim, m.ssm_state_size))
+
+
+def _mamba2_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Bamba's mixer forward (eval) with its conv + selective scan as ``dcp.mamba2_ssm``
+    over ``states``; the model's own projection, gated norm and output projection."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        projected_states = m.in_proj(hidden_states)
+        gate, hidden_states_B_C, dt = projected_states.split(
+            [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        dt_min, dt_max = m.time_step_limit
+        scan_output, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
+            torch.ops.dcp.mamba2_ssm(
+                hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
+                m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
+                states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
+                m.ssm_state_size, m.activation, float(dt_min), float(dt_max))
+        scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
+        scan_output = m.norm(scan_output, gate)
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
 @dataclass(frozen=True)
 class RecurrentRule:
     """One mixer class: its module path and name, the functions whose source the swap relies
@@ -135,9 +165,11 @@ def _original(fn):
 def _pins(module: str, cls: str, names: tuple[str, ...]) -> Callable[[], dict[str, Callable]]:
     def functions():
         mod = sys.modules.get(module) or __import__(module, fromlist=["_"])
-        klass = getattr(mod, cls)
-        return {n: getattr(klass, n.split(".", 1)[1]) if n.startswith(cls + ".")
-                else _original(getattr(mod, n)) for n in names}
+
+        def find(n):
+            owner, _, attr = n.rpartition(".")
+            return getattr(getattr(mod, owner), attr) if owner else _original(getattr(mod, n))
+        return {n: find(n) for n in names}
     return functions
 
 
@@ -160,6 +192,15 @@ RULES = (
     RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
                   {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
+    RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
+                  {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
+                   "mamba2_chunk_scan": "8f4198702b90",
+                   "mamba2_selective_state_update": "084055312cd5",
+                   "causal_conv1d_forward": "80c94f801beb", "causal_conv1d_fn": "f932149bdf42",
+                   "causal_conv1d_update": "bac68342342b",
+                   "apply_mask_to_padding_states": "ac70fe1177ec",
+                   "BambaRMSNormGated.forward": "2ed3aa30edfb"},
+                  _mamba2_shape, _mamba2_forward),
 )
 
 

@@ -19,6 +19,10 @@ row's sequence: its state is read as zeros (a new sequence reuses a slot without
 clearing step).
 
 Ops:
+  dcp.mamba2_ssm       Mamba2 (Bamba): conv1d + SiLU over [x | B | C] channels, then the
+                       selective scan S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,
+                       y_t = S_t C_t + D x_t, dt_t = clamp(softplus(dt + dt_bias), limits),
+                       B and C shared by the heads of a group.
   dcp.gated_delta_net  Gated DeltaNet (Qwen3-Next / Qwen3.5): conv1d + SiLU over
                        [q | k | v] channels, l2-normalised q and k, the gated delta rule
                        S_t = a_t S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T, o_t = S_t^T q_t / sqrt(dk)
@@ -73,16 +77,18 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tensor,
-                      activation: str) -> tuple[Tensor, Tensor]:
+                      activation: str, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Depthwise causal convolution of a chunk after its incoming state.
 
-    x [B, S, C], conv_state [B, C, K-1], weight [C, K]. Returns (out [B, S, C], the last K-1
+    x [B, S, C], conv_state [B, C, K-1], weight [C, K], bias [C] or None. Returns (out [B, S, C], the last K-1
     inputs up to each row's last real token [B, C, K-1])."""
     B, S, C = x.shape
     K = weight.shape[-1]
     full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)      # [B, C, K-1+S]
     windows = full.unfold(-1, K, 1)                                            # [B, C, S, K]
     out = (windows * weight[None, :, None, :].to(x.dtype)).sum(-1).transpose(1, 2)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
     out = CONV_ACTIVATIONS[activation](out)
     # Token j sits at full[..., K-1+j]: the K-1 inputs ending at token lengths-1 start at
     # full[..., lengths]; lengths = 0 keeps the incoming state.
@@ -178,4 +184,79 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
     return channels, slice(rank * v_local, (rank + 1) * v_local)
 
 
-DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl}
+# dcp.mamba2_ssm's operands in schema order.
+MAMBA2_OPERANDS = ("hidden_b_c", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias",
+                   "conv_state", "ssm_state", "state_slot", "fresh", "lengths", "n_groups",
+                   "head_dim", "state_size", "activation", "dt_min", "dt_max")
+
+
+def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                   state: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Mamba2's scan, token by token (fp32): x [B, S, H, P], dt [B, S, H] (discretised),
+    A, D [H], B, C [B, S, H, N] (per head), state [B, H, P, N], valid [B, S]."""
+    outs = []
+    for t in range(x.shape[1]):
+        dA = torch.exp(dt[:, t] * A)                                           # [B, H]
+        new = state * dA[..., None, None] + \
+            (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        keep = valid[:, t].view(-1, 1, 1, 1)
+        state = torch.where(keep, new, state)
+        y = (new * C[:, t, :, None, :]).sum(-1) + D[:, None] * x[:, t]         # [B, H, P]
+        outs.append(torch.where(keep[..., 0], y, torch.zeros_like(y)))
+    return torch.stack(outs, dim=1), state
+
+
+def _mamba2_ssm_impl(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor,
+                     conv_bias: Tensor | None, A_log: Tensor, D: Tensor, dt_bias: Tensor,
+                     conv_state: Tensor, ssm_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                     lengths: Tensor, n_groups: int, head_dim: int, state_size: int,
+                     activation: str, dt_min: float, dt_max: float
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    Bsz, S, _ = hidden_b_c.shape
+    H = dt.shape[-1]
+    rows = state_rows(ssm_state, state_slot)
+    usable = rows != garbage_state_slot(ssm_state)
+    valid = torch.arange(S, device=dt.device)[None, :] < lengths.view(-1, 1)
+    conv_in = _read_state(conv_state, rows, fresh, usable)
+    conv_out, conv_new = causal_conv_chunk(hidden_b_c, conv_in, conv_weight, lengths,
+                                           activation, conv_bias)
+    x, B, C = torch.split(conv_out, [H * head_dim, n_groups * state_size,
+                                     n_groups * state_size], dim=-1)
+    x = x.reshape(Bsz, S, H, head_dim).float()
+    B = B.reshape(Bsz, S, n_groups, state_size).float().repeat_interleave(H // n_groups, dim=2)
+    C = C.reshape(Bsz, S, n_groups, state_size).float().repeat_interleave(H // n_groups, dim=2)
+    step = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min, max=dt_max)
+    A = -torch.exp(A_log.float())
+    state = _read_state(ssm_state, rows, fresh, usable).float()
+    y, state = selective_scan(x, step, A, B, C, D.float(), state, valid)
+    new_conv = conv_state.index_put((rows,), conv_new.to(conv_state.dtype))
+    new_ssm = ssm_state.index_put((rows,), state.to(ssm_state.dtype))
+    return y.to(hidden_b_c.dtype), new_conv, new_ssm
+
+
+@dcp_op("mamba2_ssm", mutates_args=())
+def mamba2_ssm(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+               A_log: Tensor, D: Tensor, dt_bias: Tensor, conv_state: Tensor,
+               ssm_state: Tensor, state_slot: Tensor, fresh: Tensor, lengths: Tensor,
+               n_groups: int, head_dim: int, state_size: int, activation: str, dt_min: float,
+               dt_max: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Mamba2's core over a chunk (module doc): hidden_b_c [B, S, C] (the projected
+    [x | B | C] before the convolution), dt [B, S, H] (before dt_bias and softplus), the
+    conv weight [C, K] and bias, A_log, D, dt_bias [H]; the state caches (conv
+    [slots + 1, C, K-1], ssm [slots + 1, H, head_dim, state_size]) and the rows as in
+    dcp.gated_delta_net. Returns (y [B, S, H, head_dim] with the D skip, conv', ssm')."""
+    return _mamba2_ssm_impl(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias,
+                            conv_state, ssm_state, state_slot, fresh, lengths, n_groups,
+                            head_dim, state_size, activation, dt_min, dt_max)
+
+
+@mamba2_ssm.register_fake
+def _(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state,
+      state_slot, fresh, lengths, n_groups, head_dim, state_size, activation, dt_min, dt_max):
+    B, S, _ = hidden_b_c.shape
+    return (hidden_b_c.new_empty(B, S, dt.shape[-1], head_dim), torch.empty_like(conv_state),
+            torch.empty_like(ssm_state))
+
+
+DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
+                  torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl}

@@ -21,6 +21,10 @@ _HYBRID = {
                        layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2)),
     "qwen3_5_text": dict(**_QWEN_GDN, num_hidden_layers=_LAYERS,
                          layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2)),
+    # Mamba2 + attention; chunk size 4 so the model's own SSD scan runs several chunks
+    "bamba": dict(num_hidden_layers=_LAYERS, attn_layer_indices=[1, 3], mamba_n_heads=8,
+                  mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_chunk_size=4),
 }
 
 HYBRID_TYPES = tuple(_HYBRID)
