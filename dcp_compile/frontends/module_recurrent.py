@@ -183,6 +183,13 @@ _GDN_FUNCTIONS = {"torch_recurrent_gated_delta_rule": "4bd6ffbdddc0",
                   "causal_conv1d_update": "bac68342342b",
                   "l2norm": "4b6bd3dc1d2f",
                   "apply_mask_to_padding_states": "ac70fe1177ec"}
+# The same for the Mamba2 mixers (identical source in bamba and granitemoehybrid).
+_MAMBA2_FUNCTIONS = {"mamba2_chunk_scan": "8f4198702b90",
+                     "mamba2_selective_state_update": "084055312cd5",
+                     "causal_conv1d_forward": "80c94f801beb",
+                     "causal_conv1d_fn": "f932149bdf42",
+                     "causal_conv1d_update": "bac68342342b",
+                     "apply_mask_to_padding_states": "ac70fe1177ec"}
 RULES = (
     RecurrentRule(f"{_TF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
                   {"Qwen3NextGatedDeltaNet.forward": "d267e937a25e",
@@ -194,12 +201,14 @@ RULES = (
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
-                   "mamba2_chunk_scan": "8f4198702b90",
-                   "mamba2_selective_state_update": "084055312cd5",
-                   "causal_conv1d_forward": "80c94f801beb", "causal_conv1d_fn": "f932149bdf42",
-                   "causal_conv1d_update": "bac68342342b",
-                   "apply_mask_to_padding_states": "ac70fe1177ec",
-                   "BambaRMSNormGated.forward": "2ed3aa30edfb"},
+                   "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _mamba2_forward),
+    # Granite-4-H: Bamba's code (copied by transformers' modular; only a docstring differs)
+    RecurrentRule(f"{_TF}.granitemoehybrid.modeling_granitemoehybrid",
+                  "GraniteMoeHybridMambaLayer",
+                  {"GraniteMoeHybridMambaLayer.forward": "6e1e9d6ce582",
+                   "mamba2_scan_forward": "26a2b2ba22ea",
+                   "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _mamba2_forward),
 )
 

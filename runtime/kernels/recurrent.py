@@ -258,5 +258,21 @@ def _(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm
             torch.empty_like(ssm_state))
 
 
+def mamba2_head_shard(n_groups: int, num_heads: int, head_dim: int, state_size: int, tp: int,
+                      rank: int) -> tuple[Tensor, slice]:
+    """Tensor parallelism by groups: rank ``rank`` of ``tp`` holds groups
+    ``[rank * G/tp, (rank+1) * G/tp)``, their heads and their B, C columns. Returns (its
+    channels of ``hidden_b_c`` / conv weight, bias and state; its head slice of dt, A_log,
+    D, dt_bias, ``ssm_state`` and the output). tp must divide the groups."""
+    if n_groups % tp:
+        raise ValueError(f"mamba2_ssm head shard: tp={tp} does not divide n_groups={n_groups}")
+    g_local, h_local = n_groups // tp, num_heads // tp
+    inner = num_heads * head_dim
+    x = torch.arange(rank * h_local * head_dim, (rank + 1) * h_local * head_dim)
+    bc = torch.arange(rank * g_local * state_size, (rank + 1) * g_local * state_size)
+    channels = torch.cat([x, inner + bc, inner + n_groups * state_size + bc])
+    return channels, slice(rank * h_local, (rank + 1) * h_local)
+
+
 DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
                   torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl}

@@ -119,3 +119,30 @@ def test_the_op_on_a_head_shard_is_that_shard_of_the_op(tp):
                                   head_v_dim=dv)
         assert torch.equal(o, out[:, :, heads]) or (o - out[:, :, heads]).abs().max() < 1e-6
         assert (c - conv[:, ch]).abs().max() < 1e-6 and (r - rec[:, heads]).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda t: f"tp={t}")
+def test_mamba2_on_a_group_shard_is_that_shard_of_the_op(tp):
+    """Mamba2 cut by groups (their heads and B, C columns) is exact, 8 heads in 4 groups."""
+    from dcp_compile.runtime.kernels.recurrent import mamba2_head_shard, mamba2_ssm
+    gen = torch.Generator().manual_seed(2)
+    B, S, G, H, P, N, K = 2, 5, 4, 8, 3, 4, 4
+    C = H * P + 2 * G * N
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    full = dict(hidden_b_c=r(B, S, C), dt=r(B, S, H), conv_weight=r(C, K), conv_bias=r(C),
+                A_log=r(H) * 0.2, D=r(H), dt_bias=r(H), conv_state=r(3, C, K - 1),
+                ssm_state=r(3, H, P, N))
+    rows = dict(state_slot=torch.tensor([1, 0]), fresh=torch.tensor([False, True]),
+                lengths=torch.tensor([5, 2]), head_dim=P, state_size=N, activation="silu",
+                dt_min=0.0, dt_max=float("inf"))
+    out, conv, ssm = mamba2_ssm(**full, **rows, n_groups=G)
+    for rank in range(tp):
+        ch, heads = mamba2_head_shard(G, H, P, N, tp, rank)
+        local = dict(hidden_b_c=full["hidden_b_c"][..., ch], dt=full["dt"][..., heads],
+                     conv_weight=full["conv_weight"][ch], conv_bias=full["conv_bias"][ch],
+                     A_log=full["A_log"][heads], D=full["D"][heads],
+                     dt_bias=full["dt_bias"][heads], conv_state=full["conv_state"][:, ch],
+                     ssm_state=full["ssm_state"][:, heads])
+        o, c, s = mamba2_ssm(**local, **rows, n_groups=G // tp)
+        assert (o - out[:, :, heads]).abs().max() < 1e-6
+        assert (c - conv[:, ch]).abs().max() < 1e-6 and (s - ssm[:, heads]).abs().max() < 1e-6

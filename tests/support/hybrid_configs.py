@@ -15,6 +15,8 @@ from hf_corpus import MOE, TINY
 _LAYERS = 4
 _QWEN_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
                  linear_value_head_dim=8, linear_conv_kernel_dim=4)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+               mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)
 
 _HYBRID = {
     "qwen3_next": dict(**MOE, **_QWEN_GDN, num_hidden_layers=_LAYERS,
@@ -22,9 +24,10 @@ _HYBRID = {
     "qwen3_5_text": dict(**_QWEN_GDN, num_hidden_layers=_LAYERS,
                          layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2)),
     # Mamba2 + attention; chunk size 4 so the model's own SSD scan runs several chunks
-    "bamba": dict(num_hidden_layers=_LAYERS, attn_layer_indices=[1, 3], mamba_n_heads=8,
-                  mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
-                  mamba_expand=2, mamba_chunk_size=4),
+    "bamba": dict(**_MAMBA2, num_hidden_layers=_LAYERS, attn_layer_indices=[1, 3]),
+    # Granite-4-H: Bamba's mixer, granite's MoE and scalings
+    "granitemoehybrid": dict(**MOE, **_MAMBA2, num_hidden_layers=_LAYERS,
+                             layer_types=["mamba", "attention"] * (_LAYERS // 2)),
 }
 
 HYBRID_TYPES = tuple(_HYBRID)
