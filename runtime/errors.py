@@ -64,6 +64,12 @@ class DCPLengthDependentError(DCPTransformError):
     ``max_model_len``: keys already cached cannot follow a change of that function."""
 
 
+class DCPHybridError(DCPTransformError):
+    """A hybrid (recurrent + attention) model asks for what its recurrent state cannot give
+    yet (a DCP program, speculative steps, prefix caching), or its recurrent mixer's code is
+    not the code the module swap was written against (docs/hybrid.md)."""
+
+
 class DCPCompilerBug(DCPError):
     """A non-DCPError exception escaped a pass or a frontend: a bug in dcp_compile, not a
     refusal. ``stage`` names the pass or frontend step, ``original`` is the exception."""

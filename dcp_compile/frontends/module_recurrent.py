@@ -27,13 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dcp_compile.frontends.module_experts import source_hash
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels import recurrent as _recurrent  # noqa: F401 - registers the ops
-
-
-class DCPHybridError(DCPTransformError):
-    """A hybrid (recurrent + attention) model asks for something the recurrent state cannot
-    give yet, or its mixer's code is not the code the swap was written against."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +193,9 @@ RULES = (
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head)),
     RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
                   {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
+    RecurrentRule(f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet",
+                  {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dcp_compile.frontends import module_recurrent as mr
-from dcp_compile.frontends.module_recurrent import (DCPHybridError, allocate_states,
-                                                    recurrent_as_ops, recurrent_layers,
-                                                    refuse_hybrid)
+from dcp_compile.frontends.module_recurrent import (allocate_states, recurrent_as_ops,
+                                                    recurrent_layers, refuse_hybrid)
+from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import garbage_state_slot, state_rows
 from hybrid_configs import HYBRID_TYPES, build_hybrid
 

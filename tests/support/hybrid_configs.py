@@ -21,6 +21,8 @@ _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state
 _HYBRID = {
     "qwen3_next": dict(**MOE, **_QWEN_GDN, num_hidden_layers=_LAYERS,
                        layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2)),
+    "qwen3_5_moe_text": dict(**MOE, **_QWEN_GDN, num_hidden_layers=_LAYERS,
+                             layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2)),
     "qwen3_5_text": dict(**_QWEN_GDN, num_hidden_layers=_LAYERS,
                          layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2)),
     # Mamba2 + attention; chunk size 4 so the model's own SSD scan runs several chunks
