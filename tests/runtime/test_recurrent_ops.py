@@ -1,0 +1,93 @@
+"""The recurrent ops (runtime/kernels/recurrent.py) drawn at random: any split of each row's
+tokens into chunks, rows of any lengths (0 included: a padding row) packed in one batch, any
+slots, gives the outputs and end states of the whole sequence run at once; slots no row
+names keep their bytes; a padding row changes only the garbage slot."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_compile.runtime.kernels.recurrent import gated_delta_net, mamba2_ssm
+
+SLOTS, K = 5, 3
+
+
+def _gdn(gen, B, S):
+    nk, dk, nv, dv = 1, 4, 2, 3
+    C = 2 * nk * dk + nv * dv
+    data = dict(x=torch.randn(B, S, C, generator=gen), g=-torch.rand(B, S, nv, generator=gen),
+                beta=torch.rand(B, S, nv, generator=gen))
+    weight = torch.randn(C, K, generator=gen)
+    shapes = ((C, K - 1), (nv, dk, dv))
+
+    def run(d, conv, rec, slot, fresh, lengths):
+        return gated_delta_net(d["x"], d["g"], d["beta"], weight, conv, rec, slot, fresh,
+                               lengths, nk, dk, dv)
+    return data, shapes, run
+
+
+def _mamba2(gen, B, S):
+    G, H, P, N = 2, 4, 2, 3
+    C = H * P + 2 * G * N
+    data = dict(x=torch.randn(B, S, C, generator=gen), dt=torch.randn(B, S, H, generator=gen))
+    w = dict(conv_weight=torch.randn(C, K, generator=gen), conv_bias=torch.randn(C, generator=gen),
+             A_log=0.3 * torch.randn(H, generator=gen), D=torch.randn(H, generator=gen),
+             dt_bias=torch.randn(H, generator=gen))
+    shapes = ((C, K - 1), (H, P, N))
+
+    def run(d, conv, rec, slot, fresh, lengths):
+        return mamba2_ssm(d["x"], d["dt"], w["conv_weight"], w["conv_bias"], w["A_log"], w["D"],
+                          w["dt_bias"], conv, rec, slot, fresh, lengths, G, P, N, "silu", 0.0,
+                          float("inf"))
+    return data, shapes, run
+
+
+@st.composite
+def cases(draw):
+    op = draw(st.sampled_from([_gdn, _mamba2]))
+    lengths = draw(st.lists(st.integers(0, 7), min_size=1, max_size=3))
+    chunk = draw(st.integers(1, 4))
+    slots = draw(st.permutations(range(SLOTS)))[:len(lengths)]
+    seed = draw(st.integers(0, 2 ** 16))
+    return op, lengths, chunk, slots, seed
+
+
+@settings(max_examples=40, derandomize=True, deadline=None, database=None)
+@given(cases())
+def test_chunks_with_carried_state_equal_the_whole_sequence(case):
+    op, lengths, chunk, slots, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    B, S = len(lengths), max(max(lengths), 1)
+    data, (conv_shape, rec_shape), run = op(gen, B, S)
+    lengths_t = torch.tensor(lengths)
+    # padding rows (length 0) name no slot
+    slot_t = torch.tensor([s if n else -1 for s, n in zip(slots, lengths)])
+    conv0 = torch.randn(SLOTS + 1, *conv_shape, generator=gen)
+    rec0 = torch.randn(SLOTS + 1, *rec_shape, generator=gen)
+    # whole sequence, one step
+    out, conv_w, rec_w = run(data, conv0, rec0, slot_t, torch.ones(B, dtype=torch.bool),
+                             lengths_t)
+    # chunk by chunk, the state carried in each row's slot
+    conv, rec, start, pieces = conv0, rec0, torch.zeros(B, dtype=torch.int64), []
+    while bool((start < lengths_t).any()):
+        n = (lengths_t - start).clamp(min=0, max=chunk)
+        idx = (start[:, None] + torch.arange(chunk)[None, :]).clamp(max=S - 1)
+        piece = {k: torch.stack([v[b, idx[b]] for b in range(B)]) for k, v in data.items()}
+        o, conv, rec = run(piece, conv, rec, torch.where(n > 0, slot_t, -1), start == 0, n)
+        pieces.append((start.clone(), n, o))
+        start = start + n
+    for b, total in enumerate(lengths):
+        if total:
+            got = torch.cat([o[b, :n[b]] for _, n, o in pieces])
+            assert (got - out[b, :total]).abs().max() < 1e-4, (b, lengths, chunk)
+        assert (out[b, total:] == 0).all()          # padding tokens: no output
+    named = {s for s, n in zip(slots, lengths) if n}
+    for s in range(SLOTS):
+        if s in named:
+            assert (conv[s] - conv_w[s]).abs().max() < 1e-4
+            assert (rec[s] - rec_w[s]).abs().max() < 1e-4
+        else:
+            assert torch.equal(conv_w[s], conv0[s]) and torch.equal(rec_w[s], rec0[s])
+            assert torch.equal(conv[s], conv0[s]) and torch.equal(rec[s], rec0[s])
