@@ -36,7 +36,7 @@ class StateShape:
     """One recurrent layer's state, per sequence: conv ``[C, K-1]``, recurrence ``[Hv, dk, dv]``."""
 
     conv: tuple[int, int]
-    rec: tuple[int, int, int]
+    rec: tuple[int, int, int] | None      # None: a convolution only (LFM2)
 
 
 @dataclass
@@ -134,6 +134,29 @@ def _mamba2_forward(m: nn.Module, states: RecurrentStates) -> Callable:
     return forward
 
 
+def _short_conv_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.conv.in_channels, m.conv_kernel_size - 1), rec=None)
+
+
+def _short_conv_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """LFM2's short-conv forward with its convolution as ``dcp.short_conv`` over ``states``;
+    the model's own gates and projections."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        BCx = m.in_proj(hidden_states).transpose(-1, -2)
+        B, C, x = BCx.chunk(3, dim=-2)
+        hidden_states = B * x
+        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
+            hidden_states.transpose(-1, -2), m.conv.weight.squeeze(1), m.conv.bias,
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        y = C * conv_out.transpose(-1, -2)
+        y = y.transpose(-1, -2).contiguous()
+        return m.out_proj(y)
+    return forward
+
+
 @dataclass(frozen=True)
 class RecurrentRule:
     """One mixer class: its module path and name, the functions whose source the swap relies
@@ -178,6 +201,11 @@ _GDN_FUNCTIONS = {"torch_recurrent_gated_delta_rule": "4bd6ffbdddc0",
                   "causal_conv1d_update": "bac68342342b",
                   "l2norm": "4b6bd3dc1d2f",
                   "apply_mask_to_padding_states": "ac70fe1177ec"}
+# The causal conv functions and the padding mask (identical source in every family here).
+_CONV_FUNCTIONS = {"causal_conv1d_forward": "80c94f801beb",
+                   "causal_conv1d_fn": "f932149bdf42",
+                   "causal_conv1d_update": "bac68342342b",
+                   "apply_mask_to_padding_states": "ac70fe1177ec"}
 # The same for the Mamba2 mixers (identical source in bamba and granitemoehybrid).
 _MAMBA2_FUNCTIONS = {"mamba2_chunk_scan": "8f4198702b90",
                      "mamba2_selective_state_update": "084055312cd5",
@@ -208,6 +236,12 @@ RULES = (
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _mamba2_forward),
+    RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
+                  {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
+                  _short_conv_shape, _short_conv_forward),
+    RecurrentRule(f"{_TF}.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv",
+                  {"Lfm2MoeShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
+                  _short_conv_shape, _short_conv_forward),
 )
 
 
@@ -243,8 +277,9 @@ def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,
         shape = rule.state(m)
         states.conv[m.layer_idx] = torch.zeros(num_slots + 1, *shape.conv, dtype=dtype,
                                                device=device)
-        states.rec[m.layer_idx] = torch.zeros(num_slots + 1, *shape.rec, dtype=torch.float32,
-                                              device=device)
+        if shape.rec is not None:
+            states.rec[m.layer_idx] = torch.zeros(num_slots + 1, *shape.rec,
+                                                  dtype=torch.float32, device=device)
     return states
 
 

@@ -23,6 +23,8 @@ Ops:
                        selective scan S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,
                        y_t = S_t C_t + D x_t, dt_t = clamp(softplus(dt + dt_bias), limits),
                        B and C shared by the heads of a group.
+  dcp.short_conv       LFM2's short convolution: the depthwise causal conv alone (no
+                       activation), its state the last K-1 inputs.
   dcp.gated_delta_net  Gated DeltaNet (Qwen3-Next / Qwen3.5): conv1d + SiLU over
                        [q | k | v] channels, l2-normalised q and k, the gated delta rule
                        S_t = a_t S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T, o_t = S_t^T q_t / sqrt(dk)
@@ -184,6 +186,32 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
     return channels, slice(rank * v_local, (rank + 1) * v_local)
 
 
+def _short_conv_impl(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+                     conv_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                     lengths: Tensor) -> tuple[Tensor, Tensor]:
+    rows = state_rows(conv_state, state_slot)
+    usable = rows != garbage_state_slot(conv_state)
+    valid = torch.arange(x.shape[1], device=x.device)[None, :] < lengths.view(-1, 1)
+    conv_in = _read_state(conv_state, rows, fresh, usable)
+    out, new = causal_conv_chunk(x, conv_in, conv_weight, lengths, "identity", conv_bias)
+    out = torch.where(valid[..., None], out, torch.zeros_like(out))
+    return out, conv_state.index_put((rows,), new.to(conv_state.dtype))
+
+
+@dcp_op("short_conv", mutates_args=())
+def short_conv(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, conv_state: Tensor,
+               state_slot: Tensor, fresh: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """A depthwise causal convolution over a chunk (module doc): x [B, S, C], conv_weight
+    [C, K], conv_bias [C] or None, conv_state [slots + 1, C, K-1] and the rows as in
+    dcp.gated_delta_net. Returns (out [B, S, C], conv_state')."""
+    return _short_conv_impl(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths)
+
+
+@short_conv.register_fake
+def _(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths):
+    return torch.empty_like(x), torch.empty_like(conv_state)
+
+
 # dcp.mamba2_ssm's operands in schema order.
 MAMBA2_OPERANDS = ("hidden_b_c", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias",
                    "conv_state", "ssm_state", "state_slot", "fresh", "lengths", "n_groups",
@@ -275,4 +303,5 @@ def mamba2_head_shard(n_groups: int, num_heads: int, head_dim: int, state_size: 
 
 
 DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
-                  torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl}
+                  torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl,
+                  torch.ops.dcp.short_conv.default: _short_conv_impl}

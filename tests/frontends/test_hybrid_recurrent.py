@@ -14,7 +14,7 @@ from dcp_compile.frontends.module_recurrent import (allocate_states, recurrent_a
                                                     recurrent_layers, refuse_hybrid)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import garbage_state_slot, state_rows
-from hybrid_configs import HYBRID_TYPES, build_hybrid
+from hybrid_configs import ATTENTION_KINDS, HYBRID_TYPES, build_hybrid
 
 TOL = 1e-4
 
@@ -33,7 +33,7 @@ def test_every_recurrent_layer_is_found(model):
     kinds = model.config.layer_types
     layers = recurrent_layers(model)
     assert [m.layer_idx for _, m, _ in layers] == [i for i, k in enumerate(kinds)
-                                                   if k == "linear_attention"]
+                                                   if k not in ATTENTION_KINDS]
 
 
 # Mixed prompt lengths around the conv kernel K=4 (3, 4, 5) and an 8, right-padded in one batch.
@@ -51,8 +51,8 @@ def test_whole_model_matches_its_own_forward(model):
     states.step(list(range(len(LENGTHS))), [True] * len(LENGTHS), LENGTHS)
     with recurrent_as_ops(model, states):
         got = model(ids, use_cache=False).logits
-    for layer, rec in states.rec.items():     # the op ran: every row's slot holds a state
-        assert all(rec[b].abs().max() > 0 for b in range(len(LENGTHS))), layer
+    for layer, conv in states.conv.items():   # the op ran: every row's slot holds a state
+        assert all(conv[b].abs().max() > 0 for b in range(len(LENGTHS))), layer
     for b, n in enumerate(LENGTHS):
         want = model(ids[b:b + 1, :n], use_cache=False).logits[0]
         err = (got[b, :n] - want).abs().max().item()
@@ -92,7 +92,7 @@ def test_mixer_chunks_carry_the_state(model, chunks):
         assert err < TOL, f"row {b} (len={lengths[b]}), chunks {chunks}: max error {err}"
     # slot 1 was given to no row: still zeros
     layer = m.layer_idx
-    assert states.rec[layer][1].abs().max() == 0 and states.conv[layer][1].abs().max() == 0
+    assert all(d[layer][1].abs().max() == 0 for d in (states.conv, states.rec) if layer in d)
 
 
 @torch.no_grad()
@@ -103,20 +103,21 @@ def test_padding_rows_write_only_the_garbage_slot(model):
     states = allocate_states(model, num_slots=3)
     layer = m.layer_idx
     gen = torch.Generator().manual_seed(3)
-    for d in (states.conv, states.rec):
+    caches = [d for d in (states.conv, states.rec) if layer in d]
+    for d in caches:
         d[layer] = torch.randn(d[layer].shape, generator=gen)
-    before = {k: v.clone() for k, v in ((0, states.rec[layer]), (1, states.conv[layer]))}
+    before = [d[layer].clone() for d in caches]
     x = torch.randn(3, 2, model.config.hidden_size, generator=gen)
     states.step([1, -1, 7], [False, False, False], [2, 2, 2])
     with recurrent_as_ops(model, states):
         m(x)
-    g = garbage_state_slot(states.rec[layer])
-    for slot in (0, 2):
-        assert torch.equal(states.rec[layer][slot], before[0][slot])
-        assert torch.equal(states.conv[layer][slot], before[1][slot])
-    assert not torch.equal(states.rec[layer][1], before[0][1])
-    assert not torch.equal(states.rec[layer][g], before[0][g])
-    assert state_rows(states.rec[layer], torch.tensor([1, -1, 7])).tolist() == [1, g, g]
+    g = garbage_state_slot(states.conv[layer])
+    for d, old in zip(caches, before):
+        for slot in (0, 2):
+            assert torch.equal(d[layer][slot], old[slot])
+        assert not torch.equal(d[layer][1], old[1])
+        assert not torch.equal(d[layer][g], old[g])
+    assert state_rows(states.conv[layer], torch.tensor([1, -1, 7])).tolist() == [1, g, g]
     # fresh: the row's slot holds garbage from a finished sequence; it reads zeros
     states.step([1], [True], [2])
     with recurrent_as_ops(model, states):

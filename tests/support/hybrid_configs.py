@@ -30,7 +30,14 @@ _HYBRID = {
     # Granite-4-H: Bamba's mixer, granite's MoE and scalings
     "granitemoehybrid": dict(**MOE, **_MAMBA2, num_hidden_layers=_LAYERS,
                              layer_types=["mamba", "attention"] * (_LAYERS // 2)),
+    # LFM2: short convolutions (conv state only) beside attention; dense and MoE
+    "lfm2": dict(num_hidden_layers=_LAYERS, layer_types=["conv", "full_attention"] * (_LAYERS // 2)),
+    "lfm2_moe": dict(**MOE, num_hidden_layers=_LAYERS,
+                     layer_types=["conv", "full_attention"] * (_LAYERS // 2)),
 }
+
+# The layer kinds of the configs above that are attention (the others are recurrent).
+ATTENTION_KINDS = ("full_attention", "attention")
 
 HYBRID_TYPES = tuple(_HYBRID)
 
