@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from dcp_compile.frontends.module_experts import source_hash
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels import recurrent as _recurrent  # noqa: F401 - registers the ops
+from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
 @dataclass(frozen=True)
@@ -269,17 +270,26 @@ def recurrent_layers(model: nn.Module) -> list[tuple[str, nn.Module, RecurrentRu
             if (rule := _rule_of(m)) is not None]
 
 
-def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,
-                    device=None) -> RecurrentStates:
-    """Zeroed state caches for ``num_slots`` sequences (+ the garbage slot) per recurrent layer."""
-    states = RecurrentStates()
+def state_spec(model: nn.Module, num_slots: int, *, tp: int = 1,
+               dtype=torch.float32) -> StateCacheSpec:
+    """The state cache of ``model``'s recurrent layers for ``num_slots`` sequences, channels
+    and heads cut ``tp`` ways (runtime/serving/state_cache.py); the recurrence in fp32."""
+    layers = []
     for _, m, rule in recurrent_layers(model):
         shape = rule.state(m)
-        states.conv[m.layer_idx] = torch.zeros(num_slots + 1, *shape.conv, dtype=dtype,
-                                               device=device)
-        if shape.rec is not None:
-            states.rec[m.layer_idx] = torch.zeros(num_slots + 1, *shape.rec,
-                                                  dtype=torch.float32, device=device)
+        layers.append(StateLayer(m.layer_idx, shape.conv, shape.rec))
+    return StateCacheSpec(tuple(layers), num_slots, tp, conv_dtype=dtype)
+
+
+def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,
+                    device=None) -> RecurrentStates:
+    """Zeroed state caches for ``num_slots`` sequences (+ the garbage slot) per recurrent
+    layer, one device (``state_spec`` at tp=1)."""
+    states = RecurrentStates()
+    for layer, (conv, rec) in state_spec(model, num_slots, dtype=dtype).allocate(device).items():
+        states.conv[layer] = conv
+        if rec is not None:
+            states.rec[layer] = rec
     return states
 
 

@@ -146,3 +146,21 @@ def test_mamba2_on_a_group_shard_is_that_shard_of_the_op(tp):
         o, c, s = mamba2_ssm(**local, **rows, n_groups=G // tp)
         assert (o - out[:, :, heads]).abs().max() < 1e-6
         assert (c - conv[:, ch]).abs().max() < 1e-6 and (s - ssm[:, heads]).abs().max() < 1e-6
+
+
+def test_the_state_cache_is_replicated_over_dcp_and_cut_by_tp():
+    """Bytes per rank: the same for every dcp (nothing in the spec depends on it), 1/tp of the
+    replicated cache when heads are cut, the garbage slot counted; a tp that does not divide
+    the heads is refused by name."""
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
+    layers = (StateLayer(0, (96, 3), (8, 16, 16)), StateLayer(2, (64, 2)))   # GDN, short conv
+    one = StateCacheSpec(layers, num_slots=7)
+    assert one.bytes_per_rank() == 8 * 4 * (96 * 3 + 8 * 16 * 16 + 64 * 2)
+    assert StateCacheSpec(layers, num_slots=7, tp=4).bytes_per_rank() * 4 == one.bytes_per_rank()
+    caches = StateCacheSpec(layers, num_slots=7, tp=2).allocate()
+    assert caches[0][0].shape == (8, 48, 3) and caches[0][1].shape == (8, 4, 16, 16)
+    assert caches[2][1] is None and caches[2][0].shape == (8, 32, 2)
+    with pytest.raises(DCPConfigError, match=r"tp=3 does not divide layer 0: heads 8, "
+                                             r"layer 2: conv channels 64"):
+        StateCacheSpec(layers, num_slots=7, tp=3)
