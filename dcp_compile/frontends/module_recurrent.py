@@ -181,15 +181,15 @@ def _original(fn):
     return fn
 
 
-def _pins(module: str, cls: str, names: tuple[str, ...]) -> Callable[[], dict[str, Callable]]:
-    def functions():
-        mod = sys.modules.get(module) or __import__(module, fromlist=["_"])
+def _pinned_functions(module: str, names: tuple[str, ...]) -> dict[str, Callable]:
+    """The functions a rule pins, by name in ``module`` ("Class.method" or a module-level
+    function, unwrapped from transformers' kernel-hub wrapper)."""
+    mod = sys.modules.get(module) or __import__(module, fromlist=["_"])
 
-        def find(n):
-            owner, _, attr = n.rpartition(".")
-            return getattr(getattr(mod, owner), attr) if owner else _original(getattr(mod, n))
-        return {n: find(n) for n in names}
-    return functions
+    def find(n):
+        owner, _, attr = n.rpartition(".")
+        return getattr(getattr(mod, owner), attr) if owner else _original(getattr(mod, n))
+    return {n: find(n) for n in names}
 
 
 _TF = "transformers.models"
@@ -252,7 +252,7 @@ def _rule_of(m: nn.Module) -> RecurrentRule | None:
 
 
 def _check_pins(rule: RecurrentRule, where: str) -> None:
-    functions = _pins(rule.module, rule.cls, tuple(rule.pinned))()
+    functions = _pinned_functions(rule.module, tuple(rule.pinned))
     for name, expected in rule.pinned.items():
         got = source_hash(functions[name])
         if got != expected:
