@@ -312,7 +312,8 @@ def recurrent_as_ops(model: nn.Module, states: RecurrentStates):
 # What a hybrid model cannot do yet, by name (docs/hybrid.md).
 UNSUPPORTED = {
     "speculative": "speculative (width-K) decode needs a state snapshot per draft position, so "
-                   "that a rejected draft rolls the recurrent state back; none is kept yet",
+                   "that a rejected draft rolls the recurrent state back; the ops keep them "
+                   "(snapshot_slot), no program or engine passes them yet",
     "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
                       "boundaries; a cached prefix's KV alone cannot restore it",
     "dcp_program": "the state caches are not yet inputs of a DCP program (the op, its state "

@@ -49,7 +49,7 @@ CONV_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "identity": lambda x: x}
 # dcp.gated_delta_net's operands in schema order.
 GDN_OPERANDS = ("mixed_qkv", "g", "beta", "conv_weight", "conv_state", "rec_state",
                 "state_slot", "fresh", "lengths", "num_k_heads", "head_k_dim", "head_v_dim",
-                "activation")
+                "activation", "snapshot_slot")
 GDN_ARG = {name: i for i, name in enumerate(GDN_OPERANDS)}
 
 
@@ -73,17 +73,30 @@ def _read_state(cache: Tensor, rows: Tensor, fresh: Tensor, usable: Tensor) -> T
     return torch.where(keep, state, torch.zeros_like(state))
 
 
+def _write_states(cache: Tensor, rows: Tensor, end: Tensor, snapshot_slot: Tensor | None,
+                  per_token: Tensor | None) -> Tensor:
+    """``cache`` with each row's end state at its row, then (speculative steps) the state
+    after token t of row b at ``snapshot_slot[b, t]`` (-1: none; the garbage slot)."""
+    cache = cache.index_put((rows,), end.to(cache.dtype))
+    if snapshot_slot is None:
+        return cache
+    at = state_rows(cache, snapshot_slot.reshape(-1))
+    return cache.index_put((at,), per_token.reshape(-1, *per_token.shape[2:]).to(cache.dtype))
+
+
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """transformers' l2norm (FLA's convention): x * rsqrt(sum(x^2) + eps)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tensor,
-                      activation: str, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      activation: str, bias: Tensor | None = None, *,
+                      per_token: bool = False):
     """Depthwise causal convolution of a chunk after its incoming state.
 
-    x [B, S, C], conv_state [B, C, K-1], weight [C, K], bias [C] or None. Returns (out [B, S, C], the last K-1
-    inputs up to each row's last real token [B, C, K-1])."""
+    x [B, S, C], conv_state [B, C, K-1], weight [C, K], bias [C] or None. Returns
+    (out [B, S, C], the last K-1 inputs up to each row's last real token [B, C, K-1]) and,
+    ``per_token``, the state after every token [B, S, C, K-1]."""
     B, S, C = x.shape
     K = weight.shape[-1]
     full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)      # [B, C, K-1+S]
@@ -96,16 +109,19 @@ def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Te
     # full[..., lengths]; lengths = 0 keeps the incoming state.
     idx = lengths.long().view(B, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
     new_state = full.gather(-1, idx.expand(B, C, K - 1))
+    if per_token:   # the state after each token t: full[..., t+1 : t+K]   -> [B, S, C, K-1]
+        return out, new_state, full.unfold(-1, K - 1, 1)[:, :, 1:S + 1].permute(0, 2, 1, 3)
     return out, new_state
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-                     valid: Tensor) -> tuple[Tensor, Tensor]:
+                     valid: Tensor, *, per_token: bool = False):
     """The gated delta rule, token by token (fp32).
 
     q, k [B, S, Hv, dk] (normalised, q scaled), v [B, S, Hv, dv], g, beta [B, S, Hv],
-    state [B, Hv, dk, dv], valid [B, S] bool. Returns (o [B, S, Hv, dv], state')."""
-    outs = []
+    state [B, Hv, dk, dv], valid [B, S] bool. Returns (o [B, S, Hv, dv], state') and,
+    ``per_token``, the state after every token [B, S, Hv, dk, dv]."""
+    outs, states = [], []
     for t in range(q.shape[1]):
         decayed = state * g[:, t].exp()[..., None, None]
         kv_mem = (decayed * k[:, t, :, :, None]).sum(dim=-2)                   # [B, Hv, dv]
@@ -115,21 +131,27 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
         state = torch.where(keep, new, state)
         o = (new * q[:, t, :, :, None]).sum(dim=-2)
         outs.append(torch.where(keep[..., 0], o, torch.zeros_like(o)))
+        states.append(state)
+    if per_token:
+        return torch.stack(outs, dim=1), state, torch.stack(states, dim=1)
     return torch.stack(outs, dim=1), state
 
 
 def _gated_delta_net_impl(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
                           conv_state: Tensor, rec_state: Tensor, state_slot: Tensor,
                           fresh: Tensor, lengths: Tensor, num_k_heads: int, head_k_dim: int,
-                          head_v_dim: int, activation: str) -> tuple[Tensor, Tensor, Tensor]:
+                          head_v_dim: int, activation: str,
+                          snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     B, S, C = mixed_qkv.shape
+    snap = snapshot_slot is not None
     num_v_heads = g.shape[-1]
     key_dim = num_k_heads * head_k_dim
     rows = state_rows(rec_state, state_slot)
     usable = rows != garbage_state_slot(rec_state)
     valid = torch.arange(S, device=mixed_qkv.device)[None, :] < lengths.view(-1, 1)
     conv_in = _read_state(conv_state, rows, fresh, usable)
-    conv_out, conv_new = causal_conv_chunk(mixed_qkv, conv_in, conv_weight, lengths, activation)
+    conv_out, conv_new, *conv_each = causal_conv_chunk(mixed_qkv, conv_in, conv_weight, lengths,
+                                                       activation, per_token=snap)
     q, k, v = torch.split(conv_out, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
     q = q.reshape(B, S, num_k_heads, head_k_dim).float()
     k = k.reshape(B, S, num_k_heads, head_k_dim).float()
@@ -140,9 +162,10 @@ def _gated_delta_net_impl(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weigh
     q = _l2norm(q) * head_k_dim ** -0.5
     k = _l2norm(k)
     state = _read_state(rec_state, rows, fresh, usable).float()
-    out, state = gated_delta_rule(q, k, v, g.float(), beta.float(), state, valid)
-    new_conv = conv_state.index_put((rows,), conv_new.to(conv_state.dtype))
-    new_rec = rec_state.index_put((rows,), state.to(rec_state.dtype))
+    out, state, *rec_each = gated_delta_rule(q, k, v, g.float(), beta.float(), state, valid,
+                                             per_token=snap)
+    new_conv = _write_states(conv_state, rows, conv_new, snapshot_slot, *conv_each or [None])
+    new_rec = _write_states(rec_state, rows, state, snapshot_slot, *rec_each or [None])
     return out.to(mixed_qkv.dtype), new_conv, new_rec
 
 
@@ -150,19 +173,21 @@ def _gated_delta_net_impl(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weigh
 def gated_delta_net(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
                     conv_state: Tensor, rec_state: Tensor, state_slot: Tensor, fresh: Tensor,
                     lengths: Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-                    activation: str = "silu") -> tuple[Tensor, Tensor, Tensor]:
+                    activation: str = "silu", snapshot_slot: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
     """Gated DeltaNet's core over a chunk (module doc): mixed_qkv [B, S, C] (the projected
     [q | k | v] before the convolution), g, beta [B, S, Hv], conv_weight [C, K]; the state
     caches, each row's state slot [B] int64 (-1: padding row), fresh [B] bool, lengths [B].
+    ``snapshot_slot [B, S]`` (speculative steps): where the state after each token is kept.
     Returns (core output [B, S, Hv, dv], conv_state', rec_state')."""
     return _gated_delta_net_impl(mixed_qkv, g, beta, conv_weight, conv_state, rec_state,
                                  state_slot, fresh, lengths, num_k_heads, head_k_dim,
-                                 head_v_dim, activation)
+                                 head_v_dim, activation, snapshot_slot)
 
 
 @gated_delta_net.register_fake
 def _(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot, fresh, lengths,
-      num_k_heads, head_k_dim, head_v_dim, activation="silu"):
+      num_k_heads, head_k_dim, head_v_dim, activation="silu", snapshot_slot=None):
     B, S, _ = mixed_qkv.shape
     return (mixed_qkv.new_empty(B, S, g.shape[-1], head_v_dim), torch.empty_like(conv_state),
             torch.empty_like(rec_state))
@@ -188,41 +213,46 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
 
 def _short_conv_impl(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
                      conv_state: Tensor, state_slot: Tensor, fresh: Tensor,
-                     lengths: Tensor) -> tuple[Tensor, Tensor]:
+                     lengths: Tensor, snapshot_slot: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
     rows = state_rows(conv_state, state_slot)
     usable = rows != garbage_state_slot(conv_state)
     valid = torch.arange(x.shape[1], device=x.device)[None, :] < lengths.view(-1, 1)
     conv_in = _read_state(conv_state, rows, fresh, usable)
-    out, new = causal_conv_chunk(x, conv_in, conv_weight, lengths, "identity", conv_bias)
+    out, new, *each = causal_conv_chunk(x, conv_in, conv_weight, lengths, "identity", conv_bias,
+                                        per_token=snapshot_slot is not None)
     out = torch.where(valid[..., None], out, torch.zeros_like(out))
-    return out, conv_state.index_put((rows,), new.to(conv_state.dtype))
+    return out, _write_states(conv_state, rows, new, snapshot_slot, *each or [None])
 
 
 @dcp_op("short_conv", mutates_args=())
 def short_conv(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, conv_state: Tensor,
-               state_slot: Tensor, fresh: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+               state_slot: Tensor, fresh: Tensor, lengths: Tensor,
+               snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """A depthwise causal convolution over a chunk (module doc): x [B, S, C], conv_weight
     [C, K], conv_bias [C] or None, conv_state [slots + 1, C, K-1] and the rows as in
     dcp.gated_delta_net. Returns (out [B, S, C], conv_state')."""
-    return _short_conv_impl(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths)
+    return _short_conv_impl(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths,
+                            snapshot_slot)
 
 
 @short_conv.register_fake
-def _(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths):
+def _(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths, snapshot_slot=None):
     return torch.empty_like(x), torch.empty_like(conv_state)
 
 
 # dcp.mamba2_ssm's operands in schema order.
 MAMBA2_OPERANDS = ("hidden_b_c", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias",
                    "conv_state", "ssm_state", "state_slot", "fresh", "lengths", "n_groups",
-                   "head_dim", "state_size", "activation", "dt_min", "dt_max")
+                   "head_dim", "state_size", "activation", "dt_min", "dt_max", "snapshot_slot")
 
 
 def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-                   state: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+                   state: Tensor, valid: Tensor, *, per_token: bool = False):
     """Mamba2's scan, token by token (fp32): x [B, S, H, P], dt [B, S, H] (discretised),
-    A, D [H], B, C [B, S, H, N] (per head), state [B, H, P, N], valid [B, S]."""
-    outs = []
+    A, D [H], B, C [B, S, H, N] (per head), state [B, H, P, N], valid [B, S]. Returns
+    (y, state') and, ``per_token``, the state after every token [B, S, H, P, N]."""
+    outs, states = [], []
     for t in range(x.shape[1]):
         dA = torch.exp(dt[:, t] * A)                                           # [B, H]
         new = state * dA[..., None, None] + \
@@ -231,6 +261,9 @@ def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
         state = torch.where(keep, new, state)
         y = (new * C[:, t, :, None, :]).sum(-1) + D[:, None] * x[:, t]         # [B, H, P]
         outs.append(torch.where(keep[..., 0], y, torch.zeros_like(y)))
+        states.append(state)
+    if per_token:
+        return torch.stack(outs, dim=1), state, torch.stack(states, dim=1)
     return torch.stack(outs, dim=1), state
 
 
@@ -238,16 +271,17 @@ def _mamba2_ssm_impl(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor,
                      conv_bias: Tensor | None, A_log: Tensor, D: Tensor, dt_bias: Tensor,
                      conv_state: Tensor, ssm_state: Tensor, state_slot: Tensor, fresh: Tensor,
                      lengths: Tensor, n_groups: int, head_dim: int, state_size: int,
-                     activation: str, dt_min: float, dt_max: float
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+                     activation: str, dt_min: float, dt_max: float,
+                     snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     Bsz, S, _ = hidden_b_c.shape
+    snap = snapshot_slot is not None
     H = dt.shape[-1]
     rows = state_rows(ssm_state, state_slot)
     usable = rows != garbage_state_slot(ssm_state)
     valid = torch.arange(S, device=dt.device)[None, :] < lengths.view(-1, 1)
     conv_in = _read_state(conv_state, rows, fresh, usable)
-    conv_out, conv_new = causal_conv_chunk(hidden_b_c, conv_in, conv_weight, lengths,
-                                           activation, conv_bias)
+    conv_out, conv_new, *conv_each = causal_conv_chunk(hidden_b_c, conv_in, conv_weight, lengths,
+                                                       activation, conv_bias, per_token=snap)
     x, B, C = torch.split(conv_out, [H * head_dim, n_groups * state_size,
                                      n_groups * state_size], dim=-1)
     x = x.reshape(Bsz, S, H, head_dim).float()
@@ -256,9 +290,10 @@ def _mamba2_ssm_impl(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor,
     step = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min, max=dt_max)
     A = -torch.exp(A_log.float())
     state = _read_state(ssm_state, rows, fresh, usable).float()
-    y, state = selective_scan(x, step, A, B, C, D.float(), state, valid)
-    new_conv = conv_state.index_put((rows,), conv_new.to(conv_state.dtype))
-    new_ssm = ssm_state.index_put((rows,), state.to(ssm_state.dtype))
+    y, state, *ssm_each = selective_scan(x, step, A, B, C, D.float(), state, valid,
+                                         per_token=snap)
+    new_conv = _write_states(conv_state, rows, conv_new, snapshot_slot, *conv_each or [None])
+    new_ssm = _write_states(ssm_state, rows, state, snapshot_slot, *ssm_each or [None])
     return y.to(hidden_b_c.dtype), new_conv, new_ssm
 
 
@@ -267,7 +302,8 @@ def mamba2_ssm(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: T
                A_log: Tensor, D: Tensor, dt_bias: Tensor, conv_state: Tensor,
                ssm_state: Tensor, state_slot: Tensor, fresh: Tensor, lengths: Tensor,
                n_groups: int, head_dim: int, state_size: int, activation: str, dt_min: float,
-               dt_max: float) -> tuple[Tensor, Tensor, Tensor]:
+               dt_max: float, snapshot_slot: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
     """Mamba2's core over a chunk (module doc): hidden_b_c [B, S, C] (the projected
     [x | B | C] before the convolution), dt [B, S, H] (before dt_bias and softplus), the
     conv weight [C, K] and bias, A_log, D, dt_bias [H]; the state caches (conv
@@ -275,12 +311,13 @@ def mamba2_ssm(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: T
     dcp.gated_delta_net. Returns (y [B, S, H, head_dim] with the D skip, conv', ssm')."""
     return _mamba2_ssm_impl(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias,
                             conv_state, ssm_state, state_slot, fresh, lengths, n_groups,
-                            head_dim, state_size, activation, dt_min, dt_max)
+                            head_dim, state_size, activation, dt_min, dt_max, snapshot_slot)
 
 
 @mamba2_ssm.register_fake
 def _(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state,
-      state_slot, fresh, lengths, n_groups, head_dim, state_size, activation, dt_min, dt_max):
+      state_slot, fresh, lengths, n_groups, head_dim, state_size, activation, dt_min, dt_max,
+      snapshot_slot=None):
     B, S, _ = hidden_b_c.shape
     return (hidden_b_c.new_empty(B, S, dt.shape[-1], head_dim), torch.empty_like(conv_state),
             torch.empty_like(ssm_state))

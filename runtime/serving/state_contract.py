@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.runtime.names import STATE_FRESH, STATE_SLOT
+from dcp_compile.runtime.names import STATE_FRESH, STATE_SLOT, STATE_SNAPSHOT_SLOT
 from dcp_compile.runtime.serving.contract_text import _el, _first, _more, _msg
 
 
@@ -82,3 +82,42 @@ def _state_fresh(c, s):
         "a row reads a zero state exactly when it starts its sequence (position 0): fresh "
         "later would drop the state, not fresh at 0 would read a finished sequence's state",
         "Set fresh = (positions[:, 0] == 0)")
+
+
+def _snapshot_slots(c, s):
+    if s.snapshot_slot is None:
+        return None
+    snap, pos = s.snapshot_slot, s.positions
+    if not isinstance(snap, torch.Tensor) or snap.dtype != torch.int64 or snap.shape != pos.shape:
+        got = (f"{snap.dtype} {list(snap.shape)}" if isinstance(snap, torch.Tensor)
+               else type(snap).__name__)
+        return (STATE_SNAPSHOT_SLOT,), _msg(
+            f"{STATE_SNAPSHOT_SLOT} is {got}", f"a width-K step's snapshot slots are an int64 "
+            f"tensor shaped like positions {list(pos.shape)}", "Pass one slot per token, -1 "
+            "where no snapshot is kept")
+    top = c.num_state_slots
+    named = snap >= 0
+    bad = (snap < -1) | (named & (pos < 0))
+    if top is not None:
+        bad |= snap >= top
+    hit = _first(bad)
+    if hit is not None:
+        (b, t), n = hit
+        why = "names a padding token" if int(snap[b, t]) >= 0 and int(pos[b, t]) < 0 else \
+            "is outside the state cache"
+        return (b, t), _msg(f"{_el(STATE_SNAPSHOT_SLOT, (b, t))} = {int(snap[b, t])}{_more(n)} "
+                            f"{why}", "a snapshot slot is a slot of the cache, or -1 (and -1 "
+                            "on padding)", "Give each draft position of a real row a free slot")
+    taken = snap[named]
+    if s.state_slot is not None:
+        taken = torch.cat([s.state_slot[s.state_slot >= 0], taken])
+    if taken.numel() != torch.unique(taken).numel():
+        values, counts = torch.unique(taken, return_counts=True)
+        dup = int(values[counts > 1][0])
+        where = _first(snap == dup)
+        return where[0], _msg(
+            f"{_el(STATE_SNAPSHOT_SLOT, where[0])} = {dup} is named twice in the step (by "
+            f"another snapshot or as a row's state slot)", "each snapshot keeps one "
+            "position's state: it never shares a slot with another snapshot or a live "
+            "sequence", "Give each snapshot its own free slot")
+    return None

@@ -18,7 +18,9 @@ shapes first, then block ids, then positions).
 A hybrid model's step also hands each row its recurrent-state slot and whether the row starts
 its sequence (``state_slot``, ``fresh``; runtime/kernels/recurrent.py). The ``state-*`` rules
 keep every row to its own sequence's state: a slot the cache has, one row per slot, no slot
-for a padding row and one for every real row, fresh exactly when the row starts at position 0.
+for a padding row and one for every real row, fresh exactly when the row starts at position 0;
+a width-K step's per-token snapshot slots (``snapshot_slot``) are slots the cache has, each
+named once in the step and by no row as its state slot, and none for a padding token.
 They run when the step carries these inputs (``StepInputs.state_slot``); a step of a model
 without recurrent layers has none.
 
@@ -38,10 +40,11 @@ import torch
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError, DCPTransformError
 from dcp_compile.runtime.garbage_block import LAST, check_garbage_block, garbage_block_id
 from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STATE_FRESH,
-                                      STATE_SLOT, STEP_INPUTS, StepKind)
+                                      STATE_SLOT, STATE_SNAPSHOT_SLOT, STEP_INPUTS, StepKind)
 from dcp_compile.runtime.serving.contract_text import _el, _first, _more, _msg
-from dcp_compile.runtime.serving.state_contract import (_shared_state_slot, _state_fresh,
-                                                        _state_slot_of_rows, _state_slot_range)
+from dcp_compile.runtime.serving.state_contract import (_shared_state_slot, _snapshot_slots,
+                                                        _state_fresh, _state_slot_of_rows,
+                                                        _state_slot_range)
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.
@@ -56,6 +59,7 @@ class StepInputs(NamedTuple):
     seq_lens: torch.Tensor | None = None    # [batch] tokens each row's sequence holds (Engine)
     state_slot: torch.Tensor | None = None  # [batch] int64 recurrent-state slot (hybrid models)
     fresh: torch.Tensor | None = None       # [batch] bool: the row starts its sequence
+    snapshot_slot: torch.Tensor | None = None   # [batch, tokens] int64: width-K state snapshots
 
 
 @dataclass(frozen=True)
@@ -116,10 +120,10 @@ class StepContract:
         return self.block_size * self.dcp
 
     def check(self, input_ids, positions, block_table, caches=None, *, seq_lens=None,
-              state_slot=None, fresh=None) -> None:
+              state_slot=None, fresh=None, snapshot_slot=None) -> None:
         """Raise ``DCPInputError`` for the first broken rule; return None if all hold."""
         step = StepInputs(input_ids, positions, block_table, caches, seq_lens, state_slot,
-                          fresh)
+                          fresh, snapshot_slot)
         for rule in RULES:
             if self.rules is not None and rule.name not in self.rules:
                 continue
@@ -491,6 +495,7 @@ RULES: tuple[Rule, ...] = (
     Rule("state-shared-slot", STATE_SLOT, _shared_state_slot),
     Rule("state-slot-of-rows", STATE_SLOT, _state_slot_of_rows),
     Rule("state-fresh", STATE_FRESH, _state_fresh),
+    Rule("state-snapshot-slot", STATE_SNAPSHOT_SLOT, _snapshot_slots),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 

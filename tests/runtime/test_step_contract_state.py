@@ -21,12 +21,41 @@ CONTRACT = StepContract(block_size=4, dcp=1, num_blocks=8, num_state_slots=SLOTS
                         max_blocks=2, rules=None)
 
 
-def _check(slot, fresh):
-    CONTRACT.check(None, POS, TABLE, state_slot=torch.tensor(slot), fresh=torch.tensor(fresh))
+def _check(slot, fresh, snapshot=None):
+    CONTRACT.check(None, POS, TABLE, state_slot=torch.tensor(slot), fresh=torch.tensor(fresh),
+                   snapshot_slot=None if snapshot is None else torch.tensor(snapshot))
 
 
 def test_a_valid_hybrid_step_passes():
     _check([3, 0, -1], [True, False, False])
+
+
+def test_a_valid_speculative_hybrid_step_passes():
+    _check([3, 0, -1], [True, False, False], [[1, 2, -1], [-1, -1, -1], [-1, -1, -1]])
+
+
+SNAPSHOT_PROBES = {
+    "snapshot-on-padding": ([[1, -1, -1], [-1, -1, 2], [-1, -1, -1]],
+                            ["state_snapshot_slot[1, 2] = 2 names a padding token"]),
+    "snapshot-beyond-cache": ([[SLOTS, -1, -1], [-1, -1, -1], [-1, -1, -1]],
+                              [f"state_snapshot_slot[0, 0] = {SLOTS} is outside"]),
+    "snapshot-twice": ([[1, 1, -1], [-1, -1, -1], [-1, -1, -1]],
+                       ["state_snapshot_slot[0, 0] = 1 is named twice"]),
+    "snapshot-is-a-live-slot": ([[0, -1, -1], [-1, -1, -1], [-1, -1, -1]],
+                                ["state_snapshot_slot[0, 0] = 0 is named twice",
+                                 "a live sequence"]),
+    "snapshot-wrong-shape": ([[1, 2]], ["state_snapshot_slot is torch.int64 [1, 2]"]),
+}
+
+
+@pytest.mark.parametrize("probe", SNAPSHOT_PROBES, ids=list(SNAPSHOT_PROBES))
+def test_each_snapshot_fault_is_refused(probe):
+    snapshot, words = SNAPSHOT_PROBES[probe]
+    with pytest.raises(DCPInputError) as e:
+        _check([3, 0, -1], [True, False, False], snapshot)
+    assert e.value.rule == "state-snapshot-slot", str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
 
 
 def test_a_step_without_state_inputs_skips_the_state_rules():
@@ -68,7 +97,8 @@ def test_each_state_rule_refuses_its_fault(probe):
 
 
 def test_every_state_rule_has_a_probe():
-    assert {p[2] for p in PROBES.values()} == {r for r in RULE_NAMES if r.startswith("state-")}
+    probed = {p[2] for p in PROBES.values()} | {"state-snapshot-slot"}   # SNAPSHOT_PROBES
+    assert probed == {r for r in RULE_NAMES if r.startswith("state-")}
 
 
 def test_an_accepted_step_touches_only_its_rows_slots():
