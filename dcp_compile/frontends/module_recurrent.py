@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from dcp_compile.frontends.module_experts import source_hash
 from dcp_compile.runtime.errors import DCPHybridError
-from dcp_compile.runtime.kernels import recurrent as _recurrent  # noqa: F401 - registers the ops
+from dcp_compile.runtime.kernels.recurrent import CONV_ACTIVATIONS  # (and registers the ops)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -301,6 +301,12 @@ def recurrent_as_ops(model: nn.Module, states: RecurrentStates):
     try:
         for name, m, rule in recurrent_layers(model):
             _check_pins(rule, name)
+            act = getattr(m, "activation", "identity")
+            if act not in CONV_ACTIVATIONS:
+                raise DCPHybridError(
+                    f"recurrent mixer {rule.cls} at {name}: its convolution's activation "
+                    f"{act!r} is not one the recurrent ops apply ({sorted(CONV_ACTIVATIONS)}). "
+                    f"Add it to CONV_ACTIVATIONS in runtime/kernels/recurrent.py.")
             m.forward = rule.forward(m, states)
             swapped.append(m)
         yield states

@@ -16,23 +16,26 @@ The last entry is the garbage slot (``garbage_state_slot``): a row whose ``state
 a slot it was not given. Rows are left-packed: row b's first ``lengths[b]`` tokens are real;
 later tokens neither advance the state nor produce output (zeros). ``fresh[b]`` starts the
 row's sequence: its state is read as zeros (a new sequence reuses a slot without a separate
-clearing step).
+clearing step). ``snapshot_slot[b, t]`` (optional; speculative width-K steps) also keeps the
+state after token t in that slot (-1: none), so a rejected draft rolls back to a snapshot.
 
 Ops:
-  dcp.mamba2_ssm       Mamba2 (Bamba): conv1d + SiLU over [x | B | C] channels, then the
-                       selective scan S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,
+  dcp.gated_delta_net  Gated DeltaNet (Qwen3-Next / Qwen3.5): conv1d + SiLU over
+                       [q | k | v] channels, l2-normalised q and k, the gated delta rule
+                       S_t = a_t S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T,
+                       o_t = S_t^T q_t / sqrt(dk) (a_t = exp(g_t)), grouped value heads
+                       (each k head serves Hv/Hk v heads).
+  dcp.mamba2_ssm       Mamba2 (Bamba, Granite-4-H): conv1d + SiLU over [x | B | C] channels,
+                       then the selective scan S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,
                        y_t = S_t C_t + D x_t, dt_t = clamp(softplus(dt + dt_bias), limits),
                        B and C shared by the heads of a group.
   dcp.short_conv       LFM2's short convolution: the depthwise causal conv alone (no
                        activation), its state the last K-1 inputs.
-  dcp.gated_delta_net  Gated DeltaNet (Qwen3-Next / Qwen3.5): conv1d + SiLU over
-                       [q | k | v] channels, l2-normalised q and k, the gated delta rule
-                       S_t = a_t S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T, o_t = S_t^T q_t / sqrt(dk)
-                       (a_t = exp(g_t)), grouped value heads (each k head serves Hv/Hk v heads).
 
-The reference is the recurrent form, a static loop over the chunk's tokens: exact, and the
-same function transformers' ``torch_recurrent_gated_delta_rule`` computes; it is also the
-decomposition (static shapes, no data-dependent control flow).
+The reference is the recurrent form, a static loop over the chunk's tokens: exact, the
+function transformers' one-token updates (``torch_recurrent_gated_delta_rule``,
+``mamba2_selective_state_update``) compute; it is also the decomposition (static shapes, no
+data-dependent control flow).
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Te
     ``per_token``, the state after every token [B, S, C, K-1]."""
     B, S, C = x.shape
     K = weight.shape[-1]
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"recurrent op: conv activation {activation!r} is not one of "
+                         f"{sorted(CONV_ACTIVATIONS)}")
     full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)      # [B, C, K-1+S]
     windows = full.unfold(-1, K, 1)                                            # [B, C, S, K]
     out = (windows * weight[None, :, None, :].to(x.dtype)).sum(-1).transpose(1, 2)

@@ -137,6 +137,16 @@ def test_a_changed_mixer_source_is_refused(model, monkeypatch):
     assert "forward" not in vars(_mixer(model))   # the swap was undone
 
 
+def test_an_unknown_conv_activation_is_refused_by_name(model, monkeypatch):
+    name, m, rule = recurrent_layers(model)[0]
+    if not hasattr(m, "activation"):
+        pytest.skip(f"{rule.cls}'s convolution has no activation")
+    monkeypatch.setattr(m, "activation", "gelu")
+    with pytest.raises(DCPHybridError, match=rf"{rule.cls} at {name}: .*'gelu'"):
+        with recurrent_as_ops(model, allocate_states(model, 1)):
+            pass
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(width=2), r"speculative \(width-K\).*width=2.*Decode with width 1"),
     (dict(prefix_caching=True), r"prefix caching.*vblock.*Turn prefix caching off"),
