@@ -57,6 +57,11 @@ class Fault:
                                 f"--fault {text!r}. Use kill (SIGKILL) or stop (SIGSTOP).")
         return fault
 
+    @classmethod
+    def parse_or_none(cls, text: str) -> "Fault | None":
+        """``parse``, or None for ``none`` (a world of a --fault list left alone)."""
+        return None if text == "none" else cls.parse(text)
+
     def __str__(self) -> str:
         return f"{self.rank}:{self.step}:{self.kind}"
 

@@ -73,9 +73,9 @@ def parse(argv=None):
     ap.add_argument("--collective-timeout", type=float, default=120.0)
     ap.add_argument("--work-dir", default=None, help="where the program, states, progress "
                     "and rank logs go (default: a temporary directory)")
-    ap.add_argument("--fault", action="append", default=[], type=Fault.parse,
+    ap.add_argument("--fault", action="append", default=[], type=Fault.parse_or_none,
                     help="RANK:STEP:kill|stop injected into the n-th world (repeat: one per "
-                    "world, in order); for tests")
+                    "world, in order; 'none': no fault in that world); for tests")
     return ap.parse_args(argv)
 
 
@@ -197,7 +197,7 @@ def launch(args, work: Path, attempt: int, program: str, requests: list[Request]
            "--collective-timeout", str(args.collective_timeout)]
     if args.checkpoint:
         cmd += ["--checkpoint", args.checkpoint]
-    if attempt < len(args.fault):
+    if attempt < len(args.fault) and args.fault[attempt] is not None:
         cmd += ["--fault", str(args.fault[attempt])]
     port = free_port()
     procs = {}
@@ -286,7 +286,10 @@ def watch(args, world: World, requests: list[Request], faults: list[dict]) -> di
 
 def stopped(world: World) -> str:
     ranks = [r for r, p in world.procs.items() if proc_state(p.pid) == "T"]
-    return f": rank{'s' if len(ranks) > 1 else ''} {ranks} stopped (state T)" if ranks else ""
+    if not ranks:
+        return ""
+    return f": rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped " \
+           "(process state T)"
 
 
 def lose(world: World, requests: list[Request], reason: str, detected: float,

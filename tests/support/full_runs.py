@@ -30,6 +30,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                        "case and test_moe_libraries' rows (they read test_moe.MATRIX)"),
     "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
                            "every position form in both modes, every HF family"),
+    "DCP_RESUME_FULL": ("e2e/test_resume.py",
+                        "20 rank losses in a row (SIGKILL, every fifth a SIGSTOP hang) in one "
+                        "supervised tp=4/dcp=2 generation, with the detection and resume times"),
     "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
     "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py",
                         "every architecture of torchtune, litgpt, torchtitan, x-transformers, "
