@@ -1,5 +1,6 @@
-"""One rank of a supervised decode world (started by dcp_compile.workers.supervise, never by
-hand): it resumes the requests of a state file and streams each step's tokens as it finishes.
+"""One rank of a supervised decode world: resumes a state file's requests, streams each step.
+
+Started by dcp_compile.workers.supervise, never by hand:
 
     python -m dcp_compile.workers.resumable --state STATE.json --program FILE
         --progress PROGRESS.jsonl [--checkpoint DIR] [--fault RANK:STEP:kill|stop]
