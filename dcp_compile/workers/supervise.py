@@ -135,12 +135,14 @@ def supervise(args, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     program = program_file(args, work)
+    from dcp_compile.runtime.program.program_file import load_program
+    context_len = load_program(program).shapes.context_len
     requests = [Request(str(i), p) for i, p in
                 enumerate(prompt_tokens(lengths_of(args), args.seed))]
     faults: list[dict] = []
     attempt = 0
     while True:
-        world = launch(args, work, attempt, program, requests)
+        world = launch(args, work, attempt, program, requests, context_len)
         lost = watch(args, world, requests, faults)
         if lost is None:
             break
@@ -182,14 +184,19 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     return env
 
 
-def launch(args, work: Path, attempt: int, program: str, requests: list[Request]) -> World:
-    """Write the resume state of ``requests`` and start one process per rank."""
+def launch(args, work: Path, attempt: int, program: str, requests: list[Request],
+           context_len: int) -> World:
+    """Write the resume state of ``requests`` and start one process per rank; a state the
+    program's context step cannot resume is refused here, before any rank starts."""
     from dcp_compile.runtime.distributed.launch import free_port
+    from dcp_compile.workers.resumable import resume_contexts
+    resume = {"steps": args.steps, "requests": [
+        {"id": r.id, "prompt": r.prompt, "generated": r.generated} for r in requests]}
+    resume_contexts(resume, context_len)
     here = work / f"world{attempt}"
     here.mkdir()
     state = here / "state.json"
-    state.write_text(json.dumps({"steps": args.steps, "requests": [
-        {"id": r.id, "prompt": r.prompt, "generated": r.generated} for r in requests]}))
+    state.write_text(json.dumps(resume))
     progress = here / "progress.jsonl"
     progress.touch()
     cmd = [sys.executable, "-m", "dcp_compile.workers.resumable", "--state", str(state),
@@ -267,6 +274,8 @@ def watch(args, world: World, requests: list[Request], faults: list[dict]) -> di
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         if failed:
             dead = {r: c for r, c in failed.items() if c < 0}
+            if not dead:
+                refuse_own_errors(world, failed)
             culprits = dead or failed
             reason = "; ".join(
                 f"rank {r} " + (f"was killed by {signal.Signals(-c).name}" if c < 0
@@ -282,6 +291,28 @@ def watch(args, world: World, requests: list[Request], faults: list[dict]) -> di
                         f"{args.step_timeout} s (a rank stopped answering)" + stopped(world),
                         now, args.steps)
         time.sleep(POLL_S)
+
+
+def refuse_own_errors(world: World, failed: dict[int, int]) -> None:
+    """Raise if a rank that exited raised an error of its own (not a peer lost under its
+    collective): a relaunch would raise it again, so it is no rank loss to resume."""
+    from dcp_compile.runtime.distributed.launch import _rank_state
+    logs = {r: (world.progress.parent / f"rank{r}.log").read_text(errors="replace")
+            for r in failed}
+    own = [r for r, c in failed.items() if _rank_state(c, logs[r], None)[0] == "error"]
+    if not own:
+        return
+    for p in world.procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait()
+    raise DCPWorldError(
+        f"rank{'s' if len(own) > 1 else ''} {', '.join(map(str, own))} of the supervised "
+        f"world raised an error of {'their' if len(own) > 1 else 'its'} own (exit code "
+        f"{', '.join(str(failed[r]) for r in own)}), not a lost rank: a relaunch would raise "
+        f"it again, so the supervisor stops. Fix the cause below.\n"
+        + "\n".join(f"--- rank {r} ---\n{tail(logs[r])}" for r in own),
+        failures={r: tail(logs[r]) for r in own})
 
 
 def stopped(world: World) -> str:

@@ -187,3 +187,38 @@ def test_progress_that_skips_a_step_is_refused(tmp_path):
     with pytest.raises(DCPWorldError, match="rank 0 reported step 1 of request 0, which "
                                             "holds 0 tokens"):
         supervise.read_progress(world, requests)
+
+
+def _args(steps=8):
+    return supervise.parse(["--nproc", "4", "--dcp", "2", "--steps", str(steps), "--out", "x"])
+
+
+def test_a_resume_the_context_step_cannot_hold_is_refused_before_any_rank_starts(tmp_path):
+    requests = [supervise.Request(str(i), [7] * n, [1, 2, 3]) for i, n in enumerate(LENGTHS)]
+    with pytest.raises(DCPInputError, match="cannot resume in one context step"):
+        supervise.launch(_args(), tmp_path, 1, "unused.dcp", requests, context_len=33)
+    assert not (tmp_path / "world1").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_error_of_its_own_is_not_resumed(tmp_path):
+    """Ranks that raise by themselves (here: a weightless program and an empty checkpoint
+    directory) would raise again in every relaunch: the supervisor stops at once and shows
+    the error."""
+    from dcp_compile.workers import decode
+    program = decode.build_program(decode.parse(["--dcp", "1", "--out", "x"]), tp=2,
+                                   check=False)
+    program.save(tmp_path / "decode.dcp", weights=False)
+    (tmp_path / "empty").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcp_compile.workers.supervise", "--nproc", "2", "--dcp", "1",
+         "--steps", "4", "--out", str(tmp_path / "out.json"), "--program",
+         str(tmp_path / "decode.dcp"), "--checkpoint", str(tmp_path / "empty"),
+         "--work-dir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert "of the supervised world raised an error of" in proc.stderr, proc.stderr
+    assert "DCPInputError" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "work").glob("world*")) == ["world0"]
+    assert not (tmp_path / "out.json").exists()
