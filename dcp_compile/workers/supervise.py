@@ -167,21 +167,13 @@ def supervise(args, work: Path) -> dict:
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """torchrun's environment for one local rank on loopback, plus the launcher's defaults
-    (this source tree on PYTHONPATH, one OpenMP thread, the loopback gloo interface)."""
-    from dcp_compile.runtime.distributed.launch import LOOPBACK, _SOURCE_ROOT, loopback_interface
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SOURCE_ROOT), env.get("PYTHONPATH"))
-                                        if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    iface = loopback_interface()
-    if iface is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", iface)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR=LOOPBACK,
-               MASTER_PORT=str(port))
-    return env
+    """torchrun's environment for one local rank of ``world`` on loopback (over the
+    launcher's defaults: ``launch.rank_process_env``)."""
+    from dcp_compile.runtime.distributed.launch import LOOPBACK, rank_process_env
+    return rank_process_env(dict(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(port)))
 
 
 def launch(args, work: Path, attempt: int, program: str, requests: list[Request],
@@ -296,10 +288,10 @@ def watch(args, world: World, requests: list[Request], faults: list[dict]) -> di
 def refuse_own_errors(world: World, failed: dict[int, int]) -> None:
     """Raise if a rank that exited raised an error of its own (not a peer lost under its
     collective): a relaunch would raise it again, so it is no rank loss to resume."""
-    from dcp_compile.runtime.distributed.launch import _rank_state
+    from dcp_compile.runtime.distributed.launch import rank_state
     logs = {r: (world.progress.parent / f"rank{r}.log").read_text(errors="replace")
             for r in failed}
-    own = [r for r, c in failed.items() if _rank_state(c, logs[r], None)[0] == "error"]
+    own = [r for r, c in failed.items() if rank_state(c, logs[r], None)[0] == "error"]
     if not own:
         return
     for p in world.procs.values():
