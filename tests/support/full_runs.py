@@ -37,6 +37,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py",
                         "every architecture of torchtune, litgpt, torchtitan, x-transformers, "
                         "nanoGPT and gpt-fast, decode and prefill"),
+    "DCP_SOAK_FULL": ("runtime/test_allocator_soak.py",
+                      "50,000 steps per seed of the allocator soak instead of 2,000"),
     "DCP_SPEC_FULL": ("runtime/test_speculative.py",
                       "every model x dcp x interleave x K, and XLA"),
 }
