@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -134,8 +133,8 @@ def supervise(args, work: Path) -> dict:
     from dcp_compile.workers.decode import lengths_of, prompt_tokens
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    program = program_file(args, work)
     from dcp_compile.runtime.program.program_file import load_program
+    program = program_file(args, work)
     context_len = load_program(program).shapes.context_len
     requests = [Request(str(i), p) for i, p in
                 enumerate(prompt_tokens(lengths_of(args), args.seed))]
@@ -143,7 +142,11 @@ def supervise(args, work: Path) -> dict:
     attempt = 0
     while True:
         world = launch(args, work, attempt, program, requests, context_len)
-        lost = watch(args, world, requests, faults)
+        try:
+            lost = watch(args, world, requests, faults)
+        except BaseException:
+            kill(world)      # the supervisor gives up (or is interrupted): no rank outlives it
+            raise
         if lost is None:
             break
         faults.append(lost)
@@ -160,7 +163,7 @@ def supervise(args, work: Path) -> dict:
         f.pop("logs", None)
         f.pop("detected_at", None)
         f.setdefault("resume_s", None)
-    return {"tokens": [r.generated for r in requests], "restarts": len(faults),
+    return {"tokens": [r.generated for r in requests], "restarts": attempt,
             "requests": [{"id": r.id, "prompt_len": len(r.prompt), "tokens": r.generated,
                           "stops": r.stops} for r in requests],
             "faults": faults, "elapsed_s": time.monotonic() - t0}
@@ -294,10 +297,7 @@ def refuse_own_errors(world: World, failed: dict[int, int]) -> None:
     own = [r for r, c in failed.items() if rank_state(c, logs[r], None)[0] == "error"]
     if not own:
         return
-    for p in world.procs.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        p.wait()
+    kill(world)
     raise DCPWorldError(
         f"rank{'s' if len(own) > 1 else ''} {', '.join(map(str, own))} of the supervised "
         f"world raised an error of {'their' if len(own) > 1 else 'its'} own (exit code "
@@ -319,11 +319,7 @@ def lose(world: World, requests: list[Request], reason: str, detected: float,
          steps: int) -> dict:
     """Kill what is left of ``world``, record why each unfinished request stopped, and
     return the fault: reason, step reached, detection and the tokens to compute again."""
-    for p in world.procs.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-    for p in world.procs.values():
-        p.wait()
+    kill(world)
     read_progress(world, requests)            # steps written before the kill still count
     reached = max(len(r.generated) for r in requests)
     for r in requests:
@@ -340,6 +336,15 @@ def lose(world: World, requests: list[Request], reason: str, detected: float,
             "detected_at": detected,
             "recomputed": sum(len(r.generated) for r in requests
                               if len(r.generated) < steps), "logs": logs}
+
+
+def kill(world: World) -> None:
+    """SIGKILL every rank of ``world`` still running (a stopped one too) and reap them all."""
+    for p in world.procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    for p in world.procs.values():
+        p.wait()
 
 
 def tail(text: str) -> str:
