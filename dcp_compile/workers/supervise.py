@@ -133,9 +133,12 @@ def supervise(args, work: Path) -> dict:
     from dcp_compile.workers.decode import lengths_of, prompt_tokens
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    from dcp_compile.runtime.program.program_file import load_program
+    from dcp_compile.runtime.names import Mode
+    from dcp_compile.workers import program_for
     program = program_file(args, work)
-    context_len = load_program(program).shapes.context_len
+    # Refused here, before any rank starts: a program of another layout or mode.
+    context_len = program_for(program, None, tp=args.nproc, dcp=args.dcp, mode=Mode.DECODE,
+                              interleave_size=args.interleave_size).shapes.context_len
     requests = [Request(str(i), p) for i, p in
                 enumerate(prompt_tokens(lengths_of(args), args.seed))]
     faults: list[dict] = []

@@ -210,6 +210,12 @@ def test_a_rank_error_of_its_own_is_not_resumed(tmp_path):
                                    check=False)
     program.save(tmp_path / "decode.dcp", weights=False)
     (tmp_path / "empty").mkdir()
+    with pytest.raises(DCPInputError, match=r"does not fit this launch: its tp=2, the launch "
+                                            r"asks tp=4"):   # before any rank starts
+        supervise.supervise(supervise.parse(["--nproc", "4", "--dcp", "1", "--out", "x",
+                                             "--program", str(tmp_path / "decode.dcp")]),
+                            tmp_path / "refused")
+    assert not list((tmp_path / "refused").glob("world*"))
     proc = subprocess.run(
         [sys.executable, "-m", "dcp_compile.workers.supervise", "--nproc", "2", "--dcp", "1",
          "--steps", "4", "--out", str(tmp_path / "out.json"), "--program",
