@@ -38,7 +38,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "every architecture of torchtune, litgpt, torchtitan, x-transformers, "
                         "nanoGPT and gpt-fast, decode and prefill"),
     "DCP_SOAK_FULL": ("runtime/test_allocator_soak.py",
-                      "50,000 steps per seed of the allocator soak instead of 2,000"),
+                      "50,000 steps per seed of the allocator soak instead of 2,000, and 300 "
+                      "batches of test_engine_soak's threaded world instead of 8"),
     "DCP_SPEC_FULL": ("runtime/test_speculative.py",
                       "every model x dcp x interleave x K, and XLA"),
 }
