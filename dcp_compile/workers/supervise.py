@@ -130,11 +130,11 @@ def program_file(args, work: Path) -> str:
 
 
 def supervise(args, work: Path) -> dict:
+    from dcp_compile.runtime.names import Mode
+    from dcp_compile.workers import program_for
     from dcp_compile.workers.decode import lengths_of, prompt_tokens
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    from dcp_compile.runtime.names import Mode
-    from dcp_compile.workers import program_for
     program = program_file(args, work)
     # Refused here, before any rank starts: a program of another layout or mode.
     context_len = program_for(program, None, tp=args.nproc, dcp=args.dcp, mode=Mode.DECODE,
@@ -158,8 +158,9 @@ def supervise(args, work: Path) -> dict:
         if attempt >= args.max_restarts:
             raise DCPWorldError(
                 f"the supervised world was lost {len(faults)} times (--max-restarts "
-                f"{args.max_restarts}): last {lost['reason']}. See the rank logs under "
-                f"{work}; raise --max-restarts or fix the cause.",
+                f"{args.max_restarts}): last {lost['reason']}. The ranks' output is in "
+                f"err.failures (--work-dir keeps every world's logs); raise --max-restarts "
+                f"or fix the cause.",
                 failures=lost.pop("logs"))
         attempt += 1
     for f in faults:
