@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import random
 
-import pytest
 import torch
 
 import dcp_compile
