@@ -30,10 +30,16 @@ SWITCHES: dict[str, tuple[str, str]] = {
                        "case and test_moe_libraries' rows (they read test_moe.MATRIX)"),
     "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
                            "every position form in both modes, every HF family"),
+    "DCP_RESUME_FULL": ("e2e/test_resume.py",
+                        "20 rank losses in a row (SIGKILL, every fifth a SIGSTOP hang) in one "
+                        "supervised tp=4/dcp=2 generation, with the detection and resume times"),
     "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
     "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py",
                         "every architecture of torchtune, litgpt, torchtitan, x-transformers, "
                         "nanoGPT and gpt-fast, decode and prefill"),
+    "DCP_SOAK_FULL": ("runtime/test_allocator_soak.py",
+                      "50,000 steps per seed of the allocator soak instead of 2,000, and 300 "
+                      "batches of test_engine_soak's threaded world instead of 8"),
     "DCP_SPEC_FULL": ("runtime/test_speculative.py",
                       "every model x dcp x interleave x K, and XLA"),
 }
