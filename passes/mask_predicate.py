@@ -463,40 +463,97 @@ class MaskPredicate:
 
     keep: sympy.Basic          # a sympy Boolean over I, J
     node: Node                 # the mask node (errors and the certificate name it)
+    bias: sympy.Basic = sympy.Integer(0)   # the score bias it adds where it keeps (Falcon)
+    tables: dict | None = None             # the bias's per-head tables (``_interpret``)
 
 
-def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
-              constants=lambda: {}) -> MaskPredicate:
-    """The site's mask as K(i, j) (see module doc); refuses what it cannot read.
-    ``constants()``: placeholder name -> tensor, for masks read from a buffer."""
+def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_input,
+               constants) -> tuple[Sym, dict]:
+    """``root``'s value as a Sym. A value computed without the token ids or positions (a
+    per-head constant: ALiBi's slopes, built with pow / reciprocal / a lifted tensor) is read
+    as an uninterpreted function of its one varying axis, ``table_k(x)`` (``HEAD_TABLES``),
+    whatever the ops computing it: a formula proven for any ``table_k`` holds for its value.
+    Returns (the Sym, {table function: the node computing the table})."""
     env: dict[Node, object] = {}
-    _refuse_writes_in_place(s, _ancestors(s.mask))
-    for n in _ancestors(s.mask):
+    free: set[Node] = set()          # nodes that read neither token ids nor positions
+    opaque: set[Node] = set()        # free nodes no rule reads: tables, once consumed
+    tables: dict = {}
+    ancestors = _ancestors(root)
+    _refuse_writes_in_place(s, ancestors)
+
+    def table(n: Node) -> Sym:
+        shape, boolean = _out(n)
+        varying = [k for k, x in enumerate(shape) if x != 1]
+        if boolean or len(varying) > 1:
+            raise NotAFormula(f"{n.name} ({n.target}, shape {shape}) is computed without "
+                              f"positions by ops the mask reader has no rule for, and a "
+                              f"constant table read so (ALiBi's slopes) must be a float "
+                              f"varying along one axis")
+        f = sympy.Function(f"table_{len(tables)}")
+        tables[f] = n
+        arg = axis(varying[0]) if varying else sympy.Integer(0)
+        return Sym(shape, f(arg), False)
+
+    def read(a):
+        if isinstance(a, Node) and a in opaque:
+            if a not in env:
+                env[a] = table(a)
+            return env[a]
+        return env[a]
+
+    for n in ancestors:
         if n.op == "placeholder":
+            if n.name != token_input and n is not position_input:
+                free.add(n)
+                if sum(x != 1 for x in _out(n)[0]) <= 1:   # a weight/buffer of one axis:
+                    opaque.add(n)                          # a table (slopes, a scale)
+                    continue
             env[n] = _placeholder(n, s, tokens, token_input, position_input, constants)
             continue
         if n.op != "call_function":
             fail(n, f"the attention mask of {s.node.name} is built from {n.op} {n.target}",
                  "Build the mask from positions or torch.arange only")
+        is_free = all(a in free for a in n.all_input_nodes)
+        if is_free:
+            free.add(n)
         rule = RULES.get(n.target)
         if rule is None:
+            if is_free:           # a constant no rule reads: a table, if it is consumed
+                opaque.add(n)
+                continue
             fail(n, f"the attention mask of {s.node.name} is computed with {n.target}, which "
                  f"the mask reader has no rule for (passes/mask_predicate.py RULES)",
                  "Build the mask from positions or torch.arange with comparisons, "
                  "triu/tril, where or masked_fill")
-        args = torch.fx.node.map_arg(n.args, env.__getitem__)
         try:
+            args = torch.fx.node.map_arg(n.args, read)
             env[n] = rule(n, args)
         except NotAFormula as e:
+            if is_free:
+                opaque.add(n)
+                continue
             fail(n, f"the attention mask of {s.node.name} cannot be read as a formula of "
                  f"positions at {n.target}: {e}", "Build the mask from positions or "
                  "torch.arange with comparisons, triu/tril, where or masked_fill")
-    m = env[s.mask]
+    try:
+        return read(root), tables
+    except NotAFormula as e:
+        fail(root, f"the attention mask or bias of {s.node.name} cannot be read as a formula "
+             f"of positions: {e}", "Build masks and biases from positions or torch.arange")
+
+
+def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
+              constants=lambda: {}) -> MaskPredicate:
+    """The site's mask as K(i, j) (see module doc); refuses what it cannot read.
+    ``constants()``: placeholder name -> tensor, for masks read from a buffer. An additive
+    mask may also carry a score bias (Falcon adds ALiBi to its mask): its kept pieces'
+    common value, returned as ``bias`` (over the scores' axes, i and j renamed)."""
+    m, tables = _interpret(s.mask, s, tokens, token_input, position_input, constants)
     shape = m.shape
     if len(shape) < 2 or (tokens > 1 and shape[-2:] != (tokens, tokens)):
         fail(s.mask, f"attention mask of shape {shape} for {tokens} queries and keys",
              "Use a [..., S, S] causal mask")
-    keep = _keep(s, m)
+    keep, bias = _keep(s, m)
     r = len(shape)
     leading = {axis(k) for k in range(r - 2)} & keep.free_symbols
     if leading:
@@ -504,28 +561,92 @@ def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | 
              f"heads (it depends on axes {sorted(map(str, leading))})", "Use one causal mask "
              "for every row and head")
     keep = rename(keep, {r - 2: I, r - 1: J})
-    return MaskPredicate(keep=keep, node=s.mask)
+    return MaskPredicate(keep=keep, node=s.mask, bias=_scores_axes(bias, shape),
+                         tables=tables)
+
+
+def read_bias(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
+              constants=lambda: {}) -> tuple[sympy.Basic, dict]:
+    """The site's score bias (``s.bias``, MPT's position_bias) as a formula over the scores'
+    axes (batch x0, head x1, query i, key j) and its tables (see ``_interpret``)."""
+    b, tables = _interpret(s.bias, s, tokens, token_input, position_input, constants)
+    if b.boolean:
+        fail(s.bias, "a boolean tensor added to the attention scores", "Use a float bias")
+    return _scores_axes(b.expr, b.shape), tables
+
+
+def _scores_axes(expr, shape: tuple[int, ...]):
+    """A formula over a [..., S, S]-aligned tensor's axes, on the scores' [B, H, i, j]:
+    numpy broadcasting aligns it on the right."""
+    r = len(shape)
+    mapping = {k: (axis(k + 4 - r) if k + 4 - r >= 0 else sympy.Integer(0))
+               for k in range(r)}
+    mapping.update({r - 2: I, r - 1: J})
+    for k in range(r - 2):
+        if shape[k] == 1:
+            mapping[k] = sympy.Integer(0)
+    return rename(expr, mapping)
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """A score bias proven to be ``coefficient * table(h) * (j - i)`` plus a per-query
+    constant (softmax ignores it): ALiBi with slopes ``coefficient * table``."""
+
+    table: Node | None           # the [.., H, ..] (or one-element) node holding the slopes
+    coefficient: float
+
+
+def alibi_of(s: Site, bias, tables: dict) -> Alibi | None:
+    """``bias`` (a formula over the scores' axes, x0 batch, x1 head, i, j) proven ALiBi, or
+    None when it is constant along the keys (softmax-invariant: no bias at all). Anything
+    else is refused naming the site."""
+    h = axis(1)
+    bias = sympy.piecewise_fold(bias)
+    d = sympy.simplify(bias - bias.subs(J, I))
+    if d == 0:
+        return None
+    used = [f for f in tables if bias.has(f)]
+    why = None
+    if axis(0) in d.free_symbols:
+        why = "it differs across batch rows"
+    elif len(used) != 1:
+        why = (f"it reads {len(used)} per-head tables (one slope table is ALiBi)"
+               if used else "it has no per-head slope")
+    if why is None:
+        f = used[0]
+        table_of = f(h) if bias.has(f(h)) else f(sympy.Integer(0))
+        k = sympy.simplify(d / ((J - I) * table_of))
+        if not k.is_number or sympy.simplify(d - k * table_of * (J - I)) != 0:
+            why = f"it is {d} plus a per-query constant, not slope(h) * (j - i)"
+        else:
+            return Alibi(table=tables[f], coefficient=float(k))
+    fail(s.bias if s.bias is not None else s.mask, f"the score bias of attention "
+         f"{s.node.name} is not ALiBi ({why})", "The paged op adds only ALiBi's "
+         "slope_h * (k_pos - q_pos) to the scores: remove other biases")
 
 
 def _keep(s: Site, m: Sym):
-    """The mask as "keep" booleans: bool masks by their kind, additive masks by their pieces
-    (0 keeps, <= MASKED_OUT drops, anything else is a bias)."""
+    """(the mask as "keep" booleans, the score bias it carries): bool masks by their kind
+    (no bias), additive masks by their pieces (<= MASKED_OUT drops; the others keep, and
+    must all add the same value: 0, or a bias such as ALiBi, read by ``alibi_of``)."""
     if s.mask_kind in ("keep", "drop"):
         k = as_bool(m.expr, m.boolean)
-        return k if s.mask_kind == "keep" else sympy.Not(k)
+        return (k if s.mask_kind == "keep" else sympy.Not(k)), sympy.Integer(0)
     if m.boolean:
         fail(s.mask, "a boolean tensor added to the attention scores", "Use a float mask")
-    kept = []
+    kept, values = [], []
     for value, cond in pieces(m.expr):
-        if value == 0:
-            kept.append(cond)
-        elif value.is_number and (value == -sympy.oo or float(value) <= MASKED_OUT):
+        if value.is_number and (value == -sympy.oo or float(value) <= MASKED_OUT):
             continue
-        else:
-            fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
-                 f"-inf ({value}): a position bias such as ALiBi", "The paged op has no "
-                 "attention bias: use a model without one")
-    return sympy.Or(*kept)
+        kept.append(cond)
+        if not any(sympy.simplify(value - v) == 0 for v in values):
+            values.append(value)
+    if len(values) > 1:
+        fail(s.mask, f"the attention mask of {s.node.name} adds different values where it "
+             f"keeps keys ({values[:3]}): a bias that is not one formula", "Add 0 (or one "
+             "bias formula such as ALiBi's) wherever the mask keeps a key")
+    return sympy.Or(*kept), (values[0] * s.mask_scale if values else sympy.Integer(0))
 
 
 def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input, constants):
