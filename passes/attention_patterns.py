@@ -264,6 +264,10 @@ def eager_site(sm: Node) -> Site | None:
             a, b = x.args[:2]
             x, bias = (a, b) if reaches_matmul(a) else (b, a)
             bias_scale = scale
+        elif is_call(x, {aten.sub.Tensor}) and bias is None \
+                and all(isinstance(a, Node) for a in x.args[:2]) \
+                and x.kwargs.get("alpha", 1) == 1 and reaches_matmul(x.args[0]):
+            x, bias, bias_scale = x.args[0], x.args[1], -scale   # scores - bias
         elif is_call(x, {aten.masked_fill.Scalar}) and mask is None:
             if number(x.args[2]) is None or x.args[2] > MASKED_OUT:
                 fail(x, f"masked_fill of the scores with {x.args[2]}", "Fill with -inf")
@@ -359,6 +363,11 @@ def reaches_matmul(n: Node) -> bool:
             return True
         if is_call(n, MULS | DIVS | {aten.tanh.default}):
             n = n.args[0] if isinstance(n.args[0], Node) else n.args[1]
+            continue
+        if is_call(n, {aten.add.Tensor}):     # scores + a bias (ALiBi), then the mask
+            return any(isinstance(a, Node) and reaches_matmul(a) for a in n.args[:2])
+        if is_call(n, {aten.sub.Tensor}) and isinstance(n.args[0], Node):   # scores - bias
+            n = n.args[0]
             continue
         return False
 

@@ -418,6 +418,9 @@ def _slopes(g, alibi, heads: int) -> Node:
     """ALiBi's [heads] slopes from the model's own table node (proven by
     mask_predicate.alibi_of): reshaped (or expanded, one slope for all heads) and scaled."""
     t = alibi.table
+    if t is None:     # one slope for every head
+        return g.call_function(aten.full.default, ([heads], alibi.coefficient),
+                               {"dtype": torch.float32})
     flat = g.call_function(aten.reshape.default, (t, [-1]))
     if val(t).numel() == 1:
         flat = g.call_function(aten.expand.default, (flat, [heads]))

@@ -434,6 +434,7 @@ RULES = {
     **dict.fromkeys(RSUBS, _arith(lambda a, b: b - a)),
     **dict.fromkeys(MULS, _arith(lambda a, b: a * b)),
     aten.floor_divide.default: _arith(lambda a, b: sympy.floor(a / b)),
+    aten.pow.Tensor_Scalar: _arith(lambda a, b: a ** b),
     **dict.fromkeys(REMAINDERS, _arith(lambda a, b: sympy.Mod(a, b))),
     aten.neg.default: _unary(lambda a: -a), aten.abs.default: _unary(sympy.Abs),
     aten.bitwise_not.default: _unary(lambda a: -a - 1),
@@ -591,36 +592,43 @@ def _scores_axes(expr, shape: tuple[int, ...]):
 @dataclass(frozen=True)
 class Alibi:
     """A score bias proven to be ``coefficient * table(h) * (j - i)`` plus a per-query
-    constant (softmax ignores it): ALiBi with slopes ``coefficient * table``."""
+    constant (softmax ignores it) at every key the causal mask keeps: ALiBi, with slopes
+    ``coefficient * table`` (``table`` None: one slope, ``coefficient``, for every head)."""
 
     table: Node | None           # the [.., H, ..] (or one-element) node holding the slopes
     coefficient: float
 
 
+# j = i - BACK: a key BACK >= 0 positions before its query (the causal mask hides the rest).
+BACK = sympy.Symbol("back", integer=True, nonnegative=True)
+
+
 def alibi_of(s: Site, bias, tables: dict) -> Alibi | None:
-    """``bias`` (a formula over the scores' axes, x0 batch, x1 head, i, j) proven ALiBi, or
-    None when it is constant along the keys (softmax-invariant: no bias at all). Anything
-    else is refused naming the site."""
+    """``bias`` (a formula over the scores' axes, x0 batch, x1 head, i, j) proven ALiBi at
+    every key j <= i (the only keys a causal mask keeps), or None when it is constant along
+    the keys (softmax-invariant: no bias at all). Anything else is refused naming the site."""
     h = axis(1)
     bias = sympy.piecewise_fold(bias)
-    d = sympy.simplify(bias - bias.subs(J, I))
+    # How much the bias changes from the query's own key back to a key BACK before it.
+    d = sympy.simplify(bias.subs(J, I - BACK) - bias.subs(J, I))
     if d == 0:
         return None
-    used = [f for f in tables if bias.has(f)]
+    used = [f for f in tables if d.has(f)]
     why = None
     if axis(0) in d.free_symbols:
         why = "it differs across batch rows"
-    elif len(used) != 1:
-        why = (f"it reads {len(used)} per-head tables (one slope table is ALiBi)"
-               if used else "it has no per-head slope")
+    elif len(used) > 1:
+        why = f"it reads {len(used)} per-head tables (one slope table is ALiBi)"
     if why is None:
-        f = used[0]
-        table_of = f(h) if bias.has(f(h)) else f(sympy.Integer(0))
-        k = sympy.simplify(d / ((J - I) * table_of))
-        if not k.is_number or sympy.simplify(d - k * table_of * (J - I)) != 0:
-            why = f"it is {d} plus a per-query constant, not slope(h) * (j - i)"
+        f = used[0] if used else None
+        table_of = sympy.Integer(1) if f is None else \
+            f(h) if d.has(f(h)) else f(sympy.Integer(0))
+        k = sympy.simplify(-d / (BACK * table_of))
+        if not k.is_number or sympy.simplify(d + k * table_of * BACK) != 0:
+            why = (f"keys back positions before their query get {d} plus a per-query "
+                   f"constant, not -slope(h) * back")
         else:
-            return Alibi(table=tables[f], coefficient=float(k))
+            return Alibi(table=tables[f] if f is not None else None, coefficient=float(k))
     fail(s.bias if s.bias is not None else s.mask, f"the score bias of attention "
          f"{s.node.name} is not ALiBi ({why})", "The paged op adds only ALiBi's "
          "slope_h * (k_pos - q_pos) to the scores: remove other biases")
@@ -639,6 +647,8 @@ def _keep(s: Site, m: Sym):
     for value, cond in pieces(m.expr):
         if value.is_number and (value == -sympy.oo or float(value) <= MASKED_OUT):
             continue
+        if _hidden_under_bias(value):
+            continue
         kept.append(cond)
         if not any(sympy.simplify(value - v) == 0 for v in values):
             values.append(value)
@@ -647,6 +657,19 @@ def _keep(s: Site, m: Sym):
              f"keeps keys ({values[:3]}): a bias that is not one formula", "Add 0 (or one "
              "bias formula such as ALiBi's) wherever the mask keeps a key")
     return sympy.Or(*kept), (values[0] * s.mask_scale if values else sympy.Integer(0))
+
+
+# A finite fill plus a bias still hides a key when the fill alone is beyond any bias: an
+# fp32/bf16 finfo.min (Falcon adds ALiBi to a mask filled with it), not fp16's -65504.
+HIDDEN_UNDER_BIAS = -1e30
+
+
+def _hidden_under_bias(value) -> bool:
+    """``-inf + bias`` (sympy keeps it as a sum) or ``finfo.min + bias``: the key is hidden."""
+    if not isinstance(value, sympy.Add):
+        return False
+    return any(a.is_number and (a == -sympy.oo or float(a) <= HIDDEN_UNDER_BIAS)
+               for a in value.args)
 
 
 def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input, constants):
