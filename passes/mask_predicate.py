@@ -435,6 +435,7 @@ RULES = {
     **dict.fromkeys(MULS, _arith(lambda a, b: a * b)),
     aten.floor_divide.default: _arith(lambda a, b: sympy.floor(a / b)),
     aten.pow.Tensor_Scalar: _arith(lambda a, b: a ** b),
+    aten.div.Tensor: _arith(lambda a, b: a / b),
     **dict.fromkeys(REMAINDERS, _arith(lambda a, b: sympy.Mod(a, b))),
     aten.neg.default: _unary(lambda a: -a), aten.abs.default: _unary(sympy.Abs),
     aten.bitwise_not.default: _unary(lambda a: -a - 1),
