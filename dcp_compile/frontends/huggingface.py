@@ -70,6 +70,9 @@ class PagedStep:
     # Per-layer windows the config declares (declared_windows): what the
     # model's own mask applies when its attention function is not told (Qwen2-MoE, PhiMoE).
     windows: list[int] | None = None
+    # Per-layer attention chunks the config declares (declared_chunks, Llama 4): applied by
+    # the model's mask only, so the paged op is told (attention_chunk).
+    chunks: list[int] | None = None
     new_caches: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     attention_modules: dict[int, nn.Module] = field(default_factory=dict)
 
@@ -215,9 +218,13 @@ def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    options = {} if sinks is None else {"sinks": sinks}
+    chunk = step.chunks[layer] if step.chunks and layer < len(step.chunks) else 0
+    if chunk:
+        options["attention_chunk"] = chunk
     out, key_cache, value_cache = torch.ops.dcp.paged_attention(
         q, k, v, step.kv_caches[2 * layer], step.kv_caches[2 * layer + 1], step.positions,
-        step.block_table, float(scaling), **({} if sinks is None else {"sinks": sinks}))
+        step.block_table, float(scaling), **options)
     step.new_caches[layer] = (key_cache, value_cache)
     step.attention_modules[layer] = module
     # transformers expects [B, S, H, D] back (what sdpa_attention_forward returns).
@@ -421,6 +428,24 @@ def declared_windows(model) -> list[int] | None:
     return [int(window) if t == "sliding_attention" else 0 for t in types]
 
 
+def declared_chunks(model) -> list[int] | None:
+    """Per-layer attention chunks a Hugging Face config declares (Llama 4's
+    ``attention_chunk_size`` on its ``"chunked_attention"`` layers; 0: not chunked), or None.
+    The model applies them only through the mask it builds (create_chunked_causal_mask),
+    which the paged attention function does not receive: the op is told instead."""
+    if not is_hf(model):
+        return None
+    cfg = _text_config(model.config)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if not chunk or not isinstance(layers, int):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [int(chunk)] * layers
+    return [int(chunk) if t == "chunked_attention" else 0 for t in types[:layers]]
+
+
 class DCPCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` with the demo model's step signature (see module doc)."""
 
@@ -435,6 +460,7 @@ class DCPCausalLM(nn.Module):
         self._module_names = {id(m): n for n, m in hf_model.named_modules()}
         self._configs = _attention_configs(hf_model)
         self._windows = declared_windows(hf_model)
+        self._chunks = declared_chunks(hf_model)
         # MoE blocks outside transformers' experts interface (Llama-4) as dcp.moe.
         self.library_experts = stacked_experts(hf_model)
 
@@ -472,7 +498,7 @@ class DCPCausalLM(nn.Module):
         step = PagedStep(positions=positions, block_table=block_table,
                          kv_caches=list(kv_caches), num_layers=self._num_layers,
                          max_model_len=self.max_model_len, module_names=self._module_names,
-                         windows=self._windows)
+                         windows=self._windows, chunks=self._chunks)
         with _paged_attention_enabled(self._configs), \
                 module_experts_enabled(self.hf_model, self.library_experts):
             _wrapper_running.active = True
@@ -591,6 +617,6 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
 
 __all__ = ["ATTENTION_SWITCH", "ATTN_IMPLEMENTATION", "DCPCausalLM", "EXPERTS_IMPLEMENTATION",
            "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "check_hf_config", "dcp_experts_enabled",
-           "dcp_experts_forward", "declared_windows", "experts_form", "is_hf",
+           "dcp_experts_forward", "declared_chunks", "declared_windows", "experts_form", "is_hf",
            "paged_attention_forward", "prepare"]
 

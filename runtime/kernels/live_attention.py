@@ -30,6 +30,16 @@ from dcp_compile.runtime.garbage_block import LAST, garbage_block_id, usable_blo
 NEG_INF = float("-inf")
 
 
+def same_chunk(q_pos: Tensor, key_pos: Tensor, chunk: int) -> Tensor:
+    """Chunked attention (Llama 4's ``attention_chunk_size``): a key is visible to a query
+    only in the query's own chunk of ``chunk`` positions, ``k // chunk == q // chunk`` (with
+    causality, ``q - q % chunk <= k <= q``). A predicate of the two global positions, so each
+    rank applies it to the keys it holds and the LSE combine is unchanged. Positions are
+    >= 0 where it matters (padding and unwritten keys are masked apart)."""
+    return torch.div(q_pos, chunk, rounding_mode="floor") == \
+        torch.div(key_pos, chunk, rounding_mode="floor")
+
+
 def alibi_bias(slopes: Tensor, q_pos: Tensor, key_pos: Tensor, kv_heads: int) -> Tensor:
     """ALiBi's score bias, [b, k, g, i, j] for scores [b, kv head, group, query, key]:
     ``slopes[h] * (key_pos - q_pos)``, the q head h = k * groups + g. A function of the two
@@ -86,7 +96,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            softcap: float = 0.0,
                            kv_shared: bool = False,
                            garbage_block: int = LAST,
-                           alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           alibi_slopes: Tensor | None = None,
+                           attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -116,6 +127,9 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     if window > 0:  # per position: each rank applies it to its own keys
         prior_ok &= q_pos[:, :, None] - prior_pos[None, None, :] < window
         cur_ok &= q_pos[:, :, None] - k_pos[:, None, :] < window
+    if attention_chunk > 0:  # per position too: the query's own chunk
+        prior_ok &= same_chunk(q_pos[:, :, None], prior_pos[None, None, :], attention_chunk)
+        cur_ok &= same_chunk(q_pos[:, :, None], k_pos[:, None, :], attention_chunk)
     current = (k_pos >= 0)[:, :, None, None]
     v_cur = torch.where(current, v_cur.to(q.dtype), 0.0)
     k_cur = torch.where(current, k_cur.to(q.dtype), 0.0) if kv_shared else k_cur.to(q.dtype)

@@ -27,7 +27,7 @@ from dcp_compile.runtime import layout
 from dcp_compile.runtime.garbage_block import LAST, garbage_block_id
 from dcp_compile.runtime.kernels.op_defs import dcp_op
 from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
-                                                        readable_table)
+                                                        readable_table, same_chunk)
 
 NEG_INF = float("-inf")
 
@@ -180,7 +180,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             softcap: float = 0.0,
                             kv_shared: bool = False,
                             garbage_block: int = LAST,
-                            alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            alibi_slopes: Tensor | None = None,
+                            attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -229,6 +230,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         # Sliding window on global positions: a per-position mask, so each rank applies it
         # to its own keys and the LSE combine is unchanged.
         allowed = allowed & (q_pos[:, :, None] - key_pos[:, None, :] < window)
+    if attention_chunk > 0:
+        allowed = allowed & same_chunk(q_pos[:, :, None], key_pos[:, None, :], attention_chunk)
     groups = q_heads // kv_heads
     qf = q.float().reshape(batch, q_len, kv_heads, groups, dim)
     scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
@@ -254,7 +257,8 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       scale: float, window: int = 0,
                       softcap: float = 0.0, kv_shared: bool = False,
                       garbage_block: int = LAST,
-                      alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      alibi_slopes: Tensor | None = None,
+                      attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -265,16 +269,19 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``cat(k, v, dim=-1)`` (one vector stored once, in halves, in the two caches).
     ``garbage_block``: which block is never read (runtime/garbage_block.py).
     ``alibi_slopes`` [q_heads of q]: ALiBi, ``alibi_bias`` added to each score.
+    ``attention_chunk > 0`` (Llama 4's chunked layers): only keys of the query's own chunk
+    of that many positions (``same_chunk``).
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
-                                   window, softcap, kv_shared, garbage_block, alibi_slopes)
+                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
+                                   attention_chunk)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None):
+      alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -332,7 +339,8 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           softcap: float = 0.0,
                           kv_shared: bool = False,
                           sinks: Tensor | None = None,
-                          alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                          alibi_slopes: Tensor | None = None,
+                          attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
@@ -342,7 +350,8 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
     out, lse = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
                                        block_table, prior_len, rank0, 1, block, scale,
                                        window, softcap, kv_shared,
-                                       alibi_slopes=alibi_slopes)
+                                       alibi_slopes=alibi_slopes,
+                                       attention_chunk=attention_chunk)
     if sinks is not None:   # one device: the local LSE is the global one
         out = _sink_correct_impl(out, lse, sinks).to(q.dtype)
     return out, new_kc, new_vc
@@ -355,7 +364,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
                     softcap: float = 0.0,
                     kv_shared: bool = False,
                     sinks: Tensor | None = None,
-                    alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    alibi_slopes: Tensor | None = None,
+                    attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches).
 
@@ -363,12 +373,13 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
     denominator and attends to no value (see ``sink_correct``). ``alibi_slopes`` [q_heads]
     (ALiBi: Bloom, MPT, Falcon): each score gets ``alibi_bias``, slope_h * (k_pos - q_pos)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap, kv_shared, sinks, alibi_slopes)
+                                 scale, window, softcap, kv_shared, sinks, alibi_slopes,
+                                 attention_chunk)
 
 
 @paged_attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -378,18 +389,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: T
               scale: float, window: int = 0,
               softcap: float = 0.0, kv_shared: bool = False,
               sinks: Tensor | None = None,
-              alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              alibi_slopes: Tensor | None = None,
+              attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap, kv_shared, sinks, alibi_slopes)
+                                 scale, window, softcap, kv_shared, sinks, alibi_slopes,
+                                 attention_chunk)
 
 
 @attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -546,7 +559,8 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            softcap: float = 0.0,
                            kv_shared: bool = False,
                            garbage_block: int = LAST,
-                           alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           alibi_slopes: Tensor | None = None,
+                           attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -557,13 +571,14 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     """
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
-                                  window, softcap, kv_shared, garbage_block, alibi_slopes)
+                                  window, softcap, kv_shared, garbage_block, alibi_slopes,
+                                   attention_chunk)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None):
+      alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
