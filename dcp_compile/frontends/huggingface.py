@@ -132,6 +132,7 @@ def _check_kwargs(step: PagedStep, module, attention_mask, dropout, kwargs) -> N
                 f"{name} passes {key}={_describe(kwargs[key])} to its attention function: DCP "
                 f"paged attention does not implement it and would compute a different "
                 f"attention. Use a model without {key}.")
+    _check_temperature(step, module)
     window, source = _window_of(step, module, module.layer_idx, kwargs)
     if window is not None and (step.max_model_len is None or step.max_model_len > window):
         raise DCPTransformError(
@@ -141,6 +142,25 @@ def _check_kwargs(step: PagedStep, module, attention_mask, dropout, kwargs) -> N
             f"which equals the window only while sequences are no longer than it. Pass "
             f"max_model_len <= {window} to dcp_compile.hf.prepare (and serve no longer "
             f"sequences), or set config.sliding_window=None.")
+
+
+def _check_temperature(step: PagedStep, module) -> None:
+    """Llama 4's NoPE layers scale the query by log1p(floor((p + 1) / floor_scale)) * a + 1
+    with p from arange(S) plus the cache's length, not from position_ids: under the paged
+    cache (no transformers cache) every step numbers its tokens from 0, so the scale equals
+    the model's only while every position p < floor_scale - 1 (the scale is then 1)."""
+    if not getattr(module, "attn_temperature_tuning", False) or \
+            getattr(module, "use_rope", True):
+        return
+    floor = int(module.floor_scale)
+    if step.max_model_len is None or step.max_model_len > floor - 1:
+        raise DCPTransformError(
+            f"{_name(step, module)} is a NoPE layer with attention temperature tuning "
+            f"(attn_temperature_tuning, floor_scale={floor}): it scales queries by a function "
+            f"of arange(S) and the cache's length, not of position_ids, which a paged step "
+            f"does not reproduce past position {floor - 2}; max_model_len="
+            f"{step.max_model_len}. Pass max_model_len <= {floor - 1} to "
+            f"dcp_compile.hf.prepare, or set config.attn_temperature_tuning=False.")
 
 
 def _describe(value) -> str:
