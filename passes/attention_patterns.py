@@ -68,11 +68,11 @@ class Site:
     # A second tensor added to the scores besides the mask (MPT's ALiBi position_bias), and
     # the constant both it and an additive mask are multiplied by before the softmax (a
     # scale applied after them: Falcon scales ``scores + alibi``). Read by
-    # mask_predicate.read_bias as a formula of positions and heads.
+    # score_bias.read_bias as a formula of positions and heads.
     bias: Node | None = None
     bias_scale: float = 1.0
     mask_scale: float = 1.0
-    alibi: object = None         # mask_predicate.Alibi, once the bias is proven ALiBi
+    alibi: object = None         # score_bias.Alibi, once the bias is proven ALiBi
 
 
 def fail(node: Node, why: str, fix: str):

@@ -47,7 +47,8 @@ from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
-from .mask_predicate import I, J, alibi_of, read_bias, read_mask
+from .mask_predicate import I, J, read_mask
+from .score_bias import alibi_of, read_bias
 from .placement import Refusal, carried_dim
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
                           unmasked_theorem)
@@ -259,7 +260,7 @@ class InsertPagedCache(DCPPass):
 
     def _read_alibi(self, s: Site, tokens: int, pos, read) -> None:
         """The score bias the site adds (its own term, MPT; or inside its additive mask,
-        Falcon) proven ALiBi for every position and head (``mask_predicate.alibi_of``);
+        Falcon) proven ALiBi for every position and head (``score_bias.alibi_of``);
         sets ``s.alibi``."""
         bias, tables = read.bias, dict(read.tables or {})
         if s.bias is not None:
@@ -416,7 +417,7 @@ def _example(verdict: MaskVerdict) -> str:
 
 def _slopes(g, alibi, heads: int) -> Node:
     """ALiBi's [heads] slopes from the model's own table node (proven by
-    mask_predicate.alibi_of): reshaped (or expanded, one slope for all heads) and scaled."""
+    score_bias.alibi_of): reshaped (or expanded, one slope for all heads) and scaled."""
     t = alibi.table
     if t is None:     # one slope for every head
         return g.call_function(aten.full.default, ([heads], alibi.coefficient),

@@ -28,6 +28,8 @@ import torch
 from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
+from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis,  # noqa: F401
+                               broadcast_to, constant, pieces, relation, rename)
 from .infra import val
 from .memory import refuse_writes_in_place as _refuse_writes_in_place
 from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
@@ -38,97 +40,6 @@ aten = torch.ops.aten
 
 # The proven predicate's variables: query position i, key position j.
 I, J = sympy.symbols("i j", integer=True, nonnegative=True)
-
-
-def axis(k: int) -> sympy.Symbol:
-    """The index symbol of a symbolic tensor's axis k."""
-    return sympy.Symbol(f"x{k}", integer=True, nonnegative=True)
-
-
-@dataclass(frozen=True)
-class Sym:
-    """A tensor as its shape and one sympy expression of its indices (axis(k), k < rank).
-    Booleans are sympy Boolean; numbers are Expr (Piecewise for -inf fills)."""
-
-    shape: tuple[int, ...]
-    expr: sympy.Basic
-    boolean: bool
-
-
-class NotAFormula(Exception):
-    """Raised by a rule that meets a value it cannot express; turned into a refusal."""
-
-
-# -- helpers over symbolic tensors ------------------------------------------------------------
-
-
-def constant(c, boolean: bool) -> sympy.Basic:
-    if boolean:
-        return sympy.true if c else sympy.false
-    if isinstance(c, bool):
-        return sympy.Integer(int(c))
-    if isinstance(c, int):
-        return sympy.Integer(c)
-    if isinstance(c, float):
-        if math.isinf(c):
-            return sympy.oo if c > 0 else -sympy.oo
-        return sympy.Integer(int(c)) if c.is_integer() else sympy.Float(c)
-    raise NotAFormula(f"constant {c!r}")
-
-
-def rename(expr, mapping: dict[int, sympy.Basic]):
-    """Replace axis(k) by mapping[k], all at once."""
-    return expr.xreplace({axis(k): v for k, v in mapping.items()})
-
-
-def broadcast_to(v: Sym, shape: tuple[int, ...]) -> sympy.Basic:
-    """v's expression on the axes of ``shape`` (numpy broadcasting: aligned right; a size-1
-    axis stretched to a longer one is read at index 0)."""
-    off = len(shape) - len(v.shape)
-    if off < 0:
-        raise NotAFormula(f"cannot broadcast {v.shape} to {shape}")
-    mapping = {}
-    for k, n in enumerate(v.shape):
-        if n == 1 and shape[k + off] != 1:
-            mapping[k] = sympy.Integer(0)
-        elif n != shape[k + off]:
-            raise NotAFormula(f"cannot broadcast {v.shape} to {shape}")
-        else:
-            mapping[k] = axis(k + off)
-    return rename(v.expr, mapping)
-
-
-def as_bool(e, boolean: bool):
-    return e if boolean else relation(sympy.Ne, e, sympy.Integer(0))
-
-
-def as_number(e, boolean: bool):
-    return sympy.Piecewise((1, e), (0, True)) if boolean else e
-
-
-def pieces(e) -> list[tuple[sympy.Basic, sympy.Basic]]:
-    """(value, condition) pairs with mutually exclusive conditions covering everything."""
-    e = sympy.piecewise_fold(e)
-    if not isinstance(e, sympy.Piecewise):
-        return [(e, sympy.true)]
-    out, before = [], sympy.false
-    for value, cond in e.args:
-        out.append((value, sympy.And(cond, sympy.Not(before))))
-        before = sympy.Or(before, cond)
-    return out
-
-
-def relation(op, a, b):
-    """op(a, b) for numbers that may be Piecewise: an Or over the pieces of a and b."""
-    terms = []
-    for va, ca in pieces(a):
-        for vb, cb in pieces(b):
-            terms.append(sympy.And(ca, cb, op(va, vb)))
-    return sympy.Or(*terms)
-
-
-def _fold(e):
-    return sympy.piecewise_fold(e)
 
 
 # -- the rules --------------------------------------------------------------------------------
@@ -567,16 +478,6 @@ def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | 
                          tables=tables)
 
 
-def read_bias(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
-              constants=lambda: {}) -> tuple[sympy.Basic, dict]:
-    """The site's score bias (``s.bias``, MPT's position_bias) as a formula over the scores'
-    axes (batch x0, head x1, query i, key j) and its tables (see ``_interpret``)."""
-    b, tables = _interpret(s.bias, s, tokens, token_input, position_input, constants)
-    if b.boolean:
-        fail(s.bias, "a boolean tensor added to the attention scores", "Use a float bias")
-    return _scores_axes(b.expr, b.shape), tables
-
-
 def _scores_axes(expr, shape: tuple[int, ...]):
     """A formula over a [..., S, S]-aligned tensor's axes, on the scores' [B, H, i, j]:
     numpy broadcasting aligns it on the right."""
@@ -588,51 +489,6 @@ def _scores_axes(expr, shape: tuple[int, ...]):
         if shape[k] == 1:
             mapping[k] = sympy.Integer(0)
     return rename(expr, mapping)
-
-
-@dataclass(frozen=True)
-class Alibi:
-    """A score bias proven to be ``coefficient * table(h) * (j - i)`` plus a per-query
-    constant (softmax ignores it) at every key the causal mask keeps: ALiBi, with slopes
-    ``coefficient * table`` (``table`` None: one slope, ``coefficient``, for every head)."""
-
-    table: Node | None           # the [.., H, ..] (or one-element) node holding the slopes
-    coefficient: float
-
-
-# j = i - BACK: a key BACK >= 0 positions before its query (the causal mask hides the rest).
-BACK = sympy.Symbol("back", integer=True, nonnegative=True)
-
-
-def alibi_of(s: Site, bias, tables: dict) -> Alibi | None:
-    """``bias`` (a formula over the scores' axes, x0 batch, x1 head, i, j) proven ALiBi at
-    every key j <= i (the only keys a causal mask keeps), or None when it is constant along
-    the keys (softmax-invariant: no bias at all). Anything else is refused naming the site."""
-    h = axis(1)
-    bias = sympy.piecewise_fold(bias)
-    # How much the bias changes from the query's own key back to a key BACK before it.
-    d = sympy.simplify(bias.subs(J, I - BACK) - bias.subs(J, I))
-    if d == 0:
-        return None
-    used = [f for f in tables if d.has(f)]
-    why = None
-    if axis(0) in d.free_symbols:
-        why = "it differs across batch rows"
-    elif len(used) > 1:
-        why = f"it reads {len(used)} per-head tables (one slope table is ALiBi)"
-    if why is None:
-        f = used[0] if used else None
-        table_of = sympy.Integer(1) if f is None else \
-            f(h) if d.has(f(h)) else f(sympy.Integer(0))
-        k = sympy.simplify(-d / (BACK * table_of))
-        if not k.is_number or sympy.simplify(d + k * table_of * BACK) != 0:
-            why = (f"keys back positions before their query get {d} plus a per-query "
-                   f"constant, not -slope(h) * back")
-        else:
-            return Alibi(table=tables[f] if f is not None else None, coefficient=float(k))
-    fail(s.bias if s.bias is not None else s.mask, f"the score bias of attention "
-         f"{s.node.name} is not ALiBi ({why})", "The paged op adds only ALiBi's "
-         "slope_h * (k_pos - q_pos) to the scores: remove other biases")
 
 
 def _keep(s: Site, m: Sym):

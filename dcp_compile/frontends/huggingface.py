@@ -39,6 +39,8 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
+from .hf_config import (_text_config, check_hf_config, declared_chunks,  # noqa: F401
+                        declared_windows, is_hf)
 from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
@@ -409,63 +411,6 @@ def dcp_experts_enabled(hf_model: nn.Module):
     return _switched(_attention_configs(hf_model), EXPERTS_SWITCH)
 
 
-def is_hf(model) -> bool:
-    """A transformers model (its class lives in ``transformers.``, it has a config)."""
-    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
-
-
-# Hugging Face config fields that change attention in ways the paged op does not compute.
-_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
-
-
-def check_hf_config(model) -> None:
-    cfg = _text_config(model.config)
-    for key, what in _HF_REFUSED:
-        value = getattr(cfg, key, None)
-        if value is not None:
-            raise DCPTransformError(
-                f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
-                f"does not compute it, so the program would differ from the model. Use a "
-                f"model without {key}.")
-
-
-def declared_windows(model) -> list[int] | None:
-    """Per-layer sliding windows a Hugging Face config declares (0: full attention); None
-    for other models. The graph shows a window only when it is shorter than the captured
-    chunk, so the config is read too (insert_paged_cache checks the two agree)."""
-    if not is_hf(model):
-        return None
-    cfg = _text_config(model.config)
-    layers = getattr(cfg, "num_hidden_layers", None)
-    window = getattr(cfg, "sliding_window", None)
-    if not isinstance(layers, int):
-        return None
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
-        return [0] * layers
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        return [int(window)] * layers
-    return [int(window) if t == "sliding_attention" else 0 for t in types]
-
-
-def declared_chunks(model) -> list[int] | None:
-    """Per-layer attention chunks a Hugging Face config declares (Llama 4's
-    ``attention_chunk_size`` on its ``"chunked_attention"`` layers; 0: not chunked), or None.
-    The model applies them only through the mask it builds (create_chunked_causal_mask),
-    which the paged attention function does not receive: the op is told instead."""
-    if not is_hf(model):
-        return None
-    cfg = _text_config(model.config)
-    chunk = getattr(cfg, "attention_chunk_size", None)
-    layers = getattr(cfg, "num_hidden_layers", None)
-    if not chunk or not isinstance(layers, int):
-        return None
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        return [int(chunk)] * layers
-    return [int(chunk) if t == "chunked_attention" else 0 for t in types[:layers]]
-
-
 class DCPCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` with the demo model's step signature (see module doc)."""
 
@@ -529,11 +474,6 @@ class DCPCausalLM(nn.Module):
             finally:
                 _wrapper_running.active = False
         return out.logits, step.collect(type(self.hf_model).__name__)
-
-
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 # Config fields only a Multi-head Latent Attention model has (DeepSeek-V2/V3, MiniCPM3, ...).

@@ -1,7 +1,7 @@
 """ALiBi under DCP (issue #38): a per-head score bias slope_h * (k_pos - q_pos).
 
 The mask reader proves the bias a model adds is ALiBi for every position and head, with the
-slopes an uninterpreted per-head table of the model's own (passes/mask_predicate.alibi_of);
+slopes an uninterpreted per-head table of the model's own (passes/score_bias.alibi_of);
 the paged op adds ``alibi_bias`` on global positions, so each rank biases the keys it holds
 and the LSE combine is unchanged; TP cuts the slopes by the rank's q heads and decode DCP
 gathers them with q. Programs are compared with the model's own plain forward: fp32, 1e-4,
