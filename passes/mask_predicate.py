@@ -29,7 +29,8 @@ from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
 from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis,  # noqa: F401
-                               broadcast_to, constant, pieces, relation, rename)
+                               broadcast_to, constant, hidden_under_bias, pieces, relation,
+                               rename)
 from .infra import val
 from .memory import refuse_writes_in_place as _refuse_writes_in_place
 from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
@@ -418,8 +419,8 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
         if n.op == "placeholder":
             if n.name != token_input and n is not position_input:
                 free.add(n)
-                if sum(x != 1 for x in _out(n)[0]) <= 1:   # a weight/buffer of one axis:
-                    opaque.add(n)                          # a table (slopes, a scale)
+                if sum(x != 1 for x in _out(n)[0]) <= 1 and not _is_diagonal(n, constants):
+                    opaque.add(n)   # a weight/buffer of one axis: a table (ALiBi's slopes)
                     continue
             env[n] = _placeholder(n, s, tokens, token_input, position_input, constants)
             continue
@@ -467,6 +468,12 @@ def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | 
         fail(s.mask, f"attention mask of shape {shape} for {tokens} queries and keys",
              "Use a [..., S, S] causal mask")
     keep, bias = _keep(s, m)
+    read_as_table = [tables[f].name for f in tables if keep.has(f)]
+    if read_as_table:
+        fail(s.mask, f"the attention mask of {s.node.name} reads {read_as_table}, computed "
+             f"without positions by ops the mask reader has no rule for", "Build the mask "
+             "from positions or torch.arange with comparisons, triu/tril, where or "
+             "masked_fill")
     r = len(shape)
     leading = {axis(k) for k in range(r - 2)} & keep.free_symbols
     if leading:
@@ -504,7 +511,7 @@ def _keep(s: Site, m: Sym):
     for value, cond in pieces(m.expr):
         if value.is_number and (value == -sympy.oo or float(value) <= MASKED_OUT):
             continue
-        if _hidden_under_bias(value):
+        if hidden_under_bias(value):
             continue
         kept.append(cond)
         if not any(sympy.simplify(value - v) == 0 for v in values):
@@ -514,19 +521,6 @@ def _keep(s: Site, m: Sym):
              f"keeps keys ({values[:3]}): a bias that is not one formula", "Add 0 (or one "
              "bias formula such as ALiBi's) wherever the mask keeps a key")
     return sympy.Or(*kept), (values[0] * s.mask_scale if values else sympy.Integer(0))
-
-
-# A finite fill plus a bias still hides a key when the fill alone is beyond any bias: an
-# fp32/bf16 finfo.min (Falcon adds ALiBi to a mask filled with it), not fp16's -65504.
-HIDDEN_UNDER_BIAS = -1e30
-
-
-def _hidden_under_bias(value) -> bool:
-    """``-inf + bias`` (sympy keeps it as a sum) or ``finfo.min + bias``: the key is hidden."""
-    if not isinstance(value, sympy.Add):
-        return False
-    return any(a.is_number and (a == -sympy.oo or float(a) <= HIDDEN_UNDER_BIAS)
-               for a in value.args)
 
 
 def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input, constants):
@@ -552,6 +546,17 @@ def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input
              f"{shape}, which is not a formula of positions: {e}", "Build the mask from "
              "torch.arange or position_ids (comparisons, triu/tril), or store a table whose "
              "value depends only on key - query (tril / triu / band)")
+
+
+def _is_diagonal(n: Node, constants) -> bool:
+    table = constants().get(n.name)
+    if table is None or table.is_meta or table.dim() < 2:
+        return False
+    try:
+        _diagonal_formula(table.detach().cpu(), table.dtype == torch.bool)
+    except NotAFormula:
+        return False
+    return True
 
 
 def _diagonal_formula(table: torch.Tensor, boolean: bool):

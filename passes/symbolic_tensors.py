@@ -100,3 +100,16 @@ def relation(op, a, b):
 
 def _fold(e):
     return sympy.piecewise_fold(e)
+
+
+# A finite fill plus a bias still hides a key when the fill alone is beyond any bias: an
+# fp32/bf16 finfo.min (Falcon adds ALiBi to a mask filled with it), not fp16's -65504.
+HIDDEN_UNDER_BIAS = -1e30
+
+
+def hidden_under_bias(value) -> bool:
+    """``-inf + bias`` (sympy keeps it as a sum) or ``finfo.min + bias``: the key is hidden."""
+    if not isinstance(value, sympy.Add):
+        return False
+    return any(a.is_number and (a == -sympy.oo or float(a) <= HIDDEN_UNDER_BIAS)
+               for a in value.args)
