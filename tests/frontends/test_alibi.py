@@ -21,6 +21,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.verify import run_threaded_program
 
+from full_runs import full
 from helpers import assert_close_report, assert_runs_match, full_forward_reference, prompts_of
 
 VOCAB, BLOCK, ATOL = 256, 4, 1e-4
@@ -127,12 +128,16 @@ def run(model, mode, tp, dcp, lengths):
 CASES = [("bloom", 4, 2, (1, 7, 8, 9, 17)), ("mpt", 4, 2, (3, 8, 16)),
          ("falcon", 4, 2, (2, 9, 15)), ("symmetric", 4, 2, (1, 8, 13)),
          ("bloom", 8, 4, (1, 15, 16, 17))]
+MATRIX = [(c, m) for c in CASES for m in ("decode", "prefill")]
+# The slice (DCP_ALIBI_FULL=1 runs the matrix): both modes, both (tp, dcp), three forms.
+SLICE = [(CASES[0], "decode"), (CASES[1], "prefill"), (CASES[2], "decode"),
+         (CASES[4], "prefill")]
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefill"])
-@pytest.mark.parametrize("form,tp,dcp,lengths", CASES,
-                         ids=[f"{f}-tp{t}-dcp{d}" for f, t, d, _ in CASES])
-def test_alibi_matches_its_own_forward(form, tp, dcp, lengths, mode):
+@pytest.mark.parametrize("case,mode", MATRIX if full("DCP_ALIBI_FULL") else SLICE,
+                         ids=lambda x: x if isinstance(x, str) else f"{x[0]}-tp{x[1]}-dcp{x[2]}")
+def test_alibi_matches_its_own_forward(case, mode):
+    form, tp, dcp, lengths = case
     program = run(AlibiLM(form), mode, tp, dcp, lengths)
     forms = next(r for r in program.history if r.name == "insert_paged_cache").matched["forms"]
     assert any("alibi" in f for f in forms), forms

@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("transformers")
 
 import hf_corpus as C  # noqa: E402
+from full_runs import full  # noqa: E402
 from helpers import assert_close_report  # noqa: E402
 
 LENGTHS = (1, 7, 9, 16, 21)    # past 2 chunks for every C below; around the vblock (8, 16)
@@ -48,6 +49,11 @@ def test_the_tiny_llama4_has_chunked_nope_and_moe_layers():
 # C below, at and above the vblock of 8 (dcp=2) / 16 (dcp=4), and not dividing it.
 CASES = [(3, 4, 2, "decode"), (8, 4, 2, "prefill"), (12, 8, 4, "decode"),
          (5, 8, 4, "prefill")]
+if full("DCP_CHUNKED_FULL"):   # every chunk length x tp/dcp x mode
+    CASES = [(c, t, d, m) for c in (3, 5, 8, 12, 16) for t, d in ((4, 2), (8, 4))
+             for m in ("decode", "prefill")]
+else:                          # the slice: C below the vblock (decode), C at it (prefill)
+    CASES = CASES[:2]
 
 
 @pytest.mark.parametrize("chunk,tp,dcp,mode", CASES,
