@@ -26,8 +26,10 @@ class Feature:
 
 
 FEATURES = (
-    Feature("ALiBi", "its attention scores add per-head linear position biases, which the DCP "
-            "attention op does not compute", r"alibi"),
+    Feature("ALiBi", "its attention scores add per-head linear position biases in a form "
+            "the attention recognisers do not read (slope_h * (k_pos - q_pos), up to a "
+            "per-query constant, added to the eager scores or to their additive mask, is "
+            "supported: docs/guarantees.md)", r"alibi"),
     Feature("attention sinks", "a learned sink logit joins each softmax denominator in a form "
             "the attention recognisers do not read (gpt-oss's one logit per q head, cat'ed "
             "to the scores or as s_aux, is supported)", r"\bsinks?\b|s_aux"),

@@ -14,8 +14,12 @@ ON = ("1", "all")
 
 # switch -> (test module, under tests/; what the full run adds to the slice)
 SWITCHES: dict[str, tuple[str, str]] = {
+    "DCP_ALIBI_FULL": ("frontends/test_alibi.py",
+                       "every ALiBi form x mode x tp/dcp (the slice: one form per mode)"),
     "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
                          "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
+    "DCP_CHUNKED_FULL": ("frontends/test_chunked_attention.py",
+                         "every chunk length x tp/dcp x mode of Llama 4 (the slice: two)"),
     "DCP_CORPUS": ("corpora/test_hf_corpus.py",
                    "every cell of the transformers corpus vs its table in docs/models.md"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
