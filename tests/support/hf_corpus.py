@@ -214,14 +214,15 @@ REASONS = (
     ("ALiBi", r"alibi"),
     ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
-                                      r"|conv1d|short conv|hybrid"),
+                                      r"|conv1d|short conv|\bhybrid\b"),
     ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
     ("token mixing outside attention", r"mixes tokens along the sequence"),
     ("length-dependent positions (LongRoPE, dynamic NTK)", r"max\(positions\)"),
-    ("mask written in place", r"is written in place"),
+    ("mask written in place", r"is written in place|unrecognised op aten\.\w+_\.\w+ between"),
     ("chunked attention", r"chunk"),
     ("softcap", r"softcap"),
     ("experts in bf16 inside an fp32 model", r"the experts compute in \S+ inside a"),
+    ("data-dependent control flow (not exportable)", r"on fake tensors: DynamicOutputShape"),
     ("mixture of experts", r"expert|\bmoe\b(?!-mla)|router"),   # not docs/moe-mla.md
     ("latent attention (MLA)", r"latent|\bmla\b"),
     ("sliding window", r"window"),
@@ -238,9 +239,11 @@ REASONS = (
     # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
     ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
     ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
-    ("attention shared across calls", r"called attention twice"),
+    ("attention shared across calls", r"called attention twice|layer_idx=None"),
+    ("prefill: attention output gated per token", r"reaches its O projection through "
+                                                  r"token-indexed inputs"),
     ("data-dependent control flow (not exportable)", r"could not capture|data-dependent|"
-                                                      r"dynamic shape \(u\d+"),
+                                                      r"dynamic shape \([^)]*u\d+"),
     ("attention form not recognised", r"no attention this compiler recognises"),
     ("prefill: a view folds the token dim", r"the token dim \(dim \d+, size \d+\) and the "
                                             r"dims before it must stay"),
