@@ -214,7 +214,7 @@ REASONS = (
     ("ALiBi", r"alibi"),
     ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
-                                      r"|conv1d|short conv|\bhybrid\b"),
+                                      r"|conv1d|short conv"),
     ("encoder (not causal)", r"not causal|is_causal=False|bidirectional|encoder|cross[- ]att"),
     ("token mixing outside attention", r"mixes tokens along the sequence"),
     ("length-dependent positions (LongRoPE, dynamic NTK)", r"max\(positions\)"),
