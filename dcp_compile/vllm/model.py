@@ -8,9 +8,12 @@ garbage block first (vLLM's null block), binds vLLM's own groups to the program'
 reads only this rank's weight shards from the checkpoint, and from then on runs each vLLM
 batch as program calls (dcp_compile/vllm/batch.py) on vLLM's own KV tensors.
 
-Program shapes beyond vLLM's (the rows of a call, the prompt-step length, the decode width)
-come from ``hf_overrides={"dcp_compile": {"batch": 4, "context_len": 64, "decode_len":
-4}}`` (the defaults: ``PROGRAM_DEFAULTS``).
+The program's shapes follow vLLM's (``vllm_shapes``): rows per call = ``max_num_seqs``, the
+prompt step = ``max_num_batched_tokens`` tokens (at most ``max_model_len``), the chunk step
+(a chunk after prior context in one call) as wide, up to the proven 64; the block-table
+width from ``max_model_len``, the cache from the block count vLLM sized. Any of them, the
+decode width and context buckets can be set in ``hf_overrides={"dcp_compile": {...}}``
+(``OPTIONS``).
 """
 
 from __future__ import annotations
@@ -23,24 +26,46 @@ from torch import nn
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
 from dcp_compile.runtime.garbage_block import FIRST
 from dcp_compile.runtime.names import Mode, StepKind
-from dcp_compile.vllm.batch import ProgramShapes, calls_of, scatter_logits, table_rows
+from dcp_compile.vllm.batch import (ProgramShapes, at_bucket, calls_of, scatter_logits,
+                                    table_rows)
 
-PROGRAM_DEFAULTS = {"batch": 4, "context_len": 64, "decode_len": 4}
+# The options of hf_overrides["dcp_compile"] -> the least value each takes (chunk_len 0: no
+# chunk step, later chunks as decode steps); "buckets" is a list of context lengths.
+OPTIONS = {"batch": 1, "context_len": 1, "chunk_len": 0, "decode_len": 1}
+DECODE_LEN = 4          # tokens per row of a decode step unless hf_overrides says
 
 
-def program_options(hf_config, max_num_seqs: int) -> dict:
-    """The program shapes from ``hf_config.dcp_compile`` (hf_overrides), checked by name."""
+def vllm_shapes(*, max_num_seqs: int, max_num_batched_tokens: int,
+                max_model_len: int) -> dict:
+    """The program options vLLM's scheduler limits give (module doc): every request of a
+    step in one call's rows, a step's whole token budget in one prompt or chunk row."""
+    from dcp_compile.passes.prove.theorems import MAX_DECODE_LEN
+    tokens = min(max_num_batched_tokens, max_model_len)
+    return {"batch": max_num_seqs, "context_len": tokens, "decode_len": DECODE_LEN,
+            "chunk_len": min(tokens, MAX_DECODE_LEN), "buckets": []}
+
+
+def program_options(hf_config, **limits) -> dict:
+    """The program shapes: ``vllm_shapes(**limits)``, overridden by ``hf_config.dcp_compile``
+    (hf_overrides), checked by name."""
+    from dcp_compile.passes.prove.theorems import MAX_DECODE_LEN
     given = dict(getattr(hf_config, "dcp_compile", None) or {})
-    unknown = sorted(set(given) - set(PROGRAM_DEFAULTS))
+    unknown = sorted(set(given) - set(OPTIONS) - {"buckets"})
     if unknown:
         raise DCPConfigError(f"unknown dcp_compile options in hf_overrides: {unknown}. Use "
-                             f"{sorted(PROGRAM_DEFAULTS)}.")
-    out = PROGRAM_DEFAULTS | {"batch": min(PROGRAM_DEFAULTS["batch"], max_num_seqs)} | given
-    bad = [f"{k}={v!r}" for k, v in out.items()
-           if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+                             f"{sorted(OPTIONS) + ['buckets']}.")
+    out = vllm_shapes(**limits) | given
+    bad = [f"{k}={out[k]!r} (needs >= {least})" for k, least in OPTIONS.items()
+           if not isinstance(out[k], int) or isinstance(out[k], bool) or out[k] < least]
+    if out["chunk_len"] > MAX_DECODE_LEN:
+        bad.append(f"chunk_len={out['chunk_len']} (the chunk step is a decode step, proven "
+                   f"for widths up to {MAX_DECODE_LEN})")
+    if not isinstance(out["buckets"], list):
+        bad.append(f"buckets={out['buckets']!r} (a list of context lengths in tokens)")
     if bad:
-        raise DCPConfigError(f"dcp_compile options must be positive ints: {', '.join(bad)}. "
-                             f"Pass e.g. {PROGRAM_DEFAULTS}.")
+        raise DCPConfigError(f"dcp_compile options out of range: {', '.join(bad)}. Pass e.g. "
+                             f"{{'batch': 4, 'context_len': 64, 'chunk_len': 32, "
+                             f"'decode_len': 4, 'buckets': [64, 128]}}.")
     return out
 
 
@@ -68,7 +93,10 @@ class DcpCompiledForCausalLM(nn.Module):
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = model.max_model_len
         self.vocab_size = hf.vocab_size
-        self.options = program_options(hf, vllm_config.scheduler_config.max_num_seqs)
+        scheduler = vllm_config.scheduler_config
+        self.options = program_options(hf, max_num_seqs=scheduler.max_num_seqs,
+                                       max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                                       max_model_len=model.max_model_len)
         self.head_dim = model.get_head_size()
         heads, kv_heads = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)
         self.attn = nn.ModuleList(
@@ -80,7 +108,9 @@ class DcpCompiledForCausalLM(nn.Module):
         self.layer_names = [a.layer_name for a in self.attn]
         self.loaded = None                  # the program on this rank, from the first step
         self.program = None
-        self.calls = {kind: 0 for kind in (StepKind.CONTEXT, StepKind.DECODE)}  # calls so far
+        kinds = (StepKind.CONTEXT, StepKind.CHUNK, StepKind.DECODE)
+        self.calls = {kind: 0 for kind in kinds}            # program calls so far
+        self.most_calls = {kind: 0 for kind in kinds}       # the most in one vLLM step
 
     # -- the vLLM model interface ----------------------------------------------------------
 
@@ -144,15 +174,17 @@ class DcpCompiledForCausalLM(nn.Module):
         vblock = self.block_size * self.dcp
         o = self.options
         self.shapes = ProgramShapes(batch=o["batch"], context_len=o["context_len"],
-                                    decode_len=o["decode_len"],
+                                    decode_len=o["decode_len"], chunk_len=o["chunk_len"],
                                     max_blocks=-(-self.max_model_len // vblock), vblock=vblock)
         self.program = dcp_compile.transform(
             meta_model(checkpoint), tp=self.tp, dcp=self.dcp, mode=Mode.DECODE,
             block_size=self.block_size, interleave_size=self.interleave, check=False,
-            garbage_block=FIRST,
+            garbage_block=FIRST, buckets=o["buckets"],
             shapes=StepShapes(batch=o["batch"], context_len=o["context_len"],
                               max_blocks=self.shapes.max_blocks,
-                              num_blocks=int(caches[0].shape[0]), decode_len=o["decode_len"]))
+                              num_blocks=int(caches[0].shape[0]), decode_len=o["decode_len"],
+                              chunk_len=o["chunk_len"]))
+        self.buckets = self.program.buckets
         spec = self.program.cache_spec()
         for i, cache in enumerate(caches):
             if tuple(cache.shape) != tuple(spec.shape) or cache.dtype != spec.dtype:
@@ -172,7 +204,12 @@ class DcpCompiledForCausalLM(nn.Module):
         table = table_rows(common.block_table_tensor[:n_req].cpu(), seq_lens, self.shapes)
         ids, pos = input_ids.cpu().to(torch.int64), positions.cpu().to(torch.int64)
         done = []
-        for call in calls_of(ids, pos, starts, table, self.shapes):
+        calls = calls_of(ids, pos, starts, table, self.shapes)
+        for kind in self.most_calls:
+            self.most_calls[kind] = max(self.most_calls[kind],
+                                        sum(c.kind == kind for c in calls))
+        for call in calls:
+            call = at_bucket(call, self.buckets, self.shapes)
             logits, out = self.loaded.run(call.kind, call.input_ids, call.positions,
                                           call.block_table, caches)
             # Zero copy: the program wrote vLLM's own tensors in place, never a copy.

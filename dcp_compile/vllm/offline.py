@@ -20,13 +20,16 @@ import time
 
 
 def program_record(model) -> dict:
-    """What the plugin did on one rank: program calls by step kind, its cache blocks, and
-    whether its KV caches are vLLM's own tensors (the same memory, not a copy)."""
+    """What the plugin did on one rank: program calls by step kind (in all, and the most in
+    one vLLM step), its shapes and cache blocks, and whether its KV caches are vLLM's own
+    tensors (the same memory, not a copy)."""
     caches = model._caches()
     vllm_kv = [layer.kv_cache for layer in model.attn]
     same = all(c.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
                for kv, pair in zip(vllm_kv, zip(caches[::2], caches[1::2])) for c in pair)
     return {"calls": {str(k): n for k, n in model.calls.items()},
+            "most_calls_per_step": {str(k): n for k, n in model.most_calls.items()},
+            "options": model.options,
             "num_blocks": int(caches[0].shape[0]),
             "garbage_block": model.program.config.garbage_block,
             "caches_are_vllms": same, "build_seconds": round(model.build_seconds, 2)}

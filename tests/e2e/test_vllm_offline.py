@@ -58,7 +58,14 @@ def test_the_program_ran_on_vllms_cache_with_the_garbage_block_first(served):
     for record in ranks:
         assert record["caches_are_vllms"] and record["garbage_block"] == 0
         assert record["num_blocks"] == NUM_BLOCKS
-        # Prompt steps and width-K decode steps (chunks after prior context, cache hits,
-        # generated tokens) both ran.
-        assert record["calls"]["context"] > 0 and record["calls"]["decode"] > 0
+        # The shapes follow vLLM's: max_num_seqs rows, max_num_batched_tokens-token prompt
+        # and chunk steps (docs/vllm.md).
+        assert record["options"] == {"batch": 4, "context_len": 32, "chunk_len": 32,
+                                     "decode_len": 4, "buckets": []}
+        # Every vLLM step ran as at most one call per step kind: its prompts from 0 in one
+        # context call, its chunks after prior context (later prefill chunks of up to 32,
+        # the rest after a cache hit) in one chunk call, its generated tokens in one decode
+        # call. (Without the chunk step a 32-token chunk took 8 width-4 decode calls.)
+        assert record["most_calls_per_step"] == {"context": 1, "chunk": 1, "decode": 1}
+        assert min(record["calls"].values()) > 0
     assert ranks[0]["calls"] == ranks[1]["calls"]      # SPMD: the same calls on each rank
