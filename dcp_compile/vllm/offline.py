@@ -3,7 +3,9 @@
     python -m dcp_compile.vllm.offline SPEC.json OUT.json
 
 SPEC: ``{"llm": {keyword arguments of vllm.LLM}, "batches": [{"name": ..., "prompts":
-[[token ids], ...], "max_tokens": n}, ...]}``; the batches run one after another in one
+[[token ids], ...], "max_tokens": n}, ...]}``, or ``{"config_only": [{keyword arguments},
+...]}``: only vLLM's config checks (``EngineArgs.create_engine_config``, no workers), OUT
+``{"config_errors": [message or null, ...]}``. The batches run one after another in one
 engine (so a later batch can hit the prefix cache an earlier one filled). OUT: per batch the
 generated token ids, vLLM's prefix-cache hits (``num_cached_tokens``) and seconds; and, when
 the plugin serves the model, each rank's program record (``program_record``). The tests,
@@ -35,8 +37,21 @@ def program_record(model) -> dict:
             "caches_are_vllms": same, "build_seconds": round(model.build_seconds, 2)}
 
 
+def config_error(llm_kwargs: dict) -> str | None:
+    """vLLM's refusal of this configuration (its config checks: no model, no workers), or
+    None when it accepts it."""
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        EngineArgs(**llm_kwargs).create_engine_config()
+    except Exception as e:     # pydantic wraps vLLM's ValueError: the message is the fact
+        return str(e)
+    return None
+
+
 def run(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")   # two ranks on two cores
+    if "config_only" in spec:
+        return {"config_errors": [config_error(kw) for kw in spec["config_only"]]}
     # program_record reaches the workers through LLM.apply_model, which vLLM sends pickled
     # only when allowed: a local tool on loopback, never a server setting.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
