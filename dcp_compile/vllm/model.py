@@ -1,12 +1,15 @@
 """``DcpCompiledForCausalLM``: a vLLM model whose whole step is a dcp_compile program.
 
 vLLM builds it on every worker with stub attention layers (dcp_compile/vllm/attention.py),
-so that it sizes, allocates and block-tables the KV cache as for any model. At the first
-real step, when vLLM has sized the cache, the model transforms the checkpoint's model (built
-on the meta device: no weights) for vLLM's tp, dcp, block size and interleave, with the
-garbage block first (vLLM's null block), binds vLLM's own groups to the program's roles,
-reads only this rank's weight shards from the checkpoint, and from then on runs each vLLM
-batch as program calls (dcp_compile/vllm/batch.py) on vLLM's own KV tensors.
+so that it sizes, allocates and block-tables the KV cache as for any model. vLLM's loader
+streams the checkpoint's tensors into ``load_weights``: the model transforms the
+checkpoint's model (built on the meta device: no weights) for vLLM's tp, dcp, block size and
+interleave, and keeps of each streamed tensor only this rank's shard boxes
+(``StreamedCheckpoint``). At the first real step, when vLLM has sized the cache, it
+transforms again for that cache (the proof reused), with the garbage block first (vLLM's
+null block), binds vLLM's own groups to the program's roles, loads the kept shards, and
+from then on runs each vLLM batch as program calls (dcp_compile/vllm/batch.py) on vLLM's
+own KV tensors.
 
 The program's shapes follow vLLM's (``vllm_shapes``): rows per call = ``max_num_seqs``, the
 prompt step = ``max_num_batched_tokens`` tokens (at most ``max_model_len``), the chunk step
@@ -108,6 +111,8 @@ class DcpCompiledForCausalLM(nn.Module):
         self.layer_names = [a.layer_name for a in self.attn]
         self.loaded = None                  # the program on this rank, from the first step
         self.program = None
+        self.planned = None                 # the program load_weights planned the read with
+        self.weights = None                 # this rank's shard boxes of vLLM's weight stream
         kinds = (StepKind.CONTEXT, StepKind.CHUNK, StepKind.DECODE)
         self.calls = {kind: 0 for kind in kinds}            # program calls so far
         self.most_calls = {kind: 0 for kind in kinds}       # the most in one vLLM step
@@ -119,9 +124,22 @@ class DcpCompiledForCausalLM(nn.Module):
                             "program embeds them itself. Pass prompts as text or token ids.")
 
     def load_weights(self, weights) -> set[str]:
-        # vLLM's iterator would read every tensor whole; the program reads only this rank's
-        # slices of the checkpoint at its first step (DCPProgram.read_checkpoint). The
-        # iterator is not consumed, so nothing is read here.
+        """Keep this rank's shard boxes of each tensor vLLM's loader streams (module doc).
+        The model has no parameters of its own for vLLM to check off: none are named."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from dcp_compile.meta_init import meta_model
+        from dcp_compile.runtime.program.checkpoint import StreamedCheckpoint
+
+        start = time.perf_counter()
+        self.meta = meta_model(self.vllm_config.model_config.model)
+        # The cache size is vLLM's only after loading: a provisional one (the weights, their
+        # names and shards do not depend on it; _build checks that).
+        self.planned = self._transform(num_blocks=2)
+        self.weights = StreamedCheckpoint(
+            weights, self.planned.checkpoint_boxes(get_tp_group().rank_in_group),
+            name="vLLM's weight iterator")
+        self.load_seconds = time.perf_counter() - start
         return set()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -163,27 +181,21 @@ class DcpCompiledForCausalLM(nn.Module):
     def _build(self, caches: list[torch.Tensor]) -> None:
         """Transform for vLLM's layout and cache size, bind vLLM's groups, read this rank's
         weight shards (module doc)."""
-        import dcp_compile
-        from dcp_compile.meta_init import meta_model
-        from dcp_compile.runtime.serving.engine import StepShapes
         from dcp_compile.runtime.serving.rank_engine import load_rank
         from dcp_compile.vllm.groups import vllm_group_names
 
+        if self.weights is None:
+            raise DCPConfigError(
+                f"vLLM did not stream the checkpoint's weights to the model (load_format="
+                f"{self.vllm_config.load_config.load_format!r}): dcp_compile serves the "
+                f"checkpoint's own weights. Use load_format='auto' or 'safetensors'.")
         start = time.perf_counter()
-        checkpoint = self.vllm_config.model_config.model
-        vblock = self.block_size * self.dcp
-        o = self.options
-        self.shapes = ProgramShapes(batch=o["batch"], context_len=o["context_len"],
-                                    decode_len=o["decode_len"], chunk_len=o["chunk_len"],
-                                    max_blocks=-(-self.max_model_len // vblock), vblock=vblock)
-        self.program = dcp_compile.transform(
-            meta_model(checkpoint), tp=self.tp, dcp=self.dcp, mode=Mode.DECODE,
-            block_size=self.block_size, interleave_size=self.interleave, check=False,
-            garbage_block=FIRST, buckets=o["buckets"],
-            shapes=StepShapes(batch=o["batch"], context_len=o["context_len"],
-                              max_blocks=self.shapes.max_blocks,
-                              num_blocks=int(caches[0].shape[0]), decode_len=o["decode_len"],
-                              chunk_len=o["chunk_len"]))
+        self.program = self._transform(num_blocks=int(caches[0].shape[0]),
+                                       certificate=self.planned.certificate)
+        if (self.program.weight_inputs, self.program.shards) != \
+                (self.planned.weight_inputs, self.planned.shards):
+            raise AssertionError("the program for vLLM's cache has other weights or shards "
+                                 "than the one load_weights read them for")
         self.buckets = self.program.buckets
         spec = self.program.cache_spec()
         for i, cache in enumerate(caches):
@@ -194,8 +206,26 @@ class DcpCompiledForCausalLM(nn.Module):
                     f"dtype (dtype='auto') with kv_cache_dtype='auto'.")
         rank, names = vllm_group_names(self.program.topology)
         # vLLM's engine is the host side, so the rank is loaded without one of ours.
-        self.loaded = load_rank(self.program, rank, names, checkpoint=checkpoint)
+        self.loaded = load_rank(self.program, rank, names, checkpoint=self.weights)
         self.build_seconds = time.perf_counter() - start
+
+    def _transform(self, num_blocks: int, certificate=None):
+        """The meta model transformed for vLLM's layout and shapes (module doc)."""
+        import dcp_compile
+        from dcp_compile.runtime.serving.engine import StepShapes
+
+        vblock = self.block_size * self.dcp
+        o = self.options
+        self.shapes = ProgramShapes(batch=o["batch"], context_len=o["context_len"],
+                                    decode_len=o["decode_len"], chunk_len=o["chunk_len"],
+                                    max_blocks=-(-self.max_model_len // vblock), vblock=vblock)
+        return dcp_compile.transform(
+            self.meta, tp=self.tp, dcp=self.dcp, mode=Mode.DECODE,
+            block_size=self.block_size, interleave_size=self.interleave, check=False,
+            garbage_block=FIRST, buckets=o["buckets"], certificate=certificate,
+            shapes=StepShapes(batch=o["batch"], context_len=o["context_len"],
+                              max_blocks=self.shapes.max_blocks, num_blocks=num_blocks,
+                              decode_len=o["decode_len"], chunk_len=o["chunk_len"]))
 
     def _step(self, input_ids, positions, common, caches) -> torch.Tensor:
         n_req = common.num_reqs

@@ -23,9 +23,18 @@ import time
 
 def program_record(model) -> dict:
     """What the plugin did on one rank: program calls by step kind (in all, and the most in
-    one vLLM step), its shapes and cache blocks, and whether its KV caches are vLLM's own
-    tensors (the same memory, not a copy)."""
+    one vLLM step), its shapes and cache blocks, whether its KV caches are vLLM's own
+    tensors (the same memory, not a copy), and whether the weights it kept of vLLM's weight
+    stream are bit-equal to what the project's checkpoint reader reads for the rank."""
+    import torch
+
+    from dcp_compile.runtime.program.checkpoint import Checkpoint
     caches = model._caches()
+    rank = model.loaded.rank
+    streamed = model.program.read_checkpoint(rank, model.weights)[0]
+    directory = model.program.read_checkpoint(rank, model.vllm_config.model_config.model)[0]
+    with Checkpoint(model.vllm_config.model_config.model) as ckpt:
+        checkpoint_bytes = sum(ckpt._entry(k).nbytes for k in ckpt.files)
     vllm_kv = [layer.kv_cache for layer in model.attn]
     same = all(c.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
                for kv, pair in zip(vllm_kv, zip(caches[::2], caches[1::2])) for c in pair)
@@ -34,7 +43,12 @@ def program_record(model) -> dict:
             "options": model.options,
             "num_blocks": int(caches[0].shape[0]),
             "garbage_block": model.program.config.garbage_block,
-            "caches_are_vllms": same, "build_seconds": round(model.build_seconds, 2)}
+            "caches_are_vllms": same, "build_seconds": round(model.build_seconds, 2),
+            "load_seconds": round(model.load_seconds, 2),
+            "weights_equal_checkpoint_reader": list(streamed) == list(directory) and all(
+                torch.equal(streamed[n], directory[n]) for n in directory),
+            "weight_bytes_kept": model.weights.stats.bytes_read,
+            "checkpoint_bytes": checkpoint_bytes}
 
 
 def config_error(llm_kwargs: dict) -> str | None:

@@ -68,4 +68,8 @@ def test_the_program_ran_on_vllms_cache_with_the_garbage_block_first(served):
         # call. (Without the chunk step a 32-token chunk took 8 width-4 decode calls.)
         assert record["most_calls_per_step"] == {"context": 1, "chunk": 1, "decode": 1}
         assert min(record["calls"].values()) > 0
+        # Weights through vLLM's loader: the rank kept only its shards of vLLM's weight
+        # stream, bit-equal to the project's own checkpoint reader's.
+        assert record["weights_equal_checkpoint_reader"]
+        assert record["weight_bytes_kept"] < 0.75 * record["checkpoint_bytes"]
     assert ranks[0]["calls"] == ranks[1]["calls"]      # SPMD: the same calls on each rank
