@@ -132,7 +132,9 @@ class DcpCompiledForCausalLM(nn.Module):
         from dcp_compile.runtime.program.checkpoint import StreamedCheckpoint
 
         start = time.perf_counter()
-        self.meta = meta_model(self.vllm_config.model_config.model)
+        # A plain attribute, not a submodule: vLLM would count its (meta) parameters as
+        # weights this model failed to load.
+        object.__setattr__(self, "meta", meta_model(self.vllm_config.model_config.model))
         # The cache size is vLLM's only after loading: a provisional one (the weights, their
         # names and shards do not depend on it; _build checks that).
         self.planned = self._transform(num_blocks=2)
