@@ -3,11 +3,13 @@
     python -m dcp_compile.vllm.offline SPEC.json OUT.json
 
 SPEC: ``{"llm": {keyword arguments of vllm.LLM}, "batches": [{"name": ..., "prompts":
-[[token ids], ...], "max_tokens": n}, ...]}``, or ``{"config_only": [{keyword arguments},
+[[token ids], ...], "max_tokens": n, "sampling": {more SamplingParams: temperature, top_p,
+seed, logprobs, ...}}, ...]}`` (greedy unless ``sampling`` says), or ``{"config_only": [{keyword arguments},
 ...]}``: only vLLM's config checks (``EngineArgs.create_engine_config``, no workers), OUT
 ``{"config_errors": [message or null, ...]}``. The batches run one after another in one
 engine (so a later batch can hit the prefix cache an earlier one filled). OUT: per batch the
-generated token ids, vLLM's prefix-cache hits (``num_cached_tokens``) and seconds; and, when
+generated token ids, the log-probability vLLM gave each (with ``logprobs``), vLLM's
+prefix-cache hits (``num_cached_tokens``) and seconds; and, when
 the plugin serves the model, each rank's program record (``program_record``). The tests,
 docs/vllm.md and benchmarks/bench_vllm.py run it in the vLLM environment (``.venv-vllm``):
 vLLM pins another transformers than the rest of the suite.
@@ -76,14 +78,17 @@ def run(spec: dict) -> dict:
     llm = LLM(**spec["llm"])
     out = {"start_seconds": round(time.perf_counter() - start, 2), "batches": []}
     for batch in spec["batches"]:
-        params = SamplingParams(temperature=0.0, max_tokens=batch["max_tokens"],
-                                ignore_eos=True)
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": batch["max_tokens"],
+                                   "ignore_eos": True, **batch.get("sampling", {})})
         t = time.perf_counter()
         results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]],
                                params, use_tqdm=False)
         out["batches"].append({
             "name": batch["name"], "seconds": round(time.perf_counter() - t, 3),
             "tokens": [list(r.outputs[0].token_ids) for r in results],
+            "logprobs": [[step[tok].logprob for tok, step in
+                          zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]
+                         if r.outputs[0].logprobs else None for r in results],
             "cached": [r.num_cached_tokens or 0 for r in results]})
     archs = (spec["llm"].get("hf_overrides") or {}).get("architectures", [])
     if "DcpCompiledForCausalLM" in archs:
