@@ -72,6 +72,26 @@ def program_options(hf_config, **limits) -> dict:
     return out
 
 
+def refuse_unserved(vllm_config) -> None:
+    """DCPConfigError for the vLLM features the plugin does not serve, by name, before any
+    of its setup runs (docs/vllm.md "What works through the plugin")."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
+        raise DCPConfigError(
+            f"dcp_compile serves tensor + decode context parallelism only: "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}, "
+            f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}. "
+            f"Use 1 for both.")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        raise DCPConfigError(
+            f"speculative decoding (speculative_config method="
+            f"{getattr(spec, 'method', None)!r}) is not served by the dcp_compile plugin: "
+            f"its draft proposals and verify steps are not wired to the program. Serve "
+            f"without speculative_config (the project's own Engine verifies drafts: "
+            f"docs/speculative-prefix.md).")
+
+
 class DcpCompiledForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
@@ -80,16 +100,11 @@ class DcpCompiledForCausalLM(nn.Module):
         from dcp_compile.vllm.attention import DcpStubBackend
         from dcp_compile.vllm.slot_mapping import register_slot_mapping
 
+        refuse_unserved(vllm_config)
         register_slot_mapping()
         self.vllm_config = vllm_config
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         hf = model.hf_config
-        if parallel.pipeline_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
-            raise DCPConfigError(
-                f"dcp_compile serves tensor + decode context parallelism only: "
-                f"pipeline_parallel_size={parallel.pipeline_parallel_size}, "
-                f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}. "
-                f"Use 1 for both.")
         self.tp = parallel.tensor_parallel_size
         self.dcp = parallel.decode_context_parallel_size
         self.interleave = parallel.cp_kv_cache_interleave_size

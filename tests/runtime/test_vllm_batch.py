@@ -140,3 +140,24 @@ def test_chunks_after_prior_context_run_as_one_chunk_call_each():
     widths = [at_bucket(c, (8, 16, 32), CHUNKED).block_table.shape[1] for c in calls]
     assert widths == [1, 4, 1, 4, 4]
     assert at_bucket(calls[0], (8, 16, 32), CHUNKED).block_table.tolist() == [[7], [-1]]
+
+
+def test_unserved_vllm_features_are_refused_by_name():
+    """Pipeline / prefill context parallelism and speculative decoding: a DCPConfigError
+    naming the option, before the plugin registers anything (an ngram speculative config
+    crashed inside vLLM's kernel rebinding before this check)."""
+    from types import SimpleNamespace
+
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.vllm.model import refuse_unserved
+
+    def config(pp=1, pcp=1, spec=None):
+        return SimpleNamespace(parallel_config=SimpleNamespace(
+            pipeline_parallel_size=pp, prefill_context_parallel_size=pcp),
+            speculative_config=spec)
+    refuse_unserved(config())
+    with pytest.raises(DCPConfigError, match="pipeline_parallel_size=2"):
+        refuse_unserved(config(pp=2))
+    with pytest.raises(DCPConfigError, match=r"speculative decoding \(speculative_config "
+                                             r"method='ngram'\) is not served"):
+        refuse_unserved(config(spec=SimpleNamespace(method="ngram")))
