@@ -4,15 +4,18 @@
 
 SPEC: ``{"llm": {keyword arguments of vllm.LLM}, "batches": [{"name": ..., "prompts":
 [[token ids], ...], "max_tokens": n, "sampling": {more SamplingParams: temperature, top_p,
-seed, logprobs, ...}}, ...]}`` (greedy unless ``sampling`` says), or ``{"config_only": [{keyword arguments},
-...]}``: only vLLM's config checks (``EngineArgs.create_engine_config``, no workers), OUT
-``{"config_errors": [message or null, ...]}``. The batches run one after another in one
-engine (so a later batch can hit the prefix cache an earlier one filled). OUT: per batch the
-generated token ids, the log-probability vLLM gave each (with ``logprobs``), vLLM's
-prefix-cache hits (``num_cached_tokens``) and seconds; and, when
-the plugin serves the model, each rank's program record (``program_record``). The tests,
-docs/vllm.md and benchmarks/bench_vllm.py run it in the vLLM environment (``.venv-vllm``):
-vLLM pins another transformers than the rest of the suite.
+seed, logprobs, ...}}, ...]}`` (greedy unless ``sampling`` says). The batches run one after
+another in one engine (so a later batch can hit the prefix cache an earlier one filled).
+OUT: per batch the generated token ids, the log-probability vLLM gave each (with
+``logprobs``), vLLM's prefix-cache hits (``num_cached_tokens``) and seconds; and, when the
+plugin serves the model, each rank's program record (``program_record``).
+
+SPEC ``{"config_only": [{keyword arguments}, ...]}`` runs only vLLM's config checks
+(``EngineArgs.create_engine_config``: no workers); OUT ``{"config_errors": [message or
+null, ...]}``.
+
+The tests, docs/vllm.md and benchmarks/bench_vllm.py run it in the vLLM environment
+(``.venv-vllm``): vLLM pins another transformers than the rest of the suite.
 """
 
 from __future__ import annotations
