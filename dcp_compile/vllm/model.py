@@ -26,7 +26,7 @@ import time
 import torch
 from torch import nn
 
-from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
+from dcp_compile.runtime.errors import DCPCompilerBug, DCPConfigError, DCPInputError
 from dcp_compile.runtime.garbage_block import FIRST
 from dcp_compile.runtime.names import Mode, StepKind
 from dcp_compile.vllm.batch import (ProgramShapes, at_bucket, calls_of, scatter_logits,
@@ -211,8 +211,9 @@ class DcpCompiledForCausalLM(nn.Module):
                                        certificate=self.planned.certificate)
         if (self.program.weight_inputs, self.program.shards) != \
                 (self.planned.weight_inputs, self.planned.shards):
-            raise AssertionError("the program for vLLM's cache has other weights or shards "
-                                 "than the one load_weights read them for")
+            raise DCPCompilerBug("the vLLM plugin's first step", AssertionError(
+                "the program for vLLM's cache has other weights or shards than the one "
+                "load_weights read them for"))
         self.buckets = self.program.buckets
         spec = self.program.cache_spec()
         for i, cache in enumerate(caches):
