@@ -30,6 +30,8 @@ class StepKind(_Word):
     CONTEXT = "context"           # the decode engine's prompt step
     DECODE = "decode"             # one token per sequence
     PREFILL = "prefill"           # the prefill engine's chunk (sequence parallel)
+    CHUNK = "chunk"               # a decode program's prompt chunk after prior context: a
+                                  # decode step of width chunk_len (StepShapes.chunk_len > 0)
 
 
 class Role(_Word):
