@@ -12,15 +12,15 @@ Three layers in one namespace, lowest last: the compiler (this package's own mod
 from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)
 from .runtime.config import DCPConfig
 from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPConfigError, DCPError,
-                             DCPInputError, DCPLengthDependentError,
+                             DCPHybridError, DCPInputError, DCPLengthDependentError,
                              DCPOutputContractError, DCPProofError, DCPTokenMixingError,
                              DCPTransferError, DCPTransformError, DCPWorldError)
 from .runtime.topology import Topology, topology
 
 __all__ = [
     "DCPCheckError", "DCPCompilerBug", "DCPConfig", "DCPConfigError", "DCPError",
-    "DCPInputError", "DCPLengthDependentError", "DCPOutputContractError", "DCPProofError",
-    "DCPTokenMixingError",
+    "DCPHybridError", "DCPInputError", "DCPLengthDependentError", "DCPOutputContractError",
+    "DCPProofError", "DCPTokenMixingError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
     "prove", "compute_slot_mapping", "transform", "backend", "lower",
 ]

@@ -520,6 +520,44 @@ def masked_out_floor_dropped(gm: GraphModule, weights: set[str], constants) -> i
     return count
 
 
+def _row_max_of(m: Node, x: Node) -> bool:
+    """``m`` is x's max over its last dim kept as a dim: ``x.amax(-1, keepdim=True)`` or
+    ``x.max(dim=-1, keepdim=True).values`` (the values, item 0 of ``max.dim``), through a
+    ``detach`` at most."""
+    if is_call(m, {aten.detach.default}):
+        m = m.args[0]
+    last = (-1, val(x).dim() - 1)
+    if is_call(m, {aten.amax.default}):
+        dims, keep = (list(m.args[1]) if len(m.args) > 1 else []), \
+            (m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False))
+        return m.args[0] is x and len(dims) == 1 and dims[0] in last and keep is True
+    if m.op == "call_function" and m.target is operator.getitem and m.args[1] == 0 \
+            and is_call(m.args[0], {aten.max.dim}):
+        mx = m.args[0]
+        keep = mx.args[2] if len(mx.args) > 2 else mx.kwargs.get("keepdim", False)
+        return mx.args[0] is x and mx.args[1] in last and keep is True
+    return False
+
+
+def row_max_subtracted(gm: GraphModule, weights: set[str], constants) -> int:
+    """MiMo's (and many eager kernels') ``s - s.max(-1, keepdim=True).values`` before a
+    softmax over the same dim -> ``s``: a softmax is the same after subtracting any constant
+    from a row, and the paged kernel keeps its own running max (the LSE combine needs it
+    over every rank's keys, not one rank's)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not (is_call(n, {aten.sub.Tensor}) and isinstance(n.args[0], Node)
+                and isinstance(n.args[1], Node) and len(n.args) == 2 and _feeds_softmax(n)
+                and _row_max_of(n.args[1], n.args[0])):
+            continue
+        n.replace_all_uses_with(n.args[0])
+        gm.graph.erase_node(n)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count, in
 # the order canonicalize_ops runs them (autocast regions first: their ops are read by the
 # others).
@@ -531,5 +569,6 @@ ATTENTION_FORMS: dict[str, Callable] = {
     "repeat_after_head_transpose": repeat_after_head_transpose,
     "heads_unflattened_from_batch": heads_unflattened_from_batch,
     "masked_out_floor_dropped": masked_out_floor_dropped,
+    "row_max_subtracted": row_max_subtracted,
     "where_then_additive_mask": where_then_additive_mask,
 }

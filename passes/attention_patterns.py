@@ -65,6 +65,14 @@ class Site:
     softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
     window: int = 0              # keys with q_pos - k_pos < window (0: no window)
     sinks: Node | None = None    # [Hq] logits in every softmax's denominator (gpt-oss)
+    # A second tensor added to the scores besides the mask (MPT's ALiBi position_bias), and
+    # the constant both it and an additive mask are multiplied by before the softmax (a
+    # scale applied after them: Falcon scales ``scores + alibi``). Read by
+    # score_bias.read_bias as a formula of positions and heads.
+    bias: Node | None = None
+    bias_scale: float = 1.0
+    mask_scale: float = 1.0
+    alibi: object = None         # score_bias.Alibi, once the bias is proven ALiBi
 
 
 def fail(node: Node, why: str, fix: str):
@@ -222,6 +230,7 @@ def eager_site(sm: Node) -> Site | None:
         x, sinks = sink_scores(sm, x)
     # Backward: scale, mask, casts, down to `q @ k^T`.
     x, scale, mask, kind, softcap = skip_casts(x), 1.0, None, "", 0.0
+    bias, bias_scale, mask_scale = None, 1.0, 1.0
     while not is_call(x, MATMUL):
         cap = softcap_of(x)
         if cap is not None:
@@ -243,11 +252,24 @@ def eager_site(sm: Node) -> Site | None:
             fail(x, "attention mask applied before soft-capping (masked scores become "
                  "-cap, not -inf)", "Apply the mask after tanh(scores / c) * c")
         elif is_call(x, {aten.add.Tensor}) and mask is None:
+            scores_mixed(x)          # another layer's scores, or heads mixed: named limits
             a, b = x.args
             if not (isinstance(a, Node) and isinstance(b, Node)):
                 fail(x, "a constant added to the attention scores", "Remove it")
             x, mask = (a, b) if reaches_matmul(a) else (b, a)
-            kind = "additive"
+            kind, mask_scale = "additive", scale
+        elif is_call(x, {aten.add.Tensor}) and bias is None \
+                and all(isinstance(a, Node) for a in x.args[:2]) \
+                and x.kwargs.get("alpha", 1) == 1:
+            # A mask was found nearer the softmax: this second term is a score bias.
+            scores_mixed(x)
+            a, b = x.args[:2]
+            x, bias = (a, b) if reaches_matmul(a) else (b, a)
+            bias_scale = scale
+        elif is_call(x, {aten.sub.Tensor}) and bias is None \
+                and all(isinstance(a, Node) for a in x.args[:2]) \
+                and x.kwargs.get("alpha", 1) == 1 and reaches_matmul(x.args[0]):
+            x, bias, bias_scale = x.args[0], x.args[1], -scale   # scores - bias
         elif is_call(x, {aten.masked_fill.Scalar}) and mask is None:
             if number(x.args[2]) is None or x.args[2] > MASKED_OUT:
                 fail(x, f"masked_fill of the scores with {x.args[2]}", "Fill with -inf")
@@ -276,7 +298,8 @@ def eager_site(sm: Node) -> Site | None:
              "Write scores as q @ k.transpose(-2, -1)")
     return Site(node=sm, out=user, q=skip_casts(q), k=strip_repeat(kt.args[0]),
                 v=strip_repeat(v), scale=scale, causal=False, mask=mask,
-                mask_kind=kind, softcap=softcap, sinks=sinks)
+                mask_kind=kind, softcap=softcap, sinks=sinks, bias=bias,
+                bias_scale=bias_scale, mask_scale=mask_scale)
 
 
 def _score_sources(n: Node) -> tuple[set[Node], bool]:
@@ -393,6 +416,11 @@ def reaches_matmul(n: Node) -> bool:
         if is_call(n, MULS | DIVS | {aten.tanh.default}):
             n = n.args[0] if isinstance(n.args[0], Node) else n.args[1]
             continue
+        if is_call(n, {aten.add.Tensor}):     # scores + a bias (ALiBi), then the mask
+            return any(isinstance(a, Node) and reaches_matmul(a) for a in n.args[:2])
+        if is_call(n, {aten.sub.Tensor}) and isinstance(n.args[0], Node):   # scores - bias
+            n = n.args[0]
+            continue
         return False
 
 
@@ -420,5 +448,6 @@ def site_form(s: Site) -> str:
     mask = "is_causal" if s.causal else (f"{s.mask_kind} mask" if s.mask is not None
                                         else "one token")
     extra = "".join(f", {k}" for k, x in (("window", s.window), ("softcap", s.softcap),
-                                         ("sinks", s.sinks is not None)) if x)
+                                         ("sinks", s.sinks is not None),
+                                         ("alibi", s.alibi is not None)) if x)
     return f"{kind} ({mask}{extra})"

@@ -261,6 +261,11 @@ class DCPDecode(DCPPass):
                 else:
                     q_all = q
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
+                if W > 1 and kwargs.get("alibi_slopes") is not None:
+                    # ALiBi: the gathered q's heads need their slopes, gathered alike.
+                    c, slopes_w = C.all_gather(g, kwargs["alibi_slopes"], Role.DCP, W)
+                    self.tag(c, KIND_COLLECTIVE, layer)
+                    kwargs["alibi_slopes"] = slopes_w                        # [W*hq]
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_all, positions, k, v, m["current_key_positions"], kc2, vc2, table,

@@ -26,13 +26,16 @@ class Feature:
 
 
 FEATURES = (
-    Feature("ALiBi", "its attention scores add per-head linear position biases, which the DCP "
-            "attention op does not compute", r"alibi"),
+    Feature("ALiBi", "its attention scores add per-head linear position biases in a form "
+            "the attention recognisers do not read (slope_h * (k_pos - q_pos), up to a "
+            "per-query constant, added to the eager scores or to their additive mask, is "
+            "supported: docs/guarantees.md)", r"alibi"),
     Feature("attention sinks", "a learned sink logit joins each softmax denominator in a form "
             "the attention recognisers do not read (gpt-oss's one logit per q head, cat'ed "
             "to the scores or as s_aux, is supported)", r"\bsinks?\b|s_aux"),
     Feature("SSM / linear-attention layers", "some layers carry a recurrent state instead of a "
-            "KV cache, which DCP does not shard",
+            "KV cache, which DCP does not shard (the mixers of docs/hybrid.md are recognised "
+            "and refused by name before the capture; this is another one)",
             # conv1d: torch's Conv1d / conv1d (a short convolution over the sequence), not
             # transformers' Conv1D (GPT-2's linear with a transposed weight): case-sensitive d
             r"mamba|selective_scan|\bssm\b|ssm_|(?-i:[Cc]onv1d)|short_?conv|linear_?attn|"

@@ -49,6 +49,7 @@ from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
 from .op_classes import CASTS, CONCATS
+from .score_bias import alibi_of, read_bias
 from .placement import Refusal, carried_dim
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
                           unmasked_theorem)
@@ -236,8 +237,10 @@ class InsertPagedCache(DCPPass):
         """The site's mask proven causal (within a window W) for every position; sets
         ``s.window``. A one-token step's mask only has to keep its one key (its window comes
         from the prompt step or the config)."""
-        keep = read_mask(s, tokens, token_input=self.token_input, position_input=pos,
-                         constants=self._constant_values).keep
+        read = read_mask(s, tokens, token_input=self.token_input, position_input=pos,
+                         constants=self._constant_values)
+        keep = read.keep
+        self._read_alibi(s, tokens, pos, read)
         if tokens == 1:
             if not bool(keep.subs({I: 0, J: 0})):
                 fail(s.mask, f"attention {s.node.name}'s one-token mask hides the token's "
@@ -257,6 +260,22 @@ class InsertPagedCache(DCPPass):
                  "supported: use a causal decoder, its mask a tensor expression of positions")
         s.window = verdict.window
         return verdict
+
+    def _read_alibi(self, s: Site, tokens: int, pos, read) -> None:
+        """The score bias the site adds (its own term, MPT; or inside its additive mask,
+        Falcon) proven ALiBi for every position and head (``score_bias.alibi_of``);
+        sets ``s.alibi``."""
+        bias, tables = read.bias, dict(read.tables or {})
+        if s.bias is not None:
+            extra, more = read_bias(s, tokens, token_input=self.token_input,
+                                    position_input=pos, constants=self._constant_values)
+            # Two readings name their tables table_0, table_1, ...: keep them apart.
+            renamed = {f: sympy.Function(f"bias_{f}") for f in more}
+            for f, g in renamed.items():
+                extra = extra.replace(f, g)
+                tables[g] = more[f]
+            bias = bias + extra * s.bias_scale
+        s.alibi = alibi_of(s, bias, tables)
 
     def _set_window(self, s: Site, declared: int, layer: int, verdict) -> None:
         """Config windows (Hugging Face layer_types / sliding_window) checked against the
@@ -320,6 +339,8 @@ class InsertPagedCache(DCPPass):
                                             ("kv_shared", plan.kv_shared)) if x}
                 if s.sinks is not None:
                     params["sinks"] = s.sinks
+                if s.alibi is not None:
+                    params["alibi_slopes"] = _slopes(g, s.alibi, val(s.q).shape[1])
                 attn = g.call_function(torch.ops.dcp.paged_attention.default,
                                        (q, k, v, caches[2 * layer], caches[2 * layer + 1],
                                         positions, table, s.scale), params)
@@ -395,6 +416,23 @@ def _example(verdict: MaskVerdict) -> str:
         return ""
     return (f" (at query position i={e['i']}, key position j={e['j']} the mask "
             f"{'keeps' if e['mask'] else 'hides'} the key)")
+
+
+def _slopes(g, alibi, heads: int) -> Node:
+    """ALiBi's [heads] slopes from the model's own table node (proven by
+    score_bias.alibi_of): reshaped (or expanded, one slope for all heads) and scaled."""
+    t = alibi.table
+    if t is None:     # one slope for every head
+        return g.call_function(aten.full.default, ([heads], alibi.coefficient),
+                               {"dtype": torch.float32})
+    flat = g.call_function(aten.reshape.default, (t, [-1]))
+    if val(t).numel() == 1:
+        flat = g.call_function(aten.expand.default, (flat, [heads]))
+    elif val(t).numel() != heads:
+        fail(t, f"ALiBi slope table {t.name} of shape {tuple(val(t).shape)} for {heads} "
+             f"heads", "Give one slope per query head")
+    flat = g.call_function(aten.to.dtype, (flat, torch.float32))
+    return g.call_function(aten.mul.Tensor, (flat, alibi.coefficient))
 
 
 def _pad_values(g, v: Node, extra: int) -> Node:

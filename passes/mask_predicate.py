@@ -28,6 +28,9 @@ import torch
 from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
+from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis,  # noqa: F401
+                               broadcast_to, constant, hidden_under_bias, pieces, relation,
+                               rename)
 from .infra import val
 from .memory import refuse_writes_in_place as _refuse_writes_in_place
 from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
@@ -38,97 +41,6 @@ aten = torch.ops.aten
 
 # The proven predicate's variables: query position i, key position j.
 I, J = sympy.symbols("i j", integer=True, nonnegative=True)
-
-
-def axis(k: int) -> sympy.Symbol:
-    """The index symbol of a symbolic tensor's axis k."""
-    return sympy.Symbol(f"x{k}", integer=True, nonnegative=True)
-
-
-@dataclass(frozen=True)
-class Sym:
-    """A tensor as its shape and one sympy expression of its indices (axis(k), k < rank).
-    Booleans are sympy Boolean; numbers are Expr (Piecewise for -inf fills)."""
-
-    shape: tuple[int, ...]
-    expr: sympy.Basic
-    boolean: bool
-
-
-class NotAFormula(Exception):
-    """Raised by a rule that meets a value it cannot express; turned into a refusal."""
-
-
-# -- helpers over symbolic tensors ------------------------------------------------------------
-
-
-def constant(c, boolean: bool) -> sympy.Basic:
-    if boolean:
-        return sympy.true if c else sympy.false
-    if isinstance(c, bool):
-        return sympy.Integer(int(c))
-    if isinstance(c, int):
-        return sympy.Integer(c)
-    if isinstance(c, float):
-        if math.isinf(c):
-            return sympy.oo if c > 0 else -sympy.oo
-        return sympy.Integer(int(c)) if c.is_integer() else sympy.Float(c)
-    raise NotAFormula(f"constant {c!r}")
-
-
-def rename(expr, mapping: dict[int, sympy.Basic]):
-    """Replace axis(k) by mapping[k], all at once."""
-    return expr.xreplace({axis(k): v for k, v in mapping.items()})
-
-
-def broadcast_to(v: Sym, shape: tuple[int, ...]) -> sympy.Basic:
-    """v's expression on the axes of ``shape`` (numpy broadcasting: aligned right; a size-1
-    axis stretched to a longer one is read at index 0)."""
-    off = len(shape) - len(v.shape)
-    if off < 0:
-        raise NotAFormula(f"cannot broadcast {v.shape} to {shape}")
-    mapping = {}
-    for k, n in enumerate(v.shape):
-        if n == 1 and shape[k + off] != 1:
-            mapping[k] = sympy.Integer(0)
-        elif n != shape[k + off]:
-            raise NotAFormula(f"cannot broadcast {v.shape} to {shape}")
-        else:
-            mapping[k] = axis(k + off)
-    return rename(v.expr, mapping)
-
-
-def as_bool(e, boolean: bool):
-    return e if boolean else relation(sympy.Ne, e, sympy.Integer(0))
-
-
-def as_number(e, boolean: bool):
-    return sympy.Piecewise((1, e), (0, True)) if boolean else e
-
-
-def pieces(e) -> list[tuple[sympy.Basic, sympy.Basic]]:
-    """(value, condition) pairs with mutually exclusive conditions covering everything."""
-    e = sympy.piecewise_fold(e)
-    if not isinstance(e, sympy.Piecewise):
-        return [(e, sympy.true)]
-    out, before = [], sympy.false
-    for value, cond in e.args:
-        out.append((value, sympy.And(cond, sympy.Not(before))))
-        before = sympy.Or(before, cond)
-    return out
-
-
-def relation(op, a, b):
-    """op(a, b) for numbers that may be Piecewise: an Or over the pieces of a and b."""
-    terms = []
-    for va, ca in pieces(a):
-        for vb, cb in pieces(b):
-            terms.append(sympy.And(ca, cb, op(va, vb)))
-    return sympy.Or(*terms)
-
-
-def _fold(e):
-    return sympy.piecewise_fold(e)
 
 
 # -- the rules --------------------------------------------------------------------------------
@@ -434,6 +346,8 @@ RULES = {
     **dict.fromkeys(RSUBS, _arith(lambda a, b: b - a)),
     **dict.fromkeys(MULS, _arith(lambda a, b: a * b)),
     aten.floor_divide.default: _arith(lambda a, b: sympy.floor(a / b)),
+    aten.pow.Tensor_Scalar: _arith(lambda a, b: a ** b),
+    aten.div.Tensor: _arith(lambda a, b: a / b),
     **dict.fromkeys(REMAINDERS, _arith(lambda a, b: sympy.Mod(a, b))),
     aten.neg.default: _unary(lambda a: -a), aten.abs.default: _unary(sympy.Abs),
     aten.bitwise_not.default: _unary(lambda a: -a - 1),
@@ -463,40 +377,103 @@ class MaskPredicate:
 
     keep: sympy.Basic          # a sympy Boolean over I, J
     node: Node                 # the mask node (errors and the certificate name it)
+    bias: sympy.Basic = sympy.Integer(0)   # the score bias it adds where it keeps (Falcon)
+    tables: dict | None = None             # the bias's per-head tables (``_interpret``)
 
 
-def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
-              constants=lambda: {}) -> MaskPredicate:
-    """The site's mask as K(i, j) (see module doc); refuses what it cannot read.
-    ``constants()``: placeholder name -> tensor, for masks read from a buffer."""
+def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_input,
+               constants) -> tuple[Sym, dict]:
+    """``root``'s value as a Sym. A value computed without the token ids or positions (a
+    per-head constant: ALiBi's slopes, built with pow / reciprocal / a lifted tensor) is read
+    as an uninterpreted function of its one varying axis, ``table_k(x)`` (``HEAD_TABLES``),
+    whatever the ops computing it: a formula proven for any ``table_k`` holds for its value.
+    Returns (the Sym, {table function: the node computing the table})."""
     env: dict[Node, object] = {}
-    _refuse_writes_in_place(s, _ancestors(s.mask))
-    for n in _ancestors(s.mask):
+    free: set[Node] = set()          # nodes that read neither token ids nor positions
+    opaque: set[Node] = set()        # free nodes no rule reads: tables, once consumed
+    tables: dict = {}
+    ancestors = _ancestors(root)
+    _refuse_writes_in_place(s, ancestors)
+
+    def table(n: Node) -> Sym:
+        shape, boolean = _out(n)
+        varying = [k for k, x in enumerate(shape) if x != 1]
+        if boolean or len(varying) > 1:
+            raise NotAFormula(f"{n.name} ({n.target}, shape {shape}) is computed without "
+                              f"positions by ops the mask reader has no rule for, and a "
+                              f"constant table read so (ALiBi's slopes) must be a float "
+                              f"varying along one axis")
+        f = sympy.Function(f"table_{len(tables)}")
+        tables[f] = n
+        arg = axis(varying[0]) if varying else sympy.Integer(0)
+        return Sym(shape, f(arg), False)
+
+    def read(a):
+        if isinstance(a, Node) and a in opaque:
+            if a not in env:
+                env[a] = table(a)
+            return env[a]
+        return env[a]
+
+    for n in ancestors:
         if n.op == "placeholder":
+            if n.name != token_input and n is not position_input:
+                free.add(n)
+                if sum(x != 1 for x in _out(n)[0]) <= 1 and not _is_diagonal(n, constants):
+                    opaque.add(n)   # a weight/buffer of one axis: a table (ALiBi's slopes)
+                    continue
             env[n] = _placeholder(n, s, tokens, token_input, position_input, constants)
             continue
         if n.op != "call_function":
             fail(n, f"the attention mask of {s.node.name} is built from {n.op} {n.target}",
                  "Build the mask from positions or torch.arange only")
+        is_free = all(a in free for a in n.all_input_nodes)
+        if is_free:
+            free.add(n)
         rule = RULES.get(n.target)
         if rule is None:
+            if is_free:           # a constant no rule reads: a table, if it is consumed
+                opaque.add(n)
+                continue
             fail(n, f"the attention mask of {s.node.name} is computed with {n.target}, which "
                  f"the mask reader has no rule for (passes/mask_predicate.py RULES)",
                  "Build the mask from positions or torch.arange with comparisons, "
                  "triu/tril, where or masked_fill")
-        args = torch.fx.node.map_arg(n.args, env.__getitem__)
         try:
+            args = torch.fx.node.map_arg(n.args, read)
             env[n] = rule(n, args)
         except NotAFormula as e:
+            if is_free:
+                opaque.add(n)
+                continue
             fail(n, f"the attention mask of {s.node.name} cannot be read as a formula of "
                  f"positions at {n.target}: {e}", "Build the mask from positions or "
                  "torch.arange with comparisons, triu/tril, where or masked_fill")
-    m = env[s.mask]
+    try:
+        return read(root), tables
+    except NotAFormula as e:
+        fail(root, f"the attention mask or bias of {s.node.name} cannot be read as a formula "
+             f"of positions: {e}", "Build masks and biases from positions or torch.arange")
+
+
+def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
+              constants=lambda: {}) -> MaskPredicate:
+    """The site's mask as K(i, j) (see module doc); refuses what it cannot read.
+    ``constants()``: placeholder name -> tensor, for masks read from a buffer. An additive
+    mask may also carry a score bias (Falcon adds ALiBi to its mask): its kept pieces'
+    common value, returned as ``bias`` (over the scores' axes, i and j renamed)."""
+    m, tables = _interpret(s.mask, s, tokens, token_input, position_input, constants)
     shape = m.shape
     if len(shape) < 2 or (tokens > 1 and shape[-2:] != (tokens, tokens)):
         fail(s.mask, f"attention mask of shape {shape} for {tokens} queries and keys",
              "Use a [..., S, S] causal mask")
-    keep = _keep(s, m)
+    keep, bias = _keep(s, m)
+    read_as_table = [tables[f].name for f in tables if keep.has(f)]
+    if read_as_table:
+        fail(s.mask, f"the attention mask of {s.node.name} reads {read_as_table}, computed "
+             f"without positions by ops the mask reader has no rule for", "Build the mask "
+             "from positions or torch.arange with comparisons, triu/tril, where or "
+             "masked_fill")
     r = len(shape)
     leading = {axis(k) for k in range(r - 2)} & keep.free_symbols
     if leading:
@@ -504,28 +481,46 @@ def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | 
              f"heads (it depends on axes {sorted(map(str, leading))})", "Use one causal mask "
              "for every row and head")
     keep = rename(keep, {r - 2: I, r - 1: J})
-    return MaskPredicate(keep=keep, node=s.mask)
+    return MaskPredicate(keep=keep, node=s.mask, bias=_scores_axes(bias, shape),
+                         tables=tables)
+
+
+def _scores_axes(expr, shape: tuple[int, ...]):
+    """A formula over a [..., S, S]-aligned tensor's axes, on the scores' [B, H, i, j]:
+    numpy broadcasting aligns it on the right."""
+    r = len(shape)
+    mapping = {k: (axis(k + 4 - r) if k + 4 - r >= 0 else sympy.Integer(0))
+               for k in range(r)}
+    mapping.update({r - 2: I, r - 1: J})
+    for k in range(r - 2):
+        if shape[k] == 1:
+            mapping[k] = sympy.Integer(0)
+    return rename(expr, mapping)
 
 
 def _keep(s: Site, m: Sym):
-    """The mask as "keep" booleans: bool masks by their kind, additive masks by their pieces
-    (0 keeps, <= MASKED_OUT drops, anything else is a bias)."""
+    """(the mask as "keep" booleans, the score bias it carries): bool masks by their kind
+    (no bias), additive masks by their pieces (<= MASKED_OUT drops; the others keep, and
+    must all add the same value: 0, or a bias such as ALiBi, read by ``alibi_of``)."""
     if s.mask_kind in ("keep", "drop"):
         k = as_bool(m.expr, m.boolean)
-        return k if s.mask_kind == "keep" else sympy.Not(k)
+        return (k if s.mask_kind == "keep" else sympy.Not(k)), sympy.Integer(0)
     if m.boolean:
         fail(s.mask, "a boolean tensor added to the attention scores", "Use a float mask")
-    kept = []
+    kept, values = [], []
     for value, cond in pieces(m.expr):
-        if value == 0:
-            kept.append(cond)
-        elif value.is_number and (value == -sympy.oo or float(value) <= MASKED_OUT):
+        if value.is_number and (value == -sympy.oo or float(value) <= MASKED_OUT):
             continue
-        else:
-            fail(s.mask, f"the attention mask of {s.node.name} adds values other than 0 and "
-                 f"-inf ({value}): a position bias such as ALiBi", "The paged op has no "
-                 "attention bias: use a model without one")
-    return sympy.Or(*kept)
+        if hidden_under_bias(value):
+            continue
+        kept.append(cond)
+        if not any(sympy.simplify(value - v) == 0 for v in values):
+            values.append(value)
+    if len(values) > 1:
+        fail(s.mask, f"the attention mask of {s.node.name} adds different values where it "
+             f"keeps keys ({values[:3]}): a bias that is not one formula", "Add 0 (or one "
+             "bias formula such as ALiBi's) wherever the mask keeps a key")
+    return sympy.Or(*kept), (values[0] * s.mask_scale if values else sympy.Integer(0))
 
 
 def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input, constants):
@@ -551,6 +546,17 @@ def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input
              f"{shape}, which is not a formula of positions: {e}", "Build the mask from "
              "torch.arange or position_ids (comparisons, triu/tril), or store a table whose "
              "value depends only on key - query (tril / triu / band)")
+
+
+def _is_diagonal(n: Node, constants) -> bool:
+    table = constants().get(n.name)
+    if table is None or table.is_meta or table.dim() < 2:
+        return False
+    try:
+        _diagonal_formula(table.detach().cpu(), table.dtype == torch.bool)
+    except NotAFormula:
+        return False
+    return True
 
 
 def _diagonal_formula(table: torch.Tensor, boolean: bool):

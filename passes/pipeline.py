@@ -54,6 +54,14 @@ STEPS_BY_MODE: dict[Mode, tuple[StepKind, ...]] = {
 }
 
 
+def steps_of(mode: Mode, shapes) -> tuple[StepKind, ...]:
+    """The step kinds a program of ``mode`` with ``shapes`` (StepShapes) holds: the mode's,
+    and a decode program's chunk step when ``shapes.chunk_len`` > 0."""
+    extra = (StepKind.CHUNK,) if mode == Mode.DECODE and getattr(shapes, "chunk_len", 0) \
+        else ()
+    return STEPS_BY_MODE[mode] + extra
+
+
 class Stage(str, Enum):
     """The pipeline's stages, in the order they run (DESIGN "Data flow")."""
 
@@ -80,6 +88,7 @@ STAGES: dict[Stage, tuple[type[DCPPass], ...]] = {
 DCP_REWRITE: dict[StepKind, tuple[type[DCPPass], ...]] = {
     StepKind.CONTEXT: (DCPContext,),
     StepKind.DECODE: (DCPDecode,),
+    StepKind.CHUNK: (DCPDecode,),       # a width-chunk_len decode step (every query bounded)
     StepKind.PREFILL: (SequenceParallel, DCPPrefill),
 }
 

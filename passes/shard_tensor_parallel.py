@@ -154,6 +154,7 @@ class ShardTensorParallel(DCPPass):
         for emb in pl.embeddings:
             self._vocab_embedding(g, emb, rank)
         self._expert_shard_rank(g, rank, cfg.expert_parallel)
+        self._alibi_heads(gm, rank, pl)
 
         # What later passes (sequence_parallel, dcp_prefill) need to know of the roles.
         for lin in pl.linears:
@@ -258,6 +259,27 @@ class ShardTensorParallel(DCPPass):
         self.tag(c, KIND_COLLECTIVE)
         c.meta[META_SCOPE] = SCOPE_MODEL
         emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
+
+    def _alibi_heads(self, gm, rank: Node, pl: PlacementPlan) -> None:
+        """ALiBi slopes are a whole [q_heads] constant (replicated): each rank keeps the
+        slopes of its own q heads, the piece q's placement gives it (ShardSpec.index:
+        ``(rank % group) // replicas``), taken with rank arithmetic (rank is data)."""
+        g = gm.graph
+        for attn in attention_nodes(gm):
+            slopes = attn.kwargs.get("alibi_slopes")
+            q = pl.of(attn.args[0])
+            if slopes is None or not isinstance(q, Shard):
+                continue
+            seg = q.segs[0]
+            group = self._group(q.axis)
+            with g.inserting_before(attn):
+                piece = g.call_function(aten.floor_divide.default, (
+                    g.call_function(aten.remainder.Scalar, (rank, group)), seg.replicas))
+                table = g.call_function(aten.view.default, (slopes, [seg.pieces, seg.local]))
+                mine = g.call_function(aten.index_select.default, (
+                    table, 0, g.call_function(aten.view.default, (piece, [1]))))
+                local = g.call_function(aten.view.default, (mine, [seg.local]))
+            attn.kwargs = {**attn.kwargs, "alibi_slopes": local}
 
     def _expert_shard_rank(self, g, rank: Node, expert_parallel: bool) -> None:
         """Which shard of the experts this rank holds is data, the rank input (dcp.moe,

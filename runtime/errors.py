@@ -64,6 +64,12 @@ class DCPLengthDependentError(DCPTransformError):
     ``max_model_len``: keys already cached cannot follow a change of that function."""
 
 
+class DCPHybridError(DCPTransformError):
+    """A hybrid (recurrent + attention) model asks for what its recurrent state cannot give
+    yet (a DCP program, speculative steps, prefix caching), or its recurrent mixer's code is
+    not the code the module swap was written against (docs/hybrid.md)."""
+
+
 class DCPOutputContractError(DCPTransformError):
     """The model's forward returns less than every token's logits (nanoGPT's inference
     forward: the last position's only). A program returns the logits of every token of its

@@ -30,6 +30,8 @@ class StepKind(_Word):
     CONTEXT = "context"           # the decode engine's prompt step
     DECODE = "decode"             # one token per sequence
     PREFILL = "prefill"           # the prefill engine's chunk (sequence parallel)
+    CHUNK = "chunk"               # a decode program's prompt chunk after prior context: a
+                                  # decode step of width chunk_len (StepShapes.chunk_len > 0)
 
 
 class Role(_Word):
@@ -60,6 +62,9 @@ POSITIONS = "positions"
 BLOCK_TABLE = "block_table"
 KV_CACHES = "kv_caches"           # the forward argument; its inputs are kv_caches_<i>
 STEP_INPUTS = (INPUT_IDS, POSITIONS, BLOCK_TABLE)
+STATE_SLOT = "state_slot"        # [B] int64: each row's recurrent-state slot (-1: padding row)
+STATE_FRESH = "state_fresh"      # [B] bool: the row starts its sequence (reads a zero state)
+STATE_SNAPSHOT_SLOT = "state_snapshot_slot"  # [B, K] int64: where each draft's state is kept
 
 
 def cache_input(i: int) -> str:

@@ -62,12 +62,12 @@ class Speculative:
 
 def speculative_spec(text: str) -> Speculative:
     """``ngram:K`` or ``draft:PKG.MODULE:FACTORY:K`` with 2 <= K <= 8."""
-    from dcp_compile.passes.prove.theorems import MAX_DECODE_LEN
+    from dcp_compile.passes.prove.theorems import MAX_SPECULATIVE_LEN
     parts = text.split(":")
     bad = argparse.ArgumentTypeError(
-        f"must be ngram:K or draft:PKG.MODULE:FACTORY:K with K in [2, {MAX_DECODE_LEN}]: "
+        f"must be ngram:K or draft:PKG.MODULE:FACTORY:K with K in [2, {MAX_SPECULATIVE_LEN}]: "
         f"{text!r}. Pass e.g. ngram:4.")
-    if not parts[-1].isdigit() or not 2 <= int(parts[-1]) <= MAX_DECODE_LEN:
+    if not parts[-1].isdigit() or not 2 <= int(parts[-1]) <= MAX_SPECULATIVE_LEN:
         raise bad
     if parts[0] == "ngram" and len(parts) == 2:
         return Speculative("ngram", int(parts[-1]))

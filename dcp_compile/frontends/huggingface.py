@@ -39,6 +39,8 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
+from .hf_config import (_text_config, check_hf_config, declared_chunks,  # noqa: F401
+                        declared_windows, is_hf)
 from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
@@ -70,6 +72,9 @@ class PagedStep:
     # Per-layer windows the config declares (declared_windows): what the
     # model's own mask applies when its attention function is not told (Qwen2-MoE, PhiMoE).
     windows: list[int] | None = None
+    # Per-layer attention chunks the config declares (declared_chunks, Llama 4): applied by
+    # the model's mask only, so the paged op is told (attention_chunk).
+    chunks: list[int] | None = None
     new_caches: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     attention_modules: dict[int, nn.Module] = field(default_factory=dict)
 
@@ -129,6 +134,7 @@ def _check_kwargs(step: PagedStep, module, attention_mask, dropout, kwargs) -> N
                 f"{name} passes {key}={_describe(kwargs[key])} to its attention function: DCP "
                 f"paged attention does not implement it and would compute a different "
                 f"attention. Use a model without {key}.")
+    _check_temperature(step, module)
     window, source = _window_of(step, module, module.layer_idx, kwargs)
     if window is not None and (step.max_model_len is None or step.max_model_len > window):
         raise DCPTransformError(
@@ -138,6 +144,25 @@ def _check_kwargs(step: PagedStep, module, attention_mask, dropout, kwargs) -> N
             f"which equals the window only while sequences are no longer than it. Pass "
             f"max_model_len <= {window} to dcp_compile.hf.prepare (and serve no longer "
             f"sequences), or set config.sliding_window=None.")
+
+
+def _check_temperature(step: PagedStep, module) -> None:
+    """Llama 4's NoPE layers scale the query by log1p(floor((p + 1) / floor_scale)) * a + 1
+    with p from arange(S) plus the cache's length, not from position_ids: under the paged
+    cache (no transformers cache) every step numbers its tokens from 0, so the scale equals
+    the model's only while every position p < floor_scale - 1 (the scale is then 1)."""
+    if not getattr(module, "attn_temperature_tuning", False) or \
+            getattr(module, "use_rope", True):
+        return
+    floor = int(module.floor_scale)
+    if step.max_model_len is None or step.max_model_len > floor - 1:
+        raise DCPTransformError(
+            f"{_name(step, module)} is a NoPE layer with attention temperature tuning "
+            f"(attn_temperature_tuning, floor_scale={floor}): it scales queries by a function "
+            f"of arange(S) and the cache's length, not of position_ids, which a paged step "
+            f"does not reproduce past position {floor - 2}; max_model_len="
+            f"{step.max_model_len}. Pass max_model_len <= {floor - 1} to "
+            f"dcp_compile.hf.prepare, or set config.attn_temperature_tuning=False.")
 
 
 def _describe(value) -> str:
@@ -215,9 +240,13 @@ def paged_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    options = {} if sinks is None else {"sinks": sinks}
+    chunk = step.chunks[layer] if step.chunks and layer < len(step.chunks) else 0
+    if chunk:
+        options["attention_chunk"] = chunk
     out, key_cache, value_cache = torch.ops.dcp.paged_attention(
         q, k, v, step.kv_caches[2 * layer], step.kv_caches[2 * layer + 1], step.positions,
-        step.block_table, float(scaling), **({} if sinks is None else {"sinks": sinks}))
+        step.block_table, float(scaling), **options)
     step.new_caches[layer] = (key_cache, value_cache)
     step.attention_modules[layer] = module
     # transformers expects [B, S, H, D] back (what sdpa_attention_forward returns).
@@ -382,45 +411,6 @@ def dcp_experts_enabled(hf_model: nn.Module):
     return _switched(_attention_configs(hf_model), EXPERTS_SWITCH)
 
 
-def is_hf(model) -> bool:
-    """A transformers model (its class lives in ``transformers.``, it has a config)."""
-    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
-
-
-# Hugging Face config fields that change attention in ways the paged op does not compute.
-_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
-
-
-def check_hf_config(model) -> None:
-    cfg = _text_config(model.config)
-    for key, what in _HF_REFUSED:
-        value = getattr(cfg, key, None)
-        if value is not None:
-            raise DCPTransformError(
-                f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
-                f"does not compute it, so the program would differ from the model. Use a "
-                f"model without {key}.")
-
-
-def declared_windows(model) -> list[int] | None:
-    """Per-layer sliding windows a Hugging Face config declares (0: full attention); None
-    for other models. The graph shows a window only when it is shorter than the captured
-    chunk, so the config is read too (insert_paged_cache checks the two agree)."""
-    if not is_hf(model):
-        return None
-    cfg = _text_config(model.config)
-    layers = getattr(cfg, "num_hidden_layers", None)
-    window = getattr(cfg, "sliding_window", None)
-    if not isinstance(layers, int):
-        return None
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
-        return [0] * layers
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        return [int(window)] * layers
-    return [int(window) if t == "sliding_attention" else 0 for t in types]
-
-
 class DCPCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` with the demo model's step signature (see module doc)."""
 
@@ -435,6 +425,7 @@ class DCPCausalLM(nn.Module):
         self._module_names = {id(m): n for n, m in hf_model.named_modules()}
         self._configs = _attention_configs(hf_model)
         self._windows = declared_windows(hf_model)
+        self._chunks = declared_chunks(hf_model)
         # MoE blocks outside transformers' experts interface (Llama-4) as dcp.moe.
         self.library_experts = stacked_experts(hf_model)
 
@@ -472,7 +463,7 @@ class DCPCausalLM(nn.Module):
         step = PagedStep(positions=positions, block_table=block_table,
                          kv_caches=list(kv_caches), num_layers=self._num_layers,
                          max_model_len=self.max_model_len, module_names=self._module_names,
-                         windows=self._windows)
+                         windows=self._windows, chunks=self._chunks)
         with _paged_attention_enabled(self._configs), \
                 module_experts_enabled(self.hf_model, self.library_experts):
             _wrapper_running.active = True
@@ -483,11 +474,6 @@ class DCPCausalLM(nn.Module):
             finally:
                 _wrapper_running.active = False
         return out.logits, step.collect(type(self.hf_model).__name__)
-
-
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 # Config fields only a Multi-head Latent Attention model has (DeepSeek-V2/V3, MiniCPM3, ...).
@@ -591,6 +577,6 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
 
 __all__ = ["ATTENTION_SWITCH", "ATTN_IMPLEMENTATION", "DCPCausalLM", "EXPERTS_IMPLEMENTATION",
            "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "check_hf_config", "dcp_experts_enabled",
-           "dcp_experts_forward", "declared_windows", "experts_form", "is_hf",
+           "dcp_experts_forward", "declared_chunks", "declared_windows", "experts_form", "is_hf",
            "paged_attention_forward", "prepare"]
 

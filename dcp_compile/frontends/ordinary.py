@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPOutputContractError, DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
-from dcp_compile.runtime.names import StepKind
 
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
@@ -40,8 +39,8 @@ class OrdinaryFrontend:
         self.device = params[0].device if params else torch.device("cpu")
 
     def steps(self, mode: str) -> tuple[str, ...]:
-        from dcp_compile.passes.pipeline import STEPS_BY_MODE
-        return STEPS_BY_MODE[mode]
+        from dcp_compile.passes.pipeline import steps_of
+        return steps_of(mode, self.shapes)
 
     def at_shapes(self, shapes) -> "OrdinaryFrontend":
         other = copy.copy(self)             # the same model, checks done, wrappers kept
@@ -49,7 +48,7 @@ class OrdinaryFrontend:
         return other
 
     def capture(self, step: str, config) -> StepCapture:
-        tokens = self.shapes.decode_len if step == StepKind.DECODE else self.shapes.context_len
+        tokens = self.shapes.tokens(step)
         start = time.perf_counter()
         captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
                                     device=self.device)

@@ -14,7 +14,6 @@ from torch import nn
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
-from dcp_compile.runtime.names import StepKind
 
 from ..capture import capture, checkpoint_names, constant_values, example_step_inputs
 from .hf_checkpoint import checkpoint_sources
@@ -40,8 +39,8 @@ class PagedFrontend:
         self._constants = None
 
     def steps(self, mode: str) -> tuple[str, ...]:
-        from dcp_compile.passes.pipeline import STEPS_BY_MODE
-        return STEPS_BY_MODE[mode]
+        from dcp_compile.passes.pipeline import steps_of
+        return steps_of(mode, self.shapes)
 
     def at_shapes(self, shapes) -> "PagedFrontend":
         other = copy.copy(self)             # the same model, checks done, wrappers kept
@@ -50,7 +49,7 @@ class PagedFrontend:
 
     def capture(self, step: str, config) -> StepCapture:
         s = self.shapes
-        tokens = s.decode_len if step == StepKind.DECODE else s.context_len
+        tokens = s.tokens(step)
         cache_shape = self.model.kv_cache_shape(s.num_blocks, config.block_size)
         start = time.perf_counter()
         captured = capture(self.model, example_step_inputs(

@@ -1,19 +1,23 @@
 """vLLM's flat, ragged batch as program calls (no vLLM import: unit-tested on its own).
 
 A vLLM step holds, per request, a run of consecutive positions: a whole prompt, a prompt
-chunk, the rest of a prompt after a prefix-cache hit, or one decode token. A decode-mode
-program has two step kinds, so a request's run is cut into:
+chunk, the rest of a prompt after a prefix-cache hit, or one decode token. The program's
+step kinds cut a request's run into:
 
 * a **context** piece: the first ``context_len`` tokens of a run that starts at position 0
   (the program's prompt step attends to no prior cache);
-* **decode** pieces of up to ``decode_len`` tokens for everything after (chunks after prior
-  context, prefix-cache hits, generated tokens): width-K decode steps, where each query
-  attends to every position at or below its own.
+* **chunk** pieces of up to ``chunk_len`` tokens for what follows prior context when it is
+  longer than ``decode_len`` (a later prefill chunk, the rest of a prompt after a
+  prefix-cache hit): the program's chunk step, a width-``chunk_len`` decode step whose
+  queries read the prior's cached KV and attend causally within the chunk;
+* **decode** pieces of up to ``decode_len`` tokens for the rest (generated tokens): width-K
+  decode steps.
 
-Calls run in order: the context calls, then decode round j (piece j of every request),
-each in batches of the program's ``batch`` rows. A chunk after prior context costs
-ceil(len / decode_len) calls, not one per token; a context step with a prior (one call per
-chunk) is not in the program yet.
+Calls run in order: the context calls, then round j (piece j of every request; its chunk
+pieces, then its decode pieces), each in batches of the program's ``batch`` rows. So a chunk
+after prior context of up to ``chunk_len`` tokens is one call (shared with up to ``batch``
+other requests' chunks); a program without a chunk step (``chunk_len`` 0) runs it as
+ceil(len / decode_len) decode calls.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Piece:
     request: int
     start: int          # index of the piece's first token in vLLM's flat batch
     length: int
+    kind: StepKind = StepKind.DECODE
 
 
 @dataclass
@@ -49,6 +54,11 @@ class ProgramShapes:
     decode_len: int
     max_blocks: int
     vblock: int                 # block_size * dcp: positions per block-table entry
+    chunk_len: int = 0          # 0: no chunk step (chunks after prior context as decode)
+
+    def tokens(self, kind: StepKind) -> int:
+        return {StepKind.CONTEXT: self.context_len, StepKind.CHUNK: self.chunk_len,
+                StepKind.DECODE: self.decode_len}[kind]
 
 
 def pieces_of(query_start: list[int], positions: torch.Tensor,
@@ -62,14 +72,16 @@ def pieces_of(query_start: list[int], positions: torch.Tensor,
         at = start
         if int(positions[start]) == 0:
             n = min(end - start, shapes.context_len)
-            context.append(Piece(r, start, n))
+            context.append(Piece(r, start, n, StepKind.CONTEXT))
             at += n
         j = 0
         while at < end:
-            n = min(end - at, shapes.decode_len)
+            kind = StepKind.CHUNK if shapes.chunk_len and end - at > shapes.decode_len \
+                else StepKind.DECODE
+            n = min(end - at, shapes.tokens(kind))
             if j == len(rounds):
                 rounds.append([])
-            rounds[j].append(Piece(r, at, n))
+            rounds[j].append(Piece(r, at, n, kind))
             at, j = at + n, j + 1
     return context, rounds
 
@@ -95,12 +107,14 @@ def calls_of(input_ids: torch.Tensor, positions: torch.Tensor, query_start: list
              table: torch.Tensor, shapes: ProgramShapes) -> list[Call]:
     """Every program call of one vLLM step, in the order they must run."""
     context, rounds = pieces_of(query_start, positions, shapes)
+    groups = [(StepKind.CONTEXT, context)] + \
+        [(kind, [p for p in r if p.kind == kind]) for r in rounds
+         for kind in (StepKind.CHUNK, StepKind.DECODE)]
     out = []
-    for kind, width, group in [(StepKind.CONTEXT, shapes.context_len, context)] + \
-            [(StepKind.DECODE, shapes.decode_len, r) for r in rounds]:
+    for kind, group in groups:
         for i in range(0, len(group), shapes.batch):
-            out.append(_call(kind, width, group[i:i + shapes.batch], input_ids, positions,
-                             table, shapes))
+            out.append(_call(kind, shapes.tokens(kind), group[i:i + shapes.batch], input_ids,
+                             positions, table, shapes))
     return out
 
 
@@ -114,6 +128,19 @@ def _call(kind, width, rows, input_ids, positions, table, shapes) -> Call:
         pos[b, :piece.length] = positions[span]
         bt[b] = table[piece.request]
     return Call(kind, ids, pos, bt, list(rows))
+
+
+def at_bucket(call: Call, buckets, shapes: ProgramShapes) -> Call:
+    """``call`` with the block table of the smallest context bucket (tokens, ascending; the
+    program's, runtime/program/buckets.py) holding every row's positions: the program runs
+    that bucket's graph, which reads no more table entries than it has."""
+    from dcp_compile.runtime.program.buckets import smallest_bucket
+    reach = int(call.positions.max()) + 1
+    width = smallest_bucket(buckets, reach) // shapes.vblock
+    if width == call.block_table.shape[1]:
+        return call
+    return Call(call.kind, call.input_ids, call.positions,
+                call.block_table[:, :width].contiguous(), call.rows)
 
 
 def scatter_logits(calls_and_logits, num_tokens: int, vocab: int,

@@ -1,16 +1,22 @@
 """``DcpCompiledForCausalLM``: a vLLM model whose whole step is a dcp_compile program.
 
 vLLM builds it on every worker with stub attention layers (dcp_compile/vllm/attention.py),
-so that it sizes, allocates and block-tables the KV cache as for any model. At the first
-real step, when vLLM has sized the cache, the model transforms the checkpoint's model (built
-on the meta device: no weights) for vLLM's tp, dcp, block size and interleave, with the
-garbage block first (vLLM's null block), binds vLLM's own groups to the program's roles,
-reads only this rank's weight shards from the checkpoint, and from then on runs each vLLM
-batch as program calls (dcp_compile/vllm/batch.py) on vLLM's own KV tensors.
+so that it sizes, allocates and block-tables the KV cache as for any model. vLLM's loader
+streams the checkpoint's tensors into ``load_weights``: the model transforms the
+checkpoint's model (built on the meta device: no weights) for vLLM's tp, dcp, block size and
+interleave, and keeps of each streamed tensor only this rank's shard boxes
+(``StreamedCheckpoint``). At the first real step, when vLLM has sized the cache, it
+transforms again for that cache (the proof reused), with the garbage block first (vLLM's
+null block), binds vLLM's own groups to the program's roles, loads the kept shards, and
+from then on runs each vLLM batch as program calls (dcp_compile/vllm/batch.py) on vLLM's
+own KV tensors.
 
-Program shapes beyond vLLM's (the rows of a call, the prompt-step length, the decode width)
-come from ``hf_overrides={"dcp_compile": {"batch": 4, "context_len": 64, "decode_len":
-4}}`` (the defaults: ``PROGRAM_DEFAULTS``).
+The program's shapes follow vLLM's (``vllm_shapes``): rows per call = ``max_num_seqs``, the
+prompt step = ``max_num_batched_tokens`` tokens (at most ``max_model_len``), the chunk step
+(a chunk after prior context in one call) as wide, up to the proven 64; the block-table
+width from ``max_model_len``, the cache from the block count vLLM sized. Any of them, the
+decode width and context buckets can be set in ``hf_overrides={"dcp_compile": {...}}``
+(``OPTIONS``).
 """
 
 from __future__ import annotations
@@ -20,28 +26,70 @@ import time
 import torch
 from torch import nn
 
-from dcp_compile.runtime.errors import DCPConfigError, DCPInputError
+from dcp_compile.runtime.errors import DCPCompilerBug, DCPConfigError, DCPInputError
 from dcp_compile.runtime.garbage_block import FIRST
 from dcp_compile.runtime.names import Mode, StepKind
-from dcp_compile.vllm.batch import ProgramShapes, calls_of, scatter_logits, table_rows
+from dcp_compile.vllm.batch import (ProgramShapes, at_bucket, calls_of, scatter_logits,
+                                    table_rows)
 
-PROGRAM_DEFAULTS = {"batch": 4, "context_len": 64, "decode_len": 4}
+# The options of hf_overrides["dcp_compile"] -> the least value each takes (chunk_len 0: no
+# chunk step, later chunks as decode steps); "buckets" is a list of context lengths.
+OPTIONS = {"batch": 1, "context_len": 1, "chunk_len": 0, "decode_len": 1}
+DECODE_LEN = 4          # tokens per row of a decode step unless hf_overrides says
 
 
-def program_options(hf_config, max_num_seqs: int) -> dict:
-    """The program shapes from ``hf_config.dcp_compile`` (hf_overrides), checked by name."""
+def vllm_shapes(*, max_num_seqs: int, max_num_batched_tokens: int,
+                max_model_len: int) -> dict:
+    """The program options vLLM's scheduler limits give (module doc): every request of a
+    step in one call's rows, a step's whole token budget in one prompt or chunk row."""
+    from dcp_compile.passes.prove.theorems import MAX_DECODE_LEN
+    tokens = min(max_num_batched_tokens, max_model_len)
+    return {"batch": max_num_seqs, "context_len": tokens, "decode_len": DECODE_LEN,
+            "chunk_len": min(tokens, MAX_DECODE_LEN), "buckets": []}
+
+
+def program_options(hf_config, **limits) -> dict:
+    """The program shapes: ``vllm_shapes(**limits)``, overridden by ``hf_config.dcp_compile``
+    (hf_overrides), checked by name."""
+    from dcp_compile.passes.prove.theorems import MAX_DECODE_LEN
     given = dict(getattr(hf_config, "dcp_compile", None) or {})
-    unknown = sorted(set(given) - set(PROGRAM_DEFAULTS))
+    unknown = sorted(set(given) - set(OPTIONS) - {"buckets"})
     if unknown:
         raise DCPConfigError(f"unknown dcp_compile options in hf_overrides: {unknown}. Use "
-                             f"{sorted(PROGRAM_DEFAULTS)}.")
-    out = PROGRAM_DEFAULTS | {"batch": min(PROGRAM_DEFAULTS["batch"], max_num_seqs)} | given
-    bad = [f"{k}={v!r}" for k, v in out.items()
-           if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+                             f"{sorted(OPTIONS) + ['buckets']}.")
+    out = vllm_shapes(**limits) | given
+    bad = [f"{k}={out[k]!r} (needs >= {least})" for k, least in OPTIONS.items()
+           if not isinstance(out[k], int) or isinstance(out[k], bool) or out[k] < least]
+    if out["chunk_len"] > MAX_DECODE_LEN:
+        bad.append(f"chunk_len={out['chunk_len']} (the chunk step is a decode step, proven "
+                   f"for widths up to {MAX_DECODE_LEN})")
+    if not isinstance(out["buckets"], list):
+        bad.append(f"buckets={out['buckets']!r} (a list of context lengths in tokens)")
     if bad:
-        raise DCPConfigError(f"dcp_compile options must be positive ints: {', '.join(bad)}. "
-                             f"Pass e.g. {PROGRAM_DEFAULTS}.")
+        raise DCPConfigError(f"dcp_compile options out of range: {', '.join(bad)}. Pass e.g. "
+                             f"{{'batch': 4, 'context_len': 64, 'chunk_len': 32, "
+                             f"'decode_len': 4, 'buckets': [64, 128]}}.")
     return out
+
+
+def refuse_unserved(vllm_config) -> None:
+    """DCPConfigError for the vLLM features the plugin does not serve, by name, before any
+    of its setup runs (docs/vllm.md "What works through the plugin")."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
+        raise DCPConfigError(
+            f"dcp_compile serves tensor + decode context parallelism only: "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}, "
+            f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}. "
+            f"Use 1 for both.")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        raise DCPConfigError(
+            f"speculative decoding (speculative_config method="
+            f"{getattr(spec, 'method', None)!r}) is not served by the dcp_compile plugin: "
+            f"its draft proposals and verify steps are not wired to the program. Serve "
+            f"without speculative_config (the project's own Engine verifies drafts: "
+            f"docs/speculative-prefix.md).")
 
 
 class DcpCompiledForCausalLM(nn.Module):
@@ -52,23 +100,21 @@ class DcpCompiledForCausalLM(nn.Module):
         from dcp_compile.vllm.attention import DcpStubBackend
         from dcp_compile.vllm.slot_mapping import register_slot_mapping
 
+        refuse_unserved(vllm_config)
         register_slot_mapping()
         self.vllm_config = vllm_config
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         hf = model.hf_config
-        if parallel.pipeline_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
-            raise DCPConfigError(
-                f"dcp_compile serves tensor + decode context parallelism only: "
-                f"pipeline_parallel_size={parallel.pipeline_parallel_size}, "
-                f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}. "
-                f"Use 1 for both.")
         self.tp = parallel.tensor_parallel_size
         self.dcp = parallel.decode_context_parallel_size
         self.interleave = parallel.cp_kv_cache_interleave_size
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = model.max_model_len
         self.vocab_size = hf.vocab_size
-        self.options = program_options(hf, vllm_config.scheduler_config.max_num_seqs)
+        scheduler = vllm_config.scheduler_config
+        self.options = program_options(hf, max_num_seqs=scheduler.max_num_seqs,
+                                       max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                                       max_model_len=model.max_model_len)
         self.head_dim = model.get_head_size()
         heads, kv_heads = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)
         self.attn = nn.ModuleList(
@@ -80,7 +126,11 @@ class DcpCompiledForCausalLM(nn.Module):
         self.layer_names = [a.layer_name for a in self.attn]
         self.loaded = None                  # the program on this rank, from the first step
         self.program = None
-        self.calls = {kind: 0 for kind in (StepKind.CONTEXT, StepKind.DECODE)}  # calls so far
+        self.planned = None                 # the program load_weights planned the read with
+        self.weights = None                 # this rank's shard boxes of vLLM's weight stream
+        kinds = (StepKind.CONTEXT, StepKind.CHUNK, StepKind.DECODE)
+        self.calls = {kind: 0 for kind in kinds}            # program calls so far
+        self.most_calls = {kind: 0 for kind in kinds}       # the most in one vLLM step
 
     # -- the vLLM model interface ----------------------------------------------------------
 
@@ -89,9 +139,24 @@ class DcpCompiledForCausalLM(nn.Module):
                             "program embeds them itself. Pass prompts as text or token ids.")
 
     def load_weights(self, weights) -> set[str]:
-        # vLLM's iterator would read every tensor whole; the program reads only this rank's
-        # slices of the checkpoint at its first step (DCPProgram.read_checkpoint). The
-        # iterator is not consumed, so nothing is read here.
+        """Keep this rank's shard boxes of each tensor vLLM's loader streams (module doc).
+        The model has no parameters of its own for vLLM to check off: none are named."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from dcp_compile.meta_init import meta_model
+        from dcp_compile.runtime.program.checkpoint import StreamedCheckpoint
+
+        start = time.perf_counter()
+        # A plain attribute, not a submodule: vLLM would count its (meta) parameters as
+        # weights this model failed to load.
+        object.__setattr__(self, "meta", meta_model(self.vllm_config.model_config.model))
+        # The cache size is vLLM's only after loading: a provisional one (the weights, their
+        # names and shards do not depend on it; _build checks that).
+        self.planned = self._transform(num_blocks=2)
+        self.weights = StreamedCheckpoint(
+            weights, self.planned.checkpoint_boxes(get_tp_group().rank_in_group),
+            name="vLLM's weight iterator")
+        self.load_seconds = time.perf_counter() - start
         return set()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -133,26 +198,23 @@ class DcpCompiledForCausalLM(nn.Module):
     def _build(self, caches: list[torch.Tensor]) -> None:
         """Transform for vLLM's layout and cache size, bind vLLM's groups, read this rank's
         weight shards (module doc)."""
-        import dcp_compile
-        from dcp_compile.meta_init import meta_model
-        from dcp_compile.runtime.serving.engine import StepShapes
         from dcp_compile.runtime.serving.rank_engine import load_rank
         from dcp_compile.vllm.groups import vllm_group_names
 
+        if self.weights is None:
+            raise DCPConfigError(
+                f"vLLM did not stream the checkpoint's weights to the model (load_format="
+                f"{self.vllm_config.load_config.load_format!r}): dcp_compile serves the "
+                f"checkpoint's own weights. Use load_format='auto' or 'safetensors'.")
         start = time.perf_counter()
-        checkpoint = self.vllm_config.model_config.model
-        vblock = self.block_size * self.dcp
-        o = self.options
-        self.shapes = ProgramShapes(batch=o["batch"], context_len=o["context_len"],
-                                    decode_len=o["decode_len"],
-                                    max_blocks=-(-self.max_model_len // vblock), vblock=vblock)
-        self.program = dcp_compile.transform(
-            meta_model(checkpoint), tp=self.tp, dcp=self.dcp, mode=Mode.DECODE,
-            block_size=self.block_size, interleave_size=self.interleave, check=False,
-            garbage_block=FIRST,
-            shapes=StepShapes(batch=o["batch"], context_len=o["context_len"],
-                              max_blocks=self.shapes.max_blocks,
-                              num_blocks=int(caches[0].shape[0]), decode_len=o["decode_len"]))
+        self.program = self._transform(num_blocks=int(caches[0].shape[0]),
+                                       certificate=self.planned.certificate)
+        if (self.program.weight_inputs, self.program.shards) != \
+                (self.planned.weight_inputs, self.planned.shards):
+            raise DCPCompilerBug("the vLLM plugin's first step", AssertionError(
+                "the program for vLLM's cache has other weights or shards than the one "
+                "load_weights read them for"))
+        self.buckets = self.program.buckets
         spec = self.program.cache_spec()
         for i, cache in enumerate(caches):
             if tuple(cache.shape) != tuple(spec.shape) or cache.dtype != spec.dtype:
@@ -162,8 +224,26 @@ class DcpCompiledForCausalLM(nn.Module):
                     f"dtype (dtype='auto') with kv_cache_dtype='auto'.")
         rank, names = vllm_group_names(self.program.topology)
         # vLLM's engine is the host side, so the rank is loaded without one of ours.
-        self.loaded = load_rank(self.program, rank, names, checkpoint=checkpoint)
+        self.loaded = load_rank(self.program, rank, names, checkpoint=self.weights)
         self.build_seconds = time.perf_counter() - start
+
+    def _transform(self, num_blocks: int, certificate=None):
+        """The meta model transformed for vLLM's layout and shapes (module doc)."""
+        import dcp_compile
+        from dcp_compile.runtime.serving.engine import StepShapes
+
+        vblock = self.block_size * self.dcp
+        o = self.options
+        self.shapes = ProgramShapes(batch=o["batch"], context_len=o["context_len"],
+                                    decode_len=o["decode_len"], chunk_len=o["chunk_len"],
+                                    max_blocks=-(-self.max_model_len // vblock), vblock=vblock)
+        return dcp_compile.transform(
+            self.meta, tp=self.tp, dcp=self.dcp, mode=Mode.DECODE,
+            block_size=self.block_size, interleave_size=self.interleave, check=False,
+            garbage_block=FIRST, buckets=o["buckets"], certificate=certificate,
+            shapes=StepShapes(batch=o["batch"], context_len=o["context_len"],
+                              max_blocks=self.shapes.max_blocks, num_blocks=num_blocks,
+                              decode_len=o["decode_len"], chunk_len=o["chunk_len"]))
 
     def _step(self, input_ids, positions, common, caches) -> torch.Tensor:
         n_req = common.num_reqs
@@ -172,7 +252,12 @@ class DcpCompiledForCausalLM(nn.Module):
         table = table_rows(common.block_table_tensor[:n_req].cpu(), seq_lens, self.shapes)
         ids, pos = input_ids.cpu().to(torch.int64), positions.cpu().to(torch.int64)
         done = []
-        for call in calls_of(ids, pos, starts, table, self.shapes):
+        calls = calls_of(ids, pos, starts, table, self.shapes)
+        for kind in self.most_calls:
+            self.most_calls[kind] = max(self.most_calls[kind],
+                                        sum(c.kind == kind for c in calls))
+        for call in calls:
+            call = at_bucket(call, self.buckets, self.shapes)
             logits, out = self.loaded.run(call.kind, call.input_ids, call.positions,
                                           call.block_table, caches)
             # Zero copy: the program wrote vLLM's own tensors in place, never a copy.

@@ -305,6 +305,11 @@ class Analysis:
             raise _err(n, f"attention sinks ({sinks.name}) are {show(self.P(sinks))}, expected "
                           f"{show(self.sink_shard)}", "Sinks are one logit per q head: pass "
                           "a [q_heads] parameter, cut like q's heads")
+        slopes = n.kwargs.get("alibi_slopes")
+        if slopes is not None and self.P(slopes) not in (R, None):
+            raise _err(n, f"ALiBi slopes ({slopes.name}) are {show(self.P(slopes))}, expected "
+                          f"replicated", "The slopes are a per-head constant of the model; "
+                          "shard_tensor_parallel takes each rank's heads of them")
         return (self.q_shard, self.kv_shard, self.kv_shard)
 
     # -- backward --------------------------------------------------------------------------
@@ -514,6 +519,8 @@ class Analysis:
                 self.require(at.args[i], want, at)
             if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
                 self.require(at.kwargs["sinks"], self.sink_shard, at)
+            if at.kwargs.get("alibi_slopes") is not None:   # whole: cut by the rank below
+                self.require(at.kwargs["alibi_slopes"], R, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shard)
         place_experts(self)

@@ -34,8 +34,8 @@ from typing import Mapping, Sequence
 
 from dcp_compile.runtime.errors import DCPWorldError
 
-__all__ = ["ephemeral_port_start", "free_port", "free_port_base", "freeze_gc", "init_distributed_from_env", "loopback_env",
-           "loopback_interface", "run_in_world", "run_torchrun", "torchrun_command"]
+__all__ = ["ephemeral_port_start", "free_port", "free_port_base", "freeze_gc", "init_distributed_from_env", "loopback_env", "rank_state",
+           "loopback_interface", "rank_process_env", "run_in_world", "run_torchrun", "torchrun_command"]
 
 LOOPBACK = "127.0.0.1"
 # The directory holding the dcp_compile, passes and runtime packages.
@@ -185,6 +185,22 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str] = (), *,
     return cmd + ["-m", module, *map(str, args)]
 
 
+def rank_process_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a rank process this machine launches: this one's, with this source
+    tree first on PYTHONPATH, ``OMP_NUM_THREADS=1``, unbuffered output and the loopback
+    ``GLOO_SOCKET_IFNAME`` (unless the environment sets them), then ``env``."""
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_SOURCE_ROOT), child_env.get("PYTHONPATH")) if p)
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    iface = loopback_interface()
+    if iface is not None:
+        child_env.setdefault("GLOO_SOCKET_IFNAME", iface)
+    child_env.update(env or {})
+    return child_env
+
+
 def run_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
                  timeout: float = 300.0, env: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
@@ -196,15 +212,7 @@ def run_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
     :class:`DCPWorldError` whose ``failures`` map each failing rank to the tail of its output.
     A port taken between choosing it and binding it is retried once with a new port.
     """
-    child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(_SOURCE_ROOT), child_env.get("PYTHONPATH")) if p)
-    child_env.setdefault("OMP_NUM_THREADS", "1")
-    child_env.setdefault("PYTHONUNBUFFERED", "1")
-    iface = loopback_interface()
-    if iface is not None:
-        child_env.setdefault("GLOO_SOCKET_IFNAME", iface)
-    child_env.update(env or {})
+    child_env = rank_process_env(env)
     for attempt in range(2):
         with tempfile.TemporaryDirectory(prefix="dcp-torchrun-") as tmp:
             log_dir, stack_dir = Path(tmp) / "logs", Path(tmp) / "stacks"
@@ -309,7 +317,7 @@ def _where(frames: list[tuple[str, str, str]]) -> str:
     return f"{Path(path).name}:{line} in {func}"
 
 
-def _rank_state(code: int | None, log: str, stack: str | None) -> tuple[str, str]:
+def rank_state(code: int | None, log: str, stack: str | None) -> tuple[str, str]:
     """``(kind, where)`` of a rank that did not finish: kind "error" (it raised on its own),
     "waiting" (timed out, killed or dropped inside a collective: a victim), "hung" (killed
     outside any collective: it stopped answering) or "unknown"."""
@@ -354,7 +362,7 @@ def _launch_error(nproc, module, proc, logs, timed_out, timeout, stacks=None) ->
     codes, root = _failed_ranks(combined)
     ranks = sorted(set(codes) | set(logs) | set(stacks)) if timed_out else \
         (sorted(codes) or sorted(logs))
-    states = {r: _rank_state(None if timed_out else codes.get(r), logs.get(r, ""),
+    states = {r: rank_state(None if timed_out else codes.get(r), logs.get(r, ""),
                              stacks.get(r)) for r in ranks}
     errors = [r for r in ranks if states[r][0] == "error"]
     hung = [r for r in ranks if states[r][0] == "hung"]

@@ -30,6 +30,28 @@ from dcp_compile.runtime.garbage_block import LAST, garbage_block_id, usable_blo
 NEG_INF = float("-inf")
 
 
+def same_chunk(q_pos: Tensor, key_pos: Tensor, chunk: int) -> Tensor:
+    """Chunked attention (Llama 4's ``attention_chunk_size``): a key is visible to a query
+    only in the query's own chunk of ``chunk`` positions, ``k // chunk == q // chunk`` (with
+    causality, ``q - q % chunk <= k <= q``). A predicate of the two global positions, so each
+    rank applies it to the keys it holds and the LSE combine is unchanged. Positions are
+    >= 0 where it matters (padding and unwritten keys are masked apart)."""
+    return torch.div(q_pos, chunk, rounding_mode="floor") == \
+        torch.div(key_pos, chunk, rounding_mode="floor")
+
+
+def alibi_bias(slopes: Tensor, q_pos: Tensor, key_pos: Tensor, kv_heads: int) -> Tensor:
+    """ALiBi's score bias, [b, k, g, i, j] for scores [b, kv head, group, query, key]:
+    ``slopes[h] * (key_pos - q_pos)``, the q head h = k * groups + g. A function of the two
+    global positions and the head, so each rank adds it to the scores of the keys it holds
+    and the LSE combine is unchanged. Bloom's ``slope * k_pos`` and MPT's
+    ``slope * (k_pos - (S - 1))`` differ from it by a per-query constant, which softmax
+    ignores. ``key_pos`` [b or 1, j], ``q_pos`` [b, i] (int64)."""
+    s = slopes.float().reshape(1, kv_heads, -1, 1, 1)
+    d = key_pos[:, None, None, None, :] - q_pos[:, None, None, :, None]
+    return s * d.float()
+
+
 def readable_table(block_table: Tensor, num_blocks: int,
                    garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     """(usable, table): which block-table entries name a usable block, and the table with
@@ -73,7 +95,9 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            interleave: int, scale: float, window: int = 0,
                            softcap: float = 0.0,
                            kv_shared: bool = False,
-                           garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
+                           garbage_block: int = LAST,
+                           alibi_slopes: Tensor | None = None,
+                           attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -103,6 +127,9 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     if window > 0:  # per position: each rank applies it to its own keys
         prior_ok &= q_pos[:, :, None] - prior_pos[None, None, :] < window
         cur_ok &= q_pos[:, :, None] - k_pos[:, None, :] < window
+    if attention_chunk > 0:  # per position too: the query's own chunk
+        prior_ok &= same_chunk(q_pos[:, :, None], prior_pos[None, None, :], attention_chunk)
+        cur_ok &= same_chunk(q_pos[:, :, None], k_pos[:, None, :], attention_chunk)
     current = (k_pos >= 0)[:, :, None, None]
     v_cur = torch.where(current, v_cur.to(q.dtype), 0.0)
     k_cur = torch.where(current, k_cur.to(q.dtype), 0.0) if kv_shared else k_cur.to(q.dtype)
@@ -114,6 +141,9 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     qf = q.float().reshape(batch, q_len, kv_heads, groups, q.shape[-1])
     s_prior = _scores(qf, prior_pieces, scale, softcap)
     s_cur = _scores(qf, cur_pieces, scale, softcap)
+    if alibi_slopes is not None:
+        s_prior.add_(alibi_bias(alibi_slopes, q_pos, prior_pos[None, :], kv_heads))
+        s_cur.add_(alibi_bias(alibi_slopes, q_pos, k_pos, kv_heads))
     s_prior.masked_fill_(~prior_ok[:, None, None], NEG_INF)
     s_cur.masked_fill_(~cur_ok[:, None, None], NEG_INF)
     lse = torch.logaddexp(torch.logsumexp(s_prior, dim=-1), torch.logsumexp(s_cur, dim=-1))

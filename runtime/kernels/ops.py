@@ -26,7 +26,8 @@ from torch import Tensor
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.garbage_block import LAST, garbage_block_id
 from dcp_compile.runtime.kernels.op_defs import dcp_op
-from dcp_compile.runtime.kernels.live_attention import live_partial_attention, readable_table  # noqa: F401
+from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
+                                                        readable_table, same_chunk)
 
 NEG_INF = float("-inf")
 
@@ -178,7 +179,9 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             interleave: int, scale: float, window: int = 0,
                             softcap: float = 0.0,
                             kv_shared: bool = False,
-                            garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
+                            garbage_block: int = LAST,
+                            alibi_slopes: Tensor | None = None,
+                            attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -227,11 +230,15 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         # Sliding window on global positions: a per-position mask, so each rank applies it
         # to its own keys and the LSE combine is unchanged.
         allowed = allowed & (q_pos[:, :, None] - key_pos[:, None, :] < window)
+    if attention_chunk > 0:
+        allowed = allowed & same_chunk(q_pos[:, :, None], key_pos[:, None, :], attention_chunk)
     groups = q_heads // kv_heads
     qf = q.float().reshape(batch, q_len, kv_heads, groups, dim)
     scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
     if softcap > 0:  # logit soft-capping (Gemma 2): on the scaled scores, before the mask
         scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, q_pos, key_pos, kv_heads)
     scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)                                  # [b, k, g, i]
     # A row with no allowed key has lse = -inf: its probabilities are exactly 0, never NaN.
@@ -249,7 +256,9 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       prior_len: Tensor, rank: Tensor, dcp: int, interleave: int,
                       scale: float, window: int = 0,
                       softcap: float = 0.0, kv_shared: bool = False,
-                      garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
+                      garbage_block: int = LAST,
+                      alibi_slopes: Tensor | None = None,
+                      attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -259,15 +268,20 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``tanh(s / softcap) * softcap``; ``kv_shared``: keys and values are both
     ``cat(k, v, dim=-1)`` (one vector stored once, in halves, in the two caches).
     ``garbage_block``: which block is never read (runtime/garbage_block.py).
+    ``alibi_slopes`` [q_heads of q]: ALiBi, ``alibi_bias`` added to each score.
+    ``attention_chunk > 0`` (Llama 4's chunked layers): only keys of the query's own chunk
+    of that many positions (``same_chunk``).
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
-                                   window, softcap, kv_shared, garbage_block)
+                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
+                                   attention_chunk)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST):
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
+      alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -324,7 +338,9 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           scale: float, window: int = 0,
                           softcap: float = 0.0,
                           kv_shared: bool = False,
-                          sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                          sinks: Tensor | None = None,
+                          alibi_slopes: Tensor | None = None,
+                          attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
@@ -333,7 +349,9 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
     prior_len = positions[:, 0].clamp(min=0)
     out, lse = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
                                        block_table, prior_len, rank0, 1, block, scale,
-                                       window, softcap, kv_shared)
+                                       window, softcap, kv_shared,
+                                       alibi_slopes=alibi_slopes,
+                                       attention_chunk=attention_chunk)
     if sinks is not None:   # one device: the local LSE is the global one
         out = _sink_correct_impl(out, lse, sinks).to(q.dtype)
     return out, new_kc, new_vc
@@ -345,19 +363,23 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
                     scale: float, window: int = 0,
                     softcap: float = 0.0,
                     kv_shared: bool = False,
-                    sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    sinks: Tensor | None = None,
+                    alibi_slopes: Tensor | None = None,
+                    attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches).
 
     ``sinks`` [q_heads] (gpt-oss): a learned logit per head that joins each softmax's
-    denominator and attends to no value (see ``sink_correct``)."""
+    denominator and attends to no value (see ``sink_correct``). ``alibi_slopes`` [q_heads]
+    (ALiBi: Bloom, MPT, Falcon): each score gets ``alibi_bias``, slope_h * (k_pos - q_pos)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap, kv_shared, sinks)
+                                 scale, window, softcap, kv_shared, sinks, alibi_slopes,
+                                 attention_chunk)
 
 
 @paged_attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -366,18 +388,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: T
               positions: Tensor, block_table: Tensor,
               scale: float, window: int = 0,
               softcap: float = 0.0, kv_shared: bool = False,
-              sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              sinks: Tensor | None = None,
+              alibi_slopes: Tensor | None = None,
+              attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
-                                 scale, window, softcap, kv_shared, sinks)
+                                 scale, window, softcap, kv_shared, sinks, alibi_slopes,
+                                 attention_chunk)
 
 
 @attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -533,7 +558,9 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            interleave: int, scale: float, window: int = 0,
                            softcap: float = 0.0,
                            kv_shared: bool = False,
-                           garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
+                           garbage_block: int = LAST,
+                           alibi_slopes: Tensor | None = None,
+                           attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -544,12 +571,14 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     """
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
-                                  window, softcap, kv_shared, garbage_block)
+                                  window, softcap, kv_shared, garbage_block, alibi_slopes,
+                                   attention_chunk)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST):
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
+      alibi_slopes=None, attention_chunk=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 

@@ -282,11 +282,9 @@ class Checkpoint:
             target = out.narrow(dim, at, width)
             filled = 0
             for p in source.pieces:
-                inter = _intersect(box, p.offset, p.extent())
+                inter, src = piece_box(box, p)
                 if inter is None:
                     continue
-                src = tuple((lo - o, hi - o) for d, ((lo, hi), o) in enumerate(zip(inter, p.offset))
-                            if d != p.stacked)
                 part = self.read(p.key, src)
                 if p.stacked is not None:
                     part = part.unsqueeze(p.stacked)
@@ -302,6 +300,16 @@ class Checkpoint:
         return out
 
 
+def piece_box(box, piece: Piece):
+    """(the part of weight box ``box`` that checkpoint tensor ``piece`` fills, in the
+    weight's coordinates; that part in the piece's own coordinates), or (None, None)."""
+    inter = _intersect(box, piece.offset, piece.extent())
+    if inter is None:
+        return None, None
+    return inter, tuple((lo - o, hi - o) for d, ((lo, hi), o) in
+                        enumerate(zip(inter, piece.offset)) if d != piece.stacked)
+
+
 def _intersect(box, offset, extent):
     out = []
     for (lo, hi), o, n in zip(box, offset, extent):
@@ -312,6 +320,76 @@ def _intersect(box, offset, extent):
     return tuple(out)
 
 
+def rank_boxes(names: dict[str, tuple[str, ...]], sources: dict[str, WeightSource],
+               shards: dict, fulls: dict, rank: int) -> dict[str, set]:
+    """Checkpoint key -> the boxes of it (its own coordinates) rank ``rank`` reads: what
+    :func:`read_rank_weights` will ask of a checkpoint, for every alias of a weight (which
+    alias a checkpoint holds is known only from it)."""
+    out: dict[str, set] = {}
+    for name, fqns in names.items():
+        full, spec = fulls[name], shards.get(name)
+        boxes = spec.boxes(full.shape, rank) if spec is not None else \
+            [tuple((0, s) for s in full.shape)]
+        source = sources.get(fqns[0])
+        pieces = source.pieces if source is not None else \
+            tuple(Piece(key, (0,) * full.dim(), tuple(full.shape)) for key in fqns)
+        for box in boxes:
+            for piece in pieces:
+                _, src = piece_box(box, piece)
+                if src is not None:
+                    out.setdefault(piece.key, set()).add(src)
+    return out
+
+
+class StreamedCheckpoint:
+    """A checkpoint given as a stream of ``(name, tensor)`` (vLLM's weight iterator), with
+    :class:`Checkpoint`'s reading interface: each tensor is cut as it streams by into the
+    boxes a rank reads (``wanted``: :func:`rank_boxes`), which are kept as copies, and the
+    tensor is dropped, so the rank holds its shard only (never the whole model)."""
+
+    def __init__(self, weights, wanted: dict[str, set], *, name: str = "a weight stream"):
+        self.directory = name               # for the messages Checkpoint's checks raise
+        self.files: dict = {}
+        self.stats = LoadStats()
+        self._headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._boxes: dict[tuple[str, tuple], torch.Tensor] = {}
+        start = time.perf_counter()
+        for key, tensor in weights:
+            self._headers[key] = (tuple(tensor.shape), tensor.dtype)
+            for box in wanted.get(key, ()):
+                part = tensor[tuple(slice(a, b) for a, b in box)].clone()
+                self._boxes[key, box] = part
+                self.stats.bytes_read += part.numel() * part.element_size()
+        self.stats.seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def has(self, key: str) -> bool:
+        return key in self._headers
+
+    def header(self, key: str):
+        return self._headers[key]
+
+    def read(self, key: str, box) -> torch.Tensor:
+        part = self._boxes.get((key, tuple(box)))
+        if part is None:
+            raise DCPInputError(f"{self.directory} kept no box {box} of tensor {key}: the "
+                                f"reader was planned for another program or rank. Stream "
+                                f"the weights for this rank's program (rank_boxes).")
+        self.stats.tensors += 1
+        return part
+
+    source_of = Checkpoint.source_of
+    read_shard = Checkpoint.read_shard
+
+
 def read_rank_weights(directory, names: dict[str, tuple[str, ...]],
                       sources: dict[str, WeightSource], shards: dict, fulls: dict,
                       rank: int, *, progress: bool | None = None
@@ -319,9 +397,11 @@ def read_rank_weights(directory, names: dict[str, tuple[str, ...]],
     """Rank ``rank``'s weights ``names`` (placeholder -> FQNs) from checkpoint ``directory``:
     each placeholder's shard (``shards``: ShardSpec or None = whole) of its full weight
     (``fulls``: shape and dtype, any device), cast to that dtype. Every weight is checked
-    against the headers before any is read."""
+    against the headers before any is read. ``directory`` may be a
+    :class:`StreamedCheckpoint` instead (the weights vLLM's loader streamed)."""
     start = time.perf_counter()
-    with Checkpoint(directory) as ckpt:
+    with (directory if isinstance(directory, StreamedCheckpoint) else
+          Checkpoint(directory)) as ckpt:
         return _read_rank_weights(ckpt, names, sources, shards, fulls, rank, progress, start)
 
 

@@ -137,10 +137,12 @@ class DCPProgram:
                         progress: bool | None = None) -> tuple[dict[str, torch.Tensor], LoadStats]:
         """``state_dict_for(rank, checkpoint)`` and what the read cost (LoadStats). Every
         named weight comes from the checkpoint (bad tensors are refused before any is
-        read); buffers the checkpoint does not hold (RoPE tables) from the program."""
+        read); buffers the checkpoint does not hold (RoPE tables) from the program.
+        ``checkpoint`` may be a ``StreamedCheckpoint`` (runtime/program/checkpoint.py) of
+        the boxes :meth:`checkpoint_boxes` named."""
         from dcp_compile.runtime.program.checkpoint import read_rank_weights
         self.topology._check_rank(rank)
-        named = {n: self.weight_names[n] for n in self.weight_inputs if n in self.weight_names}
+        named = self._checkpoint_named()
         if not named:
             raise DCPInputError(
                 f"this program ({self.source}) records no checkpoint names for its weights, "
@@ -157,6 +159,17 @@ class DCPProgram:
         state = {n: state[n] for n in self.weight_inputs}
         state[RANK_INPUT] = torch.tensor(rank, dtype=torch.int64)
         return state, stats
+
+    def checkpoint_boxes(self, rank: int) -> dict[str, set]:
+        """Checkpoint key -> the boxes of it ``rank`` reads (checkpoint.rank_boxes): what a
+        ``StreamedCheckpoint`` keeps of a stream of the checkpoint's tensors."""
+        from dcp_compile.runtime.program.checkpoint import rank_boxes
+        self.topology._check_rank(rank)
+        return rank_boxes(self._checkpoint_named(), self.weight_sources, self.shards,
+                          self.constants, rank)
+
+    def _checkpoint_named(self) -> dict[str, tuple[str, ...]]:
+        return {n: self.weight_names[n] for n in self.weight_inputs if n in self.weight_names}
 
     def _constant(self, name: str, *, checkpoint_named: bool) -> torch.Tensor:
         full = self.constants[name]

@@ -32,6 +32,15 @@ class StepShapes:
     max_blocks: int = 8        # block-table entries per sequence
     num_blocks: int = 40       # cache blocks per rank, including the garbage block
     decode_len: int = 1        # tokens per row in a decode step (K > 1: speculative verify)
+    # tokens per row of the chunk step (a prompt chunk after prior context, run as a decode
+    # step of this width: every query over the prior cache and causally within the chunk);
+    # 0: the decode program has no chunk step
+    chunk_len: int = 0
+
+    def tokens(self, kind: str) -> int:
+        """Tokens per row of step ``kind`` (0: the program has no such step)."""
+        return {StepKind.DECODE: self.decode_len,
+                StepKind.CHUNK: self.chunk_len}.get(kind, self.context_len)
 
     def __post_init__(self):
         # Typed and O(1): a bad shape is a config error here, not a raw torch error later.
@@ -42,7 +51,7 @@ class StepShapes:
         if bad:
             raise DCPConfigError(
                 f"StepShapes fields must be ints with batch, context_len, max_blocks, "
-                f"decode_len >= 1 "
+                f"decode_len >= 1, chunk_len >= 0 "
                 f"and num_blocks >= 2 (one usable block besides the garbage block): "
                 f"{', '.join(bad)}. Pass positive ints.")
 
@@ -60,7 +69,7 @@ class StepShapes:
 
 
 _SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2),
-                 ("decode_len", 1))
+                 ("decode_len", 1), ("chunk_len", 0))
 
 
 class Executor(Protocol):
@@ -134,10 +143,10 @@ class Engine:
                                      max_blocks=shapes.max_blocks)
         self.contracts = {(kind, width): StepContract(
             kind=kind, batch=shapes.batch,
-            tokens=shapes.decode_len if kind == StepKind.DECODE else shapes.context_len,
+            tokens=shapes.tokens(kind),
             max_blocks=width, num_blocks=shapes.num_blocks, block_size=block_size,
             dcp=dcp, vocab_size=vocab_size, garbage_block=garbage_block) for kind in StepKind
-            for width in (bucket_width(b, block_size=block_size, dcp=dcp)
+            if shapes.tokens(kind) for width in (bucket_width(b, block_size=block_size, dcp=dcp)
                           for b in self.buckets)}
         self.allocator = BlockAllocator(shapes.num_blocks, block_size * dcp,
                                         prefix_caching=prefix_caching,
@@ -190,15 +199,29 @@ class Engine:
         -1; an empty row sits the step out); returns their logits [n, decode_len, vocab]
         and advances each length by its row's tokens (``rewind`` takes back what a
         verification rejects)."""
-        n, K = len(rows), self.shapes.decode_len
+        return self._rows_step(StepKind.DECODE, rows)
+
+    def chunk_rows(self, rows: list[list[int]]) -> torch.Tensor:
+        """A prompt chunk of up to ``chunk_len`` tokens per sequence after its prior context,
+        in one chunk step (a decode program's width-``chunk_len`` decode step); returns
+        their logits [n, chunk_len, vocab] and advances each length."""
+        return self._rows_step(StepKind.CHUNK, rows)
+
+    def _rows_step(self, kind: StepKind, rows: list[list[int]]) -> torch.Tensor:
+        n, K = len(rows), self.shapes.tokens(kind)
         self._check_batch(n)
-        if any(not 0 <= len(r) <= K for r in rows):
+        if not K:
             raise DCPInputError(
-                f"decode rows must hold 0..decode_len={K} tokens: lengths "
+                f"this program has no {kind} step (StepShapes.chunk_len = 0). Build it with "
+                f"StepShapes(chunk_len=N) to run chunks after prior context in one step.")
+        if any(not 0 <= len(r) <= K for r in rows):
+            field = "decode_len" if kind == StepKind.DECODE else "chunk_len"
+            raise DCPInputError(
+                f"{kind} rows must hold 0..{field}={K} tokens: lengths "
                 f"{[len(r) for r in rows]}. Split longer rows over steps or build the "
-                f"program with a larger StepShapes.decode_len.")
+                f"program with a larger StepShapes.{field}.")
         input_ids, positions = self._pack(rows, K)
-        return self._run("decode", input_ids, positions, [len(r) for r in rows])[:n]
+        return self._run(kind, input_ids, positions, [len(r) for r in rows])[:n]
 
     def rewind(self, seq: int, length: int) -> None:
         """Keep only sequence ``seq``'s first ``length`` tokens: later positions' KV is

@@ -90,6 +90,7 @@ class BlockAllocator:
         self.garbage_block = garbage_block_id(num_blocks, check_garbage_block(garbage_block))
         self.prefix_caching = prefix_caching
         self._free = set(usable_blocks(num_blocks, garbage_block))
+        self._usable = frozenset(self._free)
         self._tables: dict[int, list[int]] = {}
         self._refs: dict[int, int] = {}             # block -> sequences holding it
         self._by_hash: dict[int, int] = {}          # vblock hash -> block
@@ -207,6 +208,44 @@ class BlockAllocator:
             if h not in self._by_hash and block not in self._hash_of:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
+
+    def invariant_violations(self) -> list[str]:
+        """What is wrong with the allocator's books (empty: sound): the garbage block handed
+        out, a usable block leaked or in two states (free, cached and unheld, held), a block
+        held by more table entries than its reference count says (shared without a count), a
+        block twice in one table, or the prefix-cache hash maps not each other's inverse."""
+        out = []
+        held: dict[int, int] = {}
+        for seq, table in self._tables.items():
+            if len(set(table)) != len(table):
+                out.append(f"sequence {seq} holds a block twice: {table}")
+            for b in table:
+                held[b] = held.get(b, 0) + 1
+        states = {"free": self._free, "cached": set(self._idle), "held": set(held)}
+        if any(self.garbage_block in blocks for blocks in states.values()):
+            out.append(f"the garbage block {self.garbage_block} is handed out: "
+                       + ", ".join(k for k, v in states.items() if self.garbage_block in v))
+        for i, (a, x) in enumerate(states.items()):
+            for b, y in list(states.items())[i + 1:]:
+                if x & y:
+                    out.append(f"blocks {sorted(x & y)} are both {a} and {b}")
+        leaked = self._usable - set().union(*states.values())
+        if leaked:
+            out.append(f"blocks {sorted(leaked)} leaked: neither free, cached nor held")
+        if held != self._refs:
+            wrong = {b: (held.get(b, 0), self._refs.get(b, 0))
+                     for b in set(held) | set(self._refs) if held.get(b) != self._refs.get(b)}
+            out.append(f"reference counts differ from the table entries holding each block "
+                       f"(block: (entries, count)): {wrong}")
+        if {b: h for h, b in self._by_hash.items()} != self._hash_of:
+            out.append("the prefix cache's hash -> block and block -> hash maps differ")
+        if set(self._idle) - set(self._hash_of):
+            out.append(f"cached blocks {sorted(set(self._idle) - set(self._hash_of))} have no "
+                       f"prefix hash")
+        if set(self._hash_of) & self._free:
+            out.append(f"free blocks {sorted(set(self._hash_of) & self._free)} still serve a "
+                       f"prefix hash")
+        return out
 
     def table(self, seq_ids: list[int | None], max_blocks: int) -> torch.Tensor:
         """Block table rows for ``seq_ids`` (None = an empty batch slot), padded with -1."""

@@ -4,7 +4,8 @@ Rows whose first full vblock matches an earlier row's wait for it (the leaders a
 first and their full vblocks registered), then start on the cached vblocks of their longest
 cached prefix (``BlockAllocator.share_prefix``) and compute only the rest. A suffix continues
 a prior: a prefill-mode engine runs it as a prompt chunk; a decode engine, whose context step
-attends to no prior, feeds it through its decode steps (``decode_len`` tokens at a time).
+attends to no prior, runs it through its chunk step (``chunk_len`` tokens at a time: one step
+for a suffix that fits) or, in a program without one, its decode steps (``decode_len``).
 Shared blocks are never written: reuse is whole vblocks, the suffix goes to the row's own.
 """
 
@@ -41,13 +42,15 @@ def prefill_sharing_prefixes(engine, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def _prompt_in_decode_steps(engine, chunks: list[list[int]]) -> torch.Tensor:
-    """Feed each row's chunk through decode steps; logits of each chunk's last token."""
-    K = engine.shapes.decode_len
+    """Feed each row's chunk through chunk steps (decode steps in a program without one);
+    logits of each chunk's last token."""
+    K, run = (engine.shapes.chunk_len, engine.chunk_rows) if engine.shapes.chunk_len else \
+        (engine.shapes.decode_len, engine.decode_rows)
     left = [list(c) for c in chunks]
     last: list[torch.Tensor | None] = [None] * len(chunks)
     while any(left):
         rows = [c[:K] for c in left]
-        out = engine.decode_rows(rows)
+        out = run(rows)
         for b, row in enumerate(rows):
             left[b] = left[b][len(row):]
             if row and not left[b]:

@@ -15,11 +15,12 @@ from dcp_compile.runtime.names import StepKind
 
 
 class RecordingExecutor:
-    """Pass-through executor that keeps each step's full logits and positions (the engine
-    keeps the last token's only)."""
+    """Pass-through executor that keeps each step's kind, full logits and positions (the
+    engine keeps the last token's only)."""
 
     def __init__(self, inner: Executor):
         self.inner = inner
+        self.kinds: list[str] = []
         self.logits: list[torch.Tensor] = []
         self.positions: list[torch.Tensor] = []
 
@@ -29,6 +30,7 @@ class RecordingExecutor:
 
     def step(self, kind, input_ids, positions, block_table):
         logits = self.inner.step(kind, input_ids, positions, block_table)
+        self.kinds.append(kind)
         self.logits.append(logits)
         self.positions.append(positions.clone())
         return logits

@@ -15,6 +15,15 @@ rule sorts the B*M entries — and allocates nothing larger than the inputs. Rul
 order and the first violation raises, so a rule may rely on the ones above it (types and
 shapes first, then block ids, then positions).
 
+A hybrid model's step also hands each row its recurrent-state slot and whether the row starts
+its sequence (``state_slot``, ``fresh``; runtime/kernels/recurrent.py). The ``state-*`` rules
+keep every row to its own sequence's state: a slot the cache has, one row per slot, no slot
+for a padding row and one for every real row, fresh exactly when the row starts at position 0;
+a width-K step's per-token snapshot slots (``snapshot_slot``) are slots the cache has, each
+named once in the step and by no row as its state slot, and none for a padding token.
+They run when the step carries these inputs (``StepInputs.state_slot``); a step of a model
+without recurrent layers has none.
+
 What a direct caller still owns (no host check can see it): the cache *history*. A row's
 first position must be its sequence's length, and the cache must hold that sequence's KV
 for every earlier position; the Engine, which knows each sequence's length, checks the
@@ -30,8 +39,12 @@ import torch
 
 from dcp_compile.runtime.errors import DCPConfigError, DCPInputError, DCPTransformError
 from dcp_compile.runtime.garbage_block import LAST, check_garbage_block, garbage_block_id
-from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STEP_INPUTS,
-                                      StepKind)
+from dcp_compile.runtime.names import (BLOCK_TABLE, INPUT_IDS, KV_CACHES, POSITIONS, STATE_FRESH,
+                                      STATE_SLOT, STATE_SNAPSHOT_SLOT, STEP_INPUTS, StepKind)
+from dcp_compile.runtime.serving.contract_text import _el, _first, _more, _msg
+from dcp_compile.runtime.serving.state_contract import (_shared_state_slot, _snapshot_slots,
+                                                        _state_fresh, _state_slot_of_rows,
+                                                        _state_slot_range)
 
 # Cache rows and positions the layout computes stay below this: `entry * block_size + offset`
 # and `position // vblock` never come near int64's 2**63 once the inputs meet the rules.
@@ -44,6 +57,9 @@ class StepInputs(NamedTuple):
     block_table: torch.Tensor
     caches: list | None = None              # None: the caller does not hold them (Engine)
     seq_lens: torch.Tensor | None = None    # [batch] tokens each row's sequence holds (Engine)
+    state_slot: torch.Tensor | None = None  # [batch] int64 recurrent-state slot (hybrid models)
+    fresh: torch.Tensor | None = None       # [batch] bool: the row starts its sequence
+    snapshot_slot: torch.Tensor | None = None   # [batch, tokens] int64: width-K state snapshots
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,7 @@ class StepContract:
     device: torch.device | None = None      # of the caches and the step inputs
     rules: tuple[str, ...] | None = None    # rule names to run; None: all of RULES
     garbage_block: int = LAST               # -1 the last block, 0 the first (vLLM)
+    num_state_slots: int | None = None      # recurrent-state slots (the garbage slot excluded)
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)!r}" for k in ("batch", "tokens", "max_blocks",
@@ -102,9 +119,11 @@ class StepContract:
     def vblock(self) -> int:
         return self.block_size * self.dcp
 
-    def check(self, input_ids, positions, block_table, caches=None, *, seq_lens=None) -> None:
+    def check(self, input_ids, positions, block_table, caches=None, *, seq_lens=None,
+              state_slot=None, fresh=None, snapshot_slot=None) -> None:
         """Raise ``DCPInputError`` for the first broken rule; return None if all hold."""
-        step = StepInputs(input_ids, positions, block_table, caches, seq_lens)
+        step = StepInputs(input_ids, positions, block_table, caches, seq_lens, state_slot,
+                          fresh, snapshot_slot)
         for rule in RULES:
             if self.rules is not None and rule.name not in self.rules:
                 continue
@@ -145,34 +164,6 @@ class StepContract:
 
 def _positive_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-# ----------------------------------------------------------------------------------------
-# Helpers: the first offending element, and the message format.
-# ----------------------------------------------------------------------------------------
-
-
-def _first(mask: torch.Tensor):
-    """(index tuple, count) of the first True element in row-major order, or None."""
-    flat = mask.reshape(-1)
-    if flat.numel() == 0 or not bool(flat.any()):
-        return None
-    i = int(flat.to(torch.uint8).argmax())
-    index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), mask.shape))
-    return index, int(flat.sum())
-
-
-def _el(name: str, index) -> str:
-    return f"{name}[{', '.join(map(str, index))}]"
-
-
-def _more(count: int) -> str:
-    return f" (and {count - 1} more)" if count > 1 else ""
-
-
-def _msg(what: str, rule: str, fix: str) -> str:
-    """`<what is wrong>: <the rule>. <how to fix it>.`"""
-    return f"{what}: {rule}. {fix}."
 
 
 # ----------------------------------------------------------------------------------------
@@ -500,6 +491,11 @@ RULES: tuple[Rule, ...] = (
     Rule("allocated-prefix", BLOCK_TABLE, _allocated_prefix),
     Rule("continues-sequence", POSITIONS, _continues_sequence),
     Rule("token-range", INPUT_IDS, _token_range),
+    Rule("state-slot-range", STATE_SLOT, _state_slot_range),
+    Rule("state-shared-slot", STATE_SLOT, _shared_state_slot),
+    Rule("state-slot-of-rows", STATE_SLOT, _state_slot_of_rows),
+    Rule("state-fresh", STATE_FRESH, _state_fresh),
+    Rule("state-snapshot-slot", STATE_SNAPSHOT_SLOT, _snapshot_slots),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 

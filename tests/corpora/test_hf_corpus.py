@@ -76,6 +76,13 @@ def test_every_causal_lm_type_is_in_the_corpus_or_excluded_with_a_reason():
     assert len(C.CORPUS) >= 60
 
 
+def test_only_composites_and_encoder_decoders_are_excluded():
+    """A type that does not build tiny is a harness limit, not a reason: write its config."""
+    others = {t: why for t, why in C.EXCLUDED.items()
+              if not any(kind in why for kind in ("composite", "encoder-decoder"))}
+    assert not others, f"excluded for a reason that is not composite / encoder-decoder: {others}"
+
+
 def test_refusal_reasons_are_classified_by_the_feature_named():
     assert C.reason_of("… The model uses ALiBi (model.transformer, …)") == "ALiBi"
     assert C.reason_of("passes s_aux=tensor(8,) to its attention function") == \

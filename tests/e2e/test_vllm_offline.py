@@ -21,6 +21,15 @@ BATCHES = {
     "prefix-hit": ([BASE + [12], BASE + [13, 14, 15], BASE[:40] + [20] * 5], 12),
     "small-cache": (prompts([80] * 6, seed=2), 16),
 }
+# vLLM's sampler on the program's logits: logprobs of the greedy tokens; temperature and
+# top-p sampling with a seed (the same seed twice in one batch, and another seed).
+SAMPLED = {
+    "logprobs": (prompts([9, 40], seed=3), 6, {"logprobs": 2}),
+    "sampled": ([prompts([12], seed=4)[0]] * 3, 8,
+                {"temperature": 0.8, "top_p": 0.9, "seed": 7}),
+    "sampled-other-seed": (prompts([12], seed=4), 8,
+                           {"temperature": 0.8, "top_p": 0.9, "seed": 8}),
+}
 NUM_BLOCKS = 12
 
 
@@ -32,7 +41,9 @@ def served(tmp_path_factory):
                         enable_prefix_caching=True, num_gpu_blocks_override=NUM_BLOCKS,
                         kv_cache_memory_bytes=1 << 20, enforce_eager=True),
             "batches": [{"name": name, "prompts": p, "max_tokens": n}
-                        for name, (p, n) in BATCHES.items()]}
+                        for name, (p, n) in BATCHES.items()] +
+                       [{"name": name, "prompts": p, "max_tokens": n, "sampling": s}
+                        for name, (p, n, s) in SAMPLED.items()]}
     out = run_offline(spec, work)
     return checkpoint, {b["name"]: b for b in out["batches"]}, out["ranks"]
 
@@ -58,7 +69,47 @@ def test_the_program_ran_on_vllms_cache_with_the_garbage_block_first(served):
     for record in ranks:
         assert record["caches_are_vllms"] and record["garbage_block"] == 0
         assert record["num_blocks"] == NUM_BLOCKS
-        # Prompt steps and width-K decode steps (chunks after prior context, cache hits,
-        # generated tokens) both ran.
-        assert record["calls"]["context"] > 0 and record["calls"]["decode"] > 0
+        # The shapes follow vLLM's: max_num_seqs rows, max_num_batched_tokens-token prompt
+        # and chunk steps (docs/vllm.md).
+        assert record["options"] == {"batch": 4, "context_len": 32, "chunk_len": 32,
+                                     "decode_len": 4, "buckets": []}
+        # Every vLLM step ran as at most one call per step kind: its prompts from 0 in one
+        # context call, its chunks after prior context (later prefill chunks of up to 32,
+        # the rest after a cache hit) in one chunk call, its generated tokens in one decode
+        # call. (Without the chunk step a 32-token chunk took 8 width-4 decode calls.)
+        assert record["most_calls_per_step"] == {"context": 1, "chunk": 1, "decode": 1}
+        assert min(record["calls"].values()) > 0
+        # Weights through vLLM's loader: the rank kept only its shards of vLLM's weight
+        # stream, bit-equal to the project's own checkpoint reader's.
+        assert record["weights_equal_checkpoint_reader"]
+        assert record["weight_bytes_kept"] < 0.75 * record["checkpoint_bytes"]
     assert ranks[0]["calls"] == ranks[1]["calls"]      # SPMD: the same calls on each rank
+
+
+def test_logprobs_are_transformers_log_softmax(served):
+    """vLLM's logprobs (of the program's logits) for the greedy tokens equal transformers'
+    log_softmax at each generated position."""
+    import torch
+    import transformers
+    checkpoint, batches, _ = served
+    prompt_ids, max_tokens, _ = SAMPLED["logprobs"]
+    got = batches["logprobs"]
+    assert got["tokens"] == reference_tokens(checkpoint, prompt_ids, max_tokens)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint,
+                                                              dtype=torch.float32).eval()
+    for p, tokens, logprobs in zip(prompt_ids, got["tokens"], got["logprobs"]):
+        with torch.no_grad():
+            logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1:-1]
+        want = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want)
+
+
+def test_seeded_sampling_is_reproducible_through_the_plugin(served):
+    """temperature 0.8, top-p 0.9, seed 7: the same prompt three times in one batch gives
+    the same tokens each time; seed 8 gives others; neither is the greedy continuation."""
+    checkpoint, batches, _ = served
+    same = batches["sampled"]["tokens"]
+    assert same[0] == same[1] == same[2]
+    other = batches["sampled-other-seed"]["tokens"][0]
+    greedy = reference_tokens(checkpoint, [SAMPLED["sampled"][0][0]], 8)[0]
+    assert other != same[0] and greedy not in (same[0], other)

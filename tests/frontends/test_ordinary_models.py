@@ -187,10 +187,12 @@ def _hide_first_token(m, q, k, v, ids):
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
-def _alibi(m, q, k, v, ids):
+def _position_bias(m, q, k, v, ids):
+    """A bias of the distance squared: a position bias that is not ALiBi (ALiBi matches:
+    tests/frontends/test_alibi.py)."""
     s = ids.shape[1]
     i = torch.arange(s)
-    bias = -(i[:, None] - i[None, :]).abs().float() * 0.5
+    bias = -((i[:, None] - i[None, :]) ** 2).float() * 0.5
     scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5 + bias.masked_fill(i[None, :] > i[:, None],
                                                                      float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -213,7 +215,7 @@ REFUSED = {
     "token-dependent-mask": (_token_mask, "depends on the token ids"),
     "token-shifted-keys": (_token_shift_keys, "acts on each token on its own"),
     "causal-mask-hiding-a-token": (_hide_first_token, "not as a sliding window"),
-    "alibi-bias": (_alibi, "ALiBi"),
+    "position-bias-not-alibi": (_position_bias, "is not ALiBi"),
     "memory-key-values": (_memory_kv, r"memory key/values: the key .* joins learned entries"),
 }
 

@@ -63,6 +63,18 @@ def gpt_neo_where(q, k, tril, mask, c_min):
     return (aten.softmax.int(aten.add.Tensor(w, mask), -1),)
 
 
+def mimo_row_max(q, k, mask):
+    """Scores minus their row max (keepdim), then the softmax (MiMo-V2-Flash's eager)."""
+    s = aten.add.Tensor(aten.matmul.default(q, aten.transpose.int(k, 2, 3)), mask)
+    m = aten.max.dim(s, -1, True)[0]
+    return (aten.softmax.int(aten.sub.Tensor(s, m), -1),)
+
+
+def amax_row_max(q, k):
+    s = aten.matmul.default(q, aten.transpose.int(k, 2, 3))
+    return (aten.softmax.int(aten.sub.Tensor(s, aten.amax.default(s, [-1], True)), -1),)
+
+
 def gpt_fast_index(table, pos):
     return (aten.index.Tensor(table, [None, None, pos]),)
 
@@ -120,6 +132,21 @@ CASES = {
             where_scalar_other = aten.where.ScalarOther(tril, mask, -3.4028234663852886e+38)
             add_tensor = aten.add.Tensor(matmul_default, where_scalar_other)
             softmax_int = aten.softmax.int(add_tensor, -1)
+            return (softmax_int,)
+        """),
+    "row-max-subtracted": (mimo_row_max, dict(q=Q, k=K, mask=MASK), {}, """
+        def forward(self, q, k, mask):
+            transpose_int = aten.transpose.int(k, 2, 3)
+            matmul_default = aten.matmul.default(q, transpose_int)
+            add_tensor = aten.add.Tensor(matmul_default, mask)
+            softmax_int = aten.softmax.int(add_tensor, -1)
+            return (softmax_int,)
+        """),
+    "row-amax-subtracted": (amax_row_max, dict(q=Q, k=K), {}, """
+        def forward(self, q, k):
+            transpose_int = aten.transpose.int(k, 2, 3)
+            matmul_default = aten.matmul.default(q, transpose_int)
+            softmax_int = aten.softmax.int(matmul_default, -1)
             return (softmax_int,)
         """),
     # positions >= 0 (a constant here; an arange in a model): index_select has no negative
@@ -185,6 +212,20 @@ def test_a_mask_built_by_where_is_left_to_the_reader():
     p = _pass()
     run_alone(p, before(f, q=Q, k=K, tril=TRIL, zeros=torch.zeros(1, 1, 3, 3)))
     assert "where_then_additive_mask" not in p.matched
+
+
+@pytest.mark.parametrize("dim,keepdim", [(-2, True), (1, True)],
+                         ids=["max-over-the-query-dim", "max-over-the-heads"])
+def test_a_max_that_is_not_the_row_max_stays(dim, keepdim):
+    """Subtracting a max over another dim than the softmax's changes the
+    softmax: not rewritten."""
+    def f(q, k):
+        s = aten.matmul.default(q, aten.transpose.int(k, 2, 3))
+        m = aten.amax.default(s, [dim], keepdim)
+        return (aten.softmax.int(aten.sub.Tensor(s, m), -1),)
+    p = _pass()
+    gm = run_alone(p, before(f, q=Q, k=K))
+    assert "aten.sub.Tensor" in code(gm) and "row_max_subtracted" not in p.matched
 
 
 def test_scale_is_kept_through_the_rewrites():

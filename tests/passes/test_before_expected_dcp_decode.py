@@ -155,8 +155,8 @@ def test_combine_dtype_model_sends_the_partial_outputs_in_the_model_dtype(combin
 
 
 def test_decode_rewrite_refuses_a_width_beyond_the_proof():
-    with pytest.raises(DCPTransformError, match="proven for widths 1..8"):
-        run_alone(DCPDecode(context(4, 2, "decode")), _before(tokens=9))
+    with pytest.raises(DCPTransformError, match="proven for widths 1..64"):
+        run_alone(DCPDecode(context(4, 2, "decode")), _before(tokens=65))
 
 
 def test_width_k_decode_reads_every_key_through_the_query_bound():

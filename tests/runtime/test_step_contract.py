@@ -267,6 +267,8 @@ def test_fault_is_refused_before_any_write(probe, probe_outcomes):
 
 def test_every_rule_has_a_probe():
     probed = {v[3] for v in PROBES.values()} | {"continues-sequence"}   # engine, below
+    # the recurrent-state rules: tests/runtime/test_step_contract_state.py
+    probed |= {name for name in RULE_NAMES if name.startswith("state-")}
     assert probed == set(RULE_NAMES) - {"input-device"}   # one device on this machine
 
 

@@ -7,7 +7,8 @@ import torch
 
 from dcp_compile.runtime.errors import DCPInputError
 from dcp_compile.runtime.names import StepKind
-from dcp_compile.vllm.batch import ProgramShapes, calls_of, pieces_of, scatter_logits, table_rows
+from dcp_compile.vllm.batch import (ProgramShapes, at_bucket, calls_of, pieces_of,
+                                   scatter_logits, table_rows)
 from dcp_compile.vllm.slot_mapping import compute_slot_mapping
 
 SHAPES = ProgramShapes(batch=2, context_len=4, decode_len=3, max_blocks=4, vblock=8)
@@ -84,17 +85,79 @@ def test_the_slot_mapping_override_is_vllms_kernel(world, interleave):
         assert got[:len(pos)].tolist() == want and (got[len(pos):] == -1).all()
 
 
-def test_program_options_come_from_hf_overrides_and_are_checked_by_name():
+def test_program_shapes_follow_vllms_and_hf_overrides_are_checked_by_name():
     from types import SimpleNamespace
 
     from dcp_compile.runtime.errors import DCPConfigError
     from dcp_compile.vllm.model import program_options
-    assert program_options(SimpleNamespace(), max_num_seqs=2) == \
-        {"batch": 2, "context_len": 64, "decode_len": 4}
-    given = SimpleNamespace(dcp_compile={"decode_len": 8, "batch": 6})
-    assert program_options(given, max_num_seqs=16) == \
-        {"batch": 6, "context_len": 64, "decode_len": 8}
+    limits = dict(max_num_seqs=6, max_num_batched_tokens=32, max_model_len=256)
+    assert program_options(SimpleNamespace(), **limits) == \
+        {"batch": 6, "context_len": 32, "chunk_len": 32, "decode_len": 4, "buckets": []}
+    # A token budget past the proven chunk width: the chunk step stays at 64.
+    assert program_options(SimpleNamespace(), max_num_seqs=2, max_num_batched_tokens=2048,
+                           max_model_len=512) == \
+        {"batch": 2, "context_len": 512, "chunk_len": 64, "decode_len": 4, "buckets": []}
+    given = SimpleNamespace(dcp_compile={"decode_len": 8, "batch": 3, "chunk_len": 0,
+                                         "buckets": [64]})
+    assert program_options(given, **limits) == \
+        {"batch": 3, "context_len": 32, "chunk_len": 0, "decode_len": 8, "buckets": [64]}
     with pytest.raises(DCPConfigError, match=r"unknown dcp_compile options .*\['width'\]"):
-        program_options(SimpleNamespace(dcp_compile={"width": 2}), max_num_seqs=4)
-    with pytest.raises(DCPConfigError, match="positive ints: context_len=0"):
-        program_options(SimpleNamespace(dcp_compile={"context_len": 0}), max_num_seqs=4)
+        program_options(SimpleNamespace(dcp_compile={"width": 2}), **limits)
+    with pytest.raises(DCPConfigError, match=r"context_len=0 \(needs >= 1\)"):
+        program_options(SimpleNamespace(dcp_compile={"context_len": 0}), **limits)
+    with pytest.raises(DCPConfigError, match=r"chunk_len=65 \(the chunk step is a decode "
+                                             r"step, proven for widths up to 64\)"):
+        program_options(SimpleNamespace(dcp_compile={"chunk_len": 65}), **limits)
+
+
+CHUNKED = ProgramShapes(batch=2, context_len=4, decode_len=2, max_blocks=4, vblock=8,
+                        chunk_len=6)
+
+
+def test_chunks_after_prior_context_run_as_one_chunk_call_each():
+    """A later prefill chunk of 6 (one chunk piece), a cache-hit rest of 9 (a chunk of 6,
+    then 3 > decode_len: another chunk), a prompt of 7 from 0 (context 4, then 3 as a chunk),
+    decode tokens (2 and 1: decode pieces). Round 0: 3 chunk pieces in 2 calls, 2 decode
+    pieces in 1; round 1: one chunk."""
+    pos, starts = _batch([(8, 6), (16, 9), (0, 7), (20, 2), (5, 1)])
+    context, rounds = pieces_of(starts, pos, CHUNKED)
+    assert [(p.request, p.length) for p in context] == [(2, 4)]
+    assert [[(p.request, p.length, p.kind) for p in r] for r in rounds] == [
+        [(0, 6, StepKind.CHUNK), (1, 6, StepKind.CHUNK), (2, 3, StepKind.CHUNK),
+         (3, 2, StepKind.DECODE), (4, 1, StepKind.DECODE)],
+        [(1, 3, StepKind.CHUNK)]]
+    table = torch.tensor([[1, 2, 0, 0], [3, 4, 5, 6], [7, 0, 0, 0], [8, 9, 0, 0],
+                          [10, 0, 0, 0]])
+    calls = calls_of(torch.arange(len(pos)), pos, starts,
+                     table_rows(table, [14, 25, 7, 22, 6], CHUNKED), CHUNKED)
+    assert [(c.kind, len(c.rows), c.positions.shape[1]) for c in calls] == [
+        (StepKind.CONTEXT, 1, 4), (StepKind.CHUNK, 2, 6), (StepKind.CHUNK, 1, 6),
+        (StepKind.DECODE, 2, 2), (StepKind.CHUNK, 1, 6)]
+    assert calls[1].positions.tolist() == [list(range(8, 14)), list(range(16, 22))]
+    assert calls[2].positions.tolist()[0] == [4, 5, 6, -1, -1, -1]
+    # Context buckets of 8 and 16 tokens (1 and 2 entries) and the full 32: each call's
+    # table is the smallest bucket holding its rows' positions.
+    widths = [at_bucket(c, (8, 16, 32), CHUNKED).block_table.shape[1] for c in calls]
+    assert widths == [1, 4, 1, 4, 4]
+    assert at_bucket(calls[0], (8, 16, 32), CHUNKED).block_table.tolist() == [[7], [-1]]
+
+
+def test_unserved_vllm_features_are_refused_by_name():
+    """Pipeline / prefill context parallelism and speculative decoding: a DCPConfigError
+    naming the option, before the plugin registers anything (an ngram speculative config
+    crashed inside vLLM's kernel rebinding before this check)."""
+    from types import SimpleNamespace
+
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.vllm.model import refuse_unserved
+
+    def config(pp=1, pcp=1, spec=None):
+        return SimpleNamespace(parallel_config=SimpleNamespace(
+            pipeline_parallel_size=pp, prefill_context_parallel_size=pcp),
+            speculative_config=spec)
+    refuse_unserved(config())
+    with pytest.raises(DCPConfigError, match="pipeline_parallel_size=2"):
+        refuse_unserved(config(pp=2))
+    with pytest.raises(DCPConfigError, match=r"speculative decoding \(speculative_config "
+                                             r"method='ngram'\) is not served"):
+        refuse_unserved(config(spec=SimpleNamespace(method="ngram")))

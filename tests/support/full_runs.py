@@ -14,8 +14,12 @@ ON = ("1", "all")
 
 # switch -> (test module, under tests/; what the full run adds to the slice)
 SWITCHES: dict[str, tuple[str, str]] = {
+    "DCP_ALIBI_FULL": ("frontends/test_alibi.py",
+                       "every ALiBi form x mode x tp/dcp (the slice: one form per mode)"),
     "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
                          "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
+    "DCP_CHUNKED_FULL": ("frontends/test_chunked_attention.py",
+                         "every chunk length x tp/dcp x mode of Llama 4 (the slice: two)"),
     "DCP_CORPUS": ("corpora/test_hf_corpus.py",
                    "every cell of the transformers corpus vs its table in docs/models.md"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
@@ -30,10 +34,16 @@ SWITCHES: dict[str, tuple[str, str]] = {
                        "case and test_moe_libraries' rows (they read test_moe.MATRIX)"),
     "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
                            "every position form in both modes, every HF family"),
+    "DCP_RESUME_FULL": ("e2e/test_resume.py",
+                        "20 rank losses in a row (SIGKILL, every fifth a SIGSTOP hang) in one "
+                        "supervised tp=4/dcp=2 generation, with the detection and resume times"),
     "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
     "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py",
                         "every architecture of torchtune, litgpt, torchtitan, x-transformers, "
                         "nanoGPT and gpt-fast, decode and prefill"),
+    "DCP_SOAK_FULL": ("runtime/test_allocator_soak.py",
+                      "50,000 steps per seed of the allocator soak instead of 2,000, and 300 "
+                      "batches of test_engine_soak's threaded world instead of 8"),
     "DCP_SPEC_FULL": ("runtime/test_speculative.py",
                       "every model x dcp x interleave x K, and XLA"),
 }

@@ -477,8 +477,8 @@ _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row 
 _SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the attention scores "
                "(T5's bucketed one, or an MLP of the distance): a function of key - query "
                "positions, exact under DCP if each rank computed it for the positions it holds, "
-               "which dcp.attention has no argument for: refused as 'unrecognised op add "
-               "between q @ k^T and softmax'")
+               "which dcp.attention has no argument for: refused as a model-built mask / score bias "
+               "(its table is not a formula of positions; score_bias reads ALiBi only)")
 
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.

@@ -1,0 +1,69 @@
+"""What a Hugging Face config says about attention, read once for the frontends: per-layer
+sliding windows and attention chunks it declares (applied by the model's own mask only, so
+the paged op is told), and the config fields the paged op cannot compute (refused)."""
+
+from __future__ import annotations
+
+from dcp_compile.runtime.errors import DCPTransformError
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def is_hf(model) -> bool:
+    """A transformers model (its class lives in ``transformers.``, it has a config)."""
+    return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
+
+
+# Hugging Face config fields that change attention in ways the paged op does not compute.
+_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
+
+
+def check_hf_config(model) -> None:
+    cfg = _text_config(model.config)
+    for key, what in _HF_REFUSED:
+        value = getattr(cfg, key, None)
+        if value is not None:
+            raise DCPTransformError(
+                f"{type(model).__name__} has {what} ({key}={value}): the paged attention op "
+                f"does not compute it, so the program would differ from the model. Use a "
+                f"model without {key}.")
+
+
+def declared_windows(model) -> list[int] | None:
+    """Per-layer sliding windows a Hugging Face config declares (0: full attention); None
+    for other models. The graph shows a window only when it is shorter than the captured
+    chunk, so the config is read too (insert_paged_cache checks the two agree)."""
+    if not is_hf(model):
+        return None
+    cfg = _text_config(model.config)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(layers, int):
+        return None
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return [0] * layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [int(window)] * layers
+    return [int(window) if t == "sliding_attention" else 0 for t in types]
+
+
+def declared_chunks(model) -> list[int] | None:
+    """Per-layer attention chunks a Hugging Face config declares (Llama 4's
+    ``attention_chunk_size`` on its ``"chunked_attention"`` layers; 0: not chunked), or None.
+    The model applies them only through the mask it builds (create_chunked_causal_mask),
+    which the paged attention function does not receive: the op is told instead."""
+    if not is_hf(model):
+        return None
+    cfg = _text_config(model.config)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if not chunk or not isinstance(layers, int):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [int(chunk)] * layers
+    return [int(chunk) if t == "chunked_attention" else 0 for t in types[:layers]]

@@ -1,0 +1,345 @@
+"""Recurrent mixers of hybrid models, read at the module level: each layer's token-mixing
+core becomes one ``dcp`` op with its state as an explicit cache (runtime/kernels/recurrent.py).
+
+transformers' Gated DeltaNet (Qwen3-Next, Qwen3.5) keeps its state in a ``Cache`` object and
+picks its kernel by the chunk's length (chunked rule for a prompt, recurrent rule for one
+token); neither is a graph input, and the convolution over the sequence is token mixing that
+the token-wise check refuses. As ``module_experts`` does for MoE blocks, the frontend swaps
+the mixer's forward on the instance for one that runs the model's own projections, gates,
+norm and output projection verbatim and calls ``dcp.gated_delta_net`` for the convolution and
+the recurrence, reading and writing a ``RecurrentStates`` (the state caches and the step's
+per-row state slots); the class is untouched and the swap undone after.
+
+No guessing: a rule (``RULES``, one row per mixer class) names the class, and the source of
+every function whose meaning the swap relies on is pinned by its hash (transformers 5.25). A
+mixer of a listed class whose code differs is refused naming the function that changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dcp_compile.frontends.module_experts import source_hash
+from dcp_compile.runtime.errors import DCPHybridError
+from dcp_compile.runtime.kernels.recurrent import CONV_ACTIVATIONS  # (and registers the ops)
+from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """One recurrent layer's state, per sequence: conv ``[C, K-1]``, recurrence ``[Hv, dk, dv]``."""
+
+    conv: tuple[int, int]
+    rec: tuple[int, int, int] | None      # None: a convolution only (LFM2)
+
+
+@dataclass
+class RecurrentStates:
+    """The state caches of every recurrent layer (``[num_slots + 1, ...]``, the last entry the
+    garbage slot) and the current step's rows: ``state_slot [B]`` (-1: padding row),
+    ``fresh [B]`` (the row starts its sequence), ``lengths [B]`` (real tokens, left-packed)."""
+
+    conv: dict[int, Tensor] = field(default_factory=dict)
+    rec: dict[int, Tensor] = field(default_factory=dict)
+    state_slot: Tensor | None = None
+    fresh: Tensor | None = None
+    lengths: Tensor | None = None
+
+    def step(self, state_slot, fresh, lengths) -> "RecurrentStates":
+        """Set the rows of the next step (lists or tensors)."""
+        self.state_slot = torch.as_tensor(state_slot, dtype=torch.int64)
+        self.fresh = torch.as_tensor(fresh, dtype=torch.bool)
+        self.lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        return self
+
+
+def _gdn_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
+                      rec=(m.num_v_heads, m.head_k_dim, m.head_v_dim))
+
+
+def _qwen3_next_head(m: nn.Module, h: Tensor):
+    """Qwen3-Next's projections, verbatim: (mixed_qkv [B, S, C], z, b, a)."""
+    qkvz, ba = m.in_proj_qkvz(h), m.in_proj_ba(h)
+    query, key, value, z, b, a = m.fix_query_key_value_ordering(qkvz, ba)
+    query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
+    return torch.cat((query, key, value), dim=-1), z, b, a
+
+
+def _qwen3_5_head(m: nn.Module, h: Tensor):
+    """Qwen3.5's projections, verbatim: (mixed_qkv [B, S, C], z, b, a)."""
+    batch_size, seq_len, _ = h.shape
+    z = m.in_proj_z(h).reshape(batch_size, seq_len, -1, m.head_v_dim)
+    return m.in_proj_qkv(h), z, m.in_proj_b(h), m.in_proj_a(h)
+
+
+def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Callable:
+    """The mixer's forward with its conv + gated delta rule as ``dcp.gated_delta_net`` over
+    ``states``; the model's own lines before and after it."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        mixed_qkv, z, b, a = head(m, hidden_states)
+        beta = b.sigmoid()
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        core_attn_out, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
+            torch.ops.dcp.gated_delta_net(
+                mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
+                states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+                m.num_k_heads, m.head_k_dim, m.head_v_dim, m.activation)
+        z_shape_og = z.shape
+        core_attn_out = core_attn_out.reshape(-1, core_attn_out.shape[-1])
+        z = z.reshape(-1, z.shape[-1])
+        core_attn_out = m.norm(core_attn_out, z)
+        core_attn_out = core_attn_out.reshape(z_shape_og)
+        core_attn_out = core_attn_out.reshape(core_attn_out.shape[0], core_attn_out.shape[1], -1)
+        return m.out_proj(core_attn_out)
+    return forward
+
+
+def _mamba2_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
+                      rec=(m.num_heads, m.head_dim, m.ssm_state_size))
+
+
+def _mamba2_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Bamba's mixer forward (eval) with its conv + selective scan as ``dcp.mamba2_ssm``
+    over ``states``; the model's own projection, gated norm and output projection."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        projected_states = m.in_proj(hidden_states)
+        gate, hidden_states_B_C, dt = projected_states.split(
+            [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        dt_min, dt_max = m.time_step_limit
+        scan_output, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
+            torch.ops.dcp.mamba2_ssm(
+                hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
+                m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
+                states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
+                m.ssm_state_size, m.activation, float(dt_min), float(dt_max))
+        scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
+        scan_output = m.norm(scan_output, gate)
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
+def _short_conv_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.conv.in_channels, m.conv_kernel_size - 1), rec=None)
+
+
+def _short_conv_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """LFM2's short-conv forward with its convolution as ``dcp.short_conv`` over ``states``;
+    the model's own gates and projections."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        BCx = m.in_proj(hidden_states).transpose(-1, -2)
+        B, C, x = BCx.chunk(3, dim=-2)
+        hidden_states = B * x
+        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
+            hidden_states.transpose(-1, -2), m.conv.weight.squeeze(1), m.conv.bias,
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        y = C * conv_out.transpose(-1, -2)
+        y = y.transpose(-1, -2).contiguous()
+        return m.out_proj(y)
+    return forward
+
+
+@dataclass(frozen=True)
+class RecurrentRule:
+    """One mixer class: its module path and name, the functions whose source the swap relies
+    on (name -> pinned hash), its state's shape and the swapped forward."""
+
+    module: str
+    cls: str
+    pinned: dict[str, str]
+    state: Callable[[nn.Module], StateShape]
+    forward: Callable[[nn.Module, RecurrentStates], Callable]
+
+
+def _original(fn):
+    """The function behind transformers' kernel-hub wrapper (``use_kernel_func_from_hub_with_
+    fallback`` makes a module whose forward closes over the function as ``func``), or ``fn``."""
+    if isinstance(fn, nn.Module):
+        forward = type(fn).forward
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+        if "func" in cells:
+            return cells["func"].cell_contents
+    return fn
+
+
+def _pinned_functions(module: str, names: tuple[str, ...]) -> dict[str, Callable]:
+    """The functions a rule pins, by name in ``module`` ("Class.method" or a module-level
+    function, unwrapped from transformers' kernel-hub wrapper)."""
+    mod = sys.modules.get(module) or __import__(module, fromlist=["_"])
+
+    def find(n):
+        owner, _, attr = n.rpartition(".")
+        return getattr(getattr(mod, owner), attr) if owner else _original(getattr(mod, n))
+    return {n: find(n) for n in names}
+
+
+_TF = "transformers.models"
+# The functions the Gated DeltaNet swap relies on besides the class's own (identical source
+# in qwen3_next and qwen3_5), and their hashes (transformers 5.25).
+_GDN_FUNCTIONS = {"torch_recurrent_gated_delta_rule": "4bd6ffbdddc0",
+                  "torch_chunk_gated_delta_rule": "a1bbf783aa65",
+                  "causal_conv1d_forward": "80c94f801beb",
+                  "causal_conv1d_fn": "f932149bdf42",
+                  "causal_conv1d_update": "bac68342342b",
+                  "l2norm": "4b6bd3dc1d2f",
+                  "apply_mask_to_padding_states": "ac70fe1177ec"}
+# The causal conv functions and the padding mask (identical source in every family here).
+_CONV_FUNCTIONS = {"causal_conv1d_forward": "80c94f801beb",
+                   "causal_conv1d_fn": "f932149bdf42",
+                   "causal_conv1d_update": "bac68342342b",
+                   "apply_mask_to_padding_states": "ac70fe1177ec"}
+# The same for the Mamba2 mixers (identical source in bamba and granitemoehybrid).
+_MAMBA2_FUNCTIONS = {"mamba2_chunk_scan": "8f4198702b90",
+                     "mamba2_selective_state_update": "084055312cd5",
+                     "causal_conv1d_forward": "80c94f801beb",
+                     "causal_conv1d_fn": "f932149bdf42",
+                     "causal_conv1d_update": "bac68342342b",
+                     "apply_mask_to_padding_states": "ac70fe1177ec"}
+RULES = (
+    RecurrentRule(f"{_TF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
+                  {"Qwen3NextGatedDeltaNet.forward": "d267e937a25e",
+                   "Qwen3NextGatedDeltaNet.fix_query_key_value_ordering": "1b706d1f9a49",
+                   **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head)),
+    RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
+                  {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
+    RecurrentRule(f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet",
+                  {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
+    RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
+                  {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
+                   "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _mamba2_forward),
+    # Granite-4-H: Bamba's code (copied by transformers' modular; only a docstring differs)
+    RecurrentRule(f"{_TF}.granitemoehybrid.modeling_granitemoehybrid",
+                  "GraniteMoeHybridMambaLayer",
+                  {"GraniteMoeHybridMambaLayer.forward": "6e1e9d6ce582",
+                   "mamba2_scan_forward": "26a2b2ba22ea",
+                   "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _mamba2_forward),
+    RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
+                  {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
+                  _short_conv_shape, _short_conv_forward),
+    RecurrentRule(f"{_TF}.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv",
+                  {"Lfm2MoeShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
+                  _short_conv_shape, _short_conv_forward),
+)
+
+
+def _rule_of(m: nn.Module) -> RecurrentRule | None:
+    cls = type(m)
+    return next((r for r in RULES if cls.__name__ == r.cls and cls.__module__ == r.module), None)
+
+
+def _check_pins(rule: RecurrentRule, where: str) -> None:
+    functions = _pinned_functions(rule.module, tuple(rule.pinned))
+    for name, expected in rule.pinned.items():
+        got = source_hash(functions[name])
+        if got != expected:
+            raise DCPHybridError(
+                f"recurrent mixer {rule.cls} at {where}: the source of {name} is not the code "
+                f"dcp.gated_delta_net was written against (sha256 {got}, pinned {expected}). "
+                f"Use the transformers version of requirements/corpus.txt, or re-check the "
+                f"swap against the new code and update RULES in "
+                f"dcp_compile/frontends/module_recurrent.py.")
+
+
+def recurrent_layers(model: nn.Module) -> list[tuple[str, nn.Module, RecurrentRule]]:
+    """Every recurrent mixer of ``model`` that a rule names: (module path, module, rule)."""
+    return [(name, m, rule) for name, m in model.named_modules()
+            if (rule := _rule_of(m)) is not None]
+
+
+def state_spec(model: nn.Module, num_slots: int, *, tp: int = 1,
+               dtype=torch.float32) -> StateCacheSpec:
+    """The state cache of ``model``'s recurrent layers for ``num_slots`` sequences, channels
+    and heads cut ``tp`` ways (runtime/serving/state_cache.py); the recurrence in fp32."""
+    layers = []
+    for _, m, rule in recurrent_layers(model):
+        shape = rule.state(m)
+        layers.append(StateLayer(m.layer_idx, shape.conv, shape.rec))
+    return StateCacheSpec(tuple(layers), num_slots, tp, conv_dtype=dtype)
+
+
+def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,
+                    device=None) -> RecurrentStates:
+    """Zeroed state caches for ``num_slots`` sequences (+ the garbage slot) per recurrent
+    layer, one device (``state_spec`` at tp=1)."""
+    states = RecurrentStates()
+    for layer, (conv, rec) in state_spec(model, num_slots, dtype=dtype).allocate(device).items():
+        states.conv[layer] = conv
+        if rec is not None:
+            states.rec[layer] = rec
+    return states
+
+
+@contextlib.contextmanager
+def recurrent_as_ops(model: nn.Module, states: RecurrentStates):
+    """Within the block, each recurrent mixer of ``model`` runs as its ``dcp`` op over
+    ``states`` (the swap is on the instances, undone on exit)."""
+    swapped = []
+    try:
+        for name, m, rule in recurrent_layers(model):
+            _check_pins(rule, name)
+            act = getattr(m, "activation", "identity")
+            if act not in CONV_ACTIVATIONS:
+                raise DCPHybridError(
+                    f"recurrent mixer {rule.cls} at {name}: its convolution's activation "
+                    f"{act!r} is not one the recurrent ops apply ({sorted(CONV_ACTIVATIONS)}). "
+                    f"Add it to CONV_ACTIVATIONS in runtime/kernels/recurrent.py.")
+            m.forward = rule.forward(m, states)
+            swapped.append(m)
+        yield states
+    finally:
+        for m in swapped:
+            del m.forward
+
+
+# What a hybrid model cannot do yet, by name (docs/hybrid.md).
+UNSUPPORTED = {
+    "speculative": "speculative (width-K) decode needs a state snapshot per draft position, so "
+                   "that a rejected draft rolls the recurrent state back; the ops keep them "
+                   "(snapshot_slot), no program or engine passes them yet",
+    "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
+                      "boundaries; a cached prefix's KV alone cannot restore it",
+    "dcp_program": "the state caches are not yet inputs of a DCP program (the op, its state "
+                   "cache and the single-device swap exist; the capture, placement and runtime "
+                   "wiring do not)",
+}
+
+
+def refuse_hybrid(model: nn.Module, *, width: int = 1, prefix_caching: bool = False) -> None:
+    """Raise ``DCPHybridError`` naming what a hybrid ``model`` asks for that is not done;
+    nothing for a model without recurrent mixers."""
+    layers = recurrent_layers(model)
+    if not layers:
+        return
+    name, m, rule = layers[0]
+    what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching
+            else "dcp_program")
+    raise DCPHybridError(
+        f"hybrid model: {len(layers)} recurrent layer(s) ({rule.cls}, first at {name}); "
+        f"{UNSUPPORTED[what]} (width={width}, prefix_caching={prefix_caching}). "
+        + {"speculative": "Decode with width 1.",
+           "prefix_caching": "Turn prefix caching off.",
+           "dcp_program": "Serve this model without DCP for now (see docs/hybrid.md)."}[what])

@@ -1,0 +1,148 @@
+"""One rank of a supervised decode world: resumes a state file's requests, streams each step.
+
+Started by dcp_compile.workers.supervise, never by hand:
+
+    python -m dcp_compile.workers.resumable --state STATE.json --program FILE
+        --progress PROGRESS.jsonl [--checkpoint DIR] [--fault RANK:STEP:kill|stop]
+
+``STATE.json`` (written by the supervisor) holds ``steps`` and the requests: ``id``,
+``prompt`` and the tokens already ``generated``. Every unfinished request runs one context
+step over its prompt plus its generated tokens (the decode program's prompt step, with no
+prior: the generated tokens' KV is computed again), then greedy decode to ``steps`` tokens.
+Greedy decoding is a function of the token sequence, so the tokens equal an uninterrupted
+run's. Rank 0 appends one line per step to ``PROGRESS.jsonl`` (``{"step": g, "tokens":
+{id: token}}``) as soon as the step's tokens are known: a rank lost at any step loses at most
+the step in flight.
+
+``--fault RANK:STEP:KIND`` (the tests' fault injection): rank RANK sends itself SIGKILL
+(``kill``) or SIGSTOP (``stop``, a hang) just before the decode step that follows global
+step STEP (or the first later step of a resumed world), after writing the time to
+``<progress>.fault``: the supervisor measures detection from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dcp_compile.runtime.errors import DCPInputError
+from dcp_compile.runtime.names import Mode
+from dcp_compile.workers import CHECKPOINT_HELP, program_for
+
+# --fault KIND -> the signal the rank sends itself.
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    kind: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        try:
+            rank, step, kind = text.split(":")
+            fault = cls(int(rank), int(step), kind)
+        except ValueError:
+            raise DCPInputError(f"--fault must read RANK:STEP:KIND: --fault {text!r}. "
+                                f"E.g. --fault 1:3:kill.") from None
+        if kind not in FAULT_SIGNALS:
+            raise DCPInputError(f"--fault kind must be one of {sorted(FAULT_SIGNALS)}: "
+                                f"--fault {text!r}. Use kill (SIGKILL) or stop (SIGSTOP).")
+        return fault
+
+    @classmethod
+    def parse_or_none(cls, text: str) -> "Fault | None":
+        """``parse``, or None for ``none`` (a world of a --fault list left alone)."""
+        return None if text == "none" else cls.parse(text)
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.step}:{self.kind}"
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--state", required=True)
+    ap.add_argument("--program", required=True)
+    ap.add_argument("--progress", required=True)
+    ap.add_argument("--checkpoint", default=None, help=CHECKPOINT_HELP)
+    ap.add_argument("--fault", default=None, type=Fault.parse)
+    ap.add_argument("--collective-timeout", type=float, default=120.0)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from dcp_compile.runtime.distributed.launch import run_in_world
+    run_in_world(lambda rank, world: run(args, rank), timeout=args.collective_timeout)
+    return 0
+
+
+def resume_contexts(state: dict, context_len: int) -> tuple[list[dict], list[list[int]], int]:
+    """The unfinished requests of ``state``, each one's context (prompt + generated) and
+    the steps left. Every unfinished request holds the same number of generated tokens (the
+    engine steps them together); a context longer than the program's context step is
+    refused: it cannot be resumed in one context step."""
+    todo = [r for r in state["requests"] if len(r["generated"]) < state["steps"]]
+    done = {len(r["generated"]) for r in todo}
+    if len(done) > 1:
+        raise DCPInputError(
+            f"resume state holds unfinished requests at different steps: "
+            f"{ {r['id']: len(r['generated']) for r in todo} }. The supervisor records whole "
+            f"steps; resume from a state it wrote.")
+    contexts = [r["prompt"] + r["generated"] for r in todo]
+    too_long = {r["id"]: len(c) for r, c in zip(todo, contexts) if len(c) > context_len}
+    if too_long:
+        raise DCPInputError(
+            f"cannot resume in one context step: prompt + generated tokens {too_long} exceed "
+            f"the program's context_len={context_len}. Build the program with StepShapes."
+            f"context_len >= longest prompt + steps (dcp_compile.workers.supervise does).")
+    return todo, contexts, state["steps"] - done.pop() if todo else 0
+
+
+def run(args, rank: int) -> None:
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+
+    with open(args.state) as f:
+        state = json.load(f)
+    program = program_for(args.program, None, mode=Mode.DECODE)
+    todo, contexts, left = resume_contexts(state, program.shapes.context_len)
+    if not todo:
+        return
+    first = state["steps"] - left            # the global index of the first step here
+    engine = rank_engine(program, rank, checkpoint=args.checkpoint)
+    progress = open(args.progress, "a") if rank == 0 else None  # noqa: SIM115
+    fault = args.fault if args.fault is not None and args.fault.rank == rank else None
+    with torch.no_grad():
+        logits = engine.prefill(contexts)
+        for step in range(first, state["steps"]):
+            nxt = logits.argmax(-1).tolist()
+            if progress is not None:
+                progress.write(json.dumps({"step": step, "tokens": {
+                    r["id"]: t for r, t in zip(todo, nxt)}}) + "\n")
+                progress.flush()
+            if step == state["steps"] - 1:
+                break
+            if fault is not None and step >= fault.step:
+                inject(fault, args.progress)
+            logits = engine.decode(nxt)
+    print(f"resumable rank={rank} ok", flush=True)
+
+
+def inject(fault: Fault, progress: str) -> None:
+    """Record the fault's time, then stop this rank with its signal."""
+    with open(progress + ".fault", "w") as f:
+        json.dump({"rank": fault.rank, "step": fault.step, "kind": fault.kind,
+                   "time": time.time()}, f)
+    os.kill(os.getpid(), FAULT_SIGNALS[fault.kind])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

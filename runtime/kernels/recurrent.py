@@ -1,0 +1,350 @@
+"""Recurrent mixers of hybrid models as ``dcp`` ops: the token-mixing core of a layer whose
+state is O(1) in the context (issue 38), with that state as an explicit cache.
+
+A hybrid model's recurrent layer mixes tokens in order (a causal depthwise convolution, then
+a recurrence), so it is neither token-wise nor attention. Its core becomes one op that the
+rest of the pipeline sees as opaque and token-ordered: it takes a chunk of tokens per row and
+the state the row's sequence left, and returns the outputs and the caches with the state the
+chunk leaves. Everything around the core (input projections, gates, norms, the output
+projection) stays the model's own token-wise ops.
+
+The state cache, per layer (beside the paged KV cache, one entry per sequence slot):
+  conv_state  [num_slots + 1, C, K - 1]   the last K - 1 inputs of the convolution
+  rec_state   [num_slots + 1, Hv, dk, dv] the recurrence's matrix state
+The last entry is the garbage slot (``garbage_state_slot``): a row whose ``state_slot`` is -1
+(a padding row) or outside the cache writes there and reads zeros, so no row reads or writes
+a slot it was not given. Rows are left-packed: row b's first ``lengths[b]`` tokens are real;
+later tokens neither advance the state nor produce output (zeros). ``fresh[b]`` starts the
+row's sequence: its state is read as zeros (a new sequence reuses a slot without a separate
+clearing step). ``snapshot_slot[b, t]`` (optional; speculative width-K steps) also keeps the
+state after token t in that slot (-1: none), so a rejected draft rolls back to a snapshot.
+
+Ops:
+  dcp.gated_delta_net  Gated DeltaNet (Qwen3-Next / Qwen3.5): conv1d + SiLU over
+                       [q | k | v] channels, l2-normalised q and k, the gated delta rule
+                       S_t = a_t S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T,
+                       o_t = S_t^T q_t / sqrt(dk) (a_t = exp(g_t)), grouped value heads
+                       (each k head serves Hv/Hk v heads).
+  dcp.mamba2_ssm       Mamba2 (Bamba, Granite-4-H): conv1d + SiLU over [x | B | C] channels,
+                       then the selective scan S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,
+                       y_t = S_t C_t + D x_t, dt_t = clamp(softplus(dt + dt_bias), limits),
+                       B and C shared by the heads of a group.
+  dcp.short_conv       LFM2's short convolution: the depthwise causal conv alone (no
+                       activation), its state the last K-1 inputs.
+
+The reference is the recurrent form, a static loop over the chunk's tokens: exact, the
+function transformers' one-token updates (``torch_recurrent_gated_delta_rule``,
+``mamba2_selective_state_update``) compute; it is also the decomposition (static shapes, no
+data-dependent control flow).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dcp_compile.runtime.kernels.op_defs import dcp_op
+
+# The activations a recurrent mixer's convolution may apply (transformers' config names).
+CONV_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "identity": lambda x: x}
+
+# dcp.gated_delta_net's operands in schema order.
+GDN_OPERANDS = ("mixed_qkv", "g", "beta", "conv_weight", "conv_state", "rec_state",
+                "state_slot", "fresh", "lengths", "num_k_heads", "head_k_dim", "head_v_dim",
+                "activation", "snapshot_slot")
+GDN_ARG = {name: i for i, name in enumerate(GDN_OPERANDS)}
+
+
+def garbage_state_slot(state_cache: Tensor) -> int:
+    """The garbage slot of a state cache: its last entry."""
+    return state_cache.shape[0] - 1
+
+
+def state_rows(state_cache: Tensor, state_slot: Tensor) -> Tensor:
+    """The cache entry each row reads and writes: its slot, or the garbage slot for -1 and
+    any slot outside the usable entries."""
+    garbage = garbage_state_slot(state_cache)
+    usable = (state_slot >= 0) & (state_slot < garbage)
+    return torch.where(usable, state_slot, torch.full_like(state_slot, garbage)).long()
+
+
+def _read_state(cache: Tensor, rows: Tensor, fresh: Tensor, usable: Tensor) -> Tensor:
+    """Each row's incoming state: zeros for a fresh sequence or a padding row."""
+    state = cache[rows]
+    keep = (usable & ~fresh.bool()).view(-1, *([1] * (state.dim() - 1)))
+    return torch.where(keep, state, torch.zeros_like(state))
+
+
+def _write_states(cache: Tensor, rows: Tensor, end: Tensor, snapshot_slot: Tensor | None,
+                  per_token: Tensor | None) -> Tensor:
+    """``cache`` with each row's end state at its row, then (speculative steps) the state
+    after token t of row b at ``snapshot_slot[b, t]`` (-1: none; the garbage slot)."""
+    cache = cache.index_put((rows,), end.to(cache.dtype))
+    if snapshot_slot is None:
+        return cache
+    at = state_rows(cache, snapshot_slot.reshape(-1))
+    return cache.index_put((at,), per_token.reshape(-1, *per_token.shape[2:]).to(cache.dtype))
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """transformers' l2norm (FLA's convention): x * rsqrt(sum(x^2) + eps)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tensor,
+                      activation: str, bias: Tensor | None = None, *,
+                      per_token: bool = False):
+    """Depthwise causal convolution of a chunk after its incoming state.
+
+    x [B, S, C], conv_state [B, C, K-1], weight [C, K], bias [C] or None. Returns
+    (out [B, S, C], the last K-1 inputs up to each row's last real token [B, C, K-1]) and,
+    ``per_token``, the state after every token [B, S, C, K-1]."""
+    B, S, C = x.shape
+    K = weight.shape[-1]
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"recurrent op: conv activation {activation!r} is not one of "
+                         f"{sorted(CONV_ACTIVATIONS)}")
+    full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)      # [B, C, K-1+S]
+    windows = full.unfold(-1, K, 1)                                            # [B, C, S, K]
+    out = (windows * weight[None, :, None, :].to(x.dtype)).sum(-1).transpose(1, 2)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    out = CONV_ACTIVATIONS[activation](out)
+    # Token j sits at full[..., K-1+j]: the K-1 inputs ending at token lengths-1 start at
+    # full[..., lengths]; lengths = 0 keeps the incoming state.
+    idx = lengths.long().view(B, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
+    new_state = full.gather(-1, idx.expand(B, C, K - 1))
+    if per_token:   # the state after each token t: full[..., t+1 : t+K]   -> [B, S, C, K-1]
+        return out, new_state, full.unfold(-1, K - 1, 1)[:, :, 1:S + 1].permute(0, 2, 1, 3)
+    return out, new_state
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                     valid: Tensor, *, per_token: bool = False):
+    """The gated delta rule, token by token (fp32).
+
+    q, k [B, S, Hv, dk] (normalised, q scaled), v [B, S, Hv, dv], g, beta [B, S, Hv],
+    state [B, Hv, dk, dv], valid [B, S] bool. Returns (o [B, S, Hv, dv], state') and,
+    ``per_token``, the state after every token [B, S, Hv, dk, dv]."""
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        decayed = state * g[:, t].exp()[..., None, None]
+        kv_mem = (decayed * k[:, t, :, :, None]).sum(dim=-2)                   # [B, Hv, dv]
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        new = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
+        keep = valid[:, t].view(-1, 1, 1, 1)
+        state = torch.where(keep, new, state)
+        o = (new * q[:, t, :, :, None]).sum(dim=-2)
+        outs.append(torch.where(keep[..., 0], o, torch.zeros_like(o)))
+        states.append(state)
+    if per_token:
+        return torch.stack(outs, dim=1), state, torch.stack(states, dim=1)
+    return torch.stack(outs, dim=1), state
+
+
+def _gated_delta_net_impl(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
+                          conv_state: Tensor, rec_state: Tensor, state_slot: Tensor,
+                          fresh: Tensor, lengths: Tensor, num_k_heads: int, head_k_dim: int,
+                          head_v_dim: int, activation: str,
+                          snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    B, S, C = mixed_qkv.shape
+    snap = snapshot_slot is not None
+    num_v_heads = g.shape[-1]
+    key_dim = num_k_heads * head_k_dim
+    rows = state_rows(rec_state, state_slot)
+    usable = rows != garbage_state_slot(rec_state)
+    valid = torch.arange(S, device=mixed_qkv.device)[None, :] < lengths.view(-1, 1)
+    conv_in = _read_state(conv_state, rows, fresh, usable)
+    conv_out, conv_new, *conv_each = causal_conv_chunk(mixed_qkv, conv_in, conv_weight, lengths,
+                                                       activation, per_token=snap)
+    q, k, v = torch.split(conv_out, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
+    q = q.reshape(B, S, num_k_heads, head_k_dim).float()
+    k = k.reshape(B, S, num_k_heads, head_k_dim).float()
+    v = v.reshape(B, S, num_v_heads, head_v_dim).float()
+    group = num_v_heads // num_k_heads
+    if group != 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    q = _l2norm(q) * head_k_dim ** -0.5
+    k = _l2norm(k)
+    state = _read_state(rec_state, rows, fresh, usable).float()
+    out, state, *rec_each = gated_delta_rule(q, k, v, g.float(), beta.float(), state, valid,
+                                             per_token=snap)
+    new_conv = _write_states(conv_state, rows, conv_new, snapshot_slot, *conv_each or [None])
+    new_rec = _write_states(rec_state, rows, state, snapshot_slot, *rec_each or [None])
+    return out.to(mixed_qkv.dtype), new_conv, new_rec
+
+
+@dcp_op("gated_delta_net", mutates_args=())
+def gated_delta_net(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
+                    conv_state: Tensor, rec_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                    lengths: Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                    activation: str = "silu", snapshot_slot: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gated DeltaNet's core over a chunk (module doc): mixed_qkv [B, S, C] (the projected
+    [q | k | v] before the convolution), g, beta [B, S, Hv], conv_weight [C, K]; the state
+    caches, each row's state slot [B] int64 (-1: padding row), fresh [B] bool, lengths [B].
+    ``snapshot_slot [B, S]`` (speculative steps): where the state after each token is kept.
+    Returns (core output [B, S, Hv, dv], conv_state', rec_state')."""
+    return _gated_delta_net_impl(mixed_qkv, g, beta, conv_weight, conv_state, rec_state,
+                                 state_slot, fresh, lengths, num_k_heads, head_k_dim,
+                                 head_v_dim, activation, snapshot_slot)
+
+
+@gated_delta_net.register_fake
+def _(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot, fresh, lengths,
+      num_k_heads, head_k_dim, head_v_dim, activation="silu", snapshot_slot=None):
+    B, S, _ = mixed_qkv.shape
+    return (mixed_qkv.new_empty(B, S, g.shape[-1], head_v_dim), torch.empty_like(conv_state),
+            torch.empty_like(rec_state))
+
+
+def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                               head_v_dim: int, tp: int, rank: int) -> tuple[Tensor, slice]:
+    """Tensor parallelism by heads: rank ``rank`` of ``tp`` holds k heads
+    ``[rank * Hk/tp, (rank+1) * Hk/tp)`` and the v heads they serve. Returns (the channels of
+    ``mixed_qkv`` / ``conv_weight`` / ``conv_state`` it holds, the v-head slice of g, beta,
+    ``rec_state`` and the output). The op on those slices is exactly those slices of the
+    op (every channel and head is computed on its own); tp must divide Hk."""
+    if num_k_heads % tp:
+        raise ValueError(f"gated_delta_net head shard: tp={tp} does not divide "
+                         f"num_k_heads={num_k_heads}")
+    key_dim = num_k_heads * head_k_dim
+    k_local, v_local = num_k_heads // tp, num_v_heads // tp
+    qk = torch.arange(rank * k_local * head_k_dim, (rank + 1) * k_local * head_k_dim)
+    v = torch.arange(rank * v_local * head_v_dim, (rank + 1) * v_local * head_v_dim)
+    channels = torch.cat([qk, key_dim + qk, 2 * key_dim + v])
+    return channels, slice(rank * v_local, (rank + 1) * v_local)
+
+
+def _short_conv_impl(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+                     conv_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                     lengths: Tensor, snapshot_slot: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    rows = state_rows(conv_state, state_slot)
+    usable = rows != garbage_state_slot(conv_state)
+    valid = torch.arange(x.shape[1], device=x.device)[None, :] < lengths.view(-1, 1)
+    conv_in = _read_state(conv_state, rows, fresh, usable)
+    out, new, *each = causal_conv_chunk(x, conv_in, conv_weight, lengths, "identity", conv_bias,
+                                        per_token=snapshot_slot is not None)
+    out = torch.where(valid[..., None], out, torch.zeros_like(out))
+    return out, _write_states(conv_state, rows, new, snapshot_slot, *each or [None])
+
+
+@dcp_op("short_conv", mutates_args=())
+def short_conv(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, conv_state: Tensor,
+               state_slot: Tensor, fresh: Tensor, lengths: Tensor,
+               snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """A depthwise causal convolution over a chunk (module doc): x [B, S, C], conv_weight
+    [C, K], conv_bias [C] or None, conv_state [slots + 1, C, K-1] and the rows as in
+    dcp.gated_delta_net. Returns (out [B, S, C], conv_state')."""
+    return _short_conv_impl(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths,
+                            snapshot_slot)
+
+
+@short_conv.register_fake
+def _(x, conv_weight, conv_bias, conv_state, state_slot, fresh, lengths, snapshot_slot=None):
+    return torch.empty_like(x), torch.empty_like(conv_state)
+
+
+# dcp.mamba2_ssm's operands in schema order.
+MAMBA2_OPERANDS = ("hidden_b_c", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias",
+                   "conv_state", "ssm_state", "state_slot", "fresh", "lengths", "n_groups",
+                   "head_dim", "state_size", "activation", "dt_min", "dt_max", "snapshot_slot")
+
+
+def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                   state: Tensor, valid: Tensor, *, per_token: bool = False):
+    """Mamba2's scan, token by token (fp32): x [B, S, H, P], dt [B, S, H] (discretised),
+    A, D [H], B, C [B, S, H, N] (per head), state [B, H, P, N], valid [B, S]. Returns
+    (y, state') and, ``per_token``, the state after every token [B, S, H, P, N]."""
+    outs, states = [], []
+    for t in range(x.shape[1]):
+        dA = torch.exp(dt[:, t] * A)                                           # [B, H]
+        new = state * dA[..., None, None] + \
+            (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        keep = valid[:, t].view(-1, 1, 1, 1)
+        state = torch.where(keep, new, state)
+        y = (new * C[:, t, :, None, :]).sum(-1) + D[:, None] * x[:, t]         # [B, H, P]
+        outs.append(torch.where(keep[..., 0], y, torch.zeros_like(y)))
+        states.append(state)
+    if per_token:
+        return torch.stack(outs, dim=1), state, torch.stack(states, dim=1)
+    return torch.stack(outs, dim=1), state
+
+
+def _mamba2_ssm_impl(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor,
+                     conv_bias: Tensor | None, A_log: Tensor, D: Tensor, dt_bias: Tensor,
+                     conv_state: Tensor, ssm_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                     lengths: Tensor, n_groups: int, head_dim: int, state_size: int,
+                     activation: str, dt_min: float, dt_max: float,
+                     snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    Bsz, S, _ = hidden_b_c.shape
+    snap = snapshot_slot is not None
+    H = dt.shape[-1]
+    rows = state_rows(ssm_state, state_slot)
+    usable = rows != garbage_state_slot(ssm_state)
+    valid = torch.arange(S, device=dt.device)[None, :] < lengths.view(-1, 1)
+    conv_in = _read_state(conv_state, rows, fresh, usable)
+    conv_out, conv_new, *conv_each = causal_conv_chunk(hidden_b_c, conv_in, conv_weight, lengths,
+                                                       activation, conv_bias, per_token=snap)
+    x, B, C = torch.split(conv_out, [H * head_dim, n_groups * state_size,
+                                     n_groups * state_size], dim=-1)
+    x = x.reshape(Bsz, S, H, head_dim).float()
+    B = B.reshape(Bsz, S, n_groups, state_size).float().repeat_interleave(H // n_groups, dim=2)
+    C = C.reshape(Bsz, S, n_groups, state_size).float().repeat_interleave(H // n_groups, dim=2)
+    step = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min, max=dt_max)
+    A = -torch.exp(A_log.float())
+    state = _read_state(ssm_state, rows, fresh, usable).float()
+    y, state, *ssm_each = selective_scan(x, step, A, B, C, D.float(), state, valid,
+                                         per_token=snap)
+    new_conv = _write_states(conv_state, rows, conv_new, snapshot_slot, *conv_each or [None])
+    new_ssm = _write_states(ssm_state, rows, state, snapshot_slot, *ssm_each or [None])
+    return y.to(hidden_b_c.dtype), new_conv, new_ssm
+
+
+@dcp_op("mamba2_ssm", mutates_args=())
+def mamba2_ssm(hidden_b_c: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+               A_log: Tensor, D: Tensor, dt_bias: Tensor, conv_state: Tensor,
+               ssm_state: Tensor, state_slot: Tensor, fresh: Tensor, lengths: Tensor,
+               n_groups: int, head_dim: int, state_size: int, activation: str, dt_min: float,
+               dt_max: float, snapshot_slot: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """Mamba2's core over a chunk (module doc): hidden_b_c [B, S, C] (the projected
+    [x | B | C] before the convolution), dt [B, S, H] (before dt_bias and softplus), the
+    conv weight [C, K] and bias, A_log, D, dt_bias [H]; the state caches (conv
+    [slots + 1, C, K-1], ssm [slots + 1, H, head_dim, state_size]) and the rows as in
+    dcp.gated_delta_net. Returns (y [B, S, H, head_dim] with the D skip, conv', ssm')."""
+    return _mamba2_ssm_impl(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias,
+                            conv_state, ssm_state, state_slot, fresh, lengths, n_groups,
+                            head_dim, state_size, activation, dt_min, dt_max, snapshot_slot)
+
+
+@mamba2_ssm.register_fake
+def _(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state,
+      state_slot, fresh, lengths, n_groups, head_dim, state_size, activation, dt_min, dt_max,
+      snapshot_slot=None):
+    B, S, _ = hidden_b_c.shape
+    return (hidden_b_c.new_empty(B, S, dt.shape[-1], head_dim), torch.empty_like(conv_state),
+            torch.empty_like(ssm_state))
+
+
+def mamba2_head_shard(n_groups: int, num_heads: int, head_dim: int, state_size: int, tp: int,
+                      rank: int) -> tuple[Tensor, slice]:
+    """Tensor parallelism by groups: rank ``rank`` of ``tp`` holds groups
+    ``[rank * G/tp, (rank+1) * G/tp)``, their heads and their B, C columns. Returns (its
+    channels of ``hidden_b_c`` / conv weight, bias and state; its head slice of dt, A_log,
+    D, dt_bias, ``ssm_state`` and the output). tp must divide the groups."""
+    if n_groups % tp:
+        raise ValueError(f"mamba2_ssm head shard: tp={tp} does not divide n_groups={n_groups}")
+    g_local, h_local = n_groups // tp, num_heads // tp
+    inner = num_heads * head_dim
+    x = torch.arange(rank * h_local * head_dim, (rank + 1) * h_local * head_dim)
+    bc = torch.arange(rank * g_local * state_size, (rank + 1) * g_local * state_size)
+    channels = torch.cat([x, inner + bc, inner + n_groups * state_size + bc])
+    return channels, slice(rank * h_local, (rank + 1) * h_local)
+
+
+DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
+                  torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl,
+                  torch.ops.dcp.short_conv.default: _short_conv_impl}

@@ -1,0 +1,230 @@
+"""Resume after a rank loss (issue 39, item 1): dcp_compile.workers.supervise runs a tp=4/dcp=2
+decode world of the demo model; ranks are killed (SIGKILL) or stopped (SIGSTOP, a hang) at
+random steps, and every request still ends with the uninterrupted single-device tokens.
+
+The slice: one supervised generation that loses three worlds -- a rank killed from outside
+through ``--pids`` while the world starts, a rank that SIGKILLs itself at a random step, a
+rank that SIGSTOPs itself at a later random step. The full run (``DCP_RESUME_FULL=1``):
+20 losses in a row. Nothing here asserts a time: the timeouts only bound a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dcp_compile.runtime.errors import DCPInputError, DCPWorldError
+from dcp_compile.workers import supervise
+from dcp_compile.workers.resumable import Fault, resume_contexts
+
+from full_runs import full
+from helpers import single_device_reference
+from suite_path import ROOT  # noqa: E402  (the repository root)
+
+LENGTHS = [1, 31, 33, 32]     # an empty shard, lengths around the interleave period (16 x 2)
+WORLD, DCP = 4, 2
+# Seconds without a finished step before a world counts as hung: generous (a demo-model
+# decode step takes milliseconds), it only bounds the SIGSTOP cases.
+STEP_TIMEOUT = 20.0
+
+
+def _supervise(tmp_path, steps, faults, *, external_kill=None, timeout=1800):
+    """Run the supervisor as the command line does; with ``external_kill`` (a rank), SIGKILL
+    that rank of the first world through ``--pids`` before it reports a step. Returns
+    OUT.json, the pids killed, and the pids of the last world."""
+    out, pids, work = tmp_path / "out.json", tmp_path / "pids.json", tmp_path / "work"
+    cmd = [sys.executable, "-m", "dcp_compile.workers.supervise", "--nproc", str(WORLD),
+           "--dcp", str(DCP), "--steps", str(steps), "--lengths", ",".join(map(str, LENGTHS)),
+           "--out", str(out), "--pids", str(pids), "--work-dir", str(work),
+           "--step-timeout", str(STEP_TIMEOUT), "--max-restarts", str(len(faults) + 1)]
+    for f in faults:
+        cmd += ["--fault", f]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    killed = None
+    try:
+        if external_kill is not None:
+            deadline = time.monotonic() + timeout
+            while not pids.exists():
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "the supervisor wrote no --pids file"
+                time.sleep(0.05)
+            killed = json.loads(pids.read_text())
+            assert (work / "world0" / "progress.jsonl").read_text() == ""   # still starting
+            os.kill(killed[str(external_kill)], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    return json.loads(out.read_text()), killed, json.loads(pids.read_text())
+
+
+def _check(got, steps, reasons):
+    """The tokens of the uninterrupted run, one restart per lost world, each loss named."""
+    assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens
+    assert got["restarts"] == len(reasons)
+    assert all(want in f["reason"] for f, want in zip(got["faults"], reasons, strict=True)), \
+        got["faults"]
+    for r in got["requests"]:
+        assert [s["reason"] for s in r["stops"]] == [f["reason"] for f in got["faults"]]
+        assert len(r["tokens"]) == steps
+
+
+@pytest.mark.multiprocess
+def test_supervised_world_resumes_after_kills_and_a_hang(tmp_path):
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    steps = 8
+    kill_step = rng.randrange(0, steps - 3)            # then a later step, before the last
+    stop_step = rng.randrange(kill_step + 1, steps - 1)
+    ranks = [rng.randrange(WORLD) for _ in range(3)]
+    faults = ["none", f"{ranks[1]}:{kill_step}:kill", f"{ranks[2]}:{stop_step}:stop"]
+    got, killed, last = _supervise(tmp_path, steps, faults, external_kill=ranks[0])
+    why = f"seed {seed}: faults {faults}, killed from outside: rank {ranks[0]}"
+    _check(got, steps, [f"rank {ranks[0]} was killed by SIGKILL",
+                        f"rank {ranks[1]} was killed by SIGKILL",
+                        f"rank {ranks[2]} stopped (process state T)"])
+    # Progress is recorded as steps finish: each world resumed where the last one stopped.
+    assert [f["step"] for f in got["faults"]] == [0, kill_step + 1, stop_step + 1], why
+    assert [f["recomputed"] for f in got["faults"]] == [0, 4 * (kill_step + 1),
+                                                        4 * (stop_step + 1)], why
+    assert all(f["detect_s"] is not None and f["resume_s"] is not None
+               for f in got["faults"][1:]), got["faults"]
+    # --pids is rewritten at every launch: the last world's ranks are new processes.
+    assert set(last) == {str(r) for r in range(WORLD)}
+    assert not set(last.values()) & set(killed.values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not full("DCP_RESUME_FULL"), reason="the full run: DCP_RESUME_FULL=1")
+def test_twenty_rank_losses_in_a_row(tmp_path):
+    """20 worlds lost in one generation, each at a later random step: a random rank, SIGKILL
+    (every fifth a SIGSTOP hang). Prints the measured detection and resume times."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    steps, losses = 24, 20
+    at = sorted(rng.sample(range(steps - 1), losses))
+    faults = [f"{rng.randrange(WORLD)}:{s}:{'stop' if i % 5 == 4 else 'kill'}"
+              for i, s in enumerate(at)]
+    got, _, _ = _supervise(tmp_path, steps, faults, timeout=3600)
+    _check(got, steps, [f"rank {f.split(':')[0]} " + (
+        "stopped (process state T)" if f.endswith("stop") else "was killed by SIGKILL")
+        for f in faults])
+    assert [f["step"] for f in got["faults"]] == [s + 1 for s in at], f"seed {seed}"
+    for kind in ("kill", "stop"):
+        rows = [f for f, spec in zip(got["faults"], faults) if spec.endswith(kind)]
+        print(f"{kind}: {len(rows)} losses, detect_s "
+              f"{[round(f['detect_s'], 3) for f in rows]}, resume_s "
+              f"{[round(f['resume_s'], 2) for f in rows]}")
+    print(f"recomputed {sum(f['recomputed'] for f in got['faults'])} generated tokens, "
+          f"elapsed {got['elapsed_s']:.0f} s, seed {seed}")
+
+
+# --- the pieces, without processes -----------------------------------------------------------
+
+@pytest.mark.parametrize("text,message", [
+    ("1:3", "must read RANK:STEP:KIND"), ("a:3:kill", "must read RANK:STEP:KIND"),
+    ("1:3:crash", "kind must be one of \\['kill', 'stop'\\]")])
+def test_a_bad_fault_is_refused_by_name(text, message):
+    with pytest.raises(DCPInputError, match=message):
+        Fault.parse(text)
+    assert Fault.parse_or_none("none") is None
+    assert str(Fault.parse("2:5:stop")) == "2:5:stop"
+
+
+def _state(generated, steps=8):
+    return {"steps": steps, "requests": [
+        {"id": str(i), "prompt": [7] * n, "generated": list(g)}
+        for i, (n, g) in enumerate(zip(LENGTHS, generated))]}
+
+
+def test_resume_contexts_are_prompt_plus_generated():
+    todo, contexts, left = resume_contexts(_state([[1, 2, 3]] * 4), context_len=41)
+    assert [r["id"] for r in todo] == ["0", "1", "2", "3"] and left == 5
+    assert [len(c) for c in contexts] == [n + 3 for n in LENGTHS]
+    assert contexts[0] == [7, 1, 2, 3]
+    assert resume_contexts(_state([list(range(8))] * 4), context_len=41)[0] == []
+
+
+def test_resume_that_does_not_fit_the_context_step_is_refused():
+    with pytest.raises(DCPInputError, match=r"prompt \+ generated tokens \{'2': 36\} exceed "
+                                            r"the program's context_len=35"):
+        resume_contexts(_state([[1, 2, 3]] * 4), context_len=35)
+    with pytest.raises(DCPInputError, match="unfinished requests at different steps"):
+        resume_contexts(_state([[1], [1, 2], [1], [1]]), context_len=41)
+
+
+def _world(tmp_path, text):
+    progress = tmp_path / "progress.jsonl"
+    progress.write_text(text)
+    return supervise.World({}, progress, time.monotonic())
+
+
+def test_progress_counts_whole_lines_only(tmp_path):
+    requests = [supervise.Request("0", [1]), supervise.Request("1", [2, 3])]
+    world = _world(tmp_path, '{"step": 0, "tokens": {"0": 5, "1": 6}}\n{"step": 1, "tok')
+    assert supervise.read_progress(world, requests)
+    assert [r.generated for r in requests] == [[5], [6]]
+    assert not supervise.read_progress(world, requests)   # the torn line stays unread
+    with open(world.progress, "a") as f:
+        f.write('ens": {"0": 8, "1": 9}}\n')
+    assert supervise.read_progress(world, requests)
+    assert [r.generated for r in requests] == [[5, 8], [6, 9]]
+
+
+def test_progress_that_skips_a_step_is_refused(tmp_path):
+    requests = [supervise.Request("0", [1])]
+    world = _world(tmp_path, '{"step": 1, "tokens": {"0": 5}}\n')
+    with pytest.raises(DCPWorldError, match="rank 0 reported step 1 of request 0, which "
+                                            "holds 0 tokens"):
+        supervise.read_progress(world, requests)
+
+
+def _args(steps=8):
+    return supervise.parse(["--nproc", "4", "--dcp", "2", "--steps", str(steps), "--out", "x"])
+
+
+def test_a_resume_the_context_step_cannot_hold_is_refused_before_any_rank_starts(tmp_path):
+    requests = [supervise.Request(str(i), [7] * n, [1, 2, 3]) for i, n in enumerate(LENGTHS)]
+    with pytest.raises(DCPInputError, match="cannot resume in one context step"):
+        supervise.launch(_args(), tmp_path, 1, "unused.dcp", requests, context_len=33)
+    assert not (tmp_path / "world1").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_error_of_its_own_is_not_resumed(tmp_path):
+    """Ranks that raise by themselves (here: a weightless program and an empty checkpoint
+    directory) would raise again in every relaunch: the supervisor stops at once and shows
+    the error."""
+    from dcp_compile.workers import decode
+    program = decode.build_program(decode.parse(["--dcp", "1", "--out", "x"]), tp=2,
+                                   check=False)
+    program.save(tmp_path / "decode.dcp", weights=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DCPInputError, match=r"does not fit this launch: its tp=2, the launch "
+                                            r"asks tp=4"):   # before any rank starts
+        supervise.supervise(supervise.parse(["--nproc", "4", "--dcp", "1", "--out", "x",
+                                             "--program", str(tmp_path / "decode.dcp")]),
+                            tmp_path / "refused")
+    assert not list((tmp_path / "refused").glob("world*"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcp_compile.workers.supervise", "--nproc", "2", "--dcp", "1",
+         "--steps", "4", "--out", str(tmp_path / "out.json"), "--program",
+         str(tmp_path / "decode.dcp"), "--checkpoint", str(tmp_path / "empty"),
+         "--work-dir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert "of the supervised world raised an error of" in proc.stderr, proc.stderr
+    assert "DCPInputError" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "work").glob("world*")) == ["world0"]
+    assert not (tmp_path / "out.json").exists()

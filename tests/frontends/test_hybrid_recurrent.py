@@ -1,0 +1,176 @@
+"""Hybrid models' recurrent mixers as ``dcp.gated_delta_net`` with an explicit state cache
+(dcp_compile/frontends/module_recurrent.py, runtime/kernels/recurrent.py): the swapped
+mixer computes what the model's own module computes (fp32, 1e-4), chunk by chunk with the
+state carried in its slot, padding rows touch only the garbage slot, and what is not done
+is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_compile.frontends import module_recurrent as mr
+from dcp_compile.frontends.module_recurrent import (allocate_states, recurrent_as_ops,
+                                                    recurrent_layers, refuse_hybrid)
+from dcp_compile.runtime.errors import DCPHybridError
+from dcp_compile.runtime.kernels.recurrent import garbage_state_slot, state_rows
+from hybrid_configs import ATTENTION_KINDS, HYBRID_TYPES, build_hybrid
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=HYBRID_TYPES)
+def model(request):
+    torch.manual_seed(0)
+    return build_hybrid(request.param)
+
+
+def _mixer(model):
+    return recurrent_layers(model)[0][1]
+
+
+def test_every_recurrent_layer_is_found(model):
+    kinds = model.config.layer_types
+    layers = recurrent_layers(model)
+    assert [m.layer_idx for _, m, _ in layers] == [i for i, k in enumerate(kinds)
+                                                   if k not in ATTENTION_KINDS]
+
+
+# Mixed prompt lengths around the conv kernel K=4 (3, 4, 5) and an 8, right-padded in one batch.
+LENGTHS = [1, 3, 4, 5, 8]
+
+
+@torch.no_grad()
+def test_whole_model_matches_its_own_forward(model):
+    """Each row of a mixed-length batch (right-padded, lengths left to the op) matches the
+    model's own forward on that row alone, at every real position; greedy tokens equal."""
+    gen = torch.Generator().manual_seed(1)
+    S = max(LENGTHS)
+    ids = torch.randint(0, model.config.vocab_size, (len(LENGTHS), S), generator=gen)
+    states = allocate_states(model, num_slots=len(LENGTHS))
+    states.step(list(range(len(LENGTHS))), [True] * len(LENGTHS), LENGTHS)
+    with recurrent_as_ops(model, states):
+        got = model(ids, use_cache=False).logits
+    for layer, conv in states.conv.items():   # the op ran: every row's slot holds a state
+        assert all(conv[b].abs().max() > 0 for b in range(len(LENGTHS))), layer
+    for b, n in enumerate(LENGTHS):
+        want = model(ids[b:b + 1, :n], use_cache=False).logits[0]
+        err = (got[b, :n] - want).abs().max().item()
+        assert err < TOL, f"row {b} (len={n}): max error {err}"
+        assert torch.equal(got[b, :n].argmax(-1), want.argmax(-1))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("chunks", [[8], [3, 5], [1, 1, 1, 1, 4], [4, 4]],
+                         ids=["whole", "3+5", "decode-steps", "4+4"])
+def test_mixer_chunks_carry_the_state(model, chunks):
+    """The mixer over a sequence split into chunks (state carried in the row's slot, rows of
+    different lengths, padding after each row's real tokens) equals the module's own forward
+    over the whole sequence."""
+    m = _mixer(model)
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([8, 5, 3])
+    B, S, H = 3, 8, model.config.hidden_size
+    x = torch.randn(B, S, H, generator=gen)
+    want = [m(x[b:b + 1, :n]) for b, n in enumerate(lengths.tolist())]   # the module's own
+    states = allocate_states(model, num_slots=4)
+    slots = [2, 0, 3]
+    outs, start = [], torch.zeros(B, dtype=torch.int64)
+    with recurrent_as_ops(model, states):
+        for c in chunks:
+            n = (lengths - start).clamp(min=0, max=c)
+            chunk = torch.zeros(B, c, H)
+            for b in range(B):
+                chunk[b, :n[b]] = x[b, start[b]:start[b] + n[b]]
+            states.step(slots, start == 0, n)
+            out = m(chunk)
+            outs.append([out[b, :n[b]] for b in range(B)])
+            start = start + n
+    for b in range(B):
+        got = torch.cat([o[b] for o in outs])
+        err = (got - want[b][0]).abs().max().item()
+        assert err < TOL, f"row {b} (len={lengths[b]}), chunks {chunks}: max error {err}"
+    # slot 1 was given to no row: still zeros
+    layer = m.layer_idx
+    assert all(d[layer][1].abs().max() == 0 for d in (states.conv, states.rec) if layer in d)
+
+
+@torch.no_grad()
+def test_padding_rows_write_only_the_garbage_slot(model):
+    """A row with slot -1 (padding) or a slot outside the cache writes the garbage slot; every
+    other slot keeps its bytes; a fresh row reads zeros whatever its slot held."""
+    m = _mixer(model)
+    states = allocate_states(model, num_slots=3)
+    layer = m.layer_idx
+    gen = torch.Generator().manual_seed(3)
+    caches = [d for d in (states.conv, states.rec) if layer in d]
+    for d in caches:
+        d[layer] = torch.randn(d[layer].shape, generator=gen)
+    before = [d[layer].clone() for d in caches]
+    x = torch.randn(3, 2, model.config.hidden_size, generator=gen)
+    states.step([1, -1, 7], [False, False, False], [2, 2, 2])
+    with recurrent_as_ops(model, states):
+        m(x)
+    g = garbage_state_slot(states.conv[layer])
+    for d, old in zip(caches, before):
+        for slot in (0, 2):
+            assert torch.equal(d[layer][slot], old[slot])
+        assert not torch.equal(d[layer][1], old[1])
+        assert not torch.equal(d[layer][g], old[g])
+    assert state_rows(states.conv[layer], torch.tensor([1, -1, 7])).tolist() == [1, g, g]
+    # fresh: the row's slot holds garbage from a finished sequence; it reads zeros
+    states.step([1], [True], [2])
+    with recurrent_as_ops(model, states):
+        got = m(x[:1])
+    assert (got - m(x[:1])).abs().max() < TOL
+
+
+def test_a_changed_mixer_source_is_refused(model, monkeypatch):
+    rule = recurrent_layers(model)[0][2]
+    name = next(iter(rule.pinned))
+    changed = mr.RecurrentRule(rule.module, rule.cls, {**rule.pinned, name: "0" * 12},
+                               rule.state, rule.forward)
+    monkeypatch.setattr(mr, "RULES", tuple(changed if r is rule else r for r in mr.RULES))
+    with pytest.raises(DCPHybridError, match=rf"{rule.cls}.*source of {name}"):
+        with recurrent_as_ops(model, allocate_states(model, 1)):
+            pass
+    assert "forward" not in vars(_mixer(model))   # the swap was undone
+
+
+def test_an_unknown_conv_activation_is_refused_by_name(model, monkeypatch):
+    name, m, rule = recurrent_layers(model)[0]
+    if not hasattr(m, "activation"):
+        pytest.skip(f"{rule.cls}'s convolution has no activation")
+    monkeypatch.setattr(m, "activation", "gelu")
+    with pytest.raises(DCPHybridError, match=rf"{rule.cls} at {name}: .*'gelu'"):
+        with recurrent_as_ops(model, allocate_states(model, 1)):
+            pass
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(width=2), r"speculative \(width-K\).*width=2.*Decode with width 1"),
+    (dict(prefix_caching=True), r"prefix caching.*vblock.*Turn prefix caching off"),
+    (dict(), r"not yet inputs of a DCP program"),
+], ids=["speculative", "prefix-caching", "dcp-program"])
+def test_what_is_not_done_is_refused_by_name(model, kwargs, match):
+    with pytest.raises(DCPHybridError, match=match):
+        refuse_hybrid(model, **kwargs)
+
+
+def test_a_model_without_recurrent_layers_is_not_refused():
+    from hf_corpus import build
+    refuse_hybrid(build("qwen3", "sdpa"), width=4, prefix_caching=True)
+
+
+@pytest.mark.parametrize("decode_len,match", [
+    (1, r"DCPHybridError|not yet inputs of a DCP program"),
+    (3, r"speculative \(width-K\).*width=3"),
+], ids=["decode", "speculative-width-3"])
+def test_transform_refuses_a_hybrid_by_name(model, decode_len, match):
+    """transform() on a hybrid stops at the frontend with the named reason (before any
+    capture), not with the generic feature diagnosis of the token-wise check."""
+    import dcp_compile
+    from dcp_compile.runtime.serving.engine import StepShapes
+    with pytest.raises(DCPHybridError, match=match):
+        dcp_compile.transform(model, tp=4, dcp=2, mode="decode",
+                              shapes=StepShapes(decode_len=decode_len))
