@@ -16,6 +16,9 @@ ON = ("1", "all")
 SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
                          "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
+    "DCP_CORRUPT_FULL": ("runtime/test_corrupt_files.py",
+                         "1000 corrupt program files and 1000 forged safetensors headers "
+                         "instead of 100 each"),
     "DCP_CORPUS": ("corpora/test_hf_corpus.py",
                    "every cell of the transformers corpus vs its table in docs/models.md"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
