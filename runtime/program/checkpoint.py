@@ -214,8 +214,8 @@ class Checkpoint:
             header = _entries(path, raw, 8 + n, size)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise DCPInputError(f"checkpoint file {path} is not a readable safetensors file "
-                                f"({type(e).__name__}: {e}); it may be truncated, corrupt or "
-                                f"forged. Copy or write it again.") from None
+                                f"({type(e).__name__}: {e}); it may be truncated or corrupt "
+                                f"(or forged). Copy or write it again.") from None
         self._headers[path] = header
         return header
 

@@ -100,7 +100,12 @@ def check_type(value, hint, where: str) -> None:
         if type(value) is not int:       # bool is an int subclass; a count is not a flag
             raise SchemaError(where, "int", value)
         return
-    if hint in (bool, str):
+    if hint is str:      # our vocabulary enums are StrEnums (runtime/names.py)
+        if type(value) is not str and not (isinstance(value, str) and
+                                           isinstance(value, enum.Enum)):
+            raise SchemaError(where, "str", value)
+        return
+    if hint is bool:
         if type(value) is not hint:
             raise SchemaError(where, hint.__name__, value)
         return
