@@ -235,6 +235,7 @@ def test_hold_refuses_bad_leases(engines):
 
 
 def test_spoofed_notifications_are_ignored_and_counted(engines):
+    from dcp_compile.runtime.transfer.nixl.auth import MessageKind, seal
     from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
     pre, decs, freed = engines
     epoch = pre.hold("R", [2], READERS, timeout=DRIVE)
@@ -258,8 +259,9 @@ def test_spoofed_notifications_are_ignored_and_counted(engines):
             (intruder, notif(engine="intruder"), "reader ('intruder', 0) is not one the plan"),
             (intruder, b"\xff not json", "not a readable notification"),
         ]
-        for sender, payload, _ in spoofs:
-            sender._agent.agent.send_notif(sender.remotes[0][0], payload)
+        for sender, payload, _ in spoofs:   # insiders: sealed under the engines' key
+            sealed, _ = seal(sender.key, MessageKind.NOTIFICATION, sender._agent.name, payload)
+            sender._agent.agent.send_notif(sender.remotes[0][0], sealed)
         _drive(pre, decs + [intruder], lambda: pre.rejected_count >= len(spoofs), "spoofs")
         got = sorted(r.reason for r in pre.rejected)
         for _, _, reason in spoofs:
@@ -314,6 +316,14 @@ class _FakeSideChannel:
         self.sock.close()
 
 
+def _client_and_server():
+    from dcp_compile.runtime.transfer.nixl.auth import load_key
+    return {"key": load_key(), "sender": "test-client"}, {"key": load_key(), "sender": "test-server"}
+
+
+_CLIENT, _SERVER = _client_and_server()
+
+
 def _trickle(conn, stop):
     """A valid length prefix and payload, one byte every 0.2 s (minutes in all)."""
     for b in struct.pack(">Q", 1000) + b"x" * 1000:
@@ -333,7 +343,7 @@ def test_trickling_peer_fails_within_the_whole_exchange_deadline():
     try:
         t0 = time.monotonic()
         with pytest.raises(DCPTransferError, match="did not answer the handshake .* in time"):
-            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND)
+            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND, **_CLIENT)
         assert time.monotonic() - t0 < 3 * BOUND
     finally:
         fake.close()
@@ -361,7 +371,7 @@ def test_huge_length_prefix_is_refused_before_allocating():
     try:
         t0 = time.monotonic()
         with pytest.raises(DCPTransferError) as e:
-            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND)
+            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND, **_CLIENT)
         assert f"a message of {2**40} bytes, above the limit of {MAX_MESSAGE} bytes" in str(e.value)
         assert time.monotonic() - t0 < 3 * BOUND
     finally:
@@ -378,7 +388,7 @@ def test_idle_clients_do_not_hold_the_side_channel():
         idle = [socket.create_connection(pre.side_channel, timeout=BOUND) for _ in range(3)]
         idle[0].sendall(b"DCPKV")  # half a hello
         try:
-            raw = fetch_metadata(*pre.side_channel, time.monotonic() + BOUND)
+            raw = fetch_metadata(*pre.side_channel, time.monotonic() + BOUND, **_CLIENT)
             assert raw == pre.metadata.serialize()
         finally:
             for s in idle:
@@ -390,14 +400,15 @@ def test_side_channel_drops_a_client_at_its_deadline_and_beyond_its_capacity():
     from dcp_compile.runtime.distributed.launch import free_port_base
     port = free_port_base(1)
     server = SideChannelServer("127.0.0.1", port, b"payload", client_timeout=0.5,
-                               max_clients=1)
+                               max_clients=1, **_SERVER)
     try:
         idle = socket.create_connection(("127.0.0.1", port), timeout=3 * BOUND)
         time.sleep(0.1)  # let the server take it (its one slot)
         extra = socket.create_connection(("127.0.0.1", port), timeout=3 * BOUND)
         assert extra.recv(1) == b""   # over capacity: closed at once, no thread
         assert idle.recv(1) == b""    # its 0.5 s deadline: closed
-        assert fetch_metadata("127.0.0.1", port, time.monotonic() + BOUND) == b"payload"
+        assert fetch_metadata("127.0.0.1", port, time.monotonic() + BOUND,
+                              **_CLIENT) == b"payload"
         idle.close()
         extra.close()
     finally:
