@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import logging
 import socket
 import struct
 import subprocess
@@ -277,6 +278,59 @@ def test_spoofed_notifications_are_ignored_and_counted(engines):
     _drive(pre, decs, lambda: "R" in pre.released, "lease R ending")
     assert pre.wait_for_readers("R") == {("dec", 0): "read", ("dec", 1): "read"}
     assert freed == [("R", [2])] and pre.rejected_count == len(spoofs)
+
+
+def _taken(pre) -> int:
+    """Notifications the prefill side has taken (refused, or accepted for lease R)."""
+    return pre.rejected_count + len(pre.leases["R"].notified)
+
+
+def test_rogue_notifications_are_refused_and_logged(engines, caplog):
+    """A rogue NIXL peer (it learned the metadata: here by handshaking with the key) sends
+    notifications unsealed, sealed with another key, a captured valid one (replayed, by its
+    reader and by the rogue) and a tampered copy: each is refused and logged; the captured
+    one counts once."""
+    import base64
+    from dcp_compile.runtime.transfer.nixl.auth import MessageKind, load_key, seal
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
+    pre, decs, freed = engines
+    epoch = pre.hold("R", [2], READERS, timeout=DRIVE)
+    rogue = DecodeKVConnector(_cfg(1, "prefill"), _cfg(1, "decode"), 0,
+                              _caches(HEADS, fill=0.0), engine_id="rogue",
+                              side_channel_port=pre.side_channel[1], handshake_timeout=DRIVE)
+    try:
+        _handshake(pre, rogue)
+        plain = json.dumps({"req": "R", "epoch": epoch, "engine": "dec", "rank": 0,
+                            "status": "read"}).encode()
+        captured = decs[0]._notif(TransferRequest("R", 2, [2], [4], epoch), "read")
+        body, _, mac = captured.rpartition(b"\n")
+        fields = json.loads(body)
+        fields["payload"] = base64.b64encode(plain.replace(b'"rank": 0', b'"rank": 1')).decode()
+        tampered = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode() + \
+            b"\n" + mac
+        other = load_key("o" * 32)
+        attempts = [  # (sender, bytes, the reason it is refused)
+            (rogue, plain, "without a seal"),
+            (rogue, seal(other, MessageKind.NOTIFICATION, "dec-rank0", plain)[0],
+             "MAC does not verify"),
+            (rogue, captured, "sealed by 'dec-rank0', sent by agent 'rogue-rank0'"),
+            (decs[0], captured, None),                       # the reader's own: accepted
+            (decs[0], captured, "nonce was seen before: a replay"),
+            (decs[1], tampered, "MAC does not verify"),
+        ]
+        with caplog.at_level(logging.WARNING):
+            for sender, raw, _ in attempts:
+                sender._agent.agent.send_notif(sender.remotes[0][0], raw)
+                before = _taken(pre)
+                _drive(pre, decs + [rogue], lambda: _taken(pre) > before, "a notification")
+        reasons = [r.reason for r in pre.rejected]
+        want = [reason for _, _, reason in attempts if reason]
+        assert len(reasons) == len(want) and all(w in g for w, g in zip(want, reasons)), reasons
+        assert sum("ignored a notification" in r.getMessage() for r in caplog.records) == len(want)
+        assert pre.leases["R"].notified == {("dec", 0): "read"}    # once, from its reader
+    finally:
+        rogue.close()
+    pre.release("R")
 
 
 # ---------------------------------------------------------------------------------------

@@ -150,7 +150,12 @@ class Opener:
         self.key, self.max_age = key, max_age
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
 
-    def open(self, raw: bytes, kind: MessageKind, *, reply_to: str | None = None) -> Opened:
+    def open(self, raw: bytes, kind: MessageKind, *, reply_to: str | None = None,
+             sender: str | None = None) -> Opened:
+        """The message ``raw`` if it is a sealed ``kind`` that verifies, is fresh, answers
+        ``reply_to`` (when given) and came from ``sender`` (when the transport names one);
+        its nonce is remembered only then, so a captured copy sent first by another peer
+        cannot burn the honest one."""
         body, sep, mac = bytes(raw).rpartition(b"\n")
         if not sep:
             raise DCPAuthError(f"a {kind} message without a seal (no MAC line): an unsigned "
@@ -182,6 +187,9 @@ class Opener:
         if reply_to is not None and d["reply_to"] != reply_to:
             raise DCPAuthError(f"a {kind} message from {d['sender']!r} that answers another "
                                f"request (a replayed answer)")
+        if sender is not None and d["sender"] != sender:
+            raise DCPAuthError(f"a {kind} message sealed by {d['sender']!r}, sent by agent "
+                               f"{sender!r}")
         self._forget(now)
         if d["nonce"] in self._seen:
             raise DCPAuthError(f"a {kind} message from {d['sender']!r} whose nonce was seen "

@@ -177,11 +177,11 @@ class SideChannelServer:
             if n > MAX_HELLO:
                 return self._refuse(conn, f"a hello of {n} bytes (at most {MAX_HELLO})")
             raw = _recv_exact(conn, n, deadline)
-            with self._lock:     # one opener: its nonce memory is shared by all clients
-                try:
+            try:
+                with self._lock:     # one opener: its nonce memory is shared by all clients
                     hello = self._opener.open(raw, MessageKind.HELLO)
-                except DCPAuthError as e:
-                    return self._refuse(conn, str(e))
+            except DCPAuthError as e:
+                return self._refuse(conn, str(e))
             answer, _ = seal(self._key, MessageKind.METADATA, self._sender, self._payload,
                              reply_to=hello.nonce)
             conn.settimeout(max(deadline - time.monotonic(), 0.001))

@@ -222,12 +222,9 @@ class PrefillKVConnector:
         or replayed) by the agent that sent it, as the plan's reader, for the lease's request
         and epoch."""
         try:
-            opened = self._opener.open(raw, MessageKind.NOTIFICATION)
+            opened = self._opener.open(raw, MessageKind.NOTIFICATION, sender=sender)
         except DCPAuthError as e:
             return self._reject(sender, None, raw, str(e))
-        if opened.sender != sender:
-            return self._reject(sender, None, raw, f"sealed by {opened.sender!r}, sent by "
-                                                   f"agent {sender!r}")
         raw = opened.payload
         try:
             n = json.loads(raw)
