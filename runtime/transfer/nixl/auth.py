@@ -1,5 +1,6 @@
-"""The side channel's authentication: every message sealed with an HMAC-SHA256 under a key the
-two engines share (docs/transfer.md: The side channel's key).
+"""The side channel's authentication: every message sealed with an HMAC-SHA256 under a shared key.
+
+The two engines share the key (docs/transfer.md: The side channel's key).
 
 A sealed message is one JSON object (canonical: sorted keys, no spaces) of its kind, the
 sender's identity, a fresh nonce, the time it was sealed, the payload (base64) and, when the

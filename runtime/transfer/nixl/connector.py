@@ -60,8 +60,9 @@ blocks before they are checked), also when the decode rank has nothing to read f
 (a short sequence); a request of length 0 notifies with ``send_notif``. The prefill rank
 accepts a notification only for a held request, its epoch, a reader the lease names and from
 that reader's own agent name; anything else is ignored, counted (``rejected_count``) and
-logged. Agent names are self-declared by the peers: this stops misrouted or stale
-notifications, not a malicious peer on the network.
+logged. Every notification is sealed under the engines' shared key (:mod:`.auth`): one that
+is unsigned, signed with another key, tampered, replayed or sealed by another agent than
+its NIXL sender is refused before those checks.
 
 Failures are errors, never a silent partial cache: a remote rank that does not answer the
 handshake, metadata that does not match the plan, a NIXL error while posting or a transfer in
