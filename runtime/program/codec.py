@@ -12,6 +12,7 @@ import io
 import json
 import operator
 import os
+import shutil
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -92,22 +93,36 @@ def save_program(program, path: str | os.PathLike, *, weights: bool = True) -> N
                                     for k, gm in graphs.items()}]
                           for bucket, graphs in program.bucket_graphs.items()],
     }
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
     path = os.fspath(path)
-    with open(path + ".tmp", "wb") as f:
-        f.write(pack(buffer.getbuffer()))
+    # The body goes to disk first and is hashed from there (a program with weights is not
+    # held twice in memory), then the file is the header and the body, renamed into place.
+    torch.save(payload, path + ".body.tmp")
+    try:
+        digest, size = hashlib.sha256(), 0
+        with open(path + ".body.tmp", "rb") as body:
+            while chunk := body.read(HASH_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+            body.seek(0)
+            with open(path + ".tmp", "wb") as f:
+                f.write(_lead(size, digest.hexdigest()))
+                shutil.copyfileobj(body, f, HASH_CHUNK)
+    finally:
+        os.remove(path + ".body.tmp")
     os.replace(path + ".tmp", path)
+
+
+def _lead(size: int, digest: str, **header) -> bytes:
+    head = {"magic": MAGIC, "format": FORMAT, "dcp_compile": __version__,
+            "torch": str(torch.__version__), "body_bytes": size, "sha256": digest, **header}
+    text = json.dumps(head, sort_keys=True).encode()
+    return LEAD + len(text).to_bytes(8, "little") + text
 
 
 def pack(body: bytes, **header) -> bytes:
     """A program file's bytes: the lead, the header (this version's, with ``header``'s
-    fields replaced) and ``body`` (a torch.save payload)."""
-    head = {"magic": MAGIC, "format": FORMAT, "dcp_compile": __version__,
-            "torch": str(torch.__version__), "body_bytes": len(body),
-            "sha256": hashlib.sha256(body).hexdigest(), **header}
-    text = json.dumps(head, sort_keys=True).encode()
-    return LEAD + len(text).to_bytes(8, "little") + text + bytes(body)
+    fields replaced) and ``body`` (a torch.save payload); what tests forge files with."""
+    return _lead(len(body), hashlib.sha256(body).hexdigest(), **header) + bytes(body)
 
 
 def read_program_fields(path: str | os.PathLike) -> dict:
