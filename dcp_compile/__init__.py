@@ -21,7 +21,7 @@ __all__ = [
     "DCPCheckError", "DCPCompilerBug", "DCPConfig", "DCPConfigError", "DCPError",
     "DCPInputError", "DCPLengthDependentError", "DCPProofError", "DCPTokenMixingError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
-    "prove", "compute_slot_mapping", "transform", "backend", "lower",
+    "prove", "compute_slot_mapping", "transform", "backend", "lower", "plan",
 ]
 
 
@@ -39,6 +39,9 @@ def __getattr__(name):
     if name == "lower":
         from .lowering import lower
         return lower
+    if name == "plan":
+        from .planner import plan
+        return plan
     if name == "transform":
         from .driver import transform
         return transform

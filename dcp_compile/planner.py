@@ -345,11 +345,13 @@ def _model_of(model_or_config):
 
 def plan(model_or_config, *, ranks: int, context_len: int, batch: int = 1,
          mode: str = Mode.DECODE, hardware="this-machine", block_size: int = 16,
-         interleave_sizes=None) -> Plan:
+         interleave_sizes=None, dcps=None, combines=None) -> Plan:
     """Every layout of ``model_or_config`` on ``ranks`` ranks ranked by predicted decode step
     time at ``context_len`` with ``batch`` sequences on ``hardware`` (a name of
     dcp_compile.hardware.HARDWARE_NAMES or a HardwareProfile). ``interleave_sizes``: the
-    interleave sizes to try (default 1 and ``block_size``)."""
+    interleave sizes to try (default 1 and ``block_size``); ``dcps``, ``combines``: only
+    these DCP degrees and decode combines (default: every divisor of ``ranks``, every
+    combine)."""
     for name, value in (("ranks", ranks), ("context_len", context_len), ("batch", batch),
                         ("block_size", block_size)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -364,11 +366,11 @@ def plan(model_or_config, *, ranks: int, context_len: int, batch: int = 1,
     interleaves = sorted(set(interleave_sizes or (1, block_size)))
     result = Plan(model=label, ranks=ranks, context_len=context_len, batch=batch, hardware=hw)
     experts = None
-    for dcp in _divisors(ranks):
+    for dcp in (d for d in _divisors(ranks) if dcps is None or d in dcps):
         for ep in (False, True):
             if ep and experts is False:
                 continue
-            for combine in (COMBINES if dcp > 1 else COMBINES[:1]):
+            for combine in (_chosen(COMBINES, combines) if dcp > 1 else COMBINES[:1]):
                 base = Layout(ranks, dcp, ep, combine, block_size, block_size)
                 program = _compile(model, base, context_len, batch, result)
                 if program is None:
@@ -388,6 +390,15 @@ def plan(model_or_config, *, ranks: int, context_len: int, batch: int = 1,
                                                     batch, hw))
     result.ranked.sort(key=lambda c: c.prediction.step_seconds)
     return result
+
+
+def _chosen(allowed, chosen):
+    if chosen is None:
+        return allowed
+    bad = [c for c in chosen if c not in allowed]
+    if bad:
+        raise DCPInputError(f"unknown combine {bad}: use some of {list(allowed)}.")
+    return tuple(chosen)
 
 
 def _compile(model, layout: Layout, context_len: int, batch: int, result: Plan):
