@@ -130,16 +130,21 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
     machine may be shared, so the cache records the load average it was measured under."""
     import torch
     host_bytes = _host_memory_bytes()
-    bw = _copy_bandwidth(torch)
-    flops = _matmul_flops(torch)
-    op = _op_overhead(torch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)    # a rank thread runs its ops on one intra-op thread
+    try:
+        bw = _copy_bandwidth(torch)
+        flops = _matmul_flops(torch)
+        op = _op_overhead(torch)
+    finally:
+        torch.set_num_threads(threads)
     lat, link = _threaded_collectives()
     sources = {
         "memory_bytes": "measured: MemTotal of /proc/meminfo (shared by every rank thread)",
         "memory_bandwidth": "measured: median of 64 MiB float32 tensor copies (read + write)",
         "link_bandwidth": "measured: all_reduce of 4 MiB on a threaded world of 2 ranks",
         "link_latency": "measured: all_reduce of 4 bytes on a threaded world of 2 ranks",
-        "peak_flops": "measured: 512x512 float32 matmul",
+        "peak_flops": "measured: 512x512 float32 matmul on one intra-op thread",
         "op_overhead": "measured: median of 2000 torch.add on 4-element tensors",
         "load_average": f"{os.getloadavg()[0]:.1f} over 1 min at calibration",
     }
