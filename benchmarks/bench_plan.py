@@ -115,8 +115,8 @@ def main():
                   f"{'pred/meas':>9}  dominant")
             points = []
             for kw in layouts:
-                c = dict(combine="all_gather", interleave_size=BLOCK, expert_parallel=False,
-                         **kw)
+                c = {"combine": "all_gather", "interleave_size": BLOCK,
+                     "expert_parallel": False, **kw}
                 layout = planner.Layout(RANKS, c["dcp"], c["expert_parallel"], c["combine"],
                                         c["interleave_size"], BLOCK)
                 shapes = StepShapes.fitting(args.batch, BLOCK, max(args.contexts) + 1,

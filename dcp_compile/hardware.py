@@ -136,16 +136,22 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
         bw = _copy_bandwidth(torch)
         flops = _matmul_flops(torch)
         op = _op_overhead(torch)
+        step_op = _program_op_overhead(torch)
     finally:
         torch.set_num_threads(threads)
-    lat, link = _threaded_collectives()
+    lat, link = _threaded_collectives(CALIBRATION_RANKS)
     sources = {
         "memory_bytes": "measured: MemTotal of /proc/meminfo (shared by every rank thread)",
         "memory_bandwidth": "measured: median of 64 MiB float32 tensor copies (read + write)",
-        "link_bandwidth": "measured: all_reduce of 4 MiB on a threaded world of 2 ranks",
-        "link_latency": "measured: all_reduce of 4 bytes on a threaded world of 2 ranks",
+        "link_bandwidth": f"measured: all_reduce of 4 MiB on a threaded world of "
+                          f"{CALIBRATION_RANKS} ranks",
+        "link_latency": f"measured: all_reduce of 4 bytes on a threaded world of "
+                        f"{CALIBRATION_RANKS} ranks",
         "peak_flops": "measured: 512x512 float32 matmul on one intra-op thread",
-        "op_overhead": "measured: median of 2000 torch.add on 4-element tensors",
+        "op_overhead": (f"measured: a 1-rank decode step of the demo model at context 16 "
+                        f"over its graph's ops ({step_op * 1e6:.1f} us per op; a bare "
+                        f"torch.add costs {op * 1e6:.1f} us: the graph's custom ops run "
+                        f"several aten ops each)"),
         "load_average": f"{os.getloadavg()[0]:.1f} over 1 min at calibration",
     }
     if gloo:
@@ -158,7 +164,7 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
             sources["gloo"] = f"not measured: {type(e).__name__}: {e}"
     prof = HardwareProfile(name=THIS_MACHINE, memory_bytes=host_bytes, memory_bandwidth=bw,
                            link_bandwidth=link, link_latency=lat, peak_flops=flops,
-                           op_overhead=op, shared_host=True, sources=sources)
+                           op_overhead=step_op, shared_host=True, sources=sources)
     if write:
         path = cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +213,38 @@ def _op_overhead(torch) -> float:
     return _median_seconds(loop, 5) / 2000
 
 
-def _threaded_collectives() -> tuple[float, float]:
+# World size of the threaded collective probes (the planner's sweep runs 4 ranks).
+CALIBRATION_RANKS = 4
+
+
+def _program_op_overhead(torch) -> float:
+    """Seconds per graph op of an eager decode step that does next to no work (1 rank, the
+    demo model, context 16): the dispatch cost of a program's ops, custom ones included."""
+    import dcp_compile
+    from dcp_compile.models.demo import demo_model
+    from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
+    from dcp_compile.runtime.names import StepKind
+    from dcp_compile.runtime.serving.engine import StepShapes
+    from dcp_compile.runtime.serving.rank_engine import load_rank
+    model = demo_model()
+    program = dcp_compile.transform(model, tp=1, dcp=1, check=False,
+                                    shapes=StepShapes(batch=1, context_len=16, max_blocks=2,
+                                                      num_blocks=3))
+    ops = sum(1 for n in program.graphs[StepKind.DECODE].graph.nodes if n.op == "call_function")
+
+    def rank_main(rank):
+        loaded = load_rank(program, rank, bind_roles(program.topology, rank))
+        caches = program.cache_spec().allocate()
+        table = torch.tensor([[0, 1]])
+        ids, pos = torch.tensor([[1]]), torch.tensor([[16]])
+        with torch.no_grad():
+            return _median_seconds(lambda: loaded.run(StepKind.DECODE, ids, pos, table,
+                                                      caches), 20)
+
+    return run_threaded(1, rank_main, timeout=120)[0] / ops
+
+
+def _threaded_collectives(ranks: int) -> tuple[float, float]:
     import torch
     import torch.distributed as dist
 
@@ -219,10 +256,10 @@ def _threaded_collectives() -> tuple[float, float]:
         big = _median_seconds(lambda: dist.all_reduce(large), 9)
         return lat, big
 
-    lat, big = run_threaded(2, rank_main, timeout=120)[0]
-    nbytes = 4 * 2**20
-    # A ring all_reduce of n ranks sends 2 (n - 1) / n of the buffer per rank: 1x for n = 2.
-    return lat, nbytes / max(big - lat, 1e-9)
+    lat, big = run_threaded(ranks, rank_main, timeout=120)[0]
+    # A ring all_reduce of n ranks sends 2 (n - 1) / n of the buffer per rank.
+    wire = 4 * 2**20 * 2 * (ranks - 1) / ranks
+    return lat, wire / max(big - lat, 1e-9)
 
 
 def _gloo_collectives() -> tuple[float, float]:
