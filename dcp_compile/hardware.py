@@ -42,6 +42,9 @@ class HardwareProfile:
     # GIL, op dispatch serialise across ranks).
     op_overhead: float = 0.0
     shared_host: bool = False
+    # bytes/s at which the attention kernel reads KV; None: memory_bandwidth (a kernel that
+    # reads the KV once, as fused decode attention kernels do).
+    kv_bandwidth: float | None = None
     sources: dict = field(default_factory=dict)   # field -> source (URL, or how measured)
 
     def to_json(self) -> dict:
@@ -136,7 +139,7 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
         bw = _copy_bandwidth(torch)
         flops = _matmul_flops(torch)
         op = _op_overhead(torch)
-        step_op = _program_op_overhead(torch)
+        step_op, kv_bw = _program_probe(torch)
     finally:
         torch.set_num_threads(threads)
     lat, link = _threaded_collectives(CALIBRATION_RANKS)
@@ -148,6 +151,9 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
         "link_latency": f"measured: all_reduce of 4 bytes on a threaded world of "
                         f"{CALIBRATION_RANKS} ranks",
         "peak_flops": "measured: 512x512 float32 matmul on one intra-op thread",
+        "kv_bandwidth": (f"measured: the same program's step at context {PROBE_CONTEXT} "
+                         f"against 16: extra KV bytes over extra seconds (the eager "
+                         f"live-span attention kernel, several passes over the KV)"),
         "op_overhead": (f"measured: a 1-rank decode step of the demo model at context 16 "
                         f"over its graph's ops ({step_op * 1e6:.1f} us per op; a bare "
                         f"torch.add costs {op * 1e6:.1f} us: the graph's custom ops run "
@@ -164,7 +170,7 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
             sources["gloo"] = f"not measured: {type(e).__name__}: {e}"
     prof = HardwareProfile(name=THIS_MACHINE, memory_bytes=host_bytes, memory_bandwidth=bw,
                            link_bandwidth=link, link_latency=lat, peak_flops=flops,
-                           op_overhead=step_op, shared_host=True, sources=sources)
+                           op_overhead=step_op, kv_bandwidth=kv_bw, shared_host=True, sources=sources)
     if write:
         path = cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,31 +223,41 @@ def _op_overhead(torch) -> float:
 CALIBRATION_RANKS = 4
 
 
-def _program_op_overhead(torch) -> float:
-    """Seconds per graph op of an eager decode step that does next to no work (1 rank, the
-    demo model, context 16): the dispatch cost of a program's ops, custom ones included."""
+# The probe program's long context (tokens): long enough that its KV read shows over dispatch.
+PROBE_CONTEXT = 4096
+
+
+def _program_probe(torch) -> tuple[float, float]:
+    """(seconds per graph op, effective KV bytes/s) of eager decode steps of the demo model
+    on 1 rank, batch 4: at context 16 the step does next to no work (the dispatch cost of a
+    program's ops, custom ones included); from context 16 to PROBE_CONTEXT the extra time
+    is the attention kernel reading the extra KV."""
     import dcp_compile
     from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
     from dcp_compile.runtime.names import StepKind
     from dcp_compile.runtime.serving.engine import StepShapes
     from dcp_compile.runtime.serving.rank_engine import load_rank
+    batch = 4
     model = demo_model()
-    program = dcp_compile.transform(model, tp=1, dcp=1, check=False,
-                                    shapes=StepShapes(batch=1, context_len=16, max_blocks=2,
-                                                      num_blocks=3))
+    shapes = StepShapes.fitting(batch, 16, PROBE_CONTEXT + 1, block_size=16, dcp=1)
+    program = dcp_compile.transform(model, tp=1, dcp=1, check=False, shapes=shapes)
     ops = sum(1 for n in program.graphs[StepKind.DECODE].graph.nodes if n.op == "call_function")
 
     def rank_main(rank):
         loaded = load_rank(program, rank, bind_roles(program.topology, rank))
         caches = program.cache_spec().allocate()
-        table = torch.tensor([[0, 1]])
-        ids, pos = torch.tensor([[1]]), torch.tensor([[16]])
+        table = torch.arange(batch * shapes.max_blocks).view(batch, shapes.max_blocks)
+        ids = torch.ones(batch, 1, dtype=torch.int64)
         with torch.no_grad():
-            return _median_seconds(lambda: loaded.run(StepKind.DECODE, ids, pos, table,
-                                                      caches), 20)
+            return [_median_seconds(lambda: loaded.run(StepKind.DECODE, ids,
+                                                       torch.full((batch, 1), n), table,
+                                                       caches), 15)
+                    for n in (16, PROBE_CONTEXT)]
 
-    return run_threaded(1, rank_main, timeout=120)[0] / ops
+    short, long = run_threaded(1, rank_main, timeout=300)[0]
+    extra = batch * (PROBE_CONTEXT - 16) * program.cache_spec().bytes_per_token()
+    return short / ops, extra / max(long - short, 1e-9)
 
 
 def _threaded_collectives(ranks: int) -> tuple[float, float]:

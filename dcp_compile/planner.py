@@ -294,7 +294,7 @@ def predict(b: Breakdown, hw: HardwareProfile, ranks: int) -> Prediction:
             seconds[term] = share * amount / per_second
 
     rate(Term.WEIGHTS, b.weight_bytes, hw.memory_bandwidth)
-    rate(Term.KV, b.kv_bytes, hw.memory_bandwidth)
+    rate(Term.KV, b.kv_bytes, hw.kv_bandwidth or hw.memory_bandwidth)
     rate(Term.FLOPS, b.flops, hw.peak_flops)
     coll = 0.0
     if hw.link_bandwidth is None:
