@@ -232,7 +232,7 @@ def _program_probe(torch) -> tuple[float, float]:
     on 1 rank, batch 4: at context 16 the step does next to no work (the dispatch cost of a
     program's ops, custom ones included); from context 16 to PROBE_CONTEXT the extra time
     is the attention kernel reading the extra KV."""
-    import dcp_compile
+    from dcp_compile.driver import transform
     from dcp_compile.models.demo import demo_model
     from dcp_compile.runtime.distributed.world import bind_roles, run_threaded
     from dcp_compile.runtime.names import StepKind
@@ -241,7 +241,7 @@ def _program_probe(torch) -> tuple[float, float]:
     batch = 4
     model = demo_model()
     shapes = StepShapes.fitting(batch, 16, PROBE_CONTEXT + 1, block_size=16, dcp=1)
-    program = dcp_compile.transform(model, tp=1, dcp=1, check=False, shapes=shapes)
+    program = transform(model, tp=1, dcp=1, check=False, shapes=shapes)
     ops = sum(1 for n in program.graphs[StepKind.DECODE].graph.nodes if n.op == "call_function")
 
     def rank_main(rank):

@@ -402,12 +402,12 @@ def _chosen(allowed, chosen):
 
 
 def _compile(model, layout: Layout, context_len: int, batch: int, result: Plan):
-    import dcp_compile
+    from dcp_compile.driver import transform
     from dcp_compile.runtime.serving.engine import StepShapes
     shapes = StepShapes.fitting(batch, min(context_len, layout.block_size), context_len + 1,
                                 block_size=layout.block_size, dcp=layout.dcp)
     try:
-        return dcp_compile.transform(
+        return transform(
             model, tp=layout.tp, dcp=layout.dcp, mode=Mode.DECODE,
             block_size=layout.block_size, interleave_size=layout.interleave_size,
             combine=layout.combine, expert_parallel=layout.expert_parallel, shapes=shapes,
