@@ -42,6 +42,9 @@ class HardwareProfile:
     # GIL, op dispatch serialise across ranks).
     op_overhead: float = 0.0
     shared_host: bool = False
+    # Cores of the shared host: min(ranks, cores) rank threads run their kernels at once
+    # (op dispatch, under the GIL, does not overlap). None: not a shared host.
+    cores: int | None = None
     # bytes/s at which the attention kernel reads KV; None: memory_bandwidth (a kernel that
     # reads the KV once, as fused decode attention kernels do).
     kv_bandwidth: float | None = None
@@ -158,6 +161,7 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
                         f"over its graph's ops ({step_op * 1e6:.1f} us per op; a bare "
                         f"torch.add costs {op * 1e6:.1f} us: the graph's custom ops run "
                         f"several aten ops each)"),
+        "cores": "measured: os.cpu_count()",
         "load_average": f"{os.getloadavg()[0]:.1f} over 1 min at calibration",
     }
     if gloo:
@@ -170,7 +174,8 @@ def calibrate(*, gloo: bool = True, write: bool = True) -> HardwareProfile:
             sources["gloo"] = f"not measured: {type(e).__name__}: {e}"
     prof = HardwareProfile(name=THIS_MACHINE, memory_bytes=host_bytes, memory_bandwidth=bw,
                            link_bandwidth=link, link_latency=lat, peak_flops=flops,
-                           op_overhead=step_op, kv_bandwidth=kv_bw, shared_host=True, sources=sources)
+                           op_overhead=step_op, kv_bandwidth=kv_bw, shared_host=True,
+                           cores=os.cpu_count(), sources=sources)
     if write:
         path = cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -281,8 +281,11 @@ def breakdown(program, context_len: int, config: DCPConfig | None = None) -> Bre
 def predict(b: Breakdown, hw: HardwareProfile, ranks: int) -> Prediction:
     """Predicted decode step seconds of breakdown ``b`` on ``hw``: memory and arithmetic
     overlap (the larger counts), collectives and eager dispatch add. On a shared host (the
-    threaded world) every rank's bytes, FLOPs and ops go through the one host."""
-    share = ranks if hw.shared_host else 1
+    threaded world) the ranks take turns on its cores."""
+    # A shared host runs min(ranks, cores) ranks' kernels at once; their op dispatch, under
+    # the GIL, one at a time.
+    share = math.ceil(ranks / min(ranks, hw.cores or ranks)) if hw.shared_host else 1
+    dispatch = ranks if hw.shared_host else 1
     unpriced = []
     seconds = {}
 
@@ -307,7 +310,7 @@ def predict(b: Breakdown, hw: HardwareProfile, ranks: int) -> Prediction:
     else:
         coll += b.collective_count * hw.link_latency
     seconds[Term.COLLECTIVES] = coll
-    seconds[Term.OPS] = share * b.graph_ops * hw.op_overhead
+    seconds[Term.OPS] = dispatch * b.graph_ops * hw.op_overhead
     step = (max(seconds[Term.WEIGHTS] + seconds[Term.KV], seconds[Term.FLOPS])
             + seconds[Term.COLLECTIVES] + seconds[Term.OPS])
     dominant = max(seconds, key=seconds.get)
@@ -316,7 +319,8 @@ def predict(b: Breakdown, hw: HardwareProfile, ranks: int) -> Prediction:
 
 
 def kv_capacity(b: Breakdown, hw: HardwareProfile, ranks: int, batch: int) -> int | None:
-    """Sequences of the context length whose KV fits in memory after the weights."""
+    """Sequences of the context length whose KV fits in memory after the weights (a shared
+    host holds every rank's)."""
     if hw.memory_bytes is None:
         return None
     share = ranks if hw.shared_host else 1
