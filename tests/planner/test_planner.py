@@ -169,3 +169,26 @@ def test_this_machine_profile_is_read_from_its_cache(tmp_path, monkeypatch):
     hardware.cache_path().parent.mkdir(parents=True, exist_ok=True)
     hardware.cache_path().write_text(json.dumps(fake.to_json()))
     assert hardware.profile("this-machine") == fake
+
+
+def _breakdown(**kw):
+    base = dict(weight_bytes=1000, kv_bytes=3000, kv_tokens=10, kv_bytes_per_token=100,
+                collective_bytes=500, collective_count=4, collectives={}, flops=0,
+                graph_ops=10)
+    return planner.Breakdown(**{**base, **kw})
+
+
+def test_prediction_terms_on_a_chip_and_on_a_shared_host():
+    chip = hardware.HardwareProfile("chip", memory_bytes=10_000, memory_bandwidth=1000.0,
+                                    link_bandwidth=100.0, link_latency=0.5, peak_flops=1.0)
+    p = planner.predict(_breakdown(), chip, ranks=4)
+    assert p.seconds == {"weights": 1.0, "kv": 3.0, "flops": 0.0, "collectives": 4 * 0.5 + 5.0,
+                         "ops": 0.0}
+    assert p.step_seconds == 4.0 + 7.0 and p.dominant == "collectives"
+    # 3 sequences' KV (1000 each) fit in the 9000 bytes the weights leave
+    assert planner.kv_capacity(_breakdown(), chip, 4, batch=3) == 9
+    host = hardware.with_overrides(chip, shared_host=True, cores=2, op_overhead=0.1)
+    h = planner.predict(_breakdown(), host, ranks=4)
+    assert h.seconds["kv"] == 2 * 3.0            # 4 ranks take turns on 2 cores
+    assert h.seconds["ops"] == 4 * 10 * 0.1      # dispatch never overlaps
+    assert planner.kv_capacity(_breakdown(), host, 4, batch=3) == (10_000 - 4000) // 4000
