@@ -90,6 +90,34 @@ def spearman(xs, ys) -> float:
     return cov / var if var else float("nan")
 
 
+def deepseek_v3_table(contexts=(4096, 32768, 131072), batch=16, profile="h200"):
+    """Predicted only (no hardware here): transformers' DeepseekV3Config defaults (the real
+    model's sizes, bf16) on 8 ranks, tp8 vs tp8 + dcp8, compiled once each on the meta device
+    (minutes: 61 layers of 256 experts) and priced at each context."""
+    import transformers
+
+    from dcp_compile.meta_init import meta_model
+    model = meta_model(transformers.DeepseekV3Config(dtype="bfloat16"))
+    hw = hardware.profile(profile)
+    print(f"DeepSeek-V3 (bf16, meta) on 8 x {profile}, batch {batch}, predicted")
+    print(f"  {'layout':<22} {'context':>7} {'step ms':>8} {'weights':>8} {'kv':>7} "
+          f"{'flops':>7} {'coll':>7}  (ms; collective latency not priced)")
+    for dcp in (1, 8):
+        layout = planner.Layout(8, dcp, False, "all_gather", BLOCK, BLOCK)
+        sink = planner.Plan(model="DeepSeek-V3", ranks=8, context_len=max(contexts),
+                            batch=batch, hardware=hw)
+        program = planner._compile(model, layout, max(contexts), batch, sink)
+        if program is None:
+            print(f"  {layout.label():<22} refused: {sink.refused[0].rule}")
+            continue
+        for ctx in contexts:
+            p = planner.predict(planner.breakdown(program, ctx), hw, 8)
+            t = {k: v * 1e3 for k, v in p.seconds.items()}
+            print(f"  {layout.label():<22} {ctx:7d} {p.step_seconds * 1e3:8.2f} "
+                  f"{t['weights']:8.2f} {t['kv']:7.2f} {t['flops']:7.2f} "
+                  f"{t['collectives']:7.2f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384])
@@ -97,8 +125,14 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--recalibrate", action="store_true",
                     help="measure this machine again instead of reading the cached profile")
+    ap.add_argument("--deepseek-v3", action="store_true",
+                    help="only the predicted DeepSeek-V3 tp8 vs tp8 + dcp8 table on h200 "
+                         "(no measurement; compiles 61 layers on the meta device, minutes)")
     docs_section.add_argument(ap)
     args = ap.parse_args()
+    if args.deepseek_v3:
+        deepseek_v3_table()
+        return
     with docs_section.recorded("bench_plan", args.write_docs):
         torch.set_num_threads(1)
         hw = hardware.calibrate() if args.recalibrate else hardware.profile("this-machine")
