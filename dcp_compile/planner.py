@@ -73,6 +73,8 @@ class Breakdown:
     collectives: dict               # '<op>@<role>' -> count per step
     flops: int
     graph_ops: int                  # call_function nodes of the decode graph
+    expert_bytes: int = 0           # of weight_bytes: the routed experts' (dcp.moe inputs)
+    weight_bytes_read: int = 0      # what a step reads: experts no token routes to skipped
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,25 @@ def graph_flops(program, kv_tokens: int, step: str = StepKind.DECODE) -> int:
                    if n.op == "call_function" and n.target in rules))
 
 
+def expert_weights_read(program) -> tuple[int, int]:
+    """(bytes of this rank's routed-expert weights, the bytes a decode step is expected to
+    read of them): each ``dcp.moe`` node's expert tensors, times the chance an expert is
+    routed to by at least one of the step's T tokens, ``1 - (1 - k / E) ** T`` with
+    uniform routing (k experts per token of E)."""
+    c = program.config
+    total = read = 0
+    for n in program.graphs[StepKind.DECODE].graph.nodes:
+        if n.op != "call_function" or n.target != torch.ops.dcp.moe.default:
+            continue
+        x, ids, gate_up, down = (_val(n.args[i]) for i in (0, 1, 3, 4))
+        local = _nbytes(gate_up.shape, gate_up.dtype) + _nbytes(down.shape, down.dtype)
+        experts = gate_up.shape[0] * (c.tp if c.expert_parallel else 1)
+        touched = 1 - (1 - ids.shape[-1] / experts) ** x.shape[0]
+        total += local
+        read += int(local * touched)
+    return total, read
+
+
 def has_experts(program) -> bool:
     return any(n.op == "call_function" and n.target == torch.ops.dcp.moe.default
                for n in program.graphs[StepKind.DECODE].graph.nodes)
@@ -265,8 +286,11 @@ def breakdown(program, context_len: int, config: DCPConfig | None = None) -> Bre
     counts: dict[str, int] = {}
     for key, _, _ in rows:
         counts[key] = counts.get(key, 0) + 1
+    weights = weight_bytes(program)
+    experts, experts_read = expert_weights_read(program)
     return Breakdown(
-        weight_bytes=weight_bytes(program),
+        weight_bytes=weights, expert_bytes=experts,
+        weight_bytes_read=weights - experts + experts_read,
         kv_bytes=program.shapes.batch * tokens * per_token, kv_tokens=tokens,
         kv_bytes_per_token=per_token,
         collective_bytes=int(sum(w for _, w, _ in rows)), collective_count=len(rows),
@@ -296,7 +320,7 @@ def predict(b: Breakdown, hw: HardwareProfile, ranks: int) -> Prediction:
         else:
             seconds[term] = share * amount / per_second
 
-    rate(Term.WEIGHTS, b.weight_bytes, hw.memory_bandwidth)
+    rate(Term.WEIGHTS, b.weight_bytes_read, hw.memory_bandwidth)
     rate(Term.KV, b.kv_bytes, hw.kv_bandwidth or hw.memory_bandwidth)
     rate(Term.FLOPS, b.flops, hw.peak_flops)
     coll = 0.0

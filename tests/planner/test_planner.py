@@ -88,6 +88,11 @@ def test_weight_bytes_equal_the_ranks_state_dict(tp, dcp, ep):
         state = program.state_dict_for(rank)
         real = sum(t.numel() * t.element_size() for n, t in state.items() if n != RANK_INPUT)
         assert planner.weight_bytes(program, rank) == real
+    experts, read = planner.expert_weights_read(program)
+    if ep:    # 4 experts, top-2, batch 2: an expert is skipped with chance (1 - 2/4)^2
+        assert 0 < experts < real and read == int(experts * (1 - 0.5 ** 2))
+    else:
+        assert experts == read == 0
 
 
 def test_collectives_are_the_programs_own():
@@ -172,7 +177,7 @@ def test_this_machine_profile_is_read_from_its_cache(tmp_path, monkeypatch):
 
 
 def _breakdown(**kw):
-    base = dict(weight_bytes=1000, kv_bytes=3000, kv_tokens=10, kv_bytes_per_token=100,
+    base = dict(weight_bytes=1000, weight_bytes_read=1000, kv_bytes=3000, kv_tokens=10, kv_bytes_per_token=100,
                 collective_bytes=500, collective_count=4, collectives={}, flops=0,
                 graph_ops=10)
     return planner.Breakdown(**{**base, **kw})
