@@ -22,7 +22,7 @@ __all__ = [
     "DCPHybridError", "DCPInputError", "DCPLengthDependentError", "DCPOutputContractError",
     "DCPProofError", "DCPTokenMixingError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
-    "prove", "compute_slot_mapping", "transform", "backend", "lower",
+    "prove", "compute_slot_mapping", "transform", "backend", "lower", "plan",
 ]
 
 
@@ -40,6 +40,9 @@ def __getattr__(name):
     if name == "lower":
         from .lowering import lower
         return lower
+    if name == "plan":
+        from .planner import plan
+        return plan
     if name == "transform":
         from .driver import transform
         return transform

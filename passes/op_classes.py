@@ -76,6 +76,8 @@ LOG_SOFTMAX = frozenset({aten._log_softmax.default, aten.log_softmax.int})
 MATMUL = frozenset({aten.matmul.default})
 # Matmuls whose leading dims are a batch (heads as a batch dim).
 BATCHED_MATMULS = MATMUL | {aten.bmm.default}
+# Ops whose FLOPs are 2 * numel(output) * (last dim of the first input): the planner's count.
+CONTRACTIONS = BATCHED_MATMULS | {aten.linear.default, aten.mm.default, aten.addmm.default}
 LAYER_NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Reductions that are a sum (mean: a scaled one): over a sharded dim, an all-reduce.
 SUM_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
