@@ -242,11 +242,24 @@ class Engine:
         """
         logits = self.prefill(prompts)
         if drafter is None:
-            return self.continue_generate(logits, steps)
-        from dcp_compile.runtime.serving.speculative import speculative_generate
-        if hasattr(drafter, "start"):
-            drafter.start(prompts)
-        return speculative_generate(self, logits, steps, drafter, prompts)
+            result = self.continue_generate(logits, steps)
+        else:
+            from dcp_compile.runtime.serving.speculative import speculative_generate
+            if hasattr(drafter, "start"):
+                drafter.start(prompts)
+            result = speculative_generate(self, logits, steps, drafter, prompts)
+        self._register_written(prompts, result.tokens)
+        return result
+
+    def _register_written(self, prompts: list[list[int]], tokens: list[list[int]]) -> None:
+        """With the prefix cache on, make the full vblocks of every token whose KV is now in
+        the cache shareable, the generated ones too (a later request that continues this
+        conversation starts on them, as in vLLM). Positions ``[0, lengths[b])`` hold the KV
+        of the prompt and the accepted tokens (rejected drafts were rewound away)."""
+        if not self.allocator.prefix_caching:
+            return
+        for b, prompt in enumerate(prompts):
+            self.allocator.register_prefix(b, (list(prompt) + list(tokens[b]))[:self.lengths[b]])
 
     def continue_generate(self, logits: torch.Tensor, steps: int) -> GenerateResult:
         """Greedy-decode ``steps`` tokens from the logits of each sequence's last token."""

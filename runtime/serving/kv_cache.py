@@ -168,6 +168,11 @@ class BlockAllocator:
         """Return ``seq_id``'s blocks past positions [0, num_tokens)."""
         table = self._tables.get(seq_id, [])
         keep = -(-num_tokens // self.tokens_per_block)
+        if num_tokens % self.tokens_per_block and table[keep - 1:keep]:
+            # the kept block is written again from inside: it no longer holds its hash's tokens
+            h = self._hash_of.pop(table[keep - 1], None)
+            if h is not None:
+                del self._by_hash[h]
         self._release(table[keep:])
         del table[keep:]
 

@@ -110,3 +110,40 @@ def test_cli_speculative_spec_is_checked(spec, capsys):
         cli.main(["verify", "--tp", "4", "--dcp", "2", "--speculative", spec])
     assert e.value.code == 2
     assert "must be ngram:K or draft:PKG.MODULE:FACTORY:K" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind,K", [("prefill", 1), ("context", 3)])
+def test_generated_tokens_are_shared_by_a_later_request(kind, K):
+    """A conversation's next turn (its prompt = the last prompt + the tokens generated for it
+    + more) starts on the vblocks the generated tokens filled, not only the prompt's; with
+    speculative drafts, only accepted tokens' vblocks are registered."""
+    model = demo_model(DemoConfig(vocab_size=64, hidden_size=64, num_layers=2,
+                                  num_q_heads=8, num_kv_heads=2, head_dim=8,
+                                  intermediate_size=96))
+    first = list(range(1, 7))                            # 6 tokens: no full vblock alone
+    with torch.no_grad():
+        engine = _engine(model, kind=kind, K=K, prefix_caching=True)
+        drafter = NgramDrafter() if K > 1 else None
+        turn1 = engine.generate([first], 12, drafter=drafter).tokens[0][:12]
+        engine.allocator.free(0)
+        engine.lengths = []
+        second = first + turn1 + [9, 10]                 # 20 tokens: 4 full vblocks
+        before = engine.allocator.reused_tokens
+        got = engine.generate([second], 4, drafter=NgramDrafter() if K > 1 else None)
+        plain = _engine(model).generate([second], 4)
+    assert got.tokens[0][:4] == plain.tokens[0][:4]
+    # prompt + 12 generated = 18 tokens, 17 written (the last generated is not fed yet): the
+    # first 4 vblocks (16 tokens) are in the cache, 2 of them beyond the first prompt
+    assert engine.allocator.reused_tokens - before == 16
+    assert not engine.allocator.invariant_violations()
+
+
+def test_a_rewind_inside_a_registered_vblock_unregisters_it():
+    """A sequence rewound into a full, registered vblock writes it again: its hash must not
+    serve another request with the old tokens."""
+    a = BlockAllocator(6, V, prefix_caching=True)
+    a.ensure(0, 2 * V)
+    a.register_prefix(0, list(range(2 * V)))
+    a.shrink(0, V + 1)                                   # keeps block 2 (positions V..2V-1)
+    assert a.share_prefix(1, list(range(2 * V)) + [99]) == V   # only the first vblock
+    assert not a.invariant_violations()
