@@ -174,3 +174,17 @@ def test_transform_refuses_a_hybrid_by_name(model, decode_len, match):
     with pytest.raises(DCPHybridError, match=match):
         dcp_compile.transform(model, tp=4, dcp=2, mode="decode",
                               shapes=StepShapes(decode_len=decode_len))
+
+
+def test_declared_windows_of_the_graph_count_attention_layers_only(model):
+    """The config's per-layer lists cover every decoder layer; the captured graph has an
+    attention site for the attention layers only, so the windows InsertPagedCache checks
+    against those sites (attention_windows) leave the recurrent layers out, in layer order,
+    while declared_windows stays indexed by layer_idx (the attention call's)."""
+    from dcp_compile.frontends.hf_config import attention_windows, declared_windows
+    kinds = model.config.layer_types
+    attention = [i for i, k in enumerate(kinds) if k in ATTENTION_KINDS]
+    per_layer = declared_windows(model)
+    assert len(per_layer) == model.config.num_hidden_layers
+    assert attention_windows(model) == [per_layer[i] for i in attention]
+    assert 0 < len(attention) < model.config.num_hidden_layers
