@@ -51,6 +51,20 @@ def declared_windows(model) -> list[int] | None:
     return [int(window) if t == "sliding_attention" else 0 for t in types]
 
 
+def attention_windows(model) -> list[int] | None:
+    """``declared_windows`` for the attention layers only, in layer order: the index the
+    captured graph's attention sites have (InsertPagedCache). A hybrid model's recurrent
+    layers (Gated DeltaNet / Mamba2 / short-conv mixers, module_recurrent.recurrent_layers)
+    are in the config's ``num_hidden_layers`` / ``layer_types`` but attend nothing.
+    ``declared_windows`` itself stays indexed by ``layer_idx`` (the attention call's)."""
+    windows = declared_windows(model)
+    if windows is None:
+        return None
+    from .module_recurrent import recurrent_layers
+    recurrent = {m.layer_idx for _, m, _ in recurrent_layers(model)}
+    return [w for layer, w in enumerate(windows) if layer not in recurrent]
+
+
 def declared_chunks(model) -> list[int] | None:
     """Per-layer attention chunks a Hugging Face config declares (Llama 4's
     ``attention_chunk_size`` on its ``"chunked_attention"`` layers; 0: not chunked), or None.

@@ -39,8 +39,8 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
-from .hf_config import (_text_config, check_hf_config, declared_chunks,  # noqa: F401
-                        declared_windows, is_hf)
+from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
+                        declared_chunks, declared_windows, is_hf)
 from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
@@ -576,7 +576,7 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
 
 
 __all__ = ["ATTENTION_SWITCH", "ATTN_IMPLEMENTATION", "DCPCausalLM", "EXPERTS_IMPLEMENTATION",
-           "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "check_hf_config", "dcp_experts_enabled",
-           "dcp_experts_forward", "declared_chunks", "declared_windows", "experts_form", "is_hf",
-           "paged_attention_forward", "prepare"]
+           "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "attention_windows", "check_hf_config",
+           "dcp_experts_enabled", "dcp_experts_forward", "declared_chunks", "declared_windows",
+           "experts_form", "is_hf", "paged_attention_forward", "prepare"]
 

@@ -21,7 +21,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
 from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
-from .huggingface import check_hf_config, declared_windows, dcp_experts_enabled, is_hf
+from .huggingface import attention_windows, check_hf_config, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
 
@@ -78,7 +78,7 @@ class OrdinaryFrontend:
                                  num_blocks=self.shapes.num_blocks,
                                  max_blocks=self.shapes.max_blocks,
                                  constants=captured.constants,
-                                 windows=declared_windows(self.model)),
+                                 windows=attention_windows(self.model)),
                 LiftPositions(ctx, inputs[0])]
 
     def facts(self) -> ModelFacts:

@@ -174,3 +174,65 @@ def test_transform_refuses_a_hybrid_by_name(model, decode_len, match):
     with pytest.raises(DCPHybridError, match=match):
         dcp_compile.transform(model, tp=4, dcp=2, mode="decode",
                               shapes=StepShapes(decode_len=decode_len))
+
+
+def test_declared_windows_of_the_graph_count_attention_layers_only(model):
+    """The config's per-layer lists cover every decoder layer; the captured graph has an
+    attention site for the attention layers only, so the windows InsertPagedCache checks
+    against those sites (attention_windows) leave the recurrent layers out, in layer order,
+    while declared_windows stays indexed by layer_idx (the attention call's)."""
+    from dcp_compile.frontends.hf_config import attention_windows, declared_windows
+    kinds = model.config.layer_types
+    attention = [i for i, k in enumerate(kinds) if k in ATTENTION_KINDS]
+    per_layer = declared_windows(model)
+    assert len(per_layer) == model.config.num_hidden_layers
+    assert attention_windows(model) == [per_layer[i] for i in attention]
+    assert 0 < len(attention) < model.config.num_hidden_layers
+
+
+class _StateStep(torch.nn.Module):
+    """The model behind a step signature with its state caches as inputs and outputs:
+    ``(ids, slot, fresh, lengths, conv, rec) -> (logits, conv', rec')`` (what the capture
+    of a hybrid program will take; not wired into the frontend yet, docs/hybrid.md)."""
+
+    def __init__(self, model, conv_layers, rec_layers):
+        super().__init__()
+        self.model, self.conv_layers, self.rec_layers = model, conv_layers, rec_layers
+
+    def forward(self, ids, slot, fresh, lengths, conv, rec):
+        states = mr.RecurrentStates(dict(zip(self.conv_layers, conv)),
+                                    dict(zip(self.rec_layers, rec)), slot, fresh, lengths)
+        with recurrent_as_ops(self.model, states):
+            logits = self.model(ids, use_cache=False).logits
+        return (logits, [states.conv[i] for i in self.conv_layers],
+                [states.rec[i] for i in self.rec_layers])
+
+
+@torch.no_grad()
+def test_the_swap_exports_with_its_states_as_inputs(model):
+    """torch.export of the swapped model (the capture a hybrid program will need): one
+    recurrent op per recurrent layer, the state caches as graph inputs and outputs; the
+    exported program on a right-padded batch of lengths 5 and 8 gives each row the model's
+    own logits (1e-4, greedy tokens equal) and the states the eager swap leaves."""
+    lengths = [5, 8]
+    states = allocate_states(model, num_slots=2)
+    conv_layers, rec_layers = sorted(states.conv), sorted(states.rec)
+    step = _StateStep(model, conv_layers, rec_layers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8),
+                        generator=torch.Generator().manual_seed(2))
+    args = (ids, torch.tensor([1, 0]), torch.tensor([True, True]), torch.tensor(lengths),
+            [states.conv[i] for i in conv_layers], [states.rec[i] for i in rec_layers])
+    ep = torch.export.export(step, args, strict=False)
+    ops = [n for n in ep.graph.nodes if str(n.target).startswith("dcp.")]
+    assert len(ops) == len(recurrent_layers(model))
+    logits, conv, rec = ep.module()(*args)
+    for b, n in enumerate(lengths):
+        want = model(ids[b:b + 1, :n], use_cache=False).logits[0]
+        assert (logits[b, :n] - want).abs().max() < TOL, b
+        assert torch.equal(logits[b, :n].argmax(-1), want.argmax(-1))
+    eager = allocate_states(model, num_slots=2).step([1, 0], [True, True], lengths)
+    with recurrent_as_ops(model, eager):
+        model(ids, use_cache=False)
+    for got, layers, want in ((conv, conv_layers, eager.conv), (rec, rec_layers, eager.rec)):
+        for t, layer in zip(got, layers):
+            assert t.abs().max() > 0 and torch.equal(t, want[layer]), layer
