@@ -27,17 +27,15 @@ import sympy
 import torch
 from torch.fx import Node
 
-from dcp_compile.runtime.errors import DCPSparseAttentionError
-
 from .attention_patterns import MASKED_OUT, Site, fail
 from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis,  # noqa: F401
                                broadcast_to, constant, hidden_under_bias, pieces, relation,
                                rename)
-from .infra import source_of, val
+from .infra import val
 from .memory import refuse_writes_in_place as _refuse_writes_in_place
 from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
                          FILLS_OF_ZERO, MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
-                         SQUEEZES, SUBS, TOP_K, WHERES, XORS)
+                         SQUEEZES, SUBS, WHERES, XORS)
 
 aten = torch.ops.aten
 
@@ -396,7 +394,6 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
     tables: dict = {}
     ancestors = _ancestors(root)
     _refuse_writes_in_place(s, ancestors)
-    _refuse_top_k_selection(s, ancestors)
 
     def table(n: Node) -> Sym:
         shape, boolean = _out(n)
@@ -457,26 +454,6 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
     except NotAFormula as e:
         fail(root, f"the attention mask or bias of {s.node.name} cannot be read as a formula "
              f"of positions: {e}", "Build masks and biases from positions or torch.arange")
-
-
-def _refuse_top_k_selection(s: Site, ancestors: list[Node]) -> None:
-    """A mask that keeps the keys a ``topk`` picks (DeepSeek Sparse Attention's indexer,
-    DeepSeek-V3.2 / GLM-5) is a data-dependent selection over ALL prior tokens: under DCP a
-    rank holds only its shard of the keys, so no per-rank formula of positions reproduces it.
-    Refused by name before the generic "not a formula of positions" reading would be."""
-    picks = [n for n in ancestors if n.op == "call_function" and n.target in TOP_K]
-    if picks:
-        n = picks[0]
-        raise DCPSparseAttentionError(
-            f"DeepSeek Sparse Attention: the indexer's top-k over a sharded context. The "
-            f"attention mask of {s.node.name} keeps the keys chosen by {n.target} at node "
-            f"{n.name} ({source_of(n)}): a data-dependent top-k over all prior tokens. Under "
-            f"DCP each rank holds only its shard of the keys and of the indexer's K, so a "
-            f"per-rank top-k selects a different set; the exact form (local top-k, all-gather "
-            f"of the candidates' scores and positions, a global top-k with torch.topk's ties, "
-            f"attention over the selected keys with the LSE combine) is not built yet. Serve "
-            f"this model without DCP, or with the indexer removed (dense latent attention "
-            f"over every prior token); docs/moe-mla.md: DeepSeek Sparse Attention")
 
 
 def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,
