@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,9 @@ TOPOLOGIES = [
 
 
 def main(argv=None) -> int:
+    # Both engines run here (and in the children it starts): one side-channel key for this
+    # run unless the caller set one (docs/transfer.md: The side channel's key).
+    os.environ.setdefault("DCP_KV_KEY", secrets.token_hex(32))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--num-kv-heads", type=int, default=8)

@@ -13,17 +13,17 @@ from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)
 from .runtime.config import DCPConfig
 from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPConfigError, DCPError,
                              DCPHybridError, DCPInputError, DCPLengthDependentError,
-                             DCPProofError, DCPSparseAttentionError,
+                             DCPOutputContractError, DCPProofError, DCPSparseAttentionError,
                              DCPTokenMixingError, DCPTransferError, DCPTransformError,
                              DCPWorldError)
 from .runtime.topology import Topology, topology
 
 __all__ = [
     "DCPCheckError", "DCPCompilerBug", "DCPConfig", "DCPConfigError", "DCPError",
-    "DCPHybridError", "DCPInputError", "DCPLengthDependentError", "DCPProofError",
-    "DCPSparseAttentionError", "DCPTokenMixingError",
+    "DCPHybridError", "DCPInputError", "DCPLengthDependentError", "DCPOutputContractError",
+    "DCPProofError", "DCPSparseAttentionError", "DCPTokenMixingError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
-    "prove", "compute_slot_mapping", "transform", "backend", "lower",
+    "prove", "compute_slot_mapping", "transform", "backend", "lower", "plan",
 ]
 
 
@@ -41,6 +41,9 @@ def __getattr__(name):
     if name == "lower":
         from .lowering import lower
         return lower
+    if name == "plan":
+        from .planner import plan
+        return plan
     if name == "transform":
         from .driver import transform
         return transform

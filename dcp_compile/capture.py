@@ -20,7 +20,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPOutputContractError, DCPTransformError
 
 
 @dataclass
@@ -76,6 +76,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
         # are then no-ops, not higher-order ops the passes would have to read.
         with torch.no_grad(), _use_lazy_graph_module(True), keeps_tensor_attributes(model):
             ep = torch.export.export(model, example_inputs, strict=False)
+    except DCPOutputContractError:
+        raise                     # the model's own forward broke our contract: that is the reason
     except Exception as e:
         raise DCPTransformError(
             f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "demo": "demo",
     "plan-transfer": "plan_transfer",
     "lower": "lower",
+    "plan": "plan",
 }
 
 

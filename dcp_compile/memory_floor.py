@@ -48,8 +48,7 @@ def ideal_bytes(program, kind: str, bucket: int, rank: int = 0) -> IdealBytes:
     view = program.for_bucket(bucket)
     contract = StepContract.for_program(view, kind)
     spec = program.cache_spec()
-    elem = torch.empty((), dtype=spec.dtype).element_size()
-    token_kv = 2 * spec.num_layers * spec.kv_heads * spec.head_dim * elem   # one rank's
+    token_kv = spec.bytes_per_token()   # one rank's
     batch, tokens = contract.batch, contract.tokens
     kv = batch * (bucket // program.config.dcp) * token_kv
     logits_elem = torch.empty((), dtype=program.facts.cache_dtype or torch.float32).element_size()

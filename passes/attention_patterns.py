@@ -30,8 +30,8 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from .infra import source_of, val
 # RESHAPES and is_call are re-exported: insert_paged_cache reads them from here.
-from .op_classes import (CASTS, DIVS, MATMUL, MULS, RESHAPES, SOFTMAX, is_call,  # noqa: F401
-                         skip_casts)
+from .op_classes import (CASTS, CONVOLUTIONS, DIVS, MATMUL, MULS, RESHAPES,  # noqa: F401
+                         SOFTMAX, is_call, skip_casts)
 
 aten = torch.ops.aten
 
@@ -83,7 +83,7 @@ def _is_dropout_noop(n: Node) -> bool:
     return is_call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
 
 
-def _repeated_heads(n: Node):
+def repeated_heads(n: Node):
     """(x [B, Hkv, S, D], the dim the copies go to) when ``n`` is ``x`` with each head
     repeated g times by ``x.unsqueeze(d).expand(...).reshape(B, Hkv * g, S, D)``: d = 2 puts
     a head's copies side by side (q head h reads kv head h // g, ``repeat_kv``), d = 1 tiles
@@ -105,7 +105,7 @@ def _repeated_heads(n: Node):
 def strip_repeat(n: Node) -> Node:
     """K/V before GQA head repetition (the cache stores kv heads, not q heads)."""
     n = skip_casts(n)
-    repeated = _repeated_heads(n)
+    repeated = repeated_heads(n)
     if repeated is not None:
         x, dim = repeated
         if dim == 1 and val(x).shape[1] > 1:
@@ -252,6 +252,7 @@ def eager_site(sm: Node) -> Site | None:
             fail(x, "attention mask applied before soft-capping (masked scores become "
                  "-cap, not -inf)", "Apply the mask after tanh(scores / c) * c")
         elif is_call(x, {aten.add.Tensor}) and mask is None:
+            scores_mixed(x)          # another layer's scores, or heads mixed: named limits
             a, b = x.args
             if not (isinstance(a, Node) and isinstance(b, Node)):
                 fail(x, "a constant added to the attention scores", "Remove it")
@@ -261,6 +262,7 @@ def eager_site(sm: Node) -> Site | None:
                 and all(isinstance(a, Node) for a in x.args[:2]) \
                 and x.kwargs.get("alpha", 1) == 1:
             # A mask was found nearer the softmax: this second term is a score bias.
+            scores_mixed(x)
             a, b = x.args[:2]
             x, bias = (a, b) if reaches_matmul(a) else (b, a)
             bias_scale = scale
@@ -284,6 +286,7 @@ def eager_site(sm: Node) -> Site | None:
             fail(x, "tanh on the attention scores that is not soft-capping "
                  "(tanh(s / c) * c)", "Write the cap as tanh(scores / c) * c")
         else:
+            scores_mixed(x)
             fail(x, f"unrecognised op {x.target} between `q @ k^T` and softmax",
                  "Only a constant scale, a causal mask and dtype casts are recognised")
     q, kt = x.args
@@ -297,6 +300,55 @@ def eager_site(sm: Node) -> Site | None:
                 v=strip_repeat(v), scale=scale, causal=False, mask=mask,
                 mask_kind=kind, softcap=softcap, sinks=sinks, bias=bias,
                 bias_scale=bias_scale, mask_scale=mask_scale)
+
+
+def _score_sources(n: Node) -> tuple[set[Node], bool]:
+    """The score matmuls (``q @ k^T``) ``n`` is computed from within its attention (not
+    through a linear, so not through the layers before), and whether a convolution is on the
+    way."""
+    found, conv, seen, stack = set(), False, set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in seen or not isinstance(x, Node) or x.op != "call_function":
+            continue
+        seen.add(x)
+        if x.target == aten.linear.default:
+            continue
+        if is_call(x, MATMUL):
+            if tuple(val(x).shape) == tuple(val(n).shape):     # scores, not probs @ v
+                found.add(x)
+            continue
+        conv = conv or is_call(x, CONVOLUTIONS)
+        stack.extend(x.all_input_nodes)
+    return found, conv
+
+
+def scores_mixed(x: Node) -> None:
+    """Refuse by name, as the real limits they are, the two score forms of x-transformers that
+    mix what DCP keeps apart: the scores of another layer added to these (residual
+    attention), and the heads' scores mixed before the softmax (talking heads). Anything
+    else returns (and is refused as an unrecognised op)."""
+    if not is_call(x, {aten.add.Tensor}) or not all(isinstance(a, Node) for a in x.args):
+        return
+    own = [a for a in x.args if reaches_matmul(a)]
+    mine = set().union(*(_score_sources(a)[0] for a in own)) if own else set()
+    for other in x.args:
+        if other in own and len(own) == 1:
+            continue
+        sources, conv = _score_sources(other)
+        if sources - mine:
+            fail(x, "the scores of another attention layer are added to this one's before its "
+                 "softmax (residual attention: x-transformers' residual_attn) -- a real limit: "
+                 "a paged attention kernel (dcp.attention, vLLM's, FlashAttention's) never "
+                 "materialises a layer's scores for the next, and under DCP a rank holds only "
+                 "its share of the keys", "Build the model without residual attention")
+        if sources and conv:
+            fail(x, "the heads' scores are mixed across heads before the softmax (talking "
+                 "heads: x-transformers' pre_talking_heads, a 1x1 convolution over the heads) "
+                 "-- a real limit: attention is cut by heads over the ranks (decode DCP "
+                 "shards the query heads over all tp ranks), so no rank holds the other "
+                 "heads' scores, which never leave the attention kernel", "Build the model "
+                 "without pre-softmax talking heads")
 
 
 def _drops_last_column(n: Node, src: Node) -> bool:

@@ -17,6 +17,13 @@ insertion, so that the placement rules see the ops they have rules for (rules as
     a norm over the last dim, elementwise ops), and ``.view(B, S, H')`` back (OPT's MLP):
     the flatten and the view dropped, so the token dim stays a dim (sequence parallelism
     reduce-scatters along it).
+  * a q/k/v projection fused per KV-head group (torchtitan's ``wqkv``: ``[q heads; k; v]``
+    per group, viewed ``[B, S, kvh, r + 2, D]`` and split) -> one split of the linear's
+    output into ``[all q; all k; all v]``, its rows reordered
+    (``passes/regroup_fused_qkv.py``).
+  * K/V heads repeated tiled (einops ``'b kvh n d -> b (r kvh) n d'``, x-transformers) ->
+    the interleaved repeat, with the query heads permuted by the q projection's rows and
+    the O projection's columns (``passes/untile_kv_heads.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .attention_forms import ATTENTION_FORMS, call_like, replace_node
 from .infra import DCPPass, Property, val
+from .regroup_fused_qkv import qkv_per_group_regrouped
+from .untile_kv_heads import tiled_kv_heads_untiled
 from .memory import is_view
 from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, IDENTITY_VIEWS, IN_PLACE_TWINS,
                          LAYER_NORMS, MATRIX_TRANSPOSES, MULS, RESHAPES, SCATTER_OF_VIEW,
@@ -401,7 +410,13 @@ CANONICAL_FORMS: dict[str, Callable] = {
     "constant_index_as_slice": constant_index_as_slice,
     "index_as_index_select": index_as_index_select,
     "slices_as_split": slices_as_split,
+    # torchtitan's wqkv ([q heads; k; v] per KV head) as [all q; all k; all v], its rows
+    # reordered (passes/regroup_fused_qkv.py)
+    "qkv_per_group_regrouped": qkv_per_group_regrouped,
     **ATTENTION_FORMS,                  # the attention forms (passes/attention_forms.py)
+    # after them (its rules read their one spelling): tiled K/V heads as GQA with the query
+    # heads permuted, the permutation recorded on the weights (passes/untile_kv_heads.py)
+    "tiled_kv_heads_untiled": tiled_kv_heads_untiled,
     # last: the ops it moves off the flattened rows get their values from the pass manager
     "token_flatten_dropped": token_flatten_dropped,
 }

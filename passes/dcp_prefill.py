@@ -39,8 +39,10 @@ The token dim is followed along the q/k/v paths (``trace_token_dim``: through vi
 keep it, transposes and permutes — Hugging Face's [B, H, S, D] around RoPE — and per-head
 norms), so views there get C in place of S (and S_pad/W on the O path), and token-indexed side
 inputs (RoPE's cos/sin, computed from the full positions) are gathered with the same index,
-once for all layers. An op on those paths that touches the token dim is an error naming the
-node.
+once for all layers. On the O path, a per-token side input (x-transformers' gate_values: a
+sigmoid gate of the hidden state times the attention output) is read at the tokens the
+output holds after step 8, this rank's contiguous S_pad/W. An op on those paths that touches
+the token dim is an error naming the node.
 """
 
 from __future__ import annotations
@@ -147,6 +149,22 @@ def trace_token_dim(path: list[Node], sources: dict[Node, int], tokens: int,
     return td, side
 
 
+def _reads_projections(side: Node, plan) -> bool:
+    """Whether ``side`` is computed from the layer's q/k/v projections (or their path),
+    which step 3 moves to the owned tokens; the walk stops at the layer's hidden state."""
+    stops = {*plan.projections, *plan.chained, *plan.token_dim}
+    stack, seen = [side], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n is plan.hidden:
+            continue
+        seen.add(n)
+        if n in stops:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 @dataclass
 class LayerPlan:
     layer: int
@@ -158,6 +176,7 @@ class LayerPlan:
     side_inputs: dict[Node, list[tuple[Node, int]]] = field(default_factory=dict)
     o_path: list[Node] = field(default_factory=list)              # attention out -> o_proj
     o_token_dim: dict[Node, int] = field(default_factory=dict)
+    o_side_inputs: dict[Node, list[tuple[Node, int]]] = field(default_factory=dict)
     o_proj: Node | None = None
     o_reduce: list[Node] = field(default_factory=list)   # all_reduce, wait, [pad], sp slice
     # Linears after the first one of a low-rank chain (MLA's q_b_proj after q_a_proj -> norm):
@@ -260,7 +279,14 @@ class DCPPrefill(DCPPass):
             [out], [plan.o_proj.args[0]])
         plan.o_token_dim, side = trace_token_dim(plan.o_path, {out: 1}, s,
                                                  f"attention output (layer {plan.layer})")
-        if side or plan.o_token_dim.get(plan.o_proj.args[0], 1) != 1:
+        # A per-token input on the way (x-transformers' gate_values: the output times a
+        # sigmoid gate of the hidden state) is read at the tokens the output holds there.
+        # Only one computed from the full-sequence stream: one computed from the q/k/v
+        # projections (a gate in the q rows) runs on the owned tokens, in their order.
+        plan.o_side_inputs = side
+        if any(len({k for _, k in users}) != 1 for users in side.values()) \
+                or any(_reads_projections(a, plan) for a in side) \
+                or plan.o_token_dim.get(plan.o_proj.args[0], 1) != 1:
             raise DCPTransformError(
                 f"the output of attention {attn.name} reaches its O projection "
                 f"{plan.o_proj.name} through token-indexed inputs "
@@ -379,6 +405,7 @@ class DCPPrefill(DCPPass):
             replace_attention(attn, out, kc2, vc2)
 
             _retoken_views(plan.o_path, plan.o_token_dim, s_pad // W)
+            self._slice_o_side_inputs(g, plan, cp, b, s, s_pad // W)
             self._rewrite_o_reduction(g, plan, b, s_pad // W)
 
         _erase_unused(gm, [n for n in g.nodes if n.name == "sp_index"])
@@ -428,6 +455,26 @@ class DCPPrefill(DCPPass):
         ix = g.call_function(aten.view.default, (index, view))
         ix = g.call_function(aten.expand.default, (ix, full))
         return g.call_function(aten.gather.default, (x, dim, ix))
+
+    def _slice_o_side_inputs(self, g: Graph, plan: LayerPlan, cp: Node, b: int, s: int,
+                             count: int) -> None:
+        """A per-token input of the O path ([B, .., S at dim k, ..], all S tokens) read at the
+        tokens the attention output holds after step 8: this rank's contiguous ``count`` of
+        the padded sequence (padding rows read the last token; they are dropped later)."""
+        for side, users in plan.o_side_inputs.items():
+            dim = users[0][1]
+            with g.inserting_before(users[0][0]):
+                start = g.call_function(aten.mul.Tensor, (cp, count))
+                ar = g.call_function(aten.arange.default, (count,),
+                                     {"dtype": torch.int64, "device": val(side).device})
+                ix = g.call_function(aten.clamp.default, (
+                    g.call_function(aten.add.Tensor, (ar, start)), 0, s - 1))
+                ix = g.call_function(aten.expand.default, (
+                    g.call_function(aten.view.default, (ix, [1, count])), [b, count]))
+                picked = self.tag(self._token_gather(g, side, ix, tuple(val(side).shape),
+                                                     count, dim), KIND_SLICE)
+            for user, _ in users:
+                user.replace_input_with(side, picked)
 
     def _rewrite_o_reduction(self, g: Graph, plan: LayerPlan, b: int, tokens: int) -> None:
         """9. TP's all-reduce(dcp_tp) + SP slice -> reduce-scatter(dcp_tp) along tokens."""

@@ -48,6 +48,7 @@ from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
+from .op_classes import CASTS, CONCATS
 from .score_bias import alibi_of, read_bias
 from .sparse_attention import refuse_top_k_selection
 from .placement import Refusal, carried_dim
@@ -172,6 +173,8 @@ class InsertPagedCache(DCPPass):
                 fail(s.node, f"attention {what} {t.name} has shape {tuple(shape)}, not "
                      f"[batch={batch}, heads, tokens, head_dim]", "Attention must be over "
                      "[B, H, S, D] tensors of this step's tokens")
+            if what != "query" and shape[2] != tokens:
+                _memory_key_values(s, what, t, per_token)
             if shape[2] != tokens or t not in per_token:
                 fail(s.node, f"cross-attention: the {what} ({t.name}, shape "
                      f"{tuple(shape)}) is not computed from this step's {tokens} tokens",
@@ -464,3 +467,26 @@ def _drop_dead(g) -> None:
                                                             or n.target in removable):
                 g.erase_node(n)
                 changed = True
+
+
+def _memory_key_values(s: Site, what: str, t: Node, per_token: set) -> None:
+    """Refuse by name learned key/values joined before the sequence's (x-transformers'
+    ``attn_num_mem_kv``: ``cat([mem_k, k], dim=-2)``), which is no cross-attention: every
+    query attends them, at no place in the sequence; the paged cache holds the sequence's own
+    keys only, and ``dcp.attention`` has no argument for keys outside it."""
+    x = t
+    while is_call(x, CASTS):
+        x = x.args[0]
+    if not is_call(x, CONCATS):
+        return
+    parts = x.args[0]
+    dim = x.args[1] if len(x.args) > 1 else 0
+    if dim % 4 != 2 or not any(p in per_token for p in parts) \
+            or all(p in per_token for p in parts):
+        return
+    learned = [p.name for p in parts if p not in per_token]
+    fail(s.node, f"memory key/values: the {what} {t.name} joins learned entries "
+         f"{learned} before the sequence's own (x-transformers' attn_num_mem_kv): every query "
+         f"attends them, at no place in the sequence, and the paged cache holds the "
+         f"sequence's keys and values only (dcp.attention has no argument for others)",
+         "Build the model without memory key/values")

@@ -56,7 +56,8 @@ COMPLEX_VIEWS = frozenset({aten.view_as_complex.default, aten.view_as_real.defau
 SLICES = frozenset({aten.slice.Tensor, aten.narrow.default, aten.select.int})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                     aten.unbind.int})
-JOINS = frozenset({aten.cat.default, aten.concat.default, aten.stack.default})  # concat: cat's alias
+CONCATS = frozenset({aten.cat.default, aten.concat.default})   # concat: cat's alias
+JOINS = CONCATS | {aten.stack.default}
 
 # Move a linear's output columns around without arithmetic, so that running them on the
 # columns' indices says which column lands where (MLA absorption reads kv_b_proj's halves so).
@@ -65,11 +66,18 @@ COLUMN_LAYOUT_OPS = CASTS | RESHAPES | {aten.transpose.int, aten.permute.default
                                         aten.split.Tensor, aten.slice.Tensor,
                                         aten.narrow.default, operator.getitem}
 
+# Convolutions (x-transformers' talking heads: a 1x1 conv2d over the heads as channels).
+CONVOLUTIONS = frozenset({aten.conv1d.default, aten.conv2d.default, aten.convolution.default})
+# Scaled dot-product attention as torch.export keeps it (q, k, v, attn_mask, ...).
+SDPA_OPS = frozenset({aten.scaled_dot_product_attention.default})
+
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
 LOG_SOFTMAX = frozenset({aten._log_softmax.default, aten.log_softmax.int})
 MATMUL = frozenset({aten.matmul.default})
 # Matmuls whose leading dims are a batch (heads as a batch dim).
 BATCHED_MATMULS = MATMUL | {aten.bmm.default}
+# Ops whose FLOPs are 2 * numel(output) * (last dim of the first input): the planner's count.
+CONTRACTIONS = BATCHED_MATMULS | {aten.linear.default, aten.mm.default, aten.addmm.default}
 LAYER_NORMS = frozenset({aten.layer_norm.default, aten.rms_norm.default})
 # Reductions that are a sum (mean: a scaled one): over a sharded dim, an all-reduce.
 SUM_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})

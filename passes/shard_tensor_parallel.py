@@ -28,8 +28,9 @@ from torch.fx import GraphModule, Node
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.kernels.moe import ARG
 from dcp_compile.runtime.program.shards import ShardSpec
-from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
-                           RANK_INPUT, ROLE_META, SCOPE_MODEL)
+from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_WEIGHT_PERM,
+                                       META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
+                                       RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
 from . import collectives as C
 from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Property,
@@ -43,13 +44,30 @@ LINEAR = aten.linear.default
 EMBEDDING = aten.embedding.default
 
 
-def spec_of(placement: Shard, group: int) -> ShardSpec:
+def spec_of(placement: Shard, group: int, param: Node | None = None) -> ShardSpec:
     """How the program cuts a weight the placement analysis shards (``placement``) over a
-    group of ``group`` ranks."""
+    group of ``group`` ranks; of its indices reordered along a dim first, when ``param``
+    records that (``META_WEIGHT_PERM``: passes/untile_kv_heads.py)."""
     first = placement.segs[0]
     segments = () if len(placement.segs) == 1 else tuple(
         (s.size, s.pieces, s.replicas) for s in placement.segs)
-    return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments)
+    perm = _perm_of(param, placement.dim)
+    return ShardSpec(placement.dim, first.pieces, group, first.replicas, segments, perm)
+
+
+def _perm_of(param: Node | None, dim: int) -> tuple[int, ...]:
+    """The reordering ``param`` is read with along ``dim`` (() if none); a weight reordered
+    along one dim and cut along another is refused (a shard is boxes along one dim)."""
+    if param is None or META_WEIGHT_PERM not in param.meta:
+        return ()
+    perm_dim, perm = param.meta[META_WEIGHT_PERM]
+    if perm_dim != dim:
+        raise DCPTransformError(
+            f"weight {param.name} is read with its dim {perm_dim} reordered (K/V heads tiled, "
+            f"read as GQA with the query heads permuted) but cut along dim {dim}: a rank's "
+            f"shard would not be boxes of one dim. Repeat each kv head in place "
+            f"(k.repeat_interleave(r, dim=1)).")
+    return tuple(perm)
 
 
 @dataclass
@@ -113,7 +131,12 @@ class ShardTensorParallel(DCPPass):
                     cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
         for p, shard in pl.params.items():
-            self._shard_param(p, spec_of(shard, self._group(shard.axis)), mode)
+            self._shard_param(p, spec_of(shard, self._group(shard.axis), p), mode)
+        # A weight read reordered but not cut is still reordered when a rank loads it.
+        for p in g.nodes:
+            if p.op == "placeholder" and META_WEIGHT_PERM in p.meta and p.name not in self.shards:
+                dim = p.meta[META_WEIGHT_PERM][0]
+                self.shards[p.name] = ShardSpec(dim, 1, 1, perm=_perm_of(p, dim))
 
         for n in list(g.nodes):
             if n.op != "call_function":

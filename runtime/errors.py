@@ -70,6 +70,13 @@ class DCPHybridError(DCPTransformError):
     not the code the module swap was written against (docs/hybrid.md)."""
 
 
+class DCPOutputContractError(DCPTransformError):
+    """The model's forward returns less than every token's logits (nanoGPT's inference
+    forward: the last position's only). A program returns the logits of every token of its
+    step; picking the last one is the caller's, not a silent change of what the model
+    returns."""
+
+
 class DCPSparseAttentionError(DCPTransformError):
     """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the indexer's top-k over a sharded
     context. The attention keeps only the keys a data-dependent ``topk`` picks over ALL prior

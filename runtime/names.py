@@ -87,6 +87,8 @@ META_FULL_SHAPE = "dcp_full_shape"    # a sharded placeholder's unsharded shape
 META_NORM_REDUCE = "dcp_norm_reduce"  # an all-reduce of a norm over sharded heads, not TP's sum
 ROLE_META = "dcp_tp_role"             # a linear's tensor-parallel role (q_proj, mlp_row, ...)
 PROJECTIONS_META = "dcp_projections"  # an attention's q/k/v/o linear names
+META_WEIGHT_PERM = "dcp_weight_perm"  # a weight input read with its indices along a dim
+                                      # reordered: (dim, perm) (passes/untile_kv_heads.py)
 SP_SLICE = "dcp_sp_slice"             # this rank's sequence-parallel slice after the O proj.
 SP_GATHER = "dcp_sp_gather"           # full-sequence tensor after a sequence-parallel gather
 MOE_ROLE_META = "dcp_moe_role"        # a linear of a MoE block run whole on every rank

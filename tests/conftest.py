@@ -42,6 +42,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,10 @@ def pytest_configure(config):
     except suite_path.DuplicateTestModule as e:
         raise pytest.UsageError(str(e)) from e     # before collection, no traceback
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The KV side channel's key (runtime/transfer/nixl/auth.py): one per session, shared by
+    # every engine the tests start, in this process and the worlds it launches; the tests of
+    # a missing key unset it.
+    os.environ.setdefault("DCP_KV_KEY", secrets.token_hex(32))
     torch.set_num_threads(1)
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 from torch import Tensor, nn
 
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPOutputContractError, DCPTransformError
 from dcp_compile.runtime.program.facts import ModelFacts
 
 from ..capture import Captured, capture, checkpoint_names, constant_values
@@ -123,11 +123,26 @@ class OrdinaryStep(nn.Module):
                 f"logits: an ordinary causal LM returns the logits tensor [B, S, vocab] or "
                 f"an object with .logits.")
         if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
-            raise DCPTransformError(
-                f"{type(self.model).__name__} returned logits of shape "
-                f"{tuple(logits.shape)} for input_ids {tuple(input_ids.shape)}: expected "
-                f"[B, S, vocab]. Return the logits of every token.")
+            raise DCPOutputContractError(_output_contract(self.model, logits, input_ids))
         return logits
+
+
+def _output_contract(model: nn.Module, logits: Tensor, input_ids: Tensor) -> str:
+    """Why ``logits`` is not what a program returns, naming the form when it is the last
+    position's logits only (nanoGPT's inference forward, ``lm_head(x[:, [-1], :])``)."""
+    name, shape, ids = type(model).__name__, tuple(logits.shape), tuple(input_ids.shape)
+    if logits.dim() in (2, 3) and shape[0] == ids[0] and ids[1] > 1 \
+            and (logits.dim() == 2 or shape[1] == 1):
+        return (f"{name} returns the logits of the last position only (shape {shape} for "
+                f"input_ids {ids}: its LM head reads x[:, [-1], :] or x[:, -1, :], as "
+                f"nanoGPT's inference forward does). A program returns every token's logits "
+                f"[B, S, vocab], one per token of its step (in prefill the last real token of "
+                f"a padded row is not at index -1), and does not change what the model "
+                f"returns: apply the LM head to every position (nanoGPT: "
+                f"logits = self.lm_head(x), its training branch) and take the last token's "
+                f"logits from the program's output")
+    return (f"{name} returned logits of shape {shape} for input_ids {ids}: expected "
+            f"[B, S, vocab]. Return the logits of every token.")
 
 
 def capture_ordinary(step: OrdinaryStep, batch: int, tokens: int, *,
@@ -140,6 +155,8 @@ def capture_ordinary(step: OrdinaryStep, batch: int, tokens: int, *,
     try:
         with torch.no_grad():
             return capture(step, example)
+    except DCPOutputContractError:
+        raise                     # already names what the model returns and what to change
     except DCPTransformError as e:
         raise DCPTransformError(
             f"{e} ({type(step.model).__name__} was taken as an ordinary causal LM, "

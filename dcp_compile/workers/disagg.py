@@ -1,8 +1,11 @@
 """Disaggregated prefill -> decode with real processes: two torchrun/gloo worlds, KV over NIXL.
 
 One rank of either world (``python -m dcp_compile.workers.disagg prefill|decode ...``, launched by
-torchrun; both worlds run at the same time, each with its own master port)::
+torchrun; both worlds run at the same time, each with its own master port). Both worlds need
+the side channel's key in their environment (``DCP_KV_KEY`` or ``DCP_KV_KEY_FILE``, the same
+value; docs/transfer.md: The side channel's key), or a connector refuses to start::
 
+    export DCP_KV_KEY=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
     # prefill world: TP=4/DCP=2 prefill program, chunked prompts, then serves its KV
     torchrun --nproc-per-node 4 -m dcp_compile.workers.disagg prefill --dcp 2 --block-size 8 \\
         --plan '[[20,11,5],[17,9,0]]' --port 31000 \\

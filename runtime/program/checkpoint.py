@@ -43,6 +43,15 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
           "U8": torch.uint8, "BOOL": torch.bool}
+# The safetensors format's own bound on a header (its reference reader refuses larger ones).
+MAX_HEADER = 100_000_000
+# One tensor of a safetensors header: its fields and what each must be (rules as data).
+HEADER_ENTRY = {
+    "dtype": lambda v: type(v) is str,
+    "shape": lambda v: type(v) is list and all(type(d) is int and 0 <= d < 2 ** 48 for d in v),
+    "data_offsets": lambda v: type(v) is list and len(v) == 2 and
+    all(type(o) is int for o in v),
+}
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,42 @@ class _Entry:
     nbytes: int
     dtype: torch.dtype | str
     shape: tuple[int, ...]
+
+
+def _entries(path: Path, raw, start: int, size: int) -> dict[str, "_Entry"]:
+    """A safetensors header's tensors, each checked against the header's schema
+    (:data:`HEADER_ENTRY`), its dtype and shape (its byte count), the file's end and the
+    other tensors (no two boxes of bytes overlap); raises ValueError naming what is wrong."""
+    if type(raw) is not dict:
+        raise ValueError(f"the header is a JSON {type(raw).__name__}, not an object")
+    header, spans = {}, []
+    for key, e in raw.items():
+        if key == "__metadata__":
+            continue
+        if type(e) is not dict or sorted(e) != sorted(HEADER_ENTRY) or \
+                not all(rule(e[k]) for k, rule in HEADER_ENTRY.items()):
+            raise ValueError(f"tensor {key}: {str(e)[:80]} is not {{dtype: a name, shape: "
+                             f"[non-negative ints], data_offsets: [begin, end]}}")
+        begin, end = e["data_offsets"]
+        if not 0 <= begin <= end or start + end > size:
+            raise ValueError(f"tensor {key} at bytes [{begin}, {end}) of the data, "
+                             f"past the end of the file ({size} bytes)")
+        dtype, shape = DTYPES.get(e["dtype"], e["dtype"]), tuple(e["shape"])
+        if isinstance(dtype, torch.dtype):
+            want = math.prod(shape) * dtype.itemsize
+            if end - begin != want:
+                raise ValueError(f"tensor {key} of shape {list(shape)} and dtype {e['dtype']} "
+                                 f"is {want} bytes, and its offsets [{begin}, {end}) hold "
+                                 f"{end - begin}")
+        header[key] = _Entry(path, start + begin, end - begin, dtype, shape)
+        if end > begin:
+            spans.append((begin, end, key))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {a} and {b} overlap (bytes {begin} to {end} of the "
+                             f"data belong to both)")
+    return header
 
 
 class Checkpoint:
@@ -162,23 +207,15 @@ class Checkpoint:
         try:
             with open(path, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
-                if not 0 < n <= size - 8:
-                    raise ValueError(f"header length {n} in a file of {size} bytes")
+                if not 0 < n <= min(size - 8, MAX_HEADER):
+                    raise ValueError(f"header length {n} in a file of {size} bytes (at most "
+                                     f"{MAX_HEADER})")
                 raw = json.loads(f.read(n))
-            header = {}
-            for key, e in raw.items():
-                if key == "__metadata__":
-                    continue
-                begin, end = e["data_offsets"]
-                if not 0 <= begin <= end or 8 + n + end > size:
-                    raise ValueError(f"tensor {key} at bytes [{begin}, {end}) of the data, "
-                                     f"past the end of the file ({size} bytes)")
-                header[key] = _Entry(path, 8 + n + begin, end - begin,
-                                     DTYPES.get(e["dtype"], e["dtype"]), tuple(e["shape"]))
-        except (ValueError, KeyError, TypeError) as e:
+            header = _entries(path, raw, 8 + n, size)
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise DCPInputError(f"checkpoint file {path} is not a readable safetensors file "
-                                f"({type(e).__name__}: {e}); it may be truncated or corrupt. "
-                                f"Copy or write it again.") from None
+                                f"({type(e).__name__}: {e}); it may be truncated or corrupt "
+                                f"(or forged). Copy or write it again.") from None
         self._headers[path] = header
         return header
 
@@ -200,6 +237,16 @@ class Checkpoint:
         """The ``box`` of tensor ``key`` (per dim ``(start, stop)``), in its own dtype: one
         positioned read per contiguous run of the box."""
         e = self._entry(key)
+        if not isinstance(e.dtype, torch.dtype):
+            raise DCPInputError(f"checkpoint tensor {key} in {e.path} is of dtype {e.dtype}, "
+                                f"which dcp_compile does not read (one of {sorted(DTYPES)}). "
+                                f"Pass an unquantized checkpoint of this model.")
+        if len(box) != len(e.shape) or not all(0 <= a <= b <= n for (a, b), n in
+                                               zip(box, e.shape)):
+            raise DCPInputError(f"box {box} is not inside checkpoint tensor {key} of shape "
+                                f"{list(e.shape)} ({e.path}): the checkpoint does not match "
+                                f"the program. Compile the program from this checkpoint's "
+                                f"config.")
         out = torch.empty([b - a for a, b in box], dtype=e.dtype)
         if out.numel() == 0:
             return out

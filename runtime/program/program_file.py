@@ -9,6 +9,10 @@ read with ``torch.load(weights_only=True)``, so loading runs no code from the fi
 pass: it looks ops up by name (ATen, collectives, the ``dcp`` ops of runtime/kernels/ops.py and
 runtime/kernels/moe.py) and rebuilds each GraphModule.
 
+A file is a header (versions, the body's length and SHA-256) and the ``torch.save`` body; a
+truncated, corrupt or forged file is refused by the header, the hash or the schema
+(:mod:`.schema`) before anything is built from it, with a DCPInputError naming the file.
+
 What a file leaves out: the compile report (pass history, proof certificate, check report),
 the dump directory and the mask theorems (the certificate's input), which belong to the
 compiler; and node metadata that only capture and the passes read (module stacks, source

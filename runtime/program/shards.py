@@ -12,13 +12,20 @@ import torch
 class ShardSpec:
     """How rank r's shard of a weight is cut along ``dim``: of each segment (size, pieces,
     replicas) — one segment of the whole dim unless ``segments`` is given (a fused weight) —
-    piece ``(r % group) // replicas``, concatenated in segment order."""
+    piece ``(r % group) // replicas``, concatenated in segment order.
+
+    ``perm``: the weight the program computes with is the checkpoint's with its indices
+    along ``dim`` reordered (index i of the program's weight is index ``perm[i]`` of the
+    checkpoint's; x-transformers' tiled K/V heads read as GQA with the query heads
+    permuted: passes/untile_kv_heads.py); the cut is of that reordered weight, and the
+    boxes say which of the checkpoint's rows it reads, in order."""
 
     dim: int
     pieces: int
     group: int
     replicas: int = 1
     segments: tuple[tuple[int, int, int], ...] = ()
+    perm: tuple[int, ...] = ()
 
     def segments_of(self, size: int) -> tuple[tuple[int, int, int], ...]:
         """(size, pieces, replicas) of each segment of a dim of ``size``."""
@@ -35,10 +42,24 @@ class ShardSpec:
         for size, pieces, replicas in self.segments_of(full_shape[self.dim]):
             n = size // pieces
             start = offset + ((rank % self.group) // replicas) * n
-            out.append(tuple((start, start + n) if d == self.dim else (0, s)
-                             for d, s in enumerate(full_shape)))
+            for a, b in self._runs(start, start + n):
+                out.append(tuple((a, b) if d == self.dim else (0, s)
+                                 for d, s in enumerate(full_shape)))
             offset += size
         return out
+
+    def _runs(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The checkpoint's index ranges that indices [start, stop) of the program's weight
+        read (one range unless ``perm`` reorders them), in order."""
+        if not self.perm:
+            return [(start, stop)]
+        runs: list[list[int]] = []
+        for i in self.perm[start:stop]:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        return [(a, b) for a, b in runs]
 
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         parts = [full.narrow(self.dim, *_start_length(box[self.dim]))

@@ -45,11 +45,14 @@ class KVCacheSpec:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
 
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in one rank's caches, every layer."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * elem
+
     def bytes_per_rank(self) -> int:
         """Bytes of every K and V cache of one rank (garbage block included)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_blocks * self.block_size * self.kv_heads \
-            * self.head_dim * elem
+        return self.num_blocks * self.block_size * self.bytes_per_token()
 
     def allocate(self, fill: float = 0.0, device="cpu") -> list[torch.Tensor]:
         """Fresh caches, flat [k_0, v_0, ...]. ``fill=nan`` poisons them for tests."""

@@ -18,6 +18,8 @@ serve it. canonicalize_ops rewrites each form into the one the attention reader 
   where-then-mask        GPT-Neo: where(tril buffer, scores, tensor(min)) + additive mask
   tril-buffer-index      gpt-fast: tril buffer indexed as causal_mask[None, None, pos]
   l2-normalize           x-transformers: F.normalize as qk_norm and as its RMSNorm
+  tiled-heads            x-transformers: K/V heads tiled ('b kvh n d -> b (r kvh) n d') into SDPA
+  tiled-heads-einsum     the same into its einsum attention
 """
 
 from __future__ import annotations
@@ -175,10 +177,32 @@ def l2_normalize(m, q, k, v, pos):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=10.0)
 
 
+def _tile(t):
+    """einops' 'b kvh n d -> b (r kvh) n d' (x-transformers): q head h reads kv head h % KV."""
+    b, _, s, _ = t.shape
+    return t.unsqueeze(1).expand(b, G, KV, s, HD).reshape(b, HEADS, s, HD)
+
+
+def tiled_heads(m, q, k, v, pos):
+    """x-transformers with attn_flash: tiled K/V heads into SDPA. Read as GQA with the query
+    heads permuted (passes/untile_kv_heads.py): the q rows and o columns reordered."""
+    return F.scaled_dot_product_attention(q, _tile(k), _tile(v), is_causal=True)
+
+
+def tiled_heads_einsum(m, q, k, v, pos):
+    """x-transformers' Attend on tiled K/V heads: einsum scores, masked_fill, softmax,
+    einsum; the mask and the scale broadcast over the heads."""
+    sim = torch.einsum("b h i d, b h j d -> b h i j", q, _tile(k)) * HD ** -0.5
+    s = q.shape[2]
+    sim = sim.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), MIN)
+    return torch.einsum("b h i j, b h j d -> b h i d", sim.softmax(dim=-1), _tile(v))
+
+
 FORMS = {f.__name__.replace("_", "-"): f for f in (
     gqa_expand_flatten, gqa_expand_reshape, gqa_token_major, gqa_broadcast_to, kt_mT,
     kt_permute, kt_permute_bshd, kt_transpose_2_3, einsum, autocast_off_rope,
-    bmm_heads_in_batch, where_then_mask, tril_buffer_index, l2_normalize)}
+    bmm_heads_in_batch, where_then_mask, tril_buffer_index, l2_normalize, tiled_heads,
+    tiled_heads_einsum)}
 
 
 class Positions:
@@ -241,6 +265,84 @@ def test_form_matches_the_models_own_forward(form, mode):
     assert_runs_match(runs, *full_forward_reference(model, prompts, steps), atol=1e-4)
 
 
+class PerGroupQKVLM(nn.Module):
+    """torchtitan's fused wqkv: rows [q heads of group g; k_g; v_g] per KV head, read as
+    ``view(b, s, KV, G + 2, HD).split([G, 1, 1], dim=-2)``; RoPE, SDPA with enable_gqa."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.wqkv = nn.ModuleList(nn.Linear(DIM, KV * (G + 2) * HD, bias=True) for _ in range(2))
+        self.wo = nn.ModuleList(nn.Linear(HEADS * HD, DIM, bias=False) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        cos, sin = _angles(torch.arange(s))
+        for wqkv, wo in zip(self.wqkv, self.wo):
+            q, k, v = wqkv(x).view(b, s, -1, G + 2, HD).split([G, 1, 1], dim=-2)
+            q, k, v = (t.reshape(b, s, -1, HD).transpose(1, 2) for t in (q, k, v))
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + wo(y.transpose(1, 2).reshape(b, s, -1))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_qkv_fused_per_kv_group_matches_at_tp_above_kv_heads(mode):
+    """tp=4 over 2 KV heads: a decode rank holds half of one group's q heads and the group's
+    whole k/v. Read as [all q; all k; all v] with the rows reordered (ShardSpec.perm)."""
+    model = seeded_weights(PerGroupQKVLM(), 0).eval()
+    program = _transform(model, mode)
+    assert sorted(n for n, spec in program.shards.items() if spec.perm) == [
+        f"p_model_wqkv_{i}_{w}" for i in (0, 1) for w in ("bias", "weight")]
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    steps = 4 if mode == "decode" else 1
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    assert_runs_match(runs, *full_forward_reference(model, prompts, steps), atol=1e-4)
+
+
+class GatedValuesLM(nn.Module):
+    """x-transformers' gate_values: the attention output times a per-token, per-head sigmoid
+    gate of the hidden state, before the O projection (GQA, RoPE, SDPA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            q=nn.Linear(DIM, HEADS * HD, bias=False), k=nn.Linear(DIM, KV * HD, bias=False),
+            v=nn.Linear(DIM, KV * HD, bias=False), gate=nn.Linear(DIM, HEADS),
+            o=nn.Linear(HEADS * HD, DIM, bias=False))) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        cos, sin = _angles(torch.arange(s))
+        for layer in self.layers:
+            heads = lambda t: t.view(b, s, -1, HD).transpose(1, 2)  # noqa: E731
+            q, k, v = heads(layer["q"](x)), heads(layer["k"](x)), heads(layer["v"](x))
+            y = F.scaled_dot_product_attention(_rope(q, cos, sin), _rope(k, cos, sin), v,
+                                               is_causal=True, enable_gqa=True)
+            y = y * layer["gate"](x).sigmoid().transpose(1, 2)[..., None]   # b h n 1
+            x = x + layer["o"](y.transpose(1, 2).reshape(b, s, -1))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_gated_attention_output_matches(mode):
+    """Prefill: the gate is computed on every token of the chunk; the attention output holds
+    this rank's contiguous tokens after the LSE reduce-scatter, and the gate is read at
+    those (dcp_prefill._slice_o_side_inputs), padding rows included."""
+    model = seeded_weights(GatedValuesLM(), 0).eval()
+    program = _transform(model, mode)
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    steps = 4 if mode == "decode" else 1
+    runs = run_threaded_program(program, prompts, steps, poison_garbage=True)
+    assert_runs_match(runs, *full_forward_reference(model, prompts, steps), atol=1e-4)
+
+
 def test_gqa_forms_cache_the_kv_heads():
     """The cache holds the 2 kv heads (decode at tp=4 > 2 is served, not refused as MHA)."""
     program = _transform(seeded_weights(FormLM(gqa_expand_flatten), 0).eval(), "decode")
@@ -250,11 +352,32 @@ def test_gqa_forms_cache_the_kv_heads():
 # -- refused by name -----------------------------------------------------------------------
 
 
-def tiled_heads(m, q, k, v, pos):
-    """einops' 'b kvh n d -> b (r kvh) n d': q head h reads kv head h % KV."""
-    b, _, s, _ = k.shape
-    k, v = (t.unsqueeze(1).expand(b, G, KV, s, HD).reshape(b, HEADS, s, HD) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def tiled_heads_per_head_scale(m, q, k, v, pos):
+    """Tiled K/V heads, and q scaled per head by a tensor no projection computes: the head
+    permutation would have to reorder it too, which untile_kv_heads does not do."""
+    q = q * torch.linspace(0.5, 1.5, HEADS)[None, :, None, None]
+    return F.scaled_dot_product_attention(q, _tile(k), _tile(v), is_causal=True)
+
+
+def residual_scores(m, q, k, v, pos):
+    """x-transformers' residual_attn: each layer's pre-softmax scores carried into the next
+    layer's (the first layer adds nothing)."""
+    s = q @ _repeat_kv(k).transpose(-2, -1) / math.sqrt(HD)
+    if getattr(pos, "prev", None) is not None:
+        s = s + pos.prev
+    s = s.masked_fill(torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1), MIN)
+    pos.prev = s
+    return F.softmax(s, dim=-1) @ _repeat_kv(v)
+
+
+def talking_heads(m, q, k, v, pos):
+    """x-transformers' pre-softmax talking heads: a 1x1 conv2d over the heads (as channels)
+    of the scores, added to them."""
+    s = q @ _repeat_kv(k).transpose(-2, -1) / math.sqrt(HD)
+    mix = torch.eye(HEADS)[:, :, None, None] * 0.5 + 0.01
+    s = (s + F.conv2d(s, mix)).masked_fill(
+        torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1), MIN)
+    return F.softmax(s, dim=-1) @ _repeat_kv(v)
 
 
 def autocast_on(m, q, k, v, pos):
@@ -265,9 +388,17 @@ def autocast_on(m, q, k, v, pos):
 
 
 @pytest.mark.parametrize("attend,match", [
-    (tiled_heads, r"K/V heads tiled \(q head h reads kv head h % 2.*repeat each kv head"),
+    (tiled_heads_per_head_scale, r"K/V heads tiled \(q head h reads kv head h % 2.*cannot "
+                                 r"be read as grouped-query attention with the 8 query heads "
+                                 r"permuted: its operand .* carries heads .*Repeat each kv "
+                                 r"head in place"),
     (autocast_on, r"torch\.autocast\(enabled=True\) region.*Run the model without autocast"),
-], ids=["tiled-kv-heads", "autocast-enabled"])
+    (residual_scores, r"scores of another attention layer are added.*\(residual attention.*"
+                      r"a real limit.*Build the model without residual attention"),
+    (talking_heads, r"mixed across heads before the softmax \(talking heads.*a real limit.*"
+                    r"Build the model without pre-softmax talking heads"),
+], ids=["tiled-kv-heads-per-head-scale", "autocast-enabled", "residual-attention",
+        "talking-heads"])
 def test_form_is_refused_naming_what_to_change(attend, match):
     model = seeded_weights(FormLM(attend), 0).eval()
     with pytest.raises(DCPTransformError, match=match) as e:

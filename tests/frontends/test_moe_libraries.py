@@ -163,10 +163,12 @@ def _fp32_grouped_experts(self, x, counts):
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"] if MATRIX else ["decode"])
-def test_torchtitan_deepseek_v3_with_fp32_experts_matches(mode, monkeypatch):
-    """torchtitan's DeepSeek-V3 (MLA read tokens-first and absorbed, MoE as dcp.moe) with its
-    experts computing in fp32 (the one change: its bf16 casts dropped, and the rule told
-    so): the program matches its own forward, TP experts."""
+@pytest.mark.parametrize("name", ["torchtitan/deepseek_v3", "torchtitan/qwen3-moe"])
+def test_torchtitan_moe_with_fp32_experts_matches(name, mode, monkeypatch):
+    """torchtitan's DeepSeek-V3 (MLA read tokens-first and absorbed, MoE as dcp.moe) and
+    Qwen3-MoE (its wqkv fused per KV head read as [all q; all k; all v], decode at tp=4 over 2
+    KV heads) with their experts computing in fp32 (the one change: its bf16 casts dropped,
+    and the rule told so): the program matches its own forward, TP experts."""
     _needs("torchtitan")
     import dataclasses
 
@@ -182,7 +184,7 @@ def test_torchtitan_deepseek_v3_with_fp32_experts_matches(mode, monkeypatch):
              block.routed_experts.inner_experts.w3_EFD], dim=1),
             block.routed_experts.inner_experts.w2_EDF))
     monkeypatch.setattr(mx, "RULES", tuple(fp32 if r is rule else r for r in mx.RULES))
-    out = T.run_case("torchtitan/deepseek_v3", mode)
+    out = T.run_case(name, mode)
     assert out.kind == "matches", (out.cell(), out.message[:800])
 
 

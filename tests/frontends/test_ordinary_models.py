@@ -198,6 +198,17 @@ def _position_bias(m, q, k, v, ids):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def _memory_kv(m, q, k, v, ids):
+    """x-transformers' attn_num_mem_kv: 2 learned key/value slots joined before the
+    sequence's, attended by every query."""
+    b, s = q.shape[0], q.shape[2]
+    mem = m.memory[:2].view(2, -1, 8).transpose(0, 1)[None].expand(b, -1, -1, -1)
+    k, v = torch.cat([mem, k], dim=2), torch.cat([mem, v], dim=2)
+    scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5
+    hidden = torch.ones(s, s + 2, dtype=torch.bool).triu(3)
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
+
+
 REFUSED = {
     "encoder-non-causal-sdpa": (_encoder, "non-causal attention"),
     "cross-attention": (_cross, "cross-attention"),
@@ -205,6 +216,7 @@ REFUSED = {
     "token-shifted-keys": (_token_shift_keys, "acts on each token on its own"),
     "causal-mask-hiding-a-token": (_hide_first_token, "not as a sliding window"),
     "position-bias-not-alibi": (_position_bias, "is not ALiBi"),
+    "memory-key-values": (_memory_kv, r"memory key/values: the key .* joins learned entries"),
 }
 
 
@@ -218,6 +230,48 @@ def test_refused_with_node_and_source_line(case):
     message = str(e.value)
     assert "at node " in message and "test_ordinary_models.py" in message, message
     assert "line " in message, message
+
+
+class LastLogitsLM(TinyAttentionLM):
+    """nanoGPT's inference forward: the LM head over the last position only."""
+
+    def __init__(self, last):
+        super().__init__(lambda m, q, k, v, ids: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True))
+        self.last = last
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        heads = lambda t: t.view(b, s, -1, 8).transpose(1, 2)  # noqa: E731
+        out = self.attend(self, heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), None)
+        x = x + self.o(out.transpose(1, 2).reshape(b, s, -1))
+        return self.head(self.last(x))
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("last", [lambda x: x[:, [-1], :], lambda x: x[:, -1, :]],
+                         ids=["x[:, [-1], :]", "x[:, -1, :]"])
+def test_last_position_logits_refused_by_name(last, mode):
+    """Issue #35: a forward returning the last position's logits only is refused as that
+    form (DCPOutputContractError), not as an export failure, and the program's output
+    contract is not changed silently; the same model with the head over every position
+    matches (the MHA refusal in decode is the spec's tp > kv heads rule)."""
+    from dcp_compile import DCPOutputContractError
+    model = LastLogitsLM(last).eval()
+    with pytest.raises(DCPOutputContractError, match="logits of the last position only") as e:
+        dcp_compile.transform(model, tp=TP, dcp=DCP, mode=mode, block_size=BLOCK,
+                              shapes=SHAPES, check=False)
+    assert "could not capture" not in str(e.value)
+    assert "lm_head(x)" in str(e.value)
+    model.last = lambda x: x                       # the head over every position
+    shapes = StepShapes(batch=4, context_len=12, max_blocks=8, num_blocks=24)   # dcp=1
+    program = dcp_compile.transform(model, tp=TP, dcp=1, mode=mode, block_size=BLOCK,
+                                    shapes=shapes, check=False)
+    prompts = prompts_of(LENGTHS, vocab=VOCAB)
+    runs = run_threaded_program(program, prompts, STEPS[mode], poison_garbage=True)
+    ref_tokens, ref_logits = full_forward_reference(model, prompts, STEPS[mode])
+    assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL)
 
 
 def test_paged_signature_without_hooks_still_needs_them():

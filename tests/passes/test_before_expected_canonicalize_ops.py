@@ -1,6 +1,7 @@
 """canonicalize_ops, Before/Expected: an ordinary model's hand-written forms become the ops
 the placement rules have rules for -- ``x @ w.T`` a linear, a constant index of consecutive
-entries a slice, slices that partition one dim a split -- and compute the same."""
+entries a slice, slices that partition one dim a split, a q/k/v projection fused per KV-head
+group [all q; all k; all v] with its rows reordered -- and compute the same."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from dcp_compile.passes.canonical_ops import CanonicalizeOps
 from dcp_compile.passes.op_classes import AUTOCAST_REGIONS
 from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.names import META_WEIGHT_PERM
 
 from before_expected import aten, assert_code, before, call, context, run_alone
 
@@ -245,3 +247,80 @@ def test_an_autocast_region_that_casts_is_refused_naming_it():
     x = torch.randn(3, 8)
     with pytest.raises(DCPTransformError, match=r"torch.autocast\(enabled=True\) region"):
         run_alone(_autocast_pass(), _exported(_Autocast(dtype=torch.bfloat16), x))
+
+
+# -- torchtitan's wqkv: [q heads; k; v] per KV head -> [all q; all k; all v] ---------------
+# 2 KV heads of 4 query heads each, head_dim 2: rows per group [q0..q3; k; v] (12 rows).
+
+
+def _per_group_qkv(p_wqkv, p_bqkv, x):
+    y = aten.view.default(aten.linear.default(x, p_wqkv, p_bqkv), [2, 3, 2, 6, 2])
+    q, k, v = aten.split_with_sizes.default(y, [4, 1, 1], -2)
+    return (aten.reshape.default(q, [2, 3, 8, 2]), aten.reshape.default(k, [2, 3, 2, 2]),
+            aten.reshape.default(v, [2, 3, 2, 2]))
+
+
+def _per_group_before():
+    g = torch.Generator().manual_seed(0)
+    return before(_per_group_qkv, p_wqkv=torch.randn(24, 8, generator=g),
+                  p_bqkv=torch.randn(24, generator=g), x=torch.randn(2, 3, 8, generator=g))
+
+
+def _per_group_pass():
+    return CanonicalizeOps(context(2, 1, "context"), weights={"p_wqkv", "p_bqkv"},
+                           constants=dict, forms=("qkv_per_group_regrouped",))
+
+
+# The linear's output split by [all q | all k | all v] widths, each part viewed as its heads;
+# the per-group view, split and merges die. The weight and bias carry the row order.
+EXPECTED_PER_GROUP = """
+    def forward(self, p_wqkv, p_bqkv, x):
+        linear_default = aten.linear.default(x, p_wqkv, p_bqkv)
+        split_with_sizes_default = aten.split_with_sizes.default(linear_default, [16, 4, 4], -1)
+        getitem = split_with_sizes_default[0]
+        view_default = aten.view.default(getitem, [2, 3, 8, 2])
+        getitem_1 = split_with_sizes_default[1]
+        view_default_1 = aten.view.default(getitem_1, [2, 3, 2, 2])
+        getitem_2 = split_with_sizes_default[2]
+        view_default_2 = aten.view.default(getitem_2, [2, 3, 2, 2])
+        return (view_default, view_default_1, view_default_2)
+    """
+
+
+def test_qkv_fused_per_group_is_read_as_all_q_all_k_all_v():
+    p = _per_group_pass()
+    gm = run_alone(p, _per_group_before())
+    assert_code(gm, EXPECTED_PER_GROUP)
+    assert p.matched == {"qkv_per_group_regrouped": 1}
+    perms = {n.name: n.meta.get(META_WEIGHT_PERM) for n in gm.graph.nodes
+             if n.op == "placeholder"}
+    # group 0's q rows 0-7, group 1's q rows 12-19, then k of each group, then v of each
+    assert perms["p_wqkv"] == perms["p_bqkv"] == (0, (*range(0, 8), *range(12, 20),
+                                                      8, 9, 20, 21, 10, 11, 22, 23))
+    assert perms["x"] is None
+
+
+def test_qkv_regrouped_computes_the_same_with_its_rows_reordered():
+    """The rewritten graph on the weight reordered (as ShardSpec.perm reads it) gives the
+    model's q, k and v exactly; on the weight as stored it would not."""
+    gm = run_alone(_per_group_pass(), _per_group_before())
+    want = call(_per_group_before())
+    inputs = _per_group_before().meta["example_inputs"]
+    perm = torch.tensor(next(n.meta[META_WEIGHT_PERM] for n in gm.graph.nodes
+                             if n.name == "p_wqkv")[1])
+    got = call(gm, p_wqkv=inputs["p_wqkv"][perm], p_bqkv=inputs["p_bqkv"][perm])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert not torch.equal(call(gm)[0], want[0])
+
+
+def test_a_fused_weight_read_elsewhere_stays():
+    """A weight tied to another use cannot be reordered for this linear alone."""
+    def tied(p_wqkv, p_bqkv, x):
+        return (*_per_group_qkv(p_wqkv, p_bqkv, x), aten.sum.default(p_wqkv))
+    g = torch.Generator().manual_seed(0)
+    p = _per_group_pass()
+    run_alone(p, before(tied, p_wqkv=torch.randn(24, 8, generator=g),
+                        p_bqkv=torch.randn(24, generator=g), x=torch.randn(2, 3, 8, generator=g)))
+    assert p.matched == {}
+

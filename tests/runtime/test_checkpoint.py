@@ -314,6 +314,29 @@ def test_boxes_of_a_fused_weight_are_its_segments_slices():
     assert torch.equal(spec.shard(full, 2), torch.cat([full[4:8], full[10:12]]))
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_reordered_weight_is_cut_after_the_reordering(dim, tmp_path):
+    """ShardSpec.perm (tiled K/V heads read as GQA, passes/untile_kv_heads.py): rank r holds
+    piece r of ``full.index_select(dim, perm)``; its boxes are the checkpoint's runs of
+    rows, and a checkpoint read of them is that shard (8 heads of 2 tiled over 2 KV heads:
+    h' = g * 4 + j is h = j * 2 + g)."""
+    perm = tuple((h % 4 * 2 + h // 4) * 2 + i for h in range(8) for i in range(2))
+    full = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3)
+    full = full if dim == 0 else full.t().contiguous()
+    spec = ShardSpec(dim, 4, 4, perm=perm)
+    reordered = full.index_select(dim, torch.tensor(perm))
+    save_file({"w": full}, tmp_path / "model.safetensors")
+    ckpt = Checkpoint(tmp_path)
+    source = WeightSource((Piece("w", (0, 0), tuple(full.shape)),))
+    for rank in range(4):
+        want = reordered.narrow(dim, 4 * rank, 4)
+        assert torch.equal(spec.shard(full, rank), want)
+        assert len(spec.boxes(full.shape, rank)) == 2          # two heads, 4 rows apart
+        assert torch.equal(ckpt.read_shard(source, full, spec.boxes(full.shape, rank), dim),
+                           want)
+    assert spec.shape(full.shape) == tuple(want.shape)
+
+
 def test_pieces_tile_a_stacked_fused_weight(tmp_path):
     """gate_e and up_e per expert -> [E, 2I, H], read box by box (an EP and a TP shard)."""
     gen = torch.Generator().manual_seed(0)

@@ -20,6 +20,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                          "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
     "DCP_CHUNKED_FULL": ("frontends/test_chunked_attention.py",
                          "every chunk length x tp/dcp x mode of Llama 4 (the slice: two)"),
+    "DCP_CORRUPT_FULL": ("runtime/test_corrupt_files.py",
+                         "1000 corrupt program files and 1000 forged safetensors headers "
+                         "instead of 100 each"),
     "DCP_CORPUS": ("corpora/test_hf_corpus.py",
                    "every cell of the transformers corpus vs its table in docs/models.md"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",

@@ -456,6 +456,16 @@ REAL_LIMITS = {
     "experts in bf16 inside an fp32 model",
     "token mixing outside attention",
     "length-dependent positions (LongRoPE, dynamic NTK)",
+    # Not a limit of DCP but of the program's contract: a program returns every token's
+    # logits and never changes what the model returns (nanoGPT's inference forward returns
+    # the last position's only: DCPOutputContractError says to apply the head everywhere).
+    "logits of the last position only",
+    # x-transformers' residual_attn adds one layer's pre-softmax scores to the next's: a paged
+    # attention kernel never materialises scores, and under DCP a rank holds only its keys'.
+    "scores carried across layers (residual attention)",
+    # x-transformers' pre-softmax talking heads mix the heads' scores: attention is cut by
+    # heads over the ranks, and the scores never leave the attention kernel.
+    "heads mixed before the softmax (talking heads)",
 }
 
 _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row in a Python loop "
@@ -464,12 +474,11 @@ _INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row 
                    "the captured length, but past it the graph holds the mask before the "
                    "writes: refused with a true counterexample at i = that length ('sliding "
                    "window'), the window the loop would write there not being in the graph")
-_TILED_GQA = ("issue #35: x-transformers repeats K/V heads tiled (einops 'b kvh n d -> b (r kvh) n "
-              "d': q head h reads kv head h % kvh); dcp.attention groups q heads as h // "
-              "q_per_kv, so it is refused by name ('K/V heads tiled')")
-_SCORE_BIAS = ("issue #35: x-transformers adds a bias to the attention scores (a relative / "
-               "dynamic position bias, the previous layer's scores, talking heads' head mixing): "
-               "refused as 'unrecognised op add between q @ k^T and softmax'")
+_SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the attention scores "
+               "(T5's bucketed one, or an MLP of the distance): a function of key - query "
+               "positions, exact under DCP if each rank computed it for the positions it holds, "
+               "which dcp.attention has no argument for: refused as a model-built mask / score bias "
+               "(its table is not a formula of positions; score_bias reads ALiBi only)")
 
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
@@ -477,24 +486,13 @@ KNOWN: dict[tuple[str, str], str] = {
     **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in MODES
        for a in ("Gemma-2-2b", "Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
                  "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
-    **{(f"torchtitan/{a}", "decode"): (
-        "issue #35: torchtitan's wqkv is fused per KV head ([q heads; k; v] of each group): at "
-        "tp=4 over 2 KV heads a rank holds half of one group's q heads and its whole k/v, a cut "
-        "one Shard of one dim cannot say ('the cut [8/4] is finer than the 2 groups') — a "
-        "limit of the placement lattice, not of DCP") for a in ("llama3", "qwen3")},
-    **{(f"x-transformers/{a}", m): _TILED_GQA for m in MODES
-       for a in ("rotary-gqa-llama", "rotary-gqa-llama-flash")},
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
-       for a in ("rel-pos-bias", "dynamic-pos-bias", "residual-attn", "talking-heads")},
+       for a in ("rel-pos-bias", "dynamic-pos-bias")},
     **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
-       "keys concatenated before the sequence's) are refused as cross-attention" for m in MODES},
-    ("x-transformers/gate-values", "prefill"): (
-        "issue #35: x-transformers' gate_values (the attention output times a per-token "
-        "sigmoid gate before the O projection) is refused in prefill: 'reaches its O projection "
-        "through token-indexed inputs'"),
-    **{("nanoGPT/sdpa-last-logits", m): "issue #35: nanoGPT's inference forward returns the last "
-       "position's logits only; the ordinary frontend refuses anything but [B, S, vocab]"
-       for m in MODES},
+       "keys and values concatenated before the sequence's, attended by every query at no "
+       "position) are refused by name ('memory key/values'): not a DCP limit (one rank of the "
+       "DCP group could add them to its partial attention, combined exactly by the LSE), but "
+       "dcp.attention has no argument for keys outside the paged cache" for m in MODES},
 }
 
 

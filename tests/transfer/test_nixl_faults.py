@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import logging
 import socket
 import struct
 import subprocess
@@ -235,6 +236,7 @@ def test_hold_refuses_bad_leases(engines):
 
 
 def test_spoofed_notifications_are_ignored_and_counted(engines):
+    from dcp_compile.runtime.transfer.nixl.auth import MessageKind, seal
     from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
     pre, decs, freed = engines
     epoch = pre.hold("R", [2], READERS, timeout=DRIVE)
@@ -258,8 +260,9 @@ def test_spoofed_notifications_are_ignored_and_counted(engines):
             (intruder, notif(engine="intruder"), "reader ('intruder', 0) is not one the plan"),
             (intruder, b"\xff not json", "not a readable notification"),
         ]
-        for sender, payload, _ in spoofs:
-            sender._agent.agent.send_notif(sender.remotes[0][0], payload)
+        for sender, payload, _ in spoofs:   # insiders: sealed under the engines' key
+            sealed, _ = seal(sender.key, MessageKind.NOTIFICATION, sender._agent.name, payload)
+            sender._agent.agent.send_notif(sender.remotes[0][0], sealed)
         _drive(pre, decs + [intruder], lambda: pre.rejected_count >= len(spoofs), "spoofs")
         got = sorted(r.reason for r in pre.rejected)
         for _, _, reason in spoofs:
@@ -275,6 +278,59 @@ def test_spoofed_notifications_are_ignored_and_counted(engines):
     _drive(pre, decs, lambda: "R" in pre.released, "lease R ending")
     assert pre.wait_for_readers("R") == {("dec", 0): "read", ("dec", 1): "read"}
     assert freed == [("R", [2])] and pre.rejected_count == len(spoofs)
+
+
+def _taken(pre) -> int:
+    """Notifications the prefill side has taken (refused, or accepted for lease R)."""
+    return pre.rejected_count + len(pre.leases["R"].notified)
+
+
+def test_rogue_notifications_are_refused_and_logged(engines, caplog):
+    """A rogue NIXL peer (it learned the metadata: here by handshaking with the key) sends
+    notifications unsealed, sealed with another key, a captured valid one (replayed, by its
+    reader and by the rogue) and a tampered copy: each is refused and logged; the captured
+    one counts once."""
+    import base64
+    from dcp_compile.runtime.transfer.nixl.auth import MessageKind, load_key, seal
+    from dcp_compile.runtime.transfer.nixl.connector import DecodeKVConnector, TransferRequest
+    pre, decs, freed = engines
+    epoch = pre.hold("R", [2], READERS, timeout=DRIVE)
+    rogue = DecodeKVConnector(_cfg(1, "prefill"), _cfg(1, "decode"), 0,
+                              _caches(HEADS, fill=0.0), engine_id="rogue",
+                              side_channel_port=pre.side_channel[1], handshake_timeout=DRIVE)
+    try:
+        _handshake(pre, rogue)
+        plain = json.dumps({"req": "R", "epoch": epoch, "engine": "dec", "rank": 0,
+                            "status": "read"}).encode()
+        captured = decs[0]._notif(TransferRequest("R", 2, [2], [4], epoch), "read")
+        body, _, mac = captured.rpartition(b"\n")
+        fields = json.loads(body)
+        fields["payload"] = base64.b64encode(plain.replace(b'"rank": 0', b'"rank": 1')).decode()
+        tampered = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode() + \
+            b"\n" + mac
+        other = load_key("o" * 32)
+        attempts = [  # (sender, bytes, the reason it is refused)
+            (rogue, plain, "without a seal"),
+            (rogue, seal(other, MessageKind.NOTIFICATION, "dec-rank0", plain)[0],
+             "MAC does not verify"),
+            (rogue, captured, "sealed by 'dec-rank0', sent by agent 'rogue-rank0'"),
+            (decs[0], captured, None),                       # the reader's own: accepted
+            (decs[0], captured, "nonce was seen before: a replay"),
+            (decs[1], tampered, "MAC does not verify"),
+        ]
+        with caplog.at_level(logging.WARNING):
+            for sender, raw, _ in attempts:
+                sender._agent.agent.send_notif(sender.remotes[0][0], raw)
+                before = _taken(pre)
+                _drive(pre, decs + [rogue], lambda: _taken(pre) > before, "a notification")
+        reasons = [r.reason for r in pre.rejected]
+        want = [reason for _, _, reason in attempts if reason]
+        assert len(reasons) == len(want) and all(w in g for w, g in zip(want, reasons)), reasons
+        assert sum("ignored a notification" in r.getMessage() for r in caplog.records) == len(want)
+        assert pre.leases["R"].notified == {("dec", 0): "read"}    # once, from its reader
+    finally:
+        rogue.close()
+    pre.release("R")
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,6 +370,14 @@ class _FakeSideChannel:
         self.sock.close()
 
 
+def _client_and_server():
+    from dcp_compile.runtime.transfer.nixl.auth import load_key
+    return {"key": load_key(), "sender": "test-client"}, {"key": load_key(), "sender": "test-server"}
+
+
+_CLIENT, _SERVER = _client_and_server()
+
+
 def _trickle(conn, stop):
     """A valid length prefix and payload, one byte every 0.2 s (minutes in all)."""
     for b in struct.pack(">Q", 1000) + b"x" * 1000:
@@ -333,7 +397,7 @@ def test_trickling_peer_fails_within_the_whole_exchange_deadline():
     try:
         t0 = time.monotonic()
         with pytest.raises(DCPTransferError, match="did not answer the handshake .* in time"):
-            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND)
+            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND, **_CLIENT)
         assert time.monotonic() - t0 < 3 * BOUND
     finally:
         fake.close()
@@ -361,7 +425,7 @@ def test_huge_length_prefix_is_refused_before_allocating():
     try:
         t0 = time.monotonic()
         with pytest.raises(DCPTransferError) as e:
-            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND)
+            fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND, **_CLIENT)
         assert f"a message of {2**40} bytes, above the limit of {MAX_MESSAGE} bytes" in str(e.value)
         assert time.monotonic() - t0 < 3 * BOUND
     finally:
@@ -378,7 +442,7 @@ def test_idle_clients_do_not_hold_the_side_channel():
         idle = [socket.create_connection(pre.side_channel, timeout=BOUND) for _ in range(3)]
         idle[0].sendall(b"DCPKV")  # half a hello
         try:
-            raw = fetch_metadata(*pre.side_channel, time.monotonic() + BOUND)
+            raw = fetch_metadata(*pre.side_channel, time.monotonic() + BOUND, **_CLIENT)
             assert raw == pre.metadata.serialize()
         finally:
             for s in idle:
@@ -390,14 +454,15 @@ def test_side_channel_drops_a_client_at_its_deadline_and_beyond_its_capacity():
     from dcp_compile.runtime.distributed.launch import free_port_base
     port = free_port_base(1)
     server = SideChannelServer("127.0.0.1", port, b"payload", client_timeout=0.5,
-                               max_clients=1)
+                               max_clients=1, **_SERVER)
     try:
         idle = socket.create_connection(("127.0.0.1", port), timeout=3 * BOUND)
         time.sleep(0.1)  # let the server take it (its one slot)
         extra = socket.create_connection(("127.0.0.1", port), timeout=3 * BOUND)
         assert extra.recv(1) == b""   # over capacity: closed at once, no thread
         assert idle.recv(1) == b""    # its 0.5 s deadline: closed
-        assert fetch_metadata("127.0.0.1", port, time.monotonic() + BOUND) == b"payload"
+        assert fetch_metadata("127.0.0.1", port, time.monotonic() + BOUND,
+                              **_CLIENT) == b"payload"
         idle.close()
         extra.close()
     finally:

@@ -60,8 +60,9 @@ blocks before they are checked), also when the decode rank has nothing to read f
 (a short sequence); a request of length 0 notifies with ``send_notif``. The prefill rank
 accepts a notification only for a held request, its epoch, a reader the lease names and from
 that reader's own agent name; anything else is ignored, counted (``rejected_count``) and
-logged. Agent names are self-declared by the peers: this stops misrouted or stale
-notifications, not a malicious peer on the network.
+logged. Every notification is sealed under the engines' shared key (:mod:`.auth`): one that
+is unsigned, signed with another key, tampered, replayed or sealed by another agent than
+its NIXL sender is refused before those checks.
 
 Failures are errors, never a silent partial cache: a remote rank that does not answer the
 handshake, metadata that does not match the plan, a NIXL error while posting or a transfer in
@@ -92,6 +93,7 @@ from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransferError
 
 from dcp_compile.runtime.transfer.nixl.agent import POLL_SLEEP, RankAgent, configure_ucx_env
+from dcp_compile.runtime.transfer.nixl.auth import MessageKind, load_key, seal
 from dcp_compile.runtime.transfer.nixl.descriptors import (EPOCH_BYTES, PARTIAL_ROWS, apply_staged, check_caches,
                                epoch_descriptors, plan_reads, probe_descriptor, read_epochs,
                                stage, stale_epochs)
@@ -183,7 +185,9 @@ class DecodeKVConnector:
                  engine_id: str = "decode", host: str = "127.0.0.1", side_channel_port: int,
                  handshake_timeout: float = 10.0, transfer_timeout: float = 30.0,
                  progress_thread: bool = False, plan: TransferPlan | None = None,
-                 partial_rows: str = "staged"):
+                 partial_rows: str = "staged", key=None, insecure: bool = False):
+        # The key shared with the prefill engine (auth.load_key: no key, no start).
+        self.key = load_key(key, insecure=insecure, who=f"decode rank {rank}")
         if partial_rows not in PARTIAL_ROWS:
             raise DCPTransferError(f"partial_rows must be 'staged' or 'descriptors': "
                                    f"partial_rows={partial_rows!r}. Use one of them.")
@@ -218,6 +222,7 @@ class DecodeKVConnector:
             if p in self.remotes:
                 continue
             raw = fetch_metadata(self.host, self.side_channel_port + p, deadline,
+                                 key=self.key, sender=self._agent.name,
                                  what=f"decode rank {self.rank}: prefill rank {p}")
             md = NeuronNixlAgentMetadata.deserialize(raw)
             check_metadata(md, p, self.prefill, self.geometry, decode_rank=self.rank)
@@ -410,8 +415,9 @@ class DecodeKVConnector:
 
     # ------------------------------------------------------------------ internals
     def _notif(self, request: TransferRequest, status: str) -> bytes:
-        return notification(request.request_id, request.epoch, self.engine_id, self.rank,
-                            status)
+        return seal(self.key, MessageKind.NOTIFICATION, self._agent.name,
+                    notification(request.request_id, request.epoch, self.engine_id, self.rank,
+                                 status))[0]
 
     def _fail(self, pend: _Pending, why: str, cause: Exception | None = None):
         self._agent.peer_failed = True

@@ -5,20 +5,25 @@ NeuronNixlAgentMetadata).
 Each prefill rank serves its :class:`NeuronNixlAgentMetadata` -- the NIXL agent metadata plus
 the spec's ``dcp_size`` extension and the cache geometry -- on a small TCP side channel at
 ``host:side_channel_port + tp_rank`` (vLLM's NIXL side channel uses the same
-base-port-plus-rank convention). Protocol: the client sends ``DCPKV-META 2\\n``; the server
-answers an 8-byte big-endian length and the JSON-serialised metadata (no pickle: the bytes
-come from the network). The server runs each client on its own thread (at most 64 at once)
+base-port-plus-rank convention). Protocol: the client sends ``DCPKV-META 3\\n``, an 8-byte
+big-endian length and a sealed hello (:mod:`.auth`: HMAC-SHA256 under the engines' shared
+key, a nonce, the sender, the time); the server checks it (a forged, tampered, replayed or
+unsigned hello is logged, counted in ``rejected`` and answered with nothing: the metadata,
+which is what lets a peer READ the KV, never leaves without the key) and answers an 8-byte
+length and the sealed JSON metadata, bound to the hello's nonce (no pickle: the bytes come
+from the network). The server runs each client on its own thread (at most 64 at once)
 with one deadline for its whole exchange; the client too has one deadline for the whole
 handshake (the remaining time is recomputed for every recv) and refuses a length above 1 MiB
-before allocating. The channel has no authentication: bind it to loopback or a trusted
-network. :func:`check_metadata` compares what a remote rank advertised with what the transfer
+before allocating. :func:`check_metadata` compares what a remote rank advertised with what the transfer
 plan expects of it. Nothing here imports nixl.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import json
+import logging
 import socket
 import struct
 import threading
@@ -28,15 +33,20 @@ from dataclasses import asdict, dataclass, replace
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.errors import DCPTransferError
 from dcp_compile.runtime.topology import topology
+from dcp_compile.runtime.transfer.nixl.auth import (DCPAuthError, MessageKind, Opener,
+                                                     SideChannelKey, seal)
 
 __all__ = ["MAX_MESSAGE", "NeuronNixlAgentMetadata", "SideChannelServer", "agent_name",
            "check_metadata", "fetch_metadata"]
 
-_HELLO = b"DCPKV-META 2\n"
+_HELLO = b"DCPKV-META 3\n"
+MAX_HELLO = 1 << 12              # bytes a sealed hello may announce
 _MD_FORMAT = "dcp-nixl-agent-metadata/2"
 MAX_MESSAGE = 1 << 20                # bytes a side-channel message may announce
 SIDE_CHANNEL_CLIENT_TIMEOUT = 5.0    # seconds one client's whole exchange may take
 SIDE_CHANNEL_MAX_CLIENTS = 64        # exchanges served at once (a thread each)
+
+log = logging.getLogger(__name__)
 
 
 def agent_name(engine_id: str, rank: int) -> str:
@@ -107,18 +117,24 @@ class NeuronNixlAgentMetadata:
 
 
 class SideChannelServer:
-    """Serves one payload to every client that says hello, each client on its own thread.
+    """Serves one payload to every client whose sealed hello verifies, each client on its own
+    thread.
 
     A client gets ``client_timeout`` seconds for the whole exchange (one deadline, not one
     per recv), so an idle or trickling client holds one handler thread at most that long and
     never delays another client. At most ``max_clients`` exchanges run at once; a client
-    beyond that is closed at once (bounded threads; the channel has no authentication).
+    beyond that is closed at once (bounded threads). A hello that does not verify under
+    ``key`` is refused: logged, counted (``rejected_count``, ``rejected``: the reasons) and
+    answered with nothing.
     """
 
-    def __init__(self, host: str, port: int, payload: bytes, *,
-                 client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT,
+    def __init__(self, host: str, port: int, payload: bytes, *, key: SideChannelKey,
+                 sender: str, client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT,
                  max_clients: int = SIDE_CHANNEL_MAX_CLIENTS):
-        self._payload = struct.pack(">Q", len(payload)) + payload
+        self._payload, self._key, self._sender = payload, key, sender
+        self._opener = Opener(key)
+        self.rejected: collections.deque[str] = collections.deque(maxlen=1000)
+        self.rejected_count = 0
         self._client_timeout = client_timeout
         self._slots = threading.BoundedSemaphore(max_clients)
         self._clients: set[socket.socket] = set()
@@ -155,16 +171,36 @@ class SideChannelServer:
     def _serve(self, conn: socket.socket):
         deadline = time.monotonic() + self._client_timeout
         try:
-            if _recv_exact(conn, len(_HELLO), deadline) == _HELLO:
-                conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                conn.sendall(self._payload)
+            if _recv_exact(conn, len(_HELLO), deadline) != _HELLO:
+                return self._refuse(conn, "a client that does not speak this protocol")
+            (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline))
+            if n > MAX_HELLO:
+                return self._refuse(conn, f"a hello of {n} bytes (at most {MAX_HELLO})")
+            raw = _recv_exact(conn, n, deadline)
+            try:
+                with self._lock:     # one opener: its nonce memory is shared by all clients
+                    hello = self._opener.open(raw, MessageKind.HELLO)
+            except DCPAuthError as e:
+                return self._refuse(conn, str(e))
+            answer, _ = seal(self._key, MessageKind.METADATA, self._sender, self._payload,
+                             reply_to=hello.nonce)
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn.sendall(struct.pack(">Q", len(answer)) + answer)
         except (OSError, ConnectionError):
-            pass  # a client that hangs up, stalls or speaks another protocol is dropped
+            pass  # a client that hangs up or stalls is dropped
         finally:
             with self._lock:
                 self._clients.discard(conn)
             conn.close()
             self._slots.release()
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        peer = _peer(conn)
+        with self._lock:
+            self.rejected_count += 1
+            self.rejected.append(why)
+        log.warning("side channel %s (%s): refused %s: %s", self._sock.getsockname(),
+                    self._sender, peer, why)
 
     def close(self):
         self._stop.set()
@@ -177,6 +213,13 @@ class SideChannelServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        return "%s:%s" % conn.getpeername()[:2]
+    except OSError:
+        return "a peer that left"
 
 
 def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
@@ -195,14 +238,16 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def fetch_metadata(host: str, port: int, deadline: float, *, what: str = "remote rank",
-                   max_message: int = MAX_MESSAGE) -> bytes:
+def fetch_metadata(host: str, port: int, deadline: float, *, key: SideChannelKey, sender: str,
+                   what: str = "remote rank", max_message: int = MAX_MESSAGE) -> bytes:
     """The side-channel payload at host:port; retries until ``deadline`` (time.monotonic()).
 
-    The whole exchange (connect, hello, length, payload) shares the one deadline. A length
-    prefix above ``max_message`` is refused before anything is allocated.
+    The whole exchange (connect, sealed hello, length, sealed answer) shares the one deadline.
+    A length prefix above ``max_message`` is refused before anything is allocated; an answer
+    that does not verify under ``key`` or does not answer this hello is a DCPAuthError.
     """
     last = "no attempt"
+    opener = Opener(key)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -210,21 +255,33 @@ def fetch_metadata(host: str, port: int, deadline: float, *, what: str = "remote
         try:
             with socket.create_connection((host, port), timeout=left) as conn:
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                conn.sendall(_HELLO)
+                hello, nonce = seal(key, MessageKind.HELLO, sender, b"")
+                conn.sendall(_HELLO + struct.pack(">Q", len(hello)) + hello)
                 (n,) = struct.unpack(">Q", _recv_exact(conn, 8, deadline))
                 if n > max_message:
                     raise DCPTransferError(
                         f"{what}: the side channel at {host}:{port} announced a message of {n} "
                         f"bytes, above the limit of {max_message} bytes. Connect to a "
                         f"PrefillKVConnector side channel (its metadata is a few KiB).")
-                return _recv_exact(conn, n, deadline)
+                raw = _recv_exact(conn, n, deadline)
+            try:
+                return opener.open(raw, MessageKind.METADATA, reply_to=nonce).payload
+            except DCPAuthError as e:
+                log.warning("%s: refused the side channel's answer at %s:%s: %s", what, host,
+                            port, e)
+                raise DCPAuthError(f"{what}: the side channel at {host}:{port} answered with "
+                                   f"{e}. Give both engines the same key ({_KEY_HINT}).") from None
         except (OSError, ConnectionError) as e:
             last = f"{type(e).__name__}: {e}"
         time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
     raise DCPTransferError(f"{what} did not answer the handshake at {host}:{port} in time "
                            f"(last error: {last}). Check that the prefill engine is running and "
-                           f"its side_channel_port, or raise handshake_timeout.")
+                           f"its side_channel_port, or raise handshake_timeout; a side channel "
+                           f"that refuses our hello (another key: {_KEY_HINT}) closes without "
+                           f"answering, and is logged on the prefill side.")
 
+
+_KEY_HINT = "DCP_KV_KEY or DCP_KV_KEY_FILE"
 
 
 def check_metadata(md: NeuronNixlAgentMetadata, p: int, prefill: DCPConfig, geometry, *,

@@ -25,6 +25,7 @@ from dcp_compile.runtime.names import Mode
 from dcp_compile.runtime.topology import topology
 
 from dcp_compile.runtime.transfer.nixl.agent import POLL_SLEEP, RankAgent
+from dcp_compile.runtime.transfer.nixl.auth import DCPAuthError, MessageKind, Opener, load_key
 from dcp_compile.runtime.transfer.nixl.descriptors import check_caches
 from dcp_compile.runtime.transfer.nixl.handshake import (SIDE_CHANNEL_CLIENT_TIMEOUT, NeuronNixlAgentMetadata,
                              SideChannelServer, agent_name)
@@ -87,7 +88,11 @@ class PrefillKVConnector:
                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                  engine_id: str = "prefill", host: str = "127.0.0.1",
                  side_channel_port: int, progress_thread: bool = False,
-                 on_free=None, side_channel_client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT):
+                 on_free=None, side_channel_client_timeout: float = SIDE_CHANNEL_CLIENT_TIMEOUT,
+                 key=None, insecure: bool = False):
+        # Refused before anything is registered or listens (auth.load_key: no key, no start).
+        self.key = load_key(key, insecure=insecure, who=f"prefill rank {rank}")
+        self._opener = Opener(self.key)
         if config.mode != Mode.PREFILL:
             raise DCPTransferError(f"PrefillKVConnector needs the prefill engine's config: "
                                    f"mode={config.mode!r}. Pass DCPConfig(..., mode='prefill').")
@@ -112,7 +117,8 @@ class PrefillKVConnector:
             block_epochs_addr=self.block_epochs.data_ptr(), dcp_size=config.dcp)
         self.side_channel = (host, side_channel_port + rank)
         self._server = SideChannelServer(host, side_channel_port + rank,
-                                         self.metadata.serialize(),
+                                         self.metadata.serialize(), key=self.key,
+                                         sender=self._agent.name,
                                          client_timeout=side_channel_client_timeout)
         self.on_free = on_free
         self.leases: dict[str, _Lease] = {}
@@ -212,7 +218,14 @@ class PrefillKVConnector:
             self._end(lease, "expired")
 
     def _take_notif(self, sender: str, raw: bytes) -> None:
-        """Accept a notification only as the plan's reader, for the lease's request and epoch."""
+        """Accept a notification only sealed under the key (auth.Opener: not forged, tampered
+        or replayed) by the agent that sent it, as the plan's reader, for the lease's request
+        and epoch."""
+        try:
+            opened = self._opener.open(raw, MessageKind.NOTIFICATION, sender=sender)
+        except DCPAuthError as e:
+            return self._reject(sender, None, raw, str(e))
+        raw = opened.payload
         try:
             n = json.loads(raw)
             rid, epoch, key, status = n["req"], n["epoch"], (n["engine"], n["rank"]), n["status"]
