@@ -66,6 +66,14 @@ def test_v32_refused_by_name(v32, mode):
     assert C.reason_of(msg) == "DeepSeek Sparse Attention (indexer top-k)"
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_prepare_names_sparse_attention(model_type):
+    """hf.prepare names DSA too (not only MLA, which would send the user to transform)."""
+    from dcp_compile import hf
+    with pytest.raises(DCPSparseAttentionError, match="index_topk=4"):
+        hf.prepare(C.build(model_type, index_topk=TOPK))
+
+
 def test_v32_refused_without_a_cut():
     """The transformers default (index_topk=2048 > every prompt here) is refused too: the
     program would have to serve contexts past index_topk."""
