@@ -13,14 +13,15 @@ from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)
 from .runtime.config import DCPConfig
 from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPConfigError, DCPError,
                              DCPHybridError, DCPInputError, DCPLengthDependentError,
-                             DCPOutputContractError, DCPProofError, DCPTokenMixingError,
-                             DCPTransferError, DCPTransformError, DCPWorldError)
+                             DCPOutputContractError, DCPProofError, DCPSparseAttentionError,
+                             DCPTokenMixingError, DCPTransferError, DCPTransformError,
+                             DCPWorldError)
 from .runtime.topology import Topology, topology
 
 __all__ = [
     "DCPCheckError", "DCPCompilerBug", "DCPConfig", "DCPConfigError", "DCPError",
     "DCPHybridError", "DCPInputError", "DCPLengthDependentError", "DCPOutputContractError",
-    "DCPProofError", "DCPTokenMixingError",
+    "DCPProofError", "DCPSparseAttentionError", "DCPTokenMixingError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",
     "prove", "compute_slot_mapping", "transform", "backend", "lower", "plan",
 ]

@@ -50,6 +50,7 @@ from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder
 from .mask_predicate import I, J, read_mask
 from .op_classes import CASTS, CONCATS
 from .score_bias import alibi_of, read_bias
+from .sparse_attention import refuse_top_k_selection
 from .placement import Refusal, carried_dim
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
                           unmasked_theorem)
@@ -237,6 +238,7 @@ class InsertPagedCache(DCPPass):
         """The site's mask proven causal (within a window W) for every position; sets
         ``s.window``. A one-token step's mask only has to keep its one key (its window comes
         from the prompt step or the config)."""
+        refuse_top_k_selection(s)      # DeepSeek Sparse Attention, by name
         read = read_mask(s, tokens, token_input=self.token_input, position_input=pos,
                          constants=self._constant_values)
         keep = read.keep

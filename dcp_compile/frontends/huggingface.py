@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPSparseAttentionError, DCPTransformError
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
 from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
@@ -478,6 +478,7 @@ class DCPCausalLM(nn.Module):
 
 # Config fields only a Multi-head Latent Attention model has (DeepSeek-V2/V3, MiniCPM3, ...).
 MLA_FIELDS = ("kv_lora_rank",)
+DSA_FIELDS = ("index_topk",)    # DeepSeek Sparse Attention's indexer (V3.2, GLM-5)
 
 
 def _field(cfg, name: str):
@@ -515,6 +516,15 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
         raise DCPTransformError(f"{name} is in training mode: attention dropout would be "
                                 f"active. Call model.eval() first.")
     cfg = _text_config(hf_model.config)
+    sparse = ", ".join(f"{k}={_field(cfg, k)}" for k in DSA_FIELDS if _field(cfg, k) is not None)
+    if sparse:
+        raise DCPSparseAttentionError(
+            f"DeepSeek Sparse Attention: the indexer's top-k over a sharded context. {name} "
+            f"keeps per query the {sparse} prior tokens its "
+            f"indexer scores best; under DCP a rank holds only its shard of the keys, so its "
+            f"own top-k would select a different set, and the exact form is not built yet "
+            f"(neither hf.prepare nor dcp_compile.transform serves it). docs/moe-mla.md: "
+            f"DeepSeek Sparse Attention")
     latent = ", ".join(f"{k}={_field(cfg, k)}" for k in MLA_FIELDS if _field(cfg, k) is not None)
     if latent:
         raise DCPTransformError(

@@ -216,6 +216,7 @@ EXCLUDED = {
 # none of these is reported as "other" and fails the corpus test: users must learn why.
 REASONS = (
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
+    ("DeepSeek Sparse Attention (indexer top-k)", r"DeepSeek Sparse Attention"),
     ("ALiBi", r"alibi"),
     ("scores carried across layers (residual attention)", r"\(residual attention"),
     ("heads mixed before the softmax (talking heads)", r"\(talking heads"),

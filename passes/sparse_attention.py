@@ -1,0 +1,51 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) under DCP: today a named refusal.
+
+The lightning indexer scores every prior token per query and the attention keeps only the
+``index_topk`` best (``torch.topk``, scattered into the mask). A DCP rank holds only its
+shard of the keys and of the indexer's K, so a per-rank top-k selects a different set than
+one device; the exact form (local top-k, all-gather of the candidates' (score, global
+position), a global top-k with torch.topk's ties, the LSE combine) is not built yet
+(docs/moe-mla.md: DeepSeek Sparse Attention). insert_paged_cache calls this before the mask
+reader (passes/mask_predicate.py), so the refusal names the feature, not "not a formula".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch.fx import Node
+
+from dcp_compile.runtime.errors import DCPSparseAttentionError
+
+from .infra import source_of
+from .op_classes import TOP_K
+
+if TYPE_CHECKING:
+    from .attention_patterns import Site
+
+
+def refuse_top_k_selection(s: Site) -> None:
+    """A mask that keeps the keys a ``topk`` picks (DeepSeek Sparse Attention's indexer,
+    DeepSeek-V3.2 / GLM-5) is a data-dependent selection over ALL prior tokens: under DCP a
+    rank holds only its shard of the keys, so no per-rank formula of positions reproduces it.
+    Refused by name before the generic "not a formula of positions" reading would be."""
+    seen, stack, picks = set(), [s.mask] if isinstance(s.mask, Node) else [], []
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+            if n.op == "call_function" and n.target in TOP_K:
+                picks.append(n)
+    if picks:
+        n = min(picks, key=list(s.mask.graph.nodes).index)   # the first in the graph
+        raise DCPSparseAttentionError(
+            f"DeepSeek Sparse Attention: the indexer's top-k over a sharded context. The "
+            f"attention mask of {s.node.name} keeps the keys chosen by {n.target} at node "
+            f"{n.name} ({source_of(n)}): a data-dependent top-k over all prior tokens. Under "
+            f"DCP each rank holds only its shard of the keys and of the indexer's K, so a "
+            f"per-rank top-k selects a different set; the exact form (local top-k, all-gather "
+            f"of the candidates' scores and positions, a global top-k with torch.topk's ties, "
+            f"attention over the selected keys with the LSE combine) is not built yet. Serve "
+            f"this model without DCP, or with the indexer removed (dense latent attention "
+            f"over every prior token); docs/moe-mla.md: DeepSeek Sparse Attention")
