@@ -250,7 +250,7 @@ REASONS = (
     ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
     ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
     ("attention shared across calls", r"called attention twice|layer_idx=None"),
-    ("prefill: attention output gated per token", r"reaches its O projection through "
+    ("prefill: attention output gated per token", r"reaches its O projection (\S+ )?through "
                                                   r"token-indexed inputs"),
     ("data-dependent control flow (not exportable)", r"could not capture|data-dependent|"
                                                       r"dynamic shape \([^)]*u\d+"),
