@@ -41,8 +41,9 @@ def documented_pipeline() -> dict[str, list[str]]:
 
 
 def test_every_modes_step_kinds_have_a_row():
-    assert {s for steps in pipeline.STEPS_BY_MODE.values() for s in steps} == \
-        set(pipeline.PIPELINE)
+    chunked = StepShapes(batch=2, context_len=8, max_blocks=2, num_blocks=5, chunk_len=4)
+    assert {s for mode in pipeline.STEPS_BY_MODE for s in pipeline.steps_of(mode, chunked)} \
+        == set(pipeline.PIPELINE)
 
 
 def test_the_page_lists_the_table_in_order():
@@ -230,7 +231,7 @@ def test_an_unknown_step_kind_is_refused():
     ctx = TransformContext(config=DCPConfig(tp=4, dcp=2, mode="decode", block_size=16),
                            step="verify")
     with pytest.raises(DCPTransformError, match=r"no pipeline for step kind 'verify'.*"
-                                                r"\['context', 'decode', 'prefill'\]"):
+                                                r"\['chunk', 'context', 'decode', 'prefill'\]"):
         pipeline.passes_for(ctx, "input_ids")
 
 
