@@ -490,6 +490,11 @@ def _field(cfg, name: str):
         return None
 
 
+def _set_fields(cfg, names) -> str:
+    """``name=value, ...`` of the config fields among ``names`` that are set (for a message)."""
+    return ", ".join(f"{k}={_field(cfg, k)}" for k in names if _field(cfg, k) is not None)
+
+
 def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCausalLM:
     """Wrap a transformers causal LM for ``dcp_compile.transform``.
 
@@ -516,7 +521,7 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
         raise DCPTransformError(f"{name} is in training mode: attention dropout would be "
                                 f"active. Call model.eval() first.")
     cfg = _text_config(hf_model.config)
-    sparse = ", ".join(f"{k}={_field(cfg, k)}" for k in DSA_FIELDS if _field(cfg, k) is not None)
+    sparse = _set_fields(cfg, DSA_FIELDS)
     if sparse:
         raise DCPSparseAttentionError(
             f"DeepSeek Sparse Attention: the indexer's top-k over a sharded context. {name} "
@@ -525,7 +530,7 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"own top-k would select a different set, and the exact form is not built yet "
             f"(neither hf.prepare nor dcp_compile.transform serves it). docs/moe-mla.md: "
             f"DeepSeek Sparse Attention")
-    latent = ", ".join(f"{k}={_field(cfg, k)}" for k in MLA_FIELDS if _field(cfg, k) is not None)
+    latent = _set_fields(cfg, MLA_FIELDS)
     if latent:
         raise DCPTransformError(
             f"{name} is a Multi-head Latent Attention model ({latent}): "

@@ -22,7 +22,8 @@ from dcp_compile.runtime.serving.engine import StepShapes
 from dcp_compile.verify import run_threaded_program
 
 from full_runs import full
-from helpers import assert_close_report, assert_runs_match, full_forward_reference, prompts_of
+from helpers import (assert_close_report, assert_live_kernel_matches_reference,  # noqa: E402
+                     assert_runs_match, full_forward_reference, prompts_of)
 
 VOCAB, BLOCK, ATOL = 256, 4, 1e-4
 STEPS = {"decode": 6, "prefill": 1}
@@ -185,20 +186,4 @@ def test_alibi_bias_of_the_op_matches_dense_attention():
 
 def test_live_kernel_adds_the_same_bias():
     """The eager kernel (partial_attention_live) and the reference agree with ALiBi."""
-    from dcp_compile.runtime.kernels.live_attention import live_partial_attention
-    from dcp_compile.runtime.kernels.ops import _partial_attention_impl
-    g = torch.Generator().manual_seed(1)
-    b, hq, hkv, d, block, nb = 2, 4, 2, 8, 4, 9
-    q = torch.randn(b, 1, hq, d, generator=g)
-    kc, vc = (torch.randn(nb, block, hkv, d, generator=g) for _ in range(2))
-    k_cur, v_cur = (torch.randn(b, 1, hkv, d, generator=g) for _ in range(2))
-    table = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1]])
-    prior = torch.tensor([9, 5])
-    q_pos = torch.tensor([[18], [11]])
-    rank = torch.tensor(1)
-    args = (q, q_pos, k_cur, v_cur, q_pos, kc, vc, table, prior, rank, 2, 2, 0.35)
-    slopes = slopes_of(hq)
-    ref = _partial_attention_impl(*args, alibi_slopes=slopes)
-    live = live_partial_attention(*args, alibi_slopes=slopes)
-    for a, e, what in zip(live, ref, ("out", "lse")):
-        assert_close_report(a, e, atol=1e-5, what=what)
+    assert_live_kernel_matches_reference(alibi_slopes=slopes_of(4))

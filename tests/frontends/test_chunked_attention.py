@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import hf_corpus as C  # noqa: E402
 from full_runs import full  # noqa: E402
-from helpers import assert_close_report  # noqa: E402
+from helpers import assert_close_report, assert_live_kernel_matches_reference  # noqa: E402
 
 LENGTHS = (1, 7, 9, 16, 21)    # past 2 chunks for every C below; around the vblock (8, 16)
 FLOOR = 64                     # Llama 4's floor_scale: max_model_len 63 keeps its scale exact
@@ -107,17 +107,4 @@ def test_chunk_of_the_op_matches_dense_attention():
 
 
 def test_live_kernel_applies_the_same_chunk():
-    from dcp_compile.runtime.kernels.live_attention import live_partial_attention
-    from dcp_compile.runtime.kernels.ops import _partial_attention_impl
-    g = torch.Generator().manual_seed(1)
-    b, hq, hkv, d, block, nb = 2, 4, 2, 8, 4, 9
-    q = torch.randn(b, 1, hq, d, generator=g)
-    kc, vc = (torch.randn(nb, block, hkv, d, generator=g) for _ in range(2))
-    k_cur, v_cur = (torch.randn(b, 1, hkv, d, generator=g) for _ in range(2))
-    table = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1]])
-    prior, q_pos, rank = torch.tensor([9, 5]), torch.tensor([[18], [11]]), torch.tensor(1)
-    args = (q, q_pos, k_cur, v_cur, q_pos, kc, vc, table, prior, rank, 2, 2, 0.35)
-    ref = _partial_attention_impl(*args, attention_chunk=5)
-    live = live_partial_attention(*args, attention_chunk=5)
-    for a, e, what in zip(live, ref, ("out", "lse")):
-        assert_close_report(a, e, atol=1e-5, what=what)
+    assert_live_kernel_matches_reference(attention_chunk=5)

@@ -94,3 +94,24 @@ def _logits(model, seq):
     out = model(torch.tensor([seq]))
     return (out if isinstance(out, torch.Tensor) else out.logits)[0]
 
+
+
+def assert_live_kernel_matches_reference(**options) -> None:
+    """The eager kernel (``live_partial_attention``) and the reference
+    (``_partial_attention_impl``) agree, output and LSE, on one fixed decode batch (two rows
+    over a prior of 9 and 5 tokens, rank 1 of dcp 2) with the kernel ``options`` (ALiBi
+    slopes, an attention chunk)."""
+    from dcp_compile.runtime.kernels.live_attention import live_partial_attention
+    from dcp_compile.runtime.kernels.ops import _partial_attention_impl
+    g = torch.Generator().manual_seed(1)
+    b, hq, hkv, d, block, nb = 2, 4, 2, 8, 4, 9
+    q = torch.randn(b, 1, hq, d, generator=g)
+    kc, vc = (torch.randn(nb, block, hkv, d, generator=g) for _ in range(2))
+    k_cur, v_cur = (torch.randn(b, 1, hkv, d, generator=g) for _ in range(2))
+    table = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1]])
+    prior, q_pos, rank = torch.tensor([9, 5]), torch.tensor([[18], [11]]), torch.tensor(1)
+    args = (q, q_pos, k_cur, v_cur, q_pos, kc, vc, table, prior, rank, 2, 2, 0.35)
+    ref = _partial_attention_impl(*args, **options)
+    live = live_partial_attention(*args, **options)
+    for a, e, what in zip(live, ref, ("out", "lse")):
+        assert_close_report(a, e, atol=1e-5, what=what)
