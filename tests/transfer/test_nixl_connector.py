@@ -48,6 +48,9 @@ pytestmark = pytest.mark.multiprocess  # three engine processes, ~10-30 s on two
 # --- 1. the connector ----------------------------------------------------------------------
 
 FAILURE_BOUND = 1.0  # seconds a failing handshake / transfer may take to be reported
+# What the timing asserts show: the failure came from FAILURE_BOUND, not from the spec's 60 s
+# timeout. The slack is wide so that a loaded machine (2 cores, xdist) cannot fail them.
+FAILURE_SLACK = 15.0
 
 # Prefill engines (num_kv_heads=4): A = TP4/DCP2 (2 heads per rank), B = TP4/DCP4 (4 heads),
 # C = standard TP2 (2 heads), D = standard TP1 that dies when told to.
@@ -157,7 +160,7 @@ def test_request_without_transfers_completes_and_notifies(run):
 def test_remote_that_never_answers_fails_in_bounded_time(run, kind):
     f = run["decode"]["failures"][kind]
     assert f["error"] and "did not answer the handshake" in f["error"], f
-    assert f["seconds"] < FAILURE_BOUND + 1.0
+    assert f["seconds"] < FAILURE_BOUND + FAILURE_SLACK
 
 
 def test_handshake_metadata_inconsistent_with_plan(run):
@@ -169,7 +172,7 @@ def test_handshake_metadata_inconsistent_with_plan(run):
 def test_remote_gone_after_handshake_is_an_error_not_a_partial_cache(run):
     f = run["decode"]["failures"]["remote_gone"]
     assert f["error"] and "must not be used" in f["error"], f
-    assert f["seconds"] < FAILURE_BOUND + 1.0
+    assert f["seconds"] < FAILURE_BOUND + FAILURE_SLACK
 
 
 # --- 2. MLA's latent cache -----------------------------------------------------------------

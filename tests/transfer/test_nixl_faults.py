@@ -29,7 +29,10 @@ from dcp_compile.runtime.errors import DCPTransferError
 from suite_path import ROOT  # noqa: E402  (the repository root)
 BLOCK, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 8, 6   # 5 usable blocks + the garbage block
 SEQ = 7                                            # two blocks of the prefill table
-BOUND = 2.0                                        # seconds a failure may take (x3 asserted)
+BOUND = 2.0                                        # seconds a failure may take
+# The timing asserts show the failure came from BOUND, not from the peer's own 30 s of
+# trickling or silence; the slack is wide so that a loaded machine cannot fail them.
+SLACK = 15.0
 DRIVE = 20.0                                       # seconds a forced interleaving may take
 
 
@@ -398,7 +401,7 @@ def test_trickling_peer_fails_within_the_whole_exchange_deadline():
         t0 = time.monotonic()
         with pytest.raises(DCPTransferError, match="did not answer the handshake .* in time"):
             fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND, **_CLIENT)
-        assert time.monotonic() - t0 < 3 * BOUND
+        assert time.monotonic() - t0 < BOUND + SLACK
     finally:
         fake.close()
 
@@ -413,7 +416,7 @@ def test_trickling_peer_bounds_the_connector_handshake():
         t0 = time.monotonic()
         with pytest.raises(DCPTransferError, match="did not answer the handshake"):
             dec.handshake()
-        assert time.monotonic() - t0 < 3 * BOUND
+        assert time.monotonic() - t0 < BOUND + SLACK
     finally:
         dec.close()
         fake.close()
@@ -427,7 +430,7 @@ def test_huge_length_prefix_is_refused_before_allocating():
         with pytest.raises(DCPTransferError) as e:
             fetch_metadata("127.0.0.1", fake.port, time.monotonic() + BOUND, **_CLIENT)
         assert f"a message of {2**40} bytes, above the limit of {MAX_MESSAGE} bytes" in str(e.value)
-        assert time.monotonic() - t0 < 3 * BOUND
+        assert time.monotonic() - t0 < BOUND + SLACK
     finally:
         fake.close()
 
@@ -508,7 +511,7 @@ def test_prefill_killed_mid_transfer_is_an_error_never_a_completion(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(DCPTransferError, match="must not be used"):
             dec.wait("r")
-        assert time.monotonic() - t0 < 3 * BOUND
+        assert time.monotonic() - t0 < BOUND + SLACK
         assert "r" not in dec.finished_stats and "r" in dec.failed
     finally:
         dec.close()
