@@ -2,10 +2,11 @@
 decode world of the demo model; ranks are killed (SIGKILL) or stopped (SIGSTOP, a hang) at
 random steps, and every request still ends with the uninterrupted single-device tokens.
 
-The slice: one supervised generation that loses three worlds -- a rank killed from outside
-through ``--pids`` while the world starts, a rank that SIGKILLs itself at a random step, a
-rank that SIGSTOPs itself at a later random step. The full run (``DCP_RESUME_FULL=1``):
-20 losses in a row. Nothing here asserts a time: the timeouts only bound a hang.
+The slice: one supervised generation that loses two worlds -- a rank killed from outside
+through ``--pids`` while the world starts, and a rank that SIGKILLs itself at a random step.
+The full run (``DCP_RESUME_FULL=1``): 20 losses in a row, every fifth a SIGSTOP hang (a hang
+costs the slice STEP_TIMEOUT of waiting, so it is there, not here). Nothing here asserts a
+time: the timeouts only bound a hang.
 """
 
 from __future__ import annotations
@@ -80,23 +81,20 @@ def _check(got, steps, reasons):
 
 
 @pytest.mark.multiprocess
-def test_supervised_world_resumes_after_kills_and_a_hang(tmp_path):
+def test_supervised_world_resumes_after_kills(tmp_path):
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     steps = 8
-    kill_step = rng.randrange(0, steps - 3)            # then a later step, before the last
-    stop_step = rng.randrange(kill_step + 1, steps - 1)
-    ranks = [rng.randrange(WORLD) for _ in range(3)]
-    faults = ["none", f"{ranks[1]}:{kill_step}:kill", f"{ranks[2]}:{stop_step}:stop"]
+    kill_step = rng.randrange(0, steps - 1)            # any step but the last
+    ranks = [rng.randrange(WORLD) for _ in range(2)]
+    faults = ["none", f"{ranks[1]}:{kill_step}:kill"]
     got, killed, last = _supervise(tmp_path, steps, faults, external_kill=ranks[0])
     why = f"seed {seed}: faults {faults}, killed from outside: rank {ranks[0]}"
     _check(got, steps, [f"rank {ranks[0]} was killed by SIGKILL",
-                        f"rank {ranks[1]} was killed by SIGKILL",
-                        f"rank {ranks[2]} stopped (process state T)"])
+                        f"rank {ranks[1]} was killed by SIGKILL"])
     # Progress is recorded as steps finish: each world resumed where the last one stopped.
-    assert [f["step"] for f in got["faults"]] == [0, kill_step + 1, stop_step + 1], why
-    assert [f["recomputed"] for f in got["faults"]] == [0, 4 * (kill_step + 1),
-                                                        4 * (stop_step + 1)], why
+    assert [f["step"] for f in got["faults"]] == [0, kill_step + 1], why
+    assert [f["recomputed"] for f in got["faults"]] == [0, 4 * (kill_step + 1)], why
     assert all(f["detect_s"] is not None and f["resume_s"] is not None
                for f in got["faults"][1:]), got["faults"]
     # --pids is rewritten at every launch: the last world's ranks are new processes.
