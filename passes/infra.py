@@ -166,6 +166,22 @@ def attention_nodes(gm: GraphModule, target=None) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
 
 
+def linears_reached(starts: list[Node], onward, stop=frozenset()) -> list[Node]:
+    """The ``aten.linear`` nodes reached from ``starts`` following ``onward`` (a node's inputs
+    or its users), not going past a linear nor past a call of a target in ``stop``."""
+    out, seen, stack = [], set(), list(starts)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target == torch.ops.aten.linear.default:
+            out.append(n)
+        elif n.op == "call_function" and n.target not in stop:
+            stack.extend(onward(n))
+    return out
+
+
 def getitem_users(node: Node) -> dict[int, Node]:
     """index -> the getitem node that reads that output of a multi-output node."""
     out = {}

@@ -40,7 +40,7 @@ from dcp_compile.runtime.names import META_WEIGHT_PERM
 
 from .attention_forms import call_like
 from .attention_patterns import repeated_heads
-from .infra import source_of, val
+from .infra import linears_reached, source_of, val
 from .op_classes import (BATCHED_MATMULS, CASTS, EXPANDS, IDENTITY_VIEWS, JOINS, LOG_SOFTMAX,
                          PERMUTES, RESHAPES, SDPA_OPS, SLICES, SOFTMAX, SPLITS, SQUEEZES,
                          UNTAGGED_ELEMENTWISE, is_call)
@@ -136,16 +136,7 @@ class _Region:
 
     def _pull(self, n: Node, u: Node) -> Node:
         """The one linear ``u`` reads its heads from (nearest linears upstream)."""
-        found, seen, work = set(), set(), [u]
-        while work:
-            x = work.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            if x.op == "call_function" and x.target == LINEAR:
-                found.add(x)
-                continue
-            work.extend(_tensors(x))
+        found = set(linears_reached([u], _tensors))     # through attention too
         if len(found) != 1:
             raise _Refused(n, f"its operand {u.name} carries heads that come from "
                               f"{len(found)} projections, not one (a per-head bias)")

@@ -10,6 +10,7 @@ from torch.fx import Node
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
+from ..infra import linears_reached
 from .lattice import Seg, Shard, canon
 from .node_args import weight_param
 
@@ -86,30 +87,14 @@ def linear_roles(attn: list[Node], linears: dict[Node, str], decided: dict,
     return roles
 
 
-def _linears_reached(starts: list[Node], onward) -> list[Node]:
-    """Linears reached from ``starts`` following ``onward`` (inputs or users), stopping at
-    each linear and at attention."""
-    out, seen, stack = [], set(), list(starts)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target == LINEAR:
-            out.append(n)
-        elif n.op == "call_function" and n.target != ATTENTION:
-            stack.extend(onward(n))
-    return out
-
-
 def _linears_behind(start: Node) -> set[Node]:
     """Linears ``start`` is computed from, back to the nearest linear or attention."""
-    return set(_linears_reached([start], lambda n: n.all_input_nodes))
+    return set(linears_reached([start], lambda n: n.all_input_nodes, stop={ATTENTION}))
 
 
 def linears_ahead(start: Node) -> list[Node]:
     """Linears reached forward from ``start`` before any other linear or attention."""
-    return _linears_reached(list(start.users), lambda n: n.users)
+    return linears_reached(list(start.users), lambda n: n.users, stop={ATTENTION})
 
 
 def reaches_output_directly(start: Node) -> bool:
