@@ -37,6 +37,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                        "case and test_moe_libraries' rows (they read test_moe.MATRIX)"),
     "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
                            "every position form in both modes, every HF family"),
+    "DCP_PROOF_FULL": ("passes/test_proofs.py",
+                       "all 27 big layouts (dcp 2, 8, 16 x block 64, 256, 1024 x interleave 1, "
+                       "16, block) instead of 9"),
     "DCP_RESUME_FULL": ("e2e/test_resume.py",
                         "20 rank losses in a row (SIGKILL, every fifth a SIGSTOP hang) in one "
                         "supervised tp=4/dcp=2 generation, with the detection and resume times"),
