@@ -80,6 +80,16 @@ def run_offline(spec: dict, workdir: Path, timeout: float = 900) -> dict:
                            str(spec_path), str(out_path)], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"vLLM run failed (exit {proc.returncode}):\n"
-                             f"{proc.stderr[-6000:]}")
+        (workdir / "stderr.txt").write_text(proc.stderr)
+        raise AssertionError(f"vLLM run failed (exit {proc.returncode}); all of its stderr in "
+                             f"{workdir / 'stderr.txt'}\n{root_cause(proc.stderr)}")
     return json.loads(out_path.read_text())
+
+
+def root_cause(stderr: str, context: int = 4000) -> str:
+    """The part of a failed vLLM run's stderr that says why: vLLM's engine process logs its
+    own traceback ("EngineCore failed" / "Traceback") well before the client's
+    ``EngineDeadError``, so the tail alone hides it. The first traceback and the tail."""
+    first = stderr.find("Traceback (most recent call last)")
+    head = stderr[first:first + context] if first >= 0 else ""
+    return f"{head}\n[...]\n{stderr[-context:]}" if head else stderr[-2 * context:]
