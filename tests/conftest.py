@@ -88,7 +88,11 @@ def _long(item) -> bool:
 def _launch(item) -> str:
     """The long tests that one launch serves: a multiprocess module's tests share its worlds
     (a module-scoped fixture: the disaggregated worlds, the NIXL engines), so they stay on
-    one worker, which launches them once; each fuzz shard is a launch of its own."""
+    one worker, which launches them once; each fuzz shard is a launch of its own. The vLLM
+    modules are one launch: two vLLM engines at once (each binding its workers to cores 0
+    and 1, each picking free ports) never run side by side, one after the other instead."""
+    if item.path.name.startswith("test_vllm_"):
+        return "vllm"
     return item.nodeid if item.path.name in LONG_MODULES else item.path.name
 
 

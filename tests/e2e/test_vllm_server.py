@@ -49,7 +49,8 @@ def server(tmp_path_factory):
          "--dtype", "float32", "--block-size", "16", "--max-model-len", "256",
          "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(4 << 20),
          "--distributed-executor-backend", "mp"],
-        cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)                 # no signal to the suite's group reaches it
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     try:

@@ -78,7 +78,8 @@ def run_offline(spec: dict, workdir: Path, timeout: float = 900) -> dict:
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([str(vllm_python()), "-m", "dcp_compile.vllm.offline",
                            str(spec_path), str(out_path)], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)   # no signal to the suite's group reaches it
     if proc.returncode != 0:
         (workdir / "stderr.txt").write_text(proc.stderr)
         raise AssertionError(f"vLLM run failed (exit {proc.returncode}); all of its stderr in "
