@@ -15,12 +15,18 @@ device (no weights) and reads its sizes from the program itself:
 A hardware profile (dcp_compile.hardware) turns them into a predicted decode step time
 (:func:`predict`); layouts are ranked by it. A layout that breaks a rule is listed with the
 rule (the DCPConfigError or refusal the compiler raises), never dropped.
+
+``mode="prefill"`` ranks prefill layouts (dcp, experts, interleave, and the chunk: prompt
+tokens per sequence per step) by time to first token: a prompt of L tokens is
+``ceil(L / chunk)`` prefill steps of the compiled chunk shape, each priced from the prefill
+graph with the prior context it runs after (:func:`prefill_breakdown`), summed
+(:func:`time_to_first_token`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 
 import torch
@@ -51,13 +57,18 @@ class Layout:
     combine: str = "all_gather"
     interleave_size: int = 16
     block_size: int = 16
+    chunk: int = 0               # prefill: prompt tokens per sequence per step; 0: decode
 
     def label(self) -> str:
         parts = [f"tp{self.tp}", f"dcp{self.dcp}"]
         if self.expert_parallel:
             parts.append("ep")
         if self.dcp > 1:
-            parts += [self.combine.replace("_", "-"), f"i{self.interleave_size}"]
+            # prefill has one combine (the LSE all-gather of the spec's step 7)
+            parts += ([] if self.chunk else [self.combine.replace("_", "-")]) + \
+                [f"i{self.interleave_size}"]
+        if self.chunk:
+            parts.append(f"chunk{self.chunk}")
         return " ".join(parts)
 
 
@@ -80,19 +91,20 @@ class Breakdown:
 @dataclass(frozen=True)
 class Prediction:
     seconds: dict                   # Term -> seconds
-    step_seconds: float
+    step_seconds: float             # prefill: the whole prompt (time to first token)
     dominant: str                   # the Term with the most seconds
     unpriced: tuple = ()            # terms a profile has no number for (left out)
+    steps: int = 1                  # steps priced: prefill's chunks of the prompt
 
 
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
     bucket: int                     # the context bucket a decode at L runs in
-    breakdown: Breakdown
+    breakdown: Breakdown            # prefill: the last chunk's step (the most prior context)
     prediction: Prediction
     kv_capacity: int | None         # sequences of length L that fit after the weights
-    tokens_per_s_per_chip: float
+    tokens_per_s_per_chip: float    # prefill: prompt tokens
 
     def to_json(self) -> dict:
         return {"layout": asdict(self.layout), "label": self.layout.label(),
@@ -119,21 +131,26 @@ class Plan:
     hardware: HardwareProfile
     ranked: list = field(default_factory=list)     # Candidates, fastest first
     refused: list = field(default_factory=list)    # Refused
+    mode: str = Mode.DECODE
 
     @property
     def best(self) -> Candidate:
         return self.ranked[0]
 
     def to_json(self) -> dict:
-        return {"model": self.model, "ranks": self.ranks, "context_len": self.context_len,
+        return {"model": self.model, "mode": str(self.mode), "ranks": self.ranks,
+                "context_len": self.context_len,
                 "batch": self.batch, "hardware": self.hardware.to_json(),
                 "ranked": [c.to_json() for c in self.ranked],
                 "refused": [r.to_json() for r in self.refused]}
 
     def format_table(self) -> str:
-        lines = [f"{self.model}: {self.ranks} ranks, context {self.context_len}, batch "
+        prefill = self.mode == Mode.PREFILL
+        lines = [f"{self.model}: {self.mode} on {self.ranks} ranks, "
+                 f"{'prompt' if prefill else 'context'} {self.context_len}, batch "
                  f"{self.batch}, on {self.hardware.name}",
-                 f"{'layout':<28} {'step us':>10} {'tok/s/chip':>11} {'capacity':>9} "
+                 f"{'layout':<28} {'TTFT us' if prefill else 'step us':>10} "
+                 f"{'tok/s/chip':>11} {'capacity':>9} "
                  f"{'weights MB':>11} {'KV MB':>8} {'coll KB':>8} {'#coll':>6} "
                  f"{'GFLOP':>7}  dominant"]
         for c in self.ranked:
@@ -182,6 +199,11 @@ WIRE_BYTES = {
     "all_reduce": lambda inp, out, n: 2 * inp * (n - 1) / n,
     "all_to_all": lambda inp, out, n: inp * (n - 1) / n,
 }
+
+
+def main_step(program) -> str:
+    """The step a program is ranked by: its prefill chunk, or its decode step."""
+    return StepKind.PREFILL if program.config.mode == Mode.PREFILL else StepKind.DECODE
 
 
 def collective_sizes(program, step: str = StepKind.DECODE):
@@ -239,14 +261,14 @@ def graph_flops(program, kv_tokens: int, step: str = StepKind.DECODE) -> int:
                    if n.op == "call_function" and n.target in rules))
 
 
-def expert_weights_read(program) -> tuple[int, int]:
+def expert_weights_read(program, step: str | None = None) -> tuple[int, int]:
     """(bytes of this rank's routed-expert weights, the bytes a decode step is expected to
     read of them): each ``dcp.moe`` node's expert tensors, times the chance an expert is
     routed to by at least one of the step's T tokens, ``1 - (1 - k / E) ** T`` with
     uniform routing (k experts per token of E)."""
     c = program.config
     total = read = 0
-    for n in program.graphs[StepKind.DECODE].graph.nodes:
+    for n in program.graphs[step or main_step(program)].graph.nodes:
         if n.op != "call_function" or n.target != torch.ops.dcp.moe.default:
             continue
         x, ids, gate_up, down = (_val(n.args[i]) for i in (0, 1, 3, 4))
@@ -260,7 +282,7 @@ def expert_weights_read(program) -> tuple[int, int]:
 
 def has_experts(program) -> bool:
     return any(n.op == "call_function" and n.target == torch.ops.dcp.moe.default
-               for n in program.graphs[StepKind.DECODE].graph.nodes)
+               for n in program.graphs[main_step(program)].graph.nodes)
 
 
 def busiest_rank_tokens(context_len: int, config: DCPConfig) -> int:
@@ -280,14 +302,29 @@ def breakdown(program, context_len: int, config: DCPConfig | None = None) -> Bre
     """One rank's decode step at ``context_len`` of ``program`` (``config``: the layout to
     read the KV tokens with, default the program's; an interleave variant shares the graph)."""
     config = config or program.config
-    tokens = busiest_rank_tokens(context_len, config)
+    return _step_breakdown(program, StepKind.DECODE, busiest_rank_tokens(context_len, config))
+
+
+def prefill_breakdown(program, prior: int, config: DCPConfig | None = None) -> Breakdown:
+    """One rank's prefill step of a prefill-mode ``program``: a chunk of
+    ``program.shapes.context_len`` tokens per sequence after ``prior`` tokens of context.
+    The busiest rank's attention reads its share of the prior and of the chunk (the chunk's
+    queries are gathered over the DCP group; its keys stay where they are written), and its
+    KV traffic is that share (the prior read, the chunk's own written)."""
+    config = config or program.config
+    held = busiest_rank_tokens(prior + program.shapes.context_len, config)
+    return _step_breakdown(program, StepKind.PREFILL, held)
+
+
+def _step_breakdown(program, step: str, tokens: int) -> Breakdown:
+    """One rank's ``step`` whose attention reads ``tokens`` tokens of each sequence."""
     per_token = program.cache_spec().bytes_per_token()
-    rows = collective_sizes(program)
+    rows = collective_sizes(program, step)
     counts: dict[str, int] = {}
     for key, _, _ in rows:
         counts[key] = counts.get(key, 0) + 1
     weights = weight_bytes(program)
-    experts, experts_read = expert_weights_read(program)
+    experts, experts_read = expert_weights_read(program, step)
     return Breakdown(
         weight_bytes=weights, expert_bytes=experts,
         weight_bytes_read=weights - experts + experts_read,
@@ -295,8 +332,8 @@ def breakdown(program, context_len: int, config: DCPConfig | None = None) -> Bre
         kv_bytes_per_token=per_token,
         collective_bytes=int(sum(w for _, w, _ in rows)), collective_count=len(rows),
         collectives=dict(sorted(counts.items())),
-        flops=graph_flops(program, tokens),
-        graph_ops=sum(1 for n in program.graphs[StepKind.DECODE].graph.nodes
+        flops=graph_flops(program, tokens, step),
+        graph_ops=sum(1 for n in program.graphs[step].graph.nodes
                       if n.op == "call_function"))
 
 
@@ -342,6 +379,23 @@ def predict(b: Breakdown, hw: HardwareProfile, ranks: int) -> Prediction:
                       dominant=str(dominant), unpriced=tuple(dict.fromkeys(map(str, unpriced))))
 
 
+def time_to_first_token(program, context_len: int, hw: HardwareProfile, ranks: int,
+                        config: DCPConfig | None = None) -> tuple[Breakdown, Prediction]:
+    """(the last chunk's breakdown, the prompt's prediction): a prompt of ``context_len``
+    tokens runs ``ceil(context_len / chunk)`` steps of the program's static chunk shape (the
+    last one padded), step i after ``i * chunk`` tokens of prior context; each is priced by
+    :func:`predict` and the terms are summed."""
+    chunk = program.shapes.context_len
+    steps = -(-context_len // chunk)
+    parts = [predict(b, hw, ranks) for b in
+             (prefill_breakdown(program, i * chunk, config) for i in range(steps))]
+    seconds = {t: sum(p.seconds[t] for p in parts) for t in parts[0].seconds}
+    return prefill_breakdown(program, (steps - 1) * chunk, config), Prediction(
+        seconds=seconds, step_seconds=sum(p.step_seconds for p in parts),
+        dominant=max(seconds, key=seconds.get), steps=steps,
+        unpriced=tuple(dict.fromkeys(u for p in parts for u in p.unpriced)))
+
+
 def kv_capacity(b: Breakdown, hw: HardwareProfile, ranks: int, batch: int) -> int | None:
     """Sequences of the context length whose KV fits in memory after the weights (a shared
     host holds every rank's)."""
@@ -371,53 +425,99 @@ def _model_of(model_or_config):
     return model, f"{type(model).__name__} (meta)"
 
 
+# Prefill chunks tried by default (prompt tokens per sequence per step), capped at the prompt.
+DEFAULT_CHUNKS = (512, 2048, 8192)
+
+
 def plan(model_or_config, *, ranks: int, context_len: int, batch: int = 1,
          mode: str = Mode.DECODE, hardware="this-machine", block_size: int = 16,
-         interleave_sizes=None, dcps=None, combines=None) -> Plan:
+         interleave_sizes=None, dcps=None, combines=None, chunks=None) -> Plan:
     """Every layout of ``model_or_config`` on ``ranks`` ranks ranked by predicted decode step
     time at ``context_len`` with ``batch`` sequences on ``hardware`` (a name of
     dcp_compile.hardware.HARDWARE_NAMES or a HardwareProfile). ``interleave_sizes``: the
     interleave sizes to try (default 1 and ``block_size``); ``dcps``, ``combines``: only
     these DCP degrees and decode combines (default: every divisor of ``ranks``, every
-    combine)."""
+    combine). ``mode="prefill"``: prefill layouts ranked by time to first token for a prompt
+    of ``context_len`` tokens, each with a chunk of ``chunks`` (default
+    :data:`DEFAULT_CHUNKS` capped at the prompt) and, by default, the interleave equal to
+    the block size (a KV producer's rule)."""
     for name, value in (("ranks", ranks), ("context_len", context_len), ("batch", batch),
                         ("block_size", block_size)):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise DCPInputError(f"plan needs {name} to be an int >= 1: {name}={value!r}. "
-                                f"Pass e.g. {name}=4.")
-    if mode != Mode.DECODE:
-        raise DCPInputError(f"plan ranks decode layouts only: mode={mode!r}. Prefill ranking "
-                            f"(time to first token) is not built yet (issue #40, item 4); "
-                            f"use mode='decode'.")
+        _check_count(name, value)
+    if mode not in (Mode.DECODE, Mode.PREFILL):
+        raise DCPInputError(f"plan ranks decode or prefill layouts: mode={mode!r}. Use "
+                            f"mode='decode' (step time) or mode='prefill' (time to first "
+                            f"token).")
+    prefill = mode == Mode.PREFILL
+    if prefill and combines is not None:
+        raise DCPInputError(f"combines={combines!r} is a decode knob: prefill has one combine "
+                            f"(the LSE all-gather of the spec's step 7). Leave it out with "
+                            f"mode='prefill'.")
+    if not prefill and chunks is not None:
+        raise DCPInputError(f"chunks={chunks!r} is a prefill knob (prompt tokens per step): "
+                            f"use it with mode='prefill'.")
+    if prefill:
+        for c in chunks or ():
+            _check_count("each chunk", c)
+        chunks = sorted(set(chunks or (min(c, context_len) for c in DEFAULT_CHUNKS)))
     hw = hardware_profile(hardware)
     model, label = _model_of(model_or_config)
-    interleaves = sorted(set(interleave_sizes or (1, block_size)))
-    result = Plan(model=label, ranks=ranks, context_len=context_len, batch=batch, hardware=hw)
+    # A prefill program is a KV producer: its interleave must equal the block size (the
+    # DI rule), so only that is tried unless asked.
+    interleaves = sorted(set(interleave_sizes or
+                             ((block_size,) if prefill else (1, block_size))))
+    result = Plan(model=label, ranks=ranks, context_len=context_len, batch=batch, hardware=hw,
+                  mode=Mode(mode))
     experts = None
     for dcp in (d for d in _divisors(ranks) if dcps is None or d in dcps):
         for ep in (False, True):
             if ep and experts is False:
                 continue
-            for combine in (_chosen(COMBINES, combines) if dcp > 1 else COMBINES[:1]):
-                base = Layout(ranks, dcp, ep, combine, block_size, block_size)
-                program = _compile(model, base, context_len, batch, result)
-                if program is None:
-                    continue
-                if experts is None:
-                    experts = has_experts(program)
-                    if ep and not experts:
-                        continue
-                for interleave in (interleaves if dcp > 1 else (block_size,)):
-                    layout = Layout(ranks, dcp, ep, combine, interleave, block_size)
-                    try:
-                        config = program.config.replace(interleave_size=interleave)
-                    except DCPError as e:
-                        result.refused.append(Refused(layout, str(e)))
-                        continue
-                    result.ranked.append(_candidate(program, layout, config, context_len,
-                                                    batch, hw))
+            for combine in (_chosen(COMBINES, combines) if dcp > 1 and not prefill
+                            else COMBINES[:1]):
+                for chunk in (chunks if prefill else (0,)):
+                    for layout, program, config in _programs(
+                            model, Layout(ranks, dcp, ep, combine, block_size, block_size,
+                                          chunk),
+                            interleaves, context_len, batch, result):
+                        if experts is None:
+                            experts = has_experts(program)
+                        if ep and not experts:
+                            break
+                        result.ranked.append(_candidate(program, layout, config, context_len,
+                                                        batch, hw))
     result.ranked.sort(key=lambda c: c.prediction.step_seconds)
     return result
+
+
+def _check_count(name, value):
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise DCPInputError(f"plan needs {name} to be an int >= 1: {name}={value!r}. "
+                            f"Pass e.g. {name}=4.")
+
+
+def _programs(model, base: Layout, interleaves, context_len, batch, result: Plan):
+    """``(layout, program, config)`` of ``base`` at each interleave size. A decode program
+    is compiled once (its graph, weights and collectives do not depend on the interleave;
+    only who holds which token does, priced by the config); a prefill program once per
+    interleave (its chunk's slice of owned tokens is cut by it). A refusal is recorded in
+    ``result.refused`` and yields nothing."""
+    sizes = interleaves if base.dcp > 1 else (base.block_size,)
+    program = None if base.chunk else _compile(model, base, context_len, batch, result)
+    if not base.chunk and program is None:
+        return
+    for interleave in sizes:
+        layout = replace(base, interleave_size=interleave)
+        if base.chunk:
+            program = _compile(model, layout, context_len, batch, result)
+            if program is None:
+                continue
+        try:
+            config = program.config.replace(interleave_size=interleave)
+        except DCPError as e:
+            result.refused.append(Refused(layout, str(e)))
+            continue
+        yield layout, program, config
 
 
 def _chosen(allowed, chosen):
@@ -432,11 +532,13 @@ def _chosen(allowed, chosen):
 def _compile(model, layout: Layout, context_len: int, batch: int, result: Plan):
     from dcp_compile.driver import transform
     from dcp_compile.runtime.serving.engine import StepShapes
-    shapes = StepShapes.fitting(batch, min(context_len, layout.block_size), context_len + 1,
+    step_tokens = layout.chunk or min(context_len, layout.block_size)
+    shapes = StepShapes.fitting(batch, step_tokens, context_len + 1,
                                 block_size=layout.block_size, dcp=layout.dcp)
     try:
         return transform(
-            model, tp=layout.tp, dcp=layout.dcp, mode=Mode.DECODE,
+            model, tp=layout.tp, dcp=layout.dcp,
+            mode=Mode.PREFILL if layout.chunk else Mode.DECODE,
             block_size=layout.block_size, interleave_size=layout.interleave_size,
             combine=layout.combine, expert_parallel=layout.expert_parallel, shapes=shapes,
             check=False, stack_traces=False)
@@ -446,8 +548,13 @@ def _compile(model, layout: Layout, context_len: int, batch: int, result: Plan):
 
 
 def _candidate(program, layout, config, context_len, batch, hw) -> Candidate:
-    b = breakdown(program, context_len, config)
-    p = predict(b, hw, layout.tp)
+    if layout.chunk:
+        b, p = time_to_first_token(program, context_len, hw, layout.tp, config)
+        tokens = batch * context_len            # prompt tokens per time to first token
+    else:
+        b = breakdown(program, context_len, config)
+        p = predict(b, hw, layout.tp)
+        tokens = batch                          # one token per sequence per step
     return Candidate(layout=layout, bucket=bucket_for(context_len, config), breakdown=b,
                      prediction=p, kv_capacity=kv_capacity(b, hw, layout.tp, batch),
-                     tokens_per_s_per_chip=batch / p.step_seconds / layout.tp)
+                     tokens_per_s_per_chip=tokens / p.step_seconds / layout.tp)

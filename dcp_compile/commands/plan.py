@@ -1,4 +1,5 @@
-"""Rank every decode layout of a model on N ranks by predicted step time.
+"""Rank every decode layout of a model on N ranks by predicted step time (``--mode prefill``:
+every prefill layout and chunk by predicted time to first token).
 
 Each layout (tp = N, every dcp that divides it, experts by TP or EP for a mixture of
 experts, the decode combine, the interleave size) is compiled on the meta device (no
@@ -29,7 +30,14 @@ def add_arguments(p):
     p.add_argument("--ranks", type=positive_int, required=True,
                    help="chips (ranks) of the engine: tp = ranks, dcp divides it")
     p.add_argument("--context", type=positive_int, required=True,
-                   help="context length in tokens the decode steps run at")
+                   help="context length in tokens the decode steps run at (prefill: the "
+                        "prompt length)")
+    p.add_argument("--mode", choices=("decode", "prefill"), default="decode",
+                   help="rank decode layouts by step time, or prefill layouts by time to "
+                        "first token")
+    p.add_argument("--chunks", type=positive_int, nargs="+", default=None, metavar="N",
+                   help="prefill only: prompt tokens per sequence per step to try (default: "
+                        "512 2048 8192, capped at the prompt)")
     p.add_argument("--batch", type=positive_int, default=1,
                    help="sequences decoded per step")
     p.add_argument("--block-size", type=positive_int, default=16,
@@ -53,6 +61,7 @@ def _model(args):
 def run(args) -> int:
     from dcp_compile.planner import plan
     result = plan(_model(args), ranks=args.ranks, context_len=args.context,
-                  batch=args.batch, hardware=args.hardware, block_size=args.block_size)
+                  batch=args.batch, hardware=args.hardware, block_size=args.block_size,
+                  mode=args.mode, chunks=args.chunks)
     print(json.dumps(result.to_json()) if args.json else result.format_table())
     return 0

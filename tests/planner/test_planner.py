@@ -141,13 +141,78 @@ def test_unknown_numbers_are_named_not_guessed():
     assert "not priced" in p.format_table()
 
 
-def test_prefill_and_bad_sizes_are_refused_by_name():
-    with pytest.raises(dcp_compile.DCPInputError, match="prefill"):
-        planner.plan(demo_model(), ranks=2, context_len=64, mode="prefill", hardware=H200)
+def test_bad_sizes_modes_and_knobs_are_refused_by_name():
     with pytest.raises(dcp_compile.DCPInputError, match="context_len"):
         planner.plan(demo_model(), ranks=2, context_len=0, hardware=H200)
     with pytest.raises(dcp_compile.DCPInputError, match="unknown hardware"):
         hardware.profile("tpu-v9")
+    with pytest.raises(dcp_compile.DCPInputError, match="mode='train'"):
+        planner.plan(demo_model(), ranks=2, context_len=64, mode="train", hardware=H200)
+    with pytest.raises(dcp_compile.DCPInputError, match="combines=.*decode knob"):
+        planner.plan(demo_model(), ranks=2, context_len=64, mode="prefill", hardware=H200,
+                     combines=("all_to_all",))
+    with pytest.raises(dcp_compile.DCPInputError, match="chunks=.*prefill knob"):
+        planner.plan(demo_model(), ranks=2, context_len=64, hardware=H200, chunks=(16,))
+    with pytest.raises(dcp_compile.DCPInputError, match="each chunk"):
+        planner.plan(demo_model(), ranks=2, context_len=64, mode="prefill", hardware=H200,
+                     chunks=(0,))
+
+
+def _prefill_program(tp, dcp, chunk, context):
+    shapes = StepShapes.fitting(2, chunk, context + 1, block_size=16, dcp=dcp)
+    return dcp_compile.transform(demo_model(), tp=tp, dcp=dcp, mode="prefill", shapes=shapes,
+                                 check=False)
+
+
+def test_prefill_step_reads_its_prior_and_the_programs_collectives():
+    program = _prefill_program(4, 2, 32, 100)
+    first, later = planner.prefill_breakdown(program, 0), planner.prefill_breakdown(program, 64)
+    # the busiest rank holds its share of prior + chunk (runs of 16 over 2 ranks)
+    assert first.kv_tokens == 16 and later.kv_tokens == 48
+    assert later.kv_bytes == 3 * first.kv_bytes
+    assert later.flops > first.flops                       # attention over more keys
+    per_layer = program.collectives_per_layer("prefill")
+    expected = sum(v * program.num_layers for v in per_layer.values()) + sum(
+        program.model_collectives("prefill").values())
+    assert first.collective_count == later.collective_count == expected
+    assert first.graph_ops == sum(1 for n in program.graphs["prefill"].graph.nodes
+                                  if n.op == "call_function")
+
+
+def test_time_to_first_token_sums_the_prompts_chunks():
+    program = _prefill_program(4, 2, 32, 100)
+    chip = hardware.HardwareProfile("chip", memory_bytes=1e12, memory_bandwidth=1e9,
+                                    link_bandwidth=1e9, link_latency=1e-5, peak_flops=1e10)
+    last, p = planner.time_to_first_token(program, 100, chip, 4)
+    steps = [planner.predict(planner.prefill_breakdown(program, i * 32), chip, 4)
+             for i in range(4)]                             # 100 tokens: 4 chunks of 32
+    assert p.steps == 4 and last == planner.prefill_breakdown(program, 96)
+    assert p.step_seconds == pytest.approx(sum(s.step_seconds for s in steps))
+    for term in planner.Term:
+        assert p.seconds[term] == pytest.approx(sum(s.seconds[term] for s in steps))
+    assert p.dominant == max(p.seconds, key=p.seconds.get)
+
+
+def test_prefill_plan_ranks_layouts_and_chunks_by_time_to_first_token():
+    chip = hardware.HardwareProfile("chip", memory_bytes=1e12, memory_bandwidth=1e9,
+                                    link_bandwidth=1e9, link_latency=1e-3, peak_flops=1e10)
+    p = planner.plan(demo_model(), ranks=2, context_len=64, batch=2, mode="prefill",
+                     hardware=chip, chunks=(16, 64))
+    assert p.mode == "prefill" and not p.refused
+    got = {(c.layout.dcp, c.layout.chunk): c for c in p.ranked}
+    assert set(got) == {(1, 16), (1, 64), (2, 16), (2, 64)}
+    times = [c.prediction.step_seconds for c in p.ranked]
+    assert times == sorted(times)
+    small, whole = got[(2, 16)].prediction, got[(2, 64)].prediction
+    assert (small.steps, whole.steps) == (4, 1)
+    # the same collectives per step, four steps: four times the latency
+    count = got[(2, 16)].breakdown.collective_count
+    assert count == got[(2, 64)].breakdown.collective_count
+    assert small.seconds["collectives"] - whole.seconds["collectives"] == pytest.approx(
+        3 * count * 1e-3, rel=0.05)
+    assert "chunk16" in got[(2, 16)].layout.label() and "TTFT" in p.format_table()
+    for c in p.ranked:
+        assert c.tokens_per_s_per_chip == pytest.approx(2 * 64 / c.prediction.step_seconds / 2)
 
 
 def test_plan_json_cli(capsys, tmp_path):
@@ -163,6 +228,16 @@ def test_plan_json_cli(capsys, tmp_path):
     assert {"weight_bytes", "kv_bytes", "collective_bytes", "collective_count",
             "flops"} <= set(first)
     assert out["ranked"][0]["prediction"]["dominant"] in set(planner.Term)
+
+
+def test_plan_cli_prefill_mode(capsys):
+    from dcp_compile.cli import main
+    assert main(["plan", "--ranks", "2", "--context", "48", "--mode", "prefill",
+                 "--chunks", "16", "48", "--hardware", "h200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "prefill"
+    assert {r["layout"]["chunk"] for r in out["ranked"]} == {16, 48}
+    assert {r["prediction"]["steps"] for r in out["ranked"]} == {3, 1}
 
 
 def test_this_machine_profile_is_read_from_its_cache(tmp_path, monkeypatch):
