@@ -1,4 +1,5 @@
-"""The planner checked: predicted vs measured decode step time on this machine's threaded world.
+"""The planner checked: predicted vs measured decode step time on this machine, on the
+threaded world (the eager program) and on XLA:CPU (the lowered program, ``--worlds``).
 
 A sweep of models (dense: the demo model; MoE: a tiny Qwen3-MoE; MLA + MoE: a tiny
 DeepSeek-V3) x layouts on 4 ranks x contexts. Each layout is transformed once (real weights,
@@ -9,13 +10,22 @@ bench_decode); the planner prices the same program (dcp_compile.planner.breakdow
 model, the Spearman rank correlation of predicted vs measured step time over every
 (layout, context) point and within each context, and the worst miss (predicted/measured).
 
+On XLA:CPU each layout's program is lowered (dcp_compile.xla.lower_for_xla) and its decode
+module run on ``RANKS`` host-device replicas (XLAExecutor; median of ``--steps`` steps after
+a warm-up). It is priced on the same calibrated profile as a compiled graph: no eager
+dispatch term (``op_overhead`` 0) and the KV read at the copy bandwidth (a compiled kernel
+reads the KV once; the eager live-span kernel's measured bandwidth is not XLA's). A layout
+XLA:CPU cannot run (a collective form it aborts on) is listed refused.
+
     python3 benchmarks/bench_plan.py [--contexts 512 4096 16384 --steps 5 --write-docs]
+    python3 benchmarks/bench_plan.py --worlds xla        # XLA:CPU only
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -68,6 +78,33 @@ def measure(program, model, contexts, steps):
         return out
 
     return run_threaded(program.config.tp, rank_main, timeout=1800)[0]
+
+
+def measure_xla(program, model, contexts, steps):
+    """Median decode step seconds at each context of ``program`` lowered and run on XLA:CPU
+    replicas (caches filled with a constant: the step's time does not depend on the values)."""
+    from dcp_compile import xla as X
+    executor = X.XLAExecutor(program, X.lower_for_xla(program), fill=0.5)
+    b, max_blocks = program.shapes.batch, program.shapes.max_blocks
+    table = torch.arange(b * max_blocks).view(b, max_blocks)
+    ids = torch.randint(0, model.config.vocab_size, (b, 1),
+                        generator=torch.Generator().manual_seed(0))
+    out = {}
+    for ctx in contexts:
+        positions = torch.full((b, 1), ctx)
+        executor.step("decode", ids, positions, table)           # warm-up
+        key = ("decode", max_blocks)
+        executor.step_seconds[key] = []
+        for _ in range(steps):
+            executor.step("decode", ids, positions, table)
+        out[ctx] = statistics.median(executor.step_seconds[key])
+    return out
+
+
+def xla_profile(hw):
+    """The calibrated profile as a compiled graph's: no per-op dispatch, KV at copy speed."""
+    return hardware.with_overrides(hw, name=f"{hw.name} (xla)", op_overhead=0.0,
+                                   kv_bandwidth=None)
 
 
 def spearman(xs, ys) -> float:
@@ -123,6 +160,11 @@ def main():
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--worlds", nargs="+", choices=("threaded", "xla"),
+                    default=["threaded", "xla"],
+                    help="where the steps are measured: the eager threaded world, XLA:CPU")
+    ap.add_argument("--models", nargs="+", choices=("dense", "moe", "mla"),
+                    default=["dense", "moe", "mla"], help="which of the sweep's models")
     ap.add_argument("--recalibrate", action="store_true",
                     help="measure this machine again instead of reading the cached profile")
     ap.add_argument("--deepseek-v3", action="store_true",
@@ -133,6 +175,9 @@ def main():
     if args.deepseek_v3:
         deepseek_v3_table()
         return
+    if "xla" in args.worlds:
+        from dcp_compile import xla as X
+        X.request_host_devices(RANKS)           # before jax starts its CPU backend
     with docs_section.recorded("bench_plan", args.write_docs):
         torch.set_num_threads(1)
         hw = hardware.calibrate() if args.recalibrate else hardware.profile("this-machine")
@@ -144,10 +189,12 @@ def main():
               f"{args.batch}, fp32, median of {args.steps} steps (rank 0)\n")
         summary = []
         for name, (model, layouts) in models().items():
+            if name.split()[0].split("+")[0] not in args.models:
+                continue
             print(f"{name}")
-            print(f"  {'layout':<26} {'context':>7} {'measured ms':>12} {'predicted ms':>13} "
-                  f"{'pred/meas':>9}  dominant")
-            points = []
+            print(f"  {'layout':<26} {'world':<8} {'context':>7} {'measured ms':>12} "
+                  f"{'predicted ms':>13} {'pred/meas':>9}  dominant")
+            points = {w: [] for w in args.worlds}
             for kw in layouts:
                 c = {"combine": "all_gather", "interleave_size": BLOCK,
                      "expert_parallel": False, **kw}
@@ -161,25 +208,39 @@ def main():
                 except dcp_compile.DCPError as e:
                     print(f"  {layout.label():<26} refused: {str(e).splitlines()[0]}")
                     continue
-                measured = measure(program, model, args.contexts, args.steps)
-                for ctx in args.contexts:
-                    p = planner.predict(planner.breakdown(program, ctx), hw, RANKS)
-                    points.append((layout.label(), ctx, measured[ctx], p.step_seconds))
-                    print(f"  {layout.label():<26} {ctx:7d} {measured[ctx] * 1e3:12.2f} "
-                          f"{p.step_seconds * 1e3:13.2f} {p.step_seconds / measured[ctx]:9.2f}"
-                          f"  {p.dominant}", flush=True)
-            meas, pred = [p[2] for p in points], [p[3] for p in points]
-            rho = spearman(pred, meas)
-            per_ctx = [spearman([p[3] for p in points if p[1] == ctx],
-                                [p[2] for p in points if p[1] == ctx]) for ctx in args.contexts]
-            worst = max(points, key=lambda p: max(p[3] / p[2], p[2] / p[3]))
-            summary.append((name, rho, per_ctx, worst))
+                for world in args.worlds:
+                    profile = hw if world == "threaded" else xla_profile(hw)
+                    try:
+                        measured = (measure if world == "threaded" else measure_xla)(
+                            program, model, args.contexts, args.steps)
+                    except dcp_compile.DCPError as e:
+                        print(f"  {layout.label():<26} {world:<8} refused: "
+                              f"{str(e).splitlines()[0]}")
+                        continue
+                    for ctx in args.contexts:
+                        p = planner.predict(planner.breakdown(program, ctx), profile, RANKS)
+                        points[world].append((layout.label(), ctx, measured[ctx],
+                                              p.step_seconds))
+                        print(f"  {layout.label():<26} {world:<8} {ctx:7d} "
+                              f"{measured[ctx] * 1e3:12.2f} {p.step_seconds * 1e3:13.2f} "
+                              f"{p.step_seconds / measured[ctx]:9.2f}  {p.dominant}",
+                              flush=True)
+            for world, pts in points.items():
+                if not pts:
+                    continue
+                meas, pred = [p[2] for p in pts], [p[3] for p in pts]
+                per_ctx = [spearman([p[3] for p in pts if p[1] == ctx],
+                                    [p[2] for p in pts if p[1] == ctx])
+                           for ctx in args.contexts]
+                worst = max(pts, key=lambda p: max(p[3] / p[2], p[2] / p[3]))
+                summary.append((name, world, spearman(pred, meas), per_ctx, worst))
             print()
         print("Spearman rank correlation, predicted vs measured step time")
-        print(f"  {'model':<24} {'all points':>10}  " +
+        print(f"  {'model':<24} {'world':<8} {'all points':>10}  " +
               "  ".join(f"{'ctx ' + str(c):>9}" for c in args.contexts) + "  worst miss")
-        for name, rho, per_ctx, w in summary:
-            print(f"  {name:<24} {rho:10.2f}  " + "  ".join(f"{r:9.2f}" for r in per_ctx) +
+        for name, world, rho, per_ctx, w in summary:
+            print(f"  {name:<24} {world:<8} {rho:10.2f}  " +
+                  "  ".join(f"{r:9.2f}" for r in per_ctx) +
                   f"  {w[0]} ctx {w[1]}: predicted {w[3] * 1e3:.2f} ms, measured "
                   f"{w[2] * 1e3:.2f} ms ({w[3] / w[2]:.2f}x)")
 

@@ -82,8 +82,12 @@ def run_offline(spec: dict, workdir: Path, timeout: float = 900) -> dict:
                           start_new_session=True)   # no signal to the suite's group reaches it
     if proc.returncode != 0:
         (workdir / "stderr.txt").write_text(proc.stderr)
-        raise AssertionError(f"vLLM run failed (exit {proc.returncode}); all of its stderr in "
-                             f"{workdir / 'stderr.txt'}\n{root_cause(proc.stderr)}")
+        (workdir / "stdout.txt").write_text(proc.stdout)
+        # vLLM's logger writes to stdout: the engine core's and workers' errors are there.
+        raise AssertionError(f"vLLM run failed (exit {proc.returncode}); its output in "
+                             f"{workdir / 'stdout.txt'} and {workdir / 'stderr.txt'}\n"
+                             f"stdout:\n{root_cause(proc.stdout)}\nstderr:\n"
+                             f"{root_cause(proc.stderr)}")
     return json.loads(out_path.read_text())
 
 
