@@ -1,12 +1,15 @@
 """Resume after a rank loss (issue 39, item 1): dcp_compile.workers.supervise runs a tp=4/dcp=2
-decode world of the demo model; ranks are killed (SIGKILL) or stopped (SIGSTOP, a hang) at
-random steps, and every request still ends with the uninterrupted single-device tokens.
+decode world, or a prefill-mode world (``--mode prefill``: sequence-parallel prefill steps), of
+the demo model; ranks are killed (SIGKILL) or stopped (SIGSTOP, a hang) at random steps, and
+every request still ends with the uninterrupted single-device tokens.
 
-The slice: one supervised generation that loses two worlds -- a rank killed from outside
-through ``--pids`` while the world starts, and a rank that SIGKILLs itself at a random step.
-The full run (``DCP_RESUME_FULL=1``): 20 losses in a row, every fifth a SIGSTOP hang (a hang
-costs the slice STEP_TIMEOUT of waiting, so it is there, not here). Nothing here asserts a
-time: the timeouts only bound a hang.
+The slice: one supervised decode generation that loses two worlds -- a rank killed from
+outside through ``--pids`` while the world starts, and a rank that SIGKILLs itself at a random
+step -- and one prefill-mode generation (tp=2/dcp=2: two processes start faster on two cores)
+that loses one rank by SIGKILL at a random step. The full run (``DCP_RESUME_FULL=1``): 20
+decode losses in a row, every fifth a SIGSTOP hang, and 8 prefill-mode losses on tp=4/dcp=2,
+every fourth a hang (a hang costs STEP_TIMEOUT of waiting, so it is there, not here). Nothing
+here asserts a time: the timeouts only bound a hang.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import sys
 import time
 
 import pytest
+import torch
 
 from dcp_compile.runtime.errors import DCPInputError, DCPWorldError
 from dcp_compile.workers import supervise
-from dcp_compile.workers.resumable import Fault, resume_contexts
+from dcp_compile.workers.resumable import RESUMES, Fault, resume_contexts
 
 from full_runs import full
 from helpers import single_device_reference
@@ -36,13 +40,15 @@ WORLD, DCP = 4, 2
 STEP_TIMEOUT = 20.0
 
 
-def _supervise(tmp_path, steps, faults, *, external_kill=None, timeout=1800):
+def _supervise(tmp_path, steps, faults, *, external_kill=None, timeout=1800, mode="decode",
+               world=WORLD, dcp=DCP):
     """Run the supervisor as the command line does; with ``external_kill`` (a rank), SIGKILL
     that rank of the first world through ``--pids`` before it reports a step. Returns
     OUT.json, the pids killed, and the pids of the last world."""
     out, pids, work = tmp_path / "out.json", tmp_path / "pids.json", tmp_path / "work"
-    cmd = [sys.executable, "-m", "dcp_compile.workers.supervise", "--nproc", str(WORLD),
-           "--dcp", str(DCP), "--steps", str(steps), "--lengths", ",".join(map(str, LENGTHS)),
+    cmd = [sys.executable, "-m", "dcp_compile.workers.supervise", "--nproc", str(world),
+           "--dcp", str(dcp), "--steps", str(steps), "--lengths", ",".join(map(str, LENGTHS)),
+           "--mode", mode,
            "--out", str(out), "--pids", str(pids), "--work-dir", str(work),
            "--step-timeout", str(STEP_TIMEOUT), "--max-restarts", str(len(faults) + 1)]
     for f in faults:
@@ -71,7 +77,7 @@ def _supervise(tmp_path, steps, faults, *, external_kill=None, timeout=1800):
 
 def _check(got, steps, reasons):
     """The tokens of the uninterrupted run, one restart per lost world, each loss named."""
-    assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens
+    assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens, got["faults"]
     assert got["restarts"] == len(reasons)
     assert all(want in f["reason"] for f, want in zip(got["faults"], reasons, strict=True)), \
         got["faults"]
@@ -127,6 +133,52 @@ def test_twenty_rank_losses_in_a_row(tmp_path):
           f"elapsed {got['elapsed_s']:.0f} s, seed {seed}")
 
 
+@pytest.mark.multiprocess
+def test_prefill_mode_world_resumes_after_a_kill(tmp_path):
+    """A prefill-mode world (the prompt, then one-token sequence-parallel prefill steps) loses
+    a random rank at a random step; the relaunched world computes prompt + generated again in
+    chunks after a prior (a 33-token prompt + its tokens is two chunks) and ends with the
+    uninterrupted single-device tokens."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    steps, world = 8, 2
+    kill_step, rank = rng.randrange(0, steps - 1), rng.randrange(world)
+    got, _, last = _supervise(tmp_path, steps, [f"{rank}:{kill_step}:kill"], mode="prefill",
+                              world=world, dcp=2)
+    why = f"seed {seed}: rank {rank} killed at step {kill_step}"
+    assert got["mode"] == "prefill"
+    _check(got, steps, [f"rank {rank} was killed by SIGKILL"])
+    assert [f["step"] for f in got["faults"]] == [kill_step + 1], why
+    assert [f["recomputed"] for f in got["faults"]] == [4 * (kill_step + 1)], why
+    assert got["faults"][0]["detect_s"] is not None and got["faults"][0]["resume_s"] is not None
+    assert set(last) == {"0", "1"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not full("DCP_RESUME_FULL"), reason="the full run: DCP_RESUME_FULL=1")
+def test_prefill_mode_eight_rank_losses_in_a_row(tmp_path):
+    """8 prefill-mode worlds (tp=4/dcp=2) lost in one generation, each at a later random step:
+    a random rank, SIGKILL (every fourth a SIGSTOP hang). Prints the measured times."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    steps, losses = 12, 8
+    at = sorted(rng.sample(range(steps - 1), losses))
+    faults = [f"{rng.randrange(WORLD)}:{s}:{'stop' if i % 4 == 3 else 'kill'}"
+              for i, s in enumerate(at)]
+    got, _, _ = _supervise(tmp_path, steps, faults, timeout=3600, mode="prefill")
+    _check(got, steps, [f"rank {f.split(':')[0]} " + (
+        "stopped (process state T)" if f.endswith("stop") else "was killed by SIGKILL")
+        for f in faults])
+    assert [f["step"] for f in got["faults"]] == [s + 1 for s in at], f"seed {seed}"
+    for kind in ("kill", "stop"):
+        rows = [f for f, spec in zip(got["faults"], faults) if spec.endswith(kind)]
+        print(f"prefill {kind}: {len(rows)} losses, detect_s "
+              f"{[round(f['detect_s'], 3) for f in rows]}, resume_s "
+              f"{[round(f['resume_s'], 2) for f in rows]}")
+    print(f"recomputed {sum(f['recomputed'] for f in got['faults'])} generated tokens, "
+          f"elapsed {got['elapsed_s']:.0f} s, seed {seed}")
+
+
 # --- the pieces, without processes -----------------------------------------------------------
 
 @pytest.mark.parametrize("text,message", [
@@ -146,19 +198,51 @@ def _state(generated, steps=8):
 
 
 def test_resume_contexts_are_prompt_plus_generated():
-    todo, contexts, left = resume_contexts(_state([[1, 2, 3]] * 4), context_len=41)
+    todo, contexts, left = resume_contexts(_state([[1, 2, 3]] * 4), 41)
     assert [r["id"] for r in todo] == ["0", "1", "2", "3"] and left == 5
     assert [len(c) for c in contexts] == [n + 3 for n in LENGTHS]
     assert contexts[0] == [7, 1, 2, 3]
-    assert resume_contexts(_state([list(range(8))] * 4), context_len=41)[0] == []
+    assert resume_contexts(_state([list(range(8))] * 4), 41)[0] == []
 
 
 def test_resume_that_does_not_fit_the_context_step_is_refused():
-    with pytest.raises(DCPInputError, match=r"prompt \+ generated tokens \{'2': 36\} exceed "
-                                            r"the program's context_len=35"):
-        resume_contexts(_state([[1, 2, 3]] * 4), context_len=35)
+    with pytest.raises(DCPInputError, match=r"in a decode world: prompt \+ generated tokens "
+                                            r"\{'2': 36\} exceed the program's "
+                                            r"context_len=35"):
+        resume_contexts(_state([[1, 2, 3]] * 4), 35)
+    with pytest.raises(DCPInputError, match=r"in a prefill world: .*\{'2': 36\} exceed the "
+                                            r"program's capacity \(max_blocks x block_size x "
+                                            r"dcp\)=35"):
+        resume_contexts(_state([[1, 2, 3]] * 4), 35, mode="prefill")
     with pytest.raises(DCPInputError, match="unfinished requests at different steps"):
-        resume_contexts(_state([[1], [1, 2], [1], [1]]), context_len=41)
+        resume_contexts(_state([[1], [1, 2], [1], [1]]), 41)
+
+
+class _ChunkEngine:
+    """Records the rows of each prompt step; a row's logits hold (chunk, its last token)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def prefill(self, rows):
+        self.steps.append(rows)
+        return torch.tensor([[len(self.steps), r[-1] if r else -1] for r in rows])
+
+
+def test_a_prefill_world_resumes_in_chunks_after_a_prior():
+    """Prompt + generated longer than context_len runs as chunks (a shorter context sits the
+    later chunks out); each sequence's logits come from the chunk that held its last token."""
+    engine = _ChunkEngine()
+    contexts = [[1], list(range(10, 17)), list(range(20, 25))]
+    logits = RESUMES["prefill"].context(engine, contexts, 3)
+    assert engine.steps == [[[1], [10, 11, 12], [20, 21, 22]], [[], [13, 14, 15], [23, 24]],
+                            [[], [16], []]]
+    assert logits.tolist() == [[1, 1], [3, 16], [2, 24]]
+    engine = _ChunkEngine()
+    RESUMES["decode"].context(engine, contexts, 3)        # one context step, whatever it holds
+    assert engine.steps == [contexts]
+    RESUMES["prefill"].step(engine, [5, 6, 7])            # a generated token: a 1-token chunk
+    assert engine.steps[-1] == [[5], [6], [7]]
 
 
 def _world(tmp_path, text):
@@ -193,8 +277,8 @@ def _args(steps=8):
 
 def test_a_resume_the_context_step_cannot_hold_is_refused_before_any_rank_starts(tmp_path):
     requests = [supervise.Request(str(i), [7] * n, [1, 2, 3]) for i, n in enumerate(LENGTHS)]
-    with pytest.raises(DCPInputError, match="cannot resume in one context step"):
-        supervise.launch(_args(), tmp_path, 1, "unused.dcp", requests, context_len=33)
+    with pytest.raises(DCPInputError, match="cannot resume in a decode world"):
+        supervise.launch(_args(), tmp_path, 1, "unused.dcp", requests, capacity=33)
     assert not (tmp_path / "world1").exists()
 
 
