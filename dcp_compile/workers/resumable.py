@@ -181,24 +181,39 @@ def run(args, rank: int) -> None:
     todo, contexts, left = resume_contexts(state, resume_capacity(program), mode=args.mode)
     if not todo:
         return
-    first = state["steps"] - left            # the global index of the first step here
     engine = rank_engine(program, rank, checkpoint=args.checkpoint)
-    progress = open(args.progress, "a") if rank == 0 else None  # noqa: SIM115
     fault = args.fault if args.fault is not None and args.fault.rank == rank else None
     with torch.no_grad():
         logits = how.context(engine, contexts, program.shapes.context_len)
-        for step in range(first, state["steps"]):
-            nxt = logits.argmax(-1).tolist()
-            if progress is not None:
-                progress.write(json.dumps({"step": step, "tokens": {
-                    r["id"]: t for r, t in zip(todo, nxt)}}) + "\n")
-                progress.flush()
-            if step == state["steps"] - 1:
-                break
-            if fault is not None and step >= fault.step:
-                inject(fault, args.progress)
-            logits = how.step(engine, nxt)
+        greedy_steps(lambda nxt: how.step(engine, nxt), logits, todo,
+                     first=state["steps"] - left, steps=state["steps"],
+                     progress=args.progress if rank == 0 else None, fault=fault,
+                     fault_file=args.progress)
     print(f"resumable {args.mode} rank={rank} ok", flush=True)
+
+
+def greedy_steps(step, logits: torch.Tensor, todo: list[dict], *, first: int, steps: int,
+                 progress: str | None, fault: Fault | None, fault_file: str) -> None:
+    """Greedy decoding from ``logits`` (each request's last token) for global steps
+    ``first..steps-1``; ``step(tokens)`` runs one step and returns the next logits. With
+    ``progress`` (rank 0), each step's tokens are appended as soon as they are known; a
+    ``fault`` of this rank fires before the step after global step ``fault.step``."""
+    out = open(progress, "a") if progress is not None else None  # noqa: SIM115
+    try:
+        for g in range(first, steps):
+            nxt = logits.argmax(-1).tolist()
+            if out is not None:
+                out.write(json.dumps({"step": g, "tokens": {
+                    r["id"]: t for r, t in zip(todo, nxt)}}) + "\n")
+                out.flush()
+            if g == steps - 1:
+                break
+            if fault is not None and g >= fault.step:
+                inject(fault, fault_file)
+            logits = step(nxt)
+    finally:
+        if out is not None:
+            out.close()
 
 
 def inject(fault: Fault, progress: str) -> None:
