@@ -310,3 +310,135 @@ def test_a_rank_error_of_its_own_is_not_resumed(tmp_path):
     assert "DCPInputError" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "work").glob("world*")) == ["world0"]
     assert not (tmp_path / "out.json").exists()
+
+
+# --- the disaggregated pair (dcp_compile.workers.supervise_pair) -----------------------------
+
+PAIR_TRANSFER_TIMEOUT = 10.0   # the decode side's handshake/transfer bound in these runs
+
+
+def _supervise_pair(tmp_path, steps, faults, *, timeout=1800):
+    """Run the pair's supervisor as the command line does (prefill tp=2/dcp=2, decode
+    tp=2/dcp=1); OUT.json. Skips when the NIXL wheel does not import."""
+    try:
+        from dcp_compile.runtime.transfer.nixl.build import nixl_api
+        nixl_api()
+    except Exception as e:  # the wheel raises ImportError, or RuntimeError without a backend
+        pytest.skip(f"import nixl failed: {type(e).__name__}: {e}")
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "dcp_compile.workers.supervise_pair", "--steps", str(steps),
+           "--lengths", ",".join(map(str, LENGTHS)), "--out", str(out),
+           "--work-dir", str(tmp_path / "work"), "--step-timeout", str(STEP_TIMEOUT),
+           "--transfer-timeout", str(PAIR_TRANSFER_TIMEOUT),
+           "--max-restarts", str(len(faults) + 1)]
+    for f in faults:
+        cmd += ["--fault", f]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def _check_decode_loss(f, rank):
+    """A decode rank lost: every prefill rank reported its leases, each read or released
+    (none still held, no block still marked held), the released ones because of the loss."""
+    assert f["side"] == "decode" and f["reason"] == f"decode rank {rank} was killed by SIGKILL"
+    assert f["leaked"] == {}, f
+    assert set(f["leases"]) == {"0", "1"} and all(f["leases"].values()), f
+    outcomes = [o for rank_leases in f["leases"].values() for o in rank_leases.values()]
+    assert set(outcomes) <= {"read", "released"}, f
+
+
+def _check_prefill_loss(f, rank):
+    """A prefill rank lost: the decode side failed by itself (within the supervisor's bound:
+    the transfer timeout plus a margin), its error naming that prefill rank."""
+    assert f["side"] == "prefill" and f["reason"] == f"prefill rank {rank} was killed by SIGKILL"
+    assert f["decode_failed_s"] is not None, f
+    assert f["decode_error"] and all(f"prefill rank {rank}" in (e or "")
+                                     for e in f["decode_error"].values()), f
+
+
+@pytest.mark.multiprocess
+def test_disaggregated_pair_resumes_after_a_decode_and_a_prefill_loss(tmp_path):
+    """One generation, two lost pairs: a decode rank killed during the transfer (the prefill
+    side releases every lease it held for it: none leaked), then a prefill rank killed while
+    it serves (the decode side's request fails naming it). The third pair resumes both to the
+    uninterrupted single-device tokens."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    steps = 6
+    ranks = [rng.randrange(2), rng.randrange(2)]
+    got = _supervise_pair(tmp_path, steps, [f"decode:{ranks[0]}:-1:kill",
+                                            f"prefill:{ranks[1]}:-1:kill"])
+    why = f"seed {seed}: decode rank {ranks[0]}, then prefill rank {ranks[1]}"
+    assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens, why
+    assert got["restarts"] == 2, why
+    _check_decode_loss(got["faults"][0], ranks[0])
+    assert "released" in [o for r in got["faults"][0]["leases"].values() for o in r.values()]
+    _check_prefill_loss(got["faults"][1], ranks[1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not full("DCP_RESUME_FULL"), reason="the full run: DCP_RESUME_FULL=1")
+def test_disaggregated_pair_six_losses_in_a_row(tmp_path):
+    """6 pairs lost in one generation: a decode rank at a random later step (or during the
+    transfer), then a prefill rank during the transfer, in turn. Prints the measured times."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    steps = 10
+    at = sorted(rng.sample(range(-1, steps - 1), 3))
+    faults = []
+    for s in at:
+        faults += [f"decode:{rng.randrange(2)}:{s}:kill", f"prefill:{rng.randrange(2)}:-1:kill"]
+    got = _supervise_pair(tmp_path, steps, faults, timeout=3600)
+    why = f"seed {seed}: {faults}"
+    assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens, why
+    assert got["restarts"] == len(faults), why
+    for f, spec in zip(got["faults"], faults, strict=True):
+        side, rank = spec.split(":")[:2]
+        (_check_decode_loss if side == "decode" else _check_prefill_loss)(f, int(rank))
+    for side in ("decode", "prefill"):
+        rows = [f for f in got["faults"] if f["side"] == side]
+        extra = ("release_s", "decode_failed_s")[side == "prefill"]
+        print(f"pair, {side} rank lost: {len(rows)} losses, detect_s "
+              f"{[round(f['detect_s'], 3) for f in rows]}, {extra} "
+              f"{[round(f[extra], 2) for f in rows]}, resume_s "
+              f"{[f['resume_s'] and round(f['resume_s'], 1) for f in rows]}")
+    print(f"recomputed {sum(f['recomputed'] for f in got['faults'])} generated tokens, "
+          f"elapsed {got['elapsed_s']:.0f} s, seed {seed}")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("router:1:-1:kill", "ROLE prefill or decode"), ("decode:1:kill", "must read RANK:STEP")])
+def test_a_bad_pair_fault_is_refused_by_name(text, message):
+    from dcp_compile.workers.supervise_pair import PairFault
+    with pytest.raises(DCPInputError, match=message):
+        PairFault.parse_or_none(text)
+    assert PairFault.parse_or_none("none") is None
+    fault = PairFault.parse_or_none("prefill:1:-1:kill")
+    assert (fault.role, str(fault.fault)) == ("prefill", "1:-1:kill")
+
+
+def test_a_lease_report_shows_leases_and_blocks_still_held():
+    """lease_report (what supervise_pair's leak check reads): every ended lease's outcome,
+    the leases not ended and the blocks whose epoch still marks them held (> 0)."""
+    from types import SimpleNamespace
+    from dcp_compile.workers.resumable_pair import lease_report
+    conn = SimpleNamespace(rank=1, leases={"2": object()},
+                           released={"0": SimpleNamespace(outcome="read"),
+                                     "1": SimpleNamespace(outcome="released")},
+                           block_epochs=torch.tensor([-3, 4, 0, -5, 4]))
+    assert lease_report(conn) == {"rank": 1, "outcomes": {"0": "read", "1": "released"},
+                                  "held": ["2"], "held_blocks": [1, 4]}
+    conn.leases, conn.block_epochs = {}, torch.tensor([-3, -6, 0, -5, -6])
+    assert lease_report(conn)["held"] == [] and lease_report(conn)["held_blocks"] == []
+
+
+def test_the_pair_refuses_to_start_without_the_side_channel_key(tmp_path, monkeypatch):
+    from dcp_compile.runtime.transfer.nixl.auth import DCPAuthError
+    from dcp_compile.workers import supervise_pair
+    for name in ("DCP_KV_KEY", "DCP_KV_KEY_FILE", "DCP_KV_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(DCPAuthError, match="DCP_KV_KEY"):
+        supervise_pair.supervise_pair(supervise_pair.parse(["--out", "x"]), tmp_path / "w")
+    assert not (tmp_path / "w").exists()          # nothing built, nothing launched
