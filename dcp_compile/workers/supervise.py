@@ -307,11 +307,12 @@ def watch(args, world: World, requests: list[Request], faults: list[dict]) -> di
         time.sleep(POLL_S)
 
 
-def refuse_own_errors(world: World, failed: dict[int, int]) -> None:
+def refuse_own_errors(world: World, failed: dict[int, int], name: str = "rank") -> None:
     """Raise if a rank that exited raised an error of its own (not a peer lost under its
-    collective): a relaunch would raise it again, so it is no rank loss to resume."""
+    collective): a relaunch would raise it again, so it is no rank loss to resume. The
+    ranks' logs are ``<name><rank>.log`` beside the progress file."""
     from dcp_compile.runtime.distributed.launch import rank_state
-    logs = {r: (world.progress.parent / f"rank{r}.log").read_text(errors="replace")
+    logs = {r: (world.progress.parent / f"{name}{r}.log").read_text(errors="replace")
             for r in failed}
     own = [r for r, c in failed.items() if rank_state(c, logs[r], None)[0] == "error"]
     if not own:

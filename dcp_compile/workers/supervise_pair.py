@@ -247,8 +247,7 @@ def watch_pair(args, pair: dict[str, World], requests: list[Request],
                 for other in pair.values():
                     if other is not w:
                         kill(other)
-                _logs_as(w, role)
-                refuse_own_errors(w, failed)     # raises: no rank of it was lost
+                refuse_own_errors(w, failed, str(role))    # raises: no rank was lost
                 return finish_loss(pair, requests, f"{role} ranks {sorted(failed)} exited "
                                    f"with codes {failed}", now, args.steps, role)
         last = dec.last_step_at
@@ -259,14 +258,6 @@ def watch_pair(args, pair: dict[str, World], requests: list[Request],
             return finish_loss(pair, requests, f"no decode step finished for --step-timeout "
                                f"{args.step_timeout} s", now, args.steps, None)
         time.sleep(POLL_S)
-
-
-def _logs_as(world: World, role: str) -> None:
-    """Point ``refuse_own_errors`` (which reads ``rank<r>.log``) at this world's logs."""
-    here = world.progress.parent
-    for r in world.procs:
-        (here / f"rank{r}.log").write_text((here / f"{role}{r}.log").read_text(
-            errors="replace"))
 
 
 def _wait_exit(world: World, seconds: float) -> dict[int, int | None]:
