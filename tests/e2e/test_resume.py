@@ -381,15 +381,16 @@ def test_disaggregated_pair_resumes_after_a_decode_and_a_prefill_loss(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not full("DCP_RESUME_FULL"), reason="the full run: DCP_RESUME_FULL=1")
 def test_disaggregated_pair_six_losses_in_a_row(tmp_path):
-    """6 pairs lost in one generation: a decode rank at a random later step (or during the
-    transfer), then a prefill rank during the transfer, in turn. Prints the measured times."""
+    """6 pairs lost in one generation: a prefill rank during the transfer, then a decode rank
+    at a random later step (or during the transfer), in turn (a decode loss last: the pair
+    after it steps, which measures its resume). Prints the measured times."""
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     steps = 10
     at = sorted(rng.sample(range(-1, steps - 1), 3))
     faults = []
     for s in at:
-        faults += [f"decode:{rng.randrange(2)}:{s}:kill", f"prefill:{rng.randrange(2)}:-1:kill"]
+        faults += [f"prefill:{rng.randrange(2)}:-1:kill", f"decode:{rng.randrange(2)}:{s}:kill"]
     got = _supervise_pair(tmp_path, steps, faults, timeout=3600)
     why = f"seed {seed}: {faults}"
     assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens, why
