@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -351,10 +352,12 @@ def _check_decode_loss(f, rank):
 
 def _check_prefill_loss(f, rank):
     """A prefill rank lost: the decode side failed by itself (within the supervisor's bound:
-    the transfer timeout plus a margin), its error naming that prefill rank."""
+    the transfer timeout plus a margin), its error naming that prefill rank (the handshake's
+    "prefill rank p", or a READ's "prefill ranks [.., p, ..]" when it was already read from)."""
     assert f["side"] == "prefill" and f["reason"] == f"prefill rank {rank} was killed by SIGKILL"
     assert f["decode_failed_s"] is not None, f
-    assert f["decode_error"] and all(f"prefill rank {rank}" in (e or "")
+    named = re.compile(rf"prefill rank {rank}\b|prefill ranks \[[^\]]*\b{rank}\b")
+    assert f["decode_error"] and all(named.search(e or "")
                                      for e in f["decode_error"].values()), f
 
 
