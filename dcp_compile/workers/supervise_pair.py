@@ -45,6 +45,7 @@ from pathlib import Path
 from dcp_compile.runtime.errors import DCPInputError, DCPWorldError
 from dcp_compile.runtime.names import Mode
 from dcp_compile.workers.resumable import Fault
+from dcp_compile.workers.resumable_pair import DURING_TRANSFER
 from dcp_compile.workers.supervise import (POLL_S, Request, World, kill, read_progress,
                                            refuse_own_errors, tail)
 
@@ -66,7 +67,13 @@ class PairFault:
         if role not in (Mode.PREFILL, Mode.DECODE):
             raise DCPInputError(f"--fault must read ROLE:RANK:STEP:KIND with ROLE prefill or "
                                 f"decode: --fault {text!r}. E.g. --fault decode:1:-1:kill.")
-        return cls(role, Fault.parse(rest))
+        fault = Fault.parse(rest)
+        if role == Mode.PREFILL and fault.step != DURING_TRANSFER:
+            raise DCPInputError(f"a prefill fault fires while the prefill world serves its KV "
+                                f"(STEP {DURING_TRANSFER}), the only time it runs: --fault "
+                                f"{text!r}. Use --fault prefill:{fault.rank}:"
+                                f"{DURING_TRANSFER}:{fault.kind}.")
+        return cls(role, fault)
 
 
 def parse(argv=None):

@@ -315,7 +315,9 @@ def test_a_rank_error_of_its_own_is_not_resumed(tmp_path):
 
 # --- the disaggregated pair (dcp_compile.workers.supervise_pair) -----------------------------
 
-PAIR_TRANSFER_TIMEOUT = 10.0   # the decode side's handshake/transfer bound in these runs
+# The decode side's handshake/transfer bound in these runs: a healthy one takes well under a
+# second; a dead prefill rank costs it.
+PAIR_TRANSFER_TIMEOUT = 15.0
 
 
 def _supervise_pair(tmp_path, steps, faults, *, timeout=1800):
@@ -413,7 +415,9 @@ def test_disaggregated_pair_six_losses_in_a_row(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("router:1:-1:kill", "ROLE prefill or decode"), ("decode:1:kill", "must read RANK:STEP")])
+    ("router:1:-1:kill", "ROLE prefill or decode"), ("decode:1:kill", "must read RANK:STEP"),
+    ("prefill:1:3:kill", "prefill fault fires while the prefill world serves its KV \\(STEP "
+                         "-1\\).*Use --fault prefill:1:-1:kill")])
 def test_a_bad_pair_fault_is_refused_by_name(text, message):
     from dcp_compile.workers.supervise_pair import PairFault
     with pytest.raises(DCPInputError, match=message):
