@@ -9,7 +9,9 @@ or, with ``--program PATH``, loads the program file one process wrote for the wh
     torchrun --nproc-per-node 4 -m dcp_compile.workers.prefill --dcp 2 ...
     torchrun --nproc-per-node 4 -m dcp_compile.workers.compiled --dcp 2 ...   (torch.compile)
     torchrun --nproc-per-node 4 -m dcp_compile.workers.disagg prefill|decode ...   (NIXL)
-    python -m dcp_compile.workers.supervise --nproc 4 --dcp 2 ...   (resumes after a rank loss)
+    python -m dcp_compile.workers.supervise --nproc 4 --dcp 2 ...   (resumes after a rank loss;
+        --mode prefill: a prefill-mode world)
+    python -m dcp_compile.workers.supervise_pair ...   (a disaggregated pair, resumed likewise)
 
 They live in ``dcp_compile`` (not ``runtime``) because they use its frontends.
 """

@@ -1,7 +1,11 @@
-"""A supervised decode world: a rank lost mid-generation costs a relaunch, not the requests.
+"""A supervised world: a rank lost mid-generation costs a relaunch, not the requests.
 
     python -m dcp_compile.workers.supervise --nproc 4 --dcp 2 --steps 16 --out out.json \\
-        [--pids pids.json] [--program FILE] [--checkpoint DIR]
+        [--mode decode|prefill] [--pids pids.json] [--program FILE] [--checkpoint DIR]
+
+``--mode decode`` (the default) runs a decode-mode program (a context step, then decode
+steps); ``--mode prefill`` a prefill-mode one (sequence-parallel prefill steps: the prompt,
+then one step of one token per sequence per generated token).
 
 The supervisor launches the world itself, one process per rank with torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on loopback; each rank runs
@@ -17,9 +21,10 @@ per request, its id, prompt and the tokens generated so far. The world is lost w
 Then every rank still running is killed (SIGKILL: bounded, a stopped rank included), each
 unfinished request records why it stopped and what it held, and a new world on a new port
 resumes every unfinished request from its prompt plus its generated tokens in one context
-step (dcp_compile.workers.resumable): greedy decoding gives the uninterrupted run's tokens.
+step, or chunks after a prior in prefill mode (dcp_compile.workers.resumable): greedy decoding
+gives the uninterrupted run's tokens.
 
-OUT.json: ``tokens`` (per prompt, in order), ``restarts``, ``requests`` (per request: id,
+OUT.json: ``tokens`` (per prompt, in order), ``restarts``, ``mode``, ``requests`` (per request: id,
 prompt length, tokens, each stop's reason and tokens held), ``faults`` (per lost world:
 reason, step reached, ``detect_s`` from the fault to its detection, ``resume_s`` from the
 detection to the relaunched world's first step, ``recomputed`` generated tokens whose KV was
@@ -41,7 +46,8 @@ from pathlib import Path
 
 from dcp_compile.runtime.errors import DCPWorldError
 from dcp_compile.workers import CHECKPOINT_HELP, PROGRAM_HELP
-from dcp_compile.workers.resumable import Fault
+from dcp_compile.runtime.names import Mode
+from dcp_compile.workers.resumable import RESUMES, Fault
 
 # How often the supervisor looks at the ranks and the progress file (seconds).
 POLL_S = 0.05
@@ -55,6 +61,9 @@ def parse(argv=None):
     ap.add_argument("--nproc", type=int, required=True)
     ap.add_argument("--dcp", type=int, required=True)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--mode", choices=sorted(RESUMES), default=Mode.DECODE.value,
+                    help="the program's mode: decode (context step, then decode steps) or "
+                    "prefill (sequence-parallel prefill steps throughout)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--pids", default=None, help="a JSON file holding {rank: pid} of the "
                     "current world, rewritten at every launch")
@@ -109,20 +118,23 @@ def main(argv=None) -> int:
 
 
 def program_file(args, work: Path) -> str:
-    """The program every world loads: ``--program``, else the demo model's decode program
-    with a context step long enough to resume any request (longest prompt + steps)."""
+    """The program every world loads: ``--program``, else the demo model's program of
+    ``--mode``: a decode program with a context step long enough to resume any request
+    (longest prompt + steps), or a prefill program with prompt chunks of the longest prompt
+    and caches for the longest prompt + steps (a resume runs in chunks)."""
     if args.program:
         return args.program
     import dcp_compile
     from dcp_compile.models.demo import demo_model
-    from dcp_compile.runtime.names import Mode
     from dcp_compile.runtime.serving.engine import StepShapes
     from dcp_compile.workers.decode import lengths_of
     lengths = lengths_of(args)
     longest = max(lengths) + args.steps
-    shapes = StepShapes.fitting(len(lengths), longest, longest, block_size=16, dcp=args.dcp)
+    context_len = longest if args.mode == Mode.DECODE else max(lengths)
+    shapes = StepShapes.fitting(len(lengths), context_len, longest, block_size=16,
+                                dcp=args.dcp)
     program = dcp_compile.transform(demo_model(), tp=args.nproc, dcp=args.dcp,
-                                    mode=Mode.DECODE, interleave_size=args.interleave_size,
+                                    mode=args.mode, interleave_size=args.interleave_size,
                                     check=False, shapes=shapes)
     path = work / "program.dcp"
     program.save(path, weights=args.checkpoint is None)
@@ -130,21 +142,22 @@ def program_file(args, work: Path) -> str:
 
 
 def supervise(args, work: Path) -> dict:
-    from dcp_compile.runtime.names import Mode
     from dcp_compile.workers import program_for
     from dcp_compile.workers.decode import lengths_of, prompt_tokens
+    from dcp_compile.workers.resumable import resume_capacity
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     program = program_file(args, work)
     # Refused here, before any rank starts: a program of another layout or mode.
-    context_len = program_for(program, None, tp=args.nproc, dcp=args.dcp, mode=Mode.DECODE,
-                              interleave_size=args.interleave_size).shapes.context_len
+    capacity = resume_capacity(program_for(program, None, tp=args.nproc, dcp=args.dcp,
+                                           mode=args.mode,
+                                           interleave_size=args.interleave_size))
     requests = [Request(str(i), p) for i, p in
                 enumerate(prompt_tokens(lengths_of(args), args.seed))]
     faults: list[dict] = []
     attempt = 0
     while True:
-        world = launch(args, work, attempt, program, requests, context_len)
+        world = launch(args, work, attempt, program, requests, capacity)
         try:
             lost = watch(args, world, requests, faults)
         except BaseException:
@@ -168,6 +181,7 @@ def supervise(args, work: Path) -> dict:
         f.pop("detected_at", None)
         f.setdefault("resume_s", None)
     return {"tokens": [r.generated for r in requests], "restarts": attempt,
+            "mode": str(args.mode),
             "requests": [{"id": r.id, "prompt_len": len(r.prompt), "tokens": r.generated,
                           "stops": r.stops} for r in requests],
             "faults": faults, "elapsed_s": time.monotonic() - t0}
@@ -184,14 +198,15 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def launch(args, work: Path, attempt: int, program: str, requests: list[Request],
-           context_len: int) -> World:
+           capacity: int) -> World:
     """Write the resume state of ``requests`` and start one process per rank; a state the
-    program's context step cannot resume is refused here, before any rank starts."""
+    program cannot resume (longer than its ``capacity``: ``resumable.resume_capacity``) is
+    refused here, before any rank starts."""
     from dcp_compile.runtime.distributed.launch import free_port
     from dcp_compile.workers.resumable import resume_contexts
     resume = {"steps": args.steps, "requests": [
         {"id": r.id, "prompt": r.prompt, "generated": r.generated} for r in requests]}
-    resume_contexts(resume, context_len)
+    resume_contexts(resume, capacity, mode=args.mode)
     here = work / f"world{attempt}"
     here.mkdir()
     state = here / "state.json"
@@ -199,7 +214,7 @@ def launch(args, work: Path, attempt: int, program: str, requests: list[Request]
     progress = here / "progress.jsonl"
     progress.touch()
     cmd = [sys.executable, "-m", "dcp_compile.workers.resumable", "--state", str(state),
-           "--program", program, "--progress", str(progress),
+           "--program", program, "--progress", str(progress), "--mode", str(args.mode),
            "--collective-timeout", str(args.collective_timeout)]
     if args.checkpoint:
         cmd += ["--checkpoint", args.checkpoint]
@@ -292,11 +307,12 @@ def watch(args, world: World, requests: list[Request], faults: list[dict]) -> di
         time.sleep(POLL_S)
 
 
-def refuse_own_errors(world: World, failed: dict[int, int]) -> None:
+def refuse_own_errors(world: World, failed: dict[int, int], name: str = "rank") -> None:
     """Raise if a rank that exited raised an error of its own (not a peer lost under its
-    collective): a relaunch would raise it again, so it is no rank loss to resume."""
+    collective): a relaunch would raise it again, so it is no rank loss to resume. The
+    ranks' logs are ``<name><rank>.log`` beside the progress file."""
     from dcp_compile.runtime.distributed.launch import rank_state
-    logs = {r: (world.progress.parent / f"rank{r}.log").read_text(errors="replace")
+    logs = {r: (world.progress.parent / f"{name}{r}.log").read_text(errors="replace")
             for r in failed}
     own = [r for r, c in failed.items() if rank_state(c, logs[r], None)[0] == "error"]
     if not own:
