@@ -468,12 +468,6 @@ REAL_LIMITS = {
     "heads mixed before the softmax (talking heads)",
 }
 
-_INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row in a Python loop "
-                   "over the captured length (mask[i, a:b] = 0.0 into a full(-inf)); the writes "
-                   "are read now (canonical form writes_out_of_place), so the mask is exact at "
-                   "the captured length, but past it the graph holds the mask before the "
-                   "writes: refused with a true counterexample at i = that length ('sliding "
-                   "window'), the window the loop would write there not being in the graph")
 _SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the attention scores "
                "(T5's bucketed one, or an MLP of the distance): a function of key - query "
                "positions, exact under DCP if each rank computed it for the positions it holds, "
@@ -483,9 +477,6 @@ _SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the a
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
 KNOWN: dict[tuple[str, str], str] = {
-    **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in MODES
-       for a in ("Gemma-2-2b", "Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
-                 "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
        for a in ("rel-pos-bias", "dynamic-pos-bias")},
     **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
