@@ -34,7 +34,7 @@ from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis
 from .infra import val
 from .memory import refuse_writes_in_place as _refuse_writes_in_place
 from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
-                         FILLS_OF_ZERO, MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
+                         FILLS_OF_ZERO, MASKED_FILLS, MULS, ORS, PADS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
                          SQUEEZES, SUBS, WHERES, XORS)
 
 aten = torch.ops.aten
@@ -298,6 +298,36 @@ def _triangle(upper: bool):
     return rule
 
 
+def _pad(n, args):
+    """``pad(x, pad, mode="constant", value)`` / ``constant_pad_nd(x, pad, value)``: x read
+    at ``a - left`` along each padded axis, ``value`` (0 unless given) outside it. ``pad``
+    pairs (left, right) from the last axis back; a negative side crops."""
+    x, (shape, boolean) = args[0], _out(n)
+    pads = list(args[1])
+    mode = args[2] if n.target is aten.pad.default and len(args) > 2 else "constant"
+    value = args[3 if n.target is aten.pad.default else 2] \
+        if len(args) > (3 if n.target is aten.pad.default else 2) else None
+    if mode != "constant":
+        raise NotAFormula(f"a {mode!r} pad (only a constant pad is a formula)")
+    if isinstance(value, Sym):
+        raise NotAFormula("a pad with a tensor value")
+    mapping, outside = {}, []
+    for k in range(len(pads) // 2):
+        dim = len(shape) - 1 - k
+        left, right = pads[2 * k], pads[2 * k + 1]
+        a = axis(dim)
+        mapping[dim] = a - left
+        outside += ([a < left] if left > 0 else []) + \
+            ([a >= left + x.shape[dim]] if right > 0 else [])
+    inner = rename(x.expr, mapping)
+    fill = constant(value if value is not None else (False if boolean else 0), boolean)
+    hit = sympy.Or(*outside)
+    if boolean:
+        return Sym(shape, sympy.Or(sympy.And(hit, fill), sympy.And(sympy.Not(hit), inner)),
+                   True)
+    return Sym(shape, _fold(sympy.Piecewise((fill, hit), (inner, True))), False)
+
+
 def _diff(n, args):
     """diff(x, n=1, dim, prepend): y[a] = x[a] - (prepend[0] if a == 0 else x[a - 1])."""
     x, (shape, _) = args[0], _out(n)
@@ -365,6 +395,7 @@ RULES = {
     **dict.fromkeys(MASKED_FILLS, _masked_fill),
     aten.triu.default: _triangle(upper=True), aten.tril.default: _triangle(upper=False),
     aten.diff.default: _diff, aten.cumsum.default: _cumsum,
+    **dict.fromkeys(PADS, _pad),
 }
 
 
@@ -430,6 +461,10 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
         is_free = all(a in free for a in n.all_input_nodes)
         if is_free:
             free.add(n)
+        if is_free and n.all_input_nodes and all(a in opaque for a in n.all_input_nodes) \
+                and _is_table_shaped(n):
+            opaque.add(n)     # a function of tables only, of one axis: itself a table (slopes
+            continue          # padded to every head: x-transformers' ALiBi)
         rule = RULES.get(n.target)
         if rule is None:
             if is_free:           # a constant no rule reads: a table, if it is consumed
@@ -454,6 +489,12 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
     except NotAFormula as e:
         fail(root, f"the attention mask or bias of {s.node.name} cannot be read as a formula "
              f"of positions: {e}", "Build masks and biases from positions or torch.arange")
+
+
+def _is_table_shaped(n: Node) -> bool:
+    """A float value varying along at most one axis (what a table may be)."""
+    shape, boolean = _out(n)
+    return not boolean and sum(x != 1 for x in shape) <= 1
 
 
 def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,

@@ -21,6 +21,7 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
 from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
+from .module_position_bias import bias_sites, module_position_bias_enabled
 from .module_windows import module_windows_enabled, window_sites
 from .huggingface import attention_windows, check_hf_config, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
@@ -104,6 +105,9 @@ class OrdinaryStep(nn.Module):
         # The model libraries' sliding windows written in place (litgpt's loop) as a formula
         # of positions (module_windows): for the capture only, with the MoE blocks.
         self.library_windows = window_sites(model) if library_modules else []
+        # ... and their position biases cached in a buffer (x-transformers' ALiBi) recomputed
+        # as a formula of positions at every call (module_position_bias).
+        self.library_biases = bias_sites(model) if library_modules else []
         params = forward_params(model)
         self.takes_positions = "position_ids" in params
         self.hf = is_hf(model)
@@ -119,7 +123,8 @@ class OrdinaryStep(nn.Module):
             kwargs.update(use_cache=False, return_dict=True)
         experts = dcp_experts_enabled(self.model) if self.hf else contextlib.nullcontext()
         with experts, module_experts_enabled(self.model, self.library_experts), \
-                module_windows_enabled(self.library_windows):
+                module_windows_enabled(self.library_windows), \
+                module_position_bias_enabled(self.library_biases):
             out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if not isinstance(logits, Tensor):

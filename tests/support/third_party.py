@@ -443,13 +443,11 @@ EXCLUDED = {
 
 # Refusals that name a real limit (of DCP or of this compiler's design), not a form it fails
 # to read: decode DCP replicates the KV heads over the DCP group, so it needs tp > kv heads
-# (the specification's rule); ALiBi's per-head score bias is refused by design (README); a
-# paged step cannot read the hidden states of cached tokens (x-transformers' shift_tokens),
-# nor follow a position function of the sequence length (x-transformers' xpos scale,
-# centred on max_pos // 2) for tokens already cached.
+# (the specification's rule); a paged step cannot read the hidden states of cached tokens
+# (x-transformers' shift_tokens), nor follow a position function of the sequence length
+# (x-transformers' xpos scale, centred on max_pos // 2) for tokens already cached.
 REAL_LIMITS = {
     "MHA: decode DCP needs tp > kv heads",
-    "ALiBi",
     # torchtitan's experts compute in bf16 inside an fp32 model: bf16 matmuls round by the
     # batch they are given (the model's own forward differs from itself by 4.7e-4 when only
     # the batch changes), so no program equals it at fp32 tolerance.
