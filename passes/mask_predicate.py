@@ -32,10 +32,11 @@ from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis
                                broadcast_to, constant, hidden_under_bias, pieces, relation,
                                rename)
 from .infra import val
+from .mask_axis_rules import AXIS_RULES
 from .memory import refuse_writes_in_place as _refuse_writes_in_place
 from .op_classes import (ADDS, ANDS, ARANGES, CASTS, EXPANDS, FILLS, FILLS_OF_ONE,
-                         FILLS_OF_ZERO, MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES, RSUBS,
-                         SQUEEZES, SUBS, WHERES, XORS)
+                         FILLS_OF_ZERO, MASKED_FILLS, MULS, ORS, PERMUTES, REMAINDERS, RESHAPES,
+                         RSUBS, SQUEEZES, SUBS, WHERES, XORS)
 
 aten = torch.ops.aten
 
@@ -298,34 +299,6 @@ def _triangle(upper: bool):
     return rule
 
 
-def _diff(n, args):
-    """diff(x, n=1, dim, prepend): y[a] = x[a] - (prepend[0] if a == 0 else x[a - 1])."""
-    x, (shape, _) = args[0], _out(n)
-    order = args[1] if len(args) > 1 else 1
-    dim = (args[2] if len(args) > 2 else -1) % len(x.shape)
-    prepend = args[3] if len(args) > 3 else None
-    append = args[4] if len(args) > 4 else None
-    if order != 1 or append is not None or not isinstance(prepend, Sym) \
-            or prepend.shape[dim] != 1 or x.boolean:
-        raise NotAFormula("diff other than first order with a one-element prepend")
-    a = axis(dim)
-    before = rename(x.expr, {dim: a - 1})
-    first = rename(broadcast_to(prepend, x.shape[:dim] + (1,) + x.shape[dim + 1:]),
-                   {dim: sympy.Integer(0)})
-    return Sym(shape, _fold(sympy.simplify(
-        sympy.Piecewise((x.expr - first, sympy.Eq(a, 0)), (x.expr - before, True)))), False)
-
-
-def _cumsum(n, args):
-    """cumsum along an axis the summand does not depend on: (index + 1) * summand."""
-    x, (shape, _) = args[0], _out(n)
-    dim = args[1] % len(x.shape)
-    summand = sympy.simplify(as_number(x.expr, x.boolean))
-    if axis(dim) in summand.free_symbols:
-        raise NotAFormula("a running sum of values that vary along the summed axis")
-    return Sym(shape, _fold((axis(dim) + 1) * summand), False)
-
-
 RULES = {
     **dict.fromkeys(ARANGES, _arange),
     aten.full.default: _filled(lambda a: a[1]), aten.new_full.default: _filled(lambda a: a[2]),
@@ -364,7 +337,7 @@ RULES = {
     **dict.fromkeys(WHERES, _where),
     **dict.fromkeys(MASKED_FILLS, _masked_fill),
     aten.triu.default: _triangle(upper=True), aten.tril.default: _triangle(upper=False),
-    aten.diff.default: _diff, aten.cumsum.default: _cumsum,
+    **AXIS_RULES,
 }
 
 
@@ -430,6 +403,10 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
         is_free = all(a in free for a in n.all_input_nodes)
         if is_free:
             free.add(n)
+        if is_free and n.all_input_nodes and all(a in opaque for a in n.all_input_nodes) \
+                and _is_table_shaped(n):
+            opaque.add(n)     # a function of tables only, of one axis: itself a table (slopes
+            continue          # padded to every head: x-transformers' ALiBi)
         rule = RULES.get(n.target)
         if rule is None:
             if is_free:           # a constant no rule reads: a table, if it is consumed
@@ -454,6 +431,12 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
     except NotAFormula as e:
         fail(root, f"the attention mask or bias of {s.node.name} cannot be read as a formula "
              f"of positions: {e}", "Build masks and biases from positions or torch.arange")
+
+
+def _is_table_shaped(n: Node) -> bool:
+    """A float value varying along at most one axis (what a table may be)."""
+    shape, boolean = _out(n)
+    return not boolean and sum(x != 1 for x in shape) <= 1
 
 
 def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | None,

@@ -21,6 +21,8 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
 from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
+from .module_position_bias import bias_sites, module_position_bias_enabled
+from .module_windows import module_windows_enabled, window_sites
 from .huggingface import attention_windows, check_hf_config, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
@@ -34,7 +36,7 @@ class OrdinaryFrontend:
         if is_hf(model):
             check_hf_config(model)
         self.model, self.shapes = model, shapes
-        self.step_model = OrdinaryStep(model, library_experts=True)
+        self.step_model = OrdinaryStep(model, library_modules=True)
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
 
@@ -94,12 +96,18 @@ class OrdinaryFrontend:
 class OrdinaryStep(nn.Module):
     """``forward(input_ids (, position_ids)) -> logits`` around any causal LM."""
 
-    def __init__(self, model: nn.Module, *, library_experts: bool = False):
+    def __init__(self, model: nn.Module, *, library_modules: bool = False):
         super().__init__()
         self.model = model
         # The model libraries' MoE blocks as dcp.moe (module_experts): for the capture only;
         # the reference runs the model's own blocks.
-        self.library_experts = stacked_experts(model) if library_experts else nn.ModuleDict()
+        self.library_experts = stacked_experts(model) if library_modules else nn.ModuleDict()
+        # The model libraries' sliding windows written in place (litgpt's loop) as a formula
+        # of positions (module_windows): for the capture only, with the MoE blocks.
+        self.library_windows = window_sites(model) if library_modules else []
+        # ... and their position biases cached in a buffer (x-transformers' ALiBi) recomputed
+        # as a formula of positions at every call (module_position_bias).
+        self.library_biases = bias_sites(model) if library_modules else []
         params = forward_params(model)
         self.takes_positions = "position_ids" in params
         self.hf = is_hf(model)
@@ -114,7 +122,9 @@ class OrdinaryStep(nn.Module):
         if self.hf:
             kwargs.update(use_cache=False, return_dict=True)
         experts = dcp_experts_enabled(self.model) if self.hf else contextlib.nullcontext()
-        with experts, module_experts_enabled(self.model, self.library_experts):
+        with experts, module_experts_enabled(self.model, self.library_experts), \
+                module_windows_enabled(self.library_windows), \
+                module_position_bias_enabled(self.library_biases):
             out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if not isinstance(logits, Tensor):

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import dcp_compile
@@ -44,7 +45,9 @@ class AlibiLM(nn.Module):
     """A GQA decoder with ALiBi and no position embedding, in one of the forms models write
     the bias (``form``): Bloom's ``slope * k_pos``, MPT's ``slope * (k_pos - (S - 1))`` as a
     second term beside a bool mask, Falcon's bias folded into the additive mask and scaled
-    after, the symmetric ``-slope * |i - j|`` under a causal mask."""
+    after, the symmetric ``-slope * |i - j|`` under a causal mask, and that with slopes for
+    half the heads padded with zeros and the mask built by a pad (x-transformers'
+    ``alibi_num_heads``: a pad of a table is a table; a constant pad is a formula)."""
 
     def __init__(self, form: str, heads: int = 8, kv_heads: int = 2, layers: int = 2,
                  slope_table: str = "buffer"):
@@ -93,6 +96,13 @@ class AlibiLM(nn.Module):
         elif self.form == "symmetric":   # -slope * |i - j|: ALiBi where the mask keeps
             dist = (i[:, None] - i[None, :]).abs().float()
             scores = (scores * d ** -0.5 - slopes * dist).masked_fill(later, float("-inf"))
+        elif self.form == "padded":      # x-transformers: slopes for half the heads, zero
+            half = self._slopes()[: h // 2].view(h // 2, 1, 1)     # for the rest (a pad);
+            slopes = F.pad(half, (0, 0, 0, 0, 0, h - h // 2))      # the causal mask padded
+            dist = (i[:, None] - i[None, :]).abs().float()         # on the left: key 0 is
+            hide = F.pad(torch.ones(s, s - 1, dtype=torch.bool).triu(0), (1, 0),  # never
+                         value=False)                                              # hidden
+            scores = (scores * d ** -0.5 - slopes * dist).masked_fill(hide, float("-inf"))
         elif self.form == "quadratic":   # not ALiBi: refused
             dist = (i[:, None] - i[None, :]).float() ** 2
             scores = (scores * d ** -0.5 - slopes * dist).masked_fill(later, float("-inf"))
@@ -128,11 +138,11 @@ def run(model, mode, tp, dcp, lengths):
 # one batch of mixed lengths.
 CASES = [("bloom", 4, 2, (1, 7, 8, 9, 17)), ("mpt", 4, 2, (3, 8, 16)),
          ("falcon", 4, 2, (2, 9, 15)), ("symmetric", 4, 2, (1, 8, 13)),
-         ("bloom", 8, 4, (1, 15, 16, 17))]
+         ("bloom", 8, 4, (1, 15, 16, 17)), ("padded", 4, 2, (1, 8, 13))]
 MATRIX = [(c, m) for c in CASES for m in ("decode", "prefill")]
 # The slice (DCP_ALIBI_FULL=1 runs the matrix): both modes, both (tp, dcp), three forms.
 SLICE = [(CASES[0], "decode"), (CASES[1], "prefill"), (CASES[2], "decode"),
-         (CASES[4], "prefill")]
+         (CASES[4], "prefill"), (CASES[5], "decode")]
 
 
 @pytest.mark.parametrize("case,mode", MATRIX if full("DCP_ALIBI_FULL") else SLICE,

@@ -443,13 +443,11 @@ EXCLUDED = {
 
 # Refusals that name a real limit (of DCP or of this compiler's design), not a form it fails
 # to read: decode DCP replicates the KV heads over the DCP group, so it needs tp > kv heads
-# (the specification's rule); ALiBi's per-head score bias is refused by design (README); a
-# paged step cannot read the hidden states of cached tokens (x-transformers' shift_tokens),
-# nor follow a position function of the sequence length (x-transformers' xpos scale,
-# centred on max_pos // 2) for tokens already cached.
+# (the specification's rule); a paged step cannot read the hidden states of cached tokens
+# (x-transformers' shift_tokens), nor follow a position function of the sequence length
+# (x-transformers' xpos scale, centred on max_pos // 2) for tokens already cached.
 REAL_LIMITS = {
     "MHA: decode DCP needs tp > kv heads",
-    "ALiBi",
     # torchtitan's experts compute in bf16 inside an fp32 model: bf16 matmuls round by the
     # batch they are given (the model's own forward differs from itself by 4.7e-4 when only
     # the batch changes), so no program equals it at fp32 tolerance.
@@ -468,12 +466,6 @@ REAL_LIMITS = {
     "heads mixed before the softmax (talking heads)",
 }
 
-_INPLACE_WINDOW = ("issue #35: litgpt writes its sliding-window mask row by row in a Python loop "
-                   "over the captured length (mask[i, a:b] = 0.0 into a full(-inf)); the writes "
-                   "are read now (canonical form writes_out_of_place), so the mask is exact at "
-                   "the captured length, but past it the graph holds the mask before the "
-                   "writes: refused with a true counterexample at i = that length ('sliding "
-                   "window'), the window the loop would write there not being in the graph")
 _SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the attention scores "
                "(T5's bucketed one, or an MLP of the distance): a function of key - query "
                "positions, exact under DCP if each rank computed it for the positions it holds, "
@@ -483,9 +475,6 @@ _SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the a
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
 # its cell into an XPASS, which fails (strict) until the entry goes.
 KNOWN: dict[tuple[str, str], str] = {
-    **{(f"litgpt/{a}", m): _INPLACE_WINDOW for m in MODES
-       for a in ("Gemma-2-2b", "Gemma-3-1b-it", "Gemma-3-4b-it", "Phi-3-mini-4k-instruct",
-                 "Phi-4-mini-instruct", "Mistral-7B-v0.1")},
     **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
        for a in ("rel-pos-bias", "dynamic-pos-bias")},
     **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
