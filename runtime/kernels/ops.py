@@ -173,6 +173,32 @@ def _(key_cache, value_cache, k, v, slots, garbage_block=LAST):
 # ----------------------------------------------------------------------------------------
 
 
+def prior_slots(block_table: Tensor, num_blocks: int, block: int, prior_len: Tensor,
+                rank: Tensor, dcp: int, interleave: int,
+                garbage_block: int = LAST) -> tuple[Tensor, Tensor, Tensor]:
+    """(local, table, prior_pos): this rank's local slots ``[0, max_blocks * block)``, the
+    block table with unusable entries pointing at the garbage block (readable_table), and
+    each row's prior slot's global position, -1 where the slot is not a readable prior key.
+
+    Prior keys are the local slots [0, prior_len) of each sequence, read from the paged cache
+    with a static shape (every slot the block table can address), validity masked. Only
+    entries naming a usable block are read; -1 (unallocated), the garbage block and ids
+    beyond the cache read the garbage block instead and are masked out, never block 0.
+    ``prior_len`` [b]: one bound per row; [b, i]: one per query (the row's widest bound
+    here, each query's own applied by the reader). Shared by every reader of a paged cache
+    (partial_attention, the DSA indexer's index_scores), so their key axes agree."""
+    batch, max_blocks = block_table.shape
+    local = torch.arange(max_blocks * block, device=block_table.device)
+    usable, table = readable_table(block_table, num_blocks, garbage_block)
+    allocated = usable[:, local // block]
+    prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
+    row_len = prior_len.amax(dim=1) if prior_len.dim() == 2 else prior_len
+    prior_valid = (local.unsqueeze(0) < row_len.unsqueeze(1)) & allocated
+    prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
+                            torch.full_like(allocated, -1, dtype=torch.int64))
+    return local, table, prior_pos
+
+
 def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
                             k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
                             block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
@@ -181,19 +207,15 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             kv_shared: bool = False,
                             garbage_block: int = LAST,
                             alibi_slopes: Tensor | None = None,
-                            attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                            attention_chunk: int = 0,
+                            keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
-    # Prior keys: this rank's local slots [0, prior_len) of each sequence, read from the paged
-    # cache with a static shape (every slot the block table can address), validity masked.
-    local = torch.arange(max_blocks * block, device=q.device)
-    # Only entries naming a usable block are read; -1 (unallocated), the garbage block and ids
-    # beyond the cache read the garbage block instead and are masked out, never block 0.
+    local, table, prior_pos = prior_slots(block_table, num_blocks, block, prior_len, rank,
+                                          dcp, interleave, garbage_block)
     # Whole blocks, one per block-table entry (a gather of batch * max_blocks blocks, not of
     # every slot): [batch, max_blocks, block, heads, dim] -> [batch, max_blocks * block, ...].
-    usable, table = readable_table(block_table, num_blocks, garbage_block)
-    allocated = usable[:, local // block]
     k_prior = key_cache[table].reshape(batch, max_blocks * block, kv_heads,
                                        key_cache.shape[-1])
     v_prior = value_cache[table].reshape(batch, max_blocks * block, kv_heads,
@@ -203,14 +225,7 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
         k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
-    prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
-    # prior_len [b]: one bound per row; [b, i]: one per query (a width-K decode step reads
-    # its own owned tokens from the cache, query i up to query_bound[b, i]).
     per_query = prior_len.dim() == 2
-    row_len = prior_len.amax(dim=1) if per_query else prior_len
-    prior_valid = (local.unsqueeze(0) < row_len.unsqueeze(1)) & allocated
-    prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
-                            torch.full_like(allocated, -1, dtype=torch.int64))
 
     keys = torch.cat([k_prior.to(q.dtype), k_cur.to(q.dtype)], dim=1)
     # Shared: the values are the keys (one tensor), not a second copy of the same rows.
@@ -232,6 +247,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         allowed = allowed & (q_pos[:, :, None] - key_pos[:, None, :] < window)
     if attention_chunk > 0:
         allowed = allowed & same_chunk(q_pos[:, :, None], key_pos[:, None, :], attention_chunk)
+    if keep is not None:  # DeepSeek Sparse Attention: the indexer's selection (sparse_attention)
+        allowed = allowed & keep
     groups = q_heads // kv_heads
     qf = q.float().reshape(batch, q_len, kv_heads, groups, dim)
     scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
@@ -258,7 +275,8 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       softcap: float = 0.0, kv_shared: bool = False,
                       garbage_block: int = LAST,
                       alibi_slopes: Tensor | None = None,
-                      attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                      attention_chunk: int = 0,
+                      keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -271,17 +289,20 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``alibi_slopes`` [q_heads of q]: ALiBi, ``alibi_bias`` added to each score.
     ``attention_chunk > 0`` (Llama 4's chunked layers): only keys of the query's own chunk
     of that many positions (``same_chunk``).
+    ``keep`` [batch, q_len, max_blocks * block + k_cur's length] bool (DeepSeek Sparse
+    Attention): only the keys the indexer selected (runtime/kernels/sparse_attention.py),
+    on the key axis [local prior slots ; current keys].
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
                                    window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk)
+                                   attention_chunk, keep)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0):
+      alibi_slopes=None, attention_chunk=0, keep=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -560,7 +581,8 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            kv_shared: bool = False,
                            garbage_block: int = LAST,
                            alibi_slopes: Tensor | None = None,
-                           attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                           attention_chunk: int = 0,
+                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -572,13 +594,13 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk)
+                                  attention_chunk, keep)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0):
+      alibi_slopes=None, attention_chunk=0, keep=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
