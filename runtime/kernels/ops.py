@@ -611,3 +611,11 @@ def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_
 from dcp_compile.runtime.kernels.moe import DECOMPOSITIONS as _MOE_DECOMPOSITIONS  # noqa: E402
 
 DECOMPOSITIONS.update(_MOE_DECOMPOSITIONS)
+
+# ----------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention's indexer (runtime/kernels/sparse_attention.py)
+# ----------------------------------------------------------------------------------------
+
+# Registers dcp.index_* and adds their decompositions to DECOMPOSITIONS (it imports this
+# module's paged-cache helpers, so it updates the table itself, whichever is imported first).
+from dcp_compile.runtime.kernels import sparse_attention  # noqa: E402,F401

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.kernels.op_defs import dcp_op
+from dcp_compile.runtime.kernels import ops
 from dcp_compile.runtime.kernels.ops import _write_rows, prior_slots
 
 NEG_INF = float("-inf")
@@ -214,3 +215,5 @@ DECOMPOSITIONS = {
     torch.ops.dcp.index_candidates.default: _index_candidates_impl,
     torch.ops.dcp.index_threshold.default: _index_threshold_impl,
 }
+
+ops.DECOMPOSITIONS.update(DECOMPOSITIONS)

@@ -350,3 +350,28 @@ def test_the_index_cache_is_sharded_like_the_latent_cache():
         r = layout.owner(t, dcp=dcp, interleave=interleave, block=block)
         slot = layout.local_slot(t, dcp=dcp, interleave=interleave, block=block)
         assert caches[r][slot // block, slot % block, 0, 0] == t
+
+
+def test_eager_kernel_keeps_the_same_keys():
+    """partial_attention_live (the eager backend's kernel) applies ``keep`` as the reference
+    does, on its live span and the current keys; and ``keep`` changes the result."""
+    from helpers import assert_live_kernel_matches_reference
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand(2, 1, 4 * 4 + 1, generator=g) > 0.4      # helper's batch: 4 x 4 + 1
+    assert_live_kernel_matches_reference(keep=keep)
+    with pytest.raises(AssertionError):
+        _assert_keep_changes_nothing(keep)
+
+
+def _assert_keep_changes_nothing(keep):
+    """The reference with ``keep`` equals it without (raises when they differ)."""
+    from dcp_compile.runtime.kernels.ops import _partial_attention_impl
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 1, 4, 8, generator=g)
+    kc, vc = (torch.randn(9, 4, 2, 8, generator=g) for _ in range(2))
+    k_cur, v_cur = (torch.randn(2, 1, 2, 8, generator=g) for _ in range(2))
+    table = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1]])
+    prior, q_pos = torch.tensor([9, 5]), torch.tensor([[18], [11]])
+    args = (q, q_pos, k_cur, v_cur, q_pos, kc, vc, table, prior, torch.tensor(1), 2, 2, 0.35)
+    assert_close_report(_partial_attention_impl(*args, keep=keep)[0],
+                        _partial_attention_impl(*args)[0], atol=1e-5)
