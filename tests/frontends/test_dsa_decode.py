@@ -24,6 +24,7 @@ from dcp_compile.runtime import layout
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.kernels import sparse_attention as dsa
 
+from full_runs import full
 from helpers import assert_close_report, full_forward_reference, prompts_of
 
 pytest.importorskip("transformers")
@@ -104,11 +105,19 @@ def shard_caches(k: torch.Tensor, *, dcp: int, interleave: int, block: int):
 def decode_rows(n: int, rank: int, *, dcp: int, interleave: int, block: int):
     """One decode row per query position t < n: q_pos [n, 1], the rank's prior bound, and
     the query's own token as a current key on its owner only (dcp_active_mask)."""
-    q_pos = torch.arange(n)[:, None]
+    return step_rows(torch.arange(n)[:, None], rank, dcp=dcp, interleave=interleave,
+                     block=block)
+
+
+def step_rows(tokens: torch.Tensor, rank: int, *, dcp: int, interleave: int, block: int):
+    """A step's rows on ``rank``: ``tokens`` [rows, q_len] the positions each row's queries
+    are at (-1 padding; a row's positions consecutive). Returns q_pos, the rank's prior bound
+    (its local slots before the row's first position) and the current keys' positions (the
+    row's own tokens, on their owner only): a decode row (q_len 1) or a prefill chunk."""
     r = torch.tensor(rank)
-    prior = dcp_ops.local_filled(q_pos[:, 0], r, dcp, interleave, block)
-    active = dcp_ops.active_mask(q_pos, r, dcp, interleave, block)
-    return q_pos, prior, torch.where(active == 1, q_pos, -1)
+    prior = dcp_ops.local_filled(tokens[:, 0].clamp(min=0), r, dcp, interleave, block)
+    owned = dcp_ops.active_mask(tokens, r, dcp, interleave, block)
+    return tokens, prior, torch.where(owned == 1, tokens, -1)
 
 
 def dcp_select(index_q, weights, k, *, topk, dcp, interleave, block, scale=1.0):
@@ -197,9 +206,12 @@ def _rope(model_type):
 
 
 def dcp_dsa_forward(model_type: str, *, tp: int, dcp: int, interleave: int, block: int,
-                    threshold=dcp_ops.index_threshold):
+                    chunk: int = 0, threshold=dcp_ops.index_threshold):
     """A DSA attention layer's forward that runs its core on ``dcp`` shards the decode
-    rewrite's way, each query as its own decode row: the layer's own projections and RoPE;
+    rewrite's way, each query as its own decode row (``chunk`` 0), or the sequence in prefill
+    chunks of ``chunk`` tokens, each attending to the chunks before it and causally within
+    itself (the dcp_prefill rewrite's keys: the prior shard plus the chunk's owned tokens):
+    the layer's own projections and RoPE;
     the latent [RMSNorm(latent) ; k_pe] and the indexer's K written by their owners
     (slot_mapping); per TP head group of ``tp // dcp``, on each cp rank: index_scores over
     the local shard, index_candidates, (all-gather), index_threshold, selected,
@@ -223,7 +235,7 @@ def dcp_dsa_forward(model_type: str, *, tp: int, dcp: int, interleave: int, bloc
                                                          cos, sin)
         w = self.kv_b_proj.weight.view(heads, dn + dv, L)
         q_abs = torch.cat([torch.einsum("bhsn,hnl->bhsl", q_pass, w[:, :dn]), q_rot], -1)
-        q_abs = q_abs[0].transpose(0, 1)[:, None]                          # [n, 1, H, L+dr]
+        q_abs = q_abs[0].transpose(0, 1)                                   # [n, H, L+dr]
         kv = torch.cat([latent, k_rot], dim=-1)[0, 0]                      # [n, L+dr]
         half = (L + dr) // 2
         shared = self.indexer is None
@@ -235,12 +247,16 @@ def dcp_dsa_forward(model_type: str, *, tp: int, dcp: int, interleave: int, bloc
             ik_rot, ik_pass = torch.split(ik, [dr, idx.head_dim - dr], dim=-1)
             iq_rot, ik_rot = getattr(M, INDEXER_ROPE[model_type])(iq_rot, ik_rot, cos, sin,
                                                                   unsqueeze_dim=2)
-            iq = torch.cat([iq_rot, iq_pass], -1)[0][:, None]              # [n, 1, Hi, Di]
+            iq = torch.cat([iq_rot, iq_pass], -1)[0]                       # [n, Hi, Di]
             ik = torch.cat([ik_rot, ik_pass], -1)[0, :, 0]                 # [n, Di]
-            iw = (idx.weights_proj(hidden_states).float() * idx.n_heads ** -0.5)[0][:, None]
+            iw = (idx.weights_proj(hidden_states).float() * idx.n_heads ** -0.5)[0]
+        tokens = (torch.arange(n)[:, None] if not chunk else
+                  torch.arange(-(-n // chunk) * chunk).view(-1, chunk))
+        tokens = torch.where(tokens < n, tokens, -1)                      # [rows, q_len]
+        at = tokens.clamp(min=0)
         caches, table = shard_caches(torch.zeros(n, 1), dcp=dcp, interleave=interleave,
                                      block=block)
-        table = table.expand(n, -1)
+        table = table.expand(tokens.shape[0], -1)
         pos = torch.arange(n)[None]
         ranks = []
         for r in range(dcp):
@@ -251,14 +267,14 @@ def dcp_dsa_forward(model_type: str, *, tp: int, dcp: int, interleave: int, bloc
                                          torch.zeros(nb, block, 1, half),
                                          kv[None, :, None, :half], kv[None, :, None, half:],
                                          slots)
-            q_pos, prior, k_pos = decode_rows(n, r, dcp=dcp, interleave=interleave,
-                                              block=block)
+            q_pos, prior, k_pos = step_rows(tokens, r, dcp=dcp, interleave=interleave,
+                                            block=block)
             rank_state = dict(rank=rank, kc=kc, vc=vc, q_pos=q_pos, prior=prior, k_pos=k_pos)
             if not shared:
                 icache = dcp_ops.index_cache_write(torch.zeros(nb, block, 1, idx.head_dim),
                                                    ik[None, :, None], slots)
-                s, p = dcp_ops.index_scores(iq, iw, ik[:, None, None], k_pos, icache, table,
-                                            prior, q_pos, rank, dcp, interleave,
+                s, p = dcp_ops.index_scores(iq[at], iw[at], ik[at][:, :, None], k_pos, icache,
+                                            table, prior, q_pos, rank, dcp, interleave,
                                             idx.softmax_scale)
                 rank_state.update(s=s, p=p, cand=dcp_ops.index_candidates(s, p,
                                                                           idx.index_topk))
@@ -276,13 +292,14 @@ def dcp_dsa_forward(model_type: str, *, tp: int, dcp: int, interleave: int, bloc
             parts = []
             for x, keep in zip(ranks, keeps):
                 parts.append(dcp_ops.partial_attention(
-                    q_abs[:, :, g0:g0 + group].contiguous(), x["q_pos"],
-                    kv[:, None, None, :half], kv[:, None, None, half:], x["k_pos"],
+                    q_abs[at][:, :, g0:g0 + group].contiguous(), x["q_pos"],
+                    kv[at][:, :, None, :half], kv[at][:, :, None, half:], x["k_pos"],
                     x["kc"], x["vc"], table, x["prior"], x["rank"], dcp, interleave,
                     self.scaling, kv_shared=True, keep=keep))
             lse_all = torch.stack([lse for _, lse in parts])
             outs.append(sum(dcp_ops.lse_correct(o, lse, lse_all) for o, lse in parts))
-        out = torch.cat(outs, dim=2)[:, 0, :, :L]                            # [n, H, L]
+        rows = torch.cat(outs, dim=2)[..., :L]                        # [rows, q_len, H, L]
+        out = rows[tokens >= 0][tokens[tokens >= 0].argsort()]               # [n, H, L]
         attn = torch.einsum("shl,hvl->shv", out, w[:, dn:]).reshape(b, n, heads * dv)
         attn = self.o_proj(attn.to(hidden_states.dtype))
         return (attn, None, keeps) if model_type == "glm_moe_dsa" else (attn, None)
@@ -299,22 +316,27 @@ def dcp_model(model, *, tp, dcp, interleave=1, block=4, **options):
     return model
 
 
-LAYOUTS = [pytest.param(4, 2, 1, 4, id="tp4-dcp2"),
-           pytest.param(8, 4, 1, 2, id="tp8-dcp4"),
-           pytest.param(4, 2, 2, 2, id="tp4-dcp2-i2")]
-MODELS = [pytest.param("deepseek_v32", {}, id="deepseek_v32"),
-          pytest.param("glm_moe_dsa", {"indexer_types": ["full", "shared"]},
-                       id="glm5-full-shared")]
+LAYOUTS = {"tp4-dcp2": (4, 2, 1, 4), "tp8-dcp4": (8, 4, 1, 2), "tp4-dcp2-i2": (4, 2, 2, 2)}
+MODELS = {"deepseek_v32": ("deepseek_v32", {}),
+          "glm5-full-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]})}
+STEP_KINDS = {"decode": 0, "prefill-chunk3": 3}     # chunk 0: one decode row per query
 PROMPTS = (1, 5, 13)                    # index_topk=4: no cut, and cuts at 5 and past 13
+# The default run's slice: both models, both step kinds, both tp/dcp; DCP_DSA_FULL=1 runs
+# every layout x model x step kind.
+SLICE = {("tp4-dcp2", "deepseek_v32", "decode"), ("tp8-dcp4", "glm5-full-shared", "decode"),
+         ("tp8-dcp4", "deepseek_v32", "prefill-chunk3"),
+         ("tp4-dcp2-i2", "glm5-full-shared", "prefill-chunk3")}
+CELLS = [pytest.param(*LAYOUTS[lay], *MODELS[mod], STEP_KINDS[kind], id=f"{lay}-{mod}-{kind}")
+         for lay, mod, kind in itertools.product(LAYOUTS, MODELS, STEP_KINDS)
+         if full("DCP_DSA_FULL") or (lay, mod, kind) in SLICE]
 
 
-@pytest.mark.parametrize("model_type,extra", MODELS)
-@pytest.mark.parametrize("tp,dcp,interleave,block", LAYOUTS)
-def test_dsa_decode_on_shards_is_the_models_own_forward(model_type, extra, tp, dcp,
-                                                        interleave, block):
+@pytest.mark.parametrize("tp,dcp,interleave,block,model_type,extra,chunk", CELLS)
+def test_dsa_on_shards_is_the_models_own_forward(tp, dcp, interleave, block, model_type,
+                                                 extra, chunk):
     own = C.build(model_type, "eager", index_topk=4, **extra)
     sharded = dcp_model(C.build(model_type, "eager", index_topk=4, **extra), tp=tp, dcp=dcp,
-                        interleave=interleave, block=block)
+                        interleave=interleave, block=block, chunk=chunk)
     prompts = prompts_of(PROMPTS)
     ref_tokens, ref_logits = full_forward_reference(own, prompts, STEPS)
     tokens, logits = full_forward_reference(sharded, prompts, STEPS)
