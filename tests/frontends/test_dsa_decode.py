@@ -397,3 +397,31 @@ def _assert_keep_changes_nothing(keep):
     args = (q, q_pos, k_cur, v_cur, q_pos, kc, vc, table, prior, torch.tensor(1), 2, 2, 0.35)
     assert_close_report(_partial_attention_impl(*args, keep=keep)[0],
                         _partial_attention_impl(*args)[0], atol=1e-5)
+
+
+def test_decompositions_are_static_aten():
+    """The selection's decompositions (what a lowering uses) trace to ATen with static shapes,
+    and the traced graph selects what the ops do (a tie case)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from dcp_compile.runtime.kernels.ops import DECOMPOSITIONS
+    q, w, k = integer_indexer(11)
+    caches, table = shard_caches(k, dcp=2, interleave=1, block=2)
+    q_pos, prior, k_pos = decode_rows(11, 1, dcp=2, interleave=1, block=2)
+
+    def select(q, w, k_cur, k_pos, cache, table, prior, q_pos, rank):
+        s, p = dcp_ops.index_scores(q, w, k_cur, k_pos, cache, table, prior, q_pos, rank,
+                                    2, 1, 1.0)
+        cs, cp = dcp_ops.index_candidates(s, p, 3)
+        thr = dcp_ops.index_threshold(torch.stack([cs, cs]), torch.stack([cp, cp]), 3)
+        return dsa.selected(s, p, *thr)
+
+    args = (q[:, None], w[:, None], k[:, None, None], k_pos, caches[1], table.expand(11, -1),
+            prior, q_pos, torch.tensor(1))
+    gm = make_fx(select, decomposition_table=DECOMPOSITIONS)(*args)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not any("dcp." in t or "nonzero" in t for t in targets), targets
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            assert all(isinstance(s, int) for s in v.shape), n
+    assert torch.equal(gm(*args), select(*args))
