@@ -425,3 +425,38 @@ def test_decompositions_are_static_aten():
         if isinstance(v, torch.Tensor):
             assert all(isinstance(s, int) for s in v.shape), n
     assert torch.equal(gm(*args), select(*args))
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_selection_over_a_threaded_world_with_real_collectives(dcp):
+    """Each rank on its own thread holds only its shard; the candidates move by the
+    functional all_gather_into_tensor the decode rewrite emits. Every rank derives the
+    same threshold (bit for bit) and the ranks' kept keys are the single-device set."""
+    import torch.distributed as dist
+    from dcp_compile.runtime.distributed.world import run_threaded
+    n, topk, interleave, block = 21, 4, 1, 2
+    q, w, k = integer_indexer(n, levels=2, seed=3)
+    caches, table = shard_caches(k, dcp=dcp, interleave=interleave, block=block)
+    F = torch.ops._c10d_functional
+
+    def gathered(x):
+        out = F.all_gather_into_tensor(x.contiguous(), dcp, dist.group.WORLD.group_name)
+        return F.wait_tensor(out).view(dcp, *x.shape)
+
+    def rank_main(r):
+        q_pos, prior, k_pos = decode_rows(n, r, dcp=dcp, interleave=interleave, block=block)
+        s, p = dcp_ops.index_scores(q[:, None], w[:, None], k[:, None, None], k_pos,
+                                    caches[r], table.expand(n, -1), prior, q_pos,
+                                    torch.tensor(r), dcp, interleave, 1.0)
+        cs, cp = dcp_ops.index_candidates(s, p, topk)
+        thr = dcp_ops.index_threshold(gathered(cs), gathered(cp), topk)
+        keep = dsa.selected(s, p, *thr)
+        return thr, [kept(keep[t, 0], p[t, 0]) for t in range(n)]
+
+    results = run_threaded(dcp, rank_main)
+    full = torch.einsum("ihd,jd->ihj", q, k).relu().mul(w[:, :, None]).sum(1)
+    for thr, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(thr, results[0][0]))
+    for t in range(n):
+        got = set().union(*(sets[t] for _, sets in results))
+        assert got == brute_force(full[t, :t + 1], torch.arange(t + 1), topk), f"query {t}"
