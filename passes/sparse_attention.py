@@ -6,7 +6,7 @@ shard of the keys and of the indexer's K, so a per-rank top-k selects a differen
 one device. The exact decode selection exists as runtime ops
 (runtime/kernels/sparse_attention.py: index_scores over the local shard, local candidates,
 a gathered threshold in DSA_ORDER, ``partial_attention(keep=)``), checked against the models'
-own forward (tests/frontends/test_dsa_decode.py); what is missing is this rewrite: recognising
+own forward (tests/frontends/test_dsa_exact.py); what is missing is this rewrite: recognising
 the indexer in the captured graph, caching its K and emitting those ops (and prefill).
 insert_paged_cache calls this before the mask reader (passes/mask_predicate.py), so the
 refusal names the feature, not "not a formula" (docs/moe-mla.md: DeepSeek Sparse Attention).

@@ -225,6 +225,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
         k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
+    # prior_len [b]: one bound per row; [b, i]: one per query (a width-K decode step reads
+    # its own owned tokens from the cache, query i up to query_bound[b, i]).
     per_query = prior_len.dim() == 2
 
     keys = torch.cat([k_prior.to(q.dtype), k_cur.to(q.dtype)], dim=1)

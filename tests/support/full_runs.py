@@ -25,7 +25,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
                          "instead of 100 each"),
     "DCP_CORPUS": ("corpora/test_hf_corpus.py",
                    "every cell of the transformers corpus vs its table in docs/models.md"),
-    "DCP_DSA_FULL": ("frontends/test_dsa_decode.py",
+    "DCP_DSA_FULL": ("frontends/test_dsa_exact.py",
                      "DeepSeek-V3.2 and GLM-5 on dcp shards: every tp/dcp layout x model x "
                      "decode/prefill (the slice: four)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",

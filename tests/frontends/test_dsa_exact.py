@@ -1,12 +1,13 @@
-"""DeepSeek Sparse Attention decode under DCP, exact (runtime/kernels/sparse_attention.py).
+"""DeepSeek Sparse Attention under DCP, exact (runtime/kernels/sparse_attention.py).
 
 The selection rule (DSA_ORDER: score descending, then position ascending, the first
 index_topk) is checked against a brute-force sort and against torch.topk where its cut has
 no tie; the DCP form (index_scores over each rank's shard of a real paged cache, local
 candidates, the gathered threshold, ``selected``) picks the single-device set, ties
-included; and the decode ops, run per rank on dcp shards of each DSA layer by the harness
-below (what the decode rewrite would emit per layer), give DeepSeek-V3.2's and GLM-5's own
-forward: logits within 1e-4 and the same greedy tokens, with an index_topk that cuts.
+included, also on a threaded world with real all-gathers; and the ops, run per rank on dcp
+shards of each DSA layer by the harness below (what the decode / prefill rewrite would emit
+per layer), give DeepSeek-V3.2's and GLM-5's own forward: logits within 1e-4 and the same
+greedy tokens, with an index_topk that cuts.
 
 The graph rewrite that emits these ops from the captured model is not built: transform
 still refuses DSA by name (tests/frontends/test_sparse_attention.py).
