@@ -461,3 +461,31 @@ def test_selection_over_a_threaded_world_with_real_collectives(dcp):
     for t in range(n):
         got = set().union(*(sets[t] for _, sets in results))
         assert got == brute_force(full[t, :t + 1], torch.arange(t + 1), topk), f"query {t}"
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_width_k_decode_selection(width):
+    """A speculative step (width K: every key read from the cache, query i bounded by its own
+    query_bound, no current key) selects, per query, the single-device set too."""
+    n, dcp, interleave, block, topk = 19, 2, 1, 2, 4
+    q, w, k = integer_indexer(n, levels=2, seed=7)
+    caches, table = shard_caches(k, dcp=dcp, interleave=interleave, block=block)
+    tokens = torch.arange(width - 1, n)[:, None] - torch.arange(width - 1, -1, -1)[None]
+    rows = tokens.shape[0]
+    per_rank = []
+    for r in range(dcp):
+        rank = torch.tensor(r)
+        bound = dcp_ops.query_bound(tokens, rank, dcp, interleave, block)     # [rows, K]
+        s, p = dcp_ops.index_scores(q[tokens], w[tokens], torch.zeros(rows, 1, 1, 4),
+                                    torch.full((rows, 1), -1), caches[r],
+                                    table.expand(rows, -1), bound, tokens, rank, dcp,
+                                    interleave, 1.0)
+        per_rank.append((s, p, dcp_ops.index_candidates(s, p, topk)))
+    thr = dcp_ops.index_threshold(torch.stack([c[0] for _, _, c in per_rank]),
+                                  torch.stack([c[1] for _, _, c in per_rank]), topk)
+    full = torch.einsum("ihd,jd->ihj", q, k).relu().mul(w[:, :, None]).sum(1)
+    for row, i in itertools.product(range(rows), range(width)):
+        t = int(tokens[row, i])
+        got = set().union(*(kept(dsa.selected(s, p, *thr)[row, i], p[row, i])
+                            for s, p, _ in per_rank))
+        assert got == brute_force(full[t, :t + 1], torch.arange(t + 1), topk), (row, i)
