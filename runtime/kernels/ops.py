@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.garbage_block import LAST, garbage_block_id
+from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.kernels.op_defs import dcp_op
 from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
                                                         readable_table, same_chunk)
+from dcp_compile.runtime.kernels.paged import prior_slots, write_rows
 
 NEG_INF = float("-inf")
 
@@ -132,22 +133,10 @@ def _(n, rank, dcp, interleave, block):
 # ----------------------------------------------------------------------------------------
 
 
-def _write_rows(key_cache: Tensor, slots: Tensor, garbage_block: int = LAST) -> Tensor:
-    """Flat cache row each token is written to (shared by cache_write and cache_write_)."""
-    num_blocks, block = key_cache.shape[:2]
-    garbage = garbage_block_id(num_blocks, garbage_block)
-    garbage_row = garbage * block
-    # Slot -1, and any slot outside the usable blocks (a block id the cache does not have, or
-    # the garbage block itself), lands in the garbage block: a write never reaches a block
-    # its table does not name, whatever the inputs.
-    usable = (slots >= 0) & (slots < num_blocks * block) & (slots // block != garbage)
-    return torch.where(usable, slots, torch.full_like(slots, garbage_row)).reshape(-1)
-
-
 def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
                       slots: Tensor, garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     num_blocks, block, heads, dim = key_cache.shape
-    rows = _write_rows(key_cache, slots, garbage_block)
+    rows = write_rows(key_cache, slots, garbage_block)
     # (block, offset) indices on the cache itself, not rows of a flattened view: a reshaped
     # cache is laid out apart from the cache by XLA, which then copies it whole every step.
     where = (rows // block, rows % block)
@@ -171,32 +160,6 @@ def _(key_cache, value_cache, k, v, slots, garbage_block=LAST):
 # ----------------------------------------------------------------------------------------
 # Attention over (local prior cache shard) + (current keys), with LSE
 # ----------------------------------------------------------------------------------------
-
-
-def prior_slots(block_table: Tensor, num_blocks: int, block: int, prior_len: Tensor,
-                rank: Tensor, dcp: int, interleave: int,
-                garbage_block: int = LAST) -> tuple[Tensor, Tensor, Tensor]:
-    """(local, table, prior_pos): this rank's local slots ``[0, max_blocks * block)``, the
-    block table with unusable entries pointing at the garbage block (readable_table), and
-    each row's prior slot's global position, -1 where the slot is not a readable prior key.
-
-    Prior keys are the local slots [0, prior_len) of each sequence, read from the paged cache
-    with a static shape (every slot the block table can address), validity masked. Only
-    entries naming a usable block are read; -1 (unallocated), the garbage block and ids
-    beyond the cache read the garbage block instead and are masked out, never block 0.
-    ``prior_len`` [b]: one bound per row; [b, i]: one per query (the row's widest bound
-    here, each query's own applied by the reader). Shared by every reader of a paged cache
-    (partial_attention, the DSA indexer's index_scores), so their key axes agree."""
-    batch, max_blocks = block_table.shape
-    local = torch.arange(max_blocks * block, device=block_table.device)
-    usable, table = readable_table(block_table, num_blocks, garbage_block)
-    allocated = usable[:, local // block]
-    prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
-    row_len = prior_len.amax(dim=1) if prior_len.dim() == 2 else prior_len
-    prior_valid = (local.unsqueeze(0) < row_len.unsqueeze(1)) & allocated
-    prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
-                            torch.full_like(allocated, -1, dtype=torch.int64))
-    return local, table, prior_pos
 
 
 def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
@@ -561,7 +524,7 @@ def cache_write_(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
                  slots: Tensor, garbage_block: int = LAST) -> None:
     """cache_write in place: only the written rows are touched, nothing is copied."""
     num_blocks, block, heads, dim = key_cache.shape
-    rows = _write_rows(key_cache, slots, garbage_block)
+    rows = write_rows(key_cache, slots, garbage_block)
     # view, never reshape: a reshape of a non-contiguous cache would copy and lose the write.
     key_cache.view(num_blocks * block, heads, dim).index_copy_(
         0, rows, k.reshape(-1, heads, dim).to(key_cache.dtype))
@@ -618,6 +581,7 @@ DECOMPOSITIONS.update(_MOE_DECOMPOSITIONS)
 # DeepSeek Sparse Attention's indexer (runtime/kernels/sparse_attention.py)
 # ----------------------------------------------------------------------------------------
 
-# Registers dcp.index_* and adds their decompositions to DECOMPOSITIONS (it imports this
-# module's paged-cache helpers, so it updates the table itself, whichever is imported first).
-from dcp_compile.runtime.kernels import sparse_attention  # noqa: E402,F401
+from dcp_compile.runtime.kernels.sparse_attention import (  # noqa: E402
+    DECOMPOSITIONS as _DSA_DECOMPOSITIONS)
+
+DECOMPOSITIONS.update(_DSA_DECOMPOSITIONS)

@@ -37,8 +37,7 @@ from torch import Tensor
 
 from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.kernels.op_defs import dcp_op
-from dcp_compile.runtime.kernels import ops
-from dcp_compile.runtime.kernels.ops import _write_rows, prior_slots
+from dcp_compile.runtime.kernels.paged import prior_slots, write_rows
 
 NEG_INF = float("-inf")
 LAST_POSITION = torch.iinfo(torch.int64).max   # a threshold position above every key's
@@ -76,7 +75,7 @@ def _selectable(key_pos: Tensor, q_pos: Tensor) -> Tensor:
 def _index_cache_write_impl(index_cache: Tensor, k: Tensor, slots: Tensor,
                             garbage_block: int = LAST) -> Tensor:
     num_blocks, block, heads, dim = index_cache.shape
-    rows = _write_rows(index_cache, slots, garbage_block)
+    rows = write_rows(index_cache, slots, garbage_block)
     return index_cache.index_put((rows // block, rows % block),
                                  k.reshape(-1, heads, dim).to(index_cache.dtype))
 
@@ -215,5 +214,3 @@ DECOMPOSITIONS = {
     torch.ops.dcp.index_candidates.default: _index_candidates_impl,
     torch.ops.dcp.index_threshold.default: _index_threshold_impl,
 }
-
-ops.DECOMPOSITIONS.update(DECOMPOSITIONS)
