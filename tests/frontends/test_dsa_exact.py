@@ -201,7 +201,7 @@ INDEXER_ROPE = {"deepseek_v32": "apply_rotary_pos_emb",
                 "glm_moe_dsa": "apply_rotary_pos_emb_interleave"}
 
 
-def _rope(model_type):
+def _modeling(model_type):
     import importlib
     return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
@@ -218,7 +218,7 @@ def dcp_dsa_forward(model_type: str, *, tp: int, dcp: int, interleave: int, bloc
     the local shard, index_candidates, (all-gather), index_threshold, selected,
     partial_attention(keep=) over the absorbed q; the LSE combine (lse_correct, summed);
     W_UV and o_proj. The indexer is replicated (every rank scores all its heads)."""
-    M = _rope(model_type)
+    M = _modeling(model_type)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
                 position_ids=None, prev_topk_indices=None, **kwargs):
@@ -348,8 +348,8 @@ def test_dsa_on_shards_is_the_models_own_forward(tp, dcp, interleave, block, mod
 
 
 def test_the_harness_would_see_a_wrong_selection():
-    """Not a test that cannot fail: the same shards with each rank's own top-k (no gathered
-    threshold) leave the model's forward once the indexer cuts."""
+    """Not a test that cannot fail: the same shards with a threshold from rank 0's candidates
+    alone (no gathered merge) leave the model's forward once the indexer cuts."""
     model = C.build("deepseek_v32", "eager", index_topk=4)
     ids = torch.tensor([prompts_of((17,))[0]])
     with torch.no_grad():
