@@ -321,7 +321,7 @@ LAYOUTS = {"tp4-dcp2": (4, 2, 1, 4), "tp8-dcp4": (8, 4, 1, 2), "tp4-dcp2-i2": (4
 MODELS = {"deepseek_v32": ("deepseek_v32", {}),
           "glm5-full-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]})}
 STEP_KINDS = {"decode": 0, "prefill-chunk3": 3}     # chunk 0: one decode row per query
-PROMPTS = (1, 5, 13)                    # index_topk=4: no cut, and cuts at 5 and past 13
+PROMPTS = (1, 13)                # index_topk=4: no cut until 4 tokens, then cuts at every step
 # The default run's slice: both models, both step kinds, both tp/dcp; DCP_DSA_FULL=1 runs
 # every layout x model x step kind.
 SLICE = {("tp4-dcp2", "deepseek_v32", "decode"), ("tp8-dcp4", "glm5-full-shared", "decode"),
