@@ -1,12 +1,15 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) under DCP: today a named refusal.
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) in a captured graph: still a named refusal.
 
 The lightning indexer scores every prior token per query and the attention keeps only the
 ``index_topk`` best (``torch.topk``, scattered into the mask). A DCP rank holds only its
 shard of the keys and of the indexer's K, so a per-rank top-k selects a different set than
-one device; the exact form (local top-k, all-gather of the candidates' (score, global
-position), a global top-k with torch.topk's ties, the LSE combine) is not built yet
-(docs/moe-mla.md: DeepSeek Sparse Attention). insert_paged_cache calls this before the mask
-reader (passes/mask_predicate.py), so the refusal names the feature, not "not a formula".
+one device. The exact decode selection exists as runtime ops
+(runtime/kernels/sparse_attention.py: index_scores over the local shard, local candidates,
+a gathered threshold in DSA_ORDER, ``partial_attention(keep=)``), checked against the models'
+own forward (tests/frontends/test_dsa_exact.py); what is missing is this rewrite: recognising
+the indexer in the captured graph, caching its K and emitting those ops (and prefill).
+insert_paged_cache calls this before the mask reader (passes/mask_predicate.py), so the
+refusal names the feature, not "not a formula" (docs/moe-mla.md: DeepSeek Sparse Attention).
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ def refuse_top_k_selection(s: Site) -> None:
             f"attention mask of {s.node.name} keeps the keys chosen by {n.target} at node "
             f"{n.name} ({source_of(n)}): a data-dependent top-k over all prior tokens. Under "
             f"DCP each rank holds only its shard of the keys and of the indexer's K, so a "
-            f"per-rank top-k selects a different set; the exact form (local top-k, all-gather "
-            f"of the candidates' scores and positions, a global top-k with torch.topk's ties, "
-            f"attention over the selected keys with the LSE combine) is not built yet. Serve "
+            f"per-rank top-k selects a different set. The runtime has the exact decode "
+            f"selection (runtime/kernels/sparse_attention.py: local candidates, an all-gather "
+            f"of their scores and positions, a global threshold, ties by position), but the "
+            f"rewrite that recognises the indexer in a captured graph and emits it (decode or "
+            f"prefill) is not built yet. Serve "
             f"this model without DCP, or with the indexer removed (dense latent attention "
             f"over every prior token); docs/moe-mla.md: DeepSeek Sparse Attention")

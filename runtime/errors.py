@@ -81,8 +81,9 @@ class DCPSparseAttentionError(DCPTransformError):
     """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the indexer's top-k over a sharded
     context. The attention keeps only the keys a data-dependent ``topk`` picks over ALL prior
     tokens; a DCP rank holds only its shard of the keys (and of the indexer's K), so its own
-    top-k picks a different set. The exact form (local top-k, gather of the candidates, a
-    global top-k with torch.topk's ties) is not built yet (docs/moe-mla.md)."""
+    top-k picks a different set. The exact decode selection exists as runtime ops
+    (runtime/kernels/sparse_attention.py); the rewrite that emits them from a captured model
+    is not built yet, so transform refuses (docs/moe-mla.md)."""
 
 
 class DCPCompilerBug(DCPError):

@@ -527,8 +527,9 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"DeepSeek Sparse Attention: the indexer's top-k over a sharded context. {name} "
             f"keeps per query the {sparse} prior tokens its "
             f"indexer scores best; under DCP a rank holds only its shard of the keys, so its "
-            f"own top-k would select a different set, and the exact form is not built yet "
-            f"(neither hf.prepare nor dcp_compile.transform serves it). docs/moe-mla.md: "
+            f"own top-k would select a different set. The exact decode selection exists as "
+            f"runtime ops (runtime/kernels/sparse_attention.py), but neither hf.prepare nor "
+            f"dcp_compile.transform emits it yet. docs/moe-mla.md: "
             f"DeepSeek Sparse Attention")
     latent = _set_fields(cfg, MLA_FIELDS)
     if latent:

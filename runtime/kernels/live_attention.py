@@ -97,7 +97,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            kv_shared: bool = False,
                            garbage_block: int = LAST,
                            alibi_slopes: Tensor | None = None,
-                           attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                           attention_chunk: int = 0,
+                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -130,6 +131,10 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     if attention_chunk > 0:  # per position too: the query's own chunk
         prior_ok &= same_chunk(q_pos[:, :, None], prior_pos[None, None, :], attention_chunk)
         cur_ok &= same_chunk(q_pos[:, :, None], k_pos[:, None, :], attention_chunk)
+    if keep is not None:  # DSA's selection on the key axis [all prior slots ; current keys]
+        full = block_table.shape[1] * block
+        prior_ok &= keep[:, :, :span]
+        cur_ok &= keep[:, :, full:]
     current = (k_pos >= 0)[:, :, None, None]
     v_cur = torch.where(current, v_cur.to(q.dtype), 0.0)
     k_cur = torch.where(current, k_cur.to(q.dtype), 0.0) if kv_shared else k_cur.to(q.dtype)

@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 from dcp_compile.runtime import layout
-from dcp_compile.runtime.garbage_block import LAST, garbage_block_id
+from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.kernels.op_defs import dcp_op
 from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
                                                         readable_table, same_chunk)
+from dcp_compile.runtime.kernels.paged import prior_slots, write_rows
 
 NEG_INF = float("-inf")
 
@@ -132,22 +133,10 @@ def _(n, rank, dcp, interleave, block):
 # ----------------------------------------------------------------------------------------
 
 
-def _write_rows(key_cache: Tensor, slots: Tensor, garbage_block: int = LAST) -> Tensor:
-    """Flat cache row each token is written to (shared by cache_write and cache_write_)."""
-    num_blocks, block = key_cache.shape[:2]
-    garbage = garbage_block_id(num_blocks, garbage_block)
-    garbage_row = garbage * block
-    # Slot -1, and any slot outside the usable blocks (a block id the cache does not have, or
-    # the garbage block itself), lands in the garbage block: a write never reaches a block
-    # its table does not name, whatever the inputs.
-    usable = (slots >= 0) & (slots < num_blocks * block) & (slots // block != garbage)
-    return torch.where(usable, slots, torch.full_like(slots, garbage_row)).reshape(-1)
-
-
 def _cache_write_impl(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
                       slots: Tensor, garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     num_blocks, block, heads, dim = key_cache.shape
-    rows = _write_rows(key_cache, slots, garbage_block)
+    rows = write_rows(key_cache, slots, garbage_block)
     # (block, offset) indices on the cache itself, not rows of a flattened view: a reshaped
     # cache is laid out apart from the cache by XLA, which then copies it whole every step.
     where = (rows // block, rows % block)
@@ -181,19 +170,15 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             kv_shared: bool = False,
                             garbage_block: int = LAST,
                             alibi_slopes: Tensor | None = None,
-                            attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                            attention_chunk: int = 0,
+                            keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
-    # Prior keys: this rank's local slots [0, prior_len) of each sequence, read from the paged
-    # cache with a static shape (every slot the block table can address), validity masked.
-    local = torch.arange(max_blocks * block, device=q.device)
-    # Only entries naming a usable block are read; -1 (unallocated), the garbage block and ids
-    # beyond the cache read the garbage block instead and are masked out, never block 0.
+    local, table, prior_pos = prior_slots(block_table, num_blocks, block, prior_len, rank,
+                                          dcp, interleave, garbage_block)
     # Whole blocks, one per block-table entry (a gather of batch * max_blocks blocks, not of
     # every slot): [batch, max_blocks, block, heads, dim] -> [batch, max_blocks * block, ...].
-    usable, table = readable_table(block_table, num_blocks, garbage_block)
-    allocated = usable[:, local // block]
     k_prior = key_cache[table].reshape(batch, max_blocks * block, kv_heads,
                                        key_cache.shape[-1])
     v_prior = value_cache[table].reshape(batch, max_blocks * block, kv_heads,
@@ -203,14 +188,9 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
         k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
-    prior_global = layout.global_position(local, rank, dcp=dcp, interleave=interleave)
     # prior_len [b]: one bound per row; [b, i]: one per query (a width-K decode step reads
     # its own owned tokens from the cache, query i up to query_bound[b, i]).
     per_query = prior_len.dim() == 2
-    row_len = prior_len.amax(dim=1) if per_query else prior_len
-    prior_valid = (local.unsqueeze(0) < row_len.unsqueeze(1)) & allocated
-    prior_pos = torch.where(prior_valid, prior_global.unsqueeze(0).expand(batch, -1),
-                            torch.full_like(allocated, -1, dtype=torch.int64))
 
     keys = torch.cat([k_prior.to(q.dtype), k_cur.to(q.dtype)], dim=1)
     # Shared: the values are the keys (one tensor), not a second copy of the same rows.
@@ -232,6 +212,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         allowed = allowed & (q_pos[:, :, None] - key_pos[:, None, :] < window)
     if attention_chunk > 0:
         allowed = allowed & same_chunk(q_pos[:, :, None], key_pos[:, None, :], attention_chunk)
+    if keep is not None:  # DeepSeek Sparse Attention: the indexer's selection (sparse_attention)
+        allowed = allowed & keep
     groups = q_heads // kv_heads
     qf = q.float().reshape(batch, q_len, kv_heads, groups, dim)
     scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
@@ -258,7 +240,8 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       softcap: float = 0.0, kv_shared: bool = False,
                       garbage_block: int = LAST,
                       alibi_slopes: Tensor | None = None,
-                      attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                      attention_chunk: int = 0,
+                      keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -271,17 +254,20 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``alibi_slopes`` [q_heads of q]: ALiBi, ``alibi_bias`` added to each score.
     ``attention_chunk > 0`` (Llama 4's chunked layers): only keys of the query's own chunk
     of that many positions (``same_chunk``).
+    ``keep`` [batch, q_len, max_blocks * block + k_cur's length] bool (DeepSeek Sparse
+    Attention): only the keys the indexer selected (runtime/kernels/sparse_attention.py),
+    on the key axis [local prior slots ; current keys].
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
                                    window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk)
+                                   attention_chunk, keep)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0):
+      alibi_slopes=None, attention_chunk=0, keep=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -538,7 +524,7 @@ def cache_write_(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
                  slots: Tensor, garbage_block: int = LAST) -> None:
     """cache_write in place: only the written rows are touched, nothing is copied."""
     num_blocks, block, heads, dim = key_cache.shape
-    rows = _write_rows(key_cache, slots, garbage_block)
+    rows = write_rows(key_cache, slots, garbage_block)
     # view, never reshape: a reshape of a non-contiguous cache would copy and lose the write.
     key_cache.view(num_blocks * block, heads, dim).index_copy_(
         0, rows, k.reshape(-1, heads, dim).to(key_cache.dtype))
@@ -560,7 +546,8 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            kv_shared: bool = False,
                            garbage_block: int = LAST,
                            alibi_slopes: Tensor | None = None,
-                           attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                           attention_chunk: int = 0,
+                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -572,13 +559,13 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk)
+                                  attention_chunk, keep)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0):
+      alibi_slopes=None, attention_chunk=0, keep=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -589,3 +576,12 @@ def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_
 from dcp_compile.runtime.kernels.moe import DECOMPOSITIONS as _MOE_DECOMPOSITIONS  # noqa: E402
 
 DECOMPOSITIONS.update(_MOE_DECOMPOSITIONS)
+
+# ----------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention's indexer (runtime/kernels/sparse_attention.py)
+# ----------------------------------------------------------------------------------------
+
+from dcp_compile.runtime.kernels.sparse_attention import (  # noqa: E402
+    DECOMPOSITIONS as _DSA_DECOMPOSITIONS)
+
+DECOMPOSITIONS.update(_DSA_DECOMPOSITIONS)

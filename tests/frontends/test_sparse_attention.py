@@ -1,7 +1,8 @@
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the indexer keeps the top-k prior tokens
-per query. Under DCP a rank holds only its shard of the keys, so until the exact form (local
-top-k, gather of the candidates, a global top-k with torch.topk's ties) is built, transform
-refuses it by name (docs/moe-mla.md: DeepSeek Sparse Attention), never a silent mismatch."""
+per query. Under DCP a rank holds only its shard of the keys; the exact selection exists as
+runtime ops (runtime/kernels/sparse_attention.py, tests/frontends/test_dsa_exact.py), but until
+the rewrite that emits them from a captured model is built, transform refuses DSA by name
+(docs/moe-mla.md: DeepSeek Sparse Attention), never a silent mismatch."""
 
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                          "instead of 100 each"),
     "DCP_CORPUS": ("corpora/test_hf_corpus.py",
                    "every cell of the transformers corpus vs its table in docs/models.md"),
+    "DCP_DSA_FULL": ("frontends/test_dsa_exact.py",
+                     "DeepSeek-V3.2 and GLM-5 on dcp shards: every tp/dcp layout x model x "
+                     "decode/prefill (the slice: four)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
                       "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
