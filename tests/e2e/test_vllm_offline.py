@@ -22,12 +22,18 @@ BATCHES = {
     "small-cache": (prompts([80] * 6, seed=2), 16),
 }
 # vLLM's sampler on the program's logits: logprobs of the greedy tokens; temperature and
-# top-p sampling with a seed (the same seed twice in one batch, and another seed).
+# top-p sampling with a seed (the same seed twice in one batch, and another seed). The
+# seeded prompts fit one step's token budget together (3 x 10 <= 32): on vLLM's CPU build a
+# seeded request whose prompt is prefilled in chunks kills the worker (`CPU Generator does
+# not use offset`: vllm/v1/worker/gpu_model_runner.py `_bookkeeping_sync` rewinds the
+# request's generator for the discarded sample of a partial prefill; CPU generators have no
+# offset). Whether it chunks depended on when the engine process saw the requests: this
+# batch at 3 x 12 tokens failed one run in four under load (docs/vllm.md).
 SAMPLED = {
     "logprobs": (prompts([9, 40], seed=3), 6, {"logprobs": 2}),
-    "sampled": ([prompts([12], seed=4)[0]] * 3, 8,
+    "sampled": ([prompts([10], seed=4)[0]] * 3, 8,
                 {"temperature": 0.8, "top_p": 0.9, "seed": 7}),
-    "sampled-other-seed": (prompts([12], seed=4), 8,
+    "sampled-other-seed": (prompts([10], seed=4), 8,
                            {"temperature": 0.8, "top_p": 0.9, "seed": 8}),
 }
 NUM_BLOCKS = 12
