@@ -321,6 +321,7 @@ class DCPPrefill(DCPPass):
         cp = cp_rank_node(gm, self)
         meta_nodes: dict[tuple[Node, Node], dict[str, Node]] = {}
         gathered: dict[Node, Node] = {}
+        written: dict = {}          # cache pair -> its written caches
         for plan in plans:
             attn, layer = plan.attn, plan.layer
             q, k, v, kc, vc, positions, table, scale = attn.args
@@ -357,13 +358,16 @@ class DCPPrefill(DCPPass):
                     user.replace_input_with(side, gathered[side])
 
             with g.inserting_before(attn):
-                # 4. KV cache write of owned positions only
-                cw = self._step(g.call_function(dcp_ops.cache_write.default,
-                                                (kc, vc, k, v, m["slots"]),
-                                                garbage_kwargs(self.ctx.config)),
-                                4, KIND_CACHE_WRITE, layer)
-                kc2 = g.call_function(operator.getitem, (cw, 0))
-                vc2 = g.call_function(operator.getitem, (cw, 1))
+                # 4. KV cache write of owned positions only; a layer reading another
+                # layer's cache (KV shared across layers) reads it as written, once.
+                if (kc, vc) not in written:
+                    cw = self._step(g.call_function(dcp_ops.cache_write.default,
+                                                    (kc, vc, k, v, m["slots"]),
+                                                    garbage_kwargs(self.ctx.config)),
+                                    4, KIND_CACHE_WRITE, layer)
+                    written[(kc, vc)] = (g.call_function(operator.getitem, (cw, 0)),
+                                         g.call_function(operator.getitem, (cw, 1)))
+                kc2, vc2 = written[(kc, vc)]
                 # 5. Q all-gather over cp_kv: [B, C] per rank -> [B, W*C] rank-major
                 if W > 1:
                     c, qw = C.all_gather(g, q, Role.CP_KV, W)

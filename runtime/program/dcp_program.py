@@ -188,12 +188,23 @@ class DCPProgram:
             f"dcp_compile.meta_init.meta_model(config).")
 
     def cache_spec(self, dtype: torch.dtype | None = None):
-        """Shape of one rank's KV caches (KV heads after TP sharding/replication)."""
-        from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
-        return KVCacheSpec(self.num_layers, self.shapes.num_blocks, self.config.block_size,
-                           self.config.kv_heads_per_rank, self.config.head_dim,
-                           dtype or self.facts.cache_dtype or torch.float32,
-                           garbage=self.config.garbage_block)
+        """Shape of one rank's KV caches (KV heads after TP sharding/replication): one
+        layout, or one per layer group (``facts.kv_layers``: per-layer KV layouts, KV shared
+        across layers; docs/models.md)."""
+        from dcp_compile.runtime.serving.kv_cache import KVCacheGroup, KVCacheSpec
+        c, kv = self.config, self.facts.kv_layers
+        dtype = dtype or self.facts.cache_dtype or torch.float32
+        if kv is None:
+            return KVCacheSpec(self.num_layers, self.shapes.num_blocks, c.block_size,
+                               c.kv_heads_per_rank, c.head_dim, dtype,
+                               garbage=c.garbage_block)
+        layouts = list(dict.fromkeys(kv.caches))
+        groups = tuple(KVCacheGroup(c.kv_heads_per_layout(lay.kv_heads), lay.head_dim,
+                                    tuple(i for i, x in enumerate(kv.caches) if x == lay))
+                       for lay in layouts)
+        return KVCacheSpec(len(kv.caches), self.shapes.num_blocks, c.block_size,
+                           groups[0].kv_heads, groups[0].head_dim, dtype,
+                           garbage=c.garbage_block, groups=groups, reads=kv.reads)
 
     def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager",
              checkpoint: str | os.PathLike | None = None):
