@@ -169,7 +169,8 @@ def _reads_projections(side: Node, plan) -> bool:
 class LayerPlan:
     layer: int
     attn: Node
-    projections: tuple[Node, Node, Node]      # q, k, v linears reading the hidden state
+    projections: tuple[Node, ...]             # q, k, v linears reading the hidden state
+    #                                           (q only: the layer reads another's KV)
     hidden: Node                              # their common full-sequence input (step 1)
     qkv_path: list[Node]                      # projections -> attention q/k/v, graph order
     token_dim: dict[Node, int] = field(default_factory=dict)      # path node -> token dim
@@ -210,13 +211,19 @@ class DCPPrefill(DCPPass):
         s = sp["tokens"]
         plans = []
         by_name = {n.name: n for n in gm.graph.nodes}
+        owned_caches = set()
         for layer, attn in enumerate(attention_nodes(gm)):
             sites = attn.meta.get(PROJECTIONS_META)
             if sites is None:
                 raise DCPTransformError(f"attention {attn.name} has no projections recorded; "
                                         f"run shard_tensor_parallel before dcp_prefill.")
+            # A layer reading another layer's cache (KV shared across layers) reads that
+            # layer's K/V, already on the owned tokens: only its q moves (step 3).
+            caches = tuple(attn.args[3:5])
+            reads = "q" if caches in owned_caches else "qkv"
+            owned_caches.add(caches)
             projs, chained = [], []
-            for i, what in enumerate("qkv"):
+            for i, what in enumerate(reads):
                 lin = [by_name[x] for x in sites[what]]
                 if len(lin) != 1:
                     raise DCPTransformError(
@@ -232,11 +239,12 @@ class DCPPrefill(DCPPass):
                     f"read one sequence-parallel all-gather: {sorted(h.name for h in hidden)}."
                     f" Run sequence_parallel before dcp_prefill.")
             plan = LayerPlan(layer, attn, tuple(projs), hidden.pop(),
-                             self._path(projs, [attn.args[i] for i in range(3)], chained),
+                             self._path(projs, [attn.args[i] for i in range(len(reads))],
+                                        chained),
                              chained=chained)
             plan.token_dim, plan.side_inputs = trace_token_dim(
                 plan.qkv_path, {p: 1 for p in projs}, s, f"q/k/v (layer {layer})")
-            for i, what in enumerate("qkv"):
+            for i, what in enumerate(reads):
                 if plan.token_dim.get(attn.args[i], 1) != 1:
                     raise DCPTransformError(
                         f"{what} reaches attention {attn.name} with its tokens at dim "
