@@ -41,7 +41,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.errors import DCPTransformError
+from dcp_compile.runtime.errors import DCPKVLayoutError, DCPTransformError
 from dcp_compile.runtime.program.facts import KVLayers, KVLayout, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
@@ -431,11 +431,13 @@ def _cache_owners(sites: list[Site], layouts: list[KVLayout]
             for (k, v), o in owner_of.items():
                 if s.k is k or s.v is v:
                     what = "key" if s.k is k else "value"
-                    fail(s.node, f"attention {s.node.name} (layer {layer}) shares its {what} "
-                         f"with layer {o} but not its "
-                         f"{'value' if what == 'key' else 'key'}: a layer reads another "
-                         f"layer's KV cache whole (KV shared across layers), or has its own",
-                         "Share both K and V, or neither")
+                    raise DCPKVLayoutError(
+                        f"attention {s.node.name} (layer {layer}, {source_of(s.node)}) shares "
+                        f"its {what} with layer {o} but not its "
+                        f"{'value' if what == 'key' else 'key'}: a layer reads another "
+                        f"layer's KV cache whole (KV shared across layers) or has its own, "
+                        f"and a cache holds one key and one value per token. Share both K "
+                        f"and V, or neither.")
             owner_of[(s.k, s.v)] = layer
             reads.append(len(caches))
             caches.append(layouts[layer])

@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.errors import DCPSparseAttentionError, DCPTransformError
+from dcp_compile.runtime.errors import (DCPKVLayoutError, DCPSparseAttentionError,
+                                        DCPTransformError)
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
 from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
@@ -490,6 +491,24 @@ def _field(cfg, name: str):
         return None
 
 
+def _kv_layouts(cfg) -> str:
+    """What makes the KV layout differ by layer (Gemma 4's ``per_layer_config`` head_dim /
+    KV heads, ``num_kv_shared_layers``), for a message; "" when it is one layout."""
+    per_layer = _field(cfg, "per_layer_config")
+    if isinstance(per_layer, dict):
+        layers = list(per_layer.values())
+    elif hasattr(per_layer, "__len__") and hasattr(per_layer, "__getitem__"):
+        layers = [per_layer[i] for i in range(len(per_layer))]     # transformers' view
+    else:
+        layers = []
+    seen = {(_field(c, "num_key_value_heads"), _field(c, "head_dim")) for c in layers}
+    out = [f"(kv heads, head_dim) by layer: {sorted(seen, key=str)}"] if len(seen) > 1 else []
+    shared = _field(cfg, "num_kv_shared_layers")
+    if isinstance(shared, int) and shared > 0:
+        out.append(f"num_kv_shared_layers={shared}")
+    return ", ".join(out)
+
+
 def _set_fields(cfg, names) -> str:
     """``name=value, ...`` of the config fields among ``names`` that are set (for a message)."""
     return ", ".join(f"{k}={_field(cfg, k)}" for k in names if _field(cfg, k) is not None)
@@ -538,6 +557,14 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
             f"'sdpa'): that path absorbs MLA into latent attention (docs/moe-mla.md: Multi-head "
             f"Latent Attention).")
+    layouts = _kv_layouts(cfg)
+    if layouts:
+        raise DCPKVLayoutError(
+            f"{name} has per-layer KV layouts or KV shared across layers ({layouts}): "
+            f"hf.prepare's wrapper keeps one cache layout per model and one cache per layer. "
+            f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
+            f"'sdpa'): that path gives each layout its cache group and a layer that reads "
+            f"another layer's K/V that layer's cache (docs/models.md: Per-layer KV layouts).")
     num_layers = _field(cfg, "num_hidden_layers")
     num_q_heads = _field(cfg, "num_attention_heads")
     num_kv_heads = _field(cfg, "num_key_value_heads") or num_q_heads

@@ -217,6 +217,8 @@ EXCLUDED = {
 REASONS = (
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
     ("DeepSeek Sparse Attention (indexer top-k)", r"DeepSeek Sparse Attention"),
+    ("per-layer KV layouts (hf.prepare keeps one)", r"has per-layer KV layouts or KV shared"),
+    ("KV shared in part (K or V only)", r"but not its (key|value): a layer reads another"),
     ("ALiBi", r"alibi"),
     ("scores carried across layers (residual attention)", r"\(residual attention"),
     ("heads mixed before the softmax (talking heads)", r"\(talking heads"),
@@ -248,7 +250,6 @@ REASONS = (
     ("K/V heads tiled", r"K/V heads tiled"),
     # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
     ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
-    ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
     ("attention shared across calls", r"called attention twice|layer_idx=None"),
     ("prefill: attention output gated per token", r"reaches its O projection (\S+ )?through "
                                                   r"token-indexed inputs"),
