@@ -397,10 +397,11 @@ class InsertPagedCache(DCPPass):
         found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
                            windows=windows, mask_theorems=plan.mask_theorems or None,
                            kv_layers=plan.kv_layers())
-        layouts = sorted({(x.kv_heads, x.head_dim) for x in plan.layouts})
-        self.record(layers=len(plan.sites), caches=len(plan.layouts),
-                    kv_heads=sorted({h for h, _ in layouts}),
-                    head_dim=sorted({d for _, d in layouts}),
+        heads, dims = (sorted({getattr(x, f) for x in plan.layouts})
+                       for f in ("kv_heads", "head_dim"))
+        self.record(layers=len(plan.sites), caches=len(plan.layouts),    # one value each
+                    kv_heads=heads if len(heads) > 1 else heads[0],      # for one layout
+                    head_dim=dims if len(dims) > 1 else dims[0],
                     forms=sorted({site_form(s) for s in plan.sites}),
                     positions="position_ids" if plan.position_input is not None else "arange")
         return Found(gm, True, facts=found)
