@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import (DCPKVLayoutError, DCPSparseAttentionError,
                                         DCPTransformError)
+from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
 from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
@@ -482,33 +483,6 @@ MLA_FIELDS = ("kv_lora_rank",)
 DSA_FIELDS = ("index_topk",)    # DeepSeek Sparse Attention's indexer (V3.2, GLM-5)
 
 
-def _field(cfg, name: str):
-    """A config field, or None. transformers' configs may raise on a field their layout does
-    not define (Gemma-4's head_dim is per layer type), not only AttributeError."""
-    try:
-        return getattr(cfg, name, None)
-    except Exception:  # noqa: BLE001  (any config error means: not given this way)
-        return None
-
-
-def _kv_layouts(cfg) -> str:
-    """What makes the KV layout differ by layer (Gemma 4's ``per_layer_config`` head_dim /
-    KV heads, ``num_kv_shared_layers``), for a message; "" when it is one layout."""
-    per_layer = _field(cfg, "per_layer_config")
-    if isinstance(per_layer, dict):
-        layers = list(per_layer.values())
-    elif hasattr(per_layer, "__len__") and hasattr(per_layer, "__getitem__"):
-        layers = [per_layer[i] for i in range(len(per_layer))]     # transformers' view
-    else:
-        layers = []
-    seen = {(_field(c, "num_key_value_heads"), _field(c, "head_dim")) for c in layers}
-    out = [f"(kv heads, head_dim) by layer: {sorted(seen, key=str)}"] if len(seen) > 1 else []
-    shared = _field(cfg, "num_kv_shared_layers")
-    if isinstance(shared, int) and shared > 0:
-        out.append(f"num_kv_shared_layers={shared}")
-    return ", ".join(out)
-
-
 def _set_fields(cfg, names) -> str:
     """``name=value, ...`` of the config fields among ``names`` that are set (for a message)."""
     return ", ".join(f"{k}={_field(cfg, k)}" for k in names if _field(cfg, k) is not None)
@@ -557,7 +531,7 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
             f"'sdpa'): that path absorbs MLA into latent attention (docs/moe-mla.md: Multi-head "
             f"Latent Attention).")
-    layouts = _kv_layouts(cfg)
+    layouts = kv_layouts(cfg)
     if layouts:
         raise DCPKVLayoutError(
             f"{name} has per-layer KV layouts or KV shared across layers ({layouts}): "
