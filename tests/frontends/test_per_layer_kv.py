@@ -169,3 +169,11 @@ def test_sharing_only_the_key_is_refused_by_name():
         dcp_compile.transform(_ShareKeyOnly().eval(), tp=4, dcp=2, mode="decode",
                               block_size=4, shapes=StepShapes(batch=2, context_len=16,
                                                               max_blocks=4, num_blocks=10))
+
+
+def test_the_corpus_names_these_refusals():
+    assert C.reason_of("Gemma4ForCausalLM has per-layer KV layouts or KV shared across "
+                       "layers (...)") == "per-layer KV layouts (hf.prepare keeps one)"
+    assert C.reason_of("attention x (layer 1, ...) shares its key with layer 0 but not its "
+                       "value: a layer reads another layer's KV cache whole") == \
+        "KV shared in part (K or V only)"
