@@ -9,7 +9,10 @@ Output: a graph with the step signature of every other captured model (program.p
 
 with each attention replaced by one ``dcp.paged_attention`` over the layer's cache
 ``[num_blocks, block_size, kv_heads, head_dim]``; canonicalize_attention and every later pass
-then run unchanged.
+then run unchanged. The layout may differ by layer (Gemma 4's head_dim / KV heads by layer
+type: each cache has its own), and a layer whose K and V are an earlier layer's own tensors
+(KV shared across layers) reads that layer's cache, with none of its own
+(``ModelFacts.kv_layers``; docs/models.md: Per-layer KV layouts).
 
 Attention is found by :mod:`dcp_compile.passes.attention_patterns` (SDPA and its kernels, eager
 ``softmax(q @ k^T) @ v``; K and V before GQA head repetition: the cache holds kv heads).
