@@ -12,7 +12,8 @@ Three layers in one namespace, lowest last: the compiler (this package's own mod
 from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)
 from .runtime.config import DCPConfig
 from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPConfigError, DCPError,
-                             DCPHybridError, DCPInputError, DCPLengthDependentError,
+                             DCPHybridError, DCPInputError, DCPKVLayoutError,
+                             DCPLengthDependentError,
                              DCPOutputContractError, DCPProofError, DCPSparseAttentionError,
                              DCPTokenMixingError, DCPTransferError, DCPTransformError,
                              DCPWorldError)
@@ -20,6 +21,7 @@ from .runtime.topology import Topology, topology
 
 __all__ = [
     "DCPCheckError", "DCPCompilerBug", "DCPConfig", "DCPConfigError", "DCPError",
+    "DCPKVLayoutError",
     "DCPHybridError", "DCPInputError", "DCPLengthDependentError", "DCPOutputContractError",
     "DCPProofError", "DCPSparseAttentionError", "DCPTokenMixingError",
     "DCPTransferError", "DCPTransformError", "DCPWorldError", "Topology", "topology",

@@ -54,12 +54,11 @@ def reference_engine(program: DCPProgram, executor_for, *, fill=0.0):
     from dataclasses import replace
 
     from dcp_compile.runtime.serving.engine import Engine
-    from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
     c = program.config
     shapes = replace(program.shapes, max_blocks=program.shapes.max_blocks * c.dcp,
                      num_blocks=(program.shapes.num_blocks - 1) * c.dcp + 1)
-    spec = KVCacheSpec(program.num_layers, shapes.num_blocks, c.block_size,
-                       c.num_kv_heads, c.head_dim, program.facts.cache_dtype)
+    spec = program.cache_spec(program.facts.cache_dtype, num_blocks=shapes.num_blocks,
+                              single_device=True)
     return Engine(executor_for(spec.allocate(fill=fill)), shapes, block_size=c.block_size)
 
 

@@ -61,15 +61,21 @@ def cp_rank_node(gm: GraphModule, pass_: DCPPass) -> Node:
     return pass_.tag(node, KIND_MASK)
 
 
-def masked_cache_write(p: DCPPass, g: Graph, attn: Node, slots: Node, layer: int):
+def masked_cache_write(p: DCPPass, g: Graph, attn: Node, slots: Node, layer: int,
+                       written: dict):
     """Write k/v only where this rank owns the position (spec: slot_mapping -1 elsewhere);
-    ``slots`` is the step's slot mapping (one node for every layer)."""
+    ``slots`` is the step's slot mapping (one node for every layer). A layer that reads
+    another layer's cache (KV shared across layers) reads that layer's written cache and
+    writes nothing: ``written`` maps each cache pair written so far to its new caches."""
     q, k, v, kc, vc = attn.args[:5]
+    if (kc, vc) in written:
+        return written[(kc, vc)]
     write = p.tag(g.call_function(dcp_ops.cache_write.default, (kc, vc, k, v, slots),
                                   garbage_kwargs(p.ctx.config)),
                   KIND_CACHE_WRITE, layer)
-    return (g.call_function(operator.getitem, (write, 0)),
-            g.call_function(operator.getitem, (write, 1)))
+    written[(kc, vc)] = (g.call_function(operator.getitem, (write, 0)),
+                         g.call_function(operator.getitem, (write, 1)))
+    return written[(kc, vc)]
 
 
 def step_inputs(gm: GraphModule, layers: list[Node]) -> list[tuple[Node, Node]]:
@@ -246,12 +252,14 @@ class DCPDecode(DCPPass):
         cp = cp_rank_node(gm, self)
         layers = attention_nodes(gm)
         step = build_step_metadata(self, gm, cp, layers, self._step_keys)
+        written: dict = {}          # cache pair -> its written caches (each written once)
         for layer, attn in enumerate(layers):
             q, k, v, kc, vc, positions, table, scale = attn.args
             b, s, hq, d = val(q).shape
             m = step[(positions, table)]
             with g.inserting_before(attn):
-                kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer)
+                kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer,
+                                              written)
                 if W > 1:
                     c, q_w = C.all_gather(g, q, Role.DCP, W)                 # [W*b, 1, hq, d]
                     self.tag(c, KIND_COLLECTIVE, layer)
@@ -332,11 +340,13 @@ class DCPContext(DCPPass):
         cp = cp_rank_node(gm, self)
         layers = attention_nodes(gm)
         step = build_step_metadata(self, gm, cp, layers, self._step_keys)
+        written: dict = {}          # cache pair -> its written caches (each written once)
         for layer, attn in enumerate(layers):
             q, k, v, kc, vc, positions, table, scale = attn.args
             m = step[(positions, table)]
             with g.inserting_before(attn):
-                kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer)
+                kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer,
+                                              written)
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,

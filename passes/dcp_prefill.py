@@ -169,7 +169,8 @@ def _reads_projections(side: Node, plan) -> bool:
 class LayerPlan:
     layer: int
     attn: Node
-    projections: tuple[Node, Node, Node]      # q, k, v linears reading the hidden state
+    projections: tuple[Node, ...]             # q, k, v linears reading the hidden state
+    #                                           (q only: the layer reads another's KV)
     hidden: Node                              # their common full-sequence input (step 1)
     qkv_path: list[Node]                      # projections -> attention q/k/v, graph order
     token_dim: dict[Node, int] = field(default_factory=dict)      # path node -> token dim
@@ -210,13 +211,19 @@ class DCPPrefill(DCPPass):
         s = sp["tokens"]
         plans = []
         by_name = {n.name: n for n in gm.graph.nodes}
+        owned_caches = set()
         for layer, attn in enumerate(attention_nodes(gm)):
             sites = attn.meta.get(PROJECTIONS_META)
             if sites is None:
                 raise DCPTransformError(f"attention {attn.name} has no projections recorded; "
                                         f"run shard_tensor_parallel before dcp_prefill.")
+            # A layer reading another layer's cache (KV shared across layers) reads that
+            # layer's K/V, already on the owned tokens: only its q moves (step 3).
+            caches = tuple(attn.args[3:5])
+            reads = "q" if caches in owned_caches else "qkv"
+            owned_caches.add(caches)
             projs, chained = [], []
-            for i, what in enumerate("qkv"):
+            for i, what in enumerate(reads):
                 lin = [by_name[x] for x in sites[what]]
                 if len(lin) != 1:
                     raise DCPTransformError(
@@ -232,11 +239,12 @@ class DCPPrefill(DCPPass):
                     f"read one sequence-parallel all-gather: {sorted(h.name for h in hidden)}."
                     f" Run sequence_parallel before dcp_prefill.")
             plan = LayerPlan(layer, attn, tuple(projs), hidden.pop(),
-                             self._path(projs, [attn.args[i] for i in range(3)], chained),
+                             self._path(projs, [attn.args[i] for i in range(len(reads))],
+                                        chained),
                              chained=chained)
             plan.token_dim, plan.side_inputs = trace_token_dim(
                 plan.qkv_path, {p: 1 for p in projs}, s, f"q/k/v (layer {layer})")
-            for i, what in enumerate("qkv"):
+            for i, what in enumerate(reads):
                 if plan.token_dim.get(attn.args[i], 1) != 1:
                     raise DCPTransformError(
                         f"{what} reaches attention {attn.name} with its tokens at dim "
@@ -321,6 +329,7 @@ class DCPPrefill(DCPPass):
         cp = cp_rank_node(gm, self)
         meta_nodes: dict[tuple[Node, Node], dict[str, Node]] = {}
         gathered: dict[Node, Node] = {}
+        written: dict = {}          # cache pair -> its written caches
         for plan in plans:
             attn, layer = plan.attn, plan.layer
             q, k, v, kc, vc, positions, table, scale = attn.args
@@ -357,13 +366,16 @@ class DCPPrefill(DCPPass):
                     user.replace_input_with(side, gathered[side])
 
             with g.inserting_before(attn):
-                # 4. KV cache write of owned positions only
-                cw = self._step(g.call_function(dcp_ops.cache_write.default,
-                                                (kc, vc, k, v, m["slots"]),
-                                                garbage_kwargs(self.ctx.config)),
-                                4, KIND_CACHE_WRITE, layer)
-                kc2 = g.call_function(operator.getitem, (cw, 0))
-                vc2 = g.call_function(operator.getitem, (cw, 1))
+                # 4. KV cache write of owned positions only; a layer reading another
+                # layer's cache (KV shared across layers) reads it as written, once.
+                if (kc, vc) not in written:
+                    cw = self._step(g.call_function(dcp_ops.cache_write.default,
+                                                    (kc, vc, k, v, m["slots"]),
+                                                    garbage_kwargs(self.ctx.config)),
+                                    4, KIND_CACHE_WRITE, layer)
+                    written[(kc, vc)] = (g.call_function(operator.getitem, (cw, 0)),
+                                         g.call_function(operator.getitem, (cw, 1)))
+                kc2, vc2 = written[(kc, vc)]
                 # 5. Q all-gather over cp_kv: [B, C] per rank -> [B, W*C] rank-major
                 if W > 1:
                     c, qw = C.all_gather(g, q, Role.CP_KV, W)

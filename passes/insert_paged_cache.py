@@ -9,7 +9,10 @@ Output: a graph with the step signature of every other captured model (program.p
 
 with each attention replaced by one ``dcp.paged_attention`` over the layer's cache
 ``[num_blocks, block_size, kv_heads, head_dim]``; canonicalize_attention and every later pass
-then run unchanged.
+then run unchanged. The layout may differ by layer (Gemma 4's head_dim / KV heads by layer
+type: each cache has its own), and a layer whose K and V are an earlier layer's own tensors
+(KV shared across layers) reads that layer's cache, with none of its own
+(``ModelFacts.kv_layers``; docs/models.md: Per-layer KV layouts).
 
 Attention is found by :mod:`dcp_compile.passes.attention_patterns` (SDPA and its kernels, eager
 ``softmax(q @ k^T) @ v``; K and V before GQA head repetition: the cache holds kv heads).
@@ -41,8 +44,8 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.program.facts import ModelFacts
+from dcp_compile.runtime.errors import DCPKVLayoutError, DCPTransformError
+from dcp_compile.runtime.program.facts import KVLayers, KVLayout, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
@@ -63,12 +66,17 @@ class Plan:
     sites: list[Site]
     tokens: int
     batch: int
-    kv_heads: int
-    head_dim: int
+    layouts: list[KVLayout]      # per cache (key/value pair): its kv heads and head_dim
+    reads: list[int]             # per layer: the cache it reads (KV shared across layers)
     dtype: torch.dtype
     position_input: Node | None
     kv_shared: bool = False      # K is V (MLA latent): stored once, halves in the two caches
     mask_theorems: tuple = ()    # one per layer (a prompt step only)
+
+    def kv_layers(self) -> KVLayers | None:
+        """The facts' per-layer layouts; None for one layout and one cache per layer."""
+        kv = KVLayers(tuple(self.layouts), tuple(self.reads))
+        return None if kv.uniform else kv
 
 
 class InsertPagedCache(DCPPass):
@@ -109,7 +117,7 @@ class InsertPagedCache(DCPPass):
                 "scaled_dot_product_attention and no q @ k^T -> softmax -> @ v): there is "
                 "nothing to put a KV cache under. Use a causal decoder with SDPA or eager "
                 "attention.")
-        shapes = set()
+        rows = []
         # Windows: a one-token decode step's mask cannot show one, so it takes the prompt
         # step's (proven, and checked against the config there); a prompt step checks the
         # config's against its proven masks.
@@ -130,14 +138,19 @@ class InsertPagedCache(DCPPass):
             if tokens > 1:
                 theorems.append(verdict.theorem if verdict else
                                 unmasked_theorem(layer, s.causal, s.window, s.node.name))
-            shapes.add(self._cache_row(s))
-        if len(shapes) != 1:
+            rows.append(self._cache_row(s))
+        # The layout may differ by layer (Gemma 4's head_dim by layer type: one cache group
+        # per layout); the dtype and how K and V are stored may not.
+        kinds = {(dtype, shared) for _, dtype, shared in rows}
+        if len(kinds) != 1:
             raise DCPTransformError(
-                f"attention layers disagree on (kv heads, head_dim) and dtype: "
-                f"{sorted(map(str, shapes))}. DCP needs one KV cache layout for every layer.")
-        (kv_heads, head_dim), dtype, shared = shapes.pop()
-        return Plan(sites=sites, tokens=tokens, batch=batch, kv_heads=kv_heads,
-                    head_dim=head_dim, dtype=dtype, position_input=pos, kv_shared=shared,
+                f"attention layers disagree on the KV cache dtype or on storing K = V once "
+                f"(latent attention): {sorted(map(str, kinds))}. DCP keeps one cache dtype "
+                f"and one K/V storage for every layer. Build the model in one dtype.")
+        (dtype, shared), = kinds
+        layouts, reads = _cache_owners(sites, [KVLayout(*row[0]) for row in rows])
+        return Plan(sites=sites, tokens=tokens, batch=batch, layouts=layouts, reads=reads,
+                    dtype=dtype, position_input=pos, kv_shared=shared,
                     mask_theorems=tuple(theorems))
 
     @staticmethod
@@ -309,8 +322,6 @@ class InsertPagedCache(DCPPass):
         cfg = self.ctx.config
         num_blocks, max_blocks = self.num_blocks, self.max_blocks
         device = val(ids).device
-        cache_shape = (num_blocks, cfg.block_size, plan.kv_heads, plan.head_dim)
-
         def new_input(name, shape, dtype, anchor):
             with g.inserting_after(anchor):
                 p = g.placeholder(name)
@@ -322,32 +333,38 @@ class InsertPagedCache(DCPPass):
         positions = new_input(POSITIONS, (plan.batch, plan.tokens), torch.int64, anchor)
         table = new_input(BLOCK_TABLE, (plan.batch, max_blocks), torch.int64, positions)
         caches, last = [], table
-        for i in range(2 * len(plan.sites)):
-            last = new_input(cache_input(i), cache_shape, plan.dtype, last)
-            caches.append(last)
+        for i, lay in enumerate(plan.layouts):    # one key and one value cache each
+            shape = (num_blocks, cfg.block_size, lay.kv_heads, lay.head_dim)
+            for j in (2 * i, 2 * i + 1):
+                last = new_input(cache_input(j), shape, plan.dtype, last)
+                caches.append(last)
 
         new_caches = []
         for layer, s in enumerate(plan.sites):
+            c = plan.reads[layer]
+            head_dim = plan.layouts[c].head_dim
             with g.inserting_before(s.out):
                 q, k, v = (self._bshd(g, t) for t in (s.q, s.k, s.v))
                 if plan.kv_shared:          # halves of the one K = V tensor
-                    h = plan.head_dim
+                    h = head_dim
                     k, v = (g.call_function(aten.slice.Tensor, (k, 3, a, a + h))
                             for a in (0, h))
                 v_width = val(s.v).shape[3]
-                if not plan.kv_shared and v_width < plan.head_dim:
-                    v = _pad_values(g, v, plan.head_dim - v_width)
+                if not plan.kv_shared and v_width < head_dim:
+                    v = _pad_values(g, v, head_dim - v_width)
                 params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap),
                                             ("kv_shared", plan.kv_shared)) if x}
                 if s.sinks is not None:
                     params["sinks"] = s.sinks
                 if s.alibi is not None:
                     params["alibi_slopes"] = _slopes(g, s.alibi, val(s.q).shape[1])
+                # A layer sharing another layer's K/V reads that layer's cache (the same
+                # inputs); the DCP rewrites write each cache once (its owner's write).
                 attn = g.call_function(torch.ops.dcp.paged_attention.default,
-                                       (q, k, v, caches[2 * layer], caches[2 * layer + 1],
+                                       (q, k, v, caches[2 * c], caches[2 * c + 1],
                                         positions, table, s.scale), params)
                 out, kc, vc = (g.call_function(operator.getitem, (attn, i)) for i in range(3))
-                if not plan.kv_shared and v_width < plan.head_dim:   # the values' own width
+                if not plan.kv_shared and v_width < head_dim:   # the values' own width
                     out = g.call_function(aten.slice.Tensor, (out, 3, 0, v_width))
                 bhsd = g.call_function(aten.transpose.int, (out, 1, 2))
             if val(s.out).dtype != val(s.q).dtype:
@@ -360,7 +377,8 @@ class InsertPagedCache(DCPPass):
             s.out.replace_all_uses_with(bhsd)
             _fold_layout_noops(bhsd, out if bhsd.args[0] is out else None,
                                tuple(val(s.out).shape))
-            new_caches += [kc, vc]
+            if plan.reads.index(c) == layer:      # the cache's owner returns it
+                new_caches += [kc, vc]
             self.tag(attn, KIND_ATTENTION, layer)
         output = next(n for n in g.nodes if n.op == "output")
         logits = output.args[0]
@@ -380,8 +398,13 @@ class InsertPagedCache(DCPPass):
         windows = tuple(s.window for s in plan.sites) \
             if plan.tokens > 1 or self.ctx.facts.windows is None else None
         found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
-                           windows=windows, mask_theorems=plan.mask_theorems or None)
-        self.record(layers=len(plan.sites), kv_heads=plan.kv_heads, head_dim=plan.head_dim,
+                           windows=windows, mask_theorems=plan.mask_theorems or None,
+                           kv_layers=plan.kv_layers())
+        heads, dims = (sorted({getattr(x, f) for x in plan.layouts})
+                       for f in ("kv_heads", "head_dim"))
+        self.record(layers=len(plan.sites), caches=len(plan.layouts),    # one value each
+                    kv_heads=heads if len(heads) > 1 else heads[0],      # for one layout
+                    head_dim=dims if len(dims) > 1 else dims[0],
                     forms=sorted({site_form(s) for s in plan.sites}),
                     positions="position_ids" if plan.position_input is not None else "arange")
         return Found(gm, True, facts=found)
@@ -397,6 +420,34 @@ class InsertPagedCache(DCPPass):
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if is_call(n, KERNEL_OF)]
         ensure(not left, self.name, "attention kernels left without a paged cache", left)
+
+
+def _cache_owners(sites: list[Site], layouts: list[KVLayout]
+                  ) -> tuple[list[KVLayout], list[int]]:
+    """(each cache's layout, the cache each layer reads). A layer whose key and value are
+    an earlier layer's own tensors (Gemma 4's ``num_kv_shared_layers``: the last layers
+    attend the K/V of the last layer of their type that computed them) reads that layer's
+    cache: no second copy. A layer sharing only one of K and V is refused by name."""
+    caches, reads, owner_of = [], [], {}
+    for layer, s in enumerate(sites):
+        owner = owner_of.get((s.k, s.v))
+        if owner is None:
+            for (k, v), o in owner_of.items():
+                if s.k is k or s.v is v:
+                    what = "key" if s.k is k else "value"
+                    raise DCPKVLayoutError(
+                        f"attention {s.node.name} (layer {layer}, {source_of(s.node)}) shares "
+                        f"its {what} with layer {o} but not its "
+                        f"{'value' if what == 'key' else 'key'}: a layer reads another "
+                        f"layer's KV cache whole (KV shared across layers) or has its own, "
+                        f"and a cache holds one key and one value per token. Share both K "
+                        f"and V, or neither.")
+            owner_of[(s.k, s.v)] = layer
+            reads.append(len(caches))
+            caches.append(layouts[layer])
+        else:
+            reads.append(reads[owner])
+    return caches, reads
 
 
 def _what_mask(verdict: MaskVerdict) -> str:

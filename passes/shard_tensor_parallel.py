@@ -119,16 +119,17 @@ class ShardTensorParallel(DCPPass):
         g = gm.graph
         rank = placeholder(gm, RANK_INPUT)
 
-        # Each rank's KV caches hold only its KV heads: the cache inputs take that shape.
-        for attn in attention_nodes(gm):
-            for cache in attn.args[3:5]:
-                full = cache.meta["val"]
-                if full.shape[2] != cfg.kv_heads_per_rank:
-                    with mode:
-                        cache.meta["val"] = torch.empty(
-                            (*full.shape[:2], cfg.kv_heads_per_rank, *full.shape[3:]),
-                            dtype=full.dtype, device=full.device)
-                    cache.meta[META_FULL_SHAPE] = tuple(full.shape)
+        # Each rank's KV caches hold only its KV heads: the cache inputs take that shape
+        # (each its own layout's; a cache layers share is cut once).
+        caches = dict.fromkeys(c for attn in attention_nodes(gm) for c in attn.args[3:5])
+        for cache in caches:
+            full = cache.meta["val"]
+            heads = cfg.kv_heads_per_layout(full.shape[2])
+            if full.shape[2] != heads:
+                with mode:
+                    cache.meta["val"] = torch.empty((*full.shape[:2], heads, *full.shape[3:]),
+                                                    dtype=full.dtype, device=full.device)
+                cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
         for p, shard in pl.params.items():
             self._shard_param(p, spec_of(shard, self._group(shard.axis), p), mode)

@@ -23,30 +23,40 @@ from .infra import DCPPass, Found, Property, attention_nodes, val
 from .prove.certificate import Certificate
 
 
-def attention_layout(gm: GraphModule) -> tuple[int, int, int, int]:
-    """(q heads, kv heads, head_dim, cache block size), the same for every layer."""
-    heads = set()
+def attention_layouts(gm: GraphModule) -> tuple[int, list[tuple[int, int]], int]:
+    """(q heads, the distinct (kv heads, cache head_dim) in layer order, cache block size).
+    Every layer has the same q heads and block size; the KV layout may differ by layer
+    (per-layer KV layouts, Gemma 4: one cache group per layout)."""
+    heads, layouts, blocks = set(), [], set()
     for n in attention_nodes(gm):
         q, k, kc = val(n.args[0]), val(n.args[1]), val(n.args[3])
-        heads.add((q.shape[2], k.shape[2], kc.shape[3], kc.shape[1]))  # cache head_dim
-    if len(heads) != 1:
-        raise DCPTransformError(f"attention layers disagree on (q heads, kv heads, "
-                                f"head_dim, block_size): {sorted(heads)}. DCP needs one "
-                                f"layout for every layer.")
-    return heads.pop()
+        heads.add(q.shape[2])
+        blocks.add(kc.shape[1])
+        if (k.shape[2], kc.shape[3]) not in layouts:               # cache head_dim
+            layouts.append((k.shape[2], kc.shape[3]))
+    if len(heads) != 1 or len(blocks) != 1:
+        raise DCPTransformError(f"attention layers disagree on q heads {sorted(heads)} or "
+                                f"cache block size {sorted(blocks)}: DCP needs one for every "
+                                f"layer (the KV layout may differ by layer).")
+    return heads.pop(), layouts, blocks.pop()
 
 
 def validate_and_prove(gm: GraphModule, config: DCPConfig, facts: ModelFacts,
                        certificate: Certificate | None = None
                        ) -> tuple[DCPConfig, Certificate]:
     """The config completed with the graph's head counts (DCPConfig validates on
-    construction: every violated rule, with a fix) and the layout's certificate
-    (``certificate``, when one was proven for this layout already, else a new proof)."""
-    hq, hkv, dim, block = attention_layout(gm)
+    construction: every violated rule, with a fix; each per-layer KV layout is validated
+    too, the config keeps the first layer's) and the layout's certificate (``certificate``,
+    when one was proven for this layout already, else a new proof)."""
+    hq, layouts, block = attention_layouts(gm)
     if block != config.block_size:
         raise DCPTransformError(f"the KV caches' block size differs from the config: "
                                 f"cache block={block}, block_size={config.block_size}. "
                                 f"Build caches with block_size={config.block_size}.")
+    for hkv, dim in layouts[1:]:
+        config.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                       mla=facts.mla is not None)
+    hkv, dim = layouts[0]
     config = config.replace(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim,
                             mla=facts.mla is not None)
     if certificate is None:

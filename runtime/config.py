@@ -87,7 +87,11 @@ class DCPConfig:
     @property
     def kv_heads_per_rank(self) -> int:
         """KV heads a rank holds; 1 when TP replicates each KV head across several ranks."""
-        return max(1, self.num_kv_heads // self.attention_shard)
+        return self.kv_heads_per_layout(self.num_kv_heads)
+
+    def kv_heads_per_layout(self, num_kv_heads: int) -> int:
+        """KV heads a rank holds of a layer with ``num_kv_heads`` (per-layer KV layouts)."""
+        return max(1, num_kv_heads // self.attention_shard)
 
     def replace(self, **changes) -> "DCPConfig":
         return dataclasses.replace(self, **changes)

@@ -86,6 +86,13 @@ class DCPSparseAttentionError(DCPTransformError):
     is not built yet, so transform refuses (docs/moe-mla.md)."""
 
 
+class DCPKVLayoutError(DCPTransformError):
+    """Per-layer KV layouts (head_dim / KV heads by layer type) or KV shared across layers
+    (Gemma 4) in a form that cannot be served exactly: a layer sharing only one of another
+    layer's K and V, or a path that keeps one cache layout per model (``hf.prepare``'s
+    wrapper). docs/models.md: Per-layer KV layouts."""
+
+
 class DCPCompilerBug(DCPError):
     """A non-DCPError exception escaped a pass or a frontend: a bug in dcp_compile, not a
     refusal. ``stage`` names the pass or frontend step, ``original`` is the exception."""

@@ -81,3 +81,31 @@ def declared_chunks(model) -> list[int] | None:
     if types is None:
         return [int(chunk)] * layers
     return [int(chunk) if t == "chunked_attention" else 0 for t in types[:layers]]
+
+
+def config_field(cfg, name: str):
+    """A config field, or None. transformers' configs may raise on a field their layout does
+    not define (Gemma-4's head_dim is per layer type), not only AttributeError."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001  (any config error means: not given this way)
+        return None
+
+
+def kv_layouts(cfg) -> str:
+    """What makes the KV layout differ by layer (Gemma 4's ``per_layer_config`` head_dim /
+    KV heads, ``num_kv_shared_layers``), for a message; "" when it is one layout."""
+    per_layer = config_field(cfg, "per_layer_config")
+    if isinstance(per_layer, dict):
+        layers = list(per_layer.values())
+    elif hasattr(per_layer, "__len__") and hasattr(per_layer, "__getitem__"):
+        layers = [per_layer[i] for i in range(len(per_layer))]     # transformers' view
+    else:
+        layers = []
+    seen = {(config_field(c, "num_key_value_heads"), config_field(c, "head_dim"))
+            for c in layers}
+    out = [f"(kv heads, head_dim) by layer: {sorted(seen, key=str)}"] if len(seen) > 1 else []
+    shared = config_field(cfg, "num_kv_shared_layers")
+    if isinstance(shared, int) and shared > 0:
+        out.append(f"num_kv_shared_layers={shared}")
+    return ", ".join(out)

@@ -38,7 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.errors import DCPSparseAttentionError, DCPTransformError
+from dcp_compile.runtime.errors import (DCPKVLayoutError, DCPSparseAttentionError,
+                                        DCPTransformError)
+from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
 from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
@@ -481,15 +483,6 @@ MLA_FIELDS = ("kv_lora_rank",)
 DSA_FIELDS = ("index_topk",)    # DeepSeek Sparse Attention's indexer (V3.2, GLM-5)
 
 
-def _field(cfg, name: str):
-    """A config field, or None. transformers' configs may raise on a field their layout does
-    not define (Gemma-4's head_dim is per layer type), not only AttributeError."""
-    try:
-        return getattr(cfg, name, None)
-    except Exception:  # noqa: BLE001  (any config error means: not given this way)
-        return None
-
-
 def _set_fields(cfg, names) -> str:
     """``name=value, ...`` of the config fields among ``names`` that are set (for a message)."""
     return ", ".join(f"{k}={_field(cfg, k)}" for k in names if _field(cfg, k) is not None)
@@ -539,6 +532,14 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
             f"'sdpa'): that path absorbs MLA into latent attention (docs/moe-mla.md: Multi-head "
             f"Latent Attention).")
+    layouts = kv_layouts(cfg)
+    if layouts:
+        raise DCPKVLayoutError(
+            f"{name} has per-layer KV layouts or KV shared across layers ({layouts}): "
+            f"hf.prepare's wrapper keeps one cache layout per model and one cache per layer. "
+            f"Pass the model itself to dcp_compile.transform (attn_implementation='eager' or "
+            f"'sdpa'): that path gives each layout its cache group and a layer that reads "
+            f"another layer's K/V that layer's cache (docs/models.md: Per-layer KV layouts).")
     num_layers = _field(cfg, "num_hidden_layers")
     num_q_heads = _field(cfg, "num_attention_heads")
     num_kv_heads = _field(cfg, "num_key_value_heads") or num_q_heads

@@ -197,5 +197,6 @@ def _rank_input_shapes(program, step: str) -> dict[str, tuple[tuple[int, ...], t
     carry the single-device KV head count in meta['val'] (ShardTensorParallel leaves them so
     at the time of writing; nothing downstream of them checks heads in fake mode)."""
     spec = program.cache_spec(program.facts.cache_dtype)
-    return {n.name: (tuple(spec.shape), spec.dtype) for n in program.graphs[step].graph.nodes
-            if n.op == "placeholder" and is_cache_input(n.name)}
+    caches = [n.name for n in program.graphs[step].graph.nodes
+              if n.op == "placeholder" and is_cache_input(n.name)]
+    return {name: (shape, spec.dtype) for name, shape in zip(caches, spec.shapes())}

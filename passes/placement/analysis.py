@@ -70,6 +70,10 @@ class Analysis:
             or first_user is not None and self.order[n] < first_user)}
         self.attn = attention_nodes(gm)
         self.q_shard, self.kv_shard = head_shards(config)
+        # Per-layer KV layouts (Gemma 4): each attention's K/V and caches cut by its own
+        # KV heads.
+        self.kv_shards = {at: head_shards(config, shape_of(at.args[1])[2])[1]
+                          for at in self.attn}
         self.sink_shard = replace(self.q_shard, dim=0)
         self.known: dict[Node, object] = {}
         self.req: dict[Node, object] = {}
@@ -288,8 +292,8 @@ class Analysis:
         if any(p is None for p in ps):
             # Its output is sharded by q heads whatever comes in (checked in the strict pass):
             # known early, so that an output gate can learn its cut from it.
-            return None if strict else (self.q_shard, self.kv_shard, self.kv_shard)
-        want = [self.q_shard, self.kv_shard, self.kv_shard, self.kv_shard, self.kv_shard]
+            return None if strict else (self.q_shard, self.kv_shards[n], self.kv_shards[n])
+        want = [self.q_shard, *[self.kv_shards[n]] * 4]
         for what, a, p, w in zip(("q", "k", "v", "key_cache", "value_cache"),
                                  (q, k, v, kc, vc), ps, want):
             if p != w:
@@ -310,7 +314,7 @@ class Analysis:
             raise _err(n, f"ALiBi slopes ({slopes.name}) are {show(self.P(slopes))}, expected "
                           f"replicated", "The slopes are a per-head constant of the model; "
                           "shard_tensor_parallel takes each rank's heads of them")
-        return (self.q_shard, self.kv_shard, self.kv_shard)
+        return (self.q_shard, self.kv_shards[n], self.kv_shards[n])
 
     # -- backward --------------------------------------------------------------------------
 
@@ -515,14 +519,15 @@ class Analysis:
             raise DCPTransformError("placement analysis found no dcp.attention node. Run "
                                     "canonicalize_attention first.")
         for at in self.attn:
-            for i, want in ((0, self.q_shard), (1, self.kv_shard), (2, self.kv_shard)):
+            for i, want in ((0, self.q_shard), (1, self.kv_shards[at]),
+                            (2, self.kv_shards[at])):
                 self.require(at.args[i], want, at)
             if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
                 self.require(at.kwargs["sinks"], self.sink_shard, at)
             if at.kwargs.get("alibi_slopes") is not None:   # whole: cut by the rank below
                 self.require(at.kwargs["alibi_slopes"], R, at)
             for c in at.args[3:5]:
-                self._set_known(c, self.kv_shard)
+                self._set_known(c, self.kv_shards[at])
         place_experts(self)
         while True:
             while self.forward_sweep() | self.backward_sweep():
@@ -563,8 +568,9 @@ class Analysis:
     def check(self, embeddings) -> PlacementPlan:
         """Strict forward pass: every node placed by a rule, every requirement met."""
         self.known = {}
-        for c in {c for at in self.attn for c in at.args[3:5]}:
-            self.known[c] = self.kv_shard
+        for at in self.attn:
+            for c in at.args[3:5]:
+                self.known[c] = self.kv_shards[at]
         for n in self.nodes:
             if n in self.known:
                 continue
@@ -575,7 +581,7 @@ class Analysis:
         out = next(n for n in self.nodes if n.op == "output")
         for a in tensor_args(out):
             p = self.known[a]
-            if p != R and not (isinstance(p, Shard) and p == self.kv_shard
+            if p != R and not (isinstance(p, Shard) and p in self.kv_shards.values()
                                and a.target == operator.getitem
                                and a.args[0].target == ATTENTION):
                 raise _err(a, f"graph output {a.name} is {show(p)}",

@@ -35,10 +35,12 @@ class PlacementPlan:
         return self.placements.get(n)
 
 
-def head_shards(config) -> tuple[Shard, Shard]:
-    """What dcp.attention needs of q and of k/v ([B, S, H, D], heads at dim 2)."""
+def head_shards(config, num_kv_heads: int | None = None) -> tuple[Shard, Shard]:
+    """What dcp.attention needs of q and of k/v ([B, S, H, D], heads at dim 2);
+    ``num_kv_heads``: a layer's own (per-layer KV layouts), else the config's."""
     a = config.attention_shard
-    hq, hkv = config.num_q_heads, config.num_kv_heads
+    hq = config.num_q_heads
+    hkv = config.num_kv_heads if num_kv_heads is None else num_kv_heads
     q = Shard(2, (Seg(hq, a),), "attn")
     kv = Shard(2, (Seg(hkv, min(hkv, a), max(1, a // hkv)),), "attn")
     return q, canon(kv)

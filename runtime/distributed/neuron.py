@@ -193,7 +193,7 @@ class NeuronStepModule(torch.nn.Module):
         self._names = list(program.weight_inputs) + [RANK_INPUT]
         for i, name in enumerate(self._names):
             self.register_buffer(f"state_{i}", state[name])
-        n_caches = 2 * program.num_layers
+        n_caches = 2 * program.cache_spec().num_layers     # cache pairs, not layers (shared KV)
         self.input_output_aliases = {3 + k: 1 + k for k in range(n_caches)}
 
     def forward(self, input_ids, positions, block_table, *kv_caches):

@@ -187,13 +187,29 @@ class DCPProgram:
             f"dcp_compile.meta_init.empty_weights() (parameters on meta, buffers real) or "
             f"dcp_compile.meta_init.meta_model(config).")
 
-    def cache_spec(self, dtype: torch.dtype | None = None):
-        """Shape of one rank's KV caches (KV heads after TP sharding/replication)."""
-        from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
-        return KVCacheSpec(self.num_layers, self.shapes.num_blocks, self.config.block_size,
-                           self.config.kv_heads_per_rank, self.config.head_dim,
-                           dtype or self.facts.cache_dtype or torch.float32,
-                           garbage=self.config.garbage_block)
+    def cache_spec(self, dtype: torch.dtype | None = None, *, num_blocks: int | None = None,
+                   single_device: bool = False):
+        """Shape of one rank's KV caches (KV heads after TP sharding/replication): one
+        layout, or one per layer group (``facts.kv_layers``: per-layer KV layouts, KV shared
+        across layers; docs/models.md). ``single_device``: the unsharded model's caches
+        (every KV head), ``num_blocks`` of them (default: the program's)."""
+        from dcp_compile.runtime.serving.kv_cache import KVCacheGroup, KVCacheSpec
+        c, kv = self.config, self.facts.kv_layers
+        dtype = dtype or self.facts.cache_dtype or torch.float32
+        blocks = self.shapes.num_blocks if num_blocks is None else num_blocks
+
+        def heads(n):
+            return n if single_device else c.kv_heads_per_layout(n)
+        if kv is None:
+            return KVCacheSpec(self.num_layers, blocks, c.block_size, heads(c.num_kv_heads),
+                               c.head_dim, dtype, garbage=c.garbage_block)
+        layouts = list(dict.fromkeys(kv.caches))
+        groups = tuple(KVCacheGroup(heads(lay.kv_heads), lay.head_dim,
+                                    tuple(i for i, x in enumerate(kv.caches) if x == lay))
+                       for lay in layouts)
+        return KVCacheSpec(len(kv.caches), blocks, c.block_size, groups[0].kv_heads,
+                           groups[0].head_dim, dtype, garbage=c.garbage_block, groups=groups,
+                           reads=kv.reads)
 
     def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager",
              checkpoint: str | os.PathLike | None = None):

@@ -21,6 +21,31 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """One KV cache layout (before tensor-parallel sharding): its KV heads and head_dim."""
+
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class KVLayers:
+    """Per-layer KV layouts (Gemma 4: head_dim by layer type) and KV shared across layers
+    (Gemma 4's ``num_kv_shared_layers``), as insert_paged_cache found them (docs/models.md:
+    Per-layer KV layouts). ``caches[c]`` is cache c's layout (one key and one value cache
+    each, flat ``[k_0, v_0, k_1, v_1, ...]``); ``reads[l]`` is the cache attention layer l
+    reads: a layer that reads another layer's keys and values reads that layer's cache and
+    has none of its own."""
+
+    caches: tuple[KVLayout, ...]
+    reads: tuple[int, ...]
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.caches)) == 1 and len(self.reads) == len(self.caches)
+
+
+@dataclass(frozen=True)
 class MixtureOfExperts:
     """The model's dcp.moe blocks, as canonicalize_moe found them (docs/moe-mla.md: Mixture
     of experts)."""
@@ -54,6 +79,8 @@ class ModelFacts:
     # The longest sequence the model is served for (hf.prepare(max_model_len=...)): a
     # decision on max(positions) proven constant below it is folded (check_token_wise).
     max_model_len: int | None = None
+    # Per-layer KV layouts and shared KV (None: one layout, one cache per layer).
+    kv_layers: KVLayers | None = None
     # The model config's RoPE variant (Hugging Face rope_parameters), named in refusals.
     rope_type: str | None = None
 

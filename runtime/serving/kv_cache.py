@@ -28,7 +28,22 @@ from dcp_compile.runtime.serving.step_contract import SLOT_MAPPING_RULES, StepCo
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """Caches of one layout: ``kv_heads`` (this rank's) x ``head_dim``, and which of the
+    spec's caches (key/value pairs, by index) have it."""
+
+    kv_heads: int
+    head_dim: int
+    caches: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
+    """One rank's KV caches. ``num_layers`` key/value cache pairs; with ``groups`` (per-layer
+    KV layouts, Gemma 4) each pair has its group's (kv_heads, head_dim) and ``kv_heads`` /
+    ``head_dim`` are the first cache's; ``reads[l]`` is the pair attention layer l reads (a
+    layer sharing another layer's KV reads its cache: fewer pairs than layers)."""
+
     num_layers: int
     num_blocks: int
     block_size: int
@@ -36,19 +51,50 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype = torch.float32
     garbage: int = LAST                     # which block is the garbage block: -1 or 0
+    groups: tuple[KVCacheGroup, ...] | None = None
+    reads: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.groups is not None:
+            covered = sorted(c for g in self.groups for c in g.caches)
+            if covered != list(range(self.num_layers)):
+                raise DCPInputError(f"KV cache groups must name every cache once: caches "
+                                    f"{covered}, num_layers={self.num_layers}. Build the spec "
+                                    f"with program.cache_spec().")
 
     @property
     def garbage_block(self) -> int:
         return garbage_block_id(self.num_blocks, self.garbage)
 
     @property
+    def uniform(self) -> bool:
+        return self.groups is None or len(self.groups) == 1
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
+        """The shape of every cache; per-layer layouts have several (``shapes``)."""
+        if not self.uniform:
+            raise DCPInputError(f"this program's KV caches have {len(self.groups)} layouts "
+                                f"({[(g.kv_heads, g.head_dim) for g in self.groups]} as (kv "
+                                f"heads, head_dim)): there is no one cache shape. Use "
+                                f"spec.shapes() (one per cache tensor) or spec.allocate().")
         return (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    def layout(self, cache: int) -> tuple[int, int]:
+        """(kv_heads, head_dim) of key/value pair ``cache``."""
+        if self.groups is None:
+            return self.kv_heads, self.head_dim
+        return next((g.kv_heads, g.head_dim) for g in self.groups if cache in g.caches)
+
+    def shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every cache tensor's shape, flat [k_0, v_0, k_1, v_1, ...]."""
+        return [(self.num_blocks, self.block_size, *self.layout(c))
+                for c in range(self.num_layers) for _ in range(2)]
 
     def bytes_per_token(self) -> int:
         """Bytes one token's K and V take in one rank's caches, every layer."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * elem
+        return sum(2 * h * d * elem for h, d in map(self.layout, range(self.num_layers)))
 
     def bytes_per_rank(self) -> int:
         """Bytes of every K and V cache of one rank (garbage block included)."""
@@ -60,8 +106,8 @@ class KVCacheSpec:
             raise DCPInputError(f"a paged cache needs at least one usable block besides the "
                                 f"garbage block: num_blocks={self.num_blocks}. "
                                 f"Use num_blocks >= 2.")
-        return [torch.full(self.shape, fill, dtype=self.dtype, device=device)
-                for _ in range(2 * self.num_layers)]
+        return [torch.full(shape, fill, dtype=self.dtype, device=device)
+                for shape in self.shapes()]
 
 
 class BlockAllocator:

@@ -78,6 +78,7 @@ class StepContract:
     max_model_len: int | None = None        # default: max_blocks * block_size * dcp
     cache_count: int | None = None          # 2 * num_layers
     cache_shape: tuple | None = None        # one cache tensor
+    cache_shapes: tuple | None = None       # each cache tensor (per-layer KV layouts)
     cache_dtype: torch.dtype | None = None
     device: torch.device | None = None      # of the caches and the step inputs
     rules: tuple[str, ...] | None = None    # rule names to run; None: all of RULES
@@ -157,7 +158,9 @@ class StepContract:
                    block_size=program.config.block_size, dcp=program.config.dcp,
                    vocab_size=int(logits.shape[-1]),
                    max_model_len=max_model_len, cache_count=2 * spec.num_layers,
-                   cache_shape=tuple(spec.shape), cache_dtype=spec.dtype,
+                   cache_shape=tuple(spec.shape) if spec.uniform else None,
+                   cache_shapes=None if spec.uniform else tuple(spec.shapes()),
+                   cache_dtype=spec.dtype,
                    device=torch.device(device) if device is not None else None,
                    garbage_block=program.config.garbage_block)
 
@@ -220,10 +223,11 @@ def _cache_count(c, s):
 
 
 def _cache_spec(c, s):
-    if s.caches is None or c.cache_shape is None:
+    if s.caches is None or (c.cache_shape is None and c.cache_shapes is None):
         return None
-    want = (c.cache_dtype, tuple(c.cache_shape), c.device)
     for i, t in enumerate(s.caches):
+        shape = c.cache_shape if c.cache_shapes is None else c.cache_shapes[i]
+        want = (c.cache_dtype, tuple(shape), c.device)
         got = ((t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor)
                else (type(t).__name__, None, None))
         if got[0] != want[0] or got[1] != want[1] or (want[2] is not None

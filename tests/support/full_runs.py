@@ -32,6 +32,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                       "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
+    "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",
+                            "Gemma 4's per-layer head_dim and per-layer KV heads variants x "
+                            "mode x tp/dcp (the slice: one decode, one prefill)"),
     "DCP_MASK_FULL": ("passes/test_mask_proof.py",
                       "every (tp, dcp) x mode of the mask-proof matches"),
     "DCP_MOE_MATRIX": ("frontends/test_moe.py",

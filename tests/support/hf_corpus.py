@@ -217,6 +217,8 @@ EXCLUDED = {
 REASONS = (
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
     ("DeepSeek Sparse Attention (indexer top-k)", r"DeepSeek Sparse Attention"),
+    ("per-layer KV layouts (hf.prepare keeps one)", r"has per-layer KV layouts or KV shared"),
+    ("KV shared in part (K or V only)", r"but not its (key|value): a layer reads another"),
     ("ALiBi", r"alibi"),
     ("scores carried across layers (residual attention)", r"\(residual attention"),
     ("heads mixed before the softmax (talking heads)", r"\(talking heads"),
@@ -248,7 +250,6 @@ REASONS = (
     ("K/V heads tiled", r"K/V heads tiled"),
     # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
     ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
-    ("per-layer KV layouts differ", r"layers disagree on \(kv heads, head_dim\)"),
     ("attention shared across calls", r"called attention twice|layer_idx=None"),
     ("prefill: attention output gated per token", r"reaches its O projection (\S+ )?through "
                                                   r"token-indexed inputs"),
@@ -437,10 +438,53 @@ def write_docs(processes: int = 2) -> dict:
     return results
 
 
+@dataclass
+class _Cell:
+    """A cell as the page shows it (``update_docs`` keeps the rows it does not re-run)."""
+    text: str
+
+    def cell(self) -> str:
+        return self.text
+
+
+def page_cells() -> dict:
+    """(type, path, mode) -> the cell docs/models.md's table shows now."""
+    text = open(PAGE).read()
+    rows = text.split(START)[1].split(END)[0].strip().splitlines()[2:]
+    out = {}
+    for row in rows:
+        if not row.startswith("| `"):
+            continue
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        for (path, mode), cell in zip([(p, m) for p in PATHS for m in MODES], cells[1:]):
+            out[(cells[0].strip("`"), path, mode)] = _Cell(cell)
+    return out
+
+
+def update_docs(types: list[str], processes: int = 2) -> dict:
+    """Run every cell of ``types`` only, and rewrite their rows of docs/models.md's table
+    (and the counts; the other rows as the page shows them)."""
+    import multiprocessing
+    unknown = sorted(set(types) - set(CORPUS))
+    if unknown:
+        raise SystemExit(f"not corpus types: {unknown}")
+    cells = [(t, p, m) for t in types for p in PATHS for m in MODES]
+    with multiprocessing.get_context("spawn").Pool(processes, maxtasksperchild=20) as pool:
+        fresh = dict(pool.imap_unordered(_cell, cells))
+    results = {**page_cells(), **fresh}
+    text = open(PAGE).read()
+    table = render_table(results)
+    open(PAGE, "w").write(re.sub(re.escape(START) + ".*?" + re.escape(END),
+                                 lambda _: f"{START}\n{table}\n{END}", text, flags=re.S))
+    return fresh
+
+
 def main(argv: list[str]) -> int:
     """``python tests/support/hf_corpus.py TYPE[,TYPE...] [PATH,...] [MODE,...]``: run cells, print
     one line each (tab-separated: type, path, mode, cell, message).
-    ``python tests/support/hf_corpus.py --write-docs [PROCESSES]``: every cell, into docs/models.md."""
+    ``python tests/support/hf_corpus.py --write-docs [PROCESSES]``: every cell, into docs/models.md.
+    ``python tests/support/hf_corpus.py --update-docs TYPE[,TYPE...] [PROCESSES]``: those
+    types' cells only, into their rows of docs/models.md (and the counts)."""
     import logging
     import warnings
     warnings.filterwarnings("ignore")
@@ -451,6 +495,13 @@ def main(argv: list[str]) -> int:
                or v.reason == "other"}
         for k, v in sorted(bad.items()):
             print("\t".join(k), v.cell(), v.message[:300], sep="\t")
+        return 1 if bad else 0
+    if argv and argv[0] == "--update-docs":
+        results = update_docs(argv[1].split(","), int(argv[2]) if len(argv) > 2 else 2)
+        for k, v in sorted(results.items()):
+            print("\t".join(k), v.cell(), v.message.replace("\n", " ")[:300], sep="\t")
+        bad = [v for v in results.values() if v.kind in ("mismatch", "crash")
+               or v.reason == "other"]
         return 1 if bad else 0
     types = argv[0].split(",")
     paths = argv[1].split(",") if len(argv) > 1 else PATHS
