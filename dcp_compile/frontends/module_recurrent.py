@@ -322,24 +322,20 @@ UNSUPPORTED = {
                    "(snapshot_slot), no program or engine passes them yet",
     "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
                       "boundaries; a cached prefix's KV alone cannot restore it",
-    "dcp_program": "the state caches are not yet inputs of a DCP program (the op, its state "
-                   "cache and the single-device swap exist; the capture, placement and runtime "
-                   "wiring do not)",
 }
 
 
 def refuse_hybrid(model: nn.Module, *, width: int = 1, prefix_caching: bool = False) -> None:
-    """Raise ``DCPHybridError`` naming what a hybrid ``model`` asks for that is not done;
-    nothing for a model without recurrent mixers."""
+    """Raise ``DCPHybridError`` naming what a hybrid ``model`` asks for that is not done
+    (speculative decode, prefix caching); nothing for a model without recurrent mixers or
+    for a request a hybrid program serves (frontends/hybrid.py)."""
     layers = recurrent_layers(model)
-    if not layers:
+    what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching else None)
+    if not layers or what is None:
         return
     name, m, rule = layers[0]
-    what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching
-            else "dcp_program")
     raise DCPHybridError(
         f"hybrid model: {len(layers)} recurrent layer(s) ({rule.cls}, first at {name}); "
         f"{UNSUPPORTED[what]} (width={width}, prefix_caching={prefix_caching}). "
         + {"speculative": "Decode with width 1.",
-           "prefix_caching": "Turn prefix caching off.",
-           "dcp_program": "Serve this model without DCP for now (see docs/hybrid.md)."}[what])
+           "prefix_caching": "Turn prefix caching off."}[what])

@@ -8,6 +8,9 @@ collective roles to this rank's process groups (``load(rank, group_names)``).
 Program calling convention (every step kind):
     graph(*weights_and_buffers, tp_rank, input_ids, positions, block_table, *kv_caches)
         -> (logits, *new_kv_caches)
+and, for a hybrid model (docs/hybrid.md; ``state_spec()`` lists the state caches):
+    graph(..., *kv_caches, state_slot, state_fresh, state_lengths, *state_caches)
+        -> (logits, *new_kv_caches, *new_state_caches)
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class DCPProgram:
     # that tile it. A weightless program's named constants are meta tensors (shape, dtype).
     weight_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     weight_sources: dict[str, WeightSource] = field(default_factory=dict)
+    # A hybrid model's recurrent-state caches of one rank (runtime/serving/state_cache.py),
+    # in the graphs' input order after the KV caches; None: no recurrent layer.
+    state_cache: object | None = None
 
     @property
     def num_layers(self) -> int:
@@ -194,6 +200,11 @@ class DCPProgram:
                            self.config.kv_heads_per_rank, self.config.head_dim,
                            dtype or self.facts.cache_dtype or torch.float32,
                            garbage=self.config.garbage_block)
+
+    def state_spec(self):
+        """One rank's recurrent-state caches (a StateCacheSpec: layers, slots, tp), or None
+        for a model without recurrent layers. Replicated over the DCP group."""
+        return self.state_cache
 
     def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager",
              checkpoint: str | os.PathLike | None = None):

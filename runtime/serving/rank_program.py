@@ -12,6 +12,7 @@ from dcp_compile.runtime.kernels.eager import call_kernels_directly, specialize_
 from dcp_compile.runtime.errors import DCPInputError, DCPWorldError
 from dcp_compile.runtime.names import RANK_INPUT
 from dcp_compile.runtime.distributed.roles import bound_collectives
+from dcp_compile.runtime.serving.state_cache import state_rows
 from dcp_compile.runtime.serving.step_contract import StepContract
 
 
@@ -116,7 +117,15 @@ class RankProgram:
         # binding a GraphModule each generated its code again).
         return COMPILERS[self.compile](GraphModule(gm, graph)), kernels
 
-    def run(self, kind: str, input_ids, positions, block_table, caches):
+    def run(self, kind: str, input_ids, positions, block_table, caches, *,
+            state_slot=None, states=None):
+        """One step; a hybrid program's also takes each row's ``state_slot`` and the state
+        caches (``program.state_spec()``'s order) and returns ``(logits, caches, states)``."""
+        if (states is None) != (self.program.state_spec() is None):
+            raise DCPInputError(
+                f"this program {'has' if states is None else 'has no'} recurrent-state "
+                f"caches: pass state_slot= and states= {'' if states is None else 'only '}"
+                f"{'(program.state_spec())' if states is None else 'to a hybrid program'}.")
         if kind not in self.graphs:
             raise DCPInputError(f"this program has no {kind!r} step: it has "
                                 f"{sorted(self.graphs)}. Run one of those.")
@@ -125,13 +134,21 @@ class RankProgram:
             else None
         # An unknown width runs the full bucket, whose contract names the expected shape.
         graphs, contracts = self._by_width.get(width, (self.graphs, self.contracts))
-        contracts[kind].check(input_ids, positions, block_table, caches)
-        out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
-        return out[0], list(out[1:])
+        if states is None:
+            contracts[kind].check(input_ids, positions, block_table, caches)
+            out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
+            return out[0], list(out[1:])
+        fresh, lengths = state_rows(positions)
+        contracts[kind].check(input_ids, positions, block_table, caches,
+                              state_slot=state_slot, fresh=fresh)
+        out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches,
+                           state_slot, fresh, lengths, *states)
+        n = len(caches)
+        return out[0], list(out[1:1 + n]), list(out[1 + n:])
 
     def step_fn(self, kind: str):
-        def fn(input_ids, positions, block_table, caches):
-            return self.run(kind, input_ids, positions, block_table, caches)
+        def fn(input_ids, positions, block_table, caches, **state):
+            return self.run(kind, input_ids, positions, block_table, caches, **state)
         return fn
 
     def step_fns(self) -> dict:

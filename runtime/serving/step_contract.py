@@ -159,7 +159,9 @@ class StepContract:
                    max_model_len=max_model_len, cache_count=2 * spec.num_layers,
                    cache_shape=tuple(spec.shape), cache_dtype=spec.dtype,
                    device=torch.device(device) if device is not None else None,
-                   garbage_block=program.config.garbage_block)
+                   garbage_block=program.config.garbage_block,
+                   num_state_slots=state.num_slots if (state := program.state_spec())
+                   else None)
 
 
 def _positive_int(x) -> bool:

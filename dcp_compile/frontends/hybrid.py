@@ -1,0 +1,131 @@
+"""The hybrid frontend: a Hugging Face model whose recurrent mixers a rule of
+:mod:`.module_recurrent` names (Gated DeltaNet, Mamba2, short conv) beside its attention
+layers (docs/hybrid.md).
+
+The ordinary frontend's capture and prologue, with two differences:
+
+  * the step runs each recurrent mixer as its ``dcp`` op (``recurrent_as_ops``), so the graph
+    has one ``dcp.gated_delta_net`` / ``dcp.mamba2_ssm`` / ``dcp.short_conv`` per recurrent
+    layer instead of the model's own scan and in-place cache writes;
+  * the step's signature carries the state: ``state_slot [B]``, ``state_fresh [B]``,
+    ``state_lengths [B]`` and one input per state cache (``state_caches_<i>``: every recurrent
+    layer's conv cache, in layer order, then every recurrence cache), and returns the new
+    state caches after the logits (and, once the cache insertion ran, after the KV caches):
+
+        graph(*weights, tp_rank, input_ids, positions, block_table, *kv_caches,
+              state_slot, state_fresh, state_lengths, *state_caches)
+            -> (logits, *kv_caches', *state_caches')
+
+What is not built is refused by name (:func:`refuse_unbuilt`, ``UNSUPPORTED`` of
+module_recurrent): speculative decode, prefix caching, a decode program's chunk step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor, nn
+
+from dcp_compile.runtime.errors import DCPHybridError
+from dcp_compile.runtime.names import STATE_FRESH, STATE_LENGTHS, STATE_SLOT, Mode
+
+from ..capture import capture, checkpoint_names, constant_values
+from .hf_checkpoint import checkpoint_sources
+from .module_experts import drop_replaced_weights
+from .module_recurrent import (RecurrentStates, recurrent_as_ops, recurrent_layers,
+                               refuse_hybrid, state_spec)
+from .ordinary import OrdinaryFrontend, OrdinaryStep
+from .protocol import StepCapture
+
+STATE_CACHES = "state_caches"     # the forward argument; its inputs are state_caches_<i>
+
+
+def state_slots(shapes) -> int:
+    """State slots of a program: one per row of its batch (the engine's sequences at once)."""
+    return shapes.batch
+
+
+class HybridStep(nn.Module):
+    """``forward(input_ids, position_ids, state_slot, state_fresh, state_lengths,
+    state_caches) -> (logits, *state_caches')`` with every recurrent mixer as its op."""
+
+    def __init__(self, model: nn.Module, conv_layers: list[int], rec_layers: list[int]):
+        super().__init__()
+        self.step = OrdinaryStep(model, library_experts=True)
+        self.conv_layers, self.rec_layers = conv_layers, rec_layers
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, state_slot: Tensor,
+                state_fresh: Tensor, state_lengths: Tensor, state_caches: list[Tensor]):
+        n = len(self.conv_layers)
+        states = RecurrentStates(dict(zip(self.conv_layers, state_caches[:n])),
+                                 dict(zip(self.rec_layers, state_caches[n:])),
+                                 state_slot, state_fresh, state_lengths)
+        with recurrent_as_ops(self.step.model, states):
+            logits = self.step(input_ids, position_ids)
+        return (logits, *[states.conv[i] for i in self.conv_layers],
+                *[states.rec[i] for i in self.rec_layers])
+
+
+class HybridFrontend(OrdinaryFrontend):
+    """The ordinary frontend with the recurrent mixers as ops and their state as step inputs
+    and outputs (module doc)."""
+
+    def __init__(self, model: nn.Module, shapes):
+        refuse_unbuilt(model, shapes)
+        super().__init__(model, shapes)
+        spec = state_spec(model, state_slots(shapes))
+        self.conv_layers = [la.layer for la in spec.layers]
+        self.rec_layers = [la.layer for la in spec.layers if la.rec is not None]
+        self.step_model = HybridStep(model, self.conv_layers, self.rec_layers)
+
+    def state_cache(self, tp: int):
+        """The recurrent ops run whole on every rank (replicated weights, passes/placement/
+        recurrent.py), so each rank holds every layer's whole state: the cut by heads over
+        ``tp`` comes with the head-cut op (docs/hybrid.md)."""
+        del tp
+        return state_spec(self.model, state_slots(self.shapes))
+
+    def capture(self, step: str, config) -> StepCapture:
+        tokens = self.shapes.tokens(step)
+        batch, device = self.shapes.batch, self.device
+        start = time.perf_counter()
+        caches = self.state_cache(config.tp).allocate(device)
+        example = (torch.zeros(batch, tokens, dtype=torch.int64, device=device),
+                   torch.arange(tokens, device=device).expand(batch, tokens).clone(),
+                   torch.arange(batch, dtype=torch.int64, device=device),
+                   torch.ones(batch, dtype=torch.bool, device=device),
+                   torch.full((batch,), tokens, dtype=torch.int64, device=device),
+                   [caches[i][0] for i in self.conv_layers]
+                   + [caches[i][1] for i in self.rec_layers])
+        captured = capture(self.step_model, example)
+        drop_replaced_weights(captured, self.step_model.step, self.model)
+        return StepCapture(captured.gm, captured.user_inputs,
+                           list(captured.params) + list(captured.buffers),
+                           time.perf_counter() - start,
+                           constants=lambda: constant_values(self.step_model, captured),
+                           weight_names=lambda: checkpoint_names(self.step_model, captured,
+                                                                 self.model),
+                           weight_sources=lambda: checkpoint_sources(self.model))
+
+    def accept(self, config) -> None:
+        refuse_unbuilt(self.model, self.shapes, mode=config.mode)
+
+
+def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None:
+    """``DCPHybridError`` for what a hybrid program does not do yet (docs/hybrid.md):
+    speculative decode, a decode program's chunk step (a prompt continued after prior
+    context), or prefill of a model a rule cannot run under sequence parallelism."""
+    refuse_hybrid(model, width=shapes.decode_len)   # speculative: refused by name
+    if getattr(shapes, "chunk_len", 0):
+        name, _, rule = recurrent_layers(model)[0]
+        raise DCPHybridError(
+            f"hybrid model ({rule.cls} at {name}): a decode program's chunk step "
+            f"(StepShapes.chunk_len={shapes.chunk_len}) is not built for hybrids: the chunk "
+            f"step's width-K rows are not wired to the state caches. Set chunk_len=0 (the "
+            f"prompt runs through the context step).")
+    del mode
+
+
+__all__ = ["HybridFrontend", "HybridStep", "STATE_CACHES", "STATE_SLOT", "STATE_FRESH",
+           "STATE_LENGTHS", "refuse_unbuilt", "Mode"]
