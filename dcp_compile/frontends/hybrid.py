@@ -22,6 +22,7 @@ module_recurrent): speculative decode, prefix caching, a decode program's chunk 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -46,6 +47,59 @@ def state_slots(shapes) -> int:
     return shapes.batch
 
 
+def _recomposition_out_of_place(m: nn.Module):
+    """Qwen3.5's MRoPE ``recomposition_frequencies``, its slice writes (``freqs_thw[..., idx] =
+    freq[dim, ..., idx]``, an in-place ``copy_`` the token-wise check refuses) written as a
+    ``where`` over the last dim's indices ``offset:length:3``: the same values, elementwise."""
+    def recomposition_frequencies(freq):
+        freqs_thw = freq[0]
+        i = torch.arange(freq.shape[-1], device=freq.device)
+        for dim, offset in enumerate((1, 2), start=1):
+            length = m.mrope_section[dim] * 3
+            picked = (i >= offset) & (i < length) & ((i - offset) % 3 == 0)
+            freqs_thw = torch.where(picked, freq[dim], freqs_thw)
+        return torch.cat((freqs_thw, freqs_thw), dim=-1)
+    return recomposition_frequencies
+
+
+_TF = "transformers.models"
+# Methods of a hybrid's other modules that write a slice in place, run out of place during
+# the capture: (module, class, method, its pinned source hash (transformers 5.25), the
+# out-of-place twin). A changed source is refused by name.
+OUT_OF_PLACE = (
+    (f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5TextRotaryEmbedding",
+     "recomposition_frequencies", "cda427993fce", _recomposition_out_of_place),
+    (f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeTextRotaryEmbedding",
+     "recomposition_frequencies", "cda427993fce", _recomposition_out_of_place),
+)
+
+
+@contextlib.contextmanager
+def writes_out_of_place(model: nn.Module):
+    """Within: each method of ``OUT_OF_PLACE`` on ``model``'s modules runs its out-of-place
+    twin (set on the instance, undone on exit)."""
+    from .module_experts import source_hash
+    swapped = []
+    try:
+        for name, mod in model.named_modules():
+            for module, cls, method, pinned, twin in OUT_OF_PLACE:
+                if type(mod).__name__ != cls or type(mod).__module__ != module:
+                    continue
+                got = source_hash(getattr(type(mod), method))
+                if got != pinned:
+                    raise DCPHybridError(
+                        f"{cls}.{method} at {name}: its source is not the code its out-of-"
+                        f"place twin was written against (sha256 {got}, pinned {pinned}). "
+                        f"Use the transformers version of requirements/corpus.txt, or "
+                        f"update OUT_OF_PLACE in dcp_compile/frontends/hybrid.py.")
+                setattr(mod, method, twin(mod))
+                swapped.append((mod, method))
+        yield
+    finally:
+        for mod, method in swapped:
+            delattr(mod, method)
+
+
 class HybridStep(nn.Module):
     """``forward(input_ids, position_ids, state_slot, state_fresh, state_lengths,
     state_caches) -> (logits, *state_caches')`` with every recurrent mixer as its op."""
@@ -61,7 +115,7 @@ class HybridStep(nn.Module):
         states = RecurrentStates(dict(zip(self.conv_layers, state_caches[:n])),
                                  dict(zip(self.rec_layers, state_caches[n:])),
                                  state_slot, state_fresh, state_lengths)
-        with recurrent_as_ops(self.step.model, states):
+        with recurrent_as_ops(self.step.model, states), writes_out_of_place(self.step.model):
             logits = self.step(input_ids, position_ids)
         return (logits, *[states.conv[i] for i in self.conv_layers],
                 *[states.rec[i] for i in self.rec_layers])

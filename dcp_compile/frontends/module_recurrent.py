@@ -95,11 +95,10 @@ def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Calla
                 mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
                 states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
                 m.num_k_heads, m.head_k_dim, m.head_v_dim, m.activation)
-        z_shape_og = z.shape
-        core_attn_out = core_attn_out.reshape(-1, core_attn_out.shape[-1])
-        z = z.reshape(-1, z.shape[-1])
-        core_attn_out = m.norm(core_attn_out, z)
-        core_attn_out = core_attn_out.reshape(z_shape_og)
+        # The model flattens [B, S, Hv, dv] to [B*S*Hv, dv] around its gated norm; the norm
+        # works over the last dim alone (its forward is pinned), so it runs on the unflattened
+        # tensor: the same values, and every view keeps the token dim (check_token_wise).
+        core_attn_out = m.norm(core_attn_out, z.reshape(core_attn_out.shape))
         core_attn_out = core_attn_out.reshape(core_attn_out.shape[0], core_attn_out.shape[1], -1)
         return m.out_proj(core_attn_out)
     return forward
@@ -218,13 +217,16 @@ RULES = (
     RecurrentRule(f"{_TF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
                   {"Qwen3NextGatedDeltaNet.forward": "d267e937a25e",
                    "Qwen3NextGatedDeltaNet.fix_query_key_value_ordering": "1b706d1f9a49",
+                   "Qwen3NextRMSNormGated.forward": "5a4bd64da7fd",
                    **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head)),
     RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
-                  {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "Qwen3_5RMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
     RecurrentRule(f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet",
-                  {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "Qwen3_5MoeRMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
