@@ -141,6 +141,7 @@ class HybridFrontend(OrdinaryFrontend):
         return state_spec(self.model, state_slots(self.shapes))
 
     def capture(self, step: str, config) -> StepCapture:
+        refuse_unbuilt(self.model, self.shapes, mode=config.mode)
         tokens = self.shapes.tokens(step)
         batch, device = self.shapes.batch, self.device
         start = time.perf_counter()
@@ -166,6 +167,18 @@ class HybridFrontend(OrdinaryFrontend):
         refuse_unbuilt(self.model, self.shapes, mode=config.mode)
 
 
+# Mixer classes whose models a prefill program cannot serve yet, and why.
+_GATED_OUTPUT = ("its full-attention layers gate their output per token (sigmoid of half of "
+                 "q_proj's output, multiplied into the attention output before o_proj): the "
+                 "prefill rewrite runs the O projection on the rank's own tokens and cannot "
+                 "carry a token-indexed gate there (passes/dcp_prefill.py, the refusal a "
+                 "non-hybrid gated-attention model gets: the gate stops it, not the "
+                 "recurrent layers)")
+PREFILL_REFUSED = {"Qwen3NextGatedDeltaNet": _GATED_OUTPUT,
+                   "Qwen3_5GatedDeltaNet": _GATED_OUTPUT,
+                   "Qwen3_5MoeGatedDeltaNet": _GATED_OUTPUT}
+
+
 def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None:
     """``DCPHybridError`` for what a hybrid program does not do yet (docs/hybrid.md):
     speculative decode, a decode program's chunk step (a prompt continued after prior
@@ -178,7 +191,13 @@ def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None
             f"(StepShapes.chunk_len={shapes.chunk_len}) is not built for hybrids: the chunk "
             f"step's width-K rows are not wired to the state caches. Set chunk_len=0 (the "
             f"prompt runs through the context step).")
-    del mode
+    if mode == Mode.PREFILL:
+        for name, _, rule in recurrent_layers(model)[:1]:
+            if rule.cls in PREFILL_REFUSED:
+                raise DCPHybridError(
+                    f"hybrid model ({rule.cls} at {name}) in prefill mode: "
+                    f"{PREFILL_REFUSED[rule.cls]}. Serve it with a decode program (its "
+                    f"context step runs the prompt), or prefill without DCP.")
 
 
 __all__ = ["HybridFrontend", "HybridStep", "STATE_CACHES", "STATE_SLOT", "STATE_FRESH",
