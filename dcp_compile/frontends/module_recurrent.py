@@ -248,6 +248,31 @@ RULES = (
 )
 
 
+# Config-level signs of a hybrid (no model built): the model types of RULES' classes (and the
+# multimodal wrappers vLLM serves them under), and the per-layer kinds of recurrent layers.
+HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                "qwen3_5_moe_text", "bamba", "granitemoehybrid", "lfm2",
+                                "lfm2_moe", "jamba", "nemotron_h", "falcon_h1", "zamba2",
+                                "kimi_linear", "minimax", "recurrent_gemma"})
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "recurrent",
+                                   "hybrid"})
+
+
+def hybrid_config(hf_config) -> str | None:
+    """What shows ``hf_config`` (a transformers config, or a namespace of its fields) to be a
+    hybrid's, or None: its model type, or a recurrent kind in its ``layer_types``."""
+    if hf_config is None:
+        return None
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        kind = getattr(cfg, "model_type", None)
+        if kind in HYBRID_MODEL_TYPES:
+            return f"model_type={kind!r}"
+        recurrent = sorted(set(getattr(cfg, "layer_types", None) or ()) & RECURRENT_LAYER_KINDS)
+        if recurrent:
+            return f"layer_types with {recurrent}"
+    return None
+
+
 def _rule_of(m: nn.Module) -> RecurrentRule | None:
     cls = type(m)
     return next((r for r in RULES if cls.__name__ == r.cls and cls.__module__ == r.module), None)
