@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from torch.fx import Node
 
+from ..infra import linears_reached
+from ..op_classes import RECURRENT_OPS
 from .lattice import R, Refusal, show
 from .node_args import fake, tensor_args
+from .rules import RULES, Rule
+from .weights import decide_weight
 
 
 def recurrent_fw(n: Node, P):
@@ -39,9 +43,6 @@ def place_recurrent(analysis) -> None:
     """Decide before the sweeps: a recurrent op reads its inputs whole, and the linears its
     output reaches before the next linear (the mixer's output projection) run whole too, on
     a replicated input (no collective; the head cut comes later, docs/hybrid.md)."""
-    from ..infra import linears_reached
-    from ..op_classes import RECURRENT_OPS
-    from .weights import decide_weight
     for n in analysis.nodes:
         if n.op != "call_function" or n.target not in RECURRENT_OPS:
             continue
@@ -53,3 +54,8 @@ def place_recurrent(analysis) -> None:
                 analysis.decide(lin.args[2], R, lin)
             analysis._set_linear(lin, "replicated")
             analysis.require(lin.args[0], R, lin)
+
+
+for _op in RECURRENT_OPS:
+    RULES[_op] = Rule("recurrent op (whole sequence in order; replicated)", recurrent_fw,
+                      recurrent_bw)

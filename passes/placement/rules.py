@@ -12,13 +12,11 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, PADS,
-                          RECURRENT_OPS, REDUCTIONS, SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS,
-                          VECTOR_NORMS)
+from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, PADS, REDUCTIONS,
+                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS, VECTOR_NORMS)
 from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
 from .lattice import R, Partial, Refusal, Shard, canon, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
-from .recurrent import recurrent_bw, recurrent_fw
 
 aten = torch.ops.aten
 
@@ -472,9 +470,8 @@ for _op in SOFTMAX | LOG_SOFTMAX:
 RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
 for _op in PADS:
     RULES[_op] = Rule("pad (other dims than the sharded one)", _pad_fw, _pad_bw)
-for _op in RECURRENT_OPS:
-    RULES[_op] = Rule("recurrent op (whole sequence in order; replicated)", recurrent_fw,
-                      recurrent_bw)
+# The recurrent ops' row: passes/placement/recurrent.py adds it (it places their linears
+# too, through the weights module, which reads this one).
 
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
 
