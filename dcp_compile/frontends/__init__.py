@@ -65,6 +65,18 @@ def _has_recurrent_layers(model) -> bool:
     return bool(recurrent_layers(model))
 
 
+def _unruled_hybrid(model) -> bool:
+    """A Hugging Face hybrid (by its config) none of whose mixers a swap rule names."""
+    from .module_recurrent import unruled_mixers
+    return is_hf(model) and bool(unruled_mixers(model))
+
+
+def _refuse_unruled_hybrid(model, shapes):
+    from .module_recurrent import refuse_unruled_hybrid   # raises DCPHybridError by name
+    refuse_unruled_hybrid(model)
+    raise AssertionError("refuse_unruled_hybrid returned")  # pragma: no cover
+
+
 def _hybrid(model, shapes):
     from .hybrid import HybridFrontend      # refuses by name what is not built
     return HybridFrontend(model, shapes)
@@ -89,6 +101,7 @@ HF_PAGED_ATTENTION = "dcp_paged"
 # (test, frontend factory), tried in order: the first test that holds picks the frontend.
 FRONTEND_RULES: tuple[tuple[Callable[[nn.Module], bool], Callable], ...] = (
     (_has_recurrent_layers, _hybrid),       # hybrid (docs/hybrid.md): mixers as dcp ops
+    (_unruled_hybrid, _refuse_unruled_hybrid),  # a hybrid without a swap rule: by name
     (has_paged_hooks, _paged),              # states its cache: num_layers, kv_cache_shape
     (lambda m: _hf_attention(m) == HF_PAGED_ATTENTION, _hf_prepared),
     (lambda m: _hf_attention(m) in HF_ORDINARY_ATTENTION, _ordinary),

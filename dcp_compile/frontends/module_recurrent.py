@@ -18,6 +18,7 @@ mixer of a listed class whose code differs is refused naming the function that c
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -350,6 +351,36 @@ UNSUPPORTED = {
     "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
                       "boundaries; a cached prefix's KV alone cannot restore it",
 }
+
+
+_MIXER_NAMES = re.compile(r"mamba|mixer|linear_?attn|linearattention|deltanet|recurrent|"
+                          r"lightning|conv", re.IGNORECASE)
+
+
+def unruled_mixers(model: nn.Module) -> list[str]:
+    """The class names of ``model``'s modules that look like recurrent mixers (by name) when
+    its config shows a hybrid (``hybrid_config``) and no rule of ``RULES`` names any of its
+    modules; [] otherwise (a hybrid type built with attention layers only has none)."""
+    if hybrid_config(getattr(model, "config", None)) is None or recurrent_layers(model):
+        return []
+    return sorted({type(m).__name__ for _, m in model.named_modules()
+                   if _MIXER_NAMES.search(type(m).__name__)})
+
+
+def refuse_unruled_hybrid(model: nn.Module) -> None:
+    """``DCPHybridError`` for a Hugging Face hybrid (``unruled_mixers``) none of whose mixers a
+    rule of ``RULES`` names (Jamba, Nemotron-H, Falcon-H1, Zamba2, Kimi Linear, MiniMax,
+    RecurrentGemma, ...)."""
+    mixers = unruled_mixers(model)
+    if not mixers:
+        return
+    sign = hybrid_config(model.config)
+    raise DCPHybridError(
+        f"hybrid model {type(model).__name__} ({sign}): no swap rule runs its recurrent "
+        f"layers as a dcp op (modules {mixers[:4]}); the "
+        f"rules (RULES in dcp_compile/frontends/module_recurrent.py) name "
+        f"{sorted({r.cls for r in RULES})}. Serve this model without DCP, or add a rule "
+        f"for its mixer (docs/hybrid.md).")
 
 
 def refuse_hybrid(model: nn.Module, *, width: int = 1, prefix_caching: bool = False) -> None:

@@ -254,6 +254,17 @@ def test_qwen_prefill_is_refused_for_its_attention_output_gate(model_type):
                               block_size=BLOCK, shapes=SHAPES)
 
 
+@pytest.mark.parametrize("model_type,mixer", [("jamba", "JambaMambaMixer"),
+                                              ("minimax", "MiniMaxLightningAttention")])
+def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer):
+    """A hybrid by its config whose mixer no rule names: DCPHybridError naming its modules,
+    at the frontend (not the token-wise check's feature diagnosis)."""
+    from hf_corpus import build
+    with pytest.raises(DCPHybridError, match=rf"no swap rule runs its recurrent layers as a "
+                                             rf"dcp op \(modules \[.*'{mixer}'"):
+        dcp_compile.transform(build(model_type, "sdpa"), tp=4, dcp=2, mode="decode")
+
+
 def test_engine_refuses_prefix_caching_and_rewind_of_a_hybrid():
     from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
     with pytest.raises(DCPHybridError, match="prefix caching with a hybrid program"):
