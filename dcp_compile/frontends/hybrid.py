@@ -17,7 +17,8 @@ The ordinary frontend's capture and prologue, with two differences:
             -> (logits, *kv_caches', *state_caches')
 
 What is not built is refused by name (:func:`refuse_unbuilt`, ``UNSUPPORTED`` of
-module_recurrent): speculative decode, prefix caching, a decode program's chunk step.
+module_recurrent): speculative decode, prefix caching, a decode program's chunk step, and
+prefill of the models ``PREFILL_REFUSED`` names (Qwen's gated attention output).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPHybridError
-from dcp_compile.runtime.names import STATE_FRESH, STATE_LENGTHS, STATE_SLOT, Mode
+from dcp_compile.runtime.names import Mode
 
 from ..capture import capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
@@ -145,14 +146,13 @@ class HybridFrontend(OrdinaryFrontend):
         tokens = self.shapes.tokens(step)
         batch, device = self.shapes.batch, self.device
         start = time.perf_counter()
-        caches = self.state_cache(config.tp).allocate(device)
+        caches = self.state_cache(config.tp).allocate_inputs(device)   # input order
         example = (torch.zeros(batch, tokens, dtype=torch.int64, device=device),
                    torch.arange(tokens, device=device).expand(batch, tokens).clone(),
                    torch.arange(batch, dtype=torch.int64, device=device),
                    torch.ones(batch, dtype=torch.bool, device=device),
                    torch.full((batch,), tokens, dtype=torch.int64, device=device),
-                   [caches[i][0] for i in self.conv_layers]
-                   + [caches[i][1] for i in self.rec_layers])
+                   caches)
         captured = capture(self.step_model, example)
         drop_replaced_weights(captured, self.step_model.step, self.model)
         return StepCapture(captured.gm, captured.user_inputs,
@@ -200,5 +200,5 @@ def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None
                     f"context step runs the prompt), or prefill without DCP.")
 
 
-__all__ = ["HybridFrontend", "HybridStep", "STATE_CACHES", "STATE_SLOT", "STATE_FRESH",
-           "STATE_LENGTHS", "refuse_unbuilt", "Mode"]
+__all__ = ["HybridFrontend", "HybridStep", "OUT_OF_PLACE", "PREFILL_REFUSED", "STATE_CACHES",
+           "refuse_unbuilt", "state_slots", "writes_out_of_place"]

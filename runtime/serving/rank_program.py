@@ -121,11 +121,15 @@ class RankProgram:
             state_slot=None, states=None):
         """One step; a hybrid program's also takes each row's ``state_slot`` and the state
         caches (``program.state_spec()``'s order) and returns ``(logits, caches, states)``."""
-        if (states is None) != (self.program.state_spec() is None):
+        if states is None and self.program.state_spec() is not None:
             raise DCPInputError(
-                f"this program {'has' if states is None else 'has no'} recurrent-state "
-                f"caches: pass state_slot= and states= {'' if states is None else 'only '}"
-                f"{'(program.state_spec())' if states is None else 'to a hybrid program'}.")
+                "this program is a hybrid model's: its steps take each row's state slot and "
+                "the recurrent-state caches. Pass state_slot= and states= "
+                "(program.state_spec().allocate_inputs()); rank_engine does.")
+        if states is not None and self.program.state_spec() is None:
+            raise DCPInputError(
+                "this program has no recurrent-state caches (no recurrent layer): call it "
+                "without state_slot= and states=.")
         if kind not in self.graphs:
             raise DCPInputError(f"this program has no {kind!r} step: it has "
                                 f"{sorted(self.graphs)}. Run one of those.")
