@@ -179,12 +179,13 @@ def test_saving_a_hybrid_program_is_refused_by_name(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_a_non_hybrid_program_has_no_state():
+def test_a_non_hybrid_model_has_no_state():
+    """Every other frontend lists no state caches (the driver puts None in the program)."""
+    from dcp_compile.frontends import frontend_for
     from dcp_compile.models.demo import demo_model
-    program = dcp_compile.transform(demo_model(), tp=4, dcp=2, mode="decode", block_size=4,
-                                    shapes=StepShapes(batch=2, context_len=8, max_blocks=4,
-                                                      num_blocks=12), check=False)
-    assert program.state_spec() is None
+    from dcp_compile.models.plain import plain_llama
+    for model in (demo_model(), plain_llama(attention="sdpa")):
+        assert frontend_for(model).state_cache(4) is None
 
 
 # -- state slots: the engine's ---------------------------------------------------------------
