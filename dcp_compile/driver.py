@@ -188,6 +188,7 @@ def compile_program(frontend: Frontend, config: DCPConfig,
                          facts=replace(facts, cache_dtype=facts.cache_dtype or torch.float32),
                          source=frontend.source,
                          dump_dir=str(dump_path) if dump_path else None,
+                         state_cache=frontend.state_cache(config.tp),
                          report=CompileReport(history=steps.history,
                                               certificate=steps.certificate))
     if check:

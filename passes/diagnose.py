@@ -34,8 +34,8 @@ FEATURES = (
             "the attention recognisers do not read (gpt-oss's one logit per q head, cat'ed "
             "to the scores or as s_aux, is supported)", r"\bsinks?\b|s_aux"),
     Feature("SSM / linear-attention layers", "some layers carry a recurrent state instead of a "
-            "KV cache, which DCP does not shard (the mixers of docs/hybrid.md are recognised "
-            "and refused by name before the capture; this is another one)",
+            "KV cache, and no rule runs this one as a dcp op (the mixers of docs/hybrid.md "
+            "do: their code is not counted here)",
             # conv1d: torch's Conv1d / conv1d (a short convolution over the sequence), not
             # transformers' Conv1D (GPT-2's linear with a transposed weight): case-sensitive d
             r"mamba|selective_scan|\bssm\b|ssm_|(?-i:[Cc]onv1d)|short_?conv|linear_?attn|"
@@ -61,12 +61,32 @@ def _where(node: Node) -> str:
     return ", ".join(x for x in (module, line) if x) or node.name
 
 
+def _handled(gm: GraphModule):
+    """Whether a node is code of a recurrent mixer the graph runs as a ``dcp`` op (the
+    hybrid frontend's swap, docs/hybrid.md): under that op's module, or its weights."""
+    from .op_classes import RECURRENT_OPS
+    paths = set()
+    for n in gm.graph.nodes:
+        stack = n.meta.get("nn_module_stack") or {}
+        if n.op == "call_function" and n.target in RECURRENT_OPS and stack:
+            paths.add(next(reversed(stack.values()))[0])
+    flat = {p.replace(".", "_") for p in paths}
+
+    def handled(n: Node) -> bool:
+        stack = n.meta.get("nn_module_stack") or {}
+        return any(path in paths for path, _ in stack.values()) or \
+            (n.op == "placeholder" and any(f in n.name for f in flat))
+    return handled
+
+
 def features_in(gm: GraphModule) -> list[tuple[Feature, str]]:
     """Each feature of ``FEATURES`` the graph shows, with where it first shows."""
     found = []
+    handled = _handled(gm)
     for feature in FEATURES:
         pattern = re.compile(feature.pattern, re.IGNORECASE)
-        node = next((n for n in gm.graph.nodes if pattern.search(_evidence(n))), None)
+        node = next((n for n in gm.graph.nodes
+                     if not handled(n) and pattern.search(_evidence(n))), None)
         if node is not None:
             found.append((feature, _where(node)))
     return found

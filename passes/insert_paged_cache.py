@@ -381,9 +381,10 @@ class InsertPagedCache(DCPPass):
                 new_caches += [kc, vc]
             self.tag(attn, KIND_ATTENTION, layer)
         output = next(n for n in g.nodes if n.op == "output")
-        logits = output.args[0]
-        logits = logits[0] if isinstance(logits, (tuple, list)) else logits
-        output.args = ((logits, *new_caches),)
+        logits, *rest = output.args[0] if isinstance(output.args[0], (tuple, list)) \
+            else (output.args[0],)
+        # A hybrid step's state caches stay outputs, after the KV caches (frontends/hybrid.py)
+        output.args = ((logits, *new_caches, *rest),)
         _drop_dead(g)           # masks and repeated K/V die with the attention they fed
         first_op = next(n for n in g.nodes if n.op != "placeholder")
         with g.inserting_before(first_op):

@@ -160,6 +160,13 @@ SHAPE_ONLY_FILLS = frozenset({aten.ones_like.default, aten.zeros_like.default,
                               aten.new_ones.default, aten.new_zeros.default,
                               aten.new_empty.default, aten.new_full.default})
 
+# Recurrent mixers (runtime/kernels/recurrent.py; docs/hybrid.md): each needs its rows' whole
+# sequence in order, with the state carried in a cache between steps.
+import dcp_compile.runtime.kernels.recurrent  # noqa: E402,F401  (registers torch.ops.dcp.*)
+RECURRENT_OPS = frozenset({torch.ops.dcp.gated_delta_net.default,
+                           torch.ops.dcp.mamba2_ssm.default,
+                           torch.ops.dcp.short_conv.default})
+
 
 def is_call(n, targets) -> bool:
     return isinstance(n, Node) and n.op == "call_function" and n.target in targets

@@ -66,7 +66,8 @@ class DCPLengthDependentError(DCPTransformError):
 
 class DCPHybridError(DCPTransformError):
     """A hybrid (recurrent + attention) model asks for what its recurrent state cannot give
-    yet (a DCP program, speculative steps, prefix caching), or its recurrent mixer's code is
+    yet (speculative steps, prefix caching, a chunk step, the vLLM plugin, prefill of a
+    gated-attention hybrid), or its recurrent mixer's code is
     not the code the module swap was written against (docs/hybrid.md)."""
 
 

@@ -64,6 +64,7 @@ KV_CACHES = "kv_caches"           # the forward argument; its inputs are kv_cach
 STEP_INPUTS = (INPUT_IDS, POSITIONS, BLOCK_TABLE)
 STATE_SLOT = "state_slot"        # [B] int64: each row's recurrent-state slot (-1: padding row)
 STATE_FRESH = "state_fresh"      # [B] bool: the row starts its sequence (reads a zero state)
+STATE_LENGTHS = "state_lengths"  # [B] int64: the row's real tokens (left-packed)
 STATE_SNAPSHOT_SLOT = "state_snapshot_slot"  # [B, K] int64: where each draft's state is kept
 
 

@@ -65,10 +65,21 @@ def _has_recurrent_layers(model) -> bool:
     return bool(recurrent_layers(model))
 
 
-def _refuse_hybrid(model, shapes):
-    from .module_recurrent import refuse_hybrid   # raises DCPHybridError, naming what is not done
-    refuse_hybrid(model, width=shapes.decode_len)
-    raise AssertionError("refuse_hybrid returned for a model with recurrent layers")  # pragma: no cover
+def _unruled_hybrid(model) -> bool:
+    """A Hugging Face hybrid (by its config) none of whose mixers a swap rule names."""
+    from .module_recurrent import unruled_mixers
+    return is_hf(model) and bool(unruled_mixers(model))
+
+
+def _refuse_unruled_hybrid(model, shapes):
+    from .module_recurrent import refuse_unruled_hybrid   # raises DCPHybridError by name
+    refuse_unruled_hybrid(model)
+    raise AssertionError("refuse_unruled_hybrid returned")  # pragma: no cover
+
+
+def _hybrid(model, shapes):
+    from .hybrid import HybridFrontend      # refuses by name what is not built
+    return HybridFrontend(model, shapes)
 
 
 def _hf_attention(model) -> str | None:
@@ -89,7 +100,8 @@ HF_PAGED_ATTENTION = "dcp_paged"
 
 # (test, frontend factory), tried in order: the first test that holds picks the frontend.
 FRONTEND_RULES: tuple[tuple[Callable[[nn.Module], bool], Callable], ...] = (
-    (_has_recurrent_layers, _refuse_hybrid),  # hybrid (docs/hybrid.md): refused by name, for now
+    (_has_recurrent_layers, _hybrid),       # hybrid (docs/hybrid.md): mixers as dcp ops
+    (_unruled_hybrid, _refuse_unruled_hybrid),  # a hybrid without a swap rule: by name
     (has_paged_hooks, _paged),              # states its cache: num_layers, kv_cache_shape
     (lambda m: _hf_attention(m) == HF_PAGED_ATTENTION, _hf_prepared),
     (lambda m: _hf_attention(m) in HF_ORDINARY_ATTENTION, _ordinary),

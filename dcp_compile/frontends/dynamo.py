@@ -262,6 +262,9 @@ class DynamoFrontend:
     def reference(self) -> None:
         return None
 
+    def state_cache(self, tp: int):
+        return None                  # hybrids are transformed, not compiled (docs/hybrid.md)
+
     def accept(self, config) -> None:
         """The compiled model runs one rank's program on the caches it is given."""
         c = self.captured

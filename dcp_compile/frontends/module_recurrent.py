@@ -18,6 +18,7 @@ mixer of a listed class whose code differs is refused naming the function that c
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -95,11 +96,10 @@ def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Calla
                 mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
                 states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
                 m.num_k_heads, m.head_k_dim, m.head_v_dim, m.activation)
-        z_shape_og = z.shape
-        core_attn_out = core_attn_out.reshape(-1, core_attn_out.shape[-1])
-        z = z.reshape(-1, z.shape[-1])
-        core_attn_out = m.norm(core_attn_out, z)
-        core_attn_out = core_attn_out.reshape(z_shape_og)
+        # The model flattens [B, S, Hv, dv] to [B*S*Hv, dv] around its gated norm; the norm
+        # works over the last dim alone (its forward is pinned), so it runs on the unflattened
+        # tensor: the same values, and every view keeps the token dim (check_token_wise).
+        core_attn_out = m.norm(core_attn_out, z.reshape(core_attn_out.shape))
         core_attn_out = core_attn_out.reshape(core_attn_out.shape[0], core_attn_out.shape[1], -1)
         return m.out_proj(core_attn_out)
     return forward
@@ -218,13 +218,16 @@ RULES = (
     RecurrentRule(f"{_TF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
                   {"Qwen3NextGatedDeltaNet.forward": "d267e937a25e",
                    "Qwen3NextGatedDeltaNet.fix_query_key_value_ordering": "1b706d1f9a49",
+                   "Qwen3NextRMSNormGated.forward": "5a4bd64da7fd",
                    **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head)),
     RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
-                  {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "Qwen3_5RMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
     RecurrentRule(f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet",
-                  {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4", **_GDN_FUNCTIONS},
+                  {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "Qwen3_5MoeRMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
@@ -244,6 +247,31 @@ RULES = (
                   {"Lfm2MoeShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
 )
+
+
+# Config-level signs of a hybrid (no model built): the model types of RULES' classes (and the
+# multimodal wrappers vLLM serves them under), and the per-layer kinds of recurrent layers.
+HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                "qwen3_5_moe_text", "bamba", "granitemoehybrid", "lfm2",
+                                "lfm2_moe", "jamba", "nemotron_h", "falcon_h1", "zamba2",
+                                "kimi_linear", "minimax", "recurrent_gemma"})
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "recurrent",
+                                   "hybrid"})
+
+
+def hybrid_config(hf_config) -> str | None:
+    """What shows ``hf_config`` (a transformers config, or a namespace of its fields) to be a
+    hybrid's, or None: its model type, or a recurrent kind in its ``layer_types``."""
+    if hf_config is None:
+        return None
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        kind = getattr(cfg, "model_type", None)
+        if kind in HYBRID_MODEL_TYPES:
+            return f"model_type={kind!r}"
+        recurrent = sorted(set(getattr(cfg, "layer_types", None) or ()) & RECURRENT_LAYER_KINDS)
+        if recurrent:
+            return f"layer_types with {recurrent}"
+    return None
 
 
 def _rule_of(m: nn.Module) -> RecurrentRule | None:
@@ -322,24 +350,50 @@ UNSUPPORTED = {
                    "(snapshot_slot), no program or engine passes them yet",
     "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
                       "boundaries; a cached prefix's KV alone cannot restore it",
-    "dcp_program": "the state caches are not yet inputs of a DCP program (the op, its state "
-                   "cache and the single-device swap exist; the capture, placement and runtime "
-                   "wiring do not)",
 }
 
 
+_MIXER_NAMES = re.compile(r"mamba|mixer|linear_?attn|linearattention|deltanet|recurrent|"
+                          r"lightning|conv", re.IGNORECASE)
+
+
+def unruled_mixers(model: nn.Module) -> list[str]:
+    """The class names of ``model``'s modules that look like recurrent mixers (by name) when
+    its config shows a hybrid (``hybrid_config``) and no rule of ``RULES`` names any of its
+    modules; [] otherwise (a hybrid type built with attention layers only has none)."""
+    if hybrid_config(getattr(model, "config", None)) is None or recurrent_layers(model):
+        return []
+    return sorted({type(m).__name__ for _, m in model.named_modules()
+                   if _MIXER_NAMES.search(type(m).__name__)})
+
+
+def refuse_unruled_hybrid(model: nn.Module) -> None:
+    """``DCPHybridError`` for a Hugging Face hybrid (``unruled_mixers``) none of whose mixers a
+    rule of ``RULES`` names (Jamba, Nemotron-H, Falcon-H1, Zamba2, Kimi Linear, MiniMax,
+    RecurrentGemma, ...)."""
+    mixers = unruled_mixers(model)
+    if not mixers:
+        return
+    sign = hybrid_config(model.config)
+    raise DCPHybridError(
+        f"hybrid model {type(model).__name__} ({sign}): no swap rule runs its recurrent "
+        f"layers as a dcp op (modules {mixers[:4]}); the "
+        f"rules (RULES in dcp_compile/frontends/module_recurrent.py) name "
+        f"{sorted({r.cls for r in RULES})}. Serve this model without DCP, or add a rule "
+        f"for its mixer (docs/hybrid.md).")
+
+
 def refuse_hybrid(model: nn.Module, *, width: int = 1, prefix_caching: bool = False) -> None:
-    """Raise ``DCPHybridError`` naming what a hybrid ``model`` asks for that is not done;
-    nothing for a model without recurrent mixers."""
+    """Raise ``DCPHybridError`` naming what a hybrid ``model`` asks for that is not done
+    (speculative decode, prefix caching); nothing for a model without recurrent mixers or
+    for a request a hybrid program serves (frontends/hybrid.py)."""
     layers = recurrent_layers(model)
-    if not layers:
+    what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching else None)
+    if not layers or what is None:
         return
     name, m, rule = layers[0]
-    what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching
-            else "dcp_program")
     raise DCPHybridError(
         f"hybrid model: {len(layers)} recurrent layer(s) ({rule.cls}, first at {name}); "
         f"{UNSUPPORTED[what]} (width={width}, prefix_caching={prefix_caching}). "
         + {"speculative": "Decode with width 1.",
-           "prefix_caching": "Turn prefix caching off.",
-           "dcp_program": "Serve this model without DCP for now (see docs/hybrid.md)."}[what])
+           "prefix_caching": "Turn prefix caching off."}[what])

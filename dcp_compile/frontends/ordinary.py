@@ -92,6 +92,9 @@ class OrdinaryFrontend:
     def accept(self, config) -> None:
         pass
 
+    def state_cache(self, tp: int):
+        return None                  # no recurrent layers (frontends/hybrid.py has them)
+
 
 class OrdinaryStep(nn.Module):
     """``forward(input_ids (, position_ids)) -> logits`` around any causal LM."""

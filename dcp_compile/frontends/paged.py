@@ -92,3 +92,6 @@ class PagedFrontend:
 
     def accept(self, config) -> None:
         pass
+
+    def state_cache(self, tp: int):
+        return None                  # no recurrent layers (frontends/hybrid.py has them)

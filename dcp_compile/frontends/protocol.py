@@ -79,6 +79,10 @@ class Frontend(Protocol):
     def accept(self, config: "DCPConfig") -> None:
         """Refuse a validated config this frontend's inputs cannot run (raises)."""
 
+    def state_cache(self, tp: int):
+        """One rank's recurrent-state caches (runtime/serving/state_cache.StateCacheSpec) of
+        a hybrid model's program, None for any other (docs/hybrid.md)."""
+
 
 
 def forward_params(model: nn.Module) -> dict:

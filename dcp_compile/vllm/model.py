@@ -90,6 +90,16 @@ def refuse_unserved(vllm_config) -> None:
             f"its draft proposals and verify steps are not wired to the program. Serve "
             f"without speculative_config (the project's own Engine verifies drafts: "
             f"docs/speculative-prefix.md).")
+    from dcp_compile.frontends.module_recurrent import hybrid_config
+    model = getattr(vllm_config, "model_config", None)
+    hybrid = hybrid_config(getattr(model, "hf_config", None))
+    if hybrid is not None:
+        from dcp_compile.runtime.errors import DCPHybridError
+        raise DCPHybridError(
+            f"hybrid model ({hybrid}): the dcp_compile plugin does not serve recurrent layers: "
+            f"vLLM's cache manager would size their state as KV pages, and the plugin does "
+            f"not pass state slots to the program. Serve it with dcp_compile's own Engine "
+            f"(docs/hybrid.md), or with vLLM without the plugin.")
 
 
 class DcpCompiledForCausalLM(nn.Module):

@@ -44,6 +44,7 @@ through casts and transposes; which linear is the LM head).
 """
 
 from .analysis import analyze
+from . import recurrent  # noqa: F401  (adds the recurrent ops' row to RULES)
 from .dim_maps import DIM_MAPS
 from .lattice import R, Partial, Placement, Refusal, Replicate, Seg, Shard, canon, show
 from .plan import PlacementPlan, head_shards, linears_ahead

@@ -29,6 +29,7 @@ from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_p
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
+from .recurrent import place_recurrent
 from .weights import decide_weight, plain_lm_head, weight_placement
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
@@ -529,6 +530,7 @@ class Analysis:
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shards[at])
         place_experts(self)
+        place_recurrent(self)
         while True:
             while self.forward_sweep() | self.backward_sweep():
                 pass

@@ -470,6 +470,8 @@ for _op in SOFTMAX | LOG_SOFTMAX:
 RULES[operator.getitem] = Rule("getitem", _getitem_fw, None)
 for _op in PADS:
     RULES[_op] = Rule("pad (other dims than the sharded one)", _pad_fw, _pad_bw)
+# The recurrent ops' row: passes/placement/recurrent.py adds it (it places their linears
+# too, through the weights module, which reads this one).
 
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
 

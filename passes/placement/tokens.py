@@ -12,8 +12,8 @@ from torch.fx import Node
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
-from ..op_classes import (FLATTENS, LOOKUPS, RESHAPES, SCATTERS, SHAPE_ONLY_FILLS,
-                          UNTAGGED_ELEMENTWISE, VALUES_AND_INDICES)
+from ..op_classes import (FLATTENS, LOOKUPS, RECURRENT_OPS, RESHAPES, SCATTERS,
+                          SHAPE_ONLY_FILLS, UNTAGGED_ELEMENTWISE, VALUES_AND_INDICES)
 from .lattice import R, Refusal, Seg, Shard, show
 from .node_args import fake, shape_of
 from .rules import aligned_dim, rule_for
@@ -155,6 +155,16 @@ def _attention_rows(n: Node, rows: dict, tokens: int):
     return (rows[q], None, None)
 
 
+def _recurrent_rows(n: Node, rows: dict, tokens: int):
+    """A recurrent op mixes tokens by design, in order, through its state cache (the row's
+    earlier tokens reach it there, as attention's reach it through the KV cache): its output
+    rows are its input's; its state caches have none."""
+    x = n.args[0]
+    if x not in rows:
+        raise TokenMixing(n, "a recurrent op whose input is not this step's tokens")
+    return (rows[x],) + (None,) * (len(fake(n)) - 1)
+
+
 def _moe_rows(n: Node, rows: dict, tokens: int):
     """Routed experts act on each row of ``x`` [T, H] on its own."""
     x = n.args[0]
@@ -237,6 +247,7 @@ ROW_RULES = {
     torch.ops.dcp.paged_attention.default: _attention_rows,
     torch.ops.dcp.attention.default: _attention_rows,
     torch.ops.dcp.moe.default: _moe_rows,
+    **dict.fromkeys(RECURRENT_OPS, _recurrent_rows),
     **dict.fromkeys(LOOKUPS, _lookup_rows),
     aten.topk.default: _along(2, -1),
     aten.sort.default: _along(1, -1),

@@ -8,6 +8,9 @@ collective roles to this rank's process groups (``load(rank, group_names)``).
 Program calling convention (every step kind):
     graph(*weights_and_buffers, tp_rank, input_ids, positions, block_table, *kv_caches)
         -> (logits, *new_kv_caches)
+and, for a hybrid model (docs/hybrid.md; ``state_spec()`` lists the state caches):
+    graph(..., *kv_caches, state_slot, state_fresh, state_lengths, *state_caches)
+        -> (logits, *new_kv_caches, *new_state_caches)
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class DCPProgram:
     # that tile it. A weightless program's named constants are meta tensors (shape, dtype).
     weight_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     weight_sources: dict[str, WeightSource] = field(default_factory=dict)
+    # A hybrid model's recurrent-state caches of one rank (runtime/serving/state_cache.py),
+    # in the graphs' input order after the KV caches; None: no recurrent layer.
+    state_cache: object | None = None
 
     @property
     def num_layers(self) -> int:
@@ -211,6 +217,11 @@ class DCPProgram:
                            groups[0].head_dim, dtype, garbage=c.garbage_block, groups=groups,
                            reads=kv.reads)
 
+    def state_spec(self):
+        """One rank's recurrent-state caches (a StateCacheSpec: layers, slots, tp), or None
+        for a model without recurrent layers. Replicated over the DCP group."""
+        return self.state_cache
+
     def load(self, rank: int, group_names: dict[str, str], *, compile: str = "eager",
              checkpoint: str | os.PathLike | None = None):
         """This rank's runnable program: roles bound to real process-group names;
@@ -225,6 +236,13 @@ class DCPProgram:
         ``weights=False`` leaves the named weights out (their shapes and dtypes stay): a few
         MB for any model, each rank then reads its shard from the checkpoint."""
         from dcp_compile.runtime.program.codec import save_program
+        if self.state_cache is not None:
+            from dcp_compile.runtime.errors import DCPHybridError
+            raise DCPHybridError(
+                f"saving a hybrid program ({len(self.state_cache.layers)} recurrent layers): "
+                f"the program file's schema does not record its state caches yet, so a "
+                f"loaded copy would run its graphs without them. Transform the model on "
+                f"each launch (docs/hybrid.md).")
         save_program(self, path, weights=weights)
 
     # -- reports ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ positions ``prior_b, prior_b + 1, ...`` and -1 after them; unused rows are all -
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -20,6 +20,7 @@ from dcp_compile.runtime.garbage_block import LAST
 
 from dcp_compile.runtime.serving.kv_cache import BlockAllocator
 from dcp_compile.runtime.names import StepKind
+from dcp_compile.runtime.serving.state_cache import state_rows
 from dcp_compile.runtime.serving.step_contract import StepContract, check_engine_caches
 
 
@@ -74,8 +75,10 @@ _SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_bloc
 
 class Executor(Protocol):
     def step(self, kind: str, input_ids: torch.Tensor, positions: torch.Tensor,
-             block_table: torch.Tensor) -> torch.Tensor:
-        """Run one step of ``kind`` ("context" | "decode" | "prefill"); return logits."""
+             block_table: torch.Tensor, state_slot: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step of ``kind`` ("context" | "decode" | "prefill"); return logits.
+        ``state_slot`` [B]: each row's recurrent-state slot (a hybrid program's engine only
+        passes it)."""
 
 
 class LocalExecutor:
@@ -85,21 +88,27 @@ class LocalExecutor:
     kind -> callable (a loaded program). ``before_step(caches)`` is a test hook.
     """
 
-    def __init__(self, fn, caches: list[torch.Tensor], *, before_step=None):
+    def __init__(self, fn, caches: list[torch.Tensor], *, before_step=None, states=None):
         self.fns = fn if isinstance(fn, dict) else None
         self.fn = fn
         self.caches = caches
         self.before_step = before_step
+        # A hybrid program's recurrent-state caches (program.state_spec()), or None
+        self.states = states
 
     @torch.no_grad()
-    def step(self, kind, input_ids, positions, block_table):
+    def step(self, kind, input_ids, positions, block_table, state_slot=None):
         if self.fns is not None and kind not in self.fns:
             raise DCPInputError(f"this program has no {kind!r} step: it has "
                                 f"{sorted(self.fns)}.")
         fn = self.fns[kind] if self.fns is not None else self.fn
         if self.before_step is not None:
             self.before_step(self.caches)
-        logits, caches = fn(input_ids, positions, block_table, self.caches)
+        if self.states is not None:
+            logits, caches, self.states = fn(input_ids, positions, block_table, self.caches,
+                                             state_slot=state_slot, states=self.states)
+        else:
+            logits, caches = fn(input_ids, positions, block_table, self.caches)
         self.caches = list(caches)
         return logits
 
@@ -130,7 +139,8 @@ class Engine:
 
     def __init__(self, executor: Executor, shapes: StepShapes, *, block_size: int,
                  dcp: int = 1, prompt_kind: str = StepKind.PREFILL, vocab_size: int | None = None,
-                 prefix_caching: bool = False, buckets=None, garbage_block: int = LAST):
+                 prefix_caching: bool = False, buckets=None, garbage_block: int = LAST,
+                 state_slots: int | None = None):
         from dcp_compile.runtime.program.buckets import bucket_width, check_buckets
         self.executor = executor
         self.shapes = shapes
@@ -152,6 +162,19 @@ class Engine:
                                         prefix_caching=prefix_caching,
                                         garbage_block=garbage_block)
         self.lengths: list[int] = []
+        # A hybrid program's recurrent-state slots (docs/hybrid.md): one per live sequence
+        self.state_slots = None
+        if state_slots is not None:
+            from dcp_compile.runtime.serving.state_cache import StateSlots
+            if prefix_caching:
+                from dcp_compile.runtime.errors import DCPHybridError
+                raise DCPHybridError(
+                    "prefix caching with a hybrid program: the recurrent state would have to "
+                    "be checkpointed at vblock boundaries; a cached prefix's KV alone cannot "
+                    "restore it. Turn prefix caching off.")
+            self.state_slots = StateSlots(state_slots)
+            self.contracts = {key: replace(c, num_state_slots=state_slots)
+                              for key, c in self.contracts.items()}
 
     # -- steps -----------------------------------------------------------------------------
 
@@ -223,6 +246,14 @@ class Engine:
         input_ids, positions = self._pack(rows, K)
         return self._run(kind, input_ids, positions, [len(r) for r in rows])[:n]
 
+    def finish(self, seq: int) -> None:
+        """Sequence ``seq``'s request is done: its cache blocks and its recurrent-state slot
+        (a hybrid program's) go back; its length is 0 again."""
+        self.allocator.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
+        self.lengths[seq] = 0
+
     def rewind(self, seq: int, length: int) -> None:
         """Keep only sequence ``seq``'s first ``length`` tokens: later positions' KV is
         simply overwritten by later steps (no copy), blocks past it are returned."""
@@ -230,6 +261,13 @@ class Engine:
             raise DCPInputError(f"cannot rewind sequence {seq} to {length} tokens: it holds "
                                 f"{self.lengths[seq]}. Pass a length in [0, "
                                 f"{self.lengths[seq]}].")
+        if self.state_slots is not None and length < self.lengths[seq]:
+            from dcp_compile.runtime.errors import DCPHybridError
+            raise DCPHybridError(
+                f"rewinding sequence {seq} of a hybrid program from {self.lengths[seq]} to "
+                f"{length} tokens: its recurrent state has already taken the later tokens "
+                f"in (no per-position snapshot is kept by the engine yet). Decode with "
+                f"width 1, without speculative drafts.")
         self.lengths[seq] = length
         self.allocator.shrink(seq, length)
 
@@ -313,8 +351,18 @@ class Engine:
         # The step contract, plus the engine's own knowledge: each row continues its sequence.
         seq_lens = torch.full((self.shapes.batch,), -1, dtype=torch.int64)
         seq_lens[:len(seqs)] = torch.tensor(self.lengths[:len(seqs)], dtype=torch.int64)
-        self.contracts[kind, width].check(input_ids, positions, block_table, seq_lens=seq_lens)
-        logits = self.executor.step(kind, input_ids, positions, block_table)
+        if self.state_slots is None:
+            self.contracts[kind, width].check(input_ids, positions, block_table,
+                                              seq_lens=seq_lens)
+            logits = self.executor.step(kind, input_ids, positions, block_table)
+        else:
+            slots = self.state_slots.step_slots(seq_ids, new_tokens + [0] * (
+                self.shapes.batch - len(seqs)))
+            self.contracts[kind, width].check(input_ids, positions, block_table,
+                                              seq_lens=seq_lens, state_slot=slots,
+                                              fresh=state_rows(positions)[0])
+            logits = self.executor.step(kind, input_ids, positions, block_table,
+                                        state_slot=slots)
         for b, k in enumerate(new_tokens):
             self.lengths[b] += k
         return logits

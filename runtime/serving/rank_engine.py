@@ -28,8 +28,9 @@ class RecordingExecutor:
     def caches(self):
         return self.inner.caches
 
-    def step(self, kind, input_ids, positions, block_table):
-        logits = self.inner.step(kind, input_ids, positions, block_table)
+    def step(self, kind, input_ids, positions, block_table, state_slot=None):
+        logits = self.inner.step(kind, input_ids, positions, block_table,
+                                 **({} if state_slot is None else {"state_slot": state_slot}))
         self.kinds.append(kind)
         self.logits.append(logits)
         self.positions.append(positions.clone())
@@ -87,10 +88,12 @@ def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] |
     loaded = load_rank(program, rank, group_names, shared_names=shared_names,
                        checkpoint=checkpoint)
     garbage = program.config.garbage_block
+    state = program.state_spec()      # a hybrid program's recurrent-state caches, or None
     executor: Executor = LocalExecutor(loaded.step_fns(),
                                        program.cache_spec().allocate(fill=fill),
                                        before_step=partial(poison_garbage, garbage_block=garbage)
-                                       if poison else None)
+                                       if poison else None,
+                                       states=None if state is None else state.allocate_inputs())
     if record:
         executor = RecordingExecutor(executor)
     if wrap is not None:
@@ -98,4 +101,5 @@ def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] |
     return Engine(executor, shapes or program.shapes, block_size=program.config.block_size,
                   dcp=program.config.dcp, prompt_kind=prompt_kind(program),
                   buckets=program.buckets if shapes is None else None,
-                  prefix_caching=prefix_caching, garbage_block=garbage)
+                  prefix_caching=prefix_caching, garbage_block=garbage,
+                  state_slots=None if state is None else state.num_slots)

@@ -12,6 +12,7 @@ from dcp_compile.runtime.kernels.eager import call_kernels_directly, specialize_
 from dcp_compile.runtime.errors import DCPInputError, DCPWorldError
 from dcp_compile.runtime.names import RANK_INPUT
 from dcp_compile.runtime.distributed.roles import bound_collectives
+from dcp_compile.runtime.serving.state_cache import state_rows
 from dcp_compile.runtime.serving.step_contract import StepContract
 
 
@@ -116,7 +117,19 @@ class RankProgram:
         # binding a GraphModule each generated its code again).
         return COMPILERS[self.compile](GraphModule(gm, graph)), kernels
 
-    def run(self, kind: str, input_ids, positions, block_table, caches):
+    def run(self, kind: str, input_ids, positions, block_table, caches, *,
+            state_slot=None, states=None):
+        """One step; a hybrid program's also takes each row's ``state_slot`` and the state
+        caches (``program.state_spec()``'s order) and returns ``(logits, caches, states)``."""
+        if states is None and self.program.state_spec() is not None:
+            raise DCPInputError(
+                "this program is a hybrid model's: its steps take each row's state slot and "
+                "the recurrent-state caches. Pass state_slot= and states= "
+                "(program.state_spec().allocate_inputs()); rank_engine does.")
+        if states is not None and self.program.state_spec() is None:
+            raise DCPInputError(
+                "this program has no recurrent-state caches (no recurrent layer): call it "
+                "without state_slot= and states=.")
         if kind not in self.graphs:
             raise DCPInputError(f"this program has no {kind!r} step: it has "
                                 f"{sorted(self.graphs)}. Run one of those.")
@@ -125,13 +138,21 @@ class RankProgram:
             else None
         # An unknown width runs the full bucket, whose contract names the expected shape.
         graphs, contracts = self._by_width.get(width, (self.graphs, self.contracts))
-        contracts[kind].check(input_ids, positions, block_table, caches)
-        out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
-        return out[0], list(out[1:])
+        if states is None:
+            contracts[kind].check(input_ids, positions, block_table, caches)
+            out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
+            return out[0], list(out[1:])
+        fresh, lengths = state_rows(positions)
+        contracts[kind].check(input_ids, positions, block_table, caches,
+                              state_slot=state_slot, fresh=fresh)
+        out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches,
+                           state_slot, fresh, lengths, *states)
+        n = len(caches)
+        return out[0], list(out[1:1 + n]), list(out[1 + n:])
 
     def step_fn(self, kind: str):
-        def fn(input_ids, positions, block_table, caches):
-            return self.run(kind, input_ids, positions, block_table, caches)
+        def fn(input_ids, positions, block_table, caches, **state):
+            return self.run(kind, input_ids, positions, block_table, caches, **state)
         return fn
 
     def step_fns(self) -> dict:

@@ -162,7 +162,9 @@ class StepContract:
                    cache_shapes=None if spec.uniform else tuple(spec.shapes()),
                    cache_dtype=spec.dtype,
                    device=torch.device(device) if device is not None else None,
-                   garbage_block=program.config.garbage_block)
+                   garbage_block=program.config.garbage_block,
+                   num_state_slots=state.num_slots if (state := program.state_spec())
+                   else None)
 
 
 def _positive_int(x) -> bool:

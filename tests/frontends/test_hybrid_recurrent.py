@@ -150,8 +150,7 @@ def test_an_unknown_conv_activation_is_refused_by_name(model, monkeypatch):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(width=2), r"speculative \(width-K\).*width=2.*Decode with width 1"),
     (dict(prefix_caching=True), r"prefix caching.*vblock.*Turn prefix caching off"),
-    (dict(), r"not yet inputs of a DCP program"),
-], ids=["speculative", "prefix-caching", "dcp-program"])
+], ids=["speculative", "prefix-caching"])
 def test_what_is_not_done_is_refused_by_name(model, kwargs, match):
     with pytest.raises(DCPHybridError, match=match):
         refuse_hybrid(model, **kwargs)
@@ -162,18 +161,21 @@ def test_a_model_without_recurrent_layers_is_not_refused():
     refuse_hybrid(build("qwen3", "sdpa"), width=4, prefix_caching=True)
 
 
-@pytest.mark.parametrize("decode_len,match", [
-    (1, r"DCPHybridError|not yet inputs of a DCP program"),
-    (3, r"speculative \(width-K\).*width=3"),
-], ids=["decode", "speculative-width-3"])
-def test_transform_refuses_a_hybrid_by_name(model, decode_len, match):
-    """transform() on a hybrid stops at the frontend with the named reason (before any
-    capture), not with the generic feature diagnosis of the token-wise check."""
+def test_a_width_one_decode_of_a_hybrid_is_not_refused(model):
+    """A DCP program of a hybrid is built (frontends/hybrid.py; tests/frontends/
+    test_hybrid_program.py runs it): only what is not built is refused."""
+    refuse_hybrid(model, width=1)
+
+
+def test_transform_refuses_speculative_hybrid_by_name(model):
+    """transform() of a speculative (width-K) hybrid stops at the frontend with the named
+    reason (before any capture), not with the generic feature diagnosis of the token-wise
+    check."""
     import dcp_compile
     from dcp_compile.runtime.serving.engine import StepShapes
-    with pytest.raises(DCPHybridError, match=match):
+    with pytest.raises(DCPHybridError, match=r"speculative \(width-K\).*width=3"):
         dcp_compile.transform(model, tp=4, dcp=2, mode="decode",
-                              shapes=StepShapes(decode_len=decode_len))
+                              shapes=StepShapes(decode_len=3))
 
 
 def test_declared_windows_of_the_graph_count_attention_layers_only(model):
@@ -192,8 +194,8 @@ def test_declared_windows_of_the_graph_count_attention_layers_only(model):
 
 class _StateStep(torch.nn.Module):
     """The model behind a step signature with its state caches as inputs and outputs:
-    ``(ids, slot, fresh, lengths, conv, rec) -> (logits, conv', rec')`` (what the capture
-    of a hybrid program will take; not wired into the frontend yet, docs/hybrid.md)."""
+    ``(ids, slot, fresh, lengths, conv, rec) -> (logits, conv', rec')`` (the hybrid
+    frontend's HybridStep takes the same, behind the paged step's inputs)."""
 
     def __init__(self, model, conv_layers, rec_layers):
         super().__init__()
@@ -210,7 +212,7 @@ class _StateStep(torch.nn.Module):
 
 @torch.no_grad()
 def test_the_swap_exports_with_its_states_as_inputs(model):
-    """torch.export of the swapped model (the capture a hybrid program will need): one
+    """torch.export of the swapped model (the capture a hybrid program takes): one
     recurrent op per recurrent layer, the state caches as graph inputs and outputs; the
     exported program on a right-padded batch of lengths 5 and 8 gives each row the model's
     own logits (1e-4, greedy tokens equal) and the states the eager swap leaves."""

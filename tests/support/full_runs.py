@@ -30,6 +30,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                      "decode/prefill (the slice: four)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
                       "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
+    "DCP_HYBRID_FULL": ("frontends/test_hybrid_program.py",
+                        "every hybrid family x tp=4/dcp=2 and tp=8/dcp=4, decode and (Mamba2, "
+                        "short conv) prefill (the slice: LFM2 decode, Bamba prefill)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",

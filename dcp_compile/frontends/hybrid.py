@@ -1,0 +1,204 @@
+"""The hybrid frontend: a Hugging Face model whose recurrent mixers a rule of
+:mod:`.module_recurrent` names (Gated DeltaNet, Mamba2, short conv) beside its attention
+layers (docs/hybrid.md).
+
+The ordinary frontend's capture and prologue, with two differences:
+
+  * the step runs each recurrent mixer as its ``dcp`` op (``recurrent_as_ops``), so the graph
+    has one ``dcp.gated_delta_net`` / ``dcp.mamba2_ssm`` / ``dcp.short_conv`` per recurrent
+    layer instead of the model's own scan and in-place cache writes;
+  * the step's signature carries the state: ``state_slot [B]``, ``state_fresh [B]``,
+    ``state_lengths [B]`` and one input per state cache (``state_caches_<i>``: every recurrent
+    layer's conv cache, in layer order, then every recurrence cache), and returns the new
+    state caches after the logits (and, once the cache insertion ran, after the KV caches):
+
+        graph(*weights, tp_rank, input_ids, positions, block_table, *kv_caches,
+              state_slot, state_fresh, state_lengths, *state_caches)
+            -> (logits, *kv_caches', *state_caches')
+
+What is not built is refused by name (:func:`refuse_unbuilt`, ``UNSUPPORTED`` of
+module_recurrent): speculative decode, prefix caching, a decode program's chunk step, and
+prefill of the models ``PREFILL_REFUSED`` names (Qwen's gated attention output).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import Tensor, nn
+
+from dcp_compile.runtime.errors import DCPHybridError
+from dcp_compile.runtime.names import Mode
+
+from ..capture import capture, checkpoint_names, constant_values
+from .hf_checkpoint import checkpoint_sources
+from .module_experts import drop_replaced_weights
+from .module_recurrent import (RecurrentStates, recurrent_as_ops, recurrent_layers,
+                               refuse_hybrid, state_spec)
+from .ordinary import OrdinaryFrontend, OrdinaryStep
+from .protocol import StepCapture
+
+STATE_CACHES = "state_caches"     # the forward argument; its inputs are state_caches_<i>
+
+
+def state_slots(shapes) -> int:
+    """State slots of a program: one per row of its batch (the engine's sequences at once)."""
+    return shapes.batch
+
+
+def _recomposition_out_of_place(m: nn.Module):
+    """Qwen3.5's MRoPE ``recomposition_frequencies``, its slice writes (``freqs_thw[..., idx] =
+    freq[dim, ..., idx]``, an in-place ``copy_`` the token-wise check refuses) written as a
+    ``where`` over the last dim's indices ``offset:length:3``: the same values, elementwise."""
+    def recomposition_frequencies(freq):
+        freqs_thw = freq[0]
+        i = torch.arange(freq.shape[-1], device=freq.device)
+        for dim, offset in enumerate((1, 2), start=1):
+            length = m.mrope_section[dim] * 3
+            picked = (i >= offset) & (i < length) & ((i - offset) % 3 == 0)
+            freqs_thw = torch.where(picked, freq[dim], freqs_thw)
+        return torch.cat((freqs_thw, freqs_thw), dim=-1)
+    return recomposition_frequencies
+
+
+_TF = "transformers.models"
+# Methods of a hybrid's other modules that write a slice in place, run out of place during
+# the capture: (module, class, method, its pinned source hash (transformers 5.25), the
+# out-of-place twin). A changed source is refused by name.
+OUT_OF_PLACE = (
+    (f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5TextRotaryEmbedding",
+     "recomposition_frequencies", "cda427993fce", _recomposition_out_of_place),
+    (f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeTextRotaryEmbedding",
+     "recomposition_frequencies", "cda427993fce", _recomposition_out_of_place),
+)
+
+
+@contextlib.contextmanager
+def writes_out_of_place(model: nn.Module):
+    """Within: each method of ``OUT_OF_PLACE`` on ``model``'s modules runs its out-of-place
+    twin (set on the instance, undone on exit)."""
+    from .module_experts import source_hash
+    swapped = []
+    try:
+        for name, mod in model.named_modules():
+            for module, cls, method, pinned, twin in OUT_OF_PLACE:
+                if type(mod).__name__ != cls or type(mod).__module__ != module:
+                    continue
+                got = source_hash(getattr(type(mod), method))
+                if got != pinned:
+                    raise DCPHybridError(
+                        f"{cls}.{method} at {name}: its source is not the code its out-of-"
+                        f"place twin was written against (sha256 {got}, pinned {pinned}). "
+                        f"Use the transformers version of requirements/corpus.txt, or "
+                        f"update OUT_OF_PLACE in dcp_compile/frontends/hybrid.py.")
+                setattr(mod, method, twin(mod))
+                swapped.append((mod, method))
+        yield
+    finally:
+        for mod, method in swapped:
+            delattr(mod, method)
+
+
+class HybridStep(nn.Module):
+    """``forward(input_ids, position_ids, state_slot, state_fresh, state_lengths,
+    state_caches) -> (logits, *state_caches')`` with every recurrent mixer as its op."""
+
+    def __init__(self, model: nn.Module, conv_layers: list[int], rec_layers: list[int]):
+        super().__init__()
+        self.step = OrdinaryStep(model, library_experts=True)
+        self.conv_layers, self.rec_layers = conv_layers, rec_layers
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, state_slot: Tensor,
+                state_fresh: Tensor, state_lengths: Tensor, state_caches: list[Tensor]):
+        n = len(self.conv_layers)
+        states = RecurrentStates(dict(zip(self.conv_layers, state_caches[:n])),
+                                 dict(zip(self.rec_layers, state_caches[n:])),
+                                 state_slot, state_fresh, state_lengths)
+        with recurrent_as_ops(self.step.model, states), writes_out_of_place(self.step.model):
+            logits = self.step(input_ids, position_ids)
+        return (logits, *[states.conv[i] for i in self.conv_layers],
+                *[states.rec[i] for i in self.rec_layers])
+
+
+class HybridFrontend(OrdinaryFrontend):
+    """The ordinary frontend with the recurrent mixers as ops and their state as step inputs
+    and outputs (module doc)."""
+
+    def __init__(self, model: nn.Module, shapes):
+        refuse_unbuilt(model, shapes)
+        super().__init__(model, shapes)
+        spec = state_spec(model, state_slots(shapes))
+        self.conv_layers = [la.layer for la in spec.layers]
+        self.rec_layers = [la.layer for la in spec.layers if la.rec is not None]
+        self.step_model = HybridStep(model, self.conv_layers, self.rec_layers)
+
+    def state_cache(self, tp: int):
+        """The recurrent ops run whole on every rank (replicated weights, passes/placement/
+        recurrent.py), so each rank holds every layer's whole state: the cut by heads over
+        ``tp`` comes with the head-cut op (docs/hybrid.md)."""
+        del tp
+        return state_spec(self.model, state_slots(self.shapes))
+
+    def capture(self, step: str, config) -> StepCapture:
+        refuse_unbuilt(self.model, self.shapes, mode=config.mode)
+        tokens = self.shapes.tokens(step)
+        batch, device = self.shapes.batch, self.device
+        start = time.perf_counter()
+        caches = self.state_cache(config.tp).allocate_inputs(device)   # input order
+        example = (torch.zeros(batch, tokens, dtype=torch.int64, device=device),
+                   torch.arange(tokens, device=device).expand(batch, tokens).clone(),
+                   torch.arange(batch, dtype=torch.int64, device=device),
+                   torch.ones(batch, dtype=torch.bool, device=device),
+                   torch.full((batch,), tokens, dtype=torch.int64, device=device),
+                   caches)
+        captured = capture(self.step_model, example)
+        drop_replaced_weights(captured, self.step_model.step, self.model)
+        return StepCapture(captured.gm, captured.user_inputs,
+                           list(captured.params) + list(captured.buffers),
+                           time.perf_counter() - start,
+                           constants=lambda: constant_values(self.step_model, captured),
+                           weight_names=lambda: checkpoint_names(self.step_model, captured,
+                                                                 self.model),
+                           weight_sources=lambda: checkpoint_sources(self.model))
+
+    def accept(self, config) -> None:
+        refuse_unbuilt(self.model, self.shapes, mode=config.mode)
+
+
+# Mixer classes whose models a prefill program cannot serve yet, and why.
+_GATED_OUTPUT = ("its full-attention layers gate their output per token (sigmoid of half of "
+                 "q_proj's output, multiplied into the attention output before o_proj): the "
+                 "prefill rewrite runs the O projection on the rank's own tokens and cannot "
+                 "carry a token-indexed gate there (passes/dcp_prefill.py, the refusal a "
+                 "non-hybrid gated-attention model gets: the gate stops it, not the "
+                 "recurrent layers)")
+PREFILL_REFUSED = {"Qwen3NextGatedDeltaNet": _GATED_OUTPUT,
+                   "Qwen3_5GatedDeltaNet": _GATED_OUTPUT,
+                   "Qwen3_5MoeGatedDeltaNet": _GATED_OUTPUT}
+
+
+def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None:
+    """``DCPHybridError`` for what a hybrid program does not do yet (docs/hybrid.md):
+    speculative decode, a decode program's chunk step (a prompt continued after prior
+    context), or prefill of a model a rule cannot run under sequence parallelism."""
+    refuse_hybrid(model, width=shapes.decode_len)   # speculative: refused by name
+    if getattr(shapes, "chunk_len", 0):
+        name, _, rule = recurrent_layers(model)[0]
+        raise DCPHybridError(
+            f"hybrid model ({rule.cls} at {name}): a decode program's chunk step "
+            f"(StepShapes.chunk_len={shapes.chunk_len}) is not built for hybrids: the chunk "
+            f"step's width-K rows are not wired to the state caches. Set chunk_len=0 (the "
+            f"prompt runs through the context step).")
+    if mode == Mode.PREFILL:
+        for name, _, rule in recurrent_layers(model)[:1]:
+            if rule.cls in PREFILL_REFUSED:
+                raise DCPHybridError(
+                    f"hybrid model ({rule.cls} at {name}) in prefill mode: "
+                    f"{PREFILL_REFUSED[rule.cls]}. Serve it with a decode program (its "
+                    f"context step runs the prompt), or prefill without DCP.")
+
+
+__all__ = ["HybridFrontend", "HybridStep", "OUT_OF_PLACE", "PREFILL_REFUSED", "STATE_CACHES",
+           "refuse_unbuilt", "state_slots", "writes_out_of_place"]
