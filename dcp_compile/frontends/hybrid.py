@@ -107,7 +107,7 @@ class HybridStep(nn.Module):
 
     def __init__(self, model: nn.Module, conv_layers: list[int], rec_layers: list[int]):
         super().__init__()
-        self.step = OrdinaryStep(model, library_experts=True)
+        self.step = OrdinaryStep(model, library_modules=True)
         self.conv_layers, self.rec_layers = conv_layers, rec_layers
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, state_slot: Tensor,
