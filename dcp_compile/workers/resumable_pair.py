@@ -205,7 +205,9 @@ def run_decode(args, rank: int) -> None:
         for b, length in enumerate(lengths):
             engine.allocator.ensure(b, length, groups=conn.plan.decode_block_groups)
         table = engine.allocator.table(list(range(len(requests))), program.shapes.max_blocks)
-        conn.handshake()
+        # The handoff is written after every prefill side channel came up (the prefill
+        # world's barrier): a refused connection now is a dead prefill rank, named at once.
+        conn.handshake(listening=True)
         if fault is not None and fault.step == DURING_TRANSFER:
             inject(fault, str(work / "decode"))
         for b, r in enumerate(requests):

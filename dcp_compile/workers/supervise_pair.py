@@ -17,7 +17,10 @@ same for one world). An attempt is lost when
 * a prefill rank dies: the supervisor waits (``--transfer-timeout`` plus a margin) for the
   decode side to fail by itself, and records ``decode_error`` (its DCPTransferError, which
   names the prefill rank) and ``decode_failed_s`` (from the fault to that rank's exit);
-* no decode step within ``--step-timeout`` (``--startup-timeout`` before the first).
+* a prefill rank hangs (stopped: process state T): the decode side's handshake or READ
+  on it times out (``--transfer-timeout``) and fails naming it; recorded as above;
+* no decode step within ``--step-timeout`` (``--startup-timeout`` before the first): a
+  decode rank that hangs; the reason names the ranks found stopped.
 
 Then what is left of both worlds is killed and a new pair on new ports resumes every
 unfinished request: greedy decoding gives the uninterrupted run's tokens. OUT.json:
@@ -46,8 +49,8 @@ from dcp_compile.runtime.errors import DCPInputError, DCPWorldError
 from dcp_compile.runtime.names import Mode
 from dcp_compile.workers.resumable import Fault
 from dcp_compile.workers.resumable_pair import DURING_TRANSFER
-from dcp_compile.workers.supervise import (POLL_S, Request, World, kill, read_progress,
-                                           refuse_own_errors, tail)
+from dcp_compile.workers.supervise import (POLL_S, Request, World, kill, proc_state,
+                                           read_progress, refuse_own_errors, tail)
 
 BLOCK = 8   # block size = interleave size of both programs (the transfer plan needs it)
 # Seconds past --transfer-timeout the supervisor gives the decode side to fail by itself.
@@ -248,6 +251,12 @@ def watch_pair(args, pair: dict[str, World], requests: list[Request],
                                    f"{signal.Signals(-c).name}" for r, c in dead.items())
                 return (lose_decode if role == Mode.DECODE else lose_prefill)(
                     args, pair, requests, reason, now)
+        hung = _stopped(pre)
+        if hung and any(c not in (None, 0) for c in codes[Mode.DECODE].values()):
+            # A stopped prefill rank: the decode side's handshake/READ timed out on it and
+            # failed by itself (its error names the rank); not an error of its own.
+            return lose_prefill(args, pair, requests, "; ".join(
+                f"{Mode.PREFILL} rank {r} stopped (process state T)" for r in hung), now)
         for role, w in pair.items():
             failed = {r: c for r, c in codes[role].items() if c not in (None, 0)}
             if failed:
@@ -259,12 +268,30 @@ def watch_pair(args, pair: dict[str, World], requests: list[Request],
                                    f"with codes {failed}", now, args.steps, role)
         last = dec.last_step_at
         if last is None and now - pre.started > args.startup_timeout:
+            side, which = _hung_side(pair)
             return finish_loss(pair, requests, f"no decode step within --startup-timeout "
-                               f"{args.startup_timeout} s of the launch", now, args.steps, None)
+                               f"{args.startup_timeout} s of the launch{which}", now,
+                               args.steps, side)
         if last is not None and now - last > args.step_timeout:
+            side, which = _hung_side(pair)
             return finish_loss(pair, requests, f"no decode step finished for --step-timeout "
-                               f"{args.step_timeout} s", now, args.steps, None)
+                               f"{args.step_timeout} s{which}", now, args.steps, side)
         time.sleep(POLL_S)
+
+
+def _stopped(world: World) -> list[int]:
+    """Ranks of ``world`` in process state T (stopped: a hang)."""
+    return [r for r, p in world.procs.items() if p.poll() is None and proc_state(p.pid) == "T"]
+
+
+def _hung_side(pair: dict[str, World]) -> tuple[str | None, str]:
+    """The world whose ranks are stopped, and their names for a timeout's reason."""
+    for role in (Mode.DECODE, Mode.PREFILL):
+        ranks = _stopped(pair[role])
+        if ranks:
+            return role, ": " + "; ".join(f"{role} rank {r} stopped (process state T)"
+                                          for r in ranks)
+    return None, ""
 
 
 def _wait_exit(world: World, seconds: float) -> dict[int, int | None]:

@@ -320,9 +320,9 @@ def test_a_rank_error_of_its_own_is_not_resumed(tmp_path):
 PAIR_TRANSFER_TIMEOUT = 15.0
 
 
-def _supervise_pair(tmp_path, steps, faults, *, timeout=1800):
+def _supervise_pair(tmp_path, steps, faults, *, timeout=1800, decode_nproc=2):
     """Run the pair's supervisor as the command line does (prefill tp=2/dcp=2, decode
-    tp=2/dcp=1); OUT.json. Skips when the NIXL wheel does not import."""
+    tp=``decode_nproc``/dcp=1); OUT.json. Skips when the NIXL wheel does not import."""
     try:
         from dcp_compile.runtime.transfer.nixl.build import nixl_api
         nixl_api()
@@ -333,6 +333,7 @@ def _supervise_pair(tmp_path, steps, faults, *, timeout=1800):
            "--lengths", ",".join(map(str, LENGTHS)), "--out", str(out),
            "--work-dir", str(tmp_path / "work"), "--step-timeout", str(STEP_TIMEOUT),
            "--transfer-timeout", str(PAIR_TRANSFER_TIMEOUT),
+           "--decode-nproc", str(decode_nproc),
            "--max-restarts", str(len(faults) + 1)]
     for f in faults:
         cmd += ["--fault", f]
@@ -352,11 +353,11 @@ def _check_decode_loss(f, rank):
     assert set(outcomes) <= {"read", "released"}, f
 
 
-def _check_prefill_loss(f, rank):
+def _check_prefill_loss(f, rank, how="was killed by SIGKILL"):
     """A prefill rank lost: the decode side failed by itself (within the supervisor's bound:
     the transfer timeout plus a margin), its error naming that prefill rank (the handshake's
     "prefill rank p", or a READ's "prefill ranks [.., p, ..]" when it was already read from)."""
-    assert f["side"] == "prefill" and f["reason"] == f"prefill rank {rank} was killed by SIGKILL"
+    assert f["side"] == "prefill" and f["reason"] == f"prefill rank {rank} {how}"
     assert f["decode_failed_s"] is not None, f
     named = re.compile(rf"prefill rank {rank}\b|prefill ranks \[[^\]]*\b{rank}\b")
     assert f["decode_error"] and all(named.search(e or "")
@@ -367,14 +368,16 @@ def _check_prefill_loss(f, rank):
 def test_disaggregated_pair_resumes_after_a_decode_and_a_prefill_loss(tmp_path):
     """One generation, two lost pairs: a decode rank killed during the transfer (the prefill
     side releases every lease it held for it: none leaked), then a prefill rank killed while
-    it serves (the decode side's request fails naming it). The third pair resumes both to the
-    uninterrupted single-device tokens."""
+    it serves (the decode side's request fails naming it: its refused handshake, at once,
+    or its READ's timeout). The third pair resumes both to the uninterrupted single-device
+    tokens. The decode world is one rank here (three fewer processes to start; the full
+    runs keep tp=2): each prefill rank holds its leases for it all the same."""
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     steps = 6
-    ranks = [rng.randrange(2), rng.randrange(2)]
+    ranks = [0, rng.randrange(2)]
     got = _supervise_pair(tmp_path, steps, [f"decode:{ranks[0]}:-1:kill",
-                                            f"prefill:{ranks[1]}:-1:kill"])
+                                            f"prefill:{ranks[1]}:-1:kill"], decode_nproc=1)
     why = f"seed {seed}: decode rank {ranks[0]}, then prefill rank {ranks[1]}"
     assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens, why
     assert got["restarts"] == 2, why
@@ -412,6 +415,55 @@ def test_disaggregated_pair_six_losses_in_a_row(tmp_path):
               f"{[f['resume_s'] and round(f['resume_s'], 1) for f in rows]}")
     print(f"recomputed {sum(f['recomputed'] for f in got['faults'])} generated tokens, "
           f"elapsed {got['elapsed_s']:.0f} s, seed {seed}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not full("DCP_RESUME_FULL"), reason="the full run: DCP_RESUME_FULL=1")
+def test_disaggregated_pair_resumes_after_a_decode_and_a_prefill_hang(tmp_path):
+    """Two pairs lost to a hang (SIGSTOP): a decode rank at a random step (no decode step
+    within --step-timeout; the reason names the stopped rank), then a prefill rank while it
+    serves (the decode side's handshake or READ times out on it and fails naming it). The
+    third pair resumes both to the uninterrupted tokens. Prints the measured times."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    steps = 6
+    ranks, at = [rng.randrange(2), rng.randrange(2)], rng.randrange(steps - 1)
+    got = _supervise_pair(tmp_path, steps, [f"decode:{ranks[0]}:{at}:stop",
+                                            f"prefill:{ranks[1]}:-1:stop"], timeout=3600)
+    why = f"seed {seed}: decode rank {ranks[0]} at step {at}, then prefill rank {ranks[1]}"
+    assert got["tokens"] == single_device_reference(LENGTHS, steps).tokens, why
+    assert got["restarts"] == 2, why
+    hang = got["faults"][0]
+    assert hang["side"] == "decode" and hang["step"] == at + 1, (why, hang)
+    assert hang["reason"] == (f"no decode step finished for --step-timeout {STEP_TIMEOUT} s: "
+                              f"decode rank {ranks[0]} stopped (process state T)"), hang
+    _check_prefill_loss(got["faults"][1], ranks[1], "stopped (process state T)")
+    for f in got["faults"]:
+        print(f"pair, {f['side']} rank stopped: detect_s {f['detect_s']:.2f}, decode_failed_s "
+              f"{f.get('decode_failed_s')}, resume_s {f['resume_s']}")
+    print(f"elapsed {got['elapsed_s']:.0f} s, seed {seed}")
+
+
+def test_a_stopped_rank_is_named_by_its_world(tmp_path):
+    """supervise_pair names the ranks found in process state T (a hang) and their world."""
+    from dcp_compile.workers.supervise_pair import _hung_side, _stopped
+    procs = {r: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+             for r in range(2)}
+    pair = {"prefill": supervise.World({0: procs[0]}, tmp_path / "p", 0.0),
+            "decode": supervise.World({0: procs[1]}, tmp_path / "p", 0.0)}
+    try:
+        assert _hung_side(pair) == (None, "")
+        procs[0].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while supervise.proc_state(procs[0].pid) != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _stopped(pair["prefill"]) == [0] and _stopped(pair["decode"]) == []
+        assert _hung_side(pair) == ("prefill", ": prefill rank 0 stopped (process state T)")
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.parametrize("text,message", [

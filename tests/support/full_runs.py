@@ -53,7 +53,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "20 rank losses in a row (SIGKILL, every fifth a SIGSTOP hang) in one "
                         "supervised tp=4/dcp=2 decode generation, 8 in a prefill-mode one "
                         "(every fourth a hang) and 6 in a disaggregated pair (a prefill rank, "
-                        "then a decode rank, in turn), with the detection and resume times"),
+                        "then a decode rank, in turn) plus a decode and a prefill hang in a "
+                        "pair, with the detection and resume times"),
     "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
     "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py",
                         "every architecture of torchtune, litgpt, torchtitan, x-transformers, "

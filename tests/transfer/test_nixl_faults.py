@@ -518,3 +518,23 @@ def test_prefill_killed_mid_transfer_is_an_error_never_a_completion(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_refused_handshake_fails_at_once_when_the_peer_was_listening():
+    """A side channel known to have been up (``listening=True``: the prefill side published
+    its handoff after it came up) that now refuses the connection is a dead process: named at
+    once, not retried to the deadline. Without ``listening`` a refusal is retried (a peer not
+    yet listening) until the deadline."""
+    from dcp_compile.runtime.distributed.launch import free_port
+    from dcp_compile.runtime.transfer.nixl.connector import fetch_metadata
+    port = free_port()                                   # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(DCPTransferError, match=r"prefill rank 1 refused the handshake at "
+                                               rf"127\.0\.0\.1:{port} .*its process is gone"):
+        fetch_metadata("127.0.0.1", port, time.monotonic() + 60, what="prefill rank 1",
+                       listening=True, **_CLIENT)
+    assert time.monotonic() - t0 < 30                    # not the 60 s deadline
+    with pytest.raises(DCPTransferError, match="did not answer the handshake .* in time "
+                                               r"\(last error: ConnectionRefusedError"):
+        fetch_metadata("127.0.0.1", port, time.monotonic() + BOUND, listening=False,
+                       **_CLIENT)

@@ -214,8 +214,12 @@ class DecodeKVConnector:
         self.failed: dict[str, str] = {}
 
     # ------------------------------------------------------------------ handshake
-    def handshake(self, timeout: float | None = None) -> None:
-        """Fetch, check and load the metadata of every remote rank the plan names."""
+    def handshake(self, timeout: float | None = None, *, listening: bool = False) -> None:
+        """Fetch, check and load the metadata of every remote rank the plan names.
+
+        ``listening``: every remote side channel is known to have been up (the prefill side
+        published its handoff after they came up), so a refused connection fails at once,
+        naming the remote rank whose process is gone (``fetch_metadata``)."""
         timeout = self.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         for p in self.rank_plan.remote_ranks:
@@ -223,7 +227,8 @@ class DecodeKVConnector:
                 continue
             raw = fetch_metadata(self.host, self.side_channel_port + p, deadline,
                                  key=self.key, sender=self._agent.name,
-                                 what=f"decode rank {self.rank}: prefill rank {p}")
+                                 what=f"decode rank {self.rank}: prefill rank {p}",
+                                 listening=listening)
             md = NeuronNixlAgentMetadata.deserialize(raw)
             check_metadata(md, p, self.prefill, self.geometry, decode_rank=self.rank)
             try:

@@ -239,10 +239,15 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
 
 
 def fetch_metadata(host: str, port: int, deadline: float, *, key: SideChannelKey, sender: str,
-                   what: str = "remote rank", max_message: int = MAX_MESSAGE) -> bytes:
+                   what: str = "remote rank", max_message: int = MAX_MESSAGE,
+                   listening: bool = False) -> bytes:
     """The side-channel payload at host:port; retries until ``deadline`` (time.monotonic()).
 
     The whole exchange (connect, sealed hello, length, sealed answer) shares the one deadline.
+    A refused connection is retried (the peer may not be listening yet), unless ``listening``
+    says the peer is known to have been listening already (e.g. it published a handoff after
+    its side channel came up): then a refused connection means its process is gone, and the
+    fetch fails at once, naming it, instead of waiting out the deadline.
     A length prefix above ``max_message`` is refused before anything is allocated; an answer
     that does not verify under ``key`` or does not answer this hello is a DCPAuthError.
     """
@@ -271,6 +276,14 @@ def fetch_metadata(host: str, port: int, deadline: float, *, key: SideChannelKey
                             port, e)
                 raise DCPAuthError(f"{what}: the side channel at {host}:{port} answered with "
                                    f"{e}. Give both engines the same key ({_KEY_HINT}).") from None
+        except ConnectionRefusedError as e:
+            if listening:
+                raise DCPTransferError(
+                    f"{what} refused the handshake at {host}:{port} ({e}) after its side "
+                    f"channel had been listening: its process is gone (the kernel closed its "
+                    f"port). Relaunch the prefill engine; its KV must be computed again."
+                    ) from None
+            last = f"{type(e).__name__}: {e}"
         except (OSError, ConnectionError) as e:
             last = f"{type(e).__name__}: {e}"
         time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
