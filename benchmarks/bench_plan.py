@@ -201,7 +201,7 @@ def _breakdown_cache():
     return hardware.cache_path().parent / "published_breakdowns.json"
 
 
-def cached_breakdowns(model, dcp, batch, contexts=PUBLISHED_CONTEXTS):
+def cached_breakdowns(model, dcp, batch, contexts=PUBLISHED_CONTEXTS, compile_missing=True):
     """``{context: Breakdown}`` of ``model`` (a :func:`published_config` name) at tp =
     PUBLISHED_RANKS, ``dcp`` (all-gather combine, interleave = block), ``batch``: compiled
     once on the meta device (minutes for the 61-layer models) and cached by key in
@@ -216,6 +216,8 @@ def cached_breakdowns(model, dcp, batch, contexts=PUBLISHED_CONTEXTS):
     cache = json.loads(path.read_text()) if path.exists() else {}
     row = cache.get(key, {})
     if not all(str(c) in row for c in contexts):
+        if not compile_missing:
+            return None
         tp = PUBLISHED_RANKS[model]
         layout = planner.Layout(tp, dcp, False, "all_gather", BLOCK, BLOCK)
         sink = planner.Plan(model=model, ranks=tp, context_len=max(contexts), batch=batch,
@@ -341,15 +343,23 @@ def published_table(figures=FIGURES, compile_missing=True):
                      for d in (1, f.dcp)})
     breakdowns = {}
     for model, dcp, batch in needed:
-        breakdowns.setdefault(model, {})[(dcp, batch)] = cached_breakdowns(model, dcp, batch)
+        row = cached_breakdowns(model, dcp, batch, compile_missing=compile_missing)
+        if row is not None:
+            breakdowns.setdefault(model, {})[(dcp, batch)] = row
     print("Published DCP figures vs the planner (ratio = DCP / no DCP; TPOT: lower favours "
           "DCP, throughput: higher)")
     print(f"  {'source':<26} {'hw':<7} {'context':>7} {'metric':<10} {'published':>9}  "
           f"{'batch':>5} {'predicted':>9} {'pred/pub':>8}  capacity tp/dcp (seqs)")
     for f in figures:
         for batch in f.batches:
-            ratio, caps, unpriced = published_prediction(f, batch, breakdowns[f.model])
             hw = f"{f.hardware}{'*' if f.overrides else ''}"
+            have = breakdowns.get(f.model, {})
+            if (1, batch) not in have or (f.dcp, batch) not in have:
+                print(f"  {f.source:<26} {hw:<7} {f.context:7d} {f.metric:<10} "
+                      f"{f.published:9.3f}  {batch:5d} not compiled: {f.model} tp"
+                      f"{PUBLISHED_RANKS[f.model]} at batch {batch} (dcp 1 and {f.dcp})")
+                continue
+            ratio, caps, unpriced = published_prediction(f, batch, have)
             print(f"  {f.source:<26} {hw:<7} {f.context:7d} {f.metric:<10} "
                   f"{f.published:9.3f}  {batch:5d} {ratio:9.3f} {ratio / f.published:8.2f}  "
                   f"{caps[0]}/{caps[1]}  (unpriced: {', '.join(unpriced) or '-'})",
@@ -379,13 +389,16 @@ def main():
                          "(docs/planner.md 'Against published DCP numbers'; compiles "
                          "DeepSeek-V3's 61 layers per (layout, batch) on the meta device once, "
                          "cached in published_breakdowns.json)")
+    ap.add_argument("--cached-only", action="store_true",
+                    help="with --published: price only what is cached, list the rest as not "
+                         "compiled")
     docs_section.add_argument(ap)
     args = ap.parse_args()
     if args.deepseek_v3:
         deepseek_v3_table()
         return
     if args.published:
-        published_table()
+        published_table(compile_missing=not args.cached_only)
         return
     if "xla" in args.worlds:
         from dcp_compile import xla as X
