@@ -313,7 +313,8 @@ def _with_fp8_weights(b):
 
 def published_prediction(fig, batch, breakdowns):
     """(predicted DCP / no-DCP ratio of ``fig.metric`` at ``batch``, capacities (tp, dcp) in
-    sequences of the figure's context, unpriced terms), from the cached breakdowns
+    sequences of the figure's context, unpriced terms, step seconds (tp, dcp)), from the
+    cached breakdowns
     ``{(dcp, batch): {context: Breakdown}}``."""
     ranks, dcps = PUBLISHED_RANKS[fig.model], (1, fig.dcp)
     hw = hardware.profile(fig.hardware)
@@ -334,7 +335,7 @@ def published_prediction(fig, batch, breakdowns):
         running = {d: min(fig.concurrency or batch, caps[d] or 0, batch) for d in caps}
         ratio = (running[fig.dcp] / steps[fig.dcp]) / (running[1] / steps[1]) \
             if running[1] else float("inf")
-    return ratio, (caps[1], caps[fig.dcp]), sorted(unpriced)
+    return ratio, (caps[1], caps[fig.dcp]), sorted(unpriced), (steps[1], steps[fig.dcp])
 
 
 def published_table(figures=FIGURES, compile_missing=True):
@@ -349,7 +350,8 @@ def published_table(figures=FIGURES, compile_missing=True):
     print("Published DCP figures vs the planner (ratio = DCP / no DCP; TPOT: lower favours "
           "DCP, throughput: higher)")
     print(f"  {'source':<26} {'hw':<7} {'context':>7} {'metric':<10} {'published':>9}  "
-          f"{'batch':>5} {'predicted':>9} {'pred/pub':>8}  capacity tp/dcp (seqs)")
+          f"{'batch':>5} {'predicted':>9} {'pred/pub':>8}  {'tp ms':>7} {'dcp ms':>7}  "
+          f"capacity tp/dcp (seqs)")
     for f in figures:
         for batch in f.batches:
             hw = f"{f.hardware}{'*' if f.overrides else ''}"
@@ -359,10 +361,11 @@ def published_table(figures=FIGURES, compile_missing=True):
                       f"{f.published:9.3f}  {batch:5d} not compiled: {f.model} tp"
                       f"{PUBLISHED_RANKS[f.model]} at batch {batch} (dcp 1 and {f.dcp})")
                 continue
-            ratio, caps, unpriced = published_prediction(f, batch, have)
+            ratio, caps, unpriced, steps = published_prediction(f, batch, have)
             print(f"  {f.source:<26} {hw:<7} {f.context:7d} {f.metric:<10} "
                   f"{f.published:9.3f}  {batch:5d} {ratio:9.3f} {ratio / f.published:8.2f}  "
-                  f"{caps[0]}/{caps[1]}  (unpriced: {', '.join(unpriced) or '-'})",
+                  f"{steps[0] * 1e3:7.2f} {steps[1] * 1e3:7.2f}  {caps[0]}/{caps[1]}  "
+                  f"(unpriced: {', '.join(unpriced) or '-'})",
                   flush=True)
     for f in figures:
         for field_, value, source in f.overrides:
