@@ -313,8 +313,9 @@ def _with_fp8_weights(b):
 
 def published_prediction(fig, batch, breakdowns):
     """(predicted DCP / no-DCP ratio of ``fig.metric`` at ``batch``, capacities (tp, dcp) in
-    sequences of the figure's context, unpriced terms, step seconds (tp, dcp)), from the
-    cached breakdowns
+    sequences of the figure's context, unpriced terms, step seconds (tp, dcp), "" or how the
+    ratio is only a bound: a throughput arm the KV capacity holds below the priced batch),
+    from the cached breakdowns
     ``{(dcp, batch): {context: Breakdown}}``."""
     ranks, dcps = PUBLISHED_RANKS[fig.model], (1, fig.dcp)
     hw = hardware.profile(fig.hardware)
@@ -330,12 +331,19 @@ def published_prediction(fig, batch, breakdowns):
         caps[dcp] = planner.kv_capacity(b, hw, ranks, batch)
         unpriced.update(p.unpriced)
     ratio = steps[fig.dcp] / steps[1]
+    bound = ""
     if fig.metric == "throughput":
-        # tokens/s = running sequences / step; the running batch is capped by KV capacity
+        # tokens/s = running sequences / step; the running batch is capped by KV capacity.
+        # An arm that runs fewer sequences than the priced batch is priced at the batch's
+        # step (a longer one than its own): the ratio is then a bound (tp capped: an upper
+        # one, dcp capped: a lower one, both: neither, "~").
         running = {d: min(fig.concurrency or batch, caps[d] or 0, batch) for d in caps}
         ratio = (running[fig.dcp] / steps[fig.dcp]) / (running[1] / steps[1]) \
             if running[1] else float("inf")
-    return ratio, (caps[1], caps[fig.dcp]), sorted(unpriced), (steps[1], steps[fig.dcp])
+        bound = {(True, False): "<=", (False, True): ">=", (True, True): "~"}.get(
+            (running[1] < batch, running[fig.dcp] < batch), "")
+    return (ratio, (caps[1], caps[fig.dcp]), sorted(unpriced), (steps[1], steps[fig.dcp]),
+            bound)
 
 
 def published_table(figures=FIGURES, compile_missing=True):
@@ -361,9 +369,10 @@ def published_table(figures=FIGURES, compile_missing=True):
                       f"{f.published:9.3f}  {batch:5d} not compiled: {f.model} tp"
                       f"{PUBLISHED_RANKS[f.model]} at batch {batch} (dcp 1 and {f.dcp})")
                 continue
-            ratio, caps, unpriced, steps = published_prediction(f, batch, have)
+            ratio, caps, unpriced, steps, bound = published_prediction(f, batch, have)
+            shown = f"{bound}{ratio:.3f}"
             print(f"  {f.source:<26} {hw:<7} {f.context:7d} {f.metric:<10} "
-                  f"{f.published:9.3f}  {batch:5d} {ratio:9.3f} {ratio / f.published:8.2f}  "
+                  f"{f.published:9.3f}  {batch:5d} {shown:>9} {ratio / f.published:8.2f}  "
                   f"{steps[0] * 1e3:7.2f} {steps[1] * 1e3:7.2f}  {caps[0]}/{caps[1]}  "
                   f"(unpriced: {', '.join(unpriced) or '-'})",
                   flush=True)

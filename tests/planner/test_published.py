@@ -61,7 +61,7 @@ def _planner_steps(hw):
 
 
 def test_tpot_ratio_is_the_planners_own_step_ratio(demo_breakdowns):
-    ratio, caps, unpriced, _ = bench_plan.published_prediction(_figure("TPOT"), BATCH,
+    ratio, caps, unpriced, _, _ = bench_plan.published_prediction(_figure("TPOT"), BATCH,
                                                                 demo_breakdowns)
     steps = _planner_steps("h200")
     assert ratio == pytest.approx(steps[2] / steps[1], rel=1e-9)
@@ -71,9 +71,10 @@ def test_tpot_ratio_is_the_planners_own_step_ratio(demo_breakdowns):
 
 
 def test_throughput_ratio_is_capped_by_kv_capacity(demo_breakdowns):
-    tpot, _, _, _ = bench_plan.published_prediction(_figure("TPOT"), BATCH, demo_breakdowns)
-    free = bench_plan.published_prediction(_figure("throughput", concurrency=BATCH), BATCH,
-                                           demo_breakdowns)[0]
+    tpot, _, _, _, _ = bench_plan.published_prediction(_figure("TPOT"), BATCH, demo_breakdowns)
+    free, _, _, _, bound = bench_plan.published_prediction(
+        _figure("throughput", concurrency=BATCH), BATCH, demo_breakdowns)
+    assert bound == ""
     assert free == pytest.approx(1 / tpot)       # no capacity limit: throughput = 1 / TPOT
     # memory for the weights and exactly 2 sequences of tp's KV: tp runs 2 of the 4
     # sequences, dcp2 (half the KV per rank) runs all 4
@@ -81,11 +82,12 @@ def test_throughput_ratio_is_capped_by_kv_capacity(demo_breakdowns):
     seq = b1.kv_bytes / BATCH
     small = hardware.with_overrides(hardware.PROFILES["h200"],
                                     memory_bytes=b1.weight_bytes + 2 * seq + 1)
-    capped, caps, _, steps = bench_plan.published_prediction(
+    capped, caps, _, steps, bound = bench_plan.published_prediction(
         _figure("throughput", hw=small, concurrency=BATCH), BATCH, demo_breakdowns)
     assert caps == (2, 4)
     assert capped == pytest.approx(2 / tpot)
     assert steps[1] / steps[0] == pytest.approx(tpot)
+    assert bound == "<="             # tp's step is priced at 4 sequences, it runs 2
 
 
 def test_fp8_weights_what_if_halves_the_weight_bytes(demo_breakdowns):
