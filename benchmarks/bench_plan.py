@@ -303,6 +303,11 @@ FIGURES = [
 ]
 
 
+# SGLang #33926's crossing: the concurrency below which dcp8 is slower than dcp1 (a step-time
+# comparison at low concurrency, where neither arm is held by its KV capacity).
+BREAK_EVEN = [(32768, "8-16"), (65536, "4-8"), (131072, "2-4"), (262144, "below 1")]
+
+
 def _with_fp8_weights(b):
     """``b`` with its weights at one byte a parameter (an FP8 checkpoint) instead of the
     meta model's two: a what-if, since the meta model is built in bf16 (the KV stays bf16)."""
@@ -376,6 +381,17 @@ def published_table(figures=FIGURES, compile_missing=True):
                   f"{steps[0] * 1e3:7.2f} {steps[1] * 1e3:7.2f}  {caps[0]}/{caps[1]}  "
                   f"(unpriced: {', '.join(unpriced) or '-'})",
                   flush=True)
+    print(f"\n  {_S33926} break-even concurrency (measured) vs the planner's step ratio "
+          f"dcp8 / dcp1 on b200 (below 1: dcp8 faster)")
+    have = breakdowns.get("deepseek-v3", {})
+    for ctx, measured in BREAK_EVEN:
+        cells = []
+        for batch in sorted({b for _, b in have}):
+            if (1, batch) in have and (8, batch) in have:
+                fig = Figure("", "", "deepseek-v3", "", "b200", "", ctx, (batch,), "TPOT", 1.0)
+                cells.append(f"batch {batch}: {published_prediction(fig, batch, have)[0]:.3f}")
+        print(f"  {ctx:7d}  measured crossing at concurrency {measured:<8} planner: "
+              f"{', '.join(cells) or 'not compiled'}")
     for f in figures:
         for field_, value, source in f.overrides:
             print(f"  * {f.source}: {field_} = {value:.3g} ({source})")
