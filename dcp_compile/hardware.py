@@ -68,6 +68,15 @@ _B200_MLPERF = ("https://github.com/mlcommons/inference_results_v6.0/blob/main/c
 _B200_VULTR = "https://docs.vultr.com/inference-cookbook/cuda/getting-started/hardware-overview"
 _B200_FLOPS = ("https://glennklockwood.com/garden/processors/B200 (HGX B200 at 1,000 W: "
                "BF16 2,250 dense TFLOPS, citing NVIDIA's Blackwell datasheet)")
+_MI355X = ("https://aiwiki.ai/wiki/amd_instinct_mi355x (288 GB HBM3E, 8 TB/s; AMD Instinct "
+           "MI355X, CDNA 4)")
+_MI355X_NO_LINK = ("not found: the pages read give a per-link Infinity Fabric figure (~153 GB/s "
+                   "bidirectional, https://humeconsulting.co/amd-mi355x-strong-node-level-"
+                   "inference-but-not-yet-rack-scale), not a chip's bandwidth to its 7 peers")
+_MI355X_NO_FLOPS = ("not found: the pages read give FP4 (10 PFLOPS) and FP8 (5 PFLOPS) peaks, "
+                    "not a dense BF16 figure")
+_H20 = ("https://willitrunai.com/es/gpus/h20-96gb (96 GB HBM3 at 4.0 TB/s, 148 TFLOPS FP16, "
+        "NVLink 4.0 900 GB/s)")
 _NO_LATENCY = ("not found: no vendor sheet we could read gives a collective latency; the "
                "latency term is left out of the prediction")
 
@@ -91,6 +100,19 @@ PROFILES: dict[str, HardwareProfile] = {
         sources={"memory_bytes": _B200_MLPERF, "memory_bandwidth": _B200_VULTR,
                  "link_bandwidth": _B200_VULTR + " (NVLink 5 1.8 TB/s bidirectional)",
                  "link_latency": _NO_LATENCY, "peak_flops": _B200_FLOPS}),
+    "mi355x": HardwareProfile(
+        name="mi355x", memory_bytes=288 * GB, memory_bandwidth=8.0 * TB,
+        link_bandwidth=None, link_latency=None, peak_flops=None,
+        sources={"memory_bytes": _MI355X, "memory_bandwidth": _MI355X,
+                 "link_bandwidth": _MI355X_NO_LINK, "link_latency": _NO_LATENCY,
+                 "peak_flops": _MI355X_NO_FLOPS}),
+    # The 96 GB H20. The H20-3e (141 GB HBM3e) has no bandwidth figure in the pages read.
+    "h20": HardwareProfile(
+        name="h20", memory_bytes=96 * GB, memory_bandwidth=4.0 * TB,
+        link_bandwidth=450 * GB, link_latency=None, peak_flops=148e12,
+        sources={"memory_bytes": _H20, "memory_bandwidth": _H20,
+                 "link_bandwidth": _H20 + " (900 GB/s bidirectional: 450 one way)",
+                 "link_latency": _NO_LATENCY, "peak_flops": _H20 + " (FP16 dense)"}),
 }
 
 THIS_MACHINE = "this-machine"
