@@ -11,6 +11,8 @@ import operator
 import torch
 from torch.fx import Node
 
+from dcp_compile.runtime.kernels import sparse_attention  # noqa: F401  (dcp.index_topk)
+
 aten = torch.ops.aten
 
 # Leave a value's meaning unchanged: dtype casts and copies (one tensor operand, args[0]).
@@ -127,7 +129,9 @@ SCATTER_OF_VIEW = {aten.slice.Tensor: aten.slice_scatter.default,
                    aten.select.int: aten.select_scatter.default}
 
 # Top-k selections (a router's choice of experts).
-TOP_K = frozenset({aten.topk.default})
+# A top-k selection: torch.topk, or a DSA indexer captured as one op
+# (dcp_compile/frontends/module_sparse_attention.py).
+TOP_K = frozenset({aten.topk.default, torch.ops.dcp.index_topk.default})
 
 # torch.export's runtime checks of a tensor's metadata: no-ops in a captured graph.
 EXPORT_ASSERTS = frozenset({aten._assert_tensor_metadata.default})

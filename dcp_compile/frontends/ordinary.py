@@ -22,6 +22,7 @@ from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
 from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
 from .module_position_bias import bias_sites, module_position_bias_enabled
+from .module_sparse_attention import indexer_sites, module_indexers_enabled
 from .module_windows import module_windows_enabled, window_sites
 from .huggingface import attention_windows, check_hf_config, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
@@ -112,8 +113,11 @@ class OrdinaryStep(nn.Module):
         # as a formula of positions at every call (module_position_bias).
         self.library_biases = bias_sites(model) if library_modules else []
         params = forward_params(model)
-        self.takes_positions = "position_ids" in params
         self.hf = is_hf(model)
+        # transformers' DSA indexers as one dcp.index_topk op each (module_sparse_attention):
+        # for the capture only; the reference runs the model's own indexer.
+        self.indexers = indexer_sites(model) if self.hf else []
+        self.takes_positions = "position_ids" in params
         first = next(iter(params), None)
         if first is None:
             raise DCPTransformError(
@@ -127,7 +131,8 @@ class OrdinaryStep(nn.Module):
         experts = dcp_experts_enabled(self.model) if self.hf else contextlib.nullcontext()
         with experts, module_experts_enabled(self.model, self.library_experts), \
                 module_windows_enabled(self.library_windows), \
-                module_position_bias_enabled(self.library_biases):
+                module_position_bias_enabled(self.library_biases), \
+                module_indexers_enabled(self.indexers):
             out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if not isinstance(logits, Tensor):

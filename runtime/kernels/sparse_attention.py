@@ -200,6 +200,40 @@ def _(cand_scores, cand_pos, topk):
     return cand_scores.new_empty((b, i, 1)), cand_pos.new_empty((b, i, 1))
 
 
+
+# ----------------------------------------------------------------------------------------
+# The indexer of a captured model on one device (what the module swap emits)
+# ----------------------------------------------------------------------------------------
+
+
+def _index_topk_impl(index_q: Tensor, index_weights: Tensor, index_k: Tensor, bias: Tensor,
+                     scale: float, topk: int) -> Tensor:
+    per_head = torch.matmul(index_q.float(), index_k.float().transpose(-1, -2).unsqueeze(1))
+    scores = torch.matmul(index_weights.float().unsqueeze(-2),
+                          torch.relu(per_head * scale)).squeeze(-2) + bias      # [b, s, t]
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    first = dsa_order(scores, positions)[..., :min(topk, scores.shape[-1])]
+    return first.to(torch.int32)
+
+
+@dcp_op("index_topk", mutates_args=())
+def index_topk(index_q: Tensor, index_weights: Tensor, index_k: Tensor, bias: Tensor,
+               scale: float, topk: int) -> Tensor:
+    """The lightning indexer on one device, as the model computes it
+    (``DeepseekV32Indexer.forward``: per-head dot products times ``scale``, relu, the
+    weighted sum over heads, plus the additive mask ``bias`` [b, s, t]), then the first
+    ``min(topk, t)`` keys in DSA_ORDER as int32 indices [b, s, k] (the model's
+    ``torch.topk(...).indices``: the same set wherever its cut has no tie). ``index_q``
+    [b, s, H, d] roped, ``index_weights`` [b, s, H] already scaled, ``index_k`` [b, t, d]."""
+    return _index_topk_impl(index_q, index_weights, index_k, bias, scale, topk)
+
+
+@index_topk.register_fake
+def _(index_q, index_weights, index_k, bias, scale, topk):
+    b, s = index_q.shape[:2]
+    return index_q.new_empty((b, s, min(topk, index_k.shape[1])), dtype=torch.int32)
+
+
 def dsa_select(scores: Tensor, positions: Tensor, topk: int) -> Tensor:
     """The single-device reference: the keys [b, i, T] a query selects by DSA_ORDER over all
     of them (one rank: its candidates are the whole group's)."""
@@ -213,4 +247,5 @@ DECOMPOSITIONS = {
     torch.ops.dcp.index_scores.default: _index_scores_impl,
     torch.ops.dcp.index_candidates.default: _index_candidates_impl,
     torch.ops.dcp.index_threshold.default: _index_threshold_impl,
+    torch.ops.dcp.index_topk.default: _index_topk_impl,
 }

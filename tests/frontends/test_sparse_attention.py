@@ -1,7 +1,8 @@
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the indexer keeps the top-k prior tokens
 per query. Under DCP a rank holds only its shard of the keys; the exact selection exists as
-runtime ops (runtime/kernels/sparse_attention.py, tests/frontends/test_dsa_exact.py), but until
-the rewrite that emits them from a captured model is built, transform refuses DSA by name
+runtime ops (runtime/kernels/sparse_attention.py, tests/frontends/test_dsa_exact.py) and the
+indexer is captured as one dcp.index_topk node (tests/frontends/test_dsa_capture.py), but
+until the rewrite that emits the DCP selection from that node is built, transform refuses DSA by name
 (docs/moe-mla.md: DeepSeek Sparse Attention), never a silent mismatch."""
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def test_v32_refused_by_name(v32, mode):
     msg = str(e.value)
     assert msg.startswith("DeepSeek Sparse Attention: the indexer's top-k over a sharded "
                           "context")
-    assert "aten.topk.default" in msg and "modeling_deepseek_v32.py" in msg
+    # the indexer, captured as one op (module_sparse_attention), and the model's attention line
+    assert "dcp.index_topk.default" in msg and "modeling_deepseek_v32.py" in msg
     assert "docs/moe-mla.md" in msg
     assert C.reason_of(msg) == "DeepSeek Sparse Attention (indexer top-k)"
 

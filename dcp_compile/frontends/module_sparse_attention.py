@@ -1,0 +1,141 @@
+"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5), read at the module
+level: for the capture, the indexer's forward becomes one ``dcp.index_topk`` op.
+
+transformers' indexer (``DeepseekV32Indexer.forward``, ``GlmMoeDsaIndexer.forward``) scores
+every prior token per query and returns ``torch.topk(...).indices``; in a captured graph that
+is a matmul chain and an ``aten.topk`` whose inputs a graph rewrite would have to dig out
+again. The swap runs the indexer's own projections, norm and RoPE verbatim and hands the
+three tensors the DCP selection needs (its roped queries, its head weights, its K) to
+``dcp.index_topk`` (runtime/kernels/sparse_attention.py), which scores as the model does and
+returns the first ``index_topk`` keys in DSA_ORDER: the model's set wherever its cut has no
+tie, and a rule of positions at a tie (docs/moe-mla.md, DeepSeek Sparse Attention). The
+captured graph then holds the indexer as one node with its inputs named: what the DCP
+rewrite (index_cache_write, index_scores, candidates, the all-gather, the threshold) is to
+replace. That rewrite is not built yet, so transform still refuses the node by name
+(passes/sparse_attention.py).
+
+No guessing: a rule (``RULES``, one row per indexer class) names the class, and the source of
+the forward the swap re-states is pinned by its hash (transformers 5.25); an indexer of a
+listed class whose code differs is refused naming the function. The class is untouched: the
+swap is on the instance, undone after the capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dcp_compile.runtime.errors import DCPSparseAttentionError
+from dcp_compile.runtime.kernels import sparse_attention  # noqa: F401  (registers the ops)
+
+from .module_experts import _class_key, _pinned_sources, source_hash
+
+
+@dataclass(frozen=True)
+class IndexerRule:
+    """One library indexer class (``module:qualname``), the functions whose meaning the swap
+    relies on (``module:qualname`` -> accepted source hashes) and the RoPE function its
+    forward applies (a name in the class's module)."""
+
+    indexer: str
+    pinned: dict[str, set[str]]
+    rope: str
+
+
+_V32 = "transformers.models.deepseek_v32.modeling_deepseek_v32"
+_GLM = "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"
+RULES = (
+    IndexerRule(indexer=f"{_V32}:DeepseekV32Indexer",
+                pinned={f"{_V32}:DeepseekV32Indexer.forward": {"d661c778bc18"}},
+                rope="apply_rotary_pos_emb"),                  # half-split
+    IndexerRule(indexer=f"{_GLM}:GlmMoeDsaIndexer",
+                pinned={f"{_GLM}:GlmMoeDsaIndexer.forward": {"5b484bc355c7"}},
+                rope="apply_rotary_pos_emb_interleave"),       # interleaved pairs
+)
+
+
+def rule_for(module: nn.Module) -> IndexerRule | None:
+    """The rule whose class ``module`` is (or derives from); None: not a listed indexer."""
+    keys = {_class_key(c) for c in type(module).__mro__}
+    return next((r for r in RULES if r.indexer in keys), None)
+
+
+def check_pins(name: str, module: nn.Module, rule: IndexerRule) -> None:
+    """Refuse an indexer whose code is not the code the swap was written from."""
+    changed = {}
+    for pin, digests in rule.pinned.items():
+        got = {source_hash(fn) for fn in _pinned_sources([module], pin)} or {"missing"}
+        if not got <= digests:
+            changed[pin] = sorted(got - digests)
+    if changed:
+        raise DCPSparseAttentionError(
+            f"DeepSeek Sparse Attention: {name} ({type(module).__qualname__}) is a lightning "
+            f"indexer whose code differs from the code dcp_compile reads it by: {changed} "
+            f"(source hashes). dcp_compile re-states the indexer's forward to capture it as "
+            f"dcp.index_topk; use transformers 5.25 (requirements/corpus.txt), or add the new "
+            f"hash to dcp_compile/frontends/module_sparse_attention.py RULES after checking "
+            f"the forward computes the same scores; docs/moe-mla.md: DeepSeek Sparse Attention")
+
+
+def indexer_sites(model: nn.Module) -> list[tuple[str, nn.Module, IndexerRule]]:
+    """Every indexer of a listed class in ``model``: (name, module, rule), code checked."""
+    found = []
+    for name, m in model.named_modules():
+        rule = rule_for(m)
+        if rule is not None:
+            check_pins(name or type(m).__name__, m, rule)
+            found.append((name, m, rule))
+    return found
+
+
+def _forward(idx: nn.Module, rule: IndexerRule):
+    """The indexer's forward as its pinned source computes it, with the scoring and the
+    top-k as ``dcp.index_topk``."""
+    rope = getattr(importlib.import_module(rule.indexer.split(":")[0]), rule.rope)
+
+    def forward(hidden_states: Tensor, q_resid: Tensor, position_embeddings,
+                attention_mask: Tensor, position_ids=None, cache=None) -> Tensor:
+        if cache is not None:
+            raise DCPSparseAttentionError(
+                "DeepSeek Sparse Attention: the indexer was called with a Cache during the "
+                "capture; dcp_compile captures the model with use_cache=False")
+        b, s, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        dr = idx.qk_rope_head_dim
+        q = idx.wq_b(q_resid).view(b, s, idx.n_heads, idx.head_dim)
+        q_rot, q_pass = torch.split(q, [dr, idx.head_dim - dr], dim=-1)
+        k = idx.k_norm(idx.wk(hidden_states)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [dr, idx.head_dim - dr], dim=-1)
+        q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        weights = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float() \
+            * (idx.n_heads ** -0.5)
+        if attention_mask.dtype == torch.bool:
+            bias = torch.zeros(attention_mask.shape, dtype=torch.float32,
+                               device=attention_mask.device).masked_fill(~attention_mask,
+                                                                         float("-inf"))
+        else:
+            bias = attention_mask.float()
+        bias = bias.expand(b, s, k.shape[1])
+        return torch.ops.dcp.index_topk(q, weights, k, bias, float(idx.softmax_scale),
+                                        int(idx.index_topk))
+
+    return forward
+
+
+@contextlib.contextmanager
+def module_indexers_enabled(sites: list):
+    """Within: every site of :func:`indexer_sites` computes its selection as
+    ``dcp.index_topk`` (swapped on the instance, the class untouched, undone on exit)."""
+    try:
+        for _, m, rule in sites:
+            m.forward = _forward(m, rule)
+        yield len(sites)
+    finally:
+        for _, m, _ in sites:
+            m.__dict__.pop("forward", None)
