@@ -87,20 +87,30 @@ def measure(program, model, contexts, steps):
     return run_threaded(program.config.tp, rank_main, timeout=1800)[0]
 
 
+def context_buckets(contexts, dcp: int) -> list[int]:
+    """A bucket per context (the program's capacity is the last): a static-shape step costs
+    its whole cache operand on XLA:CPU (docs/lowering.md), so each context runs in the
+    smallest bucket holding it (planner.bucket_for), as a served program would."""
+    vblock = BLOCK * dcp
+    return sorted({-(-(ctx + 1) // vblock) * vblock for ctx in contexts})[:-1]
+
+
 def measure_xla(program, model, contexts, steps):
     """Median decode step seconds at each context of ``program`` lowered and run on XLA:CPU
-    replicas (caches filled with a constant: the step's time does not depend on the values)."""
+    replicas, in the context's bucket (caches filled with a constant: the step's time does
+    not depend on the values)."""
     from dcp_compile import xla as X
     executor = X.XLAExecutor(program, X.lower_for_xla(program), fill=0.5)
-    b, max_blocks = program.shapes.batch, program.shapes.max_blocks
-    table = torch.arange(b * max_blocks).view(b, max_blocks)
+    b, vblock = program.shapes.batch, program.config.vblock
     ids = torch.randint(0, model.config.vocab_size, (b, 1),
                         generator=torch.Generator().manual_seed(0))
     out = {}
     for ctx in contexts:
+        width = min(-(-(ctx + 1) // vblock), program.shapes.max_blocks)
+        table = torch.arange(b * width).view(b, width)
         positions = torch.full((b, 1), ctx)
         executor.step("decode", ids, positions, table)           # warm-up
-        key = ("decode", max_blocks)
+        key = ("decode", width)
         executor.step_seconds[key] = []
         for _ in range(steps):
             executor.step("decode", ids, positions, table)
@@ -456,8 +466,9 @@ def main():
                 shapes = StepShapes.fitting(args.batch, BLOCK, max(args.contexts) + 1,
                                             block_size=BLOCK, dcp=layout.dcp)
                 try:
-                    program = dcp_compile.transform(model, tp=RANKS, block_size=BLOCK,
-                                                    shapes=shapes, check=False, **c)
+                    program = dcp_compile.transform(
+                        model, tp=RANKS, block_size=BLOCK, shapes=shapes, check=False,
+                        buckets=context_buckets(args.contexts, layout.dcp) or None, **c)
                 except dcp_compile.DCPError as e:
                     print(f"  {layout.label():<26} refused: {str(e).splitlines()[0]}")
                     continue
