@@ -15,7 +15,8 @@ ON = ("1", "all")
 # switch -> (test module, under tests/; what the full run adds to the slice)
 SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_ALIBI_FULL": ("frontends/test_alibi.py",
-                       "every ALiBi form x mode x tp/dcp (the slice: one form per mode)"),
+                       "every ALiBi form x mode x tp/dcp (the slice: one form per mode), "
+                       "and the slopes computed in forward in decode too"),
     "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
                          "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
     "DCP_CHUNKED_FULL": ("frontends/test_chunked_attention.py",
