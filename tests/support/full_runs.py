@@ -31,6 +31,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                      "decode/prefill (the slice: four)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
                       "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
+    "DCP_HYBRID_FULL": ("frontends/test_hybrid_recurrent.py",
+                        "the swapped model's export with its states as inputs for every hybrid "
+                        "type (the slice: one per swap, qwen3_next, qwen3_5_text, bamba, lfm2)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_MASK_FULL": ("passes/test_mask_proof.py",
