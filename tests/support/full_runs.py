@@ -29,6 +29,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_DSA_FULL": ("frontends/test_dsa_exact.py",
                      "DeepSeek-V3.2 and GLM-5 on dcp shards: every tp/dcp layout x model x "
                      "decode/prefill (the slice: four)"),
+    "DCP_FORMS_FULL": ("frontends/test_library_attention_forms.py",
+                       "every library attention form in both modes (the slice: each form "
+                       "once, decode and prefill in turn)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
                       "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
     "DCP_HYBRID_FULL": ("frontends/test_hybrid_recurrent.py",
