@@ -210,9 +210,10 @@ class _StateStep(torch.nn.Module):
 
 
 # The export's slice: one type per swap (module_recurrent.RULES): qwen3_next's and qwen3_5's
-# Gated DeltaNet heads, Mamba2, the short conv. DCP_HYBRID_FULL=1 adds the MoE siblings, whose
-# mixer source and swap are their dense sibling's (the module's other tests run every type).
-EXPORT_TYPES = (HYBRID_TYPES if full("DCP_HYBRID_FULL")
+# Gated DeltaNet heads, Mamba2, the short conv. DCP_HYBRID_EXPORT_FULL=1 adds the MoE
+# siblings, whose mixer source and swap are their dense sibling's (the module's other tests
+# run every type).
+EXPORT_TYPES = (HYBRID_TYPES if full("DCP_HYBRID_EXPORT_FULL")
                 else ("qwen3_next", "qwen3_5_text", "bamba", "lfm2"))
 
 

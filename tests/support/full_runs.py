@@ -34,7 +34,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
                        "once, decode and prefill in turn)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
                       "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
-    "DCP_HYBRID_FULL": ("frontends/test_hybrid_recurrent.py",
+    "DCP_HYBRID_EXPORT_FULL": ("frontends/test_hybrid_recurrent.py",
                         "the swapped model's export with its states as inputs for every hybrid "
                         "type (the slice: one per swap, qwen3_next, qwen3_5_text, bamba, lfm2)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
