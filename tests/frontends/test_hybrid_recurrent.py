@@ -14,6 +14,7 @@ from dcp_compile.frontends.module_recurrent import (allocate_states, recurrent_a
                                                     recurrent_layers, refuse_hybrid)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import garbage_state_slot, state_rows
+from full_runs import full
 from hybrid_configs import ATTENTION_KINDS, HYBRID_TYPES, build_hybrid
 
 TOL = 1e-4
@@ -210,7 +211,16 @@ class _StateStep(torch.nn.Module):
                 [states.rec[i] for i in self.rec_layers])
 
 
+# The export's slice: one type per swap (module_recurrent.RULES): qwen3_next's and qwen3_5's
+# Gated DeltaNet heads, Mamba2, the short conv. DCP_HYBRID_EXPORT_FULL=1 adds the MoE
+# siblings, whose mixer source and swap are their dense sibling's (the module's other tests
+# run every type).
+EXPORT_TYPES = (HYBRID_TYPES if full("DCP_HYBRID_EXPORT_FULL")
+                else ("qwen3_next", "qwen3_5_text", "bamba", "lfm2"))
+
+
 @torch.no_grad()
+@pytest.mark.parametrize("model", EXPORT_TYPES, indirect=True)
 def test_the_swap_exports_with_its_states_as_inputs(model):
     """torch.export of the swapped model (the capture a hybrid program takes): one
     recurrent op per recurrent layer, the state caches as graph inputs and outputs; the

@@ -15,7 +15,8 @@ ON = ("1", "all")
 # switch -> (test module, under tests/; what the full run adds to the slice)
 SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_ALIBI_FULL": ("frontends/test_alibi.py",
-                       "every ALiBi form x mode x tp/dcp (the slice: one form per mode)"),
+                       "every ALiBi form x mode x tp/dcp (the slice: one form per mode), "
+                       "and the slopes computed in forward in decode too"),
     "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
                          "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
     "DCP_CHUNKED_FULL": ("frontends/test_chunked_attention.py",
@@ -28,8 +29,15 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_DSA_FULL": ("frontends/test_dsa_exact.py",
                      "DeepSeek-V3.2 and GLM-5 on dcp shards: every tp/dcp layout x model x "
                      "decode/prefill (the slice: four)"),
+    "DCP_FORMS_FULL": ("frontends/test_library_attention_forms.py",
+                       "every library attention form in both modes (the slice: each form "
+                       "once, decode and prefill in turn)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
                       "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
+    "DCP_HYBRID_EXPORT_FULL": ("frontends/test_hybrid_recurrent.py",
+                               "the swapped model's export with its states as inputs for every "
+                               "hybrid type (the slice: one per swap, qwen3_next, qwen3_5_text, "
+                               "bamba, lfm2)"),
     "DCP_HYBRID_FULL": ("frontends/test_hybrid_program.py",
                         "every hybrid family x tp=4/dcp=2 and tp=8/dcp=4, decode and (Mamba2, "
                         "short conv) prefill (the slice: LFM2 decode, Bamba prefill)"),
