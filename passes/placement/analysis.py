@@ -569,10 +569,7 @@ class Analysis:
 
     def check(self, embeddings) -> PlacementPlan:
         """Strict forward pass: every node placed by a rule, every requirement met."""
-        self.known = {}
-        for at in self.attn:
-            for c in at.args[3:5]:
-                self.known[c] = self.kv_shards[at]
+        self.known = {c: self.kv_shards[at] for at in self.attn for c in at.args[3:5]}
         for n in self.nodes:
             if n in self.known:
                 continue
