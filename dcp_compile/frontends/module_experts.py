@@ -290,10 +290,29 @@ def _class_key(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def rule_of_class(module: nn.Module, rules, key: str):
+    """The rule of ``rules`` whose class (its field ``key``, ``module:Class``) ``module`` is or
+    derives from; None: not listed. Every module swap (experts, windows, position bias,
+    indexers) finds its rule so."""
+    keys = {_class_key(c) for c in type(module).__mro__}
+    return next((r for r in rules if getattr(r, key) in keys), None)
+
+
+def changed_pins(objects: list, pinned: dict) -> dict:
+    """``pin -> the source hashes not pinned`` for each pinned function (``module:Class.fn ->
+    {hash, ...}``) as ``objects`` resolve it ("missing": none does); empty: the code is the
+    code the swap was written from."""
+    changed = {}
+    for pin, digests in pinned.items():
+        got = {source_hash(fn) for fn in _pinned_sources(objects, pin)} or {"missing"}
+        if not got <= digests:
+            changed[pin] = sorted(got - digests)
+    return changed
+
+
 def rule_for(module: nn.Module) -> ExpertsRule | None:
     """The rule whose block class ``module`` is (or derives from); None: not a listed block."""
-    keys = {_class_key(c) for c in type(module).__mro__}
-    return next((r for r in RULES if r.block in keys), None)
+    return rule_of_class(module, RULES, "block")
 
 
 def _pinned_sources(objects: list, pin: str) -> list:
@@ -317,12 +336,7 @@ def _definition(pin: str):
 def check_pins(name: str, block: nn.Module, rule: ExpertsRule) -> None:
     """Refuse a block whose code is not the code the rule was written from, or that is in a
     state the swap does not read (``rule.state``)."""
-    objects = [block, *rule.parts(block)]
-    changed = {}
-    for pin, digests in rule.pinned.items():
-        got = {source_hash(fn) for fn in _pinned_sources(objects, pin)} or {"missing"}
-        if not got <= digests:
-            changed[pin] = sorted(got - digests)
+    changed = changed_pins([block, *rule.parts(block)], rule.pinned)
     for pin, digest in rule.definitions.items():
         got = source_hash(_definition(pin))
         if got != digest:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPTransformError
 
-from .module_experts import _class_key, _pinned_sources, source_hash
+from .module_experts import changed_pins, rule_of_class
 
 
 def alibi_bias(slopes: Tensor, heads: int, queries: int, keys: int) -> Tensor:
@@ -90,17 +90,12 @@ RULES = (
 
 def rule_for(module: nn.Module) -> BiasRule | None:
     """The rule whose class ``module`` is (or derives from); None: not listed."""
-    keys = {_class_key(c) for c in type(module).__mro__}
-    return next((r for r in RULES if r.bias in keys), None)
+    return rule_of_class(module, RULES, "bias")
 
 
 def check_pins(name: str, module: nn.Module, rule: BiasRule) -> None:
     """Refuse a bias module whose code is not the code the rule was written from."""
-    changed = {}
-    for pin, digests in rule.pinned.items():
-        got = {source_hash(fn) for fn in _pinned_sources([module], pin)} or {"missing"}
-        if not got <= digests:
-            changed[pin] = sorted(got - digests)
+    changed = changed_pins([module], rule.pinned)
     if changed:
         raise DCPTransformError(
             f"{name} ({type(module).__qualname__}) is {rule.library}'s position bias, which "

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from dcp_compile.runtime.errors import DCPSparseAttentionError
 from dcp_compile.runtime.kernels import sparse_attention  # noqa: F401  (registers the ops)
 
-from .module_experts import _class_key, _pinned_sources, source_hash
+from .module_experts import changed_pins, rule_of_class
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,12 @@ RULES = (
 
 def rule_for(module: nn.Module) -> IndexerRule | None:
     """The rule whose class ``module`` is (or derives from); None: not a listed indexer."""
-    keys = {_class_key(c) for c in type(module).__mro__}
-    return next((r for r in RULES if r.indexer in keys), None)
+    return rule_of_class(module, RULES, "indexer")
 
 
 def check_pins(name: str, module: nn.Module, rule: IndexerRule) -> None:
     """Refuse an indexer whose code is not the code the swap was written from."""
-    changed = {}
-    for pin, digests in rule.pinned.items():
-        got = {source_hash(fn) for fn in _pinned_sources([module], pin)} or {"missing"}
-        if not got <= digests:
-            changed[pin] = sorted(got - digests)
+    changed = changed_pins([module], rule.pinned)
     if changed:
         raise DCPSparseAttentionError(
             f"DeepSeek Sparse Attention: {name} ({type(module).__qualname__}) is a lightning "

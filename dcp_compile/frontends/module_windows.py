@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPTransformError
 
-from .module_experts import _class_key, _pinned_sources, source_hash
+from .module_experts import changed_pins, rule_of_class
 
 
 def window_mask(tokens: int, window: int, *, dtype: torch.dtype, device) -> Tensor:
@@ -115,17 +115,12 @@ RULES = (
 
 def rule_for(module: nn.Module) -> WindowRule | None:
     """The rule whose attention class ``module`` is (or derives from); None: not listed."""
-    keys = {_class_key(c) for c in type(module).__mro__}
-    return next((r for r in RULES if r.attention in keys), None)
+    return rule_of_class(module, RULES, "attention")
 
 
 def check_pins(name: str, attn: nn.Module, rule: WindowRule, window: int) -> None:
     """Refuse a sliding-window module whose code is not the code the rule was written from."""
-    changed = {}
-    for pin, digests in rule.pinned.items():
-        got = {source_hash(fn) for fn in _pinned_sources([attn], pin)} or {"missing"}
-        if not got <= digests:
-            changed[pin] = sorted(got - digests)
+    changed = changed_pins([attn], rule.pinned)
     if changed:
         raise DCPTransformError(
             f"{name} ({type(attn).__qualname__}) is {rule.library}'s attention with a sliding "
