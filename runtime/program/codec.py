@@ -54,8 +54,10 @@ PYTHON_TARGETS = {f"operator.{f.__name__}": f for f in (operator.getitem,)}
 # messages, torch's "custom" annotations and every key our passes write (runtime/names.py).
 KEPT_META = ("val", "stack_trace", "custom")
 OURS = "dcp_"
-# Fields of the program the file leaves out (the compiler's record, see the docstring).
-DROPPED = ("report", "dump_dir")
+# Fields of the program the file leaves out (the compiler's record, see the docstring), and
+# a hybrid's state caches: DCPProgram.save refuses a hybrid program, so a file never has any
+# (a loaded program's state_cache is its default, None).
+DROPPED = ("report", "dump_dir", "state_cache")
 # The program fields a file holds, and their types once decoded (schema.check_type): graphs
 # and constants are checked apart (GRAPH_NODE, the body's tensors).
 FIELDS = {"config": DCPConfig, "topology": Topology, "shapes": StepShapes,
