@@ -32,12 +32,11 @@ from torch import Tensor, nn
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.names import Mode
 
-from ..capture import capture, checkpoint_names, constant_values
-from .hf_checkpoint import checkpoint_sources
+from ..capture import capture
 from .module_experts import drop_replaced_weights
 from .module_recurrent import (RecurrentStates, recurrent_as_ops, recurrent_layers,
                                refuse_hybrid, state_spec)
-from .ordinary import OrdinaryFrontend, OrdinaryStep
+from .ordinary import OrdinaryFrontend, OrdinaryStep, step_capture
 from .protocol import StepCapture
 
 STATE_CACHES = "state_caches"     # the forward argument; its inputs are state_caches_<i>
@@ -155,13 +154,7 @@ class HybridFrontend(OrdinaryFrontend):
                    caches)
         captured = capture(self.step_model, example)
         drop_replaced_weights(captured, self.step_model.step, self.model)
-        return StepCapture(captured.gm, captured.user_inputs,
-                           list(captured.params) + list(captured.buffers),
-                           time.perf_counter() - start,
-                           constants=lambda: constant_values(self.step_model, captured),
-                           weight_names=lambda: checkpoint_names(self.step_model, captured,
-                                                                 self.model),
-                           weight_sources=lambda: checkpoint_sources(self.model))
+        return step_capture(captured, self.step_model, self.model, start)
 
     def accept(self, config) -> None:
         refuse_unbuilt(self.model, self.shapes, mode=config.mode)

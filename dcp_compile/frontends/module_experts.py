@@ -353,8 +353,9 @@ def check_pins(name: str, block: nn.Module, rule: ExpertsRule) -> None:
                                 f"block, cannot be read as one dcp.moe: {why}.")
 
 
-def blocks(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsRule]]:
-    """Every listed library MoE block of ``model``: (name, module, rule), code checked."""
+def swap_sites(model: nn.Module, rule_for, check_pins) -> list[tuple[str, nn.Module, object]]:
+    """Every module of ``model`` a swap lists (``rule_for``): (name, module, rule), each one's
+    code checked by ``check_pins`` first. Every module swap walks the model so."""
     found = []
     for name, m in model.named_modules():
         rule = rule_for(m)
@@ -362,6 +363,11 @@ def blocks(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsRule]]:
             check_pins(name or type(m).__name__, m, rule)
             found.append((name, m, rule))
     return found
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsRule]]:
+    """Every listed library MoE block of ``model``: (name, module, rule), code checked."""
+    return swap_sites(model, rule_for, check_pins)
 
 
 def _key(name: str) -> str:

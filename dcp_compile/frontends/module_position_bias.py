@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPTransformError
 
-from .module_experts import changed_pins, rule_of_class
+from .module_experts import changed_pins, rule_of_class, swap_sites
 
 
 def alibi_bias(slopes: Tensor, heads: int, queries: int, keys: int) -> Tensor:
@@ -108,13 +108,7 @@ def check_pins(name: str, module: nn.Module, rule: BiasRule) -> None:
 def bias_sites(model: nn.Module) -> list[tuple[str, nn.Module, BiasRule]]:
     """Every position-bias module of a listed class in ``model``: (name, module, rule), code
     checked."""
-    found = []
-    for name, m in model.named_modules():
-        rule = rule_for(m)
-        if rule is not None:
-            check_pins(name or type(m).__name__, m, rule)
-            found.append((name, m, rule))
-    return found
+    return swap_sites(model, rule_for, check_pins)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from dcp_compile.runtime.errors import DCPSparseAttentionError
 from dcp_compile.runtime.kernels import sparse_attention  # noqa: F401  (registers the ops)
 
-from .module_experts import changed_pins, rule_of_class
+from .module_experts import changed_pins, rule_of_class, swap_sites
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,7 @@ def check_pins(name: str, module: nn.Module, rule: IndexerRule) -> None:
 
 def indexer_sites(model: nn.Module) -> list[tuple[str, nn.Module, IndexerRule]]:
     """Every indexer of a listed class in ``model``: (name, module, rule), code checked."""
-    found = []
-    for name, m in model.named_modules():
-        rule = rule_for(m)
-        if rule is not None:
-            check_pins(name or type(m).__name__, m, rule)
-            found.append((name, m, rule))
-    return found
+    return swap_sites(model, rule_for, check_pins)
 
 
 def _forward(idx: nn.Module, rule: IndexerRule):

@@ -56,13 +56,7 @@ class OrdinaryFrontend:
         captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
                                     device=self.device)
         drop_replaced_weights(captured, self.step_model, self.model)
-        return StepCapture(captured.gm, captured.user_inputs,
-                           list(captured.params) + list(captured.buffers),
-                           time.perf_counter() - start,
-                           constants=lambda: constant_values(self.step_model, captured),
-                           weight_names=lambda: checkpoint_names(self.step_model, captured,
-                                                                 self.model),
-                           weight_sources=lambda: checkpoint_sources(self.model))
+        return step_capture(captured, self.step_model, self.model, start)
 
     def prologue(self, ctx, captured: StepCapture) -> list:
         """The graph has no cache yet: the optional passes of the pipeline's capture
@@ -95,6 +89,19 @@ class OrdinaryFrontend:
 
     def state_cache(self, tp: int):
         return None                  # no recurrent layers (frontends/hybrid.py has them)
+
+
+def step_capture(captured, step_model: nn.Module, model: nn.Module,
+                 start: float) -> StepCapture:
+    """The StepCapture of ``captured`` (``step_model`` wrapping ``model``, capture begun at
+    ``start``): its weights and buffers, their values and their checkpoint names read lazily
+    from the model."""
+    return StepCapture(captured.gm, captured.user_inputs,
+                       list(captured.params) + list(captured.buffers),
+                       time.perf_counter() - start,
+                       constants=lambda: constant_values(step_model, captured),
+                       weight_names=lambda: checkpoint_names(step_model, captured, model),
+                       weight_sources=lambda: checkpoint_sources(model))
 
 
 class OrdinaryStep(nn.Module):

@@ -176,12 +176,18 @@ def supervise(args, work: Path) -> dict:
                 f"or fix the cause.",
                 failures=lost.pop("logs"))
         attempt += 1
+    return supervision_result(requests, faults, attempt, t0, mode=str(args.mode))
+
+
+def supervision_result(requests, faults: list[dict], restarts: int, t0: float,
+                       **extra) -> dict:
+    """OUT.json of a supervised run (a world or the disaggregated pair): every request's
+    tokens and stops, each loss without its logs, the restarts and the elapsed time."""
     for f in faults:
         f.pop("logs", None)
         f.pop("detected_at", None)
         f.setdefault("resume_s", None)
-    return {"tokens": [r.generated for r in requests], "restarts": attempt,
-            "mode": str(args.mode),
+    return {"tokens": [r.generated for r in requests], "restarts": restarts, **extra,
             "requests": [{"id": r.id, "prompt_len": len(r.prompt), "tokens": r.generated,
                           "stops": r.stops} for r in requests],
             "faults": faults, "elapsed_s": time.monotonic() - t0}

@@ -50,7 +50,8 @@ from dcp_compile.runtime.names import Mode
 from dcp_compile.workers.resumable import Fault
 from dcp_compile.workers.resumable_pair import DURING_TRANSFER
 from dcp_compile.workers.supervise import (POLL_S, Request, World, kill, proc_state,
-                                           read_progress, refuse_own_errors, tail)
+                                           read_progress, refuse_own_errors,
+                                           supervision_result, tail)
 
 BLOCK = 8   # block size = interleave size of both programs (the transfer plan needs it)
 # Seconds past --transfer-timeout the supervisor gives the decode side to fail by itself.
@@ -172,14 +173,7 @@ def supervise_pair(args, work: Path) -> dict:
                 f"attempt's logs; raise --max-restarts or fix the cause.",
                 failures=lost.pop("logs"))
         attempt += 1
-    for f in faults:
-        f.pop("logs", None)
-        f.pop("detected_at", None)
-        f.setdefault("resume_s", None)
-    return {"tokens": [r.generated for r in requests], "restarts": attempt,
-            "requests": [{"id": r.id, "prompt_len": len(r.prompt), "tokens": r.generated,
-                          "stops": r.stops} for r in requests],
-            "faults": faults, "elapsed_s": time.monotonic() - t0}
+    return supervision_result(requests, faults, attempt, t0)
 
 
 def launch_pair(args, work: Path, attempt: int, files: dict[str, str],
