@@ -16,9 +16,13 @@ The ordinary frontend's capture and prologue, with two differences:
               state_slot, state_fresh, state_lengths, *state_caches)
             -> (logits, *kv_caches', *state_caches')
 
+A width-K decode step (``StepShapes.decode_len = K > 1``, speculative verification) also
+takes ``state_snapshot_slot [B, K]`` after the state caches: where the state after each
+draft position is kept, so the engine continues from the accepted draft's snapshot.
+
 What is not built is refused by name (:func:`refuse_unbuilt`, ``UNSUPPORTED`` of
-module_recurrent): speculative decode, prefix caching, a decode program's chunk step, and
-prefill of the models ``PREFILL_REFUSED`` names (Qwen's gated attention output).
+module_recurrent): prefix caching, a decode program's chunk step, and prefill of the
+models ``PREFILL_REFUSED`` names (Qwen's gated attention output).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPHybridError
-from dcp_compile.runtime.names import Mode
+from dcp_compile.runtime.names import Mode, StepKind
 
 from ..capture import capture
 from .module_experts import drop_replaced_weights
@@ -43,8 +47,11 @@ STATE_CACHES = "state_caches"     # the forward argument; its inputs are state_c
 
 
 def state_slots(shapes) -> int:
-    """State slots of a program: one per row of its batch (the engine's sequences at once)."""
-    return shapes.batch
+    """State slots of a program: one per row of its batch (the engine's sequences at once),
+    times the decode width K: a width-K (speculative) step keeps the state after each of a
+    row's first K-1 tokens in its sequence's K-1 spare slots (``state_snapshot_slot``), the
+    state after its last token in its live slot (docs/hybrid.md)."""
+    return shapes.batch * shapes.decode_len
 
 
 def _recomposition_out_of_place(m: nn.Module):
@@ -110,11 +117,13 @@ class HybridStep(nn.Module):
         self.conv_layers, self.rec_layers = conv_layers, rec_layers
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, state_slot: Tensor,
-                state_fresh: Tensor, state_lengths: Tensor, state_caches: list[Tensor]):
+                state_fresh: Tensor, state_lengths: Tensor, state_caches: list[Tensor],
+                state_snapshot_slot: Tensor | None = None):
         n = len(self.conv_layers)
         states = RecurrentStates(dict(zip(self.conv_layers, state_caches[:n])),
                                  dict(zip(self.rec_layers, state_caches[n:])),
-                                 state_slot, state_fresh, state_lengths)
+                                 state_slot, state_fresh, state_lengths,
+                                 snapshot_slot=state_snapshot_slot)
         with recurrent_as_ops(self.step.model, states), writes_out_of_place(self.step.model):
             logits = self.step(input_ids, position_ids)
         return (logits, *[states.conv[i] for i in self.conv_layers],
@@ -152,6 +161,8 @@ class HybridFrontend(OrdinaryFrontend):
                    torch.ones(batch, dtype=torch.bool, device=device),
                    torch.full((batch,), tokens, dtype=torch.int64, device=device),
                    caches)
+        if step == StepKind.DECODE and tokens > 1:    # speculative: a snapshot per token
+            example += (torch.full((batch, tokens), -1, dtype=torch.int64, device=device),)
         captured = capture(self.step_model, example)
         drop_replaced_weights(captured, self.step_model.step, self.model)
         return step_capture(captured, self.step_model, self.model, start)
@@ -174,9 +185,9 @@ PREFILL_REFUSED = {"Qwen3NextGatedDeltaNet": _GATED_OUTPUT,
 
 def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None:
     """``DCPHybridError`` for what a hybrid program does not do yet (docs/hybrid.md):
-    speculative decode, a decode program's chunk step (a prompt continued after prior
-    context), or prefill of a model a rule cannot run under sequence parallelism."""
-    refuse_hybrid(model, width=shapes.decode_len)   # speculative: refused by name
+    a decode program's chunk step (a prompt continued after prior context), or prefill of a
+    model a rule cannot run under sequence parallelism. Speculative (width-K) decode is
+    built: the decode step keeps a state snapshot per draft position."""
     if getattr(shapes, "chunk_len", 0):
         name, _, rule = recurrent_layers(model)[0]
         raise DCPHybridError(

@@ -52,6 +52,13 @@ class RecurrentStates:
     state_slot: Tensor | None = None
     fresh: Tensor | None = None
     lengths: Tensor | None = None
+    # [B, S] int64 of a width-K (speculative) step: where the state after each token is
+    # also kept (-1: none); None for every other step
+    snapshot_slot: Tensor | None = None
+
+    def snap(self) -> tuple:
+        """The ops' trailing ``snapshot_slot`` argument: () when the step keeps none."""
+        return () if self.snapshot_slot is None else (self.snapshot_slot,)
 
     def step(self, state_slot, fresh, lengths) -> "RecurrentStates":
         """Set the rows of the next step (lists or tensors)."""
@@ -95,7 +102,7 @@ def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Calla
             torch.ops.dcp.gated_delta_net(
                 mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
                 states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
-                m.num_k_heads, m.head_k_dim, m.head_v_dim, m.activation)
+                m.num_k_heads, m.head_k_dim, m.head_v_dim, m.activation, *states.snap())
         # The model flattens [B, S, Hv, dv] to [B*S*Hv, dv] around its gated norm; the norm
         # works over the last dim alone (its forward is pinned), so it runs on the unflattened
         # tensor: the same values, and every view keeps the token dim (check_token_wise).
@@ -128,7 +135,7 @@ def _mamba2_forward(m: nn.Module, states: RecurrentStates) -> Callable:
                 hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
                 m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
                 states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
-                m.ssm_state_size, m.activation, float(dt_min), float(dt_max))
+                m.ssm_state_size, m.activation, float(dt_min), float(dt_max), *states.snap())
         scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
         scan_output = m.norm(scan_output, gate)
         return m.out_proj(scan_output.to(dtype))
@@ -151,7 +158,8 @@ def _short_conv_forward(m: nn.Module, states: RecurrentStates) -> Callable:
         hidden_states = B * x
         conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
             hidden_states.transpose(-1, -2), m.conv.weight.squeeze(1), m.conv.bias,
-            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+            *states.snap())
         y = C * conv_out.transpose(-1, -2)
         y = y.transpose(-1, -2).contiguous()
         return m.out_proj(y)
@@ -345,9 +353,6 @@ def recurrent_as_ops(model: nn.Module, states: RecurrentStates):
 
 # What a hybrid model cannot do yet, by name (docs/hybrid.md).
 UNSUPPORTED = {
-    "speculative": "speculative (width-K) decode needs a state snapshot per draft position, so "
-                   "that a rejected draft rolls the recurrent state back; the ops keep them "
-                   "(snapshot_slot), no program or engine passes them yet",
     "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
                       "boundaries; a cached prefix's KV alone cannot restore it",
 }
@@ -383,17 +388,15 @@ def refuse_unruled_hybrid(model: nn.Module) -> None:
         f"for its mixer (docs/hybrid.md).")
 
 
-def refuse_hybrid(model: nn.Module, *, width: int = 1, prefix_caching: bool = False) -> None:
+def refuse_hybrid(model: nn.Module, *, prefix_caching: bool = False) -> None:
     """Raise ``DCPHybridError`` naming what a hybrid ``model`` asks for that is not done
-    (speculative decode, prefix caching); nothing for a model without recurrent mixers or
-    for a request a hybrid program serves (frontends/hybrid.py)."""
+    (prefix caching); nothing for a model without recurrent mixers or for a request a hybrid
+    program serves (frontends/hybrid.py; speculative width-K decode is served: its decode
+    step keeps a state snapshot per draft position)."""
     layers = recurrent_layers(model)
-    what = ("speculative" if width > 1 else "prefix_caching" if prefix_caching else None)
-    if not layers or what is None:
+    if not layers or not prefix_caching:
         return
     name, m, rule = layers[0]
     raise DCPHybridError(
         f"hybrid model: {len(layers)} recurrent layer(s) ({rule.cls}, first at {name}); "
-        f"{UNSUPPORTED[what]} (width={width}, prefix_caching={prefix_caching}). "
-        + {"speculative": "Decode with width 1.",
-           "prefix_caching": "Turn prefix caching off."}[what])
+        f"{UNSUPPORTED['prefix_caching']} (prefix_caching=True). Turn prefix caching off.")

@@ -75,10 +75,12 @@ _SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_bloc
 
 class Executor(Protocol):
     def step(self, kind: str, input_ids: torch.Tensor, positions: torch.Tensor,
-             block_table: torch.Tensor, state_slot: torch.Tensor | None = None) -> torch.Tensor:
+             block_table: torch.Tensor, state_slot: torch.Tensor | None = None,
+             snapshot_slot: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step of ``kind`` ("context" | "decode" | "prefill"); return logits.
         ``state_slot`` [B]: each row's recurrent-state slot (a hybrid program's engine only
-        passes it)."""
+        passes it); ``snapshot_slot`` [B, K]: where a width-K decode step keeps the state
+        after each token (a hybrid program's speculative engine only)."""
 
 
 class LocalExecutor:
@@ -97,7 +99,8 @@ class LocalExecutor:
         self.states = states
 
     @torch.no_grad()
-    def step(self, kind, input_ids, positions, block_table, state_slot=None):
+    def step(self, kind, input_ids, positions, block_table, state_slot=None,
+             snapshot_slot=None):
         if self.fns is not None and kind not in self.fns:
             raise DCPInputError(f"this program has no {kind!r} step: it has "
                                 f"{sorted(self.fns)}.")
@@ -105,8 +108,9 @@ class LocalExecutor:
         if self.before_step is not None:
             self.before_step(self.caches)
         if self.states is not None:
+            snap = {} if snapshot_slot is None else {"snapshot_slot": snapshot_slot}
             logits, caches, self.states = fn(input_ids, positions, block_table, self.caches,
-                                             state_slot=state_slot, states=self.states)
+                                             state_slot=state_slot, states=self.states, **snap)
         else:
             logits, caches = fn(input_ids, positions, block_table, self.caches)
         self.caches = list(caches)
@@ -172,7 +176,9 @@ class Engine:
                     "prefix caching with a hybrid program: the recurrent state would have to "
                     "be checkpointed at vblock boundaries; a cached prefix's KV alone cannot "
                     "restore it. Turn prefix caching off.")
-            self.state_slots = StateSlots(state_slots)
+            # K slots per sequence for a width-K decode step: the live one and K-1 spares
+            # for the state snapshots a rejected draft rolls back to
+            self.state_slots = StateSlots(state_slots, width=shapes.decode_len)
             self.contracts = {key: replace(c, num_state_slots=state_slots)
                               for key, c in self.contracts.items()}
 
@@ -261,13 +267,15 @@ class Engine:
             raise DCPInputError(f"cannot rewind sequence {seq} to {length} tokens: it holds "
                                 f"{self.lengths[seq]}. Pass a length in [0, "
                                 f"{self.lengths[seq]}].")
-        if self.state_slots is not None and length < self.lengths[seq]:
+        if self.state_slots is not None and length < self.lengths[seq] and \
+                not self.state_slots.roll_back(seq, length):
             from dcp_compile.runtime.errors import DCPHybridError
+            kept = sorted(self.state_slots.snapshots.get(seq, {}))
             raise DCPHybridError(
                 f"rewinding sequence {seq} of a hybrid program from {self.lengths[seq]} to "
                 f"{length} tokens: its recurrent state has already taken the later tokens "
-                f"in (no per-position snapshot is kept by the engine yet). Decode with "
-                f"width 1, without speculative drafts.")
+                f"in, and its last width-K step kept snapshots of lengths {kept} only. "
+                f"Rewind right after a width-K decode step, to one of its tokens.")
         self.lengths[seq] = length
         self.allocator.shrink(seq, length)
 
@@ -356,13 +364,18 @@ class Engine:
                                               seq_lens=seq_lens)
             logits = self.executor.step(kind, input_ids, positions, block_table)
         else:
-            slots = self.state_slots.step_slots(seq_ids, new_tokens + [0] * (
-                self.shapes.batch - len(seqs)))
+            counts = new_tokens + [0] * (self.shapes.batch - len(seqs))
+            slots = self.state_slots.step_slots(seq_ids, counts)
+            snap = {}
+            if kind == StepKind.DECODE and self.shapes.decode_len > 1:   # speculative
+                snap["snapshot_slot"] = self.state_slots.snapshot_slots(
+                    seq_ids, self.lengths + [0] * (self.shapes.batch - len(seqs)), counts,
+                    self.shapes.decode_len)
             self.contracts[kind, width].check(input_ids, positions, block_table,
                                               seq_lens=seq_lens, state_slot=slots,
-                                              fresh=state_rows(positions)[0])
+                                              fresh=state_rows(positions)[0], **snap)
             logits = self.executor.step(kind, input_ids, positions, block_table,
-                                        state_slot=slots)
+                                        state_slot=slots, **snap)
         for b, k in enumerate(new_tokens):
             self.lengths[b] += k
         return logits

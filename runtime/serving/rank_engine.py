@@ -28,9 +28,11 @@ class RecordingExecutor:
     def caches(self):
         return self.inner.caches
 
-    def step(self, kind, input_ids, positions, block_table, state_slot=None):
-        logits = self.inner.step(kind, input_ids, positions, block_table,
-                                 **({} if state_slot is None else {"state_slot": state_slot}))
+    def step(self, kind, input_ids, positions, block_table, state_slot=None,
+             snapshot_slot=None):
+        state = {k: v for k, v in (("state_slot", state_slot),
+                                   ("snapshot_slot", snapshot_slot)) if v is not None}
+        logits = self.inner.step(kind, input_ids, positions, block_table, **state)
         self.kinds.append(kind)
         self.logits.append(logits)
         self.positions.append(positions.clone())

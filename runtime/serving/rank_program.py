@@ -10,7 +10,7 @@ from torch.fx import Graph, GraphModule
 
 from dcp_compile.runtime.kernels.eager import call_kernels_directly, specialize_for_eager
 from dcp_compile.runtime.errors import DCPInputError, DCPWorldError
-from dcp_compile.runtime.names import RANK_INPUT
+from dcp_compile.runtime.names import RANK_INPUT, STATE_SNAPSHOT_SLOT
 from dcp_compile.runtime.distributed.roles import bound_collectives
 from dcp_compile.runtime.serving.state_cache import state_rows
 from dcp_compile.runtime.serving.step_contract import StepContract
@@ -89,6 +89,10 @@ class RankProgram:
             self._by_width[view.shapes.max_blocks] = (graphs, contracts)
         # The full-capacity bucket's, as before buckets.
         self.graphs, self.contracts, self.eager_kernels = graphs, contracts, kernels
+        # A hybrid's width-K decode step also takes state_snapshot_slot [B, K] (last input)
+        self.snapshot_steps = {kind for kind, gm in program.graphs.items()
+                               if any(n.op == "placeholder" and n.name == STATE_SNAPSHOT_SLOT
+                                      for n in gm.graph.nodes)}
 
     def _bind(self, program, group_names):
         graphs, eager_kernels = {}, {}
@@ -118,9 +122,11 @@ class RankProgram:
         return COMPILERS[self.compile](GraphModule(gm, graph)), kernels
 
     def run(self, kind: str, input_ids, positions, block_table, caches, *,
-            state_slot=None, states=None):
+            state_slot=None, states=None, snapshot_slot=None):
         """One step; a hybrid program's also takes each row's ``state_slot`` and the state
-        caches (``program.state_spec()``'s order) and returns ``(logits, caches, states)``."""
+        caches (``program.state_spec()``'s order) and returns ``(logits, caches, states)``.
+        Its width-K decode step also takes ``snapshot_slot`` ``[B, K]`` (where the state
+        after each token is kept, -1: none; default all -1)."""
         if states is None and self.program.state_spec() is not None:
             raise DCPInputError(
                 "this program is a hybrid model's: its steps take each row's state slot and "
@@ -143,10 +149,19 @@ class RankProgram:
             out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches)
             return out[0], list(out[1:])
         fresh, lengths = state_rows(positions)
+        snap = ()
+        if kind in self.snapshot_steps:
+            snap = (torch.full_like(positions, -1) if snapshot_slot is None
+                    else snapshot_slot,)
+        elif snapshot_slot is not None:
+            raise DCPInputError(
+                f"this program's {kind!r} step keeps no state snapshots (only a width-K "
+                f"decode step of a hybrid program does). Call it without snapshot_slot=.")
         contracts[kind].check(input_ids, positions, block_table, caches,
-                              state_slot=state_slot, fresh=fresh)
+                              state_slot=state_slot, fresh=fresh,
+                              snapshot_slot=snap[0] if snap else None)
         out = graphs[kind](*self._prefix, input_ids, positions, block_table, *caches,
-                           state_slot, fresh, lengths, *states)
+                           state_slot, fresh, lengths, *states, *snap)
         n = len(caches)
         return out[0], list(out[1:1 + n]), list(out[1 + n:])
 

@@ -105,35 +105,81 @@ def state_rows(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class StateSlots:
-    """Which state slot each live sequence holds (the engine's; docs/hybrid.md): a sequence
-    gets the lowest free slot at its first step and keeps it until ``free`` (the request
-    finished). A slot handed to a new sequence needs no clearing: its first step is fresh and
-    reads a zero state."""
+    """Which state slots each live sequence holds (the engine's; docs/hybrid.md): a sequence
+    gets the ``width`` lowest free slots at its first step and keeps them until ``free`` (the
+    request finished). One is its live slot (its state after its last token); with
+    ``width`` K > 1 (speculative width-K steps) the other K-1 are spares, where a width-K
+    step keeps the state after each of the row's tokens but its last
+    (``snapshot_slots``); a rejected draft then rolls back by making the accepted token's
+    snapshot the live slot (``roll_back``: no copy, no recomputation). A slot handed to a new
+    sequence needs no clearing: its first step is fresh and reads a zero state."""
 
-    def __init__(self, num_slots: int):
-        if num_slots < 1:
-            raise DCPConfigError(f"state slots: num_slots={num_slots}. Use num_slots >= 1.")
-        self.num_slots = num_slots
-        self.of: dict[int, int] = {}            # sequence -> slot
+    def __init__(self, num_slots: int, width: int = 1):
+        if num_slots < 1 or width < 1 or num_slots < width:
+            raise DCPConfigError(f"state slots: num_slots={num_slots}, width={width}. Use "
+                                 f"num_slots >= width >= 1.")
+        self.num_slots, self.width = num_slots, width
+        self.of: dict[int, int] = {}            # sequence -> live slot
+        self.spares: dict[int, list[int]] = {}  # sequence -> its width - 1 spare slots
+        # sequence -> {length: slot holding its state after `length` tokens}, kept by its
+        # last width-K step
+        self.snapshots: dict[int, dict[int, int]] = {}
 
     def slot(self, seq: int) -> int:
-        """``seq``'s slot, given at its first call."""
+        """``seq``'s live slot; its ``width`` slots are given at its first call."""
         if seq not in self.of:
-            free = sorted(set(range(self.num_slots)) - set(self.of.values()))
-            if not free:
+            held = set(self.of.values()) | {x for sp in self.spares.values() for x in sp}
+            free = sorted(set(range(self.num_slots)) - held)
+            if len(free) < self.width:
                 raise DCPConfigError(
                     f"no free recurrent-state slot for sequence {seq}: all {self.num_slots} "
-                    f"are held by sequences {sorted(self.of)}. Finish a request first "
-                    f"(Engine.finish), or build the program with a larger batch.")
-            self.of[seq] = free[0]
+                    f"are held by sequences {sorted(self.of)} ({self.width} each). Finish a "
+                    f"request first (Engine.finish), or build the program with a larger "
+                    f"batch.")
+            self.of[seq], self.spares[seq] = free[0], free[1:self.width]
         return self.of[seq]
 
     def free(self, seq: int) -> None:
-        """``seq`` finished: its slot goes back (nothing is cleared)."""
+        """``seq`` finished: its slots go back (nothing is cleared)."""
         self.of.pop(seq, None)
+        self.spares.pop(seq, None)
+        self.snapshots.pop(seq, None)
 
     def step_slots(self, seqs: list[int | None], new_tokens: list[int]) -> torch.Tensor:
         """``state_slot [B]`` of a step: each row with tokens its sequence's slot, -1 for a
         row without tokens (padding, or a sequence that sits the step out)."""
         return torch.tensor([self.slot(s) if s is not None and k else -1
                              for s, k in zip(seqs, new_tokens)], dtype=torch.int64)
+
+    def snapshot_slots(self, seqs: list[int | None], starts: list[int],
+                       new_tokens: list[int], width: int) -> torch.Tensor:
+        """``state_snapshot_slot [B, width]`` of a width-K step: row b's token t (but its
+        last, whose state goes to the live slot) keeps its state in its sequence's spare
+        ``t``; -1 elsewhere. Records them: ``roll_back(seq, starts[b] + t + 1)`` may follow."""
+        snap = torch.full((len(seqs), width), -1, dtype=torch.int64)
+        for b, (s, start, k) in enumerate(zip(seqs, starts, new_tokens)):
+            if s is None or not k:
+                continue
+            self.slot(s)
+            if k > self.width:
+                raise DCPConfigError(
+                    f"sequence {s}: a step of {k} tokens keeps {k - 1} state snapshots, its "
+                    f"sequence holds {self.width - 1} spare slots. Build the program with "
+                    f"StepShapes(decode_len >= {k}).")
+            spares = self.spares[s]
+            snap[b, :k - 1] = torch.tensor(spares[:k - 1], dtype=torch.int64)
+            self.snapshots[s] = {start + t + 1: spares[t] for t in range(k - 1)}
+        return snap
+
+    def roll_back(self, seq: int, length: int) -> bool:
+        """Continue ``seq`` from its state after ``length`` tokens, kept by its last width-K
+        step: that snapshot's slot becomes live and the old live slot a spare. False: no
+        snapshot of that length is kept."""
+        kept = self.snapshots.pop(seq, {})
+        if length not in kept:
+            return False
+        slot = kept[length]
+        spares = self.spares[seq]
+        spares[spares.index(slot)] = self.of[seq]
+        self.of[seq] = slot
+        return True

@@ -246,9 +246,8 @@ def lfm2():
 
 
 @pytest.mark.parametrize("shapes,match", [
-    (StepShapes(decode_len=3), r"speculative \(width-K\).*width=3"),
     (StepShapes(chunk_len=4), r"chunk step \(StepShapes.chunk_len=4\) is not built"),
-], ids=["speculative-width-3", "chunk-step"])
+], ids=["chunk-step"])
 def test_what_is_not_built_is_refused_by_name(lfm2, shapes, match):
     with pytest.raises(DCPHybridError, match=match):
         dcp_compile.transform(lfm2, tp=4, dcp=2, mode="decode", shapes=shapes)

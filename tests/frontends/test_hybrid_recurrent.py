@@ -148,35 +148,21 @@ def test_an_unknown_conv_activation_is_refused_by_name(model, monkeypatch):
             pass
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(width=2), r"speculative \(width-K\).*width=2.*Decode with width 1"),
-    (dict(prefix_caching=True), r"prefix caching.*vblock.*Turn prefix caching off"),
-], ids=["speculative", "prefix-caching"])
-def test_what_is_not_done_is_refused_by_name(model, kwargs, match):
-    with pytest.raises(DCPHybridError, match=match):
-        refuse_hybrid(model, **kwargs)
+def test_what_is_not_done_is_refused_by_name(model):
+    with pytest.raises(DCPHybridError, match=r"prefix caching.*vblock.*Turn prefix caching off"):
+        refuse_hybrid(model, prefix_caching=True)
 
 
 def test_a_model_without_recurrent_layers_is_not_refused():
     from hf_corpus import build
-    refuse_hybrid(build("qwen3", "sdpa"), width=4, prefix_caching=True)
+    refuse_hybrid(build("qwen3", "sdpa"), prefix_caching=True)
 
 
-def test_a_width_one_decode_of_a_hybrid_is_not_refused(model):
+def test_a_decode_of_a_hybrid_is_not_refused(model):
     """A DCP program of a hybrid is built (frontends/hybrid.py; tests/frontends/
-    test_hybrid_program.py runs it): only what is not built is refused."""
-    refuse_hybrid(model, width=1)
-
-
-def test_transform_refuses_speculative_hybrid_by_name(model):
-    """transform() of a speculative (width-K) hybrid stops at the frontend with the named
-    reason (before any capture), not with the generic feature diagnosis of the token-wise
-    check."""
-    import dcp_compile
-    from dcp_compile.runtime.serving.engine import StepShapes
-    with pytest.raises(DCPHybridError, match=r"speculative \(width-K\).*width=3"):
-        dcp_compile.transform(model, tp=4, dcp=2, mode="decode",
-                              shapes=StepShapes(decode_len=3))
+    test_hybrid_program.py runs it, test_hybrid_hspec.py its width-K speculative steps):
+    only what is not built is refused."""
+    refuse_hybrid(model)
 
 
 def test_declared_windows_of_the_graph_count_attention_layers_only(model):

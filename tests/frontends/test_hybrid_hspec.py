@@ -1,0 +1,159 @@
+"""Speculative (width-K) decode of hybrid programs (docs/hybrid.md, "Speculative decoding"):
+a width-K decode step keeps the recurrent state after each draft position in the sequence's
+spare state slots (``state_snapshot_slot``), and the engine continues from the accepted
+draft's snapshot, so a rejected draft rolls the state back exactly.
+
+Tests: the accepted tokens equal greedy decode of the model's own forward, with drafts partly
+wrong on purpose, every verified position's logits within 1e-4 (Qwen3.5 and Bamba, tp=4/dcp=2;
+tp=8/dcp=4 behind ``DCP_HYBRID_FULL``); the engine without the roll back gives other tokens
+(the test can fail); the snapshot slots a step hands the program; the refusals left.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+
+import dcp_compile  # noqa: E402
+from dcp_compile import verify  # noqa: E402
+from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
+from dcp_compile.runtime.errors import DCPHybridError  # noqa: E402
+from dcp_compile.runtime.names import STATE_SNAPSHOT_SLOT  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
+from dcp_compile.runtime.serving.state_cache import StateSlots  # noqa: E402
+from full_runs import full  # noqa: E402
+from hybrid_configs import build_hybrid  # noqa: E402
+
+TOL = 1e-4
+K = 3                                 # a row verifies up to 2 drafts
+LENGTHS = (1, 5, 8)
+STEPS = 7
+SHAPES = StepShapes(batch=3, context_len=8, max_blocks=8, num_blocks=16, decode_len=K)
+BLOCK = 2
+FULL = full("DCP_HYBRID_FULL")
+SPEC_TYPES = ("qwen3_5_text", "bamba")
+LAYOUTS = ((4, 2), (8, 4))
+
+
+def _cases():
+    return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
+                         marks=() if (tp, dcp) == (4, 2) or FULL else
+                         pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
+            for t in SPEC_TYPES for tp, dcp in LAYOUTS]
+
+
+def _prompts(vocab: int = 256):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+_PROGRAMS: dict = {}
+
+
+def _program(model_type: str, tp: int, dcp: int):
+    key = (model_type, tp, dcp)
+    if key not in _PROGRAMS:
+        model = build_hybrid(model_type)
+        _PROGRAMS[key] = model, dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode",
+                                                      block_size=BLOCK, shapes=SHAPES,
+                                                      check=False)
+    return _PROGRAMS[key]
+
+
+class WrongOnPurpose:
+    """Drafts from the model's own greedy continuation ``want``, with every draft whose
+    generated index is 2 mod 3 made wrong (its token + 1): rows accept 0, 1 or 2 drafts, so
+    a step's later positions are rejected and their state must be rolled back."""
+
+    def __init__(self, prompts, want, vocab):
+        self.prompts, self.want, self.vocab = prompts, want, vocab
+
+    def propose(self, histories, counts):
+        out = []
+        for b, (h, c) in enumerate(zip(histories, counts)):
+            g = len(h) - len(self.prompts[b])          # generated tokens so far
+            drafts = self.want[b][g:g + c]
+            out.append([(t + 1) % self.vocab if (g + i) % 3 == 2 else t
+                        for i, t in enumerate(drafts)])
+        return out
+
+    def accepted(self, seq, length):
+        pass
+
+
+def _speculative(model, program, prompts):
+    ref, _ = verify.run_reference(FullForwardReference(model), program, prompts, STEPS)
+    drafter = WrongOnPurpose(prompts, ref.tokens, model.config.vocab_size)
+    return verify.verify_speculative(FullForwardReference(model), program, prompts, STEPS,
+                                     lambda rank: drafter, atol=TOL)
+
+
+@pytest.mark.parametrize("model_type,tp,dcp", _cases())
+def test_speculative_decode_matches_greedy_with_drafts_partly_rejected(model_type, tp, dcp):
+    """Width-3 verification steps with partly wrong drafts: the accepted tokens are the model's
+    own greedy tokens and every verified position's logits are within 1e-4 of its own forward
+    over the whole sequence, on every rank; some drafts were accepted and some rejected."""
+    model, program = _program(model_type, tp, dcp)
+    report = _speculative(model, program, _prompts())
+    assert report.ok and report.tokens_agree, report
+    spec = report.spec
+    assert 0 < spec["accepted"] < spec["drafted"], spec
+    # a step with a rejected draft after an accepted one: the state rolled back mid-row
+    assert any(a == 1 for step in spec["accepted_per_step"] for a in step), spec
+    print(f"{model_type} tp={tp} dcp={dcp} speculative K={K}: max |logit error| "
+          f"{report.max_abs_error:.1e}, {spec['accepted']}/{spec['drafted']} drafts accepted")
+
+
+def test_without_the_roll_back_the_tokens_differ(monkeypatch):
+    """The mutation: the engine keeps the live slot (the state after the rejected drafts) as
+    if the snapshot were taken. The logits then leave the model's own (the test above can
+    fail)."""
+    model, program = _program("bamba", 4, 2)
+
+    def kept_live(self, seq, length):
+        return length in self.snapshots.pop(seq, {})
+    monkeypatch.setattr(StateSlots, "roll_back", kept_live)
+    report = _speculative(model, program, _prompts())
+    assert not report.ok and report.max_abs_error > 1e-2, report
+
+
+def test_the_width_k_decode_step_takes_the_snapshot_slots():
+    """Only the width-K decode graph has the ``state_snapshot_slot`` input (last), and the
+    program's state slots are K per row of the batch."""
+    _, program = _program("bamba", 4, 2)
+    assert program.state_spec().num_slots == SHAPES.batch * K
+    for kind, gm in program.graphs.items():
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        assert (names[-1] == STATE_SNAPSHOT_SLOT) == (kind == "decode"), (kind, names[-3:])
+
+
+def test_state_slots_keep_a_snapshot_per_draft_and_roll_back_to_it():
+    slots = StateSlots(6, width=3)
+    assert slots.step_slots([0, 1, None], [2, 4, 0]).tolist() == [0, 3, -1]
+    assert slots.spares == {0: [1, 2], 1: [4, 5]}
+    snap = slots.snapshot_slots([0, 1, None], [5, 8, 0], [3, 1, 0], 3)
+    assert snap.tolist() == [[1, 2, -1], [-1, -1, -1], [-1, -1, -1]]
+    assert slots.snapshots == {0: {6: 1, 7: 2}, 1: {}}
+    assert slots.roll_back(0, 7)              # the state after 7 tokens is slot 2's
+    assert slots.of[0] == 2 and slots.spares[0] == [1, 0]
+    assert not slots.roll_back(0, 6)          # the snapshots are spent
+    assert not slots.roll_back(1, 8)
+    with pytest.raises(Exception, match="keeps 3 state snapshots"):
+        slots.snapshot_slots([0], [7], [4], 4)
+    slots.free(0)
+    assert slots.slot(2) == 0 and slots.spares[2] == [1, 2]
+
+
+def test_the_engine_refuses_a_rewind_no_snapshot_covers():
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
+    engine = Engine(LocalExecutor(None, []), SHAPES, block_size=BLOCK, state_slots=9)
+    engine.lengths = [5]
+    engine.state_slots.slot(0)
+    with pytest.raises(DCPHybridError, match=r"rewinding sequence 0 of a hybrid program from "
+                                             r"5 to 3 tokens.*snapshots of lengths \[\]"):
+        engine.rewind(0, 3)
