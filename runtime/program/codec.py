@@ -19,8 +19,10 @@ from torch.fx import Graph, GraphModule, Node
 
 from dcp_compile.runtime.kernels import moe as _moe_ops  # noqa: F401 - registers the dcp::moe ops a graph may call
 from dcp_compile.runtime.kernels import ops as _dcp_ops  # noqa: F401 - registers the dcp:: ops a graph may call
+from dcp_compile.runtime.kernels import recurrent as _recurrent_ops  # noqa: F401 - a hybrid's dcp:: recurrent ops
 from dcp_compile.runtime.config import DCPConfig
 from dcp_compile.runtime.serving.engine import StepShapes
+from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 from dcp_compile.runtime.errors import DCPError, DCPInputError
 from dcp_compile.runtime.program.facts import LatentAttention, MixtureOfExperts, ModelFacts
 from dcp_compile.runtime.names import Mode, Role, StepKind
@@ -46,7 +48,8 @@ HASH_CHUNK = 1 << 22
 # The types a file may name, by name (a file names a class; loading looks it up here only).
 DATACLASSES = {cls.__name__: cls for cls in (DCPConfig, Topology, StepShapes, ShardSpec,
                                               ModelFacts, LatentAttention, MixtureOfExperts,
-                                              Piece, WeightSource)}
+                                              Piece, WeightSource, StateCacheSpec,
+                                              StateLayer)}
 ENUMS = {cls.__name__: cls for cls in (StepKind, Role, Mode)}
 # Python callables a graph may call besides torch ops (getitem of a multi-output op).
 PYTHON_TARGETS = {f"operator.{f.__name__}": f for f in (operator.getitem,)}
@@ -54,16 +57,16 @@ PYTHON_TARGETS = {f"operator.{f.__name__}": f for f in (operator.getitem,)}
 # messages, torch's "custom" annotations and every key our passes write (runtime/names.py).
 KEPT_META = ("val", "stack_trace", "custom")
 OURS = "dcp_"
-# Fields of the program the file leaves out (the compiler's record, see the docstring), and
-# a hybrid's state caches: DCPProgram.save refuses a hybrid program, so a file never has any
-# (a loaded program's state_cache is its default, None).
-DROPPED = ("report", "dump_dir", "state_cache")
+# Fields of the program the file leaves out (the compiler's record, see the docstring).
+DROPPED = ("report", "dump_dir")
 # The program fields a file holds, and their types once decoded (schema.check_type): graphs
 # and constants are checked apart (GRAPH_NODE, the body's tensors).
 FIELDS = {"config": DCPConfig, "topology": Topology, "shapes": StepShapes,
           "shards": dict[str, ShardSpec], "weight_inputs": list[str], "facts": ModelFacts,
           "source": str, "weight_names": dict[str, tuple[str, ...]],
-          "weight_sources": dict[str, WeightSource]}
+          "weight_sources": dict[str, WeightSource],
+          # a hybrid's recurrent-state caches of one rank (program.state_spec()), else None
+          "state_cache": StateCacheSpec | None}
 # The body's top level and one encoded graph node (schema.check_type; values inside a node
 # are checked by schema.check_encoded).
 BODY = {"fields": dict, "constants": dict[str, torch.Tensor], "graphs": dict[str, dict],

@@ -236,13 +236,6 @@ class DCPProgram:
         ``weights=False`` leaves the named weights out (their shapes and dtypes stay): a few
         MB for any model, each rank then reads its shard from the checkpoint."""
         from dcp_compile.runtime.program.codec import save_program
-        if self.state_cache is not None:
-            from dcp_compile.runtime.errors import DCPHybridError
-            raise DCPHybridError(
-                f"saving a hybrid program ({len(self.state_cache.layers)} recurrent layers): "
-                f"the program file's schema does not record its state caches yet, so a "
-                f"loaded copy would run its graphs without them. Transform the model on "
-                f"each launch (docs/hybrid.md).")
         save_program(self, path, weights=weights)
 
     # -- reports ---------------------------------------------------------------------------

@@ -157,3 +157,35 @@ def test_the_engine_refuses_a_rewind_no_snapshot_covers():
     with pytest.raises(DCPHybridError, match=r"rewinding sequence 0 of a hybrid program from "
                                              r"5 to 3 tokens.*snapshots of lengths \[\]"):
         engine.rewind(0, 3)
+
+
+# -- program files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type,decode_len", [("lfm2", 1), ("bamba", K)],
+                         ids=["lfm2-decode", "bamba-speculative"])
+def test_a_saved_and_reloaded_hybrid_program_reproduces_the_tokens(tmp_path, model_type,
+                                                                    decode_len):
+    """program.save / load_program keep the state caches (``state_spec()``, the file's
+    ``state_cache`` field): the loaded program lists the same spec and its decode (LFM2) or
+    speculative decode with partly wrong drafts (Bamba's width-K program, its snapshot
+    input) gives the original program's tokens, the model's own greedy ones."""
+    from dcp_compile.runtime.program.program_file import load_program
+    if decode_len == 1:
+        model = build_hybrid(model_type)
+        program = dcp_compile.transform(model, tp=4, dcp=2, mode="decode", block_size=BLOCK,
+                                        shapes=StepShapes(batch=3, context_len=8, max_blocks=8,
+                                                          num_blocks=16), check=False)
+    else:
+        model, program = _program(model_type, 4, 2)
+    program.save(tmp_path / "hybrid.dcp")
+    loaded = load_program(tmp_path / "hybrid.dcp")
+    assert loaded.state_spec() == program.state_spec() is not None
+    prompts = _prompts()
+    if decode_len == 1:
+        before = verify.verify(FullForwardReference(model), program, prompts, steps=4, atol=TOL)
+        report = verify.verify(FullForwardReference(model), loaded, prompts, steps=4, atol=TOL)
+        assert before.ok and report.ok and report.tokens_agree, report
+    else:
+        report = _speculative(model, loaded, prompts)
+        assert report.ok and report.tokens_agree and report.spec["accepted"] > 0, report
+    print(f"{model_type} reloaded: max |logit error| {report.max_abs_error:.1e}")

@@ -172,13 +172,6 @@ def test_the_program_lists_its_state_caches_and_takes_them_as_inputs():
     assert dcp_compile.transform  # the program came from the public API
 
 
-def test_saving_a_hybrid_program_is_refused_by_name(tmp_path):
-    _, program = _program("lfm2", 4, 2, "decode")
-    with pytest.raises(DCPHybridError, match="saving a hybrid program"):
-        program.save(tmp_path / "p.dcp")
-    assert not list(tmp_path.iterdir())
-
-
 def test_a_non_hybrid_model_has_no_state():
     """Every other frontend lists no state caches (the driver puts None in the program)."""
     from dcp_compile.frontends import frontend_for
