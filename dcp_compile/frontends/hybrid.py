@@ -18,7 +18,9 @@ The ordinary frontend's capture and prologue, with two differences:
 
 A width-K decode step (``StepShapes.decode_len = K > 1``, speculative verification) also
 takes ``state_snapshot_slot [B, K]`` after the state caches: where the state after each
-draft position is kept, so the engine continues from the accepted draft's snapshot.
+draft position is kept, so the engine continues from the accepted draft's snapshot. With
+``StepShapes.state_checkpoints = N``, the context step takes one too (``[B, context_len]``):
+the engine keeps the state at a prompt's vblock boundaries there, for prefix caching.
 
 What is not built is refused by name (:func:`refuse_unbuilt`, ``UNSUPPORTED`` of
 module_recurrent): prefix caching, a decode program's chunk step, and prefill of the
@@ -50,8 +52,18 @@ def state_slots(shapes) -> int:
     """State slots of a program: one per row of its batch (the engine's sequences at once),
     times the decode width K: a width-K (speculative) step keeps the state after each of a
     row's first K-1 tokens in its sequence's K-1 spare slots (``state_snapshot_slot``), the
-    state after its last token in its live slot (docs/hybrid.md)."""
-    return shapes.batch * shapes.decode_len
+    state after its last token in its live slot (docs/hybrid.md); then the
+    ``state_checkpoints`` slots prefix caching keeps the state at vblock boundaries in."""
+    return shapes.batch * shapes.decode_len + getattr(shapes, "state_checkpoints", 0)
+
+
+def keeps_snapshots(shapes, step: str) -> bool:
+    """Whether ``step``'s graph takes ``state_snapshot_slot [B, tokens]``: a width-K decode
+    step (speculative drafts) and, with ``state_checkpoints``, the context step (the state
+    at a prompt's vblock boundaries, for prefix caching)."""
+    if step == StepKind.DECODE:
+        return shapes.decode_len > 1
+    return step == StepKind.CONTEXT and getattr(shapes, "state_checkpoints", 0) > 0
 
 
 def _recomposition_out_of_place(m: nn.Module):
@@ -161,7 +173,7 @@ class HybridFrontend(OrdinaryFrontend):
                    torch.ones(batch, dtype=torch.bool, device=device),
                    torch.full((batch,), tokens, dtype=torch.int64, device=device),
                    caches)
-        if step == StepKind.DECODE and tokens > 1:    # speculative: a snapshot per token
+        if keeps_snapshots(self.shapes, step):      # a state snapshot slot per token
             example += (torch.full((batch, tokens), -1, dtype=torch.int64, device=device),)
         captured = capture(self.step_model, example)
         drop_replaced_weights(captured, self.step_model.step, self.model)
@@ -195,6 +207,13 @@ def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None
             f"(StepShapes.chunk_len={shapes.chunk_len}) is not built for hybrids: the chunk "
             f"step's width-K rows are not wired to the state caches. Set chunk_len=0 (the "
             f"prompt runs through the context step).")
+    if mode == Mode.PREFILL and getattr(shapes, "state_checkpoints", 0):
+        name, _, rule = recurrent_layers(model)[0]
+        raise DCPHybridError(
+            f"hybrid model ({rule.cls} at {name}) in prefill mode with StepShapes."
+            f"state_checkpoints={shapes.state_checkpoints}: the state checkpoints of prefix "
+            f"caching are kept by a decode program's context step only (the prefill rewrite "
+            f"does not pass snapshot slots). Build a decode program, or state_checkpoints=0.")
     if mode == Mode.PREFILL:
         for name, _, rule in recurrent_layers(model)[:1]:
             if rule.cls in PREFILL_REFUSED:
@@ -205,4 +224,4 @@ def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None
 
 
 __all__ = ["HybridFrontend", "HybridStep", "OUT_OF_PLACE", "PREFILL_REFUSED", "STATE_CACHES",
-           "refuse_unbuilt", "state_slots", "writes_out_of_place"]
+           "keeps_snapshots", "refuse_unbuilt", "state_slots", "writes_out_of_place"]

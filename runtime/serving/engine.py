@@ -37,6 +37,10 @@ class StepShapes:
     # step of this width: every query over the prior cache and causally within the chunk);
     # 0: the decode program has no chunk step
     chunk_len: int = 0
+    # a hybrid decode program's recurrent-state checkpoint slots for prefix caching: its
+    # context step keeps the state at each full vblock of a prompt in one (docs/hybrid.md);
+    # 0: none (prefix caching of a hybrid is refused)
+    state_checkpoints: int = 0
 
     def tokens(self, kind: str) -> int:
         """Tokens per row of step ``kind`` (0: the program has no such step)."""
@@ -52,7 +56,7 @@ class StepShapes:
         if bad:
             raise DCPConfigError(
                 f"StepShapes fields must be ints with batch, context_len, max_blocks, "
-                f"decode_len >= 1, chunk_len >= 0 "
+                f"decode_len >= 1, chunk_len, state_checkpoints >= 0 "
                 f"and num_blocks >= 2 (one usable block besides the garbage block): "
                 f"{', '.join(bad)}. Pass positive ints.")
 
@@ -70,7 +74,7 @@ class StepShapes:
 
 
 _SHAPE_MINIMA = (("batch", 1), ("context_len", 1), ("max_blocks", 1), ("num_blocks", 2),
-                 ("decode_len", 1), ("chunk_len", 0))
+                 ("decode_len", 1), ("chunk_len", 0), ("state_checkpoints", 0))
 
 
 class Executor(Protocol):
@@ -115,6 +119,13 @@ class LocalExecutor:
             logits, caches = fn(input_ids, positions, block_table, self.caches)
         self.caches = list(caches)
         return logits
+
+    @torch.no_grad()
+    def copy_state(self, src: int, dst: int) -> None:
+        """A hybrid program's recurrent state of slot ``src`` into slot ``dst`` (every state
+        cache): a prefix-cache hit resumes from a checkpoint."""
+        for cache in self.states:
+            cache[dst] = cache[src]
 
 
 @dataclass
@@ -168,17 +179,24 @@ class Engine:
         self.lengths: list[int] = []
         # A hybrid program's recurrent-state slots (docs/hybrid.md): one per live sequence
         self.state_slots = None
+        # A hybrid decode program's prefix-cache state checkpoints (StepShapes.state_checkpoints)
+        self.checkpoints = None
         if state_slots is not None:
-            from dcp_compile.runtime.serving.state_cache import StateSlots
-            if prefix_caching:
+            from dcp_compile.runtime.serving.state_cache import StateCheckpoints, StateSlots
+            kept = shapes.state_checkpoints
+            if prefix_caching and not kept:
                 from dcp_compile.runtime.errors import DCPHybridError
                 raise DCPHybridError(
-                    "prefix caching with a hybrid program: the recurrent state would have to "
-                    "be checkpointed at vblock boundaries; a cached prefix's KV alone cannot "
-                    "restore it. Turn prefix caching off.")
+                    "prefix caching with a hybrid program: the recurrent state must be "
+                    "checkpointed at vblock boundaries (a cached prefix's KV alone cannot "
+                    "restore it), and this program keeps no checkpoints "
+                    "(StepShapes.state_checkpoints=0). Build the decode program with "
+                    "StepShapes(state_checkpoints=N), or turn prefix caching off.")
             # K slots per sequence for a width-K decode step: the live one and K-1 spares
-            # for the state snapshots a rejected draft rolls back to
-            self.state_slots = StateSlots(state_slots, width=shapes.decode_len)
+            # for the state snapshots a rejected draft rolls back to; then the checkpoints
+            self.state_slots = StateSlots(state_slots - kept, width=shapes.decode_len)
+            if prefix_caching:
+                self.checkpoints = StateCheckpoints(state_slots - kept, kept)
             self.contracts = {key: replace(c, num_state_slots=state_slots)
                               for key, c in self.contracts.items()}
 
@@ -251,6 +269,28 @@ class Engine:
                 f"program with a larger StepShapes.{field}.")
         input_ids, positions = self._pack(rows, K)
         return self._run(kind, input_ids, positions, [len(r) for r in rows])[:n]
+
+    def share_prefix(self, seq: int, prompt: list[int]) -> int:
+        """Start ``seq`` on the cached vblocks of ``prompt``'s longest cached prefix
+        (``BlockAllocator.share_prefix``); returns the tokens reused. A hybrid program's
+        engine reuses only a prefix whose last vblock has a state checkpoint and resumes the
+        sequence from it (copied into its live slot: its first step is not fresh)."""
+        alloc = self.allocator
+        if self.checkpoints is None:
+            return alloc.share_prefix(seq, prompt)
+        self.checkpoints.sync(alloc._by_hash)
+        hashes, m = alloc._hashes(prompt[:-1]), 0
+        for j, h in enumerate(hashes):
+            if h not in alloc._by_hash:
+                break
+            if h in self.checkpoints.of_hash:
+                m = j + 1
+        reused = alloc.share_prefix(seq, prompt[:m * alloc.tokens_per_block + 1])
+        if reused:
+            self.executor.copy_state(self.checkpoints.of_hash[hashes[m - 1]],
+                                     self.state_slots.slot(seq))
+            self.checkpoints.used += 1
+        return reused
 
     def finish(self, seq: int) -> None:
         """Sequence ``seq``'s request is done: its cache blocks and its recurrent-state slot
@@ -366,16 +406,30 @@ class Engine:
         else:
             counts = new_tokens + [0] * (self.shapes.batch - len(seqs))
             slots = self.state_slots.step_slots(seq_ids, counts)
-            snap = {}
+            snap, kept = {}, {}
             if kind == StepKind.DECODE and self.shapes.decode_len > 1:   # speculative
                 snap["snapshot_slot"] = self.state_slots.snapshot_slots(
                     seq_ids, self.lengths + [0] * (self.shapes.batch - len(seqs)), counts,
                     self.shapes.decode_len)
+            elif kind == StepKind.CONTEXT and self.shapes.state_checkpoints:
+                # the state at each full vblock of a prompt, for the prefix cache
+                alloc = self.allocator
+                hashes = [alloc._hashes(input_ids[b, :k - 1].tolist())
+                          if self.checkpoints is not None and k else []
+                          for b, k in enumerate(counts)]
+                if self.checkpoints is not None:
+                    self.checkpoints.sync(alloc._by_hash)
+                    snap["snapshot_slot"], kept = self.checkpoints.plan(
+                        hashes, alloc.tokens_per_block, input_ids.shape[1])
+                else:
+                    snap["snapshot_slot"] = torch.full_like(positions, -1)
             self.contracts[kind, width].check(input_ids, positions, block_table,
                                               seq_lens=seq_lens, state_slot=slots,
                                               fresh=state_rows(positions)[0], **snap)
             logits = self.executor.step(kind, input_ids, positions, block_table,
                                         state_slot=slots, **snap)
+            if kept:
+                self.checkpoints.keep(kept)
         for b, k in enumerate(new_tokens):
             self.lengths[b] += k
         return logits

@@ -29,7 +29,7 @@ def prefill_sharing_prefixes(engine, prompts: list[list[int]]) -> torch.Tensor:
         if not rows:
             continue
         for b in rows:
-            engine.lengths[b] = alloc.share_prefix(b, prompts[b])
+            engine.lengths[b] = engine.share_prefix(b, prompts[b])
         chunks = [prompts[b][engine.lengths[b]:] if b in rows else [] for b in range(n)]
         if any(engine.lengths[b] for b in rows) and engine.prompt_kind == StepKind.CONTEXT:
             out = _prompt_in_decode_steps(engine, chunks)

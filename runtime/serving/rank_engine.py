@@ -28,6 +28,9 @@ class RecordingExecutor:
     def caches(self):
         return self.inner.caches
 
+    def copy_state(self, src: int, dst: int) -> None:
+        self.inner.copy_state(src, dst)
+
     def step(self, kind, input_ids, positions, block_table, state_slot=None,
              snapshot_slot=None):
         state = {k: v for k, v in (("state_slot", state_slot),

@@ -183,3 +183,50 @@ class StateSlots:
         spares[spares.index(slot)] = self.of[seq]
         self.of[seq] = slot
         return True
+
+
+class StateCheckpoints:
+    """Prefix caching's recurrent-state checkpoints (the engine's; docs/hybrid.md): the slots
+    ``[first, first + count)`` of the state cache, each holding the state after a full vblock
+    prefix of some prompt, keyed by that vblock's chained hash (the prefix cache's key,
+    ``BlockAllocator._hashes``). A checkpoint lives while the prefix cache holds its vblock:
+    ``sync`` frees those whose hash it no longer holds (evicted, or written again)."""
+
+    def __init__(self, first: int, count: int):
+        self.first, self.count = first, count
+        self.of_hash: dict[int, int] = {}       # vblock hash -> slot
+        self.taken = 0                          # checkpoints written
+        self.used = 0                           # checkpoints a request resumed from
+
+    def sync(self, cached) -> None:
+        """Free the checkpoints of vblocks the prefix cache no longer holds (``cached``: its
+        hashes)."""
+        for h in [h for h in self.of_hash if h not in cached]:
+            del self.of_hash[h]
+
+    def plan(self, hashes_per_row: list[list[int]], vblock: int,
+             width: int) -> tuple[torch.Tensor, dict[int, int]]:
+        """``state_snapshot_slot [B, width]`` of a context step whose row b starts a prompt
+        with full vblocks ``hashes_per_row[b]``: the state after vblock j's last token (index
+        ``(j + 1) * vblock - 1``) goes to a free checkpoint slot, once per hash not already
+        kept; and the new hash -> slot entries (``keep`` them once the step ran). No free
+        slot: that vblock gets no checkpoint (a later request reuses a shorter prefix)."""
+        snap = torch.full((len(hashes_per_row), width), -1, dtype=torch.int64)
+        new: dict[int, int] = {}
+        free = sorted(set(range(self.first, self.first + self.count)) -
+                      set(self.of_hash.values()))
+        for b, hashes in enumerate(hashes_per_row):
+            for j, h in enumerate(hashes):
+                if h in self.of_hash or h in new or not free:
+                    continue
+                new[h] = free.pop(0)
+                snap[b, (j + 1) * vblock - 1] = new[h]
+        return snap, new
+
+    def keep(self, new: dict[int, int]) -> None:
+        self.of_hash.update(new)
+        self.taken += len(new)
+
+    def longest(self, hashes: list[int]) -> int:
+        """Vblocks of the longest prefix of ``hashes`` whose last vblock has a checkpoint."""
+        return max((j + 1 for j, h in enumerate(hashes) if h in self.of_hash), default=0)

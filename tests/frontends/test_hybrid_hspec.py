@@ -189,3 +189,136 @@ def test_a_saved_and_reloaded_hybrid_program_reproduces_the_tokens(tmp_path, mod
         report = _speculative(model, loaded, prompts)
         assert report.ok and report.tokens_agree and report.spec["accepted"] > 0, report
     print(f"{model_type} reloaded: max |logit error| {report.max_abs_error:.1e}")
+
+
+# -- prefix caching --------------------------------------------------------------------------
+
+CKPT_SHAPES = StepShapes(batch=2, context_len=12, max_blocks=8, num_blocks=24, decode_len=1,
+                         state_checkpoints=4)
+PREFIX = 10                          # request A's prompt: 2 full vblocks (V = 2 * dcp = 4) + 2
+CKPT_STEPS = 4
+
+
+def _ckpt_cases():
+    return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
+                         marks=() if (tp, dcp) == (4, 2) or FULL else
+                         pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
+            for t in SPEC_TYPES for tp, dcp in LAYOUTS]
+
+
+_CKPT_PROGRAMS: dict = {}
+
+
+def _ckpt_program(model_type: str, tp: int, dcp: int):
+    key = (model_type, tp, dcp)
+    if key not in _CKPT_PROGRAMS:
+        model = build_hybrid(model_type)
+        _CKPT_PROGRAMS[key] = model, dcp_compile.transform(
+            model, tp=tp, dcp=dcp, mode="decode", block_size=BLOCK, shapes=CKPT_SHAPES,
+            check=False)
+    return _CKPT_PROGRAMS[key]
+
+
+def _greedy(model, prompt, steps):
+    """The model's own greedy tokens and their logits (its full forward each step)."""
+    seq, tokens, logits = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+            tokens.append(int(out.argmax()))
+            logits.append(out)
+            seq.append(tokens[-1])
+    return tokens, logits
+
+
+def _two_requests(program, prompts, *, prefix_caching):
+    """Every rank: request A, finish it, request B (a prefix of A's vblocks, then its own
+    tokens) on the same engine; B's tokens, logits, the positions its steps computed and the
+    engine's counts."""
+    from dcp_compile.runtime.distributed.world import run_threaded
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+
+    def rank_main(rank):
+        engine = rank_engine(program, rank, shared_names=True, record=True,
+                             prefix_caching=prefix_caching)
+        with torch.no_grad():
+            engine.generate([prompts[0]], CKPT_STEPS)
+            engine.finish(0)
+            seen = len(engine.executor.positions)
+            result = engine.generate([prompts[1]], CKPT_STEPS)
+        computed = sorted({p for pos in engine.executor.positions[seen:]
+                           for p in pos[0].tolist() if p >= 0})
+        ck = engine.checkpoints
+        return (result.tokens[0], torch.stack(result.logits)[:, 0], computed,
+                engine.allocator.reused_tokens, (ck.taken, ck.used) if ck else None)
+
+    return run_threaded(program.config.tp, rank_main)
+
+
+def _prefix_prompts():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(0, 256, (PREFIX,), generator=g).tolist()
+    b = a[:8] + torch.randint(0, 256, (3,), generator=g).tolist()    # shares 2 vblocks
+    return [a, b]
+
+
+@pytest.mark.parametrize("model_type,tp,dcp", _ckpt_cases())
+def test_prefix_cache_hit_resumes_from_the_state_checkpoint(model_type, tp, dcp):
+    """Request B shares request A's first two vblocks: its prompt starts on A's cached KV and
+    on the state checkpoint A's context step kept at token 8 (copied into B's slot), and
+    computes only its 3 own tokens (positions 8..10 and the decode steps: nothing before 8
+    is recomputed). B's tokens and logits equal the uncached run's and the model's own
+    greedy decode (1e-4) on every rank."""
+    model, program = _ckpt_program(model_type, tp, dcp)
+    prompts = _prefix_prompts()
+    want, want_logits = _greedy(model, prompts[1], CKPT_STEPS)
+    cached = _two_requests(program, prompts, prefix_caching=True)
+    uncached = _two_requests(program, prompts, prefix_caching=False)
+    worst = 0.0
+    for (tokens, logits, computed, reused, counts), (u_tokens, *_rest) in zip(cached, uncached):
+        assert tokens == u_tokens == want, (tokens, u_tokens, want)
+        worst = max(worst, float((logits - torch.stack(want_logits)).abs().max()))
+        assert reused == 8 and counts == (2, 1), (reused, counts)   # A kept 2, B used 1
+        assert computed[0] == 8, computed                            # nothing before 8
+    assert uncached[0][2][0] == 0                                    # uncached: from 0
+    assert worst < TOL, worst
+    print(f"{model_type} tp={tp} dcp={dcp} prefix cache: 8 of 11 prompt tokens reused from "
+          f"the checkpoint, max |logit error| {worst:.1e}")
+
+
+def test_without_the_checkpoint_the_tokens_differ(monkeypatch):
+    """The mutation: the hit reuses the KV but not the checkpoint (B's slot keeps what A
+    left in it). B's logits then leave the model's own: the checkpoint is what B resumes
+    from."""
+    from dcp_compile.runtime.serving.engine import LocalExecutor
+    model, program = _ckpt_program("bamba", 4, 2)
+    prompts = _prefix_prompts()
+    _, want_logits = _greedy(model, prompts[1], CKPT_STEPS)
+    monkeypatch.setattr(LocalExecutor, "copy_state", lambda self, src, dst: None)
+    logits = _two_requests(program, prompts, prefix_caching=True)[0][1]
+    assert float((logits - torch.stack(want_logits)).abs().max()) > 1e-2
+
+
+def test_prefix_caching_without_checkpoints_and_checkpoints_in_prefill_are_refused():
+    from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
+    with pytest.raises(DCPHybridError, match=r"prefix caching with a hybrid program.*"
+                                             r"StepShapes\(state_checkpoints=N\)"):
+        Engine(LocalExecutor(None, []), SHAPES, block_size=BLOCK, prefix_caching=True,
+               state_slots=9)
+    with pytest.raises(DCPHybridError, match=r"in prefill mode with StepShapes."
+                                             r"state_checkpoints=4"):
+        dcp_compile.transform(build_hybrid("bamba"), tp=4, dcp=2, mode="prefill",
+                              block_size=BLOCK, shapes=CKPT_SHAPES)
+
+
+def test_checkpoints_are_planned_per_vblock_once_and_freed_with_the_cached_blocks():
+    from dcp_compile.runtime.serving.state_cache import StateCheckpoints
+    ck = StateCheckpoints(first=3, count=2)
+    snap, new = ck.plan([[11, 12, 13], [11]], vblock=4, width=12)
+    assert new == {11: 3, 12: 4}                 # two slots: the third vblock gets none
+    assert snap[0].tolist() == [-1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, -1]
+    assert (snap[1] == -1).all()                 # hash 11 is kept once
+    ck.keep(new)
+    assert ck.longest([11, 12, 13]) == 2 and ck.longest([99]) == 0
+    ck.sync({12})                                # vblock 11 left the prefix cache
+    assert ck.of_hash == {12: 4}
