@@ -22,9 +22,10 @@ draft position is kept, so the engine continues from the accepted draft's snapsh
 ``StepShapes.state_checkpoints = N``, the context step takes one too (``[B, context_len]``):
 the engine keeps the state at a prompt's vblock boundaries there, for prefix caching.
 
-What is not built is refused by name (:func:`refuse_unbuilt`, ``UNSUPPORTED`` of
-module_recurrent): prefix caching, a decode program's chunk step, and prefill of the
-models ``PREFILL_REFUSED`` names (Qwen's gated attention output).
+What is not built is refused by name (:func:`refuse_unbuilt`): a decode program's chunk
+step, state checkpoints in a prefill program, and prefill of the models ``PREFILL_REFUSED``
+names (Qwen's gated attention output); the engine refuses prefix caching of a program
+without state checkpoints.
 """
 
 from __future__ import annotations

@@ -354,7 +354,8 @@ def recurrent_as_ops(model: nn.Module, states: RecurrentStates):
 # What a hybrid model cannot do yet, by name (docs/hybrid.md).
 UNSUPPORTED = {
     "prefix_caching": "prefix caching needs the recurrent state checkpointed at vblock "
-                      "boundaries; a cached prefix's KV alone cannot restore it",
+                      "boundaries; a cached prefix's KV alone cannot restore it (a decode "
+                      "program built with StepShapes(state_checkpoints=N) keeps them)",
 }
 
 

@@ -83,8 +83,12 @@ class Executor(Protocol):
              snapshot_slot: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step of ``kind`` ("context" | "decode" | "prefill"); return logits.
         ``state_slot`` [B]: each row's recurrent-state slot (a hybrid program's engine only
-        passes it); ``snapshot_slot`` [B, K]: where a width-K decode step keeps the state
-        after each token (a hybrid program's speculative engine only)."""
+        passes it); ``snapshot_slot`` [B, tokens]: where the step also keeps the state
+        after each token, -1: none (a hybrid program's width-K decode step and, with
+        ``state_checkpoints``, its context step)."""
+
+    # A hybrid program's executor with prefix caching also has
+    # copy_state(src: int, dst: int): a state slot's every cache row into another.
 
 
 class LocalExecutor:

@@ -40,7 +40,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
                                "bamba, lfm2)"),
     "DCP_HYBRID_FULL": ("frontends/test_hybrid_program.py",
                         "every hybrid family x tp=4/dcp=2 and tp=8/dcp=4, decode and (Mamba2, "
-                        "short conv) prefill (the slice: LFM2 decode, Bamba prefill)"),
+                        "short conv) prefill (the slice: LFM2 decode, Bamba prefill); "
+                        "tests/frontends/test_hybrid_hspec.py reads it too: speculative "
+                        "decode and prefix caching of Qwen3.5 and Bamba at both layouts (the "
+                        "slice: Bamba at tp=4/dcp=2)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",
