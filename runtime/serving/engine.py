@@ -283,12 +283,8 @@ class Engine:
         if self.checkpoints is None:
             return alloc.share_prefix(seq, prompt)
         self.checkpoints.sync(alloc._by_hash)
-        hashes, m = alloc._hashes(prompt[:-1]), 0
-        for j, h in enumerate(hashes):
-            if h not in alloc._by_hash:
-                break
-            if h in self.checkpoints.of_hash:
-                m = j + 1
+        hashes = alloc._hashes(prompt[:-1])
+        m = self.checkpoints.longest(hashes, alloc._by_hash)
         reused = alloc.share_prefix(seq, prompt[:m * alloc.tokens_per_block + 1])
         if reused:
             self.executor.copy_state(self.checkpoints.of_hash[hashes[m - 1]],

@@ -227,6 +227,13 @@ class StateCheckpoints:
         self.of_hash.update(new)
         self.taken += len(new)
 
-    def longest(self, hashes: list[int]) -> int:
-        """Vblocks of the longest prefix of ``hashes`` whose last vblock has a checkpoint."""
-        return max((j + 1 for j, h in enumerate(hashes) if h in self.of_hash), default=0)
+    def longest(self, hashes: list[int], cached) -> int:
+        """Vblocks of the longest prefix of ``hashes`` (a prompt's vblocks) the prefix cache
+        holds whole (``cached``: its hashes) and whose last vblock has a checkpoint."""
+        m = 0
+        for j, h in enumerate(hashes):
+            if h not in cached:
+                break
+            if h in self.of_hash:
+                m = j + 1
+        return m

@@ -328,6 +328,7 @@ def test_checkpoints_are_planned_per_vblock_once_and_freed_with_the_cached_block
     assert snap[0].tolist() == [-1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, -1]
     assert (snap[1] == -1).all()                 # hash 11 is kept once
     ck.keep(new)
-    assert ck.longest([11, 12, 13]) == 2 and ck.longest([99]) == 0
+    assert ck.longest([11, 12, 13], {11, 12, 13}) == 2 and ck.longest([99], {99}) == 0
+    assert ck.longest([11, 12], {12}) == 0       # vblock 11 left the cache: no prefix
     ck.sync({12})                                # vblock 11 left the prefix cache
     assert ck.of_hash == {12: 4}
