@@ -332,3 +332,40 @@ def test_checkpoints_are_planned_per_vblock_once_and_freed_with_the_cached_block
     assert ck.longest([11, 12], {12}) == 0       # vblock 11 left the cache: no prefix
     ck.sync({12})                                # vblock 11 left the prefix cache
     assert ck.of_hash == {12: 4}
+
+
+def test_a_loaded_program_refuses_a_snapshot_slot_of_another_sequence():
+    """The step contract's state-snapshot-slot rule on the loaded width-K program: a draft's
+    snapshot in another row's live slot is refused before anything runs (every state cache
+    keeps its bytes); a snapshot given to a step that keeps none is refused too."""
+    from dcp_compile.runtime.distributed.world import run_threaded
+    from dcp_compile.runtime.errors import DCPInputError
+    from dcp_compile.runtime.serving.rank_engine import load_rank
+    _, program = _program("bamba", 4, 2)
+    B = SHAPES.batch
+
+    def rank_main(rank):
+        loaded = load_rank(program, rank, shared_names=True)
+        caches = program.cache_spec().allocate()
+        states = [s.normal_() for s in program.state_spec().allocate_inputs()]
+        before = [s.clone() for s in states]
+        ids = torch.zeros(B, K, dtype=torch.int64)
+        pos = torch.tensor([[5, 6, 7]] * B)
+        table = torch.full((B, SHAPES.max_blocks), -1, dtype=torch.int64)
+        table[:, :2] = torch.arange(2 * B).view(B, 2)                # two vblocks each
+        slot = torch.tensor([0, 3, 6])
+        snap = torch.tensor([[1, 2, -1], [3, 5, -1], [7, 8, -1]])     # row 1 names its own
+        errors = []
+        for kind, extra in (("decode", {"snapshot_slot": snap}),
+                            ("context", {"snapshot_slot": snap})):
+            try:
+                loaded.run(kind, ids, pos, table, caches, state_slot=slot, states=states,
+                           **extra)
+            except DCPInputError as e:
+                errors.append(str(e))
+        return errors, all(torch.equal(a, b) for a, b in zip(before, states))
+
+    for errors, kept in run_threaded(4, rank_main):
+        assert len(errors) == 2 and kept, errors
+        assert "state_snapshot_slot[1, 0] = 3 is named twice" in errors[0], errors[0]
+        assert "'context' step keeps no state snapshots" in errors[1], errors[1]
