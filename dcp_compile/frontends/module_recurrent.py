@@ -240,6 +240,13 @@ RULES = (
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _mamba2_forward),
+    # Nemotron-H, Zamba2: Bamba's mixer code (transformers' modular copies; only the scan's
+    # docstring differs, its hash therefore does), the group-wise gated RMSNorm
+    RecurrentRule(f"{_TF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
+                  {"NemotronHMamba2Mixer.forward": "6e1e9d6ce582",
+                   "mamba2_scan_forward": "171adefd1a44",
+                   "NemotronHRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _mamba2_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -272,6 +279,23 @@ def hybrid_config(hf_config) -> str | None:
         if recurrent:
             return f"layer_types with {recurrent}"
     return None
+
+
+# Hybrids whose attention layers are not "every layer without a recurrent mixer", by model
+# type: the config's layer indices that attend (hf_config.attention_windows). Nemotron-H has
+# MLP-only blocks besides its Mamba2 and attention blocks.
+ATTENTION_LAYERS = {
+    "nemotron_h": lambda c: [i for i, t in enumerate(c.layers_block_type)
+                             if t in ("attention", "full_attention")],
+}
+
+
+def attention_layer_ids(model: nn.Module) -> set[int] | None:
+    """The decoder layers of ``model`` that attend, when ``ATTENTION_LAYERS`` names its model
+    type; None otherwise (then: every layer without a recurrent mixer)."""
+    config = getattr(model, "config", None)
+    rule = ATTENTION_LAYERS.get(getattr(config, "model_type", None))
+    return None if rule is None else set(rule(config))
 
 
 def _rule_of(m: nn.Module) -> RecurrentRule | None:

@@ -9,7 +9,7 @@ each and the interleave of the two kinds is exercised (a layer's index decides i
 
 from __future__ import annotations
 
-from hf_corpus import MOE, TINY
+from hf_corpus import DROP, MOE, TINY
 
 # Recurrent layer, attention layer, twice.
 _LAYERS = 4
@@ -36,6 +36,15 @@ _HYBRID = {
                      layer_types=["conv", "full_attention"] * (_LAYERS // 2)),
 }
 
+# The other Mamba2 hybrids (docs/hybrid.md, "The other Mamba hybrids").
+_HYBRID.update({
+    # Nemotron-H: its own layer pattern (mamba / attention / MLP blocks, one mixer each); a
+    # Mamba2 block, an attention block, each followed by an MLP block
+    "nemotron_h": dict(layers_block_type=["mamba", "mlp", "attention", "mlp"] * 2,
+                       mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8,
+                       conv_kernel=4, chunk_size=4, num_hidden_layers=DROP),
+})
+
 # The layer kinds of the configs above that are attention (the others are recurrent).
 ATTENTION_KINDS = ("full_attention", "attention")
 
@@ -45,7 +54,8 @@ HYBRID_TYPES = tuple(_HYBRID)
 def tiny_hybrid_config(model_type: str) -> dict:
     """The tiny config's keyword arguments for ``model_type`` (KeyError: no tiny config
     written for it yet)."""
-    return {**TINY, **_HYBRID[model_type]}
+    kw = {**TINY, **_HYBRID[model_type]}
+    return {k: v for k, v in kw.items() if v is not DROP}
 
 
 def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0):
