@@ -135,6 +135,38 @@ def _mamba2_forward(m: nn.Module, states: RecurrentStates) -> Callable:
     return forward
 
 
+def _falcon_h1_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Falcon-H1's mixer forward (eval): Bamba's, with its mup multipliers (the input times
+    ``ssm_in_multiplier``, the projection times the per-segment ``mup_vector``) and its
+    optional gated RMSNorm (else ``silu(gate)``), the model's own lines; the conv +
+    selective scan as ``dcp.mamba2_ssm`` over ``states``."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        hidden_states = hidden_states * m.ssm_in_multiplier
+        projected_states = m.in_proj(hidden_states)
+        projected_states = projected_states * m.mup_vector
+        gate, hidden_states_B_C, dt = projected_states.split(
+            [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        dt_min, dt_max = m.time_step_limit
+        scan_output, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
+            torch.ops.dcp.mamba2_ssm(
+                hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
+                m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
+                states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
+                m.ssm_state_size, m.activation, float(dt_min), float(dt_max))
+        scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
+        if m.mamba_rms_norm:
+            scan_output = m.norm(scan_output, gate)
+        else:
+            scan_output = scan_output * F.silu(gate)
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
 def _short_conv_shape(m: nn.Module) -> StateShape:
     return StateShape(conv=(m.conv.in_channels, m.conv_kernel_size - 1), rec=None)
 
@@ -247,6 +279,12 @@ RULES = (
                    "mamba2_scan_forward": "171adefd1a44",
                    "NemotronHRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _mamba2_forward),
+    # Falcon-H1: a Mamba2 mixer beside attention in every layer, with mup multipliers
+    RecurrentRule(f"{_TF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer",
+                  {"FalconH1Mixer.forward": "3003699349bf",
+                   "mamba2_scan_forward": "7b310fabf179",
+                   "FalconH1RMSNormGated.forward": "6be41dfb6ca8", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _falcon_h1_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -287,6 +325,8 @@ def hybrid_config(hf_config) -> str | None:
 ATTENTION_LAYERS = {
     "nemotron_h": lambda c: [i for i, t in enumerate(c.layers_block_type)
                              if t in ("attention", "full_attention")],
+    # every Falcon-H1 layer runs its Mamba2 mixer and its attention side by side
+    "falcon_h1": lambda c: range(c.num_hidden_layers),
 }
 
 

@@ -38,6 +38,7 @@ LAYOUTS = ((4, 2), (8, 4))
 # family -> its cell in the default run: (mode, tp, dcp, chunks)
 FAMILIES = {
     "nemotron_h": ("decode", 4, 2, 1),
+    "falcon_h1": ("prefill", 4, 2, 2),
 }
 
 

@@ -43,10 +43,24 @@ _HYBRID.update({
     "nemotron_h": dict(layers_block_type=["mamba", "mlp", "attention", "mlp"] * 2,
                        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8,
                        conv_kernel=4, chunk_size=4, num_hidden_layers=DROP),
+    # Falcon-H1: a Mamba2 mixer and attention side by side in every layer; every mup
+    # multiplier away from 1 (the ssm's per-segment ones too) and the gated group norm on
+    "falcon_h1": dict(num_hidden_layers=2, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                      mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4,
+                      mamba_rms_norm=True, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
+                      ssm_in_multiplier=0.7, ssm_out_multiplier=1.3,
+                      attention_in_multiplier=0.9, attention_out_multiplier=1.1,
+                      key_multiplier=0.8, embedding_multiplier=1.2, lm_head_multiplier=0.9,
+                      mlp_multipliers=[0.9, 1.1]),
 })
 
 # The layer kinds of the configs above that are attention (the others are recurrent).
 ATTENTION_KINDS = ("full_attention", "attention")
+# The layer kinds with no recurrent mixer: attention, and Nemotron-H's MLP / MoE blocks.
+NON_RECURRENT_KINDS = ATTENTION_KINDS + ("mlp", "moe")
+# The layer kinds that attend: attention, and "hybrid" layers (a Mamba2 mixer beside the
+# attention: Falcon-H1's every layer, Zamba2's shared-block layers).
+ATTENDING_KINDS = ATTENTION_KINDS + ("hybrid",)
 
 HYBRID_TYPES = tuple(_HYBRID)
 
