@@ -58,7 +58,8 @@ COMPLEX_VIEWS = frozenset({aten.view_as_complex.default, aten.view_as_real.defau
 SLICES = frozenset({aten.slice.Tensor, aten.narrow.default, aten.select.int})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                     aten.unbind.int})
-CONCATS = frozenset({aten.cat.default, aten.concat.default})   # concat: cat's alias
+CONCATS = frozenset({aten.cat.default, aten.concat.default,   # concat, concatenate: aliases
+                     aten.concatenate.default})
 JOINS = CONCATS | {aten.stack.default}
 
 # Move a linear's output columns around without arithmetic, so that running them on the

@@ -285,6 +285,11 @@ RULES = (
                    "mamba2_scan_forward": "7b310fabf179",
                    "FalconH1RMSNormGated.forward": "6be41dfb6ca8", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _falcon_h1_forward),
+    RecurrentRule(f"{_TF}.zamba2.modeling_zamba2", "Zamba2MambaMixer",
+                  {"Zamba2MambaMixer.forward": "6e1e9d6ce582",
+                   "mamba2_scan_forward": "9cef438529d0",
+                   "Zamba2RMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _mamba2_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -327,6 +332,9 @@ ATTENTION_LAYERS = {
                              if t in ("attention", "full_attention")],
     # every Falcon-H1 layer runs its Mamba2 mixer and its attention side by side
     "falcon_h1": lambda c: range(c.num_hidden_layers),
+    # Zamba2: every layer has a Mamba2 mixer; its "hybrid" layers also call a shared
+    # attention block (one site, and one KV cache, per calling layer)
+    "zamba2": lambda c: c.hybrid_layer_ids,
 }
 
 

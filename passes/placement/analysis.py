@@ -55,6 +55,23 @@ def reads_input(n: Node, name: str) -> bool:
     return False
 
 
+def lora_up(n: Node) -> bool:
+    """``n`` is the up half of a low-rank adapter added to a projection of the same input,
+    ``W x + B(A x)`` (Zamba2's shared-block adapters): not an MLP's down projection. The add's
+    requirement reaches it from ``W x`` (B cut like W, column-parallel; A replicated)."""
+    a = n.args[0]
+    if not (isinstance(a, Node) and a.target == LINEAR):
+        return False
+    x = a.args[0]
+    for add in n.users:
+        if add.target != aten.add.Tensor:
+            continue
+        other = next((o for o in add.args if o is not n), None)
+        if isinstance(other, Node) and other.target == LINEAR and other.args[0] is x:
+            return True
+    return False
+
+
 def _err(n: Node, what: str, fix: str) -> DCPTransformError:
     return DCPTransformError(f"{what}: node {n.name} ({n.target}) at {source_of(n)}. {fix}.")
 
@@ -275,12 +292,16 @@ class Analysis:
                            "A column-parallel bias must be cut like the weight's rows")
             if kind == "lm_head":
                 return R   # all-gathered over the vocab
+            if kind is None:   # its weight decided by another linear (a block's tied copy)
+                self._set_linear(n, "column")
             return replace(pw, dim=last)
         if isinstance(px, Shard) and isinstance(pw, Shard) and pw.dim == 1 \
                 and px.dim == len(shape_of(x)) - 1 and replace(px, dim=1) == pw:
             if b is not None and self.P(b) != R:
                 raise _err(n, f"row-parallel bias {b.name} is {show(self.P(b))}",
                            "The bias is added once after the all-reduce; keep it replicated")
+            if kind is None:
+                self._set_linear(n, "row")
             return Partial(pw.axis)
         raise _err(n, f"linear with input {show(px)} and weight {show(pw)} has no "
                       f"tensor-parallel form",
@@ -509,7 +530,8 @@ class Analysis:
         for i in range(self.down_cursor, len(self.linear_nodes)):
             n = self.linear_nodes[i]
             if n not in self.linears and self.P(n.args[0]) is None \
-                    and not plain_lm_head(n):     # vocab-parallel: decided below
+                    and not plain_lm_head(n) \
+                    and not lora_up(n):           # cut like the projection it adds to
                 self.down_cursor = i
                 return n
         self.down_cursor = len(self.linear_nodes)

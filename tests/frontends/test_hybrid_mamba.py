@@ -39,6 +39,7 @@ LAYOUTS = ((4, 2), (8, 4))
 FAMILIES = {
     "nemotron_h": ("decode", 4, 2, 1),
     "falcon_h1": ("prefill", 4, 2, 2),
+    "zamba2": ("prefill", 4, 2, 1),
 }
 
 
@@ -109,3 +110,16 @@ def test_nemotron_h_attends_in_its_attention_blocks_only():
     assert len(attention_windows(model)) == kinds.count("full_attention") == 2
     assert [m.layer_idx for _, m, _ in recurrent_layers(model)] == \
         [i for i, k in enumerate(kinds) if k == "linear_attention"]
+
+
+def test_zamba2_shared_block_has_a_kv_cache_per_calling_layer():
+    """Zamba2's hybrid layers call one shared attention block (tied weights): each call site
+    is its own attention layer with its own KV cache (the layer index the model passes), and
+    the tied weights are cut alike at both sites (one placement per parameter)."""
+    from dcp_compile.frontends.hf_config import attention_windows
+    model = _model("zamba2")
+    first, second = (model.model.layers[i].shared_transformer for i in (1, 3))
+    assert first.self_attn.q_proj.weight is second.self_attn.q_proj.weight
+    assert len(attention_windows(model)) == len(model.config.hybrid_layer_ids) == 2
+    program = _program("zamba2", 4, 2, "decode")
+    assert program.cache_spec().num_layers == 2

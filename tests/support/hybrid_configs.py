@@ -52,6 +52,15 @@ _HYBRID.update({
                       attention_in_multiplier=0.9, attention_out_multiplier=1.1,
                       key_multiplier=0.8, embedding_multiplier=1.2, lm_head_multiplier=0.9,
                       mlp_multipliers=[0.9, 1.1]),
+    # Zamba2: a Mamba2 mixer in every layer; the two hybrid layers call one shared attention
+    # block (num_mem_blocks=1: its weights tied), with RoPE. Grouped-query attention and no
+    # LoRA adapters: the model's k/v adapters assume as many KV heads as query heads, and
+    # decode DCP needs fewer (docs/hybrid.md)
+    "zamba2": dict(num_hidden_layers=_LAYERS, layers_block_type=["mamba", "hybrid"] * 2,
+                   n_mamba_heads=8, mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4,
+                   mamba_expand=2, chunk_size=4, attention_hidden_size=DROP,
+                   num_mem_blocks=1, use_shared_attention_adapter=False,
+                   use_mem_rope=True, head_dim=DROP),
 })
 
 # The layer kinds of the configs above that are attention (the others are recurrent).
