@@ -167,6 +167,42 @@ def _falcon_h1_forward(m: nn.Module, states: RecurrentStates) -> Callable:
     return forward
 
 
+def _mamba_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.intermediate_size, m.conv_kernel_size - 1),
+                      rec=(m.intermediate_size, m.ssm_state_size))
+
+
+def _jamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Jamba's Mamba-1 mixer forward (eval): its convolution as ``dcp.short_conv`` (then the
+    mixer's own activation), its selective scan as ``dcp.mamba_ssm`` over ``states``; the
+    model's own projections and dt / B / C norms between the two, tokens on dim 1 (the model
+    transposes to channels-first around its kernels: the same values)."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        projected_states = m.in_proj(hidden_states)
+        hidden_states, gate = projected_states.chunk(2, dim=-1)
+        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
+            hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        hidden_states = m.act(conv_out)
+        time_step, B, C = torch.split(
+            m.x_proj(hidden_states), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size],
+            dim=-1)
+        time_step = m.dt_layernorm(time_step)
+        B = m.b_layernorm(B)
+        C = m.c_layernorm(C)
+        time_step = F.linear(time_step, m.dt_proj.weight)    # dt_proj.weight @ time_step^T
+        scan_output, states.rec[m.layer_idx] = torch.ops.dcp.mamba_ssm(
+            hidden_states, time_step, m.A_log, B, C, m.D, m.dt_proj.bias,
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
 def _short_conv_shape(m: nn.Module) -> StateShape:
     return StateShape(conv=(m.conv.in_channels, m.conv_kernel_size - 1), rec=None)
 
@@ -290,6 +326,14 @@ RULES = (
                    "mamba2_scan_forward": "9cef438529d0",
                    "Zamba2RMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _mamba2_forward),
+    # Jamba: Mamba-1 (dcp.short_conv, then dcp.mamba_ssm)
+    RecurrentRule(f"{_TF}.jamba.modeling_jamba", "JambaMambaMixer",
+                  {"JambaMambaMixer.forward": "ac728d5d7b51",
+                   "mamba_scan_forward": "0d8232904026",
+                   "mamba_selective_scan": "b43a3221205e",
+                   "mamba_selective_state_update": "1c7cf7fce076",
+                   **_CONV_FUNCTIONS, "apply_mask_to_padding_states": "7785177646b3"},
+                  _mamba_shape, _jamba_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),

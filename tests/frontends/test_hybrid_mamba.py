@@ -40,6 +40,7 @@ FAMILIES = {
     "nemotron_h": ("decode", 4, 2, 1),
     "falcon_h1": ("prefill", 4, 2, 2),
     "zamba2": ("prefill", 4, 2, 1),
+    "jamba": ("prefill", 4, 2, 2),
 }
 
 
@@ -94,7 +95,8 @@ def test_program_matches_the_models_own_forward(model_type, mode, chunks, tp, dc
     assert report.ok and report.tokens_agree, report
     ops = [n for n in program.graphs[mode].graph.nodes
            if n.op == "call_function" and n.target in RECURRENT_OPS]
-    assert len(ops) == len(program.state_spec().layers) > 0
+    per_layer = 2 if model_type == "jamba" else 1      # Mamba-1: short_conv, then mamba_ssm
+    assert len(ops) == per_layer * len(program.state_spec().layers) > 0
     print(f"{model_type} {mode} x{chunks} tp={tp} dcp={dcp}: max |logit error| "
           f"{report.max_abs_error:.1e}")
 
@@ -123,3 +125,40 @@ def test_zamba2_shared_block_has_a_kv_cache_per_calling_layer():
     assert len(attention_windows(model)) == len(model.config.hybrid_layer_ids) == 2
     program = _program("zamba2", 4, 2, "decode")
     assert program.cache_spec().num_layers == 2
+
+
+def test_mamba_ssm_is_the_models_own_selective_scan():
+    """dcp.mamba_ssm from a zero state equals Jamba's own slow scan (transformers'
+    ``mamba_selective_scan``, the sequential path, D skip, no gate), rows of lengths 8, 5,
+    3 padded; the scan continued chunk by chunk (3 + 5) through the state cache equals the
+    whole sequence at once, and the state equals the one the model's scan returns."""
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+    g = torch.Generator().manual_seed(3)
+    Bsz, S, D, N = 3, 8, 6, 4
+    x, dt = torch.randn(Bsz, S, D, generator=g), torch.randn(Bsz, S, D, generator=g)
+    B, C = torch.randn(Bsz, S, N, generator=g), torch.randn(Bsz, S, N, generator=g)
+    A_log, Dskip = torch.randn(D, N, generator=g) * 0.5, torch.randn(D, generator=g)
+    dt_bias = torch.randn(D, generator=g)
+    lengths = torch.tensor([8, 5, 3])
+    slots = torch.arange(Bsz)
+    cache = torch.zeros(Bsz + 1, D, N)
+    op = torch.ops.dcp.mamba_ssm
+    y, state = op(x, dt, A_log, B, C, Dskip, dt_bias, cache, slots,
+                  torch.ones(Bsz, dtype=torch.bool), lengths)
+    for b, n in enumerate(lengths.tolist()):
+        want, want_state = mamba_selective_scan(
+            x[b:b + 1, :n].transpose(1, 2), dt[b:b + 1, :n].transpose(1, 2),
+            -torch.exp(A_log), B[b:b + 1, :n].transpose(1, 2), C[b:b + 1, :n].transpose(1, 2),
+            D=Dskip, delta_bias=dt_bias, delta_softplus=True, return_last_state=True)
+        assert (y[b, :n] - want[0].T).abs().max() < 1e-5
+        assert (state[b] - want_state[0]).abs().max() < 1e-5
+        assert not y[b, n:].any()                            # padding tokens: zeros
+    assert state[Bsz].abs().max() == 0                       # the garbage slot: untouched
+    cut = 3
+    first, mid = op(x[:, :cut], dt[:, :cut], A_log, B[:, :cut], C[:, :cut], Dskip, dt_bias,
+                    cache, slots, torch.ones(Bsz, dtype=torch.bool), lengths.clamp(max=cut))
+    second, end = op(x[:, cut:], dt[:, cut:], A_log, B[:, cut:], C[:, cut:], Dskip, dt_bias,
+                     mid, slots, torch.zeros(Bsz, dtype=torch.bool),
+                     (lengths - cut).clamp(min=0))
+    assert (torch.cat([first, second], 1) - y).abs().max() < 1e-5
+    assert (end - state).abs().max() < 1e-5

@@ -61,6 +61,11 @@ _HYBRID.update({
                    mamba_expand=2, chunk_size=4, attention_hidden_size=DROP,
                    num_mem_blocks=1, use_shared_attention_adapter=False,
                    use_mem_rope=True, head_dim=DROP),
+    # Jamba: Mamba-1 mixers (conv, x_proj, dt / B / C norms, selective scan) beside attention
+    # (period 2, offset 1), MoE feed-forward on every other layer
+    "jamba": dict(**MOE, num_hidden_layers=_LAYERS, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                  mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
 })
 
 # The layer kinds of the configs above that are attention (the others are recurrent).
