@@ -203,6 +203,39 @@ def _jamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
     return forward
 
 
+def _zamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Zamba's multi-head Mamba-1 mixer forward (eval): its convolution as ``dcp.short_conv``
+    (then its activation), its per-head scans as one ``dcp.mamba_ssm`` (B and C per head)
+    over ``states``; the model's own per-head x_proj / dt_proj weights as batched matmuls
+    between the two, tokens on dim 1. The in projection interleaves each channel's input and gate
+    (the model's ``view(B, -1, 2, S)``)."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        H, P, N = m.n_mamba_heads, m.mamba_head_dim, m.ssm_state_size
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        projected_states = m.in_proj(hidden_states).view(batch_size, seq_len, -1, 2)
+        hidden_states, gate = projected_states[..., 0], projected_states[..., 1]
+        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
+            hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        hidden_states = m.act(conv_out)
+        heads = hidden_states.view(batch_size, seq_len, H, P)
+        ssm_parameters = (m.x_proj_weight @ heads[..., None]).squeeze(-1)   # [B, S, H, R+2N]
+        time_step, B, C = torch.split(ssm_parameters, [m.time_step_rank, N, N], dim=-1)
+        time_step = (m.dt_proj_weight @ time_step[..., None]).squeeze(-1)   # [B, S, H, P]
+        scan_output, states.rec[m.layer_idx] = torch.ops.dcp.mamba_ssm(
+            hidden_states, time_step.reshape(batch_size, seq_len, H * P),
+            m.A_log.reshape(H * P, N), B, C, m.D.reshape(H * P),
+            None if m.dt_proj_bias is None else m.dt_proj_bias.reshape(H * P),
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
 def _short_conv_shape(m: nn.Module) -> StateShape:
     return StateShape(conv=(m.conv.in_channels, m.conv_kernel_size - 1), rec=None)
 
@@ -334,6 +367,12 @@ RULES = (
                    "mamba_selective_state_update": "1c7cf7fce076",
                    **_CONV_FUNCTIONS, "apply_mask_to_padding_states": "7785177646b3"},
                   _mamba_shape, _jamba_forward),
+    # Zamba: Mamba-1 with per-head x_proj / dt_proj (dcp.short_conv, then dcp.mamba_ssm)
+    RecurrentRule(f"{_TF}.zamba.modeling_zamba", "ZambaMambaMixer",
+                  {"ZambaMambaMixer.forward": "9c3eb8e340c4",
+                   "mamba_selective_scan": "b43a3221205e",
+                   "mamba_selective_state_update": "1c7cf7fce076", **_CONV_FUNCTIONS},
+                  _mamba_shape, _zamba_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -379,6 +418,7 @@ ATTENTION_LAYERS = {
     # Zamba2: every layer has a Mamba2 mixer; its "hybrid" layers also call a shared
     # attention block (one site, and one KV cache, per calling layer)
     "zamba2": lambda c: c.hybrid_layer_ids,
+    "zamba": lambda c: [i for i, t in enumerate(c.layers_block_type) if t == "hybrid"],
 }
 
 

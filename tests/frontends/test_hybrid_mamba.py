@@ -41,6 +41,7 @@ FAMILIES = {
     "falcon_h1": ("prefill", 4, 2, 2),
     "zamba2": ("prefill", 4, 2, 1),
     "jamba": ("prefill", 4, 2, 2),
+    "zamba": ("prefill", 4, 2, 1),
 }
 
 
@@ -95,7 +96,7 @@ def test_program_matches_the_models_own_forward(model_type, mode, chunks, tp, dc
     assert report.ok and report.tokens_agree, report
     ops = [n for n in program.graphs[mode].graph.nodes
            if n.op == "call_function" and n.target in RECURRENT_OPS]
-    per_layer = 2 if model_type == "jamba" else 1      # Mamba-1: short_conv, then mamba_ssm
+    per_layer = 2 if model_type in ("jamba", "zamba") else 1   # Mamba-1: conv, then scan
     assert len(ops) == per_layer * len(program.state_spec().layers) > 0
     print(f"{model_type} {mode} x{chunks} tp={tp} dcp={dcp}: max |logit error| "
           f"{report.max_abs_error:.1e}")
@@ -114,16 +115,21 @@ def test_nemotron_h_attends_in_its_attention_blocks_only():
         [i for i, k in enumerate(kinds) if k == "linear_attention"]
 
 
-def test_zamba2_shared_block_has_a_kv_cache_per_calling_layer():
-    """Zamba2's hybrid layers call one shared attention block (tied weights): each call site
-    is its own attention layer with its own KV cache (the layer index the model passes), and
-    the tied weights are cut alike at both sites (one placement per parameter)."""
+@pytest.mark.parametrize("model_type", ["zamba2", "zamba"])
+def test_a_shared_attention_block_has_a_kv_cache_per_calling_layer(model_type):
+    """Zamba2's and Zamba's hybrid layers call one shared attention block (tied weights):
+    each call site is its own attention layer with its own KV cache (the layer index the
+    model passes), and the tied weights are cut alike at both sites (one placement per
+    parameter)."""
     from dcp_compile.frontends.hf_config import attention_windows
-    model = _model("zamba2")
-    first, second = (model.model.layers[i].shared_transformer for i in (1, 3))
+    model = _model(model_type)
+    first, second = (model.model.layers[i].shared_transf for i in (1, 3)) \
+        if model_type == "zamba" else \
+        (model.model.layers[i].shared_transformer for i in (1, 3))
     assert first.self_attn.q_proj.weight is second.self_attn.q_proj.weight
-    assert len(attention_windows(model)) == len(model.config.hybrid_layer_ids) == 2
-    program = _program("zamba2", 4, 2, "decode")
+    hybrid = [i for i, k in enumerate(model.config.layers_block_type) if k == "hybrid"]
+    assert len(attention_windows(model)) == len(hybrid) == 2
+    program = _program(model_type, 4, 2, "decode")
     assert program.cache_spec().num_layers == 2
 
 

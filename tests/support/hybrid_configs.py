@@ -66,6 +66,12 @@ _HYBRID.update({
     "jamba": dict(**MOE, num_hidden_layers=_LAYERS, attn_layer_period=2, attn_layer_offset=1,
                   expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
                   mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+    # Zamba: multi-head Mamba-1 (per-head x_proj / dt_proj) in every layer; the two hybrid
+    # layers call one shared attention block (tied weights) on [hidden | embeddings]
+    "zamba": dict(num_hidden_layers=_LAYERS, layers_block_type=["mamba", "hybrid"] * 2,
+                  attention_hidden_size=128, attention_head_dim=16, n_mamba_heads=2,
+                  mamba_d_state=8, mamba_dt_rank=8, mamba_d_conv=4, mamba_expand=2,
+                  head_dim=DROP),
 })
 
 # The layer kinds of the configs above that are attention (the others are recurrent).
