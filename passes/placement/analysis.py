@@ -30,7 +30,7 @@ from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projec
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
 from .recurrent import place_recurrent
-from .weights import decide_weight, plain_lm_head, weight_placement
+from .weights import adopt_tied_kind, decide_weight, lora_up, plain_lm_head, weight_placement
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
@@ -52,23 +52,6 @@ def reads_input(n: Node, name: str) -> bool:
         if x.op == "placeholder" and x.name == name:
             return True
         stack.extend(x.all_input_nodes)
-    return False
-
-
-def lora_up(n: Node) -> bool:
-    """``n`` is the up half of a low-rank adapter added to a projection of the same input,
-    ``W x + B(A x)`` (Zamba2's shared-block adapters): not an MLP's down projection. The add's
-    requirement reaches it from ``W x`` (B cut like W, column-parallel; A replicated)."""
-    a = n.args[0]
-    if not (isinstance(a, Node) and a.target == LINEAR):
-        return False
-    x = a.args[0]
-    for add in n.users:
-        if add.target != aten.add.Tensor:
-            continue
-        other = next((o for o in add.args if o is not n), None)
-        if isinstance(other, Node) and other.target == LINEAR and other.args[0] is x:
-            return True
     return False
 
 
@@ -292,16 +275,12 @@ class Analysis:
                            "A column-parallel bias must be cut like the weight's rows")
             if kind == "lm_head":
                 return R   # all-gathered over the vocab
-            if kind is None:   # its weight decided by another linear (a block's tied copy)
-                self._set_linear(n, "column")
             return replace(pw, dim=last)
         if isinstance(px, Shard) and isinstance(pw, Shard) and pw.dim == 1 \
                 and px.dim == len(shape_of(x)) - 1 and replace(px, dim=1) == pw:
             if b is not None and self.P(b) != R:
                 raise _err(n, f"row-parallel bias {b.name} is {show(self.P(b))}",
                            "The bias is added once after the all-reduce; keep it replicated")
-            if kind is None:
-                self._set_linear(n, "row")
             return Partial(pw.axis)
         raise _err(n, f"linear with input {show(px)} and weight {show(pw)} has no "
                       f"tensor-parallel form",
@@ -530,8 +509,7 @@ class Analysis:
         for i in range(self.down_cursor, len(self.linear_nodes)):
             n = self.linear_nodes[i]
             if n not in self.linears and self.P(n.args[0]) is None \
-                    and not plain_lm_head(n) \
-                    and not lora_up(n):           # cut like the projection it adds to
+                    and not plain_lm_head(n) and not lora_up(n):   # decided below / by W
                 self.down_cursor = i
                 return n
         self.down_cursor = len(self.linear_nodes)
@@ -573,7 +551,7 @@ class Analysis:
         while self.forward_sweep() | self.backward_sweep():
             pass
         for n in self.linear_nodes:
-            if n not in self.linears:
+            if n not in self.linears and not adopt_tied_kind(self, n):
                 raise _err(n, "cannot tell how to shard this linear: it is not a q/k/v/o "
                               "projection, an MLP pair or the LM head",
                            "Refusing to leave it unsharded; restructure the model")

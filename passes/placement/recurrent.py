@@ -42,7 +42,8 @@ def recurrent_bw(n: Node, req):
 def place_recurrent(analysis) -> None:
     """Decide before the sweeps: a recurrent op reads its inputs whole, and the linears its
     inputs come from (the mixer's input projections) and its output reaches before the next
-    linear (the mixer's output projection) run whole too, on a replicated input (no collective; the head cut comes later, docs/hybrid.md)."""
+    linear (the mixer's output projection) run whole too, on a replicated input (no
+    collective; the head cut comes later, docs/hybrid.md)."""
     for n in analysis.nodes:
         if n.op != "call_function" or n.target not in RECURRENT_OPS:
             continue

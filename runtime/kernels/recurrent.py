@@ -412,8 +412,8 @@ def mamba_ssm(x: Tensor, dt: Tensor, A_log: Tensor, B: Tensor, C: Tensor, D: Ten
     """Mamba-1's selective scan over a chunk (module doc): x [B, S, D] (after the conv and
     its activation), dt [B, S, D] (before dt_bias and softplus), A_log [D, N], B, C
     [B, S, N] (shared by every channel) or [B, S, G, N] (per group of D/G consecutive
-    channels: Zamba's heads), D [D], dt_bias [D] or None; the state cache ssm [slots + 1, D, N] and the
-    rows as in dcp.gated_delta_net. Returns (y [B, S, D] with the D skip, ssm'). The
+    channels: Zamba's heads), D [D], dt_bias [D] or None; the state cache ssm
+    [slots + 1, D, N] and the rows as in dcp.gated_delta_net. Returns (y [B, S, D] with the D skip, ssm'). The
     convolution before it is dcp.short_conv (the mixer's x_proj runs between the two)."""
     return _mamba_ssm_impl(x, dt, A_log, B, C, D, dt_bias, ssm_state, state_slot, fresh,
                            lengths, snapshot_slot)
