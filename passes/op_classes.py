@@ -58,7 +58,8 @@ COMPLEX_VIEWS = frozenset({aten.view_as_complex.default, aten.view_as_real.defau
 SLICES = frozenset({aten.slice.Tensor, aten.narrow.default, aten.select.int})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                     aten.unbind.int})
-CONCATS = frozenset({aten.cat.default, aten.concat.default})   # concat: cat's alias
+CONCATS = frozenset({aten.cat.default, aten.concat.default,   # concat, concatenate: aliases
+                     aten.concatenate.default})
 JOINS = CONCATS | {aten.stack.default}
 
 # Move a linear's output columns around without arithmetic, so that running them on the
@@ -169,7 +170,8 @@ SHAPE_ONLY_FILLS = frozenset({aten.ones_like.default, aten.zeros_like.default,
 import dcp_compile.runtime.kernels.recurrent  # noqa: E402,F401  (registers torch.ops.dcp.*)
 RECURRENT_OPS = frozenset({torch.ops.dcp.gated_delta_net.default,
                            torch.ops.dcp.mamba2_ssm.default,
-                           torch.ops.dcp.short_conv.default})
+                           torch.ops.dcp.short_conv.default,
+                           torch.ops.dcp.mamba_ssm.default})
 
 
 def is_call(n, targets) -> bool:

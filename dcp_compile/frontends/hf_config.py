@@ -60,7 +60,10 @@ def attention_windows(model) -> list[int] | None:
     windows = declared_windows(model)
     if windows is None:
         return None
-    from .module_recurrent import recurrent_layers
+    from .module_recurrent import attention_layer_ids, recurrent_layers
+    attending = attention_layer_ids(model)
+    if attending is not None:
+        return [w for layer, w in enumerate(windows) if layer in attending]
     recurrent = {m.layer_idx for _, m, _ in recurrent_layers(model)}
     return [w for layer, w in enumerate(windows) if layer not in recurrent]
 

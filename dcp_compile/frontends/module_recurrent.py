@@ -142,6 +142,107 @@ def _mamba2_forward(m: nn.Module, states: RecurrentStates) -> Callable:
     return forward
 
 
+def _falcon_h1_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Falcon-H1's mixer forward (eval): Bamba's, with its mup multipliers (the input times
+    ``ssm_in_multiplier``, the projection times the per-segment ``mup_vector``) and its
+    optional gated RMSNorm (else ``silu(gate)``), the model's own lines; the conv +
+    selective scan as ``dcp.mamba2_ssm`` over ``states``."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        hidden_states = hidden_states * m.ssm_in_multiplier
+        projected_states = m.in_proj(hidden_states)
+        projected_states = projected_states * m.mup_vector
+        gate, hidden_states_B_C, dt = projected_states.split(
+            [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        dt_min, dt_max = m.time_step_limit
+        scan_output, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
+            torch.ops.dcp.mamba2_ssm(
+                hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
+                m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
+                states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
+                m.ssm_state_size, m.activation, float(dt_min), float(dt_max))
+        scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
+        if m.mamba_rms_norm:
+            scan_output = m.norm(scan_output, gate)
+        else:
+            scan_output = scan_output * F.silu(gate)
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
+def _mamba_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.intermediate_size, m.conv_kernel_size - 1),
+                      rec=(m.intermediate_size, m.ssm_state_size))
+
+
+def _jamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Jamba's Mamba-1 mixer forward (eval): its convolution as ``dcp.short_conv`` (then the
+    mixer's own activation), its selective scan as ``dcp.mamba_ssm`` over ``states``; the
+    model's own projections and dt / B / C norms between the two, tokens on dim 1 (the model
+    transposes to channels-first around its kernels: the same values)."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        projected_states = m.in_proj(hidden_states)
+        hidden_states, gate = projected_states.chunk(2, dim=-1)
+        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
+            hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        hidden_states = m.act(conv_out)
+        time_step, B, C = torch.split(
+            m.x_proj(hidden_states), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size],
+            dim=-1)
+        time_step = m.dt_layernorm(time_step)
+        B = m.b_layernorm(B)
+        C = m.c_layernorm(C)
+        time_step = F.linear(time_step, m.dt_proj.weight)    # dt_proj.weight @ time_step^T
+        scan_output, states.rec[m.layer_idx] = torch.ops.dcp.mamba_ssm(
+            hidden_states, time_step, m.A_log, B, C, m.D, m.dt_proj.bias,
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
+def _zamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Zamba's multi-head Mamba-1 mixer forward (eval): its convolution as ``dcp.short_conv``
+    (then its activation), its per-head scans as one ``dcp.mamba_ssm`` (B and C per head)
+    over ``states``; the model's own per-head x_proj / dt_proj weights as batched matmuls
+    between the two, tokens on dim 1. The in projection interleaves each channel's input and gate
+    (the model's ``view(B, -1, 2, S)``)."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        H, P, N = m.n_mamba_heads, m.mamba_head_dim, m.ssm_state_size
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        projected_states = m.in_proj(hidden_states).view(batch_size, seq_len, -1, 2)
+        hidden_states, gate = projected_states[..., 0], projected_states[..., 1]
+        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
+            hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        hidden_states = m.act(conv_out)
+        heads = hidden_states.view(batch_size, seq_len, H, P)
+        ssm_parameters = (m.x_proj_weight @ heads[..., None]).squeeze(-1)   # [B, S, H, R+2N]
+        time_step, B, C = torch.split(ssm_parameters, [m.time_step_rank, N, N], dim=-1)
+        time_step = (m.dt_proj_weight @ time_step[..., None]).squeeze(-1)   # [B, S, H, P]
+        scan_output, states.rec[m.layer_idx] = torch.ops.dcp.mamba_ssm(
+            hidden_states, time_step.reshape(batch_size, seq_len, H * P),
+            m.A_log.reshape(H * P, N), B, C, m.D.reshape(H * P),
+            None if m.dt_proj_bias is None else m.dt_proj_bias.reshape(H * P),
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
+        return m.out_proj(scan_output.to(dtype))
+    return forward
+
+
 def _short_conv_shape(m: nn.Module) -> StateShape:
     return StateShape(conv=(m.conv.in_channels, m.conv_kernel_size - 1), rec=None)
 
@@ -248,6 +349,38 @@ RULES = (
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _mamba2_forward),
+    # Nemotron-H, Zamba2: Bamba's mixer code (transformers' modular copies; only the scan's
+    # docstring differs, its hash therefore does), the group-wise gated RMSNorm
+    RecurrentRule(f"{_TF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
+                  {"NemotronHMamba2Mixer.forward": "6e1e9d6ce582",
+                   "mamba2_scan_forward": "171adefd1a44",
+                   "NemotronHRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _mamba2_forward),
+    # Falcon-H1: a Mamba2 mixer beside attention in every layer, with mup multipliers
+    RecurrentRule(f"{_TF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer",
+                  {"FalconH1Mixer.forward": "3003699349bf",
+                   "mamba2_scan_forward": "7b310fabf179",
+                   "FalconH1RMSNormGated.forward": "6be41dfb6ca8", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _falcon_h1_forward),
+    RecurrentRule(f"{_TF}.zamba2.modeling_zamba2", "Zamba2MambaMixer",
+                  {"Zamba2MambaMixer.forward": "6e1e9d6ce582",
+                   "mamba2_scan_forward": "9cef438529d0",
+                   "Zamba2RMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
+                  _mamba2_shape, _mamba2_forward),
+    # Jamba: Mamba-1 (dcp.short_conv, then dcp.mamba_ssm)
+    RecurrentRule(f"{_TF}.jamba.modeling_jamba", "JambaMambaMixer",
+                  {"JambaMambaMixer.forward": "ac728d5d7b51",
+                   "mamba_scan_forward": "0d8232904026",
+                   "mamba_selective_scan": "b43a3221205e",
+                   "mamba_selective_state_update": "1c7cf7fce076",
+                   **_CONV_FUNCTIONS, "apply_mask_to_padding_states": "7785177646b3"},
+                  _mamba_shape, _jamba_forward),
+    # Zamba: Mamba-1 with per-head x_proj / dt_proj (dcp.short_conv, then dcp.mamba_ssm)
+    RecurrentRule(f"{_TF}.zamba.modeling_zamba", "ZambaMambaMixer",
+                  {"ZambaMambaMixer.forward": "9c3eb8e340c4",
+                   "mamba_selective_scan": "b43a3221205e",
+                   "mamba_selective_state_update": "1c7cf7fce076", **_CONV_FUNCTIONS},
+                  _mamba_shape, _zamba_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -280,6 +413,29 @@ def hybrid_config(hf_config) -> str | None:
         if recurrent:
             return f"layer_types with {recurrent}"
     return None
+
+
+# Hybrids whose attention layers are not "every layer without a recurrent mixer", by model
+# type: the config's layer indices that attend (hf_config.attention_windows). Nemotron-H has
+# MLP-only blocks besides its Mamba2 and attention blocks.
+ATTENTION_LAYERS = {
+    "nemotron_h": lambda c: [i for i, t in enumerate(c.layers_block_type)
+                             if t in ("attention", "full_attention")],
+    # every Falcon-H1 layer runs its Mamba2 mixer and its attention side by side
+    "falcon_h1": lambda c: range(c.num_hidden_layers),
+    # Zamba2: every layer has a Mamba2 mixer; its "hybrid" layers also call a shared
+    # attention block (one site, and one KV cache, per calling layer)
+    "zamba2": lambda c: c.hybrid_layer_ids,
+    "zamba": lambda c: [i for i, t in enumerate(c.layers_block_type) if t == "hybrid"],
+}
+
+
+def attention_layer_ids(model: nn.Module) -> set[int] | None:
+    """The decoder layers of ``model`` that attend, when ``ATTENTION_LAYERS`` names its model
+    type; None otherwise (then: every layer without a recurrent mixer)."""
+    config = getattr(model, "config", None)
+    rule = ATTENTION_LAYERS.get(getattr(config, "model_type", None))
+    return None if rule is None else set(rule(config))
 
 
 def _rule_of(m: nn.Module) -> RecurrentRule | None:
@@ -375,8 +531,7 @@ def unruled_mixers(model: nn.Module) -> list[str]:
 
 def refuse_unruled_hybrid(model: nn.Module) -> None:
     """``DCPHybridError`` for a Hugging Face hybrid (``unruled_mixers``) none of whose mixers a
-    rule of ``RULES`` names (Jamba, Nemotron-H, Falcon-H1, Zamba2, Kimi Linear, MiniMax,
-    RecurrentGemma, ...)."""
+    rule of ``RULES`` names (Kimi Linear, MiniMax, RecurrentGemma, ...)."""
     mixers = unruled_mixers(model)
     if not mixers:
         return

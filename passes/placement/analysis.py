@@ -30,7 +30,7 @@ from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projec
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
 from .recurrent import place_recurrent
-from .weights import decide_weight, plain_lm_head, weight_placement
+from .weights import adopt_tied_kind, decide_weight, lora_up, plain_lm_head, weight_placement
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
@@ -509,7 +509,7 @@ class Analysis:
         for i in range(self.down_cursor, len(self.linear_nodes)):
             n = self.linear_nodes[i]
             if n not in self.linears and self.P(n.args[0]) is None \
-                    and not plain_lm_head(n):     # vocab-parallel: decided below
+                    and not plain_lm_head(n) and not lora_up(n):   # decided below / by W
                 self.down_cursor = i
                 return n
         self.down_cursor = len(self.linear_nodes)
@@ -551,7 +551,7 @@ class Analysis:
         while self.forward_sweep() | self.backward_sweep():
             pass
         for n in self.linear_nodes:
-            if n not in self.linears:
+            if n not in self.linears and not adopt_tied_kind(self, n):
                 raise _err(n, "cannot tell how to shard this linear: it is not a q/k/v/o "
                               "projection, an MLP pair or the LM head",
                            "Refusing to leave it unsharded; restructure the model")

@@ -41,14 +41,20 @@ def recurrent_bw(n: Node, req):
 
 def place_recurrent(analysis) -> None:
     """Decide before the sweeps: a recurrent op reads its inputs whole, and the linears its
-    output reaches before the next linear (the mixer's output projection) run whole too, on
-    a replicated input (no collective; the head cut comes later, docs/hybrid.md)."""
+    inputs come from (the mixer's input projections) and its output reaches before the next
+    linear (the mixer's output projection) run whole too, on a replicated input (no
+    collective; the head cut comes later, docs/hybrid.md)."""
     for n in analysis.nodes:
         if n.op != "call_function" or n.target not in RECURRENT_OPS:
             continue
         for a in tensor_args(n):
             analysis.require(a, R, n)
-        for lin in linears_reached(list(n.users), lambda x: list(x.users)):
+        # the projections before it too: decided now, not left for the MLP-down heuristic
+        # while their input is unknown (Zamba2's mixer reads the shared block's output)
+        before = linears_reached(tensor_args(n), lambda x: x.all_input_nodes)
+        for lin in before + linears_reached(list(n.users), lambda x: list(x.users)):
+            if lin in analysis.linears:
+                continue
             decide_weight(analysis, lin, lin.args[1], R)
             if len(lin.args) > 2 and lin.args[2] is not None:
                 analysis.decide(lin.args[2], R, lin)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from .lattice import R
+import torch
+
+from .lattice import R, Partial, Shard
 from .node_args import weight_chain, weight_param
-from .plan import EMBEDDING, reaches_output_directly
+from .plan import EMBEDDING, LINEAR, reaches_output_directly
 from .rules import rule_for
 
 
@@ -44,3 +46,30 @@ def plain_lm_head(n: Node) -> bool:
     return reaches_output_directly(n) and (
         any(u.op == "output" for u in n.users)
         or any(u.target == EMBEDDING for u in w.users))
+
+
+def lora_up(n: Node) -> bool:
+    """``n`` is the up half of a low-rank adapter added to a projection of the same input,
+    ``W x + B(A x)`` (Zamba2's shared-block adapters): not an MLP's down projection. The add's
+    requirement reaches it from ``W x`` (B cut like W, column-parallel; A replicated)."""
+    a = n.args[0]
+    if not (isinstance(a, Node) and a.target == LINEAR):
+        return False
+    for add in n.users:
+        if add.target != torch.ops.aten.add.Tensor:
+            continue
+        other = next((o for o in add.args if o is not n), None)
+        if isinstance(other, Node) and other.target == LINEAR and other.args[0] is a.args[0]:
+            return True
+    return False
+
+
+def adopt_tied_kind(an, n: Node) -> bool:
+    """A linear no role decided whose weight another linear did (a block's tied copy called
+    from several layers, Zamba2's / Zamba's shared attention): it is placed from that weight,
+    column (its output cut) or row (a pending sum); record that kind. False: not placed."""
+    p = an.P(n)
+    if not isinstance(p, (Shard, Partial)):
+        return False
+    an._set_linear(n, "row" if isinstance(p, Partial) else "column")
+    return True

@@ -30,7 +30,11 @@ Ops:
                        y_t = S_t C_t + D x_t, dt_t = clamp(softplus(dt + dt_bias), limits),
                        B and C shared by the heads of a group.
   dcp.short_conv       LFM2's short convolution: the depthwise causal conv alone (no
-                       activation), its state the last K-1 inputs.
+                       activation), its state the last K-1 inputs; also Mamba-1's conv.
+  dcp.mamba_ssm        Mamba-1 (Jamba, Zamba): the selective scan alone (its conv is
+                       dcp.short_conv, the mixer's x_proj runs between the two),
+                       S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T, y_t = S_t C_t + D x_t,
+                       A [D, N] per channel, B and C shared by every channel.
 
 The reference is the recurrent form, a static loop over the chunk's tokens: exact, the
 function transformers' one-token updates (``torch_recurrent_gated_delta_rule``,
@@ -345,6 +349,83 @@ def mamba2_head_shard(n_groups: int, num_heads: int, head_dim: int, state_size: 
     return channels, slice(rank * h_local, (rank + 1) * h_local)
 
 
-DECOMPOSITIONS = {torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
+# dcp.mamba_ssm's operands in schema order (Mamba-1: Jamba, Zamba).
+MAMBA_OPERANDS = ("x", "dt", "A_log", "B", "C", "D", "dt_bias", "ssm_state", "state_slot",
+                  "fresh", "lengths", "snapshot_slot")
+
+
+def mamba_selective_scan_ref(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                             D: Tensor, state: Tensor, valid: Tensor, *,
+                             per_token: bool = False):
+    """Mamba-1's selective scan, token by token (fp32): x, dt [B, S, D] (dt discretised),
+    A [D, N], B, C [B, S, D, N] (per channel), D [D], state [B, D, N], valid [B, S].
+    ``S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T``, ``y_t = S_t C_t + D x_t``. Returns
+    (y [B, S, D], state') and, ``per_token``, the state after every token [B, S, D, N]."""
+    outs, states = [], []
+    for t in range(x.shape[1]):
+        dA = torch.exp(dt[:, t, :, None] * A)                                   # [B, D, N]
+        new = state * dA + (dt[:, t] * x[:, t])[..., None] * B[:, t]
+        keep = valid[:, t].view(-1, 1, 1)
+        state = torch.where(keep, new, state)
+        y = (new * C[:, t]).sum(-1) + D * x[:, t]                                # [B, D]
+        outs.append(torch.where(keep[..., 0], y, torch.zeros_like(y)))
+        states.append(state)
+    if per_token:
+        return torch.stack(outs, dim=1), state, torch.stack(states, dim=1)
+    return torch.stack(outs, dim=1), state
+
+
+def _per_channel(t: Tensor, channels: int) -> Tensor:
+    """B or C of dcp.mamba_ssm per channel [B, S, D, N]: from [B, S, N] (shared by every
+    channel: Jamba) or [B, S, G, N] (one per group of D/G consecutive channels: Zamba's
+    heads)."""
+    if t.dim() == 3:
+        return t[:, :, None, :].expand(t.shape[0], t.shape[1], channels, t.shape[-1])
+    return t.repeat_interleave(channels // t.shape[2], dim=2)
+
+
+def _mamba_ssm_impl(x: Tensor, dt: Tensor, A_log: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                    dt_bias: Tensor | None, ssm_state: Tensor, state_slot: Tensor,
+                    fresh: Tensor, lengths: Tensor, snapshot_slot: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    S = x.shape[1]
+    rows = state_rows(ssm_state, state_slot)
+    usable = rows != garbage_state_slot(ssm_state)
+    valid = torch.arange(S, device=x.device)[None, :] < lengths.view(-1, 1)
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    step = F.softplus(dt)
+    A = -torch.exp(A_log.float())
+    state = _read_state(ssm_state, rows, fresh, usable).float()
+    B, C = (_per_channel(t.float(), x.shape[-1]) for t in (B, C))
+    y, state, *each = mamba_selective_scan_ref(x.float(), step, A, B, C,
+                                               D.float(), state, valid,
+                                               per_token=snapshot_slot is not None)
+    return y.to(x.dtype), _write_states(ssm_state, rows, state, snapshot_slot, *each or [None])
+
+
+@dcp_op("mamba_ssm", mutates_args=())
+def mamba_ssm(x: Tensor, dt: Tensor, A_log: Tensor, B: Tensor, C: Tensor, D: Tensor,
+              dt_bias: Tensor | None, ssm_state: Tensor, state_slot: Tensor, fresh: Tensor,
+              lengths: Tensor, snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Mamba-1's selective scan over a chunk (module doc): x [B, S, D] (after the conv and
+    its activation), dt [B, S, D] (before dt_bias and softplus), A_log [D, N], B, C
+    [B, S, N] (shared by every channel) or [B, S, G, N] (per group of D/G consecutive
+    channels: Zamba's heads), D [D], dt_bias [D] or None; the state cache ssm
+    [slots + 1, D, N] and the rows as in dcp.gated_delta_net. Returns (y [B, S, D] with the D skip, ssm'). The
+    convolution before it is dcp.short_conv (the mixer's x_proj runs between the two)."""
+    return _mamba_ssm_impl(x, dt, A_log, B, C, D, dt_bias, ssm_state, state_slot, fresh,
+                           lengths, snapshot_slot)
+
+
+@mamba_ssm.register_fake
+def _(x, dt, A_log, B, C, D, dt_bias, ssm_state, state_slot, fresh, lengths,
+      snapshot_slot=None):
+    return torch.empty_like(x), torch.empty_like(ssm_state)
+
+
+DECOMPOSITIONS = {torch.ops.dcp.mamba_ssm.default: _mamba_ssm_impl,
+                  torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
                   torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl,
                   torch.ops.dcp.short_conv.default: _short_conv_impl}

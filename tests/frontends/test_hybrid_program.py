@@ -254,7 +254,7 @@ def test_qwen_prefill_is_refused_for_its_attention_output_gate(model_type):
                               block_size=BLOCK, shapes=SHAPES)
 
 
-@pytest.mark.parametrize("model_type,mixer", [("jamba", "JambaMambaMixer"),
+@pytest.mark.parametrize("model_type,mixer", [("kimi_linear", "KimiLinearAttention"),
                                               ("minimax", "MiniMaxLightningAttention")])
 def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer):
     """A hybrid by its config whose mixer no rule names: DCPHybridError naming its modules,

@@ -15,7 +15,7 @@ from dcp_compile.frontends.module_recurrent import (allocate_states, recurrent_a
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import garbage_state_slot, state_rows
 from full_runs import full
-from hybrid_configs import ATTENTION_KINDS, HYBRID_TYPES, build_hybrid
+from hybrid_configs import ATTENDING_KINDS, HYBRID_TYPES, NON_RECURRENT_KINDS, build_hybrid
 
 TOL = 1e-4
 
@@ -34,7 +34,7 @@ def test_every_recurrent_layer_is_found(model):
     kinds = model.config.layer_types
     layers = recurrent_layers(model)
     assert [m.layer_idx for _, m, _ in layers] == [i for i, k in enumerate(kinds)
-                                                   if k not in ATTENTION_KINDS]
+                                                   if k not in NON_RECURRENT_KINDS]
 
 
 # Mixed prompt lengths around the conv kernel K=4 (3, 4, 5) and an 8, right-padded in one batch.
@@ -172,11 +172,11 @@ def test_declared_windows_of_the_graph_count_attention_layers_only(model):
     while declared_windows stays indexed by layer_idx (the attention call's)."""
     from dcp_compile.frontends.hf_config import attention_windows, declared_windows
     kinds = model.config.layer_types
-    attention = [i for i, k in enumerate(kinds) if k in ATTENTION_KINDS]
+    attention = [i for i, k in enumerate(kinds) if k in ATTENDING_KINDS]
     per_layer = declared_windows(model)
     assert len(per_layer) == model.config.num_hidden_layers
     assert attention_windows(model) == [per_layer[i] for i in attention]
-    assert 0 < len(attention) < model.config.num_hidden_layers
+    assert 0 < len(attention) <= model.config.num_hidden_layers
 
 
 class _StateStep(torch.nn.Module):

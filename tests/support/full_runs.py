@@ -43,7 +43,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "short conv) prefill (the slice: LFM2 decode, Bamba prefill); "
                         "tests/frontends/test_hybrid_hspec.py reads it too: speculative "
                         "decode and prefix caching of Qwen3.5 and Bamba at both layouts (the "
-                        "slice: Bamba at tp=4/dcp=2)"),
+                        "slice: Bamba at tp=4/dcp=2); "
+                        "frontends/test_hybrid_mamba.py's 30 cells of Nemotron-H, Falcon-H1, "
+                        "Zamba2, Jamba and Zamba (the slice: one per family)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",

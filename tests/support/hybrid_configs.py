@@ -9,7 +9,7 @@ each and the interleave of the two kinds is exercised (a layer's index decides i
 
 from __future__ import annotations
 
-from hf_corpus import MOE, TINY
+from hf_corpus import DROP, MOE, TINY
 
 # Recurrent layer, attention layer, twice.
 _LAYERS = 4
@@ -36,8 +36,51 @@ _HYBRID = {
                      layer_types=["conv", "full_attention"] * (_LAYERS // 2)),
 }
 
+# The other Mamba2 hybrids (docs/hybrid.md, "The other Mamba hybrids").
+_HYBRID.update({
+    # Nemotron-H: its own layer pattern (mamba / attention / MLP blocks, one mixer each); a
+    # Mamba2 block, an attention block, each followed by an MLP block
+    "nemotron_h": dict(layers_block_type=["mamba", "mlp", "attention", "mlp"] * 2,
+                       mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8,
+                       conv_kernel=4, chunk_size=4, num_hidden_layers=DROP),
+    # Falcon-H1: a Mamba2 mixer and attention side by side in every layer; every mup
+    # multiplier away from 1 (the ssm's per-segment ones too) and the gated group norm on
+    "falcon_h1": dict(num_hidden_layers=2, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                      mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4,
+                      mamba_rms_norm=True, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
+                      ssm_in_multiplier=0.7, ssm_out_multiplier=1.3,
+                      attention_in_multiplier=0.9, attention_out_multiplier=1.1,
+                      key_multiplier=0.8, embedding_multiplier=1.2, lm_head_multiplier=0.9,
+                      mlp_multipliers=[0.9, 1.1]),
+    # Zamba2: a Mamba2 mixer in every layer; the two hybrid layers call one shared attention
+    # block (num_mem_blocks=1: its weights tied), with RoPE. Grouped-query attention and no
+    # LoRA adapters: the model's k/v adapters assume as many KV heads as query heads, and
+    # decode DCP needs fewer (docs/hybrid.md)
+    "zamba2": dict(num_hidden_layers=_LAYERS, layers_block_type=["mamba", "hybrid"] * 2,
+                   n_mamba_heads=8, mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4,
+                   mamba_expand=2, chunk_size=4, attention_hidden_size=DROP,
+                   num_mem_blocks=1, use_shared_attention_adapter=False,
+                   use_mem_rope=True, head_dim=DROP),
+    # Jamba: Mamba-1 mixers (conv, x_proj, dt / B / C norms, selective scan) beside attention
+    # (period 2, offset 1), MoE feed-forward on every other layer
+    "jamba": dict(**MOE, num_hidden_layers=_LAYERS, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                  mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+    # Zamba: multi-head Mamba-1 (per-head x_proj / dt_proj) in every layer; the two hybrid
+    # layers call one shared attention block (tied weights) on [hidden | embeddings]
+    "zamba": dict(num_hidden_layers=_LAYERS, layers_block_type=["mamba", "hybrid"] * 2,
+                  attention_hidden_size=128, attention_head_dim=16, n_mamba_heads=2,
+                  mamba_d_state=8, mamba_dt_rank=8, mamba_d_conv=4, mamba_expand=2,
+                  head_dim=DROP),
+})
+
 # The layer kinds of the configs above that are attention (the others are recurrent).
 ATTENTION_KINDS = ("full_attention", "attention")
+# The layer kinds with no recurrent mixer: attention, and Nemotron-H's MLP / MoE blocks.
+NON_RECURRENT_KINDS = ATTENTION_KINDS + ("mlp", "moe")
+# The layer kinds that attend: attention, and "hybrid" layers (a Mamba2 mixer beside the
+# attention: Falcon-H1's every layer, Zamba2's shared-block layers).
+ATTENDING_KINDS = ATTENTION_KINDS + ("hybrid",)
 
 HYBRID_TYPES = tuple(_HYBRID)
 
@@ -45,7 +88,8 @@ HYBRID_TYPES = tuple(_HYBRID)
 def tiny_hybrid_config(model_type: str) -> dict:
     """The tiny config's keyword arguments for ``model_type`` (KeyError: no tiny config
     written for it yet)."""
-    return {**TINY, **_HYBRID[model_type]}
+    kw = {**TINY, **_HYBRID[model_type]}
+    return {k: v for k, v in kw.items() if v is not DROP}
 
 
 def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0):
