@@ -217,6 +217,79 @@ def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     return correct_sinks(p, g, merged, glob, sinks, layer, model_dtype)
 
 
+# dcp.attention's DeepSeek Sparse Attention keywords (insert_paged_cache sets them).
+INDEX_KWARGS = ("index_q", "index_weights", "index_scale", "index_topk", "index_width")
+
+
+def pop_index(kwargs: dict) -> dict | None:
+    """The DSA selection's keywords taken out of ``kwargs`` (partial_attention gets
+    ``keep`` and ``index_width`` instead); None for an attention without an indexer."""
+    found = {k: kwargs.pop(k) for k in INDEX_KWARGS if k in kwargs}
+    return found if found.get("index_topk") else None
+
+
+def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, vc: Node,
+             k_pos: Node, table: Node, prior: Node, q_pos: Node, cp: Node, layer: int,
+             group: int) -> Node:
+    """DeepSeek Sparse Attention's exact selection under DCP (runtime/kernels/
+    sparse_attention.py), as partial_attention's ``keep`` [b, i, T] on its key axis:
+
+      scores, pos = dcp.index_scores(index_q, w, index K of the current keys, k_pos,
+                                     index K columns of the written cache, ...)  # local keys
+      cand        = dcp.index_candidates(scores, pos, topk)   # this rank's first topk
+      all         = all_gather(cand) over dcp                 # one collective, packed
+      thr         = dcp.index_threshold(all, topk)            # identical on every rank
+      keep        = selected(scores, pos, thr)                # this rank's own keys
+
+    ``group`` ranks hold the keys (the DCP degree); 1: every key is local (the decode
+    engine's prompt step), no collective. The indexer's q and head weights are replicated
+    (placement), the same on every rank of the group."""
+    W, cfg = group, p.ctx.config
+    width = index["index_width"]
+    cols = lambda a, b: g.call_function(aten.slice.Tensor, (
+        g.call_function(aten.cat.default, ([a, b], -1)), -1, -width, None))
+    sc = p.tag(g.call_function(dcp_ops.index_scores.default, (
+        index["index_q"], index["index_weights"], cols(k, v), k_pos, cols(kc, vc), table,
+        prior, q_pos, cp, cfg.dcp, cfg.interleave_size, index["index_scale"]),
+        garbage_kwargs(cfg)), KIND_MASK, layer)
+    scores, pos = (g.call_function(operator.getitem, (sc, i)) for i in range(2))
+    cand = g.call_function(dcp_ops.index_candidates.default, (scores, pos, index["index_topk"]))
+    c_s, c_p = (g.call_function(operator.getitem, (cand, i)) for i in range(2))
+    b, i = val(q_pos).shape[:2]
+    if W > 1:
+        # One all-gather: the float32 scores and int64 positions as int32 words side by side.
+        n = min(index["index_topk"], _key_axis(p, table, kc, k))
+        packed = g.call_function(aten.cat.default, (
+            [bitcast(g, c_s, torch.float32, torch.int32),
+             bitcast(g, c_p, torch.int64, torch.int32)], -1))              # [b, i, 3n]
+        c, got = C.all_gather(g, packed, Role.DCP, W)                      # [W*b, i, 3n]
+        p.tag(c, KIND_COLLECTIVE, layer)
+        got = g.call_function(aten.view.default, (got, [W, b, i, 3 * n]))
+        all_s = bitcast(g, g.call_function(aten.slice.Tensor, (got, -1, 0, n)),
+                        torch.int32, torch.float32)
+        all_p = bitcast(g, g.call_function(aten.slice.Tensor, (got, -1, n, 3 * n)),
+                        torch.int32, torch.int64)
+    else:
+        all_s, all_p = (g.call_function(aten.unsqueeze.default, (x, 0)) for x in (c_s, c_p))
+    thr = p.tag(g.call_function(dcp_ops.index_threshold.default,
+                                (all_s, all_p, index["index_topk"])), KIND_MASK, layer)
+    t_s, t_p = (g.call_function(operator.getitem, (thr, i)) for i in range(2))
+    # selected(): at or before the threshold pair in DSA_ORDER, and selectable.
+    above = g.call_function(aten.gt.Tensor, (scores, t_s))
+    tie = g.call_function(aten.logical_and.default, (
+        g.call_function(aten.eq.Tensor, (scores, t_s)),
+        g.call_function(aten.le.Tensor, (pos, t_p))))
+    return g.call_function(aten.logical_and.default, (
+        g.call_function(aten.ge.Scalar, (pos, 0)),
+        g.call_function(aten.logical_or.default, (above, tie))))
+
+
+def _key_axis(p: DCPPass, table: Node, kc: Node, k: Node) -> int:
+    """partial_attention's key axis length: every slot the block table addresses plus the
+    step's current keys (index_candidates sends min(topk, that) per query)."""
+    return val(table).shape[1] * p.ctx.config.block_size + val(k).shape[1]
+
+
 # DCPConfig.combine -> how the partial outputs of a replica set are combined.
 COMBINES = {"all_gather": combine_all_gather, "all_to_all": combine_all_to_all}
 
@@ -269,6 +342,13 @@ class DCPDecode(DCPPass):
                 else:
                     q_all = q
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
+                index = pop_index(kwargs)
+                if index is not None:     # DeepSeek Sparse Attention: the exact selection
+                    kwargs["keep"] = dsa_keep(
+                        self, g, index, k=k, v=v, kc=kc2, vc=vc2,
+                        k_pos=m["current_key_positions"], table=table,
+                        prior=m["prior_local"], q_pos=positions, cp=cp, layer=layer, group=W)
+                    kwargs["index_width"] = index["index_width"]
                 if W > 1 and kwargs.get("alibi_slopes") is not None:
                     # ALiBi: the gathered q's heads need their slopes, gathered alike.
                     c, slopes_w = C.all_gather(g, kwargs["alibi_slopes"], Role.DCP, W)
@@ -348,6 +428,13 @@ class DCPContext(DCPPass):
                 kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer,
                                               written)
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
+                index = pop_index(kwargs)
+                if index is not None:     # every key of the prompt is local: no collective
+                    kwargs["keep"] = dsa_keep(
+                        self, g, index, k=k, v=v, kc=kc2, vc=vc2, k_pos=positions,
+                        table=table, prior=m["no_prior"], q_pos=positions, cp=cp,
+                        layer=layer, group=1)
+                    kwargs["index_width"] = index["index_width"]
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q, positions, k, v, positions, kc2, vc2, table, m["no_prior"], cp, W, I,

@@ -1,4 +1,5 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) in a captured graph: still a named refusal.
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) in a captured graph: the indexer's
+selection read off the attention mask (``read_index_selection``), or a named refusal.
 
 The lightning indexer scores every prior token per query and the attention keeps only the
 ``index_topk`` best (``torch.topk``, scattered into the mask). A DCP rank holds only its
@@ -10,23 +11,117 @@ own forward (tests/frontends/test_dsa_exact.py). transformers' indexers are capt
 ``dcp.index_topk`` node (dcp_compile/frontends/module_sparse_attention.py), its inputs the
 indexer's roped q, head weights and K; what is missing is the rewrite of that node: caching
 its K beside the latent and emitting the DCP selection (decode and prefill).
-insert_paged_cache calls this before the mask reader (passes/mask_predicate.py), so the
+
+The rewrite: ``read_index_selection`` recognises the model's mask ``causal & ~index_mask``
+(bool) or ``causal.masked_fill(index_mask, min)`` (additive), ``index_mask`` being
+``new_ones(..).scatter(-1, index_topk(...).long(), False).unsqueeze(1)``: the attention keeps
+the causal keys the indexer selects. The mask reader then proves the causal side alone, and
+insert_paged_cache stores the indexer's K beside the latent and hands the indexer's q and
+head weights to ``dcp.paged_attention`` (``index_*`` keywords); dcp_decode / dcp_prefill emit
+the exact DCP selection from them. Any other mask computed from a ``topk`` is refused by
+``refuse_top_k_selection``, called before the mask reader (passes/mask_predicate.py), so the
 refusal names the feature, not "not a formula" (docs/moe-mla.md: DeepSeek Sparse Attention).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch.fx import Node
 
 from dcp_compile.runtime.errors import DCPSparseAttentionError
 
-from .infra import source_of
-from .op_classes import TOP_K
+from .infra import source_of, val
+from .op_classes import TOP_K, is_call, skip_casts
 
 if TYPE_CHECKING:
     from .attention_patterns import Site
+
+
+aten = torch.ops.aten
+INDEX_TOPK = torch.ops.dcp.index_topk.default
+_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
+_NOT = {aten.bitwise_not.default, aten.logical_not.default}
+
+
+@dataclass(frozen=True)
+class IndexSelection:
+    """A lightning indexer's selection feeding an attention (``dcp.index_topk``'s inputs)."""
+
+    node: Node            # the dcp.index_topk node
+    q: Node               # [B, S, H, d] roped indexer queries
+    weights: Node         # [B, S, H] head weights, scaled
+    k: Node               # [B, S, d] the indexer's K of this step's tokens
+    scale: float
+    topk: int
+
+    @property
+    def width(self) -> int:
+        return val(self.k).shape[-1]
+
+
+def _selected_mask(x: Node) -> Node | None:
+    """``unsqueeze(new_ones(T).scatter(-1, T.long(), False), 1)`` -> T (dcp.index_topk): True
+    at every key the indexer did NOT select; None for anything else."""
+    if not (is_call(x, {aten.unsqueeze.default}) and x.args[1] == 1):
+        return None
+    sc = x.args[0]
+    if not (is_call(sc, {aten.scatter.value}) and sc.args[1] in (-1, 2)
+            and sc.args[3] is False):
+        return None
+    ones, idx = sc.args[0], skip_casts(sc.args[2])
+    if not (is_call(idx, {INDEX_TOPK}) and is_call(ones, {aten.new_ones.default})
+            and ones.kwargs.get("dtype") == torch.bool):
+        return None
+    return idx
+
+
+def read_index_selection(s: Site) -> IndexSelection | None:
+    """The indexer's selection of the site's mask, the mask replaced by its causal side:
+    ``causal & ~selected_mask`` (bool) or ``causal.masked_fill(selected_mask, m)`` with m
+    -inf or the dtype's minimum (additive: transformers' DeepseekV32Attention / GLM-5).
+    None when the mask is not of this form (refuse_top_k_selection then names it)."""
+    m = s.mask
+    if not isinstance(m, Node):
+        return None
+    if is_call(m, _AND):
+        a, b = m.args[:2]
+        if is_call(b, _NOT) and _selected_mask(b.args[0]) is not None:
+            causal, top = a, _selected_mask(b.args[0])
+        elif is_call(a, _NOT) and _selected_mask(a.args[0]) is not None:
+            causal, top = b, _selected_mask(a.args[0])
+        else:
+            return None
+    elif is_call(m, {aten.masked_fill.Scalar}) and _selected_mask(m.args[1]) is not None:
+        fill = float(m.args[2])
+        if not (fill == float("-inf") or fill == torch.finfo(val(m).dtype).min):
+            return None
+        causal, top = m.args[0], _selected_mask(m.args[1])
+    else:
+        return None
+    if s.k is not s.v:
+        raise DCPSparseAttentionError(
+            f"DeepSeek Sparse Attention: attention {s.node.name} ({source_of(s.node)}) keeps "
+            f"the keys chosen by {top.name} but is not latent attention absorbed into one "
+            f"shared K = V head (passes/absorb_latent_attention.py): the indexer's K is "
+            f"cached beside the MLA latent, so only MLA + DSA (DeepSeek-V3.2, GLM-5) is "
+            f"built. docs/moe-mla.md: DeepSeek Sparse Attention")
+    q, w, k, _bias, scale, topk = top.args
+    s.mask = causal
+    return IndexSelection(node=top, q=q, weights=w, k=k, scale=float(scale), topk=int(topk))
+
+
+def refuse_shared_selection(s: Site, sel: IndexSelection, layer: int, first: int) -> None:
+    """GLM-5's ``indexer_types`` "shared" layers reuse an earlier layer's selection: not
+    built (the reuse of that layer's ``keep`` under DCP), refused by name."""
+    raise DCPSparseAttentionError(
+        f"DeepSeek Sparse Attention: attention {s.node.name} (layer {layer}, "
+        f"{source_of(s.node)}) reuses the selection of layer {first}'s indexer "
+        f"({sel.node.name}: GLM-5 indexer_types 'shared'). Reusing another layer's selection "
+        f"under DCP is not built. Use indexer_types 'full' on every layer; docs/moe-mla.md: "
+        f"DeepSeek Sparse Attention")
 
 
 def refuse_top_k_selection(s: Site) -> None:

@@ -83,6 +83,20 @@ def _scores(qf: Tensor, keys: list[Tensor], scale: float, softcap: float) -> Ten
     return out
 
 
+def attended(pieces: list[Tensor], index_width: int) -> list[Tensor]:
+    """The feature-dim pieces of a shared K = V vector without its last ``index_width``
+    columns (DeepSeek Sparse Attention: the indexer's K stored beside the latent,
+    runtime/kernels/sparse_attention.py ``index_columns``); the attention reads the rest."""
+    if not index_width:
+        return pieces
+    keep, out = sum(p.shape[-1] for p in pieces) - index_width, []
+    for p in pieces:
+        if keep > 0:
+            out.append(p[..., :keep])
+        keep -= p.shape[-1]
+    return out
+
+
 def _weighted(probs: Tensor, values: list[Tensor]) -> Tensor:
     """probs [b, k, g, i, j] @ values [b, j, k, d] -> [b, i, k, g, d] (pieces side by side)."""
     parts = [torch.einsum("bkgij,bjkd->bikgd", probs, v.float()) for v in values]
@@ -98,7 +112,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            garbage_block: int = LAST,
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
-                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           keep: Tensor | None = None,
+                           index_width: int = 0) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -139,7 +154,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     v_cur = torch.where(current, v_cur.to(q.dtype), 0.0)
     k_cur = torch.where(current, k_cur.to(q.dtype), 0.0) if kv_shared else k_cur.to(q.dtype)
     if kv_shared:  # keys = values = [k half ; v half], read as two pieces
-        prior_pieces, cur_pieces = [k_prior, v_prior], [k_cur, v_cur]
+        prior_pieces = attended([k_prior, v_prior], index_width)
+        cur_pieces = attended([k_cur, v_cur], index_width)
     else:
         prior_pieces, cur_pieces = [k_prior], [k_cur]
     groups = q_heads // kv_heads
