@@ -230,7 +230,7 @@ def pop_index(kwargs: dict) -> dict | None:
 
 def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, vc: Node,
              k_pos: Node, table: Node, prior: Node, q_pos: Node, cp: Node, layer: int,
-             group: int) -> Node:
+             group: int, current: int, role: str = Role.DCP) -> Node:
     """DeepSeek Sparse Attention's exact selection under DCP (runtime/kernels/
     sparse_attention.py), as partial_attention's ``keep`` [b, i, T] on its key axis:
 
@@ -241,9 +241,10 @@ def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, v
       thr         = dcp.index_threshold(all, topk)            # identical on every rank
       keep        = selected(scores, pos, thr)                # this rank's own keys
 
-    ``group`` ranks hold the keys (the DCP degree); 1: every key is local (the decode
-    engine's prompt step), no collective. The indexer's q and head weights are replicated
-    (placement), the same on every rank of the group."""
+    ``group`` ranks hold the keys (the DCP degree, over ``role``); 1: every key is local
+    (the decode engine's prompt step), no collective. ``current``: how many current keys
+    the step holds per row (k's token count). The indexer's q and head weights are
+    replicated (placement), the same on every rank of the group, for every query."""
     W, cfg = group, p.ctx.config
     width = index["index_width"]
     cols = lambda a, b: g.call_function(aten.slice.Tensor, (
@@ -258,11 +259,12 @@ def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, v
     b, i = val(q_pos).shape[:2]
     if W > 1:
         # One all-gather: the float32 scores and int64 positions as int32 words side by side.
-        n = min(index["index_topk"], _key_axis(p, table, kc, k))
+        n = min(index["index_topk"],
+                val(table).shape[1] * cfg.block_size + current)    # index_candidates' width
         packed = g.call_function(aten.cat.default, (
             [bitcast(g, c_s, torch.float32, torch.int32),
              bitcast(g, c_p, torch.int64, torch.int32)], -1))              # [b, i, 3n]
-        c, got = C.all_gather(g, packed, Role.DCP, W)                      # [W*b, i, 3n]
+        c, got = C.all_gather(g, packed, role, W)                          # [W*b, i, 3n]
         p.tag(c, KIND_COLLECTIVE, layer)
         got = g.call_function(aten.view.default, (got, [W, b, i, 3 * n]))
         all_s = bitcast(g, g.call_function(aten.slice.Tensor, (got, -1, 0, n)),
@@ -282,12 +284,6 @@ def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, v
     return g.call_function(aten.logical_and.default, (
         g.call_function(aten.ge.Scalar, (pos, 0)),
         g.call_function(aten.logical_or.default, (above, tie))))
-
-
-def _key_axis(p: DCPPass, table: Node, kc: Node, k: Node) -> int:
-    """partial_attention's key axis length: every slot the block table addresses plus the
-    step's current keys (index_candidates sends min(topk, that) per query)."""
-    return val(table).shape[1] * p.ctx.config.block_size + val(k).shape[1]
 
 
 # DCPConfig.combine -> how the partial outputs of a replica set are combined.
@@ -347,7 +343,8 @@ class DCPDecode(DCPPass):
                     kwargs["keep"] = dsa_keep(
                         self, g, index, k=k, v=v, kc=kc2, vc=vc2,
                         k_pos=m["current_key_positions"], table=table,
-                        prior=m["prior_local"], q_pos=positions, cp=cp, layer=layer, group=W)
+                        prior=m["prior_local"], q_pos=positions, cp=cp, layer=layer, group=W,
+                        current=s)
                     kwargs["index_width"] = index["index_width"]
                 if W > 1 and kwargs.get("alibi_slopes") is not None:
                     # ALiBi: the gathered q's heads need their slopes, gathered alike.
@@ -433,7 +430,7 @@ class DCPContext(DCPPass):
                     kwargs["keep"] = dsa_keep(
                         self, g, index, k=k, v=v, kc=kc2, vc=vc2, k_pos=positions,
                         table=table, prior=m["no_prior"], q_pos=positions, cp=cp,
-                        layer=layer, group=1)
+                        layer=layer, group=1, current=val(positions).shape[1])
                     kwargs["index_width"] = index["index_width"]
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,

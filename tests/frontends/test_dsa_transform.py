@@ -1,0 +1,125 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) through ``transform``: the captured
+``dcp.index_topk`` node rewritten into the exact DCP selection (passes/sparse_attention.py
+reads it off the mask; insert_paged_cache caches the indexer's K beside the MLA latent;
+dcp_decode / dcp_prefill emit index_scores, index_candidates, one all-gather, the threshold
+and ``partial_attention(keep=)``). The program must be the model's own forward (fp32, 1e-4,
+greedy tokens) with ``index_topk`` smaller than the prompts, so the indexer cuts: the cut is
+shown to change the reference, so these tests can fail. docs/moe-mla.md: DeepSeek Sparse
+Attention. ``DCP_DSA_TRANSFORM_FULL=1`` runs every model x layout x step kind."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_corpus as C  # noqa: E402
+from helpers import assert_runs_match  # noqa: E402
+
+import dcp_compile  # noqa: E402
+from dcp_compile import DCPSparseAttentionError  # noqa: E402
+from dcp_compile.passes.collectives import role_of  # noqa: E402
+from dcp_compile.runtime.names import META_LAYER, Role  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
+from dcp_compile.verify import run_threaded_program  # noqa: E402
+from full_runs import full  # noqa: E402
+
+TOPK = 4                       # below every prompt but the 1-token one: the indexer cuts
+ATOL = 1e-4
+MODELS = ("deepseek_v32", "glm_moe_dsa")
+LAYOUTS = ((4, 2), (8, 4))
+# The default run's slice; DCP_DSA_TRANSFORM_FULL=1 runs all eight cells.
+SLICE = {("decode", "deepseek_v32", 4, 2), ("prefill", "glm_moe_dsa", 8, 4)}
+CELLS = [(mode, m, tp, dcp) for mode in ("decode", "prefill") for m in MODELS
+         for tp, dcp in LAYOUTS
+         if full("DCP_DSA_TRANSFORM_FULL") or (mode, m, tp, dcp) in SLICE]
+
+
+def _set_topk(model, k: int) -> None:
+    for m in model.modules():
+        if hasattr(m, "index_topk"):
+            m.index_topk = k
+
+
+@functools.lru_cache(maxsize=None)
+def _model(model_type: str):
+    return C.build(model_type, index_topk=TOPK)
+
+
+def _transform(model, mode: str, tp: int, dcp: int, check: bool = False):
+    blocks = 4 * 2 // dcp + 1
+    shapes = StepShapes(batch=len(C.LENGTHS), context_len=max(C.LENGTHS), max_blocks=blocks,
+                        num_blocks=blocks * len(C.LENGTHS) + 2)
+    return dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=C.BLOCK,
+                                 shapes=shapes, check=check)
+
+
+def _assert_the_cut_matters(model, steps: int) -> None:
+    """The model's own forward with index_topk=4 differs from the same weights reading
+    every prior token, on these prompts (so a program ignoring the cut fails)."""
+    cut = C.reference(model, C.prompts(), steps)[1]
+    _set_topk(model, 10**6)
+    try:
+        dense = C.reference(model, C.prompts(), steps)[1]
+    finally:
+        _set_topk(model, TOPK)
+    assert max(float((a - b).abs().max()) for a, b in zip(cut, dense)) > 1e-3
+
+
+def _index_width(model) -> int:
+    c = model.config
+    return c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim
+
+
+@pytest.mark.parametrize("mode,model_type,tp,dcp", CELLS,
+                         ids=[f"{a}-{b}-tp{c}-dcp{d}" for a, b, c, d in CELLS])
+def test_dsa_program_is_the_models_forward(mode, model_type, tp, dcp):
+    model = _model(model_type)
+    steps = C.STEPS[mode]
+    _assert_the_cut_matters(model, steps)
+    program = _transform(model, mode, tp, dcp, check=(mode == "prefill"))
+    # One cache per layer: [latent ; k_pe ; the indexer's K], its halves in the pair.
+    spec = program.cache_spec()
+    assert (spec.kv_heads, spec.head_dim) == (1, _index_width(model) // 2)
+    runs = run_threaded_program(program, C.prompts(), steps, poison_garbage=True)
+    ref_tokens, ref_logits = C.reference(model, C.prompts(), steps)
+    worst = assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL, lengths=C.LENGTHS)
+    layers = model.config.num_hidden_layers
+    step = "decode" if mode == "decode" else "prefill"
+    # Per layer, the DCP rewrite's collectives (op, dtype): MLA's (decode: q all-gather, LSE
+    # all-gather, reduce-scatter of the heads; prefill: q all-gather, LSE all-gather, token
+    # reduce-scatter) and the selection's one all-gather of the candidates' (score,
+    # position) packed as int32 words, [dcp * b, queries, 3 * candidates].
+    per_layer = _dcp_collectives(program.graphs[step])
+    for layer in range(layers):
+        assert sorted(per_layer[layer]) == sorted(
+            [("all_gather_into_tensor", "torch.float32")] * 2
+            + [("all_gather_into_tensor", "torch.int32"),
+               ("reduce_scatter_tensor", "torch.float32")]), per_layer[layer]
+    if mode == "decode":    # the decode engine's prompt step: every key local, no collective
+        assert _dcp_collectives(program.graphs["context"]) == {}
+    else:                   # transform's own check: two chunks, the second over the first
+        report = program.report.check
+        assert report.ok and max(report.step_errors) < ATOL, report.step_errors
+    print(f"DSA {mode} {model_type} tp={tp} dcp={dcp}: max |logit error| {worst:.2e}")
+
+
+def _dcp_collectives(gm) -> dict[int, list]:
+    """layer -> [(collective op, input dtype)] of the DCP groups (roles dcp / cp_kv)."""
+    out: dict[int, list] = {}
+    for n in gm.graph.nodes:
+        if role_of(n) in (Role.DCP, Role.CP_KV):
+            out.setdefault(n.meta.get(META_LAYER), []).append(
+                (n.target._opname, str(n.args[0].meta["val"].dtype)))
+    return out
+
+
+def test_glm5_shared_indexer_layers_are_refused_by_name():
+    """GLM-5's ``indexer_types`` "shared" layer reuses the previous layer's selection: not
+    built under DCP, refused naming the layer and the indexer it reuses."""
+    model = C.build("glm_moe_dsa", index_topk=TOPK, indexer_types=["full", "shared"])
+    with pytest.raises(DCPSparseAttentionError, match="reuses the selection of layer 0"):
+        _transform(model, "decode", 4, 2)
