@@ -49,12 +49,17 @@ def _model(model_type: str):
     return C.build(model_type, index_topk=TOPK)
 
 
-def _transform(model, mode: str, tp: int, dcp: int, check: bool = False):
+def _transform(model, mode: str, tp: int, dcp: int, check: bool = False, **shape_options):
     blocks = 4 * 2 // dcp + 1
     shapes = StepShapes(batch=len(C.LENGTHS), context_len=max(C.LENGTHS), max_blocks=blocks,
-                        num_blocks=blocks * len(C.LENGTHS) + 2)
+                        num_blocks=blocks * len(C.LENGTHS) + 2, **shape_options)
     return dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=C.BLOCK,
                                  shapes=shapes, check=check)
+
+
+@functools.lru_cache(maxsize=None)
+def _program(mode: str, model_type: str, tp: int, dcp: int):
+    return _transform(_model(model_type), mode, tp, dcp, check=(mode == "prefill"))
 
 
 def _assert_the_cut_matters(model, steps: int) -> None:
@@ -80,7 +85,7 @@ def test_dsa_program_is_the_models_forward(mode, model_type, tp, dcp):
     model = _model(model_type)
     steps = C.STEPS[mode]
     _assert_the_cut_matters(model, steps)
-    program = _transform(model, mode, tp, dcp, check=(mode == "prefill"))
+    program = _program(mode, model_type, tp, dcp)
     # One cache per layer: [latent ; k_pe ; the indexer's K], its halves in the pair.
     spec = program.cache_spec()
     assert (spec.kv_heads, spec.head_dim) == (1, _index_width(model) // 2)
@@ -123,3 +128,18 @@ def test_glm5_shared_indexer_layers_are_refused_by_name():
     model = C.build("glm_moe_dsa", index_topk=TOPK, indexer_types=["full", "shared"])
     with pytest.raises(DCPSparseAttentionError, match="reuses the selection of layer 0"):
         _transform(model, "decode", 4, 2)
+
+
+def test_speculative_width_k_steps_are_refused_by_name():
+    """A decode step of width K > 1 (speculative decoding) with DSA: not built, refused."""
+    with pytest.raises(DCPSparseAttentionError, match="decode step of width 3"):
+        _transform(_model("deepseek_v32"), "decode", 4, 2, decode_len=3)
+
+
+def test_prefix_caching_is_refused_by_name():
+    """Prefix caching over a DSA program's cache: not built, refused when the engine is
+    asked for it (before any weight is loaded)."""
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    program = _program("decode", "deepseek_v32", 4, 2)
+    with pytest.raises(DCPSparseAttentionError, match="prefix caching"):
+        rank_engine(program, 0, prefix_caching=True)
