@@ -254,7 +254,8 @@ def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, v
         prior, q_pos, cp, cfg.dcp, cfg.interleave_size, index["index_scale"]),
         garbage_kwargs(cfg)), KIND_MASK, layer)
     scores, pos = (g.call_function(operator.getitem, (sc, i)) for i in range(2))
-    cand = g.call_function(dcp_ops.index_candidates.default, (scores, pos, index["index_topk"]))
+    cand = p.tag(g.call_function(dcp_ops.index_candidates.default,
+                                 (scores, pos, index["index_topk"])), KIND_MASK, layer)
     c_s, c_p = (g.call_function(operator.getitem, (cand, i)) for i in range(2))
     b, i = val(q_pos).shape[:2]
     if W > 1:

@@ -143,3 +143,34 @@ def test_prefix_caching_is_refused_by_name():
     program = _program("decode", "deepseek_v32", 4, 2)
     with pytest.raises(DCPSparseAttentionError, match="prefix caching"):
         rank_engine(program, 0, prefix_caching=True)
+
+
+def test_the_lowering_refuses_dsa_by_name():
+    """The selection's stable sorts (DSA_ORDER) do not lower through torch-mlir: the
+    StableHLO lowering names the op and DSA instead of failing inside torch-mlir."""
+    from dcp_compile.lowering import lower
+    from dcp_compile.runtime.errors import DCPLoweringError
+    with pytest.raises(DCPLoweringError, match="DeepSeek Sparse Attention.*not built"):
+        lower(_program("decode", "deepseek_v32", 4, 2))
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["static", "live"])
+def test_index_columns_are_not_attended(live):
+    """partial_attention(index_width=w) over [latent ; k_pe ; index K] (halves in the cache
+    pair) equals partial_attention over [latent ; k_pe] alone, static and live kernels."""
+    g = torch.Generator().manual_seed(0)
+    b, h, block, blocks, d, w = 2, 4, 4, 3, 20, 8
+    full = torch.randn(blocks * 2 + 1, block, 1, d + w, generator=g)
+    cur = torch.randn(b, 1, 1, d + w, generator=g)
+    q = torch.randn(b, 1, h, d, generator=g)
+    table = torch.tensor([[0, 1, 2], [3, 4, -1]])
+    q_pos, prior = torch.tensor([[9], [5]]), torch.tensor([9, 5])
+    args = (torch.zeros((), dtype=torch.int64), 1, 1, 0.3)
+    op = torch.ops.dcp.partial_attention_live if live else torch.ops.dcp.partial_attention
+    half = (d + w) // 2
+    got = op(q, q_pos, cur[..., :half], cur[..., half:], q_pos, full[..., :half],
+             full[..., half:], table, prior, *args, kv_shared=True, index_width=w)
+    ref = op(q, q_pos, cur[..., :d // 2], cur[..., d // 2:d], q_pos, full[..., :d // 2],
+             full[..., d // 2:d], table, prior, *args, kv_shared=True)
+    for a, r in zip(got, ref):
+        assert (a - r).abs().max() <= 1e-6
