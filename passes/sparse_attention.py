@@ -9,8 +9,7 @@ one device. The exact decode selection exists as runtime ops
 a gathered threshold in DSA_ORDER, ``partial_attention(keep=)``), checked against the models'
 own forward (tests/frontends/test_dsa_exact.py). transformers' indexers are captured as one
 ``dcp.index_topk`` node (dcp_compile/frontends/module_sparse_attention.py), its inputs the
-indexer's roped q, head weights and K; what is missing is the rewrite of that node: caching
-its K beside the latent and emitting the DCP selection (decode and prefill).
+indexer's roped q, head weights and K.
 
 The rewrite: ``read_index_selection`` recognises the model's mask ``causal & ~index_mask``
 (bool) or ``causal.masked_fill(index_mask, min)`` (additive), ``index_mask`` being
@@ -125,10 +124,10 @@ def refuse_shared_selection(s: Site, sel: IndexSelection, layer: int, first: int
 
 
 def refuse_top_k_selection(s: Site) -> None:
-    """A mask that keeps the keys a ``topk`` picks (DeepSeek Sparse Attention's indexer,
-    DeepSeek-V3.2 / GLM-5) is a data-dependent selection over ALL prior tokens: under DCP a
-    rank holds only its shard of the keys, so no per-rank formula of positions reproduces it.
-    Refused by name before the generic "not a formula of positions" reading would be."""
+    """A mask that keeps the keys a ``topk`` picks, in a form ``read_index_selection`` does
+    not take, is a data-dependent selection over ALL prior tokens: under DCP a rank holds
+    only its shard of the keys, so no per-rank formula of positions reproduces it. Refused
+    by name before the generic "not a formula of positions" reading would be."""
     seen, stack, picks = set(), [s.mask] if isinstance(s.mask, Node) else [], []
     while stack:
         n = stack.pop()
@@ -145,11 +144,10 @@ def refuse_top_k_selection(s: Site) -> None:
             f"{n.target} at node {n.name} ({source_of(n)}): a data-dependent top-k over all "
             f"prior tokens. Under "
             f"DCP each rank holds only its shard of the keys and of the indexer's K, so a "
-            f"per-rank top-k selects a different set. The runtime has the exact decode "
-            f"selection (runtime/kernels/sparse_attention.py: local candidates, an all-gather "
-            f"of their scores and positions, a global threshold, ties by position), but the "
-            f"rewrite that replaces this selection in a captured graph (the indexer's K "
-            f"cached beside the latent, the selection emitted, decode or prefill) is not "
-            f"built yet. Serve "
+            f"per-rank top-k selects a different set. The exact DCP selection is emitted for "
+            f"transformers' lightning indexers (DeepSeek-V3.2, GLM-5: dcp.index_topk over "
+            f"absorbed latent attention, its indices scattered into the mask as "
+            f"'causal & ~index_mask' or 'masked_fill(index_mask, min)'); this mask is not "
+            f"that form. Serve "
             f"this model without DCP, or with the indexer removed (dense latent attention "
             f"over every prior token); docs/moe-mla.md: DeepSeek Sparse Attention")
