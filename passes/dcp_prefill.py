@@ -68,6 +68,7 @@ from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE,
                     KIND_SLICE, DCPPass, Property, attention_nodes, getitem_users, source_of,
                     val)
 from .sequence_parallel import pad_tokens, reduce_scatter_tokens
+from .sparse_attention import full_chunk_indexer, index_k_linears
 from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
@@ -224,8 +225,8 @@ class DCPPrefill(DCPPass):
             owned_caches.add(caches)
             projs, chained = [], []
             # DSA: the indexer's K joins the latent (insert_paged_cache): its projection is
-            # not the layer's k; the indexer runs on the full chunk (_full_chunk_indexer).
-            indexer = _index_k_linears(attn)
+            # not the layer's k; the indexer runs on the full chunk (full_chunk_indexer).
+            indexer = index_k_linears(attn)
             for i, what in enumerate(reads):
                 lin = [by_name[x] for x in sites[what] if by_name[x] not in indexer]
                 if len(lin) != 1:
@@ -345,7 +346,7 @@ class DCPPrefill(DCPPass):
             m = meta_nodes[key]
 
             if attn.kwargs.get("index_topk"):   # before step 3 moves the shared q chain
-                _full_chunk_indexer(g, plan)
+                full_chunk_indexer(g, plan)
             # 2. interleave slice of the gathered hidden state (S -> C owned tokens)
             h = plan.hidden
             with g.inserting_before(h.next):
@@ -531,58 +532,6 @@ class DCPPrefill(DCPPass):
             if (n.target == F.all_reduce.default and not n.meta.get(META_NORM_REDUCE)) \
                     or n.meta.get(SP_SLICE):
                 raise DCPTransformError(f"{n.name} should have become a reduce-scatter.")
-
-
-def _index_k_linears(attn: Node) -> set[Node]:
-    """The linears behind the indexer's K of a DSA attention (the second part of the
-    ``cat([latent ; k_pe], index K)`` insert_paged_cache stores as K = V); none otherwise."""
-    if not attn.kwargs.get("index_topk"):
-        return set()
-    x = attn.args[1]
-    while x.op == "call_function" and x.target != aten.cat.default:
-        x = x.args[0]
-    found, stack, seen = set(), list(x.args[0][1:]), set()
-    while stack:
-        n = stack.pop()
-        if n in seen or n.op != "call_function":
-            continue
-        seen.add(n)
-        if _is_linear(n):
-            found.add(n)
-        else:
-            stack.extend(n.all_input_nodes)
-    return found
-
-
-def _full_chunk_indexer(g: Graph, plan: LayerPlan) -> None:
-    """DeepSeek Sparse Attention under prefill DCP: every query of the chunk selects over
-    all prior tokens, so the indexer's q and head weights are needed for the whole chunk,
-    in chunk order. The indexer reads the layer's hidden state (the full chunk, step 1)
-    and, through MLA's low-rank q chain (q_a_proj -> RMSNorm), the q residual that step 3
-    moves to the owned tokens: that shared chain is copied for the indexer, reading the
-    full chunk (replicated, like the rest of the indexer). Its K is a token-indexed side
-    input of the cached vector (gathered at the owned tokens with RoPE's cos/sin)."""
-    moved = {*plan.projections, *plan.chained, *plan.qkv_path}
-    index_inputs = [plan.attn.kwargs[k] for k in ("index_q", "index_weights")]
-    behind, stack = set(), list(index_inputs)
-    while stack:
-        n = stack.pop()
-        if n in behind or n.op != "call_function":
-            continue
-        behind.add(n)
-        stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(g.nodes)}
-    shared = sorted((n for n in behind if n in moved), key=order.__getitem__)
-    copies: dict[Node, Node] = {}
-    for n in shared:
-        with g.inserting_after(n):
-            c = g.node_copy(n, lambda a: copies.get(a, a))
-        c.meta = dict(n.meta)
-        copies[n] = c
-    for n in behind - set(shared):
-        for a in n.all_input_nodes:
-            if a in copies:
-                n.replace_input_with(a, copies[a])
 
 
 def _chain_root(lin: Node, limit: int = 8) -> tuple[Node, list[Node]]:

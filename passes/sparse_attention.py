@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx import Node
+from torch.fx import Graph, Node
 
 from dcp_compile.runtime.errors import DCPSparseAttentionError
 
 from .infra import source_of, val
-from .op_classes import TOP_K, is_call, skip_casts
+from .op_classes import ANDS, NOTS, TOP_K, is_call, skip_casts
 
 if TYPE_CHECKING:
     from .attention_patterns import Site
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
 
 aten = torch.ops.aten
 INDEX_TOPK = torch.ops.dcp.index_topk.default
-_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
-_NOT = {aten.bitwise_not.default, aten.logical_not.default}
 
 
 @dataclass(frozen=True)
@@ -85,11 +83,11 @@ def read_index_selection(s: Site) -> IndexSelection | None:
     m = s.mask
     if not isinstance(m, Node):
         return None
-    if is_call(m, _AND):
+    if is_call(m, ANDS):
         a, b = m.args[:2]
-        if is_call(b, _NOT) and _selected_mask(b.args[0]) is not None:
+        if is_call(b, NOTS) and _selected_mask(b.args[0]) is not None:
             causal, top = a, _selected_mask(b.args[0])
-        elif is_call(a, _NOT) and _selected_mask(a.args[0]) is not None:
+        elif is_call(a, NOTS) and _selected_mask(a.args[0]) is not None:
             causal, top = b, _selected_mask(a.args[0])
         else:
             return None
@@ -151,3 +149,59 @@ def refuse_top_k_selection(s: Site) -> None:
             f"that form. Serve "
             f"this model without DCP, or with the indexer removed (dense latent attention "
             f"over every prior token); docs/moe-mla.md: DeepSeek Sparse Attention")
+
+
+# -- prefill: the indexer over the full chunk (dcp_prefill) ------------------------------
+
+
+def index_k_linears(attn: Node) -> set[Node]:
+    """The linears behind the indexer's K of a DSA attention (the second part of the
+    ``cat([latent ; k_pe], index K)`` insert_paged_cache stores as K = V); none otherwise."""
+    if not attn.kwargs.get("index_topk"):
+        return set()
+    x = attn.args[1]
+    while x.op == "call_function" and not is_call(x, {aten.cat.default}):
+        x = x.args[0]
+    found, stack, seen = set(), list(x.args[0][1:]), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if is_call(n, {aten.linear.default}):
+            found.add(n)
+        else:
+            stack.extend(n.all_input_nodes)
+    return found
+
+
+def full_chunk_indexer(g: Graph, plan) -> None:
+    """DeepSeek Sparse Attention under prefill DCP: every query of the chunk selects over
+    all prior tokens, so the indexer's q and head weights are needed for the whole chunk,
+    in chunk order. The indexer reads the layer's hidden state (the full chunk, step 1)
+    and, through MLA's low-rank q chain (q_a_proj -> RMSNorm), the q residual that step 3
+    moves to the owned tokens: that shared chain is copied for the indexer, reading the
+    full chunk (replicated, like the rest of the indexer). Its K is a token-indexed side
+    input of the cached vector (gathered at the owned tokens with RoPE's cos/sin).
+    ``plan``: dcp_prefill's LayerPlan of the layer."""
+    moved = {*plan.projections, *plan.chained, *plan.qkv_path}
+    index_inputs = [plan.attn.kwargs[k] for k in ("index_q", "index_weights")]
+    behind, stack = set(), list(index_inputs)
+    while stack:
+        n = stack.pop()
+        if n in behind or n.op != "call_function":
+            continue
+        behind.add(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(g.nodes)}
+    shared = sorted((n for n in behind if n in moved), key=order.__getitem__)
+    copies: dict[Node, Node] = {}
+    for n in shared:
+        with g.inserting_after(n):
+            c = g.node_copy(n, lambda a: copies.get(a, a))
+        c.meta = dict(n.meta)
+        copies[n] = c
+    for n in behind - set(shared):
+        for a in n.all_input_nodes:
+            if a in copies:
+                n.replace_input_with(a, copies[a])
