@@ -247,6 +247,8 @@ def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, v
     replicated (placement), the same on every rank of the group, for every query."""
     W, cfg = group, p.ctx.config
     width = index["index_width"]
+    if not width:   # the layer reuses an earlier layer's selection (GLM-5 "shared")
+        return p.selections[index["index_q"]]
     cols = lambda a, b: g.call_function(aten.slice.Tensor, (
         g.call_function(aten.cat.default, ([a, b], -1)), -1, -width, None))
     sc = p.tag(g.call_function(dcp_ops.index_scores.default, (
@@ -282,9 +284,13 @@ def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, v
     tie = g.call_function(aten.logical_and.default, (
         g.call_function(aten.eq.Tensor, (scores, t_s)),
         g.call_function(aten.le.Tensor, (pos, t_p))))
-    return g.call_function(aten.logical_and.default, (
+    keep = g.call_function(aten.logical_and.default, (
         g.call_function(aten.ge.Scalar, (pos, 0)),
         g.call_function(aten.logical_or.default, (above, tie))))
+    # Per step, every layer's key axis is the same [local prior slots ; current keys]: a
+    # later layer reading this indexer's selection (GLM-5's "shared" layers) reuses it.
+    p.selections[index["index_q"]] = keep
+    return keep
 
 
 # DCPConfig.combine -> how the partial outputs of a replica set are combined.
@@ -317,6 +323,7 @@ class DCPDecode(DCPPass):
                     f"Build the program with StepShapes(decode_len <= {MAX_DECODE_LEN}).")
 
     def call(self, gm):
+        self.selections: dict = {}   # DSA: indexer q -> its keep (dsa_keep)
         cfg, g = self.ctx.config, gm.graph
         W, I, B = cfg.dcp, cfg.interleave_size, cfg.block_size
         cp = cp_rank_node(gm, self)
@@ -421,6 +428,7 @@ class DCPContext(DCPPass):
     ensured = frozenset({Property.DCP_REWRITTEN})
 
     def call(self, gm):
+        self.selections: dict = {}   # DSA: indexer q -> its keep (dsa_keep)
         cfg, g = self.ctx.config, gm.graph
         W, I = cfg.dcp, cfg.interleave_size
         cp = cp_rank_node(gm, self)

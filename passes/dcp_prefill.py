@@ -323,6 +323,7 @@ class DCPPrefill(DCPPass):
     # -- rewrite ---------------------------------------------------------------------------
 
     def call(self, gm):
+        self.selections: dict = {}   # DSA: indexer q -> its keep (dsa_keep)
         cfg, g = self.ctx.config, gm.graph
         W, I, B, tp = cfg.dcp, cfg.interleave_size, cfg.block_size, cfg.tp
         sp = gm.meta[SP_META]

@@ -35,7 +35,7 @@ not per-token projections (by the placement rules' token dims: e.g. a token shif
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import sympy
@@ -53,8 +53,7 @@ from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder
 from .mask_predicate import I, J, read_mask
 from .op_classes import CASTS, CONCATS
 from .score_bias import alibi_of, read_bias
-from .sparse_attention import (read_index_selection, refuse_shared_selection,
-                               refuse_top_k_selection)
+from .sparse_attention import read_index_selection, refuse_top_k_selection
 from .placement import Refusal, carried_dim
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
                           unmasked_theorem)
@@ -136,10 +135,10 @@ class InsertPagedCache(DCPPass):
             # DeepSeek Sparse Attention: the indexer's selection off the mask (its causal
             # side is proven below); each indexer feeds one layer.
             s.index = read_index_selection(s)
-            if s.index is not None:
-                first = indexers.setdefault(s.index.node, layer)
-                if first != layer:
-                    refuse_shared_selection(s, s.index, layer, first)
+            if s.index is not None and indexers.setdefault(s.index.node, layer) != layer:
+                # GLM-5's "shared" layers reuse an earlier layer's selection: the indexer's
+                # K is cached once, beside that layer's latent.
+                s.index = replace(s.index, shared=True)
             self._check_site(s, per_token, batch, tokens, pos)
             verdict = self._prove_mask(s, layer, tokens, pos) if s.mask is not None else None
             self._set_window(s, declared[layer] if declared else 0, layer, verdict)
@@ -169,7 +168,7 @@ class InsertPagedCache(DCPPass):
         stored padded with zeros to the keys' width; the output is cut back to theirs."""
         heads, width = val(s.k).shape[1], val(s.k).shape[3]
         shared = s.k is s.v
-        if s.index is not None:    # DSA: the indexer's K stored beside the latent
+        if s.index is not None and not s.index.shared:   # DSA: the indexer's K beside it
             width += s.index.width
         if not shared and val(s.v).shape[3] > width:
             fail(s.node, f"attention {s.node.name}'s values are wider ({val(s.v).shape[3]}) "
@@ -355,7 +354,7 @@ class InsertPagedCache(DCPPass):
             head_dim = plan.layouts[c].head_dim
             with g.inserting_before(s.out):
                 q, k, v = (self._bshd(g, t) for t in (s.q, s.k, s.v))
-                if s.index is not None:     # [latent ; k_pe ; the indexer's K], stored once
+                if s.index is not None and not s.index.shared:   # [latent ; k_pe ; index K]
                     k = v = _with_index_k(g, k, s.index, val(s.k).dtype)
                 if plan.kv_shared:          # halves of the one K = V tensor
                     h = head_dim
@@ -373,7 +372,7 @@ class InsertPagedCache(DCPPass):
                 if s.index is not None:
                     params.update(index_q=s.index.q, index_weights=s.index.weights,
                                   index_scale=s.index.scale, index_topk=s.index.topk,
-                                  index_width=s.index.width)
+                                  index_width=0 if s.index.shared else s.index.width)
                 # A layer sharing another layer's K/V reads that layer's cache (the same
                 # inputs); the DCP rewrites write each cache once (its owner's write).
                 attn = g.call_function(torch.ops.dcp.paged_attention.default,

@@ -53,6 +53,7 @@ class IndexSelection:
     k: Node               # [B, S, d] the indexer's K of this step's tokens
     scale: float
     topk: int
+    shared: bool = False  # an earlier layer's selection, reused (GLM-5 indexer_types "shared")
 
     @property
     def width(self) -> int:
@@ -110,17 +111,6 @@ def read_index_selection(s: Site) -> IndexSelection | None:
     return IndexSelection(node=top, q=q, weights=w, k=k, scale=float(scale), topk=int(topk))
 
 
-def refuse_shared_selection(s: Site, sel: IndexSelection, layer: int, first: int) -> None:
-    """GLM-5's ``indexer_types`` "shared" layers reuse an earlier layer's selection: not
-    built (the reuse of that layer's ``keep`` under DCP), refused by name."""
-    raise DCPSparseAttentionError(
-        f"DeepSeek Sparse Attention: attention {s.node.name} (layer {layer}, "
-        f"{source_of(s.node)}) reuses the selection of layer {first}'s indexer "
-        f"({sel.node.name}: GLM-5 indexer_types 'shared'). Reusing another layer's selection "
-        f"under DCP is not built. Use indexer_types 'full' on every layer; docs/moe-mla.md: "
-        f"DeepSeek Sparse Attention")
-
-
 def refuse_top_k_selection(s: Site) -> None:
     """A mask that keeps the keys a ``topk`` picks, in a form ``read_index_selection`` does
     not take, is a data-dependent selection over ALL prior tokens: under DCP a rank holds
@@ -157,7 +147,7 @@ def refuse_top_k_selection(s: Site) -> None:
 def index_k_linears(attn: Node) -> set[Node]:
     """The linears behind the indexer's K of a DSA attention (the second part of the
     ``cat([latent ; k_pe], index K)`` insert_paged_cache stores as K = V); none otherwise."""
-    if not attn.kwargs.get("index_topk"):
+    if not attn.kwargs.get("index_width"):   # no indexer, or a layer reusing another's
         return set()
     x = attn.args[1]
     while x.op == "call_function" and not is_call(x, {aten.cat.default}):

@@ -249,6 +249,11 @@ def dsa_keep_one_rank(index_q: Tensor, index_weights: Tensor, k: Tensor, v: Tens
                       width: int) -> Tensor:
     """The selection of ``dcp.paged_attention`` on one device (every key on rank 0 of 1):
     the DCP ops with one rank, on partial_attention's key axis."""
+    if not width:
+        raise ValueError(
+            "dcp.paged_attention with index_topk and index_width=0 reuses another layer's "
+            "selection (GLM-5 indexer_types 'shared'): it runs in its DCP form only, where "
+            "that layer's keep is reused (passes/dcp_decode.py dsa_keep)")
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=index_q.device)
     scores, pos = _index_scores_impl(index_q, index_weights, index_columns(k, v, width),

@@ -29,10 +29,12 @@ from full_runs import full  # noqa: E402
 
 TOPK = 4                       # below every prompt but the 1-token one: the indexer cuts
 ATOL = 1e-4
-MODELS = ("deepseek_v32", "glm_moe_dsa")
+# name -> (model type, config options); GLM-5's second layer reuses the first's selection.
+MODELS = {"deepseek_v32": ("deepseek_v32", {}), "glm_moe_dsa": ("glm_moe_dsa", {}),
+          "glm5-full-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]})}
 LAYOUTS = ((4, 2), (8, 4))
-# The default run's slice; DCP_DSA_TRANSFORM_FULL=1 runs all eight cells.
-SLICE = {("decode", "deepseek_v32", 4, 2), ("prefill", "glm_moe_dsa", 8, 4)}
+# The default run's slice; DCP_DSA_TRANSFORM_FULL=1 runs all twelve cells.
+SLICE = {("decode", "deepseek_v32", 4, 2), ("prefill", "glm5-full-shared", 8, 4)}
 CELLS = [(mode, m, tp, dcp) for mode in ("decode", "prefill") for m in MODELS
          for tp, dcp in LAYOUTS
          if full("DCP_DSA_TRANSFORM_FULL") or (mode, m, tp, dcp) in SLICE]
@@ -45,8 +47,9 @@ def _set_topk(model, k: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _model(model_type: str):
-    return C.build(model_type, index_topk=TOPK)
+def _model(name: str):
+    model_type, options = MODELS[name]
+    return C.build(model_type, index_topk=TOPK, **options)
 
 
 def _transform(model, mode: str, tp: int, dcp: int, check: bool = False, **shape_options):
@@ -58,8 +61,8 @@ def _transform(model, mode: str, tp: int, dcp: int, check: bool = False, **shape
 
 
 @functools.lru_cache(maxsize=None)
-def _program(mode: str, model_type: str, tp: int, dcp: int):
-    return _transform(_model(model_type), mode, tp, dcp, check=(mode == "prefill"))
+def _program(mode: str, name: str, tp: int, dcp: int):
+    return _transform(_model(name), mode, tp, dcp, check=(mode == "prefill"))
 
 
 def _assert_the_cut_matters(model, steps: int) -> None:
@@ -74,21 +77,30 @@ def _assert_the_cut_matters(model, steps: int) -> None:
     assert max(float((a - b).abs().max()) for a, b in zip(cut, dense)) > 1e-3
 
 
-def _index_width(model) -> int:
-    c = model.config
-    return c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim
+def _own_indexer(model) -> list[bool]:
+    """Per layer: whether it has its own indexer (GLM-5's "shared" layers reuse one)."""
+    types = getattr(model.config, "indexer_types", None) or \
+        ["full"] * model.config.num_hidden_layers
+    return [t == "full" for t in types]
 
 
-@pytest.mark.parametrize("mode,model_type,tp,dcp", CELLS,
+@pytest.mark.parametrize("mode,name,tp,dcp", CELLS,
                          ids=[f"{a}-{b}-tp{c}-dcp{d}" for a, b, c, d in CELLS])
-def test_dsa_program_is_the_models_forward(mode, model_type, tp, dcp):
-    model = _model(model_type)
+def test_dsa_program_is_the_models_forward(mode, name, tp, dcp):
+    model = _model(name)
     steps = C.STEPS[mode]
     _assert_the_cut_matters(model, steps)
-    program = _program(mode, model_type, tp, dcp)
-    # One cache per layer: [latent ; k_pe ; the indexer's K], its halves in the pair.
+    program = _program(mode, name, tp, dcp)
+    # One cache per layer: [latent ; k_pe ; the indexer's K] (the latent alone on a layer
+    # reusing another's selection), its halves in the key/value pair, one head.
+    c, own = model.config, _own_indexer(model)
     spec = program.cache_spec()
-    assert (spec.kv_heads, spec.head_dim) == (1, _index_width(model) // 2)
+    groups = spec.groups or ()      # None: one layout for every layer
+    widths = {i: g.head_dim for g in groups for i in g.caches}
+    assert [widths.get(i, spec.head_dim) for i in range(len(own))] == [
+        (c.kv_lora_rank + c.qk_rope_head_dim + (c.index_head_dim if o else 0)) // 2
+        for o in own]
+    assert {g.kv_heads for g in groups} | {spec.kv_heads} == {1}
     runs = run_threaded_program(program, C.prompts(), steps, poison_garbage=True)
     ref_tokens, ref_logits = C.reference(model, C.prompts(), steps)
     worst = assert_runs_match(runs, ref_tokens, ref_logits, atol=ATOL, lengths=C.LENGTHS)
@@ -97,19 +109,20 @@ def test_dsa_program_is_the_models_forward(mode, model_type, tp, dcp):
     # Per layer, the DCP rewrite's collectives (op, dtype): MLA's (decode: q all-gather, LSE
     # all-gather, reduce-scatter of the heads; prefill: q all-gather, LSE all-gather, token
     # reduce-scatter) and the selection's one all-gather of the candidates' (score,
-    # position) packed as int32 words, [dcp * b, queries, 3 * candidates].
+    # position) packed as int32 words, [dcp * b, queries, 3 * candidates] (none on a layer
+    # reusing another's selection).
     per_layer = _dcp_collectives(program.graphs[step])
     for layer in range(layers):
         assert sorted(per_layer[layer]) == sorted(
             [("all_gather_into_tensor", "torch.float32")] * 2
-            + [("all_gather_into_tensor", "torch.int32"),
-               ("reduce_scatter_tensor", "torch.float32")]), per_layer[layer]
+            + [("all_gather_into_tensor", "torch.int32")] * own[layer]
+            + [("reduce_scatter_tensor", "torch.float32")]), per_layer[layer]
     if mode == "decode":    # the decode engine's prompt step: every key local, no collective
         assert _dcp_collectives(program.graphs["context"]) == {}
     else:                   # transform's own check: two chunks, the second over the first
         report = program.report.check
         assert report.ok and max(report.step_errors) < ATOL, report.step_errors
-    print(f"DSA {mode} {model_type} tp={tp} dcp={dcp}: max |logit error| {worst:.2e}")
+    print(f"DSA {mode} {name} tp={tp} dcp={dcp}: max |logit error| {worst:.2e}")
 
 
 def _dcp_collectives(gm) -> dict[int, list]:
@@ -120,14 +133,6 @@ def _dcp_collectives(gm) -> dict[int, list]:
             out.setdefault(n.meta.get(META_LAYER), []).append(
                 (n.target._opname, str(n.args[0].meta["val"].dtype)))
     return out
-
-
-def test_glm5_shared_indexer_layers_are_refused_by_name():
-    """GLM-5's ``indexer_types`` "shared" layer reuses the previous layer's selection: not
-    built under DCP, refused naming the layer and the indexer it reuses."""
-    model = C.build("glm_moe_dsa", index_topk=TOPK, indexer_types=["full", "shared"])
-    with pytest.raises(DCPSparseAttentionError, match="reuses the selection of layer 0"):
-        _transform(model, "decode", 4, 2)
 
 
 def test_speculative_width_k_steps_are_refused_by_name():
