@@ -85,8 +85,6 @@ def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] |
     prompt prefixes (runtime/serving/prefix_cache.py); ``wrap`` wraps the executor further;
     ``checkpoint``: as for :func:`load_rank`.
     """
-    if prefix_caching:
-        refuse_sparse_attention_prefix_caching(program)
     loaded = load_rank(program, rank, group_names, shared_names=shared_names,
                        checkpoint=checkpoint)
     garbage = program.config.garbage_block
@@ -105,19 +103,3 @@ def rank_engine(program: DCPProgram, rank: int, *, group_names: dict[str, str] |
                   buckets=program.buckets if shapes is None else None,
                   prefix_caching=prefix_caching, garbage_block=garbage,
                   state_slots=None if state is None else state.num_slots)
-
-
-def refuse_sparse_attention_prefix_caching(program: DCPProgram) -> None:
-    """DeepSeek Sparse Attention (a step graph holding ``dcp.index_scores``) with prefix
-    caching: not built (never run against the model), refused by name."""
-    from dcp_compile.runtime.errors import DCPSparseAttentionError
-    index_scores = torch.ops.dcp.index_scores.default
-    steps = [k for k, gm in program.graphs.items()
-             if any(n.target is index_scores for n in gm.graph.nodes)]
-    if steps:
-        raise DCPSparseAttentionError(
-            f"DeepSeek Sparse Attention with prefix caching: the program's {steps} steps "
-            f"select keys with the lightning indexer (dcp.index_scores), and serving a "
-            f"shared prefix's cached [latent ; k_pe ; indexer K] blocks to a later request is "
-            f"not built or checked against the model yet. Turn prefix caching off; "
-            f"docs/moe-mla.md: DeepSeek Sparse Attention")

@@ -135,19 +135,62 @@ def _dcp_collectives(gm) -> dict[int, list]:
     return out
 
 
-def test_speculative_width_k_steps_are_refused_by_name():
-    """A decode step of width K > 1 (speculative decoding) with DSA: not built, refused."""
-    with pytest.raises(DCPSparseAttentionError, match="decode step of width 3"):
-        _transform(_model("deepseek_v32"), "decode", 4, 2, decode_len=3)
+class _OracleDrafter:
+    """Drafts the reference's own continuation, its last draft wrong every other call:
+    drafts are accepted and rejected (the KV rewound) in the same run."""
+
+    def __init__(self, full: list[list[int]]):
+        self.full, self.calls = full, 0
+
+    def propose(self, histories, counts):
+        self.calls += 1
+        out = []
+        for b, (h, c) in enumerate(zip(histories, counts)):
+            d = list(self.full[b][len(h):len(h) + c])
+            if d and self.calls % 2:
+                d[-1] = (d[-1] + 1) % C.TINY["vocab_size"]
+            out.append(d)
+        return out
+
+    def accepted(self, seq, length):
+        pass
 
 
-def test_prefix_caching_is_refused_by_name():
-    """Prefix caching over a DSA program's cache: not built, refused when the engine is
-    asked for it (before any weight is loaded)."""
+def test_speculative_decoding_with_prefix_caching_is_the_models_forward():
+    """Width-3 decode steps (each query bounded per rank: the selection per query) verify
+    drafts, some accepted and some rejected, while the prefix cache serves a shared
+    prompt prefix (its cached [latent ; k_pe ; indexer K] blocks, written once): the
+    model's own greedy tokens and logits (fp32, 1e-4)."""
+    from dcp_compile.runtime.distributed.world import run_threaded
     from dcp_compile.runtime.serving.rank_engine import rank_engine
-    program = _program("decode", "deepseek_v32", 4, 2)
-    with pytest.raises(DCPSparseAttentionError, match="prefix caching"):
-        rank_engine(program, 0, prefix_caching=True)
+    from dcp_compile.verify import generate_per_token
+    model, steps = _model("deepseek_v32"), 8
+    shared = [5, 9, 5, 9, 5, 9, 11, 12, 13, 5, 9, 14, 15, 16, 17, 5, 9]   # two vblocks + 1
+    prompts = [shared + [5, 9], shared + [40], [7, 8, 9, 7, 8, 9, 7], [3]]
+    shapes = StepShapes.fitting(4, 20, 34, block_size=C.BLOCK, dcp=2, decode_len=3)
+    program = dcp_compile.transform(model, tp=4, dcp=2, mode="decode", block_size=C.BLOCK,
+                                    shapes=shapes)
+    ref_tokens, ref_logits = C.reference(model, prompts, steps)
+    full_ids = [p + t for p, t in zip(prompts, ref_tokens)]
+
+    def rank_main(rank):
+        engine = rank_engine(program, rank, poison=True, prefix_caching=True)
+        return generate_per_token(engine, prompts, steps, _OracleDrafter(full_ids))
+
+    runs = run_threaded(4, rank_main, timeout=600)
+    for got, reused in runs:
+        assert got.tokens == ref_tokens and reused == 16          # one follower, 2 vblocks
+        assert 0 < got.stats.accepted < got.stats.drafted         # accepted and rejected
+        for b, row in enumerate(got.logits):
+            for t, logits in enumerate(row):
+                assert float((logits - ref_logits[b][t]).abs().max()) <= ATOL
+
+
+def test_a_chunk_step_is_refused_by_name():
+    """A decode program's chunk step (a prompt continued after prior context) with DSA:
+    not built, refused naming the step."""
+    with pytest.raises(DCPSparseAttentionError, match="chunk step"):
+        _transform(_model("deepseek_v32"), "decode", 4, 2, chunk_len=4)
 
 
 def test_the_lowering_refuses_dsa_by_name():
