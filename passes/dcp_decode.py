@@ -33,9 +33,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dcp_compile.runtime.errors import DCPSparseAttentionError, DCPTransformError
+from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.garbage_block import LAST
-from dcp_compile.runtime.names import META_KIND, RANK_INPUT, Mode, Role, StepKind
+from dcp_compile.runtime.names import META_KIND, RANK_INPUT, Mode, Role
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
@@ -347,14 +347,6 @@ class DCPDecode(DCPPass):
                     q_all = q
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
                 index = pop_index(kwargs)
-                if index is not None and self.ctx.step == StepKind.CHUNK:
-                    raise DCPSparseAttentionError(
-                        f"DeepSeek Sparse Attention in a decode program's chunk step "
-                        f"(attention {attn.name}, width {s}): the selection is built and "
-                        f"checked for decode steps (one token, or K for speculative "
-                        f"decoding), the decode engine's prompt step and prefill, not for a "
-                        f"prompt continued after prior context. Build the program with "
-                        f"StepShapes(chunk_len=0); docs/moe-mla.md: DeepSeek Sparse Attention")
                 if index is not None:     # DeepSeek Sparse Attention: the exact selection
                     kwargs["keep"] = dsa_keep(
                         self, g, index, k=k, v=v, kc=kc2, vc=vc2,

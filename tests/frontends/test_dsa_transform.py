@@ -186,11 +186,37 @@ def test_speculative_decoding_with_prefix_caching_is_the_models_forward():
                 assert float((logits - ref_logits[b][t]).abs().max()) <= ATOL
 
 
-def test_a_chunk_step_is_refused_by_name():
-    """A decode program's chunk step (a prompt continued after prior context) with DSA:
-    not built, refused naming the step."""
-    with pytest.raises(DCPSparseAttentionError, match="chunk step"):
-        _transform(_model("deepseek_v32"), "decode", 4, 2, chunk_len=4)
+@pytest.mark.parametrize("name,tp,dcp", [("deepseek_v32", 4, 2)] + (
+    [("glm5-full-shared", 8, 4)] if full("DCP_DSA_TRANSFORM_FULL") else []))
+def test_a_chunk_step_after_prior_context_is_the_models_forward(name, tp, dcp):
+    """A decode program's chunk step (StepShapes.chunk_len): row b's first tokens by the
+    context step, the rest in one width-16 step, every query selecting over the prior's
+    shards and the chunk; priors 1, 7, 8, 9 and chunks 16, 0 (the row sits out), 1, 9:
+    every chunk token's logits against the model's own forward over the whole prompt."""
+    from dcp_compile.runtime.distributed.world import run_threaded
+    from dcp_compile.runtime.serving.rank_engine import rank_engine
+    model = _model(name)
+    blocks = 5 * 2 // dcp + 1
+    shapes = StepShapes(batch=4, context_len=12, max_blocks=blocks, num_blocks=blocks * 4 + 4,
+                        decode_len=1, chunk_len=16)
+    program = dcp_compile.transform(model, tp=tp, dcp=dcp, block_size=C.BLOCK, shapes=shapes)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, C.TINY["vocab_size"], (n,), generator=gen).tolist()
+               for n in (17, 7, 9, 18)]
+    prior = [1, 7, 8, 9]
+
+    def rank_main(rank):
+        engine = rank_engine(program, rank, shared_names=True, fill=float("nan"), poison=True)
+        with torch.no_grad():
+            engine.prefill([p[:k] for p, k in zip(prompts, prior)])
+            return engine.chunk_rows([p[k:] for p, k in zip(prompts, prior)])
+
+    outs = run_threaded(tp, rank_main, timeout=600)
+    with torch.no_grad():
+        for b, (p, k) in enumerate(zip(prompts, prior)):
+            want = C.hf_logits(model, torch.tensor([p]))[0, k:]
+            for got in outs:       # an empty chunk (the row sits out) compares nothing
+                assert torch.allclose(got[b, :len(p) - k], want, rtol=0, atol=ATOL), b
 
 
 def test_the_lowering_refuses_dsa_by_name():
