@@ -73,6 +73,7 @@ class Site:
     bias_scale: float = 1.0
     mask_scale: float = 1.0
     alibi: object = None         # score_bias.Alibi, once the bias is proven ALiBi
+    index: object = None         # sparse_attention.IndexSelection (DeepSeek Sparse Attention)
 
 
 def fail(node: Node, why: str, fix: str):

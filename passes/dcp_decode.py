@@ -217,6 +217,82 @@ def combine_all_to_all(p: DCPPass, g: Graph, out: Node, lse: Node, layer: int, s
     return correct_sinks(p, g, merged, glob, sinks, layer, model_dtype)
 
 
+# dcp.attention's DeepSeek Sparse Attention keywords (insert_paged_cache sets them).
+INDEX_KWARGS = ("index_q", "index_weights", "index_scale", "index_topk", "index_width")
+
+
+def pop_index(kwargs: dict) -> dict | None:
+    """The DSA selection's keywords taken out of ``kwargs`` (partial_attention gets
+    ``keep`` and ``index_width`` instead); None for an attention without an indexer."""
+    found = {k: kwargs.pop(k) for k in INDEX_KWARGS if k in kwargs}
+    return found if found.get("index_topk") else None
+
+
+def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, vc: Node,
+             k_pos: Node, table: Node, prior: Node, q_pos: Node, cp: Node, layer: int,
+             group: int, current: int, role: str = Role.DCP) -> Node:
+    """DeepSeek Sparse Attention's exact selection under DCP (runtime/kernels/
+    sparse_attention.py), as partial_attention's ``keep`` [b, i, T] on its key axis:
+
+      scores, pos = dcp.index_scores(index_q, w, index K of the current keys, k_pos,
+                                     index K columns of the written cache, ...)  # local keys
+      cand        = dcp.index_candidates(scores, pos, topk)   # this rank's first topk
+      all         = all_gather(cand) over dcp                 # one collective, packed
+      thr         = dcp.index_threshold(all, topk)            # identical on every rank
+      keep        = selected(scores, pos, thr)                # this rank's own keys
+
+    ``group`` ranks hold the keys (the DCP degree, over ``role``); 1: every key is local
+    (the decode engine's prompt step), no collective. ``current``: how many current keys
+    the step holds per row (k's token count). The indexer's q and head weights are
+    replicated (placement), the same on every rank of the group, for every query."""
+    W, cfg = group, p.ctx.config
+    width = index["index_width"]
+    if not width:   # the layer reuses an earlier layer's selection (GLM-5 "shared")
+        return p.selections[index["index_q"]]
+    cols = lambda a, b: g.call_function(aten.slice.Tensor, (
+        g.call_function(aten.cat.default, ([a, b], -1)), -1, -width, None))
+    sc = p.tag(g.call_function(dcp_ops.index_scores.default, (
+        index["index_q"], index["index_weights"], cols(k, v), k_pos, cols(kc, vc), table,
+        prior, q_pos, cp, cfg.dcp, cfg.interleave_size, index["index_scale"]),
+        garbage_kwargs(cfg)), KIND_MASK, layer)
+    scores, pos = (g.call_function(operator.getitem, (sc, i)) for i in range(2))
+    cand = p.tag(g.call_function(dcp_ops.index_candidates.default,
+                                 (scores, pos, index["index_topk"])), KIND_MASK, layer)
+    c_s, c_p = (g.call_function(operator.getitem, (cand, i)) for i in range(2))
+    b, i = val(q_pos).shape[:2]
+    if W > 1:
+        # One all-gather: the float32 scores and int64 positions as int32 words side by side.
+        n = min(index["index_topk"],
+                val(table).shape[1] * cfg.block_size + current)    # index_candidates' width
+        packed = g.call_function(aten.cat.default, (
+            [bitcast(g, c_s, torch.float32, torch.int32),
+             bitcast(g, c_p, torch.int64, torch.int32)], -1))              # [b, i, 3n]
+        c, got = C.all_gather(g, packed, role, W)                          # [W*b, i, 3n]
+        p.tag(c, KIND_COLLECTIVE, layer)
+        got = g.call_function(aten.view.default, (got, [W, b, i, 3 * n]))
+        all_s = bitcast(g, g.call_function(aten.slice.Tensor, (got, -1, 0, n)),
+                        torch.int32, torch.float32)
+        all_p = bitcast(g, g.call_function(aten.slice.Tensor, (got, -1, n, 3 * n)),
+                        torch.int32, torch.int64)
+    else:
+        all_s, all_p = (g.call_function(aten.unsqueeze.default, (x, 0)) for x in (c_s, c_p))
+    thr = p.tag(g.call_function(dcp_ops.index_threshold.default,
+                                (all_s, all_p, index["index_topk"])), KIND_MASK, layer)
+    t_s, t_p = (g.call_function(operator.getitem, (thr, i)) for i in range(2))
+    # selected(): at or before the threshold pair in DSA_ORDER, and selectable.
+    above = g.call_function(aten.gt.Tensor, (scores, t_s))
+    tie = g.call_function(aten.logical_and.default, (
+        g.call_function(aten.eq.Tensor, (scores, t_s)),
+        g.call_function(aten.le.Tensor, (pos, t_p))))
+    keep = g.call_function(aten.logical_and.default, (
+        g.call_function(aten.ge.Scalar, (pos, 0)),
+        g.call_function(aten.logical_or.default, (above, tie))))
+    # Per step, every layer's key axis is the same [local prior slots ; current keys]: a
+    # later layer reading this indexer's selection (GLM-5's "shared" layers) reuses it.
+    p.selections[index["index_q"]] = keep
+    return keep
+
+
 # DCPConfig.combine -> how the partial outputs of a replica set are combined.
 COMBINES = {"all_gather": combine_all_gather, "all_to_all": combine_all_to_all}
 
@@ -247,6 +323,7 @@ class DCPDecode(DCPPass):
                     f"Build the program with StepShapes(decode_len <= {MAX_DECODE_LEN}).")
 
     def call(self, gm):
+        self.selections: dict = {}   # DSA: indexer q -> its keep (dsa_keep)
         cfg, g = self.ctx.config, gm.graph
         W, I, B = cfg.dcp, cfg.interleave_size, cfg.block_size
         cp = cp_rank_node(gm, self)
@@ -269,6 +346,14 @@ class DCPDecode(DCPPass):
                 else:
                     q_all = q
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
+                index = pop_index(kwargs)
+                if index is not None:     # DeepSeek Sparse Attention: the exact selection
+                    kwargs["keep"] = dsa_keep(
+                        self, g, index, k=k, v=v, kc=kc2, vc=vc2,
+                        k_pos=m["current_key_positions"], table=table,
+                        prior=m["prior_local"], q_pos=positions, cp=cp, layer=layer, group=W,
+                        current=s)
+                    kwargs["index_width"] = index["index_width"]
                 if W > 1 and kwargs.get("alibi_slopes") is not None:
                     # ALiBi: the gathered q's heads need their slopes, gathered alike.
                     c, slopes_w = C.all_gather(g, kwargs["alibi_slopes"], Role.DCP, W)
@@ -335,6 +420,7 @@ class DCPContext(DCPPass):
     ensured = frozenset({Property.DCP_REWRITTEN})
 
     def call(self, gm):
+        self.selections: dict = {}   # DSA: indexer q -> its keep (dsa_keep)
         cfg, g = self.ctx.config, gm.graph
         W, I = cfg.dcp, cfg.interleave_size
         cp = cp_rank_node(gm, self)
@@ -348,6 +434,13 @@ class DCPContext(DCPPass):
                 kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer,
                                               written)
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
+                index = pop_index(kwargs)
+                if index is not None:     # every key of the prompt is local: no collective
+                    kwargs["keep"] = dsa_keep(
+                        self, g, index, k=k, v=v, kc=kc2, vc=vc2, k_pos=positions,
+                        table=table, prior=m["no_prior"], q_pos=positions, cp=cp,
+                        layer=layer, group=1, current=val(positions).shape[1])
+                    kwargs["index_width"] = index["index_width"]
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q, positions, k, v, positions, kc2, vc2, table, m["no_prior"], cp, W, I,

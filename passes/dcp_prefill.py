@@ -60,14 +60,15 @@ from dcp_compile.runtime.names import (Mode, Role, StepKind, META_LAYER, META_NO
                            SP_GATHER, SP_META, SP_SLICE, SPEC_STEP)
 
 from . import collectives as C
-from .dcp_decode import (attention_kwargs, correct_sinks, cp_rank_node, garbage_kwargs,
-                         replace_attention)
+from .dcp_decode import (attention_kwargs, correct_sinks, cp_rank_node, dsa_keep,
+                         garbage_kwargs, pop_index, replace_attention)
 from .op_classes import SHAPED_VIEWS
 from .placement import Refusal, aligned_dim, token_dim
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, Property, attention_nodes, getitem_users, source_of,
                     val)
 from .sequence_parallel import pad_tokens, reduce_scatter_tokens
+from .sparse_attention import full_chunk_indexer, index_k_linears
 from .shard_tensor_parallel import _is_linear
 
 aten = torch.ops.aten
@@ -223,8 +224,11 @@ class DCPPrefill(DCPPass):
             reads = "q" if caches in owned_caches else "qkv"
             owned_caches.add(caches)
             projs, chained = [], []
+            # DSA: the indexer's K joins the latent (insert_paged_cache): its projection is
+            # not the layer's k; the indexer runs on the full chunk (full_chunk_indexer).
+            indexer = index_k_linears(attn)
             for i, what in enumerate(reads):
-                lin = [by_name[x] for x in sites[what]]
+                lin = [by_name[x] for x in sites[what] if by_name[x] not in indexer]
                 if len(lin) != 1:
                     raise DCPTransformError(
                         f"{what} of attention {attn.name} ({source_of(attn)}) comes from "
@@ -319,6 +323,7 @@ class DCPPrefill(DCPPass):
     # -- rewrite ---------------------------------------------------------------------------
 
     def call(self, gm):
+        self.selections: dict = {}   # DSA: indexer q -> its keep (dsa_keep)
         cfg, g = self.ctx.config, gm.graph
         W, I, B, tp = cfg.dcp, cfg.interleave_size, cfg.block_size, cfg.tp
         sp = gm.meta[SP_META]
@@ -341,6 +346,8 @@ class DCPPrefill(DCPPass):
                     meta_nodes[key] = self._chunk_metadata(g, positions, table, cp, cap, layer)
             m = meta_nodes[key]
 
+            if attn.kwargs.get("index_topk"):   # before step 3 moves the shared q chain
+                full_chunk_indexer(g, plan)
             # 2. interleave slice of the gathered hidden state (S -> C owned tokens)
             h = plan.hidden
             with g.inserting_before(h.next):
@@ -390,6 +397,13 @@ class DCPPrefill(DCPPass):
                 self._step(q_full, 6, KIND_SLICE, layer)
                 # 7. segmented attention: full Q x (local prior cache + own current k/v)
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
+                index = pop_index(kwargs)
+                if index is not None:   # DSA: every query of the chunk over the own keys
+                    kwargs["keep"] = dsa_keep(
+                        self, g, index, k=k, v=v, kc=kc2, vc=vc2, k_pos=m["k_pos"],
+                        table=table, prior=m["prior"], q_pos=positions, cp=cp, layer=layer,
+                        group=W, current=cap, role=Role.CP_KV)
+                    kwargs["index_width"] = index["index_width"]
                 pa = self._step(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_full, positions, k, v, m["k_pos"], kc2, vc2, table, m["prior"], cp, W,

@@ -35,7 +35,7 @@ not per-token projections (by the placement rules' token dims: e.g. a token shif
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import sympy
@@ -53,7 +53,7 @@ from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder
 from .mask_predicate import I, J, read_mask
 from .op_classes import CASTS, CONCATS
 from .score_bias import alibi_of, read_bias
-from .sparse_attention import refuse_top_k_selection
+from .sparse_attention import read_index_selection, refuse_top_k_selection
 from .placement import Refusal, carried_dim
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
                           unmasked_theorem)
@@ -130,8 +130,15 @@ class InsertPagedCache(DCPPass):
                 f"num_hidden_layers, or an earlier step) but this step's graph has "
                 f"{len(sites)} attention sites. Every layer must attend once through SDPA or "
                 f"eager attention.")
-        theorems = []
+        theorems, indexers = [], {}
         for layer, s in enumerate(sites):
+            # DeepSeek Sparse Attention: the indexer's selection off the mask (its causal
+            # side is proven below); each indexer feeds one layer.
+            s.index = read_index_selection(s)
+            if s.index is not None and indexers.setdefault(s.index.node, layer) != layer:
+                # GLM-5's "shared" layers reuse an earlier layer's selection: the indexer's
+                # K is cached once, beside that layer's latent.
+                s.index = replace(s.index, shared=True)
             self._check_site(s, per_token, batch, tokens, pos)
             verdict = self._prove_mask(s, layer, tokens, pos) if s.mask is not None else None
             self._set_window(s, declared[layer] if declared else 0, layer, verdict)
@@ -161,6 +168,8 @@ class InsertPagedCache(DCPPass):
         stored padded with zeros to the keys' width; the output is cut back to theirs."""
         heads, width = val(s.k).shape[1], val(s.k).shape[3]
         shared = s.k is s.v
+        if s.index is not None and not s.index.shared:   # DSA: the indexer's K beside it
+            width += s.index.width
         if not shared and val(s.v).shape[3] > width:
             fail(s.node, f"attention {s.node.name}'s values are wider ({val(s.v).shape[3]}) "
                  f"than its keys ({width}): the paged cache holds one head_dim for both",
@@ -345,6 +354,8 @@ class InsertPagedCache(DCPPass):
             head_dim = plan.layouts[c].head_dim
             with g.inserting_before(s.out):
                 q, k, v = (self._bshd(g, t) for t in (s.q, s.k, s.v))
+                if s.index is not None and not s.index.shared:   # [latent ; k_pe ; index K]
+                    k = v = _with_index_k(g, k, s.index, val(s.k).dtype)
                 if plan.kv_shared:          # halves of the one K = V tensor
                     h = head_dim
                     k, v = (g.call_function(aten.slice.Tensor, (k, 3, a, a + h))
@@ -358,6 +369,10 @@ class InsertPagedCache(DCPPass):
                     params["sinks"] = s.sinks
                 if s.alibi is not None:
                     params["alibi_slopes"] = _slopes(g, s.alibi, val(s.q).shape[1])
+                if s.index is not None:
+                    params.update(index_q=s.index.q, index_weights=s.index.weights,
+                                  index_scale=s.index.scale, index_topk=s.index.topk,
+                                  index_width=0 if s.index.shared else s.index.width)
                 # A layer sharing another layer's K/V reads that layer's cache (the same
                 # inputs); the DCP rewrites write each cache once (its owner's write).
                 attn = g.call_function(torch.ops.dcp.paged_attention.default,
@@ -487,6 +502,16 @@ def _slopes(g, alibi, heads: int) -> Node:
              f"heads", "Give one slope per query head")
     flat = g.call_function(aten.to.dtype, (flat, torch.float32))
     return g.call_function(aten.mul.Tensor, (flat, alibi.coefficient))
+
+
+def _with_index_k(g, k: Node, sel, dtype: torch.dtype) -> Node:
+    """The MLA latent [B, S, 1, L + dr] with the indexer's K [B, S, d] after it (DeepSeek
+    Sparse Attention): one vector per token, cached once by its owner in the layer's
+    latent cache (runtime/kernels/sparse_attention.py ``index_columns``)."""
+    ik = g.call_function(aten.unsqueeze.default, (sel.k, 2))
+    if val(sel.k).dtype != dtype:
+        ik = g.call_function(aten.to.dtype, (ik, dtype))
+    return g.call_function(aten.cat.default, ([k, ik], -1))
 
 
 def _pad_values(g, v: Node, extra: int) -> Node:

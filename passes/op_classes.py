@@ -99,6 +99,7 @@ DIVS = frozenset({aten.div.Tensor, aten.div.Scalar})
 REMAINDERS = frozenset({aten.remainder.Tensor, aten.remainder.Scalar})
 # Boolean connectives: on bool tensors the bitwise, logical and operator forms agree.
 ANDS = frozenset({aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default})
+NOTS = frozenset({aten.bitwise_not.default, aten.logical_not.default})
 ORS = frozenset({aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default})
 XORS = frozenset({aten.__xor__.Tensor, aten.bitwise_xor.Tensor, aten.logical_xor.default})
 

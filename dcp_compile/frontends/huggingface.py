@@ -520,10 +520,11 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
             f"DeepSeek Sparse Attention: the indexer's top-k over a sharded context. {name} "
             f"keeps per query the {sparse} prior tokens its "
             f"indexer scores best; under DCP a rank holds only its shard of the keys, so its "
-            f"own top-k would select a different set. The exact decode selection exists as "
-            f"runtime ops (runtime/kernels/sparse_attention.py), but neither hf.prepare nor "
-            f"dcp_compile.transform emits it yet. docs/moe-mla.md: "
-            f"DeepSeek Sparse Attention")
+            f"own top-k would select a different set. hf.prepare's paged op caches neither "
+            f"the MLA latent nor the indexer's K and emits no selection. Pass the model "
+            f"itself to dcp_compile.transform (attn_implementation='eager' or 'sdpa'): that "
+            f"path caches the indexer's K beside the latent and emits the exact DCP "
+            f"selection. docs/moe-mla.md: DeepSeek Sparse Attention")
     latent = _set_fields(cfg, MLA_FIELDS)
     if latent:
         raise DCPTransformError(

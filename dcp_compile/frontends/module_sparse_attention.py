@@ -9,10 +9,10 @@ three tensors the DCP selection needs (its roped queries, its head weights, its 
 ``dcp.index_topk`` (runtime/kernels/sparse_attention.py), which scores as the model does and
 returns the first ``index_topk`` keys in DSA_ORDER: the model's set wherever its cut has no
 tie, and a rule of positions at a tie (docs/moe-mla.md, DeepSeek Sparse Attention). The
-captured graph then holds the indexer as one node with its inputs named: what the DCP
-rewrite (index_cache_write, index_scores, candidates, the all-gather, the threshold) is to
-replace. That rewrite is not built yet, so transform still refuses the node by name
-(passes/sparse_attention.py).
+captured graph then holds the indexer as one node with its inputs named, which the DCP
+rewrite replaces (passes/sparse_attention.py reads it off the mask; insert_paged_cache caches
+its K beside the latent; dcp_decode / dcp_prefill emit index_scores, the candidates, one
+all-gather, the threshold and partial_attention's keep).
 
 No guessing: a rule (``RULES``, one row per indexer class) names the class, and the source of
 the forward the swap re-states is pinned by its hash (transformers 5.25); an indexer of a

@@ -46,11 +46,19 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             interleave: int, scale: float, window: int = 0,
                             softcap: float = 0.0,
                             kv_shared: bool = False,
-                            garbage_block: int = -1) -> tuple[Tensor, Tensor]:
-    if q.shape[1] > MAX_QUERIES:
+                            garbage_block: int = -1,
+                            alibi_slopes: Tensor | None = None,
+                            attention_chunk: int = 0,
+                            keep: Tensor | None = None,
+                            index_width: int = 0) -> tuple[Tensor, Tensor]:
+    # Prompt-width queries, and the options this kernel does not implement (ALiBi, chunked
+    # attention, DeepSeek Sparse Attention's keep and its indexer columns): the reference.
+    if q.shape[1] > MAX_QUERIES or alibi_slopes is not None or attention_chunk or \
+            keep is not None or index_width:
         return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                        block_table, prior_len, rank, dcp, interleave, scale,
-                                       window, softcap, kv_shared, garbage_block)
+                                       window, softcap, kv_shared, garbage_block, alibi_slopes,
+                                       attention_chunk, keep, index_width)
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]

@@ -19,6 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPLoweringError
+from dcp_compile.runtime.kernels import sparse_attention  # noqa: F401  (registers dcp.index_*)
 from dcp_compile.runtime.names import META_LAYER, META_NODE, META_PASS, is_cache_input
 from dcp_compile.runtime.distributed.roles import COLLECTIVES, KINDS, REDUCTIONS, WAIT_TARGET, bound_collectives, \
     uneven_splits
@@ -56,6 +57,18 @@ def _op_name(target) -> str:
     return getattr(target, "_name", None) or getattr(target, "__name__", str(target))
 
 
+_DSA_NOT_LOWERED = (
+    "cannot lower op {op} at node {name} (introduced by pass {pass_name}, step {step!r}): "
+    "DeepSeek Sparse Attention's selection orders keys by DSA_ORDER with stable sorts "
+    "(runtime/kernels/sparse_attention.py dsa_order), which torch-mlir does not lower "
+    "(aten.sort.stable). The StableHLO lowering of a DSA program is not built; run it on the "
+    "eager runtime (threads or a torch.distributed world); docs/moe-mla.md: DeepSeek Sparse "
+    "Attention")
+# Ops with a reference implementation that the lowering refuses by name (why, and the fix).
+NOT_LOWERED = {torch.ops.dcp.index_candidates.default: _DSA_NOT_LOWERED,
+               torch.ops.dcp.index_threshold.default: _DSA_NOT_LOWERED}
+
+
 def check_lowerable(gm: GraphModule, step: str) -> None:
     """Raise DCPLoweringError for the first op without a lowering or shape that is not static."""
     from dcp_compile.runtime.kernels.ops import DECOMPOSITIONS
@@ -73,6 +86,10 @@ def check_lowerable(gm: GraphModule, step: str) -> None:
         target = node.target
         if target is operator.getitem or target in COLLECTIVES or target == WAIT_TARGET:
             continue
+        if target in NOT_LOWERED:
+            name, pass_name = provenance(node)
+            raise DCPLoweringError(NOT_LOWERED[target].format(
+                op=_op_name(target), name=name, pass_name=pass_name, step=step))
         if target in DECOMPOSITIONS:
             continue
         namespace = getattr(target, "namespace", None)

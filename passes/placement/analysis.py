@@ -525,8 +525,9 @@ class Analysis:
                 self.require(at.args[i], want, at)
             if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
                 self.require(at.kwargs["sinks"], self.sink_shard, at)
-            if at.kwargs.get("alibi_slopes") is not None:   # whole: cut by the rank below
-                self.require(at.kwargs["alibi_slopes"], R, at)
+            # Whole: ALiBi's slopes (cut by the rank below); DSA's indexer q and head weights.
+            for x in filter(None, map(at.kwargs.get, ("alibi_slopes", "index_q", "index_weights"))):
+                self.require(x, R, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shards[at])
         place_experts(self)

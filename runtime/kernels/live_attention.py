@@ -26,6 +26,7 @@ from torch import Tensor
 
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.garbage_block import LAST, garbage_block_id, usable_block
+from dcp_compile.runtime.kernels.op_defs import dcp_op
 
 NEG_INF = float("-inf")
 
@@ -83,6 +84,20 @@ def _scores(qf: Tensor, keys: list[Tensor], scale: float, softcap: float) -> Ten
     return out
 
 
+def attended(pieces: list[Tensor], index_width: int) -> list[Tensor]:
+    """The feature-dim pieces of a shared K = V vector without its last ``index_width``
+    columns (DeepSeek Sparse Attention: the indexer's K stored beside the latent,
+    runtime/kernels/sparse_attention.py ``index_columns``); the attention reads the rest."""
+    if not index_width:
+        return pieces
+    keep, out = sum(p.shape[-1] for p in pieces) - index_width, []
+    for p in pieces:
+        if keep > 0:
+            out.append(p[..., :keep])
+        keep -= p.shape[-1]
+    return out
+
+
 def _weighted(probs: Tensor, values: list[Tensor]) -> Tensor:
     """probs [b, k, g, i, j] @ values [b, j, k, d] -> [b, i, k, g, d] (pieces side by side)."""
     parts = [torch.einsum("bkgij,bjkd->bikgd", probs, v.float()) for v in values]
@@ -98,7 +113,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            garbage_block: int = LAST,
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
-                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           keep: Tensor | None = None,
+                           index_width: int = 0) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -139,7 +155,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     v_cur = torch.where(current, v_cur.to(q.dtype), 0.0)
     k_cur = torch.where(current, k_cur.to(q.dtype), 0.0) if kv_shared else k_cur.to(q.dtype)
     if kv_shared:  # keys = values = [k half ; v half], read as two pieces
-        prior_pieces, cur_pieces = [k_prior, v_prior], [k_cur, v_cur]
+        prior_pieces = attended([k_prior, v_prior], index_width)
+        cur_pieces = attended([k_cur, v_cur], index_width)
     else:
         prior_pieces, cur_pieces = [k_prior], [k_cur]
     groups = q_heads // kv_heads
@@ -160,3 +177,37 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     out = out.add_(_weighted(p_cur, cur_pieces if kv_shared else [v_cur]))
     out = out.reshape(batch, q_len, q_heads, out.shape[-1]).to(q.dtype)
     return out, lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+
+
+# The op (its eager swap for dcp.partial_attention: runtime/kernels/eager.py).
+@dcp_op("partial_attention_live", mutates_args=())
+def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
+                           k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
+                           block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
+                           interleave: int, scale: float, window: int = 0,
+                           softcap: float = 0.0,
+                           kv_shared: bool = False,
+                           garbage_block: int = LAST,
+                           alibi_slopes: Tensor | None = None,
+                           attention_chunk: int = 0,
+                           keep: Tensor | None = None,
+                           index_width: int = 0) -> tuple[Tensor, Tensor]:
+    """partial_attention reading only the block-table entries some row's prior uses.
+
+    Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
+    entries past the longest prior changes nothing but the work: a step costs its context,
+    not the block table's (or the cache's) capacity. The width is data (a host sync), which
+    is why only eager backends run this; static-shape backends keep the full span. The body
+    masks with scalars and never concatenates the keys (runtime/kernels/live_attention.py).
+    """
+    return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                                  block_table, prior_len, rank, dcp, interleave, scale,
+                                  window, softcap, kv_shared, garbage_block, alibi_slopes,
+                                  attention_chunk, keep, index_width)
+
+
+@partial_attention_live.register_fake
+def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
+      alibi_slopes=None, attention_chunk=0, keep=None, index_width=0):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -29,6 +29,7 @@ from dcp_compile.runtime.kernels.op_defs import dcp_op
 from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
                                                         readable_table, same_chunk)
 from dcp_compile.runtime.kernels.paged import prior_slots, write_rows
+from dcp_compile.runtime.kernels.sparse_attention import dsa_keep_one_rank
 
 NEG_INF = float("-inf")
 
@@ -171,7 +172,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             garbage_block: int = LAST,
                             alibi_slopes: Tensor | None = None,
                             attention_chunk: int = 0,
-                            keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            keep: Tensor | None = None,
+                            index_width: int = 0) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -188,6 +190,9 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
         # the value (MLA's [latent ; k_pe], stored once: passes/absorb_latent_attention.py).
         k_prior = v_prior = torch.cat([k_prior, v_prior], dim=-1)
         k_cur = v_cur = torch.cat([k_cur, v_cur], dim=-1)
+        if index_width:   # DSA: the indexer's K columns beside the latent are not attended
+            k_prior = v_prior = k_prior[..., :k_prior.shape[-1] - index_width]
+            k_cur = v_cur = k_cur[..., :k_cur.shape[-1] - index_width]
     # prior_len [b]: one bound per row; [b, i]: one per query (a width-K decode step reads
     # its own owned tokens from the cache, query i up to query_bound[b, i]).
     per_query = prior_len.dim() == 2
@@ -241,7 +246,8 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       garbage_block: int = LAST,
                       alibi_slopes: Tensor | None = None,
                       attention_chunk: int = 0,
-                      keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      keep: Tensor | None = None,
+                      index_width: int = 0) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -257,17 +263,19 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``keep`` [batch, q_len, max_blocks * block + k_cur's length] bool (DeepSeek Sparse
     Attention): only the keys the indexer selected (runtime/kernels/sparse_attention.py),
     on the key axis [local prior slots ; current keys].
+    ``index_width`` (with ``kv_shared``): the shared vector's last that many columns are the
+    indexer's K stored beside the latent (sparse_attention.index_columns), not attended.
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
                                    window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk, keep)
+                                   attention_chunk, keep, index_width)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None):
+      alibi_slopes=None, attention_chunk=0, keep=None, index_width=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -326,18 +334,28 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           kv_shared: bool = False,
                           sinks: Tensor | None = None,
                           alibi_slopes: Tensor | None = None,
-                          attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                          attention_chunk: int = 0,
+                          index_q: Tensor | None = None,
+                          index_weights: Tensor | None = None,
+                          index_scale: float = 0.0, index_topk: int = 0,
+                          index_width: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
     new_kc, new_vc = _cache_write_impl(key_cache, value_cache, k, v, slots)
     # A chunk is contiguous: its first position is the number of prior tokens.
     prior_len = positions[:, 0].clamp(min=0)
+    keep = None
+    if index_topk:   # DeepSeek Sparse Attention: the indexer's selection, one rank
+        keep = dsa_keep_one_rank(index_q, index_weights, k, v, positions, new_kc, new_vc,
+                                 block_table, prior_len, index_scale, index_topk,
+                                 index_width)
     out, lse = _partial_attention_impl(q, positions, k, v, positions, new_kc, new_vc,
                                        block_table, prior_len, rank0, 1, block, scale,
                                        window, softcap, kv_shared,
                                        alibi_slopes=alibi_slopes,
-                                       attention_chunk=attention_chunk)
+                                       attention_chunk=attention_chunk, keep=keep,
+                                       index_width=index_width)
     if sinks is not None:   # one device: the local LSE is the global one
         out = _sink_correct_impl(out, lse, sinks).to(q.dtype)
     return out, new_kc, new_vc
@@ -351,21 +369,32 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
                     kv_shared: bool = False,
                     sinks: Tensor | None = None,
                     alibi_slopes: Tensor | None = None,
-                    attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                    attention_chunk: int = 0,
+                    index_q: Tensor | None = None,
+                    index_weights: Tensor | None = None,
+                    index_scale: float = 0.0, index_topk: int = 0,
+                    index_width: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches).
 
     ``sinks`` [q_heads] (gpt-oss): a learned logit per head that joins each softmax's
     denominator and attends to no value (see ``sink_correct``). ``alibi_slopes`` [q_heads]
-    (ALiBi: Bloom, MPT, Falcon): each score gets ``alibi_bias``, slope_h * (k_pos - q_pos)."""
+    (ALiBi: Bloom, MPT, Falcon): each score gets ``alibi_bias``, slope_h * (k_pos - q_pos).
+    ``index_topk > 0`` (DeepSeek Sparse Attention, with ``kv_shared``): the last
+    ``index_width`` columns of the shared K = V vector are the lightning indexer's K; each
+    query attends only the first ``index_topk`` keys in DSA_ORDER of the indexer's scores
+    (``index_q`` [b, s, H, d] roped, ``index_weights`` [b, s, H] scaled, ``index_scale``:
+    runtime/kernels/sparse_attention.py)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
-                                 attention_chunk)
+                                 attention_chunk, index_q, index_weights, index_scale,
+                                 index_topk, index_width)
 
 
 @paged_attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, index_q=None,
+      index_weights=None, index_scale=0.0, index_topk=0, index_width=0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -376,19 +405,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: T
               softcap: float = 0.0, kv_shared: bool = False,
               sinks: Tensor | None = None,
               alibi_slopes: Tensor | None = None,
-              attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+              attention_chunk: int = 0,
+              index_q: Tensor | None = None,
+              index_weights: Tensor | None = None,
+              index_scale: float = 0.0, index_topk: int = 0,
+              index_width: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
-                                 attention_chunk)
+                                 attention_chunk, index_q, index_weights, index_scale,
+                                 index_topk, index_width)
 
 
 @attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, index_q=None,
+      index_weights=None, index_scale=0.0, index_topk=0, index_width=0):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -535,38 +570,6 @@ def cache_write_(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor,
 @cache_write_.register_fake
 def _(key_cache, value_cache, k, v, slots, garbage_block=LAST):
     return None
-
-
-@dcp_op("partial_attention_live", mutates_args=())
-def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
-                           k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
-                           block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
-                           interleave: int, scale: float, window: int = 0,
-                           softcap: float = 0.0,
-                           kv_shared: bool = False,
-                           garbage_block: int = LAST,
-                           alibi_slopes: Tensor | None = None,
-                           attention_chunk: int = 0,
-                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """partial_attention reading only the block-table entries some row's prior uses.
-
-    Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
-    entries past the longest prior changes nothing but the work: a step costs its context,
-    not the block table's (or the cache's) capacity. The width is data (a host sync), which
-    is why only eager backends run this; static-shape backends keep the full span. The body
-    masks with scalars and never concatenates the keys (runtime/kernels/live_attention.py).
-    """
-    return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
-                                  block_table, prior_len, rank, dcp, interleave, scale,
-                                  window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                  attention_chunk, keep)
-
-
-@partial_attention_live.register_fake
-def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
-      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------

@@ -234,6 +234,37 @@ def _(index_q, index_weights, index_k, bias, scale, topk):
     return index_q.new_empty((b, s, min(topk, index_k.shape[1])), dtype=torch.int32)
 
 
+def index_columns(key_half: Tensor, value_half: Tensor, width: int) -> Tensor:
+    """The indexer's K [..., width] stored beside the MLA latent: the last ``width`` columns
+    of the shared K = V vector whose two halves are ``key_half`` and ``value_half`` (a cache
+    pair [num_blocks, block, 1, D/2], or a step's current k / v [b, s, 1, D/2]). One cache
+    per layer holds [latent ; k_pe ; index K], written once by the position's owner
+    (passes/insert_paged_cache.py)."""
+    return torch.cat([key_half, value_half], dim=-1)[..., -width:]
+
+
+def dsa_keep_one_rank(index_q: Tensor, index_weights: Tensor, k: Tensor, v: Tensor,
+                      positions: Tensor, key_cache: Tensor, value_cache: Tensor,
+                      block_table: Tensor, prior_len: Tensor, scale: float, topk: int,
+                      width: int) -> Tensor:
+    """The selection of ``dcp.paged_attention`` on one device (every key on rank 0 of 1):
+    the DCP ops with one rank, on partial_attention's key axis."""
+    if not width:
+        raise ValueError(
+            "dcp.paged_attention with index_topk and index_width=0 reuses another layer's "
+            "selection (GLM-5 indexer_types 'shared'): it runs in its DCP form only, where "
+            "that layer's keep is reused (passes/dcp_decode.py dsa_keep)")
+    block = key_cache.shape[1]
+    rank0 = torch.zeros((), dtype=torch.int64, device=index_q.device)
+    scores, pos = _index_scores_impl(index_q, index_weights, index_columns(k, v, width),
+                                     positions, index_columns(key_cache, value_cache, width),
+                                     block_table, prior_len, positions, rank0, 1, block,
+                                     scale)
+    cs, cp = _index_candidates_impl(scores, pos, topk)
+    thr_s, thr_p = _index_threshold_impl(cs[None], cp[None], topk)
+    return selected(scores, pos, thr_s, thr_p)
+
+
 def dsa_select(scores: Tensor, positions: Tensor, topk: int) -> Tensor:
     """The single-device reference: the keys [b, i, T] a query selects by DSA_ORDER over all
     of them (one rank: its candidates are the whole group's)."""

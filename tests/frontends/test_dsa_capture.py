@@ -2,8 +2,8 @@
 (dcp_compile/frontends/module_sparse_attention.py): the swapped model is the model's own
 forward (fp32, 1e-4, greedy tokens) on prompts where index_topk cuts, the op's set is the
 DSA_ORDER set (ties by position), the capture holds one op per indexer and no aten.topk, the
-swap is undone, and an indexer whose code differs is refused by name. The DCP rewrite of the
-op is not built: transform still refuses (tests/frontends/test_sparse_attention.py)."""
+swap is undone, and an indexer whose code differs is refused by name. transform rewrites the
+op into the DCP selection (tests/frontends/test_dsa_transform.py)."""
 
 from __future__ import annotations
 
