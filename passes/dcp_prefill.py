@@ -183,6 +183,11 @@ class LayerPlan:
     # Linears after the first one of a low-rank chain (MLA's q_b_proj after q_a_proj -> norm):
     # on the q/k/v path, they run on the owned tokens too.
     chained: list[Node] = field(default_factory=list)
+    # O-path side inputs computed from the projections (an output gate in q_proj's rows):
+    # side -> (the nodes from the hidden state to it, graph order; their token dims; those
+    # reading the hidden state), computed again on the O path's tokens.
+    o_recomputed: dict[Node, tuple[list[Node], dict[Node, int], set[Node]]] = field(
+        default_factory=dict)
 
 
 class DCPPrefill(DCPPass):
@@ -291,9 +296,13 @@ class DCPPrefill(DCPPass):
         # sigmoid gate of the hidden state) is read at the tokens the output holds there.
         # Only one computed from the full-sequence stream: one computed from the q/k/v
         # projections (a gate in the q rows) runs on the owned tokens, in their order.
+        # One computed from the projections is computed again on the O path's tokens
+        # (_recompute_chain: the hidden state gathered there, its chain copied).
         plan.o_side_inputs = side
+        for a in side:
+            if _reads_projections(a, plan):
+                plan.o_recomputed[a] = _recompute_chain(a, plan, s)
         if any(len({k for _, k in users}) != 1 for users in side.values()) \
-                or any(_reads_projections(a, plan) for a in side) \
                 or plan.o_token_dim.get(plan.o_proj.args[0], 1) != 1:
             raise DCPTransformError(
                 f"the output of attention {attn.name} reaches its O projection "
@@ -472,9 +481,13 @@ class DCPPrefill(DCPPass):
                              count: int) -> None:
         """A per-token input of the O path ([B, .., S at dim k, ..], all S tokens) read at the
         tokens the attention output holds after step 8: this rank's contiguous ``count`` of
-        the padded sequence (padding rows read the last token; they are dropped later)."""
+        the padded sequence (padding rows read the last token; they are dropped later). One
+        computed from the projections (``plan.o_recomputed``) is computed again from the
+        hidden state read at those tokens."""
         for side, users in plan.o_side_inputs.items():
             dim = users[0][1]
+            chain = plan.o_recomputed.get(side)
+            source = plan.hidden if chain else side
             with g.inserting_before(users[0][0]):
                 start = g.call_function(aten.mul.Tensor, (cp, count))
                 ar = g.call_function(aten.arange.default, (count,),
@@ -483,10 +496,15 @@ class DCPPrefill(DCPPass):
                     g.call_function(aten.add.Tensor, (ar, start)), 0, s - 1))
                 ix = g.call_function(aten.expand.default, (
                     g.call_function(aten.view.default, (ix, [1, count])), [b, count]))
-                picked = self.tag(self._token_gather(g, side, ix, tuple(val(side).shape),
-                                                     count, dim), KIND_SLICE)
+                picked = self.tag(self._token_gather(
+                    g, source, ix, tuple(val(source).shape), count, 1 if chain else dim),
+                    KIND_SLICE)
+                if chain:
+                    picked = _copy_chain(g, chain, picked, count, plan.layer)
             for user, _ in users:
                 user.replace_input_with(side, picked)
+            if chain:   # the original chain, on the owned tokens, is read by nothing now
+                _erase_unused(g.owning_module, [side])
 
     def _rewrite_o_reduction(self, g: Graph, plan: LayerPlan, b: int, tokens: int) -> None:
         """9. TP's all-reduce(dcp_tp) + SP slice -> reduce-scatter(dcp_tp) along tokens."""
@@ -548,6 +566,57 @@ def _chain_root(lin: Node, limit: int = 8) -> tuple[Node, list[Node]]:
         lin = behind[0]
     raise DCPTransformError(f"projection {lin.name} ({source_of(lin)}) ends a chain of more "
                             f"than {limit} linears; expected q_a_proj -> norm -> q_b_proj.")
+
+
+def _recompute_chain(side: Node, plan: LayerPlan, tokens: int
+                     ) -> tuple[list[Node], dict[Node, int], set[Node]]:
+    """The nodes from ``plan.hidden`` to ``side`` (graph order, ``side`` last), their token
+    dims and those that read ``plan.hidden`` (the projections): a side input
+    of the O path computed from the layer's projections, to be computed again on the O
+    path's tokens. Token-wise throughout (``trace_token_dim``, an error naming the node
+    otherwise), and reading no other token-indexed tensor."""
+    up, stack = set(), [side]
+    while stack:
+        n = stack.pop()
+        if n in up or n is plan.hidden or n.op != "call_function":
+            continue
+        up.add(n)
+        stack.extend(n.all_input_nodes)
+    down, stack = set(), [plan.hidden]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in up and u not in down:
+                down.add(u)
+                stack.append(u)
+    order = {n: i for i, n in enumerate(side.graph.nodes)}
+    chain = sorted(down, key=order.__getitem__)
+    what = f"output gate {side.name} (layer {plan.layer})"
+    td, others = trace_token_dim(chain, {plan.hidden: 1}, tokens, what)
+    if others or td.get(side) is None:
+        raise DCPTransformError(
+            f"the {what} reads token-indexed inputs {sorted(a.name for a in others)} besides "
+            f"the hidden state: it cannot be computed again on the O projection's tokens.")
+    return chain, td, {n for n in chain if plan.hidden in n.all_input_nodes}
+
+
+def _copy_chain(g: Graph, recomputed, picked: Node, count: int, layer: int) -> Node:
+    """Copy the chain of ``recomputed`` (``_recompute_chain``; its projections read the
+    owned tokens by now) reading ``picked`` (the hidden state at ``count`` tokens), its views
+    given ``count`` tokens; the last copy."""
+    chain, td, roots = recomputed
+    env = {}
+    for n in chain:
+        c = g.node_copy(n, lambda a: env.get(a, a))
+        if n in roots:
+            c.args = (picked,) + tuple(c.args[1:])
+        if n.target in SHAPED_VIEWS:
+            shape = list(c.args[1])
+            shape[td[n]] = count
+            c.args = (c.args[0], shape) + tuple(c.args[2:])
+        c.meta[META_LAYER] = layer
+        env[n] = c
+    return env[chain[-1]]
 
 
 def _retoken_views(path: list[Node], token_dim: dict[Node, int], count: int) -> None:

@@ -18,7 +18,7 @@ The ordinary frontend's capture and prologue, with two differences:
 
 What is not built is refused by name (:func:`refuse_unbuilt`, ``UNSUPPORTED`` of
 module_recurrent): speculative decode, prefix caching, a decode program's chunk step, and
-prefill of the models ``PREFILL_REFUSED`` names (Qwen's gated attention output).
+prefill of the models ``PREFILL_REFUSED`` names (none at present).
 """
 
 from __future__ import annotations
@@ -160,16 +160,10 @@ class HybridFrontend(OrdinaryFrontend):
         refuse_unbuilt(self.model, self.shapes, mode=config.mode)
 
 
-# Mixer classes whose models a prefill program cannot serve yet, and why.
-_GATED_OUTPUT = ("its full-attention layers gate their output per token (sigmoid of half of "
-                 "q_proj's output, multiplied into the attention output before o_proj): the "
-                 "prefill rewrite runs the O projection on the rank's own tokens and cannot "
-                 "carry a token-indexed gate there (passes/dcp_prefill.py, the refusal a "
-                 "non-hybrid gated-attention model gets: the gate stops it, not the "
-                 "recurrent layers)")
-PREFILL_REFUSED = {"Qwen3NextGatedDeltaNet": _GATED_OUTPUT,
-                   "Qwen3_5GatedDeltaNet": _GATED_OUTPUT,
-                   "Qwen3_5MoeGatedDeltaNet": _GATED_OUTPUT}
+# Mixer classes whose models a prefill program cannot serve yet, and why (none now: Qwen's
+# gated attention, once refused here, has its output gate computed again on the O
+# projection's tokens by passes/dcp_prefill.py, LayerPlan.o_recomputed).
+PREFILL_REFUSED: dict[str, str] = {}
 
 
 def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None:

@@ -1,0 +1,88 @@
+"""Linear-attention hybrids (docs/hybrid.md, "Linear-attention hybrids"): prefill under
+sequence parallelism of Qwen3-Next and Qwen3.5 (dense, MoE), whose gated attention's output
+gate is computed again on the O projection's tokens (passes/dcp_prefill.py,
+``LayerPlan.o_recomputed``), against the model's own forward (fp32, 1e-4, greedy tokens
+equal, prompts of 1, 5 and 8 tokens, one chunk and two cut at unaligned places).
+
+The slice (default run): Qwen3.5 (dense) prefill in two chunks at tp=4/dcp=2 and the gate's
+graph test;
+``DCP_HYBRID_FULL=1``: every Qwen family x tp=4/dcp=2 and tp=8/dcp=4.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+
+import dcp_compile  # noqa: E402
+from dcp_compile import verify  # noqa: E402
+from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
+from test_hybrid_program import FULL, TOL, _cases, _program, _prompts  # noqa: E402
+
+QWEN_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _prefill_cases(types, slice_):
+    """(model type, tp, dcp, chunks) of the full matrix; ``slice_``'s (two chunks: the first
+    one's path and the continued state's) always run."""
+    return [pytest.param(*p.values, chunks, id=f"{p.id}-x{chunks}",
+                         marks=() if chunks == 2 and not p.marks else
+                         pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it"))
+            for p in _cases(types, slice_) for chunks in (1, 2)]
+
+
+@pytest.mark.parametrize("model_type,tp,dcp,chunks",
+                         _prefill_cases(QWEN_TYPES, {("qwen3_5_text", 4, 2)}))
+def test_qwen_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks):
+    """Prefill of the Gated DeltaNet hybrids: every real token's logits within 1e-4 of the
+    model's own forward; with two chunks the second continues each row's state from its
+    slot and reads the first chunk's KV from the DCP shards."""
+    model, program = _program(model_type, tp, dcp, "prefill")
+    prompts = _prompts()
+    plan = [prompts] if chunks == 1 else verify.chunk_plan_of(prompts, chunks)
+    report = verify.verify_prefill(FullForwardReference(model), program, plan, atol=TOL,
+                                   check_cache=False)   # the reference holds no KV cache
+    assert report.ok and report.tokens_agree, report
+    print(f"{model_type} tp={tp} dcp={dcp} prefill x{chunks}: max |logit error| "
+          f"{report.max_abs_error:.1e}")
+
+
+def _collectives(gm) -> list[str]:
+    from dcp_compile.runtime.distributed.roles import role_of
+    return sorted(f"{n.target._opname}@{role_of(n)}" for n in gm.graph.nodes
+                  if n.op == "call_function" and role_of(n) is not None)
+
+
+def test_the_output_gate_is_computed_on_the_o_tokens_without_a_collective():
+    """A model whose q projection carries an output gate ([q ; gate] rows) has, in prefill,
+    the same collectives as the one without the gate: the gate is computed again from the
+    hidden state at the O projection's S/W tokens (q_proj run a second time there), not
+    gathered; and it matches the model's own forward over two unaligned chunks."""
+    from model_grammar import SHARDING_CASES, build
+    from dataclasses import replace
+
+    spec, tp, dcp = SHARDING_CASES["q-output-gate"]
+    shapes = StepShapes.fitting(2, 16, 40, block_size=8, dcp=dcp)
+    programs = {}
+    for gate in ("rows", "per_head", "none"):
+        model = build(replace(spec, q_gate=gate))
+        programs[gate] = model, dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill",
+                                                      block_size=8, shapes=shapes,
+                                                      check=False)
+    plain = _collectives(programs["none"][1].graphs["prefill"])
+    for gate in ("rows", "per_head"):
+        model, program = programs[gate]
+        gm = program.graphs["prefill"]
+        assert _collectives(gm) == plain, gate
+        sigmoids = [n for n in gm.graph.nodes if n.target == torch.ops.aten.sigmoid.default]
+        assert len(sigmoids) == model.num_layers, gate    # the owned-token copy erased
+        report = verify.verify_prefill(model, program,
+                                       [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [7, 2, 5]],
+                                       2)
+        assert report.ok and report.max_abs_error < TOL, (gate, report)
