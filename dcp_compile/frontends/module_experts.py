@@ -175,6 +175,13 @@ def hf_expert_activations() -> dict:
             A.GELUTanh: Act.GELU_TANH}
 
 
+def expert_activation_functions() -> dict:
+    """torch's activation functions -> dcp.moe's ``ExpertActivation``, for an experts class
+    whose ``act_fn`` is the function itself (LFM2-MoE's ``F.silu``), looked up by identity."""
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    return {nn.functional.silu: Act.SILU, nn.functional.relu: Act.RELU, torch.relu: Act.RELU}
+
+
 def _llama4_stack(block: nn.Module) -> StackedExperts:
     """``Llama4TextExperts``: ``bmm(x, gate_up_proj [E, H, 2I])``, ``chunk(2)`` -> gate, up,
     ``bmm(up * act(gate), down_proj [E, I, H])``: transposed, concatenated; its own

@@ -4,9 +4,11 @@ gate is computed again on the O projection's tokens (passes/dcp_prefill.py,
 ``LayerPlan.o_recomputed``), against the model's own forward (fp32, 1e-4, greedy tokens
 equal, prompts of 1, 5 and 8 tokens, one chunk and two cut at unaligned places).
 
-The slice (default run): Qwen3.5 (dense) prefill in two chunks at tp=4/dcp=2 and the gate's
-graph test;
-``DCP_HYBRID_FULL=1``: every Qwen family x tp=4/dcp=2 and tp=8/dcp=4.
+And LFM2-MoE (its experts as dcp.moe), decode and prefill.
+
+The slice (default run): Qwen3.5 (dense) prefill in two chunks and LFM2-MoE decode at
+tp=4/dcp=2, the gate's graph test, the experts' activation lookup;
+``DCP_HYBRID_FULL=1``: every family here x tp=4/dcp=2 and tp=8/dcp=4.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import dcp_compile  # noqa: E402
 from dcp_compile import verify  # noqa: E402
 from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
-from test_hybrid_program import FULL, TOL, _cases, _program, _prompts  # noqa: E402
+from test_hybrid_program import FULL, STEPS, TOL, _cases, _program, _prompts  # noqa: E402
 
 QWEN_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -86,3 +88,38 @@ def test_the_output_gate_is_computed_on_the_o_tokens_without_a_collective():
                                        [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [7, 2, 5]],
                                        2)
         assert report.ok and report.max_abs_error < TOL, (gate, report)
+
+
+# -- LFM2-MoE: its experts as dcp.moe ---------------------------------------------------------
+
+@pytest.mark.parametrize("model_type,tp,dcp", _cases(("lfm2_moe",), {("lfm2_moe", 4, 2)}))
+def test_lfm2_moe_decode_matches(model_type, tp, dcp):
+    """LFM2-MoE's experts (``act_fn = F.silu``, a function, not an activation module) run as
+    dcp.moe with SiLU; its sigmoid router with the expert bias stays the model's own. The
+    prompts through the context step, then 6 greedy decode steps."""
+    model, program = _program(model_type, tp, dcp, "decode")
+    report = verify.verify(FullForwardReference(model), program, _prompts(), steps=STEPS,
+                           atol=TOL)
+    assert report.ok and report.tokens_agree, report
+    print(f"{model_type} tp={tp} dcp={dcp} decode: max |logit error| "
+          f"{report.max_abs_error:.1e}")
+
+
+@pytest.mark.parametrize("model_type,tp,dcp,chunks", _prefill_cases(("lfm2_moe",), set()))
+def test_lfm2_moe_prefill_matches(model_type, tp, dcp, chunks):
+    test_qwen_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks)
+
+
+def test_an_experts_activation_function_is_read_by_identity():
+    """``act_fn`` as a torch function (LFM2-MoE) maps to dcp.moe's activation like an
+    activation module does; another function is refused naming it."""
+    from types import SimpleNamespace
+
+    from dcp_compile.frontends.huggingface import _default_gate
+    from dcp_compile.runtime.errors import DCPTransformError
+    from dcp_compile.runtime.kernels.moe import ExpertActivation
+    assert _default_gate(SimpleNamespace(act_fn=torch.nn.functional.silu))[0] \
+        == ExpertActivation.SILU
+    assert _default_gate(SimpleNamespace(act_fn=torch.nn.SiLU()))[0] == ExpertActivation.SILU
+    with pytest.raises(DCPTransformError, match="activation tanh is not one dcp.moe computes"):
+        _default_gate(SimpleNamespace(act_fn=torch.tanh))
