@@ -169,7 +169,8 @@ SHAPE_ONLY_FILLS = frozenset({aten.ones_like.default, aten.zeros_like.default,
 import dcp_compile.runtime.kernels.recurrent  # noqa: E402,F401  (registers torch.ops.dcp.*)
 RECURRENT_OPS = frozenset({torch.ops.dcp.gated_delta_net.default,
                            torch.ops.dcp.mamba2_ssm.default,
-                           torch.ops.dcp.short_conv.default})
+                           torch.ops.dcp.short_conv.default,
+                           torch.ops.dcp.kimi_delta_attention.default})
 
 
 def is_call(n, targets) -> bool:

@@ -105,6 +105,36 @@ def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Calla
     return forward
 
 
+def _kda_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
+                      rec=(m.num_heads, m.head_dim, m.head_dim))
+
+
+def _kda_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """Kimi Linear's delta attention forward with its conv + KDA recurrence as
+    ``dcp.kimi_delta_attention`` over ``states``; the model's own projections, forget gate,
+    gated norm and output projection, verbatim."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
+        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
+        batch_size, seq_len = hidden_states.shape[:2]
+        hidden_shape = (batch_size, seq_len, -1, m.head_dim)
+        mixed_qkv = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states),
+                               m.v_proj(hidden_states)], dim=-1)
+        g = m.forget_gate(hidden_states)
+        beta = torch.sigmoid(m.b_proj(hidden_states))
+        core_attn_out, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
+            torch.ops.dcp.kimi_delta_attention(
+                mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
+                states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+                m.num_heads, m.head_dim, m.activation)
+        gate = m.g_b_proj(m.g_a_proj(hidden_states)).view(hidden_shape)
+        output = m.o_norm(core_attn_out, gate).reshape(batch_size, seq_len, -1)
+        return m.o_proj(output)
+    return forward
+
+
 def _mamba2_shape(m: nn.Module) -> StateShape:
     return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
                       rec=(m.num_heads, m.head_dim, m.ssm_state_size))
@@ -240,6 +270,13 @@ RULES = (
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
                   _mamba2_shape, _mamba2_forward),
+    # Kimi Linear: KDA, Gated DeltaNet with a decay per key channel (its conv has no bias)
+    RecurrentRule(f"{_TF}.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention",
+                  {"KimiLinearDeltaAttention.forward": "d2b6ce659c7d",
+                   "recurrent_kimi_delta_attention": "a7d81011bd15",
+                   "chunk_kimi_delta_attention": "1a4cae129dee",
+                   "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
+                  _kda_shape, _kda_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),

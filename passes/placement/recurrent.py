@@ -13,6 +13,7 @@ already; a prefill chunk under sequence parallelism is gathered before the op
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
 from ..infra import linears_reached
@@ -21,6 +22,8 @@ from .lattice import R, Refusal, show
 from .node_args import fake, tensor_args
 from .rules import RULES, Rule
 from .weights import decide_weight
+
+LINEAR = torch.ops.aten.linear.default
 
 
 def recurrent_fw(n: Node, P):
@@ -39,16 +42,34 @@ def recurrent_bw(n: Node, req):
     return {a: R for a in tensor_args(n)}
 
 
+def _module_path(n: Node) -> str | None:
+    stack = n.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else None
+
+
+def mixer_linears(n: Node, nodes) -> list[Node]:
+    """The linears of the recurrent op ``n``'s own module (the mixer: its low-rank gates too,
+    Kimi Linear's ``f_a_proj -> f_b_proj`` and ``g_a_proj -> g_b_proj``, which the sweeps
+    would otherwise cut column / row with an all-reduce inside the mixer)."""
+    mixer = _module_path(n)
+    if mixer is None:
+        return []
+    return [x for x in nodes if x.op == "call_function" and x.target == LINEAR
+            and (_module_path(x) or "").startswith(mixer + ".")]
+
+
 def place_recurrent(analysis) -> None:
     """Decide before the sweeps: a recurrent op reads its inputs whole, and the linears its
     output reaches before the next linear (the mixer's output projection) run whole too, on
-    a replicated input (no collective; the head cut comes later, docs/hybrid.md)."""
+    a replicated input (no collective; the head cut comes later, docs/hybrid.md); so does
+    every other linear of the mixer's module (its gates' low-rank chains)."""
     for n in analysis.nodes:
         if n.op != "call_function" or n.target not in RECURRENT_OPS:
             continue
         for a in tensor_args(n):
             analysis.require(a, R, n)
-        for lin in linears_reached(list(n.users), lambda x: list(x.users)):
+        after = linears_reached(list(n.users), lambda x: list(x.users))
+        for lin in after + [x for x in mixer_linears(n, analysis.nodes) if x not in after]:
             decide_weight(analysis, lin, lin.args[1], R)
             if len(lin.args) > 2 and lin.args[2] is not None:
                 analysis.decide(lin.args[2], R, lin)

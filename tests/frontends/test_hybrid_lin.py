@@ -123,3 +123,47 @@ def test_an_experts_activation_function_is_read_by_identity():
     assert _default_gate(SimpleNamespace(act_fn=torch.nn.SiLU()))[0] == ExpertActivation.SILU
     with pytest.raises(DCPTransformError, match="activation tanh is not one dcp.moe computes"):
         _default_gate(SimpleNamespace(act_fn=torch.tanh))
+
+
+# -- Kimi Linear: Kimi Delta Attention as dcp.kimi_delta_attention, MLA beside it -------------
+
+def test_kda_op_is_the_models_own_recurrence():
+    """dcp.kimi_delta_attention with an identity convolution (kernel [0, 0, 0, 1], no
+    activation) is the KDA recurrence alone: equal (fp32, 1e-5) to transformers' own
+    ``recurrent_kimi_delta_attention`` and ``chunk_kimi_delta_attention`` (l2-normalised q and
+    k in the kernel), end state included; rows of lengths 7 and 4 in one batch, the second
+    padded, whose padding tokens give zeros and leave its state at token 4's."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kl
+    g_ = torch.Generator().manual_seed(0)
+    B, S, H, d = 2, 7, 3, 8
+    q, k, v = (torch.randn(B, S, H, d, generator=g_) for _ in range(3))
+    g = -torch.rand(B, S, H, d, generator=g_)              # log of a decay per key channel
+    beta = torch.rand(B, S, H, generator=g_)
+    lengths = torch.tensor([7, 4])
+    C = 3 * H * d
+    conv_w = torch.zeros(C, 4)
+    conv_w[:, -1] = 1.0
+    mixed = torch.cat([x.reshape(B, S, -1) for x in (q, k, v)], dim=-1)
+    out, _, rec = torch.ops.dcp.kimi_delta_attention(
+        mixed, g, beta, conv_w, torch.zeros(B + 1, C, 3), torch.zeros(B + 1, H, d, d),
+        torch.tensor([0, 1]), torch.tensor([True, True]), lengths, H, d, "identity")
+    for fn in (kl.recurrent_kimi_delta_attention, kl.chunk_kimi_delta_attention):
+        for b, n in enumerate(lengths.tolist()):
+            own, state = fn(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], g=g[b:b + 1, :n],
+                            beta=beta[b:b + 1, :n], initial_state=None, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+            assert (out[b, :n] - own[0]).abs().max() < 1e-5, (fn.__name__, b)
+            assert (rec[b] - state[0]).abs().max() < 1e-5, (fn.__name__, b)
+    assert out[1, 4:].abs().max() == 0
+
+
+@pytest.mark.parametrize("model_type,tp,dcp", _cases(("kimi_linear",), {("kimi_linear", 4, 2)}))
+def test_kimi_linear_decode_matches(model_type, tp, dcp):
+    """Kimi Linear (KDA layers as dcp.kimi_delta_attention, MLA layers as DCP attention,
+    MoE): the prompts through the context step, then 6 greedy decode steps."""
+    test_lfm2_moe_decode_matches(model_type, tp, dcp)
+
+
+@pytest.mark.parametrize("model_type,tp,dcp,chunks", _prefill_cases(("kimi_linear",), set()))
+def test_kimi_linear_prefill_matches(model_type, tp, dcp, chunks):
+    test_qwen_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks)

@@ -9,7 +9,7 @@ each and the interleave of the two kinds is exercised (a layer's index decides i
 
 from __future__ import annotations
 
-from hf_corpus import MOE, TINY
+from hf_corpus import MLA, MOE, TINY
 
 # Recurrent layer, attention layer, twice.
 _LAYERS = 4
@@ -35,6 +35,15 @@ _HYBRID = {
     "lfm2_moe": dict(**MOE, num_hidden_layers=_LAYERS,
                      layer_types=["conv", "full_attention"] * (_LAYERS // 2)),
 }
+
+# Appended by the linear-attention work (docs/hybrid.md, "Linear-attention hybrids").
+# Kimi Linear: KDA / MLA alternating, MoE in every layer; MLA sizes of the corpus (q LoRA),
+# 4 KDA heads of 8 (the conv over 3 * 32 channels).
+_HYBRID["kimi_linear"] = dict(
+    **MOE, **MLA, num_shared_experts=1, num_experts_per_token=2, num_expert_group=1,
+    linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
+    num_hidden_layers=_LAYERS, layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
+    mlp_layer_types=["sparse"] * _LAYERS)
 
 # The layer kinds of the configs above that are attention (the others are recurrent).
 ATTENTION_KINDS = ("full_attention", "attention")
