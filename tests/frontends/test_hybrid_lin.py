@@ -4,10 +4,12 @@ gate is computed again on the O projection's tokens (passes/dcp_prefill.py,
 ``LayerPlan.o_recomputed``), against the model's own forward (fp32, 1e-4, greedy tokens
 equal, prompts of 1, 5 and 8 tokens, one chunk and two cut at unaligned places).
 
-And LFM2-MoE (its experts as dcp.moe), decode and prefill.
+And LFM2-MoE (its experts as dcp.moe) and Kimi Linear (Kimi Delta Attention as
+``dcp.kimi_delta_attention``, MLA beside it), decode and prefill.
 
-The slice (default run): Qwen3.5 (dense) prefill in two chunks and LFM2-MoE decode at
-tp=4/dcp=2, the gate's graph test, the experts' activation lookup;
+The slice (default run): Qwen3.5 (dense) prefill in two chunks, LFM2-MoE and Kimi Linear
+decode at tp=4/dcp=2, the KDA op against transformers' own, the gate's graph test, the
+experts' activation lookup;
 ``DCP_HYBRID_FULL=1``: every family here x tp=4/dcp=2 and tp=8/dcp=4.
 """
 
