@@ -64,6 +64,7 @@ from .dcp_decode import (attention_kwargs, correct_sinks, cp_rank_node, garbage_
                          replace_attention)
 from .op_classes import SHAPED_VIEWS
 from .placement import Refusal, aligned_dim, token_dim
+from .prefill_recompute import copy_chain, recompute_chain
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, Property, attention_nodes, getitem_users, source_of,
                     val)
@@ -297,11 +298,11 @@ class DCPPrefill(DCPPass):
         # Only one computed from the full-sequence stream: one computed from the q/k/v
         # projections (a gate in the q rows) runs on the owned tokens, in their order.
         # One computed from the projections is computed again on the O path's tokens
-        # (_recompute_chain: the hidden state gathered there, its chain copied).
+        # (prefill_recompute: the hidden state gathered there, its chain copied).
         plan.o_side_inputs = side
         for a in side:
             if _reads_projections(a, plan):
-                plan.o_recomputed[a] = _recompute_chain(a, plan, s)
+                plan.o_recomputed[a] = recompute_chain(a, plan, s, trace_token_dim)
         if any(len({k for _, k in users}) != 1 for users in side.values()) \
                 or plan.o_token_dim.get(plan.o_proj.args[0], 1) != 1:
             raise DCPTransformError(
@@ -500,7 +501,7 @@ class DCPPrefill(DCPPass):
                     g, source, ix, tuple(val(source).shape), count, 1 if chain else dim),
                     KIND_SLICE)
                 if chain:
-                    picked = _copy_chain(g, chain, picked, count, plan.layer)
+                    picked = copy_chain(g, chain, picked, count, plan.layer)
             for user, _ in users:
                 user.replace_input_with(side, picked)
             if chain:   # the original chain, on the owned tokens, is read by nothing now
@@ -566,57 +567,6 @@ def _chain_root(lin: Node, limit: int = 8) -> tuple[Node, list[Node]]:
         lin = behind[0]
     raise DCPTransformError(f"projection {lin.name} ({source_of(lin)}) ends a chain of more "
                             f"than {limit} linears; expected q_a_proj -> norm -> q_b_proj.")
-
-
-def _recompute_chain(side: Node, plan: LayerPlan, tokens: int
-                     ) -> tuple[list[Node], dict[Node, int], set[Node]]:
-    """The nodes from ``plan.hidden`` to ``side`` (graph order, ``side`` last), their token
-    dims and those that read ``plan.hidden`` (the projections): a side input
-    of the O path computed from the layer's projections, to be computed again on the O
-    path's tokens. Token-wise throughout (``trace_token_dim``, an error naming the node
-    otherwise), and reading no other token-indexed tensor."""
-    up, stack = set(), [side]
-    while stack:
-        n = stack.pop()
-        if n in up or n is plan.hidden or n.op != "call_function":
-            continue
-        up.add(n)
-        stack.extend(n.all_input_nodes)
-    down, stack = set(), [plan.hidden]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u in up and u not in down:
-                down.add(u)
-                stack.append(u)
-    order = {n: i for i, n in enumerate(side.graph.nodes)}
-    chain = sorted(down, key=order.__getitem__)
-    what = f"output gate {side.name} (layer {plan.layer})"
-    td, others = trace_token_dim(chain, {plan.hidden: 1}, tokens, what)
-    if others or td.get(side) is None:
-        raise DCPTransformError(
-            f"the {what} reads token-indexed inputs {sorted(a.name for a in others)} besides "
-            f"the hidden state: it cannot be computed again on the O projection's tokens.")
-    return chain, td, {n for n in chain if plan.hidden in n.all_input_nodes}
-
-
-def _copy_chain(g: Graph, recomputed, picked: Node, count: int, layer: int) -> Node:
-    """Copy the chain of ``recomputed`` (``_recompute_chain``; its projections read the
-    owned tokens by now) reading ``picked`` (the hidden state at ``count`` tokens), its views
-    given ``count`` tokens; the last copy."""
-    chain, td, roots = recomputed
-    env = {}
-    for n in chain:
-        c = g.node_copy(n, lambda a: env.get(a, a))
-        if n in roots:
-            c.args = (picked,) + tuple(c.args[1:])
-        if n.target in SHAPED_VIEWS:
-            shape = list(c.args[1])
-            shape[td[n]] = count
-            c.args = (c.args[0], shape) + tuple(c.args[2:])
-        c.meta[META_LAYER] = layer
-        env[n] = c
-    return env[chain[-1]]
 
 
 def _retoken_views(path: list[Node], token_dim: dict[Node, int], count: int) -> None:

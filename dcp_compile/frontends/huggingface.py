@@ -43,8 +43,8 @@ from dcp_compile.runtime.errors import (DCPKVLayoutError, DCPSparseAttentionErro
 from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
-from .module_experts import (expert_activation_functions, hf_expert_activations,
-                             module_experts_enabled, stacked_experts)
+from .module_experts import expert_activation, hf_expert_activations, module_experts_enabled, \
+    stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -327,8 +327,7 @@ def experts_form(experts: nn.Module) -> dict:
 
 def _default_gate(experts: nn.Module):
     """transformers' ``act_fn(gate) * up`` over concatenated [gate; up]."""
-    fn = getattr(experts, "act_fn", None)
-    act = _ACTIVATIONS.get(type(fn)) or _ACTIVATION_FUNCTIONS.get(fn)
+    act = expert_activation(fn := getattr(experts, "act_fn", None))   # a module, or F.silu
     if act is None:
         raise DCPTransformError(
             f"{type(experts).__name__}'s activation "
@@ -361,9 +360,6 @@ _register_experts()
 
 
 _ACTIVATIONS = hf_expert_activations()
-# An experts class whose act_fn is a torch function rather than an activation module
-# (LFM2-MoE's Lfm2MoeExperts: ``self.act_fn = F.silu``, whatever the config says).
-_ACTIVATION_FUNCTIONS = expert_activation_functions()
 _GATES = _gate_table()
 
 # The attention switch edits the model's shared config: wrapper calls are serialised.

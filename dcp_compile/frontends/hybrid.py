@@ -5,8 +5,8 @@ layers (docs/hybrid.md).
 The ordinary frontend's capture and prologue, with two differences:
 
   * the step runs each recurrent mixer as its ``dcp`` op (``recurrent_as_ops``), so the graph
-    has one ``dcp.gated_delta_net`` / ``dcp.mamba2_ssm`` / ``dcp.short_conv`` per recurrent
-    layer instead of the model's own scan and in-place cache writes;
+    has one ``dcp.gated_delta_net`` / ``dcp.kimi_delta_attention`` / ``dcp.mamba2_ssm`` /
+    ``dcp.short_conv`` per recurrent layer instead of the model's own scan and in-place cache writes;
   * the step's signature carries the state: ``state_slot [B]``, ``state_fresh [B]``,
     ``state_lengths [B]`` and one input per state cache (``state_caches_<i>``: every recurrent
     layer's conv cache, in layer order, then every recurrence cache), and returns the new

@@ -175,11 +175,14 @@ def hf_expert_activations() -> dict:
             A.GELUTanh: Act.GELU_TANH}
 
 
-def expert_activation_functions() -> dict:
-    """torch's activation functions -> dcp.moe's ``ExpertActivation``, for an experts class
-    whose ``act_fn`` is the function itself (LFM2-MoE's ``F.silu``), looked up by identity."""
+def expert_activation(act_fn):
+    """dcp.moe's ``ExpertActivation`` of an experts class's ``act_fn``, or None: an activation
+    module by its type (``hf_expert_activations``), a torch function by identity (LFM2-MoE's
+    ``Lfm2MoeExperts`` sets ``self.act_fn = F.silu``, whatever its config says)."""
     from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
-    return {nn.functional.silu: Act.SILU, nn.functional.relu: Act.RELU, torch.relu: Act.RELU}
+    functions = {nn.functional.silu: Act.SILU, nn.functional.relu: Act.RELU,
+                 torch.relu: Act.RELU}
+    return hf_expert_activations().get(type(act_fn)) or functions.get(act_fn)
 
 
 def _llama4_stack(block: nn.Module) -> StackedExperts:

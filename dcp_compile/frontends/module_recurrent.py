@@ -406,8 +406,8 @@ def unruled_mixers(model: nn.Module) -> list[str]:
 
 def refuse_unruled_hybrid(model: nn.Module) -> None:
     """``DCPHybridError`` for a Hugging Face hybrid (``unruled_mixers``) none of whose mixers a
-    rule of ``RULES`` names (Jamba, Nemotron-H, Falcon-H1, Zamba2, Kimi Linear, MiniMax,
-    RecurrentGemma, ...)."""
+    rule of ``RULES`` names (Jamba, Nemotron-H, Falcon-H1, Zamba2, MiniMax, RecurrentGemma,
+    ...)."""
     mixers = unruled_mixers(model)
     if not mixers:
         return

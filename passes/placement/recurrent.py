@@ -1,5 +1,5 @@
-"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.mamba2_ssm``,
-``dcp.short_conv``; docs/hybrid.md): it needs the whole sequence of each row, in order, with
+"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.kimi_delta_attention``,
+``dcp.mamba2_ssm``, ``dcp.short_conv``; docs/hybrid.md): it needs the whole sequence of each row, in order, with
 the row's state.
 
 Over the tensor-parallel ranks the op runs whole on every rank: its inputs (the mixer's
