@@ -44,7 +44,7 @@ from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
 from .module_experts import expert_activation, hf_expert_activations, module_experts_enabled, \
-    stacked_experts
+    more_expert_gates, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -329,8 +329,7 @@ def _default_gate(experts: nn.Module):
     """transformers' ``act_fn(gate) * up`` over concatenated [gate; up]."""
     act = expert_activation(fn := getattr(experts, "act_fn", None))   # a module, or F.silu
     if act is None:
-        raise DCPTransformError(
-            f"{type(experts).__name__}'s activation "
+        raise DCPTransformError(f"{type(experts).__name__}'s activation "
             f"{getattr(fn, '__name__', None) or type(fn).__name__} is not one dcp.moe computes "
             f"({sorted(a.value for a in set(_ACTIVATIONS.values()))}). Use hidden_act='silu' "
             f"(or add it to dcp_compile.runtime.kernels.moe.GATES and dcp_compile.hf._ACTIVATIONS).")
@@ -348,7 +347,8 @@ def _gate_table() -> dict:
     """experts class ``_apply_gate`` -> (activation, interleaved, params) of dcp.moe."""
     from transformers.integrations.moe import _default_apply_gate
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    return {_default_apply_gate: _default_gate, GptOssExperts._apply_gate: _gpt_oss_gate}
+    return {_default_apply_gate: _default_gate, GptOssExperts._apply_gate: _gpt_oss_gate,
+            **more_expert_gates()}
 
 
 def _register_experts() -> None:

@@ -110,10 +110,18 @@ def _kda_shape(m: nn.Module) -> StateShape:
                       rec=(m.num_heads, m.head_dim, m.head_dim))
 
 
-def _kda_forward(m: nn.Module, states: RecurrentStates) -> Callable:
-    """Kimi Linear's delta attention forward with its conv + KDA recurrence as
-    ``dcp.kimi_delta_attention`` over ``states``; the model's own projections, forget gate,
-    gated norm and output projection, verbatim."""
+def _kimi_gate(m: nn.Module, h: Tensor) -> Tensor:
+    return m.g_b_proj(m.g_a_proj(h))        # Kimi Linear's low-rank output gate
+
+
+def _bailing_gate(m: nn.Module, h: Tensor) -> Tensor:
+    return m.g_proj(h)                      # Bailing-hybrid's
+
+
+def _kda_forward(m: nn.Module, states: RecurrentStates, out_gate=_kimi_gate) -> Callable:
+    """Kimi Linear's (Bailing-hybrid's) delta attention forward with its conv + KDA
+    recurrence as ``dcp.kimi_delta_attention`` over ``states``; the model's own projections,
+    forget gate, output gate (``out_gate``), gated norm and output projection, verbatim."""
     module = sys.modules[type(m).__module__]
 
     def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
@@ -129,7 +137,7 @@ def _kda_forward(m: nn.Module, states: RecurrentStates) -> Callable:
                 mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
                 states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
                 m.num_heads, m.head_dim, m.activation)
-        gate = m.g_b_proj(m.g_a_proj(hidden_states)).view(hidden_shape)
+        gate = out_gate(m, hidden_states).view(hidden_shape)
         output = m.o_norm(core_attn_out, gate).reshape(batch_size, seq_len, -1)
         return m.o_proj(output)
     return forward
@@ -277,6 +285,14 @@ RULES = (
                    "chunk_kimi_delta_attention": "1a4cae129dee",
                    "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
                   _kda_shape, _kda_forward),
+    # Bailing-hybrid: the same KDA (its own forget gate module and a one-linear output gate)
+    RecurrentRule(f"{_TF}.bailing_hybrid.modeling_bailing_hybrid",
+                  "BailingHybridDeltaAttention",
+                  {"BailingHybridDeltaAttention.forward": "4691bf7cc273",
+                   "recurrent_kimi_delta_attention": "a7d81011bd15",
+                   "chunk_kimi_delta_attention": "1a4cae129dee",
+                   "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
+                  _kda_shape, lambda m, s: _kda_forward(m, s, _bailing_gate)),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -291,7 +307,8 @@ RULES = (
 HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                                 "qwen3_5_moe_text", "bamba", "granitemoehybrid", "lfm2",
                                 "lfm2_moe", "jamba", "nemotron_h", "falcon_h1", "zamba2",
-                                "kimi_linear", "minimax", "recurrent_gemma"})
+                                "kimi_linear", "minimax", "recurrent_gemma",
+                                "bailing_hybrid"})
 RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "recurrent",
                                    "hybrid"})
 

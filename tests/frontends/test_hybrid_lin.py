@@ -4,12 +4,12 @@ gate is computed again on the O projection's tokens (passes/dcp_prefill.py,
 ``LayerPlan.o_recomputed``), against the model's own forward (fp32, 1e-4, greedy tokens
 equal, prompts of 1, 5 and 8 tokens, one chunk and two cut at unaligned places).
 
-And LFM2-MoE (its experts as dcp.moe) and Kimi Linear (Kimi Delta Attention as
-``dcp.kimi_delta_attention``, MLA beside it), decode and prefill.
+And LFM2-MoE (its experts as dcp.moe), Kimi Linear and Bailing-hybrid (Kimi Delta
+Attention as ``dcp.kimi_delta_attention``, MLA beside it), decode and prefill.
 
 The slice (default run): Qwen3.5 (dense) prefill in two chunks, LFM2-MoE and Kimi Linear
 decode at tp=4/dcp=2, the KDA op against transformers' own, the gate's graph test, the
-experts' activation lookup;
+experts' activation and Bailing-hybrid's gate lookups (its programs: full run only);
 ``DCP_HYBRID_FULL=1``: every family here x tp=4/dcp=2 and tp=8/dcp=4.
 """
 
@@ -169,3 +169,31 @@ def test_kimi_linear_decode_matches(model_type, tp, dcp):
 @pytest.mark.parametrize("model_type,tp,dcp,chunks", _prefill_cases(("kimi_linear",), set()))
 def test_kimi_linear_prefill_matches(model_type, tp, dcp, chunks):
     test_qwen_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks)
+
+
+# -- Bailing-hybrid: the same KDA, its experts' own gate ---------------------------------------
+
+@pytest.mark.parametrize("model_type,tp,dcp", _cases(("bailing_hybrid",), set()))
+def test_bailing_hybrid_decode_matches(model_type, tp, dcp):
+    """Bailing-hybrid (KDA with a one-linear output gate, MLA, MoE): its mixer's swap is in
+    the default run through tests/frontends/test_hybrid_recurrent.py; the programs here."""
+    test_lfm2_moe_decode_matches(model_type, tp, dcp)
+
+
+@pytest.mark.parametrize("model_type,tp,dcp,chunks", _prefill_cases(("bailing_hybrid",), set()))
+def test_bailing_hybrid_prefill_matches(model_type, tp, dcp, chunks):
+    test_qwen_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks)
+
+
+def test_bailing_experts_clamped_gate_is_refused_by_name():
+    """Its experts' ``_apply_gate`` is the default gate without ``swiglu_limits``; with a
+    limit (a clamp dcp.moe does not compute) it is refused naming the limit."""
+    from types import SimpleNamespace
+
+    from dcp_compile.frontends.module_experts import more_expert_gates
+    from dcp_compile.runtime.errors import DCPTransformError
+    from dcp_compile.runtime.kernels.moe import ExpertActivation
+    gate, = more_expert_gates().values()
+    assert gate(SimpleNamespace(act_fn=torch.nn.SiLU(), limit=None))[0] == ExpertActivation.SILU
+    with pytest.raises(DCPTransformError, match=r"clamps act\(gate\) and up at limit=7.0"):
+        gate(SimpleNamespace(act_fn=torch.nn.SiLU(), limit=7.0))

@@ -44,6 +44,12 @@ _HYBRID["kimi_linear"] = dict(
     linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
     num_hidden_layers=_LAYERS, layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
     mlp_layer_types=["sparse"] * _LAYERS)
+# Bailing-hybrid: KDA (its forget gate, the model's own module, with the config's default
+# safe-gate bound) / MLA alternating, MoE in every layer after the first.
+_HYBRID["bailing_hybrid"] = dict(
+    **MOE, **MLA, num_shared_experts=1, num_experts_per_token=2, num_expert_group=2,
+    linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
+    num_hidden_layers=_LAYERS, layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2))
 
 # The layer kinds of the configs above that are attention (the others are recurrent).
 ATTENTION_KINDS = ("full_attention", "attention")
