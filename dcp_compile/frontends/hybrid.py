@@ -129,7 +129,7 @@ class HybridFrontend(OrdinaryFrontend):
         refuse_unbuilt(model, shapes)
         super().__init__(model, shapes)
         spec = state_spec(model, state_slots(shapes))
-        self.conv_layers = [la.layer for la in spec.layers]
+        self.conv_layers = [la.layer for la in spec.layers if la.conv is not None]
         self.rec_layers = [la.layer for la in spec.layers if la.rec is not None]
         self.step_model = HybridStep(model, self.conv_layers, self.rec_layers)
 

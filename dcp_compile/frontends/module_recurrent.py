@@ -37,7 +37,7 @@ from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 class StateShape:
     """One recurrent layer's state, per sequence: conv ``[C, K-1]``, recurrence ``[Hv, dk, dv]``."""
 
-    conv: tuple[int, int]
+    conv: tuple[int, int] | None          # None: no convolution (lightning attention)
     rec: tuple[int, int, int] | None      # None: a convolution only (LFM2)
 
 
@@ -140,6 +140,34 @@ def _kda_forward(m: nn.Module, states: RecurrentStates, out_gate=_kimi_gate) -> 
         gate = out_gate(m, hidden_states).view(hidden_shape)
         output = m.o_norm(core_attn_out, gate).reshape(batch_size, seq_len, -1)
         return m.o_proj(output)
+    return forward
+
+
+def _lightning_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=None, rec=(m.num_attention_heads, m.head_dim, m.head_dim))
+
+
+def _lightning_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """MiniMax's lightning attention forward with its recurrence (the block form for a prompt,
+    the one-token form after it) as ``dcp.lightning_attention`` over ``states``; the model's
+    own projection, activation, norm, output gate and output projection, verbatim."""
+    module = sys.modules[type(m).__module__]
+
+    def forward(hidden_states: Tensor, position_embeddings=None, attention_mask=None,
+                cache=None, **kwargs):
+        batch_size, seq_len, _ = hidden_states.shape
+        qkv_states = m.act_fn(m.qkv_proj(hidden_states))
+        qkv_states = module.apply_mask_to_padding_states(qkv_states, attention_mask)
+        qkv_states = qkv_states.reshape(batch_size, seq_len, m.num_attention_heads,
+                                        3 * m.head_dim)
+        query_states, key_states, value_states = torch.split(qkv_states, m.head_dim, dim=3)
+        attn_output, states.rec[m.layer_idx] = torch.ops.dcp.lightning_attention(
+            query_states, key_states, value_states, m.slope_rate.reshape(-1),
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+        attn_output = attn_output.reshape(batch_size, seq_len, m.num_attention_heads * m.head_dim)
+        attn_output = m.norm(attn_output)
+        attn_output = F.sigmoid(m.output_gate(hidden_states)) * attn_output
+        return m.out_proj(attn_output), None
     return forward
 
 
@@ -293,6 +321,12 @@ RULES = (
                    "chunk_kimi_delta_attention": "1a4cae129dee",
                    "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
                   _kda_shape, lambda m, s: _kda_forward(m, s, _bailing_gate)),
+    # MiniMax: lightning attention (no convolution: a recurrence cache only)
+    RecurrentRule(f"{_TF}.minimax.modeling_minimax", "MiniMaxLightningAttention",
+                  {"MiniMaxLightningAttention.forward": "03c3f915c0c9",
+                   "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad",
+                   "apply_mask_to_padding_states": "ac70fe1177ec"},
+                  _lightning_shape, _lightning_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -369,7 +403,8 @@ def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,
     layer, one device (``state_spec`` at tp=1)."""
     states = RecurrentStates()
     for layer, (conv, rec) in state_spec(model, num_slots, dtype=dtype).allocate(device).items():
-        states.conv[layer] = conv
+        if conv is not None:
+            states.conv[layer] = conv
         if rec is not None:
             states.rec[layer] = rec
     return states
@@ -423,8 +458,7 @@ def unruled_mixers(model: nn.Module) -> list[str]:
 
 def refuse_unruled_hybrid(model: nn.Module) -> None:
     """``DCPHybridError`` for a Hugging Face hybrid (``unruled_mixers``) none of whose mixers a
-    rule of ``RULES`` names (Jamba, Nemotron-H, Falcon-H1, Zamba2, MiniMax, RecurrentGemma,
-    ...)."""
+    rule of ``RULES`` names (Jamba, Nemotron-H, Falcon-H1, Zamba2, RecurrentGemma, ...)."""
     mixers = unruled_mixers(model)
     if not mixers:
         return

@@ -28,6 +28,9 @@ Ops:
   dcp.kimi_delta_attention
                        Kimi Delta Attention (Kimi Linear): the same with a decay per key
                        channel (g [B, S, H, dk]) and one key head per value head.
+  dcp.lightning_attention
+                       MiniMax's lightning attention: a decayed linear attention, no
+                       convolution (its layer has a recurrence cache only).
   dcp.mamba2_ssm       Mamba2 (Bamba, Granite-4-H): conv1d + SiLU over [x | B | C] channels,
                        then the selective scan S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,
                        y_t = S_t C_t + D x_t, dt_t = clamp(softplus(dt + dt_bias), limits),
@@ -228,6 +231,48 @@ def _(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot, fresh,
     B, S, _ = mixed_qkv.shape
     return (mixed_qkv.new_empty(B, S, num_heads, head_dim), torch.empty_like(conv_state),
             torch.empty_like(rec_state))
+
+
+def _lightning_attention_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
+                               rec_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                               lengths: Tensor, snapshot_slot: Tensor | None = None):
+    B, S = q.shape[:2]
+    rows = state_rows(rec_state, state_slot)
+    usable = rows != garbage_state_slot(rec_state)
+    valid = torch.arange(S, device=q.device)[None, :] < lengths.view(-1, 1)
+    state = _read_state(rec_state, rows, fresh, usable).float()
+    decay = torch.exp(-slope.float()).view(1, -1, 1, 1)                       # [1, H, 1, 1]
+    q, k, v = q.float(), k.float(), v.float()
+    outs, states = [], []
+    for t in range(S):
+        new = decay * state + k[:, t, :, :, None] * v[:, t, :, None, :]         # [B, H, d, d]
+        keep = valid[:, t].view(-1, 1, 1, 1)
+        state = torch.where(keep, new, state)
+        o = (q[:, t, :, :, None] * new).sum(dim=-2)                            # [B, H, d]
+        outs.append(torch.where(keep[..., 0], o, torch.zeros_like(o)))
+        states.append(state)
+    new_rec = _write_states(rec_state, rows, state, snapshot_slot,
+                            torch.stack(states, dim=1) if snapshot_slot is not None else None)
+    return torch.stack(outs, dim=1).to(v.dtype), new_rec
+
+
+@dcp_op("lightning_attention", mutates_args=())
+def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, rec_state: Tensor,
+                        state_slot: Tensor, fresh: Tensor, lengths: Tensor,
+                        snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """MiniMax's lightning attention over a chunk: a linear attention with a decay per head,
+    S_t = exp(-slope_h) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t (no convolution, no
+    normalisation, no scale). q, k, v [B, S, H, d], slope [H]; the recurrence cache
+    [slots + 1, H, d, d] and the rows as the other ops'. Returns (o [B, S, H, d],
+    rec_state'). The model's own block form (intra-block decayed scores, inter-block state)
+    computes the same function."""
+    return _lightning_attention_impl(q, k, v, slope, rec_state, state_slot, fresh, lengths,
+                                     snapshot_slot)
+
+
+@lightning_attention.register_fake
+def _(q, k, v, slope, rec_state, state_slot, fresh, lengths, snapshot_slot=None):
+    return torch.empty_like(v), torch.empty_like(rec_state)
 
 
 def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: int,

@@ -5,11 +5,13 @@ gate is computed again on the O projection's tokens (passes/dcp_prefill.py,
 equal, prompts of 1, 5 and 8 tokens, one chunk and two cut at unaligned places).
 
 And LFM2-MoE (its experts as dcp.moe), Kimi Linear and Bailing-hybrid (Kimi Delta
-Attention as ``dcp.kimi_delta_attention``, MLA beside it), decode and prefill.
+Attention as ``dcp.kimi_delta_attention``, MLA beside it) and MiniMax (lightning attention as
+``dcp.lightning_attention``), decode and prefill.
 
-The slice (default run): Qwen3.5 (dense) prefill in two chunks, LFM2-MoE and Kimi Linear
-decode at tp=4/dcp=2, the KDA op against transformers' own, the gate's graph test, the
-experts' activation and Bailing-hybrid's gate lookups (its programs: full run only);
+The slice (default run): Qwen3.5 (dense) prefill in two chunks, LFM2-MoE, Kimi Linear and
+MiniMax decode at tp=4/dcp=2, the lightning mixer's chunks, the KDA op against transformers'
+own, the gate's graph test, the experts' activation and Bailing-hybrid's gate lookups (its
+programs: full run only);
 ``DCP_HYBRID_FULL=1``: every family here x tp=4/dcp=2 and tp=8/dcp=4.
 """
 
@@ -197,3 +199,55 @@ def test_bailing_experts_clamped_gate_is_refused_by_name():
     assert gate(SimpleNamespace(act_fn=torch.nn.SiLU(), limit=None))[0] == ExpertActivation.SILU
     with pytest.raises(DCPTransformError, match=r"clamps act\(gate\) and up at limit=7.0"):
         gate(SimpleNamespace(act_fn=torch.nn.SiLU(), limit=7.0))
+
+
+# -- MiniMax: lightning attention as dcp.lightning_attention ----------------------------------
+
+@torch.no_grad()
+@pytest.mark.parametrize("chunks", [[8], [3, 5], [1, 1, 1, 1, 4]],
+                         ids=["whole", "3+5", "decode-steps"])
+def test_lightning_mixer_chunks_carry_the_state(chunks):
+    """MiniMax's lightning attention swapped to dcp.lightning_attention, run chunk by chunk
+    with the state in each row's slot (rows of 8, 5 and 3 tokens padded in one batch), equals
+    the module's own forward over each row's whole sequence (its block form: block_size 4,
+    two blocks); the layer has a recurrence cache and no conv cache; a slot no row names
+    stays zero."""
+    from dcp_compile.frontends.module_recurrent import (allocate_states, recurrent_as_ops,
+                                                        recurrent_layers)
+    from hybrid_configs import build_hybrid
+    model = build_hybrid("minimax")
+    _, m, _ = recurrent_layers(model)[0]
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([8, 5, 3])
+    B, S, H = 3, 8, model.config.hidden_size
+    x = torch.randn(B, S, H, generator=gen)
+    want = [m(x[b:b + 1, :n], None, None)[0] for b, n in enumerate(lengths.tolist())]
+    states = allocate_states(model, num_slots=4)
+    assert m.layer_idx not in states.conv and m.layer_idx in states.rec
+    slots, outs, start = [2, 0, 3], [], torch.zeros(B, dtype=torch.int64)
+    with recurrent_as_ops(model, states):
+        for c in chunks:
+            n = (lengths - start).clamp(min=0, max=c)
+            chunk = torch.zeros(B, c, H)
+            for b in range(B):
+                chunk[b, :n[b]] = x[b, start[b]:start[b] + n[b]]
+            states.step(slots, start == 0, n)
+            out, _ = m(chunk, None, None)
+            outs.append([out[b, :n[b]] for b in range(B)])
+            start = start + n
+    for b in range(B):
+        got = torch.cat([o[b] for o in outs])
+        assert (got - want[b][0]).abs().max() < TOL, (b, chunks)
+    assert states.rec[m.layer_idx][1].abs().max() == 0
+
+
+@pytest.mark.parametrize("model_type,tp,dcp", _cases(("minimax",), {("minimax", 4, 2)}))
+def test_minimax_decode_matches(model_type, tp, dcp):
+    """MiniMax (lightning attention as dcp.lightning_attention, full attention, MoE): the
+    prompts through the context step, then 6 greedy decode steps."""
+    test_lfm2_moe_decode_matches(model_type, tp, dcp)
+
+
+@pytest.mark.parametrize("model_type,tp,dcp,chunks", _prefill_cases(("minimax",), set()))
+def test_minimax_prefill_matches(model_type, tp, dcp, chunks):
+    test_qwen_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks)

@@ -255,7 +255,7 @@ def test_what_is_not_built_is_refused_by_name(lfm2, shapes, match):
 
 
 @pytest.mark.parametrize("model_type,mixer", [("jamba", "JambaMambaMixer"),
-                                              ("minimax", "MiniMaxLightningAttention")])
+                                              ("recurrent_gemma", "RecurrentGemmaAttention")])
 def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer):
     """A hybrid by its config whose mixer no rule names: DCPHybridError naming its modules,
     at the frontend (not the token-wise check's feature diagnosis)."""

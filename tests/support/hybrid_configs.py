@@ -56,6 +56,13 @@ ATTENTION_KINDS = ("full_attention", "attention")
 
 HYBRID_TYPES = tuple(_HYBRID)
 
+# MiniMax: lightning attention / full attention alternating, MoE in every layer (block_size
+# 4: the model's own block form runs several blocks on a prompt of 8). Not in HYBRID_TYPES:
+# its mixer takes (hidden, position_embeddings, attention_mask) and returns a pair, and has
+# no conv state (tests/frontends/test_hybrid_lin.py tests it).
+_HYBRID["minimax"] = dict(**MOE, num_hidden_layers=_LAYERS, block_size=4,
+                          layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2))
+
 
 def tiny_hybrid_config(model_type: str) -> dict:
     """The tiny config's keyword arguments for ``model_type`` (KeyError: no tiny config
