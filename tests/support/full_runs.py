@@ -40,7 +40,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                                "bamba, lfm2)"),
     "DCP_HYBRID_FULL": ("frontends/test_hybrid_program.py",
                         "every hybrid family x tp=4/dcp=2 and tp=8/dcp=4, decode and (Mamba2, "
-                        "short conv) prefill (the slice: LFM2 decode, Bamba prefill)"),
+                        "short conv) prefill (the slice: LFM2 decode, Bamba prefill); and "
+                        "frontends/test_hybrid_lin.py's: Qwen prefill, LFM2-MoE, Kimi Linear, "
+                        "Bailing-hybrid, MiniMax (the slice: one cell each but Bailing)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",
