@@ -64,6 +64,7 @@ from .dcp_decode import (attention_kwargs, correct_sinks, cp_rank_node, dsa_keep
                          garbage_kwargs, pop_index, replace_attention)
 from .op_classes import SHAPED_VIEWS
 from .placement import Refusal, aligned_dim, token_dim
+from .prefill_recompute import copy_chain, recompute_chain, retoken_views
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
                     KIND_SLICE, DCPPass, Property, attention_nodes, getitem_users, source_of,
                     val)
@@ -184,6 +185,11 @@ class LayerPlan:
     # Linears after the first one of a low-rank chain (MLA's q_b_proj after q_a_proj -> norm):
     # on the q/k/v path, they run on the owned tokens too.
     chained: list[Node] = field(default_factory=list)
+    # O-path side inputs computed from the projections (an output gate in q_proj's rows):
+    # side -> (the nodes from the hidden state to it, graph order; their token dims; those
+    # reading the hidden state), computed again on the O path's tokens.
+    o_recomputed: dict[Node, tuple[list[Node], dict[Node, int], set[Node]]] = field(
+        default_factory=dict)
 
 
 class DCPPrefill(DCPPass):
@@ -295,9 +301,13 @@ class DCPPrefill(DCPPass):
         # sigmoid gate of the hidden state) is read at the tokens the output holds there.
         # Only one computed from the full-sequence stream: one computed from the q/k/v
         # projections (a gate in the q rows) runs on the owned tokens, in their order.
+        # One computed from the projections is computed again on the O path's tokens
+        # (prefill_recompute: the hidden state gathered there, its chain copied).
         plan.o_side_inputs = side
+        for a in side:
+            if _reads_projections(a, plan):
+                plan.o_recomputed[a] = recompute_chain(a, plan, s, trace_token_dim)
         if any(len({k for _, k in users}) != 1 for users in side.values()) \
-                or any(_reads_projections(a, plan) for a in side) \
                 or plan.o_token_dim.get(plan.o_proj.args[0], 1) != 1:
             raise DCPTransformError(
                 f"the output of attention {attn.name} reaches its O projection "
@@ -358,7 +368,7 @@ class DCPPrefill(DCPPass):
             for lin in (*plan.projections, *plan.chained):
                 lin.meta[SPEC_STEP] = 3
                 lin.meta[META_LAYER] = layer
-            _retoken_views(plan.qkv_path, plan.token_dim, cap)
+            retoken_views(plan.qkv_path, plan.token_dim, cap)
             for side, users in plan.side_inputs.items():
                 dim = users[0][1]
                 if any(k != dim for _, k in users):
@@ -430,7 +440,7 @@ class DCPPrefill(DCPPass):
                 out = g.call_function(aten.to.dtype, (out, dtype))
             replace_attention(attn, out, kc2, vc2)
 
-            _retoken_views(plan.o_path, plan.o_token_dim, s_pad // W)
+            retoken_views(plan.o_path, plan.o_token_dim, s_pad // W)
             self._slice_o_side_inputs(g, plan, cp, b, s, s_pad // W)
             self._rewrite_o_reduction(g, plan, b, s_pad // W)
 
@@ -486,9 +496,13 @@ class DCPPrefill(DCPPass):
                              count: int) -> None:
         """A per-token input of the O path ([B, .., S at dim k, ..], all S tokens) read at the
         tokens the attention output holds after step 8: this rank's contiguous ``count`` of
-        the padded sequence (padding rows read the last token; they are dropped later)."""
+        the padded sequence (padding rows read the last token; they are dropped later). One
+        computed from the projections (``plan.o_recomputed``) is computed again from the
+        hidden state read at those tokens."""
         for side, users in plan.o_side_inputs.items():
             dim = users[0][1]
+            chain = plan.o_recomputed.get(side)
+            source = plan.hidden if chain else side
             with g.inserting_before(users[0][0]):
                 start = g.call_function(aten.mul.Tensor, (cp, count))
                 ar = g.call_function(aten.arange.default, (count,),
@@ -497,10 +511,15 @@ class DCPPrefill(DCPPass):
                     g.call_function(aten.add.Tensor, (ar, start)), 0, s - 1))
                 ix = g.call_function(aten.expand.default, (
                     g.call_function(aten.view.default, (ix, [1, count])), [b, count]))
-                picked = self.tag(self._token_gather(g, side, ix, tuple(val(side).shape),
-                                                     count, dim), KIND_SLICE)
+                picked = self.tag(self._token_gather(
+                    g, source, ix, tuple(val(source).shape), count, 1 if chain else dim),
+                    KIND_SLICE)
+                if chain:
+                    picked = copy_chain(g, chain, picked, count, plan.layer)
             for user, _ in users:
                 user.replace_input_with(side, picked)
+            if chain:   # the original chain, on the owned tokens, is read by nothing now
+                _erase_unused(g.owning_module, [side])
 
     def _rewrite_o_reduction(self, g: Graph, plan: LayerPlan, b: int, tokens: int) -> None:
         """9. TP's all-reduce(dcp_tp) + SP slice -> reduce-scatter(dcp_tp) along tokens."""
@@ -562,15 +581,6 @@ def _chain_root(lin: Node, limit: int = 8) -> tuple[Node, list[Node]]:
         lin = behind[0]
     raise DCPTransformError(f"projection {lin.name} ({source_of(lin)}) ends a chain of more "
                             f"than {limit} linears; expected q_a_proj -> norm -> q_b_proj.")
-
-
-def _retoken_views(path: list[Node], token_dim: dict[Node, int], count: int) -> None:
-    """Views on a path name the token count explicitly: give them the new count."""
-    for n in path:
-        if n.target in SHAPED_VIEWS:
-            shape = list(n.args[1])
-            shape[token_dim[n]] = count
-            n.args = (n.args[0], shape) + tuple(n.args[2:])
 
 
 def _erase_unused(gm: GraphModule, nodes: list[Node]) -> None:

@@ -172,7 +172,9 @@ import dcp_compile.runtime.kernels.recurrent  # noqa: E402,F401  (registers torc
 RECURRENT_OPS = frozenset({torch.ops.dcp.gated_delta_net.default,
                            torch.ops.dcp.mamba2_ssm.default,
                            torch.ops.dcp.short_conv.default,
-                           torch.ops.dcp.mamba_ssm.default})
+                           torch.ops.dcp.mamba_ssm.default,
+                           torch.ops.dcp.kimi_delta_attention.default,
+                           torch.ops.dcp.lightning_attention.default})
 
 
 def is_call(n, targets) -> bool:

@@ -43,7 +43,8 @@ from dcp_compile.runtime.errors import (DCPKVLayoutError, DCPSparseAttentionErro
 from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
-from .module_experts import hf_expert_activations, module_experts_enabled, stacked_experts
+from .module_experts import expert_activation, hf_expert_activations, module_experts_enabled, \
+    more_expert_gates, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -326,11 +327,10 @@ def experts_form(experts: nn.Module) -> dict:
 
 def _default_gate(experts: nn.Module):
     """transformers' ``act_fn(gate) * up`` over concatenated [gate; up]."""
-    act = _ACTIVATIONS.get(type(getattr(experts, "act_fn", None)))
+    act = expert_activation(fn := getattr(experts, "act_fn", None))   # a module, or F.silu
     if act is None:
-        raise DCPTransformError(
-            f"{type(experts).__name__}'s activation "
-            f"{type(getattr(experts, 'act_fn', None)).__name__} is not one dcp.moe computes "
+        raise DCPTransformError(f"{type(experts).__name__}'s activation "
+            f"{getattr(fn, '__name__', None) or type(fn).__name__} is not one dcp.moe computes "
             f"({sorted(a.value for a in set(_ACTIVATIONS.values()))}). Use hidden_act='silu' "
             f"(or add it to dcp_compile.runtime.kernels.moe.GATES and dcp_compile.hf._ACTIVATIONS).")
     return act, False, {}
@@ -347,7 +347,8 @@ def _gate_table() -> dict:
     """experts class ``_apply_gate`` -> (activation, interleaved, params) of dcp.moe."""
     from transformers.integrations.moe import _default_apply_gate
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    return {_default_apply_gate: _default_gate, GptOssExperts._apply_gate: _gpt_oss_gate}
+    return {_default_apply_gate: _default_gate, GptOssExperts._apply_gate: _gpt_oss_gate,
+            **more_expert_gates()}
 
 
 def _register_experts() -> None:
@@ -518,13 +519,12 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
     if sparse:
         raise DCPSparseAttentionError(
             f"DeepSeek Sparse Attention: the indexer's top-k over a sharded context. {name} "
-            f"keeps per query the {sparse} prior tokens its "
-            f"indexer scores best; under DCP a rank holds only its shard of the keys, so its "
-            f"own top-k would select a different set. hf.prepare's paged op caches neither "
-            f"the MLA latent nor the indexer's K and emits no selection. Pass the model "
-            f"itself to dcp_compile.transform (attn_implementation='eager' or 'sdpa'): that "
-            f"path caches the indexer's K beside the latent and emits the exact DCP "
-            f"selection. docs/moe-mla.md: DeepSeek Sparse Attention")
+            f"keeps per query the {sparse} prior tokens its indexer scores best; under DCP a "
+            f"rank holds only its shard of the keys, so its own top-k would select a different "
+            f"set. hf.prepare's paged op caches neither the MLA latent nor the indexer's K and "
+            f"emits no selection. Pass the model itself to dcp_compile.transform "
+            f"(attn_implementation='eager' or 'sdpa'): that path caches the indexer's K beside "
+            f"the latent and emits the exact DCP selection (docs/moe-mla.md, DSA).")
     latent = _set_fields(cfg, MLA_FIELDS)
     if latent:
         raise DCPTransformError(

@@ -5,8 +5,8 @@ layers (docs/hybrid.md).
 The ordinary frontend's capture and prologue, with two differences:
 
   * the step runs each recurrent mixer as its ``dcp`` op (``recurrent_as_ops``), so the graph
-    has one ``dcp.gated_delta_net`` / ``dcp.mamba2_ssm`` / ``dcp.short_conv`` per recurrent
-    layer instead of the model's own scan and in-place cache writes;
+    has one ``dcp.gated_delta_net`` / ``dcp.kimi_delta_attention`` / ``dcp.mamba2_ssm`` /
+    ``dcp.short_conv`` per recurrent layer instead of the model's own scan and in-place cache writes;
   * the step's signature carries the state: ``state_slot [B]``, ``state_fresh [B]``,
     ``state_lengths [B]`` and one input per state cache (``state_caches_<i>``: every recurrent
     layer's conv cache, in layer order, then every recurrence cache), and returns the new
@@ -24,7 +24,7 @@ the engine keeps the state at a prompt's vblock boundaries there, for prefix cac
 
 What is not built is refused by name (:func:`refuse_unbuilt`): a decode program's chunk
 step, state checkpoints in a prefill program, and prefill of the models ``PREFILL_REFUSED``
-names (Qwen's gated attention output); the engine refuses prefix caching of a program
+names (none at present); the engine refuses prefix caching of a program
 without state checkpoints.
 """
 
@@ -151,7 +151,7 @@ class HybridFrontend(OrdinaryFrontend):
         refuse_unbuilt(model, shapes)
         super().__init__(model, shapes)
         spec = state_spec(model, state_slots(shapes))
-        self.conv_layers = [la.layer for la in spec.layers]
+        self.conv_layers = [la.layer for la in spec.layers if la.conv is not None]
         self.rec_layers = [la.layer for la in spec.layers if la.rec is not None]
         self.step_model = HybridStep(model, self.conv_layers, self.rec_layers)
 
@@ -184,16 +184,10 @@ class HybridFrontend(OrdinaryFrontend):
         refuse_unbuilt(self.model, self.shapes, mode=config.mode)
 
 
-# Mixer classes whose models a prefill program cannot serve yet, and why.
-_GATED_OUTPUT = ("its full-attention layers gate their output per token (sigmoid of half of "
-                 "q_proj's output, multiplied into the attention output before o_proj): the "
-                 "prefill rewrite runs the O projection on the rank's own tokens and cannot "
-                 "carry a token-indexed gate there (passes/dcp_prefill.py, the refusal a "
-                 "non-hybrid gated-attention model gets: the gate stops it, not the "
-                 "recurrent layers)")
-PREFILL_REFUSED = {"Qwen3NextGatedDeltaNet": _GATED_OUTPUT,
-                   "Qwen3_5GatedDeltaNet": _GATED_OUTPUT,
-                   "Qwen3_5MoeGatedDeltaNet": _GATED_OUTPUT}
+# Mixer classes whose models a prefill program cannot serve yet, and why (none now: Qwen's
+# gated attention, once refused here, has its output gate computed again on the O
+# projection's tokens by passes/dcp_prefill.py, LayerPlan.o_recomputed).
+PREFILL_REFUSED: dict[str, str] = {}
 
 
 def refuse_unbuilt(model: nn.Module, shapes, *, mode: str | None = None) -> None:

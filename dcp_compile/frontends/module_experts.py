@@ -175,6 +175,36 @@ def hf_expert_activations() -> dict:
             A.GELUTanh: Act.GELU_TANH}
 
 
+def _bailing_gate(experts: nn.Module):
+    """Bailing-hybrid's ``_apply_gate``: the default ``act(gate) * up`` when its config sets no
+    ``swiglu_limits`` for the layer (``limit`` None); a clamped gate is refused by name."""
+    act = expert_activation(experts.act_fn)
+    if act is None or experts.limit is not None:
+        raise DCPTransformError(
+            f"{type(experts).__name__}: its gate clamps act(gate) and up at "
+            f"limit={experts.limit} (config.swiglu_limits), or its activation "
+            f"{experts.act_fn} is not one dcp.moe computes: dcp.moe has no such gate. Use a "
+            f"config without swiglu_limits (or add the clamped gate to dcp.moe's GATES).")
+    return act, False, {}
+
+
+def more_expert_gates() -> dict:
+    """Experts classes' own ``_apply_gate`` the HF frontend's gate table adds
+    (``huggingface._gate_table``): the method -> (activation, interleaved, params)."""
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridExperts
+    return {BailingHybridExperts._apply_gate: _bailing_gate}
+
+
+def expert_activation(act_fn):
+    """dcp.moe's ``ExpertActivation`` of an experts class's ``act_fn``, or None: an activation
+    module by its type (``hf_expert_activations``), a torch function by identity (LFM2-MoE's
+    ``Lfm2MoeExperts`` sets ``self.act_fn = F.silu``, whatever its config says)."""
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    functions = {nn.functional.silu: Act.SILU, nn.functional.relu: Act.RELU,
+                 torch.relu: Act.RELU}
+    return hf_expert_activations().get(type(act_fn)) or functions.get(act_fn)
+
+
 def _llama4_stack(block: nn.Module) -> StackedExperts:
     """``Llama4TextExperts``: ``bmm(x, gate_up_proj [E, H, 2I])``, ``chunk(2)`` -> gate, up,
     ``bmm(up * act(gate), down_proj [E, I, H])``: transposed, concatenated; its own

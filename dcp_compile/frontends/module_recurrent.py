@@ -20,251 +20,23 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from dcp_compile.frontends.module_experts import source_hash
+# Each family's swapped forward and state shape (StateShape, RecurrentStates re-exported).
+from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
+    StateShape, RecurrentStates, _gdn_shape, _qwen3_next_head, _qwen3_5_head, _gdn_forward,
+    _kda_shape, _kimi_gate, _bailing_gate, _kda_forward, _lightning_shape, _lightning_forward,
+    _mamba2_shape, _mamba2_forward, _falcon_h1_forward, _mamba_shape, _jamba_forward,
+    _zamba_forward, _short_conv_shape, _short_conv_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import CONV_ACTIVATIONS  # (and registers the ops)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
-
-@dataclass(frozen=True)
-class StateShape:
-    """One recurrent layer's state, per sequence: conv ``[C, K-1]``, recurrence ``[Hv, dk, dv]``."""
-
-    conv: tuple[int, int]
-    rec: tuple[int, int, int] | None      # None: a convolution only (LFM2)
-
-
-@dataclass
-class RecurrentStates:
-    """The state caches of every recurrent layer (``[num_slots + 1, ...]``, the last entry the
-    garbage slot) and the current step's rows: ``state_slot [B]`` (-1: padding row),
-    ``fresh [B]`` (the row starts its sequence), ``lengths [B]`` (real tokens, left-packed)."""
-
-    conv: dict[int, Tensor] = field(default_factory=dict)
-    rec: dict[int, Tensor] = field(default_factory=dict)
-    state_slot: Tensor | None = None
-    fresh: Tensor | None = None
-    lengths: Tensor | None = None
-    # [B, S] int64 of a width-K (speculative) step: where the state after each token is
-    # also kept (-1: none); None for every other step
-    snapshot_slot: Tensor | None = None
-
-    def snap(self) -> tuple:
-        """The ops' trailing ``snapshot_slot`` argument: () when the step keeps none."""
-        return () if self.snapshot_slot is None else (self.snapshot_slot,)
-
-    def step(self, state_slot, fresh, lengths) -> "RecurrentStates":
-        """Set the rows of the next step (lists or tensors)."""
-        self.state_slot = torch.as_tensor(state_slot, dtype=torch.int64)
-        self.fresh = torch.as_tensor(fresh, dtype=torch.bool)
-        self.lengths = torch.as_tensor(lengths, dtype=torch.int64)
-        return self
-
-
-def _gdn_shape(m: nn.Module) -> StateShape:
-    return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
-                      rec=(m.num_v_heads, m.head_k_dim, m.head_v_dim))
-
-
-def _qwen3_next_head(m: nn.Module, h: Tensor):
-    """Qwen3-Next's projections, verbatim: (mixed_qkv [B, S, C], z, b, a)."""
-    qkvz, ba = m.in_proj_qkvz(h), m.in_proj_ba(h)
-    query, key, value, z, b, a = m.fix_query_key_value_ordering(qkvz, ba)
-    query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
-    return torch.cat((query, key, value), dim=-1), z, b, a
-
-
-def _qwen3_5_head(m: nn.Module, h: Tensor):
-    """Qwen3.5's projections, verbatim: (mixed_qkv [B, S, C], z, b, a)."""
-    batch_size, seq_len, _ = h.shape
-    z = m.in_proj_z(h).reshape(batch_size, seq_len, -1, m.head_v_dim)
-    return m.in_proj_qkv(h), z, m.in_proj_b(h), m.in_proj_a(h)
-
-
-def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Callable:
-    """The mixer's forward with its conv + gated delta rule as ``dcp.gated_delta_net`` over
-    ``states``; the model's own lines before and after it."""
-    module = sys.modules[type(m).__module__]
-
-    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
-        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
-        mixed_qkv, z, b, a = head(m, hidden_states)
-        beta = b.sigmoid()
-        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
-        core_attn_out, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
-            torch.ops.dcp.gated_delta_net(
-                mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
-                states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
-                m.num_k_heads, m.head_k_dim, m.head_v_dim, m.activation, *states.snap())
-        # The model flattens [B, S, Hv, dv] to [B*S*Hv, dv] around its gated norm; the norm
-        # works over the last dim alone (its forward is pinned), so it runs on the unflattened
-        # tensor: the same values, and every view keeps the token dim (check_token_wise).
-        core_attn_out = m.norm(core_attn_out, z.reshape(core_attn_out.shape))
-        core_attn_out = core_attn_out.reshape(core_attn_out.shape[0], core_attn_out.shape[1], -1)
-        return m.out_proj(core_attn_out)
-    return forward
-
-
-def _mamba2_shape(m: nn.Module) -> StateShape:
-    return StateShape(conv=(m.conv_dim, m.conv_kernel_size - 1),
-                      rec=(m.num_heads, m.head_dim, m.ssm_state_size))
-
-
-def _mamba2_forward(m: nn.Module, states: RecurrentStates) -> Callable:
-    """Bamba's mixer forward (eval) with its conv + selective scan as ``dcp.mamba2_ssm``
-    over ``states``; the model's own projection, gated norm and output projection."""
-    module = sys.modules[type(m).__module__]
-
-    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
-        batch_size, seq_len, _ = hidden_states.shape
-        dtype = hidden_states.dtype
-        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
-        projected_states = m.in_proj(hidden_states)
-        gate, hidden_states_B_C, dt = projected_states.split(
-            [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
-        dt_min, dt_max = m.time_step_limit
-        scan_output, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
-            torch.ops.dcp.mamba2_ssm(
-                hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
-                m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
-                states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
-                m.ssm_state_size, m.activation, float(dt_min), float(dt_max), *states.snap())
-        scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
-        scan_output = m.norm(scan_output, gate)
-        return m.out_proj(scan_output.to(dtype))
-    return forward
-
-
-def _falcon_h1_forward(m: nn.Module, states: RecurrentStates) -> Callable:
-    """Falcon-H1's mixer forward (eval): Bamba's, with its mup multipliers (the input times
-    ``ssm_in_multiplier``, the projection times the per-segment ``mup_vector``) and its
-    optional gated RMSNorm (else ``silu(gate)``), the model's own lines; the conv +
-    selective scan as ``dcp.mamba2_ssm`` over ``states``."""
-    module = sys.modules[type(m).__module__]
-
-    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
-        batch_size, seq_len, _ = hidden_states.shape
-        dtype = hidden_states.dtype
-        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
-        hidden_states = hidden_states * m.ssm_in_multiplier
-        projected_states = m.in_proj(hidden_states)
-        projected_states = projected_states * m.mup_vector
-        gate, hidden_states_B_C, dt = projected_states.split(
-            [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
-        dt_min, dt_max = m.time_step_limit
-        scan_output, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
-            torch.ops.dcp.mamba2_ssm(
-                hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
-                m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
-                states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
-                m.ssm_state_size, m.activation, float(dt_min), float(dt_max))
-        scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
-        if m.mamba_rms_norm:
-            scan_output = m.norm(scan_output, gate)
-        else:
-            scan_output = scan_output * F.silu(gate)
-        return m.out_proj(scan_output.to(dtype))
-    return forward
-
-
-def _mamba_shape(m: nn.Module) -> StateShape:
-    return StateShape(conv=(m.intermediate_size, m.conv_kernel_size - 1),
-                      rec=(m.intermediate_size, m.ssm_state_size))
-
-
-def _jamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
-    """Jamba's Mamba-1 mixer forward (eval): its convolution as ``dcp.short_conv`` (then the
-    mixer's own activation), its selective scan as ``dcp.mamba_ssm`` over ``states``; the
-    model's own projections and dt / B / C norms between the two, tokens on dim 1 (the model
-    transposes to channels-first around its kernels: the same values)."""
-    module = sys.modules[type(m).__module__]
-
-    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
-        dtype = hidden_states.dtype
-        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
-        projected_states = m.in_proj(hidden_states)
-        hidden_states, gate = projected_states.chunk(2, dim=-1)
-        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
-            hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
-            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
-        hidden_states = m.act(conv_out)
-        time_step, B, C = torch.split(
-            m.x_proj(hidden_states), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size],
-            dim=-1)
-        time_step = m.dt_layernorm(time_step)
-        B = m.b_layernorm(B)
-        C = m.c_layernorm(C)
-        time_step = F.linear(time_step, m.dt_proj.weight)    # dt_proj.weight @ time_step^T
-        scan_output, states.rec[m.layer_idx] = torch.ops.dcp.mamba_ssm(
-            hidden_states, time_step, m.A_log, B, C, m.D, m.dt_proj.bias,
-            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
-        scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
-        return m.out_proj(scan_output.to(dtype))
-    return forward
-
-
-def _zamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
-    """Zamba's multi-head Mamba-1 mixer forward (eval): its convolution as ``dcp.short_conv``
-    (then its activation), its per-head scans as one ``dcp.mamba_ssm`` (B and C per head)
-    over ``states``; the model's own per-head x_proj / dt_proj weights as batched matmuls
-    between the two, tokens on dim 1. The in projection interleaves each channel's input and gate
-    (the model's ``view(B, -1, 2, S)``)."""
-    module = sys.modules[type(m).__module__]
-
-    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
-        batch_size, seq_len, _ = hidden_states.shape
-        dtype = hidden_states.dtype
-        H, P, N = m.n_mamba_heads, m.mamba_head_dim, m.ssm_state_size
-        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
-        projected_states = m.in_proj(hidden_states).view(batch_size, seq_len, -1, 2)
-        hidden_states, gate = projected_states[..., 0], projected_states[..., 1]
-        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
-            hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
-            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
-        hidden_states = m.act(conv_out)
-        heads = hidden_states.view(batch_size, seq_len, H, P)
-        ssm_parameters = (m.x_proj_weight @ heads[..., None]).squeeze(-1)   # [B, S, H, R+2N]
-        time_step, B, C = torch.split(ssm_parameters, [m.time_step_rank, N, N], dim=-1)
-        time_step = (m.dt_proj_weight @ time_step[..., None]).squeeze(-1)   # [B, S, H, P]
-        scan_output, states.rec[m.layer_idx] = torch.ops.dcp.mamba_ssm(
-            hidden_states, time_step.reshape(batch_size, seq_len, H * P),
-            m.A_log.reshape(H * P, N), B, C, m.D.reshape(H * P),
-            None if m.dt_proj_bias is None else m.dt_proj_bias.reshape(H * P),
-            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
-        scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
-        return m.out_proj(scan_output.to(dtype))
-    return forward
-
-
-def _short_conv_shape(m: nn.Module) -> StateShape:
-    return StateShape(conv=(m.conv.in_channels, m.conv_kernel_size - 1), rec=None)
-
-
-def _short_conv_forward(m: nn.Module, states: RecurrentStates) -> Callable:
-    """LFM2's short-conv forward with its convolution as ``dcp.short_conv`` over ``states``;
-    the model's own gates and projections."""
-    module = sys.modules[type(m).__module__]
-
-    def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
-        hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
-        BCx = m.in_proj(hidden_states).transpose(-1, -2)
-        B, C, x = BCx.chunk(3, dim=-2)
-        hidden_states = B * x
-        conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
-            hidden_states.transpose(-1, -2), m.conv.weight.squeeze(1), m.conv.bias,
-            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths,
-            *states.snap())
-        y = C * conv_out.transpose(-1, -2)
-        y = y.transpose(-1, -2).contiguous()
-        return m.out_proj(y)
-    return forward
 
 
 @dataclass(frozen=True)
@@ -381,6 +153,27 @@ RULES = (
                    "mamba_selective_scan": "b43a3221205e",
                    "mamba_selective_state_update": "1c7cf7fce076", **_CONV_FUNCTIONS},
                   _mamba_shape, _zamba_forward),
+    # Kimi Linear: KDA, Gated DeltaNet with a decay per key channel (its conv has no bias)
+    RecurrentRule(f"{_TF}.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention",
+                  {"KimiLinearDeltaAttention.forward": "d2b6ce659c7d",
+                   "recurrent_kimi_delta_attention": "a7d81011bd15",
+                   "chunk_kimi_delta_attention": "1a4cae129dee",
+                   "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
+                  _kda_shape, _kda_forward),
+    # Bailing-hybrid: the same KDA (its own forget gate module and a one-linear output gate)
+    RecurrentRule(f"{_TF}.bailing_hybrid.modeling_bailing_hybrid",
+                  "BailingHybridDeltaAttention",
+                  {"BailingHybridDeltaAttention.forward": "4691bf7cc273",
+                   "recurrent_kimi_delta_attention": "a7d81011bd15",
+                   "chunk_kimi_delta_attention": "1a4cae129dee",
+                   "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
+                  _kda_shape, lambda m, s: _kda_forward(m, s, _bailing_gate)),
+    # MiniMax: lightning attention (no convolution: a recurrence cache only)
+    RecurrentRule(f"{_TF}.minimax.modeling_minimax", "MiniMaxLightningAttention",
+                  {"MiniMaxLightningAttention.forward": "03c3f915c0c9",
+                   "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad",
+                   "apply_mask_to_padding_states": "ac70fe1177ec"},
+                  _lightning_shape, _lightning_forward),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -395,7 +188,8 @@ RULES = (
 HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                                 "qwen3_5_moe_text", "bamba", "granitemoehybrid", "lfm2",
                                 "lfm2_moe", "jamba", "nemotron_h", "falcon_h1", "zamba2",
-                                "kimi_linear", "minimax", "recurrent_gemma"})
+                                "kimi_linear", "minimax", "recurrent_gemma",
+                                "bailing_hybrid"})
 RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "recurrent",
                                    "hybrid"})
 
@@ -479,7 +273,8 @@ def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,
     layer, one device (``state_spec`` at tp=1)."""
     states = RecurrentStates()
     for layer, (conv, rec) in state_spec(model, num_slots, dtype=dtype).allocate(device).items():
-        states.conv[layer] = conv
+        if conv is not None:
+            states.conv[layer] = conv
         if rec is not None:
             states.rec[layer] = rec
     return states
@@ -531,7 +326,7 @@ def unruled_mixers(model: nn.Module) -> list[str]:
 
 def refuse_unruled_hybrid(model: nn.Module) -> None:
     """``DCPHybridError`` for a Hugging Face hybrid (``unruled_mixers``) none of whose mixers a
-    rule of ``RULES`` names (Kimi Linear, MiniMax, RecurrentGemma, ...)."""
+    rule of ``RULES`` names (RecurrentGemma, OLMo-hybrid, ...)."""
     mixers = unruled_mixers(model)
     if not mixers:
         return

@@ -1,5 +1,5 @@
-"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.mamba2_ssm``,
-``dcp.short_conv``; docs/hybrid.md): it needs the whole sequence of each row, in order, with
+"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.kimi_delta_attention``,
+``dcp.mamba2_ssm``, ``dcp.short_conv``; docs/hybrid.md): it needs the whole sequence of each row, in order, with
 the row's state.
 
 Over the tensor-parallel ranks the op runs whole on every rank: its inputs (the mixer's
@@ -13,6 +13,7 @@ already; a prefill chunk under sequence parallelism is gathered before the op
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
 from ..infra import linears_reached
@@ -21,6 +22,8 @@ from .lattice import R, Refusal, show
 from .node_args import fake, tensor_args
 from .rules import RULES, Rule
 from .weights import decide_weight
+
+LINEAR = torch.ops.aten.linear.default
 
 
 def recurrent_fw(n: Node, P):
@@ -39,11 +42,28 @@ def recurrent_bw(n: Node, req):
     return {a: R for a in tensor_args(n)}
 
 
+def _module_path(n: Node) -> str | None:
+    stack = n.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else None
+
+
+def mixer_linears(n: Node, nodes) -> list[Node]:
+    """The linears of the recurrent op ``n``'s own module (the mixer: its low-rank gates too,
+    Kimi Linear's ``f_a_proj -> f_b_proj`` and ``g_a_proj -> g_b_proj``, which the sweeps
+    would otherwise cut column / row with an all-reduce inside the mixer)."""
+    mixer = _module_path(n)
+    if mixer is None:
+        return []
+    return [x for x in nodes if x.op == "call_function" and x.target == LINEAR
+            and (_module_path(x) or "").startswith(mixer + ".")]
+
+
 def place_recurrent(analysis) -> None:
     """Decide before the sweeps: a recurrent op reads its inputs whole, and the linears its
     inputs come from (the mixer's input projections) and its output reaches before the next
     linear (the mixer's output projection) run whole too, on a replicated input (no
-    collective; the head cut comes later, docs/hybrid.md)."""
+    collective; the head cut comes later, docs/hybrid.md); so does every other linear of the
+    mixer's module (its gates' low-rank chains)."""
     for n in analysis.nodes:
         if n.op != "call_function" or n.target not in RECURRENT_OPS:
             continue
@@ -52,7 +72,8 @@ def place_recurrent(analysis) -> None:
         # the projections before it too: decided now, not left for the MLP-down heuristic
         # while their input is unknown (Zamba2's mixer reads the shared block's output)
         before = linears_reached(tensor_args(n), lambda x: x.all_input_nodes)
-        for lin in before + linears_reached(list(n.users), lambda x: list(x.users)):
+        after = linears_reached(list(n.users), lambda x: list(x.users))
+        for lin in dict.fromkeys(before + after + mixer_linears(n, analysis.nodes)):
             if lin in analysis.linears:
                 continue
             decide_weight(analysis, lin, lin.args[1], R)

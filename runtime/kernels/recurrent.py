@@ -25,6 +25,12 @@ Ops:
                        S_t = a_t S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T,
                        o_t = S_t^T q_t / sqrt(dk) (a_t = exp(g_t)), grouped value heads
                        (each k head serves Hv/Hk v heads).
+  dcp.kimi_delta_attention
+                       Kimi Delta Attention (Kimi Linear): the same with a decay per key
+                       channel (g [B, S, H, dk]) and one key head per value head.
+  dcp.lightning_attention
+                       MiniMax's lightning attention: a decayed linear attention, no
+                       convolution (its layer has a recurrence cache only).
   dcp.mamba2_ssm       Mamba2 (Bamba, Granite-4-H): conv1d + SiLU over [x | B | C] channels,
                        then the selective scan S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,
                        y_t = S_t C_t + D x_t, dt_t = clamp(softplus(dt + dt_bias), limits),
@@ -128,12 +134,15 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
                      valid: Tensor, *, per_token: bool = False):
     """The gated delta rule, token by token (fp32).
 
-    q, k [B, S, Hv, dk] (normalised, q scaled), v [B, S, Hv, dv], g, beta [B, S, Hv],
+    q, k [B, S, Hv, dk] (normalised, q scaled), v [B, S, Hv, dv], g [B, S, Hv] (or
+    [B, S, Hv, dk]: a decay per key channel, Kimi Delta Attention), beta [B, S, Hv],
     state [B, Hv, dk, dv], valid [B, S] bool. Returns (o [B, S, Hv, dv], state') and,
     ``per_token``, the state after every token [B, S, Hv, dk, dv]."""
     outs, states = [], []
     for t in range(q.shape[1]):
-        decayed = state * g[:, t].exp()[..., None, None]
+        # g [B, S, Hv]: one decay per head; [B, S, Hv, dk] (KDA): one per key channel
+        decay = g[:, t].exp()
+        decayed = state * (decay[..., None, None] if g.dim() == 3 else decay[..., None])
         kv_mem = (decayed * k[:, t, :, :, None]).sum(dim=-2)                   # [B, Hv, dv]
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
         new = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -154,7 +163,7 @@ def _gated_delta_net_impl(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weigh
                           snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     B, S, C = mixed_qkv.shape
     snap = snapshot_slot is not None
-    num_v_heads = g.shape[-1]
+    num_v_heads = beta.shape[-1]
     key_dim = num_k_heads * head_k_dim
     rows = state_rows(rec_state, state_slot)
     usable = rows != garbage_state_slot(rec_state)
@@ -201,6 +210,73 @@ def _(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot, fresh,
     B, S, _ = mixed_qkv.shape
     return (mixed_qkv.new_empty(B, S, g.shape[-1], head_v_dim), torch.empty_like(conv_state),
             torch.empty_like(rec_state))
+
+
+@dcp_op("kimi_delta_attention", mutates_args=())
+def kimi_delta_attention(mixed_qkv: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
+                         conv_state: Tensor, rec_state: Tensor, state_slot: Tensor,
+                         fresh: Tensor, lengths: Tensor, num_heads: int, head_dim: int,
+                         activation: str = "silu", snapshot_slot: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """Kimi Delta Attention's core over a chunk (Kimi Linear): ``dcp.gated_delta_net`` with
+    a decay per key channel, g [B, S, H, dk] (log of the decay), and as many key as value
+    heads (H of ``head_dim``): conv + activation over [q | k | v], l2-normalised q and k,
+    S_t = diag(exp(g_t)) S_{t-1} + k_t (beta_t (v_t - (diag(exp(g_t)) S_{t-1})^T k_t))^T,
+    o_t = S_t^T q_t / sqrt(dk). Returns (core output [B, S, H, dv], conv_state',
+    rec_state')."""
+    return _gated_delta_net_impl(mixed_qkv, g, beta, conv_weight, conv_state, rec_state,
+                                 state_slot, fresh, lengths, num_heads, head_dim, head_dim,
+                                 activation, snapshot_slot)
+
+
+@kimi_delta_attention.register_fake
+def _(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot, fresh, lengths,
+      num_heads, head_dim, activation="silu", snapshot_slot=None):
+    B, S, _ = mixed_qkv.shape
+    return (mixed_qkv.new_empty(B, S, num_heads, head_dim), torch.empty_like(conv_state),
+            torch.empty_like(rec_state))
+
+
+def _lightning_attention_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
+                               rec_state: Tensor, state_slot: Tensor, fresh: Tensor,
+                               lengths: Tensor, snapshot_slot: Tensor | None = None):
+    B, S = q.shape[:2]
+    rows = state_rows(rec_state, state_slot)
+    usable = rows != garbage_state_slot(rec_state)
+    valid = torch.arange(S, device=q.device)[None, :] < lengths.view(-1, 1)
+    state = _read_state(rec_state, rows, fresh, usable).float()
+    decay = torch.exp(-slope.float()).view(1, -1, 1, 1)                       # [1, H, 1, 1]
+    q, k, v = q.float(), k.float(), v.float()
+    outs, states = [], []
+    for t in range(S):
+        new = decay * state + k[:, t, :, :, None] * v[:, t, :, None, :]         # [B, H, d, d]
+        keep = valid[:, t].view(-1, 1, 1, 1)
+        state = torch.where(keep, new, state)
+        o = (q[:, t, :, :, None] * new).sum(dim=-2)                            # [B, H, d]
+        outs.append(torch.where(keep[..., 0], o, torch.zeros_like(o)))
+        states.append(state)
+    new_rec = _write_states(rec_state, rows, state, snapshot_slot,
+                            torch.stack(states, dim=1) if snapshot_slot is not None else None)
+    return torch.stack(outs, dim=1).to(v.dtype), new_rec
+
+
+@dcp_op("lightning_attention", mutates_args=())
+def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, rec_state: Tensor,
+                        state_slot: Tensor, fresh: Tensor, lengths: Tensor,
+                        snapshot_slot: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """MiniMax's lightning attention over a chunk: a linear attention with a decay per head,
+    S_t = exp(-slope_h) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t (no convolution, no
+    normalisation, no scale). q, k, v [B, S, H, d], slope [H]; the recurrence cache
+    [slots + 1, H, d, d] and the rows as the other ops'. Returns (o [B, S, H, d],
+    rec_state'). The model's own block form (intra-block decayed scores, inter-block state)
+    computes the same function."""
+    return _lightning_attention_impl(q, k, v, slope, rec_state, state_slot, fresh, lengths,
+                                     snapshot_slot)
+
+
+@lightning_attention.register_fake
+def _(q, k, v, slope, rec_state, state_slot, fresh, lengths, snapshot_slot=None):
+    return torch.empty_like(v), torch.empty_like(rec_state)
 
 
 def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: int,

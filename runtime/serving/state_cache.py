@@ -17,10 +17,11 @@ from dcp_compile.runtime.errors import DCPConfigError
 @dataclass(frozen=True)
 class StateLayer:
     """One recurrent layer's state per sequence, unsharded: ``conv`` ``[C, K-1]`` (channels
-    first), ``rec`` ``[heads, ...]`` (heads first) or None (a convolution only)."""
+    first) or None (no convolution: MiniMax's lightning attention), ``rec`` ``[heads, ...]``
+    (heads first) or None (a convolution only)."""
 
     layer: int
-    conv: tuple[int, ...]
+    conv: tuple[int, ...] | None
     rec: tuple[int, ...] | None = None
 
 
@@ -37,7 +38,7 @@ class StateCacheSpec:
 
     def __post_init__(self):
         bad = [f"layer {s.layer}: {what} {dim}" for s in self.layers
-               for what, dim in (("conv channels", s.conv[0]),
+               for what, dim in (("conv channels", s.conv[0] if s.conv else None),
                                  ("heads", s.rec[0] if s.rec else None))
                if dim is not None and dim % self.tp]
         if self.num_slots < 1 or bad:
@@ -49,7 +50,7 @@ class StateCacheSpec:
     def shapes(self, layer: StateLayer) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """(conv cache shape, recurrent cache shape or None) of one rank."""
         slots = self.num_slots + 1
-        conv = (slots, layer.conv[0] // self.tp, *layer.conv[1:])
+        conv = None if layer.conv is None else (slots, layer.conv[0] // self.tp, *layer.conv[1:])
         rec = None if layer.rec is None else (slots, layer.rec[0] // self.tp, *layer.rec[1:])
         return conv, rec
 
@@ -59,14 +60,14 @@ class StateCacheSpec:
         total = 0
         for layer in self.layers:
             conv, rec = self.shapes(layer)
-            total += _numel(conv) * _elem(self.conv_dtype)
+            total += _numel(conv) * _elem(self.conv_dtype) if conv is not None else 0
             total += _numel(rec) * _elem(self.rec_dtype) if rec is not None else 0
         return total
 
     def input_order(self) -> list[tuple[int, str]]:
         """(layer, "conv" | "rec") of each state cache in a program's calling convention:
         every layer's conv cache in layer order, then every recurrence cache."""
-        return [(s.layer, "conv") for s in self.layers] + \
+        return [(s.layer, "conv") for s in self.layers if s.conv is not None] + \
             [(s.layer, "rec") for s in self.layers if s.rec is not None]
 
     def allocate_inputs(self, device=None) -> list[torch.Tensor]:
@@ -80,7 +81,7 @@ class StateCacheSpec:
         for layer in self.layers:
             conv, rec = self.shapes(layer)
             out[layer.layer] = (
-                torch.zeros(conv, dtype=self.conv_dtype, device=device),
+                None if conv is None else torch.zeros(conv, dtype=self.conv_dtype, device=device),
                 None if rec is None else torch.zeros(rec, dtype=self.rec_dtype, device=device))
         return out
 

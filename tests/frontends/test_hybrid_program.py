@@ -37,8 +37,8 @@ SHAPES = StepShapes(batch=3, context_len=8, max_blocks=8, num_blocks=16)
 BLOCK = 2
 FULL = full("DCP_HYBRID_FULL")
 
-# Families whose prefill program is built (Mamba2, short conv); the Qwen ones are refused by
-# name (their attention's per-token output gate, frontends/hybrid.PREFILL_REFUSED).
+# Families whose prefill program is tested here (Mamba2, short conv); the Qwen ones in
+# tests/frontends/test_hybrid_lin.py.
 PREFILL_TYPES = ("bamba", "granitemoehybrid", "lfm2")
 # Every family the hybrid program serves (LFM2-MoE stops at its experts: below).
 DECODE_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba",
@@ -246,16 +246,7 @@ def test_what_is_not_built_is_refused_by_name(lfm2, shapes, match):
         dcp_compile.transform(lfm2, tp=4, dcp=2, mode="decode", shapes=shapes)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
-def test_qwen_prefill_is_refused_for_its_attention_output_gate(model_type):
-    with pytest.raises(DCPHybridError, match=r"in prefill mode: its full-attention layers "
-                                             r"gate their output per token"):
-        dcp_compile.transform(build_hybrid(model_type), tp=4, dcp=2, mode="prefill",
-                              block_size=BLOCK, shapes=SHAPES)
-
-
-@pytest.mark.parametrize("model_type,mixer", [("kimi_linear", "KimiLinearAttention"),
-                                              ("minimax", "MiniMaxLightningAttention")])
+@pytest.mark.parametrize("model_type,mixer", [("recurrent_gemma", "RecurrentGemmaAttention")])
 def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer):
     """A hybrid by its config whose mixer no rule names: DCPHybridError naming its modules,
     at the frontend (not the token-wise check's feature diagnosis)."""

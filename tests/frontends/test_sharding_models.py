@@ -54,10 +54,10 @@ def test_feature_model_decode_matches_single_device(name, monkeypatch):
     assert [kind for kind, _, _ in compared] == ["plan", "plan"]    # context, decode
 
 
-# The output gate is computed on the rank's owned (interleaved) tokens in prefill, but the
-# attention output it multiplies arrives on contiguous S/W tokens after the reduce-scatter:
-# refused by name, not gathered.
-PREFILL_REFUSED = {"q-output-gate": r"token-indexed inputs \['sigmoid'\]"}
+# Models whose prefill is refused, by name (none now: the output gate, computed from q_proj
+# on the rank's owned tokens, is computed again on the contiguous S/W tokens the attention
+# output arrives on after the reduce-scatter: passes/dcp_prefill.py, LayerPlan.o_recomputed).
+PREFILL_REFUSED: dict[str, str] = {}
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6], [7, 2, 5]]
 
 

@@ -49,7 +49,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "decode and prefix caching of Qwen3.5 and Bamba at both layouts (the "
                         "slice: Bamba at tp=4/dcp=2); "
                         "frontends/test_hybrid_mamba.py's 30 cells of Nemotron-H, Falcon-H1, "
-                        "Zamba2, Jamba and Zamba (the slice: one per family)"),
+                        "Zamba2, Jamba and Zamba (the slice: one per family); "
+                        "frontends/test_hybrid_lin.py's: Qwen prefill, LFM2-MoE, Kimi Linear, "
+                        "Bailing-hybrid, MiniMax (the slice: one cell each but Bailing)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",

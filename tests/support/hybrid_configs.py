@@ -9,7 +9,7 @@ each and the interleave of the two kinds is exercised (a layer's index decides i
 
 from __future__ import annotations
 
-from hf_corpus import DROP, MOE, TINY
+from hf_corpus import DROP, MLA, MOE, TINY
 
 # Recurrent layer, attention layer, twice.
 _LAYERS = 4
@@ -73,6 +73,20 @@ _HYBRID.update({
                   mamba_d_state=8, mamba_dt_rank=8, mamba_d_conv=4, mamba_expand=2,
                   head_dim=DROP),
 })
+# Appended by the linear-attention work (docs/hybrid.md, "Linear-attention hybrids").
+# Kimi Linear: KDA / MLA alternating, MoE in every layer; MLA sizes of the corpus (q LoRA),
+# 4 KDA heads of 8 (the conv over 3 * 32 channels).
+_HYBRID["kimi_linear"] = dict(
+    **MOE, **MLA, num_shared_experts=1, num_experts_per_token=2, num_expert_group=1,
+    linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
+    num_hidden_layers=_LAYERS, layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
+    mlp_layer_types=["sparse"] * _LAYERS)
+# Bailing-hybrid: KDA (its forget gate, the model's own module, with the config's default
+# safe-gate bound) / MLA alternating, MoE in every layer after the first.
+_HYBRID["bailing_hybrid"] = dict(
+    **MOE, **MLA, num_shared_experts=1, num_experts_per_token=2, num_expert_group=2,
+    linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
+    num_hidden_layers=_LAYERS, layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2))
 
 # The layer kinds of the configs above that are attention (the others are recurrent).
 ATTENTION_KINDS = ("full_attention", "attention")
@@ -83,6 +97,13 @@ NON_RECURRENT_KINDS = ATTENTION_KINDS + ("mlp", "moe")
 ATTENDING_KINDS = ATTENTION_KINDS + ("hybrid",)
 
 HYBRID_TYPES = tuple(_HYBRID)
+
+# MiniMax: lightning attention / full attention alternating, MoE in every layer (block_size
+# 4: the model's own block form runs several blocks on a prompt of 8). Not in HYBRID_TYPES:
+# its mixer takes (hidden, position_embeddings, attention_mask) and returns a pair, and has
+# no conv state (tests/frontends/test_hybrid_lin.py tests it).
+_HYBRID["minimax"] = dict(**MOE, num_hidden_layers=_LAYERS, block_size=4,
+                          layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2))
 
 
 def tiny_hybrid_config(model_type: str) -> dict:
