@@ -173,7 +173,11 @@ class Analysis:
         if t == LINEAR:
             return self._linear_fw(n, strict)
         if t == EMBEDDING:
-            return R if self.P(n.args[0]) is not None else None
+            if self.P(n.args[1]) is None:
+                return None
+            w = self.P(n.args[0])     # a feature-parallel table (_decide_embedding_columns)
+            return replace(w, dim=fake(n).ndim - 1) if isinstance(w, Shard) and w.dim == 1 \
+                else R
         if t == ATTENTION:
             return self._attention_fw(n, strict)
         ps = [self.P(a) for a in ins]
@@ -212,13 +216,16 @@ class Analysis:
         j = sh[0].dim + out_nd - fake(a0).ndim
         for a in ins:
             base = weight_param(a)   # a weight or a cast of it (OLMo-2's weight.float())
+            k = j - (out_nd - fake(a).ndim)
+            if k < 0 or fake(a).shape[k] == 1:
+                continue
             if base in self.params and base not in self.decided:
-                k = j - (out_nd - fake(a).ndim)
-                if k >= 0 and fake(a).shape[k] != 1:
-                    if a is base:
-                        self.decide(a, replace(sh[0], dim=k), n)
-                    else:
-                        self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
+                if a is base:
+                    self.decide(a, replace(sh[0], dim=k), n)
+                else:
+                    self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
+            elif self.P(a) == R:     # a token table's rows, whole so far (see below)
+                self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
 
     def _read(self, a: Node):
         return R if isinstance(self.P(a), Partial) else self.P(a)
@@ -227,25 +234,41 @@ class Analysis:
         """A replicated operand that is a parameter seen through single-input ops (views,
         slices: MLA's W_UK = kv_b_proj.weight viewed [H, dn+dv, L][:, :dn]) and needs a cut
         (``wants``): the cut is mapped back through those ops (their backward rules) to the
-        parameter, which takes it; the ops are placed again from it. Anything else is left to
-        the rule, which refuses."""
+        parameter, which takes it; the ops are placed again from it. The rows a token table
+        looks up (an embedding, scaled by a scalar, viewed) needed cut along their features
+        (Gemma 4's / Gemma 3n's per-layer input embeddings meet a column-parallel
+        projection's output, per layer): the table is cut along its features, each rank
+        looks up its own columns (no mask, no all-reduce; ``embeddings`` leaves it out of
+        the vocab-parallel cut). Anything else is left to the rule, which refuses."""
         for a, want in wants.items():
             chain, x = [], a
             while x not in self.params:
+                if x.op == "call_function" and x.target == EMBEDDING:
+                    break
                 r = rule_for(x.target) if x.op == "call_function" else None
-                if r is None or r.backward is None or len(tensor_args(x)) != 1:
+                inputs = [t for t in tensor_args(x) if fake(t).numel() > 1]
+                if r is None or r.backward is None or len(inputs) != 1:
                     return
                 chain.append(x)
-                x = tensor_args(x)[0]
+                x = inputs[0]
             need = want
             try:
                 for c in chain:
-                    need = rule_for(c.target).backward(c, need).get(tensor_args(c)[0])
+                    inner = next(t for t in tensor_args(c) if fake(t).numel() > 1)
+                    need = rule_for(c.target).backward(c, need).get(inner)
                     if not isinstance(need, Shard):
                         return
             except Refusal:
                 return
-            self.decide(x, need, n)
+            if x.op == "call_function":         # an embedding: its table along features
+                table = x.args[0]
+                if need.dim != fake(x).ndim - 1 or table not in self.params \
+                        or table in self.decided:
+                    return
+                self.decide(table, replace(need, dim=1), n)
+                self.known[x] = self.forward(x, strict=False)
+            else:
+                self.decide(x, need, n)
             for c in reversed(chain):
                 self.known[c] = self.forward(c, strict=False)
 
@@ -558,7 +581,9 @@ class Analysis:
         # Token embeddings are vocab-parallel; a table looked up by positions (learned or
         # sinusoidal positions) is replicated: its rows are not a vocabulary.
         embeddings = [n for n in self.nodes if n.target == EMBEDDING
-                      and reads_input(n.args[1], INPUT_IDS)]
+                      and reads_input(n.args[1], INPUT_IDS)
+                      and not (isinstance(self.decided.get(n.args[0]), Shard)
+                               and self.decided[n.args[0]].dim == 1)]
         for e in embeddings:
             vocab = shape_of(e.args[0])[0]
             if vocab % self.cfg.tp:
