@@ -457,12 +457,71 @@ def _softmax_of_merged_heads(n: Node):
     return None
 
 
+def _baddbmm_split(gm: GraphModule, n: Node) -> bool:
+    """Bloom's ``alibi.baddbmm(q, k^T, beta, alpha)`` on heads flattened into the batch ->
+    ``alibi * beta + bmm(q, k^T) * alpha`` (the same values), so the bmm reads as above."""
+    if not is_call(n, {aten.baddbmm.default}):
+        return False
+    base, b1, b2 = n.args[:3]
+    beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
+    if _bmm_operands(call_like(gm, n, aten.bmm.default, (b1, b2))) is None:
+        return False
+    mm = call_like(gm, n, aten.bmm.default, (b1, b2))
+    scaled = call_like(gm, n, aten.mul.Tensor, (mm, alpha)) if alpha != 1 else mm
+    base = call_like(gm, n, aten.mul.Tensor, (base, beta)) if beta != 1 else base
+    replace_node(gm, n, aten.add.Tensor, (scaled, base))
+    return True
+
+
+def _merged_operand(gm: GraphModule, at: Node, x, heads: tuple[int, int]):
+    """A [B·H, ...] operand of an elementwise op at ``at`` as the [B, H, ...] tensor it
+    flattens: a reshape of one (Bloom's alibi [B, H, S] reshaped [B·H, 1, S]), or a repeat
+    over the batch of an [H, ...] one (Bloom's alibi of positions, ``[H, 1, S].repeat(B, 1,
+    1)``: expanded); a scalar as it is; else None."""
+    if not isinstance(x, Node) or val(x).dim() == 0:
+        return x
+    while is_call(x, CASTS) and val(x).dtype == val(x.args[0]).dtype:   # .to(same dtype)
+        x = x.args[0]
+    shape, (b, h) = tuple(val(x).shape), heads
+    if shape[0] != b * h:
+        return None
+    four = [b, h, *shape[1:]]
+    if is_call(x, RESHAPES) and tuple(val(x.args[0]).shape[:2]) == heads:
+        return call_like(gm, at, aten.reshape.default, (x.args[0], four))
+    if is_call(x, {aten.repeat.default}) and list(x.args[1]) == [b] + [1] * (len(shape) - 1) \
+            and val(x.args[0]).shape[0] == h:
+        one = call_like(gm, at, aten.unsqueeze.default, (x.args[0], 0))
+        return call_like(gm, at, aten.expand.default, (one, four))
+    return None
+
+
+def _pointwise_of_merged_heads(gm: GraphModule, n: Node) -> bool:
+    """``op(y.reshape(B·H, S, T), z)`` with z a scalar or a reshape of a [B, H, ...] tensor
+    (add / mul: Bloom's alibi and scale on the merged scores) -> ``op(y, z as [B, H, ...])
+    .reshape(B·H, S, T)``: the same values, the heads kept as a dim."""
+    if not (is_call(n, {aten.add.Tensor, aten.mul.Tensor}) and len(n.args) == 2
+            and not n.kwargs and is_call(n.args[0], RESHAPES) and val(n).dim() == 3):
+        return False
+    y = n.args[0].args[0]
+    shape = tuple(val(y).shape)
+    if len(shape) != 4 or tuple(val(n.args[0]).shape) != (shape[0] * shape[1], *shape[2:]):
+        return False
+    other = _merged_operand(gm, n, n.args[1], shape[:2])
+    if other is None:
+        return False
+    op = call_like(gm, n, n.target, (y, other))
+    replace_node(gm, n, aten.reshape.default, (op, list(val(n).shape)))
+    return True
+
+
 def _unflatten_heads_once(gm: GraphModule) -> int:
     count = 0
     for n in list(gm.graph.nodes):
         if not n.users:
             continue
-        if is_call(n, {aten.bmm.default}) and (found := _bmm_operands(n)) is not None:
+        if _baddbmm_split(gm, n) or _pointwise_of_merged_heads(gm, n):
+            pass
+        elif is_call(n, {aten.bmm.default}) and (found := _bmm_operands(n)) is not None:
             a4, b4, transposed = found
             if transposed:
                 b4 = call_like(gm, n, aten.transpose.int, (b4, 2, 3))
