@@ -25,7 +25,8 @@ from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
-from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_param
+from .node_args import (fake, node_arg, norm_dim, reads_input, shape_of, tensor_args,
+                        weight_param)
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
@@ -39,20 +40,6 @@ aten = torch.ops.aten
 
 def _replicated(p) -> bool:
     return all(_replicated(x) for x in p) if isinstance(p, tuple) else p == R
-
-
-def reads_input(n: Node, name: str) -> bool:
-    """Whether ``n`` is computed from the graph input called ``name``."""
-    seen, stack = set(), [n]
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        if x.op == "placeholder" and x.name == name:
-            return True
-        stack.extend(x.all_input_nodes)
-    return False
 
 
 def _err(n: Node, what: str, fix: str) -> DCPTransformError:
@@ -172,12 +159,10 @@ class Analysis:
         t = n.target
         if t == LINEAR:
             return self._linear_fw(n, strict)
-        if t == EMBEDDING:
-            if self.P(n.args[1]) is None:
-                return None
-            w = self.P(n.args[0])     # a feature-parallel table (_decide_embedding_columns)
-            return replace(w, dim=fake(n).ndim - 1) if isinstance(w, Shard) and w.dim == 1 \
-                else R
+        if t == EMBEDDING:   # a table cut along its features (_adopt_through_views): its rows too
+            w = self.P(n.args[0])
+            return None if self.P(n.args[1]) is None else \
+                replace(w, dim=fake(n).ndim - 1) if isinstance(w, Shard) and w.dim == 1 else R
         if t == ATTENTION:
             return self._attention_fw(n, strict)
         ps = [self.P(a) for a in ins]
@@ -219,12 +204,10 @@ class Analysis:
             k = j - (out_nd - fake(a).ndim)
             if k < 0 or fake(a).shape[k] == 1:
                 continue
-            if base in self.params and base not in self.decided:
-                if a is base:
-                    self.decide(a, replace(sh[0], dim=k), n)
-                else:
-                    self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
-            elif self.P(a) == R:     # a token table's rows, whole so far (see below)
+            free = base in self.params and base not in self.decided
+            if free and a is base:
+                self.decide(a, replace(sh[0], dim=k), n)
+            elif free or (base not in self.params and self.P(a) == R):   # or a table's rows
                 self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
 
     def _read(self, a: Node):
@@ -234,42 +217,34 @@ class Analysis:
         """A replicated operand that is a parameter seen through single-input ops (views,
         slices: MLA's W_UK = kv_b_proj.weight viewed [H, dn+dv, L][:, :dn]) and needs a cut
         (``wants``): the cut is mapped back through those ops (their backward rules) to the
-        parameter, which takes it; the ops are placed again from it. The rows a token table
-        looks up (an embedding, scaled by a scalar, viewed) needed cut along their features
-        (Gemma 4's / Gemma 3n's per-layer input embeddings meet a column-parallel
-        projection's output, per layer): the table is cut along its features, each rank
-        looks up its own columns (no mask, no all-reduce; ``embeddings`` leaves it out of
-        the vocab-parallel cut). Anything else is left to the rule, which refuses."""
+        parameter, which takes it; the ops are placed again from it. A token table's rows
+        (an embedding, scaled, viewed: Gemma 4's per-layer inputs) needed cut along their
+        features: the table is cut along them, each rank looks up its own columns (left out
+        of the vocab-parallel cut). Anything else is left to the rule, which refuses."""
         for a, want in wants.items():
             chain, x = [], a
-            while x not in self.params:
-                if x.op == "call_function" and x.target == EMBEDDING:
-                    break
+            while x not in self.params and x.target != EMBEDDING:
                 r = rule_for(x.target) if x.op == "call_function" else None
-                inputs = [t for t in tensor_args(x) if fake(t).numel() > 1]
+                inputs = [t for t in tensor_args(x) if fake(t).numel() > 1]   # scalars aside
                 if r is None or r.backward is None or len(inputs) != 1:
                     return
-                chain.append(x)
+                chain.append((x, inputs[0]))
                 x = inputs[0]
             need = want
             try:
-                for c in chain:
-                    inner = next(t for t in tensor_args(c) if fake(t).numel() > 1)
+                for c, inner in chain:
                     need = rule_for(c.target).backward(c, need).get(inner)
                     if not isinstance(need, Shard):
                         return
             except Refusal:
                 return
-            if x.op == "call_function":         # an embedding: its table along features
-                table = x.args[0]
-                if need.dim != fake(x).ndim - 1 or table not in self.params \
-                        or table in self.decided:
-                    return
-                self.decide(table, replace(need, dim=1), n)
-                self.known[x] = self.forward(x, strict=False)
-            else:
-                self.decide(x, need, n)
-            for c in reversed(chain):
+            table = None if x in self.params else x.args[0]     # an embedding's table
+            if table is not None and (need.dim != fake(x).ndim - 1 or table in self.decided
+                                      or table not in self.params):
+                return
+            self.decide(x if table is None else table,
+                        need if table is None else replace(need, dim=1), n)
+            for c in [x] * (table is not None) + [c for c, _ in reversed(chain)]:
                 self.known[c] = self.forward(c, strict=False)
 
     def _sideways(self, n, ins):
