@@ -9,7 +9,8 @@ noted, the same softmax), on static shapes:
   * ``k^T`` as ``k.mT`` or a permute -> ``k.transpose(-2, -1)``;
   * x-transformers: ``einsum`` scores and output -> matmuls, its RoPE's outer-product
     einsum -> a broadcast mul; an autocast region where autocast changes nothing, inlined;
-  * XGLM: ``bmm`` on heads flattened into the batch -> matmul on [B, H, S, D], and its
+  * XGLM and Bloom: attention on heads flattened into the batch -> matmuls on
+    [B, H, S, D] (:mod:`dcp_compile.passes.heads_in_batch`), and XGLM's
     ``max(scores, finfo.min)`` before the softmax dropped;
   * GPT-Neo: ``where(causal, scores, min) + mask`` -> ``scores + where(causal, mask, min)``.
 """
@@ -20,39 +21,17 @@ import operator
 from typing import Callable
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
 
 from .attention_patterns import MASKED_OUT, reaches_matmul
-from .infra import source_of, val
+from .heads_in_batch import heads_unflattened_from_batch
+from .infra import call_like, replace_node, source_of, val
 from .op_classes import (AUTOCAST_REGIONS, BATCHED_MATMULS, CASTS, CONSTANT_WRAPPERS, EXPANDS,
                          EXPORT_ASSERTS, RESHAPES, SOFTMAX, is_call)
 
 aten = torch.ops.aten
-
-
-def replace_node(gm: GraphModule, n: Node, target, args) -> Node:
-    """``n`` replaced by ``target(*args)``, same value and source (meta kept)."""
-    with gm.graph.inserting_before(n):
-        new = gm.graph.call_function(target, tuple(args))
-    new.meta.update(n.meta)
-    n.replace_all_uses_with(new)
-    gm.graph.erase_node(n)
-    return new
-
-
-def call_like(gm: GraphModule, at: Node, target, args) -> Node:
-    """``target(*args)`` inserted before ``at``, with ``at``'s source and its own fake value
-    (a rewrite that chains several steps reads the values of the nodes it made)."""
-    with gm.graph.inserting_before(at):
-        new = gm.graph.call_function(target, tuple(args))
-    new.meta.update({k: v for k, v in at.meta.items() if k != "val"})
-    fakes = torch.fx.node.map_arg(new.args, lambda x: val(x))
-    with detect_fake_mode([v for v in fakes if isinstance(v, torch.Tensor)]):
-        new.meta["val"] = target(*fakes)
-    return new
 
 
 def _as_literal_shape(n: Node):
@@ -403,96 +382,6 @@ def where_then_additive_mask(gm: GraphModule, weights: set[str], constants) -> i
             replace_node(gm, n, aten.add.Tensor, (scores, mask))
             count += 1
             break
-    return count
-
-
-def _noop_dropout(n: Node) -> bool:
-    return is_call(n, {aten.dropout.default}) and (n.args[1] == 0 or n.args[2] is False)
-
-
-def _heads_source(n: Node, lead: int):
-    """The 4-D [B, H, M, K] tensor whose heads a [B·H, M, K] operand merely flattens
-    (through reshapes and eval-mode dropouts; B·H = ``lead``), deepest first; else None.
-    Reshapes keep the row-major order, so any chain of them from [B, H, M, K] to
-    [B·H, M, K] is that one reshape."""
-    found, rows = None, tuple(val(n).shape[1:])
-    while is_call(n, RESHAPES) or _noop_dropout(n):
-        n = n.args[0]
-        shape = tuple(val(n).shape)
-        if len(shape) == 4 and shape[0] * shape[1] == lead and shape[2:] == rows:
-            found = n
-    return found
-
-
-def _bmm_operands(n: Node):
-    """(a4, b4, transpose b4?) of ``bmm(a, b)`` on heads flattened into the batch (XGLM:
-    ``bmm(q.reshape(B·H, S, D), k.reshape(B·H, S, D).transpose(1, 2))``); else None."""
-    a, b = n.args
-    lead = val(n).shape[0]
-    a4 = _heads_source(a, lead)
-    transposed = is_call(b, {aten.transpose.int}) and {d % 3 for d in b.args[1:]} == {1, 2}
-    b4 = _heads_source(b.args[0] if transposed else b, lead)
-    if a4 is None or b4 is None or tuple(val(a4).shape[:2]) != tuple(val(b4).shape[:2]):
-        return None
-    return a4, b4, transposed
-
-
-def _reshape_round_trip(n: Node):
-    """``x`` when ``n`` is a reshape of a reshape of ``x`` back to x's shape; else None."""
-    if is_call(n, RESHAPES) and is_call(n.args[0], RESHAPES):
-        x = n.args[0].args[0]
-        if tuple(val(x).shape) == tuple(val(n).shape):
-            return x
-    return None
-
-
-def _softmax_of_merged_heads(n: Node):
-    """(y, merged shape) of ``softmax(y.reshape(B·H, S, T), -1)`` with y [B, H, S, T]."""
-    if not (is_call(n, SOFTMAX) and n.args[1] in (-1, 2) and is_call(n.args[0], RESHAPES)):
-        return None
-    y = n.args[0].args[0]
-    shape, merged = tuple(val(y).shape), tuple(val(n).shape)
-    if len(shape) == 4 and len(merged) == 3 and shape[2:] == merged[1:]:
-        return y, list(merged)
-    return None
-
-
-def _unflatten_heads_once(gm: GraphModule) -> int:
-    count = 0
-    for n in list(gm.graph.nodes):
-        if not n.users:
-            continue
-        if is_call(n, {aten.bmm.default}) and (found := _bmm_operands(n)) is not None:
-            a4, b4, transposed = found
-            if transposed:
-                b4 = call_like(gm, n, aten.transpose.int, (b4, 2, 3))
-            mm = call_like(gm, n, aten.matmul.default, (a4, b4))
-            replace_node(gm, n, aten.reshape.default, (mm, list(val(n).shape)))
-        elif (found := _softmax_of_merged_heads(n)) is not None:
-            y, merged = found
-            sm = call_like(gm, n, n.target, (y, -1, *n.args[2:]))
-            replace_node(gm, n, aten.reshape.default, (sm, merged))
-        elif (x := _reshape_round_trip(n)) is not None:
-            n.replace_all_uses_with(x)
-        else:
-            continue
-        count += 1
-    return count
-
-
-def heads_unflattened_from_batch(gm: GraphModule, weights: set[str], constants) -> int:
-    """XGLM's attention on heads flattened into the batch: ``bmm`` of [B·H, S, D] operands
-    -> a reshape of ``matmul`` on the [B, H, S, D] tensors they flatten; a softmax over the
-    last dim of a [B·H, S, T] reshape -> the reshape of the [B, H, S, T] softmax; a
-    reshape and its inverse -> nothing. Repeated until nothing changes: the attention then
-    reads as ``softmax(q @ k^T + mask) @ v`` on [B, H, S, D]."""
-    count = 0
-    while (step := _unflatten_heads_once(gm)) > 0:
-        count += step
-        for n in list(gm.graph.nodes):
-            if _noop_dropout(n) and not n.users:   # seeded: eliminate_dead_code keeps it
-                gm.graph.erase_node(n)
-        gm.graph.eliminate_dead_code()
     return count
 
 

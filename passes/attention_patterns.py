@@ -64,6 +64,7 @@ class Site:
     mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
     softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
     window: int = 0              # keys with q_pos - k_pos < window (0: no window)
+    chunk: int = 0               # keys of the query's own chunk of C positions (0: none)
     sinks: Node | None = None    # [Hq] logits in every softmax's denominator (gpt-oss)
     # A second tensor added to the scores besides the mask (MPT's ALiBi position_bias), and
     # the constant both it and an additive mask are multiplied by before the softmax (a

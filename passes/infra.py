@@ -14,6 +14,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
@@ -218,3 +219,28 @@ def source_of(node: Node) -> str:
     if stack:
         return f"module {list(stack.values())[-1][0]}"
     return "source unknown"
+
+
+# -- graph edits shared by the canonicalizing rewrites (attention_forms, heads_in_batch,
+# canonical_ops, regroup_fused_qkv, untile_kv_heads) ----------------------------------
+
+def replace_node(gm: GraphModule, n: Node, target, args) -> Node:
+    """``n`` replaced by ``target(*args)``, same value and source (meta kept)."""
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    gm.graph.erase_node(n)
+    return new
+
+
+def call_like(gm: GraphModule, at: Node, target, args) -> Node:
+    """``target(*args)`` inserted before ``at``, with ``at``'s source and its own fake value
+    (a rewrite that chains several steps reads the values of the nodes it made)."""
+    with gm.graph.inserting_before(at):
+        new = gm.graph.call_function(target, tuple(args))
+    new.meta.update({k: v for k, v in at.meta.items() if k != "val"})
+    fakes = torch.fx.node.map_arg(new.args, lambda x: val(x))
+    with detect_fake_mode([v for v in fakes if isinstance(v, torch.Tensor)]):
+        new.meta["val"] = target(*fakes)
+    return new

@@ -90,12 +90,15 @@ class InsertPagedCache(DCPPass):
     def __init__(self, ctx, *, token_input: str, position_input: str | None,
                  num_blocks: int, max_blocks: int,
                  constants: Callable[[], dict] | None = None,
-                 windows: list[int] | None = None):
+                 windows: list[int] | None = None, chunks: list[int] | None = None):
         super().__init__(ctx)
         self.num_blocks, self.max_blocks = num_blocks, max_blocks   # the caches' shapes
         # Per-layer sliding windows the model declares (Hugging Face config): a window no
         # shorter than the captured chunk leaves no trace in the graph's mask.
         self.windows = windows
+        # ... and attention chunks (Llama 4's attention_chunk_size): checked against the
+        # proven masks; a mask-less site (is_causal) takes the config's.
+        self.chunks = chunks
         self.token_input = token_input
         self.position_input = position_input
         self.constants = constants          # placeholder -> tensor, for evaluating masks
@@ -130,6 +133,9 @@ class InsertPagedCache(DCPPass):
                 f"num_hidden_layers, or an earlier step) but this step's graph has "
                 f"{len(sites)} attention sites. Every layer must attend once through SDPA or "
                 f"eager attention.")
+        # Chunks likewise: a one-token step takes the prompt step's proven chunks.
+        chunks = self.ctx.facts.chunks if tokens == 1 and self.ctx.facts.chunks is not None \
+            else self.chunks
         theorems, indexers = [], {}
         for layer, s in enumerate(sites):
             # DeepSeek Sparse Attention: the indexer's selection off the mask (its causal
@@ -142,6 +148,8 @@ class InsertPagedCache(DCPPass):
             self._check_site(s, per_token, batch, tokens, pos)
             verdict = self._prove_mask(s, layer, tokens, pos) if s.mask is not None else None
             self._set_window(s, declared[layer] if declared else 0, layer, verdict)
+            self._set_chunk(s, chunks[layer] if chunks and layer < len(chunks) else 0, layer,
+                            verdict)
             if tokens > 1:
                 theorems.append(verdict.theorem if verdict else
                                 unmasked_theorem(layer, s.causal, s.window, s.node.name))
@@ -283,6 +291,7 @@ class InsertPagedCache(DCPPass):
                  "mask by causality (and a sliding window) on positions; other masks are not "
                  "supported: use a causal decoder, its mask a tensor expression of positions")
         s.window = verdict.window
+        s.chunk = verdict.chunk
         return verdict
 
     def _read_alibi(self, s: Site, tokens: int, pos, read) -> None:
@@ -314,6 +323,19 @@ class InsertPagedCache(DCPPass):
                  f"sliding_window={declared}{_example(wrong)}", "Fix the config "
                  "(sliding_window / layer_types) or the mask")
 
+
+    def _set_chunk(self, s: Site, declared: int, layer: int, verdict) -> None:
+        """Config chunks (Llama 4's attention_chunk_size on its chunked_attention layers)
+        checked against the proven mask; a site without a mask (is_causal, one token) takes
+        the config's (or the prompt step's)."""
+        if verdict is None:
+            s.chunk = declared or s.chunk
+            return
+        if declared and declared != verdict.chunk:
+            fail(s.node, f"layer {layer}'s mask, proven for every position, keeps key j for "
+                 f"query i iff {describe(verdict.window, verdict.chunk)}, but the config "
+                 f"declares attention_chunk_size={declared} on it", "Fix the config "
+                 "(attention_chunk_size / layer_types) or the mask")
 
     def _constant_values(self) -> dict:
         """Input name -> the model's tensor (weights, buffers, lifted constants), once."""
@@ -364,7 +386,8 @@ class InsertPagedCache(DCPPass):
                 if not plan.kv_shared and v_width < head_dim:
                     v = _pad_values(g, v, head_dim - v_width)
                 params = {k: x for k, x in (("window", s.window), ("softcap", s.softcap),
-                                            ("kv_shared", plan.kv_shared)) if x}
+                                            ("kv_shared", plan.kv_shared),
+                                            ("attention_chunk", s.chunk)) if x}
                 if s.sinks is not None:
                     params["sinks"] = s.sinks
                 if s.alibi is not None:
@@ -413,8 +436,11 @@ class InsertPagedCache(DCPPass):
         # step's mask theorems go to the certificate (validate_and_prove).
         windows = tuple(s.window for s in plan.sites) \
             if plan.tokens > 1 or self.ctx.facts.windows is None else None
+        chunks = tuple(s.chunk for s in plan.sites) \
+            if plan.tokens > 1 or self.ctx.facts.chunks is None else None
         found = ModelFacts(num_layers=len(plan.sites), cache_dtype=plan.dtype,
-                           windows=windows, mask_theorems=plan.mask_theorems or None,
+                           windows=windows, chunks=chunks,
+                           mask_theorems=plan.mask_theorems or None,
                            kv_layers=plan.kv_layers())
         heads, dims = (sorted({getattr(x, f) for x in plan.layouts})
                        for f in ("kv_heads", "head_dim"))

@@ -95,6 +95,8 @@ ADDS = frozenset({aten.add.Tensor, aten.add.Scalar})
 SUBS = frozenset({aten.sub.Tensor, aten.sub.Scalar})
 RSUBS = frozenset({aten.rsub.Tensor, aten.rsub.Scalar})
 MULS = frozenset({aten.mul.Tensor, aten.mul.Scalar})
+# torch.multiply: mul's alias (without torch's pointwise tag; Gemma 3n).
+MULTIPLY_ALIASES = frozenset({aten.multiply.Tensor, aten.multiply.Scalar})
 DIVS = frozenset({aten.div.Tensor, aten.div.Scalar})
 REMAINDERS = frozenset({aten.remainder.Tensor, aten.remainder.Scalar})
 # Boolean connectives: on bool tensors the bitwise, logical and operator forms agree.

@@ -240,6 +240,14 @@ def _check_token_wise(positional, sources, tokens: int) -> dict:
     return dims
 
 
+def _expanded_over(v: Node, k: int) -> bool:
+    """``v`` is ``expand`` of a value of the same rank with size 1 at dim ``k``."""
+    if not is_call(v, {aten.expand.default}):
+        return False
+    inner = val(v.args[0]).shape
+    return len(inner) == val(v).dim() and inner[k] == 1
+
+
 def _check_aligned(n: Node, positional, pos_dims: dict, t_out) -> None:
     """A positional operand's position dim must meet the data's token dim (a constant
     sliced ``[0, S)`` on a feature dim that happens to equal S is not a table of positions)."""
@@ -332,13 +340,16 @@ def _meet_batch(g: Graph, n: Node, positional, lifted, bdims: dict) -> None:
             if k is None:       # v is broadcast over the batch: leading size-1 dims
                 pad = val(n).dim() - b_out - 1 - len(shape)
                 new = g.call_function(aten.view.default, (new, [-1] + [1] * pad + shape))
-            elif shape[k] != 1:
+            elif shape[k] != 1 and not _expanded_over(v, k):
                 _fail(n, f"the position-dependent value {v.name} of shape {tuple(shape)} "
                       f"has {shape[k]} entries where {n.name} has its batch dim",
                       "Broadcast positional values over the batch (size 1), as "
                       "arange(S)[None] does")
             else:
-                new = g.call_function(aten.squeeze.dim, (new, k + 1))
+                # Size 1 there, or expanded to the batch from size 1 (Llama 4's NoPE
+                # temperature: view(1, S, 1, 1).expand(B, S, 1, 1)): every entry is the same.
+                new = g.call_function(aten.squeeze.dim, (new, k + 1)) if shape[k] == 1 else \
+                    g.call_function(aten.select.int, (new, k + 1, 0))
                 if k:
                     perm = list(range(1, k + 1)) + [0] + list(range(k + 1, len(shape)))
                     new = g.call_function(aten.permute.default, (new, perm))

@@ -378,6 +378,15 @@ class SequenceParallel(DCPPass):
                 replaced[red.wait] = sliced
 
         region = set(plan.region)
+        sliced_norms = [n for n in plan.region if n.target == F.all_reduce.default
+                        and n.meta.get(META_NORM_REDUCE)]
+        if sliced_norms:     # its ranks would hold different tokens: the sum would mix them
+            n = sliced_norms[0]
+            raise DCPTransformError(
+                f"a norm's statistic over features cut over the ranks ({n.name}, "
+                f"{source_of(n)}) is computed from the sequence-parallel residual stream, "
+                f"where each rank holds other tokens: its all-reduce would mix them. Compute "
+                f"the norm over features of a projection's output.")
         for a, dim in plan.side_inputs.items():
             nd = val(a).ndim
             with g.inserting_after(a):
@@ -419,8 +428,12 @@ class SequenceParallel(DCPPass):
         return PassResult(gm, True)
 
     def ensures(self, gm):
+        # A norm's statistic over features cut over world (Gemma 4's per-layer input norm)
+        # stays an all-reduce: its tensor holds the whole sequence on every rank (a column
+        # projection's output, or a feature-parallel table's rows), not SP's token slice.
         for n in gm.graph.nodes:
-            if C.role_of(n) == Role.WORLD and n.target == F.all_reduce.default:
+            if C.role_of(n) == Role.WORLD and n.target == F.all_reduce.default \
+                    and not n.meta.get(META_NORM_REDUCE):
                 raise DCPTransformError(f"all-reduce {n.name} over world survived sequence "
                                         f"parallelism.")
 

@@ -1,6 +1,7 @@
 """What a Hugging Face config says about attention, read once for the frontends: per-layer
 sliding windows and attention chunks it declares (applied by the model's own mask only, so
-the paged op is told), and the config fields the paged op cannot compute (refused)."""
+the paged op is told; the ordinary path checks them against its proven masks), and the
+config fields the paged op cannot compute (refused)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ def is_hf(model) -> bool:
     return type(model).__module__.startswith("transformers.") and hasattr(model, "config")
 
 
-# Hugging Face config fields that change attention in ways the paged op does not compute.
-_HF_REFUSED = (("attention_chunk_size", "chunked attention"),)
+# Hugging Face config fields that change attention in ways the paged op does not compute
+# (none now: attention_chunk_size, Llama 4's chunks, is proven from the mask, passes/prove/
+# masks.py, and computed by the op's attention_chunk).
+_HF_REFUSED: tuple[tuple[str, str], ...] = ()
 
 
 def check_hf_config(model) -> None:
@@ -84,6 +87,17 @@ def declared_chunks(model) -> list[int] | None:
     if types is None:
         return [int(chunk)] * layers
     return [int(chunk) if t == "chunked_attention" else 0 for t in types[:layers]]
+
+
+def attention_chunks(model) -> list[int] | None:
+    """``declared_chunks`` for the attention layers only, in layer order (as
+    ``attention_windows``)."""
+    chunks = declared_chunks(model)
+    if chunks is None:
+        return None
+    from .module_recurrent import recurrent_layers
+    recurrent = {m.layer_idx for _, m, _ in recurrent_layers(model)}
+    return [c for layer, c in enumerate(chunks) if layer not in recurrent]
 
 
 def config_field(cfg, name: str):

@@ -310,6 +310,19 @@ UNSUPPORTED = {
 }
 
 
+# Recurrent mixers known by name whose dcp op is not built yet, and what it would take
+# (their refusal names them, not a list of every module that looks recurrent).
+NOT_BUILT = {
+    "RecurrentGemmaRglru": (
+        "RecurrentGemma's RG-LRU (RecurrentGemmaRglru inside RecurrentGemmaRecurrentBlock: a "
+        "causal Conv1d of width conv1d_width, then the gated diagonal recurrence "
+        "h_t = a_t * h_(t-1) + sqrt(1 - a_t^2) * (i_t * x_t), a_t = a^(c * r_t)) has no dcp op "
+        "yet: it needs a reference recurrence and an eager kernel over a per-sequence state "
+        "(the conv's last conv1d_width - 1 inputs and h, [lru_width], cut by the block's heads "
+        "over TP, replicated over DCP) and a swap rule for the block (docs/hybrid.md)"),
+}
+
+
 _MIXER_NAMES = re.compile(r"mamba|mixer|linear_?attn|linearattention|deltanet|recurrent|"
                           r"lightning|conv", re.IGNORECASE)
 
@@ -331,6 +344,11 @@ def refuse_unruled_hybrid(model: nn.Module) -> None:
     if not mixers:
         return
     sign = hybrid_config(model.config)
+    known = sorted({type(m).__name__ for _, m in model.named_modules()} & set(NOT_BUILT))
+    if known:
+        raise DCPHybridError(
+            f"hybrid model {type(model).__name__} ({sign}): {NOT_BUILT[known[0]]}. Serve this "
+            f"model without DCP.")
     raise DCPHybridError(
         f"hybrid model {type(model).__name__} ({sign}): no swap rule runs its recurrent "
         f"layers as a dcp op (modules {mixers[:4]}); the "

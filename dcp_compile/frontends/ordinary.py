@@ -24,6 +24,7 @@ from .module_experts import drop_replaced_weights, module_experts_enabled, stack
 from .module_position_bias import bias_sites, module_position_bias_enabled
 from .module_sparse_attention import indexer_sites, module_indexers_enabled
 from .module_windows import module_windows_enabled, window_sites
+from .hf_config import attention_chunks
 from .huggingface import attention_windows, check_hf_config, dcp_experts_enabled, is_hf
 from .protocol import StepCapture, forward_params
 
@@ -75,7 +76,8 @@ class OrdinaryFrontend:
                                  num_blocks=self.shapes.num_blocks,
                                  max_blocks=self.shapes.max_blocks,
                                  constants=captured.constants,
-                                 windows=attention_windows(self.model)),
+                                 windows=attention_windows(self.model),
+                                 chunks=attention_chunks(self.model)),
                 LiftPositions(ctx, inputs[0])]
 
     def facts(self) -> ModelFacts:

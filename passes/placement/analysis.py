@@ -25,7 +25,8 @@ from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
-from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_param
+from .node_args import (fake, node_arg, norm_dim, reads_input, shape_of, tensor_args,
+                        weight_param)
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
@@ -39,20 +40,6 @@ aten = torch.ops.aten
 
 def _replicated(p) -> bool:
     return all(_replicated(x) for x in p) if isinstance(p, tuple) else p == R
-
-
-def reads_input(n: Node, name: str) -> bool:
-    """Whether ``n`` is computed from the graph input called ``name``."""
-    seen, stack = set(), [n]
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        if x.op == "placeholder" and x.name == name:
-            return True
-        stack.extend(x.all_input_nodes)
-    return False
 
 
 def _err(n: Node, what: str, fix: str) -> DCPTransformError:
@@ -172,8 +159,10 @@ class Analysis:
         t = n.target
         if t == LINEAR:
             return self._linear_fw(n, strict)
-        if t == EMBEDDING:
-            return R if self.P(n.args[0]) is not None else None
+        if t == EMBEDDING:   # a table cut along its features (_adopt_through_views): its rows too
+            w = self.P(n.args[0])
+            return None if self.P(n.args[1]) is None else \
+                replace(w, dim=fake(n).ndim - 1) if isinstance(w, Shard) and w.dim == 1 else R
         if t == ATTENTION:
             return self._attention_fw(n, strict)
         ps = [self.P(a) for a in ins]
@@ -212,13 +201,14 @@ class Analysis:
         j = sh[0].dim + out_nd - fake(a0).ndim
         for a in ins:
             base = weight_param(a)   # a weight or a cast of it (OLMo-2's weight.float())
-            if base in self.params and base not in self.decided:
-                k = j - (out_nd - fake(a).ndim)
-                if k >= 0 and fake(a).shape[k] != 1:
-                    if a is base:
-                        self.decide(a, replace(sh[0], dim=k), n)
-                    else:
-                        self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
+            k = j - (out_nd - fake(a).ndim)
+            if k < 0 or fake(a).shape[k] == 1:
+                continue
+            free = base in self.params and base not in self.decided
+            if free and a is base:
+                self.decide(a, replace(sh[0], dim=k), n)
+            elif free or (base not in self.params and self.P(a) == R):   # or a table's rows
+                self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
 
     def _read(self, a: Node):
         return R if isinstance(self.P(a), Partial) else self.P(a)
@@ -227,26 +217,34 @@ class Analysis:
         """A replicated operand that is a parameter seen through single-input ops (views,
         slices: MLA's W_UK = kv_b_proj.weight viewed [H, dn+dv, L][:, :dn]) and needs a cut
         (``wants``): the cut is mapped back through those ops (their backward rules) to the
-        parameter, which takes it; the ops are placed again from it. Anything else is left to
-        the rule, which refuses."""
+        parameter, which takes it; the ops are placed again from it. A token table's rows
+        (an embedding, scaled, viewed: Gemma 4's per-layer inputs) needed cut along their
+        features: the table is cut along them, each rank looks up its own columns (left out
+        of the vocab-parallel cut). Anything else is left to the rule, which refuses."""
         for a, want in wants.items():
             chain, x = [], a
-            while x not in self.params:
+            while x not in self.params and x.target != EMBEDDING:
                 r = rule_for(x.target) if x.op == "call_function" else None
-                if r is None or r.backward is None or len(tensor_args(x)) != 1:
+                inputs = [t for t in tensor_args(x) if fake(t).numel() > 1]   # scalars aside
+                if r is None or r.backward is None or len(inputs) != 1:
                     return
-                chain.append(x)
-                x = tensor_args(x)[0]
+                chain.append((x, inputs[0]))
+                x = inputs[0]
             need = want
             try:
-                for c in chain:
-                    need = rule_for(c.target).backward(c, need).get(tensor_args(c)[0])
+                for c, inner in chain:
+                    need = rule_for(c.target).backward(c, need).get(inner)
                     if not isinstance(need, Shard):
                         return
             except Refusal:
                 return
-            self.decide(x, need, n)
-            for c in reversed(chain):
+            table = None if x in self.params else x.args[0]     # an embedding's table
+            if table is not None and (need.dim != fake(x).ndim - 1 or table in self.decided
+                                      or table not in self.params):
+                return
+            self.decide(x if table is None else table,
+                        need if table is None else replace(need, dim=1), n)
+            for c in [x] * (table is not None) + [c for c, _ in reversed(chain)]:
                 self.known[c] = self.forward(c, strict=False)
 
     def _sideways(self, n, ins):
@@ -559,7 +557,9 @@ class Analysis:
         # Token embeddings are vocab-parallel; a table looked up by positions (learned or
         # sinusoidal positions) is replicated: its rows are not a vocabulary.
         embeddings = [n for n in self.nodes if n.target == EMBEDDING
-                      and reads_input(n.args[1], INPUT_IDS)]
+                      and reads_input(n.args[1], INPUT_IDS)
+                      and not (isinstance(self.decided.get(n.args[0]), Shard)
+                               and self.decided[n.args[0]].dim == 1)]
         for e in embeddings:
             vocab = shape_of(e.args[0])[0]
             if vocab % self.cfg.tp:

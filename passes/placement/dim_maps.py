@@ -8,7 +8,7 @@ import math
 
 import torch
 from torch.distributed.tensor._ops._view_ops import (Broadcast, Flatten, InputDim, NewDim, Split,
-                                                     dim_squeeze, dim_transpose,
+                                                     dim_repeat, dim_squeeze, dim_transpose,
                                                      dim_unsqueeze, expand, view_groups)
 
 from dcp_compile.runtime.distributed.roles import COLLECTIVES as ROLE_COLLECTIVES, WAIT_TARGET
@@ -169,6 +169,9 @@ DIM_MAPS: dict = {
     aten.squeeze.dim: lambda n: dim_squeeze(shape_of(n.args[0]), n.args[1]),
     aten.squeeze.dims: lambda n: dim_squeeze(shape_of(n.args[0]), tuple(n.args[1])),
     aten.squeeze.default: lambda n: dim_squeeze(shape_of(n.args[0])),
+    # repeat: a dim repeated more than once is not carried (Gemma 3n's AltUp repeats its
+    # coefficients over the tokens' feature dims, never the token dim).
+    aten.repeat.default: lambda n: dim_repeat(len(shape_of(n.args[0])), tuple(n.args[1])),
     # x.expand_as(y) (F.normalize) is an expand to y's shape; y gives only its shape.
     **dict.fromkeys(BROADCAST_VIEWS, lambda n: expand(shape_of(n.args[0]), shape_of(n))),
 }

@@ -49,3 +49,17 @@ def weight_chain(w: Node) -> tuple[Node, list[Node]]:
 def weight_param(w: Node) -> Node:
     """The weight ``w`` is read from, through casts and transposes."""
     return weight_chain(w)[0]
+
+
+def reads_input(n: Node, name: str) -> bool:
+    """Whether ``n`` is computed from the graph input called ``name``."""
+    seen, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and x.name == name:
+            return True
+        stack.extend(x.all_input_nodes)
+    return False

@@ -13,7 +13,8 @@ import torch
 from torch.fx import Node
 
 from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, PADS, REDUCTIONS,
-                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS, VECTOR_NORMS)
+                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS, VECTOR_NORMS, WHERES,
+                          MULTIPLY_ALIASES)
 from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
 from .lattice import R, Partial, Refusal, Shard, canon, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
@@ -476,9 +477,15 @@ for _op in PADS:
 POINTWISE = Rule("pointwise (torch.Tag.pointwise, broadcasting)", _pointwise_fw, _pointwise_bw)
 
 
+# Elementwise ops without torch's pointwise tag: where with a scalar branch (Gemma 3n clamps
+# its per-layer ids: where(in_table, ids, 0)) and torch.multiply (mul's alias, Gemma 3n).
+UNTAGGED_POINTWISE = WHERES | MULTIPLY_ALIASES
+
+
 def rule_for(target) -> Rule | None:
     r = RULES.get(target)
-    if r is None and torch.Tag.pointwise in getattr(target, "tags", ()):
+    if r is None and (torch.Tag.pointwise in getattr(target, "tags", ())
+                      or target in UNTAGGED_POINTWISE):
         return POINTWISE
     return r
 

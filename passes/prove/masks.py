@@ -1,6 +1,8 @@
 """Mask theorems: an attention mask K(i, j) (read by dcp_compile.passes.mask_predicate) is,
 for EVERY query position i >= 0 and key position j >= 0, exactly causal, ``j <= i``, or
-exactly causal within a window W, ``j <= i and i - j < W`` (the paged op's ``window``).
+exactly causal within a window W, ``j <= i and i - j < W`` (the paged op's ``window``), each
+optionally within the query's own chunk of C positions, ``i // C == j // C`` (Llama 4's
+chunked attention: the paged op's ``attention_chunk``).
 
 Method (a decision procedure, complete for the masks it accepts). Every atom of K must be,
 after dividing by the gcd of its coefficients, a *difference bound* over integers: ``i <= c``,
@@ -14,8 +16,8 @@ system is totally unimodular). So the theorem is *proven* when no assignment is 
 and otherwise the shortest-path solution is an integer counterexample (i, j). Atoms of other
 shapes (``i + j``, ``2*i - j``, ``i // 4``: chunked or block attention) are refused.
 
-The window W is not guessed from the captured length: K(n, 0) changes value only at the
-atoms' boundaries, so it is evaluated at each boundary (and one on either side); W is the
+Without a chunk, the window W is not guessed from the captured length: K(n, 0) changes
+value only at the atoms' boundaries, so it is evaluated at each boundary (and one on either side); W is the
 first n >= 1 with K(n, 0) false (no such n: fully causal), and the proof then decides it.
 """
 
@@ -36,7 +38,9 @@ __all__ = ["MaskVerdict", "prove_mask", "target", "describe", "METHOD", "mask_th
 METHOD = ("K(i, j) read symbolically from the mask's computation (i, j symbolic, not the "
           "captured length); atoms difference bounds over integers; 'i, j >= 0 and K xor "
           "target' infeasible for every truth assignment of the atoms (negative cycle in "
-          "each difference-constraint graph)")
+          "each difference-constraint graph); a chunk C's atoms i // C, j // C decided over "
+          "(i // C, j // C, i mod C, j mod C) by exact integer rewrites into difference "
+          "bounds")
 
 
 class NotDifference(Exception):
@@ -45,68 +49,83 @@ class NotDifference(Exception):
 
 @dataclass(frozen=True)
 class MaskVerdict:
-    """The outcome for one mask: the window (0: fully causal), the theorem, and when it
-    failed, why (its counterexample {i, j, mask, target} is on the theorem)."""
+    """The outcome for one mask: the window (0: fully causal), the chunk (0: none), the
+    theorem, and when it failed, why (its counterexample {i, j, mask, target} is on the
+    theorem)."""
 
     window: int
     theorem: Theorem
     why: str = ""
     keep: object = None         # K(i, j), the predicate the verdict is about
+    chunk: int = 0              # C: the query's own chunk of C positions only
 
     @property
     def proven(self) -> bool:
         return self.theorem.proven
 
 
-def target(window: int):
-    """The paged op's predicate: causal, within ``window`` when > 0."""
+def target(window: int, chunk: int = 0):
+    """The paged op's predicate: causal, within ``window`` when > 0, within the query's own
+    chunk of ``chunk`` positions when > 0 (runtime/kernels/live_attention.same_chunk)."""
     causal = J <= I
-    return sympy.And(causal, I - J <= window - 1) if window else causal
+    keep = sympy.And(causal, I - J <= window - 1) if window else causal
+    return sympy.And(keep, sympy.Eq(sympy.floor(I / chunk), sympy.floor(J / chunk))) \
+        if chunk else keep
 
 
-def describe(window: int) -> str:
-    return f"j <= i and i - j < {window}" if window else "j <= i"
+def describe(window: int, chunk: int = 0) -> str:
+    base = f"j <= i and i - j < {window}" if window else "j <= i"
+    return f"{base} and i // {chunk} == j // {chunk}" if chunk else base
 
 
-# A difference bound ``x - y <= c`` over the variables 0 (the constant), i, j.
+# Vertices of a difference-constraint graph: 0 (the constant), then the variables (i, j).
 ZERO, VI, VJ = 0, 1, 2
-_VARS = {(1, 0): (VI, ZERO), (-1, 0): (ZERO, VI), (0, 1): (VJ, ZERO), (0, -1): (ZERO, VJ),
-         (1, -1): (VI, VJ), (-1, 1): (VJ, VI)}
+
+# The variables of a chunked mask's decision (module doc): A = i // C, B = j // C and the
+# remainders R, S.
+A, B, R, S = sympy.symbols("A B R S", integer=True)
 
 
-def _bound(expr):
-    """``expr <= 0`` (expr linear in i, j) as a difference bound (x, y, c): x - y <= c."""
+def _bound(expr, variables=(I, J)):
+    """``expr <= 0`` (expr linear in ``variables``) as a difference bound (x, y, c):
+    x - y <= c over the vertices 0 (the constant) and 1.. (the variables, in order)."""
     expr = sympy.nsimplify(sympy.expand(expr))
     try:
-        poly = sympy.Poly(expr, I, J) if expr.free_symbols <= {I, J} else None
+        poly = sympy.Poly(expr, *variables) if expr.free_symbols <= set(variables) else None
     except sympy.PolynomialError:
         poly = None
     if poly is None or poly.total_degree() > 1:
-        raise NotDifference(f"{expr} <= 0 is not linear in i, j")
-    a, b = (int(poly.coeff_monomial(m)) if poly.coeff_monomial(m).is_integer else None
-            for m in (I, J))
+        raise NotDifference(f"{expr} <= 0 is not linear in {', '.join(map(str, variables))}")
+    coeffs = [poly.coeff_monomial(v) for v in variables]
     c = poly.coeff_monomial(1)
-    if a is None or b is None or not c.is_integer:
+    if not all(a.is_integer for a in coeffs) or not c.is_integer:
         raise NotDifference(f"{expr} <= 0 has non-integer coefficients")
-    g = gcd(a, b)
+    coeffs = [int(a) for a in coeffs]
+    g = gcd(*coeffs)
     if g == 0:
         return None if c <= 0 else (ZERO, ZERO, -1)         # constant atom: true / false
-    # a*i + b*j <= -c  ->  (a/g)*i + (b/g)*j <= floor(-c/g): exact over integers.
-    key = (a // g, b // g)
-    if key not in _VARS:
+    # sum a*v <= -c  ->  sum (a/g)*v <= floor(-c/g): exact over integers.
+    unit = [a // g for a in coeffs]
+    plus = [k + 1 for k, a in enumerate(unit) if a == 1]
+    minus = [k + 1 for k, a in enumerate(unit) if a == -1]
+    if len(plus) + len(minus) != sum(map(abs, unit)) or len(plus) > 1 or len(minus) > 1:
         raise NotDifference(f"{expr} <= 0 is not a difference of positions")
-    x, y = _VARS[key]
-    return x, y, int(sympy.floor(-c / g))
+    return (plus[0] if plus else ZERO), (minus[0] if minus else ZERO), int(sympy.floor(-c / g))
 
 
-def _atom_bounds(atom) -> tuple[list, list]:
-    """(bounds when the atom is true, bounds when it is false), each a conjunction; an
-    atom whose negation is a disjunction (Eq) is split before it gets here."""
+def _tight(atom):
+    """The relation ``atom`` as ``E <= 0`` over integers (E its tightened expression)."""
     d = atom.lhs - atom.rhs
     tight = {sympy.Le: d, sympy.Lt: d + 1, sympy.Ge: -d, sympy.Gt: -d + 1}
     if type(atom) not in tight:
         raise NotDifference(str(atom))
-    x, y, c = _bound(tight[type(atom)]) or (ZERO, ZERO, 0)
+    return tight[type(atom)]
+
+
+def _atom_bounds(atom, variables=(I, J)) -> tuple[list, list]:
+    """(bounds when the atom is true, bounds when it is false), each a conjunction; an
+    atom whose negation is a disjunction (Eq) is split before it gets here."""
+    x, y, c = _bound(_tight(atom), variables) or (ZERO, ZERO, 0)
     return [(x, y, c)], [(y, x, -c - 1)]
 
 
@@ -121,20 +140,20 @@ def _split_equalities(k):
     return k.xreplace({a: split(a) for a in k.atoms(sympy.Eq, sympy.Ne)})
 
 
-def _feasible(bounds) -> dict | None:
-    """An integer solution {i, j} of x - y <= c bounds with 0 fixed, or None (a negative
-    cycle). Floyd-Warshall over the three variables."""
+def _feasible(bounds, size: int = 3) -> list[int] | None:
+    """An integer solution (one value per vertex, vertex 0 fixed at 0) of x - y <= c
+    bounds, or None (a negative cycle). Floyd-Warshall over the ``size`` vertices."""
     inf = float("inf")
-    dist = [[0 if u == v else inf for v in range(3)] for u in range(3)]
+    dist = [[0 if u == v else inf for v in range(size)] for u in range(size)]
     for x, y, c in bounds:                  # x - y <= c: edge y -> x of weight c
         dist[y][x] = min(dist[y][x], c)
-    for m, u, v in itertools.product(range(3), repeat=3):
+    for m, u, v in itertools.product(range(size), repeat=3):
         dist[u][v] = min(dist[u][v], dist[u][m] + dist[m][v])
-    if any(dist[u][u] < 0 for u in range(3)):
+    if any(dist[u][u] < 0 for u in range(size)):
         return None
-    # x_v = -dist(v -> 0) is the largest solution with x_0 = 0; finite thanks to i, j >= 0
-    # (edges i -> 0 and j -> 0 of weight 0).
-    return {"i": int(-dist[VI][ZERO]), "j": int(-dist[VJ][ZERO])}
+    # x_v = -dist(v -> 0) is the largest solution with x_0 = 0; finite thanks to the lower
+    # bounds of every variable (edges v -> 0 of weight 0).
+    return [int(-dist[v][ZERO]) for v in range(size)]
 
 
 def _atoms(k):
@@ -155,64 +174,159 @@ def _boundaries(atoms) -> list[int]:
     return sorted(p for p in points if p >= 0)
 
 
-def _at(k, i, j) -> bool:
-    return bool(k.subs({I: i, J: j}))
+def chunk_of(keep) -> int:
+    """C when the mask's floors are all ``i // C`` / ``j // C`` of one constant C > 0; 0
+    when it has no floor. Other floors (of another argument, two different C) are left to
+    the decision, which refuses them by name."""
+    sizes = set()
+    for f in keep.atoms(sympy.floor):
+        arg = f.args[0]
+        for v in (I, J):
+            c = sympy.simplify(v / arg)
+            if c.is_integer and c > 0 and sympy.expand(arg * c) == v:
+                sizes.add(int(c))
+                break
+        else:
+            return 0
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def _unit_pair(a: int, b: int) -> bool:
+    """``a*x + b*y`` is 0, +-x, +-y or +-(x - y): a difference bound's left side."""
+    return (a, b) in {(0, 0), (1, 0), (-1, 0), (0, 1), (0, -1), (1, -1), (-1, 1)}
+
+
+def _lift_atom(atom, chunk: int):
+    """One atom of a chunked mask (linear over i, j, A = i // C, B = j // C) as a Boolean
+    of difference bounds over (A, B, R, S) (module doc: exact over integers). With
+    i = C*A + R, j = C*B + S the atom is ``s*D + T <= c``, D = dA*A + dB*B, T = a*R + b*S
+    (s = C for an atom over i, j alone)."""
+    # Scaled to integer coefficients before < is tightened to <= (i/4 < B + 1 is i < 4*B + 4).
+    raw = sympy.expand(atom.lhs - atom.rhs)
+    denominators = [sympy.Rational(c).q for c in raw.as_coefficients_dict().values()
+                    if c.is_rational]
+    e = sympy.expand(_tight(type(atom)(raw * sympy.ilcm(1, *denominators), 0,
+                                       evaluate=False)))
+    try:
+        poly = sympy.Poly(e, I, J, A, B)
+    except sympy.PolynomialError:
+        poly = None
+    if poly is None or not e.free_symbols <= {I, J, A, B} or poly.total_degree() > 1:
+        raise NotDifference(f"{atom} is not linear in i, j, i // {chunk}, j // {chunk}")
+    coeffs = [sympy.Rational(poly.coeff_monomial(v)) for v in (I, J, A, B)] + \
+        [sympy.Rational(poly.coeff_monomial(1))]
+    scale = sympy.ilcm(*(c.q for c in coeffs))
+    a, b, alpha, beta, c0 = (int(c * scale) for c in coeffs)
+    if a == b == 0:
+        return e <= 0                                   # over A, B: a difference bound
+    ka, kb = chunk * a + alpha, chunk * b + beta        # i = C*A + R, j = C*B + S
+    g = gcd(a, b, ka, kb)
+    a, b, ka, kb, c = a // g, b // g, ka // g, kb // g, -c0 // g     # ka*A + kb*B + T <= c
+    step = gcd(ka, kb)
+    da, db = (ka // step, kb // step) if step else (0, 0)
+    if not (_unit_pair(a, b) and _unit_pair(da, db)):
+        raise NotDifference(f"{atom} is not a difference of positions or of their chunks")
+    d, t = da * A + db * B, a * R + b * S
+    if not step:
+        return t <= c
+    tlo = min(0, a) * (chunk - 1) + min(0, b) * (chunk - 1)
+    thi = max(0, a) * (chunk - 1) + max(0, b) * (chunk - 1)
+    q, m = divmod(c, step)                             # step*D + T <= step*q + m
+    k0, k1 = (m - thi) // step, (m - tlo) // step
+    if k1 - k0 > 4:
+        raise NotDifference(f"{atom} steps by {step}, finer than the chunk {chunk}")
+    return sympy.Or(d <= q + k0, *(sympy.And(sympy.Eq(d, q + k), t <= m - step * k)
+                                   for k in range(k0 + 1, k1 + 1)))
 
 
 # Atoms of one mask the procedure enumerates the truth assignments of (2**MAX_ATOMS).
 MAX_ATOMS = 20
 
 
-def decide(keep, want):
+def decide(keep, want, chunk: int = 0):
     """An integer (i, j >= 0) where ``keep`` and ``want`` differ, or None (they agree for
-    every i, j >= 0). Raises NotDifference for atoms outside the procedure."""
-    residual = sympy.Xor(_split_equalities(keep), want)
+    every i, j >= 0). Raises NotDifference for atoms outside the procedure. ``chunk``: the
+    C of their ``i // C`` / ``j // C`` atoms (decided over A, B, R, S; module doc)."""
+    residual = sympy.Xor(keep, want)
+    if chunk:   # i // C, j // C named before Eq is split (sympy folds floor(x) >= B into x >= B)
+        residual = residual.xreplace({sympy.floor(I / chunk): A, sympy.floor(J / chunk): B})
+    residual = _split_equalities(residual)
+    if chunk:
+        residual = _split_equalities(residual.xreplace(
+            {a: _lift_atom(a, chunk) for a in _atoms(residual)}))
+        variables = (A, B, R, S)
+        domain = [(ZERO, v, 0) for v in (1, 2, 3, 4)] + \
+            [(v, ZERO, chunk - 1) for v in (3, 4)]              # A, B >= 0; 0 <= R, S < C
+    else:
+        variables = (I, J)
+        domain = [(ZERO, VI, 0), (ZERO, VJ, 0)]              # 0 - i <= 0, 0 - j <= 0
     atoms = _atoms(residual)
-    table = [_atom_bounds(a) for a in atoms]
+    if len(atoms) > MAX_ATOMS + 8 * bool(chunk):
+        raise NotDifference(f"{len(atoms)} comparisons, too many to enumerate")
+    table = [_atom_bounds(a, variables) for a in atoms]
     symbols = sympy.symbols(f"a0:{len(atoms)}")
     formula = sympy.lambdify(symbols, residual.xreplace(dict(zip(atoms, symbols))), "math")
-    domain = [(ZERO, VI, 0), (ZERO, VJ, 0)]              # 0 - i <= 0, 0 - j <= 0
     for truth in itertools.product((True, False), repeat=len(atoms)):
         if not formula(*truth):
             continue
         bounds = domain + [b for t, (yes, no) in zip(truth, table) for b in (yes if t else no)]
-        point = _feasible(bounds)
+        point = _feasible(bounds, 1 + len(variables))
         if point is not None:
-            return point
+            if chunk:
+                _, a, b, r, s = point
+                return {"i": chunk * a + r, "j": chunk * b + s}
+            return {"i": point[VI], "j": point[VJ]}
     return None
 
 
-def prove_mask(keep, *, name: str, where: str, expected: int | None = None) -> MaskVerdict:
-    """Find W and prove K == target(W) for all i, j >= 0 (see module doc). ``expected``
-    (a declared window) is proven instead of the found one, so a wrong declaration fails
-    with its counterexample."""
-    def verdict(window, status, why="", example=None):
-        statement = (f"{where}: the mask keeps key j for query i iff {describe(window)}, for "
-                     f"all positions i, j >= 0 (mask: {sympy.sstr(keep)})")
-        return MaskVerdict(window, Theorem(name, statement, METHOD, status, example, 1), why,
-                           keep)
+def _window_in_chunk(keep, chunk: int) -> int:
+    """W of a chunked mask: the first n in [1, C) with K(C*M + n, C*M) false (M a chunk
+    past every constant of the mask); 0 when none (no window inside a chunk)."""
+    consts = [abs(int(c)) for c in keep.atoms(sympy.Integer)] or [0]
+    base = chunk * (2 + max(consts) // chunk)
+    at = sympy.lambdify((I, J), keep, "math")
+    return next((n for n in range(1, chunk) if not at(base + n, base)), 0)
 
+
+def _at(k, i, j) -> bool:
+    return bool(k.subs({I: i, J: j}))
+
+
+def prove_mask(keep, *, name: str, where: str, expected: int | None = None) -> MaskVerdict:
+    """Find W (and C, from the mask's ``i // C`` atoms) and prove K == target(W, C) for all
+    i, j >= 0 (see module doc). ``expected`` (a declared window) is proven instead of the
+    found one, so a wrong declaration fails with its counterexample."""
+    chunk = chunk_of(keep)
+
+    def verdict(window, status, why="", example=None):
+        statement = (f"{where}: the mask keeps key j for query i iff "
+                     f"{describe(window, chunk)}, for all positions i, j >= 0 (mask: "
+                     f"{sympy.sstr(keep)})")
+        return MaskVerdict(window, Theorem(name, statement, METHOD, status, example, 1), why,
+                           keep, chunk)
+
+    if not _at(keep, 0, 0):
+        return verdict(0, FAILED, "the mask hides a query's own position",
+                       {"i": 0, "j": 0, "mask": False, "target": True})
     if expected is None:
-        if not _at(keep, 0, 0):
-            return verdict(0, FAILED, "the mask hides a query's own position",
-                           {"i": 0, "j": 0, "mask": False, "target": True})
-        expected = next((n for n in _boundaries(_atoms(keep))
-                         if n >= 1 and not _at(keep, n, 0)), 0)
-    want = target(expected)
+        expected = _window_in_chunk(keep, chunk) if chunk else \
+            next((n for n in _boundaries(_atoms(keep)) if n >= 1 and not _at(keep, n, 0)), 0)
+    want = target(expected, chunk)
     # The atoms' boundaries first (exact values, so a difference there is a counterexample):
     # a mask written row by row at fixed positions (a Python loop over the captured length)
     # has too many atoms to enumerate, and differs at its last written row.
-    points = _boundaries(_atoms(keep))
+    points = _boundaries(_atoms(keep)) if not chunk else []
     point = next(({"i": i, "j": j} for i in points for j in points
                   if _at(keep, i, j) != _at(want, i, j)), None)
-    if point is None and len(_atoms(sympy.Xor(keep, want))) > MAX_ATOMS:
+    if point is None and not chunk and len(_atoms(sympy.Xor(keep, want))) > MAX_ATOMS:
         return verdict(expected, FAILED, f"the mask compares positions in more than "
                                          f"{MAX_ATOMS} ways, too many to decide")
     try:
-        point = point or decide(keep, want)
+        point = point or decide(keep, want, chunk)
     except NotDifference as e:
         return verdict(expected, FAILED, f"the mask is not made of differences of positions "
-                                         f"({e}): e.g. chunked or block-local attention")
+                                         f"or of their chunks i // C ({e}): e.g. block-local "
+                                         f"attention")
     if point is None:
         return verdict(expected, PROVEN)
     i, j = point["i"], point["j"]

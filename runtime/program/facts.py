@@ -68,6 +68,7 @@ class ModelFacts:
     num_layers: int | None = None
     cache_dtype: torch.dtype | None = None
     windows: tuple[int, ...] | None = None      # per layer; 0: full attention
+    chunks: tuple[int, ...] | None = None       # per layer; 0: not chunked (Llama 4's C)
     # (input name, dim) of each constant table the prompt step sliced by its length
     # (passes/positions.py): a one-token step reads ``table[:1]`` as position rows too.
     position_tables: tuple[tuple[str, int], ...] | None = None

@@ -28,11 +28,12 @@ PAGE = ROOT / "docs" / "models.md"
 START, END = "<!-- corpus-table:start -->", "<!-- corpus-table:end -->"
 FULL = full("DCP_CORPUS")
 
-# The default slice: one cell per behaviour (dense GQA matches, window, MoE, MLA, ALiBi,
-# sinks, SSM, encoder, learned positions), decode and prefill between them.
+# The default slice: one cell per behaviour (dense GQA matches, window, MoE, MLA, ALiBi
+# (Bloom's, read from baddbmm on heads merged into the batch), sinks, SSM, encoder, learned
+# positions), decode and prefill between them.
 SLICE = [("llama", "sdpa", "decode"), ("qwen2", "prepare", "prefill"),
          ("gemma2", "eager", "decode"), ("mixtral", "prepare", "decode"),
-         ("deepseek_v3", "eager", "prefill"), ("bloom", "eager", "decode"),
+         ("deepseek_v3", "eager", "prefill"), ("bloom", "eager", "prefill"),
          ("gpt_oss", "prepare", "decode"), ("mamba", "eager", "decode"),
          ("bert", "sdpa", "decode"), ("opt", "sdpa", "prefill")]
 CELLS = [(t, p, m) for t in C.CORPUS for p in C.PATHS for m in C.MODES] if FULL else SLICE

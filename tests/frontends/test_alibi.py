@@ -200,3 +200,27 @@ def test_alibi_bias_of_the_op_matches_dense_attention():
 def test_live_kernel_adds_the_same_bias():
     """The eager kernel (partial_attention_live) and the reference agree with ALiBi."""
     assert_live_kernel_matches_reference(alibi_slopes=slopes_of(4))
+
+
+# transformers' Bloom itself (eager; its attention is baddbmm(alibi, q, k^T) on heads
+# flattened into the batch, the alibi a per-head [H, 1, S] repeated over the batch): read as
+# matmuls on [B, H, S, T] (passes/attention_forms.heads_unflattened_from_batch), its bias
+# proven ALiBi. Prefill at tp=4/dcp=2 and tp=8/dcp=4 (8 heads), prompts past the vblock;
+# decode is multi-head attention, refused as such (decode DCP needs tp > kv heads).
+BLOOM = [(4, 2), (8, 4)] if full("DCP_ALIBI_FULL") else [(8, 4)]
+
+
+@pytest.mark.parametrize("tp,dcp", BLOOM, ids=[f"tp{t}-dcp{d}" for t, d in BLOOM])
+def test_transformers_bloom_prefill_matches(tp, dcp, monkeypatch):
+    pytest.importorskip("transformers")
+    import hf_corpus as C
+    monkeypatch.setattr(C, "LENGTHS", (1, 7, 9, 17))
+    out = C.run_model(C.build("bloom", "eager"), "prefill", tp=tp, dcp=dcp)
+    assert out.kind == "matches", f"{out.cell()}: {out.message[:500]}"
+
+
+def test_transformers_bloom_decode_is_refused_as_mha():
+    pytest.importorskip("transformers")
+    import hf_corpus as C
+    out = C.run_model(C.build("bloom", "eager"), "decode")
+    assert out.cell() == "refused: MHA: decode DCP needs tp > kv heads", out.message[:300]

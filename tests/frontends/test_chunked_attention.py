@@ -34,8 +34,8 @@ def prepare(model):
     return hf.prepare(model, max_model_len=FLOOR - 1)
 
 
-def llama4(chunk: int):
-    return C.build("llama4_text", None, attention_chunk_size=chunk, floor_scale=FLOOR,
+def llama4(chunk: int, attention: str | None = None, floor: int = FLOOR):
+    return C.build("llama4_text", attention, attention_chunk_size=chunk, floor_scale=floor,
                    num_hidden_layers=4, num_experts_per_tok=1, max_position_embeddings=64)
 
 
@@ -62,6 +62,54 @@ def test_llama4_chunked_attention_matches_past_two_chunks(chunk, tp, dcp, mode, 
     monkeypatch.setattr(C, "LENGTHS", LENGTHS)
     out = C.run_model(llama4(chunk), mode, prepare=prepare, tp=tp, dcp=dcp)
     assert out.kind == "matches", f"{out.cell()}: {out.message[:500]}"
+
+
+# The ordinary path (the model's own sdpa / eager attention, no hf.prepare): the chunked
+# mask the model builds (create_chunked_causal_mask) is read from the graph and proven
+# ``j <= i and i // C == j // C`` for every position (passes/prove/masks.py), then computed
+# by the paged op's attention_chunk. The NoPE layer's temperature is a function of each
+# token's own position there (lift_positions): floor_scale=16 makes it change inside the
+# prompts, which the prepare path refuses.
+DIRECT = [("sdpa", 3, 4, 2, "decode"), ("eager", 5, 8, 4, "prefill")]
+if full("DCP_CHUNKED_FULL"):
+    DIRECT = [(a, c, t, d, m) for a in ("sdpa", "eager") for c in (3, 8, 12)
+              for t, d in ((4, 2), (8, 4)) for m in ("decode", "prefill")]
+
+
+@pytest.mark.parametrize("attention,chunk,tp,dcp,mode", DIRECT,
+                         ids=[f"{a}-C={c}-tp{t}-dcp{d}-{m}" for a, c, t, d, m in DIRECT])
+def test_llama4_own_attention_chunked_matches_past_two_chunks(attention, chunk, tp, dcp, mode,
+                                                              monkeypatch):
+    monkeypatch.setattr(C, "LENGTHS", LENGTHS)
+    out = C.run_model(llama4(chunk, attention, floor=16), mode, tp=tp, dcp=dcp)
+    assert out.kind == "matches", f"{out.cell()}: {out.message[:500]}"
+
+
+def test_own_attention_chunk_is_proven_from_the_mask():
+    """The chunk comes from the graph's mask (proven), not the config: each chunked layer's
+    mask theorem states it, the NoPE layer's is causal, and the op carries C."""
+    import dcp_compile
+    from dcp_compile.runtime.serving.engine import StepShapes
+    shapes = StepShapes(batch=2, context_len=8, max_blocks=4, num_blocks=10)
+    program = dcp_compile.transform(llama4(3, "sdpa"), tp=4, dcp=2, mode="prefill",
+                                    block_size=4, shapes=shapes, check=False)
+    statements = [t.statement for t in program.facts.mask_theorems]
+    assert [("i // 3 == j // 3" in s) for s in statements] == [True, True, True, False]
+    assert all(t.proven for t in program.facts.mask_theorems)
+    assert program.facts.chunks == (3, 3, 3, 0)
+
+
+def test_own_attention_chunk_contradicting_the_config_refused(monkeypatch):
+    """The config's attention_chunk_size is checked against the proven mask."""
+    import dcp_compile
+    import dcp_compile.frontends.ordinary as O
+    from dcp_compile.runtime.errors import DCPTransformError
+    from dcp_compile.runtime.serving.engine import StepShapes
+    monkeypatch.setattr(O, "attention_chunks", lambda model: [4, 4, 4, 0])
+    shapes = StepShapes(batch=2, context_len=8, max_blocks=4, num_blocks=10)
+    with pytest.raises(DCPTransformError, match="attention_chunk_size=4"):
+        dcp_compile.transform(llama4(3, "sdpa"), tp=4, dcp=2, mode="prefill", block_size=4,
+                              shapes=shapes, check=False)
 
 
 def test_prepare_without_the_chunks_would_differ(monkeypatch):

@@ -246,7 +246,7 @@ def test_what_is_not_built_is_refused_by_name(lfm2, shapes, match):
         dcp_compile.transform(lfm2, tp=4, dcp=2, mode="decode", shapes=shapes)
 
 
-@pytest.mark.parametrize("model_type,mixer", [("recurrent_gemma", "RecurrentGemmaAttention")])
+@pytest.mark.parametrize("model_type,mixer", [("olmo_hybrid", "OlmoHybridGatedDeltaNet")])
 def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer):
     """A hybrid by its config whose mixer no rule names: DCPHybridError naming its modules,
     at the frontend (not the token-wise check's feature diagnosis)."""

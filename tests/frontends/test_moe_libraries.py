@@ -42,7 +42,7 @@ def _needs(dist: str) -> None:
 
 def llama4(chunked: bool = False):
     """The HF corpus' tiny Llama-4 (MoE in both layers, top-2, a shared expert); without
-    chunked attention unless asked (the ordinary path refuses attention_chunk_size)."""
+    chunked attention unless asked."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from helpers import seeded_weights

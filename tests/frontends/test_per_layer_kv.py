@@ -11,8 +11,12 @@ and prefill, tp=4/dcp=2 and tp=8/dcp=4. ``hf.prepare``, whose wrapper keeps one 
 model, refuses them by name (DCPKVLayoutError), as does a layer sharing only one of K and V.
 
 The tiny Gemma 4 is the corpus's (hf_corpus.OVR["gemma4_text"]: four layers, sliding / full
-alternating, head_dim 8 / 16, the last two sharing KV) without the per-layer input embeddings
-(``hidden_size_per_layer_input=0``: those are refused on their own, by the placement rules).
+alternating, head_dim 8 / 16, the last two sharing KV), without the per-layer input
+embeddings (``hidden_size_per_layer_input=0``) and, variant "per_layer_input", with them
+(16 per layer): a token table of 4 x 16 columns whose rows meet the column-parallel
+per-layer projection per layer, so it is cut along its features like it (each rank looks up
+its own columns: no vocab mask, no all-reduce), and the per-layer norm over those features
+is an all-reduce of the whole sequence's statistic even in prefill.
 """
 
 from __future__ import annotations
@@ -37,11 +41,29 @@ VARIANTS = {
     "kv_heads": dict(hidden_size_per_layer_input=0, attention_k_eq_v=True,
                      per_layer_config={i: {"head_dim": 16, "num_key_value_heads": 1}
                                        for i in ("01", "03")}),
+    "per_layer_input": dict(),
 }
 
 
 def gemma4(variant: str):
     return C.build("gemma4_text", "sdpa", **VARIANTS[variant])
+
+
+def test_the_per_layer_input_table_is_cut_along_its_features():
+    """Gemma 4's per-layer input embeddings: the table [vocab, layers * 16] is cut along
+    dim 1, in one segment of 16 per layer (each rank's 16 / tp columns of every layer), and
+    its lookup has no vocab mask; the token table (tied to the LM head) stays
+    vocab-parallel."""
+    program = _program("per_layer_input", "decode")
+    per_layer = program.shards["p_model_model_embed_tokens_per_layer_weight"]
+    tokens = program.shards["p_model_lm_head_weight"]
+    assert (per_layer.dim, per_layer.pieces) == (1, 4)
+    assert [seg[:2] for seg in per_layer.segments] == [(16, 4)] * 4
+    assert (tokens.dim, tokens.pieces) == (0, 4)
+    gm = program.graphs["decode"]
+    lookups = [n for n in gm.graph.nodes if n.target == torch.ops.aten.embedding.default]
+    table = next(n for n in lookups if "per_layer" in n.args[0].name)
+    assert table.args[1].op == "placeholder"          # the ids themselves: no vocab mask
 
 
 def test_the_tiny_gemma4_has_two_layouts_and_shares_kv():
@@ -57,7 +79,8 @@ def test_the_tiny_gemma4_has_two_layouts_and_shares_kv():
 CASES = [(v, t, d, m) for v in VARIANTS for t, d in ((4, 2), (8, 4))
          for m in ("decode", "prefill")]
 if not full("DCP_KV_LAYOUTS_FULL"):   # the slice: one decode, one prefill at the other tp
-    CASES = [("kv_heads", 4, 2, "decode"), ("head_dim", 8, 4, "prefill")]
+    CASES = [("kv_heads", 4, 2, "decode"), ("head_dim", 8, 4, "prefill"),
+             ("per_layer_input", 8, 4, "prefill")]
 
 
 @pytest.mark.parametrize("variant,tp,dcp,mode", CASES,

@@ -164,9 +164,78 @@ REFUSED = {  # id -> (mask(i, j), built from position_ids, what the refusal name
                            "not as a sliding window"),
     "window-only-up-to-position-30": (lambda i, j: (j <= i) & ((i - j < 4) | (i < 30)), False,
                                       "not as a sliding window"),
-    "chunked-attention": (lambda i, j: (j <= i) & (i // 4 == j // 4), False,
-                          "not made of differences of positions"),
+    "chunk-shifted-by-one": (lambda i, j: (j <= i) & (i // 4 == (j + 1) // 4), False,
+                             "not made of differences of positions or of their chunks"),
+    "two-chunk-lengths": (lambda i, j: (j <= i) & (i // 4 == j // 6), False,
+                          "not made of differences of positions or of their chunks"),
+    "chunk-with-a-hole": (lambda i, j: (j <= i) & (i // 4 == j // 4) & (i - j != 2), False,
+                          "not as a sliding window"),
+    "two-chunks-back": (lambda i, j: (j <= i) & (i // 4 - j // 4 <= 1), False,
+                        "not as a sliding window"),
 }
+
+CHUNKED = {  # id -> (mask(i, j), built from position_ids, window, chunk)
+    "chunk-4-arange": (lambda i, j: (j <= i) & (i // 4 == j // 4), False, 0, 4),
+    "chunk-3-position_ids": (lambda i, j: (j <= i) & (i // 3 == j // 3), True, 0, 3),
+    "chunk-5-window-2": (lambda i, j: (j <= i) & (i - j < 2) & (i // 5 == j // 5), True, 2, 5),
+    # Llama 4 at C = 8192 (its checkpoints' value): far past the captured length.
+    "chunk-8192": (lambda i, j: (j <= i) & (i // 8192 == j // 8192), False, 0, 8192),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED))
+def test_chunked_masks_are_proven_with_their_chunk(case):
+    """Chunked attention (``i // C == j // C``): proven for every position, C read from the
+    mask's own atoms (any C against the captured length and the vblock)."""
+    mask, from_positions, window, chunk = CHUNKED[case]
+    plan = _plan(MaskLM(mask, from_positions=from_positions))
+    assert [(s.window, s.chunk) for s in plan.sites] == [(window, chunk)]
+    assert plan.mask_theorems[0].proven
+    assert f"i // {chunk} == j // {chunk}" in plan.mask_theorems[0].statement
+
+
+def _masks(chunk: int):
+    """Masks over i, j, i // C, j // C (sympy): the chunked targets and mutations of them."""
+    import sympy
+    from dcp_compile.passes.mask_predicate import I, J
+    a, b = sympy.floor(I / chunk), sympy.floor(J / chunk)
+    causal, same = J <= I, sympy.Eq(a, b)
+    yield sympy.And(causal, same)
+    for w in (1, 2, chunk - 1, chunk, chunk + 3):
+        yield sympy.And(causal, same, I - J < w)
+    yield sympy.And(causal, a <= b)                       # the same chunk, said another way
+    yield sympy.And(causal, I < chunk * b + chunk)        # ... and another
+    yield sympy.And(causal, a - b <= 1)                   # this chunk and the one before
+    yield sympy.And(causal, same, sympy.Ne(I, 2 * chunk + 1))
+    yield sympy.And(causal, same, I <= 5 * chunk)
+    yield sympy.And(J <= I + 1, same)
+    yield sympy.And(causal, same, I - chunk * a < chunk - 1)   # the chunk's last row hidden
+    yield sympy.And(causal, sympy.Or(same, I - J < 2))    # a window across the boundary
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_the_chunk_decision_agrees_with_brute_force(chunk):
+    """The decision over (i // C, j // C, i mod C, j mod C) is exact: a proven mask equals
+    its target at every (i, j) of a grid of 8 chunks, and a failed one's counterexample is a
+    real difference (so a proof cannot be a bug's artefact, nor a refusal a false alarm)."""
+    import sympy
+    from dcp_compile.passes.mask_predicate import I, J
+    from dcp_compile.passes.prove.masks import prove_mask, target
+    proven = 0
+    for keep in _masks(chunk):
+        v = prove_mask(keep, name="t", where="t")
+        at, want = (sympy.lambdify((I, J), f, "math")
+                    for f in (keep, target(v.window, v.chunk)))
+        grid = [(i, j) for i in range(8 * chunk + 3) for j in range(8 * chunk + 3)]
+        differ = [(i, j) for i, j in grid if bool(at(i, j)) != bool(want(i, j))]
+        if v.proven:
+            proven += 1
+            assert not differ, (keep, v.window, v.chunk, differ[:3])
+        else:
+            e = v.theorem.counterexample
+            assert e is not None and e["mask"] != e["target"], (keep, v.why)
+            assert bool(keep.subs({I: e["i"], J: e["j"]})) == e["mask"]
+    assert proven >= 7          # the targets, the two rewritings, the windows
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

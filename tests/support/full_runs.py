@@ -16,11 +16,13 @@ ON = ("1", "all")
 SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_ALIBI_FULL": ("frontends/test_alibi.py",
                        "every ALiBi form x mode x tp/dcp (the slice: one form per mode), "
-                       "and the slopes computed in forward in decode too"),
+                       "the slopes computed in forward in decode too, transformers' Bloom "
+                       "prefill at tp=4/dcp=2 too (the slice: tp=8/dcp=4)"),
     "DCP_BUCKET_CASES": ("runtime/test_buckets.py",
                          "decode and prefill at tp=8/dcp=4 and tp=4/dcp=2, threads and XLA"),
     "DCP_CHUNKED_FULL": ("frontends/test_chunked_attention.py",
-                         "every chunk length x tp/dcp x mode of Llama 4 (the slice: two)"),
+                         "every chunk length x tp/dcp x mode of Llama 4, through hf.prepare "
+                         "and its own sdpa / eager attention (the slice: two of each)"),
     "DCP_CORRUPT_FULL": ("runtime/test_corrupt_files.py",
                          "1000 corrupt program files and 1000 forged safetensors headers "
                          "instead of 100 each"),
@@ -55,8 +57,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",
-                            "Gemma 4's per-layer head_dim and per-layer KV heads variants x "
-                            "mode x tp/dcp (the slice: one decode, one prefill)"),
+                            "Gemma 4's per-layer head_dim, per-layer KV heads and per-layer "
+                            "input variants x mode x tp/dcp (the slice: one decode, two "
+                            "prefill)"),
     "DCP_MASK_FULL": ("passes/test_mask_proof.py",
                       "every (tp, dcp) x mode of the mask-proof matches"),
     "DCP_MOE_MATRIX": ("frontends/test_moe.py",
