@@ -35,7 +35,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.garbage_block import LAST
-from dcp_compile.runtime.names import META_KIND, RANK_INPUT, Mode, Role
+from dcp_compile.runtime.names import (META_KIND, POSITION_BIAS_KWARGS, RANK_INPUT, Mode,
+                                       Role)
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
@@ -269,11 +270,14 @@ class DCPDecode(DCPPass):
                 else:
                     q_all = q
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
-                if W > 1 and kwargs.get("alibi_slopes") is not None:
-                    # ALiBi: the gathered q's heads need their slopes, gathered alike.
-                    c, slopes_w = C.all_gather(g, kwargs["alibi_slopes"], Role.DCP, W)
+                for key in POSITION_BIAS_KWARGS if W > 1 else ():
+                    if kwargs.get(key) is None:
+                        continue
+                    # ALiBi's slopes, a distance table: the gathered q's heads need their
+                    # rows, gathered alike ([W*hq] / [W*hq, L]).
+                    c, rows_w = C.all_gather(g, kwargs[key], Role.DCP, W)
                     self.tag(c, KIND_COLLECTIVE, layer)
-                    kwargs["alibi_slopes"] = slopes_w                        # [W*hq]
+                    kwargs[key] = rows_w
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_all, positions, k, v, m["current_key_positions"], kc2, vc2, table,

@@ -52,7 +52,7 @@ from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
 from .op_classes import CASTS, CONCATS
-from .score_bias import alibi_of, read_bias
+from .score_bias import DistanceTable, position_bias_of, read_bias
 from .sparse_attention import refuse_top_k_selection
 from .placement import Refusal, carried_dim
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
@@ -290,7 +290,7 @@ class InsertPagedCache(DCPPass):
                 extra = extra.replace(f, g)
                 tables[g] = more[f]
             bias = bias + extra * s.bias_scale
-        s.alibi = alibi_of(s, bias, tables)
+        s.alibi = position_bias_of(s, bias, tables)
 
     def _set_window(self, s: Site, declared: int, layer: int, verdict) -> None:
         """Config windows (Hugging Face layer_types / sliding_window) checked against the
@@ -356,7 +356,9 @@ class InsertPagedCache(DCPPass):
                                             ("kv_shared", plan.kv_shared)) if x}
                 if s.sinks is not None:
                     params["sinks"] = s.sinks
-                if s.alibi is not None:
+                if isinstance(s.alibi, DistanceTable):
+                    params["distance_table"] = _distance_table(g, s.alibi, val(s.q).shape[1])
+                elif s.alibi is not None:
                     params["alibi_slopes"] = _slopes(g, s.alibi, val(s.q).shape[1])
                 # A layer sharing another layer's K/V reads that layer's cache (the same
                 # inputs); the DCP rewrites write each cache once (its owner's write).
@@ -487,6 +489,18 @@ def _slopes(g, alibi, heads: int) -> Node:
              f"heads", "Give one slope per query head")
     flat = g.call_function(aten.to.dtype, (flat, torch.float32))
     return g.call_function(aten.mul.Tensor, (flat, alibi.coefficient))
+
+
+def _distance_table(g, bias: DistanceTable, heads: int) -> Node:
+    """A distance table [heads, L] (proven by score_bias.distance_table_of), float32, scaled
+    by its coefficient."""
+    t = bias.table
+    if val(t).dim() != 2 or val(t).shape[0] != heads:
+        fail(t, f"distance table {t.name} of shape {tuple(val(t).shape)} for {heads} heads",
+             "Give one row per query head")
+    t = g.call_function(aten.to.dtype, (t, torch.float32))
+    return t if bias.coefficient == 1.0 else \
+        g.call_function(aten.mul.Tensor, (t, bias.coefficient))
 
 
 def _pad_values(g, v: Node, extra: int) -> Node:

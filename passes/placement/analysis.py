@@ -23,7 +23,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
-from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
+from dcp_compile.runtime.names import INPUT_IDS, POSITION_BIAS_KWARGS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_param
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
@@ -310,11 +310,13 @@ class Analysis:
             raise _err(n, f"attention sinks ({sinks.name}) are {show(self.P(sinks))}, expected "
                           f"{show(self.sink_shard)}", "Sinks are one logit per q head: pass "
                           "a [q_heads] parameter, cut like q's heads")
-        slopes = n.kwargs.get("alibi_slopes")
-        if slopes is not None and self.P(slopes) not in (R, None):
-            raise _err(n, f"ALiBi slopes ({slopes.name}) are {show(self.P(slopes))}, expected "
-                          f"replicated", "The slopes are a per-head constant of the model; "
-                          "shard_tensor_parallel takes each rank's heads of them")
+        for key in POSITION_BIAS_KWARGS:
+            slopes = n.kwargs.get(key)
+            if slopes is not None and self.P(slopes) not in (R, None):
+                raise _err(n, f"the {key} ({slopes.name}) are {show(self.P(slopes))}, "
+                              f"expected replicated", "ALiBi's slopes and a distance table "
+                              "are per-head constants of the model; shard_tensor_parallel "
+                              "takes each rank's heads of them")
         return (self.q_shard, self.kv_shards[n], self.kv_shards[n])
 
     # -- backward --------------------------------------------------------------------------
@@ -525,8 +527,9 @@ class Analysis:
                 self.require(at.args[i], want, at)
             if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
                 self.require(at.kwargs["sinks"], self.sink_shard, at)
-            if at.kwargs.get("alibi_slopes") is not None:   # whole: cut by the rank below
-                self.require(at.kwargs["alibi_slopes"], R, at)
+            for key in POSITION_BIAS_KWARGS:    # whole: cut by the rank below
+                if at.kwargs.get(key) is not None:
+                    self.require(at.kwargs[key], R, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shards[at])
         place_experts(self)

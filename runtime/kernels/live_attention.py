@@ -40,16 +40,41 @@ def same_chunk(q_pos: Tensor, key_pos: Tensor, chunk: int) -> Tensor:
         torch.div(key_pos, chunk, rounding_mode="floor")
 
 
+def distance_bias(q_pos: Tensor, key_pos: Tensor, kv_heads: int, *,
+                  slopes: Tensor | None = None, table: Tensor | None = None) -> Tensor:
+    """The score bias of a key-query distance, [b, k, g, i, j] for scores [b, kv head,
+    group, query, key] (q head h = k * groups + g): the one definition for ALiBi's slopes
+    and for a distance table. The distance is ``q_pos - key_pos`` (>= 0 at every key a
+    causal mask keeps); ALiBi adds ``-slopes[h] * distance``; a table ``[q_heads, L]``
+    (T5's bucketed bias, an MLP of the distance: computed from the model's own module at
+    transform time, frontends/module_position_bias.py) adds ``table[h, distance]``, the
+    distance clamped into ``[0, L)`` (keys outside it are masked by causality, or lie past
+    the program's max_model_len). A function of the two global positions and the head, so
+    each rank adds it to the scores of the keys it holds and the LSE combine is unchanged.
+    Bloom's ``slope * k_pos`` and MPT's ``slope * (k_pos - (S - 1))`` differ from ALiBi's by
+    a per-query constant, which softmax ignores. ``key_pos`` [b or 1, j], ``q_pos`` [b, i]
+    (int64)."""
+    d = q_pos[:, None, None, :, None] - key_pos[:, None, None, None, :]     # [b, 1, 1, i, j]
+    if slopes is not None:
+        return -slopes.float().reshape(1, kv_heads, -1, 1, 1) * d.float()
+    length = table.shape[-1]
+    t = table.float().reshape(kv_heads, -1, length)                         # [k, g, L]
+    at = d[:, 0, 0].clamp(0, length - 1)                                    # [b, i, j]
+    return t[:, :, at].permute(2, 0, 1, 3, 4)
+
+
 def alibi_bias(slopes: Tensor, q_pos: Tensor, key_pos: Tensor, kv_heads: int) -> Tensor:
-    """ALiBi's score bias, [b, k, g, i, j] for scores [b, kv head, group, query, key]:
-    ``slopes[h] * (key_pos - q_pos)``, the q head h = k * groups + g. A function of the two
-    global positions and the head, so each rank adds it to the scores of the keys it holds
-    and the LSE combine is unchanged. Bloom's ``slope * k_pos`` and MPT's
-    ``slope * (k_pos - (S - 1))`` differ from it by a per-query constant, which softmax
-    ignores. ``key_pos`` [b or 1, j], ``q_pos`` [b, i] (int64)."""
-    s = slopes.float().reshape(1, kv_heads, -1, 1, 1)
-    d = key_pos[:, None, None, None, :] - q_pos[:, None, None, :, None]
-    return s * d.float()
+    """ALiBi's score bias ``slopes[h] * (key_pos - q_pos)``: :func:`distance_bias`."""
+    return distance_bias(q_pos, key_pos, kv_heads, slopes=slopes)
+
+
+def position_bias(q_pos: Tensor, key_pos: Tensor, kv_heads: int, slopes: Tensor | None,
+                  table: Tensor | None) -> Tensor | None:
+    """The score bias an attention op's ``alibi_slopes`` / ``distance_table`` give (None:
+    neither)."""
+    if slopes is None and table is None:
+        return None
+    return distance_bias(q_pos, key_pos, kv_heads, slopes=slopes, table=table)
 
 
 def readable_table(block_table: Tensor, num_blocks: int,
@@ -98,7 +123,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            garbage_block: int = LAST,
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
-                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           keep: Tensor | None = None,
+                           distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -146,9 +172,10 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     qf = q.float().reshape(batch, q_len, kv_heads, groups, q.shape[-1])
     s_prior = _scores(qf, prior_pieces, scale, softcap)
     s_cur = _scores(qf, cur_pieces, scale, softcap)
-    if alibi_slopes is not None:
-        s_prior.add_(alibi_bias(alibi_slopes, q_pos, prior_pos[None, :], kv_heads))
-        s_cur.add_(alibi_bias(alibi_slopes, q_pos, k_pos, kv_heads))
+    if alibi_slopes is not None or distance_table is not None:
+        s_prior.add_(position_bias(q_pos, prior_pos[None, :], kv_heads, alibi_slopes,
+                                   distance_table))
+        s_cur.add_(position_bias(q_pos, k_pos, kv_heads, alibi_slopes, distance_table))
     s_prior.masked_fill_(~prior_ok[:, None, None], NEG_INF)
     s_cur.masked_fill_(~cur_ok[:, None, None], NEG_INF)
     lse = torch.logaddexp(torch.logsumexp(s_prior, dim=-1), torch.logsumexp(s_cur, dim=-1))

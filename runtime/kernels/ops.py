@@ -27,7 +27,8 @@ from dcp_compile.runtime import layout
 from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.kernels.op_defs import dcp_op
 from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
-                                                        readable_table, same_chunk)
+                                                        position_bias, readable_table,
+                                                        same_chunk)
 from dcp_compile.runtime.kernels.paged import prior_slots, write_rows
 
 NEG_INF = float("-inf")
@@ -171,7 +172,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             garbage_block: int = LAST,
                             alibi_slopes: Tensor | None = None,
                             attention_chunk: int = 0,
-                            keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            keep: Tensor | None = None,
+                            distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -219,8 +221,9 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
     if softcap > 0:  # logit soft-capping (Gemma 2): on the scaled scores, before the mask
         scores = torch.tanh(scores / softcap) * softcap
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, q_pos, key_pos, kv_heads)
+    bias = position_bias(q_pos, key_pos, kv_heads, alibi_slopes, distance_table)
+    if bias is not None:   # ALiBi's slopes or a distance table (live_attention.distance_bias)
+        scores = scores + bias
     scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)                                  # [b, k, g, i]
     # A row with no allowed key has lse = -inf: its probabilities are exactly 0, never NaN.
@@ -241,7 +244,8 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       garbage_block: int = LAST,
                       alibi_slopes: Tensor | None = None,
                       attention_chunk: int = 0,
-                      keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      keep: Tensor | None = None,
+                      distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -257,17 +261,20 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``keep`` [batch, q_len, max_blocks * block + k_cur's length] bool (DeepSeek Sparse
     Attention): only the keys the indexer selected (runtime/kernels/sparse_attention.py),
     on the key axis [local prior slots ; current keys].
+    ``distance_table`` [q_heads of q, L]: a bias of the key-query distance (T5's bucketed
+    one, an MLP of the distance), ``table[h, q_pos - k_pos]`` added to each score
+    (``live_attention.distance_bias``, the one definition it shares with ALiBi).
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
                                    window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk, keep)
+                                   attention_chunk, keep, distance_table)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None):
+      alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -326,7 +333,9 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           kv_shared: bool = False,
                           sinks: Tensor | None = None,
                           alibi_slopes: Tensor | None = None,
-                          attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                          attention_chunk: int = 0,
+                          distance_table: Tensor | None = None
+                          ) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
@@ -337,7 +346,8 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                                        block_table, prior_len, rank0, 1, block, scale,
                                        window, softcap, kv_shared,
                                        alibi_slopes=alibi_slopes,
-                                       attention_chunk=attention_chunk)
+                                       attention_chunk=attention_chunk,
+                                       distance_table=distance_table)
     if sinks is not None:   # one device: the local LSE is the global one
         out = _sink_correct_impl(out, lse, sinks).to(q.dtype)
     return out, new_kc, new_vc
@@ -351,21 +361,24 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
                     kv_shared: bool = False,
                     sinks: Tensor | None = None,
                     alibi_slopes: Tensor | None = None,
-                    attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                    attention_chunk: int = 0,
+                    distance_table: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches).
 
     ``sinks`` [q_heads] (gpt-oss): a learned logit per head that joins each softmax's
     denominator and attends to no value (see ``sink_correct``). ``alibi_slopes`` [q_heads]
-    (ALiBi: Bloom, MPT, Falcon): each score gets ``alibi_bias``, slope_h * (k_pos - q_pos)."""
+    (ALiBi: Bloom, MPT, Falcon): each score gets ``alibi_bias``, slope_h * (k_pos - q_pos).
+    ``distance_table`` [q_heads, L] (T5's relative bias, an MLP of the distance): each score
+    gets ``table[h, q_pos - k_pos]`` (``live_attention.distance_bias``)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
-                                 attention_chunk)
+                                 attention_chunk, distance_table)
 
 
 @paged_attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, distance_table=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -376,19 +389,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: T
               softcap: float = 0.0, kv_shared: bool = False,
               sinks: Tensor | None = None,
               alibi_slopes: Tensor | None = None,
-              attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+              attention_chunk: int = 0,
+              distance_table: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
-                                 attention_chunk)
+                                 attention_chunk, distance_table)
 
 
 @attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, distance_table=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -547,7 +561,8 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            garbage_block: int = LAST,
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
-                           keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           keep: Tensor | None = None,
+                           distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -559,13 +574,13 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                  attention_chunk, keep)
+                                  attention_chunk, keep, distance_table)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None):
+      alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
