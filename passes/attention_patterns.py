@@ -73,6 +73,9 @@ class Site:
     bias_scale: float = 1.0
     mask_scale: float = 1.0
     alibi: object = None         # score_bias.Alibi, once the bias is proven ALiBi
+    # Memory key/values (x-transformers' attn_num_mem_kv): the learned [B, Hkv, M, D] keys
+    # and values joined before the sequence's, once insert_paged_cache has split them off.
+    mem: tuple[Node, Node] | None = None
 
 
 def fail(node: Node, why: str, fix: str):

@@ -119,3 +119,6 @@ POSITION_BIAS_KWARGS = ("alibi_slopes", "distance_table")
 # The name every distance-table buffer of a capture holds (frontends/module_position_bias.py
 # registers them; passes/mask_predicate.py reads a placeholder so named as table(h, d)).
 DISTANCE_TABLE = "dcp_distance_table"
+# dcp.attention's memory key/values (x-transformers' attn_num_mem_kv), [1, M, kv_heads, D]:
+# cut by heads like k, added by cp rank 0 only (runtime/kernels/live_attention.join_memory).
+MEMORY_KWARGS = ("mem_k", "mem_v")

@@ -23,7 +23,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
-from dcp_compile.runtime.names import INPUT_IDS, POSITION_BIAS_KWARGS, RANK_INPUT
+from dcp_compile.runtime.names import INPUT_IDS, MEMORY_KWARGS, POSITION_BIAS_KWARGS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_param
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
@@ -310,6 +310,12 @@ class Analysis:
             raise _err(n, f"attention sinks ({sinks.name}) are {show(self.P(sinks))}, expected "
                           f"{show(self.sink_shard)}", "Sinks are one logit per q head: pass "
                           "a [q_heads] parameter, cut like q's heads")
+        for key in MEMORY_KWARGS:
+            mem = n.kwargs.get(key)
+            if mem is not None and self.P(mem) != self.kv_shards[n]:
+                raise _err(n, f"attention {key} ({mem.name}) is {show(self.P(mem))}, expected "
+                              f"{show(self.kv_shards[n])}", "Memory key/values are cut by "
+                              "heads like the keys and values")
         for key in POSITION_BIAS_KWARGS:
             slopes = n.kwargs.get(key)
             if slopes is not None and self.P(slopes) not in (R, None):
@@ -527,6 +533,10 @@ class Analysis:
                 self.require(at.args[i], want, at)
             if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
                 self.require(at.kwargs["sinks"], self.sink_shard, at)
+            for key in MEMORY_KWARGS:     # memory key/values [1, M, Hkv, D]: cut like k,
+                if at.kwargs.get(key) is not None:   # their parameter through its views
+                    self._adopt_through_views(at, {at.kwargs[key]: self.kv_shards[at]})
+                    self.require(at.kwargs[key], self.kv_shards[at], at)
             for key in POSITION_BIAS_KWARGS:    # whole: cut by the rank below
                 if at.kwargs.get(key) is not None:
                     self.require(at.kwargs[key], R, at)

@@ -77,6 +77,39 @@ def position_bias(q_pos: Tensor, key_pos: Tensor, kv_heads: int, slopes: Tensor 
     return distance_bias(q_pos, key_pos, kv_heads, slopes=slopes, table=table)
 
 
+def join_memory(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, rank: Tensor,
+                mem_k: Tensor, mem_v: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor]:
+    """Memory key/values (x-transformers' ``attn_num_mem_kv``): learned keys and values
+    ``[1, M, kv_heads, D]`` every query attends at no position (no causality, no window,
+    no bias), joined to a partial attention ``(out [b, i, q_heads, D], lse [b, i, q_heads])``
+    through the two log-sum-exps, as one more segment of keys. Only cp rank 0 holds them
+    (``rank`` is data): every rank's partial over its own keys is combined exactly by the
+    LSE combine, so the memory enters each softmax once. Padding queries (q_pos < 0) see
+    none. Returns (out float32, lse)."""
+    batch, q_len, q_heads, dim = q.shape
+    kv_heads = mem_k.shape[2]
+    qf = q.float().reshape(batch, q_len, kv_heads, q_heads // kv_heads, dim)
+    s_mem = torch.einsum("bikgd,jkd->bkgij", qf, mem_k[0].float()) * scale
+    if softcap > 0:
+        s_mem = torch.tanh(s_mem / softcap) * softcap
+    sees = (q_pos >= 0) & (rank == 0)                                          # [b, i]
+    s_mem = s_mem.masked_fill(~sees[:, None, None, :, None], NEG_INF)
+    lse_mem = torch.logsumexp(s_mem, dim=-1)                                   # [b, k, g, i]
+    safe = torch.where(torch.isinf(lse_mem), torch.zeros_like(lse_mem), lse_mem)
+    out_mem = torch.einsum("bkgij,jkd->bikgd", torch.exp(s_mem - safe[..., None]),
+                           mem_v[0].float()).reshape(batch, q_len, q_heads, -1)
+    lse_mem = lse_mem.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    both = torch.logaddexp(lse, lse_mem)
+    finite = torch.isfinite(both)
+    base = torch.where(finite, both, torch.zeros_like(both))
+    w_seq = torch.where(finite & torch.isfinite(lse), torch.exp(lse - base),
+                        torch.zeros_like(lse))
+    w_mem = torch.where(finite & torch.isfinite(lse_mem), torch.exp(lse_mem - base),
+                        torch.zeros_like(lse_mem))
+    joined = out.float() * w_seq[..., None] + out_mem * w_mem[..., None]
+    return joined, both
+
+
 def readable_table(block_table: Tensor, num_blocks: int,
                    garbage_block: int = LAST) -> tuple[Tensor, Tensor]:
     """(usable, table): which block-table entries name a usable block, and the table with
@@ -124,7 +157,9 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
                            keep: Tensor | None = None,
-                           distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           distance_table: Tensor | None = None,
+                           mem_k: Tensor | None = None,
+                           mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -186,4 +221,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     out = _weighted(p_prior, prior_pieces if kv_shared else [v_prior])
     out = out.add_(_weighted(p_cur, cur_pieces if kv_shared else [v_cur]))
     out = out.reshape(batch, q_len, q_heads, out.shape[-1]).to(q.dtype)
-    return out, lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    if mem_k is not None:
+        out, lse = join_memory(out, lse, q, q_pos, rank, mem_k, mem_v, scale, softcap)
+        out = out.to(q.dtype)
+    return out, lse

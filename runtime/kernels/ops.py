@@ -26,8 +26,8 @@ from torch import Tensor
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.kernels.op_defs import dcp_op
-from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
-                                                        position_bias, readable_table,
+from dcp_compile.runtime.kernels.live_attention import (alibi_bias, join_memory,  # noqa: F401
+                                                        live_partial_attention, position_bias, readable_table,
                                                         same_chunk)
 from dcp_compile.runtime.kernels.paged import prior_slots, write_rows
 
@@ -173,7 +173,9 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             alibi_slopes: Tensor | None = None,
                             attention_chunk: int = 0,
                             keep: Tensor | None = None,
-                            distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            distance_table: Tensor | None = None,
+                            mem_k: Tensor | None = None,
+                            mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -232,6 +234,9 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     out = torch.einsum("bkgij,bjkd->bikgd", probs, values.float())
     out = out.reshape(batch, q_len, q_heads, dim).to(q.dtype)
     lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    if mem_k is not None:   # memory key/values: one more segment of keys, on rank 0 only
+        out, lse = join_memory(out, lse, q, q_pos, rank, mem_k, mem_v, scale, softcap)
+        out = out.to(q.dtype)
     return out, lse
 
 
@@ -245,7 +250,9 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       alibi_slopes: Tensor | None = None,
                       attention_chunk: int = 0,
                       keep: Tensor | None = None,
-                      distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      distance_table: Tensor | None = None,
+                      mem_k: Tensor | None = None,
+                      mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -264,17 +271,20 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     ``distance_table`` [q_heads of q, L]: a bias of the key-query distance (T5's bucketed
     one, an MLP of the distance), ``table[h, q_pos - k_pos]`` added to each score
     (``live_attention.distance_bias``, the one definition it shares with ALiBi).
+    ``mem_k``, ``mem_v`` [1, M, kv_heads of k, D]: memory key/values every query attends at
+    no position, added by ``rank`` 0 only (``live_attention.join_memory``).
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
                                    window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk, keep, distance_table)
+                                   attention_chunk, keep, distance_table, mem_k, mem_v)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None):
+      alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None, mem_k=None,
+      mem_v=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -334,8 +344,9 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           sinks: Tensor | None = None,
                           alibi_slopes: Tensor | None = None,
                           attention_chunk: int = 0,
-                          distance_table: Tensor | None = None
-                          ) -> tuple[Tensor, Tensor, Tensor]:
+                          distance_table: Tensor | None = None,
+                          mem_k: Tensor | None = None,
+                          mem_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
@@ -347,7 +358,8 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                                        window, softcap, kv_shared,
                                        alibi_slopes=alibi_slopes,
                                        attention_chunk=attention_chunk,
-                                       distance_table=distance_table)
+                                       distance_table=distance_table,
+                                       mem_k=mem_k, mem_v=mem_v)
     if sinks is not None:   # one device: the local LSE is the global one
         out = _sink_correct_impl(out, lse, sinks).to(q.dtype)
     return out, new_kc, new_vc
@@ -362,7 +374,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
                     sinks: Tensor | None = None,
                     alibi_slopes: Tensor | None = None,
                     attention_chunk: int = 0,
-                    distance_table: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    distance_table: Tensor | None = None,
+                    mem_k: Tensor | None = None,
+                    mem_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches).
 
@@ -370,15 +384,18 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
     denominator and attends to no value (see ``sink_correct``). ``alibi_slopes`` [q_heads]
     (ALiBi: Bloom, MPT, Falcon): each score gets ``alibi_bias``, slope_h * (k_pos - q_pos).
     ``distance_table`` [q_heads, L] (T5's relative bias, an MLP of the distance): each score
-    gets ``table[h, q_pos - k_pos]`` (``live_attention.distance_bias``)."""
+    gets ``table[h, q_pos - k_pos]`` (``live_attention.distance_bias``). ``mem_k``,
+    ``mem_v`` [1, M, kv_heads, D] (x-transformers' memory key/values): keys every query
+    attends at no position (``live_attention.join_memory``)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
-                                 attention_chunk, distance_table)
+                                 attention_chunk, distance_table, mem_k, mem_v)
 
 
 @paged_attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, distance_table=None):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, distance_table=None,
+      mem_k=None, mem_v=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -390,19 +407,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: T
               sinks: Tensor | None = None,
               alibi_slopes: Tensor | None = None,
               attention_chunk: int = 0,
-              distance_table: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              distance_table: Tensor | None = None,
+              mem_k: Tensor | None = None,
+              mem_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
-                                 attention_chunk, distance_table)
+                                 attention_chunk, distance_table, mem_k, mem_v)
 
 
 @attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
-      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, distance_table=None):
+      kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, distance_table=None,
+      mem_k=None, mem_v=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -562,7 +582,9 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
                            keep: Tensor | None = None,
-                           distance_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           distance_table: Tensor | None = None,
+                           mem_k: Tensor | None = None,
+                           mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -574,13 +596,14 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                  attention_chunk, keep, distance_table)
+                                  attention_chunk, keep, distance_table, mem_k, mem_v)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None):
+      alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None, mem_k=None,
+      mem_v=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
