@@ -352,6 +352,8 @@ class DCPContext(DCPPass):
                 kc2, vc2 = masked_cache_write(self, g, attn, m["slot_mapping"], layer,
                                               written)
                 kwargs, sinks = attention_kwargs(attn, self.ctx.config)
+                if kwargs.get("mem_k") is not None:   # every key is local: this rank adds
+                    kwargs["mem_split"] = False       # the memory key/values itself
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q, positions, k, v, positions, kc2, vc2, table, m["no_prior"], cp, W, I,

@@ -222,6 +222,11 @@ class InsertPagedCache(DCPPass):
                  f"before the sequence's own in its {'keys' if joins[0] else 'values'} only",
                  "Join memory keys and values alike (cat([mem_k, k]), cat([mem_v, v]))")
         m = val(joins[0][0]).shape[2]
+        if s.bias is None and s.mask is None and tokens == 1 and not s.causal:
+            # one query, no mask: it sees the memory keys and its own key (all of them)
+            s.k, s.v = joins[0][1], joins[1][1]
+            s.mem = (joins[0][0], joins[1][0])
+            return
         if s.bias is not None or s.mask is None:
             fail(where, f"memory key/values: attention {s.node.name} joins {m} learned keys "
                  f"before the sequence's and {'adds a score bias' if s.bias is not None else 'has no mask'}; "

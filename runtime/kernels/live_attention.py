@@ -77,22 +77,23 @@ def position_bias(q_pos: Tensor, key_pos: Tensor, kv_heads: int, slopes: Tensor 
     return distance_bias(q_pos, key_pos, kv_heads, slopes=slopes, table=table)
 
 
-def join_memory(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, rank: Tensor,
+def join_memory(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, rank: Tensor | None,
                 mem_k: Tensor, mem_v: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor]:
     """Memory key/values (x-transformers' ``attn_num_mem_kv``): learned keys and values
     ``[1, M, kv_heads, D]`` every query attends at no position (no causality, no window,
     no bias), joined to a partial attention ``(out [b, i, q_heads, D], lse [b, i, q_heads])``
     through the two log-sum-exps, as one more segment of keys. Only cp rank 0 holds them
     (``rank`` is data): every rank's partial over its own keys is combined exactly by the
-    LSE combine, so the memory enters each softmax once. Padding queries (q_pos < 0) see
-    none. Returns (out float32, lse)."""
+    LSE combine, so the memory enters each softmax once; ``rank`` None: this attention is
+    not split over ranks (the decode engine's prompt step), it adds them. Padding queries
+    (q_pos < 0) see none. Returns (out float32, lse)."""
     batch, q_len, q_heads, dim = q.shape
     kv_heads = mem_k.shape[2]
     qf = q.float().reshape(batch, q_len, kv_heads, q_heads // kv_heads, dim)
     s_mem = torch.einsum("bikgd,jkd->bkgij", qf, mem_k[0].float()) * scale
     if softcap > 0:
         s_mem = torch.tanh(s_mem / softcap) * softcap
-    sees = (q_pos >= 0) & (rank == 0)                                          # [b, i]
+    sees = (q_pos >= 0) if rank is None else (q_pos >= 0) & (rank == 0)        # [b, i]
     s_mem = s_mem.masked_fill(~sees[:, None, None, :, None], NEG_INF)
     lse_mem = torch.logsumexp(s_mem, dim=-1)                                   # [b, k, g, i]
     safe = torch.where(torch.isinf(lse_mem), torch.zeros_like(lse_mem), lse_mem)
@@ -159,7 +160,8 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            keep: Tensor | None = None,
                            distance_table: Tensor | None = None,
                            mem_k: Tensor | None = None,
-                           mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           mem_v: Tensor | None = None,
+                           mem_split: bool = True) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -223,6 +225,7 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     out = out.reshape(batch, q_len, q_heads, out.shape[-1]).to(q.dtype)
     lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
     if mem_k is not None:
-        out, lse = join_memory(out, lse, q, q_pos, rank, mem_k, mem_v, scale, softcap)
+        out, lse = join_memory(out, lse, q, q_pos, rank if mem_split else None, mem_k, mem_v,
+                               scale, softcap)
         out = out.to(q.dtype)
     return out, lse

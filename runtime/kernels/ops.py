@@ -175,7 +175,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             keep: Tensor | None = None,
                             distance_table: Tensor | None = None,
                             mem_k: Tensor | None = None,
-                            mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            mem_v: Tensor | None = None,
+                            mem_split: bool = True) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -235,7 +236,8 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     out = out.reshape(batch, q_len, q_heads, dim).to(q.dtype)
     lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
     if mem_k is not None:   # memory key/values: one more segment of keys, on rank 0 only
-        out, lse = join_memory(out, lse, q, q_pos, rank, mem_k, mem_v, scale, softcap)
+        out, lse = join_memory(out, lse, q, q_pos, rank if mem_split else None, mem_k, mem_v,
+                               scale, softcap)
         out = out.to(q.dtype)
     return out, lse
 
@@ -252,7 +254,8 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       keep: Tensor | None = None,
                       distance_table: Tensor | None = None,
                       mem_k: Tensor | None = None,
-                      mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      mem_v: Tensor | None = None,
+                      mem_split: bool = True) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -272,19 +275,22 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     one, an MLP of the distance), ``table[h, q_pos - k_pos]`` added to each score
     (``live_attention.distance_bias``, the one definition it shares with ALiBi).
     ``mem_k``, ``mem_v`` [1, M, kv_heads of k, D]: memory key/values every query attends at
-    no position, added by ``rank`` 0 only (``live_attention.join_memory``).
+    no position, added by ``rank`` 0 only (``live_attention.join_memory``); ``mem_split``
+    False: the keys are not split over ranks (the decode engine's prompt step), every rank
+    adds them.
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
                                    window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk, keep, distance_table, mem_k, mem_v)
+                                   attention_chunk, keep, distance_table, mem_k, mem_v,
+                                   mem_split)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
       alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None, mem_k=None,
-      mem_v=None):
+      mem_v=None, mem_split=True):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -584,7 +590,8 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            keep: Tensor | None = None,
                            distance_table: Tensor | None = None,
                            mem_k: Tensor | None = None,
-                           mem_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           mem_v: Tensor | None = None,
+                           mem_split: bool = True) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -596,14 +603,15 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                  attention_chunk, keep, distance_table, mem_k, mem_v)
+                                  attention_chunk, keep, distance_table, mem_k, mem_v,
+                                  mem_split)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
       alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None, mem_k=None,
-      mem_v=None):
+      mem_v=None, mem_split=True):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
