@@ -46,11 +46,14 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             interleave: int, scale: float, window: int = 0,
                             softcap: float = 0.0,
                             kv_shared: bool = False,
-                            garbage_block: int = -1) -> tuple[Tensor, Tensor]:
-    if q.shape[1] > MAX_QUERIES:
+                            garbage_block: int = -1, **options) -> tuple[Tensor, Tensor]:
+    if q.shape[1] > MAX_QUERIES or any(x is not None and x is not True and x != 0
+                                       for x in options.values()):
+        # prompt widths, and the options this form does not compute (ALiBi, a distance
+        # table, memory key/values, chunked or sparse attention): the reference kernel
         return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                        block_table, prior_len, rank, dcp, interleave, scale,
-                                       window, softcap, kv_shared, garbage_block)
+                                       window, softcap, kv_shared, garbage_block, **options)
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
