@@ -9,7 +9,7 @@ the distance is refused by name; (2) with grouped K/V heads (x-transformers tile
 query heads are permuted, and the table's rows with them) each matches the model's own full
 forward (fp32, 1e-4, greedy tokens; prompts of 1, 7, 9, 16 tokens around the interleave
 period) in decode and prefill at tp=4/dcp=2 and tp=8/dcp=4. A slice runs by default; every
-cell with ``DCP_THIRD_PARTY=1`` (tests/support/full_runs.py).
+cell with ``DCP_DISTANCE_BIAS_FULL=1`` (tests/support/full_runs.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ FORMS = {"rel-pos-bias": dict(rel_pos_bias=True),
          "mem-kv": dict(rotary_pos_emb=True, attn_num_mem_kv=2)}
 WORLDS = [(4, 2), (8, 4)]
 CELLS = [(f, m, w) for f in FORMS for m in hf_corpus.MODES for w in WORLDS]
-SLICE = [("rel-pos-bias", "decode", (4, 2)), ("dynamic-pos-bias", "prefill", (8, 4)),
-         ("mem-kv", "decode", (8, 4))]
+SLICE = [("rel-pos-bias", "decode", (4, 2)), ("mem-kv", "decode", (8, 4))]
 
 
 def _model(form: str, kv_heads: int = T.KV_HEADS):
@@ -103,7 +102,7 @@ def test_swapped_model_computes_its_own_forward():
 
 @pytest.mark.parametrize("form,mode,world", [
     pytest.param(*c, id=f"{c[0]}-{c[1]}-tp{c[2][0]}dcp{c[2][1]}")
-    for c in (CELLS if full("DCP_THIRD_PARTY") else SLICE)])
+    for c in (CELLS if full("DCP_DISTANCE_BIAS_FULL") else SLICE)])
 def test_grouped_heads_match_the_models_own_forward(form, mode, world):
     tp, dcp = world
     out = hf_corpus.run_model(_model(form), mode, logits_of=T.logits_of, check=False,
