@@ -50,8 +50,8 @@ from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
-from .mask_predicate import I, J, read_mask, read_mask_keys
-from .op_classes import CASTS, CONCATS
+from .mask_predicate import I, J, read_mask
+from .memory_key_values import memory_rows, split_memory
 from .score_bias import DistanceTable, position_bias_of, read_bias
 from .sparse_attention import refuse_top_k_selection
 from .placement import Refusal, carried_dim
@@ -180,7 +180,8 @@ class InsertPagedCache(DCPPass):
         return out
 
     def _check_site(self, s: Site, per_token: set, batch: int, tokens: int, pos) -> None:
-        self._split_memory(s, per_token, tokens, pos)
+        split_memory(s, per_token, tokens, token_input=self.token_input, position_input=pos,
+                     constants=self._constant_values)
         for what, t in (("query", s.q), ("key", s.k), ("value", s.v)):
             shape = val(t).shape
             if len(shape) != 4 or shape[0] != batch:
@@ -205,63 +206,6 @@ class InsertPagedCache(DCPPass):
                  f"tokens: every token attends to later ones (an encoder)",
                  "Only causal decoders can be served from a KV cache")
         # tokens == 1 with no mask: one query, one key -- causal and full attention agree.
-
-    def _split_memory(self, s: Site, per_token: set, tokens: int, pos) -> None:
-        """Memory key/values (x-transformers' ``attn_num_mem_kv``: ``cat([mem_k, k], dim=-2)``
-        and the same for v): learned keys every query attends at no position. Split off the
-        site (``s.mem``, the paged op's ``mem_k`` / ``mem_v``; cp rank 0 adds them to its
-        partial attention and the LSE combine counts them once), the sequence's own keys
-        left as the site's K/V, and its mask read over the sequence's keys, after proving
-        that it keeps every memory key for every query."""
-        joins = [_memory_join(t, per_token) for t in (s.k, s.v)]
-        if joins == [None, None]:
-            return
-        where = s.k if joins[0] is not None else s.v
-        if None in joins or val(joins[0][0]).shape[2] != val(joins[1][0]).shape[2]:
-            fail(s.node, f"memory key/values: attention {s.node.name} joins learned entries "
-                 f"before the sequence's own in its {'keys' if joins[0] else 'values'} only",
-                 "Join memory keys and values alike (cat([mem_k, k]), cat([mem_v, v]))")
-        m = val(joins[0][0]).shape[2]
-        if s.bias is None and s.mask is None and tokens == 1 and not s.causal:
-            # one query, no mask: it sees the memory keys and its own key (all of them)
-            s.k, s.v = joins[0][1], joins[1][1]
-            s.mem = (joins[0][0], joins[1][0])
-            return
-        if s.bias is not None or s.mask is None:
-            fail(where, f"memory key/values: attention {s.node.name} joins {m} learned keys "
-                 f"before the sequence's and {'adds a score bias' if s.bias is not None else 'has no mask'}; "
-                 f"the paged op reads memory keys with a mask over the sequence's keys only",
-                 "Build the model without memory key/values, or without the score bias")
-        g = s.node.graph
-        mask = s.mask
-        last = val(mask).dim() - 1
-        if val(mask).shape[-1] != m + tokens:
-            fail(mask, f"memory key/values: the mask of attention {s.node.name} has "
-                 f"{val(mask).shape[-1]} keys, not the {m} memory keys and the {tokens} "
-                 f"tokens'", "Mask the memory keys and the sequence's keys together")
-        with g.inserting_after(mask):
-            seq = g.call_function(aten.slice.Tensor, (mask, last, m, m + tokens))
-            mem = g.call_function(aten.slice.Tensor, (mask, last, 0, m))
-        seq.meta["val"], mem.meta["val"] = val(mask)[..., m:], val(mask)[..., :m]
-        for n in (seq, mem):
-            for key in ("stack_trace", "nn_module_stack"):
-                if key in mask.meta:
-                    n.meta[key] = mask.meta[key]
-        keep = read_mask_keys(s, mem, tokens, token_input=self.token_input,
-                              position_input=pos, constants=self._constant_values)
-        hidden = [(i, j) for i in range(tokens) for j in range(m)
-                  if sympy.simplify(keep.subs({I: i, J: j})) is not sympy.true]
-        for j in range(m):   # for every query position, not only the captured ones
-            if sympy.simplify(keep.subs(J, j)) is not sympy.true and not hidden:
-                hidden.append(("every i >= 0", j))
-        if hidden:
-            fail(mask, f"memory key/values: the mask of attention {s.node.name} hides a "
-                 f"memory key from a query (query i, memory key j: {hidden[:3]}); memory keys "
-                 f"are seen by every query, at no position", "Keep every memory key "
-                 "visible to every query")
-        s.mask = seq
-        s.k, s.v = joins[0][1], joins[1][1]
-        s.mem = (joins[0][0], joins[1][0])
 
     def _check_per_token(self, s: Site, what: str, t: Node, per_token: set, batch: int,
                          tokens: int) -> None:
@@ -415,7 +359,7 @@ class InsertPagedCache(DCPPass):
                 if s.sinks is not None:
                     params["sinks"] = s.sinks
                 if s.mem is not None:   # memory key/values, [1, M, Hkv, D] like k's rows
-                    params["mem_k"], params["mem_v"] = (_memory_rows(g, t) for t in s.mem)
+                    params["mem_k"], params["mem_v"] = (memory_rows(g, t) for t in s.mem)
                 if isinstance(s.alibi, DistanceTable):
                     params["distance_table"] = _distance_table(g, s.alibi, val(s.q).shape[1])
                 elif s.alibi is not None:
@@ -551,13 +495,6 @@ def _slopes(g, alibi, heads: int) -> Node:
     return g.call_function(aten.mul.Tensor, (flat, alibi.coefficient))
 
 
-def _memory_rows(g, t: Node) -> Node:
-    """Memory keys or values [B, Hkv, M, D] (the same for every row: computed without the
-    tokens) as the paged op's [1, M, Hkv, D]."""
-    row = g.call_function(aten.slice.Tensor, (t, 0, 0, 1))
-    return g.call_function(aten.transpose.int, (row, 1, 2))
-
-
 def _distance_table(g, bias: DistanceTable, heads: int) -> Node:
     """A distance table [heads, L] (proven by score_bias.distance_table_of), float32, scaled
     by its coefficient."""
@@ -600,18 +537,3 @@ def _drop_dead(g) -> None:
                                                             or n.target in removable):
                 g.erase_node(n)
                 changed = True
-
-
-def _memory_join(t: Node, per_token: set) -> tuple[Node, Node] | None:
-    """(learned part, the sequence's part) when ``t`` is ``cat([learned, per-token], dim=2)``
-    of [B, H, S, D] tensors (casts around it skipped), else None."""
-    x = t
-    while is_call(x, CASTS):
-        x = x.args[0]
-    if not is_call(x, CONCATS):
-        return None
-    parts = list(x.args[0])
-    dim = x.args[1] if len(x.args) > 1 else 0
-    if dim % 4 != 2 or len(parts) != 2 or parts[0] in per_token or parts[1] not in per_token:
-        return None
-    return parts[0], parts[1]

@@ -479,24 +479,6 @@ def read_mask(s: Site, tokens: int, *, token_input: str, position_input: Node | 
                          tables=tables)
 
 
-def read_mask_keys(s: Site, root: Node, tokens: int, *, token_input: str,
-                   position_input: Node | None, constants=lambda: {}) -> sympy.Basic:
-    """K(i, j) of a piece of the site's mask (``root``, [..., queries, keys], read as the
-    site's mask is, by its kind): the memory keys' columns of x-transformers' mask
-    (insert_paged_cache._split_memory proves every query keeps them). Refused, as a mask
-    is, if it differs across batch rows or heads."""
-    m, _ = _interpret(root, s, tokens, token_input, position_input, constants)
-    keep, bias = _keep(s, m)
-    r = len(m.shape)
-    if {axis(k) for k in range(r - 2)} & keep.free_symbols:
-        fail(root, f"the attention mask of {s.node.name} differs across batch rows or heads",
-             "Use one mask for every row and head")
-    if sympy.simplify(bias) != 0:
-        fail(root, f"the attention mask of {s.node.name} adds a score bias ({bias}) to these "
-             f"keys", "Add no bias to memory keys")
-    return rename(keep, {r - 2: I, r - 1: J})
-
-
 def _scores_axes(expr, shape: tuple[int, ...]):
     """A formula over a [..., S, S]-aligned tensor's axes, on the scores' [B, H, i, j]:
     numpy broadcasting aligns it on the right."""

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.garbage_block import LAST, garbage_block_id, usable_block
+from dcp_compile.runtime.kernels.op_defs import dcp_op
 
 NEG_INF = float("-inf")
 
@@ -229,3 +230,41 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                                scale, softcap)
         out = out.to(q.dtype)
     return out, lse
+
+
+@dcp_op("partial_attention_live", mutates_args=())
+def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor,
+                           k_pos: Tensor, key_cache: Tensor, value_cache: Tensor,
+                           block_table: Tensor, prior_len: Tensor, rank: Tensor, dcp: int,
+                           interleave: int, scale: float, window: int = 0,
+                           softcap: float = 0.0,
+                           kv_shared: bool = False,
+                           garbage_block: int = LAST,
+                           alibi_slopes: Tensor | None = None,
+                           attention_chunk: int = 0,
+                           keep: Tensor | None = None,
+                           distance_table: Tensor | None = None,
+                           mem_k: Tensor | None = None,
+                           mem_v: Tensor | None = None,
+                           mem_split: bool = True) -> tuple[Tensor, Tensor]:
+    """partial_attention reading only the block-table entries some row's prior uses.
+
+    Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
+    entries past the longest prior changes nothing but the work: a step costs its context,
+    not the block table's (or the cache's) capacity. The width is data (a host sync), which
+    is why only eager backends run this; static-shape backends keep the full span. The body
+    masks with scalars and never concatenates the keys (runtime/kernels/live_attention.py).
+    """
+    return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
+                                  block_table, prior_len, rank, dcp, interleave, scale,
+                                  window, softcap, kv_shared, garbage_block, alibi_slopes,
+                                  attention_chunk, keep, distance_table, mem_k, mem_v,
+                                  mem_split)
+
+
+@partial_attention_live.register_fake
+def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
+      dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
+      alibi_slopes=None, attention_chunk=0, keep=None, distance_table=None, mem_k=None,
+      mem_v=None, mem_split=True):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
