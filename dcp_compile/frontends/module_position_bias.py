@@ -110,8 +110,10 @@ def distance_table(name: str, own: Callable[[int, int], Tensor], length: int) ->
     return table
 
 
-def _table_key(name: str) -> str:
-    return f"{DISTANCE_TABLE}_{name.replace('.', '_')}"
+def _table_key(name: str, length: int | None) -> str:
+    """The buffer of ``name``'s table over ``length`` positions: one per length, so a
+    program captured at other shapes (a bucket) keeps reading its own."""
+    return f"{DISTANCE_TABLE}_{name.replace('.', '_')}_{length}"
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,8 @@ class TableRule:
     def prepare(self, name: str, module: nn.Module, tables: Tables) -> None:
         """The table of ``module`` over ``tables.max_model_len``, registered on the holder
         (outside any capture: the module's own forward runs on real tensors)."""
-        length, key = tables.max_model_len, _table_key(name)
-        table = getattr(tables.holder, key, None)
-        if length is None or (table is not None and table.shape[-1] == length):
+        length, key = tables.max_model_len, _table_key(name, tables.max_model_len)
+        if length is None or getattr(tables.holder, key, None) is not None:
             return
         table = distance_table(name, module.forward, length)
         if table.shape[0] != self.heads_of(module):
@@ -137,7 +138,8 @@ class TableRule:
     @contextlib.contextmanager
     def __call__(self, name: str, module: nn.Module, tables: Tables):
         """The swap: ``forward(i, j)`` reads the table at ``|q_pos - k_pos|``."""
-        stored = getattr(tables.holder, _table_key(name), None)
+        key = _table_key(name, tables.max_model_len)
+        stored = getattr(tables.holder, key, None)
         if stored is None or tables.max_model_len is None:
             raise DCPTransformError(
                 f"{name} ({type(module).__qualname__}) adds a bias of the key-query "
@@ -149,7 +151,7 @@ class TableRule:
             if j > length:
                 raise DCPTransformError(
                     f"{name}: a bias over {j} keys, past max_model_len={length}")
-            held = getattr(tables.holder, _table_key(name))
+            held = getattr(tables.holder, key)
             q_pos = torch.arange(j - i, j, device=held.device)
             k_pos = torch.arange(j, device=held.device)
             return held[:, (q_pos[:, None] - k_pos[None, :]).abs()]
