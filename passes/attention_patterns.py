@@ -75,6 +75,9 @@ class Site:
     mask_scale: float = 1.0
     alibi: object = None         # score_bias.Alibi, once the bias is proven ALiBi
     index: object = None         # sparse_attention.IndexSelection (DeepSeek Sparse Attention)
+    # Memory key/values (x-transformers' attn_num_mem_kv): the learned [B, Hkv, M, D] keys
+    # and values joined before the sequence's, once insert_paged_cache has split them off.
+    mem: tuple[Node, Node] | None = None
 
 
 def fail(node: Node, why: str, fix: str):

@@ -35,7 +35,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.garbage_block import LAST
-from dcp_compile.runtime.names import META_KIND, RANK_INPUT, Mode, Role
+from dcp_compile.runtime.names import (META_KIND, POSITION_BIAS_KWARGS, RANK_INPUT, Mode,
+                                       Role)
 
 from . import collectives as C
 from .infra import (KIND_ATTENTION, KIND_CACHE_WRITE, KIND_COLLECTIVE, KIND_LSE, KIND_MASK,
@@ -354,11 +355,14 @@ class DCPDecode(DCPPass):
                         prior=m["prior_local"], q_pos=positions, cp=cp, layer=layer, group=W,
                         current=s)
                     kwargs["index_width"] = index["index_width"]
-                if W > 1 and kwargs.get("alibi_slopes") is not None:
-                    # ALiBi: the gathered q's heads need their slopes, gathered alike.
-                    c, slopes_w = C.all_gather(g, kwargs["alibi_slopes"], Role.DCP, W)
+                for key in POSITION_BIAS_KWARGS if W > 1 else ():
+                    if kwargs.get(key) is None:
+                        continue
+                    # ALiBi's slopes, a distance table: the gathered q's heads need their
+                    # rows, gathered alike ([W*hq] / [W*hq, L]).
+                    c, rows_w = C.all_gather(g, kwargs[key], Role.DCP, W)
                     self.tag(c, KIND_COLLECTIVE, layer)
-                    kwargs["alibi_slopes"] = slopes_w                        # [W*hq]
+                    kwargs[key] = rows_w
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q_all, positions, k, v, m["current_key_positions"], kc2, vc2, table,
@@ -441,6 +445,8 @@ class DCPContext(DCPPass):
                         table=table, prior=m["no_prior"], q_pos=positions, cp=cp,
                         layer=layer, group=1, current=val(positions).shape[1])
                     kwargs["index_width"] = index["index_width"]
+                if kwargs.get("mem_k") is not None:   # every key is local: this rank adds
+                    kwargs["mem_split"] = False       # the memory key/values itself
                 pa = self.tag(g.call_function(
                     dcp_ops.partial_attention.default,
                     (q, positions, k, v, positions, kc2, vc2, table, m["no_prior"], cp, W, I,

@@ -51,8 +51,8 @@ from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
-from .op_classes import CASTS, CONCATS
-from .score_bias import alibi_of, read_bias
+from .memory_key_values import memory_rows, split_memory
+from .score_bias import DistanceTable, position_bias_of, read_bias
 from .sparse_attention import read_index_selection, refuse_top_k_selection
 from .placement import Refusal, carried_dim
 from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
@@ -197,6 +197,8 @@ class InsertPagedCache(DCPPass):
         return out
 
     def _check_site(self, s: Site, per_token: set, batch: int, tokens: int, pos) -> None:
+        split_memory(s, per_token, tokens, token_input=self.token_input, position_input=pos,
+                     constants=self._constant_values)
         for what, t in (("query", s.q), ("key", s.k), ("value", s.v)):
             shape = val(t).shape
             if len(shape) != 4 or shape[0] != batch:
@@ -308,7 +310,7 @@ class InsertPagedCache(DCPPass):
                 extra = extra.replace(f, g)
                 tables[g] = more[f]
             bias = bias + extra * s.bias_scale
-        s.alibi = alibi_of(s, bias, tables)
+        s.alibi = position_bias_of(s, bias, tables)
 
     def _set_window(self, s: Site, declared: int, layer: int, verdict) -> None:
         """Config windows (Hugging Face layer_types / sliding_window) checked against the
@@ -390,7 +392,11 @@ class InsertPagedCache(DCPPass):
                                             ("attention_chunk", s.chunk)) if x}
                 if s.sinks is not None:
                     params["sinks"] = s.sinks
-                if s.alibi is not None:
+                if s.mem is not None:   # memory key/values, [1, M, Hkv, D] like k's rows
+                    params["mem_k"], params["mem_v"] = (memory_rows(g, t) for t in s.mem)
+                if isinstance(s.alibi, DistanceTable):
+                    params["distance_table"] = _distance_table(g, s.alibi, val(s.q).shape[1])
+                elif s.alibi is not None:
                     params["alibi_slopes"] = _slopes(g, s.alibi, val(s.q).shape[1])
                 if s.index is not None:
                     params.update(index_q=s.index.q, index_weights=s.index.weights,
@@ -540,6 +546,18 @@ def _with_index_k(g, k: Node, sel, dtype: torch.dtype) -> Node:
     return g.call_function(aten.cat.default, ([k, ik], -1))
 
 
+def _distance_table(g, bias: DistanceTable, heads: int) -> Node:
+    """A distance table [heads, L] (proven by score_bias.distance_table_of), float32, scaled
+    by its coefficient."""
+    t = bias.table
+    if val(t).dim() != 2 or val(t).shape[0] != heads:
+        fail(t, f"distance table {t.name} of shape {tuple(val(t).shape)} for {heads} heads",
+             "Give one row per query head")
+    t = g.call_function(aten.to.dtype, (t, torch.float32))
+    return t if bias.coefficient == 1.0 else \
+        g.call_function(aten.mul.Tensor, (t, bias.coefficient))
+
+
 def _pad_values(g, v: Node, extra: int) -> Node:
     """V [B, S, H, Dv] -> [B, S, H, Dv + extra], zeros after: softmax(q k^T) @ [v, 0] is
     [out, 0], so keys and values share one cache head_dim (unabsorbed MLA, Dv < Dqk)."""
@@ -570,26 +588,3 @@ def _drop_dead(g) -> None:
                                                             or n.target in removable):
                 g.erase_node(n)
                 changed = True
-
-
-def _memory_key_values(s: Site, what: str, t: Node, per_token: set) -> None:
-    """Refuse by name learned key/values joined before the sequence's (x-transformers'
-    ``attn_num_mem_kv``: ``cat([mem_k, k], dim=-2)``), which is no cross-attention: every
-    query attends them, at no place in the sequence; the paged cache holds the sequence's own
-    keys only, and ``dcp.attention`` has no argument for keys outside it."""
-    x = t
-    while is_call(x, CASTS):
-        x = x.args[0]
-    if not is_call(x, CONCATS):
-        return
-    parts = x.args[0]
-    dim = x.args[1] if len(x.args) > 1 else 0
-    if dim % 4 != 2 or not any(p in per_token for p in parts) \
-            or all(p in per_token for p in parts):
-        return
-    learned = [p.name for p in parts if p not in per_token]
-    fail(s.node, f"memory key/values: the {what} {t.name} joins learned entries "
-         f"{learned} before the sequence's own (x-transformers' attn_num_mem_kv): every query "
-         f"attends them, at no place in the sequence, and the paged cache holds the "
-         f"sequence's keys and values only (dcp.attention has no argument for others)",
-         "Build the model without memory key/values")

@@ -31,6 +31,8 @@ from .attention_patterns import MASKED_OUT, Site, fail
 from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis,  # noqa: F401
                                broadcast_to, constant, hidden_under_bias, pieces, relation,
                                rename)
+from dcp_compile.runtime.names import DISTANCE_TABLE
+
 from .infra import val
 from .mask_axis_rules import AXIS_RULES
 from .memory import refuse_writes_in_place as _refuse_writes_in_place
@@ -389,6 +391,15 @@ def _interpret(root: Node, s: Site, tokens: int, token_input: str, position_inpu
         return env[a]
 
     for n in ancestors:
+        if n.op == "placeholder" and DISTANCE_TABLE in n.name:
+            # A [H, L] table of the key-query distance (frontends/module_position_bias.py):
+            # an uninterpreted function of (head, distance), proven so by its reader
+            # (score_bias.distance_table_of).
+            free.add(n)
+            f = sympy.Function(f"distance_{len(tables)}")
+            tables[f] = n
+            env[n] = Sym(_out(n)[0], f(axis(0), axis(1)), False)
+            continue
         if n.op == "placeholder":
             if n.name != token_input and n is not position_input:
                 free.add(n)

@@ -29,6 +29,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.kernels.moe import ARG
 from dcp_compile.runtime.program.shards import ShardSpec
 from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_WEIGHT_PERM,
+                                       POSITION_BIAS_KWARGS,
                                        META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
                                        RANK_INPUT, ROLE_META, SCOPE_MODEL)
 
@@ -262,25 +263,31 @@ class ShardTensorParallel(DCPPass):
         emb.replace_all_uses_with(w, delete_user_cb=lambda u: u is not masked)
 
     def _alibi_heads(self, gm, rank: Node, pl: PlacementPlan) -> None:
-        """ALiBi slopes are a whole [q_heads] constant (replicated): each rank keeps the
-        slopes of its own q heads, the piece q's placement gives it (ShardSpec.index:
-        ``(rank % group) // replicas``), taken with rank arithmetic (rank is data)."""
+        """ALiBi slopes [q_heads] and a distance table [q_heads, L] are whole constants
+        (replicated): each rank keeps the rows of its own q heads, the piece q's placement
+        gives it (ShardSpec.index: ``(rank % group) // replicas``), taken with rank
+        arithmetic (rank is data)."""
         g = gm.graph
         for attn in attention_nodes(gm):
-            slopes = attn.kwargs.get("alibi_slopes")
             q = pl.of(attn.args[0])
-            if slopes is None or not isinstance(q, Shard):
+            if not isinstance(q, Shard):
                 continue
-            seg = q.segs[0]
-            group = self._group(q.axis)
-            with g.inserting_before(attn):
-                piece = g.call_function(aten.floor_divide.default, (
-                    g.call_function(aten.remainder.Scalar, (rank, group)), seg.replicas))
-                table = g.call_function(aten.view.default, (slopes, [seg.pieces, seg.local]))
-                mine = g.call_function(aten.index_select.default, (
-                    table, 0, g.call_function(aten.view.default, (piece, [1]))))
-                local = g.call_function(aten.view.default, (mine, [seg.local]))
-            attn.kwargs = {**attn.kwargs, "alibi_slopes": local}
+            for key in POSITION_BIAS_KWARGS:
+                whole = attn.kwargs.get(key)
+                if whole is None:
+                    continue
+                seg = q.segs[0]
+                group = self._group(q.axis)
+                rest = list(val(whole).shape[1:])
+                with g.inserting_before(attn):
+                    piece = g.call_function(aten.floor_divide.default, (
+                        g.call_function(aten.remainder.Scalar, (rank, group)), seg.replicas))
+                    table = g.call_function(aten.view.default,
+                                            (whole, [seg.pieces, seg.local, *rest]))
+                    mine = g.call_function(aten.index_select.default, (
+                        table, 0, g.call_function(aten.view.default, (piece, [1]))))
+                    local = g.call_function(aten.view.default, (mine, [seg.local, *rest]))
+                attn.kwargs = {**attn.kwargs, key: local}
 
     def _expert_shard_rank(self, g, rank: Node, expert_parallel: bool) -> None:
         """Which shard of the experts this rank holds is data, the rank input (dcp.moe,

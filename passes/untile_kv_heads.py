@@ -23,6 +23,12 @@ another dim, matmuls batched over the heads, SDPA, elementwise ops), and every o
 outside the region must be broadcast over the heads (a RoPE table, a causal mask). A
 per-head bias, an op without a rule, or a value leaving the region other than through a
 linear's input is a refusal that names the node ('K/V heads tiled ...').
+
+A distance table (x-transformers' T5 bias or MLP of the distance, a ``[H, L]`` buffer named
+``DISTANCE_TABLE``: frontends/module_position_bias.py) carries the heads too: it joins the
+region as a seed holding them at dim 0, read by ``table[:, index]`` and padded along the
+keys (rules below), and is read with its rows reordered like the q projection's
+(``META_WEIGHT_PERM``, the same permutation for every layer that reads it).
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
-from dcp_compile.runtime.names import META_WEIGHT_PERM
+from dcp_compile.runtime.names import DISTANCE_TABLE, META_WEIGHT_PERM
 
 from .attention_forms import call_like
 from .attention_patterns import repeated_heads
 from .infra import linears_reached, source_of, val
 from .op_classes import (BATCHED_MATMULS, CASTS, EXPANDS, IDENTITY_VIEWS, JOINS, LOG_SOFTMAX,
+                         PADS,
                          PERMUTES, RESHAPES, SDPA_OPS, SLICES, SOFTMAX, SPLITS, SQUEEZES,
                          UNTAGGED_ELEMENTWISE, is_call)
 
@@ -134,6 +141,32 @@ class _Region:
         a = out_dim - (out_ndim - val(u).dim())
         return a < 0 or val(u).shape[a] == 1
 
+    def _table_reach(self) -> set[Node]:
+        """Every node downstream of a distance table seeded in the region."""
+        out, work = set(), [t for t in self.seeds if t.op == "placeholder"]
+        while work:
+            x = work.pop()
+            for y in x.users:
+                if y not in out:
+                    out.add(y)
+                    work.append(y)
+        return out
+
+    def _repeat_upstream(self, u: Node) -> Node | None:
+        """A tiled K/V repeat of this region's shape upstream of ``u``, not seeded yet."""
+        seen, work = set(), [u]
+        while work:
+            x = work.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            rep = repeated_heads(x) if x.op == "call_function" else None
+            if rep is not None and rep[1] == 1 and x not in self.seeds \
+                    and val(x).shape[1] == self.H and val(rep[0]).shape[1] == self.kvh:
+                return x
+            work.extend(x.all_input_nodes)
+        return None
+
     def _pull(self, n: Node, u: Node) -> Node:
         """The one linear ``u`` reads its heads from (nearest linears upstream)."""
         found = set(linears_reached([u], _tensors))     # through attention too
@@ -162,6 +195,15 @@ class _Region:
                     if rep is not None and rep[1] == 1 and val(u).shape[1] == self.H \
                             and val(rep[0]).shape[1] == self.kvh:
                         return u, Heads(1)
+                    table = _distance_table(u)
+                    if table is not None and table not in self.seeds:
+                        return table, Heads(0)
+                    if table is not None or n in self._table_reach():
+                        # another layer's scores met through a shared distance table: seed
+                        # that layer's tiled repeats first (its q projection follows)
+                        up = self._repeat_upstream(u)
+                        if up is not None:
+                            return up, Heads(1)
                     lin = self._pull(n, u)
                     return lin, Heads(val(lin).dim() - 1, val(lin).shape[-1] // self.H)
         st = self._rule(n, ins)
@@ -260,6 +302,17 @@ class _Region:
             if n.target in (aten.select.int, aten.unbind.int):
                 return Heads(a - (d < a), blk)
             return first
+        if is_call(n, {aten.index.Tensor}):     # table[:, index]: the heads' dim kept, first
+            idx = list(n.args[1])
+            if a != 0 or len(idx) < 2 or idx[0] is not None:
+                raise _Refused(n, "indexes the heads' dim, or the dims before it")
+            return first
+        if is_call(n, PADS):                    # a constant pad of other dims than the heads'
+            pads = list(n.args[1])
+            side = len(shape_in) - 1 - a
+            if any(pads[2 * side:2 * side + 2]):
+                raise _Refused(n, "pads the heads' dim")
+            return first
         if is_call(n, SOFTMAX | LOG_SOFTMAX):
             if _norm(n.args[1], len(shape_in)) == a:
                 raise _Refused(n, "a softmax over the heads")
@@ -301,6 +354,30 @@ def _weight(n: Node, lin: Node, i: int, weights: set[str]) -> Node | None:
         raise _Refused(lin, f"its {'weight' if i == 1 else 'bias'} {w.name} is read "
                             f"elsewhere too (tied)")
     return w
+
+
+def _distance_table(u: Node) -> Node | None:
+    """The one distance-table buffer ``u`` is computed from (module doc), or None."""
+    seen, work, found = set(), [u], set()
+    while work:
+        x = work.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and DISTANCE_TABLE in x.name:
+            found.add(x)
+        work.extend(x.all_input_nodes)
+    return found.pop() if len(found) == 1 else None
+
+
+def _table_perm(t: Node, perm: tuple[int, ...]) -> None:
+    """The distance table ``t`` read with its rows (heads) reordered by ``perm``; refused if
+    another region reads it in another order."""
+    had = t.meta.get(META_WEIGHT_PERM)
+    if had is not None and had != (0, perm):
+        raise _Refused(t, "the distance table is read by layers whose heads are permuted "
+                          "differently")
+    t.meta[META_WEIGHT_PERM] = (0, perm)
 
 
 def _refuse(node: Node, why: str, heads: int, kvh: int):
@@ -346,6 +423,7 @@ def tiled_kv_heads_untiled(gm: GraphModule, weights: set[str], constants) -> int
         try:
             region.grow()
             linears = [n for n in region.seeds if n.op == "call_function" and n.target == LINEAR]
+            tables = [n for n in region.seeds if n.op == "placeholder"]
             if not linears or not region.sinks:
                 raise _Refused(t, "no q projection or no O projection found around it")
             plan = [(w, 0, region.perm(val(lin).shape[-1] // heads))
@@ -353,11 +431,13 @@ def tiled_kv_heads_untiled(gm: GraphModule, weights: set[str], constants) -> int
                                                  _weight(t, lin, 2, weights)) if w is not None]
             plan += [(_weight(t, lin, 1, weights), 1,
                       region.perm(val(lin.args[0]).shape[-1] // heads)) for lin in region.sinks]
+            for table in tables:
+                _table_perm(table, region.perm(1))
         except _Refused as e:
             _refuse(e.node, e.why, heads, kvh)
         for w, dim, perm in plan:
             w.meta[META_WEIGHT_PERM] = (dim, perm)
-        for rep_node in [n for n in region.seeds if n not in linears]:
+        for rep_node in [n for n in region.seeds if n not in linears and n not in tables]:
             _interleave(gm, rep_node)
             done.add(rep_node)
             count += 1

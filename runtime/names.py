@@ -110,3 +110,15 @@ ROLE_PREFIX = "dcp_role:"         # a collective's group in a graph: ROLE_PREFIX
 
 META_CERTIFICATE = "dcp_certificate"  # the layout proof certificate (validate_and_prove)
 SP_META = "dcp_sequence_parallel"     # the sequence-parallel layout (tokens, padding, per rank)
+
+# dcp.attention's per-head position-bias arguments, whole [q_heads, ...] constants of the
+# model: ALiBi's slopes [q_heads] and a key-query distance table [q_heads, max_model_len]
+# (runtime/kernels/live_attention.distance_bias). Each rank takes its q heads' rows
+# (shard_tensor_parallel) and decode DCP gathers them with the query heads (dcp_decode).
+POSITION_BIAS_KWARGS = ("alibi_slopes", "distance_table")
+# The name every distance-table buffer of a capture holds (frontends/module_position_bias.py
+# registers them; passes/mask_predicate.py reads a placeholder so named as table(h, d)).
+DISTANCE_TABLE = "dcp_distance_table"
+# dcp.attention's memory key/values (x-transformers' attn_num_mem_kv), [1, M, kv_heads, D]:
+# cut by heads like k, added by cp rank 0 only (runtime/kernels/live_attention.join_memory).
+MEMORY_KWARGS = ("mem_k", "mem_v")

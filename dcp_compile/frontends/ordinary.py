@@ -21,7 +21,8 @@ from dcp_compile.runtime.program.facts import ModelFacts
 from ..capture import Captured, capture, checkpoint_names, constant_values
 from .hf_checkpoint import checkpoint_sources
 from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
-from .module_position_bias import bias_sites, module_position_bias_enabled
+from .module_position_bias import (Tables, bias_sites, module_position_bias_enabled,
+                                   prepare_distance_tables)
 from .module_sparse_attention import indexer_sites, module_indexers_enabled
 from .module_windows import module_windows_enabled, window_sites
 from .hf_config import attention_chunks
@@ -54,6 +55,11 @@ class OrdinaryFrontend:
     def capture(self, step: str, config) -> StepCapture:
         tokens = self.shapes.tokens(step)
         start = time.perf_counter()
+        # The positions a program's block table addresses: a distance table's length.
+        step_model = self.step_model
+        step_model.max_model_len = self.shapes.max_blocks * config.block_size * config.dcp
+        prepare_distance_tables(step_model.library_biases, Tables(
+            step_model.library_bias_tables, step_model.max_model_len))
         captured = capture_ordinary(self.step_model, self.shapes.batch, tokens,
                                     device=self.device)
         drop_replaced_weights(captured, self.step_model, self.model)
@@ -121,6 +127,10 @@ class OrdinaryStep(nn.Module):
         # ... and their position biases cached in a buffer (x-transformers' ALiBi) recomputed
         # as a formula of positions at every call (module_position_bias).
         self.library_biases = bias_sites(model) if library_modules else []
+        # ... of which those of the key-query distance (T5's, an MLP's) are read from a
+        # table over the program's max_model_len, a buffer of this module (set by capture).
+        self.library_bias_tables = nn.Module()
+        self.max_model_len: int | None = None
         params = forward_params(model)
         self.hf = is_hf(model)
         # transformers' DSA indexers as one dcp.index_topk op each (module_sparse_attention):
@@ -140,7 +150,8 @@ class OrdinaryStep(nn.Module):
         experts = dcp_experts_enabled(self.model) if self.hf else contextlib.nullcontext()
         with experts, module_experts_enabled(self.model, self.library_experts), \
                 module_windows_enabled(self.library_windows), \
-                module_position_bias_enabled(self.library_biases), \
+                module_position_bias_enabled(self.library_biases, Tables(
+                    self.library_bias_tables, self.max_model_len)), \
                 module_indexers_enabled(self.indexers):
             out = self.model(input_ids, **kwargs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)

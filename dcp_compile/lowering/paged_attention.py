@@ -50,15 +50,21 @@ def _fused_decode_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             alibi_slopes: Tensor | None = None,
                             attention_chunk: int = 0,
                             keep: Tensor | None = None,
-                            index_width: int = 0) -> tuple[Tensor, Tensor]:
-    # Prompt-width queries, and the options this kernel does not implement (ALiBi, chunked
-    # attention, DeepSeek Sparse Attention's keep and its indexer columns): the reference.
-    if q.shape[1] > MAX_QUERIES or alibi_slopes is not None or attention_chunk or \
-            keep is not None or index_width:
+                            index_width: int = 0,
+                            distance_table: Tensor | None = None,
+                            mem_k: Tensor | None = None,
+                            mem_v: Tensor | None = None,
+                            mem_split: bool = True) -> tuple[Tensor, Tensor]:
+    # Prompt-width queries, and the options this form does not compute (ALiBi, a distance
+    # table, memory key/values, chunked attention, DeepSeek Sparse Attention's keep and its
+    # indexer columns): the reference kernel.
+    if q.shape[1] > MAX_QUERIES or attention_chunk or index_width or any(
+            x is not None for x in (alibi_slopes, keep, distance_table, mem_k)):
         return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                        block_table, prior_len, rank, dcp, interleave, scale,
                                        window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                       attention_chunk, keep, index_width)
+                                       attention_chunk, keep, index_width, distance_table,
+                                       mem_k, mem_v, mem_split)
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]

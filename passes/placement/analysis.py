@@ -23,12 +23,12 @@ from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
 from ..op_classes import SPLITS
-from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
+from dcp_compile.runtime.names import INPUT_IDS, MEMORY_KWARGS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import (fake, node_arg, norm_dim, reads_input, shape_of, tensor_args,
                         weight_param)
 from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projections,
-                   head_shards, linear_roles, reaches_output_directly)
+                   head_shards, linear_roles, option_cuts, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
 from .recurrent import place_recurrent
 from .weights import adopt_tied_kind, decide_weight, lora_up, plain_lm_head, weight_placement
@@ -303,16 +303,11 @@ class Analysis:
             if self.P(a) not in (R, None):
                 raise _err(n, f"attention input {a.name} is {show(self.P(a))}",
                            "positions and block tables must be replicated")
-        sinks = n.kwargs.get("sinks")
-        if sinks is not None and self.P(sinks) != self.sink_shard:
-            raise _err(n, f"attention sinks ({sinks.name}) are {show(self.P(sinks))}, expected "
-                          f"{show(self.sink_shard)}", "Sinks are one logit per q head: pass "
-                          "a [q_heads] parameter, cut like q's heads")
-        slopes = n.kwargs.get("alibi_slopes")
-        if slopes is not None and self.P(slopes) not in (R, None):
-            raise _err(n, f"ALiBi slopes ({slopes.name}) are {show(self.P(slopes))}, expected "
-                          f"replicated", "The slopes are a per-head constant of the model; "
-                          "shard_tensor_parallel takes each rank's heads of them")
+        for key, (want, fix) in option_cuts(self.sink_shard, self.kv_shards[n]).items():
+            x = n.kwargs.get(key)
+            if x is not None and self.P(x) != want and not (want == R and self.P(x) is None):
+                raise _err(n, f"attention {key} ({x.name}) is {show(self.P(x))}, expected "
+                              f"{show(want)}", fix)
         return (self.q_shard, self.kv_shards[n], self.kv_shards[n])
 
     # -- backward --------------------------------------------------------------------------
@@ -521,11 +516,12 @@ class Analysis:
             for i, want in ((0, self.q_shard), (1, self.kv_shards[at]),
                             (2, self.kv_shards[at])):
                 self.require(at.args[i], want, at)
-            if at.kwargs.get("sinks") is not None:   # [q_heads]: cut like q's heads
-                self.require(at.kwargs["sinks"], self.sink_shard, at)
-            # Whole: ALiBi's slopes (cut by the rank below); DSA's indexer q and head weights.
-            for x in filter(None, map(at.kwargs.get, ("alibi_slopes", "index_q", "index_weights"))):
-                self.require(x, R, at)
+            for key, (want, _) in option_cuts(self.sink_shard, self.kv_shards[at]).items():
+                x = at.kwargs.get(key)
+                if x is not None and key in MEMORY_KWARGS:   # a parameter seen through views
+                    self._adopt_through_views(at, {x: want})
+                if x is not None:
+                    self.require(x, want, at)
             for c in at.args[3:5]:
                 self._set_known(c, self.kv_shards[at])
         place_experts(self)

@@ -10,8 +10,10 @@ from torch.fx import Node
 
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 
+from dcp_compile.runtime.names import MEMORY_KWARGS, POSITION_BIAS_KWARGS
+
 from ..infra import linears_reached
-from .lattice import Seg, Shard, canon
+from .lattice import R, Seg, Shard, canon
 from .node_args import weight_param
 
 aten = torch.ops.aten
@@ -114,3 +116,19 @@ def reaches_output_directly(start: Node) -> bool:
         else:
             stack.extend(n.users)
     return reaches and not other
+
+
+def option_cuts(sink_shard, kv_shard) -> dict:
+    """dcp.attention's tensor keywords -> (the placement each needs, the fix): sinks cut
+    like q's heads (``sink_shard``), memory key/values like k's (``kv_shard``), ALiBi's
+    slopes and a distance table whole (shard_tensor_parallel takes each rank's heads of
+    them by rank arithmetic), DeepSeek Sparse Attention's indexer q and head weights whole."""
+    whole = ("ALiBi's slopes and a distance table are per-head constants of the model; "
+             "shard_tensor_parallel takes each rank's heads of them")
+    return {"sinks": (sink_shard, "Sinks are one logit per q head: pass a [q_heads] "
+                                  "parameter, cut like q's heads"),
+            **{k: (kv_shard, "Memory key/values are cut by heads like k and v")
+               for k in MEMORY_KWARGS},
+            **{k: (R, whole) for k in POSITION_BIAS_KWARGS},
+            **{k: (R, "The indexer runs whole on every rank (no head-sharded indexer)")
+               for k in ("index_q", "index_weights")}}

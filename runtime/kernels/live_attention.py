@@ -41,16 +41,75 @@ def same_chunk(q_pos: Tensor, key_pos: Tensor, chunk: int) -> Tensor:
         torch.div(key_pos, chunk, rounding_mode="floor")
 
 
+def distance_bias(q_pos: Tensor, key_pos: Tensor, kv_heads: int, *,
+                  slopes: Tensor | None = None, table: Tensor | None = None) -> Tensor:
+    """The score bias of a key-query distance, [b, k, g, i, j] for scores [b, kv head,
+    group, query, key] (q head h = k * groups + g): the one definition for ALiBi's slopes
+    and for a distance table. The distance is ``q_pos - key_pos`` (>= 0 at every key a
+    causal mask keeps); ALiBi adds ``-slopes[h] * distance``; a table ``[q_heads, L]``
+    (T5's bucketed bias, an MLP of the distance: computed from the model's own module at
+    transform time, frontends/module_position_bias.py) adds ``table[h, distance]``, the
+    distance clamped into ``[0, L)`` (keys outside it are masked by causality, or lie past
+    the program's max_model_len). A function of the two global positions and the head, so
+    each rank adds it to the scores of the keys it holds and the LSE combine is unchanged.
+    Bloom's ``slope * k_pos`` and MPT's ``slope * (k_pos - (S - 1))`` differ from ALiBi's by
+    a per-query constant, which softmax ignores. ``key_pos`` [b or 1, j], ``q_pos`` [b, i]
+    (int64)."""
+    d = q_pos[:, None, None, :, None] - key_pos[:, None, None, None, :]     # [b, 1, 1, i, j]
+    if slopes is not None:
+        return -slopes.float().reshape(1, kv_heads, -1, 1, 1) * d.float()
+    length = table.shape[-1]
+    t = table.float().reshape(kv_heads, -1, length)                         # [k, g, L]
+    at = d[:, 0, 0].clamp(0, length - 1)                                    # [b, i, j]
+    return t[:, :, at].permute(2, 0, 1, 3, 4)
+
+
 def alibi_bias(slopes: Tensor, q_pos: Tensor, key_pos: Tensor, kv_heads: int) -> Tensor:
-    """ALiBi's score bias, [b, k, g, i, j] for scores [b, kv head, group, query, key]:
-    ``slopes[h] * (key_pos - q_pos)``, the q head h = k * groups + g. A function of the two
-    global positions and the head, so each rank adds it to the scores of the keys it holds
-    and the LSE combine is unchanged. Bloom's ``slope * k_pos`` and MPT's
-    ``slope * (k_pos - (S - 1))`` differ from it by a per-query constant, which softmax
-    ignores. ``key_pos`` [b or 1, j], ``q_pos`` [b, i] (int64)."""
-    s = slopes.float().reshape(1, kv_heads, -1, 1, 1)
-    d = key_pos[:, None, None, None, :] - q_pos[:, None, None, :, None]
-    return s * d.float()
+    """ALiBi's score bias ``slopes[h] * (key_pos - q_pos)``: :func:`distance_bias`."""
+    return distance_bias(q_pos, key_pos, kv_heads, slopes=slopes)
+
+
+def position_bias(q_pos: Tensor, key_pos: Tensor, kv_heads: int, slopes: Tensor | None,
+                  table: Tensor | None) -> Tensor | None:
+    """The score bias an attention op's ``alibi_slopes`` / ``distance_table`` give (None:
+    neither)."""
+    if slopes is None and table is None:
+        return None
+    return distance_bias(q_pos, key_pos, kv_heads, slopes=slopes, table=table)
+
+
+def join_memory(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, rank: Tensor | None,
+                mem_k: Tensor, mem_v: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor]:
+    """Memory key/values (x-transformers' ``attn_num_mem_kv``): learned keys and values
+    ``[1, M, kv_heads, D]`` every query attends at no position (no causality, no window,
+    no bias), joined to a partial attention ``(out [b, i, q_heads, D], lse [b, i, q_heads])``
+    through the two log-sum-exps, as one more segment of keys. Only cp rank 0 holds them
+    (``rank`` is data): every rank's partial over its own keys is combined exactly by the
+    LSE combine, so the memory enters each softmax once; ``rank`` None: this attention is
+    not split over ranks (the decode engine's prompt step), it adds them. Padding queries
+    (q_pos < 0) see none. Returns (out float32, lse)."""
+    batch, q_len, q_heads, dim = q.shape
+    kv_heads = mem_k.shape[2]
+    qf = q.float().reshape(batch, q_len, kv_heads, q_heads // kv_heads, dim)
+    s_mem = torch.einsum("bikgd,jkd->bkgij", qf, mem_k[0].float()) * scale
+    if softcap > 0:
+        s_mem = torch.tanh(s_mem / softcap) * softcap
+    sees = (q_pos >= 0) if rank is None else (q_pos >= 0) & (rank == 0)        # [b, i]
+    s_mem = s_mem.masked_fill(~sees[:, None, None, :, None], NEG_INF)
+    lse_mem = torch.logsumexp(s_mem, dim=-1)                                   # [b, k, g, i]
+    safe = torch.where(torch.isinf(lse_mem), torch.zeros_like(lse_mem), lse_mem)
+    out_mem = torch.einsum("bkgij,jkd->bikgd", torch.exp(s_mem - safe[..., None]),
+                           mem_v[0].float()).reshape(batch, q_len, q_heads, -1)
+    lse_mem = lse_mem.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    both = torch.logaddexp(lse, lse_mem)
+    finite = torch.isfinite(both)
+    base = torch.where(finite, both, torch.zeros_like(both))
+    w_seq = torch.where(finite & torch.isfinite(lse), torch.exp(lse - base),
+                        torch.zeros_like(lse))
+    w_mem = torch.where(finite & torch.isfinite(lse_mem), torch.exp(lse_mem - base),
+                        torch.zeros_like(lse_mem))
+    joined = out.float() * w_seq[..., None] + out_mem * w_mem[..., None]
+    return joined, both
 
 
 def readable_table(block_table: Tensor, num_blocks: int,
@@ -114,7 +173,11 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
                            keep: Tensor | None = None,
-                           index_width: int = 0) -> tuple[Tensor, Tensor]:
+                           index_width: int = 0,
+                           distance_table: Tensor | None = None,
+                           mem_k: Tensor | None = None,
+                           mem_v: Tensor | None = None,
+                           mem_split: bool = True) -> tuple[Tensor, Tensor]:
     """``partial_attention``'s result, reading only the live block-table span (module doc)."""
     batch, q_len, q_heads, _ = q.shape
     num_blocks, block, kv_heads, width = key_cache.shape
@@ -163,9 +226,10 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     qf = q.float().reshape(batch, q_len, kv_heads, groups, q.shape[-1])
     s_prior = _scores(qf, prior_pieces, scale, softcap)
     s_cur = _scores(qf, cur_pieces, scale, softcap)
-    if alibi_slopes is not None:
-        s_prior.add_(alibi_bias(alibi_slopes, q_pos, prior_pos[None, :], kv_heads))
-        s_cur.add_(alibi_bias(alibi_slopes, q_pos, k_pos, kv_heads))
+    if alibi_slopes is not None or distance_table is not None:
+        s_prior.add_(position_bias(q_pos, prior_pos[None, :], kv_heads, alibi_slopes,
+                                   distance_table))
+        s_cur.add_(position_bias(q_pos, k_pos, kv_heads, alibi_slopes, distance_table))
     s_prior.masked_fill_(~prior_ok[:, None, None], NEG_INF)
     s_cur.masked_fill_(~cur_ok[:, None, None], NEG_INF)
     lse = torch.logaddexp(torch.logsumexp(s_prior, dim=-1), torch.logsumexp(s_cur, dim=-1))
@@ -176,7 +240,12 @@ def live_partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     out = _weighted(p_prior, prior_pieces if kv_shared else [v_prior])
     out = out.add_(_weighted(p_cur, cur_pieces if kv_shared else [v_cur]))
     out = out.reshape(batch, q_len, q_heads, out.shape[-1]).to(q.dtype)
-    return out, lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    if mem_k is not None:
+        out, lse = join_memory(out, lse, q, q_pos, rank if mem_split else None, mem_k, mem_v,
+                               scale, softcap)
+        out = out.to(q.dtype)
+    return out, lse
 
 
 # The op (its eager swap for dcp.partial_attention: runtime/kernels/eager.py).
@@ -191,7 +260,11 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
                            alibi_slopes: Tensor | None = None,
                            attention_chunk: int = 0,
                            keep: Tensor | None = None,
-                           index_width: int = 0) -> tuple[Tensor, Tensor]:
+                           index_width: int = 0,
+                           distance_table: Tensor | None = None,
+                           mem_k: Tensor | None = None,
+                           mem_v: Tensor | None = None,
+                           mem_split: bool = True) -> tuple[Tensor, Tensor]:
     """partial_attention reading only the block-table entries some row's prior uses.
 
     Slots at or beyond prior_len are masked out by partial_attention anyway, so dropping the
@@ -203,11 +276,13 @@ def partial_attention_live(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tenso
     return live_partial_attention(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                   block_table, prior_len, rank, dcp, interleave, scale,
                                   window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                  attention_chunk, keep, index_width)
+                                  attention_chunk, keep, index_width, distance_table, mem_k, mem_v,
+                                  mem_split)
 
 
 @partial_attention_live.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None, index_width=0):
+      alibi_slopes=None, attention_chunk=0, keep=None, index_width=0, distance_table=None,
+      mem_k=None, mem_v=None, mem_split=True):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)

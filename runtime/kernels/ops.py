@@ -26,8 +26,9 @@ from torch import Tensor
 from dcp_compile.runtime import layout
 from dcp_compile.runtime.garbage_block import LAST
 from dcp_compile.runtime.kernels.op_defs import dcp_op
-from dcp_compile.runtime.kernels.live_attention import (alibi_bias, live_partial_attention,  # noqa: F401
-                                                        readable_table, same_chunk)
+from dcp_compile.runtime.kernels.live_attention import (alibi_bias, join_memory,  # noqa: F401
+                                                        live_partial_attention, position_bias, readable_table,
+                                                        same_chunk)
 from dcp_compile.runtime.kernels.paged import prior_slots, write_rows
 from dcp_compile.runtime.kernels.sparse_attention import dsa_keep_one_rank
 
@@ -173,7 +174,11 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
                             alibi_slopes: Tensor | None = None,
                             attention_chunk: int = 0,
                             keep: Tensor | None = None,
-                            index_width: int = 0) -> tuple[Tensor, Tensor]:
+                            index_width: int = 0,
+                            distance_table: Tensor | None = None,
+                            mem_k: Tensor | None = None,
+                            mem_v: Tensor | None = None,
+                            mem_split: bool = True) -> tuple[Tensor, Tensor]:
     batch, q_len, q_heads, dim = q.shape
     num_blocks, block, kv_heads, _ = key_cache.shape
     max_blocks = block_table.shape[1]
@@ -224,8 +229,9 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys.float()) * scale
     if softcap > 0:  # logit soft-capping (Gemma 2): on the scaled scores, before the mask
         scores = torch.tanh(scores / softcap) * softcap
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, q_pos, key_pos, kv_heads)
+    bias = position_bias(q_pos, key_pos, kv_heads, alibi_slopes, distance_table)
+    if bias is not None:   # ALiBi's slopes or a distance table (live_attention.distance_bias)
+        scores = scores + bias
     scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)                                  # [b, k, g, i]
     # A row with no allowed key has lse = -inf: its probabilities are exactly 0, never NaN.
@@ -234,6 +240,10 @@ def _partial_attention_impl(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tens
     out = torch.einsum("bkgij,bjkd->bikgd", probs, values.float())
     out = out.reshape(batch, q_len, q_heads, dim).to(q.dtype)
     lse = lse.permute(0, 3, 1, 2).reshape(batch, q_len, q_heads)
+    if mem_k is not None:   # memory key/values: one more segment of keys, on rank 0 only
+        out, lse = join_memory(out, lse, q, q_pos, rank if mem_split else None, mem_k, mem_v,
+                               scale, softcap)
+        out = out.to(q.dtype)
     return out, lse
 
 
@@ -247,7 +257,11 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
                       alibi_slopes: Tensor | None = None,
                       attention_chunk: int = 0,
                       keep: Tensor | None = None,
-                      index_width: int = 0) -> tuple[Tensor, Tensor]:
+                      index_width: int = 0,
+                      distance_table: Tensor | None = None,
+                      mem_k: Tensor | None = None,
+                      mem_v: Tensor | None = None,
+                      mem_split: bool = True) -> tuple[Tensor, Tensor]:
     """Attention of q over this rank's keys only; returns (out, lse float32, base e).
 
     Keys are the local prior slots [0, prior_len) (global positions by the slot map of
@@ -265,17 +279,26 @@ def partial_attention(q: Tensor, q_pos: Tensor, k_cur: Tensor, v_cur: Tensor, k_
     on the key axis [local prior slots ; current keys].
     ``index_width`` (with ``kv_shared``): the shared vector's last that many columns are the
     indexer's K stored beside the latent (sparse_attention.index_columns), not attended.
+    ``distance_table`` [q_heads of q, L]: a bias of the key-query distance (T5's bucketed
+    one, an MLP of the distance), ``table[h, q_pos - k_pos]`` added to each score
+    (``live_attention.distance_bias``, the one definition it shares with ALiBi).
+    ``mem_k``, ``mem_v`` [1, M, kv_heads of k, D]: memory key/values every query attends at
+    no position, added by ``rank`` 0 only (``live_attention.join_memory``); ``mem_split``
+    False: the keys are not split over ranks (the decode engine's prompt step), every rank
+    adds them.
     """
     return _partial_attention_impl(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache,
                                    block_table, prior_len, rank, dcp, interleave, scale,
                                    window, softcap, kv_shared, garbage_block, alibi_slopes,
-                                   attention_chunk, keep, index_width)
+                                   attention_chunk, keep, index_width, distance_table, mem_k,
+                                   mem_v, mem_split)
 
 
 @partial_attention.register_fake
 def _(q, q_pos, k_cur, v_cur, k_pos, key_cache, value_cache, block_table, prior_len, rank,
       dcp, interleave, scale, window=0, softcap=0.0, kv_shared=False, garbage_block=LAST,
-      alibi_slopes=None, attention_chunk=0, keep=None, index_width=0):
+      alibi_slopes=None, attention_chunk=0, keep=None, index_width=0, distance_table=None,
+      mem_k=None, mem_v=None, mem_split=True):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -338,7 +361,10 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                           index_q: Tensor | None = None,
                           index_weights: Tensor | None = None,
                           index_scale: float = 0.0, index_topk: int = 0,
-                          index_width: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                          index_width: int = 0,
+                          distance_table: Tensor | None = None,
+                          mem_k: Tensor | None = None,
+                          mem_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     block = key_cache.shape[1]
     rank0 = torch.zeros((), dtype=torch.int64, device=q.device)
     slots = _slot_mapping_impl(positions, block_table, rank0, 1, block, block)
@@ -355,7 +381,8 @@ def _paged_attention_impl(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor,
                                        window, softcap, kv_shared,
                                        alibi_slopes=alibi_slopes,
                                        attention_chunk=attention_chunk, keep=keep,
-                                       index_width=index_width)
+                                       index_width=index_width, distance_table=distance_table,
+                                       mem_k=mem_k, mem_v=mem_v)
     if sinks is not None:   # one device: the local LSE is the global one
         out = _sink_correct_impl(out, lse, sinks).to(q.dtype)
     return out, new_kc, new_vc
@@ -373,7 +400,10 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
                     index_q: Tensor | None = None,
                     index_weights: Tensor | None = None,
                     index_scale: float = 0.0, index_topk: int = 0,
-                    index_width: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                    index_width: int = 0,
+                    distance_table: Tensor | None = None,
+                    mem_k: Tensor | None = None,
+                    mem_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Single-device paged attention: write k/v at the positions' slots, then causal
     attention of each query over its sequence's cached tokens. Returns (out, caches).
 
@@ -384,17 +414,22 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_ca
     ``index_width`` columns of the shared K = V vector are the lightning indexer's K; each
     query attends only the first ``index_topk`` keys in DSA_ORDER of the indexer's scores
     (``index_q`` [b, s, H, d] roped, ``index_weights`` [b, s, H] scaled, ``index_scale``:
-    runtime/kernels/sparse_attention.py)."""
+    runtime/kernels/sparse_attention.py).
+    ``distance_table`` [q_heads, L] (T5's relative bias, an MLP of the distance): each score
+    gets ``table[h, q_pos - k_pos]`` (``live_attention.distance_bias``). ``mem_k``,
+    ``mem_v`` [1, M, kv_heads, D] (x-transformers' memory key/values): keys every query
+    attends at no position (``live_attention.join_memory``)."""
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
                                  attention_chunk, index_q, index_weights, index_scale,
-                                 index_topk, index_width)
+                                 index_topk, index_width, distance_table, mem_k, mem_v)
 
 
 @paged_attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
       kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, index_q=None,
-      index_weights=None, index_scale=0.0, index_topk=0, index_width=0):
+      index_weights=None, index_scale=0.0, index_topk=0, index_width=0, distance_table=None,
+      mem_k=None, mem_v=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -409,21 +444,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: T
               index_q: Tensor | None = None,
               index_weights: Tensor | None = None,
               index_scale: float = 0.0, index_topk: int = 0,
-              index_width: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+              index_width: int = 0,
+              distance_table: Tensor | None = None,
+              mem_k: Tensor | None = None,
+              mem_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The canonical attention node every accepted attention form becomes (one per layer).
 
     Same semantics as ``paged_attention``; later passes target only this op.
     """
     return _paged_attention_impl(q, k, v, key_cache, value_cache, positions, block_table,
                                  scale, window, softcap, kv_shared, sinks, alibi_slopes,
-                                 attention_chunk, index_q, index_weights, index_scale,
-                                 index_topk, index_width)
+                                 attention_chunk, index_q, index_weights, index_scale, index_topk,
+                                 index_width, distance_table, mem_k, mem_v)
 
 
 @attention.register_fake
 def _(q, k, v, key_cache, value_cache, positions, block_table, scale, window=0, softcap=0.0,
       kv_shared=False, sinks=None, alibi_slopes=None, attention_chunk=0, index_q=None,
-      index_weights=None, index_scale=0.0, index_topk=0, index_width=0):
+      index_weights=None, index_scale=0.0, index_topk=0, index_width=0, distance_table=None,
+      mem_k=None, mem_v=None):
     return torch.empty_like(q), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
@@ -443,84 +482,14 @@ DECOMPOSITIONS = {
 
 
 # ----------------------------------------------------------------------------------------
-# Prefill DCP: the interleave slice and Q unshuffle of a chunk with *any* prior length
+# Prefill DCP: the interleave slice and Q unshuffle (runtime/kernels/prefill_slices.py)
 # ----------------------------------------------------------------------------------------
-#
-# A prefill row holds one chunk of one sequence, left-packed: positions start, start + 1,
-# ..., start + len - 1, then -1 (the engine's packing). The spec's model runner slices a
-# chunk with ``view(S // (W*I), W, I)[:, R, :]``, which keeps the tokens rank R owns only
-# when ``start`` is a multiple of ``W*I``. Here the kept tokens are, for any start, exactly
-# the positions R owns, found through the proven slot maps: R's j-th owned position at or
-# after ``start`` is the one in its local slot ``local_filled(start, R) + j`` (local slots are
-# dense and in position order: theorems local_filled_step, local_slot_dense,
-# local_slot_inverts_global_position), i.e. ``global_position(local_filled(start, R) + j, R)``.
 
+from dcp_compile.runtime.kernels.prefill_slices import (  # noqa: E402,F401
+    DECOMPOSITIONS as _PREFILL_DECOMPOSITIONS, interleave_slice_index, owned_capacity,
+    q_unshuffle_index)
 
-def owned_capacity(chunk_len: int, *, dcp: int, interleave: int) -> int:
-    """Most positions one rank can own among ``chunk_len`` consecutive ones, any start.
-
-    ``chunk_len = q * W*I + t`` covers q whole strides (I owned positions each) plus t < W*I
-    positions, which meet the rank's runs of I in at most min(t, I) places. Equals
-    ``chunk_len / W`` when W*I divides it (the spec's S/DCP).
-    """
-    stride = dcp * interleave
-    return (chunk_len // stride) * interleave + min(chunk_len % stride, interleave)
-
-
-def _interleave_slice_index_impl(positions: Tensor, rank: Tensor, capacity: int, dcp: int,
-                                 interleave: int, block: int) -> Tensor:
-    kw = dict(dcp=dcp, interleave=interleave, block=block)
-    start = positions[:, :1].clamp(min=0)                                   # [B, 1]
-    length = (positions >= 0).sum(dim=1, keepdim=True)                      # [B, 1]
-    j = torch.arange(capacity, device=positions.device)                     # [C]
-    slot = layout.local_filled(start, rank, **kw) + j                       # [B, C]
-    index = layout.global_position(slot, rank, dcp=dcp, interleave=interleave) - start
-    return torch.where(index < length, index, torch.full_like(index, -1))
-
-
-@dcp_op("interleave_slice_index", mutates_args=())
-def interleave_slice_index(positions: Tensor, rank: Tensor, capacity: int, dcp: int,
-                           interleave: int, block: int) -> Tensor:
-    """[B, capacity] chunk indices of the tokens ``rank`` owns, in order; -1 pads the row.
-
-    With ``start`` a multiple of W*I and a full chunk this is the spec's interleave slice
-    (``layout.interleave_slice_index``); any other start is handled the same way.
-    """
-    return _interleave_slice_index_impl(positions, rank, capacity, dcp, interleave, block)
-
-
-@interleave_slice_index.register_fake
-def _(positions, rank, capacity, dcp, interleave, block):
-    return positions.new_empty((positions.shape[0], capacity))
-
-
-def _q_unshuffle_index_impl(positions: Tensor, capacity: int, dcp: int, interleave: int,
-                            block: int) -> Tensor:
-    kw = dict(dcp=dcp, interleave=interleave, block=block)
-    pos = positions.clamp(min=0)
-    start = positions[:, :1].clamp(min=0)
-    r = layout.owner(pos, **kw)
-    # Tokens r owns in [start, pos): pos's index in r's slice (local_slot_dense).
-    j = layout.local_filled(pos, r, **kw) - layout.local_filled(start, r, **kw)
-    row = r * capacity + j
-    return torch.where(positions >= 0, row, torch.zeros_like(row))
-
-
-@dcp_op("q_unshuffle_index", mutates_args=())
-def q_unshuffle_index(positions: Tensor, capacity: int, dcp: int, interleave: int,
-                      block: int) -> Tensor:
-    """[B, S]: row of the rank-major gathered slices ([B, W * capacity]) holding each chunk
-    token, so that gathering them puts Q back in chunk order (0 on padding)."""
-    return _q_unshuffle_index_impl(positions, capacity, dcp, interleave, block)
-
-
-@q_unshuffle_index.register_fake
-def _(positions, capacity, dcp, interleave, block):
-    return torch.empty_like(positions)
-
-
-DECOMPOSITIONS[torch.ops.dcp.interleave_slice_index.default] = _interleave_slice_index_impl
-DECOMPOSITIONS[torch.ops.dcp.q_unshuffle_index.default] = _q_unshuffle_index_impl
+DECOMPOSITIONS.update(_PREFILL_DECOMPOSITIONS)
 
 
 # ----------------------------------------------------------------------------------------

@@ -78,6 +78,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "then a decode rank, in turn) plus a decode and a prefill hang in a "
                         "pair, with the detection and resume times"),
     "DCP_SINKS_MATRIX": ("frontends/test_sinks.py", "every sinks form x mode x tp/dcp"),
+    "DCP_DISTANCE_BIAS_FULL": ("frontends/test_library_distance_bias.py",
+                               "x-transformers' T5 / MLP distance biases and memory key/values "
+                               "x mode x tp/dcp (tiled GQA)"),
     "DCP_THIRD_PARTY": ("corpora/test_third_party_corpus.py",
                         "every architecture of torchtune, litgpt, torchtitan, x-transformers, "
                         "nanoGPT and gpt-fast, decode and prefill"),

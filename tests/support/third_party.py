@@ -466,23 +466,11 @@ REAL_LIMITS = {
     "heads mixed before the softmax (talking heads)",
 }
 
-_SCORE_BIAS = ("issue #35: x-transformers adds a relative position bias to the attention scores "
-               "(T5's bucketed one, or an MLP of the distance): a function of key - query "
-               "positions, exact under DCP if each rank computed it for the positions it holds, "
-               "which dcp.attention has no argument for: refused as a model-built mask / score bias "
-               "(its table is not a formula of positions; score_bias reads ALiBi only)")
-
 # Cells known to be wrong today: (arch, mode) -> why. Each is a bug of issue #35; a fix turns
-# its cell into an XPASS, which fails (strict) until the entry goes.
-KNOWN: dict[tuple[str, str], str] = {
-    **{(f"x-transformers/{a}", m): _SCORE_BIAS for m in MODES
-       for a in ("rel-pos-bias", "dynamic-pos-bias")},
-    **{("x-transformers/mem-kv", m): "issue #35: x-transformers' memory key/values (learned "
-       "keys and values concatenated before the sequence's, attended by every query at no "
-       "position) are refused by name ('memory key/values'): not a DCP limit (one rank of the "
-       "DCP group could add them to its partial attention, combined exactly by the LSE), but "
-       "dcp.attention has no argument for keys outside the paged cache" for m in MODES},
-}
+# its cell into an XPASS, which fails (strict) until the entry goes. None since x-transformers'
+# relative position biases (a distance table, dcp.attention's distance_table) and memory
+# key/values (dcp.attention's mem_k / mem_v, added by cp rank 0) are read.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
