@@ -39,6 +39,17 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
             | pad + slice | a cumsum | a causal depthwise convolution. A paged step cannot
             compute these (it holds no earlier token's hidden state): a model with one must
             be refused (DCPTokenMixingError), never compiled.
+  recurrent none | short_conv (LFM2's ``Lfm2ShortConv``) | mamba2 (Bamba's ``BambaMixer``)
+            | gated_deltanet (Qwen3.5's ``Qwen3_5GatedDeltaNet``): some layers' attention is a
+            recurrent mixer instead, which layers given by ``kinds`` ("R" recurrent, "A"
+            attention, one letter per layer: "RA", "AR", "RAR", "ARA", "RRA"). The mixers are
+            transformers' own modules (tiny configs at the grammar's hidden size), the ones the
+            hybrid frontend's swap rules name (dcp_compile/frontends/module_recurrent.py): the
+            real path of a hybrid, their state carried by the program as for any hybrid. Such a
+            model is an ordinary causal LM (:class:`HybridGrammarModel`: ``forward(input_ids,
+            position_ids) -> logits``, attention by SDPA over the whole sequence, every other
+            feature as above); it is compared with its own full forward
+            (:func:`reference_of`).
 """
 
 from __future__ import annotations
@@ -76,6 +87,8 @@ class ModelSpec:
     expert_parallel: bool = False
     experts_form: str = "concatenated"
     token_mix: str = "none"
+    recurrent: str = "none"
+    kinds: str = ""             # recurrent models: one letter per layer, R or A
     layers: int = 1
     hidden: int = 32
     head_dim: int = 8
@@ -87,7 +100,12 @@ class ModelSpec:
         plain = ModelSpec(self.q_heads, self.kv_heads)
         out = {f"{k}={v}" for k, v in asdict(self).items()
                if k in FEATURES and v != getattr(plain, k)}
+        if self.recurrent != "none":
+            out.add(f"kinds={self.kinds}")
         return out | {f"gqa={self.q_heads}/{self.kv_heads}"}
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent != "none" and self.kinds[layer] == "R"
 
     def describe(self) -> str:
         return "ModelSpec(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -109,7 +127,11 @@ FEATURES = {
     "expert_parallel": [False, True],
     "experts_form": ["concatenated", "gpt_oss"],
     "token_mix": ["none", "shift", "roll", "pad_slice", "cumsum", "conv"],
+    "recurrent": ["none", "short_conv", "mamba2", "gated_deltanet"],
 }
+# Which layers of a recurrent model are recurrent: every pattern has an attention layer (a
+# program without one has no KV cache to shard by sequence: not a DCP program).
+LAYER_KINDS = ["RA", "AR", "RAR", "ARA", "RRA"]
 
 # Features whose every non-plain value must be refused (the fuzz expects the refusal).
 REFUSED_FEATURES = {"token_mix"}
@@ -122,8 +144,15 @@ def _feature(name: str, values: list | None = None):
     return st.one_of(st.just(first), st.just(first), st.sampled_from(others))
 
 
+# The share of recurrent (hybrid) models among the drawn ones: a hybrid costs several times
+# an attention-only model (its capture runs transformers' mixers, its reference the whole
+# sequence every step), so the default fuzz draws a few; DCP_FUZZ_FULL=1 draws many more.
+RECURRENT_SHARE = 12            # about one model in RECURRENT_SHARE
+
+
 @st.composite
-def model_specs(draw) -> ModelSpec:
+def model_specs(draw, recurrent_share: int = RECURRENT_SHARE) -> ModelSpec:
+    """A drawn model; about one in ``recurrent_share`` is recurrent (a hybrid), none at 0."""
     hq, hkv = draw(st.sampled_from(HEADS))
     qkv = draw(_feature("qkv", [q for q in FEATURES["qkv"]
                                 if hq == hkv or q not in QKV_MHA_ONLY]))
@@ -139,9 +168,26 @@ def model_specs(draw) -> ModelSpec:
                      top_k=draw(st.integers(1, 4)),
                      expert_parallel=draw(st.booleans()),
                      experts_form=draw(_feature("experts_form")))
-    return ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=draw(_feature("layers", [1, 2])),
+    recurrent = draw(_recurrent(recurrent_share))
+    if recurrent != "none":
+        # The grammar's token mixing before attention is refused whatever else the model has;
+        # a recurrent model keeps it off so that its recurrent layers are what is tried.
+        kinds = draw(st.sampled_from(LAYER_KINDS))
+        picks.update(token_mix="none", recurrent=recurrent, kinds=kinds)
+        layers = len(kinds)
+    else:
+        layers = draw(_feature("layers", [1, 2]))
+    return ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=layers,
                      hidden=draw(st.sampled_from([32, 64])),
                      seed=draw(st.integers(0, 2**16)), **picks)
+
+
+
+def _recurrent(share: int):
+    none, *kinds = FEATURES["recurrent"]
+    if share <= 0:
+        return st.just(none)
+    return st.one_of(*[st.just(none)] * (share - 1), st.sampled_from(kinds))
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -245,7 +291,8 @@ class Attention(nn.Module):
         q, k, v = t.split([g, 1, 1], dim=3)
         return q.reshape(b, s, n(hq), d), k.squeeze(3), v.squeeze(3), None
 
-    def forward(self, x, cos, sin, positions, block_table, key_cache, value_cache):
+    def _heads_qkv(self, x, cos, sin):
+        """q [B, S, hq, d], k, v [B, S, hkv, d] (normed, rotated) and the output gate."""
         spec = self.spec
         b, s, _ = x.shape
         q, k, v, gate = self._project(x)
@@ -261,14 +308,38 @@ class Attention(nn.Module):
             rot = rotate_half if spec.rope == "half" else rotate_interleaved
             q = q * cos + rot(q) * sin
             k = k * cos + rot(k) * sin
-        out, key_cache, value_cache = torch.ops.dcp.paged_attention(
-            q, k, v, key_cache, value_cache, positions, block_table, spec.head_dim ** -0.5)
+        return q, k, v, gate
+
+    def _output(self, out: Tensor, gate: Tensor | None) -> Tensor:
+        """The attention output [B, S, hq, d] through the head matmul, the gate and o_proj."""
+        spec = self.spec
+        b, s = out.shape[:2]
         if spec.head_matmul == "out":
             out = self._per_head(out)
         out = out.reshape(b, s, spec.q_heads * spec.head_dim if spec.explicit_heads else -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out), key_cache, value_cache
+        return self.o_proj(out)
+
+    def forward(self, x, cos, sin, positions, block_table, key_cache, value_cache):
+        q, k, v, gate = self._heads_qkv(x, cos, sin)
+        out, key_cache, value_cache = torch.ops.dcp.paged_attention(
+            q, k, v, key_cache, value_cache, positions, block_table, self.spec.head_dim ** -0.5)
+        return self._output(out, gate), key_cache, value_cache
+
+
+class SDPAAttention(Attention):
+    """The same attention over the whole sequence by ``F.scaled_dot_product_attention`` (a
+    hybrid grammar model is an ordinary causal LM: the cache is inserted from the graph)."""
+
+    def forward(self, x, cos, sin):
+        q, k, v, gate = self._heads_qkv(x, cos, sin)
+        groups = self.spec.q_heads // self.spec.kv_heads
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                         scale=self.spec.head_dim ** -0.5)
+        return self._output(out.transpose(1, 2), gate)
 
 
 class MLP(nn.Module):
@@ -442,8 +513,114 @@ class GrammarModel(nn.Module):
         return self.lm_head(self.norm(x)), new_caches
 
 
-def build(spec: ModelSpec) -> GrammarModel:
+# -- recurrent layers: transformers' own mixers -----------------------------------------------
+
+_TF = "transformers.models"
+# recurrent -> (config class, its module, the mixer class, the mixer's module, the config's
+# sizes at hidden size h). Tiny sizes in the families' own names (as
+# tests/support/hybrid_configs.py's): Mamba2 with 4 heads in 2 groups and a scan chunk of 4
+# (the model's own SSD scan runs several chunks), Gated DeltaNet with 4 value heads over 2 key
+# heads, the conv kernels 3 (LFM2's default) and 4.
+MIXERS = {
+    "short_conv": ("Lfm2Config", f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
+                   lambda h: dict(conv_bias=False, conv_L_cache=3)),
+    "mamba2": ("BambaConfig", f"{_TF}.bamba.modeling_bamba", "BambaMixer",
+               lambda h: dict(mamba_n_heads=4, mamba_d_head=2 * h // 4, mamba_n_groups=2,
+                              mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                              mamba_chunk_size=4)),
+    "gated_deltanet": ("Qwen3_5TextConfig", f"{_TF}.qwen3_5.modeling_qwen3_5",
+                       "Qwen3_5GatedDeltaNet",
+                       lambda h: dict(linear_num_value_heads=4, linear_num_key_heads=2,
+                                      linear_key_head_dim=8, linear_value_head_dim=8,
+                                      linear_conv_kernel_dim=4)),
+}
+
+
+def mixer(spec: ModelSpec, layer: int) -> nn.Module:
+    """Layer ``layer``'s recurrent mixer: the transformers module of ``spec.recurrent``."""
+    import importlib
+
+    import transformers
+    config_cls, module, cls, sizes = MIXERS[spec.recurrent]
+    config = getattr(transformers, config_cls)(
+        hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.q_heads, num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim, vocab_size=spec.vocab, **sizes(spec.hidden))
+    return getattr(importlib.import_module(module), cls)(config, layer)
+
+
+class SDPALayer(Layer):
+    """The grammar's layer, its attention over the whole sequence (SDPA)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        self.attn = SDPAAttention(spec)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_norm(x))
+
+
+class RecurrentLayer(nn.Module):
+    """A recurrent layer: the mixer where attention would be, the grammar's MLP or MoE."""
+
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.input_norm = _norm(spec, spec.hidden)
+        self.mixer = mixer(spec, layer)
+        self.post_norm = _norm(spec, spec.hidden)
+        self.mlp = MLP(spec) if spec.moe == "none" else MoE(spec)
+
+    def forward(self, x, cos, sin):
+        x = x + self.mixer(self.input_norm(x))
+        return x + self.mlp(self.post_norm(x))
+
+
+class HybridGrammarModel(nn.Module):
+    """A recurrent grammar model (``spec.recurrent``): an ordinary causal LM,
+    ``forward(input_ids, position_ids) -> logits``, with no paged hooks: the hybrid frontend
+    takes it (its mixers are ones a swap rule names) and carries the state."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(RecurrentLayer(spec, i) if spec.is_recurrent(i)
+                                    else SDPALayer(spec) for i in range(spec.layers))
+        self.norm = _norm(spec, spec.hidden)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied:
+            self.lm_head.weight = self.embed.weight
+        d = spec.head_dim
+        self.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d)),
+                             persistent=False)
+        self._init_weights()
+
+    _init_weights = GrammarModel._init_weights
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = self.embed(input_ids)
+        cos, sin = rope_tables(self.spec, position_ids, self.inv_freq)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def build(spec: ModelSpec) -> GrammarModel | HybridGrammarModel:
+    if spec.recurrent != "none":
+        return HybridGrammarModel(spec).eval()
     return GrammarModel(spec).eval()
+
+
+def reference_of(model: GrammarModel | HybridGrammarModel) -> nn.Module:
+    """What a program of ``model`` is compared with: the model's own paged step, or for a
+    recurrent model its own full forward over the sequence so far, every step."""
+    if isinstance(model, HybridGrammarModel):
+        from dcp_compile.frontends.ordinary import FullForwardReference
+        return FullForwardReference(model)
+    return model
 
 
 # -- the sharding tests' cases: named points of the grammar ----------------------------------
