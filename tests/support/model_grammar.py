@@ -54,7 +54,7 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from hypothesis import strategies as st
@@ -144,15 +144,10 @@ def _feature(name: str, values: list | None = None):
     return st.one_of(st.just(first), st.just(first), st.sampled_from(others))
 
 
-# The share of recurrent (hybrid) models among the drawn ones: a hybrid costs several times
-# an attention-only model (its capture runs transformers' mixers, its reference the whole
-# sequence every step), so the default fuzz draws a few; DCP_FUZZ_FULL=1 draws many more.
-RECURRENT_SHARE = 12            # about one model in RECURRENT_SHARE
-
-
 @st.composite
-def model_specs(draw, recurrent_share: int = RECURRENT_SHARE) -> ModelSpec:
-    """A drawn model; about one in ``recurrent_share`` is recurrent (a hybrid), none at 0."""
+def model_specs(draw, recurrent_share: int = 0) -> ModelSpec:
+    """A drawn model; about one in ``recurrent_share`` is recurrent (a hybrid: transformers'
+    mixers, the layers ``kinds`` names), none at 0."""
     hq, hkv = draw(st.sampled_from(HEADS))
     qkv = draw(_feature("qkv", [q for q in FEATURES["qkv"]
                                 if hq == hkv or q not in QKV_MHA_ONLY]))
@@ -168,26 +163,18 @@ def model_specs(draw, recurrent_share: int = RECURRENT_SHARE) -> ModelSpec:
                      top_k=draw(st.integers(1, 4)),
                      expert_parallel=draw(st.booleans()),
                      experts_form=draw(_feature("experts_form")))
-    recurrent = draw(_recurrent(recurrent_share))
-    if recurrent != "none":
-        # The grammar's token mixing before attention is refused whatever else the model has;
-        # a recurrent model keeps it off so that its recurrent layers are what is tried.
-        kinds = draw(st.sampled_from(LAYER_KINDS))
-        picks.update(token_mix="none", recurrent=recurrent, kinds=kinds)
-        layers = len(kinds)
-    else:
-        layers = draw(_feature("layers", [1, 2]))
-    return ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=layers,
+    spec = ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=draw(_feature("layers", [1, 2])),
                      hidden=draw(st.sampled_from([32, 64])),
                      seed=draw(st.integers(0, 2**16)), **picks)
-
-
-
-def _recurrent(share: int):
-    none, *kinds = FEATURES["recurrent"]
-    if share <= 0:
-        return st.just(none)
-    return st.one_of(*[st.just(none)] * (share - 1), st.sampled_from(kinds))
+    # Drawn last, so that the attention-only models are the ones drawn before recurrent
+    # layers were in the grammar.
+    if recurrent_share > 0 and draw(st.integers(1, recurrent_share)) == 1:
+        kinds = draw(st.sampled_from(LAYER_KINDS))
+        # The grammar's token mixing before attention is refused whatever else the model
+        # has; a recurrent model keeps it off so that its recurrent layers are what is tried.
+        spec = replace(spec, recurrent=draw(st.sampled_from(FEATURES["recurrent"][1:])),
+                       kinds=kinds, layers=len(kinds), token_mix="none")
+    return spec
 
 
 # -- the model --------------------------------------------------------------------------------
