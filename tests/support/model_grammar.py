@@ -643,4 +643,15 @@ SHARDING_CASES: dict[str, tuple[ModelSpec, int, int]] = {
     "interleaved-rope": sharding_case(4, 2, GQA, rope="interleaved"),
     "everything": sharding_case(4, 2, GQA, qkv="fused_slices", mlp="fused_chunk",
                                 qk_norm="all_heads", explicit_heads=True, rope="interleaved"),
+    # Hybrids (recurrent layers beside attention; each recurrent layer's state carried by the
+    # program, its mixer replicated over TP and DCP, only the attention's KV cut by sequence):
+    # LFM2-like (short conv, q/k norm per head), Qwen3.5-like (Gated DeltaNet, gated attention
+    # with q/k norm, MoE), Bamba/Granite-4-H-like (Mamba2 after an attention layer, tied).
+    "hybrid-short-conv": sharding_case(4, 2, GQA, recurrent="short_conv", kinds="RA",
+                                       qk_norm="per_head"),
+    "hybrid-gated-deltanet-moe": sharding_case(4, 2, GQA, recurrent="gated_deltanet",
+                                               kinds="RA", q_gate="per_head",
+                                               qk_norm="per_head", moe="softmax"),
+    "hybrid-mamba2-tied": sharding_case(4, 2, GQA, recurrent="mamba2", kinds="AR",
+                                        tied=True, mlp="fused_chunk"),
 }
