@@ -81,7 +81,8 @@ CONTEXT_LEN = 12
 # all q/k heads without a gain were wrong (33 of 500 models, errors 0.47 to 5.2).
 KNOWN_UNSOUND_FEATURES: set[str] = set()
 
-STATS: dict = {"drawn": 0, "hybrids_drawn": 0, "hybrid_only_refusals": 0, "plans_compared": 0, "refused": 0, "refused_by_check": 0, "equal": 0,
+STATS: dict = {"drawn": 0, "hybrids_drawn": 0, "hybrid_only_refusals": 0, "plans_compared": 0,
+               "refused": 0, "refused_by_check": 0, "equal": 0,
                "mismatched": 0, "mismatch_caught_by_check": 0, "max_equal_error": 0.0,
                "by_feature": collections.defaultdict(collections.Counter),
                "refusals": collections.Counter(), "mismatches": [], "hybrid_refusals": []}

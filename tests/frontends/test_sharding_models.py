@@ -21,8 +21,9 @@ from dcp_compile.verify import verify, verify_prefill
 from dcp_compile.runtime.serving.engine import StepShapes
 
 from dcp_compile.frontends.module_recurrent import recurrent_layers
-from model_grammar import (FEATURES, GQA, SHARDING, SHARDING_CASES, GrammarModel,
-                           HybridGrammarModel, ModelSpec, build, reference_of)
+from grammar_recurrent import HybridGrammarModel
+from model_grammar import (FEATURES, GQA, SHARDING, SHARDING_CASES, GrammarModel, ModelSpec,
+                           build, reference_of)
 from test_placement_worklist import compare_both
 
 STEPS = 8

@@ -46,9 +46,9 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
             transformers' own modules (tiny configs at the grammar's hidden size), the ones the
             hybrid frontend's swap rules name (dcp_compile/frontends/module_recurrent.py): the
             real path of a hybrid, their state carried by the program as for any hybrid. Such a
-            model is an ordinary causal LM (:class:`HybridGrammarModel`: ``forward(input_ids,
-            position_ids) -> logits``, attention by SDPA over the whole sequence, every other
-            feature as above); it is compared with its own full forward
+            model is an ordinary causal LM (``grammar_recurrent.HybridGrammarModel``:
+            ``forward(input_ids, position_ids) -> logits``, attention by SDPA over the
+            whole sequence, every other feature as above); it is compared with its own full forward
             (:func:`reference_of`).
 """
 
@@ -321,20 +321,6 @@ class Attention(nn.Module):
         return self._output(out, gate), key_cache, value_cache
 
 
-class SDPAAttention(Attention):
-    """The same attention over the whole sequence by ``F.scaled_dot_product_attention`` (a
-    hybrid grammar model is an ordinary causal LM: the cache is inserted from the graph)."""
-
-    def forward(self, x, cos, sin):
-        q, k, v, gate = self._heads_qkv(x, cos, sin)
-        groups = self.spec.q_heads // self.spec.kv_heads
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                         scale=self.spec.head_dim ** -0.5)
-        return self._output(out.transpose(1, 2), gate)
-
-
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -506,114 +492,22 @@ class GrammarModel(nn.Module):
         return self.lm_head(self.norm(x)), new_caches
 
 
-# -- recurrent layers: transformers' own mixers -----------------------------------------------
-
-_TF = "transformers.models"
-# recurrent -> (config class, its module, the mixer class, the mixer's module, the config's
-# sizes at hidden size h). Tiny sizes in the families' own names (as
-# tests/support/hybrid_configs.py's): Mamba2 with 4 heads in 2 groups and a scan chunk of 4
-# (the model's own SSD scan runs several chunks), Gated DeltaNet with 4 value heads over 2 key
-# heads, the conv kernels 3 (LFM2's default) and 4.
-MIXERS = {
-    "short_conv": ("Lfm2Config", f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
-                   lambda h: dict(conv_bias=False, conv_L_cache=3)),
-    "mamba2": ("BambaConfig", f"{_TF}.bamba.modeling_bamba", "BambaMixer",
-               lambda h: dict(mamba_n_heads=4, mamba_d_head=2 * h // 4, mamba_n_groups=2,
-                              mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-                              mamba_chunk_size=4)),
-    "gated_deltanet": ("Qwen3_5TextConfig", f"{_TF}.qwen3_5.modeling_qwen3_5",
-                       "Qwen3_5GatedDeltaNet",
-                       lambda h: dict(linear_num_value_heads=4, linear_num_key_heads=2,
-                                      linear_key_head_dim=8, linear_value_head_dim=8,
-                                      linear_conv_kernel_dim=4)),
-}
-
-
-def mixer(spec: ModelSpec, layer: int) -> nn.Module:
-    """Layer ``layer``'s recurrent mixer: the transformers module of ``spec.recurrent``."""
-    import importlib
-
-    import transformers
-    config_cls, module, cls, sizes = MIXERS[spec.recurrent]
-    config = getattr(transformers, config_cls)(
-        hidden_size=spec.hidden, num_hidden_layers=spec.layers,
-        num_attention_heads=spec.q_heads, num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim, vocab_size=spec.vocab, **sizes(spec.hidden))
-    return getattr(importlib.import_module(module), cls)(config, layer)
-
-
-class SDPALayer(Layer):
-    """The grammar's layer, its attention over the whole sequence (SDPA)."""
-
-    def __init__(self, spec: ModelSpec):
-        super().__init__(spec)
-        self.attn = SDPAAttention(spec)
-
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.input_norm(x), cos, sin)
-        return x + self.mlp(self.post_norm(x))
-
-
-class RecurrentLayer(nn.Module):
-    """A recurrent layer: the mixer where attention would be, the grammar's MLP or MoE."""
-
-    def __init__(self, spec: ModelSpec, layer: int):
-        super().__init__()
-        self.input_norm = _norm(spec, spec.hidden)
-        self.mixer = mixer(spec, layer)
-        self.post_norm = _norm(spec, spec.hidden)
-        self.mlp = MLP(spec) if spec.moe == "none" else MoE(spec)
-
-    def forward(self, x, cos, sin):
-        x = x + self.mixer(self.input_norm(x))
-        return x + self.mlp(self.post_norm(x))
-
-
-class HybridGrammarModel(nn.Module):
-    """A recurrent grammar model (``spec.recurrent``): an ordinary causal LM,
-    ``forward(input_ids, position_ids) -> logits``, with no paged hooks: the hybrid frontend
-    takes it (its mixers are ones a swap rule names) and carries the state."""
-
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        self.spec = spec
-        self.embed = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleList(RecurrentLayer(spec, i) if spec.is_recurrent(i)
-                                    else SDPALayer(spec) for i in range(spec.layers))
-        self.norm = _norm(spec, spec.hidden)
-        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        if spec.tied:
-            self.lm_head.weight = self.embed.weight
-        d = spec.head_dim
-        self.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d)),
-                             persistent=False)
-        self._init_weights()
-
-    _init_weights = GrammarModel._init_weights
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = self.embed(input_ids)
-        cos, sin = rope_tables(self.spec, position_ids, self.inv_freq)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
-
-
-def build(spec: ModelSpec) -> GrammarModel | HybridGrammarModel:
+def build(spec: ModelSpec) -> nn.Module:
+    """The model of ``spec``: a :class:`GrammarModel`, or for a recurrent spec a
+    ``grammar_recurrent.HybridGrammarModel``."""
     if spec.recurrent != "none":
+        from grammar_recurrent import HybridGrammarModel
         return HybridGrammarModel(spec).eval()
     return GrammarModel(spec).eval()
 
 
-def reference_of(model: GrammarModel | HybridGrammarModel) -> nn.Module:
+def reference_of(model: nn.Module) -> nn.Module:
     """What a program of ``model`` is compared with: the model's own paged step, or for a
     recurrent model its own full forward over the sequence so far, every step."""
-    if isinstance(model, HybridGrammarModel):
-        from dcp_compile.frontends.ordinary import FullForwardReference
-        return FullForwardReference(model)
-    return model
+    if isinstance(model, GrammarModel):
+        return model
+    from dcp_compile.frontends.ordinary import FullForwardReference
+    return FullForwardReference(model)
 
 
 # -- the sharding tests' cases: named points of the grammar ----------------------------------
