@@ -41,6 +41,7 @@ import collections
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ from dcp_compile.verify import verify, verify_prefill
 from dcp_compile.runtime.serving.engine import StepShapes
 
 from helpers import prompts_of
-from model_grammar import REFUSED_FEATURES, ModelSpec, build, model_specs
+from model_grammar import (FEATURES, LAYER_KINDS, REFUSED_FEATURES, ModelSpec, build,
+                           model_specs, reference_of)
 from full_runs import full  # noqa: E402
 from test_placement_worklist import compare_both
 
@@ -63,6 +65,11 @@ FULL_EXAMPLES = 2000          # DCP_FUZZ_FULL=1 or DCP_FULL=1
 EXAMPLES = int(os.environ.get("DCP_FUZZ_EXAMPLES",
                               FULL_EXAMPLES if full("DCP_FUZZ_FULL") else DEFAULT_EXAMPLES))
 WITH_CHECK = os.environ.get("DCP_FUZZ_CHECK") == "1"
+# About one drawn model in RECURRENT_SHARE is a hybrid (recurrent layers beside attention:
+# model_grammar's ``recurrent``); a hybrid costs ~2-3 attention-only models (its capture runs
+# transformers' mixers, its reference the whole sequence every step), so the default run
+# draws a few and the full run many.
+RECURRENT_SHARE = 4 if full("DCP_FUZZ_FULL") else 40
 SHARD_SEEDS = {"decode": 1, "prefill": 2}   # hypothesis seeds: fixed, so CI sees the same models
 ATOL = 1e-4
 BLOCK = 4                        # = interleave size; the period is BLOCK * dcp
@@ -74,10 +81,11 @@ CONTEXT_LEN = 12
 # all q/k heads without a gain were wrong (33 of 500 models, errors 0.47 to 5.2).
 KNOWN_UNSOUND_FEATURES: set[str] = set()
 
-STATS: dict = {"drawn": 0, "plans_compared": 0, "refused": 0, "refused_by_check": 0, "equal": 0,
+STATS: dict = {"drawn": 0, "hybrids_drawn": 0, "hybrid_only_refusals": 0, "plans_compared": 0,
+               "refused": 0, "refused_by_check": 0, "equal": 0,
                "mismatched": 0, "mismatch_caught_by_check": 0, "max_equal_error": 0.0,
                "by_feature": collections.defaultdict(collections.Counter),
-               "refusals": collections.Counter(), "mismatches": []}
+               "refusals": collections.Counter(), "mismatches": [], "hybrid_refusals": []}
 
 
 def legal_configs(spec: ModelSpec) -> list[tuple[int, int, str]]:
@@ -98,7 +106,7 @@ def legal_configs(spec: ModelSpec) -> list[tuple[int, int, str]]:
 
 @st.composite
 def cases(draw, mode: str):
-    spec = draw(model_specs())
+    spec = draw(model_specs(RECURRENT_SHARE))
     tp, dcp, mode = draw(st.sampled_from([c for c in legal_configs(spec) if c[2] == mode]))
     return spec, tp, dcp, mode
 
@@ -115,10 +123,14 @@ def lengths_for(dcp: int, mode: str) -> list[int]:
 
 
 def compare(model, program, spec: ModelSpec, dcp: int, mode: str):
+    """A hybrid is compared with its own full forward, which holds no KV cache to compare
+    each rank's with (its logits are every token's, over both chunks)."""
     prompts = prompts_of(lengths_for(dcp, mode), vocab=spec.vocab, seed=spec.seed)
+    reference = reference_of(model)
     if mode == "decode":
-        return verify(model, program, prompts, 3, atol=ATOL)
-    return verify_prefill(model, program, prompts, chunks=2, atol=ATOL)
+        return verify(reference, program, prompts, 3, atol=ATOL)
+    return verify_prefill(reference, program, prompts, chunks=2, atol=ATOL,
+                          check_cache=reference is model)
 
 
 def _count(outcome: str, spec: ModelSpec) -> None:
@@ -162,11 +174,27 @@ def transform_comparing_plans(model, **kwargs):
             STATS["plans_compared"] += len(compared)
 
 
+def _note_hybrid_refusal(spec: ModelSpec, kwargs: dict, where: str, e: Exception) -> None:
+    """A hybrid's refusal, and whether its attention-only twin (the same features, every
+    layer attention) is refused too: a refusal only the hybrid gets is a hybrid limit (named,
+    never a wrong program; counted for the report)."""
+    twin = replace(spec, recurrent="none", kinds="")
+    try:
+        dcp_compile.transform(build(twin), check=False, **kwargs)
+        alone = True
+    except (DCPTransformError, DCPConfigError):
+        alone = False
+    STATS["hybrid_only_refusals"] += alone
+    STATS["hybrid_refusals"].append(f"{'hybrid only' if alone else 'twin too'}: {where}: "
+                                    f"{str(e)[:300]}")
+
+
 def check_case(case):
     spec, tp, dcp, mode = case
     model = build(spec)
     where = f"{spec.describe()} tp={tp} dcp={dcp} mode={mode}"
     STATS["drawn"] += 1
+    STATS["hybrids_drawn"] += spec.recurrent != "none"
     # No source lines: the fuzz asks whether a program is right, not where a refusal points
     # (with the default, each refusal would be compiled a second time to name its line).
     kwargs = dict(tp=tp, dcp=dcp, mode=mode, block_size=BLOCK, shapes=shapes_for(dcp),
@@ -190,6 +218,8 @@ def check_case(case):
     except (DCPTransformError, DCPConfigError) as e:
         _count("refused", spec)
         STATS["refusals"][str(e).split(":")[0][:90]] += 1
+        if spec.recurrent != "none":
+            _note_hybrid_refusal(spec, kwargs, where, e)
         return
     try:
         report = compare(model, program, spec, dcp, mode)
@@ -233,12 +263,14 @@ test_prefill_program_equals_model_or_transform_refuses = fuzz_shard(
 def test_the_grammar_builds_every_feature_and_runs_single_device():
     """Every feature value of the grammar builds a model that runs and gives finite logits
     (so a refusal in the fuzz is about the transform, not a broken model)."""
-    from model_grammar import FEATURES, HEADS
+    from model_grammar import HEADS
     from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
     from dcp_compile.runtime.serving.kv_cache import KVCacheSpec
     for name, values in FEATURES.items():
         for value in values:
             hq, hkv = (4, 4) if name == "qkv" else HEADS[1]
+            if name == "recurrent" and value != "none":
+                continue                    # below
             spec = ModelSpec(hq, hkv, **{name: value})
             model = build(spec)
             cache = KVCacheSpec(spec.layers, 5, BLOCK, spec.kv_heads, spec.head_dim)
@@ -248,3 +280,20 @@ def test_the_grammar_builds_every_feature_and_runs_single_device():
             with torch.no_grad():
                 logits = engine.generate(prompts_of([3, 8], vocab=spec.vocab), 2).logits
             assert all(torch.isfinite(t).all() for t in logits), (name, value)
+
+
+@pytest.mark.parametrize("recurrent", FEATURES["recurrent"][1:])
+@pytest.mark.parametrize("kinds", LAYER_KINDS)
+def test_a_recurrent_grammar_model_runs_and_its_layers_are_the_kinds_it_names(recurrent, kinds):
+    """Every recurrent mixer in every layer pattern builds a model whose full forward gives
+    finite logits, with a mixer a swap rule names exactly at the layers ``kinds`` marks R
+    (the hybrid frontend's, so the fuzz tries the real path), at their own layer index."""
+    from dcp_compile.frontends.module_recurrent import recurrent_layers
+    spec = ModelSpec(8, 2, recurrent=recurrent, kinds=kinds, layers=len(kinds), moe="softmax")
+    model = build(spec)
+    found = [(name, m.layer_idx) for name, m, _ in recurrent_layers(model)]
+    want = [i for i, k in enumerate(kinds) if k == "R"]
+    assert found == [(f"layers.{i}.mixer", i) for i in want], found
+    with torch.no_grad():
+        logits = model(torch.tensor(prompts_of([7, 7], vocab=spec.vocab)))
+    assert logits.shape == (2, 7, spec.vocab) and torch.isfinite(logits).all()

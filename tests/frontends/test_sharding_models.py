@@ -20,7 +20,10 @@ from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.verify import verify, verify_prefill
 from dcp_compile.runtime.serving.engine import StepShapes
 
-from model_grammar import FEATURES, GQA, SHARDING, SHARDING_CASES, GrammarModel, ModelSpec, build
+from dcp_compile.frontends.module_recurrent import recurrent_layers
+from grammar_recurrent import HybridGrammarModel
+from model_grammar import (FEATURES, GQA, SHARDING, SHARDING_CASES, GrammarModel, ModelSpec,
+                           build, reference_of)
 from test_placement_worklist import compare_both
 
 STEPS = 8
@@ -37,7 +40,13 @@ def test_sharding_case_is_a_point_of_the_fuzz_grammar(name):
         if feature in FEATURES:
             assert value in FEATURES[feature], (name, feature, value)
     model = build(spec)
-    assert isinstance(model, GrammarModel) and model.spec == spec
+    assert model.spec == spec and len(model.layers) == 2
+    if spec.recurrent != "none":        # a hybrid: an ordinary LM with the mixers it names
+        assert isinstance(model, HybridGrammarModel) and len(spec.kinds) == 2
+        assert [m.layer_idx for _, m, _ in recurrent_layers(model)] == \
+            [i for i, k in enumerate(spec.kinds) if k == "R"]
+        return
+    assert isinstance(model, GrammarModel)
     assert model.num_layers == 2 and model.kv_cache_shape(5, 16) == (5, 16, spec.kv_heads, 8)
 
 
@@ -49,7 +58,8 @@ def test_feature_model_decode_matches_single_device(name, monkeypatch):
     shapes = StepShapes.fitting(2, 12, 12 + STEPS + 1, block_size=16, dcp=dcp)
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="decode", shapes=shapes,
                                  check=False)
-    report = verify(model, prog, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2]], STEPS)
+    report = verify(reference_of(model), prog, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2]],
+                    STEPS)
     assert report.tokens_agree and report.max_abs_error < 1e-4, report
     assert [kind for kind, _, _ in compared] == ["plan", "plan"]    # context, decode
 
@@ -74,7 +84,9 @@ def test_feature_model_prefill_matches_single_device(name, monkeypatch):
         return
     prog = dcp_compile.transform(model, tp=tp, dcp=dcp, mode="prefill", block_size=8,
                                  shapes=shapes, check=False)
-    report = verify_prefill(model, prog, PROMPTS, 2)    # two chunks, unaligned prior
+    reference = reference_of(model)    # a hybrid's: its own full forward (no KV cache)
+    report = verify_prefill(reference, prog, PROMPTS, 2,   # two chunks, unaligned prior
+                            check_cache=reference is model)
     assert report.ok and report.max_abs_error < 1e-4, report
     assert [kind for kind, _, _ in compared] == ["plan"]
 

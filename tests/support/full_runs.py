@@ -39,7 +39,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                        "every library attention form in both modes (the slice: each form "
                        "once, decode and prefill in turn)"),
     "DCP_FUZZ_FULL": ("corpora/test_fuzz_sharding.py",
-                      "2000 fuzz models instead of 500 (DCP_FUZZ_EXAMPLES=N sets any count)"),
+                      "2000 fuzz models instead of 500, one in 4 a hybrid (recurrent "
+                      "layers) instead of one in 40 (DCP_FUZZ_EXAMPLES=N sets any count)"),
     "DCP_HYBRID_EXPORT_FULL": ("frontends/test_hybrid_recurrent.py",
                                "the swapped model's export with its states as inputs for every "
                                "hybrid type (the slice: one per swap, qwen3_next, qwen3_5_text, "

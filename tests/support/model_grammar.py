@@ -39,11 +39,22 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
             | pad + slice | a cumsum | a causal depthwise convolution. A paged step cannot
             compute these (it holds no earlier token's hidden state): a model with one must
             be refused (DCPTokenMixingError), never compiled.
+  recurrent none | short_conv (LFM2's ``Lfm2ShortConv``) | mamba2 (Bamba's ``BambaMixer``)
+            | gated_deltanet (Qwen3.5's ``Qwen3_5GatedDeltaNet``): some layers' attention is a
+            recurrent mixer instead, which layers given by ``kinds`` ("R" recurrent, "A"
+            attention, one letter per layer: "RA", "AR", "RAR", "ARA", "RRA"). The mixers are
+            transformers' own modules (tiny configs at the grammar's hidden size), the ones the
+            hybrid frontend's swap rules name (dcp_compile/frontends/module_recurrent.py): the
+            real path of a hybrid, their state carried by the program as for any hybrid. Such a
+            model is an ordinary causal LM (``grammar_recurrent.HybridGrammarModel``:
+            ``forward(input_ids, position_ids) -> logits``, attention by SDPA over the
+            whole sequence, every other feature as above); it is compared with its own full forward
+            (:func:`reference_of`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from hypothesis import strategies as st
@@ -76,6 +87,8 @@ class ModelSpec:
     expert_parallel: bool = False
     experts_form: str = "concatenated"
     token_mix: str = "none"
+    recurrent: str = "none"
+    kinds: str = ""             # recurrent models: one letter per layer, R or A
     layers: int = 1
     hidden: int = 32
     head_dim: int = 8
@@ -87,7 +100,12 @@ class ModelSpec:
         plain = ModelSpec(self.q_heads, self.kv_heads)
         out = {f"{k}={v}" for k, v in asdict(self).items()
                if k in FEATURES and v != getattr(plain, k)}
+        if self.recurrent != "none":
+            out.add(f"kinds={self.kinds}")
         return out | {f"gqa={self.q_heads}/{self.kv_heads}"}
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent != "none" and self.kinds[layer] == "R"
 
     def describe(self) -> str:
         return "ModelSpec(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -109,7 +127,11 @@ FEATURES = {
     "expert_parallel": [False, True],
     "experts_form": ["concatenated", "gpt_oss"],
     "token_mix": ["none", "shift", "roll", "pad_slice", "cumsum", "conv"],
+    "recurrent": ["none", "short_conv", "mamba2", "gated_deltanet"],
 }
+# Which layers of a recurrent model are recurrent: every pattern has an attention layer (a
+# program without one has no KV cache to shard by sequence: not a DCP program).
+LAYER_KINDS = ["RA", "AR", "RAR", "ARA", "RRA"]
 
 # Features whose every non-plain value must be refused (the fuzz expects the refusal).
 REFUSED_FEATURES = {"token_mix"}
@@ -123,7 +145,9 @@ def _feature(name: str, values: list | None = None):
 
 
 @st.composite
-def model_specs(draw) -> ModelSpec:
+def model_specs(draw, recurrent_share: int = 0) -> ModelSpec:
+    """A drawn model; about one in ``recurrent_share`` is recurrent (a hybrid: transformers'
+    mixers, the layers ``kinds`` names), none at 0."""
     hq, hkv = draw(st.sampled_from(HEADS))
     qkv = draw(_feature("qkv", [q for q in FEATURES["qkv"]
                                 if hq == hkv or q not in QKV_MHA_ONLY]))
@@ -139,9 +163,24 @@ def model_specs(draw) -> ModelSpec:
                      top_k=draw(st.integers(1, 4)),
                      expert_parallel=draw(st.booleans()),
                      experts_form=draw(_feature("experts_form")))
-    return ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=draw(_feature("layers", [1, 2])),
+    spec = ModelSpec(hq, hkv, qkv=qkv, q_gate=q_gate, layers=draw(_feature("layers", [1, 2])),
                      hidden=draw(st.sampled_from([32, 64])),
                      seed=draw(st.integers(0, 2**16)), **picks)
+    # Decided by a hash of the model's seed, not by a draw of its own: hypothesis' draws
+    # favour the first value of a sampled_from and small integers (drawn, one model in three
+    # was a short conv in the layers "RA"); the hash spreads the hybrids over every mixer and
+    # layer pattern, and the attention-only models are the ones drawn before recurrent
+    # layers were in the grammar.
+    h = (spec.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**32 // 7
+    if recurrent_share > 0 and h % recurrent_share == 0:
+        h //= recurrent_share
+        mixers = FEATURES["recurrent"][1:]
+        kinds = LAYER_KINDS[h // len(mixers) % len(LAYER_KINDS)]
+        # The grammar's token mixing before attention is refused whatever else the model
+        # has; a hybrid keeps it off so that its recurrent layers are what is tried.
+        spec = replace(spec, recurrent=mixers[h % len(mixers)], kinds=kinds,
+                       layers=len(kinds), token_mix="none")
+    return spec
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -245,7 +284,8 @@ class Attention(nn.Module):
         q, k, v = t.split([g, 1, 1], dim=3)
         return q.reshape(b, s, n(hq), d), k.squeeze(3), v.squeeze(3), None
 
-    def forward(self, x, cos, sin, positions, block_table, key_cache, value_cache):
+    def _heads_qkv(self, x, cos, sin):
+        """q [B, S, hq, d], k, v [B, S, hkv, d] (normed, rotated) and the output gate."""
         spec = self.spec
         b, s, _ = x.shape
         q, k, v, gate = self._project(x)
@@ -261,14 +301,24 @@ class Attention(nn.Module):
             rot = rotate_half if spec.rope == "half" else rotate_interleaved
             q = q * cos + rot(q) * sin
             k = k * cos + rot(k) * sin
-        out, key_cache, value_cache = torch.ops.dcp.paged_attention(
-            q, k, v, key_cache, value_cache, positions, block_table, spec.head_dim ** -0.5)
+        return q, k, v, gate
+
+    def _output(self, out: Tensor, gate: Tensor | None) -> Tensor:
+        """The attention output [B, S, hq, d] through the head matmul, the gate and o_proj."""
+        spec = self.spec
+        b, s = out.shape[:2]
         if spec.head_matmul == "out":
             out = self._per_head(out)
         out = out.reshape(b, s, spec.q_heads * spec.head_dim if spec.explicit_heads else -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out), key_cache, value_cache
+        return self.o_proj(out)
+
+    def forward(self, x, cos, sin, positions, block_table, key_cache, value_cache):
+        q, k, v, gate = self._heads_qkv(x, cos, sin)
+        out, key_cache, value_cache = torch.ops.dcp.paged_attention(
+            q, k, v, key_cache, value_cache, positions, block_table, self.spec.head_dim ** -0.5)
+        return self._output(out, gate), key_cache, value_cache
 
 
 class MLP(nn.Module):
@@ -442,8 +492,22 @@ class GrammarModel(nn.Module):
         return self.lm_head(self.norm(x)), new_caches
 
 
-def build(spec: ModelSpec) -> GrammarModel:
+def build(spec: ModelSpec) -> nn.Module:
+    """The model of ``spec``: a :class:`GrammarModel`, or for a recurrent spec a
+    ``grammar_recurrent.HybridGrammarModel``."""
+    if spec.recurrent != "none":
+        from grammar_recurrent import HybridGrammarModel
+        return HybridGrammarModel(spec).eval()
     return GrammarModel(spec).eval()
+
+
+def reference_of(model: nn.Module) -> nn.Module:
+    """What a program of ``model`` is compared with: the model's own paged step, or for a
+    recurrent model its own full forward over the sequence so far, every step."""
+    if isinstance(model, GrammarModel):
+        return model
+    from dcp_compile.frontends.ordinary import FullForwardReference
+    return FullForwardReference(model)
 
 
 # -- the sharding tests' cases: named points of the grammar ----------------------------------
@@ -479,4 +543,15 @@ SHARDING_CASES: dict[str, tuple[ModelSpec, int, int]] = {
     "interleaved-rope": sharding_case(4, 2, GQA, rope="interleaved"),
     "everything": sharding_case(4, 2, GQA, qkv="fused_slices", mlp="fused_chunk",
                                 qk_norm="all_heads", explicit_heads=True, rope="interleaved"),
+    # Hybrids (recurrent layers beside attention; each recurrent layer's state carried by the
+    # program, its mixer replicated over TP and DCP, only the attention's KV cut by sequence):
+    # LFM2-like (short conv, q/k norm per head), Qwen3.5-like (Gated DeltaNet, gated attention
+    # with q/k norm, MoE), Bamba/Granite-4-H-like (Mamba2 after an attention layer, tied).
+    "hybrid-short-conv": sharding_case(4, 2, GQA, recurrent="short_conv", kinds="RA",
+                                       qk_norm="per_head"),
+    "hybrid-gated-deltanet-moe": sharding_case(4, 2, GQA, recurrent="gated_deltanet",
+                                               kinds="RA", q_gate="per_head",
+                                               qk_norm="per_head", moe="softmax"),
+    "hybrid-mamba2-tied": sharding_case(4, 2, GQA, recurrent="mamba2", kinds="AR",
+                                        tied=True, mlp="fused_chunk"),
 }
