@@ -1,0 +1,70 @@
+"""Lowering rules of the recurrent ops of hybrid models (docs/hybrid.md, docs/lowering.md:
+"Hybrid models on XLA").
+
+A recurrent op (runtime/kernels/recurrent.py) lowers through its reference implementation,
+which is static by construction: the token-by-token recurrence is a loop over the chunk's S
+tokens unrolled at trace time, the convolution is K static slices (``sliding_windows``), and
+the state cache is an input returned updated -- each row's slot read by a gather
+(``state_rows``: -1 and out-of-range slots read the garbage slot, a fresh row reads zeros)
+and written by a scatter of B rows, which the finalize rule ``cache_writes`` turns into one
+``dynamic_update_slice`` per row. No shape depends on the data: a padding row writes the
+garbage slot, a short row's later tokens are masked, not sliced away.
+
+``RECURRENT_LOWERING`` is the table: op -> its lowering (a decomposition to ATen). A
+recurrent op without a row is refused by name (``check_recurrent``), as is a step that keeps
+state snapshots (a speculative width-K decode step, a context step with prefix-cache state
+checkpoints): neither is checked on XLA yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from dcp_compile.passes.op_classes import RECURRENT_OPS
+from dcp_compile.runtime.errors import DCPLoweringError
+from dcp_compile.runtime.kernels import recurrent as R
+
+_dcp = torch.ops.dcp
+
+# op -> lowering rule (checked on XLA:CPU against the threaded program: LFM2, Bamba).
+RECURRENT_LOWERING = {
+    _dcp.short_conv.default: R._short_conv_impl,        # LFM2's short convolution
+    _dcp.mamba2_ssm.default: R._mamba2_ssm_impl,        # Mamba2: Bamba, Granite-4-H
+}
+
+# The operand that holds a step's state snapshots, by op (None / absent: no snapshots).
+_SNAPSHOT_ARG = "snapshot_slot"
+
+
+def _snapshot_given(node: Node) -> bool:
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    if _SNAPSHOT_ARG not in names:
+        return False
+    i = names.index(_SNAPSHOT_ARG)
+    value = node.args[i] if i < len(node.args) else node.kwargs.get(_SNAPSHOT_ARG)
+    return value is not None
+
+
+def check_recurrent(node: Node, step: str, where: str) -> bool:
+    """True if ``node`` is a recurrent op the lowering takes; raise DCPLoweringError naming
+    the op if it is one the lowering refuses; False for any other node."""
+    if node.target not in RECURRENT_OPS:
+        return False
+    op = node.target._schema.name
+    if node.target not in RECURRENT_LOWERING:
+        lowered = sorted(t._schema.name for t in RECURRENT_LOWERING)
+        raise DCPLoweringError(
+            f"cannot lower recurrent op {op} {where}: its lowering to StableHLO is not built "
+            f"(lowered recurrent ops: {lowered}). Run this hybrid on the eager runtime "
+            f"(threads or a torch.distributed world), or add a row to "
+            f"dcp_compile.lowering.recurrent.RECURRENT_LOWERING with a test on XLA:CPU.")
+    if _snapshot_given(node):
+        raise DCPLoweringError(
+            f"cannot lower recurrent op {op} {where}: the step keeps state snapshots "
+            f"(state_snapshot_slot: a speculative width-K decode step, or a context step "
+            f"with prefix-cache state checkpoints), whose lowering is not checked on XLA. "
+            f"Build the program with StepShapes(decode_len=1, state_checkpoints=0) to lower "
+            f"it, or run it on the eager runtime.")
+    return True
