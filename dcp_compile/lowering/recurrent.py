@@ -27,10 +27,33 @@ from dcp_compile.runtime.kernels import recurrent as R
 
 _dcp = torch.ops.dcp
 
-# op -> lowering rule (checked on XLA:CPU against the threaded program: LFM2, Bamba).
+def _gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot,
+                     fresh, lengths, num_k_heads, head_k_dim, head_v_dim, activation="silu",
+                     snapshot_slot=None):
+    # the op's schema defaults: a node may leave them out, the reference has none
+    return R._gated_delta_net_impl(mixed_qkv, g, beta, conv_weight, conv_state, rec_state,
+                                   state_slot, fresh, lengths, num_k_heads, head_k_dim,
+                                   head_v_dim, activation, snapshot_slot)
+
+
+def _kimi_delta_attention(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot,
+                          fresh, lengths, num_heads, head_dim, activation="silu",
+                          snapshot_slot=None):
+    # the op is the gated delta rule with a decay per key channel (its eager body)
+    return R._gated_delta_net_impl(mixed_qkv, g, beta, conv_weight, conv_state, rec_state,
+                                   state_slot, fresh, lengths, num_heads, head_dim, head_dim,
+                                   activation, snapshot_slot)
+
+
+# op -> lowering rule, each checked on XLA:CPU against the model's own forward
+# (tests/lowering/test_hybrid_xla.py).
 RECURRENT_LOWERING = {
-    _dcp.short_conv.default: R._short_conv_impl,        # LFM2's short convolution
+    _dcp.short_conv.default: R._short_conv_impl,        # LFM2's short convolution, Mamba-1's conv
     _dcp.mamba2_ssm.default: R._mamba2_ssm_impl,        # Mamba2: Bamba, Granite-4-H
+    _dcp.mamba_ssm.default: R._mamba_ssm_impl,          # Mamba-1: Jamba, Zamba
+    _dcp.gated_delta_net.default: _gated_delta_net,     # Qwen3-Next, Qwen3.5
+    _dcp.kimi_delta_attention.default: _kimi_delta_attention,   # Kimi Linear, Bailing
+    _dcp.lightning_attention.default: R._lightning_attention_impl,   # MiniMax
 }
 
 # The operand that holds a step's state snapshots, by op (None / absent: no snapshots).

@@ -1,0 +1,286 @@
+"""Hybrid programs (recurrent layers beside DCP attention) lowered to StableHLO and run on
+XLA:CPU replicas (docs/lowering.md, "Hybrid models on XLA"; docs/hybrid.md).
+
+Each case lowers a tiny hybrid's program, runs it SPMD on tp host devices with the state
+caches kept on the devices between steps, and compares every step's logits and greedy tokens
+with the model's own forward (fp32, 1e-4) and, in decode, with the threaded program's (the
+same engine loop, eager kernels). A mixed-length batch (prompts of 1, 5 and 8 tokens: below,
+around and above the conv kernel K=4), several decode steps: the state is carried across
+steps through the module's state-cache outputs. Each recurrent op's lowering rule is also
+run alone against its eager op on the slot edge cases (a padding row, a fresh row, a short
+row, an out-of-range slot; the garbage slot).
+
+The slice (default run): LFM2 decode and Bamba prefill in two chunks at tp=4/dcp=2, the ops
+alone, the named refusals. ``DCP_HYBRID_XLA_FULL=1``: LFM2 and Bamba x decode / prefill x
+tp=4/dcp=2 and tp=8/dcp=4, and the other families' decode at tp=4/dcp=2.
+
+XLA:CPU needs its host device count before jax initialises (test_xla.py): when jax was
+initialised with fewer devices earlier in this process, a case runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if __name__ == "__main__":        # child process of _in_xla_process: this worktree first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+    from tests.support.suite_path import install   # the suite's import path, as conftest sets it
+    install()
+
+pytest.importorskip("jax", reason="XLA tests need jax/jaxlib (pip install -e '.[xla]')")
+pytest.importorskip("torch_mlir", reason="lowering needs torch-mlir (the stablehlo extra)")
+
+import dcp_compile  # noqa: E402
+from dcp_compile import verify as V  # noqa: E402
+from dcp_compile import xla as X  # noqa: E402
+from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
+from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
+
+from full_runs import full  # noqa: E402
+from suite_path import ROOT  # noqa: E402
+
+MAX_TP = 8
+X.request_host_devices(MAX_TP)
+
+TOL = 1e-4
+LENGTHS = (1, 5, 8)
+STEPS = 4
+SHAPES = StepShapes(batch=3, context_len=8, max_blocks=8, num_blocks=16)
+BLOCK = 2
+FULL = full("DCP_HYBRID_XLA_FULL")
+
+LAYOUTS = ((4, 2), (8, 4))
+# (model type, mode, tp, dcp) of the slice: LFM2 (short conv) decode, Bamba (Mamba2) prefill.
+SLICE = {("lfm2", "decode", 4, 2), ("bamba", "prefill", 4, 2)}
+# Every other family whose recurrent op has a lowering rule: decode at tp=4/dcp=2.
+OTHER_FAMILIES = ("jamba", "qwen3_5_text", "minimax", "kimi_linear")
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _program(model_type, mode, tp, dcp):
+    from hybrid_configs import build_hybrid
+    model = build_hybrid(model_type)
+    return model, dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode, block_size=BLOCK,
+                                        shapes=SHAPES, check=False)
+
+
+def case_program(model_type, mode, tp, dcp) -> dict:
+    """Lower the program, run it on XLA, compare with the model's own forward and (decode)
+    the threaded program. Returns the measured errors and the lowered modules' facts."""
+    from dcp_compile.frontends.ordinary import FullForwardReference
+    model, program = _program(model_type, mode, tp, dcp)
+    lowered = X.lower_for_xla(program)
+    spec = program.state_spec()
+    modules = {step: {"aliased": m.text.count("tf.aliasing_output"),
+                      "state_outputs": sum(n.startswith("new_state_caches")
+                                           for n in m.output_names)}
+               for step, m in lowered.modules.items()}
+    out = {"modules": modules, "state_caches": len(spec.input_order()),
+           "kv_caches": 2 * program.cache_spec().num_layers}
+    reference = FullForwardReference(model)
+    if mode == "prefill":
+        plan = V.chunk_plan_of(_prompts(), 2)
+        out["model"] = X.verify_prefill(reference, program, plan, atol=TOL, lowered=lowered,
+                                        check_cache=False).to_json()
+        return out
+    ref, _ = V.run_reference(reference, program, _prompts(), STEPS)
+    got = X.generate(program, _prompts(), STEPS, lowered=lowered)
+    threaded = V.run_threaded_program(program, _prompts(), STEPS)[0].result
+    out["model"] = {"tokens_agree": got.tokens == ref.tokens,
+                    "max_abs_error": max(float((g - e).abs().max())
+                                         for g, e in zip(got.logits, ref.logits))}
+    out["threaded"] = {"tokens_agree": got.tokens == threaded.tokens,
+                       "max_abs_error": max(float((g - e).abs().max())
+                                            for g, e in zip(got.logits, threaded.logits))}
+    out["steps"] = len(got.logits)
+    return out
+
+
+# -- each recurrent op's rule alone, on the slot edge cases ------------------------------
+
+SLOTS = 4                       # + the garbage slot
+
+
+def _rows():
+    """Four rows: a continuing sequence (slot 1, 3 tokens), a fresh one (slot 0, 2 tokens),
+    a padding row (-1, no tokens) and an out-of-range slot (7: the garbage slot)."""
+    slot = torch.tensor([1, 0, -1, 7])
+    fresh = torch.tensor([False, True, False, False])
+    lengths = torch.tensor([3, 2, 0, 1])
+    return slot, fresh, lengths
+
+
+def _op_cases():
+    """op name -> (function of tensors calling the op, its inputs)."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    Bsz, S, K = 4, 3, 4
+    slot, fresh, lengths = _rows()
+    ops = torch.ops.dcp
+    cases = {}
+    C = 12
+    cases["short_conv"] = (
+        lambda x, w, b, cs, sl, fr, ln: ops.short_conv(x, w, b, cs, sl, fr, ln),
+        [r(Bsz, S, C), r(C, K), r(C), r(SLOTS + 1, C, K - 1), slot, fresh, lengths])
+    H, P, N, G = 4, 2, 3, 2
+    Cm = H * P + 2 * G * N
+    cases["mamba2_ssm"] = (
+        lambda x, dt, w, b, al, d, db, cs, ss, sl, fr, ln: ops.mamba2_ssm(
+            x, dt, w, b, al, d, db, cs, ss, sl, fr, ln, G, P, N, "silu", 0.0, float("inf")),
+        [r(Bsz, S, Cm), r(Bsz, S, H), r(Cm, K), r(Cm), r(H), r(H), r(H),
+         r(SLOTS + 1, Cm, K - 1), r(SLOTS + 1, H, P, N), slot, fresh, lengths])
+    D, Nm = 6, 3
+    cases["mamba_ssm"] = (
+        lambda x, dt, al, b, c, d, db, ss, sl, fr, ln: ops.mamba_ssm(
+            x, dt, al, b, c, d, db, ss, sl, fr, ln),
+        [r(Bsz, S, D), r(Bsz, S, D), r(D, Nm), r(Bsz, S, Nm), r(Bsz, S, Nm), r(D), r(D),
+         r(SLOTS + 1, D, Nm), slot, fresh, lengths])
+    Hk, Hv, dk, dv = 2, 4, 4, 4
+    Cg = 2 * Hk * dk + Hv * dv
+    cases["gated_delta_net"] = (
+        lambda q, gg, be, w, cs, rs, sl, fr, ln: ops.gated_delta_net(
+            q, gg, be, w, cs, rs, sl, fr, ln, Hk, dk, dv),
+        [r(Bsz, S, Cg), -r(Bsz, S, Hv).abs(), r(Bsz, S, Hv).sigmoid(), r(Cg, K),
+         r(SLOTS + 1, Cg, K - 1), r(SLOTS + 1, Hv, dk, dv), slot, fresh, lengths])
+    Hd, d = 2, 4
+    Ck = 3 * Hd * d
+    cases["kimi_delta_attention"] = (
+        lambda q, gg, be, w, cs, rs, sl, fr, ln: ops.kimi_delta_attention(
+            q, gg, be, w, cs, rs, sl, fr, ln, Hd, d),
+        [r(Bsz, S, Ck), -r(Bsz, S, Hd, d).abs(), r(Bsz, S, Hd).sigmoid(), r(Ck, K),
+         r(SLOTS + 1, Ck, K - 1), r(SLOTS + 1, Hd, d, d), slot, fresh, lengths])
+    cases["lightning_attention"] = (
+        lambda q, k, v, s, rs, sl, fr, ln: ops.lightning_attention(q, k, v, s, rs, sl, fr, ln),
+        [r(Bsz, S, Hd, d), r(Bsz, S, Hd, d), r(Bsz, S, Hd, d), r(Hd).abs(),
+         r(SLOTS + 1, Hd, d, d), slot, fresh, lengths])
+    return cases
+
+
+def case_ops() -> dict:
+    """Each op lowered alone (lower_function: its rule) and run on one XLA:CPU device
+    against the eager op: op -> (max |error| over every output, garbage slot written,
+    slot 2 and 3 (no row's) unchanged)."""
+    from dcp_compile.lowering import lower_function
+    device = X.host_devices(1)
+    out = {}
+    for name, (fn, inputs) in _op_cases().items():
+        want = fn(*inputs)
+        lowered = lower_function(fn, inputs, name=name)
+        executable = X.compile_module(lowered.text, device, step=name,
+                                      effort=X.VERIFY_EFFORT)
+        got = [X._to_torch(a) for a in executable.execute(
+            [X._jax().device_put(X._to_numpy(x), device[0]) for x in inputs])]
+        cache_in, cache_out = inputs[-4], got[-1]
+        out[name] = {"error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
+                     "untouched": bool(torch.equal(cache_out[2:SLOTS], cache_in[2:SLOTS])),
+                     "garbage_written": not torch.equal(cache_out[SLOTS], cache_in[SLOTS])}
+    return out
+
+
+def _xla_ready() -> bool:
+    import jax
+    return len(jax.devices("cpu")) >= MAX_TP
+
+
+def _in_xla_process(case: str, *args, tmp_path) -> dict:
+    if _xla_ready():
+        return globals()[case](*args)
+    out = tmp_path / "case.pt"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_TP}"
+    proc = subprocess.run([sys.executable, __file__, case, repr(args), str(out)], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+def _cases():
+    cells = [(t, mode, tp, dcp) for t in ("lfm2", "bamba") for mode in ("decode", "prefill")
+             for tp, dcp in LAYOUTS] + [(t, "decode", 4, 2) for t in OTHER_FAMILIES]
+    return [pytest.param(*cell, id=f"{cell[0]}-{cell[1]}-tp{cell[2]}-dcp{cell[3]}",
+                         marks=() if cell in SLICE or FULL else
+                         pytest.mark.skip(reason="DCP_HYBRID_XLA_FULL=1 runs it"))
+            for cell in cells]
+
+
+@pytest.mark.parametrize("model_type,mode,tp,dcp", _cases())
+def test_hybrid_program_on_xla_matches_the_model_and_the_threaded_program(
+        model_type, mode, tp, dcp, tmp_path):
+    got = _in_xla_process("case_program", model_type, mode, tp, dcp, tmp_path=tmp_path)
+    model = got["model"]
+    assert model["tokens_agree"] and model["max_abs_error"] <= TOL, got
+    if mode == "decode":
+        assert got["threaded"]["tokens_agree"], got
+        assert got["threaded"]["max_abs_error"] <= TOL, got
+        assert got["steps"] == STEPS + 1          # the prompt step, then STEPS decode steps
+    else:
+        assert model["ok"], got
+    # every KV and state cache is an input donated to the output that replaces it
+    caches = got["kv_caches"] + got["state_caches"]
+    for step, facts in got["modules"].items():
+        assert facts == {"aliased": caches, "state_outputs": got["state_caches"]}, (step, got)
+    print(f"{model_type} {mode} tp={tp} dcp={dcp} on XLA: max |logit error| vs the model "
+          f"{model['max_abs_error']:.1e}"
+          + (f", vs the threaded program {got['threaded']['max_abs_error']:.1e}"
+             if mode == "decode" else ""))
+
+
+def test_each_recurrent_op_lowers_to_its_eager_result_on_the_slot_edge_cases(tmp_path):
+    """Every row of RECURRENT_LOWERING, lowered alone: outputs and state caches equal the
+    eager op's; slots no row names are unchanged; padding and out-of-range rows write the
+    garbage slot."""
+    from dcp_compile.lowering.recurrent import RECURRENT_LOWERING
+    got = _in_xla_process("case_ops", tmp_path=tmp_path)
+    assert set(got) == {op._schema.name.split("::")[1] for op in RECURRENT_LOWERING}
+    for name, facts in got.items():
+        assert facts["error"] <= 1e-5 and facts["untouched"] and facts["garbage_written"], \
+            (name, facts)
+
+
+# -- refusals, by name ---------------------------------------------------------------------
+
+def _short_conv_graph(snapshot: bool):
+    """A hand-built graph calling dcp.short_conv (with state snapshots or without)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    fn, inputs = _op_cases()["short_conv"]
+    if snapshot:
+        def fn(x, w, b, cs, sl, fr, ln, snap):
+            return torch.ops.dcp.short_conv(x, w, b, cs, sl, fr, ln, snap)
+        inputs = inputs + [torch.full((4, 3), -1, dtype=torch.int64)]
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def test_a_recurrent_op_without_a_rule_is_refused_naming_it(monkeypatch):
+    from dcp_compile.lowering import check_lowerable
+    from dcp_compile.lowering import recurrent
+    gm = _short_conv_graph(snapshot=False)
+    check_lowerable(gm, "decode")                         # lowers with its rule
+    monkeypatch.delitem(recurrent.RECURRENT_LOWERING, torch.ops.dcp.short_conv.default)
+    with pytest.raises(DCPLoweringError, match=r"cannot lower recurrent op dcp::short_conv at "
+                                               r"node short_conv.*step 'decode'.*not built"):
+        check_lowerable(gm, "decode")
+
+
+def test_a_step_with_state_snapshots_is_refused_naming_the_op():
+    from dcp_compile.lowering import check_lowerable
+    with pytest.raises(DCPLoweringError, match=r"dcp::short_conv .*keeps state snapshots"):
+        check_lowerable(_short_conv_graph(snapshot=True), "decode")
+
+
+if __name__ == "__main__":        # child process of _in_xla_process
+    import ast
+    name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]
+    torch.save(globals()[name](*args), out)
