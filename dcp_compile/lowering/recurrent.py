@@ -1,5 +1,6 @@
-"""Lowering rules of the recurrent ops of hybrid models (docs/hybrid.md, docs/lowering.md:
-"Hybrid models on XLA").
+"""Lowering rules of the recurrent ops of hybrid models (RECURRENT_LOWERING, op -> rule).
+
+docs/lowering.md, "Hybrid models on XLA"; docs/hybrid.md.
 
 A recurrent op (runtime/kernels/recurrent.py) lowers through its reference implementation,
 which is static by construction: the token-by-token recurrence is a loop over the chunk's S
