@@ -95,7 +95,18 @@ def case_program(model_type, mode, tp, dcp) -> dict:
                                         check_cache=False).to_json()
         return out
     ref, _ = V.run_reference(reference, program, _prompts(), STEPS)
-    got = X.generate(program, _prompts(), STEPS, lowered=lowered)
+    executor = X.XLAExecutor(program, lowered, effort=X.VERIFY_EFFORT)
+    got = X.generate(program, _prompts(), STEPS, executor=executor)
+    states = executor.states                    # [rank][state cache], on the host
+    out["states_replicated"] = all(torch.equal(a, b) for rank in states[1:]
+                                   for a, b in zip(states[0], rank))
+    out["states_written"] = all(bool(s[:len(LENGTHS)].abs().sum() > 0) for s in states[0])
+    try:                                        # a hybrid step without its rows' slots
+        executor.step("decode", *(torch.zeros(3, 1, dtype=torch.int64),) * 2,
+                      torch.zeros(3, SHAPES.max_blocks, dtype=torch.int64))
+        out["refused"] = None
+    except X.DCPXLAError as e:
+        out["refused"] = str(e)
     threaded = V.run_threaded_program(program, _prompts(), STEPS)[0].result
     out["model"] = {"tokens_agree": got.tokens == ref.tokens,
                     "max_abs_error": max(float((g - e).abs().max())
@@ -227,6 +238,9 @@ def test_hybrid_program_on_xla_matches_the_model_and_the_threaded_program(
         assert got["threaded"]["tokens_agree"], got
         assert got["threaded"]["max_abs_error"] <= TOL, got
         assert got["steps"] == STEPS              # a logits row per step: the state carried
+        # the state is whole on every rank and the same bytes on each (replicated over DCP)
+        assert got["states_replicated"] and got["states_written"], got
+        assert "pass each row's state_slot=" in got["refused"], got
     else:
         assert model["ok"], got
     # every KV and state cache is an input donated to the output that replaces it; a decode
