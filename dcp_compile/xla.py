@@ -293,6 +293,15 @@ class XLAExecutor:
     def rank_caches(self, rank: int) -> list[torch.Tensor]:
         return self.caches[rank]
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """A prefix-cache hit of a hybrid program (a state checkpoint into the sequence's
+        slot): not built on XLA."""
+        raise DCPXLAError(
+            f"prefix caching of a hybrid program on XLA is not built: a hit copies state "
+            f"checkpoint slot {src} into slot {dst}, which XLAExecutor does not do. Serve "
+            f"the hybrid on XLA without prefix caching, or on the eager runtime "
+            f"(docs/lowering.md, Hybrid models on XLA).")
+
     @property
     def states(self) -> list[list[torch.Tensor]]:
         """A hybrid program's recurrent-state caches on the host, one list per rank
@@ -320,33 +329,33 @@ class XLAExecutor:
              snapshot_slot=None):
         """One step; a hybrid program's also takes each row's ``state_slot`` [B] (its
         ``state_fresh`` and ``state_lengths`` follow from the positions, as on the eager
-        runtime). Width-K state snapshots are not lowered (lowering/recurrent.py)."""
+        runtime) and, in a width-K decode step, ``snapshot_slot`` [B, K]: where the state
+        after each draft is kept (the engine rolls a rejected draft back to it)."""
         executable, contract = self.executable_for(kind, block_table)
-        step_inputs, state_inputs = [input_ids, positions, block_table], []
+        step_inputs, state_inputs, snapshots = [input_ids, positions, block_table], [], []
         if self.state_spec is None:
             if state_slot is not None or snapshot_slot is not None:
                 raise DCPXLAError("this program has no recurrent-state caches (no recurrent "
                                   "layer): run its steps without state_slot=.")
             contract.check(input_ids, positions, block_table)
         else:
-            if state_slot is None or snapshot_slot is not None:
+            if state_slot is None:
                 raise DCPXLAError(
                     f"{kind} step of a hybrid program on XLA: pass each row's state_slot= "
-                    f"(the engine does, Engine(state_slots=N)); state snapshots "
-                    f"(snapshot_slot=: width-K decode, prefix-cache checkpoints) are not "
-                    f"lowered. Build the program with StepShapes(decode_len=1, "
-                    f"state_checkpoints=0).")
+                    f"(the engine does, Engine(state_slots=N)).")
             fresh, lengths = state_rows(positions)
             contract.check(input_ids, positions, block_table, state_slot=state_slot,
-                           fresh=fresh)
+                           fresh=fresh, snapshot_slot=snapshot_slot)
             state_inputs = [state_slot, fresh, lengths]
+            # a width-K decode step's state_snapshot_slot [B, K] is its last input
+            snapshots = [] if snapshot_slot is None else [snapshot_slot]
         started = time.perf_counter()
         shared = [self.replicas.same(x) for x in step_inputs]
         # graph(*weights, tp_rank, input_ids, positions, block_table, *kv_caches,
         #       [state_slot, state_fresh, state_lengths, *state_caches])
         kv, states = self._caches[:self.num_kv_caches], self._caches[self.num_kv_caches:]
         args = self.prefix + shared + kv + [self.replicas.same(x) for x in state_inputs] + \
-            states
+            states + [self.replicas.same(x) for x in snapshots]
         results = executable.execute_sharded(args)
         outs = results.disassemble_into_single_device_arrays()   # [output][replica]
         by_device = [{b.device: b for b in out} for out in outs]
@@ -441,10 +450,12 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
     start = time.perf_counter()
     ref, _ = V.run_reference(model, program, prompts, steps)
     lowered = lowered or lower_for_xla(program)
+    state = program.state_spec()        # a hybrid program's engine gives each row its slots
     engine = Engine(XLAExecutor(program, lowered, source=source, effort=VERIFY_EFFORT),
                     program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
-                    prompt_kind=prompt_kind(program), prefix_caching=prefix_caching)
+                    prompt_kind=prompt_kind(program), prefix_caching=prefix_caching,
+                    state_slots=None if state is None else state.num_slots)
     got, reused = V.generate_per_token(engine, prompts, steps, drafter)
     return V.speculative_report(program, ref, [got], start, atol=atol,
                                 lengths=[len(p) for p in prompts], reused_tokens=reused)

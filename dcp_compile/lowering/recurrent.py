@@ -11,10 +11,12 @@ and written by a scatter of B rows, which the finalize rule ``cache_writes`` tur
 ``dynamic_update_slice`` per row. No shape depends on the data: a padding row writes the
 garbage slot, a short row's later tokens are masked, not sliced away.
 
+A step that keeps state snapshots (``snapshot_slot [B, S]``: a speculative width-K decode
+step) writes the state after each token to its snapshot slot by the same rule (B * S more
+rows; -1 writes the garbage slot).
+
 ``RECURRENT_LOWERING`` is the table: op -> its lowering (a decomposition to ATen). A
-recurrent op without a row is refused by name (``check_recurrent``), as is a step that keeps
-state snapshots (a speculative width-K decode step, a context step with prefix-cache state
-checkpoints): neither is checked on XLA yet.
+recurrent op without a row is refused by name (``check_recurrent``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dcp_compile.runtime.errors import DCPLoweringError
 from dcp_compile.runtime.kernels import recurrent as R
 
 _dcp = torch.ops.dcp
+
 
 def _gated_delta_net(mixed_qkv, g, beta, conv_weight, conv_state, rec_state, state_slot,
                      fresh, lengths, num_k_heads, head_k_dim, head_v_dim, activation="silu",
@@ -57,38 +60,18 @@ RECURRENT_LOWERING = {
     _dcp.lightning_attention.default: R._lightning_attention_impl,   # MiniMax
 }
 
-# The operand that holds a step's state snapshots, by op (None / absent: no snapshots).
-_SNAPSHOT_ARG = "snapshot_slot"
-
-
-def _snapshot_given(node: Node) -> bool:
-    schema = node.target._schema
-    names = [a.name for a in schema.arguments]
-    if _SNAPSHOT_ARG not in names:
-        return False
-    i = names.index(_SNAPSHOT_ARG)
-    value = node.args[i] if i < len(node.args) else node.kwargs.get(_SNAPSHOT_ARG)
-    return value is not None
-
 
 def check_recurrent(node: Node, step: str, where: str) -> bool:
     """True if ``node`` is a recurrent op the lowering takes; raise DCPLoweringError naming
-    the op if it is one the lowering refuses; False for any other node."""
+    the op if it has no rule; False for any other node."""
     if node.target not in RECURRENT_OPS:
         return False
-    op = node.target._schema.name
     if node.target not in RECURRENT_LOWERING:
+        op = node.target._schema.name
         lowered = sorted(t._schema.name for t in RECURRENT_LOWERING)
         raise DCPLoweringError(
             f"cannot lower recurrent op {op} {where}: its lowering to StableHLO is not built "
             f"(lowered recurrent ops: {lowered}). Run this hybrid on the eager runtime "
             f"(threads or a torch.distributed world), or add a row to "
             f"dcp_compile.lowering.recurrent.RECURRENT_LOWERING with a test on XLA:CPU.")
-    if _snapshot_given(node):
-        raise DCPLoweringError(
-            f"cannot lower recurrent op {op} {where}: the step keeps state snapshots "
-            f"(state_snapshot_slot: a speculative width-K decode step, or a context step "
-            f"with prefix-cache state checkpoints), whose lowering is not checked on XLA. "
-            f"Build the program with StepShapes(decode_len=1, state_checkpoints=0) to lower "
-            f"it, or run it on the eager runtime.")
     return True
