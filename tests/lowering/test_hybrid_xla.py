@@ -8,11 +8,13 @@ same engine loop, eager kernels). A mixed-length batch (prompts of 1, 5 and 8 to
 around and above the conv kernel K=4), several decode steps: the state is carried across
 steps through the module's state-cache outputs. Each recurrent op's lowering rule is also
 run alone against its eager op on the slot edge cases (a padding row, a fresh row, a short
-row, an out-of-range slot; the garbage slot).
+row, an out-of-range slot; the garbage slot; a width-K step's snapshot slots), and
+speculative width-K decode with partly rejected drafts rolls the state back on XLA.
 
 The slice (default run): LFM2 decode at tp=4/dcp=2, the ops alone (every rule, Mamba2's
 included), the named refusals. ``DCP_HYBRID_XLA_FULL=1``: LFM2 and Bamba x decode / prefill x
-tp=4/dcp=2 and tp=8/dcp=4, and the other families' decode at tp=4/dcp=2.
+tp=4/dcp=2 and tp=8/dcp=4, the other families' decode at tp=4/dcp=2, and speculative decode
+of Bamba and Qwen3.5.
 
 XLA:CPU needs its host device count before jax initialises (test_xla.py): when jax was
 initialised with fewer devices earlier in this process, a case runs in a fresh process.
