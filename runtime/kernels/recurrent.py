@@ -105,7 +105,7 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 def sliding_windows(full: Tensor, size: int, count: int) -> Tensor:
     """``full.unfold(-1, size, 1)[..., :count, :]`` as ``size`` static slices stacked: the
     same values, and the form the StableHLO lowering takes (torch-mlir does not lower
-    ``aten.unfold``; docs/lowering.md, "Hybrid models")."""
+    ``aten.unfold``; docs/lowering.md, "Hybrid models on XLA")."""
     return torch.stack([full[..., k:k + count] for k in range(size)], dim=-1)
 
 
