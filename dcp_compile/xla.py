@@ -28,6 +28,7 @@ import torch
 
 from dcp_compile.runtime.errors import DCPTransformError, DCPXLAError
 from dcp_compile.runtime.names import StepKind
+from dcp_compile.runtime.serving.state_cache import state_rows
 
 EXTRA = "xla"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -270,17 +271,46 @@ class XLAExecutor:
         allocated = [program.cache_spec().allocate(fill=fill) for _ in range(self.tp)]
         self._caches = [self.replicas.per_rank([a[i] for a in allocated])
                         for i in range(len(allocated[0]))]
+        # A hybrid program's recurrent-state caches (program.state_spec(): replicated over
+        # the DCP group, whole on every rank), on the devices after the KV caches: the
+        # modules take and return them in that order (lowering/recurrent.py).
+        spec = program.state_spec()
+        self.state_spec = spec
+        self.num_kv_caches = len(self._caches)
+        if spec is not None:
+            states = [spec.allocate_inputs() for _ in range(self.tp)]
+            self._caches += [self.replicas.per_rank([s[i] for s in states])
+                             for i in range(len(states[0]))]
 
     @property
     def caches(self) -> list[list[torch.Tensor]]:
         per_cache = [[_to_torch(s.data) for s in sorted(c.addressable_shards,
                                                         key=lambda s: self.devices.index(
                                                             s.device))]
-                     for c in self._caches]
+                     for c in self._caches[:self.num_kv_caches]]
         return [[c[r] for c in per_cache] for r in range(self.tp)]
 
     def rank_caches(self, rank: int) -> list[torch.Tensor]:
         return self.caches[rank]
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """A prefix-cache hit of a hybrid program (a state checkpoint into the sequence's
+        slot): not built on XLA."""
+        raise DCPXLAError(
+            f"prefix caching of a hybrid program on XLA is not built: a hit copies state "
+            f"checkpoint slot {src} into slot {dst}, which XLAExecutor does not do. Serve "
+            f"the hybrid on XLA without prefix caching, or on the eager runtime "
+            f"(docs/lowering.md, Hybrid models on XLA).")
+
+    @property
+    def states(self) -> list[list[torch.Tensor]]:
+        """A hybrid program's recurrent-state caches on the host, one list per rank
+        (``program.state_spec().input_order()``); [] per rank for any other program."""
+        per_cache = [[_to_torch(s.data) for s in sorted(c.addressable_shards,
+                                                        key=lambda s: self.devices.index(
+                                                            s.device))]
+                     for c in self._caches[self.num_kv_caches:]]
+        return [[c[r] for c in per_cache] for r in range(self.tp)]
 
     def executable_for(self, kind, block_table):
         """(executable, contract) of step ``kind`` in the bucket of ``block_table``'s width."""
@@ -295,12 +325,38 @@ class XLAExecutor:
         key = (kind, width) if (kind, width) in self.executables else (kind, widest)
         return self.executables[key], self.contracts[key]
 
-    def step(self, kind, input_ids, positions, block_table):
+    def step(self, kind, input_ids, positions, block_table, state_slot=None,
+             snapshot_slot=None):
+        """One step; a hybrid program's also takes each row's ``state_slot`` [B] (its
+        ``state_fresh`` and ``state_lengths`` follow from the positions, as on the eager
+        runtime) and, in a width-K decode step, ``snapshot_slot`` [B, K]: where the state
+        after each draft is kept (the engine rolls a rejected draft back to it)."""
         executable, contract = self.executable_for(kind, block_table)
-        contract.check(input_ids, positions, block_table)
+        step_inputs, state_inputs, snapshots = [input_ids, positions, block_table], [], []
+        if self.state_spec is None:
+            if state_slot is not None or snapshot_slot is not None:
+                raise DCPXLAError("this program has no recurrent-state caches (no recurrent "
+                                  "layer): run its steps without state_slot=.")
+            contract.check(input_ids, positions, block_table)
+        else:
+            if state_slot is None:
+                raise DCPXLAError(
+                    f"{kind} step of a hybrid program on XLA: pass each row's state_slot= "
+                    f"(the engine does, Engine(state_slots=N)).")
+            fresh, lengths = state_rows(positions)
+            contract.check(input_ids, positions, block_table, state_slot=state_slot,
+                           fresh=fresh, snapshot_slot=snapshot_slot)
+            state_inputs = [state_slot, fresh, lengths]
+            # a width-K decode step's state_snapshot_slot [B, K] is its last input
+            snapshots = [] if snapshot_slot is None else [snapshot_slot]
         started = time.perf_counter()
-        shared = [self.replicas.same(x) for x in (input_ids, positions, block_table)]
-        results = executable.execute_sharded(self.prefix + shared + self._caches)
+        shared = [self.replicas.same(x) for x in step_inputs]
+        # graph(*weights, tp_rank, input_ids, positions, block_table, *kv_caches,
+        #       [state_slot, state_fresh, state_lengths, *state_caches])
+        kv, states = self._caches[:self.num_kv_caches], self._caches[self.num_kv_caches:]
+        args = self.prefix + shared + kv + [self.replicas.same(x) for x in state_inputs] + \
+            states + [self.replicas.same(x) for x in snapshots]
+        results = executable.execute_sharded(args)
         outs = results.disassemble_into_single_device_arrays()   # [output][replica]
         by_device = [{b.device: b for b in out} for out in outs]
         outs = [[m[d] for d in self.devices] for m in by_device]
@@ -348,9 +404,11 @@ def generate(program, prompts, steps: int, *, lowered=None, source: str = "text"
     if executor is None:
         executor = XLAExecutor(program, lowered or lower_for_xla(program), source=source,
                                effort=VERIFY_EFFORT)
+    state = program.state_spec()        # a hybrid program's engine gives each row a slot
     engine = Engine(executor, program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
-                    prompt_kind=prompt_kind(program), buckets=program.buckets)
+                    prompt_kind=prompt_kind(program), buckets=program.buckets,
+                    state_slots=None if state is None else state.num_slots)
     with torch.no_grad():
         return engine.generate(prompts, steps)
 
@@ -392,10 +450,12 @@ def verify_speculative(model, program, prompts, steps: int, drafter, *, atol: fl
     start = time.perf_counter()
     ref, _ = V.run_reference(model, program, prompts, steps)
     lowered = lowered or lower_for_xla(program)
+    state = program.state_spec()        # a hybrid program's engine gives each row its slots
     engine = Engine(XLAExecutor(program, lowered, source=source, effort=VERIFY_EFFORT),
                     program.shapes,
                     block_size=program.config.block_size, dcp=program.config.dcp,
-                    prompt_kind=prompt_kind(program), prefix_caching=prefix_caching)
+                    prompt_kind=prompt_kind(program), prefix_caching=prefix_caching,
+                    state_slots=None if state is None else state.num_slots)
     got, reused = V.generate_per_token(engine, prompts, steps, drafter)
     return V.speculative_report(program, ref, [got], start, atol=atol,
                                 lengths=[len(p) for p in prompts], reused_tokens=reused)
@@ -432,8 +492,10 @@ def verify_prefill(model, program, chunk_plan, chunks: int | None = None, *,
     executor = XLAExecutor(program, lowered, fill=float("nan") if check_cache else 0.0,
                            source=source, effort=VERIFY_EFFORT)
     recorder = RecordingExecutor(executor)
+    state = program.state_spec()        # a hybrid program's engine gives each row a slot
     engine = Engine(recorder, program.shapes, block_size=program.config.block_size,
-                    dcp=program.config.dcp, prompt_kind=StepKind.PREFILL, buckets=program.buckets)
+                    dcp=program.config.dcp, prompt_kind=StepKind.PREFILL, buckets=program.buckets,
+                    state_slots=None if state is None else state.num_slots)
     with torch.no_grad():
         for chunk in chunk_plan:
             engine.prefill(chunk)

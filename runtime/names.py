@@ -66,6 +66,7 @@ STATE_SLOT = "state_slot"        # [B] int64: each row's recurrent-state slot (-
 STATE_FRESH = "state_fresh"      # [B] bool: the row starts its sequence (reads a zero state)
 STATE_LENGTHS = "state_lengths"  # [B] int64: the row's real tokens (left-packed)
 STATE_SNAPSHOT_SLOT = "state_snapshot_slot"  # [B, K] int64: where each draft's state is kept
+STATE_CACHES = "state_caches"    # the hybrid forward's argument; its inputs are state_caches_<i>
 
 
 def cache_input(i: int) -> str:
@@ -75,6 +76,11 @@ def cache_input(i: int) -> str:
 
 def is_cache_input(name: str) -> bool:
     return name.startswith(KV_CACHES)
+
+
+def is_state_cache_input(name: str) -> bool:
+    """A hybrid program's recurrent-state cache input (``state_caches_<i>``)."""
+    return name.startswith(STATE_CACHES)
 
 
 # -- node.meta keys ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.errors import DCPHybridError
-from dcp_compile.runtime.names import Mode, StepKind
+from dcp_compile.runtime.names import STATE_CACHES, Mode, StepKind
 
 from ..capture import capture
 from .module_experts import drop_replaced_weights
@@ -46,7 +46,6 @@ from .module_recurrent import (RecurrentStates, recurrent_as_ops, recurrent_laye
 from .ordinary import OrdinaryFrontend, OrdinaryStep, step_capture
 from .protocol import StepCapture
 
-STATE_CACHES = "state_caches"     # the forward argument; its inputs are state_caches_<i>
 
 
 def state_slots(shapes) -> int:

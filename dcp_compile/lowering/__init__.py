@@ -26,8 +26,10 @@ back) and ``interpreter`` runs lowered modules in the StableHLO reference interp
 One module serves every rank: the rank is its ``tp_rank`` input (``mhlo.num_replicas = tp``,
 replica groups name global device ids = tp ranks). KV caches are inputs and are returned
 updated; each cache input carries ``tf.aliasing_output`` (the XLA convention for a donated
-buffer) naming the result that replaces it. What each collective is (arguments, shape effect,
-StableHLO op) comes from dcp_compile.runtime.distributed.roles.COLLECTIVES, the one table of collectives.
+buffer) naming the result that replaces it; a hybrid program's recurrent-state caches
+(``state_caches_<i>``, after the KV caches) likewise (recurrent.py: the recurrent ops'
+rules). What each collective is (arguments, shape effect, StableHLO op) comes from
+dcp_compile.runtime.distributed.roles.COLLECTIVES, the one table of collectives.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPLoweringError
-from dcp_compile.runtime.names import is_cache_input
+from dcp_compile.runtime.names import is_cache_input, is_state_cache_input
 
 from .artifact import (COLLECTIVE_OPS, LoweredCollective, LoweredModule, LoweringResult,
                        _join_sites, collectives_in, deserialize, op_counts, serialize, write)
@@ -137,9 +139,9 @@ def lower_graph(gm: GraphModule, *, step: str, groups: dict[str, list[list[int]]
         sites = _resolve_site_shapes(decomposed, sites)
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     output_names = _output_names(gm)
-    caches = [n for n in input_names if is_cache_input(n)]
+    caches = [n for n in input_names if is_cache_input(n) or is_state_cache_input(n)]
     if len(output_names) == 1 + len(caches):
-        # DCPProgram's calling convention: (logits, *new_kv_caches).
+        # DCPProgram's calling convention: (logits, *new_kv_caches, *new_state_caches).
         output_names = ["logits"] + [f"new_{n}" for n in caches]
     return _lower_decomposed(decomposed, step=step, sites=sites, elided=elided, groups=groups,
                              tp=tp, target_version=target_version, seconds=seconds,

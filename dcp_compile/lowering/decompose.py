@@ -56,15 +56,18 @@ def _int_remainder(a, b):
 
 def decomposition_table() -> dict:
     """torch-mlir's FX decomposition table, every dcp op's reference implementation (but
-    decode attention: paged_attention.LOWERING_KERNELS), and exact integer floor division /
+    decode attention: paged_attention.LOWERING_KERNELS), the recurrent ops of
+    recurrent.RECURRENT_LOWERING, and exact integer floor division /
     remainder (see _int_div_mode, _int_remainder)."""
     from dcp_compile.runtime.kernels.ops import DECOMPOSITIONS
 
     from .paged_attention import LOWERING_KERNELS
+    from .recurrent import RECURRENT_LOWERING
     aten = torch.ops.aten
     table = dict(_torch_mlir_decompositions())
     table.update(DECOMPOSITIONS)
     table.update(LOWERING_KERNELS)      # decode attention as XLA fuses it (paged_attention.py)
+    table.update(RECURRENT_LOWERING)    # hybrid models' recurrent ops (recurrent.py)
     table.update({aten.div.Tensor_mode: _int_div_mode, aten.div.Scalar_mode: _int_div_mode,
                   aten.remainder.Tensor: _int_remainder,
                   aten.remainder.Scalar: _int_remainder})

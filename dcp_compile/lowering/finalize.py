@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dcp_compile.runtime.errors import DCPLoweringError
-from dcp_compile.runtime.names import is_cache_input
+from dcp_compile.runtime.names import is_cache_input, is_state_cache_input
 
 from .cache_writes import row_scatter_to_updates
 from .stablehlo import _walk
@@ -163,8 +163,10 @@ def annotate(module, step: str, tp: int, input_names: list[str], output_names: l
         attrs[key] = (ir.IntegerAttr.get(ir.IntegerType.get_signless(64), value)
                       if isinstance(value, int) else ir.StringAttr.get(str(value)))
     func = next(op for op in _walk(module.operation) if op.name == "func.func")
-    # Cache k of the inputs comes back as result 1 + k (calling convention of DCPProgram).
-    cache_inputs = [i for i, n in enumerate(input_names) if is_cache_input(n)]
+    # Cache k of the inputs comes back as result 1 + k (calling convention of DCPProgram:
+    # the KV caches, then a hybrid's recurrent-state caches).
+    cache_inputs = [i for i, n in enumerate(input_names)
+                    if is_cache_input(n) or is_state_cache_input(n)]
     alias = {i: 1 + k for k, i in enumerate(cache_inputs)} if len(output_names) == \
         1 + len(cache_inputs) else {}
     arg_attrs = []

@@ -24,6 +24,8 @@ from dcp_compile.runtime.names import META_LAYER, META_NODE, META_PASS, is_cache
 from dcp_compile.runtime.distributed.roles import COLLECTIVES, KINDS, REDUCTIONS, WAIT_TARGET, bound_collectives, \
     uneven_splits
 
+from .recurrent import check_recurrent
+
 
 @dataclass(frozen=True)
 class CollectiveSite:
@@ -91,6 +93,10 @@ def check_lowerable(gm: GraphModule, step: str) -> None:
             raise DCPLoweringError(NOT_LOWERED[target].format(
                 op=_op_name(target), name=name, pass_name=pass_name, step=step))
         if target in DECOMPOSITIONS:
+            continue
+        name, pass_name = provenance(node)
+        if check_recurrent(node, step, f"at node {name} (introduced by pass {pass_name}, "
+                                        f"step {step!r})"):
             continue
         namespace = getattr(target, "namespace", None)
         if isinstance(target, torch._ops.OpOverload) and namespace in ("aten", "prims"):

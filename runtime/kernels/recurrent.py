@@ -102,6 +102,13 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def sliding_windows(full: Tensor, size: int, count: int) -> Tensor:
+    """``full.unfold(-1, size, 1)[..., :count, :]`` as ``size`` static slices stacked: the
+    same values, and the form the StableHLO lowering takes (torch-mlir does not lower
+    ``aten.unfold``; docs/lowering.md, "Hybrid models on XLA")."""
+    return torch.stack([full[..., k:k + count] for k in range(size)], dim=-1)
+
+
 def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tensor,
                       activation: str, bias: Tensor | None = None, *,
                       per_token: bool = False):
@@ -116,7 +123,7 @@ def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Te
         raise ValueError(f"recurrent op: conv activation {activation!r} is not one of "
                          f"{sorted(CONV_ACTIVATIONS)}")
     full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)      # [B, C, K-1+S]
-    windows = full.unfold(-1, K, 1)                                            # [B, C, S, K]
+    windows = sliding_windows(full, K, S)                                      # [B, C, S, K]
     out = (windows * weight[None, :, None, :].to(x.dtype)).sum(-1).transpose(1, 2)
     if bias is not None:
         out = out + bias.to(x.dtype)
@@ -126,7 +133,8 @@ def causal_conv_chunk(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Te
     idx = lengths.long().view(B, 1, 1) + torch.arange(K - 1, device=x.device).view(1, 1, -1)
     new_state = full.gather(-1, idx.expand(B, C, K - 1))
     if per_token:   # the state after each token t: full[..., t+1 : t+K]   -> [B, S, C, K-1]
-        return out, new_state, full.unfold(-1, K - 1, 1)[:, :, 1:S + 1].permute(0, 2, 1, 3)
+        each = sliding_windows(full[..., 1:], K - 1, S)                        # [B, C, S, K-1]
+        return out, new_state, each.permute(0, 2, 1, 3)
     return out, new_state
 
 

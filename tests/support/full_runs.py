@@ -55,6 +55,12 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "Zamba2, Jamba and Zamba (the slice: one per family); "
                         "frontends/test_hybrid_lin.py's: Qwen prefill, LFM2-MoE, Kimi Linear, "
                         "Bailing-hybrid, MiniMax (the slice: one cell each but Bailing)"),
+    "DCP_HYBRID_XLA_FULL": ("lowering/test_hybrid_xla.py",
+                            "hybrid programs lowered and run on XLA:CPU: LFM2 and Bamba x "
+                            "decode / prefill x tp=4/dcp=2 and tp=8/dcp=4, and Jamba, "
+                            "Qwen3.5, MiniMax and Kimi Linear decode at tp=4/dcp=2, "
+                            "speculative decode of Bamba and Qwen3.5 (the slice: LFM2 "
+                            "decode at tp=4/dcp=2)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",
