@@ -38,6 +38,7 @@ from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Prop
 from .op_classes import SHAPED_VIEWS, SPLITS
 from .placement import (Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges,
                         weight_param)
+from .placement.recurrent import HEAD_CUT_META
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -131,6 +132,8 @@ class ShardTensorParallel(DCPPass):
                                                     dtype=full.dtype, device=full.device)
                 cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
+        self._recurrent_head_cut(gm, mode)
+
         for p, shard in pl.params.items():
             self._shard_param(p, spec_of(shard, self._group(shard.axis), p), mode)
         # A weight read reordered but not cut is still reordered when a rank loads it.
@@ -169,6 +172,27 @@ class ShardTensorParallel(DCPPass):
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
         self.matched = {"projections": dict(sorted(plan.roles.items()))}
         return Found(gm, True, shards=self.shards)
+
+    def _recurrent_head_cut(self, gm, mode) -> None:
+        """A recurrent op cut by heads (passes/placement/recurrent.py): its state cache inputs
+        take the rank's shape (its heads and channels only) and its head counts the rank's."""
+        for n in gm.graph.nodes:
+            cut = n.meta.get(HEAD_CUT_META)
+            if n.op != "call_function" or cut is None:
+                continue
+            for i in cut.states:
+                cache = n.args[i]
+                if META_FULL_SHAPE in cache.meta:
+                    continue
+                full = cache.meta["val"]
+                with mode:
+                    cache.meta["val"] = torch.empty(_local_shape(cache, cut.inputs[i]),
+                                                    dtype=full.dtype, device=full.device)
+                cache.meta[META_FULL_SHAPE] = tuple(full.shape)
+            args = list(n.args)
+            for i, local in cut.local_ints.items():
+                args[i] = local
+            n.args = tuple(args)
 
     def _localize(self, n: Node, pl: PlacementPlan) -> None:
         """Literal sizes along a sharded dim -> this rank's sizes."""

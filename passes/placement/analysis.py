@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
-from ..op_classes import SPLITS
+from ..op_classes import RECURRENT_OPS, SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args, weight_param
@@ -55,6 +55,16 @@ def reads_input(n: Node, name: str) -> bool:
     return False
 
 
+def _param_behind(a: Node, params) -> Node | None:
+    """The parameter ``a`` is computed from through single-input ops, or None."""
+    while isinstance(a, Node) and a not in params:
+        ins = tensor_args(a) if a.op == "call_function" else []
+        if len(ins) != 1:
+            return None
+        a = ins[0]
+    return a if isinstance(a, Node) else None
+
+
 def _err(n: Node, what: str, fix: str) -> DCPTransformError:
     return DCPTransformError(f"{what}: node {n.name} ({n.target}) at {source_of(n)}. {fix}.")
 
@@ -77,6 +87,7 @@ class Analysis:
                           for at in self.attn}
         self.sink_shard = replace(self.q_shard, dim=0)
         self.known: dict[Node, object] = {}
+        self.state_inputs: dict[Node, object] = {}   # recurrent state caches cut by heads
         self.req: dict[Node, object] = {}
         self.decided: dict[Node, object] = {}     # param -> placement
         self.linears: dict[Node, str] = {}
@@ -211,8 +222,10 @@ class Analysis:
         a0 = next(a for a in ins if isinstance(self.P(a), Shard))
         j = sh[0].dim + out_nd - fake(a0).ndim
         for a in ins:
-            base = weight_param(a)   # a weight or a cast of it (OLMo-2's weight.float())
-            if base in self.params and base not in self.decided:
+            # a weight, a cast of it (OLMo-2's weight.float()) or a function of it alone
+            # (Gated DeltaNet's -A_log.float().exp(), cut with the heads it scales)
+            base = _param_behind(a, self.params)
+            if base is not None and base not in self.decided:
                 k = j - (out_nd - fake(a).ndim)
                 if k >= 0 and fake(a).shape[k] != 1:
                     if a is base:
@@ -325,7 +338,8 @@ class Analysis:
             self.evaluations += 1
             if n.op != "call_function" and n not in self.params:
                 if n.op == "placeholder" and isinstance(self.req.get(n), Shard) \
-                        and n.name not in {a.name for at in self.attn for a in at.args[3:5]}:
+                        and n.name not in {a.name for at in self.attn for a in at.args[3:5]} \
+                        and n not in self.state_inputs:
                     raise _err(n, f"input {n.name} is replicated but needed as "
                                   f"{show(self.req[n])}", "Only weights can be cut")
                 continue
@@ -571,6 +585,7 @@ class Analysis:
     def check(self, embeddings) -> PlacementPlan:
         """Strict forward pass: every node placed by a rule, every requirement met."""
         self.known = {c: self.kv_shards[at] for at in self.attn for c in at.args[3:5]}
+        self.known.update(self.state_inputs)
         for n in self.nodes:
             if n in self.known:
                 continue
@@ -581,11 +596,11 @@ class Analysis:
         out = next(n for n in self.nodes if n.op == "output")
         for a in tensor_args(out):
             p = self.known[a]
-            if p != R and not (isinstance(p, Shard) and p in self.kv_shards.values()
-                               and a.target == operator.getitem
-                               and a.args[0].target == ATTENTION):
+            if p != R and not (isinstance(p, Shard) and a.target == operator.getitem and (
+                    p in self.kv_shards.values() and a.args[0].target == ATTENTION
+                    or p in self.state_inputs.values() and a.args[0].target in RECURRENT_OPS)):
                 raise _err(a, f"graph output {a.name} is {show(p)}",
-                           "Outputs other than the KV caches must be replicated")
+                           "Outputs other than the KV and state caches must be replicated")
         params = {p: s for p, s in self.decided.items() if isinstance(s, Shard)}
         for p in params:
             self.known[p] = params[p]

@@ -297,6 +297,19 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
     return channels, slice(rank * v_local, (rank + 1) * v_local)
 
 
+def gated_delta_net_cut(num_k_heads: int, tp: int) -> str | None:
+    """Whether ``dcp.gated_delta_net`` runs cut by heads over ``tp`` ranks (None) or with
+    replicated weights (the reason): the cut needs tp > 1 dividing the key heads (a rank holds
+    whole key heads and the value heads they serve, ``gated_delta_net_head_shard``). The one
+    rule the placement analysis (passes/placement/recurrent.py) and the program's state cache
+    (frontends/hybrid.py) both read."""
+    if tp == 1:
+        return "tp=1"
+    if num_k_heads % tp:
+        return f"tp={tp} does not divide the {num_k_heads} key heads"
+    return None
+
+
 def _short_conv_impl(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
                      conv_state: Tensor, state_slot: Tensor, fresh: Tensor,
                      lengths: Tensor, snapshot_slot: Tensor | None = None
