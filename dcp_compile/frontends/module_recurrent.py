@@ -35,7 +35,7 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _zamba_forward, _short_conv_shape, _short_conv_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
-    CONV_ACTIVATIONS, gated_delta_net_cut)
+    CONV_ACTIVATIONS, gated_delta_net_cut, mamba2_cut)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -105,13 +105,17 @@ def _gdn_cut(m: nn.Module, tp: int) -> str | None:
     return gated_delta_net_cut(m.num_k_heads, tp)
 
 
+def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
+    return mamba2_cut(m.n_groups, tp)
+
+
 RULES = (
     RecurrentRule(f"{_TF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
                   {"Qwen3NextGatedDeltaNet.forward": "d267e937a25e",
                    "Qwen3NextGatedDeltaNet.fix_query_key_value_ordering": "1b706d1f9a49",
                    "Qwen3NextRMSNormGated.forward": "5a4bd64da7fd",
                    **_GDN_FUNCTIONS},
-                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head)),
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head), _gdn_cut),
     RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
                   {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4",
                    "Qwen3_5RMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
@@ -123,21 +127,21 @@ RULES = (
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
                    "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Granite-4-H: Bamba's code (copied by transformers' modular; only a docstring differs)
     RecurrentRule(f"{_TF}.granitemoehybrid.modeling_granitemoehybrid",
                   "GraniteMoeHybridMambaLayer",
                   {"GraniteMoeHybridMambaLayer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Nemotron-H, Zamba2: Bamba's mixer code (transformers' modular copies; only the scan's
     # docstring differs, its hash therefore does), the group-wise gated RMSNorm
     RecurrentRule(f"{_TF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
                   {"NemotronHMamba2Mixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "171adefd1a44",
                    "NemotronHRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Falcon-H1: a Mamba2 mixer beside attention in every layer, with mup multipliers
     RecurrentRule(f"{_TF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer",
                   {"FalconH1Mixer.forward": "3003699349bf",
@@ -148,7 +152,7 @@ RULES = (
                   {"Zamba2MambaMixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "9cef438529d0",
                    "Zamba2RMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Jamba: Mamba-1 (dcp.short_conv, then dcp.mamba_ssm)
     RecurrentRule(f"{_TF}.jamba.modeling_jamba", "JambaMambaMixer",
                   {"JambaMambaMixer.forward": "ac728d5d7b51",
