@@ -171,6 +171,11 @@ def place_recurrent(analysis) -> None:
                     # parameter now, before the forward sweep places the view whole
                     analysis._adopt_through_views(n, {a: p})
                 analysis.require(a, p, n)
+            # the input projections read the layer's input whole (column-parallel), decided
+            # now: Zamba2's mixer input adds the shared block's output through a linear,
+            # which must then run whole, not be taken for a down projection
+            for lin in linears_reached(tensor_args(n), lambda x: x.all_input_nodes):
+                analysis.require(lin.args[0], R, lin)
             continue
         for a in tensor_args(n):
             analysis.require(a, R, n)
