@@ -147,7 +147,7 @@ RULES = (
                   {"FalconH1Mixer.forward": "3003699349bf",
                    "mamba2_scan_forward": "7b310fabf179",
                    "FalconH1RMSNormGated.forward": "6be41dfb6ca8", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _falcon_h1_forward),
+                  _mamba2_shape, _falcon_h1_forward, _mamba2_cut),
     RecurrentRule(f"{_TF}.zamba2.modeling_zamba2", "Zamba2MambaMixer",
                   {"Zamba2MambaMixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "9cef438529d0",
