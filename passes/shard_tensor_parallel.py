@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.kernels.moe import ARG
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.program.shards import ShardSpec
 from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_WEIGHT_PERM,
                                        META_NORM_REDUCE, META_SCOPE, PROJECTIONS_META,
@@ -38,7 +39,7 @@ from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Prop
 from .op_classes import SHAPED_VIEWS, SPLITS
 from .placement import (Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges,
                         weight_param)
-from .placement.recurrent import HEAD_CUT_META
+from .placement.recurrent import HEAD_CUT_META, LAYOUT_META, module_path as _module_path
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -171,7 +172,10 @@ class ShardTensorParallel(DCPPass):
         self.replicated = {n.name for n, k in pl.linears.items() if k == "replicated"}
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
         self.matched = {"projections": dict(sorted(plan.roles.items()))}
-        return Found(gm, True, shards=self.shards)
+        layout = tuple((_module_path(n), n.meta[LAYOUT_META]) for n in g.nodes
+                       if LAYOUT_META in n.meta)
+        return Found(gm, True, shards=self.shards,
+                     facts=ModelFacts(recurrent_layout=layout) if layout else None)
 
     def _recurrent_head_cut(self, gm, mode) -> None:
         """A recurrent op cut by heads (passes/placement/recurrent.py): its state cache inputs

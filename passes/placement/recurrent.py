@@ -127,7 +127,8 @@ def recurrent_bw(n: Node, req):
     return _wanted(n)
 
 
-def _module_path(n: Node) -> str | None:
+def module_path(n: Node) -> str | None:
+    """The innermost module ``n`` was traced in (its nn_module_stack), or None."""
     stack = n.meta.get("nn_module_stack")
     return next(reversed(stack.values()))[0] if stack else None
 
@@ -136,11 +137,11 @@ def mixer_linears(n: Node, nodes) -> list[Node]:
     """The linears of the recurrent op ``n``'s own module (the mixer: its low-rank gates too,
     Kimi Linear's ``f_a_proj -> f_b_proj`` and ``g_a_proj -> g_b_proj``, which the sweeps
     would otherwise cut column / row with an all-reduce inside the mixer)."""
-    mixer = _module_path(n)
+    mixer = module_path(n)
     if mixer is None:
         return []
     return [x for x in nodes if x.op == "call_function" and x.target == LINEAR
-            and (_module_path(x) or "").startswith(mixer + ".")]
+            and (module_path(x) or "").startswith(mixer + ".")]
 
 
 def place_recurrent(analysis) -> None:
