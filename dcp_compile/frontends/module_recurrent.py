@@ -35,7 +35,7 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _zamba_forward, _short_conv_shape, _short_conv_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
-    CONV_ACTIVATIONS, gated_delta_net_cut, mamba2_cut)
+    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -286,7 +286,7 @@ def recurrent_layout(model: nn.Module, tp: int) -> dict[int, str]:
     state 1/tp per rank) or "replicated (<why>)" (docs/hybrid.md, "The layout")."""
     out = {}
     for _, m, rule in recurrent_layers(model):
-        why = f"{rule.cls} has no head cut" if rule.cut is None else rule.cut(m, tp)
+        why = NO_HEAD_CUT if rule.cut is None else rule.cut(m, tp)
         out[m.layer_idx] = "head cut" if why is None else f"replicated ({why})"
     return out
 

@@ -23,7 +23,7 @@ from torch.fx import Node
 from dataclasses import dataclass
 from typing import Callable
 
-from dcp_compile.runtime.kernels.recurrent import gated_delta_net_cut, mamba2_cut
+from dcp_compile.runtime.kernels.recurrent import NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut
 
 from ..infra import linears_reached
 from ..op_classes import RECURRENT_OPS
@@ -94,7 +94,7 @@ HEAD_CUTS: dict[object, Callable[[Node, int], HeadCut | str]] = {
 def head_cut(n: Node, tp: int) -> HeadCut | str:
     """The op's head cut over ``tp``, or why it runs with replicated weights."""
     rule = HEAD_CUTS.get(n.target)
-    return rule(n, tp) if rule is not None else f"{n.target} has no head cut (HEAD_CUTS)"
+    return rule(n, tp) if rule is not None else NO_HEAD_CUT
 
 
 def _wanted(n: Node) -> dict[Node, object]:

@@ -297,6 +297,9 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
     return channels, slice(rank * v_local, (rank + 1) * v_local)
 
 
+NO_HEAD_CUT = "its op has no head cut"  # the layout reason of the other recurrent ops
+
+
 def gated_delta_net_cut(num_k_heads: int, tp: int) -> str | None:
     """Whether ``dcp.gated_delta_net`` runs cut by heads over ``tp`` ranks (None) or with
     replicated weights (the reason): the cut needs tp > 1 dividing the key heads (a rank holds
