@@ -51,7 +51,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "frontends/test_hybrid_mamba.py's 30 cells of Nemotron-H, Falcon-H1, "
                         "Zamba2, Jamba and Zamba (the slice: one per family); "
                         "frontends/test_hybrid_lin.py's: Qwen prefill, LFM2-MoE, Kimi Linear, "
-                        "Bailing-hybrid, MiniMax (the slice: one cell each but Bailing)"),
+                        "Bailing-hybrid, MiniMax (the slice: one cell each but Bailing); "
+                        "frontends/test_hybrid_headcut.py's mixers cut by heads: 8 families "
+                        "x both layouts, decode and prefill (the slice: Qwen3.5 decode at "
+                        "tp=4/dcp=2)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",
