@@ -30,7 +30,8 @@ from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projec
                    head_shards, linear_roles, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
 from .recurrent import place_recurrent
-from .weights import adopt_tied_kind, decide_weight, lora_up, plain_lm_head, weight_placement
+from .weights import (adopt_params, adopt_tied_kind, decide_weight, lora_up, plain_lm_head,
+                      weight_placement)
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
@@ -53,16 +54,6 @@ def reads_input(n: Node, name: str) -> bool:
             return True
         stack.extend(x.all_input_nodes)
     return False
-
-
-def _param_behind(a: Node, params) -> Node | None:
-    """The parameter ``a`` is computed from through single-input ops, or None."""
-    while isinstance(a, Node) and a not in params:
-        ins = tensor_args(a) if a.op == "call_function" else []
-        if len(ins) != 1:
-            return None
-        a = ins[0]
-    return a if isinstance(a, Node) else None
 
 
 def _err(n: Node, what: str, fix: str) -> DCPTransformError:
@@ -205,33 +196,12 @@ class Analysis:
             raise self._refuse(n, ins, "no rule for this op")
         try:
             if rule is POINTWISE and not strict:
-                self._adopt_params(n, ins)
+                adopt_params(self, n, ins)
             if rule.adopt is not None and not strict:
                 self._adopt_through_views(n, rule.adopt(n, self._read))
             return rule.forward(n, lambda a: R if isinstance(self.P(a), Partial) else self.P(a))
         except Refusal as e:
             raise self._refuse(n, ins, str(e)) from None
-
-    def _adopt_params(self, n, ins):
-        """A parameter combined elementwise with a sharded tensor (a norm weight over all
-        heads) takes the same cut."""
-        sh = [self.P(a) for a in ins if isinstance(self.P(a), Shard)]
-        if not sh:
-            return
-        out_nd = fake(n).ndim
-        a0 = next(a for a in ins if isinstance(self.P(a), Shard))
-        j = sh[0].dim + out_nd - fake(a0).ndim
-        for a in ins:
-            # a weight, a cast of it (OLMo-2's weight.float()) or a function of it alone
-            # (Gated DeltaNet's -A_log.float().exp(), cut with the heads it scales)
-            base = _param_behind(a, self.params)
-            if base is not None and base not in self.decided:
-                k = j - (out_nd - fake(a).ndim)
-                if k >= 0 and fake(a).shape[k] != 1:
-                    if a is base:
-                        self.decide(a, replace(sh[0], dim=k), n)
-                    else:
-                        self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
 
     def _read(self, a: Node):
         return R if isinstance(self.P(a), Partial) else self.P(a)
