@@ -181,7 +181,7 @@ class ShardTensorParallel(DCPPass):
         """A recurrent op cut by heads (passes/placement/recurrent.py): its state cache inputs
         take the rank's shape (its heads and channels only) and its head counts the rank's."""
         for n in gm.graph.nodes:
-            cut = n.meta.get(HEAD_CUT_META)
+            cut = n.meta.pop(HEAD_CUT_META, None)    # used once: a program file stores none
             if n.op != "call_function" or cut is None:
                 continue
             for i in cut.states:

@@ -172,3 +172,36 @@ def test_every_head_cut_rule_is_the_frontends():
     assert with_cut == {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
                         "Qwen3_5MoeGatedDeltaNet", "BambaMixer", "GraniteMoeHybridMambaLayer",
                         "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"}
+
+
+# -- a cut program as a file, speculative decode and prefix caching ----------------------------
+
+def test_a_saved_and_reloaded_head_cut_program_keeps_its_layout(tmp_path):
+    """program.save / load_program: the loaded head-cut program lists the same state spec
+    (tp-cut) and layout facts, and decodes as the model does."""
+    from dcp_compile.runtime.program.program_file import load_program
+    model, program = _program("qwen3_5_text", 4, 2, "decode")
+    program.save(tmp_path / "cut.dcp")
+    loaded = load_program(tmp_path / "cut.dcp")
+    assert loaded.state_spec() == program.state_spec() and loaded.state_spec().tp == 4
+    assert loaded.facts.recurrent_layout == program.facts.recurrent_layout
+    report = verify.verify(FullForwardReference(model), loaded, _prompts(), steps=2, atol=TOL)
+    assert report.ok and report.tokens_agree, report
+
+
+@pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
+@pytest.mark.parametrize("model_type", ["bamba", "qwen3_5_text"])
+def test_head_cut_speculative_decode_and_prefix_caching(model_type, monkeypatch):
+    """test_hybrid_hspec.py's speculative decode (drafts partly rejected: the snapshots of a
+    rank's heads roll back) and prefix-cache hit (a checkpoint of a rank's heads resumed) on
+    the head-cut variants at tp=4/dcp=2."""
+    import test_hybrid_hspec as hspec
+    monkeypatch.setattr(hspec, "build_hybrid",
+                        lambda t: build_hybrid(t, **HEAD_CUT_SIZES[t]))
+    monkeypatch.setattr(hspec, "_PROGRAMS", {})
+    monkeypatch.setattr(hspec, "_CKPT_PROGRAMS", {})
+    hspec.test_speculative_decode_matches_greedy_with_drafts_partly_rejected(model_type, 4, 2)
+    hspec.test_prefix_cache_hit_resumes_from_the_state_checkpoint(model_type, 4, 2)
+    for _, program in (*hspec._PROGRAMS.values(), *hspec._CKPT_PROGRAMS.values()):
+        assert program.state_spec().tp == 4
+        assert {la for _, la in program.facts.recurrent_layout} == {"head cut"}
