@@ -28,22 +28,21 @@ from dcp_compile.frontends.module_recurrent import recurrent_layout, state_spec 
 from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.passes.op_classes import RECURRENT_OPS  # noqa: E402
 from full_runs import full  # noqa: E402
-from hybrid_configs import HEAD_CUT_SIZES, ONE_GROUP_SIZES, build_hybrid  # noqa: E402
+from hybrid_configs import HEAD_CUT_SIZES, build_hybrid  # noqa: E402
 from test_hybrid_program import (BLOCK, LAYOUTS, SHAPES, STEPS, TOL,  # noqa: E402
                                  _mixer_collectives, _prompts)
 
 FULL = full("DCP_HYBRID_FULL")
-VARIANTS = {"cut": HEAD_CUT_SIZES, "one-group": ONE_GROUP_SIZES}
-CUT_CASES = [(t, v) for v, sizes in VARIANTS.items() for t in sizes]
-SLICE = {("qwen3_5_text", "cut", 4, 2, "decode")}
+CUT_TYPES = tuple(HEAD_CUT_SIZES)
+SLICE = {("qwen3_5_text", 4, 2, "decode")}
 
 _PROGRAMS: dict = {}
 
 
-def _program(model_type: str, tp: int, dcp: int, mode: str, variant: str = "cut"):
-    key = (model_type, variant, tp, dcp, mode)
+def _program(model_type: str, tp: int, dcp: int, mode: str):
+    key = (model_type, tp, dcp, mode)
     if key not in _PROGRAMS:
-        model = build_hybrid(model_type, **VARIANTS[variant][model_type])
+        model = build_hybrid(model_type, **HEAD_CUT_SIZES[model_type])
         _PROGRAMS[key] = model, dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode,
                                                       block_size=BLOCK, shapes=SHAPES,
                                                       check=False)
@@ -51,52 +50,47 @@ def _program(model_type: str, tp: int, dcp: int, mode: str, variant: str = "cut"
 
 
 def _cases(mode):
-    return [pytest.param(t, v, tp, dcp, id=f"{t}-{v}-tp{tp}-dcp{dcp}",
-                         marks=() if (t, v, tp, dcp, mode) in SLICE or FULL else
+    return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
+                         marks=() if (t, tp, dcp, mode) in SLICE or FULL else
                          pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
-            for t, v in CUT_CASES for tp, dcp in LAYOUTS]
+            for t in CUT_TYPES for tp, dcp in LAYOUTS]
 
 
-def _check_cut(model, program, tp, variant="cut"):
-    """Every mixer cut (the facts say so), the state 1/tp per rank (one group: but B's and
-    C's conv channels, whole on every rank)."""
+def _check_cut(model, program, tp):
+    """Every mixer cut (the facts say so), the state 1/tp per rank, the ops' head counts the
+    rank's."""
     layout = program.facts.recurrent_layout
     assert layout and all(la == "head cut" for _, la in layout), layout
     spec, whole = program.state_spec(), state_spec(model, SHAPES.batch)
     assert spec.tp == tp
-    if variant == "cut":
-        assert spec.bytes_per_rank() * tp == whole.bytes_per_rank()
+    assert spec.bytes_per_rank() * tp == whole.bytes_per_rank()
     for la, w in zip(spec.layers, whole.layers):
         conv, rec = spec.shapes(la)
-        bc = 2 * model.config.to_dict().get("mamba_d_state",
-                                            model.config.to_dict().get("ssm_state_size", 0))
-        assert la.conv_whole == (bc if variant == "one-group" else 0), la
-        assert (conv[1] - la.conv_whole) * tp == w.conv[0] - la.conv_whole, (la, w)
-        assert rec[1] * tp == w.rec[0], (la, w)
+        assert conv[1] * tp == w.conv[0] and rec[1] * tp == w.rec[0], (la, w)
 
 
-@pytest.mark.parametrize("model_type,variant,tp,dcp", _cases("decode"))
-def test_head_cut_decode_matches_the_models_own_forward(model_type, variant, tp, dcp):
-    model, program = _program(model_type, tp, dcp, "decode", variant)
-    _check_cut(model, program, tp, variant)
+@pytest.mark.parametrize("model_type,tp,dcp", _cases("decode"))
+def test_head_cut_decode_matches_the_models_own_forward(model_type, tp, dcp):
+    model, program = _program(model_type, tp, dcp, "decode")
+    _check_cut(model, program, tp)
     report = verify.verify(FullForwardReference(model), program, _prompts(), steps=STEPS,
                            atol=TOL)
     assert report.ok and report.tokens_agree, report
-    print(f"{model_type} {variant} tp={tp} dcp={dcp} decode: max |logit error| "
+    print(f"{model_type} head cut tp={tp} dcp={dcp} decode: max |logit error| "
           f"{report.max_abs_error:.1e}")
 
 
-@pytest.mark.parametrize("model_type,variant,tp,dcp", _cases("prefill"))
+@pytest.mark.parametrize("model_type,tp,dcp", _cases("prefill"))
 @pytest.mark.parametrize("chunks", [1, 2], ids=["one-chunk", "two-chunks"])
-def test_head_cut_prefill_matches_the_models_own_forward(model_type, variant, tp, dcp, chunks):
-    model, program = _program(model_type, tp, dcp, "prefill", variant)
-    _check_cut(model, program, tp, variant)
+def test_head_cut_prefill_matches_the_models_own_forward(model_type, tp, dcp, chunks):
+    model, program = _program(model_type, tp, dcp, "prefill")
+    _check_cut(model, program, tp)
     prompts = _prompts()
     plan = [prompts] if chunks == 1 else verify.chunk_plan_of(prompts, chunks)
     report = verify.verify_prefill(FullForwardReference(model), program, plan, atol=TOL,
                                    check_cache=False)
     assert report.ok and report.tokens_agree, report
-    print(f"{model_type} {variant} tp={tp} dcp={dcp} prefill x{chunks}: max |logit error| "
+    print(f"{model_type} head cut tp={tp} dcp={dcp} prefill x{chunks}: max |logit error| "
           f"{report.max_abs_error:.1e}")
 
 
@@ -112,15 +106,6 @@ def test_a_cut_recurrent_layer_costs_one_all_reduce_in_decode():
         ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RECURRENT_OPS]
         assert [op.args[9] for op in ops] == [8 // 4] * 2             # key heads per rank
         assert [tuple(op.args[5].meta["val"].shape[1:2]) for op in ops] == [(16 // 4,)] * 2
-
-
-@pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
-def test_a_one_group_mamba2_layer_costs_two_all_reduces_in_decode():
-    """One group: B and C whole on every rank, the gated norm over all heads all-reduced
-    (its variance), then the output projection's all-reduce."""
-    _, program = _program("bamba", 4, 2, "decode", "one-group")
-    per_layer = _mixer_collectives(program.graphs["decode"])
-    assert per_layer == [([], ["all_reduce@tp", "all_reduce@tp"])] * 2, per_layer
 
 
 @pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
@@ -159,12 +144,11 @@ def test_each_tiny_hybrid_gets_its_layout(model_type):
     model = build_hybrid(model_type)
     layout = set(recurrent_layout(model, 4).values())
     assert layout == {LAYOUT_AT_TP4[model_type]}, layout
-    for sizes in VARIANTS.values():
-        if model_type in sizes:
-            cut = build_hybrid(model_type, **sizes[model_type])
-            for tp in (4, 8):
-                assert set(recurrent_layout(cut, tp).values()) == {"head cut"}
-            assert set(recurrent_layout(cut, 1).values()) == {"replicated (tp=1)"}
+    if model_type in HEAD_CUT_SIZES:
+        cut = build_hybrid(model_type, **HEAD_CUT_SIZES[model_type])
+        for tp in (4, 8):
+            assert set(recurrent_layout(cut, tp).values()) == {"head cut"}
+        assert set(recurrent_layout(cut, 1).values()) == {"replicated (tp=1)"}
 
 
 def test_the_default_tiny_hybrid_program_says_it_runs_replicated():
