@@ -17,11 +17,11 @@ kept after it.
 
 from __future__ import annotations
 
-import torch
-from torch.fx import Node
-
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
+from torch.fx import Node
 
 from dcp_compile.runtime.kernels.recurrent import NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut
 
