@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Node
 
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.kernels.moe import ARG
+from dcp_compile.runtime.program.facts import ModelFacts
 from dcp_compile.runtime.program.shards import ShardSpec
 from dcp_compile.runtime.names import (Mode, Role, META_FULL_SHAPE, META_WEIGHT_PERM,
                                        POSITION_BIAS_KWARGS,
@@ -39,6 +40,7 @@ from .infra import (KIND_COLLECTIVE, KIND_MASK, KIND_SHARD, DCPPass, Found, Prop
 from .op_classes import SHAPED_VIEWS, SPLITS
 from .placement import (Partial, PlacementPlan, Shard, analyze, slice_bounds, split_ranges,
                         weight_param)
+from .placement.recurrent import HEAD_CUT_META, LAYOUT_META, module_path as _module_path
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -132,6 +134,8 @@ class ShardTensorParallel(DCPPass):
                                                     dtype=full.dtype, device=full.device)
                 cache.meta[META_FULL_SHAPE] = tuple(full.shape)
 
+        self._recurrent_head_cut(gm, mode)
+
         for p, shard in pl.params.items():
             self._shard_param(p, spec_of(shard, self._group(shard.axis), p), mode)
         # A weight read reordered but not cut is still reordered when a rank loads it.
@@ -169,7 +173,31 @@ class ShardTensorParallel(DCPPass):
         self.replicated = {n.name for n, k in pl.linears.items() if k == "replicated"}
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
         self.matched = {"projections": dict(sorted(plan.roles.items()))}
-        return Found(gm, True, shards=self.shards)
+        layout = tuple((_module_path(n), n.meta[LAYOUT_META]) for n in g.nodes
+                       if LAYOUT_META in n.meta)
+        return Found(gm, True, shards=self.shards,
+                     facts=ModelFacts(recurrent_layout=layout) if layout else None)
+
+    def _recurrent_head_cut(self, gm, mode) -> None:
+        """A recurrent op cut by heads (passes/placement/recurrent.py): its state cache inputs
+        take the rank's shape (its heads and channels only) and its head counts the rank's."""
+        for n in gm.graph.nodes:
+            cut = n.meta.pop(HEAD_CUT_META, None)    # used once: a program file stores none
+            if n.op != "call_function" or cut is None:
+                continue
+            for i in cut.states:
+                cache = n.args[i]
+                if META_FULL_SHAPE in cache.meta:
+                    continue
+                full = cache.meta["val"]
+                with mode:
+                    cache.meta["val"] = torch.empty(_local_shape(cache, cut.inputs[i]),
+                                                    dtype=full.dtype, device=full.device)
+                cache.meta[META_FULL_SHAPE] = tuple(full.shape)
+            args = list(n.args)
+            for i, local in cut.local_ints.items():
+                args[i] = local
+            n.args = tuple(args)
 
     def _localize(self, n: Node, pl: PlacementPlan) -> None:
         """Literal sizes along a sharded dim -> this rank's sizes."""

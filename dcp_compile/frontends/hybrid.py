@@ -42,7 +42,7 @@ from dcp_compile.runtime.names import STATE_CACHES, Mode, StepKind
 from ..capture import capture
 from .module_experts import drop_replaced_weights
 from .module_recurrent import (RecurrentStates, recurrent_as_ops, recurrent_layers,
-                               refuse_hybrid, state_spec)
+                               refuse_hybrid, state_spec, state_tp)
 from .ordinary import OrdinaryFrontend, OrdinaryStep, step_capture
 from .protocol import StepCapture
 
@@ -155,18 +155,18 @@ class HybridFrontend(OrdinaryFrontend):
         self.step_model = HybridStep(model, self.conv_layers, self.rec_layers)
 
     def state_cache(self, tp: int):
-        """The recurrent ops run whole on every rank (replicated weights, passes/placement/
-        recurrent.py), so each rank holds every layer's whole state: the cut by heads over
-        ``tp`` comes with the head-cut op (docs/hybrid.md)."""
-        del tp
-        return state_spec(self.model, state_slots(self.shapes))
+        """One rank's state caches: every layer's heads cut ``tp`` ways when its op runs cut
+        by heads (passes/placement/recurrent.py; the same rule, ``module_recurrent.state_tp``),
+        else whole on every rank (replicated weights)."""
+        return state_spec(self.model, state_slots(self.shapes), tp=state_tp(self.model, tp))
 
     def capture(self, step: str, config) -> StepCapture:
         refuse_unbuilt(self.model, self.shapes, mode=config.mode)
         tokens = self.shapes.tokens(step)
         batch, device = self.shapes.batch, self.device
         start = time.perf_counter()
-        caches = self.state_cache(config.tp).allocate_inputs(device)   # input order
+        # captured whole (tp=1): shard_tensor_parallel cuts the caches as the ops' layout says
+        caches = self.state_cache(1).allocate_inputs(device)   # input order
         example = (torch.zeros(batch, tokens, dtype=torch.int64, device=device),
                    torch.arange(tokens, device=device).expand(batch, tokens).clone(),
                    torch.arange(batch, dtype=torch.int64, device=device),

@@ -34,7 +34,8 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _mamba2_shape, _mamba2_forward, _falcon_h1_forward, _mamba_shape, _jamba_forward,
     _zamba_forward, _short_conv_shape, _short_conv_forward)
 from dcp_compile.runtime.errors import DCPHybridError
-from dcp_compile.runtime.kernels.recurrent import CONV_ACTIVATIONS  # (and registers the ops)
+from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
+    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -49,6 +50,9 @@ class RecurrentRule:
     pinned: dict[str, str]
     state: Callable[[nn.Module], StateShape]
     forward: Callable[[nn.Module, RecurrentStates], Callable]
+    # (module, tp) -> None when the op runs cut by heads over tp, else why it runs replicated
+    # (the rule passes/placement/recurrent.py's HEAD_CUTS applies to the op); None: no cut
+    cut: Callable[[nn.Module, int], str | None] | None = None
 
 
 def _original(fn):
@@ -95,50 +99,60 @@ _MAMBA2_FUNCTIONS = {"mamba2_chunk_scan": "8f4198702b90",
                      "causal_conv1d_fn": "f932149bdf42",
                      "causal_conv1d_update": "bac68342342b",
                      "apply_mask_to_padding_states": "ac70fe1177ec"}
+
+
+def _gdn_cut(m: nn.Module, tp: int) -> str | None:
+    return gated_delta_net_cut(m.num_k_heads, tp)
+
+
+def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
+    return mamba2_cut(m.n_groups, tp)
+
+
 RULES = (
     RecurrentRule(f"{_TF}.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet",
                   {"Qwen3NextGatedDeltaNet.forward": "d267e937a25e",
                    "Qwen3NextGatedDeltaNet.fix_query_key_value_ordering": "1b706d1f9a49",
                    "Qwen3NextRMSNormGated.forward": "5a4bd64da7fd",
                    **_GDN_FUNCTIONS},
-                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head)),
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_next_head), _gdn_cut),
     RecurrentRule(f"{_TF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
                   {"Qwen3_5GatedDeltaNet.forward": "a43ffe9ab7f4",
                    "Qwen3_5RMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
-                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head), _gdn_cut),
     RecurrentRule(f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet",
                   {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4",
                    "Qwen3_5MoeRMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
-                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head)),
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head), _gdn_cut),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
                    "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Granite-4-H: Bamba's code (copied by transformers' modular; only a docstring differs)
     RecurrentRule(f"{_TF}.granitemoehybrid.modeling_granitemoehybrid",
                   "GraniteMoeHybridMambaLayer",
                   {"GraniteMoeHybridMambaLayer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Nemotron-H, Zamba2: Bamba's mixer code (transformers' modular copies; only the scan's
     # docstring differs, its hash therefore does), the group-wise gated RMSNorm
     RecurrentRule(f"{_TF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
                   {"NemotronHMamba2Mixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "171adefd1a44",
                    "NemotronHRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Falcon-H1: a Mamba2 mixer beside attention in every layer, with mup multipliers
     RecurrentRule(f"{_TF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer",
                   {"FalconH1Mixer.forward": "3003699349bf",
                    "mamba2_scan_forward": "7b310fabf179",
                    "FalconH1RMSNormGated.forward": "6be41dfb6ca8", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _falcon_h1_forward),
+                  _mamba2_shape, _falcon_h1_forward, _mamba2_cut),
     RecurrentRule(f"{_TF}.zamba2.modeling_zamba2", "Zamba2MambaMixer",
                   {"Zamba2MambaMixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "9cef438529d0",
                    "Zamba2RMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
     # Jamba: Mamba-1 (dcp.short_conv, then dcp.mamba_ssm)
     RecurrentRule(f"{_TF}.jamba.modeling_jamba", "JambaMambaMixer",
                   {"JambaMambaMixer.forward": "ac728d5d7b51",
@@ -265,6 +279,29 @@ def state_spec(model: nn.Module, num_slots: int, *, tp: int = 1,
         shape = rule.state(m)
         layers.append(StateLayer(m.layer_idx, shape.conv, shape.rec))
     return StateCacheSpec(tuple(layers), num_slots, tp, conv_dtype=dtype)
+
+
+def recurrent_layout(model: nn.Module, tp: int) -> dict[int, str]:
+    """Each recurrent layer's layout over ``tp`` ranks: "head cut" (its op cut by heads, its
+    state 1/tp per rank) or "replicated (<why>)" (docs/hybrid.md, "The layout")."""
+    out = {}
+    for _, m, rule in recurrent_layers(model):
+        why = NO_HEAD_CUT if rule.cut is None else rule.cut(m, tp)
+        out[m.layer_idx] = "head cut" if why is None else f"replicated ({why})"
+    return out
+
+
+def state_tp(model: nn.Module, tp: int) -> int:
+    """How many ways the program's state caches are cut: ``tp`` when every recurrent layer
+    runs cut by heads, 1 when none does; a model whose layers differ is refused by name."""
+    layout = recurrent_layout(model, tp)
+    cut = {la == "head cut" for la in layout.values()}
+    if len(cut) > 1:
+        raise DCPHybridError(
+            f"recurrent layers of {type(model).__name__} differ in layout over tp={tp} "
+            f"({layout}): one state cache spec cuts every layer alike. Pick a tp every "
+            f"layer's heads divide, or tp=1.")
+    return tp if cut == {True} else 1
 
 
 def allocate_states(model: nn.Module, num_slots: int, *, dtype=torch.float32,

@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from dcp_compile.runtime.errors import DCPTransformError
 
 from ..infra import attention_nodes, source_of
-from ..op_classes import SPLITS
+from ..op_classes import RECURRENT_OPS, SPLITS
 from dcp_compile.runtime.names import INPUT_IDS, MEMORY_KWARGS, RANK_INPUT
 from .lattice import R, Partial, Refusal, Seg, Shard, show
 from .node_args import (fake, node_arg, norm_dim, reads_input, shape_of, tensor_args,
@@ -31,7 +31,8 @@ from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projec
                    head_shards, linear_roles, option_cuts, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
 from .recurrent import place_recurrent
-from .weights import adopt_tied_kind, decide_weight, lora_up, plain_lm_head, weight_placement
+from .weights import (adopt_params, adopt_tied_kind, decide_weight, lora_up, plain_lm_head,
+                      weight_placement)
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
@@ -64,6 +65,7 @@ class Analysis:
                           for at in self.attn}
         self.sink_shard = replace(self.q_shard, dim=0)
         self.known: dict[Node, object] = {}
+        self.state_inputs: dict[Node, object] = {}   # recurrent state caches cut by heads
         self.req: dict[Node, object] = {}
         self.decided: dict[Node, object] = {}     # param -> placement
         self.linears: dict[Node, str] = {}
@@ -183,32 +185,12 @@ class Analysis:
             raise self._refuse(n, ins, "no rule for this op")
         try:
             if rule is POINTWISE and not strict:
-                self._adopt_params(n, ins)
+                adopt_params(self, n, ins)
             if rule.adopt is not None and not strict:
                 self._adopt_through_views(n, rule.adopt(n, self._read))
             return rule.forward(n, lambda a: R if isinstance(self.P(a), Partial) else self.P(a))
         except Refusal as e:
             raise self._refuse(n, ins, str(e)) from None
-
-    def _adopt_params(self, n, ins):
-        """A parameter combined elementwise with a sharded tensor (a norm weight over all
-        heads) takes the same cut."""
-        sh = [self.P(a) for a in ins if isinstance(self.P(a), Shard)]
-        if not sh:
-            return
-        out_nd = fake(n).ndim
-        a0 = next(a for a in ins if isinstance(self.P(a), Shard))
-        j = sh[0].dim + out_nd - fake(a0).ndim
-        for a in ins:
-            base = weight_param(a)   # a weight or a cast of it (OLMo-2's weight.float())
-            k = j - (out_nd - fake(a).ndim)
-            if k < 0 or fake(a).shape[k] == 1:
-                continue
-            free = base in self.params and base not in self.decided
-            if free and a is base:
-                self.decide(a, replace(sh[0], dim=k), n)
-            elif free or (base not in self.params and self.P(a) == R):   # or a table's rows
-                self._adopt_through_views(n, {a: replace(sh[0], dim=k)})
 
     def _read(self, a: Node):
         return R if isinstance(self.P(a), Partial) else self.P(a)
@@ -318,7 +300,8 @@ class Analysis:
             self.evaluations += 1
             if n.op != "call_function" and n not in self.params:
                 if n.op == "placeholder" and isinstance(self.req.get(n), Shard) \
-                        and n.name not in {a.name for at in self.attn for a in at.args[3:5]}:
+                        and n.name not in {a.name for at in self.attn for a in at.args[3:5]} \
+                        and n not in self.state_inputs:
                     raise _err(n, f"input {n.name} is replicated but needed as "
                                   f"{show(self.req[n])}", "Only weights can be cut")
                 continue
@@ -567,6 +550,7 @@ class Analysis:
     def check(self, embeddings) -> PlacementPlan:
         """Strict forward pass: every node placed by a rule, every requirement met."""
         self.known = {c: self.kv_shards[at] for at in self.attn for c in at.args[3:5]}
+        self.known.update(self.state_inputs)
         for n in self.nodes:
             if n in self.known:
                 continue
@@ -577,11 +561,11 @@ class Analysis:
         out = next(n for n in self.nodes if n.op == "output")
         for a in tensor_args(out):
             p = self.known[a]
-            if p != R and not (isinstance(p, Shard) and p in self.kv_shards.values()
-                               and a.target == operator.getitem
-                               and a.args[0].target == ATTENTION):
+            if p != R and not (isinstance(p, Shard) and a.target == operator.getitem and (
+                    p in self.kv_shards.values() and a.args[0].target == ATTENTION
+                    or p in self.state_inputs.values() and a.args[0].target in RECURRENT_OPS)):
                 raise _err(a, f"graph output {a.name} is {show(p)}",
-                           "Outputs other than the KV caches must be replicated")
+                           "Outputs other than the KV and state caches must be replicated")
         params = {p: s for p, s in self.decided.items() if isinstance(s, Shard)}
         for p in params:
             self.known[p] = params[p]

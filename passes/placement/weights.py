@@ -1,16 +1,19 @@
 """Weights in the placement analysis: a linear's weight read through casts and transposes
 (``WEIGHT_VIEWS``: transformers' ``Conv1D`` weight ``.t()``, a ``weight.float()``) is placed as
-its parameter, dims mapped; and which linear reaching the output is a vocab-parallel LM head.
+its parameter, dims mapped; a parameter combined elementwise with a sharded tensor takes its
+cut (``adopt_params``); and which linear reaching the output is a vocab-parallel LM head.
 Functions of the :class:`~dcp_compile.passes.placement.analysis.Analysis` they serve."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torch.fx import Node
 
 import torch
 
 from .lattice import R, Partial, Shard
-from .node_args import weight_chain, weight_param
+from .node_args import fake, tensor_args, weight_chain, weight_param
 from .plan import EMBEDDING, LINEAR, reaches_output_directly
 from .rules import rule_for
 
@@ -73,3 +76,38 @@ def adopt_tied_kind(an, n: Node) -> bool:
         return False
     an._set_linear(n, "row" if isinstance(p, Partial) else "column")
     return True
+
+
+def _param_behind(a: Node, params) -> Node | None:
+    """The parameter ``a`` is computed from through single-input ops, or None."""
+    while isinstance(a, Node) and a not in params:
+        ins = tensor_args(a) if a.op == "call_function" else []
+        if len(ins) != 1:
+            return None
+        a = ins[0]
+    return a if isinstance(a, Node) else None
+
+
+def adopt_params(an, n: Node, ins) -> None:
+    """A parameter combined elementwise with a sharded tensor (a norm weight over all
+    heads) takes the same cut."""
+    sh = [an.P(a) for a in ins if isinstance(an.P(a), Shard)]
+    if not sh:
+        return
+    out_nd = fake(n).ndim
+    a0 = next(a for a in ins if isinstance(an.P(a), Shard))
+    j = sh[0].dim + out_nd - fake(a0).ndim
+    for a in ins:
+        # a weight, a cast of it (OLMo-2's weight.float()) or a function of it alone
+        # (Gated DeltaNet's -A_log.float().exp(), cut with the heads it scales)
+        base = _param_behind(a, an.params)
+        k = j - (out_nd - fake(a).ndim)
+        if k < 0 or fake(a).shape[k] == 1:
+            continue
+        if base is not None and base not in an.decided:
+            if a is base:
+                an.decide(a, replace(sh[0], dim=k), n)
+            else:
+                an._adopt_through_views(n, {a: replace(sh[0], dim=k)})
+        elif base is None and an.P(a) == R:   # a table's rows (Gemma 4's per-layer inputs)
+            an._adopt_through_views(n, {a: replace(sh[0], dim=k)})

@@ -305,6 +305,36 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
     return channels, slice(rank * v_local, (rank + 1) * v_local)
 
 
+NO_HEAD_CUT = "its op has no head cut"  # the layout reason of the other recurrent ops
+
+
+def gated_delta_net_cut(num_k_heads: int, tp: int) -> str | None:
+    """Whether ``dcp.gated_delta_net`` runs cut by heads over ``tp`` ranks (None) or with
+    replicated weights (the reason): the cut needs tp > 1 dividing the key heads (a rank holds
+    whole key heads and the value heads they serve, ``gated_delta_net_head_shard``). The one
+    rule the placement analysis (passes/placement/recurrent.py) and the program's state cache
+    (frontends/hybrid.py) both read."""
+    if tp == 1:
+        return "tp=1"
+    if num_k_heads % tp:
+        return f"tp={tp} does not divide the {num_k_heads} key heads"
+    return None
+
+
+def mamba2_cut(n_groups: int, tp: int) -> str | None:
+    """Whether ``dcp.mamba2_ssm`` runs cut by heads over ``tp`` ranks (None) or with
+    replicated weights (the reason): the cut needs tp > 1 dividing the groups, so that a rank
+    holds whole groups (their heads, their B and C: ``mamba2_head_shard``) and the gated
+    RMSNorm, taken per group, stays on the rank (a group cut across ranks would need its
+    variance all-reduced and B, C replicated: not built)."""
+    if tp == 1:
+        return "tp=1"
+    if n_groups % tp:
+        return (f"tp={tp} does not divide the {n_groups} groups (B, C and the gated norm "
+                f"are per group)")
+    return None
+
+
 def _short_conv_impl(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
                      conv_state: Tensor, state_slot: Tensor, fresh: Tensor,
                      lengths: Tensor, snapshot_slot: Tensor | None = None

@@ -84,6 +84,9 @@ class ModelFacts:
     kv_layers: KVLayers | None = None
     # The model config's RoPE variant (Hugging Face rope_parameters), named in refusals.
     rope_type: str | None = None
+    # Each recurrent mixer's layout over TP (passes/placement/recurrent.py): (its module path,
+    # "head cut" or "replicated (<why>)"), in graph order; None: no recurrent layer.
+    recurrent_layout: tuple[tuple[str, str], ...] | None = None
 
     def merged(self, found: "ModelFacts | None") -> "ModelFacts":
         """These facts with every field ``found`` knows replaced by its value."""

@@ -113,13 +113,25 @@ def tiny_hybrid_config(model_type: str) -> dict:
     return {k: v for k, v in kw.items() if v is not DROP}
 
 
-def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0):
-    """The tiny ``model_type`` model with seeded weights (fp32, eval)."""
+# Sizes under which the recurrent mixers run cut by heads at tp=4 and tp=8
+# (docs/hybrid.md, "The layout"): 8 key heads (Gated DeltaNet), 8 groups (Mamba2).
+_GDN_CUT = dict(linear_num_key_heads=8, linear_num_value_heads=16)
+_MAMBA2_CUT = dict(mamba_n_groups=8)
+HEAD_CUT_SIZES = {
+    "qwen3_next": _GDN_CUT, "qwen3_5_text": _GDN_CUT, "qwen3_5_moe_text": _GDN_CUT,
+    "bamba": _MAMBA2_CUT, "granitemoehybrid": _MAMBA2_CUT, "falcon_h1": _MAMBA2_CUT,
+    "nemotron_h": dict(n_groups=8), "zamba2": dict(mamba_ngroups=8),
+}
+
+
+def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0, **sizes):
+    """The tiny ``model_type`` model with seeded weights (fp32, eval); ``sizes`` override
+    the tiny config's (``HEAD_CUT_SIZES[model_type]``: the head-cut variant)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from helpers import seeded_weights
 
-    config = CONFIG_MAPPING[model_type](**tiny_hybrid_config(model_type))
+    config = CONFIG_MAPPING[model_type](**{**tiny_hybrid_config(model_type), **sizes})
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     return seeded_weights(model, seed)
