@@ -27,9 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import dcp_compile  # noqa: E402
 from dcp_compile import verify  # noqa: E402
-from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
-from test_hybrid_program import FULL, STEPS, TOL, _cases, _program, _prompts  # noqa: E402
+from full_runs import full  # noqa: E402
+from hybrid_runs import (TOL, assert_decode_matches,  # noqa: E402
+                         assert_prefill_matches, cases, collectives,
+                         program as _program)
+
+FULL = full("DCP_HYBRID_FULL")
+
+
+def _cases(types, slice_):
+    return cases(types, slice_, FULL)
+
 
 QWEN_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -49,20 +58,12 @@ def test_qwen_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, ch
     """Prefill of the Gated DeltaNet hybrids: every real token's logits within 1e-4 of the
     model's own forward; with two chunks the second continues each row's state from its
     slot and reads the first chunk's KV from the DCP shards."""
-    model, program = _program(model_type, tp, dcp, "prefill")
-    prompts = _prompts()
-    plan = [prompts] if chunks == 1 else verify.chunk_plan_of(prompts, chunks)
-    report = verify.verify_prefill(FullForwardReference(model), program, plan, atol=TOL,
-                                   check_cache=False)   # the reference holds no KV cache
-    assert report.ok and report.tokens_agree, report
-    print(f"{model_type} tp={tp} dcp={dcp} prefill x{chunks}: max |logit error| "
-          f"{report.max_abs_error:.1e}")
+    assert_prefill_matches(*_program(model_type, tp, dcp, "prefill"), chunks,
+                           f"{model_type} tp={tp} dcp={dcp}")
 
 
 def _collectives(gm) -> list[str]:
-    from dcp_compile.runtime.distributed.roles import role_of
-    return sorted(f"{n.target._opname}@{role_of(n)}" for n in gm.graph.nodes
-                  if n.op == "call_function" and role_of(n) is not None)
+    return collectives(gm.graph.nodes)
 
 
 def test_the_output_gate_is_computed_on_the_o_tokens_without_a_collective():
@@ -101,12 +102,8 @@ def test_lfm2_moe_decode_matches(model_type, tp, dcp):
     """LFM2-MoE's experts (``act_fn = F.silu``, a function, not an activation module) run as
     dcp.moe with SiLU; its sigmoid router with the expert bias stays the model's own. The
     prompts through the context step, then 6 greedy decode steps."""
-    model, program = _program(model_type, tp, dcp, "decode")
-    report = verify.verify(FullForwardReference(model), program, _prompts(), steps=STEPS,
-                           atol=TOL)
-    assert report.ok and report.tokens_agree, report
-    print(f"{model_type} tp={tp} dcp={dcp} decode: max |logit error| "
-          f"{report.max_abs_error:.1e}")
+    assert_decode_matches(*_program(model_type, tp, dcp, "decode"),
+                          f"{model_type} tp={tp} dcp={dcp}")
 
 
 @pytest.mark.parametrize("model_type,tp,dcp,chunks", _prefill_cases(("lfm2_moe",), set()))

@@ -20,20 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import dcp_compile  # noqa: E402
-from dcp_compile import verify  # noqa: E402
-from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.passes.op_classes import RECURRENT_OPS  # noqa: E402
-from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from full_runs import full  # noqa: E402
-from hybrid_configs import build_hybrid  # noqa: E402
+from hybrid_runs import (LAYOUTS, assert_decode_matches,  # noqa: E402
+                         assert_prefill_matches, model_of as _model, program as _program)
 
-TOL = 1e-4
-LENGTHS = (1, 5, 8)                 # around the conv kernel K=4; a one-token prompt
-STEPS = 6
-SHAPES = StepShapes(batch=3, context_len=8, max_blocks=8, num_blocks=16)
-BLOCK = 2
 FULL = full("DCP_HYBRID_FULL")
-LAYOUTS = ((4, 2), (8, 4))
 
 # family -> its cell in the default run: (mode, tp, dcp, chunks)
 FAMILIES = {
@@ -59,47 +51,22 @@ def _cases():
     return out
 
 
-def _prompts(vocab: int = 256):
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-_MODELS: dict = {}
-
-
-def _model(model_type: str):
-    if model_type not in _MODELS:
-        _MODELS[model_type] = build_hybrid(model_type)
-    return _MODELS[model_type]
-
-
-def _program(model_type: str, tp: int, dcp: int, mode: str):
-    return dcp_compile.transform(_model(model_type), tp=tp, dcp=dcp, mode=mode,
-                                 block_size=BLOCK, shapes=SHAPES, check=False)
-
-
 @pytest.mark.parametrize("model_type,mode,chunks,tp,dcp", _cases())
 def test_program_matches_the_models_own_forward(model_type, mode, chunks, tp, dcp):
     """Decode: the prompts through the context step, then 6 greedy decode steps, every
     step's logits within 1e-4 of the model's own forward over the whole sequence. Prefill:
     the chunk's tokens split over the ranks, every real token's logits; with two chunks the
     second continues each row's state from its slot (cut at unaligned places)."""
-    model = _model(model_type)
-    program = _program(model_type, tp, dcp, mode)
-    ref = FullForwardReference(model)
+    model, program = _program(model_type, tp, dcp, mode)
+    label = f"{model_type} tp={tp} dcp={dcp}"
     if mode == "decode":
-        report = verify.verify(ref, program, _prompts(), steps=STEPS, atol=TOL)
+        assert_decode_matches(model, program, label)
     else:
-        prompts = _prompts()
-        plan = [prompts] if chunks == 1 else verify.chunk_plan_of(prompts, chunks)
-        report = verify.verify_prefill(ref, program, plan, atol=TOL, check_cache=False)
-    assert report.ok and report.tokens_agree, report
+        assert_prefill_matches(model, program, chunks, label)
     ops = [n for n in program.graphs[mode].graph.nodes
            if n.op == "call_function" and n.target in RECURRENT_OPS]
     per_layer = 2 if model_type in ("jamba", "zamba") else 1   # Mamba-1: conv, then scan
     assert len(ops) == per_layer * len(program.state_spec().layers) > 0
-    print(f"{model_type} {mode} x{chunks} tp={tp} dcp={dcp}: max |logit error| "
-          f"{report.max_abs_error:.1e}")
 
 
 def test_nemotron_h_attends_in_its_attention_blocks_only():
@@ -129,7 +96,7 @@ def test_a_shared_attention_block_has_a_kv_cache_per_calling_layer(model_type):
     assert first.self_attn.q_proj.weight is second.self_attn.q_proj.weight
     hybrid = [i for i, k in enumerate(model.config.layers_block_type) if k == "hybrid"]
     assert len(attention_windows(model)) == len(hybrid) == 2
-    program = _program(model_type, 4, 2, "decode")
+    _, program = _program(model_type, 4, 2, "decode")
     assert program.cache_spec().num_layers == 2
 
 

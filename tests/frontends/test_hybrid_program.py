@@ -20,22 +20,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import dcp_compile  # noqa: E402
-from dcp_compile import verify  # noqa: E402
 from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.passes.op_classes import RECURRENT_OPS  # noqa: E402
 from dcp_compile.runtime.errors import DCPHybridError  # noqa: E402
 from dcp_compile.runtime.names import STATE_FRESH, STATE_LENGTHS, STATE_SLOT  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 from dcp_compile.runtime.serving.state_cache import StateSlots, state_rows  # noqa: E402
-from full_runs import full  # noqa: E402
 from hybrid_configs import build_hybrid  # noqa: E402
+from full_runs import full  # noqa: E402
+from hybrid_runs import (BLOCK, SHAPES, TOL, assert_decode_matches,  # noqa: E402
+                         assert_prefill_matches, cases as _cases, collectives as _collectives,
+                         program as _program, prompts as _prompts)
 
-TOL = 1e-4
-LENGTHS = (1, 5, 8)                 # around the conv kernel K=4; a one-token prompt
-STEPS = 6
-SHAPES = StepShapes(batch=3, context_len=8, max_blocks=8, num_blocks=16)
-BLOCK = 2
 FULL = full("DCP_HYBRID_FULL")
+
 
 # Families whose prefill program is tested here (Mamba2, short conv); the Qwen ones in
 # tests/frontends/test_hybrid_lin.py.
@@ -43,70 +41,28 @@ PREFILL_TYPES = ("bamba", "granitemoehybrid", "lfm2")
 # Every family the hybrid program serves (LFM2-MoE stops at its experts: below).
 DECODE_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba",
                 "granitemoehybrid", "lfm2")
-LAYOUTS = ((4, 2), (8, 4))
 
 
-def _cases(types, slice_):
-    """(model type, tp, dcp) of the full matrix, the slice's marked to always run."""
-    return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
-                         marks=() if (t, tp, dcp) in slice_ or FULL else
-                         pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
-            for t in types for tp, dcp in LAYOUTS]
-
-
-def _prompts(vocab: int = 256):
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-_PROGRAMS: dict = {}
-
-
-def _program(model_type: str, tp: int, dcp: int, mode: str):
-    key = (model_type, tp, dcp, mode)
-    if key not in _PROGRAMS:
-        model = build_hybrid(model_type)
-        _PROGRAMS[key] = model, dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode,
-                                                      block_size=BLOCK, shapes=SHAPES,
-                                                      check=False)
-    return _PROGRAMS[key]
-
-
-@pytest.mark.parametrize("model_type,tp,dcp", _cases(DECODE_TYPES, {("lfm2", 4, 2)}))
+@pytest.mark.parametrize("model_type,tp,dcp", _cases(DECODE_TYPES, {("lfm2", 4, 2)}, FULL))
 def test_decode_matches_the_models_own_forward(model_type, tp, dcp):
     """The prompts (1, 5, 8 tokens) through the context step, then 6 greedy decode steps:
     every step's logits within 1e-4 of the model's own forward over the whole sequence,
     greedy tokens equal, on every rank."""
-    model, program = _program(model_type, tp, dcp, "decode")
-    report = verify.verify(FullForwardReference(model), program, _prompts(), steps=STEPS,
-                           atol=TOL)
-    assert report.ok and report.tokens_agree, report
-    print(f"{model_type} tp={tp} dcp={dcp} decode: max |logit error| "
-          f"{report.max_abs_error:.1e}")
+    assert_decode_matches(*_program(model_type, tp, dcp, "decode"),
+                          f"{model_type} tp={tp} dcp={dcp}")
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases(PREFILL_TYPES, {("bamba", 4, 2)}))
+@pytest.mark.parametrize("model_type,tp,dcp", _cases(PREFILL_TYPES, {("bamba", 4, 2)}, FULL))
 @pytest.mark.parametrize("chunks", [1, 2], ids=["one-chunk", "two-chunks"])
 def test_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks):
     """Prefill (the chunk's tokens split over the ranks): every real token's logits within
     1e-4 of the model's own forward; with two chunks the second continues each row's state
     from its slot (cut at unaligned places, verify.chunk_plan_of)."""
-    model, program = _program(model_type, tp, dcp, "prefill")
-    prompts = _prompts()
-    plan = [prompts] if chunks == 1 else verify.chunk_plan_of(prompts, chunks)
-    report = verify.verify_prefill(FullForwardReference(model), program, plan, atol=TOL,
-                                   check_cache=False)   # the reference holds no KV cache
-    assert report.ok and report.tokens_agree, report
-    print(f"{model_type} tp={tp} dcp={dcp} prefill x{chunks}: max |logit error| "
-          f"{report.max_abs_error:.1e}")
+    assert_prefill_matches(*_program(model_type, tp, dcp, "prefill"), chunks,
+                           f"{model_type} tp={tp} dcp={dcp}")
 
 
 # -- the graph: inputs, collectives per recurrent layer ------------------------------------
-
-def _collectives(nodes) -> list[str]:
-    from dcp_compile.runtime.distributed.roles import role_of
-    return sorted(f"{n.target._opname}@{role_of(n)}" for n in nodes if role_of(n) is not None)
-
 
 def _ancestors(n):
     seen, stack = set(), list(n.all_input_nodes)
