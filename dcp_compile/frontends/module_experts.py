@@ -190,8 +190,13 @@ def _bailing_gate(experts: nn.Module):
 
 def more_expert_gates() -> dict:
     """Experts classes' own ``_apply_gate`` the HF frontend's gate table adds
-    (``huggingface._gate_table``): the method -> (activation, interleaved, params)."""
-    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridExperts
+    (``huggingface._gate_table``): the method -> (activation, interleaved, params). A
+    transformers without the model type (vLLM's pinned one) has no such class to meet."""
+    try:
+        from transformers.models.bailing_hybrid.modeling_bailing_hybrid import \
+            BailingHybridExperts
+    except ModuleNotFoundError:
+        return {}
     return {BailingHybridExperts._apply_gate: _bailing_gate}
 
 
