@@ -29,8 +29,9 @@ from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.passes.op_classes import RECURRENT_OPS  # noqa: E402
 from full_runs import full  # noqa: E402
 from hybrid_configs import HEAD_CUT_SIZES, build_hybrid  # noqa: E402
-from test_hybrid_program import (BLOCK, LAYOUTS, SHAPES, STEPS, TOL,  # noqa: E402
-                                 _mixer_collectives, _prompts)
+from hybrid_runs import (BLOCK, LAYOUTS, SHAPES, STEPS, TOL,  # noqa: E402
+                         prompts as _prompts)
+from test_hybrid_program import _mixer_collectives  # noqa: E402
 
 FULL = full("DCP_HYBRID_FULL")
 CUT_TYPES = tuple(HEAD_CUT_SIZES)

@@ -139,12 +139,13 @@ def _buffer_mask(m, q, k, v, ids):
     return torch.softmax(scores, dim=-1) @ v
 
 
-@pytest.mark.parametrize("attend", [_flash_for_cpu, _buffer_mask])
+@pytest.mark.parametrize("attend", ["_flash_for_cpu", "_buffer_mask", "_memory_kv"])
 def test_attention_kernel_and_buffer_mask_forms(attend):
-    """The flash kernel called directly, and a causal mask read from a registered buffer
-    (nanoGPT), on a model whose positions come from nowhere (no RoPE)."""
+    """The flash kernel called directly, a causal mask read from a registered buffer
+    (nanoGPT), and learned memory key/values joined before the sequence's (x-transformers'
+    attn_num_mem_kv), on a model whose positions come from nowhere (no RoPE)."""
     torch.manual_seed(0)
-    model = TinyAttentionLM(attend).eval()
+    model = TinyAttentionLM(globals()[attend]).eval()
     program = dcp_compile.transform(model, tp=2, dcp=1, mode="decode", block_size=BLOCK,
                                     shapes=SHAPES)
     prompts = prompts_of((3, 9), vocab=VOCAB)
@@ -216,7 +217,6 @@ REFUSED = {
     "token-shifted-keys": (_token_shift_keys, "acts on each token on its own"),
     "causal-mask-hiding-a-token": (_hide_first_token, "not as a sliding window"),
     "position-bias-not-alibi": (_position_bias, "is not ALiBi"),
-    "memory-key-values": (_memory_kv, r"memory key/values: the key .* joins learned entries"),
 }
 
 
