@@ -126,7 +126,7 @@ def _kda_forward(m: nn.Module, states: RecurrentStates, out_gate=_kimi_gate) -> 
             torch.ops.dcp.kimi_delta_attention(
                 mixed_qkv, g, beta, m.conv1d.weight.squeeze(1), states.conv[m.layer_idx],
                 states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
-                m.num_heads, m.head_dim, m.activation)
+                m.num_heads, m.head_dim, m.activation, *states.snap())
         gate = out_gate(m, hidden_states).view(hidden_shape)
         output = m.o_norm(core_attn_out, gate).reshape(batch_size, seq_len, -1)
         return m.o_proj(output)
@@ -153,7 +153,8 @@ def _lightning_forward(m: nn.Module, states: RecurrentStates) -> Callable:
         query_states, key_states, value_states = torch.split(qkv_states, m.head_dim, dim=3)
         attn_output, states.rec[m.layer_idx] = torch.ops.dcp.lightning_attention(
             query_states, key_states, value_states, m.slope_rate.reshape(-1),
-            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+            *states.snap())
         attn_output = attn_output.reshape(batch_size, seq_len, m.num_attention_heads * m.head_dim)
         attn_output = m.norm(attn_output)
         attn_output = F.sigmoid(m.output_gate(hidden_states)) * attn_output
@@ -213,7 +214,7 @@ def _falcon_h1_forward(m: nn.Module, states: RecurrentStates) -> Callable:
                 hidden_states_B_C, dt, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.A_log, m.D,
                 m.dt_bias, states.conv[m.layer_idx], states.rec[m.layer_idx],
                 states.state_slot, states.fresh, states.lengths, m.n_groups, m.head_dim,
-                m.ssm_state_size, m.activation, float(dt_min), float(dt_max))
+                m.ssm_state_size, m.activation, float(dt_min), float(dt_max), *states.snap())
         scan_output = scan_output.reshape(batch_size, seq_len, m.intermediate_size)
         if m.mamba_rms_norm:
             scan_output = m.norm(scan_output, gate)
@@ -242,7 +243,8 @@ def _jamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
         hidden_states, gate = projected_states.chunk(2, dim=-1)
         conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
             hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
-            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+            *states.snap())
         hidden_states = m.act(conv_out)
         time_step, B, C = torch.split(
             m.x_proj(hidden_states), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size],
@@ -253,7 +255,8 @@ def _jamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
         time_step = F.linear(time_step, m.dt_proj.weight)    # dt_proj.weight @ time_step^T
         scan_output, states.rec[m.layer_idx] = torch.ops.dcp.mamba_ssm(
             hidden_states, time_step, m.A_log, B, C, m.D, m.dt_proj.bias,
-            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+            *states.snap())
         scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
         return m.out_proj(scan_output.to(dtype))
     return forward
@@ -276,7 +279,8 @@ def _zamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
         hidden_states, gate = projected_states[..., 0], projected_states[..., 1]
         conv_out, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
             hidden_states, m.conv1d.weight.squeeze(1), m.conv1d.bias,
-            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+            states.conv[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+            *states.snap())
         hidden_states = m.act(conv_out)
         heads = hidden_states.view(batch_size, seq_len, H, P)
         ssm_parameters = (m.x_proj_weight @ heads[..., None]).squeeze(-1)   # [B, S, H, R+2N]
@@ -286,7 +290,8 @@ def _zamba_forward(m: nn.Module, states: RecurrentStates) -> Callable:
             hidden_states, time_step.reshape(batch_size, seq_len, H * P),
             m.A_log.reshape(H * P, N), B, C, m.D.reshape(H * P),
             None if m.dt_proj_bias is None else m.dt_proj_bias.reshape(H * P),
-            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths)
+            states.rec[m.layer_idx], states.state_slot, states.fresh, states.lengths,
+            *states.snap())
         scan_output = scan_output * F.silu(gate)            # the scan kernel's z gate
         return m.out_proj(scan_output.to(dtype))
     return forward

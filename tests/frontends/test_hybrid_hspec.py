@@ -47,14 +47,17 @@ SPEC_TYPES = ("qwen3_5_text", "bamba")
 LAYOUTS = ((4, 2), (8, 4))
 
 
-SLICE = ("bamba", 4, 2)               # the default run's case; DCP_HYBRID_FULL: all
+# Speculative decode of the other mixers (each op keeps its snapshots): Falcon-H1's own
+# Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA.
+SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear")
+SLICE = {("bamba", 4, 2)}             # the default run's case; DCP_HYBRID_FULL: all
 
 
-def _cases():
+def _cases(types=SPEC_TYPES, slice_=SLICE):
     return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
-                         marks=() if (t, tp, dcp) == SLICE or FULL else
+                         marks=() if (t, tp, dcp) in slice_ or FULL else
                          pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
-            for t in SPEC_TYPES for tp, dcp in LAYOUTS]
+            for t in types for tp, dcp in LAYOUTS]
 
 
 def _prompts(vocab: int = 256):
@@ -103,7 +106,8 @@ def _speculative(model, program, prompts):
                                      lambda rank: drafter, atol=TOL)
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases())
+@pytest.mark.parametrize("model_type,tp,dcp",
+                         _cases() + _cases(SPEC_OTHER_TYPES, {("falcon_h1", 4, 2)}))
 def test_speculative_decode_matches_greedy_with_drafts_partly_rejected(model_type, tp, dcp):
     """Width-3 verification steps with partly wrong drafts: the accepted tokens are the model's
     own greedy tokens and every verified position's logits are within 1e-4 of its own forward
