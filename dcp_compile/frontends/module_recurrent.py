@@ -29,7 +29,8 @@ from torch import nn
 from dcp_compile.frontends.module_experts import source_hash
 # Each family's swapped forward and state shape (StateShape, RecurrentStates re-exported).
 from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
-    StateShape, RecurrentStates, _gdn_shape, _qwen3_next_head, _qwen3_5_head, _gdn_forward,
+    StateShape, RecurrentStates, _gdn_shape, _qwen3_next_head, _qwen3_5_head, _olmo_hybrid_head, _olmo_hybrid_beta,
+    _gdn_forward,
     _kda_shape, _kimi_gate, _bailing_gate, _kda_forward, _lightning_shape, _lightning_forward,
     _mamba2_shape, _mamba2_forward, _falcon_h1_forward, _mamba_shape, _jamba_forward,
     _zamba_forward, _short_conv_shape, _short_conv_forward)
@@ -124,6 +125,14 @@ RULES = (
                   {"Qwen3_5MoeGatedDeltaNet.forward": "a43ffe9ab7f4",
                    "Qwen3_5MoeRMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
                   _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head), _gdn_cut),
+    # OLMo-hybrid: Qwen3.5's Gated DeltaNet with separate q / k / v projections, its own
+    # output gate (g_proj), beta doubled (allow_neg_eigval) and o_norm / o_proj
+    RecurrentRule(f"{_TF}.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet",
+                  {"OlmoHybridGatedDeltaNet.forward": "8b7eda855f07",
+                   "OlmoHybridRMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
+                  _gdn_shape,
+                  lambda m, s: _gdn_forward(m, s, _olmo_hybrid_head, _olmo_hybrid_beta,
+                                            norm="o_norm", out="o_proj"), _gdn_cut),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
                    "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
@@ -202,6 +211,7 @@ RULES = (
 HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                                 "qwen3_5_moe_text", "bamba", "granitemoehybrid", "lfm2",
                                 "lfm2_moe", "jamba", "nemotron_h", "falcon_h1", "zamba2",
+                                "olmo_hybrid",
                                 "kimi_linear", "minimax", "recurrent_gemma",
                                 "bailing_hybrid"})
 RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "recurrent",

@@ -71,15 +71,40 @@ def _qwen3_5_head(m: nn.Module, h: Tensor):
     return m.in_proj_qkv(h), z, m.in_proj_b(h), m.in_proj_a(h)
 
 
-def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Callable:
+def _olmo_hybrid_head(m: nn.Module, h: Tensor):
+    """OLMo-hybrid's projections, verbatim: separate q, k, v concatenated (``[q | k | v]``,
+    the conv's channel order), its own output gate ``g_proj`` as z, b, a."""
+    mixed_qkv = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
+    return mixed_qkv, m.g_proj(h), m.b_proj(h), m.a_proj(h)
+
+
+def _qwen_beta(m: nn.Module, b: Tensor) -> Tensor:
+    return b.sigmoid()
+
+
+def _olmo_hybrid_beta(m: nn.Module, b: Tensor) -> Tensor:
+    """OLMo-hybrid's ``allow_neg_eigval``: beta in [0, 2] (the state's eigenvalues
+    ``1 - beta`` may go negative), the model's own lines; the delta rule takes any beta."""
+    beta = b.sigmoid()
+    if m.allow_neg_eigval:
+        beta = beta * 2.0
+    return beta
+
+
+def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable,
+                 beta_of: Callable = _qwen_beta, norm: str = "norm",
+                 out: str = "out_proj") -> Callable:
     """The mixer's forward with its conv + gated delta rule as ``dcp.gated_delta_net`` over
-    ``states``; the model's own lines before and after it."""
+    ``states``; the model's own lines before and after it: its projections (``head``), its
+    beta (``beta_of``), its gated norm and output projection (the attributes ``norm``,
+    ``out``: Qwen's ``norm`` / ``out_proj``, OLMo-hybrid's ``o_norm`` / ``o_proj``)."""
     module = sys.modules[type(m).__module__]
+    norm_fn, out_fn = getattr(m, norm), getattr(m, out)
 
     def forward(hidden_states: Tensor, cache=None, attention_mask=None, **kwargs) -> Tensor:
         hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
         mixed_qkv, z, b, a = head(m, hidden_states)
-        beta = b.sigmoid()
+        beta = beta_of(m, b)
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
         core_attn_out, states.conv[m.layer_idx], states.rec[m.layer_idx] = \
             torch.ops.dcp.gated_delta_net(
@@ -89,9 +114,9 @@ def _gdn_forward(m: nn.Module, states: RecurrentStates, head: Callable) -> Calla
         # The model flattens [B, S, Hv, dv] to [B*S*Hv, dv] around its gated norm; the norm
         # works over the last dim alone (its forward is pinned), so it runs on the unflattened
         # tensor: the same values, and every view keeps the token dim (check_token_wise).
-        core_attn_out = m.norm(core_attn_out, z.reshape(core_attn_out.shape))
+        core_attn_out = norm_fn(core_attn_out, z.reshape(core_attn_out.shape))
         core_attn_out = core_attn_out.reshape(core_attn_out.shape[0], core_attn_out.shape[1], -1)
-        return m.out_proj(core_attn_out)
+        return out_fn(core_attn_out)
     return forward
 
 

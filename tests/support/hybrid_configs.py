@@ -88,6 +88,15 @@ _HYBRID["bailing_hybrid"] = dict(
     linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
     num_hidden_layers=_LAYERS, layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2))
 
+# OLMo-hybrid: Gated DeltaNet (separate q / k / v projections, beta doubled by
+# allow_neg_eigval, value heads wider than key heads) / full attention with q / k norms over
+# all heads, post-norm layers.
+_HYBRID["olmo_hybrid"] = dict(linear_num_value_heads=4, linear_num_key_heads=2,
+                              linear_key_head_dim=8, linear_value_head_dim=16,
+                              linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+                              num_hidden_layers=_LAYERS,
+                              layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2))
+
 # The layer kinds of the configs above that are attention (the others are recurrent).
 ATTENTION_KINDS = ("full_attention", "attention")
 # The layer kinds with no recurrent mixer: attention, and Nemotron-H's MLP / MoE blocks.
@@ -119,6 +128,7 @@ _GDN_CUT = dict(linear_num_key_heads=8, linear_num_value_heads=16)
 _MAMBA2_CUT = dict(mamba_n_groups=8)
 HEAD_CUT_SIZES = {
     "qwen3_next": _GDN_CUT, "qwen3_5_text": _GDN_CUT, "qwen3_5_moe_text": _GDN_CUT,
+    "olmo_hybrid": _GDN_CUT,
     "bamba": _MAMBA2_CUT, "granitemoehybrid": _MAMBA2_CUT, "falcon_h1": _MAMBA2_CUT,
     "nemotron_h": dict(n_groups=8), "zamba2": dict(mamba_ngroups=8),
 }
