@@ -126,6 +126,7 @@ GROUPS = ("replicated (tp=4 does not divide the 2 groups (B, C and the gated nor
           "group))")
 LAYOUT_AT_TP4 = {
     "qwen3_next": GDN_KEYS, "qwen3_5_text": GDN_KEYS, "qwen3_5_moe_text": GDN_KEYS,
+    "olmo_hybrid": GDN_KEYS,
     "bamba": GROUPS, "granitemoehybrid": GROUPS, "nemotron_h": GROUPS, "falcon_h1": GROUPS,
     "zamba2": GROUPS,
     "lfm2": "replicated (its op has no head cut)",
@@ -171,7 +172,7 @@ def test_every_head_cut_rule_is_the_frontends():
     assert cut_ops == {"gated_delta_net", "mamba2_ssm"}
     with_cut = {r.cls for r in RULES if r.cut is not None}
     assert with_cut == {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
-                        "Qwen3_5MoeGatedDeltaNet", "BambaMixer", "GraniteMoeHybridMambaLayer",
+                        "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BambaMixer", "GraniteMoeHybridMambaLayer",
                         "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"}
 
 

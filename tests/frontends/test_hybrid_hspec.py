@@ -48,8 +48,9 @@ LAYOUTS = ((4, 2), (8, 4))
 
 
 # Speculative decode of the other mixers (each op keeps its snapshots): Falcon-H1's own
-# Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA.
-SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear")
+# Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA,
+# OLMo-hybrid's Gated DeltaNet (its own swap rule).
+SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear", "olmo_hybrid")
 SLICE = {("bamba", 4, 2)}             # the default run's case; DCP_HYBRID_FULL: all
 
 

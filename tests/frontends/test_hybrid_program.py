@@ -203,10 +203,14 @@ def test_what_is_not_built_is_refused_by_name(lfm2, shapes, match):
 
 
 @pytest.mark.parametrize("model_type,mixer", [("olmo_hybrid", "OlmoHybridGatedDeltaNet")])
-def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer):
-    """A hybrid by its config whose mixer no rule names: DCPHybridError naming its modules,
-    at the frontend (not the token-wise check's feature diagnosis)."""
+def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer, monkeypatch):
+    """A hybrid by its config whose mixer no rule names (OLMo-hybrid with its rule taken out
+    of RULES): DCPHybridError naming its modules, at the frontend (not the token-wise
+    check's feature diagnosis)."""
+    from dcp_compile.frontends import module_recurrent
     from hf_corpus import build
+    monkeypatch.setattr(module_recurrent, "RULES", tuple(
+        r for r in module_recurrent.RULES if r.cls != mixer))
     with pytest.raises(DCPHybridError, match=rf"no swap rule runs its recurrent layers as a "
                                              rf"dcp op \(modules \[.*'{mixer}'"):
         dcp_compile.transform(build(model_type, "sdpa"), tp=4, dcp=2, mode="decode")
