@@ -262,19 +262,22 @@ def dsa_keep(p: DCPPass, g: Graph, index: dict, *, k: Node, v: Node, kc: Node, v
     c_s, c_p = (g.call_function(operator.getitem, (cand, i)) for i in range(2))
     b, i = val(q_pos).shape[:2]
     if W > 1:
-        # One all-gather: the float32 scores and int64 positions as int32 words side by side.
+        # One all-gather: the float32 scores' bits and the positions as int32 side by side.
+        # A position (< 2**31, as DSA_ORDER's key requires) narrows to int32 exactly; a
+        # bit-cast of int64 to two int32 words would not lower (torch-mlir has no
+        # width-changing aten.view.dtype).
         n = min(index["index_topk"],
                 val(table).shape[1] * cfg.block_size + current)    # index_candidates' width
         packed = g.call_function(aten.cat.default, (
             [bitcast(g, c_s, torch.float32, torch.int32),
-             bitcast(g, c_p, torch.int64, torch.int32)], -1))              # [b, i, 3n]
-        c, got = C.all_gather(g, packed, role, W)                          # [W*b, i, 3n]
+             g.call_function(aten._to_copy.default, (c_p,), {"dtype": torch.int32})], -1))
+        c, got = C.all_gather(g, packed, role, W)                          # [W*b, i, 2n]
         p.tag(c, KIND_COLLECTIVE, layer)
-        got = g.call_function(aten.view.default, (got, [W, b, i, 3 * n]))
+        got = g.call_function(aten.view.default, (got, [W, b, i, 2 * n]))
         all_s = bitcast(g, g.call_function(aten.slice.Tensor, (got, -1, 0, n)),
                         torch.int32, torch.float32)
-        all_p = bitcast(g, g.call_function(aten.slice.Tensor, (got, -1, n, 3 * n)),
-                        torch.int32, torch.int64)
+        all_p = g.call_function(aten._to_copy.default, (
+            g.call_function(aten.slice.Tensor, (got, -1, n, 2 * n)),), {"dtype": torch.int64})
     else:
         all_s, all_p = (g.call_function(aten.unsqueeze.default, (x, 0)) for x in (c_s, c_p))
     thr = p.tag(g.call_function(dcp_ops.index_threshold.default,

@@ -59,16 +59,11 @@ def _op_name(target) -> str:
     return getattr(target, "_name", None) or getattr(target, "__name__", str(target))
 
 
-_DSA_NOT_LOWERED = (
-    "cannot lower op {op} at node {name} (introduced by pass {pass_name}, step {step!r}): "
-    "DeepSeek Sparse Attention's selection orders keys by DSA_ORDER with stable sorts "
-    "(runtime/kernels/sparse_attention.py dsa_order), which torch-mlir does not lower "
-    "(aten.sort.stable). The StableHLO lowering of a DSA program is not built; run it on the "
-    "eager runtime (threads or a torch.distributed world); docs/moe-mla.md: DeepSeek Sparse "
-    "Attention")
-# Ops with a reference implementation that the lowering refuses by name (why, and the fix).
-NOT_LOWERED = {torch.ops.dcp.index_candidates.default: _DSA_NOT_LOWERED,
-               torch.ops.dcp.index_threshold.default: _DSA_NOT_LOWERED}
+# Ops with a reference implementation that the lowering refuses by name: op -> the message
+# (formatted with op, name, pass_name, step), saying why and the fix. None at present:
+# DeepSeek Sparse Attention's selection, once refused here for its stable sorts, orders its
+# keys by one distinct integer per key (sparse_attention.dsa_key) and lowers.
+NOT_LOWERED: dict = {}
 
 
 def check_lowerable(gm: GraphModule, step: str) -> None:

@@ -43,15 +43,33 @@ NEG_INF = float("-inf")
 LAST_POSITION = torch.iinfo(torch.int64).max   # a threshold position above every key's
 
 
-def dsa_order(scores: Tensor, positions: Tensor) -> Tensor:
-    """The permutation of the last axis that puts keys in DSA_ORDER: selectable keys
-    (``positions >= 0``) first, by score descending, then position ascending; the rest last.
-    Two stable sorts (by position, then by score) so that equal scores keep position order."""
-    by_pos = torch.argsort(torch.where(positions >= 0, positions, LAST_POSITION), dim=-1,
-                           stable=True)
-    s = torch.where(positions >= 0, scores, NEG_INF).gather(-1, by_pos)
-    by_score = torch.argsort(s, dim=-1, descending=True, stable=True)
-    return by_pos.gather(-1, by_score)
+# DSA_ORDER as one integer per key (``dsa_key``): positions and key indices below 2**31.
+_POSITION_BOUND = 2**31
+_LOW = 2**32            # the position's share of the key: [0, 2**32)
+
+
+def dsa_key(scores: Tensor, positions: Tensor) -> Tensor:
+    """One int64 per key whose descending order is DSA_ORDER, and no two alike: the float32
+    score mapped to an int32 of the same order (its bits, the negative ones' magnitude
+    reversed; -0.0 taken as 0.0, as the scores compare), times 2**32, plus the position
+    reversed (earlier first); a non-selectable key (position < 0) scores -inf and ranks
+    after every selectable one, by its index. Distinct keys leave a sort nothing to break
+    ties on, so any sort or top-k gives the same order: it lowers to ``stablehlo.sort``
+    (``torch.topk``), where a stable sort (``aten.sort.stable``) does not."""
+    ok = positions >= 0
+    s = torch.where(ok, scores.float(), NEG_INF)
+    s = torch.where(s == 0, torch.zeros_like(s), s)
+    bits = s.view(torch.int32).to(torch.int64)
+    by_score = torch.where(bits < 0, -_POSITION_BOUND - 1 - bits, bits)
+    index = torch.arange(scores.shape[-1], device=scores.device).expand_as(positions)
+    tie = torch.where(ok, positions, _POSITION_BOUND + index)
+    return by_score * _LOW + (_LOW - 1 - tie)
+
+
+def dsa_first(scores: Tensor, positions: Tensor, k: int) -> Tensor:
+    """The indices of the first ``k`` keys of the last axis in DSA_ORDER: selectable keys
+    (``positions >= 0``) by score descending, then position ascending; the rest last."""
+    return torch.topk(dsa_key(scores, positions), k, dim=-1).indices
 
 
 def selected(scores: Tensor, positions: Tensor, thr_score: Tensor, thr_pos: Tensor) -> Tensor:
@@ -152,7 +170,7 @@ def candidates_per_rank(keys: int, topk: int) -> int:
 
 
 def _index_candidates_impl(scores: Tensor, positions: Tensor, topk: int) -> tuple[Tensor, Tensor]:
-    first = dsa_order(scores, positions)[..., :candidates_per_rank(scores.shape[-1], topk)]
+    first = dsa_first(scores, positions, candidates_per_rank(scores.shape[-1], topk))
     return scores.gather(-1, first), positions.gather(-1, first)
 
 
@@ -177,7 +195,7 @@ def _index_threshold_impl(cand_scores: Tensor, cand_pos: Tensor,
     if w * c < topk:     # fewer candidates than index_topk: every selectable key is kept
         return (torch.full((b, i, 1), NEG_INF, dtype=s.dtype, device=s.device),
                 torch.full((b, i, 1), LAST_POSITION, dtype=p.dtype, device=p.device))
-    kth = dsa_order(s, p)[..., topk - 1:topk]
+    kth = dsa_first(s, p, topk)[..., topk - 1:topk]
     thr_s, thr_p = s.gather(-1, kth), p.gather(-1, kth)
     # The k-th is not selectable: there are fewer selectable keys than topk, keep them all.
     short = thr_p < 0
@@ -212,7 +230,7 @@ def _index_topk_impl(index_q: Tensor, index_weights: Tensor, index_k: Tensor, bi
     scores = torch.matmul(index_weights.float().unsqueeze(-2),
                           torch.relu(per_head * scale)).squeeze(-2) + bias      # [b, s, t]
     positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
-    first = dsa_order(scores, positions)[..., :min(topk, scores.shape[-1])]
+    first = dsa_first(scores, positions, min(topk, scores.shape[-1]))
     return first.to(torch.int32)
 
 

@@ -109,7 +109,7 @@ def test_dsa_program_is_the_models_forward(mode, name, tp, dcp):
     # Per layer, the DCP rewrite's collectives (op, dtype): MLA's (decode: q all-gather, LSE
     # all-gather, reduce-scatter of the heads; prefill: q all-gather, LSE all-gather, token
     # reduce-scatter) and the selection's one all-gather of the candidates' (score,
-    # position) packed as int32 words, [dcp * b, queries, 3 * candidates] (none on a layer
+    # position) packed as int32, [dcp * b, queries, 2 * candidates] (none on a layer
     # reusing another's selection).
     per_layer = _dcp_collectives(program.graphs[step])
     for layer in range(layers):
