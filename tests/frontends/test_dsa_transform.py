@@ -219,13 +219,25 @@ def test_a_chunk_step_after_prior_context_is_the_models_forward(name, tp, dcp):
                 assert torch.allclose(got[b, :len(p) - k], want, rtol=0, atol=ATOL), b
 
 
-def test_the_lowering_refuses_dsa_by_name():
-    """The selection's stable sorts (DSA_ORDER) do not lower through torch-mlir: the
-    StableHLO lowering names the op and DSA instead of failing inside torch-mlir."""
-    from dcp_compile.lowering import lower
-    from dcp_compile.runtime.errors import DCPLoweringError
-    with pytest.raises(DCPLoweringError, match="DeepSeek Sparse Attention.*not built"):
-        lower(_program("decode", "deepseek_v32", 4, 2))
+def test_the_dsa_program_is_lowerable():
+    """The selection orders keys by one distinct integer key per key and a top-k (no
+    stable sort, which torch-mlir does not lower): every op of the DSA program's graphs has
+    a lowering (the lowering's first check; tests/lowering/test_dsa_xla.py lowers and runs
+    the programs on XLA:CPU)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dcp_compile.lowering import check_lowerable
+    from dcp_compile.runtime.kernels.sparse_attention import DECOMPOSITIONS
+    program = _program("decode", "deepseek_v32", 4, 2)
+    for step, gm in program.graphs.items():
+        check_lowerable(gm, step)
+    dcp = torch.ops.dcp
+    s, p = torch.randn(2, 1, 2, 6), torch.arange(6).expand(2, 1, 2, 6)
+    for op, args in ((dcp.index_candidates.default, (s[0], p[0])),
+                     (dcp.index_threshold.default, (s, p))):
+        gm = make_fx(lambda a, b: DECOMPOSITIONS[op](a, b, 3))(*args)
+        ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        assert torch.ops.aten.topk.default in ops and torch.ops.aten.sort.stable not in ops
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["static", "live"])
