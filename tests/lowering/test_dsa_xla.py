@@ -150,7 +150,7 @@ def case_program(name, mode, tp, dcp) -> dict:
     else:       # two chunks: the second selects over the first's cached keys
         report = X.verify_prefill(reference, program, C.prompts(), chunks=2, atol=TOL,
                                   lowered=lowered, check_cache=False)
-    return {"report": report.to_json(),
+    return {"report": report.to_json(), "indexers": sum(T._own_indexer(model)),
             "sorts": {step: m.text.count("stablehlo.sort")
                       for step, m in lowered.modules.items()}}
 
@@ -163,9 +163,9 @@ def test_dsa_program_on_xla_is_the_models_forward(name, mode, tp, dcp, tmp_path)
     report = got["report"]
     assert report["ok"] and report["tokens_agree"], report
     assert report["max_abs_error"] <= TOL, report
-    # every step's module sorts (candidates and threshold per indexer layer); none is a
-    # custom call (the lowering's contract)
-    assert got["sorts"] and all(n > 0 for n in got["sorts"].values()), got["sorts"]
+    # every step's module: two sorts per layer with its own indexer (the rank's candidates,
+    # the threshold), none for a layer reusing another's selection
+    assert got["sorts"] and set(got["sorts"].values()) == {2 * got["indexers"]}, got
     print(f"DSA {name} {mode} tp={tp} dcp={dcp} on XLA: max |logit error| "
           f"{report['max_abs_error']:.1e}, sorts per module {got['sorts']}")
 

@@ -64,7 +64,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
                             "decode / prefill x tp=4/dcp=2 and tp=8/dcp=4, and Jamba, "
                             "Qwen3.5, MiniMax and Kimi Linear decode at tp=4/dcp=2, "
                             "speculative decode of Bamba and Qwen3.5 (the slice: LFM2 "
-                            "decode at tp=4/dcp=2)"),
+                            "decode at tp=4/dcp=2); lowering/test_dsa_xla.py's DSA programs "
+                            "on XLA:CPU: DeepSeek-V3.2 decode / prefill x both layouts, GLM-5 "
+                            "with a shared indexer layer at tp=4/dcp=2 (the slice: the "
+                            "selection's order and ops alone)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",
