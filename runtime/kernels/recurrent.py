@@ -41,6 +41,8 @@ Ops:
                        dcp.short_conv, the mixer's x_proj runs between the two),
                        S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T, y_t = S_t C_t + D x_t,
                        A [D, N] per channel, B and C shared by every channel.
+  dcp.rg_lru           RecurrentGemma's RG-LRU (runtime/kernels/rg_lru.py; its conv is
+                       dcp.short_conv): gated diagonal recurrence, state h [lru_width].
 
 The reference is the recurrent form, a static loop over the chunk's tokens: exact, the
 function transformers' one-token updates (``torch_recurrent_gated_delta_rule``,
@@ -539,7 +541,12 @@ def _(x, dt, A_log, B, C, D, dt_bias, ssm_state, state_slot, fresh, lengths,
     return torch.empty_like(x), torch.empty_like(ssm_state)
 
 
-DECOMPOSITIONS = {torch.ops.dcp.mamba_ssm.default: _mamba_ssm_impl,
+# RecurrentGemma's RG-LRU lives in its own module (it reads this one's slot helpers);
+# importing this module registers it too.
+from dcp_compile.runtime.kernels.rg_lru import _rg_lru_impl  # noqa: E402
+
+DECOMPOSITIONS = {torch.ops.dcp.rg_lru.default: _rg_lru_impl,
+                  torch.ops.dcp.mamba_ssm.default: _mamba_ssm_impl,
                   torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
                   torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl,
                   torch.ops.dcp.short_conv.default: _short_conv_impl}
