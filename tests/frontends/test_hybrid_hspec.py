@@ -48,8 +48,10 @@ LAYOUTS = ((4, 2), (8, 4))
 
 
 # Speculative decode of the other mixers (each op keeps its snapshots): Falcon-H1's own
-# Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA.
-SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear")
+# Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA,
+# RecurrentGemma's conv + RG-LRU (its default-run cell: test_hybrid_rglru.py's only program).
+SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear", "recurrent_gemma")
+SPEC_OTHER_SLICE = {("falcon_h1", 4, 2), ("recurrent_gemma", 4, 2)}
 SLICE = {("bamba", 4, 2)}             # the default run's case; DCP_HYBRID_FULL: all
 
 
@@ -107,7 +109,7 @@ def _speculative(model, program, prompts):
 
 
 @pytest.mark.parametrize("model_type,tp,dcp",
-                         _cases() + _cases(SPEC_OTHER_TYPES, {("falcon_h1", 4, 2)}))
+                         _cases() + _cases(SPEC_OTHER_TYPES, SPEC_OTHER_SLICE))
 def test_speculative_decode_matches_greedy_with_drafts_partly_rejected(model_type, tp, dcp):
     """Width-3 verification steps with partly wrong drafts: the accepted tokens are the model's
     own greedy tokens and every verified position's logits are within 1e-4 of its own forward

@@ -13,8 +13,8 @@ speculative width-K decode with partly rejected drafts rolls the state back on X
 
 The slice (default run): LFM2 decode at tp=4/dcp=2, the ops alone (every rule, Mamba2's
 included), the named refusals. ``DCP_HYBRID_XLA_FULL=1``: LFM2 and Bamba x decode / prefill x
-tp=4/dcp=2 and tp=8/dcp=4, the other families' decode at tp=4/dcp=2, and speculative decode
-of Bamba and Qwen3.5.
+tp=4/dcp=2 and tp=8/dcp=4, the other families' decode at tp=4/dcp=2 (RecurrentGemma's
+included), and speculative decode of Bamba, Qwen3.5 and RecurrentGemma.
 
 XLA:CPU needs its host device count before jax initialises (test_xla.py): when jax was
 initialised with fewer devices earlier in this process, a case runs in a fresh process.
@@ -62,7 +62,7 @@ LAYOUTS = ((4, 2), (8, 4))
 # (model type, mode, tp, dcp) of the slice: LFM2 (short conv) decode.
 SLICE = {("lfm2", "decode", 4, 2)}
 # Every other family whose recurrent op has a lowering rule: decode at tp=4/dcp=2.
-OTHER_FAMILIES = ("jamba", "qwen3_5_text", "minimax", "kimi_linear")
+OTHER_FAMILIES = ("jamba", "qwen3_5_text", "minimax", "kimi_linear", "recurrent_gemma")
 
 
 def _prompts():
@@ -180,6 +180,12 @@ def _op_cases():
             q, gg, be, w, cs, rs, sl, fr, ln, Hd, d),
         [r(Bsz, S, Ck), -r(Bsz, S, Hd, d).abs(), r(Bsz, S, Hd).sigmoid(), r(Ck, K),
          r(SLOTS + 1, Ck, K - 1), r(SLOTS + 1, Hd, d, d), slot, fresh, lengths])
+    W, Hr = 8, 2                                            # RG-LRU: 2 heads of 4
+    cases["rg_lru"] = (
+        lambda x, iw, ib, rw, rb, rp, rs, sl, fr, ln: ops.rg_lru(
+            x, iw, ib, rw, rb, rp, rs, sl, fr, ln),
+        [r(Bsz, S, W), r(Hr, W // Hr, W // Hr), r(Hr, W // Hr), r(Hr, W // Hr, W // Hr),
+         r(Hr, W // Hr), r(W), r(SLOTS + 1, W), slot, fresh, lengths])
     # a width-K step's snapshots: row 0 keeps its state after its first token in slot 2
     snap = torch.full((Bsz, S), -1, dtype=torch.int64)
     snap[0, 0] = 2
@@ -258,7 +264,7 @@ def case_speculative(model_type, tp, dcp) -> dict:
 @pytest.mark.parametrize("model_type,tp,dcp", [
     pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
                  marks=() if FULL else pytest.mark.skip(reason="DCP_HYBRID_XLA_FULL=1 runs it"))
-    for t in ("bamba", "qwen3_5_text") for tp, dcp in ((4, 2),)])
+    for t in ("bamba", "qwen3_5_text", "recurrent_gemma") for tp, dcp in ((4, 2),)])
 def test_speculative_hybrid_on_xla_rolls_the_state_back(model_type, tp, dcp, tmp_path):
     got = _in_xla_process("case_speculative", model_type, tp, dcp, tmp_path=tmp_path)
     report = got["report"]
