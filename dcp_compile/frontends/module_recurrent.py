@@ -36,6 +36,7 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
     CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut)
+from dcp_compile.runtime.kernels.rg_lru import rg_lru_cut
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -107,6 +108,10 @@ def _gdn_cut(m: nn.Module, tp: int) -> str | None:
 
 def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
     return mamba2_cut(m.n_groups, tp)
+
+
+def _rglru_cut(m: nn.Module, tp: int) -> str | None:
+    return rg_lru_cut(m.rg_lru.num_attention_heads, tp)
 
 
 RULES = (
@@ -196,7 +201,7 @@ RULES = (
                    "RecurrentGemmaRglru.forward": "b4ad72fdf0d8",
                    "RecurrentGemmaRglru._rnn_scan": "edcf0cbffabc",
                    "SqrtBoundDerivative.forward": "085338b81f4e"},
-                  _rglru_shape, _rglru_forward),
+                  _rglru_shape, _rglru_forward, _rglru_cut),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),

@@ -100,6 +100,20 @@ def rg_lru(x: Tensor, input_gate_weight: Tensor, input_gate_bias: Tensor,
                         lengths, snapshot_slot)
 
 
+def rg_lru_cut(num_heads: int, tp: int) -> str | None:
+    """Whether RecurrentGemma's block (``dcp.short_conv`` then ``dcp.rg_lru``) runs cut by
+    heads over ``tp`` ranks (None) or with replicated weights (the reason). Exact when tp
+    divides the heads: the conv is depthwise, the gates are block-diagonal by head and the
+    recurrence is per channel, so a rank's heads (their ``lru_width / tp`` contiguous
+    channels) need no other channel. The rule the placement analysis
+    (passes/placement/recurrent.py) and the program's state cache both read."""
+    if tp == 1:
+        return "tp=1"
+    if num_heads % tp:
+        return f"tp={tp} does not divide the RG-LRU's {num_heads} heads"
+    return None
+
+
 @rg_lru.register_fake
 def _(x, input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias,
       recurrent_param, rec_state, state_slot, fresh, lengths, snapshot_slot=None):

@@ -9,7 +9,9 @@ model's own forward.
 - the tiny model (tests/support/hybrid_configs.py: recurrent / local attention alternating,
   a window of 4 that the prompts of 8 and the decode steps pass, a logits soft-cap of 5):
   decode and prefill (one and two chunks) at tp=4/dcp=2 and tp=8/dcp=4 against its own
-  forward (1e-4, greedy tokens equal); speculative decode is in test_hybrid_hspec.py;
+  forward (1e-4, greedy tokens equal), the block cut by its 8 heads over TP (the state 1/tp
+  per rank, one all-reduce per recurrent layer in decode); speculative decode is in
+  test_hybrid_hspec.py;
 - the mutation: the RG-LRU reading a zero state instead of the carried one leaves the model's
   logits (the program tests can fail).
 
@@ -29,6 +31,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dcp_compile.frontends.module_recurrent import (allocate_states,  # noqa: E402
                                                     recurrent_as_ops, recurrent_layers)
@@ -146,33 +149,56 @@ def test_program_matches_the_models_own_forward(mode, chunks, tp, dcp):
     """Decode: the prompts (1, 5, 8 tokens) through the context step, then 6 greedy decode
     steps past the window of 4; prefill: the chunk's tokens split over the ranks, the second
     chunk continuing each row's state. Logits (soft-capped) within 1e-4 of the model's own
-    forward, greedy tokens equal; two recurrent ops per recurrent layer, every mixer
-    replicated with its reason."""
+    forward, greedy tokens equal; cut by heads (``_check_head_cut``)."""
     model, prog = program(TYPE, tp, dcp, mode)
     label = f"{TYPE} tp={tp} dcp={dcp}"
     if mode == "decode":
         assert_decode_matches(model, prog, label)
     else:
         assert_prefill_matches(model, prog, chunks, label)
-    ops = [n.target for n in prog.graphs[mode].graph.nodes
+    _check_head_cut(model, prog, tp, mode)
+
+
+def _check_head_cut(model, prog, tp, mode):
+    """Both ops of each recurrent layer cut by heads (the 8 heads over tp=4 or 8): the facts
+    say so, each rank holds 1/tp of the state, and a layer costs one all-reduce in decode
+    (its linear_out row-parallel), one all-gather and one reduce-scatter in prefill."""
+    from dcp_compile.frontends.module_recurrent import state_spec
+    from test_hybrid_program import _mixer_collectives
+    gm = prog.graphs[mode]
+    ops = [n.target for n in gm.graph.nodes
            if n.op == "call_function" and n.target in RECURRENT_OPS]
     assert ops == [torch.ops.dcp.short_conv.default, torch.ops.dcp.rg_lru.default] * 2
     assert prog.facts.windows == (4, 4)
     assert prog.facts.recurrent_layout == tuple(
-        (f"step.model.model.layers.{i}.temporal_block", "replicated (its op has no head cut)")
-        for i in (0, 2))
+        (f"step.model.model.layers.{i}.temporal_block", "head cut") for i in (0, 2))
+    spec, whole = prog.state_spec(), state_spec(model, prog.state_spec().num_slots)
+    assert spec.tp == tp and spec.bytes_per_rank() * tp == whole.bytes_per_rank()
+    per_op = ([], ["all_reduce@tp"]) if mode == "decode" else \
+        (["all_gather_into_tensor@world"], ["reduce_scatter_tensor@world"])
+    assert _mixer_collectives(gm) == [per_op] * 4
+
+
+@pytest.mark.parametrize("heads,tp,layout", [
+    (8, 4, "head cut"), (8, 8, "head cut"), (8, 1, "replicated (tp=1)"),
+    (2, 4, "replicated (tp=4 does not divide the RG-LRU's 2 heads)")])
+def test_the_block_is_cut_by_heads_where_tp_divides_them(heads, tp, layout):
+    """The layout rule (rg_lru_cut, read by the placement analysis and the state cache): a
+    rank holds whole heads, else the block runs replicated with the reason."""
+    from dcp_compile.frontends.module_recurrent import recurrent_layout
+    from hybrid_configs import build_hybrid
+    model = build_hybrid(TYPE, num_attention_heads=heads, num_key_value_heads=1)
+    assert set(recurrent_layout(model, tp).values()) == {layout}
 
 
 def test_a_wrong_state_carry_leaves_the_models_logits(monkeypatch):
     """The mutation: the RG-LRU reads a zero state for every row (the carried h dropped
     between steps). The speculative decode program's logits then leave the model's own (the
     program tests can fail); unmutated, the same program matches (test_hybrid_hspec.py's
-    slice). The program also says its windows and layout."""
+    slice). The program is cut by heads as the program cells' are."""
     from test_hybrid_hspec import _program as spec_program, _prompts, _speculative
     model, prog = spec_program(TYPE, 4, 2)
-    assert prog.facts.windows == (4, 4)
-    assert {la for _, la in prog.facts.recurrent_layout} == \
-        {"replicated (its op has no head cut)"}
+    _check_head_cut(model, prog, 4, "decode")
     monkeypatch.setattr(rg_lru_kernel, "_read_state",
                         lambda cache, rows, fresh, usable: torch.zeros_like(cache[rows]))
     report = _speculative(model, prog, _prompts())
