@@ -1,4 +1,4 @@
-"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.kimi_delta_attention``,
+"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.kimi_delta_attention``, ``dcp.rg_lru``,
 ``dcp.mamba2_ssm``, ``dcp.short_conv``; docs/hybrid.md): it needs the whole sequence of each row, in order, with
 the row's state.
 

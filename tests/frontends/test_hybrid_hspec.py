@@ -12,8 +12,10 @@ wrong on purpose, every verified position's logits within 1e-4; a prefix-cache h
 uncached run's tokens without recomputing the prefix; each with its mutation (no roll back,
 no checkpoint: the logits leave the model's); a saved and reloaded program reproduces the
 tokens; the slots, the checkpoints and the refusals. The slice (default run): Bamba at
-tp=4/dcp=2; ``DCP_HYBRID_FULL=1``: Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, and an
-LFM2 decode program's file.
+tp=4/dcp=2, and the speculative decode of Falcon-H1 and RecurrentGemma at tp=4/dcp=2;
+``DCP_HYBRID_FULL=1``: Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, the other mixers'
+speculative decode, RecurrentGemma's prefix caching and program file, and an LFM2 decode
+program's file.
 """
 
 from __future__ import annotations
@@ -181,7 +183,9 @@ def test_the_engine_refuses_a_rewind_no_snapshot_covers():
 @pytest.mark.parametrize("model_type,decode_len", [
     pytest.param("lfm2", 1, id="lfm2-decode", marks=() if FULL else
                  pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it")),
-    pytest.param("bamba", K, id="bamba-speculative")])
+    pytest.param("bamba", K, id="bamba-speculative"),
+    pytest.param("recurrent_gemma", K, id="recurrent_gemma-speculative", marks=() if FULL else
+                 pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))])
 def test_a_saved_and_reloaded_hybrid_program_reproduces_the_tokens(tmp_path, model_type,
                                                                     decode_len):
     """program.save / load_program keep the state caches (``state_spec()``, the file's
@@ -274,7 +278,7 @@ def _prefix_prompts():
     return [a, b]
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases())
+@pytest.mark.parametrize("model_type,tp,dcp", _cases() + _cases(("recurrent_gemma",), set()))
 def test_prefix_cache_hit_resumes_from_the_state_checkpoint(model_type, tp, dcp):
     """Request B shares request A's first two vblocks: its prompt starts on A's cached KV and
     on the state checkpoint A's context step kept at token 8 (copied into B's slot), and
