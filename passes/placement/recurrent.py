@@ -1,6 +1,6 @@
-"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.kimi_delta_attention``, ``dcp.rg_lru``,
-``dcp.mamba2_ssm``, ``dcp.short_conv``; docs/hybrid.md): it needs the whole sequence of each row, in order, with
-the row's state.
+"""The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.kimi_delta_attention``,
+``dcp.mamba2_ssm``, ``dcp.short_conv``, ``dcp.rg_lru``; docs/hybrid.md): it needs the whole
+sequence of each row, in order, with the row's state.
 
 Over the tensor-parallel ranks, an op with a row in ``HEAD_CUTS`` whose sizes allow it runs
 cut by heads (vLLM's layout): its inputs are the rank's heads' channels and heads (the

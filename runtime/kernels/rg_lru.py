@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dcp_compile.runtime.kernels.op_defs import dcp_op
-from dcp_compile.runtime.kernels.recurrent import (_read_state, _write_states,
-                                                   garbage_state_slot, state_rows)
+from dcp_compile.runtime.kernels.recurrent_slots import (_read_state, _write_states,
+                                                    garbage_state_slot, state_rows)
 
 # dcp.rg_lru's operands in schema order.
 RG_LRU_OPERANDS = ("x", "input_gate_weight", "input_gate_bias", "recurrent_gate_weight",
