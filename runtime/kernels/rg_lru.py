@@ -26,12 +26,8 @@ from torch import Tensor
 
 from dcp_compile.runtime.kernels.op_defs import dcp_op
 from dcp_compile.runtime.kernels.recurrent_slots import (_read_state, _write_states,
-                                                    garbage_state_slot, state_rows)
+                                                         garbage_state_slot, state_rows)
 
-# dcp.rg_lru's operands in schema order.
-RG_LRU_OPERANDS = ("x", "input_gate_weight", "input_gate_bias", "recurrent_gate_weight",
-                   "recurrent_gate_bias", "recurrent_param", "rec_state", "state_slot",
-                   "fresh", "lengths", "snapshot_slot")
 # Griffin's constant c in a_t = a^(c r_t) (transformers' -8.0).
 RG_LRU_C = 8.0
 
