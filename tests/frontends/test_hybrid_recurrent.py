@@ -154,17 +154,18 @@ def test_what_is_not_done_is_refused_by_name(model):
 
 
 def test_a_mixer_known_by_name_is_refused_naming_what_it_needs(monkeypatch):
-    """A hybrid whose mixer is known by name but has no op yet (``NOT_BUILT``; RecurrentGemma's
-    RG-LRU was, until dcp.rg_lru): transform() names it and what it needs, not the list of
-    every module whose name looks recurrent."""
+    """A hybrid whose mixer is known by name but has no op (``NOT_BUILT``; RecurrentGemma's
+    RG-LRU was, until dcp.rg_lru: here its rule is taken away again): transform() names it
+    and what it needs, not the list of every module whose name looks recurrent."""
     import dcp_compile
     from hf_corpus import build
     from dcp_compile.runtime.serving.engine import StepShapes
-    monkeypatch.setitem(mr.NOT_BUILT, "OlmoHybridGatedDeltaNet",
-                        "OLMo-hybrid's Gated DeltaNet needs its swap rule")
-    with pytest.raises(DCPHybridError, match=r"OLMo-hybrid's Gated DeltaNet needs its swap "
-                                             r"rule. Serve this model without DCP") as e:
-        dcp_compile.transform(build("olmo_hybrid", "sdpa"), tp=4, dcp=2, mode="decode",
+    monkeypatch.setattr(mr, "RULES", tuple(r for r in mr.RULES
+                                           if r.cls != "RecurrentGemmaRecurrentBlock"))
+    monkeypatch.setitem(mr.NOT_BUILT, "RecurrentGemmaRglru", "its RG-LRU needs dcp.rg_lru")
+    with pytest.raises(DCPHybridError, match=r"its RG-LRU needs dcp.rg_lru. Serve this model "
+                                             r"without DCP") as e:
+        dcp_compile.transform(build("recurrent_gemma", "sdpa"), tp=4, dcp=2, mode="decode",
                               shapes=StepShapes(batch=2, context_len=8, max_blocks=4,
                                                 num_blocks=10))
     assert "no swap rule" not in str(e.value)
