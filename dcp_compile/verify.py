@@ -22,6 +22,7 @@ class RankRun:
     caches: list[torch.Tensor]
     block_table: torch.Tensor
     lengths: list[int]
+    states: list[torch.Tensor] | None = None    # a hybrid program's state caches, at the end
 
 
 @dataclass
@@ -95,7 +96,8 @@ def run_threaded_program(program: DCPProgram, prompts, steps, *, fill=0.0,
                 _start_from_reference(program, rank, engine, ref_engine)
                 result = engine.continue_generate(first_logits, steps)
         table = engine.allocator.table(list(range(len(prompts))), program.shapes.max_blocks)
-        return RankRun(rank, result, engine.executor.caches, table, list(engine.lengths))
+        return RankRun(rank, result, engine.executor.caches, table, list(engine.lengths),
+                       getattr(engine.executor, "states", None))
 
     return run_threaded(program.config.tp, rank_main, timeout=timeout)
 

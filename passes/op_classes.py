@@ -176,7 +176,8 @@ RECURRENT_OPS = frozenset({torch.ops.dcp.gated_delta_net.default,
                            torch.ops.dcp.short_conv.default,
                            torch.ops.dcp.mamba_ssm.default,
                            torch.ops.dcp.kimi_delta_attention.default,
-                           torch.ops.dcp.lightning_attention.default})
+                           torch.ops.dcp.lightning_attention.default,
+                           torch.ops.dcp.rg_lru.default})
 
 
 def is_call(n, targets) -> bool:

@@ -173,8 +173,9 @@ class ShardTensorParallel(DCPPass):
         self.replicated = {n.name for n, k in pl.linears.items() if k == "replicated"}
         self.record(**{k: v for k, v in sorted(plan.roles.items())})
         self.matched = {"projections": dict(sorted(plan.roles.items()))}
-        layout = tuple((_module_path(n), n.meta[LAYOUT_META]) for n in g.nodes
-                       if LAYOUT_META in n.meta)
+        # one entry per mixer (Jamba's and RecurrentGemma's run two ops each)
+        layout = tuple(dict.fromkeys((_module_path(n), n.meta[LAYOUT_META]) for n in g.nodes
+                                     if LAYOUT_META in n.meta))
         return Found(gm, True, shards=self.shards,
                      facts=ModelFacts(recurrent_layout=layout) if layout else None)
 

@@ -33,10 +33,11 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _gdn_forward,
     _kda_shape, _kimi_gate, _bailing_gate, _kda_forward, _lightning_shape, _lightning_forward,
     _mamba2_shape, _mamba2_forward, _falcon_h1_forward, _mamba_shape, _jamba_forward,
-    _zamba_forward, _short_conv_shape, _short_conv_forward)
+    _zamba_forward, _short_conv_shape, _short_conv_forward, _rglru_shape, _rglru_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
     CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut)
+from dcp_compile.runtime.kernels.rg_lru import rg_lru_cut
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -108,6 +109,10 @@ def _gdn_cut(m: nn.Module, tp: int) -> str | None:
 
 def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
     return mamba2_cut(m.n_groups, tp)
+
+
+def _rglru_cut(m: nn.Module, tp: int) -> str | None:
+    return rg_lru_cut(m.rg_lru.num_attention_heads, tp)
 
 
 RULES = (
@@ -197,6 +202,15 @@ RULES = (
                    "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad",
                    "apply_mask_to_padding_states": "ac70fe1177ec"},
                   _lightning_shape, _lightning_forward),
+    # RecurrentGemma: a causal Conv1d (dcp.short_conv), then the RG-LRU (dcp.rg_lru); the
+    # block keeps no layer index (recurrent_layers records it from the module path)
+    RecurrentRule(f"{_TF}.recurrent_gemma.modeling_recurrent_gemma",
+                  "RecurrentGemmaRecurrentBlock",
+                  {"RecurrentGemmaRecurrentBlock.forward": "cce3570274ab",
+                   "RecurrentGemmaRglru.forward": "b4ad72fdf0d8",
+                   "RecurrentGemmaRglru._rnn_scan": "edcf0cbffabc",
+                   "SqrtBoundDerivative.forward": "085338b81f4e"},
+                  _rglru_shape, _rglru_forward, _rglru_cut),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
@@ -274,9 +288,25 @@ def _check_pins(rule: RecurrentRule, where: str) -> None:
                 f"dcp_compile/frontends/module_recurrent.py.")
 
 
+_LAYER_OF_PATH = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _with_layer_idx(name: str, m: nn.Module) -> nn.Module:
+    """``m``, its decoder layer's index in ``m.layer_idx``: a mixer that keeps none
+    (RecurrentGemma's block) gets the index of the ``layers.<i>`` its path runs through."""
+    if getattr(m, "layer_idx", None) is None:
+        found = _LAYER_OF_PATH.findall(name)
+        if not found:
+            raise DCPHybridError(
+                f"recurrent mixer {type(m).__name__} at {name}: it keeps no layer_idx and its "
+                f"path names no decoder layer (layers.<i>). Give the module a layer_idx.")
+        m.layer_idx = int(found[-1])
+    return m
+
+
 def recurrent_layers(model: nn.Module) -> list[tuple[str, nn.Module, RecurrentRule]]:
     """Every recurrent mixer of ``model`` that a rule names: (module path, module, rule)."""
-    return [(name, m, rule) for name, m in model.named_modules()
+    return [(name, _with_layer_idx(name, m), rule) for name, m in model.named_modules()
             if (rule := _rule_of(m)) is not None]
 
 
@@ -359,15 +389,7 @@ UNSUPPORTED = {
 
 # Recurrent mixers known by name whose dcp op is not built yet, and what it would take
 # (their refusal names them, not a list of every module that looks recurrent).
-NOT_BUILT = {
-    "RecurrentGemmaRglru": (
-        "RecurrentGemma's RG-LRU (RecurrentGemmaRglru inside RecurrentGemmaRecurrentBlock: a "
-        "causal Conv1d of width conv1d_width, then the gated diagonal recurrence "
-        "h_t = a_t * h_(t-1) + sqrt(1 - a_t^2) * (i_t * x_t), a_t = a^(c * r_t)) has no dcp op "
-        "yet: it needs a reference recurrence and an eager kernel over a per-sequence state "
-        "(the conv's last conv1d_width - 1 inputs and h, [lru_width], cut by the block's heads "
-        "over TP, replicated over DCP) and a swap rule for the block (docs/hybrid.md)"),
-}
+NOT_BUILT: dict[str, str] = {}
 
 
 _MIXER_NAMES = re.compile(r"mamba|mixer|linear_?attn|linearattention|deltanet|recurrent|"

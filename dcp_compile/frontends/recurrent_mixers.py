@@ -344,3 +344,30 @@ def _short_conv_forward(m: nn.Module, states: RecurrentStates) -> Callable:
         y = y.transpose(-1, -2).contiguous()
         return m.out_proj(y)
     return forward
+
+
+def _rglru_shape(m: nn.Module) -> StateShape:
+    return StateShape(conv=(m.lru_width, m.conv1d_width - 1), rec=(m.lru_width,))
+
+
+def _rglru_forward(m: nn.Module, states: RecurrentStates) -> Callable:
+    """RecurrentGemma's recurrent block forward with its causal Conv1d as ``dcp.short_conv``
+    and its RG-LRU as ``dcp.rg_lru`` over ``states`` (runtime/kernels/rg_lru.py); the
+    model's own ``linear_y`` branch and activation, ``linear_x`` and ``linear_out``, tokens
+    on dim 1 (the model transposes to channels-first around its conv: the same values). The
+    RG-LRU's reset at position 0 is the op's ``fresh`` (the step contract's state-fresh)."""
+
+    def forward(input_states: Tensor, position_ids=None, attention_mask=None, use_cache=True,
+                **kwargs):
+        y_branch = m.act_fn(m.linear_y(input_states))
+        x_branch = m.linear_x(input_states)
+        x_branch, states.conv[m.layer_idx] = torch.ops.dcp.short_conv(
+            x_branch, m.conv_1d.weight.squeeze(1), m.conv_1d.bias, states.conv[m.layer_idx],
+            states.state_slot, states.fresh, states.lengths, *states.snap())
+        lru = m.rg_lru
+        x_branch, states.rec[m.layer_idx] = torch.ops.dcp.rg_lru(
+            x_branch, lru.input_gate_weight, lru.input_gate_bias, lru.recurrent_gate_weight,
+            lru.recurrent_gate_bias, lru.recurrent_param, states.rec[m.layer_idx],
+            states.state_slot, states.fresh, states.lengths, *states.snap())
+        return m.linear_out(x_branch * y_branch), None
+    return forward

@@ -27,6 +27,7 @@ from torch.fx import Node
 from dcp_compile.passes.op_classes import RECURRENT_OPS
 from dcp_compile.runtime.errors import DCPLoweringError
 from dcp_compile.runtime.kernels import recurrent as R
+from dcp_compile.runtime.kernels.rg_lru import _rg_lru_impl
 
 _dcp = torch.ops.dcp
 
@@ -58,6 +59,7 @@ RECURRENT_LOWERING = {
     _dcp.gated_delta_net.default: _gated_delta_net,     # Qwen3-Next, Qwen3.5
     _dcp.kimi_delta_attention.default: _kimi_delta_attention,   # Kimi Linear, Bailing
     _dcp.lightning_attention.default: R._lightning_attention_impl,   # MiniMax
+    _dcp.rg_lru.default: _rg_lru_impl,                  # RecurrentGemma (its conv: short_conv)
 }
 
 

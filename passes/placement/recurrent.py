@@ -1,6 +1,6 @@
 """The placement rule of a recurrent op (``dcp.gated_delta_net``, ``dcp.kimi_delta_attention``,
-``dcp.mamba2_ssm``, ``dcp.short_conv``; docs/hybrid.md): it needs the whole sequence of each row, in order, with
-the row's state.
+``dcp.mamba2_ssm``, ``dcp.short_conv``, ``dcp.rg_lru``; docs/hybrid.md): it needs the whole
+sequence of each row, in order, with the row's state.
 
 Over the tensor-parallel ranks, an op with a row in ``HEAD_CUTS`` whose sizes allow it runs
 cut by heads (vLLM's layout): its inputs are the rank's heads' channels and heads (the
@@ -24,6 +24,7 @@ import torch
 from torch.fx import Node
 
 from dcp_compile.runtime.kernels.recurrent import NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut
+from dcp_compile.runtime.kernels.rg_lru import rg_lru_cut
 
 from ..infra import linears_reached
 from ..op_classes import RECURRENT_OPS
@@ -84,10 +85,44 @@ def _mamba2_cut(n: Node, tp: int) -> HeadCut | str:
     return HeadCut(inputs, (hd(2), ch(1), hd(1)), (7, 8), {12: groups // tp})
 
 
+def _rg_lru_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.rg_lru``: the gates' block-diagonal weights and biases by heads, x,
+    ``recurrent_param``, the state and the output by the heads' contiguous channels."""
+    heads = shape_of(n.args[2])[0]
+    why = rg_lru_cut(heads, tp)
+    if why is not None:
+        return why
+    width = shape_of(n.args[0])[2]
+    ch = lambda d: Shard(d, (Seg(width, tp),), "mlp")     # noqa: E731
+    hd = lambda d: Shard(d, (Seg(heads, tp),), "mlp")     # noqa: E731
+    return HeadCut({0: ch(2), 1: hd(0), 2: hd(0), 3: hd(0), 4: hd(0), 5: ch(0), 6: ch(1)},
+                   (ch(2), ch(1)), (6,), {})
+
+
+def _short_conv_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.short_conv`` feeding a ``dcp.rg_lru`` cut by heads (RecurrentGemma's block):
+    the depthwise conv cut by the same channels (x, weight, bias, state, output). Any other
+    short conv (LFM2's, Mamba-1's) has no head cut."""
+    rg = [u for g in n.users for u in g.users
+          if u.op == "call_function" and u.target == torch.ops.dcp.rg_lru.default]
+    if len(rg) != 1:
+        return NO_HEAD_CUT
+    cut = _rg_lru_cut(rg[0], tp)
+    if not isinstance(cut, HeadCut):
+        return cut
+    ch = lambda d: Shard(d, (Seg(shape_of(n.args[0])[2], tp),), "mlp")    # noqa: E731
+    inputs = {0: ch(2), 1: ch(0), 3: ch(1)}
+    if isinstance(n.args[2], Node):                       # the conv bias
+        inputs[2] = ch(0)
+    return HeadCut(inputs, (ch(2), ch(1)), (3,), {})
+
+
 # op -> its head cut over tp (or the reason it runs replicated). Ops not listed run replicated.
 HEAD_CUTS: dict[object, Callable[[Node, int], HeadCut | str]] = {
     torch.ops.dcp.gated_delta_net.default: _gated_delta_net_cut,
     torch.ops.dcp.mamba2_ssm.default: _mamba2_cut,
+    torch.ops.dcp.rg_lru.default: _rg_lru_cut,
+    torch.ops.dcp.short_conv.default: _short_conv_cut,
 }
 
 

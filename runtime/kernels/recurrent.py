@@ -41,6 +41,8 @@ Ops:
                        dcp.short_conv, the mixer's x_proj runs between the two),
                        S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T, y_t = S_t C_t + D x_t,
                        A [D, N] per channel, B and C shared by every channel.
+  dcp.rg_lru           RecurrentGemma's RG-LRU (runtime/kernels/rg_lru.py; its conv is
+                       dcp.short_conv): gated diagonal recurrence, state h [lru_width].
 
 The reference is the recurrent form, a static loop over the chunk's tokens: exact, the
 function transformers' one-token updates (``torch_recurrent_gated_delta_rule``,
@@ -55,6 +57,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dcp_compile.runtime.kernels.op_defs import dcp_op
+# Each row's slot, read and written (shared with runtime/kernels/rg_lru.py; re-exported here).
+from dcp_compile.runtime.kernels.recurrent_slots import (  # noqa: F401
+    _read_state, _write_states, garbage_state_slot, state_rows)
 
 # The activations a recurrent mixer's convolution may apply (transformers' config names).
 CONV_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "identity": lambda x: x}
@@ -64,37 +69,6 @@ GDN_OPERANDS = ("mixed_qkv", "g", "beta", "conv_weight", "conv_state", "rec_stat
                 "state_slot", "fresh", "lengths", "num_k_heads", "head_k_dim", "head_v_dim",
                 "activation", "snapshot_slot")
 GDN_ARG = {name: i for i, name in enumerate(GDN_OPERANDS)}
-
-
-def garbage_state_slot(state_cache: Tensor) -> int:
-    """The garbage slot of a state cache: its last entry."""
-    return state_cache.shape[0] - 1
-
-
-def state_rows(state_cache: Tensor, state_slot: Tensor) -> Tensor:
-    """The cache entry each row reads and writes: its slot, or the garbage slot for -1 and
-    any slot outside the usable entries."""
-    garbage = garbage_state_slot(state_cache)
-    usable = (state_slot >= 0) & (state_slot < garbage)
-    return torch.where(usable, state_slot, torch.full_like(state_slot, garbage)).long()
-
-
-def _read_state(cache: Tensor, rows: Tensor, fresh: Tensor, usable: Tensor) -> Tensor:
-    """Each row's incoming state: zeros for a fresh sequence or a padding row."""
-    state = cache[rows]
-    keep = (usable & ~fresh.bool()).view(-1, *([1] * (state.dim() - 1)))
-    return torch.where(keep, state, torch.zeros_like(state))
-
-
-def _write_states(cache: Tensor, rows: Tensor, end: Tensor, snapshot_slot: Tensor | None,
-                  per_token: Tensor | None) -> Tensor:
-    """``cache`` with each row's end state at its row, then (speculative steps) the state
-    after token t of row b at ``snapshot_slot[b, t]`` (-1: none; the garbage slot)."""
-    cache = cache.index_put((rows,), end.to(cache.dtype))
-    if snapshot_slot is None:
-        return cache
-    at = state_rows(cache, snapshot_slot.reshape(-1))
-    return cache.index_put((at,), per_token.reshape(-1, *per_token.shape[2:]).to(cache.dtype))
 
 
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -539,7 +513,12 @@ def _(x, dt, A_log, B, C, D, dt_bias, ssm_state, state_slot, fresh, lengths,
     return torch.empty_like(x), torch.empty_like(ssm_state)
 
 
-DECOMPOSITIONS = {torch.ops.dcp.mamba_ssm.default: _mamba_ssm_impl,
+# RecurrentGemma's RG-LRU lives in its own module (it reads this one's slot helpers);
+# importing this module registers it too.
+from dcp_compile.runtime.kernels.rg_lru import _rg_lru_impl  # noqa: E402
+
+DECOMPOSITIONS = {torch.ops.dcp.rg_lru.default: _rg_lru_impl,
+                  torch.ops.dcp.mamba_ssm.default: _mamba_ssm_impl,
                   torch.ops.dcp.gated_delta_net.default: _gated_delta_net_impl,
                   torch.ops.dcp.mamba2_ssm.default: _mamba2_ssm_impl,
                   torch.ops.dcp.short_conv.default: _short_conv_impl}

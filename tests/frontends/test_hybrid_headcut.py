@@ -136,6 +136,8 @@ LAYOUT_AT_TP4 = {
     "minimax": "replicated (its op has no head cut)",
     "jamba": "replicated (its op has no head cut)",
     "zamba": "replicated (its op has no head cut)",
+    # its 8 heads: cut at tp=4 (test_hybrid_rglru.py runs its programs)
+    "recurrent_gemma": "head cut",
 }
 
 
@@ -169,11 +171,12 @@ def test_every_head_cut_rule_is_the_frontends():
     from dcp_compile.frontends.module_recurrent import RULES
     from dcp_compile.passes.placement.recurrent import HEAD_CUTS
     cut_ops = {op._opname for op in HEAD_CUTS}
-    assert cut_ops == {"gated_delta_net", "mamba2_ssm"}
+    assert cut_ops == {"gated_delta_net", "mamba2_ssm", "rg_lru", "short_conv"}
     with_cut = {r.cls for r in RULES if r.cut is not None}
     assert with_cut == {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
                         "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BambaMixer", "GraniteMoeHybridMambaLayer",
-                        "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"}
+                        "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer",
+                        "RecurrentGemmaRecurrentBlock"}
 
 
 # -- a cut program as a file, speculative decode and prefix caching ----------------------------

@@ -12,8 +12,10 @@ wrong on purpose, every verified position's logits within 1e-4; a prefix-cache h
 uncached run's tokens without recomputing the prefix; each with its mutation (no roll back,
 no checkpoint: the logits leave the model's); a saved and reloaded program reproduces the
 tokens; the slots, the checkpoints and the refusals. The slice (default run): Bamba at
-tp=4/dcp=2; ``DCP_HYBRID_FULL=1``: Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, and an
-LFM2 decode program's file.
+tp=4/dcp=2, and the speculative decode of Falcon-H1 and RecurrentGemma at tp=4/dcp=2;
+``DCP_HYBRID_FULL=1``: Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, the other mixers'
+speculative decode, RecurrentGemma's prefix caching and program file, and an LFM2 decode
+program's file.
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ LAYOUTS = ((4, 2), (8, 4))
 
 # Speculative decode of the other mixers (each op keeps its snapshots): Falcon-H1's own
 # Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA,
-# OLMo-hybrid's Gated DeltaNet (its own swap rule).
-SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear", "olmo_hybrid")
+# OLMo-hybrid's Gated DeltaNet (its own swap rule); RecurrentGemma's conv + RG-LRU (its
+# default-run cell: test_hybrid_rglru.py's only program).
+SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear", "olmo_hybrid",
+                    "recurrent_gemma")
+SPEC_OTHER_SLICE = {("falcon_h1", 4, 2), ("recurrent_gemma", 4, 2)}
 SLICE = {("bamba", 4, 2)}             # the default run's case; DCP_HYBRID_FULL: all
 
 
@@ -108,7 +113,7 @@ def _speculative(model, program, prompts):
 
 
 @pytest.mark.parametrize("model_type,tp,dcp",
-                         _cases() + _cases(SPEC_OTHER_TYPES, {("falcon_h1", 4, 2)}))
+                         _cases() + _cases(SPEC_OTHER_TYPES, SPEC_OTHER_SLICE))
 def test_speculative_decode_matches_greedy_with_drafts_partly_rejected(model_type, tp, dcp):
     """Width-3 verification steps with partly wrong drafts: the accepted tokens are the model's
     own greedy tokens and every verified position's logits are within 1e-4 of its own forward
@@ -180,7 +185,9 @@ def test_the_engine_refuses_a_rewind_no_snapshot_covers():
 @pytest.mark.parametrize("model_type,decode_len", [
     pytest.param("lfm2", 1, id="lfm2-decode", marks=() if FULL else
                  pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it")),
-    pytest.param("bamba", K, id="bamba-speculative")])
+    pytest.param("bamba", K, id="bamba-speculative"),
+    pytest.param("recurrent_gemma", K, id="recurrent_gemma-speculative", marks=() if FULL else
+                 pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))])
 def test_a_saved_and_reloaded_hybrid_program_reproduces_the_tokens(tmp_path, model_type,
                                                                     decode_len):
     """program.save / load_program keep the state caches (``state_spec()``, the file's
@@ -273,7 +280,7 @@ def _prefix_prompts():
     return [a, b]
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases())
+@pytest.mark.parametrize("model_type,tp,dcp", _cases() + _cases(("recurrent_gemma",), set()))
 def test_prefix_cache_hit_resumes_from_the_state_checkpoint(model_type, tp, dcp):
     """Request B shares request A's first two vblocks: its prompt starts on A's cached KV and
     on the state checkpoint A's context step kept at token 8 (copied into B's slot), and

@@ -153,18 +153,22 @@ def test_what_is_not_done_is_refused_by_name(model):
         refuse_hybrid(model, prefix_caching=True)
 
 
-def test_recurrent_gemma_is_refused_naming_its_rg_lru():
-    """RecurrentGemma's RG-LRU has no dcp op yet: transform() names it and what it needs,
-    not the list of every module whose name looks recurrent."""
+def test_a_mixer_known_by_name_is_refused_naming_what_it_needs(monkeypatch):
+    """A hybrid whose mixer is known by name but has no op (``NOT_BUILT``; RecurrentGemma's
+    RG-LRU was, until dcp.rg_lru: here its rule is taken away again): transform() names it
+    and what it needs, not the list of every module whose name looks recurrent."""
     import dcp_compile
     from hf_corpus import build
     from dcp_compile.runtime.serving.engine import StepShapes
-    with pytest.raises(DCPHybridError, match=r"RG-LRU \(RecurrentGemmaRglru.*no dcp op yet.*"
-                                             r"Serve this model without DCP") as e:
+    monkeypatch.setattr(mr, "RULES", tuple(r for r in mr.RULES
+                                           if r.cls != "RecurrentGemmaRecurrentBlock"))
+    monkeypatch.setitem(mr.NOT_BUILT, "RecurrentGemmaRglru", "its RG-LRU needs dcp.rg_lru")
+    with pytest.raises(DCPHybridError, match=r"its RG-LRU needs dcp.rg_lru. Serve this model "
+                                             r"without DCP") as e:
         dcp_compile.transform(build("recurrent_gemma", "sdpa"), tp=4, dcp=2, mode="decode",
                               shapes=StepShapes(batch=2, context_len=8, max_blocks=4,
                                                 num_blocks=10))
-    assert "RecurrentGemmaDecoderLayer" not in str(e.value)
+    assert "no swap rule" not in str(e.value)
 
 
 def test_a_model_without_recurrent_layers_is_not_refused():

@@ -13,8 +13,8 @@ speculative width-K decode with partly rejected drafts rolls the state back on X
 
 The slice (default run): LFM2 decode at tp=4/dcp=2, the ops alone (every rule, Mamba2's
 included), the named refusals. ``DCP_HYBRID_XLA_FULL=1``: LFM2 and Bamba x decode / prefill x
-tp=4/dcp=2 and tp=8/dcp=4, the other families' decode at tp=4/dcp=2, and speculative decode
-of Bamba and Qwen3.5.
+tp=4/dcp=2 and tp=8/dcp=4, the other families' decode at tp=4/dcp=2 (RecurrentGemma's
+included), and speculative decode of Bamba, Qwen3.5 and RecurrentGemma.
 
 XLA:CPU needs its host device count before jax initialises (test_xla.py): when jax was
 initialised with fewer devices earlier in this process, a case runs in a fresh process.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ LAYOUTS = ((4, 2), (8, 4))
 # (model type, mode, tp, dcp) of the slice: LFM2 (short conv) decode.
 SLICE = {("lfm2", "decode", 4, 2)}
 # Every other family whose recurrent op has a lowering rule: decode at tp=4/dcp=2.
-OTHER_FAMILIES = ("jamba", "qwen3_5_text", "minimax", "kimi_linear")
+OTHER_FAMILIES = ("jamba", "qwen3_5_text", "minimax", "kimi_linear", "recurrent_gemma")
 
 
 def _prompts():
@@ -104,8 +105,14 @@ def case_program(model_type, mode, tp, dcp) -> dict:
     executor = X.XLAExecutor(program, lowered, effort=X.VERIFY_EFFORT)
     got = X.generate(program, _prompts(), STEPS, executor=executor)
     states = executor.states                    # [rank][state cache], on the host
-    out["states_replicated"] = all(torch.equal(a, b) for rank in states[1:]
-                                   for a, b in zip(states[0], rank))
+    if spec.tp == 1:                            # whole on every rank: the same bytes
+        out["states_replicated"] = all(torch.equal(a, b) for rank in states[1:]
+                                       for a, b in zip(states[0], rank))
+    else:                                       # cut by heads: each rank its own heads'
+        whole = {(la.layer, kind): shape for la in spec.layers for kind, shape in
+                 zip(("conv", "rec"), replace(spec, tp=1).shapes(la))}
+        out["states_replicated"] = [s.shape[1] * spec.tp for s in states[0]] == \
+            [whole[key][1] for key in spec.input_order()]
     out["states_written"] = all(bool(s[:len(LENGTHS)].abs().sum() > 0) for s in states[0])
     try:                                        # a hybrid step without its rows' slots
         executor.step("decode", *(torch.zeros(3, 1, dtype=torch.int64),) * 2,
@@ -113,7 +120,11 @@ def case_program(model_type, mode, tp, dcp) -> dict:
         out["refused"] = None
     except X.DCPXLAError as e:
         out["refused"] = str(e)
-    threaded = V.run_threaded_program(program, _prompts(), STEPS)[0].result
+    runs = V.run_threaded_program(program, _prompts(), STEPS)
+    threaded = runs[0].result
+    # every rank's state caches as the threaded program leaves them (its heads' when cut)
+    out["states_error"] = max(float((x - t).abs().max()) for rank, run in enumerate(runs)
+                              for x, t in zip(states[rank], run.states))
     out["model"] = {"tokens_agree": got.tokens == ref.tokens,
                     "max_abs_error": max(float((g - e).abs().max())
                                          for g, e in zip(got.logits, ref.logits))}
@@ -180,6 +191,12 @@ def _op_cases():
             q, gg, be, w, cs, rs, sl, fr, ln, Hd, d),
         [r(Bsz, S, Ck), -r(Bsz, S, Hd, d).abs(), r(Bsz, S, Hd).sigmoid(), r(Ck, K),
          r(SLOTS + 1, Ck, K - 1), r(SLOTS + 1, Hd, d, d), slot, fresh, lengths])
+    W, Hr = 8, 2                                            # RG-LRU: 2 heads of 4
+    cases["rg_lru"] = (
+        lambda x, iw, ib, rw, rb, rp, rs, sl, fr, ln: ops.rg_lru(
+            x, iw, ib, rw, rb, rp, rs, sl, fr, ln),
+        [r(Bsz, S, W), r(Hr, W // Hr, W // Hr), r(Hr, W // Hr), r(Hr, W // Hr, W // Hr),
+         r(Hr, W // Hr), r(W), r(SLOTS + 1, W), slot, fresh, lengths])
     # a width-K step's snapshots: row 0 keeps its state after its first token in slot 2
     snap = torch.full((Bsz, S), -1, dtype=torch.int64)
     snap[0, 0] = 2
@@ -258,7 +275,7 @@ def case_speculative(model_type, tp, dcp) -> dict:
 @pytest.mark.parametrize("model_type,tp,dcp", [
     pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
                  marks=() if FULL else pytest.mark.skip(reason="DCP_HYBRID_XLA_FULL=1 runs it"))
-    for t in ("bamba", "qwen3_5_text") for tp, dcp in ((4, 2),)])
+    for t in ("bamba", "qwen3_5_text", "recurrent_gemma") for tp, dcp in ((4, 2),)])
 def test_speculative_hybrid_on_xla_rolls_the_state_back(model_type, tp, dcp, tmp_path):
     got = _in_xla_process("case_speculative", model_type, tp, dcp, tmp_path=tmp_path)
     report = got["report"]
@@ -309,8 +326,11 @@ def test_hybrid_program_on_xla_matches_the_model_and_the_threaded_program(
         assert got["threaded"]["tokens_agree"], got
         assert got["threaded"]["max_abs_error"] <= TOL, got
         assert got["steps"] == STEPS              # a logits row per step: the state carried
-        # the state is whole on every rank and the same bytes on each (replicated over DCP)
+        # the state is whole on every rank and the same bytes on each (replicated over DCP),
+        # or each rank's heads' only (cut by heads: RecurrentGemma's), and on every rank
+        # what the threaded program leaves
         assert got["states_replicated"] and got["states_written"], got
+        assert got["states_error"] <= 1e-5, got
         assert "pass each row's state_slot=" in got["refused"], got
     else:
         assert model["ok"], got

@@ -1,8 +1,9 @@
-"""The recurrent ops (runtime/kernels/recurrent.py) drawn at random: any split of each row's
-tokens into chunks, rows of any lengths (0 included: a padding row) packed in one batch, any
-slots, gives the outputs and end states of the whole sequence run at once; slots no row
-names keep their bytes; a padding row changes only the garbage slot. A width-K step that
-keeps a state snapshot per draft position rolls back exactly to any accepted prefix."""
+"""The recurrent ops (runtime/kernels/recurrent.py; RecurrentGemma's conv + dcp.rg_lru) drawn
+at random: any split of each row's tokens into chunks, rows of any lengths (0 included: a
+padding row) packed in one batch, any slots, gives the outputs and end states of the whole
+sequence run at once; slots no row names keep their bytes; a padding row changes only the
+garbage slot. A width-K step that keeps a state snapshot per draft position rolls back
+exactly to any accepted prefix."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_compile.runtime.kernels.recurrent import gated_delta_net, mamba2_ssm, short_conv
+from dcp_compile.runtime.kernels.rg_lru import rg_lru
 
 SLOTS, K = 5, 3
 
@@ -57,9 +59,29 @@ def _short(gen, B, S):
     return data, shapes, run
 
 
+def _rglru(gen, B, S):
+    """RecurrentGemma's block core: its conv (dcp.short_conv), then dcp.rg_lru (2 heads)."""
+    H, bw = 2, 3
+    W = H * bw
+    data = dict(x=torch.randn(B, S, W, generator=gen))
+    weight, bias = torch.randn(W, K, generator=gen), torch.randn(W, generator=gen)
+    gates = [torch.randn(*shape, generator=gen) for shape in
+             ((H, bw, bw), (H, bw), (H, bw, bw), (H, bw), (W,))]
+    shapes = ((W, K - 1), (W,))
+
+    def run(d, conv, rec, slot, fresh, lengths, snapshot_slot=None):
+        x, conv = short_conv(d["x"], weight, bias, conv, slot, fresh, lengths, snapshot_slot)
+        h, rec = rg_lru(x, *gates, rec, slot, fresh, lengths, snapshot_slot)
+        return h, conv, rec
+    return data, shapes, run
+
+
+OPS = [_gdn, _mamba2, _short, _rglru]
+
+
 @st.composite
 def cases(draw):
-    op = draw(st.sampled_from([_gdn, _mamba2, _short]))
+    op = draw(st.sampled_from(OPS))
     lengths = draw(st.lists(st.integers(0, 7), min_size=1, max_size=3))
     chunk = draw(st.integers(1, 4))
     slots = draw(st.permutations(range(SLOTS)))[:len(lengths)]
@@ -108,7 +130,7 @@ def test_chunks_with_carried_state_equal_the_whole_sequence(case):
 
 @st.composite
 def speculative_cases(draw):
-    op = draw(st.sampled_from([_gdn, _mamba2, _short]))
+    op = draw(st.sampled_from(OPS))
     prompt = draw(st.integers(1, 5))
     width = draw(st.integers(1, 4))                # K draft positions in the verify step
     accepted = draw(st.integers(1, width))         # the first is the sampled token: kept

@@ -58,16 +58,20 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "frontends/test_hybrid_headcut.py's mixers cut by heads: 9 families "
                         "x both layouts, decode and prefill (the slice: Qwen3.5 decode at "
                         "tp=4/dcp=2); frontends/test_hybrid_olmo.py's OLMo-hybrid decode and "
-                        "prefill at both layouts (the slice: decode at tp=4/dcp=2)"),
+                        "prefill at both layouts (the slice: decode at tp=4/dcp=2); "
+                        "frontends/test_hybrid_rglru.py's RecurrentGemma decode and prefill "
+                        "x both layouts (the slice: its speculative decode at tp=4/dcp=2 in "
+                        "test_hybrid_hspec.py)"),
     "DCP_HYBRID_XLA_FULL": ("lowering/test_hybrid_xla.py",
                             "hybrid programs lowered and run on XLA:CPU: LFM2 and Bamba x "
                             "decode / prefill x tp=4/dcp=2 and tp=8/dcp=4, and Jamba, "
-                            "Qwen3.5, MiniMax and Kimi Linear decode at tp=4/dcp=2, "
-                            "speculative decode of Bamba and Qwen3.5 (the slice: LFM2 "
-                            "decode at tp=4/dcp=2); lowering/test_dsa_xla.py's DSA programs "
-                            "on XLA:CPU: DeepSeek-V3.2 decode / prefill x both layouts, GLM-5 "
-                            "with a shared indexer layer at tp=4/dcp=2 (the slice: the "
-                            "selection's order and ops alone)"),
+                            "Qwen3.5, MiniMax, Kimi Linear and RecurrentGemma decode at "
+                            "tp=4/dcp=2, speculative decode of Bamba, Qwen3.5 and "
+                            "RecurrentGemma (the slice: LFM2 decode at tp=4/dcp=2); "
+                            "lowering/test_dsa_xla.py's DSA programs on XLA:CPU: "
+                            "DeepSeek-V3.2 decode / prefill x both layouts, GLM-5 with a "
+                            "shared indexer layer at tp=4/dcp=2 (the slice: the selection's "
+                            "order and ops alone)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
                      "the numerical Inductor cases (compiles take minutes)"),
     "DCP_KV_LAYOUTS_FULL": ("frontends/test_per_layer_kv.py",

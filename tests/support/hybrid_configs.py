@@ -145,3 +145,12 @@ def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0, **s
     config = CONFIG_MAPPING[model_type](**{**tiny_hybrid_config(model_type), **sizes})
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     return seeded_weights(model, seed)
+
+# RecurrentGemma: recurrent (Conv1d + RG-LRU) / local attention alternating. A window of 4
+# (shorter than the prompts of 8 and the decode steps after them: the sliding window bites)
+# and a logits soft-cap of 5 (logits of magnitude 4-8: the cap bites). Not in HYBRID_TYPES:
+# its block takes (hidden, position_ids, attention_mask) and returns a pair
+# (tests/frontends/test_hybrid_rglru.py tests it).
+_HYBRID["recurrent_gemma"] = dict(num_hidden_layers=_LAYERS, lru_width=64,
+                                  block_types=["recurrent", "attention"],
+                                  attention_window_size=4, logits_soft_cap=5.0)
