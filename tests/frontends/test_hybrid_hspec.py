@@ -12,8 +12,10 @@ wrong on purpose, every verified position's logits within 1e-4; a prefix-cache h
 uncached run's tokens without recomputing the prefix; each with its mutation (no roll back,
 no checkpoint: the logits leave the model's); a saved and reloaded program reproduces the
 tokens; the slots, the checkpoints and the refusals. The slice (default run): Bamba at
-tp=4/dcp=2; ``DCP_HYBRID_FULL=1``: Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, and an
-LFM2 decode program's file.
+tp=4/dcp=2, Falcon-H1's speculative decode and Jamba's prefix caching; ``DCP_HYBRID_FULL=1``:
+Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, every other recurrent family (``FAMILY_TYPES``)
+at tp=4/dcp=2 (speculative decode and prefix caching each, one cell per family) and an LFM2
+decode program's file.
 """
 
 from __future__ import annotations
@@ -47,17 +49,24 @@ SPEC_TYPES = ("qwen3_5_text", "bamba")
 LAYOUTS = ((4, 2), (8, 4))
 
 
-# Speculative decode of the other mixers (each op keeps its snapshots): Falcon-H1's own
-# Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA.
+# Speculative decode of the other mixers (each op keeps its snapshots) at tp=8/dcp=4 too:
+# Falcon-H1's own Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi
+# Linear's KDA.
 SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear")
 SLICE = {("bamba", 4, 2)}             # the default run's case; DCP_HYBRID_FULL: all
+# Every other recurrent family that matches in plain decode (docs/hybrid.md): speculative
+# decode and prefix caching at tp=4/dcp=2, one cell per family and feature.
+FAMILY_TYPES = ("qwen3_next", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "jamba",
+                "zamba", "nemotron_h", "falcon_h1", "zamba2", "minimax", "lfm2", "lfm2_moe",
+                "granitemoehybrid")
+FAMILY_SLICE = {("jamba", 4, 2)}      # the default run's family cell (prefix caching)
 
 
-def _cases(types=SPEC_TYPES, slice_=SLICE):
+def _cases(types=SPEC_TYPES, slice_=SLICE, layouts=LAYOUTS):
     return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
                          marks=() if (t, tp, dcp) in slice_ or FULL else
                          pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
-            for t in types for tp, dcp in LAYOUTS]
+            for t in types for tp, dcp in layouts]
 
 
 def _prompts(vocab: int = 256):
@@ -107,7 +116,8 @@ def _speculative(model, program, prompts):
 
 
 @pytest.mark.parametrize("model_type,tp,dcp",
-                         _cases() + _cases(SPEC_OTHER_TYPES, {("falcon_h1", 4, 2)}))
+                         _cases() + _cases(FAMILY_TYPES, {("falcon_h1", 4, 2)}, ((4, 2),))
+                         + _cases(SPEC_OTHER_TYPES, set(), ((8, 4),)))
 def test_speculative_decode_matches_greedy_with_drafts_partly_rejected(model_type, tp, dcp):
     """Width-3 verification steps with partly wrong drafts: the accepted tokens are the model's
     own greedy tokens and every verified position's logits are within 1e-4 of its own forward
@@ -272,7 +282,8 @@ def _prefix_prompts():
     return [a, b]
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases())
+@pytest.mark.parametrize("model_type,tp,dcp",
+                         _cases() + _cases(FAMILY_TYPES, FAMILY_SLICE, ((4, 2),)))
 def test_prefix_cache_hit_resumes_from_the_state_checkpoint(model_type, tp, dcp):
     """Request B shares request A's first two vblocks: its prompt starts on A's cached KV and
     on the state checkpoint A's context step kept at token 8 (copied into B's slot), and
