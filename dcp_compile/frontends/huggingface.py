@@ -38,14 +38,14 @@ import torch
 from torch import Tensor, nn
 
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
-from dcp_compile.runtime.errors import (DCPHybridError, DCPKVLayoutError,
-                                        DCPSparseAttentionError, DCPTransformError)
+from dcp_compile.runtime.errors import (DCPKVLayoutError, DCPSparseAttentionError,
+                                        DCPTransformError)
 from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
 from .module_experts import expert_activation, hf_expert_activations, module_experts_enabled, \
     more_expert_gates, stacked_experts
-from .module_recurrent import hybrid_config, recurrent_layers, refuse_unruled_hybrid
+from .module_recurrent import refuse_hybrid_prepare
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -494,11 +494,9 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
     """Wrap a transformers causal LM for ``dcp_compile.transform``.
 
     ``max_model_len`` bounds the sequence length the program will serve; it is needed only
-    for sliding-window models, which are exact while sequences fit in the window.
-    The model must be in eval mode; its weights stay shared with the wrapper (no copy).
-    Raises DCPTransformError, naming the module, for anything the DCP rewrite would shard
-    wrong (see the module docstring).
-    """
+    for sliding-window models, which are exact while sequences fit in the window. The model
+    must be in eval mode (its weights stay shared, no copy). Raises DCPTransformError naming
+    the module for what DCP would shard wrong (module doc), DCPHybridError for a hybrid."""
     from transformers import PreTrainedModel
 
     name = type(hf_model).__name__
@@ -560,32 +558,6 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
     return wrapper
 
 
-def refuse_hybrid_prepare(hf_model: nn.Module) -> None:
-    """``DCPHybridError`` for a hybrid (recurrent mixers beside attention, docs/hybrid.md):
-    ``prepare``'s wrapper has no recurrent state to give its mixers (by design: its step is
-    the paged attention's, KV caches only, and its attention function replaces attention
-    calls only), so each step's mixers would start from nothing. A hybrid with swap rules is
-    served by ``transform`` on the model itself; one without is refused as ``transform``
-    refuses it (``refuse_unruled_hybrid``)."""
-    refuse_unruled_hybrid(hf_model)
-    layers = recurrent_layers(hf_model)
-    if not layers:
-        return
-    name = type(hf_model).__name__
-    classes = sorted({rule.cls for _, _, rule in layers})
-    sign = hybrid_config(hf_model.config) or "recurrent mixers"
-    raise DCPHybridError(
-        f"{name} is a hybrid model ({sign}: {len(layers)} recurrent layer(s), {classes}, "
-        f"first at {layers[0][0]}): hf.prepare carries no recurrent state, by design. Its "
-        f"wrapper's step is the paged attention's (input_ids, positions, block_table, "
-        f"kv_caches -> logits, kv_caches) and its attention function replaces the attention "
-        f"calls only: a recurrent mixer would run its own scan over each step's tokens with "
-        f"no state from the steps before (transformers keeps it in the Cache object, which "
-        f"the wrapper does not pass). Pass the model itself to dcp_compile.transform "
-        f"(attn_implementation='sdpa' or 'eager'): that path runs each mixer as its dcp op "
-        f"with its state in per-sequence state caches beside the KV cache (docs/hybrid.md).")
-
-
 def _trace_check(wrapper: DCPCausalLM) -> None:
     """Run one step on fake tensors: every check in the attention function fires here, at
     prepare time, with no compute and no allocation (meta-device models work too)."""
@@ -624,6 +596,5 @@ def _trace_check(wrapper: DCPCausalLM) -> None:
 __all__ = ["ATTENTION_SWITCH", "ATTN_IMPLEMENTATION", "DCPCausalLM", "EXPERTS_IMPLEMENTATION",
            "EXPERTS_SWITCH", "PagedStep", "STEP_KWARG", "attention_windows", "check_hf_config",
            "dcp_experts_enabled", "dcp_experts_forward", "declared_chunks", "declared_windows",
-           "experts_form", "is_hf", "paged_attention_forward", "prepare",
-           "refuse_hybrid_prepare"]
+           "experts_form", "is_hf", "paged_attention_forward", "prepare"]
 
