@@ -384,3 +384,28 @@ def test_a_loaded_program_refuses_a_snapshot_slot_of_another_sequence():
         assert len(errors) == 2 and kept, errors
         assert "state_snapshot_slot[1, 0] = 3 is named twice" in errors[0], errors[0]
         assert "'context' step keeps no state snapshots" in errors[1], errors[1]
+
+
+# -- every swap rule passes the snapshot slots ------------------------------------------------
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES + ("qwen3_5_text", "bamba"))
+def test_every_swap_rule_keeps_a_snapshot_per_token(model_type):
+    """Eager, no transform: each family's swapped model run with snapshot slots writes the
+    state after each of a row's tokens into its snapshot slot, in every state cache (a swap
+    that forgets ``*states.snap()`` leaves those slots zero; transform() refuses such a swap
+    too: tests/passes/test_before_expected_check_state_snapshots.py)."""
+    from dcp_compile.frontends.module_recurrent import allocate_states, recurrent_as_ops
+    model = build_hybrid(model_type)
+    states = allocate_states(model, num_slots=6).step([0, 1], [True, True], [3, 2])
+    states.snapshot_slot = torch.tensor([[2, 3, -1], [4, -1, -1]])   # row 1 has 2 tokens
+    ids = torch.randint(0, model.config.vocab_size, (2, 3), generator=torch.Generator()
+                        .manual_seed(0))
+    with torch.no_grad(), recurrent_as_ops(model, states):
+        model(ids, use_cache=False)
+    caches = {**{f"conv {k}": v for k, v in states.conv.items()},
+              **{f"rec {k}": v for k, v in states.rec.items()}}
+    assert caches
+    for name, cache in caches.items():
+        kept = [bool(cache[s].abs().sum() > 0) for s in (2, 3, 4)]
+        assert all(kept), (model_type, name, kept)
+        assert cache[5].abs().sum() == 0, (model_type, name)   # no snapshot named it
