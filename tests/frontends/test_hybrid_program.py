@@ -230,10 +230,12 @@ def test_hf_prepare_refuses_a_hybrid_and_points_to_transform(model_type, mixer):
 
 
 def test_hf_prepare_refuses_a_hybrid_without_a_swap_rule_as_transform_does():
+    """RecurrentGemma (its RG-LRU has no op): transform()'s refusal, naming what it needs."""
     from dcp_compile import hf
     from hf_corpus import build
-    with pytest.raises(DCPHybridError, match=r"no swap rule runs its recurrent layers"):
-        hf.prepare(build("olmo_hybrid"))
+    with pytest.raises(DCPHybridError, match=r"hybrid model RecurrentGemmaForCausalLM .*"
+                                             r"RG-LRU .* has no dcp op yet"):
+        hf.prepare(build("recurrent_gemma"))
 
 
 def test_engine_refuses_prefix_caching_and_rewind_of_a_hybrid():
