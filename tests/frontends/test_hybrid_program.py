@@ -229,13 +229,15 @@ def test_hf_prepare_refuses_a_hybrid_and_points_to_transform(model_type, mixer):
         hf.prepare(build_hybrid(model_type))
 
 
-def test_hf_prepare_refuses_a_hybrid_without_a_swap_rule_as_transform_does():
-    """RecurrentGemma (its RG-LRU has no op): transform()'s refusal, naming what it needs."""
+def test_hf_prepare_refuses_a_hybrid_without_a_swap_rule_as_transform_does(monkeypatch):
+    """LFM2 with its rule taken out of RULES: transform()'s refusal, naming its mixer."""
     from dcp_compile import hf
-    from hf_corpus import build
-    with pytest.raises(DCPHybridError, match=r"hybrid model RecurrentGemmaForCausalLM .*"
-                                             r"RG-LRU .* has no dcp op yet"):
-        hf.prepare(build("recurrent_gemma"))
+    from dcp_compile.frontends import module_recurrent
+    monkeypatch.setattr(module_recurrent, "RULES", tuple(
+        r for r in module_recurrent.RULES if r.cls != "Lfm2ShortConv"))
+    with pytest.raises(DCPHybridError, match=r"no swap rule runs its recurrent layers as a "
+                                             r"dcp op \(modules \[.*'Lfm2ShortConv'"):
+        hf.prepare(build_hybrid("lfm2"))
 
 
 def test_engine_refuses_prefix_caching_and_rewind_of_a_hybrid():
