@@ -36,6 +36,8 @@ class Property(str, Enum):
     ATEN_GRAPH = "aten_graph"                    # captured ATen graph, meta['val'] on nodes
     NO_EXPORT_ASSERTS = "no_export_asserts"      # no _assert_tensor_metadata left
     STATIC_SHAPES = "static_shapes"              # no symbolic size anywhere
+    STATE_SNAPSHOTS_READ = "state_snapshots_read"  # a step with state_snapshot_slot: every
+                                                 # recurrent op reads it
     CANONICAL_OPS = "canonical_ops"              # linears, slices and splits in one form
     LATENT_ABSORBED = "latent_absorbed"          # MLA attends in latent space (one KV head)
     PAGED_CACHE = "paged_cache"                  # step signature: caches are inputs,

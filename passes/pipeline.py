@@ -34,6 +34,7 @@ from .absorb_latent_attention import AbsorbLatentAttention
 from .canonical_ops import CanonicalizeOps
 from .canonicalize_attention import CanonicalizeAttention
 from .canonicalize_moe import CanonicalizeMoE
+from .check_state_snapshots import CheckStateSnapshots
 from .check_static_shapes import CheckStaticShapes
 from .check_token_wise import CheckTokenWise
 from .dcp_decode import DCPContext, DCPDecode
@@ -78,7 +79,8 @@ class Stage(str, Enum):
 
 # Stage -> its passes in order (the DCP rewrite: per step kind, in DCP_REWRITE).
 STAGES: dict[Stage, tuple[type[DCPPass], ...]] = {
-    Stage.CAPTURE_PROLOGUE: (DropExportAsserts, CheckStaticShapes, CanonicalizeOps,
+    Stage.CAPTURE_PROLOGUE: (DropExportAsserts, CheckStaticShapes, CheckStateSnapshots,
+                             CanonicalizeOps,
                              AbsorbLatentAttention, InsertPagedCache, LiftPositions),
     Stage.CANONICALIZE: (CanonicalizeAttention, CanonicalizeMoE, CheckTokenWise),
     Stage.PROVE: (ValidateAndProve,),

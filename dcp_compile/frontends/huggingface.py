@@ -45,6 +45,7 @@ from .hf_config import (_text_config, attention_windows, check_hf_config,  # noq
                         declared_chunks, declared_windows, is_hf)
 from .module_experts import expert_activation, hf_expert_activations, module_experts_enabled, \
     more_expert_gates, stacked_experts
+from .module_recurrent import refuse_hybrid_prepare
 
 ATTN_IMPLEMENTATION = "dcp_paged"
 STEP_KWARG = "dcp_paged_step"
@@ -493,17 +494,16 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
     """Wrap a transformers causal LM for ``dcp_compile.transform``.
 
     ``max_model_len`` bounds the sequence length the program will serve; it is needed only
-    for sliding-window models, which are exact while sequences fit in the window.
-    The model must be in eval mode; its weights stay shared with the wrapper (no copy).
-    Raises DCPTransformError, naming the module, for anything the DCP rewrite would shard
-    wrong (see the module docstring).
-    """
+    for sliding-window models, which are exact while sequences fit in the window. The model
+    must be in eval mode (its weights stay shared, no copy). Raises DCPTransformError naming
+    the module for what DCP would shard wrong (module doc), DCPHybridError for a hybrid."""
     from transformers import PreTrainedModel
 
     name = type(hf_model).__name__
     if not isinstance(hf_model, PreTrainedModel):
         raise DCPTransformError(f"{name} is not a transformers PreTrainedModel. Pass a "
                                 f"*ForCausalLM model (e.g. LlamaForCausalLM).")
+    refuse_hybrid_prepare(hf_model)
     if not getattr(hf_model, "_supports_attention_backend", False):
         raise DCPTransformError(
             f"{name} does not route its attention through transformers' AttentionInterface "

@@ -438,3 +438,29 @@ def refuse_hybrid(model: nn.Module, *, prefix_caching: bool = False) -> None:
     raise DCPHybridError(
         f"hybrid model: {len(layers)} recurrent layer(s) ({rule.cls}, first at {name}); "
         f"{UNSUPPORTED['prefix_caching']} (prefix_caching=True). Turn prefix caching off.")
+
+
+def refuse_hybrid_prepare(hf_model: nn.Module) -> None:
+    """``DCPHybridError`` for a hybrid (recurrent mixers beside attention, docs/hybrid.md):
+    ``prepare``'s wrapper has no recurrent state to give its mixers (by design: its step is
+    the paged attention's, KV caches only, and its attention function replaces attention
+    calls only), so each step's mixers would start from nothing. A hybrid with swap rules is
+    served by ``transform`` on the model itself; one without is refused as ``transform``
+    refuses it (``refuse_unruled_hybrid``)."""
+    refuse_unruled_hybrid(hf_model)
+    layers = recurrent_layers(hf_model)
+    if not layers:
+        return
+    name = type(hf_model).__name__
+    classes = sorted({rule.cls for _, _, rule in layers})
+    sign = hybrid_config(hf_model.config) or "recurrent mixers"
+    raise DCPHybridError(
+        f"{name} is a hybrid model ({sign}: {len(layers)} recurrent layer(s), {classes}, "
+        f"first at {layers[0][0]}): hf.prepare carries no recurrent state, by design. Its "
+        f"wrapper's step is the paged attention's (input_ids, positions, block_table, "
+        f"kv_caches -> logits, kv_caches) and its attention function replaces the attention "
+        f"calls only: a recurrent mixer would run its own scan over each step's tokens with "
+        f"no state from the steps before (transformers keeps it in the Cache object, which "
+        f"the wrapper does not pass). Pass the model itself to dcp_compile.transform "
+        f"(attn_implementation='sdpa' or 'eager'): that path runs each mixer as its dcp op "
+        f"with its state in per-sequence state caches beside the KV cache (docs/hybrid.md).")

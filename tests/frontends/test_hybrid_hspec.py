@@ -12,10 +12,11 @@ wrong on purpose, every verified position's logits within 1e-4; a prefix-cache h
 uncached run's tokens without recomputing the prefix; each with its mutation (no roll back,
 no checkpoint: the logits leave the model's); a saved and reloaded program reproduces the
 tokens; the slots, the checkpoints and the refusals. The slice (default run): Bamba at
-tp=4/dcp=2, and the speculative decode of Falcon-H1 and RecurrentGemma at tp=4/dcp=2;
-``DCP_HYBRID_FULL=1``: Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, the other mixers'
-speculative decode, RecurrentGemma's prefix caching and program file, and an LFM2 decode
-program's file.
+tp=4/dcp=2, the speculative decode of Falcon-H1 and RecurrentGemma and Jamba's prefix caching;
+``DCP_HYBRID_FULL=1``: Qwen3.5 and Bamba at tp=4/dcp=2 and tp=8/dcp=4, every other recurrent
+family (``FAMILY_TYPES``) at tp=4/dcp=2 (speculative decode and prefix caching each, one cell
+per family), the other mixers' speculative decode at tp=8/dcp=4 and an LFM2 decode program's
+file.
 """
 
 from __future__ import annotations
@@ -49,21 +50,28 @@ SPEC_TYPES = ("qwen3_5_text", "bamba")
 LAYOUTS = ((4, 2), (8, 4))
 
 
-# Speculative decode of the other mixers (each op keeps its snapshots): Falcon-H1's own
-# Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi Linear's KDA,
-# OLMo-hybrid's Gated DeltaNet (its own swap rule); RecurrentGemma's conv + RG-LRU (its
-# default-run cell: test_hybrid_rglru.py's only program).
+# Speculative decode of the other mixers (each op keeps its snapshots) at tp=8/dcp=4 too:
+# Falcon-H1's own Mamba2 forward, Jamba's conv + Mamba-1 scan, MiniMax's lightning, Kimi
+# Linear's KDA, OLMo-hybrid's Gated DeltaNet (its own swap rule), RecurrentGemma's conv +
+# RG-LRU.
 SPEC_OTHER_TYPES = ("falcon_h1", "jamba", "minimax", "kimi_linear", "olmo_hybrid",
                     "recurrent_gemma")
-SPEC_OTHER_SLICE = {("falcon_h1", 4, 2), ("recurrent_gemma", 4, 2)}
+# The default run's speculative cells (RecurrentGemma's is test_hybrid_rglru.py's only program).
+SPEC_FAMILY_SLICE = {("falcon_h1", 4, 2), ("recurrent_gemma", 4, 2)}
 SLICE = {("bamba", 4, 2)}             # the default run's case; DCP_HYBRID_FULL: all
+# Every other recurrent family that matches in plain decode (docs/hybrid.md): speculative
+# decode and prefix caching at tp=4/dcp=2, one cell per family and feature.
+FAMILY_TYPES = ("qwen3_next", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "jamba",
+                "zamba", "nemotron_h", "falcon_h1", "zamba2", "minimax", "lfm2", "lfm2_moe",
+                "granitemoehybrid", "olmo_hybrid", "recurrent_gemma")
+FAMILY_SLICE = {("jamba", 4, 2)}      # the default run's family cell (prefix caching)
 
 
-def _cases(types=SPEC_TYPES, slice_=SLICE):
+def _cases(types=SPEC_TYPES, slice_=SLICE, layouts=LAYOUTS):
     return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
                          marks=() if (t, tp, dcp) in slice_ or FULL else
                          pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
-            for t in types for tp, dcp in LAYOUTS]
+            for t in types for tp, dcp in layouts]
 
 
 def _prompts(vocab: int = 256):
@@ -113,7 +121,8 @@ def _speculative(model, program, prompts):
 
 
 @pytest.mark.parametrize("model_type,tp,dcp",
-                         _cases() + _cases(SPEC_OTHER_TYPES, SPEC_OTHER_SLICE))
+                         _cases() + _cases(FAMILY_TYPES, SPEC_FAMILY_SLICE, ((4, 2),))
+                         + _cases(SPEC_OTHER_TYPES, set(), ((8, 4),)))
 def test_speculative_decode_matches_greedy_with_drafts_partly_rejected(model_type, tp, dcp):
     """Width-3 verification steps with partly wrong drafts: the accepted tokens are the model's
     own greedy tokens and every verified position's logits are within 1e-4 of its own forward
@@ -280,7 +289,8 @@ def _prefix_prompts():
     return [a, b]
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases() + _cases(("recurrent_gemma",), set()))
+@pytest.mark.parametrize("model_type,tp,dcp",
+                         _cases() + _cases(FAMILY_TYPES, FAMILY_SLICE, ((4, 2),)))
 def test_prefix_cache_hit_resumes_from_the_state_checkpoint(model_type, tp, dcp):
     """Request B shares request A's first two vblocks: its prompt starts on A's cached KV and
     on the state checkpoint A's context step kept at token 8 (copied into B's slot), and
@@ -381,3 +391,28 @@ def test_a_loaded_program_refuses_a_snapshot_slot_of_another_sequence():
         assert len(errors) == 2 and kept, errors
         assert "state_snapshot_slot[1, 0] = 3 is named twice" in errors[0], errors[0]
         assert "'context' step keeps no state snapshots" in errors[1], errors[1]
+
+
+# -- every swap rule passes the snapshot slots ------------------------------------------------
+
+@pytest.mark.parametrize("model_type", FAMILY_TYPES + ("qwen3_5_text", "bamba"))
+def test_every_swap_rule_keeps_a_snapshot_per_token(model_type):
+    """Eager, no transform: each family's swapped model run with snapshot slots writes the
+    state after each of a row's tokens into its snapshot slot, in every state cache (a swap
+    that forgets ``*states.snap()`` leaves those slots zero; transform() refuses such a swap
+    too: tests/passes/test_before_expected_check_state_snapshots.py)."""
+    from dcp_compile.frontends.module_recurrent import allocate_states, recurrent_as_ops
+    model = build_hybrid(model_type)
+    states = allocate_states(model, num_slots=6).step([0, 1], [True, True], [3, 2])
+    states.snapshot_slot = torch.tensor([[2, 3, -1], [4, -1, -1]])   # row 1 has 2 tokens
+    ids = torch.randint(0, model.config.vocab_size, (2, 3), generator=torch.Generator()
+                        .manual_seed(0))
+    with torch.no_grad(), recurrent_as_ops(model, states):
+        model(ids, use_cache=False)
+    caches = {**{f"conv {k}": v for k, v in states.conv.items()},
+              **{f"rec {k}": v for k, v in states.rec.items()}}
+    assert caches
+    for name, cache in caches.items():
+        kept = [bool(cache[s].abs().sum() > 0) for s in (2, 3, 4)]
+        assert all(kept), (model_type, name, kept)
+        assert cache[5].abs().sum() == 0, (model_type, name)   # no snapshot named it

@@ -216,6 +216,34 @@ def test_a_hybrid_without_a_swap_rule_is_refused_by_name(model_type, mixer, monk
         dcp_compile.transform(build(model_type, "sdpa"), tp=4, dcp=2, mode="decode")
 
 
+@pytest.mark.parametrize("model_type,mixer", [
+    ("qwen3_5_text", "Qwen3_5GatedDeltaNet"), ("bamba", "BambaMixer"), ("lfm2", "Lfm2ShortConv"),
+    ("granitemoehybrid", "GraniteMoeHybridMambaLayer")])
+def test_hf_prepare_refuses_a_hybrid_and_points_to_transform(model_type, mixer):
+    """hf.prepare carries KV caches only (its wrapper's step is the paged attention's): a
+    hybrid is refused naming its mixers and pointing to transform(), which serves the same
+    model (Qwen3.5 and Bamba used to be refused as "no AttentionInterface", since
+    transformers leaves ``_supports_attention_backend`` False on them; LFM2 and Granite-4-H
+    at their mixers' missing attention calls)."""
+    from dcp_compile import hf
+    with pytest.raises(DCPHybridError, match=rf"model_type='{model_type}': 2 recurrent layer"
+                                             rf"\(s\), \['{mixer}'\].*hf.prepare carries no "
+                                             rf"recurrent state, by design.*Pass the model "
+                                             rf"itself to dcp_compile.transform"):
+        hf.prepare(build_hybrid(model_type))
+
+
+def test_hf_prepare_refuses_a_hybrid_without_a_swap_rule_as_transform_does(monkeypatch):
+    """LFM2 with its rule taken out of RULES: transform()'s refusal, naming its mixer."""
+    from dcp_compile import hf
+    from dcp_compile.frontends import module_recurrent
+    monkeypatch.setattr(module_recurrent, "RULES", tuple(
+        r for r in module_recurrent.RULES if r.cls != "Lfm2ShortConv"))
+    with pytest.raises(DCPHybridError, match=r"no swap rule runs its recurrent layers as a "
+                                             r"dcp op \(modules \[.*'Lfm2ShortConv'"):
+        hf.prepare(build_hybrid("lfm2"))
+
+
 def test_engine_refuses_prefix_caching_and_rewind_of_a_hybrid():
     from dcp_compile.runtime.serving.engine import Engine, LocalExecutor
     with pytest.raises(DCPHybridError, match="prefix caching with a hybrid program"):

@@ -174,7 +174,7 @@ def test_index_page_opens_in_headless_chromium(decode_dump, tmp_path):
     steps = json.loads((root / "transform-decode" / "decode" / "manifest.json").read_text())
     assert 'data-dcp-ready="2"' in dom                    # both steps' data rendered
     assert dom.count('class="card pass-card') == len(steps["entries"])
-    assert "diff 08 \u2192 09" in dom or "diff 08 → 09" in dom     # the last pass is shown
+    assert "diff 09 \u2192 10" in dom or "diff 09 → 10" in dom     # the last pass is shown
 
 
 def test_dot_text_page_opens_in_headless_chromium(tmp_path, monkeypatch):
@@ -216,7 +216,7 @@ def test_torch_trace_gets_every_pass_as_artifacts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = "".join(p.read_text() for p in trace.glob("*.log"))
     names = set(re.findall(r'"artifact": \{"name": "(dcp_[a-z]+_\d\d_\w+?)"', logs))
-    for step, last in (("context", "09_dcp_context"), ("decode", "09_dcp_decode")):
+    for step, last in (("context", "10_dcp_context"), ("decode", "10_dcp_decode")):
         for suffix in ("graph", "diff", "dot", "history"):
             assert f"dcp_{step}_{last}_{suffix}" in names, sorted(names)
         assert f"dcp_{step}_00_capture_graph" in names
@@ -229,4 +229,4 @@ def test_torch_trace_gets_every_pass_as_artifacts(tmp_path):
                              timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         listing = "".join(p.read_text(errors="replace") for p in out.rglob("*.html"))
-        assert "dcp_decode_09_dcp_decode_graph" in listing
+        assert "dcp_decode_10_dcp_decode_graph" in listing

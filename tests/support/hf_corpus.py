@@ -134,6 +134,7 @@ HYBRID_LAYERS = {
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention"]),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm3": dict(layer_types=["conv", "full_attention"]),
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
@@ -223,6 +224,8 @@ REASONS = (
     ("scores carried across layers (residual attention)", r"\(residual attention"),
     ("heads mixed before the softmax (talking heads)", r"\(talking heads"),
     ("attention sinks", r"attention sinks|\bsinks?\b|s_aux"),
+    ("hybrid: hf.prepare carries no recurrent state", r"hf\.prepare carries no recurrent "
+                                                       r"state"),
     ("SSM / linear-attention layers", r"SSM|mamba|linear[- ]attention|recurren|state[- ]space"
                                       r"|conv1d|short conv"),
     ("memory key/values", r"memory key/values"),
