@@ -285,16 +285,22 @@ def dcp_experts_forward(experts: nn.Module, hidden_states: Tensor, top_k_index: 
             f"takes [tokens, hidden] and [tokens, top_k]. Flatten the tokens before the "
             f"experts, as transformers' MoE blocks do.")
     rank0 = torch.zeros((), dtype=torch.int64, device=hidden_states.device)
-    biases = {"gate_up_bias": experts.gate_up_proj_bias,
+    first = _first_projection(experts)
+    biases = {"gate_up_bias": getattr(experts, f"{first}_bias"),
               "down_bias": experts.down_proj_bias} if experts.has_bias else {}
     return torch.ops.dcp.moe(hidden_states, top_k_index.long(), top_k_weights,
-                             experts.gate_up_proj, experts.down_proj, rank0, **biases, **form)
+                             getattr(experts, first), experts.down_proj, rank0, **biases,
+                             **form)
 
 
-_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+def _first_projection(experts: nn.Module) -> str:
+    """The experts' first stacked weight: ``gate_up_proj`` (gated), ``up_proj`` (transformers'
+    ``has_gate=False``: Nemotron-H's ungated experts)."""
+    return "gate_up_proj" if getattr(experts, "has_gate", True) else "up_proj"
+
+
 # transformers' experts flags dcp.moe cannot honour -> what it needs instead.
-_UNSUPPORTED_FLAGS = {"has_gate": True, "has_post_expert_norm": False,
-                      "_is_expert_parallel": False}
+_UNSUPPORTED_FLAGS = {"has_post_expert_norm": False, "_is_expert_parallel": False}
 
 
 def experts_form(experts: nn.Module) -> dict:
@@ -306,22 +312,27 @@ def experts_form(experts: nn.Module) -> dict:
     name = type(experts).__name__
     wrong = {k: getattr(experts, k, None) for k, v in _UNSUPPORTED_FLAGS.items()
              if getattr(experts, k, None) != v}
+    gated = bool(getattr(experts, "has_gate", True))
+    first = _first_projection(experts)
+    biases = (f"{first}_bias", "down_proj_bias")
     if getattr(experts, "has_bias", False) and not all(
-            isinstance(getattr(experts, b, None), nn.Parameter) for b in _BIASES):
-        wrong["has_bias"] = f"True without {' / '.join(_BIASES)} parameters"
-    gate = _GATES.get(getattr(type(experts), "_apply_gate", None))
+            isinstance(getattr(experts, b, None), nn.Parameter) for b in biases):
+        wrong["has_bias"] = f"True without {' / '.join(biases)} parameters"
+    # Ungated experts (up -> act_fn -> down) never call a gate: their activation is act_fn.
+    gate = _GATES.get(getattr(type(experts), "_apply_gate", None)) if gated else _ungated
     if gate is None:
         wrong["_apply_gate"] = f"{type(experts).__qualname__}._apply_gate (custom, unknown)"
     if wrong:
         raise DCPTransformError(
             f"{name} has an experts form dcp.moe does not compute: {wrong}. dcp.moe computes "
             f"gated experts (act(gate) * up over concatenated [gate; up], or gpt-oss's clamped "
-            f"SwiGLU over interleaved gate/up), optionally biased or transposed, no "
-            f"post-expert norm; use such a model (or add its gate to dcp_compile.hf._GATES).")
+            f"SwiGLU over interleaved gate/up) and ungated ones (act(up)), optionally biased "
+            f"or transposed, no post-expert norm; use such a model (or add its gate to "
+            f"dcp_compile.hf._GATES).")
     activation, interleaved, params = gate(experts)
     transposed = bool(getattr(experts, "is_transposed", False))
     layout = next(k for k, v in LAYOUTS.items()
-                  if (v.transposed, v.interleaved) == (transposed, interleaved))
+                  if (v.transposed, v.interleaved, v.gated) == (transposed, interleaved, gated))
     return {"activation": activation.value, "layout": layout.value, **params}
 
 
@@ -334,6 +345,11 @@ def _default_gate(experts: nn.Module):
             f"({sorted(a.value for a in set(_ACTIVATIONS.values()))}). Use hidden_act='silu' "
             f"(or add it to dcp_compile.runtime.kernels.moe.GATES and dcp_compile.hf._ACTIVATIONS).")
     return act, False, {}
+
+
+def _ungated(experts: nn.Module):
+    """transformers' ``has_gate=False`` experts: ``down(act_fn(up x))``, no gate to read."""
+    return _default_gate(experts)
 
 
 def _gpt_oss_gate(experts: nn.Module):

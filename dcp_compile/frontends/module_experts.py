@@ -172,7 +172,7 @@ def hf_expert_activations() -> dict:
 
     from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
     return {A.SiLUActivation: Act.SILU, nn.SiLU: Act.SILU, nn.ReLU: Act.RELU,
-            A.GELUTanh: Act.GELU_TANH}
+            A.GELUTanh: Act.GELU_TANH, A.ReLUSquaredActivation: Act.RELU2}
 
 
 def _bailing_gate(experts: nn.Module):
