@@ -38,8 +38,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import MixtureOfExperts, ModelFacts
-from dcp_compile.runtime.kernels.moe import (ACTIVATIONS, LAYOUTS, OPERANDS, PARAMETRISED,
-                                             ExpertActivation, ExpertLayout)
+from dcp_compile.runtime.kernels.moe import (ACTIVATIONS, LAYOUTS, OPERANDS, PARAMETERS,
+                                             ExpertActivation, ExpertLayout, parameters_agree)
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from .infra import DCPPass, Found, Property, ensure, source_of, val
@@ -273,12 +273,11 @@ class CanonicalizeMoE(DCPPass):
                 raise DCPTransformError(
                     f"dcp.moe {what} {a[what]!r} is unknown: {where}. Use one of "
                     f"{[e.value for e in enum]}.")
-        if (a["activation"] in PARAMETRISED) != (a["alpha"] is not None
-                                                 and a["limit"] is not None):
+        if not parameters_agree(a["activation"], a["alpha"], a["limit"]):
             raise DCPTransformError(
                 f"dcp.moe activation {a['activation']} with alpha={a['alpha']}, "
-                f"limit={a['limit']}: {where}. Pass alpha and limit with "
-                f"{sorted(a.value for a in PARAMETRISED)}, neither with the others.")
+                f"limit={a['limit']}: {where}. Pass the parameters it reads, no others: "
+                f"{ {k.value: v for k, v in PARAMETERS.items()} }, none for the others.")
         for what in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
             w = a[what]
             if w is not None and w.op != "placeholder":
@@ -287,7 +286,7 @@ class CanonicalizeMoE(DCPPass):
                     f"stacked expert parameters to dcp.moe directly.")
         form = LAYOUTS[ExpertLayout(a["layout"])]
         x, ids, weights, gate_up = (val(a[k]).shape for k in OPERANDS[:4])
-        if not form.gated and a["activation"] in PARAMETRISED:
+        if not form.gated and a["activation"] not in ACTIVATIONS:
             raise DCPTransformError(
                 f"dcp.moe activation {a['activation']} is a gate, and layout {a['layout']} has "
                 f"no gate projection: {where}. Pass an elementwise activation "

@@ -61,6 +61,7 @@ class ExpertActivation(StrEnum):
     RELU = "relu"
     RELU2 = "relu2"                       # relu(x)² (Primer; Nemotron-H's experts)
     CLAMPED_SWIGLU = "clamped_swiglu"     # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)
+    CLAMPED_SILU = "clamped_silu"         # DeepSeek-V4: silu(min(g, limit)) * clamp(up, ±limit)
 
 
 def _clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
@@ -68,6 +69,12 @@ def _clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Ten
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _clamped_silu(gate: Tensor, up: Tensor, alpha, limit: float) -> Tensor:
+    """DeepSeek-V4's (and Bailing-hybrid's, with ``swiglu_limits``) gate: the default
+    act(gate) * up with the gate clamped to <= limit and up to [-limit, limit]."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def _relu2(x: Tensor) -> Tensor:
@@ -92,9 +99,17 @@ def _act_times_up(act):
 
 # activation -> glu(gate, up, alpha, limit), for gated experts
 GATES = {**{a: _act_times_up(act) for a, act in ACTIVATIONS.items()},
-         ExpertActivation.CLAMPED_SWIGLU: _clamped_swiglu}
-# Activations that read alpha and limit (the others must leave them unset).
-PARAMETRISED = {ExpertActivation.CLAMPED_SWIGLU}
+         ExpertActivation.CLAMPED_SWIGLU: _clamped_swiglu,
+         ExpertActivation.CLAMPED_SILU: _clamped_silu}
+# activation -> the parameters it reads (the others must leave alpha and limit unset).
+PARAMETERS = {ExpertActivation.CLAMPED_SWIGLU: ("alpha", "limit"),
+              ExpertActivation.CLAMPED_SILU: ("limit",)}
+
+
+def parameters_agree(activation: str, alpha, limit) -> bool:
+    """``activation`` gets exactly the parameters it reads (``PARAMETERS``)."""
+    given = {name for name, v in (("alpha", alpha), ("limit", limit)) if v is not None}
+    return given == set(PARAMETERS.get(ExpertActivation(activation), ()))
 
 
 class ExpertLayout(StrEnum):
@@ -170,9 +185,9 @@ def _form(activation: str, layout: str, alpha, limit):
     except ValueError as e:
         raise ValueError(f"dcp.moe: {e}; activations {[a.value for a in ExpertActivation]}, "
                          f"layouts {[x.value for x in ExpertLayout]}") from None
-    if (act in PARAMETRISED) != (alpha is not None and limit is not None):
+    if not parameters_agree(act, alpha, limit):
         raise ValueError(f"dcp.moe activation {act.value} with alpha={alpha}, limit={limit}: "
-                         f"{sorted(PARAMETRISED)} take both, the others neither")
+                         f"it reads {PARAMETERS.get(act, ())} (PARAMETERS)")
     form = LAYOUTS[lay]
     if not form.gated:
         if act not in ACTIVATIONS:
