@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from dcp_compile.runtime.kernels import ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import (DCPKVLayoutError, DCPSparseAttentionError,
                                         DCPTransformError)
+from .module_compressed_attention import refuse_compressed_attention
 from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
@@ -530,6 +531,7 @@ def prepare(hf_model: nn.Module, *, max_model_len: int | None = None) -> DCPCaus
     if hf_model.training:
         raise DCPTransformError(f"{name} is in training mode: attention dropout would be "
                                 f"active. Call model.eval() first.")
+    refuse_compressed_attention(hf_model)      # DeepSeek-V4's indexer is not DSA's alone
     cfg = _text_config(hf_model.config)
     sparse = _set_fields(cfg, DSA_FIELDS)
     if sparse:
