@@ -200,6 +200,21 @@ def _deepseek_v4_gate(experts: nn.Module):
     return Act.CLAMPED_SILU, False, {"limit": float(experts.limit)}
 
 
+def _hy_v4_gate(experts: nn.Module):
+    """HY-V4's ``_apply_gate``: ``F.silu(min(gate, swiglu_limit)) * clamp(up, ±swiglu_limit)``
+    (SiLU written in the gate, not read from ``act_fn``): ``clamped_silu``."""
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    return Act.CLAMPED_SILU, False, {"limit": float(experts.swiglu_limit)}
+
+
+def _minimax_m3_gate(experts: nn.Module):
+    """MiniMax-M3's ``_apply_gate``: gpt-oss's clamped SwiGLU (``swiglu_alpha``,
+    ``swiglu_limit``) over concatenated [gate; up]."""
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    return Act.CLAMPED_SWIGLU, False, {"alpha": float(experts.swiglu_alpha),
+                                       "limit": float(experts.swiglu_limit)}
+
+
 def _optional_gate(module: str, cls: str, gate) -> dict:
     """``{cls._apply_gate: gate}`` where transformers has ``module.cls``; a transformers without
     the model type (vLLM's pinned one) has no such class to meet."""
@@ -217,7 +232,10 @@ def more_expert_gates() -> dict:
     return {**_optional_gate(f"{models}.bailing_hybrid.modeling_bailing_hybrid",
                              "BailingHybridExperts", _bailing_gate),
             **_optional_gate(f"{models}.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts",
-                             _deepseek_v4_gate)}
+                             _deepseek_v4_gate),
+            **_optional_gate(f"{models}.hy_v4.modeling_hy_v4", "HYV4Experts", _hy_v4_gate),
+            **_optional_gate(f"{models}.minimax_m3_vl.modeling_minimax_m3_vl",
+                             "MiniMaxM3VLExperts", _minimax_m3_gate)}
 
 
 def expert_activation(act_fn):

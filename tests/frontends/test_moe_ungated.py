@@ -4,7 +4,8 @@
 - the op (reference and eager kernel) against transformers' own ``NemotronHExperts``
   (``down(relu²(up x))``, no gate projection: layout ``ungated``, activation ``relu2``) and
   ``DeepseekV4Experts`` (``silu(min(gate, limit)) * clamp(up, ±limit)``: ``clamped_silu``),
-  with a limit small enough that the clamps bite;
+  and the corpus's HY-V4 (``clamped_silu`` too) and MiniMax-M3 (gpt-oss's clamped SwiGLU
+  over concatenated [gate; up]) experts, with a limit small enough that the clamps bite;
 - tensor-parallel shards (the up projection's I dim in one segment) and expert-parallel
   shards summing to the whole;
 - the refusals: a gate with an ungated layout, a parameter the activation does not read;
@@ -129,6 +130,38 @@ def test_a_gate_with_an_ungated_layout_and_a_stray_parameter_are_refused():
                 limit=1.0)
         with pytest.raises(Exception, match=r"relu2 with alpha=None, limit=1.0"):
             _op("moe", experts, x, ids, w, limit=1.0)
+
+
+# Other clamped gates the same two activations compute: the corpus's tiny models' experts.
+CORPUS_GATES = {"hy_v4": ("HYV4Experts", {"activation": "clamped_silu",
+                                          "layout": "concatenated"}),
+                "minimax_m3_vl_text": ("MiniMaxM3VLExperts",
+                                       {"activation": "clamped_swiglu",
+                                        "layout": "concatenated"})}
+
+
+@pytest.mark.parametrize("op", ["moe", "moe_grouped"])
+@pytest.mark.parametrize("model_type", list(CORPUS_GATES))
+def test_corpus_clamped_gates_equal_their_own_experts(model_type, op):
+    """HY-V4's silu(min(gate, l)) * clamp(up, ±l) and MiniMax-M3's gpt-oss SwiGLU over
+    concatenated [gate; up], with a limit small enough that the clamps bite."""
+    from hf_corpus import build
+    cls, form = CORPUS_GATES[model_type]
+    experts = next(m for m in build(model_type).modules() if type(m).__name__ == cls)
+    experts.swiglu_limit = LIMIT
+    got_form = hf.experts_form(experts)
+    assert {k: got_form[k] for k in form} == form and got_form["limit"] == LIMIT
+    e, two_i, h = experts.gate_up_proj.shape
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    pre = torch.einsum("th,tih->ti", x, experts.gate_up_proj[ids[:, 0]].detach())
+    assert (pre[:, :two_i // 2] > LIMIT).any() and (pre[:, two_i // 2:].abs() > LIMIT).any()
+    with torch.no_grad():
+        want = experts(x, ids, w)
+        got = _op(op, experts, x, ids, w)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_deepseek_v4_gate_needs_silu():

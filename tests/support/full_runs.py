@@ -57,11 +57,14 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "Bailing-hybrid, MiniMax (the slice: one cell each but Bailing); "
                         "frontends/test_hybrid_headcut.py's mixers cut by heads: 8 families "
                         "x both layouts, decode and prefill (the slice: Qwen3.5 decode at "
-                        "tp=4/dcp=2)"),
+                        "tp=4/dcp=2); "
+                        "frontends/test_moe_ungated.py's Nemotron-H expert-parallel decode "
+                        "at tp=4/dcp=2 and tp=8/dcp=4 (refused: 4 experts, 8 ranks)"),
     "DCP_HYBRID_XLA_FULL": ("lowering/test_hybrid_xla.py",
                             "hybrid programs lowered and run on XLA:CPU: LFM2 and Bamba x "
                             "decode / prefill x tp=4/dcp=2 and tp=8/dcp=4, and Jamba, "
-                            "Qwen3.5, MiniMax and Kimi Linear decode at tp=4/dcp=2, "
+                            "Qwen3.5, MiniMax, Kimi Linear and Nemotron-H (MoE) decode at "
+                            "tp=4/dcp=2, "
                             "speculative decode of Bamba and Qwen3.5 (the slice: LFM2 "
                             "decode at tp=4/dcp=2)"),
     "DCP_INDUCTOR": ("runtime/test_inductor.py",
