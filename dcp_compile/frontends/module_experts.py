@@ -227,7 +227,7 @@ def _optional_gate(module: str, cls: str, gate) -> dict:
 
 def more_expert_gates() -> dict:
     """Experts classes' own ``_apply_gate`` the HF frontend's gate table adds
-    (``huggingface._gate_table``): the method -> (activation, interleaved, params)."""
+    (``hf_experts._gate_table``): the method -> (activation, interleaved, params)."""
     models = "transformers.models"
     return {**_optional_gate(f"{models}.bailing_hybrid.modeling_bailing_hybrid",
                              "BailingHybridExperts", _bailing_gate),
