@@ -45,7 +45,7 @@ from .hf_config import config_field as _field, kv_layouts
 from .hf_config import (_text_config, attention_windows, check_hf_config,  # noqa: F401
                         declared_chunks, declared_windows, is_hf)
 from .hf_experts import (_ACTIVATIONS, _GATES, EXPERTS_IMPLEMENTATION,  # noqa: F401
-                         dcp_experts_forward, experts_form)
+                         _default_gate, _gpt_oss_gate, dcp_experts_forward, experts_form)
 from .module_experts import module_experts_enabled, stacked_experts
 
 ATTN_IMPLEMENTATION = "dcp_paged"

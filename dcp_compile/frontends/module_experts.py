@@ -221,7 +221,7 @@ def _optional_gate(module: str, cls: str, gate) -> dict:
     import importlib
     try:
         return {getattr(importlib.import_module(module), cls)._apply_gate: gate}
-    except ModuleNotFoundError:
+    except (ModuleNotFoundError, AttributeError):
         return {}
 
 
