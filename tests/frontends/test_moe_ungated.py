@@ -11,7 +11,7 @@
 - the refusals: a gate with an ungated layout, a parameter the activation does not read;
 - the structure of a transformed Nemotron-H with MoE blocks (the up projection cut to I/tp
   by TP, E/tp experts by EP, one all-reduce per MoE block) and, behind ``DCP_HYBRID_FULL``,
-  its expert-parallel decode against the model's own forward (the TP cells are
+  its expert-parallel decode and prefill against the model's own forward (the TP cells are
   tests/frontends/test_hybrid_mamba.py's, whose tiny Nemotron-H has MoE blocks).
 """
 
@@ -208,17 +208,23 @@ def _ancestors(n):
 
 
 @pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
 @pytest.mark.parametrize("tp,dcp", [(4, 2), (8, 4)], ids=["tp4-dcp2", "tp8-dcp4"])
-def test_nemotron_h_expert_parallel_decode_matches_its_own_forward(tp, dcp):
+def test_nemotron_h_expert_parallel_matches_its_own_forward(tp, dcp, mode):
     """Expert parallel: E=4 experts over tp=4 ranks (one each; tp=8 is refused by name: more
-    ranks than experts)."""
-    from hybrid_runs import BLOCK, SHAPES, assert_decode_matches, model_of
+    ranks than experts). Prefill in two chunks."""
+    from hybrid_runs import BLOCK, SHAPES, assert_decode_matches, assert_prefill_matches, \
+        model_of
     model = model_of("nemotron_h")
-    kwargs = dict(tp=tp, dcp=dcp, mode="decode", block_size=BLOCK, shapes=SHAPES,
-                  check=False, expert_parallel=True)
+    kwargs = dict(tp=tp, dcp=dcp, mode=mode, block_size=BLOCK, shapes=SHAPES, check=False,
+                  expert_parallel=True)
     if tp > model.config.n_routed_experts:
         with pytest.raises(DCPTransformError, match=r"fewer experts than ranks"):
             dcp_compile.transform(model, **kwargs)
         return
-    assert_decode_matches(model, dcp_compile.transform(model, **kwargs),
-                          f"nemotron_h EP tp={tp} dcp={dcp}")
+    program = dcp_compile.transform(model, **kwargs)
+    label = f"nemotron_h EP tp={tp} dcp={dcp}"
+    if mode == "decode":
+        assert_decode_matches(model, program, label)
+    else:
+        assert_prefill_matches(model, program, 2, label)

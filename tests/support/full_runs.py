@@ -58,7 +58,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "frontends/test_hybrid_headcut.py's mixers cut by heads: 8 families "
                         "x both layouts, decode and prefill (the slice: Qwen3.5 decode at "
                         "tp=4/dcp=2); "
-                        "frontends/test_moe_ungated.py's Nemotron-H expert-parallel decode "
+                        "frontends/test_moe_ungated.py's Nemotron-H expert-parallel decode and prefill "
                         "at tp=4/dcp=2 and tp=8/dcp=4 (refused: 4 experts, 8 ranks)"),
     "DCP_HYBRID_XLA_FULL": ("lowering/test_hybrid_xla.py",
                             "hybrid programs lowered and run on XLA:CPU: LFM2 and Bamba x "
