@@ -11,7 +11,8 @@ Three layers in one namespace, lowest last: the compiler (this package's own mod
 
 from .runtime.version import __version__  # noqa: F401  (dcp-compile --version)
 from .runtime.config import DCPConfig
-from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPConfigError, DCPError,
+from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPCompressedAttentionError,
+                             DCPConfigError, DCPError,
                              DCPHybridError, DCPInputError, DCPKVLayoutError,
                              DCPLengthDependentError,
                              DCPOutputContractError, DCPProofError, DCPSparseAttentionError,
@@ -20,7 +21,8 @@ from .runtime.errors import (DCPCheckError, DCPCompilerBug, DCPConfigError, DCPE
 from .runtime.topology import Topology, topology
 
 __all__ = [
-    "DCPCheckError", "DCPCompilerBug", "DCPConfig", "DCPConfigError", "DCPError",
+    "DCPCheckError", "DCPCompilerBug", "DCPCompressedAttentionError", "DCPConfig",
+    "DCPConfigError", "DCPError",
     "DCPKVLayoutError",
     "DCPHybridError", "DCPInputError", "DCPLengthDependentError", "DCPOutputContractError",
     "DCPProofError", "DCPSparseAttentionError", "DCPTokenMixingError",

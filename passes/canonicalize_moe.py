@@ -38,8 +38,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 import dcp_compile.runtime.kernels.ops  # noqa: F401  (registers torch.ops.dcp.*)
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.program.facts import MixtureOfExperts, ModelFacts
-from dcp_compile.runtime.kernels.moe import (LAYOUTS, OPERANDS, PARAMETRISED, ExpertActivation,
-                                     ExpertLayout)
+from dcp_compile.runtime.kernels.moe import (ACTIVATIONS, LAYOUTS, OPERANDS, PARAMETERS,
+                                             ExpertActivation, ExpertLayout, parameters_agree)
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
 from .infra import DCPPass, Found, Property, ensure, source_of, val
@@ -273,12 +273,11 @@ class CanonicalizeMoE(DCPPass):
                 raise DCPTransformError(
                     f"dcp.moe {what} {a[what]!r} is unknown: {where}. Use one of "
                     f"{[e.value for e in enum]}.")
-        if (a["activation"] in PARAMETRISED) != (a["alpha"] is not None
-                                                 and a["limit"] is not None):
+        if not parameters_agree(a["activation"], a["alpha"], a["limit"]):
             raise DCPTransformError(
                 f"dcp.moe activation {a['activation']} with alpha={a['alpha']}, "
-                f"limit={a['limit']}: {where}. Pass alpha and limit with "
-                f"{sorted(a.value for a in PARAMETRISED)}, neither with the others.")
+                f"limit={a['limit']}: {where}. Pass the parameters it reads, no others: "
+                f"{ {k.value: v for k, v in PARAMETERS.items()} }, none for the others.")
         for what in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
             w = a[what]
             if w is not None and w.op != "placeholder":
@@ -287,22 +286,29 @@ class CanonicalizeMoE(DCPPass):
                     f"stacked expert parameters to dcp.moe directly.")
         form = LAYOUTS[ExpertLayout(a["layout"])]
         x, ids, weights, gate_up = (val(a[k]).shape for k in OPERANDS[:4])
-        num_experts, two_i = gate_up[0], gate_up[form.gate_up_inner_dim]
+        if not form.gated and a["activation"] not in ACTIVATIONS:
+            raise DCPTransformError(
+                f"dcp.moe activation {a['activation']} is a gate, and layout {a['layout']} has "
+                f"no gate projection: {where}. Pass an elementwise activation "
+                f"({[x.value for x in ACTIVATIONS]}) with an ungated layout.")
+        num_experts, width = gate_up[0], gate_up[form.gate_up_inner_dim]
+        inner = width // form.projections
         t, k = ids
         hidden = x[-1] if len(x) == 2 else None
-        expected = {"gate_up_proj": _ordered(form, num_experts, two_i, hidden),
-                    "down_proj": _ordered(form, num_experts, hidden, two_i // 2),
-                    "gate_up_bias": (num_experts, two_i), "down_bias": (num_experts, hidden)}
+        expected = {"gate_up_proj": _ordered(form, num_experts, width, hidden),
+                    "down_proj": _ordered(form, num_experts, hidden, inner),
+                    "gate_up_bias": (num_experts, width), "down_bias": (num_experts, hidden)}
         wrong = {w: tuple(val(a[w]).shape) for w in expected
                  if a[w] is not None and tuple(val(a[w]).shape) != expected[w]}
-        if tuple(weights) != (t, k) or tuple(x) != (t, hidden) or two_i % 2 or wrong:
+        if tuple(weights) != (t, k) or tuple(x) != (t, hidden) or width % form.projections \
+                or wrong:
             raise DCPTransformError(
                 f"dcp.moe shapes do not agree ({a['layout']} layout): x {tuple(x)}, ids "
                 f"{tuple(ids)}, weights {tuple(weights)}, gate_up {tuple(gate_up)}, wrong "
                 f"{wrong or 'none'} (expected {expected}): {where}. Pass x [T, H], routing "
                 f"[T, k] and expert weights laid out as the layout says (runtime/kernels/moe.py).")
         _check_dtype(val(a["gate_up_proj"]).dtype, val(a["x"]).dtype, where)
-        _check_cut(cfg, num_experts, two_i // 2, where)
+        _check_cut(cfg, num_experts, inner, where)
 
     def ensures(self, gm):
         left = [n.name for n in gm.graph.nodes if n.op == "call_function"

@@ -87,6 +87,14 @@ class DCPSparseAttentionError(DCPTransformError):
     is not built yet, so transform refuses (docs/moe-mla.md)."""
 
 
+class DCPCompressedAttentionError(DCPTransformError):
+    """Compressed attention (DeepSeek-V4's HCA and CSA): KV entries each pooled from a group of
+    tokens (a softmax-gated sum over a window of the sequence), attended beside the
+    sliding-window keys in one softmax. An entry mixes tokens across positions of the cache:
+    under DCP a window's tokens sit on different ranks, and the entry is written only when its
+    window closes; no paged cache of per-token K/V holds it (docs/moe-mla.md: DeepSeek-V4)."""
+
+
 class DCPKVLayoutError(DCPTransformError):
     """Per-layer KV layouts (head_dim / KV heads by layer type) or KV shared across layers
     (Gemma 4) in a form that cannot be served exactly: a layer sharing only one of another

@@ -172,7 +172,7 @@ def hf_expert_activations() -> dict:
 
     from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
     return {A.SiLUActivation: Act.SILU, nn.SiLU: Act.SILU, nn.ReLU: Act.RELU,
-            A.GELUTanh: Act.GELU_TANH}
+            A.GELUTanh: Act.GELU_TANH, A.ReLUSquaredActivation: Act.RELU2}
 
 
 def _bailing_gate(experts: nn.Module):
@@ -188,16 +188,54 @@ def _bailing_gate(experts: nn.Module):
     return act, False, {}
 
 
+def _deepseek_v4_gate(experts: nn.Module):
+    """DeepSeek-V4's ``_apply_gate``: ``act(min(gate, limit)) * clamp(up, ±limit)`` (the clamp
+    before the activation, unlike Bailing's), dcp.moe's ``clamped_silu`` for a SiLU act."""
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    if expert_activation(experts.act_fn) is not Act.SILU or experts.limit is None:
+        raise DCPTransformError(
+            f"{type(experts).__name__}: its gate is act(min(gate, limit)) * clamp(up, ±limit) "
+            f"with activation {experts.act_fn} and limit={experts.limit}: dcp.moe computes it "
+            f"for SiLU and a limit (clamped_silu). Use hidden_act='silu' and a swiglu_limit.")
+    return Act.CLAMPED_SILU, False, {"limit": float(experts.limit)}
+
+
+def _hy_v4_gate(experts: nn.Module):
+    """HY-V4's ``_apply_gate``: ``F.silu(min(gate, swiglu_limit)) * clamp(up, ±swiglu_limit)``
+    (SiLU written in the gate, not read from ``act_fn``): ``clamped_silu``."""
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    return Act.CLAMPED_SILU, False, {"limit": float(experts.swiglu_limit)}
+
+
+def _minimax_m3_gate(experts: nn.Module):
+    """MiniMax-M3's ``_apply_gate``: gpt-oss's clamped SwiGLU (``swiglu_alpha``,
+    ``swiglu_limit``) over concatenated [gate; up]."""
+    from dcp_compile.runtime.kernels.moe import ExpertActivation as Act
+    return Act.CLAMPED_SWIGLU, False, {"alpha": float(experts.swiglu_alpha),
+                                       "limit": float(experts.swiglu_limit)}
+
+
+def _optional_gate(module: str, cls: str, gate) -> dict:
+    """``{cls._apply_gate: gate}`` where transformers has ``module.cls``; a transformers without
+    the model type (vLLM's pinned one) has no such class to meet."""
+    import importlib
+    try:
+        return {getattr(importlib.import_module(module), cls)._apply_gate: gate}
+    except (ModuleNotFoundError, AttributeError):
+        return {}
+
+
 def more_expert_gates() -> dict:
     """Experts classes' own ``_apply_gate`` the HF frontend's gate table adds
-    (``huggingface._gate_table``): the method -> (activation, interleaved, params). A
-    transformers without the model type (vLLM's pinned one) has no such class to meet."""
-    try:
-        from transformers.models.bailing_hybrid.modeling_bailing_hybrid import \
-            BailingHybridExperts
-    except ModuleNotFoundError:
-        return {}
-    return {BailingHybridExperts._apply_gate: _bailing_gate}
+    (``hf_experts._gate_table``): the method -> (activation, interleaved, params)."""
+    models = "transformers.models"
+    return {**_optional_gate(f"{models}.bailing_hybrid.modeling_bailing_hybrid",
+                             "BailingHybridExperts", _bailing_gate),
+            **_optional_gate(f"{models}.deepseek_v4.modeling_deepseek_v4", "DeepseekV4Experts",
+                             _deepseek_v4_gate),
+            **_optional_gate(f"{models}.hy_v4.modeling_hy_v4", "HYV4Experts", _hy_v4_gate),
+            **_optional_gate(f"{models}.minimax_m3_vl.modeling_minimax_m3_vl",
+                             "MiniMaxM3VLExperts", _minimax_m3_gate)}
 
 
 def expert_activation(act_fn):

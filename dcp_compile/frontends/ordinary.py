@@ -23,6 +23,7 @@ from .hf_checkpoint import checkpoint_sources
 from .module_experts import drop_replaced_weights, module_experts_enabled, stacked_experts
 from .module_position_bias import (Tables, bias_sites, module_position_bias_enabled,
                                    prepare_distance_tables)
+from .module_compressed_attention import refuse_compressed_attention
 from .module_sparse_attention import indexer_sites, module_indexers_enabled
 from .module_windows import module_windows_enabled, window_sites
 from .hf_config import attention_chunks
@@ -136,6 +137,9 @@ class OrdinaryStep(nn.Module):
         # transformers' DSA indexers as one dcp.index_topk op each (module_sparse_attention):
         # for the capture only; the reference runs the model's own indexer.
         self.indexers = indexer_sites(model) if self.hf else []
+        # DeepSeek-V4's compressed attention: refused by name before the capture meets it
+        if self.hf:
+            refuse_compressed_attention(model)
         self.takes_positions = "position_ids" in params
         first = next(iter(params), None)
         if first is None:

@@ -31,7 +31,8 @@ def expert_cuts(n, tp: int, expert_parallel: bool) -> dict[str, object]:
     - expert parallel: experts [r E/tp, (r+1) E/tp) of every weight and bias;
     - tensor parallel: 1/tp of each expert's intermediate dim I. Concatenated [gate; up] is
       cut segment by segment; interleaved gate/up (gate0, up0, gate1, ...) in contiguous
-      blocks of 2I/tp columns, whole (gate, up) pairs since tp divides I. The down bias is no
+      blocks of 2I/tp columns, whole (gate, up) pairs since tp divides I; ungated (the up
+      projection alone) in one segment of I/tp. The down bias is no
       sum over I: it stays whole on every rank and only intermediate slice 0 adds it (dcp.moe's
       ``inner_rank``, set by shard_tensor_parallel), so the all-reduce counts it once."""
     form = LAYOUTS[ExpertLayout(n.args[ARG["layout"]])]
@@ -39,9 +40,9 @@ def expert_cuts(n, tp: int, expert_parallel: bool) -> dict[str, object]:
     if expert_parallel:
         ep = Shard(0, (Seg(gate_up[0], tp),), "mlp")
         return dict.fromkeys(WEIGHTS, ep)
-    two_i = gate_up[form.gate_up_inner_dim]
-    inner = Seg(two_i // 2, tp)
-    gate_up_segs = (Seg(two_i, tp),) if form.interleaved else (inner, inner)
+    width = gate_up[form.gate_up_inner_dim]
+    inner = Seg(width // form.projections, tp)
+    gate_up_segs = (Seg(width, tp),) if form.interleaved else (inner,) * form.projections
     return {"gate_up_proj": Shard(form.gate_up_inner_dim, gate_up_segs, "mlp"),
             "down_proj": Shard(form.down_inner_dim, (inner,), "mlp"),
             "gate_up_bias": Shard(1, gate_up_segs, "mlp"),

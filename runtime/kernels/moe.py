@@ -7,6 +7,10 @@ picks the same experts, ties included. ``dcp.moe`` takes their result and comput
     out[t] = sum_j  w[t, j] * (down_e(glu(gate_e x[t] + bg_e, up_e x[t] + bu_e)) + bd_e),
     e = ids[t, j]
 
+(gated experts), or, for ungated experts (Nemotron-H: up -> act -> down, no gate projection),
+
+    out[t] = sum_j  w[t, j] * (down_e(act(up_e x[t] + bu_e)) + bd_e)
+
 over the experts this rank holds. Shapes are static (tokens x top-k, no data-dependent shape).
 
 Tensor conventions (``layout``: ``ExpertLayout``, a row of ``LAYOUTS``):
@@ -15,7 +19,9 @@ Tensor conventions (``layout``: ``ExpertLayout``, a row of ``LAYOUTS``):
   topk_weights  [T, k]           their routing weights
   gate_up_proj  [E_local, 2 * I_local, H]   (transposed: [E_local, H, 2 * I_local]); the 2I
                                  dim holds [gate ; up] (concatenated) or gate0, up0, gate1,
-                                 up1, ... (interleaved: gpt-oss)
+                                 up1, ... (interleaved: gpt-oss); ungated layouts: the up
+                                 projection alone, [E_local, I_local, H] (transposed
+                                 [E_local, H, I_local])
   down_proj     [E_local, H, I_local]       (transposed: [E_local, I_local, H])
   expert_rank   0-d int64        this rank's expert shard: it holds global experts
                                  [expert_rank * E_local, (expert_rank + 1) * E_local)
@@ -25,7 +31,8 @@ Tensor conventions (``layout``: ``ExpertLayout``, a row of ``LAYOUTS``):
                                  dim. The down bias is not a sum over I: only slice 0 adds it,
                                  so the ranks' sum counts it once.
   activation    ``ExpertActivation``: the gate act(gate) * up, or gpt-oss's clamped SwiGLU
-                                 (``alpha``, ``limit``)
+                                 (``alpha``, ``limit``); ungated: act(up), ``act`` a row of
+                                 ``ACTIVATIONS`` (relu² among them)
 
 Tensor-parallel experts cut I (each rank's output is a partial sum over I); expert-parallel
 experts cut E (each rank's output sums only its experts' tokens). Either way the output is a
@@ -46,13 +53,15 @@ from dcp_compile.runtime.kernels.op_defs import dcp_op
 
 
 class ExpertActivation(StrEnum):
-    """The gate of a gated expert: glu(gate, up)."""
+    """The activation of an expert: gated, glu(gate, up); ungated, act(up)."""
 
     SILU = "silu"                         # act(gate) * up
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
     RELU = "relu"
+    RELU2 = "relu2"                       # relu(x)² (Primer; Nemotron-H's experts)
     CLAMPED_SWIGLU = "clamped_swiglu"     # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)
+    CLAMPED_SILU = "clamped_silu"         # DeepSeek-V4: silu(min(g, limit)) * clamp(up, ±limit)
 
 
 def _clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
@@ -62,40 +71,69 @@ def _clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Ten
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _clamped_silu(gate: Tensor, up: Tensor, alpha, limit: float) -> Tensor:
+    """DeepSeek-V4's (and Bailing-hybrid's, with ``swiglu_limits``) gate: the default
+    act(gate) * up with the gate clamped to <= limit and up to [-limit, limit]."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _relu2(x: Tensor) -> Tensor:
+    """transformers' ``ReLUSquaredActivation``: square(relu(x))."""
+    return torch.square(F.relu(x))
+
+
+# activation -> act(x), the elementwise activations (of the gate, or of the up projection of
+# an ungated expert)
+ACTIVATIONS = {
+    ExpertActivation.SILU: F.silu,
+    ExpertActivation.GELU: F.gelu,
+    ExpertActivation.GELU_TANH: lambda x: F.gelu(x, approximate="tanh"),
+    ExpertActivation.RELU: F.relu,
+    ExpertActivation.RELU2: _relu2,
+}
+
+
 def _act_times_up(act):
     return lambda gate, up, alpha, limit: act(gate) * up
 
 
-# activation -> glu(gate, up, alpha, limit)
-GATES = {
-    ExpertActivation.SILU: _act_times_up(F.silu),
-    ExpertActivation.GELU: _act_times_up(F.gelu),
-    ExpertActivation.GELU_TANH: _act_times_up(lambda x: F.gelu(x, approximate="tanh")),
-    ExpertActivation.RELU: _act_times_up(F.relu),
-    ExpertActivation.CLAMPED_SWIGLU: _clamped_swiglu,
-}
-# Activations that read alpha and limit (the others must leave them unset).
-PARAMETRISED = {ExpertActivation.CLAMPED_SWIGLU}
+# activation -> glu(gate, up, alpha, limit), for gated experts
+GATES = {**{a: _act_times_up(act) for a, act in ACTIVATIONS.items()},
+         ExpertActivation.CLAMPED_SWIGLU: _clamped_swiglu,
+         ExpertActivation.CLAMPED_SILU: _clamped_silu}
+# activation -> the parameters it reads (the others must leave alpha and limit unset).
+PARAMETERS = {ExpertActivation.CLAMPED_SWIGLU: ("alpha", "limit"),
+              ExpertActivation.CLAMPED_SILU: ("limit",)}
+
+
+def parameters_agree(activation: str, alpha, limit) -> bool:
+    """``activation`` gets exactly the parameters it reads (``PARAMETERS``)."""
+    given = {name for name, v in (("alpha", alpha), ("limit", limit)) if v is not None}
+    return given == set(PARAMETERS.get(ExpertActivation(activation), ()))
 
 
 class ExpertLayout(StrEnum):
-    """How the stacked expert weights are laid out (transformers' ``is_concatenated`` and
-    ``is_transposed``)."""
+    """How the stacked expert weights are laid out (transformers' ``is_concatenated``,
+    ``is_transposed`` and ``has_gate``)."""
 
     CONCATENATED = "concatenated"                    # Mixtral, Qwen-MoE, DeepSeek-V3, ...
     CONCATENATED_TRANSPOSED = "concatenated_transposed"
     INTERLEAVED = "interleaved"
     INTERLEAVED_TRANSPOSED = "interleaved_transposed"   # gpt-oss
+    UNGATED = "ungated"                              # Nemotron-H: up_proj [E, I, H], no gate
+    UNGATED_TRANSPOSED = "ungated_transposed"
 
 
 @dataclass(frozen=True)
 class WeightLayout:
     transposed: bool     # weights stored [in, out] (x @ w) rather than [out, in] (x @ w.T)
     interleaved: bool    # the 2I dim alternates gate and up columns
+    gated: bool = True   # False: the first projection is the up projection alone (I, not 2I)
 
     @property
     def gate_up_inner_dim(self) -> int:
-        """The 2I dim of gate_up_proj [E, ., .] (the dim tensor-parallel experts cut)."""
+        """The 2I (ungated: I) dim of gate_up_proj [E, ., .] (the dim tensor-parallel experts
+        cut)."""
         return 2 if self.transposed else 1
 
     @property
@@ -103,8 +141,15 @@ class WeightLayout:
         """The I dim of down_proj [E, ., .]."""
         return 1 if self.transposed else 2
 
-    def split(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        """[..., 2I] -> (gate, up) [..., I]."""
+    @property
+    def projections(self) -> int:
+        """How many projections of width I the first weight stacks: 2 (gate, up) or 1 (up)."""
+        return 2 if self.gated else 1
+
+    def split(self, h: Tensor) -> tuple[Tensor, ...]:
+        """[..., 2I] -> (gate, up) [..., I]; ungated: (up,)."""
+        if not self.gated:
+            return (h,)
         return (h[..., 0::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
 
     def matrix(self, w: Tensor) -> Tensor:
@@ -117,7 +162,11 @@ LAYOUTS = {
     ExpertLayout.CONCATENATED_TRANSPOSED: WeightLayout(transposed=True, interleaved=False),
     ExpertLayout.INTERLEAVED: WeightLayout(transposed=False, interleaved=True),
     ExpertLayout.INTERLEAVED_TRANSPOSED: WeightLayout(transposed=True, interleaved=True),
+    ExpertLayout.UNGATED: WeightLayout(transposed=False, interleaved=False, gated=False),
+    ExpertLayout.UNGATED_TRANSPOSED: WeightLayout(transposed=True, interleaved=False,
+                                                  gated=False),
 }
+
 
 # dcp.moe's operands in schema order (positional indices for the passes, which normalise
 # every dcp.moe node to positional arguments: passes/canonicalize_moe.py).
@@ -128,17 +177,26 @@ ARG = {name: i for i, name in enumerate(OPERANDS)}
 
 
 def _form(activation: str, layout: str, alpha, limit):
-    """(glu, WeightLayout) of the op's data arguments; ValueError names a bad one."""
+    """(inner, WeightLayout) of the op's data arguments: ``inner`` maps the first projection's
+    output [..., 2I] (ungated: [..., I]) to the down projection's input [..., I]; ValueError
+    names a bad argument."""
     try:
         act, lay = ExpertActivation(activation), ExpertLayout(layout)
     except ValueError as e:
         raise ValueError(f"dcp.moe: {e}; activations {[a.value for a in ExpertActivation]}, "
                          f"layouts {[x.value for x in ExpertLayout]}") from None
-    if (act in PARAMETRISED) != (alpha is not None and limit is not None):
+    if not parameters_agree(act, alpha, limit):
         raise ValueError(f"dcp.moe activation {act.value} with alpha={alpha}, limit={limit}: "
-                         f"{sorted(PARAMETRISED)} take both, the others neither")
+                         f"it reads {PARAMETERS.get(act, ())} (PARAMETERS)")
+    form = LAYOUTS[lay]
+    if not form.gated:
+        if act not in ACTIVATIONS:
+            raise ValueError(f"dcp.moe activation {act.value} is a gate, and layout "
+                             f"{lay.value} has no gate projection: ungated experts take "
+                             f"{[a.value for a in ACTIVATIONS]}")
+        return (lambda h: ACTIVATIONS[act](h)), form
     glu = GATES[act]
-    return (lambda gate, up: glu(gate, up, alpha, limit)), LAYOUTS[lay]
+    return (lambda h: glu(*form.split(h), alpha, limit)), form
 
 
 def local_experts(topk_ids: Tensor, expert_rank: Tensor, num_local: int):
@@ -167,14 +225,14 @@ def _moe_impl(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: T
               inner_rank: Tensor | None = None, layout: str = "concatenated",
               alpha: float | None = None, limit: float | None = None) -> Tensor:
     """Reference (and decomposition): gather each choice's expert weights, [T, k] static."""
-    glu, form = _form(activation, layout, alpha, limit)
+    inner, form = _form(activation, layout, alpha, limit)
     ids, mine = local_experts(topk_ids, expert_rank, gate_up_proj.shape[0])
     w1 = form.matrix(gate_up_proj[ids])                           # [T, k, H, 2I]
     h = torch.einsum("th,tkhi->tki", x.to(w1.dtype), w1)
     if gate_up_bias is not None:
         h = h + gate_up_bias[ids]
     w2 = form.matrix(down_proj[ids])                              # [T, k, I, H]
-    y = torch.einsum("tki,tkih->tkh", glu(*form.split(h)), w2)
+    y = torch.einsum("tki,tkih->tkh", inner(h), w2)
     if down_bias is not None:
         y = y + down_bias[ids] * _adds_down_bias(inner_rank, y)
     return _combine(y, topk_weights, mine, x.dtype)
@@ -207,7 +265,7 @@ def moe_grouped(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj:
     """Eager kernel of ``dcp.moe``: sort the (token, choice) pairs by expert and run one
     matmul per expert over its contiguous rows (a grouped matmul). The group sizes are data
     (one host sync), which is why only eager backends run it (runtime/kernels/eager.py)."""
-    glu, form = _form(activation, layout, alpha, limit)
+    inner, form = _form(activation, layout, alpha, limit)
     num_tokens, k = topk_ids.shape
     ids, mine = local_experts(topk_ids, expert_rank, gate_up_proj.shape[0])
     flat_ids = torch.where(mine, ids, torch.full_like(ids, gate_up_proj.shape[0])).reshape(-1)
@@ -222,7 +280,7 @@ def moe_grouped(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj:
             h = rows[start:start + n] @ form.matrix(gate_up_proj[e])
             if gate_up_bias is not None:
                 h = h + gate_up_bias[e]
-            out = glu(*form.split(h)) @ form.matrix(down_proj[e])
+            out = inner(h) @ form.matrix(down_proj[e])
             y[start:start + n] = out if down_bias is None else out + down_bias[e] * first
         start += n
     unsorted = torch.empty_like(y)

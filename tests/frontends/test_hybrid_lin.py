@@ -189,10 +189,12 @@ def test_bailing_experts_clamped_gate_is_refused_by_name():
     limit (a clamp dcp.moe does not compute) it is refused naming the limit."""
     from types import SimpleNamespace
 
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridExperts
+
     from dcp_compile.frontends.module_experts import more_expert_gates
     from dcp_compile.runtime.errors import DCPTransformError
     from dcp_compile.runtime.kernels.moe import ExpertActivation
-    gate, = more_expert_gates().values()
+    gate = more_expert_gates()[BailingHybridExperts._apply_gate]
     assert gate(SimpleNamespace(act_fn=torch.nn.SiLU(), limit=None))[0] == ExpertActivation.SILU
     with pytest.raises(DCPTransformError, match=r"clamps act\(gate\) and up at limit=7.0"):
         gate(SimpleNamespace(act_fn=torch.nn.SiLU(), limit=7.0))

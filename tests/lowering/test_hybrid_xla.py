@@ -63,7 +63,8 @@ LAYOUTS = ((4, 2), (8, 4))
 # (model type, mode, tp, dcp) of the slice: LFM2 (short conv) decode.
 SLICE = {("lfm2", "decode", 4, 2)}
 # Every other family whose recurrent op has a lowering rule: decode at tp=4/dcp=2.
-OTHER_FAMILIES = ("jamba", "qwen3_5_text", "minimax", "kimi_linear", "recurrent_gemma")
+OTHER_FAMILIES = ("jamba", "qwen3_5_text", "minimax", "kimi_linear", "recurrent_gemma",
+                  "nemotron_h")
 
 
 def _prompts():

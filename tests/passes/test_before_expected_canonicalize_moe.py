@@ -2,9 +2,10 @@
 positional operands, and the router computing its routing is named (its linear runs whole on
 every rank). The forms: routing weights applied to the experts' outputs (Mixtral, torchtitan),
 and a routing score that scales the experts' input (Llama-4: one dcp.moe per choice, weight
-1, input ``x * score``), where the router is found behind the score too. Refusals: experts
-narrower than the tokens (bf16 experts in an fp32 model), and expert parallelism with fewer
-experts than ranks."""
+1, input ``x * score``), where the router is found behind the score too; ungated experts
+(Nemotron-H: the up projection alone). Refusals: experts narrower than the tokens (bf16
+experts in an fp32 model), expert parallelism with fewer experts than ranks, and an ungated
+layout with a gated shape or a gate activation."""
 
 import pytest
 import torch
@@ -103,3 +104,47 @@ def test_expert_parallel_with_fewer_experts_than_ranks_names_the_limit():
     with pytest.raises(DCPTransformError, match=r"fewer experts than ranks: experts=4, tp=8"
                                                 r".*expert_parallel=False"):
         run_alone(CanonicalizeMoE(context(8, 4, "decode", expert_parallel=True)), _before())
+
+
+# -- ungated experts (Nemotron-H): the up projection alone, [E, I, H] ----------------------------
+
+def _ungated(x, p_router, p_up, p_down, rank):
+    """Routing weights on the outputs; experts ``down(relu²(up x))``, no gate projection."""
+    top = aten.topk.default(aten.linear.default(x, p_router), 2, 1)
+    weights = aten.softmax.int(top[0], 1)
+    return (dcp.moe.default(x, top[1], weights, p_up, p_down, rank, "relu2",
+                            layout="ungated"),)
+
+
+def _ungated_inputs(up_rows=I):
+    g = torch.Generator().manual_seed(1)
+    return dict(x=torch.randn(T, H, generator=g), p_router=torch.randn(E, H, generator=g),
+                p_up=torch.randn(E, up_rows, H, generator=g) * 0.3,
+                p_down=torch.randn(E, H, I, generator=g) * 0.3,
+                rank=torch.zeros((), dtype=torch.int64))
+
+
+def test_ungated_experts_keep_their_data_and_values():
+    """An up projection [E, I, H] beside down [E, H, I] is the ungated layout's shape (a
+    gated one would need [E, 2I, H]); the node keeps relu2 / ungated, the values too."""
+    gm = run_alone(CanonicalizeMoE(context(4, 2, "decode")),
+                   before(_ungated, **_ungated_inputs()))
+    moe, = [n for n in gm.graph.nodes if n.target == dcp.moe.default]
+    assert (moe.args[6], moe.args[10]) == ("relu2", "ungated")
+    for got, want in zip(call(gm), call(before(_ungated, **_ungated_inputs()))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_ungated_experts_with_a_gated_shape_or_a_gate_are_refused_by_node():
+    with pytest.raises(DCPTransformError, match=r"dcp.moe shapes do not agree \(ungated "
+                                                r"layout\).*down_proj"):
+        run_alone(CanonicalizeMoE(context(4, 2, "decode")),
+                  before(_ungated, **_ungated_inputs(up_rows=2 * I)))
+    with pytest.raises(DCPTransformError, match=r"activation clamped_silu is a gate, and "
+                                                r"layout ungated has no gate projection: "
+                                                r"node \w+ at"):
+        gm = before(_ungated, **_ungated_inputs())
+        moe, = [n for n in gm.graph.nodes if n.target == dcp.moe.default]
+        moe.args = (*moe.args[:6], "clamped_silu")
+        moe.kwargs = {**moe.kwargs, "limit": 1.0}
+        run_alone(CanonicalizeMoE(context(4, 2, "decode")), gm)

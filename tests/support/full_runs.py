@@ -62,11 +62,14 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "prefill at both layouts (the slice: decode at tp=4/dcp=2); "
                         "frontends/test_hybrid_rglru.py's RecurrentGemma decode and prefill "
                         "x both layouts (the slice: its speculative decode at tp=4/dcp=2 in "
-                        "test_hybrid_hspec.py)"),
+                        "test_hybrid_hspec.py); frontends/test_moe_ungated.py's Nemotron-H "
+                        "expert-parallel decode and prefill at tp=4/dcp=2 and tp=8/dcp=4 "
+                        "(refused: 4 experts, 8 ranks)"),
     "DCP_HYBRID_XLA_FULL": ("lowering/test_hybrid_xla.py",
                             "hybrid programs lowered and run on XLA:CPU: LFM2 and Bamba x "
                             "decode / prefill x tp=4/dcp=2 and tp=8/dcp=4, and Jamba, "
-                            "Qwen3.5, MiniMax, Kimi Linear and RecurrentGemma decode at "
+                            "Qwen3.5, MiniMax, Kimi Linear, RecurrentGemma and Nemotron-H (MoE) "
+                            "decode at "
                             "tp=4/dcp=2, speculative decode of Bamba, Qwen3.5 and "
                             "RecurrentGemma (the slice: LFM2 decode at tp=4/dcp=2); "
                             "lowering/test_dsa_xla.py's DSA programs on XLA:CPU: "

@@ -217,6 +217,7 @@ EXCLUDED = {
 # none of these is reported as "other" and fails the corpus test: users must learn why.
 REASONS = (
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
+    ("compressed attention (DeepSeek-V4 HCA / CSA)", r"compressed attention is not served"),
     ("DeepSeek Sparse Attention (indexer top-k)", r"DeepSeek Sparse Attention"),
     ("per-layer KV layouts (hf.prepare keeps one)", r"has per-layer KV layouts or KV shared"),
     ("KV shared in part (K or V only)", r"but not its (key|value): a layer reads another"),

@@ -38,11 +38,13 @@ _HYBRID = {
 
 # The other Mamba2 hybrids (docs/hybrid.md, "The other Mamba hybrids").
 _HYBRID.update({
-    # Nemotron-H: its own layer pattern (mamba / attention / MLP blocks, one mixer each); a
-    # Mamba2 block, an attention block, each followed by an MLP block
-    "nemotron_h": dict(layers_block_type=["mamba", "mlp", "attention", "mlp"] * 2,
+    # Nemotron-H: its own layer pattern (mamba / attention / MLP / MoE blocks, one mixer
+    # each); a Mamba2 block followed by a MoE block (ungated relu² experts, a group-limited
+    # sigmoid router, a shared expert), an attention block followed by an MLP block
+    "nemotron_h": dict(**MOE, layers_block_type=["mamba", "moe", "attention", "mlp"] * 2,
                        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8,
-                       conv_kernel=4, chunk_size=4, num_hidden_layers=DROP),
+                       conv_kernel=4, chunk_size=4, num_hidden_layers=DROP,
+                       moe_shared_expert_intermediate_size=32),
     # Falcon-H1: a Mamba2 mixer and attention side by side in every layer; every mup
     # multiplier away from 1 (the ssm's per-segment ones too) and the gated group norm on
     "falcon_h1": dict(num_hidden_layers=2, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,

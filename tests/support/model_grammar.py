@@ -33,7 +33,8 @@ new_caches)``). The features are the ways real checkpoints lay out the same comp
             sigmoid gate, a linear to one feature (Qwen2-MoE)
   expert_parallel  (MoE) transform(..., expert_parallel=True): experts partitioned over tp
   experts_form  (MoE) concatenated [gate; up], act(gate) * up (Mixtral) | gpt-oss's: biased,
-            gate/up interleaved and transposed, clamped SwiGLU (limit 1: the clamps bite)
+            gate/up interleaved and transposed, clamped SwiGLU (limit 1: the clamps bite) |
+            ungated: the up projection alone, relu² (Nemotron-H)
   token_mix  none | the attention input mixes tokens along the sequence before attention:
             a token shift of half the features (x-transformers ``shift_tokens=1``) | a roll
             | pad + slice | a cumsum | a causal depthwise convolution. A paged step cannot
@@ -125,7 +126,7 @@ FEATURES = {
     "moe": ["none", "softmax", "topk_softmax", "sigmoid_group"],
     "shared": ["none", "plain", "gated"],
     "expert_parallel": [False, True],
-    "experts_form": ["concatenated", "gpt_oss"],
+    "experts_form": ["concatenated", "gpt_oss", "ungated"],
     "token_mix": ["none", "shift", "roll", "pad_slice", "cumsum", "conv"],
     "recurrent": ["none", "short_conv", "mamba2", "gated_deltanet"],
 }
@@ -344,6 +345,16 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.gelu(self.up_proj(x)))
 
 
+# experts_form -> dcp.moe's data (and biases) for a MoE block
+EXPERTS_FORMS = {
+    "concatenated": lambda m: dict(activation="silu"),
+    "gpt_oss": lambda m: dict(activation="clamped_swiglu", gate_up_bias=m.gate_up_proj_bias,
+                              down_bias=m.down_proj_bias, layout="interleaved_transposed",
+                              alpha=1.702, limit=1.0),
+    "ungated": lambda m: dict(activation="relu2", layout="ungated"),
+}
+
+
 class MoE(nn.Module):
     """Routed experts through torch.ops.dcp.moe (a plain model's MoE block), optionally with
     a shared expert; the router is one of three families (see ``moe`` above)."""
@@ -358,8 +369,9 @@ class MoE(nn.Module):
             self.down_proj = nn.Parameter(torch.empty(e, inter, h))
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * inter))
             self.down_proj_bias = nn.Parameter(torch.empty(e, h))
-        else:
-            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h))
+        else:                                   # ungated: the up projection [E, I, H]
+            width = inter if spec.experts_form == "ungated" else 2 * inter
+            self.gate_up_proj = nn.Parameter(torch.empty(e, width, h))
             self.down_proj = nn.Parameter(torch.empty(e, h, inter))
         if spec.moe == "sigmoid_group":
             self.score_bias = nn.Parameter(torch.empty(e))
@@ -393,10 +405,7 @@ class MoE(nn.Module):
         t = x.reshape(-1, h)
         ids, weights = self._route(t)
         rank0 = torch.zeros((), dtype=torch.int64, device=x.device)
-        form = dict(activation="silu") if self.spec.experts_form == "concatenated" else dict(
-            activation="clamped_swiglu", gate_up_bias=self.gate_up_proj_bias,
-            down_bias=self.down_proj_bias, layout="interleaved_transposed", alpha=1.702,
-            limit=1.0)
+        form = EXPERTS_FORMS[self.spec.experts_form](self)
         out = torch.ops.dcp.moe(t, ids, weights, self.gate_up_proj, self.down_proj, rank0,
                                 **form)
         if self.spec.shared != "none":
