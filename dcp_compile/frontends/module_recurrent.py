@@ -138,6 +138,17 @@ RULES = (
                   _gdn_shape,
                   lambda m, s: _gdn_forward(m, s, _olmo_hybrid_head, _olmo_hybrid_beta,
                                             norm="o_norm", out="o_proj"), _gdn_cut),
+    # LaRA-mini: Qwen3.5's Gated DeltaNet forward (same source), its gated norm in fp32
+    RecurrentRule(f"{_TF}.lara_mini.modeling_lara_mini", "LaraMiniGatedDeltaNet",
+                  {"LaraMiniGatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "LaraMiniRMSNormGated.forward": "536ae00bbdc7", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head), _gdn_cut),
+    # Qwen4-exp (text): Qwen3.5's Gated DeltaNet forward (same source); its gated norm's
+    # activation is the config's output_gate_type (the model's own module runs it)
+    RecurrentRule(f"{_TF}.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextGatedDeltaNet",
+                  {"Qwen4ExpTextGatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "Qwen4ExpTextRMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head), _gdn_cut),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
                    "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
@@ -217,6 +228,10 @@ RULES = (
     RecurrentRule(f"{_TF}.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv",
                   {"Lfm2MoeShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
+    # LFM3: LFM2's short conv (the same forward) beside gated, sliding and full attention
+    RecurrentRule(f"{_TF}.lfm3.modeling_lfm3", "Lfm3ShortConv",
+                  {"Lfm3ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
+                  _short_conv_shape, _short_conv_forward),
 )
 
 
@@ -227,7 +242,8 @@ HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_
                                 "lfm2_moe", "jamba", "nemotron_h", "falcon_h1", "zamba2",
                                 "olmo_hybrid",
                                 "kimi_linear", "minimax", "recurrent_gemma",
-                                "bailing_hybrid"})
+                                "bailing_hybrid", "lfm3", "lara_mini", "qwen4_exp",
+                                "qwen4_exp_text"})
 RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "recurrent",
                                    "hybrid"})
 
