@@ -77,6 +77,18 @@ def _refuse_unruled_hybrid(model, shapes):
     raise AssertionError("refuse_unruled_hybrid returned")  # pragma: no cover
 
 
+def _has_not_built_part(model) -> bool:
+    """A model with a part known by name that no dcp op computes (module_recurrent.NOT_BUILT)."""
+    from .module_recurrent import not_built_parts
+    return bool(not_built_parts(model))
+
+
+def _refuse_not_built(model, shapes):
+    from .module_recurrent import refuse_not_built   # raises DCPHybridError by name
+    refuse_not_built(model)
+    raise AssertionError("refuse_not_built returned")  # pragma: no cover
+
+
 def _hybrid(model, shapes):
     from .hybrid import HybridFrontend      # refuses by name what is not built
     return HybridFrontend(model, shapes)
@@ -100,6 +112,7 @@ HF_PAGED_ATTENTION = "dcp_paged"
 
 # (test, frontend factory), tried in order: the first test that holds picks the frontend.
 FRONTEND_RULES: tuple[tuple[Callable[[nn.Module], bool], Callable], ...] = (
+    (_has_not_built_part, _refuse_not_built),  # a part no dcp op computes: by name
     (_has_recurrent_layers, _hybrid),       # hybrid (docs/hybrid.md): mixers as dcp ops
     (_unruled_hybrid, _refuse_unruled_hybrid),  # a hybrid without a swap rule: by name
     (has_paged_hooks, _paged),              # states its cache: num_layers, kv_cache_shape

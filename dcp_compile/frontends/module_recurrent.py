@@ -138,6 +138,17 @@ RULES = (
                   _gdn_shape,
                   lambda m, s: _gdn_forward(m, s, _olmo_hybrid_head, _olmo_hybrid_beta,
                                             norm="o_norm", out="o_proj"), _gdn_cut),
+    # LaRA-mini: Qwen3.5's Gated DeltaNet forward (same source), its gated norm in fp32
+    RecurrentRule(f"{_TF}.lara_mini.modeling_lara_mini", "LaraMiniGatedDeltaNet",
+                  {"LaraMiniGatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "LaraMiniRMSNormGated.forward": "536ae00bbdc7", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head), _gdn_cut),
+    # Qwen4-exp (text): Qwen3.5's Gated DeltaNet forward (same source); its gated norm's
+    # activation is the config's output_gate_type (the model's own module runs it)
+    RecurrentRule(f"{_TF}.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextGatedDeltaNet",
+                  {"Qwen4ExpTextGatedDeltaNet.forward": "a43ffe9ab7f4",
+                   "Qwen4ExpTextRMSNormGated.forward": "5a4bd64da7fd", **_GDN_FUNCTIONS},
+                  _gdn_shape, lambda m, s: _gdn_forward(m, s, _qwen3_5_head), _gdn_cut),
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
                    "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
@@ -217,6 +228,10 @@ RULES = (
     RecurrentRule(f"{_TF}.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv",
                   {"Lfm2MoeShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),
+    # LFM3: LFM2's short conv (the same forward) beside gated, sliding and full attention
+    RecurrentRule(f"{_TF}.lfm3.modeling_lfm3", "Lfm3ShortConv",
+                  {"Lfm3ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
+                  _short_conv_shape, _short_conv_forward),
 )
 
 
@@ -227,7 +242,8 @@ HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_
                                 "lfm2_moe", "jamba", "nemotron_h", "falcon_h1", "zamba2",
                                 "olmo_hybrid",
                                 "kimi_linear", "minimax", "recurrent_gemma",
-                                "bailing_hybrid"})
+                                "bailing_hybrid", "lfm3", "lara_mini", "qwen4_exp",
+                                "qwen4_exp_text"})
 RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "recurrent",
                                    "hybrid"})
 
@@ -390,6 +406,44 @@ UNSUPPORTED = {
 # Recurrent mixers known by name whose dcp op is not built yet, and what it would take
 # (their refusal names them, not a list of every module that looks recurrent).
 NOT_BUILT: dict[str, str] = {}
+# Parts of 2026 models (transformers 5.25) that no dcp op computes, by class name; a model
+# holding one is refused naming it (``refuse_not_built``, FRONTEND_RULES' first row) before
+# any rule swaps its other mixers (Qwen4-exp's Gated DeltaNet has a rule, its attention not).
+NOT_BUILT.update({
+    "Qwen4ExpTextQSAIndexer":
+        "its indexed_attention layers (every attention layer of Qwen4-exp) attend through "
+        "QSA (Qwen4ExpTextQSAIndexer): the visible keys are mean-pooled in blocks of "
+        "indexer_compress_ratio tokens, RMS-normed and roped at the block's first position, "
+        "scored by relu(q . k) summed over the indexer heads, and the top "
+        "indexer_budget / indexer_compress_ratio blocks plus the incomplete tail block are "
+        "attended; it is not the per-token top-k of dcp's DSA support. An op for it needs the "
+        "block pooling over the DCP shards (a block may straddle two ranks' vblocks), the "
+        "block top-k over all prior blocks as on one device, and the tail kept whole",
+    "Qwen4ExpTextPLELayer":
+        "its PLE layers (ple_layer_ids) embed hashed n-grams of the last ngram_size token "
+        "ids (reset at EOS) and add a dilated depthwise convolution (dilation ngram_size): "
+        "decode needs a per-sequence state of the last ngram_size - 1 token ids and a "
+        "dilated conv state, and dcp.short_conv has no dilation. An op for it needs both "
+        "states in the state cache beside the layer's Gated DeltaNet state",
+    "ZayaCCAProjection":
+        "its attention projects q, k and v through Compressed Convolutional Attention "
+        "(ZayaCCAProjection): q | k pass a depthwise causal Conv1d (cca_time0) and then a "
+        "grouped causal Conv1d (cca_time1, one group per head: it mixes a head's channels), "
+        "and half of each value head comes from the previous token (a one-token delayed "
+        "projection). No dcp op computes it (dcp.short_conv is depthwise only); an op for it "
+        "needs the two stacked convolutions with a conv state of cca_time0 + cca_time1 - 2 "
+        "tokens over the q | k channels and a one-token value state per sequence slot, "
+        "inside the attention layer (its KV cache then holds the convolved keys)",
+    "InklingShortConvolution":
+        "every Inkling layer runs four depthwise short convolutions (k and v before "
+        "attention, the attention and MLP outputs after, each with a residual, in fp32) and "
+        "adds to its attention scores a position bias computed from the hidden states "
+        "(InklingRelativeLogits: r_proj mixes a bank of bias-vs-distance profiles per "
+        "query). dcp.short_conv computes each convolution, but the state cache keeps one "
+        "conv state per layer and no dcp attention takes a per-query bias over distances; "
+        "an op for it needs four conv states per layer and the relative bias gathered by "
+        "distance on each DCP shard (exact under the LSE combine)",
+})
 
 
 _MIXER_NAMES = re.compile(r"mamba|mixer|linear_?attn|linearattention|deltanet|recurrent|"
@@ -404,6 +458,24 @@ def unruled_mixers(model: nn.Module) -> list[str]:
         return []
     return sorted({type(m).__name__ for _, m in model.named_modules()
                    if _MIXER_NAMES.search(type(m).__name__)})
+
+
+def not_built_parts(model: nn.Module) -> list[tuple[str, str]]:
+    """``model``'s modules whose class ``NOT_BUILT`` names: (module path, class), the first
+    of each class."""
+    seen: dict[str, str] = {}
+    for name, m in model.named_modules():
+        seen.setdefault(type(m).__name__, name)
+    return [(path, cls) for cls, path in seen.items() if cls in NOT_BUILT]
+
+
+def refuse_not_built(model: nn.Module) -> None:
+    """``DCPHybridError`` naming each part of ``model`` no dcp op computes (``NOT_BUILT``)
+    and what an op for it needs; nothing for a model without one."""
+    parts = not_built_parts(model)
+    if parts:
+        what = "; ".join(f"{cls} at {path or '<root>'}: {NOT_BUILT[cls]}" for path, cls in parts)
+        raise DCPHybridError(f"{type(model).__name__}: {what}. Serve this model without DCP.")
 
 
 def refuse_unruled_hybrid(model: nn.Module) -> None:
@@ -446,7 +518,8 @@ def refuse_hybrid_prepare(hf_model: nn.Module) -> None:
     the paged attention's, KV caches only, and its attention function replaces attention
     calls only), so each step's mixers would start from nothing. A hybrid with swap rules is
     served by ``transform`` on the model itself; one without is refused as ``transform``
-    refuses it (``refuse_unruled_hybrid``)."""
+    refuses it (``refuse_unruled_hybrid``; a part no op computes: ``refuse_not_built``)."""
+    refuse_not_built(hf_model)
     refuse_unruled_hybrid(hf_model)
     layers = recurrent_layers(hf_model)
     if not layers:

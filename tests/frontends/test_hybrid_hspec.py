@@ -64,6 +64,8 @@ SLICE = {("bamba", 4, 2)}             # the default run's case; DCP_HYBRID_FULL:
 FAMILY_TYPES = ("qwen3_next", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid", "jamba",
                 "zamba", "nemotron_h", "falcon_h1", "zamba2", "minimax", "lfm2", "lfm2_moe",
                 "granitemoehybrid", "olmo_hybrid", "recurrent_gemma")
+# The 2026 hybrids with swap rules (test_hybrid_newhyb.py): LFM3's short conv, LaRA-mini's GDN
+FAMILY_TYPES += ("lfm3", "lara_mini")
 FAMILY_SLICE = {("jamba", 4, 2)}      # the default run's family cell (prefix caching)
 
 

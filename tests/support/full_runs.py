@@ -64,7 +64,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "x both layouts (the slice: its speculative decode at tp=4/dcp=2 in "
                         "test_hybrid_hspec.py); frontends/test_moe_ungated.py's Nemotron-H "
                         "expert-parallel decode and prefill at tp=4/dcp=2 and tp=8/dcp=4 "
-                        "(refused: 4 experts, 8 ranks)"),
+                        "(refused: 4 experts, 8 ranks); frontends/test_hybrid_newhyb.py's LFM3 "
+                        "and LaRA-mini decode and prefill at both layouts (the slice: LFM3 "
+                        "decode at tp=4/dcp=2)"),
     "DCP_HYBRID_XLA_FULL": ("lowering/test_hybrid_xla.py",
                             "hybrid programs lowered and run on XLA:CPU: LFM2 and Bamba x "
                             "decode / prefill x tp=4/dcp=2 and tp=8/dcp=4, and Jamba, "

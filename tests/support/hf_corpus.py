@@ -216,6 +216,12 @@ EXCLUDED = {
 # What a DCPError says, by the feature it names (first match wins). A refusal that names
 # none of these is reported as "other" and fails the corpus test: users must learn why.
 REASONS = (
+    # Parts of 2026 models no dcp op computes (module_recurrent.NOT_BUILT), named first:
+    ("QSA block-sparse attention (Qwen4-exp indexed_attention)", r"through QSA"),
+    ("hashed n-gram embeddings (Qwen4-exp PLE)", r"hashed n-grams"),
+    ("compressed convolutional attention (ZAYA CCA)", r"Compressed Convolutional Attention"),
+    ("four short convs per layer + hidden-state position bias (Inkling)",
+     r"four depthwise short convolutions"),
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
     ("compressed attention (DeepSeek-V4 HCA / CSA)", r"compressed attention is not served"),
     ("DeepSeek Sparse Attention (indexer top-k)", r"DeepSeek Sparse Attention"),

@@ -156,3 +156,16 @@ def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0, **s
 _HYBRID["recurrent_gemma"] = dict(num_hidden_layers=_LAYERS, lru_width=64,
                                   block_types=["recurrent", "attention"],
                                   attention_window_size=4, logits_soft_cap=5.0)
+
+# The 2026 hybrids with swap rules (docs/hybrid.md, "LFM3 and LaRA-mini"). Not in HYBRID_TYPES
+# (tests/frontends/test_hybrid_newhyb.py tests them). LFM3: LFM2's short conv beside
+# sliding (window 4: shorter than the prompts of 8) and full attention with the per-head
+# sigmoid output gate and sandwich norms. LaRA-mini: Qwen3.5's Gated DeltaNet beside sliding
+# attention (RoPE) and full attention (NoPE), MoE in every layer.
+_HYBRID["lfm3"] = dict(num_hidden_layers=_LAYERS, sliding_window=4, use_attention_gate=True,
+                       use_sandwich_norm=True,
+                       layer_types=["conv", "sliding_attention", "conv", "full_attention"])
+_HYBRID["lara_mini"] = dict(**MOE, **_QWEN_GDN, num_hidden_layers=_LAYERS, sliding_window=4,
+                            layer_types=["linear_attention", "sliding_attention",
+                                         "linear_attention", "full_attention"])
+HEAD_CUT_SIZES["lara_mini"] = _GDN_CUT
