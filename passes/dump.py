@@ -261,9 +261,14 @@ class PassDump:
 
 
 def tracing_enabled() -> bool:
-    """Whether structured tracing (``TORCH_TRACE``) is on in this process."""
-    from torch._logging._internal import trace_log
-    return bool(trace_log.handlers)
+    """Whether structured tracing (``TORCH_TRACE``) is on in this process.
+
+    torch installs its lazy trace handler in every process; without ``TORCH_TRACE`` its
+    ``root_dir`` is None and it removes itself at the first event it sees, so until then its
+    presence says nothing (a process's first transform would record source lines for no one)."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+    return any(not (isinstance(h, LazyTraceHandler) and h.root_dir is None and h.stream is None)
+               for h in trace_log.handlers)
 
 
 def pass_dump(root: str | Path | None, step: str, *, source: str = "transform",

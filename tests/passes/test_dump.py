@@ -230,3 +230,17 @@ def test_torch_trace_gets_every_pass_as_artifacts(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
         listing = "".join(p.read_text(errors="replace") for p in out.rglob("*.html"))
         assert "dcp_decode_10_dcp_decode_graph" in listing
+
+
+@pytest.mark.parametrize("torch_trace", [False, True])
+def test_tracing_is_on_exactly_when_torch_trace_is_set(tmp_path, torch_trace):
+    """In a fresh process torch's lazy trace handler is installed whether or not TORCH_TRACE
+    is set (it removes itself at its first event when it is not): only TORCH_TRACE turns the
+    source lines on, so a process's first transform does not record them for no one."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_TRACE"}
+    if torch_trace:
+        env["TORCH_TRACE"] = str(tmp_path / "trace")
+    out = subprocess.run([sys.executable, "-c", "from dcp_compile.passes.dump import "
+                          "tracing_enabled; print(tracing_enabled())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(torch_trace)
