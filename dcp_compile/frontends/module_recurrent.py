@@ -35,7 +35,7 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _zamba_forward, _short_conv_shape, _short_conv_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
-    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut)
+    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut, mamba2_whole_bc)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -53,6 +53,8 @@ class RecurrentRule:
     # (module, tp) -> None when the op runs cut by heads over tp, else why it runs replicated
     # (the rule passes/placement/recurrent.py's HEAD_CUTS applies to the op); None: no cut
     cut: Callable[[nn.Module, int], str | None] | None = None
+    # (module, tp) -> the conv channels every rank holds whole under the cut (0: none)
+    conv_whole: Callable[[nn.Module, int], int] | None = None
 
 
 def _original(fn):
@@ -106,7 +108,11 @@ def _gdn_cut(m: nn.Module, tp: int) -> str | None:
 
 
 def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
-    return mamba2_cut(m.n_groups, tp)
+    return mamba2_cut(m.n_groups, m.num_heads, tp)
+
+
+def _mamba2_whole(m: nn.Module, tp: int) -> int:
+    return 2 * m.n_groups * m.ssm_state_size if mamba2_whole_bc(m.n_groups, tp) else 0
 
 
 RULES = (
@@ -127,32 +133,32 @@ RULES = (
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
                    "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Granite-4-H: Bamba's code (copied by transformers' modular; only a docstring differs)
     RecurrentRule(f"{_TF}.granitemoehybrid.modeling_granitemoehybrid",
                   "GraniteMoeHybridMambaLayer",
                   {"GraniteMoeHybridMambaLayer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Nemotron-H, Zamba2: Bamba's mixer code (transformers' modular copies; only the scan's
     # docstring differs, its hash therefore does), the group-wise gated RMSNorm
     RecurrentRule(f"{_TF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
                   {"NemotronHMamba2Mixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "171adefd1a44",
                    "NemotronHRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Falcon-H1: a Mamba2 mixer beside attention in every layer, with mup multipliers
     RecurrentRule(f"{_TF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer",
                   {"FalconH1Mixer.forward": "3003699349bf",
                    "mamba2_scan_forward": "7b310fabf179",
                    "FalconH1RMSNormGated.forward": "6be41dfb6ca8", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _falcon_h1_forward, _mamba2_cut),
+                  _mamba2_shape, _falcon_h1_forward, _mamba2_cut, _mamba2_whole),
     RecurrentRule(f"{_TF}.zamba2.modeling_zamba2", "Zamba2MambaMixer",
                   {"Zamba2MambaMixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "9cef438529d0",
                    "Zamba2RMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Jamba: Mamba-1 (dcp.short_conv, then dcp.mamba_ssm)
     RecurrentRule(f"{_TF}.jamba.modeling_jamba", "JambaMambaMixer",
                   {"JambaMambaMixer.forward": "ac728d5d7b51",
@@ -277,7 +283,8 @@ def state_spec(model: nn.Module, num_slots: int, *, tp: int = 1,
     layers = []
     for _, m, rule in recurrent_layers(model):
         shape = rule.state(m)
-        layers.append(StateLayer(m.layer_idx, shape.conv, shape.rec))
+        whole = rule.conv_whole(m, tp) if tp > 1 and rule.conv_whole is not None else 0
+        layers.append(StateLayer(m.layer_idx, shape.conv, shape.rec, whole))
     return StateCacheSpec(tuple(layers), num_slots, tp, conv_dtype=dtype)
 
 

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from dcp_compile.runtime.kernels.recurrent import NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut
+from dcp_compile.runtime.kernels.recurrent import (NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut,
+                                                   mamba2_whole_bc)
 
 from ..infra import linears_reached
 from ..op_classes import RECURRENT_OPS
@@ -68,20 +69,22 @@ def _gated_delta_net_cut(n: Node, tp: int) -> HeadCut | str:
 
 def _mamba2_cut(n: Node, tp: int) -> HeadCut | str:
     """``dcp.mamba2_ssm``: channels ``[x | B | C]`` cut by groups segment by segment (conv
-    weight, bias and state alike), dt, A_log, D, dt_bias, the ssm state and the output by
+    weight, bias and state alike; one group: x cut, B and C whole on every rank), dt, A_log, D, dt_bias, the ssm state and the output by
     heads (``mamba2_head_shard``'s slices); ``n_groups`` the rank's."""
     groups, head_dim, state = n.args[12], n.args[13], n.args[14]
-    why = mamba2_cut(groups, tp)
+    heads = shape_of(n.args[1])[2]
+    why = mamba2_cut(groups, heads, tp)
     if why is not None:
         return why
-    heads = shape_of(n.args[1])[2]
-    xbc = (Seg(heads * head_dim, tp), Seg(groups * state, tp), Seg(groups * state, tp))
+    whole = mamba2_whole_bc(groups, tp)       # one group: B and C whole on every rank
+    bc = Seg(groups * state, 1, tp) if whole else Seg(groups * state, tp)
+    xbc = (Seg(heads * head_dim, tp), bc, bc)
     ch = lambda d: Shard(d, xbc, "mlp")                   # noqa: E731
     hd = lambda d: Shard(d, (Seg(heads, tp),), "mlp")     # noqa: E731
     inputs = {0: ch(2), 1: hd(2), 2: ch(0), 4: hd(0), 5: hd(0), 6: hd(0), 7: ch(1), 8: hd(1)}
     if isinstance(n.args[3], Node):                       # the conv bias
         inputs[3] = ch(0)
-    return HeadCut(inputs, (hd(2), ch(1), hd(1)), (7, 8), {12: groups // tp})
+    return HeadCut(inputs, (hd(2), ch(1), hd(1)), (7, 8), {} if whole else {12: groups // tp})
 
 
 # op -> its head cut over tp (or the reason it runs replicated). Ops not listed run replicated.

@@ -321,18 +321,24 @@ def gated_delta_net_cut(num_k_heads: int, tp: int) -> str | None:
     return None
 
 
-def mamba2_cut(n_groups: int, tp: int) -> str | None:
+def mamba2_cut(n_groups: int, num_heads: int, tp: int) -> str | None:
     """Whether ``dcp.mamba2_ssm`` runs cut by heads over ``tp`` ranks (None) or with
-    replicated weights (the reason): the cut needs tp > 1 dividing the groups, so that a rank
-    holds whole groups (their heads, their B and C: ``mamba2_head_shard``) and the gated
-    RMSNorm, taken per group, stays on the rank (a group cut across ranks would need its
-    variance all-reduced and B, C replicated: not built)."""
+    replicated weights (the reason). Either tp > 1 divides the groups: a rank holds whole
+    groups (their heads, their B and C: ``mamba2_head_shard``) and the gated RMSNorm, taken
+    per group, stays on the rank; or there is one group (vLLM's case of B, C replicated):
+    every rank holds B and C whole and its heads, and the norm over all heads is
+    all-reduced. A group cut across some ranks only is not built."""
     if tp == 1:
         return "tp=1"
-    if n_groups % tp:
+    if n_groups % tp and not (n_groups == 1 and num_heads % tp == 0):
         return (f"tp={tp} does not divide the {n_groups} groups (B, C and the gated norm "
                 f"are per group)")
     return None
+
+
+def mamba2_whole_bc(n_groups: int, tp: int) -> bool:
+    """Under the head cut, B and C are whole on every rank (one group, tp > 1)."""
+    return tp > 1 and n_groups % tp != 0
 
 
 def _short_conv_impl(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
