@@ -122,6 +122,11 @@ HEAD_CUT_SIZES = {
     "bamba": _MAMBA2_CUT, "granitemoehybrid": _MAMBA2_CUT, "falcon_h1": _MAMBA2_CUT,
     "nemotron_h": dict(n_groups=8), "zamba2": dict(mamba_ngroups=8),
 }
+# One group (the configs' default for Bamba, Granite-4-H, Falcon-H1, Zamba2): cut by heads
+# with B and C whole on every rank.
+ONE_GROUP_SIZES = {"bamba": dict(mamba_n_groups=1), "granitemoehybrid": dict(mamba_n_groups=1),
+                   "falcon_h1": dict(mamba_n_groups=1), "nemotron_h": dict(n_groups=1),
+                   "zamba2": dict(mamba_ngroups=1)}
 
 
 def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0, **sizes):
