@@ -325,12 +325,16 @@ def mamba2_cut(n_groups: int, num_heads: int, tp: int) -> str | None:
     """Whether ``dcp.mamba2_ssm`` runs cut by heads over ``tp`` ranks (None) or with
     replicated weights (the reason). Either tp > 1 divides the groups: a rank holds whole
     groups (their heads, their B and C: ``mamba2_head_shard``) and the gated RMSNorm, taken
-    per group, stays on the rank; or there is one group (vLLM's case of B, C replicated):
-    every rank holds B and C whole and its heads, and the norm over all heads is
-    all-reduced. A group cut across some ranks only is not built."""
+    per group, stays on the rank; or there is one group and tp divides the heads (vLLM's
+    layout, ``mamba_mixer2.py``): every rank holds B and C whole and its heads, and the
+    norm over all heads has its sum of squares all-reduced (one ``[tokens, 1]`` scalar). A
+    group cut across some ranks only (1 < groups, tp not dividing them) is not built."""
     if tp == 1:
         return "tp=1"
-    if n_groups % tp and not (n_groups == 1 and num_heads % tp == 0):
+    if n_groups == 1 and num_heads % tp:
+        return (f"tp={tp} does not divide the {num_heads} heads (one group: B and C whole on "
+                f"every rank, the heads cut)")
+    if n_groups % tp and n_groups != 1:
         return (f"tp={tp} does not divide the {n_groups} groups (B, C and the gated norm "
                 f"are per group)")
     return None
@@ -456,15 +460,21 @@ def _(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm
 def mamba2_head_shard(n_groups: int, num_heads: int, head_dim: int, state_size: int, tp: int,
                       rank: int) -> tuple[Tensor, slice]:
     """Tensor parallelism by groups: rank ``rank`` of ``tp`` holds groups
-    ``[rank * G/tp, (rank+1) * G/tp)``, their heads and their B, C columns. Returns (its
-    channels of ``hidden_b_c`` / conv weight, bias and state; its head slice of dt, A_log,
-    D, dt_bias, ``ssm_state`` and the output). tp must divide the groups."""
-    if n_groups % tp:
-        raise ValueError(f"mamba2_ssm head shard: tp={tp} does not divide n_groups={n_groups}")
-    g_local, h_local = n_groups // tp, num_heads // tp
+    ``[rank * G/tp, (rank+1) * G/tp)``, their heads and their B, C columns; with one group
+    (``mamba2_whole_bc``), its heads and B, C whole. Returns (its channels of
+    ``hidden_b_c`` / conv weight, bias and state; its head slice of dt, A_log, D, dt_bias,
+    ``ssm_state`` and the output). ``mamba2_cut`` must allow the cut."""
+    why = mamba2_cut(n_groups, num_heads, tp)
+    if why is not None and tp > 1:
+        raise ValueError(f"mamba2_ssm head shard: {why}")
+    h_local = num_heads // tp
     inner = num_heads * head_dim
     x = torch.arange(rank * h_local * head_dim, (rank + 1) * h_local * head_dim)
-    bc = torch.arange(rank * g_local * state_size, (rank + 1) * g_local * state_size)
+    if mamba2_whole_bc(n_groups, tp):
+        bc = torch.arange(n_groups * state_size)
+    else:
+        g_local = n_groups // tp
+        bc = torch.arange(rank * g_local * state_size, (rank + 1) * g_local * state_size)
     channels = torch.cat([x, inner + bc, inner + n_groups * state_size + bc])
     return channels, slice(rank * h_local, (rank + 1) * h_local)
 

@@ -5,45 +5,56 @@ Falcon-H1, Zamba2) by groups. Decode and prefill of the head-cut variants of the
 greedy tokens equal); each rank holds 1/tp of the state (``state_spec``); a recurrent layer
 costs one all-reduce in decode (its output projection row-parallel), one all-gather and one
 reduce-scatter in prefill; which layout each tiny hybrid gets is asserted, with the reason
-for the replicated ones.
+for the replicated ones. The one-group Mamba2 variants (``ONE_GROUP_SIZES``: the real
+configs' default for Bamba, Granite-4-H, Falcon-H1 and Zamba2) cut by heads with B and C
+whole on every rank, the gated norm's sum of squares all-reduced (one more all-reduce per
+layer, of a [tokens, 1] scalar; in prefill over the whole gathered chunk, not the
+sequence-parallel stream); dropping that all-reduce makes the prefill mismatch.
 
-The slice (default run): Qwen3.5 decode at tp=4/dcp=2 (its state bytes, collectives and
-layout facts), the layout table. ``DCP_HYBRID_FULL=1``: every family x tp=4/dcp=2 and
-tp=8/dcp=4, decode and prefill in one and two chunks.
+The slice (default run): Qwen3.5 decode and one-group Bamba prefill at tp=4/dcp=2 (state
+bytes, collectives, layout facts, the mutation), the layout table. ``DCP_HYBRID_FULL=1``:
+every family and variant x tp=4/dcp=2 and tp=8/dcp=4, decode and prefill in one and two
+chunks.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dcp_compile  # noqa: E402
 from dcp_compile import verify  # noqa: E402
-from dcp_compile.frontends.module_recurrent import recurrent_layout, state_spec  # noqa: E402
+from dcp_compile.frontends.module_recurrent import (recurrent_layers,  # noqa: E402
+                                                    recurrent_layout, state_spec)
 from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
 from dcp_compile.passes.op_classes import RECURRENT_OPS  # noqa: E402
+from dcp_compile.runtime.names import META_NORM_REDUCE  # noqa: E402
 from full_runs import full  # noqa: E402
-from hybrid_configs import HEAD_CUT_SIZES, build_hybrid  # noqa: E402
+from hybrid_configs import HEAD_CUT_SIZES, ONE_GROUP_SIZES, build_hybrid  # noqa: E402
 from hybrid_runs import (BLOCK, LAYOUTS, SHAPES, STEPS, TOL,  # noqa: E402
                          prompts as _prompts)
 from test_hybrid_program import _mixer_collectives  # noqa: E402
 
 FULL = full("DCP_HYBRID_FULL")
-CUT_TYPES = tuple(HEAD_CUT_SIZES)
-SLICE = {("qwen3_5_text", 4, 2, "decode")}
+VARIANTS = {"cut": HEAD_CUT_SIZES, "one-group": ONE_GROUP_SIZES}
+CUT_CASES = [(t, v) for v, sizes in VARIANTS.items() for t in sizes]
+SLICE = {("qwen3_5_text", "cut", 4, 2, "decode"), ("bamba", "one-group", 4, 2, "prefill")}
 
 _PROGRAMS: dict = {}
 
 
-def _program(model_type: str, tp: int, dcp: int, mode: str):
-    key = (model_type, tp, dcp, mode)
+def _program(model_type: str, tp: int, dcp: int, mode: str, variant: str = "cut"):
+    key = (model_type, variant, tp, dcp, mode)
     if key not in _PROGRAMS:
-        model = build_hybrid(model_type, **HEAD_CUT_SIZES[model_type])
+        model = build_hybrid(model_type, **VARIANTS[variant][model_type])
         _PROGRAMS[key] = model, dcp_compile.transform(model, tp=tp, dcp=dcp, mode=mode,
                                                       block_size=BLOCK, shapes=SHAPES,
                                                       check=False)
@@ -51,47 +62,58 @@ def _program(model_type: str, tp: int, dcp: int, mode: str):
 
 
 def _cases(mode):
-    return [pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
-                         marks=() if (t, tp, dcp, mode) in SLICE or FULL else
+    return [pytest.param(t, v, tp, dcp, id=f"{t}-{v}-tp{tp}-dcp{dcp}",
+                         marks=() if (t, v, tp, dcp, mode) in SLICE or FULL else
                          pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
-            for t in CUT_TYPES for tp, dcp in LAYOUTS]
+            for t, v in CUT_CASES for tp, dcp in LAYOUTS]
 
 
-def _check_cut(model, program, tp):
-    """Every mixer cut (the facts say so), the state 1/tp per rank, the ops' head counts the
-    rank's."""
+def _whole_bc(model) -> list[int]:
+    """Per recurrent layer, the conv channels a one-group Mamba2 keeps whole on every rank
+    (B's and C's, 2·N), read from the mixer itself; 0 for a mixer with several groups."""
+    return [2 * m.ssm_state_size if getattr(m, "n_groups", None) == 1 else 0
+            for _, m, _ in recurrent_layers(model)]
+
+
+def _check_cut(model, program, tp, variant="cut"):
+    """Every mixer cut (the facts say so), the state 1/tp per rank (one group: but for B's
+    and C's conv channels, whole on every rank), the ops' head counts the rank's."""
     layout = program.facts.recurrent_layout
     assert layout and all(la == "head cut" for _, la in layout), layout
     spec, whole = program.state_spec(), state_spec(model, SHAPES.batch)
     assert spec.tp == tp
-    assert spec.bytes_per_rank() * tp == whole.bytes_per_rank()
-    for la, w in zip(spec.layers, whole.layers):
+    bc = _whole_bc(model)
+    assert (not any(bc)) if variant == "cut" else all(bc), bc
+    if variant == "cut":
+        assert spec.bytes_per_rank() * tp == whole.bytes_per_rank()
+    for la, w, keep in zip(spec.layers, whole.layers, bc):
         conv, rec = spec.shapes(la)
-        assert conv[1] * tp == w.conv[0] and rec[1] * tp == w.rec[0], (la, w)
+        assert la.conv_whole == keep, la
+        assert (conv[1] - keep) * tp == w.conv[0] - keep and rec[1] * tp == w.rec[0], (la, w)
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases("decode"))
-def test_head_cut_decode_matches_the_models_own_forward(model_type, tp, dcp):
-    model, program = _program(model_type, tp, dcp, "decode")
-    _check_cut(model, program, tp)
+@pytest.mark.parametrize("model_type,variant,tp,dcp", _cases("decode"))
+def test_head_cut_decode_matches_the_models_own_forward(model_type, variant, tp, dcp):
+    model, program = _program(model_type, tp, dcp, "decode", variant)
+    _check_cut(model, program, tp, variant)
     report = verify.verify(FullForwardReference(model), program, _prompts(), steps=STEPS,
                            atol=TOL)
     assert report.ok and report.tokens_agree, report
-    print(f"{model_type} head cut tp={tp} dcp={dcp} decode: max |logit error| "
+    print(f"{model_type} {variant} tp={tp} dcp={dcp} decode: max |logit error| "
           f"{report.max_abs_error:.1e}")
 
 
-@pytest.mark.parametrize("model_type,tp,dcp", _cases("prefill"))
+@pytest.mark.parametrize("model_type,variant,tp,dcp", _cases("prefill"))
 @pytest.mark.parametrize("chunks", [1, 2], ids=["one-chunk", "two-chunks"])
-def test_head_cut_prefill_matches_the_models_own_forward(model_type, tp, dcp, chunks):
-    model, program = _program(model_type, tp, dcp, "prefill")
-    _check_cut(model, program, tp)
+def test_head_cut_prefill_matches_the_models_own_forward(model_type, variant, tp, dcp, chunks):
+    model, program = _program(model_type, tp, dcp, "prefill", variant)
+    _check_cut(model, program, tp, variant)
     prompts = _prompts()
     plan = [prompts] if chunks == 1 else verify.chunk_plan_of(prompts, chunks)
     report = verify.verify_prefill(FullForwardReference(model), program, plan, atol=TOL,
                                    check_cache=False)
     assert report.ok and report.tokens_agree, report
-    print(f"{model_type} head cut tp={tp} dcp={dcp} prefill x{chunks}: max |logit error| "
+    print(f"{model_type} {variant} tp={tp} dcp={dcp} prefill x{chunks}: max |logit error| "
           f"{report.max_abs_error:.1e}")
 
 
@@ -117,6 +139,61 @@ def test_a_cut_recurrent_layer_costs_a_gather_and_a_reduce_scatter_in_prefill():
     per_layer = _mixer_collectives(program.graphs["prefill"])
     assert per_layer == [(["all_gather_into_tensor@world"],
                           ["reduce_scatter_tensor@world"])] * 2, per_layer
+
+
+def _norm_reductions(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target == torch.ops._c10d_functional.all_reduce.default
+            and n.meta.get(META_NORM_REDUCE)]
+
+
+def test_a_one_group_mamba2_layer_all_reduces_its_norm_over_the_gathered_chunk_in_prefill():
+    """Prefill, one group: the layer's input gathered over the sequence-parallel group (every
+    rank holds the whole chunk, in order), the norm's sum of squares a [B, S, 1, 1] partial
+    all-reduced over world on that whole chunk (token t of every rank is the same token: the
+    sum is over heads, never over tokens), then the output projection reduce-scattered back
+    to the rank's S_pad/tp tokens."""
+    _, program = _program("bamba", 4, 2, "prefill", "one-group")
+    gm = program.graphs["prefill"]
+    per_layer = _mixer_collectives(gm)
+    assert per_layer == [(["all_gather_into_tensor@world"],
+                          ["all_reduce@world", "reduce_scatter_tensor@world"])] * 2, per_layer
+    chunk = SHAPES.context_len
+    norms = _norm_reductions(gm)
+    assert [tuple(n.args[0].meta["val"].shape) for n in norms] == [(SHAPES.batch, chunk, 1, 1)] * 2
+    assert program.collectives_per_layer("prefill")["all_reduce@world"] == 1.0
+
+
+@pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
+def test_a_one_group_mamba2_layer_costs_two_all_reduces_in_decode():
+    """Decode, one group: B and C whole on every rank, the gated norm's sum of squares
+    all-reduced ([B, 1, 1, 1] per token), then the output projection's all-reduce."""
+    _, program = _program("bamba", 4, 2, "decode", "one-group")
+    for kind, gm in program.graphs.items():
+        per_layer = _mixer_collectives(gm)
+        assert per_layer == [([], ["all_reduce@tp", "all_reduce@tp"])] * 2, (kind, per_layer)
+        assert len(_norm_reductions(gm)) == 2, kind
+
+
+def test_a_one_group_cut_without_the_norms_all_reduce_does_not_match():
+    """The mutation: the same prefill program with each rank's partial sum of squares used
+    as it is (the norm's all-reduce dropped) is caught by the prefill check."""
+    model, program = _program("bamba", 4, 2, "prefill", "one-group")
+    graphs = {k: copy.deepcopy(gm) for k, gm in program.graphs.items()}
+    for gm in graphs.values():
+        norms = _norm_reductions(gm)
+        assert norms
+        for n in norms:
+            wait, = n.users
+            wait.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(wait)
+            gm.graph.erase_node(n)
+        gm.recompile()
+    broken = dataclasses.replace(program, graphs=graphs)
+    report = verify.verify_prefill(FullForwardReference(model), broken, [_prompts()],
+                                   atol=TOL, check_cache=False)
+    assert not report.ok, report
+    print(f"without the norm's all-reduce: max |logit error| {report.max_abs_error:.1e}")
 
 
 # -- which layout each tiny hybrid gets ------------------------------------------------------
@@ -145,11 +222,17 @@ def test_each_tiny_hybrid_gets_its_layout(model_type):
     model = build_hybrid(model_type)
     layout = set(recurrent_layout(model, 4).values())
     assert layout == {LAYOUT_AT_TP4[model_type]}, layout
-    if model_type in HEAD_CUT_SIZES:
-        cut = build_hybrid(model_type, **HEAD_CUT_SIZES[model_type])
-        for tp in (4, 8):
-            assert set(recurrent_layout(cut, tp).values()) == {"head cut"}
-        assert set(recurrent_layout(cut, 1).values()) == {"replicated (tp=1)"}
+    for sizes in VARIANTS.values():
+        if model_type in sizes:
+            cut = build_hybrid(model_type, **sizes[model_type])
+            for tp in (4, 8):
+                assert set(recurrent_layout(cut, tp).values()) == {"head cut"}
+            assert set(recurrent_layout(cut, 1).values()) == {"replicated (tp=1)"}
+    if model_type in ONE_GROUP_SIZES:      # one group, 8 heads: tp=16 cannot cut them
+        one = build_hybrid(model_type, **ONE_GROUP_SIZES[model_type])
+        assert set(recurrent_layout(one, 16).values()) == {
+            "replicated (tp=16 does not divide the 8 heads (one group: B and C whole on "
+            "every rank, the heads cut))"}
 
 
 def test_the_default_tiny_hybrid_program_says_it_runs_replicated():
