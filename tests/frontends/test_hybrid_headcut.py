@@ -273,6 +273,20 @@ def test_a_saved_and_reloaded_head_cut_program_keeps_its_layout(tmp_path):
     assert report.ok and report.tokens_agree, report
 
 
+def test_a_saved_and_reloaded_one_group_program_keeps_b_and_c_whole(tmp_path):
+    """The one-group state spec (``conv_whole``: B's and C's channels) survives a program
+    file, and the loaded prefill program matches the model."""
+    from dcp_compile.runtime.program.program_file import load_program
+    model, program = _program("bamba", 4, 2, "prefill", "one-group")
+    program.save(tmp_path / "one-group.dcp")
+    loaded = load_program(tmp_path / "one-group.dcp")
+    assert loaded.state_spec() == program.state_spec()
+    assert [la.conv_whole for la in loaded.state_spec().layers] == _whole_bc(model)
+    report = verify.verify_prefill(FullForwardReference(model), loaded, [_prompts()],
+                                   atol=TOL, check_cache=False)
+    assert report.ok and report.tokens_agree, report
+
+
 @pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
 @pytest.mark.parametrize("model_type", ["bamba", "qwen3_5_text"])
 def test_head_cut_speculative_decode_and_prefix_caching(model_type, monkeypatch):

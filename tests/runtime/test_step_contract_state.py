@@ -197,3 +197,18 @@ def test_the_state_cache_is_replicated_over_dcp_and_cut_by_tp():
     with pytest.raises(DCPConfigError, match=r"tp=3 does not divide layer 0: heads 8, "
                                              r"layer 2: conv channels 64"):
         StateCacheSpec(layers, num_slots=7, tp=3)
+
+
+def test_a_one_group_mamba2_state_keeps_b_and_c_whole_on_every_rank():
+    """One Mamba2 group cut by heads: the conv state's x channels (128) cut tp ways, B's and
+    C's (2·N = 16, ``conv_whole``) whole on every rank, the ssm state by heads; a tp that
+    does not divide the x channels is refused naming them."""
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
+    layer = StateLayer(0, (144, 3), (8, 16, 8), conv_whole=16)
+    spec = StateCacheSpec((layer,), num_slots=3, tp=4)
+    assert spec.shapes(layer) == ((4, 128 // 4 + 16, 3), (4, 2, 16, 8))
+    assert spec.bytes_per_rank() == 4 * 4 * ((32 + 16) * 3 + 2 * 16 * 8)
+    with pytest.raises(DCPConfigError, match=r"tp=3 does not divide layer 0: conv channels "
+                                             r"128, layer 0: heads 8"):
+        StateCacheSpec((layer,), num_slots=3, tp=3)
