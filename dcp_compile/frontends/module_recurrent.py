@@ -35,7 +35,8 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _zamba_forward, _short_conv_shape, _short_conv_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
-    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut, mamba2_whole_bc)
+    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, lightning_attention_cut, mamba2_cut,
+    mamba2_whole_bc)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -109,6 +110,10 @@ def _gdn_cut(m: nn.Module, tp: int) -> str | None:
 
 def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
     return mamba2_cut(m.n_groups, m.num_heads, tp)
+
+
+def _lightning_cut(m: nn.Module, tp: int) -> str | None:
+    return lightning_attention_cut(m.num_attention_heads, tp)
 
 
 def _mamba2_whole(m: nn.Module, tp: int) -> int:
@@ -193,7 +198,7 @@ RULES = (
                   {"MiniMaxLightningAttention.forward": "03c3f915c0c9",
                    "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad",
                    "apply_mask_to_padding_states": "ac70fe1177ec"},
-                  _lightning_shape, _lightning_forward),
+                  _lightning_shape, _lightning_forward, _lightning_cut),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
                   _short_conv_shape, _short_conv_forward),

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from dcp_compile.runtime.kernels.recurrent import (NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut,
+from dcp_compile.runtime.kernels.recurrent import (NO_HEAD_CUT, gated_delta_net_cut,
+                                                   lightning_attention_cut, mamba2_cut,
                                                    mamba2_whole_bc)
 
 from ..infra import linears_reached
@@ -69,8 +70,9 @@ def _gated_delta_net_cut(n: Node, tp: int) -> HeadCut | str:
 
 def _mamba2_cut(n: Node, tp: int) -> HeadCut | str:
     """``dcp.mamba2_ssm``: channels ``[x | B | C]`` cut by groups segment by segment (conv
-    weight, bias and state alike; one group: x cut, B and C whole on every rank), dt, A_log, D, dt_bias, the ssm state and the output by
-    heads (``mamba2_head_shard``'s slices); ``n_groups`` the rank's."""
+    weight, bias and state alike; one group: x cut, B and C whole on every rank), dt, A_log,
+    D, dt_bias, the ssm state and the output by heads (``mamba2_head_shard``'s slices);
+    ``n_groups`` the rank's (one group: stays 1)."""
     groups, head_dim, state = n.args[12], n.args[13], n.args[14]
     heads = shape_of(n.args[1])[2]
     why = mamba2_cut(groups, heads, tp)
@@ -87,10 +89,22 @@ def _mamba2_cut(n: Node, tp: int) -> HeadCut | str:
     return HeadCut(inputs, (hd(2), ch(1), hd(1)), (7, 8), {} if whole else {12: groups // tp})
 
 
+def _lightning_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.lightning_attention``: q, k, v, the slope, the recurrent state and the output by
+    heads (each head's recurrence is its own)."""
+    heads = shape_of(n.args[0])[2]
+    why = lightning_attention_cut(heads, tp)
+    if why is not None:
+        return why
+    hd = lambda d: Shard(d, (Seg(heads, tp),), "mlp")     # noqa: E731
+    return HeadCut({0: hd(2), 1: hd(2), 2: hd(2), 3: hd(0), 4: hd(1)}, (hd(2), hd(1)), (4,), {})
+
+
 # op -> its head cut over tp (or the reason it runs replicated). Ops not listed run replicated.
 HEAD_CUTS: dict[object, Callable[[Node, int], HeadCut | str]] = {
     torch.ops.dcp.gated_delta_net.default: _gated_delta_net_cut,
     torch.ops.dcp.mamba2_ssm.default: _mamba2_cut,
+    torch.ops.dcp.lightning_attention.default: _lightning_cut,
 }
 
 

@@ -340,6 +340,18 @@ def mamba2_cut(n_groups: int, num_heads: int, tp: int) -> str | None:
     return None
 
 
+def lightning_attention_cut(num_heads: int, tp: int) -> str | None:
+    """Whether ``dcp.lightning_attention`` runs cut by heads over ``tp`` ranks (None) or with
+    replicated weights (the reason): every head's recurrence is its own (its slope, its
+    ``d x d`` state), so the cut needs tp > 1 dividing the heads. The model's norm over all
+    heads then has its mean of squares all-reduced, as a one-group Mamba2's."""
+    if tp == 1:
+        return "tp=1"
+    if num_heads % tp:
+        return f"tp={tp} does not divide the {num_heads} heads"
+    return None
+
+
 def mamba2_whole_bc(n_groups: int, tp: int) -> bool:
     """Under the head cut, B and C are whole on every rank (one group, tp > 1)."""
     return tp > 1 and n_groups % tp != 0

@@ -1,6 +1,7 @@
 """The recurrent mixers cut by heads over TP (docs/hybrid.md, "The layout"): Gated DeltaNet
 (Qwen3-Next, Qwen3.5 dense and MoE) by key heads, Mamba2 (Bamba, Granite-4-H, Nemotron-H,
-Falcon-H1, Zamba2) by groups. Decode and prefill of the head-cut variants of the tiny hybrids
+Falcon-H1, Zamba2) by groups, lightning attention (MiniMax) by heads, its norm over all heads
+all-reduced. Decode and prefill of the head-cut variants of the tiny hybrids
 (``HEAD_CUT_SIZES``: 8 key heads / 8 groups) match the model's own forward (fp32, 1e-4,
 greedy tokens equal); each rank holds 1/tp of the state (``state_spec``); a recurrent layer
 costs one all-reduce in decode (its output projection row-parallel), one all-gather and one
@@ -11,8 +12,8 @@ whole on every rank, the gated norm's sum of squares all-reduced (one more all-r
 layer, of a [tokens, 1] scalar; in prefill over the whole gathered chunk, not the
 sequence-parallel stream); dropping that all-reduce makes the prefill mismatch.
 
-The slice (default run): Qwen3.5 decode and one-group Bamba prefill at tp=4/dcp=2 (state
-bytes, collectives, layout facts, the mutation), the layout table. ``DCP_HYBRID_FULL=1``:
+The slice (default run): Qwen3.5 decode, one-group Bamba and MiniMax prefill at tp=4/dcp=2
+(state bytes, collectives, layout facts, the mutations), the layout table. ``DCP_HYBRID_FULL=1``:
 every family and variant x tp=4/dcp=2 and tp=8/dcp=4, decode and prefill in one and two
 chunks.
 """
@@ -46,7 +47,8 @@ from test_hybrid_program import _mixer_collectives  # noqa: E402
 FULL = full("DCP_HYBRID_FULL")
 VARIANTS = {"cut": HEAD_CUT_SIZES, "one-group": ONE_GROUP_SIZES}
 CUT_CASES = [(t, v) for v, sizes in VARIANTS.items() for t in sizes]
-SLICE = {("qwen3_5_text", "cut", 4, 2, "decode"), ("bamba", "one-group", 4, 2, "prefill")}
+SLICE = {("qwen3_5_text", "cut", 4, 2, "decode"), ("bamba", "one-group", 4, 2, "prefill"),
+         ("minimax", "cut", 4, 2, "prefill")}
 
 _PROGRAMS: dict = {}
 
@@ -89,7 +91,9 @@ def _check_cut(model, program, tp, variant="cut"):
     for la, w, keep in zip(spec.layers, whole.layers, bc):
         conv, rec = spec.shapes(la)
         assert la.conv_whole == keep, la
-        assert (conv[1] - keep) * tp == w.conv[0] - keep and rec[1] * tp == w.rec[0], (la, w)
+        assert rec[1] * tp == w.rec[0], (la, w)
+        assert (conv is None and w.conv is None) or \
+            (conv[1] - keep) * tp == w.conv[0] - keep, (la, w)
 
 
 @pytest.mark.parametrize("model_type,variant,tp,dcp", _cases("decode"))
@@ -147,20 +151,22 @@ def _norm_reductions(gm):
             and n.meta.get(META_NORM_REDUCE)]
 
 
-def test_a_one_group_mamba2_layer_all_reduces_its_norm_over_the_gathered_chunk_in_prefill():
+@pytest.mark.parametrize("model_type,variant", [("bamba", "one-group"), ("minimax", "cut")])
+def test_a_norm_over_all_heads_is_all_reduced_over_the_gathered_chunk_in_prefill(model_type,
+                                                                                  variant):
     """Prefill, one group: the layer's input gathered over the sequence-parallel group (every
     rank holds the whole chunk, in order), the norm's sum of squares a [B, S, 1, 1] partial
     all-reduced over world on that whole chunk (token t of every rank is the same token: the
     sum is over heads, never over tokens), then the output projection reduce-scattered back
-    to the rank's S_pad/tp tokens."""
-    _, program = _program("bamba", 4, 2, "prefill", "one-group")
+    to the rank's S_pad/tp tokens. MiniMax's norm over all heads ([B, S, 1]) the same."""
+    _, program = _program(model_type, 4, 2, "prefill", variant)
     gm = program.graphs["prefill"]
     per_layer = _mixer_collectives(gm)
     assert per_layer == [(["all_gather_into_tensor@world"],
                           ["all_reduce@world", "reduce_scatter_tensor@world"])] * 2, per_layer
     chunk = SHAPES.context_len
     norms = _norm_reductions(gm)
-    assert [tuple(n.args[0].meta["val"].shape) for n in norms] == [(SHAPES.batch, chunk, 1, 1)] * 2
+    assert [tuple(n.args[0].meta["val"].shape)[:3] for n in norms] == [(SHAPES.batch, chunk, 1)] * 2
     assert program.collectives_per_layer("prefill")["all_reduce@world"] == 1.0
 
 
@@ -175,10 +181,12 @@ def test_a_one_group_mamba2_layer_costs_two_all_reduces_in_decode():
         assert len(_norm_reductions(gm)) == 2, kind
 
 
-def test_a_one_group_cut_without_the_norms_all_reduce_does_not_match():
-    """The mutation: the same prefill program with each rank's partial sum of squares used
-    as it is (the norm's all-reduce dropped) is caught by the prefill check."""
-    model, program = _program("bamba", 4, 2, "prefill", "one-group")
+@pytest.mark.parametrize("model_type,variant", [("bamba", "one-group"), ("minimax", "cut")])
+def test_a_cut_without_the_norms_all_reduce_does_not_match(model_type, variant):
+    """The mutation: the same prefill program with each rank's partial mean of squares used
+    as it is (the norm's all-reduce dropped) is caught by the prefill check: a one-group
+    Mamba2's gated norm, MiniMax's norm over all heads."""
+    model, program = _program(model_type, 4, 2, "prefill", variant)
     graphs = {k: copy.deepcopy(gm) for k, gm in program.graphs.items()}
     for gm in graphs.values():
         norms = _norm_reductions(gm)
@@ -193,7 +201,8 @@ def test_a_one_group_cut_without_the_norms_all_reduce_does_not_match():
     report = verify.verify_prefill(FullForwardReference(model), broken, [_prompts()],
                                    atol=TOL, check_cache=False)
     assert not report.ok, report
-    print(f"without the norm's all-reduce: max |logit error| {report.max_abs_error:.1e}")
+    print(f"{model_type} {variant} without the norm's all-reduce: max |logit error| "
+          f"{report.max_abs_error:.1e}")
 
 
 # -- which layout each tiny hybrid gets ------------------------------------------------------
@@ -209,7 +218,7 @@ LAYOUT_AT_TP4 = {
     "lfm2_moe": "replicated (its op has no head cut)",
     "kimi_linear": "replicated (its op has no head cut)",
     "bailing_hybrid": "replicated (its op has no head cut)",
-    "minimax": "replicated (its op has no head cut)",
+    "minimax": "head cut",
     "jamba": "replicated (its op has no head cut)",
     "zamba": "replicated (its op has no head cut)",
 }
@@ -217,8 +226,9 @@ LAYOUT_AT_TP4 = {
 
 @pytest.mark.parametrize("model_type", sorted(LAYOUT_AT_TP4))
 def test_each_tiny_hybrid_gets_its_layout(model_type):
-    """The tiny configs at tp=4: replicated, with the reason; their head-cut variants cut at
-    tp=4 and tp=8, replicated at tp=1."""
+    """The tiny configs at tp=4: replicated, with the reason (but MiniMax: its 8 lightning
+    heads cut); their head-cut variants cut at tp=4 and tp=8, replicated at tp=1 (and where
+    tp does not divide the heads, with that reason)."""
     model = build_hybrid(model_type)
     layout = set(recurrent_layout(model, 4).values())
     assert layout == {LAYOUT_AT_TP4[model_type]}, layout
@@ -228,6 +238,9 @@ def test_each_tiny_hybrid_gets_its_layout(model_type):
             for tp in (4, 8):
                 assert set(recurrent_layout(cut, tp).values()) == {"head cut"}
             assert set(recurrent_layout(cut, 1).values()) == {"replicated (tp=1)"}
+    if model_type == "minimax":            # 8 lightning heads: tp=16 cannot cut them
+        assert set(recurrent_layout(model, 16).values()) == {
+            "replicated (tp=16 does not divide the 8 heads)"}
     if model_type in ONE_GROUP_SIZES:      # one group, 8 heads: tp=16 cannot cut them
         one = build_hybrid(model_type, **ONE_GROUP_SIZES[model_type])
         assert set(recurrent_layout(one, 16).values()) == {
@@ -251,11 +264,12 @@ def test_every_head_cut_rule_is_the_frontends():
     from dcp_compile.frontends.module_recurrent import RULES
     from dcp_compile.passes.placement.recurrent import HEAD_CUTS
     cut_ops = {op._opname for op in HEAD_CUTS}
-    assert cut_ops == {"gated_delta_net", "mamba2_ssm"}
+    assert cut_ops == {"gated_delta_net", "mamba2_ssm", "lightning_attention"}
     with_cut = {r.cls for r in RULES if r.cut is not None}
     assert with_cut == {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
                         "Qwen3_5MoeGatedDeltaNet", "BambaMixer", "GraniteMoeHybridMambaLayer",
-                        "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"}
+                        "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer",
+                        "MiniMaxLightningAttention"}
 
 
 # -- a cut program as a file, speculative decode and prefix caching ----------------------------

@@ -114,13 +114,16 @@ def tiny_hybrid_config(model_type: str) -> dict:
 
 
 # Sizes under which the recurrent mixers run cut by heads at tp=4 and tp=8
-# (docs/hybrid.md, "The layout"): 8 key heads (Gated DeltaNet), 8 groups (Mamba2).
+# (docs/hybrid.md, "The layout"): 8 key heads (Gated DeltaNet), 8 groups (Mamba2), 8 heads
+# (lightning attention).
 _GDN_CUT = dict(linear_num_key_heads=8, linear_num_value_heads=16)
 _MAMBA2_CUT = dict(mamba_n_groups=8)
 HEAD_CUT_SIZES = {
     "qwen3_next": _GDN_CUT, "qwen3_5_text": _GDN_CUT, "qwen3_5_moe_text": _GDN_CUT,
     "bamba": _MAMBA2_CUT, "granitemoehybrid": _MAMBA2_CUT, "falcon_h1": _MAMBA2_CUT,
     "nemotron_h": dict(n_groups=8), "zamba2": dict(mamba_ngroups=8),
+    # MiniMax's lightning attention is cut by heads: its tiny config's 8 already divide by 8
+    "minimax": {},
 }
 # One group (the configs' default for Bamba, Granite-4-H, Falcon-H1, Zamba2): cut by heads
 # with B and C whole on every rank.
