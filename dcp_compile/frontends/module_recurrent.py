@@ -35,8 +35,8 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _zamba_forward, _short_conv_shape, _short_conv_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
-    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, lightning_attention_cut, mamba2_cut,
-    mamba2_whole_bc)
+    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, kimi_delta_attention_cut,
+    lightning_attention_cut, mamba2_cut, mamba2_whole_bc)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -112,6 +112,10 @@ def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
     return mamba2_cut(m.n_groups, m.num_heads, tp)
 
 
+def _kda_cut(m: nn.Module, tp: int) -> str | None:
+    return kimi_delta_attention_cut(m.num_heads, tp)
+
+
 def _lightning_cut(m: nn.Module, tp: int) -> str | None:
     return lightning_attention_cut(m.num_attention_heads, tp)
 
@@ -184,7 +188,7 @@ RULES = (
                    "recurrent_kimi_delta_attention": "a7d81011bd15",
                    "chunk_kimi_delta_attention": "1a4cae129dee",
                    "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
-                  _kda_shape, _kda_forward),
+                  _kda_shape, _kda_forward, _kda_cut),
     # Bailing-hybrid: the same KDA (its own forget gate module and a one-linear output gate)
     RecurrentRule(f"{_TF}.bailing_hybrid.modeling_bailing_hybrid",
                   "BailingHybridDeltaAttention",
@@ -192,7 +196,7 @@ RULES = (
                    "recurrent_kimi_delta_attention": "a7d81011bd15",
                    "chunk_kimi_delta_attention": "1a4cae129dee",
                    "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
-                  _kda_shape, lambda m, s: _kda_forward(m, s, _bailing_gate)),
+                  _kda_shape, lambda m, s: _kda_forward(m, s, _bailing_gate), _kda_cut),
     # MiniMax: lightning attention (no convolution: a recurrence cache only)
     RecurrentRule(f"{_TF}.minimax.modeling_minimax", "MiniMaxLightningAttention",
                   {"MiniMaxLightningAttention.forward": "03c3f915c0c9",

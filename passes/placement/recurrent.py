@@ -24,6 +24,7 @@ import torch
 from torch.fx import Node
 
 from dcp_compile.runtime.kernels.recurrent import (NO_HEAD_CUT, gated_delta_net_cut,
+                                                   kimi_delta_attention_cut,
                                                    lightning_attention_cut, mamba2_cut,
                                                    mamba2_whole_bc)
 
@@ -89,6 +90,20 @@ def _mamba2_cut(n: Node, tp: int) -> HeadCut | str:
     return HeadCut(inputs, (hd(2), ch(1), hd(1)), (7, 8), {} if whole else {12: groups // tp})
 
 
+def _kimi_delta_attention_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.kimi_delta_attention``: channels ``[q | k | v]`` cut by heads segment by segment
+    (conv weight and conv state alike), g ``[B, S, H, dk]``, beta, the recurrent state and
+    the output by heads; ``num_heads`` the rank's."""
+    heads, dim = n.args[9], n.args[10]
+    why = kimi_delta_attention_cut(heads, tp)
+    if why is not None:
+        return why
+    ch = lambda d: Shard(d, (Seg(heads * dim, tp),) * 3, "mlp")    # noqa: E731
+    hd = lambda d: Shard(d, (Seg(heads, tp),), "mlp")               # noqa: E731
+    return HeadCut({0: ch(2), 1: hd(2), 2: hd(2), 3: ch(0), 4: ch(1), 5: hd(1)},
+                   (hd(2), ch(1), hd(1)), (4, 5), {9: heads // tp})
+
+
 def _lightning_cut(n: Node, tp: int) -> HeadCut | str:
     """``dcp.lightning_attention``: q, k, v, the slope, the recurrent state and the output by
     heads (each head's recurrence is its own)."""
@@ -105,6 +120,7 @@ HEAD_CUTS: dict[object, Callable[[Node, int], HeadCut | str]] = {
     torch.ops.dcp.gated_delta_net.default: _gated_delta_net_cut,
     torch.ops.dcp.mamba2_ssm.default: _mamba2_cut,
     torch.ops.dcp.lightning_attention.default: _lightning_cut,
+    torch.ops.dcp.kimi_delta_attention.default: _kimi_delta_attention_cut,
 }
 
 

@@ -340,6 +340,18 @@ def mamba2_cut(n_groups: int, num_heads: int, tp: int) -> str | None:
     return None
 
 
+def kimi_delta_attention_cut(num_heads: int, tp: int) -> str | None:
+    """Whether ``dcp.kimi_delta_attention`` runs cut by heads over ``tp`` ranks (None) or
+    with replicated weights (the reason): KDA has one key head per value head, so a rank
+    holds whole heads (their ``[q | k | v]`` channels, g's rows, beta, the state) when tp > 1
+    divides the heads."""
+    if tp == 1:
+        return "tp=1"
+    if num_heads % tp:
+        return f"tp={tp} does not divide the {num_heads} heads"
+    return None
+
+
 def lightning_attention_cut(num_heads: int, tp: int) -> str | None:
     """Whether ``dcp.lightning_attention`` runs cut by heads over ``tp`` ranks (None) or with
     replicated weights (the reason): every head's recurrence is its own (its slope, its

@@ -1,7 +1,7 @@
 """The recurrent mixers cut by heads over TP (docs/hybrid.md, "The layout"): Gated DeltaNet
 (Qwen3-Next, Qwen3.5 dense and MoE) by key heads, Mamba2 (Bamba, Granite-4-H, Nemotron-H,
 Falcon-H1, Zamba2) by groups, lightning attention (MiniMax) by heads, its norm over all heads
-all-reduced. Decode and prefill of the head-cut variants of the tiny hybrids
+all-reduced, KDA (Kimi Linear, Bailing-hybrid) by heads. Decode and prefill of the head-cut variants of the tiny hybrids
 (``HEAD_CUT_SIZES``: 8 key heads / 8 groups) match the model's own forward (fp32, 1e-4,
 greedy tokens equal); each rank holds 1/tp of the state (``state_spec``); a recurrent layer
 costs one all-reduce in decode (its output projection row-parallel), one all-gather and one
@@ -13,7 +13,9 @@ layer, of a [tokens, 1] scalar; in prefill over the whole gathered chunk, not th
 sequence-parallel stream); dropping that all-reduce makes the prefill mismatch.
 
 The slice (default run): Qwen3.5 decode, one-group Bamba and MiniMax prefill at tp=4/dcp=2
-(state bytes, collectives, layout facts, the mutations), the layout table. ``DCP_HYBRID_FULL=1``:
+(state bytes, collectives, layout facts, the mutations), Kimi Linear decode at tp=8/dcp=4
+(8 KDA heads; test_hybrid_lin.py's slice runs the tiny one, 4 heads cut, at tp=4/dcp=2),
+the layout table. ``DCP_HYBRID_FULL=1``:
 every family and variant x tp=4/dcp=2 and tp=8/dcp=4, decode and prefill in one and two
 chunks.
 """
@@ -48,7 +50,7 @@ FULL = full("DCP_HYBRID_FULL")
 VARIANTS = {"cut": HEAD_CUT_SIZES, "one-group": ONE_GROUP_SIZES}
 CUT_CASES = [(t, v) for v, sizes in VARIANTS.items() for t in sizes]
 SLICE = {("qwen3_5_text", "cut", 4, 2, "decode"), ("bamba", "one-group", 4, 2, "prefill"),
-         ("minimax", "cut", 4, 2, "prefill")}
+         ("minimax", "cut", 4, 2, "prefill"), ("kimi_linear", "cut", 8, 4, "decode")}
 
 _PROGRAMS: dict = {}
 
@@ -171,6 +173,19 @@ def test_a_norm_over_all_heads_is_all_reduced_over_the_gathered_chunk_in_prefill
 
 
 @pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
+def test_a_cut_kda_layer_costs_one_all_reduce_in_decode():
+    """Kimi Linear's KDA cut by heads: its projections and the low-rank gates' up halves
+    column-parallel, the output projection row-parallel (one all-reduce); its per-head gated
+    norm needs none; the op's head count the rank's."""
+    model, program = _program("kimi_linear", 8, 4, "decode")
+    _check_cut(model, program, 8)
+    for kind, gm in program.graphs.items():
+        assert _mixer_collectives(gm) == [([], ["all_reduce@tp"])] * 2, kind
+        ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RECURRENT_OPS]
+        assert [op.args[9] for op in ops] == [8 // 8] * 2
+
+
+@pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
 def test_a_one_group_mamba2_layer_costs_two_all_reduces_in_decode():
     """Decode, one group: B and C whole on every rank, the gated norm's sum of squares
     all-reduced ([B, 1, 1, 1] per token), then the output projection's all-reduce."""
@@ -216,8 +231,7 @@ LAYOUT_AT_TP4 = {
     "zamba2": GROUPS,
     "lfm2": "replicated (its op has no head cut)",
     "lfm2_moe": "replicated (its op has no head cut)",
-    "kimi_linear": "replicated (its op has no head cut)",
-    "bailing_hybrid": "replicated (its op has no head cut)",
+    "kimi_linear": "head cut", "bailing_hybrid": "head cut",       # 4 KDA heads
     "minimax": "head cut",
     "jamba": "replicated (its op has no head cut)",
     "zamba": "replicated (its op has no head cut)",
@@ -226,8 +240,8 @@ LAYOUT_AT_TP4 = {
 
 @pytest.mark.parametrize("model_type", sorted(LAYOUT_AT_TP4))
 def test_each_tiny_hybrid_gets_its_layout(model_type):
-    """The tiny configs at tp=4: replicated, with the reason (but MiniMax: its 8 lightning
-    heads cut); their head-cut variants cut at tp=4 and tp=8, replicated at tp=1 (and where
+    """The tiny configs at tp=4: replicated, with the reason (but MiniMax's 8 lightning heads
+    and Kimi Linear's and Bailing's 4 KDA heads cut); their head-cut variants cut at tp=4 and tp=8, replicated at tp=1 (and where
     tp does not divide the heads, with that reason)."""
     model = build_hybrid(model_type)
     layout = set(recurrent_layout(model, 4).values())
@@ -241,6 +255,9 @@ def test_each_tiny_hybrid_gets_its_layout(model_type):
     if model_type == "minimax":            # 8 lightning heads: tp=16 cannot cut them
         assert set(recurrent_layout(model, 16).values()) == {
             "replicated (tp=16 does not divide the 8 heads)"}
+    if model_type in ("kimi_linear", "bailing_hybrid"):    # 4 KDA heads: tp=8 cannot
+        assert set(recurrent_layout(model, 8).values()) == {
+            "replicated (tp=8 does not divide the 4 heads)"}
     if model_type in ONE_GROUP_SIZES:      # one group, 8 heads: tp=16 cannot cut them
         one = build_hybrid(model_type, **ONE_GROUP_SIZES[model_type])
         assert set(recurrent_layout(one, 16).values()) == {
@@ -264,12 +281,14 @@ def test_every_head_cut_rule_is_the_frontends():
     from dcp_compile.frontends.module_recurrent import RULES
     from dcp_compile.passes.placement.recurrent import HEAD_CUTS
     cut_ops = {op._opname for op in HEAD_CUTS}
-    assert cut_ops == {"gated_delta_net", "mamba2_ssm", "lightning_attention"}
+    assert cut_ops == {"gated_delta_net", "mamba2_ssm", "lightning_attention",
+                       "kimi_delta_attention"}
     with_cut = {r.cls for r in RULES if r.cut is not None}
     assert with_cut == {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
                         "Qwen3_5MoeGatedDeltaNet", "BambaMixer", "GraniteMoeHybridMambaLayer",
                         "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer",
-                        "MiniMaxLightningAttention"}
+                        "MiniMaxLightningAttention", "KimiLinearDeltaAttention",
+                        "BailingHybridDeltaAttention"}
 
 
 # -- a cut program as a file, speculative decode and prefix caching ----------------------------
