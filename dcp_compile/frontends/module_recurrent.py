@@ -36,7 +36,7 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
     CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, kimi_delta_attention_cut,
-    lightning_attention_cut, mamba2_cut, mamba2_whole_bc)
+    lightning_attention_cut, mamba2_cut, mamba2_whole_bc, short_conv_cut)
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
 
@@ -114,6 +114,10 @@ def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
 
 def _kda_cut(m: nn.Module, tp: int) -> str | None:
     return kimi_delta_attention_cut(m.num_heads, tp)
+
+
+def _short_conv_cut(m: nn.Module, tp: int) -> str | None:
+    return short_conv_cut(m.conv.in_channels, tp)
 
 
 def _lightning_cut(m: nn.Module, tp: int) -> str | None:
@@ -205,10 +209,10 @@ RULES = (
                   _lightning_shape, _lightning_forward, _lightning_cut),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
-                  _short_conv_shape, _short_conv_forward),
+                  _short_conv_shape, _short_conv_forward, _short_conv_cut),
     RecurrentRule(f"{_TF}.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv",
                   {"Lfm2MoeShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
-                  _short_conv_shape, _short_conv_forward),
+                  _short_conv_shape, _short_conv_forward, _short_conv_cut),
 )
 
 

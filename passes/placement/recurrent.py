@@ -26,7 +26,7 @@ from torch.fx import Node
 from dcp_compile.runtime.kernels.recurrent import (NO_HEAD_CUT, gated_delta_net_cut,
                                                    kimi_delta_attention_cut,
                                                    lightning_attention_cut, mamba2_cut,
-                                                   mamba2_whole_bc)
+                                                   mamba2_whole_bc, short_conv_cut)
 
 from ..infra import linears_reached
 from ..op_classes import RECURRENT_OPS
@@ -115,12 +115,49 @@ def _lightning_cut(n: Node, tp: int) -> HeadCut | str:
     return HeadCut({0: hd(2), 1: hd(2), 2: hd(2), 3: hd(0), 4: hd(1)}, (hd(2), hd(1)), (4,), {})
 
 
+def _feeds_a_recurrent_op(n: Node) -> bool:
+    """Whether ``n``'s output reaches another recurrent op of its own mixer (Mamba-1: its
+    conv is a ``dcp.short_conv`` whose output ``dcp.mamba_ssm`` reads)."""
+    mixer = module_path(n)
+    if mixer is None:
+        return False
+    seen, stack = set(), list(n.users)
+    while stack:
+        u = stack.pop()
+        path = module_path(u) or ""
+        if u in seen or u.op != "call_function" or \
+                not (path == mixer or path.startswith(mixer + ".")):
+            continue
+        if u.target in RECURRENT_OPS:
+            return True
+        seen.add(u)
+        stack.extend(u.users)
+    return False
+
+
+def _short_conv_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.short_conv`` (LFM2's): its input, conv weight, bias, state and output cut by
+    channels. Mamba-1's conv (Jamba, Zamba) stays whole: its ``dcp.mamba_ssm`` has no cut."""
+    if _feeds_a_recurrent_op(n):
+        return NO_HEAD_CUT
+    channels = shape_of(n.args[0])[2]
+    why = short_conv_cut(channels, tp)
+    if why is not None:
+        return why
+    ch = lambda d: Shard(d, (Seg(channels, tp),), "mlp")     # noqa: E731
+    inputs = {0: ch(2), 1: ch(0), 3: ch(1)}
+    if isinstance(n.args[2], Node):                           # the conv bias
+        inputs[2] = ch(0)
+    return HeadCut(inputs, (ch(2), ch(1)), (3,), {})
+
+
 # op -> its head cut over tp (or the reason it runs replicated). Ops not listed run replicated.
 HEAD_CUTS: dict[object, Callable[[Node, int], HeadCut | str]] = {
     torch.ops.dcp.gated_delta_net.default: _gated_delta_net_cut,
     torch.ops.dcp.mamba2_ssm.default: _mamba2_cut,
     torch.ops.dcp.lightning_attention.default: _lightning_cut,
     torch.ops.dcp.kimi_delta_attention.default: _kimi_delta_attention_cut,
+    torch.ops.dcp.short_conv.default: _short_conv_cut,
 }
 
 

@@ -352,6 +352,17 @@ def kimi_delta_attention_cut(num_heads: int, tp: int) -> str | None:
     return None
 
 
+def short_conv_cut(channels: int, tp: int) -> str | None:
+    """Whether ``dcp.short_conv`` (LFM2's) runs cut by channels over ``tp`` ranks (None) or
+    with replicated weights (the reason): a depthwise convolution keeps every channel apart,
+    so the cut needs tp > 1 dividing the channels."""
+    if tp == 1:
+        return "tp=1"
+    if channels % tp:
+        return f"tp={tp} does not divide the {channels} channels"
+    return None
+
+
 def lightning_attention_cut(num_heads: int, tp: int) -> str | None:
     """Whether ``dcp.lightning_attention`` runs cut by heads over ``tp`` ranks (None) or with
     replicated weights (the reason): every head's recurrence is its own (its slope, its

@@ -1,7 +1,7 @@
 """The recurrent mixers cut by heads over TP (docs/hybrid.md, "The layout"): Gated DeltaNet
 (Qwen3-Next, Qwen3.5 dense and MoE) by key heads, Mamba2 (Bamba, Granite-4-H, Nemotron-H,
 Falcon-H1, Zamba2) by groups, lightning attention (MiniMax) by heads, its norm over all heads
-all-reduced, KDA (Kimi Linear, Bailing-hybrid) by heads. Decode and prefill of the head-cut variants of the tiny hybrids
+all-reduced, KDA (Kimi Linear, Bailing-hybrid) by heads, LFM2's short conv by channels. Decode and prefill of the head-cut variants of the tiny hybrids
 (``HEAD_CUT_SIZES``: 8 key heads / 8 groups) match the model's own forward (fp32, 1e-4,
 greedy tokens equal); each rank holds 1/tp of the state (``state_spec``); a recurrent layer
 costs one all-reduce in decode (its output projection row-parallel), one all-gather and one
@@ -15,7 +15,7 @@ sequence-parallel stream); dropping that all-reduce makes the prefill mismatch.
 The slice (default run): Qwen3.5 decode, one-group Bamba and MiniMax prefill at tp=4/dcp=2
 (state bytes, collectives, layout facts, the mutations), Kimi Linear decode at tp=8/dcp=4
 (8 KDA heads; test_hybrid_lin.py's slice runs the tiny one, 4 heads cut, at tp=4/dcp=2),
-the layout table. ``DCP_HYBRID_FULL=1``:
+LFM2 prefill at tp=8/dcp=4, the layout table. ``DCP_HYBRID_FULL=1``:
 every family and variant x tp=4/dcp=2 and tp=8/dcp=4, decode and prefill in one and two
 chunks.
 """
@@ -50,7 +50,8 @@ FULL = full("DCP_HYBRID_FULL")
 VARIANTS = {"cut": HEAD_CUT_SIZES, "one-group": ONE_GROUP_SIZES}
 CUT_CASES = [(t, v) for v, sizes in VARIANTS.items() for t in sizes]
 SLICE = {("qwen3_5_text", "cut", 4, 2, "decode"), ("bamba", "one-group", 4, 2, "prefill"),
-         ("minimax", "cut", 4, 2, "prefill"), ("kimi_linear", "cut", 8, 4, "decode")}
+         ("minimax", "cut", 4, 2, "prefill"), ("kimi_linear", "cut", 8, 4, "decode"),
+         ("lfm2", "cut", 8, 4, "prefill")}
 
 _PROGRAMS: dict = {}
 
@@ -93,7 +94,7 @@ def _check_cut(model, program, tp, variant="cut"):
     for la, w, keep in zip(spec.layers, whole.layers, bc):
         conv, rec = spec.shapes(la)
         assert la.conv_whole == keep, la
-        assert rec[1] * tp == w.rec[0], (la, w)
+        assert (rec is None and w.rec is None) or rec[1] * tp == w.rec[0], (la, w)
         assert (conv is None and w.conv is None) or \
             (conv[1] - keep) * tp == w.conv[0] - keep, (la, w)
 
@@ -229,8 +230,7 @@ LAYOUT_AT_TP4 = {
     "qwen3_next": GDN_KEYS, "qwen3_5_text": GDN_KEYS, "qwen3_5_moe_text": GDN_KEYS,
     "bamba": GROUPS, "granitemoehybrid": GROUPS, "nemotron_h": GROUPS, "falcon_h1": GROUPS,
     "zamba2": GROUPS,
-    "lfm2": "replicated (its op has no head cut)",
-    "lfm2_moe": "replicated (its op has no head cut)",
+    "lfm2": "head cut", "lfm2_moe": "head cut",                    # 64 conv channels
     "kimi_linear": "head cut", "bailing_hybrid": "head cut",       # 4 KDA heads
     "minimax": "head cut",
     "jamba": "replicated (its op has no head cut)",
@@ -241,7 +241,7 @@ LAYOUT_AT_TP4 = {
 @pytest.mark.parametrize("model_type", sorted(LAYOUT_AT_TP4))
 def test_each_tiny_hybrid_gets_its_layout(model_type):
     """The tiny configs at tp=4: replicated, with the reason (but MiniMax's 8 lightning heads
-    and Kimi Linear's and Bailing's 4 KDA heads cut); their head-cut variants cut at tp=4 and tp=8, replicated at tp=1 (and where
+    and Kimi Linear's and Bailing's 4 KDA heads, LFM2's 64 conv channels cut); their head-cut variants cut at tp=4 and tp=8, replicated at tp=1 (and where
     tp does not divide the heads, with that reason)."""
     model = build_hybrid(model_type)
     layout = set(recurrent_layout(model, 4).values())
@@ -255,6 +255,9 @@ def test_each_tiny_hybrid_gets_its_layout(model_type):
     if model_type == "minimax":            # 8 lightning heads: tp=16 cannot cut them
         assert set(recurrent_layout(model, 16).values()) == {
             "replicated (tp=16 does not divide the 8 heads)"}
+    if model_type in ("lfm2", "lfm2_moe"):                # 64 channels: tp=128 cannot
+        assert set(recurrent_layout(model, 128).values()) == {
+            "replicated (tp=128 does not divide the 64 channels)"}
     if model_type in ("kimi_linear", "bailing_hybrid"):    # 4 KDA heads: tp=8 cannot
         assert set(recurrent_layout(model, 8).values()) == {
             "replicated (tp=8 does not divide the 4 heads)"}
@@ -266,11 +269,13 @@ def test_each_tiny_hybrid_gets_its_layout(model_type):
 
 
 def test_the_default_tiny_hybrid_program_says_it_runs_replicated():
-    """No silent difference: the program of the tiny LFM2 (no head cut) lists every mixer
-    replicated with the reason, and its state whole on every rank."""
+    """No silent difference: the program of the tiny Jamba (Mamba-1: no head cut, its conv
+    neither) lists every mixer's ops replicated with the reason, and its state whole on every
+    rank."""
     from test_hybrid_program import _program as plain_program
-    _, program = plain_program("lfm2", 4, 2, "decode")
-    assert {la for _, la in program.facts.recurrent_layout} == {LAYOUT_AT_TP4["lfm2"]}
+    _, program = plain_program("jamba", 4, 2, "decode")
+    layout = program.facts.recurrent_layout
+    assert len(layout) == 4 and {la for _, la in layout} == {LAYOUT_AT_TP4["jamba"]}, layout
     assert program.state_spec().tp == 1
 
 
@@ -282,13 +287,13 @@ def test_every_head_cut_rule_is_the_frontends():
     from dcp_compile.passes.placement.recurrent import HEAD_CUTS
     cut_ops = {op._opname for op in HEAD_CUTS}
     assert cut_ops == {"gated_delta_net", "mamba2_ssm", "lightning_attention",
-                       "kimi_delta_attention"}
+                       "kimi_delta_attention", "short_conv"}
     with_cut = {r.cls for r in RULES if r.cut is not None}
     assert with_cut == {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
                         "Qwen3_5MoeGatedDeltaNet", "BambaMixer", "GraniteMoeHybridMambaLayer",
                         "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer",
                         "MiniMaxLightningAttention", "KimiLinearDeltaAttention",
-                        "BailingHybridDeltaAttention"}
+                        "BailingHybridDeltaAttention", "Lfm2ShortConv", "Lfm2MoeShortConv"}
 
 
 # -- a cut program as a file, speculative decode and prefix caching ----------------------------

@@ -115,7 +115,7 @@ def tiny_hybrid_config(model_type: str) -> dict:
 
 # Sizes under which the recurrent mixers run cut by heads at tp=4 and tp=8
 # (docs/hybrid.md, "The layout"): 8 key heads (Gated DeltaNet), 8 groups (Mamba2), 8 heads
-# (lightning attention, KDA).
+# (lightning attention, KDA), 64 channels (short conv).
 _GDN_CUT = dict(linear_num_key_heads=8, linear_num_value_heads=16)
 _MAMBA2_CUT = dict(mamba_n_groups=8)
 HEAD_CUT_SIZES = {
@@ -126,6 +126,8 @@ HEAD_CUT_SIZES = {
     "minimax": {},
     # KDA (Kimi Linear, Bailing-hybrid) by heads: 8 of them (the tiny configs have 4)
     "kimi_linear": dict(linear_num_heads=8), "bailing_hybrid": dict(linear_num_heads=8),
+    # LFM2's short conv by channels: the tiny configs' 64 divide by 8
+    "lfm2": {}, "lfm2_moe": {},
 }
 # One group (the configs' default for Bamba, Granite-4-H, Falcon-H1, Zamba2): cut by heads
 # with B and C whole on every rank.
