@@ -173,6 +173,18 @@ def test_a_norm_over_all_heads_is_all_reduced_over_the_gathered_chunk_in_prefill
     assert program.collectives_per_layer("prefill")["all_reduce@world"] == 1.0
 
 
+def test_a_cut_short_conv_layer_costs_a_gather_and_a_reduce_scatter_in_prefill():
+    """LFM2 at tp=8/dcp=4: the layer's input gathered, in_proj column-parallel (three
+    segments), the op on the rank's 64/8 channels, out_proj's pending sum reduce-scattered."""
+    model, program = _program("lfm2", 8, 4, "prefill")
+    _check_cut(model, program, 8)
+    gm = program.graphs["prefill"]
+    assert _mixer_collectives(gm) == [(["all_gather_into_tensor@world"],
+                                       ["reduce_scatter_tensor@world"])] * 2
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RECURRENT_OPS]
+    assert [op.args[0].meta["val"].shape[2] for op in ops] == [64 // 8] * 2
+
+
 @pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")
 def test_a_cut_kda_layer_costs_one_all_reduce_in_decode():
     """Kimi Linear's KDA cut by heads: its projections and the low-rank gates' up halves
@@ -207,18 +219,59 @@ def test_a_cut_without_the_norms_all_reduce_does_not_match(model_type, variant):
     for gm in graphs.values():
         norms = _norm_reductions(gm)
         assert norms
-        for n in norms:
-            wait, = n.users
-            wait.replace_all_uses_with(n.args[0])
-            gm.graph.erase_node(wait)
-            gm.graph.erase_node(n)
-        gm.recompile()
+        _drop(gm, norms)
     broken = dataclasses.replace(program, graphs=graphs)
     report = verify.verify_prefill(FullForwardReference(model), broken, [_prompts()],
                                    atol=TOL, check_cache=False)
     assert not report.ok, report
     print(f"{model_type} {variant} without the norm's all-reduce: max |logit error| "
           f"{report.max_abs_error:.1e}")
+
+
+def _drop(gm, collectives) -> None:
+    """Each collective's wait replaced by the collective's own input (the rank's partial)."""
+    for n in collectives:
+        wait, = n.users
+        wait.replace_all_uses_with(n.args[0])
+        gm.graph.erase_node(wait)
+        gm.graph.erase_node(n)
+    gm.recompile()
+
+
+def _out_proj_reductions(gm):
+    """The all-reduce after each recurrent mixer's output projection (row-parallel)."""
+    from dcp_compile.passes.infra import linears_reached
+    out = []
+    for op in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RECURRENT_OPS]:
+        out_proj, = linears_reached(list(op.users), lambda x: list(x.users))
+        out += [u for u in out_proj.users
+                if u.target == torch.ops._c10d_functional.all_reduce.default]
+    return out
+
+
+MUTANT_CASES = [("lfm2", 4, 2), ("kimi_linear", 4, 2), ("minimax", 4, 2), ("qwen3_5_text", 4, 2)]
+
+
+@pytest.mark.parametrize("model_type,tp,dcp", [
+    pytest.param(t, tp, dcp, id=f"{t}-tp{tp}-dcp{dcp}",
+                 marks=() if t == "lfm2" or FULL else
+                 pytest.mark.skip(reason="DCP_HYBRID_FULL=1 runs it"))
+    for t, tp, dcp in MUTANT_CASES])
+def test_a_cut_without_the_output_projections_all_reduce_does_not_match(model_type, tp, dcp):
+    """The mutation: a cut mixer's output projection is row-parallel (each rank its heads' /
+    channels' share of the sum); with its all-reduce dropped in the decode graphs, decode no
+    longer matches the model."""
+    model, program = _program(model_type, tp, dcp, "decode")
+    graphs = {k: copy.deepcopy(gm) for k, gm in program.graphs.items()}
+    for gm in graphs.values():
+        reductions = _out_proj_reductions(gm)
+        assert len(reductions) == 2, reductions
+        _drop(gm, reductions)
+    broken = dataclasses.replace(program, graphs=graphs)
+    report = verify.verify(FullForwardReference(model), broken, _prompts(), steps=2, atol=TOL)
+    assert not report.ok, report
+    print(f"{model_type} tp={tp} dcp={dcp} without the output projection's all-reduce: max "
+          f"|logit error| {report.max_abs_error:.1e}")
 
 
 # -- which layout each tiny hybrid gets ------------------------------------------------------
