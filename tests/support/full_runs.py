@@ -58,8 +58,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
                         "frontends/test_hybrid_headcut.py's mixers cut by heads: 13 families "
                         "and 5 one-group Mamba2 variants x both layouts, decode and prefill, "
                         "the collectives and the mutations (the slice: Qwen3.5 decode, "
-                        "one-group Bamba and MiniMax prefill at tp=4/dcp=2, Kimi Linear "
-                        "decode and LFM2 prefill at tp=8/dcp=4)"),
+                        "one-group Bamba and MiniMax prefill at tp=4/dcp=2, LFM2 prefill "
+                        "at tp=8/dcp=4)"),
     "DCP_HYBRID_XLA_FULL": ("lowering/test_hybrid_xla.py",
                             "hybrid programs lowered and run on XLA:CPU: LFM2 and Bamba x "
                             "decode / prefill x tp=4/dcp=2 and tp=8/dcp=4, and Jamba, "
