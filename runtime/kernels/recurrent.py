@@ -308,17 +308,23 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
 NO_HEAD_CUT = "its op has no head cut"  # the layout reason of the other recurrent ops
 
 
+def cut_by(count: int, what: str, tp: int) -> str | None:
+    """The one rule of a head (channel) cut: None when tp > 1 divides the ``count`` heads or
+    channels a rank holds whole, else why the op runs with replicated weights."""
+    if tp == 1:
+        return "tp=1"
+    if count % tp:
+        return f"tp={tp} does not divide the {count} {what}"
+    return None
+
+
 def gated_delta_net_cut(num_k_heads: int, tp: int) -> str | None:
     """Whether ``dcp.gated_delta_net`` runs cut by heads over ``tp`` ranks (None) or with
     replicated weights (the reason): the cut needs tp > 1 dividing the key heads (a rank holds
     whole key heads and the value heads they serve, ``gated_delta_net_head_shard``). The one
     rule the placement analysis (passes/placement/recurrent.py) and the program's state cache
     (frontends/hybrid.py) both read."""
-    if tp == 1:
-        return "tp=1"
-    if num_k_heads % tp:
-        return f"tp={tp} does not divide the {num_k_heads} key heads"
-    return None
+    return cut_by(num_k_heads, "key heads", tp)
 
 
 def mamba2_cut(n_groups: int, num_heads: int, tp: int) -> str | None:
@@ -345,22 +351,14 @@ def kimi_delta_attention_cut(num_heads: int, tp: int) -> str | None:
     with replicated weights (the reason): KDA has one key head per value head, so a rank
     holds whole heads (their ``[q | k | v]`` channels, g's rows, beta, the state) when tp > 1
     divides the heads."""
-    if tp == 1:
-        return "tp=1"
-    if num_heads % tp:
-        return f"tp={tp} does not divide the {num_heads} heads"
-    return None
+    return cut_by(num_heads, "heads", tp)
 
 
 def short_conv_cut(channels: int, tp: int) -> str | None:
     """Whether ``dcp.short_conv`` (LFM2's) runs cut by channels over ``tp`` ranks (None) or
     with replicated weights (the reason): a depthwise convolution keeps every channel apart,
     so the cut needs tp > 1 dividing the channels."""
-    if tp == 1:
-        return "tp=1"
-    if channels % tp:
-        return f"tp={tp} does not divide the {channels} channels"
-    return None
+    return cut_by(channels, "channels", tp)
 
 
 def lightning_attention_cut(num_heads: int, tp: int) -> str | None:
@@ -368,11 +366,7 @@ def lightning_attention_cut(num_heads: int, tp: int) -> str | None:
     replicated weights (the reason): every head's recurrence is its own (its slope, its
     ``d x d`` state), so the cut needs tp > 1 dividing the heads. The model's norm over all
     heads then has its mean of squares all-reduced, as a one-group Mamba2's."""
-    if tp == 1:
-        return "tp=1"
-    if num_heads % tp:
-        return f"tp={tp} does not divide the {num_heads} heads"
-    return None
+    return cut_by(num_heads, "heads", tp)
 
 
 def mamba2_whole_bc(n_groups: int, tp: int) -> bool:
