@@ -36,7 +36,8 @@ from dcp_compile.frontends.recurrent_mixers import (  # noqa: F401
     _zamba_forward, _short_conv_shape, _short_conv_forward, _rglru_shape, _rglru_forward)
 from dcp_compile.runtime.errors import DCPHybridError
 from dcp_compile.runtime.kernels.recurrent import (  # (and registers the ops)
-    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut)
+    CONV_ACTIVATIONS, NO_HEAD_CUT, gated_delta_net_cut, kimi_delta_attention_cut,
+    lightning_attention_cut, mamba2_cut, mamba2_whole_bc, short_conv_cut)
 from dcp_compile.runtime.kernels.rg_lru import rg_lru_cut
 from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
 
@@ -55,6 +56,8 @@ class RecurrentRule:
     # (module, tp) -> None when the op runs cut by heads over tp, else why it runs replicated
     # (the rule passes/placement/recurrent.py's HEAD_CUTS applies to the op); None: no cut
     cut: Callable[[nn.Module, int], str | None] | None = None
+    # (module, tp) -> the conv channels every rank holds whole under the cut (0: none)
+    conv_whole: Callable[[nn.Module, int], int] | None = None
 
 
 def _original(fn):
@@ -108,7 +111,23 @@ def _gdn_cut(m: nn.Module, tp: int) -> str | None:
 
 
 def _mamba2_cut(m: nn.Module, tp: int) -> str | None:
-    return mamba2_cut(m.n_groups, tp)
+    return mamba2_cut(m.n_groups, m.num_heads, tp)
+
+
+def _kda_cut(m: nn.Module, tp: int) -> str | None:
+    return kimi_delta_attention_cut(m.num_heads, tp)
+
+
+def _short_conv_cut(m: nn.Module, tp: int) -> str | None:
+    return short_conv_cut(m.conv.in_channels, tp)
+
+
+def _lightning_cut(m: nn.Module, tp: int) -> str | None:
+    return lightning_attention_cut(m.num_attention_heads, tp)
+
+
+def _mamba2_whole(m: nn.Module, tp: int) -> int:
+    return 2 * m.n_groups * m.ssm_state_size if mamba2_whole_bc(m.n_groups, tp) else 0
 
 
 def _rglru_cut(m: nn.Module, tp: int) -> str | None:
@@ -152,32 +171,32 @@ RULES = (
     RecurrentRule(f"{_TF}.bamba.modeling_bamba", "BambaMixer",
                   {"BambaMixer.forward": "6e1e9d6ce582", "mamba2_scan_forward": "a08b6a3202e2",
                    "BambaRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Granite-4-H: Bamba's code (copied by transformers' modular; only a docstring differs)
     RecurrentRule(f"{_TF}.granitemoehybrid.modeling_granitemoehybrid",
                   "GraniteMoeHybridMambaLayer",
                   {"GraniteMoeHybridMambaLayer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "26a2b2ba22ea",
                    "GraniteMoeHybridRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Nemotron-H, Zamba2: Bamba's mixer code (transformers' modular copies; only the scan's
     # docstring differs, its hash therefore does), the group-wise gated RMSNorm
     RecurrentRule(f"{_TF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
                   {"NemotronHMamba2Mixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "171adefd1a44",
                    "NemotronHRMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Falcon-H1: a Mamba2 mixer beside attention in every layer, with mup multipliers
     RecurrentRule(f"{_TF}.falcon_h1.modeling_falcon_h1", "FalconH1Mixer",
                   {"FalconH1Mixer.forward": "3003699349bf",
                    "mamba2_scan_forward": "7b310fabf179",
                    "FalconH1RMSNormGated.forward": "6be41dfb6ca8", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _falcon_h1_forward, _mamba2_cut),
+                  _mamba2_shape, _falcon_h1_forward, _mamba2_cut, _mamba2_whole),
     RecurrentRule(f"{_TF}.zamba2.modeling_zamba2", "Zamba2MambaMixer",
                   {"Zamba2MambaMixer.forward": "6e1e9d6ce582",
                    "mamba2_scan_forward": "9cef438529d0",
                    "Zamba2RMSNormGated.forward": "2ed3aa30edfb", **_MAMBA2_FUNCTIONS},
-                  _mamba2_shape, _mamba2_forward, _mamba2_cut),
+                  _mamba2_shape, _mamba2_forward, _mamba2_cut, _mamba2_whole),
     # Jamba: Mamba-1 (dcp.short_conv, then dcp.mamba_ssm)
     RecurrentRule(f"{_TF}.jamba.modeling_jamba", "JambaMambaMixer",
                   {"JambaMambaMixer.forward": "ac728d5d7b51",
@@ -198,7 +217,7 @@ RULES = (
                    "recurrent_kimi_delta_attention": "a7d81011bd15",
                    "chunk_kimi_delta_attention": "1a4cae129dee",
                    "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
-                  _kda_shape, _kda_forward),
+                  _kda_shape, _kda_forward, _kda_cut),
     # Bailing-hybrid: the same KDA (its own forget gate module and a one-linear output gate)
     RecurrentRule(f"{_TF}.bailing_hybrid.modeling_bailing_hybrid",
                   "BailingHybridDeltaAttention",
@@ -206,13 +225,13 @@ RULES = (
                    "recurrent_kimi_delta_attention": "a7d81011bd15",
                    "chunk_kimi_delta_attention": "1a4cae129dee",
                    "l2norm": "c0e36905d6b9", **_CONV_FUNCTIONS},
-                  _kda_shape, lambda m, s: _kda_forward(m, s, _bailing_gate)),
+                  _kda_shape, lambda m, s: _kda_forward(m, s, _bailing_gate), _kda_cut),
     # MiniMax: lightning attention (no convolution: a recurrence cache only)
     RecurrentRule(f"{_TF}.minimax.modeling_minimax", "MiniMaxLightningAttention",
                   {"MiniMaxLightningAttention.forward": "03c3f915c0c9",
                    "MiniMaxLightningAttention.get_slope_rate": "c7263d11caad",
                    "apply_mask_to_padding_states": "ac70fe1177ec"},
-                  _lightning_shape, _lightning_forward),
+                  _lightning_shape, _lightning_forward, _lightning_cut),
     # RecurrentGemma: a causal Conv1d (dcp.short_conv), then the RG-LRU (dcp.rg_lru); the
     # block keeps no layer index (recurrent_layers records it from the module path)
     RecurrentRule(f"{_TF}.recurrent_gemma.modeling_recurrent_gemma",
@@ -224,14 +243,14 @@ RULES = (
                   _rglru_shape, _rglru_forward, _rglru_cut),
     RecurrentRule(f"{_TF}.lfm2.modeling_lfm2", "Lfm2ShortConv",
                   {"Lfm2ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
-                  _short_conv_shape, _short_conv_forward),
+                  _short_conv_shape, _short_conv_forward, _short_conv_cut),
     RecurrentRule(f"{_TF}.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv",
                   {"Lfm2MoeShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
-                  _short_conv_shape, _short_conv_forward),
+                  _short_conv_shape, _short_conv_forward, _short_conv_cut),
     # LFM3: LFM2's short conv (the same forward) beside gated, sliding and full attention
     RecurrentRule(f"{_TF}.lfm3.modeling_lfm3", "Lfm3ShortConv",
                   {"Lfm3ShortConv.forward": "ab35322f9346", **_CONV_FUNCTIONS},
-                  _short_conv_shape, _short_conv_forward),
+                  _short_conv_shape, _short_conv_forward, _short_conv_cut),
 )
 
 
@@ -333,7 +352,8 @@ def state_spec(model: nn.Module, num_slots: int, *, tp: int = 1,
     layers = []
     for _, m, rule in recurrent_layers(model):
         shape = rule.state(m)
-        layers.append(StateLayer(m.layer_idx, shape.conv, shape.rec))
+        whole = rule.conv_whole(m, tp) if tp > 1 and rule.conv_whole is not None else 0
+        layers.append(StateLayer(m.layer_idx, shape.conv, shape.rec, whole))
     return StateCacheSpec(tuple(layers), num_slots, tp, conv_dtype=dtype)
 
 

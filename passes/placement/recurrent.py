@@ -23,7 +23,10 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from dcp_compile.runtime.kernels.recurrent import NO_HEAD_CUT, gated_delta_net_cut, mamba2_cut
+from dcp_compile.runtime.kernels.recurrent import (NO_HEAD_CUT, gated_delta_net_cut,
+                                                   kimi_delta_attention_cut,
+                                                   lightning_attention_cut, mamba2_cut,
+                                                   mamba2_whole_bc, short_conv_cut)
 from dcp_compile.runtime.kernels.rg_lru import rg_lru_cut
 
 from ..infra import linears_reached
@@ -69,20 +72,84 @@ def _gated_delta_net_cut(n: Node, tp: int) -> HeadCut | str:
 
 def _mamba2_cut(n: Node, tp: int) -> HeadCut | str:
     """``dcp.mamba2_ssm``: channels ``[x | B | C]`` cut by groups segment by segment (conv
-    weight, bias and state alike), dt, A_log, D, dt_bias, the ssm state and the output by
-    heads (``mamba2_head_shard``'s slices); ``n_groups`` the rank's."""
+    weight, bias and state alike; one group: x cut, B and C whole on every rank), dt, A_log,
+    D, dt_bias, the ssm state and the output by heads (``mamba2_head_shard``'s slices);
+    ``n_groups`` the rank's (one group: stays 1)."""
     groups, head_dim, state = n.args[12], n.args[13], n.args[14]
-    why = mamba2_cut(groups, tp)
+    heads = shape_of(n.args[1])[2]
+    why = mamba2_cut(groups, heads, tp)
     if why is not None:
         return why
-    heads = shape_of(n.args[1])[2]
-    xbc = (Seg(heads * head_dim, tp), Seg(groups * state, tp), Seg(groups * state, tp))
+    whole = mamba2_whole_bc(groups, tp)       # one group: B and C whole on every rank
+    bc = Seg(groups * state, 1, tp) if whole else Seg(groups * state, tp)
+    xbc = (Seg(heads * head_dim, tp), bc, bc)
     ch = lambda d: Shard(d, xbc, "mlp")                   # noqa: E731
     hd = lambda d: Shard(d, (Seg(heads, tp),), "mlp")     # noqa: E731
     inputs = {0: ch(2), 1: hd(2), 2: ch(0), 4: hd(0), 5: hd(0), 6: hd(0), 7: ch(1), 8: hd(1)}
     if isinstance(n.args[3], Node):                       # the conv bias
         inputs[3] = ch(0)
-    return HeadCut(inputs, (hd(2), ch(1), hd(1)), (7, 8), {12: groups // tp})
+    return HeadCut(inputs, (hd(2), ch(1), hd(1)), (7, 8), {} if whole else {12: groups // tp})
+
+
+def _kimi_delta_attention_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.kimi_delta_attention``: channels ``[q | k | v]`` cut by heads segment by segment
+    (conv weight and conv state alike), g ``[B, S, H, dk]``, beta, the recurrent state and
+    the output by heads; ``num_heads`` the rank's."""
+    heads, dim = n.args[9], n.args[10]
+    why = kimi_delta_attention_cut(heads, tp)
+    if why is not None:
+        return why
+    ch = lambda d: Shard(d, (Seg(heads * dim, tp),) * 3, "mlp")    # noqa: E731
+    hd = lambda d: Shard(d, (Seg(heads, tp),), "mlp")               # noqa: E731
+    return HeadCut({0: ch(2), 1: hd(2), 2: hd(2), 3: ch(0), 4: ch(1), 5: hd(1)},
+                   (hd(2), ch(1), hd(1)), (4, 5), {9: heads // tp})
+
+
+def _lightning_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.lightning_attention``: q, k, v, the slope, the recurrent state and the output by
+    heads (each head's recurrence is its own)."""
+    heads = shape_of(n.args[0])[2]
+    why = lightning_attention_cut(heads, tp)
+    if why is not None:
+        return why
+    hd = lambda d: Shard(d, (Seg(heads, tp),), "mlp")     # noqa: E731
+    return HeadCut({0: hd(2), 1: hd(2), 2: hd(2), 3: hd(0), 4: hd(1)}, (hd(2), hd(1)), (4,), {})
+
+
+def _feeds_a_recurrent_op(n: Node) -> bool:
+    """Whether ``n``'s output reaches another recurrent op of its own mixer (Mamba-1: its
+    conv is a ``dcp.short_conv`` whose output ``dcp.mamba_ssm`` reads)."""
+    mixer = module_path(n)
+    if mixer is None:
+        return False
+    seen, stack = set(), list(n.users)
+    while stack:
+        u = stack.pop()
+        path = module_path(u) or ""
+        if u in seen or u.op != "call_function" or \
+                not (path == mixer or path.startswith(mixer + ".")):
+            continue
+        if u.target in RECURRENT_OPS:
+            return True
+        seen.add(u)
+        stack.extend(u.users)
+    return False
+
+
+def _short_conv_cut(n: Node, tp: int) -> HeadCut | str:
+    """``dcp.short_conv`` (LFM2's): its input, conv weight, bias, state and output cut by
+    channels. Mamba-1's conv (Jamba, Zamba) stays whole: its ``dcp.mamba_ssm`` has no cut."""
+    if _feeds_a_recurrent_op(n):
+        return NO_HEAD_CUT
+    channels = shape_of(n.args[0])[2]
+    why = short_conv_cut(channels, tp)
+    if why is not None:
+        return why
+    ch = lambda d: Shard(d, (Seg(channels, tp),), "mlp")     # noqa: E731
+    inputs = {0: ch(2), 1: ch(0), 3: ch(1)}
+    if isinstance(n.args[2], Node):                           # the conv bias
+        inputs[2] = ch(0)
+    return HeadCut(inputs, (ch(2), ch(1)), (3,), {})
 
 
 def _rg_lru_cut(n: Node, tp: int) -> HeadCut | str:
@@ -122,6 +189,8 @@ HEAD_CUTS: dict[object, Callable[[Node, int], HeadCut | str]] = {
     torch.ops.dcp.gated_delta_net.default: _gated_delta_net_cut,
     torch.ops.dcp.mamba2_ssm.default: _mamba2_cut,
     torch.ops.dcp.rg_lru.default: _rg_lru_cut,
+    torch.ops.dcp.lightning_attention.default: _lightning_cut,
+    torch.ops.dcp.kimi_delta_attention.default: _kimi_delta_attention_cut,
     torch.ops.dcp.short_conv.default: _short_conv_cut,
 }
 

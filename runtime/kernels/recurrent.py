@@ -282,31 +282,70 @@ def gated_delta_net_head_shard(num_k_heads: int, num_v_heads: int, head_k_dim: i
 NO_HEAD_CUT = "its op has no head cut"  # the layout reason of the other recurrent ops
 
 
+def cut_by(count: int, what: str, tp: int) -> str | None:
+    """The one rule of a head (channel) cut: None when tp > 1 divides the ``count`` heads or
+    channels a rank holds whole, else why the op runs with replicated weights."""
+    if tp == 1:
+        return "tp=1"
+    if count % tp:
+        return f"tp={tp} does not divide the {count} {what}"
+    return None
+
+
 def gated_delta_net_cut(num_k_heads: int, tp: int) -> str | None:
     """Whether ``dcp.gated_delta_net`` runs cut by heads over ``tp`` ranks (None) or with
     replicated weights (the reason): the cut needs tp > 1 dividing the key heads (a rank holds
     whole key heads and the value heads they serve, ``gated_delta_net_head_shard``). The one
     rule the placement analysis (passes/placement/recurrent.py) and the program's state cache
     (frontends/hybrid.py) both read."""
-    if tp == 1:
-        return "tp=1"
-    if num_k_heads % tp:
-        return f"tp={tp} does not divide the {num_k_heads} key heads"
-    return None
+    return cut_by(num_k_heads, "key heads", tp)
 
 
-def mamba2_cut(n_groups: int, tp: int) -> str | None:
+def mamba2_cut(n_groups: int, num_heads: int, tp: int) -> str | None:
     """Whether ``dcp.mamba2_ssm`` runs cut by heads over ``tp`` ranks (None) or with
-    replicated weights (the reason): the cut needs tp > 1 dividing the groups, so that a rank
-    holds whole groups (their heads, their B and C: ``mamba2_head_shard``) and the gated
-    RMSNorm, taken per group, stays on the rank (a group cut across ranks would need its
-    variance all-reduced and B, C replicated: not built)."""
+    replicated weights (the reason). Either tp > 1 divides the groups: a rank holds whole
+    groups (their heads, their B and C: ``mamba2_head_shard``) and the gated RMSNorm, taken
+    per group, stays on the rank; or there is one group and tp divides the heads (vLLM's
+    layout, ``mamba_mixer2.py``): every rank holds B and C whole and its heads, and the
+    norm over all heads has its sum of squares all-reduced (one ``[tokens, 1]`` scalar). A
+    group cut across some ranks only (1 < groups, tp not dividing them) is not built."""
     if tp == 1:
         return "tp=1"
-    if n_groups % tp:
+    if n_groups == 1 and num_heads % tp:
+        return (f"tp={tp} does not divide the {num_heads} heads (one group: B and C whole on "
+                f"every rank, the heads cut)")
+    if n_groups % tp and n_groups != 1:
         return (f"tp={tp} does not divide the {n_groups} groups (B, C and the gated norm "
                 f"are per group)")
     return None
+
+
+def kimi_delta_attention_cut(num_heads: int, tp: int) -> str | None:
+    """Whether ``dcp.kimi_delta_attention`` runs cut by heads over ``tp`` ranks (None) or
+    with replicated weights (the reason): KDA has one key head per value head, so a rank
+    holds whole heads (their ``[q | k | v]`` channels, g's rows, beta, the state) when tp > 1
+    divides the heads."""
+    return cut_by(num_heads, "heads", tp)
+
+
+def short_conv_cut(channels: int, tp: int) -> str | None:
+    """Whether ``dcp.short_conv`` (LFM2's) runs cut by channels over ``tp`` ranks (None) or
+    with replicated weights (the reason): a depthwise convolution keeps every channel apart,
+    so the cut needs tp > 1 dividing the channels."""
+    return cut_by(channels, "channels", tp)
+
+
+def lightning_attention_cut(num_heads: int, tp: int) -> str | None:
+    """Whether ``dcp.lightning_attention`` runs cut by heads over ``tp`` ranks (None) or with
+    replicated weights (the reason): every head's recurrence is its own (its slope, its
+    ``d x d`` state), so the cut needs tp > 1 dividing the heads. The model's norm over all
+    heads then has its mean of squares all-reduced, as a one-group Mamba2's."""
+    return cut_by(num_heads, "heads", tp)
+
+
+def mamba2_whole_bc(n_groups: int, tp: int) -> bool:
+    """Under the head cut, B and C are whole on every rank (one group, tp > 1)."""
+    return tp > 1 and n_groups % tp != 0
 
 
 def _short_conv_impl(x: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
@@ -424,15 +463,21 @@ def _(hidden_b_c, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm
 def mamba2_head_shard(n_groups: int, num_heads: int, head_dim: int, state_size: int, tp: int,
                       rank: int) -> tuple[Tensor, slice]:
     """Tensor parallelism by groups: rank ``rank`` of ``tp`` holds groups
-    ``[rank * G/tp, (rank+1) * G/tp)``, their heads and their B, C columns. Returns (its
-    channels of ``hidden_b_c`` / conv weight, bias and state; its head slice of dt, A_log,
-    D, dt_bias, ``ssm_state`` and the output). tp must divide the groups."""
-    if n_groups % tp:
-        raise ValueError(f"mamba2_ssm head shard: tp={tp} does not divide n_groups={n_groups}")
-    g_local, h_local = n_groups // tp, num_heads // tp
+    ``[rank * G/tp, (rank+1) * G/tp)``, their heads and their B, C columns; with one group
+    (``mamba2_whole_bc``), its heads and B, C whole. Returns (its channels of
+    ``hidden_b_c`` / conv weight, bias and state; its head slice of dt, A_log, D, dt_bias,
+    ``ssm_state`` and the output). ``mamba2_cut`` must allow the cut."""
+    why = mamba2_cut(n_groups, num_heads, tp)
+    if why is not None and tp > 1:
+        raise ValueError(f"mamba2_ssm head shard: {why}")
+    h_local = num_heads // tp
     inner = num_heads * head_dim
     x = torch.arange(rank * h_local * head_dim, (rank + 1) * h_local * head_dim)
-    bc = torch.arange(rank * g_local * state_size, (rank + 1) * g_local * state_size)
+    if mamba2_whole_bc(n_groups, tp):
+        bc = torch.arange(n_groups * state_size)
+    else:
+        g_local = n_groups // tp
+        bc = torch.arange(rank * g_local * state_size, (rank + 1) * g_local * state_size)
     channels = torch.cat([x, inner + bc, inner + n_groups * state_size + bc])
     return channels, slice(rank * h_local, (rank + 1) * h_local)
 

@@ -23,6 +23,9 @@ class StateLayer:
     layer: int
     conv: tuple[int, ...] | None
     rec: tuple[int, ...] | None = None
+    # conv channels every rank holds whole when the layer is cut (a one-group Mamba2's B
+    # and C: passes/placement/recurrent.py); the others are cut tp ways
+    conv_whole: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class StateCacheSpec:
 
     def __post_init__(self):
         bad = [f"layer {s.layer}: {what} {dim}" for s in self.layers
-               for what, dim in (("conv channels", s.conv[0] if s.conv else None),
+               for what, dim in (("conv channels", s.conv[0] - s.conv_whole if s.conv else None),
                                  ("heads", s.rec[0] if s.rec else None))
                if dim is not None and dim % self.tp]
         if self.num_slots < 1 or bad:
@@ -50,7 +53,9 @@ class StateCacheSpec:
     def shapes(self, layer: StateLayer) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """(conv cache shape, recurrent cache shape or None) of one rank."""
         slots = self.num_slots + 1
-        conv = None if layer.conv is None else (slots, layer.conv[0] // self.tp, *layer.conv[1:])
+        conv = None if layer.conv is None else (
+            slots, (layer.conv[0] - layer.conv_whole) // self.tp + layer.conv_whole,
+            *layer.conv[1:])
         rec = None if layer.rec is None else (slots, layer.rec[0] // self.tp, *layer.rec[1:])
         return conv, rec
 

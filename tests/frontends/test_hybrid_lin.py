@@ -161,8 +161,19 @@ def test_kda_op_is_the_models_own_recurrence():
 @pytest.mark.parametrize("model_type,tp,dcp", _cases(("kimi_linear",), {("kimi_linear", 4, 2)}))
 def test_kimi_linear_decode_matches(model_type, tp, dcp):
     """Kimi Linear (KDA layers as dcp.kimi_delta_attention, MLA layers as DCP attention,
-    MoE): the prompts through the context step, then 6 greedy decode steps."""
+    MoE): the prompts through the context step, then 6 greedy decode steps. Its 4 KDA heads
+    run cut by heads at tp=4 (each rank 1/4 of the state; test_hybrid_headcut.py), whole at
+    tp=8."""
+    from dcp_compile.frontends.module_recurrent import state_spec
+    from hybrid_runs import SHAPES
     test_lfm2_moe_decode_matches(model_type, tp, dcp)
+    model, program = _program(model_type, tp, dcp, "decode")
+    cut = tp if 4 % tp == 0 else 1
+    spec = program.state_spec()
+    assert spec.tp == cut, spec
+    assert spec.bytes_per_rank() * cut == state_spec(model, SHAPES.batch).bytes_per_rank()
+    assert {la for _, la in program.facts.recurrent_layout} == (
+        {"head cut"} if cut > 1 else {f"replicated (tp={tp} does not divide the 4 heads)"})
 
 
 @pytest.mark.parametrize("model_type,tp,dcp,chunks", _prefill_cases(("kimi_linear",), set()))

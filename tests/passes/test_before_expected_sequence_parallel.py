@@ -166,3 +166,98 @@ def test_every_rank_computes_what_it_did_before():
     for rank, (g, w) in enumerate(zip(got, want)):
         for what, a, b in zip(("logits", "key_cache", "value_cache"), g, w):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {what}")
+
+
+# -- a norm's statistic over features cut over the ranks (META_NORM_REDUCE) ------------------
+# A one-group Mamba2's gated norm under the head cut (docs/hybrid.md): each rank holds its
+# heads' features of every token, the mean of squares over them is a pending sum, all-reduced.
+# Under sequence parallelism that is exact only where every rank holds the same tokens in the
+# same order: a projection's output on the gathered chunk. Here the MLP's column output
+# stands for it (4 of 16 features per rank, every token).
+
+def _norm_layer(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, input_ids, key_cache,
+                value_cache, positions, block_table, on_stream: bool):
+    e = aten.embedding.default(p_embed, input_ids)
+    h = F.wait_tensor.default(F.all_reduce.default(e, "sum", "dcp_role:world"))
+    q = aten.view.default(aten.linear.default(h, p_q), [2, 3, 2, 8])
+    k = aten.view.default(aten.linear.default(h, p_k), [2, 3, 1, 8])
+    v = aten.view.default(aten.linear.default(h, p_v), [2, 3, 1, 8])
+    out, kc, vc = dcp.attention.default(q, k, v, key_cache, value_cache, positions,
+                                        block_table, 0.5)
+    o = aten.linear.default(aten.view.default(out, [2, 3, 16]), p_o)
+    h = aten.add.Tensor(h, F.wait_tensor.default(F.all_reduce.default(o, "sum",
+                                                                      "dcp_role:dcp_tp")))
+    x = h if on_stream else aten.linear.default(h, p_up)
+    ms = aten.mul.Tensor(aten.mean.dim(aten.mul.Tensor(x, x), [-1], True), 0.25)
+    ms = F.wait_tensor.default(F.all_reduce.default(ms, "sum", "dcp_role:world"))
+    x = aten.mul.Tensor(x, aten.rsqrt.default(aten.add.Tensor(ms, 1e-6)))
+    u = aten.linear.default(x, p_up) if on_stream else x
+    d = aten.linear.default(aten.relu.default(u), p_down)
+    h = aten.add.Tensor(h, F.wait_tensor.default(F.all_reduce.default(d, "sum",
+                                                                      "dcp_role:world")))
+    return aten.linear.default(h, p_head), kc, vc
+
+
+def _sharded_norm(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, tp_rank, input_ids,
+                  key_cache, value_cache, positions, block_table):
+    return _norm_layer(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, input_ids,
+                       key_cache, value_cache, positions, block_table, False)
+
+
+def _sharded_norm_on_stream(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, tp_rank,
+                            input_ids, key_cache, value_cache, positions, block_table):
+    return _norm_layer(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, input_ids,
+                       key_cache, value_cache, positions, block_table, True)
+
+
+def _before_norm(on_stream=False):
+    from dcp_compile.runtime.names import META_NORM_REDUCE
+    att = attention_inputs(tokens=3, hq=2, hkv=1, start=0)
+    fn = _sharded_norm_on_stream if on_stream else _sharded_norm
+    gm = before(fn, p_embed=torch.randn(4, 32), p_q=torch.randn(16, 32),
+                p_k=torch.randn(8, 32), p_v=torch.randn(8, 32), p_o=torch.randn(32, 16),
+                p_up=torch.randn(4, 32), p_down=torch.randn(32, 4), p_head=torch.randn(4, 32),
+                tp_rank=torch.tensor(0), input_ids=torch.zeros(2, 3, dtype=torch.long),
+                **{k: att[k] for k in ("key_cache", "value_cache", "positions",
+                                       "block_table")})
+    annotate(gm, META_NORM_REDUCE, {"all_reduce_default_2": True})
+    return annotate(gm, ROLE_META, ROLES)
+
+
+def _norm_reduces(gm):
+    return [n for n in gm.graph.nodes if n.target == F.all_reduce.default
+            and n.args[2] == "dcp_role:world"]
+
+
+def test_a_norm_statistic_over_a_projections_output_stays_an_all_reduce():
+    """The statistic of the gathered chunk: every rank holds the same 3 tokens in order, so
+    the all-reduce sums each token's features over the ranks, never two tokens; it stays an
+    all-reduce of [B, S=3, 1] (the whole chunk, not the stream's S_pad/TP = 1 token) and
+    every rank computes what it did before."""
+    gm = run_alone(SequenceParallel(_ctx()), _before_norm())
+    norm, = _norm_reduces(gm)
+    assert tuple(norm.args[0].meta["val"].shape) == (2, 3, 1)
+    shapes = _before_norm().meta["example_inputs"]
+
+    def inputs_of(rank):
+        g, piece = torch.Generator().manual_seed(rank), torch.Generator().manual_seed(rank % 2)
+        mine = {k: torch.randn(t.shape, generator=piece if k in ATTENTION else g) * 0.3
+                for k, t in shapes.items()}
+        mine["input_ids"] = torch.randint(0, 4, (2, 3), generator=g)
+        return {**mine, "tp_rank": torch.tensor(rank),
+                **{k: attention_inputs(tokens=3, hq=2, hkv=1, start=0)[k]
+                   for k in ("positions", "block_table")}}
+
+    config = _ctx().config
+    want = run_world(_before_norm(), config, inputs_of)
+    got = run_world(gm, config, inputs_of)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g[0], w[0], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+
+
+def test_a_norm_statistic_on_the_sequence_parallel_stream_is_refused():
+    """The same statistic taken of the residual stream, where each rank holds other tokens
+    after the rewrite: its all-reduce would add token t of one rank to token t' of another.
+    Refused by name."""
+    with pytest.raises(DCPTransformError, match=r"computed from the sequence-parallel residual stream.*would mix them"):
+        run_alone(SequenceParallel(_ctx()), _before_norm(on_stream=True))

@@ -151,12 +151,14 @@ def test_the_op_on_a_head_shard_is_that_shard_of_the_op(tp):
         assert (c - conv[:, ch]).abs().max() < 1e-6 and (r - rec[:, heads]).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("G", [4, 1], ids=["4-groups", "one-group"])
 @pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda t: f"tp={t}")
-def test_mamba2_on_a_group_shard_is_that_shard_of_the_op(tp):
-    """Mamba2 cut by groups (their heads and B, C columns) is exact, 8 heads in 4 groups."""
+def test_mamba2_on_a_group_shard_is_that_shard_of_the_op(tp, G):
+    """Mamba2 cut by groups (their heads and B, C columns) is exact, 8 heads in 4 groups;
+    with one group (vLLM's cut) a rank's heads with B and C whole are exact too."""
     from dcp_compile.runtime.kernels.recurrent import mamba2_head_shard, mamba2_ssm
     gen = torch.Generator().manual_seed(2)
-    B, S, G, H, P, N, K = 2, 5, 4, 8, 3, 4, 4
+    B, S, H, P, N, K = 2, 5, 8, 3, 4, 4
     C = H * P + 2 * G * N
     r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     full = dict(hidden_b_c=r(B, S, C), dt=r(B, S, H), conv_weight=r(C, K), conv_bias=r(C),
@@ -173,7 +175,8 @@ def test_mamba2_on_a_group_shard_is_that_shard_of_the_op(tp):
                      A_log=full["A_log"][heads], D=full["D"][heads],
                      dt_bias=full["dt_bias"][heads], conv_state=full["conv_state"][:, ch],
                      ssm_state=full["ssm_state"][:, heads])
-        o, c, s = mamba2_ssm(**local, **rows, n_groups=G // tp)
+        assert len(ch) == H // tp * P + 2 * N * (G // tp if G % tp == 0 else G)
+        o, c, s = mamba2_ssm(**local, **rows, n_groups=G // tp if G % tp == 0 else G)
         assert (o - out[:, :, heads]).abs().max() < 1e-6
         assert (c - conv[:, ch]).abs().max() < 1e-6 and (s - ssm[:, heads]).abs().max() < 1e-6
 
@@ -194,3 +197,18 @@ def test_the_state_cache_is_replicated_over_dcp_and_cut_by_tp():
     with pytest.raises(DCPConfigError, match=r"tp=3 does not divide layer 0: heads 8, "
                                              r"layer 2: conv channels 64"):
         StateCacheSpec(layers, num_slots=7, tp=3)
+
+
+def test_a_one_group_mamba2_state_keeps_b_and_c_whole_on_every_rank():
+    """One Mamba2 group cut by heads: the conv state's x channels (128) cut tp ways, B's and
+    C's (2·N = 16, ``conv_whole``) whole on every rank, the ssm state by heads; a tp that
+    does not divide the x channels is refused naming them."""
+    from dcp_compile.runtime.errors import DCPConfigError
+    from dcp_compile.runtime.serving.state_cache import StateCacheSpec, StateLayer
+    layer = StateLayer(0, (144, 3), (8, 16, 8), conv_whole=16)
+    spec = StateCacheSpec((layer,), num_slots=3, tp=4)
+    assert spec.shapes(layer) == ((4, 128 // 4 + 16, 3), (4, 2, 16, 8))
+    assert spec.bytes_per_rank() == 4 * 4 * ((32 + 16) * 3 + 2 * 16 * 8)
+    with pytest.raises(DCPConfigError, match=r"tp=3 does not divide layer 0: conv channels "
+                                             r"128, layer 0: heads 8"):
+        StateCacheSpec((layer,), num_slots=3, tp=3)

@@ -125,7 +125,8 @@ def tiny_hybrid_config(model_type: str) -> dict:
 
 
 # Sizes under which the recurrent mixers run cut by heads at tp=4 and tp=8
-# (docs/hybrid.md, "The layout"): 8 key heads (Gated DeltaNet), 8 groups (Mamba2).
+# (docs/hybrid.md, "The layout"): 8 key heads (Gated DeltaNet), 8 groups (Mamba2), 8 heads
+# (lightning attention, KDA), 64 channels (short conv).
 _GDN_CUT = dict(linear_num_key_heads=8, linear_num_value_heads=16)
 _MAMBA2_CUT = dict(mamba_n_groups=8)
 HEAD_CUT_SIZES = {
@@ -133,7 +134,18 @@ HEAD_CUT_SIZES = {
     "olmo_hybrid": _GDN_CUT,
     "bamba": _MAMBA2_CUT, "granitemoehybrid": _MAMBA2_CUT, "falcon_h1": _MAMBA2_CUT,
     "nemotron_h": dict(n_groups=8), "zamba2": dict(mamba_ngroups=8),
+    # MiniMax's lightning attention is cut by heads: its tiny config's 8 already divide by 8
+    "minimax": {},
+    # KDA (Kimi Linear, Bailing-hybrid) by heads: 8 of them (the tiny configs have 4)
+    "kimi_linear": dict(linear_num_heads=8), "bailing_hybrid": dict(linear_num_heads=8),
+    # LFM2's short conv by channels: the tiny configs' 64 divide by 8
+    "lfm2": {}, "lfm2_moe": {},
 }
+# One group (the configs' default for Bamba, Granite-4-H, Falcon-H1, Zamba2): cut by heads
+# with B and C whole on every rank.
+ONE_GROUP_SIZES = {"bamba": dict(mamba_n_groups=1), "granitemoehybrid": dict(mamba_n_groups=1),
+                   "falcon_h1": dict(mamba_n_groups=1), "nemotron_h": dict(n_groups=1),
+                   "zamba2": dict(mamba_ngroups=1)}
 
 
 def build_hybrid(model_type: str, attention: str = "sdpa", *, seed: int = 0, **sizes):
