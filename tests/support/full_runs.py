@@ -99,6 +99,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
                       "batches of test_engine_soak's threaded world instead of 8"),
     "DCP_SPEC_FULL": ("runtime/test_speculative.py",
                       "every model x dcp x interleave x K, and XLA"),
+    "DCP_XLA_FULL": ("lowering/test_xla.py",
+                     "the lowered demo program on XLA:CPU at tp=8/dcp=4 decode and tp=4/dcp=2 "
+                     "prefill in f32 too (the slice: each mode in f32 and bf16, each layout "
+                     "in each mode)"),
 }
 
 
