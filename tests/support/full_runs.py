@@ -72,6 +72,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                             "prefill)"),
     "DCP_MASK_FULL": ("passes/test_mask_proof.py",
                       "every (tp, dcp) x mode of the mask-proof matches"),
+    "DCP_MLA_FULL": ("frontends/test_mla.py",
+                     "transformers' DeepSeek V3 without a q LoRA at tp=4/dcp=4 and tp=8/dcp=2 "
+                     "too (the slice: tp=8/dcp=8; plain MLA runs every layout)"),
     "DCP_MOE_MATRIX": ("frontends/test_moe.py",
                        "every MoE model x mode x tp/dcp x TP/EP x experts implementation x "
                        "prepare/direct; test_moe_backend's TP experts, test_xla's gpt-oss EP "
