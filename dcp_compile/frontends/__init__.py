@@ -26,7 +26,7 @@ from torch import nn
 from dcp_compile.runtime.errors import DCPTransformError
 from dcp_compile.runtime.names import BLOCK_TABLE, KV_CACHES
 
-from .huggingface import is_hf
+from .hf_config import is_hf     # not .huggingface: transformers loads when an HF model needs it
 from .protocol import Frontend, StepCapture, forward_params
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from torch import nn
 
 from dcp_compile.runtime.errors import DCPTransformError
 
-from .huggingface import is_hf
+from .hf_config import is_hf
 
 
 def checkpoint_sources(model: nn.Module) -> dict:

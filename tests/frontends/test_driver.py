@@ -5,6 +5,8 @@ find, and the DCPProgram is built in one place."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,14 @@ def test_stack_traces_true_records_them_without_a_dump_and_false_never_retries()
                         CompileOptions(stack_traces=False))
     assert front.traced == [False]            # refused once, not compiled again
     assert "test_driver.py" not in str(e.value) and "at node " in str(e.value)
+
+
+def test_the_driver_and_the_paged_frontend_load_without_transformers():
+    """transformers (seconds of CPU to import) loads only when a Hugging Face model is
+    transformed: the driver and the demo model's frontend do not import it (the
+    supervisors build the demo program in a fresh process; docs/runtime.md)."""
+    code = ("import sys, dcp_compile.driver, dcp_compile.frontends.paged; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

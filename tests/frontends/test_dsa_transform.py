@@ -10,6 +10,7 @@ Attention. ``DCP_DSA_TRANSFORM_FULL=1`` runs every model x layout x step kind.""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,6 +64,17 @@ def _transform(model, mode: str, tp: int, dcp: int, check: bool = False, **shape
 @functools.lru_cache(maxsize=None)
 def _program(mode: str, name: str, tp: int, dcp: int):
     return _transform(_model(name), mode, tp, dcp, check=(mode == "prefill"))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_program_with_drafts_and_chunks():
+    """DeepSeek-V3.2's tp=4/dcp=2 decode program with width-3 decode steps and width-16
+    chunk steps, for 4 rows of up to 34 tokens: the speculative test's and the chunk test's
+    (one transform for both)."""
+    shapes = replace(StepShapes.fitting(4, 20, 34, block_size=C.BLOCK, dcp=2, decode_len=3),
+                     chunk_len=16)
+    return dcp_compile.transform(_model("deepseek_v32"), tp=4, dcp=2, mode="decode",
+                                 block_size=C.BLOCK, shapes=shapes)
 
 
 def _assert_the_cut_matters(model, steps: int) -> None:
@@ -167,9 +179,7 @@ def test_speculative_decoding_with_prefix_caching_is_the_models_forward():
     model, steps = _model("deepseek_v32"), 8
     shared = [5, 9, 5, 9, 5, 9, 11, 12, 13, 5, 9, 14, 15, 16, 17, 5, 9]   # two vblocks + 1
     prompts = [shared + [5, 9], shared + [40], [7, 8, 9, 7, 8, 9, 7], [3]]
-    shapes = StepShapes.fitting(4, 20, 34, block_size=C.BLOCK, dcp=2, decode_len=3)
-    program = dcp_compile.transform(model, tp=4, dcp=2, mode="decode", block_size=C.BLOCK,
-                                    shapes=shapes)
+    program = _decode_program_with_drafts_and_chunks()
     ref_tokens, ref_logits = C.reference(model, prompts, steps)
     full_ids = [p + t for p, t in zip(prompts, ref_tokens)]
 
@@ -196,10 +206,14 @@ def test_a_chunk_step_after_prior_context_is_the_models_forward(name, tp, dcp):
     from dcp_compile.runtime.distributed.world import run_threaded
     from dcp_compile.runtime.serving.rank_engine import rank_engine
     model = _model(name)
-    blocks = 5 * 2 // dcp + 1
-    shapes = StepShapes(batch=4, context_len=12, max_blocks=blocks, num_blocks=blocks * 4 + 4,
-                        decode_len=1, chunk_len=16)
-    program = dcp_compile.transform(model, tp=tp, dcp=dcp, block_size=C.BLOCK, shapes=shapes)
+    if (name, tp, dcp) == ("deepseek_v32", 4, 2):       # the speculative test's program
+        program = _decode_program_with_drafts_and_chunks()
+    else:
+        blocks = 5 * 2 // dcp + 1
+        shapes = StepShapes(batch=4, context_len=12, max_blocks=blocks,
+                            num_blocks=blocks * 4 + 4, decode_len=1, chunk_len=16)
+        program = dcp_compile.transform(model, tp=tp, dcp=dcp, block_size=C.BLOCK,
+                                        shapes=shapes)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, C.TINY["vocab_size"], (n,), generator=gen).tolist()
                for n in (17, 7, 9, 18)]

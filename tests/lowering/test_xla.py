@@ -32,6 +32,7 @@ from dcp_compile import xla as X  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
+from full_runs import full  # noqa: E402
 from lowering_helpers import XLA_SHAPES, lowered_for, program_for  # noqa: E402
 from suite_path import ROOT  # noqa: E402
 
@@ -177,12 +178,16 @@ def _in_xla_process(case: str, *args, tmp_path) -> dict:
     return torch.load(out)
 
 
-CASES = [pytest.param(8, 4, "decode", "f32", id="tp8-dcp4-decode-f32"),
-         pytest.param(8, 4, "prefill", "f32", id="tp8-dcp4-prefill-f32"),
-         pytest.param(4, 2, "decode", "f32", id="tp4-dcp2-decode-f32"),
-         pytest.param(4, 2, "prefill", "f32", id="tp4-dcp2-prefill-f32"),
-         pytest.param(8, 4, "decode", "bf16", id="tp8-dcp4-decode-bf16"),
-         pytest.param(4, 2, "prefill", "bf16", id="tp4-dcp2-prefill-bf16")]
+# The default run's slice: each mode in each dtype, and each layout in each mode (decode:
+# tp4/dcp2 f32, tp8/dcp4 bf16; prefill: tp8/dcp4 f32, tp4/dcp2 bf16). DCP_XLA_FULL=1 adds
+# the other two f32 cells.
+SLICE = {(4, 2, "decode", "f32"), (8, 4, "prefill", "f32"), (8, 4, "decode", "bf16"),
+         (4, 2, "prefill", "bf16")}
+CASES = [pytest.param(tp, dcp, mode, dtype, id=f"tp{tp}-dcp{dcp}-{mode}-{dtype}")
+         for tp, dcp, mode, dtype in ((8, 4, "decode", "f32"), (8, 4, "prefill", "f32"),
+                                      (4, 2, "decode", "f32"), (4, 2, "prefill", "f32"),
+                                      (8, 4, "decode", "bf16"), (4, 2, "prefill", "bf16"))
+         if full("DCP_XLA_FULL") or (tp, dcp, mode, dtype) in SLICE]
 
 
 @pytest.mark.parametrize("tp,dcp,mode,dtype", CASES)

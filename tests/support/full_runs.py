@@ -89,6 +89,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                             "prefill)"),
     "DCP_MASK_FULL": ("passes/test_mask_proof.py",
                       "every (tp, dcp) x mode of the mask-proof matches"),
+    "DCP_MLA_FULL": ("frontends/test_mla.py",
+                     "transformers' DeepSeek V3 without a q LoRA at tp=4/dcp=4 and tp=8/dcp=2 "
+                     "too (the slice: tp=8/dcp=8; plain MLA runs every layout)"),
     "DCP_MOE_MATRIX": ("frontends/test_moe.py",
                        "every MoE model x mode x tp/dcp x TP/EP x experts implementation x "
                        "prepare/direct; test_moe_backend's TP experts, test_xla's gpt-oss EP "
@@ -116,6 +119,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
                       "batches of test_engine_soak's threaded world instead of 8"),
     "DCP_SPEC_FULL": ("runtime/test_speculative.py",
                       "every model x dcp x interleave x K, and XLA"),
+    "DCP_XLA_FULL": ("lowering/test_xla.py",
+                     "the lowered demo program on XLA:CPU at tp=8/dcp=4 decode and tp=4/dcp=2 "
+                     "prefill in f32 too (the slice: each mode in f32 and bf16, each layout "
+                     "in each mode)"),
 }
 
 
