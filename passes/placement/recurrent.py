@@ -136,22 +136,6 @@ def _feeds_a_recurrent_op(n: Node) -> bool:
     return False
 
 
-def _short_conv_cut(n: Node, tp: int) -> HeadCut | str:
-    """``dcp.short_conv`` (LFM2's): its input, conv weight, bias, state and output cut by
-    channels. Mamba-1's conv (Jamba, Zamba) stays whole: its ``dcp.mamba_ssm`` has no cut."""
-    if _feeds_a_recurrent_op(n):
-        return NO_HEAD_CUT
-    channels = shape_of(n.args[0])[2]
-    why = short_conv_cut(channels, tp)
-    if why is not None:
-        return why
-    ch = lambda d: Shard(d, (Seg(channels, tp),), "mlp")     # noqa: E731
-    inputs = {0: ch(2), 1: ch(0), 3: ch(1)}
-    if isinstance(n.args[2], Node):                           # the conv bias
-        inputs[2] = ch(0)
-    return HeadCut(inputs, (ch(2), ch(1)), (3,), {})
-
-
 def _rg_lru_cut(n: Node, tp: int) -> HeadCut | str:
     """``dcp.rg_lru``: the gates' block-diagonal weights and biases by heads, x,
     ``recurrent_param``, the state and the output by the heads' contiguous channels."""
@@ -167,16 +151,22 @@ def _rg_lru_cut(n: Node, tp: int) -> HeadCut | str:
 
 
 def _short_conv_cut(n: Node, tp: int) -> HeadCut | str:
-    """``dcp.short_conv`` feeding a ``dcp.rg_lru`` cut by heads (RecurrentGemma's block):
-    the depthwise conv cut by the same channels (x, weight, bias, state, output). Any other
-    short conv (LFM2's, Mamba-1's) has no head cut."""
+    """``dcp.short_conv`` cut by channels (x, conv weight, bias, state, output): feeding a
+    ``dcp.rg_lru`` (RecurrentGemma's block), by that op's heads' channels, or not at all when
+    the RG-LRU runs replicated; on its own (LFM2's), by channels where tp divides them.
+    Mamba-1's conv (Jamba, Zamba) stays whole: its ``dcp.mamba_ssm`` has no cut."""
     rg = [u for g in n.users for u in g.users
           if u.op == "call_function" and u.target == torch.ops.dcp.rg_lru.default]
-    if len(rg) != 1:
+    if len(rg) == 1:
+        cut = _rg_lru_cut(rg[0], tp)
+        if not isinstance(cut, HeadCut):
+            return cut
+    elif _feeds_a_recurrent_op(n):
         return NO_HEAD_CUT
-    cut = _rg_lru_cut(rg[0], tp)
-    if not isinstance(cut, HeadCut):
-        return cut
+    else:
+        why = short_conv_cut(shape_of(n.args[0])[2], tp)
+        if why is not None:
+            return why
     ch = lambda d: Shard(d, (Seg(shape_of(n.args[0])[2], tp),), "mlp")    # noqa: E731
     inputs = {0: ch(2), 1: ch(0), 3: ch(1)}
     if isinstance(n.args[2], Node):                       # the conv bias

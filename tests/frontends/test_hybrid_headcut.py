@@ -330,7 +330,7 @@ def test_the_default_tiny_hybrid_program_says_it_runs_replicated():
     from test_hybrid_program import _program as plain_program
     _, program = plain_program("jamba", 4, 2, "decode")
     layout = program.facts.recurrent_layout
-    assert len(layout) == 4 and {la for _, la in layout} == {LAYOUT_AT_TP4["jamba"]}, layout
+    assert len(layout) == 2 and {la for _, la in layout} == {LAYOUT_AT_TP4["jamba"]}, layout
     assert program.state_spec().tp == 1
 
 
@@ -350,7 +350,8 @@ def test_every_head_cut_rule_is_the_frontends():
                         "Zamba2MambaMixer", "MiniMaxLightningAttention",
                         "KimiLinearDeltaAttention", "BailingHybridDeltaAttention",
                         "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv",
-                        "RecurrentGemmaRecurrentBlock"}
+                        "RecurrentGemmaRecurrentBlock", "LaraMiniGatedDeltaNet",
+                        "Qwen4ExpTextGatedDeltaNet"}
 
 
 # -- a cut program as a file, speculative decode and prefix caching ----------------------------

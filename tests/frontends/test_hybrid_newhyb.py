@@ -76,7 +76,7 @@ def test_the_swapped_mixer_is_the_models_own(model_type):
 @pytest.mark.parametrize("model_type,tp,dcp", cases(TYPES, {("lfm3", 4, 2)}, FULL))
 def test_new_hybrid_decode_matches(model_type, tp, dcp):
     model, prog = program(model_type, tp, dcp, "decode")
-    want = {"lfm3": "replicated (its op has no head cut)",
+    want = {"lfm3": "head cut",                  # LFM2's short conv: by channels
             "lara_mini": f"replicated (tp={tp} does not divide the 2 key heads)"}[model_type]
     assert {la for _, la in prog.facts.recurrent_layout} == {want}
     assert_decode_matches(model, prog, f"{model_type} tp={tp} dcp={dcp}")
