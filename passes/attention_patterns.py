@@ -6,8 +6,8 @@ Recognised attention (rules as data: RECOGNISERS, KERNELS, CASTS, RESHAPES):
   * ``aten.scaled_dot_product_attention`` (is_causal, an explicit mask, enable_gqa) and the
     flash / efficient / cudnn kernels;
   * eager attention: ``q @ k^T`` (* or / a constant scale) (soft-cap ``tanh(s / c) * c``)
-    (+ additive mask, masked_fill or where) -> softmax over the last dim in any dtype (casts
-    around it) -> ``@ v``;
+    (+ additive mask, masked_fill or where, or OpenAI-GPT's product ``s * b + F * (1 - b)``)
+    -> softmax over the last dim in any dtype (casts around it) -> ``@ v``;
   * attention sinks (gpt-oss's eager form): the scores ``cat``'ed with one logit per q head
     (``sinks.reshape(1, -1, 1, 1).expand(...)``) on the last dim, the row max subtracted
     (optional), softmax, the sink column sliced off, ``@ v``.
@@ -19,6 +19,7 @@ softmax, attention weights returned) is a DCPTransformError naming the node.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from .infra import source_of, val
 # RESHAPES and is_call are re-exported: insert_paged_cache reads them from here.
 from .op_classes import (CASTS, CONVOLUTIONS, DIVS, MATMUL, MULS, RESHAPES,  # noqa: F401
-                         SOFTMAX, is_call, skip_casts)
+                         RSUBS, SOFTMAX, is_call, skip_casts)
 
 aten = torch.ops.aten
 
@@ -45,8 +46,18 @@ KERNELS = {
 }
 KERNEL_OF = {getattr(aten, name).default: name for name in KERNELS if hasattr(aten, name)}
 
-# Additive masks below this are "masked out": exp underflows to exactly 0 in any float dtype.
+# Fills at or below this are "masked out" (the finite fills: additive masks, masked_fill,
+# where, OpenAI-GPT's product): a masked key's weight exp(F + ... - m) rounds to 0 once the
+# query's largest kept score m is above F + underflow_margin(dtype) (docs/guarantees.md,
+# "Finite fills"); a fill above it (-5) keeps future keys in the softmax: refused.
 MASKED_OUT = -1e4
+
+
+def underflow_margin(dtype: torch.dtype) -> float:
+    """-ln of half the smallest subnormal of ``dtype``: exp(x) rounds to exactly 0 in it for
+    every x < -margin (float32 103.97, bfloat16 92.88, float16 17.33)."""
+    fi = torch.finfo(dtype)
+    return -math.log(fi.smallest_normal * fi.eps / 2)
 
 
 @dataclass
@@ -61,7 +72,9 @@ class Site:
     scale: float
     causal: bool                 # is_causal=True (no mask)
     mask: Node | None = None     # see mask_kind
-    mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
+    mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop" |
+    #                              "product" (scores * mask + fill * (1 - mask), mask 0/1)
+    fill: float | None = None    # a product mask's finite fill, as the softmax sees it
     softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
     window: int = 0              # keys with q_pos - k_pos < window (0: no window)
     chunk: int = 0               # keys of the query's own chunk of C positions (0: none)
@@ -234,7 +247,7 @@ def eager_site(sm: Node) -> Site | None:
     if sink_slice is not None:
         x, sinks = sink_scores(sm, x)
     # Backward: scale, mask, casts, down to `q @ k^T`.
-    x, scale, mask, kind, softcap = skip_casts(x), 1.0, None, "", 0.0
+    x, scale, mask, kind, softcap, fill = skip_casts(x), 1.0, None, "", 0.0, None
     bias, bias_scale, mask_scale = None, 1.0, 1.0
     while not is_call(x, MATMUL):
         cap = softcap_of(x)
@@ -256,6 +269,10 @@ def eager_site(sm: Node) -> Site | None:
                                      aten.where.self, aten.where.ScalarOther}):
             fail(x, "attention mask applied before soft-capping (masked scores become "
                  "-cap, not -inf)", "Apply the mask after tanh(scores / c) * c")
+        elif mask is None and (product := product_mask(x)) is not None:
+            refuse_visible_fill(x, product[2] * scale)
+            (x, mask, fill), kind, mask_scale = product, "product", scale
+            fill *= scale
         elif is_call(x, {aten.add.Tensor}) and mask is None:
             scores_mixed(x)          # another layer's scores, or heads mixed: named limits
             a, b = x.args
@@ -304,7 +321,39 @@ def eager_site(sm: Node) -> Site | None:
     return Site(node=sm, out=user, q=skip_casts(q), k=strip_repeat(kt.args[0]),
                 v=strip_repeat(v), scale=scale, causal=False, mask=mask,
                 mask_kind=kind, softcap=softcap, sinks=sinks, bias=bias,
-                bias_scale=bias_scale, mask_scale=mask_scale)
+                bias_scale=bias_scale, mask_scale=mask_scale, fill=fill)
+
+
+def product_mask(x: Node):
+    """(scores, b, F) when ``x`` is OpenAI-GPT's ``scores * b + F * (1 - b)`` (either
+    operand order of each product; ``1 - b`` as ``rsub(b, 1)``) with F a number; else None.
+    That b is a 0/1 causal predicate is the mask prover's to show (``mask_predicate``)."""
+    if not is_call(x, {aten.add.Tensor}) or x.kwargs.get("alpha", 1) != 1 \
+            or not all(isinstance(a, Node) for a in x.args[:2]):
+        return None
+    for kept, filled in (x.args[:2], x.args[1::-1]):
+        if not (is_call(kept, MULS) and is_call(filled, MULS)):
+            continue
+        for comp, fill in (filled.args[:2], filled.args[1::-1]):
+            if not (is_call(comp, RSUBS) and number(fill) is not None
+                    and len(comp.args) > 1 and comp.args[1] == 1
+                    and comp.kwargs.get("alpha", 1) == 1):
+                continue
+            b = comp.args[0]
+            for scores, other in (kept.args[:2], kept.args[1::-1]):
+                if other is b and isinstance(scores, Node) and reaches_matmul(scores):
+                    return scores, b, float(fill)
+    return None
+
+
+def refuse_visible_fill(x: Node, fill: float) -> None:
+    """A product mask's fill must be masked out (<= MASKED_OUT): above it the model's own
+    softmax gives every future key weight exp(F - m), and a KV cache holds no future key."""
+    if fill > MASKED_OUT:
+        fail(x, f"a finite mask fill F={fill:g} (scores * mask + F * (1 - mask)): future "
+             f"tokens keep weight exp(F - m) (m the query's largest score), which no KV "
+             f"cache holds (a fill vanishes only at F <= {MASKED_OUT:g})",
+             "Fill with -inf or torch.finfo(dtype).min (masked_fill / where on the scores)")
 
 
 def _score_sources(n: Node) -> tuple[set[Node], bool]:
