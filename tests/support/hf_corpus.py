@@ -248,7 +248,9 @@ REASONS = (
     ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
     ("a bias added to the scores", r"unrecognised op aten\.add\.Tensor between `q @ k\^T`"),
     ("K/V heads tiled", r"K/V heads tiled"),
-    # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
+    # A product mask scores * b + F * (1 - b) is read (OpenAI-GPT's, F = -1e4); with a
+    # fill that does not vanish it is refused naming F; other tensor scales as such:
+    ("a finite mask fill that does not vanish", r"a finite mask fill F="),
     ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
     ("attention shared across calls", r"called attention twice|layer_idx=None"),
     ("prefill: attention output gated per token", r"reaches its O projection (\S+ )?through "
