@@ -48,16 +48,10 @@ KERNEL_OF = {getattr(aten, name).default: name for name in KERNELS if hasattr(at
 
 # Fills at or below this are "masked out" (the finite fills: additive masks, masked_fill,
 # where, OpenAI-GPT's product): a masked key's weight exp(F + ... - m) rounds to 0 once the
-# query's largest kept score m is above F + underflow_margin(dtype) (docs/guarantees.md,
-# "Finite fills"); a fill above it (-5) keeps future keys in the softmax: refused.
+# query's largest kept score m is above F + finite_fills.underflow_margin(dtype)
+# (docs/guarantees.md, "Finite fills"); a fill above it (-5) keeps future keys in the
+# softmax: refused.
 MASKED_OUT = -1e4
-
-
-def underflow_margin(dtype: torch.dtype) -> float:
-    """-ln of half the smallest subnormal of ``dtype``: exp(x) rounds to exactly 0 in it for
-    every x < -margin (float32 103.97, bfloat16 92.88, float16 17.33)."""
-    fi = torch.finfo(dtype)
-    return -math.log(fi.smallest_normal * fi.eps / 2)
 
 
 @dataclass
@@ -349,6 +343,10 @@ def product_mask(x: Node):
 def refuse_visible_fill(x: Node, fill: float) -> None:
     """A product mask's fill must be masked out (<= MASKED_OUT): above it the model's own
     softmax gives every future key weight exp(F - m), and a KV cache holds no future key."""
+    if math.isinf(fill):
+        fail(x, f"scores * mask + {fill:g} * (1 - mask): an infinite fill times 0 is NaN "
+             f"where the mask keeps a key", "Fill with torch.finfo(dtype).min, or use "
+             "masked_fill(~mask, -inf)")
     if fill > MASKED_OUT:
         fail(x, f"a finite mask fill F={fill:g} (scores * mask + F * (1 - mask)): future "
              f"tokens keep weight exp(F - m) (m the query's largest score), which no KV "

@@ -48,8 +48,8 @@ from dcp_compile.runtime.errors import DCPKVLayoutError, DCPTransformError
 from dcp_compile.runtime.program.facts import KVLayers, KVLayout, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
-from .attention_patterns import (KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form,
-                                 underflow_margin)
+from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
+from .finite_fills import fill_condition
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
 from .memory_key_values import memory_rows, split_memory
@@ -500,23 +500,6 @@ def _cache_owners(sites: list[Site], layouts: list[KVLayout]
         else:
             reads.append(reads[owner])
     return caches, reads
-
-
-def fill_condition(s: Site) -> str:
-    """The condition under which a product mask's finite fill F equals the proven mask,
-    appended to its theorem: a masked key's weight in the model's own softmax is
-    exp(F - m), m the query's largest kept score (its own key is kept, so m exists); it
-    rounds to exactly 0 in the softmax's dtype when m > F + underflow_margin(dtype). That
-    is a fact of the scores' values, which no proof of positions decides: stated, and
-    ``check=`` runs the model against the program."""
-    dtype = val(s.node).dtype
-    fill = float(torch.tensor(s.fill, dtype=dtype))
-    bound = fill + underflow_margin(dtype)
-    return (f"; the model fills masked keys with the finite F={fill:g} (scores * mask + F * "
-            f"(1 - mask)), not -inf: equal to this mask where exp(F - m) rounds to 0 in "
-            f"{str(dtype).removeprefix('torch.')}, i.e. for every query whose largest kept "
-            f"score m > F + {underflow_margin(dtype):.2f} = {bound:.2f} (a condition on the "
-            f"scores' values, stated, not proven)")
 
 
 def _what_mask(verdict: MaskVerdict) -> str:

@@ -28,6 +28,7 @@ import torch
 from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
+from .finite_fills import product_keep
 from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis,  # noqa: F401
                                broadcast_to, constant, hidden_under_bias, pieces, relation,
                                rename)
@@ -500,7 +501,7 @@ def _keep(s: Site, m: Sym):
         k = as_bool(m.expr, m.boolean)
         return (k if s.mask_kind == "keep" else sympy.Not(k)), sympy.Integer(0)
     if s.mask_kind == "product":
-        return _product_keep(s, m), sympy.Integer(0)
+        return product_keep(s, m), sympy.Integer(0)
     if m.boolean:
         fail(s.mask, "a boolean tensor added to the attention scores", "Use a float mask")
     kept, values = [], []
@@ -517,25 +518,6 @@ def _keep(s: Site, m: Sym):
              f"keeps keys ({values[:3]}): a bias that is not one formula", "Add 0 (or one "
              "bias formula such as ALiBi's) wherever the mask keeps a key")
     return sympy.Or(*kept), (values[0] * s.mask_scale if values else sympy.Integer(0))
-
-
-def _product_keep(s: Site, m: Sym):
-    """b of ``scores * b + F * (1 - b)`` as "keep" booleans. Where b is 1 the score is kept
-    unchanged, where 0 it is the fill F (<= MASKED_OUT, checked by the site's reader); any
-    other value of b, at any position, would scale the score: refused with its value."""
-    if m.boolean:
-        return as_bool(m.expr, True)
-    kept = []
-    for value, cond in pieces(m.expr):
-        if value not in (sympy.Integer(0), sympy.Integer(1)) and not (
-                value.is_number and float(value) in (0.0, 1.0)):
-            fail(s.mask, f"the product mask of {s.node.name} (scores * b + F * (1 - b)) takes "
-                 f"the value {value} where {cond}: b must be 0 or 1 at every position (else "
-                 f"it scales the scores)", "Use a 0/1 mask (a tril of ones), or -inf / "
-                 "torch.finfo(dtype).min with masked_fill")
-        if value != 0:
-            kept.append(cond)
-    return sympy.Or(*kept)
 
 
 def _placeholder(n: Node, s: Site, tokens: int, token_input: str, position_input, constants):

@@ -21,7 +21,8 @@ from torch import nn
 
 import dcp_compile
 import hf_corpus as C
-from dcp_compile.passes.attention_patterns import MASKED_OUT, underflow_margin
+from dcp_compile.passes.attention_patterns import MASKED_OUT
+from dcp_compile.passes.finite_fills import underflow_margin
 from dcp_compile.runtime.errors import DCPTransformError
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -139,3 +140,10 @@ def test_the_fill_vanishes_exactly_when_the_row_max_is_above_the_bound(offset, e
     product = torch.softmax(scores * b + MASKED_OUT * (1 - b), dim=-1)
     causal = torch.softmax(scores.masked_fill(b == 0, float("-inf")), dim=-1)
     assert torch.equal(product, causal) is equal
+
+
+def test_an_infinite_product_fill_is_refused():
+    """``-inf * (1 - b)`` is NaN where b = 1: the model's own forward is NaN there."""
+    with pytest.raises(DCPTransformError, match=r"an infinite fill times 0 is NaN"):
+        dcp_compile.transform(ProductMaskLM(fill=float("-inf")).eval(), tp=4, dcp=2,
+                              mode="prefill", block_size=4, check=False)
