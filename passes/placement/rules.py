@@ -196,6 +196,16 @@ def _view_scatter_fw(n, P):
     return px
 
 
+def _view_scatter_aligned(n, x, out_dim: int) -> int | None:
+    """x's dims are the output's; the source's skip a select scatter's dim."""
+    if x is n.args[0]:
+        return out_dim
+    d = norm_dim(node_arg(n, 2, "dim", 0), fake(n).ndim)
+    if n.target == aten.select_scatter.default and out_dim == d:
+        return None
+    return _scatter_src_dim(n, out_dim)
+
+
 def _view_scatter_bw(n, req):
     d = norm_dim(node_arg(n, 2, "dim", 0), fake(n).ndim)
     if req.dim == d:
@@ -500,7 +510,7 @@ for _op in JOINS:
     RULES[_op] = Rule("concatenate", _cat_fw, _cat_bw)
 for _op in VIEW_SCATTERS:
     RULES[_op] = Rule("view scatter (a write into a slice / select)", _view_scatter_fw,
-                      _view_scatter_bw)
+                      _view_scatter_bw, aligned=_view_scatter_aligned)
 for _op in REDUCTIONS:
     RULES[_op] = Rule("reduction", _reduce_fw, _reduce_bw)
 for _op in SOFTMAX | LOG_SOFTMAX:

@@ -245,6 +245,8 @@ REASONS = (
     # Limits of the compiler itself, named by what the message says it met:
     ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
                                                     r"survived sequence parallelism"),
+    ("prefill: residual stream not [B, S, ...] (Gemma 3n's stacked AltUp streams)",
+     r"sequence parallelism needs \[B, S="),
     ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
     ("a bias added to the scores", r"unrecognised op aten\.add\.Tensor between `q @ k\^T`"),
     ("K/V heads tiled", r"K/V heads tiled"),
