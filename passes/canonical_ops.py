@@ -364,17 +364,50 @@ def _read_after(u: Node, w: Node, order) -> bool:
     return False
 
 
+# Casts that always return a new tensor; the other CASTS return their input unchanged when
+# there is nothing to convert (to, type_as, contiguous, alias, detach).
+_FRESH_COPIES = frozenset({aten.clone.default, aten._to_copy.default,
+                           aten.lift_fresh_copy.default})
+
+
+def _runtime_alias_of(n) -> Node | None:
+    """The input ``n`` may share memory with at run time though no view says so: a cast to
+    its own dtype (``type_as`` of a tensor already of that dtype is that tensor), or an
+    in-place op's result (its first argument); else None."""
+    if not (isinstance(n, Node) and n.op == "call_function" and n.args
+            and isinstance(n.args[0], Node)):
+        return None
+    if is_call(n, CASTS) and n.target not in _FRESH_COPIES and \
+            val(n).dtype == val(n.args[0]).dtype:
+        return n.args[0]
+    return n.args[0] if _mutates(n) else None
+
+
+def _shared_at_run_time(base: Node) -> bool:
+    """A tensor ``base`` may be at run time (through same-dtype casts and in-place results:
+    Gemma 3n's ``type_as`` of ``corrected += ...``) is read by something else, which would
+    see a write into ``base`` that a value does not show it."""
+    x = base
+    while (y := _runtime_alias_of(x)) is not None:
+        if len(y.users) != 1:
+            return True
+        x = y
+    return False
+
+
 def _written_part(w: Node) -> tuple[Node, list[Node]] | None:
     """(base, views) if the write ``w`` writes ``base`` through the chain of cutting views
     ``base -> views[0] -> ... -> views[-1]`` (each read by nothing but the next; none if it
     writes ``base`` itself), ``base`` a tensor the graph makes (not an input, not a view of
-    one), no view of ``base`` taken before ``w`` read after it (it would see the write) and
+    one, nor a tensor it may be at run time that others read), no view of ``base`` taken
+    before ``w`` read after it (it would see the write) and
     the write's own result unread unless it is ``base`` or copied straight back into the
     same part (``x[a:b] += y``); else None. Writes of a computed value
     (``WRITES_INTO_SLICES``) qualify through views only, ``copy_`` not into a tensor
     allocated without a value (MLA's key, read by absorb_latent_attention)."""
     base, views = _view_chain(w.args[0])
-    if not isinstance(base, Node) or base.op != "call_function" or is_view(base):
+    if not isinstance(base, Node) or base.op != "call_function" or is_view(base) \
+            or _shared_at_run_time(base):
         return None
     if is_call(w, WRITES_INTO_SLICES) and \
             (not views or is_call(w, COPIES_IN_PLACE) and is_call(base, UNINITIALISED)):

@@ -5,8 +5,9 @@ part a ``fill`` / ``masked_fill``, scattered back up the views -- and every late
 reads that value; a write into an input, or into a tensor whose view was read before the
 write, stays (the mask reader refuses it by name). In-place arithmetic and ``copy_`` into a
 slice (Gemma 3n's ``c[1:] += y``: ``add_`` into the slice, ``copy_`` of the sum back) become
-values the same way; into a whole tensor, or ``copy_`` into one allocated without a value
-(MLA's key, which absorb_latent_attention reads), they stay."""
+values the same way; into a whole tensor, ``copy_`` into one allocated without a value (MLA's
+key, which absorb_latent_attention reads), or into a same-dtype cast of a tensor another node
+reads (the same memory at run time), they stay."""
 
 import torch
 
@@ -144,10 +145,18 @@ def _add_into_a_whole_tensor(x):
     return (aten.add.Tensor(c, 1.0),)
 
 
+def _into_a_cast_shared_with_another_reader(x):
+    c = aten.mul.Tensor(x, 2.0)
+    same = aten.type_as.default(c, x)                              # c itself at run time
+    aten.add_.Tensor(aten.slice.Tensor(same, 0, 0, 2), aten.slice.Tensor(x, 0, 0, 2))
+    return (aten.add.Tensor(c, 1.0),)                              # sees the write
+
+
 def test_writes_of_values_read_by_an_earlier_view_into_no_value_or_no_slice_stay():
     for fn, op in ((_view_read_after, aten.add_.Tensor),
                    (_copy_into_new_empty, aten.copy_.default),
-                   (_add_into_a_whole_tensor, aten.add_.Tensor)):
+                   (_add_into_a_whole_tensor, aten.add_.Tensor),
+                   (_into_a_cast_shared_with_another_reader, aten.add_.Tensor)):
         p = _pass()
         gm = run_alone(p, before(fn, x=X.clone()))
         assert op in {n.target for n in gm.graph.nodes}, fn.__name__
