@@ -32,11 +32,12 @@ VOCAB = C.TINY["vocab_size"]
 
 class ProductMaskLM(nn.Module):
     """One grouped-query attention layer (8 q heads, 2 KV heads: decode DCP applies) masked
-    as OpenAI-GPT masks: ``w * b + fill * (1 - b)``, b a stored [1, 1, N, N] table."""
+    as OpenAI-GPT masks: ``w * b + fill * (1 - b)``, b a stored [1, 1, N, N] table (or,
+    ``computed``, ``(j <= i).float()`` from arange)."""
 
-    def __init__(self, fill: float = -1e4, table=None, n: int = 64):
+    def __init__(self, fill: float = -1e4, table=None, n: int = 64, computed: bool = False):
         super().__init__()
-        self.fill = fill
+        self.fill, self.computed = fill, computed
         table = torch.tril(torch.ones(n, n)) if table is None else table(n)
         self.register_buffer("b", table.view(1, 1, n, n))
         self.embed = nn.Embedding(VOCAB, 64)
@@ -54,7 +55,11 @@ class ProductMaskLM(nn.Module):
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         k, v = (t.repeat_interleave(4, dim=1) for t in (k, v))
         w = q @ k.transpose(-2, -1) / math.sqrt(8)
-        b = self.b[:, :, :s, :s]
+        if self.computed:      # b from positions, not a stored table
+            i = torch.arange(s)
+            b = (i[None, :] <= i[:, None]).to(w.dtype)
+        else:
+            b = self.b[:, :, :s, :s]
         w = w * b + self.fill * (1 - b)
         out = torch.softmax(w, dim=-1) @ v
         return self.head(x + self.o(out.transpose(1, 2).reshape(bsz, s, -1)))
@@ -68,9 +73,12 @@ def _run(model, mode, tp=4, dcp=2):
     return C.run_model(model, mode, logits_of=_own, tp=tp, dcp=dcp)
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_product_mask_matches_its_own_forward(mode):
-    out = _run(ProductMaskLM().eval(), mode)
+@pytest.mark.parametrize("mode,computed", [("decode", False), ("prefill", False),
+                                           ("prefill", True)],
+                         ids=["decode-tril-buffer", "prefill-tril-buffer",
+                              "prefill-b-from-arange"])
+def test_product_mask_matches_its_own_forward(mode, computed):
+    out = _run(ProductMaskLM(computed=computed).eval(), mode)
     assert out.kind == "matches", out
 
 
