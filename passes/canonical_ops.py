@@ -42,7 +42,7 @@ from .regroup_fused_qkv import qkv_per_group_regrouped
 from .untile_kv_heads import tiled_kv_heads_untiled
 from .memory import is_view
 from .op_classes import (ADDS, ARANGES, ARITHMETIC_IN_PLACE_TWINS, CASTS, COPIES_IN_PLACE,
-                         EXPANDS, IDENTITY_VIEWS, IN_PLACE_TWINS, UNINITIALISED,
+                         EXPANDS, FRESH_COPIES, IDENTITY_VIEWS, IN_PLACE_TWINS, UNINITIALISED,
                          WRITES_INTO_SLICES,
                          LAYER_NORMS, MATRIX_TRANSPOSES, MULS, RESHAPES, SCATTER_OF_VIEW,
                          SLICES, SQUEEZES, WRITES_IN_PLACE, is_call, skip_casts)
@@ -364,12 +364,6 @@ def _read_after(u: Node, w: Node, order) -> bool:
     return False
 
 
-# Casts that always return a new tensor; the other CASTS return their input unchanged when
-# there is nothing to convert (to, type_as, contiguous, alias, detach).
-_FRESH_COPIES = frozenset({aten.clone.default, aten._to_copy.default,
-                           aten.lift_fresh_copy.default})
-
-
 def _runtime_alias_of(n) -> Node | None:
     """The input ``n`` may share memory with at run time though no view says so: a cast to
     its own dtype (``type_as`` of a tensor already of that dtype is that tensor), or an
@@ -377,7 +371,7 @@ def _runtime_alias_of(n) -> Node | None:
     if not (isinstance(n, Node) and n.op == "call_function" and n.args
             and isinstance(n.args[0], Node)):
         return None
-    if is_call(n, CASTS) and n.target not in _FRESH_COPIES and \
+    if is_call(n, CASTS) and n.target not in FRESH_COPIES and \
             val(n).dtype == val(n.args[0]).dtype:
         return n.args[0]
     return n.args[0] if _mutates(n) else None

@@ -21,6 +21,11 @@ CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
                    aten.alias.default, aten.detach.default, aten.type_as.default,
                    aten.lift_fresh_copy.default})
 
+# The casts that always return a new tensor; the other CASTS return their input itself when
+# there is nothing to convert (to, type_as, contiguous, alias, detach).
+FRESH_COPIES = frozenset({aten.clone.default, aten._to_copy.default,
+                          aten.lift_fresh_copy.default})
+
 # A lifted constant's wrappers (``torch.tensor(x)`` in a forward: lift_fresh_copy, detach_).
 CONSTANT_WRAPPERS = CASTS | {aten.detach_.default}
 
