@@ -68,7 +68,8 @@ class Site:
     mask: Node | None = None     # see mask_kind
     mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop" |
     #                              "product" (scores * mask + fill * (1 - mask), mask 0/1)
-    fill: float | None = None    # a product mask's finite fill, as the softmax sees it
+    fill: float | None = None    # a finite fill in place of hidden scores (product, drop,
+    #                              keep kinds), as the softmax sees it: finite_fills states it
     softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
     window: int = 0              # keys with q_pos - k_pos < window (0: no window)
     chunk: int = 0               # keys of the query's own chunk of C positions (0: none)
@@ -289,12 +290,14 @@ def eager_site(sm: Node) -> Site | None:
         elif is_call(x, {aten.masked_fill.Scalar}) and mask is None:
             if number(x.args[2]) is None or x.args[2] > MASKED_OUT:
                 fail(x, f"masked_fill of the scores with {x.args[2]}", "Fill with -inf")
+            fill = replacing_fill(x.args[2], scale)
             x, mask, kind = x.args[0], x.args[1], "drop"
         elif is_call(x, {aten.where.self, aten.where.ScalarOther}) and mask is None:
             other = x.args[2]
             if not isinstance(x.args[1], Node) or isinstance(other, Node) \
                     or other > MASKED_OUT:
                 fail(x, "where() on the scores with a non -inf alternative", "Use -inf")
+            fill = replacing_fill(other, scale)
             x, mask, kind = x.args[1], x.args[0], "keep"
         elif is_call(x, CASTS):
             x = x.args[0]
@@ -338,6 +341,12 @@ def product_mask(x: Node):
                 if other is b and isinstance(scores, Node) and reaches_matmul(scores):
                     return scores, b, float(fill)
     return None
+
+
+def replacing_fill(fill, scale: float) -> float | None:
+    """The finite fill a masked_fill / where puts in place of a hidden score, as the softmax
+    sees it (times the scale applied after it); None for -inf (nothing to state)."""
+    return None if math.isinf(fill) else float(fill) * scale
 
 
 def refuse_visible_fill(x: Node, fill: float) -> None:

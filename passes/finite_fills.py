@@ -1,12 +1,13 @@
 """Finite fills: a mask that hides a key with a finite number F instead of -inf
 (docs/guarantees.md, "Finite fills"). The model's own softmax gives such a key the weight
-exp(s + F - m) (a fill added or written) or exp(F - m) (OpenAI-GPT's product
-``scores * b + F * (1 - b)``, whose fill replaces the score), m the query's largest kept
+exp(s + F - m) (a fill added to the score) or exp(F - m) (a fill in its place: masked_fill,
+where, OpenAI-GPT's product ``scores * b + F * (1 - b)``), m the query's largest kept
 score; the paged op hides it exactly. They agree where that weight rounds to 0 in the
 softmax's dtype: ``underflow_margin`` is where exp does, ``fill_condition`` states it on the
-mask theorem of a product mask, ``product_keep`` reads the product's b as "keep" booleans
-(b must be 0 or 1 at every position). Fills above ``MASKED_OUT`` are refused where the site is
-read (``attention_patterns.refuse_visible_fill``)."""
+mask theorem of a fill put in place of the scores (the product, masked_fill, where),
+``product_keep`` reads the product's b as "keep" booleans (b must be 0 or 1 at every
+position). Fills above ``MASKED_OUT`` are refused where the site is read
+(``attention_patterns``)."""
 
 from __future__ import annotations
 
@@ -46,18 +47,25 @@ def product_keep(s: Site, m):
     return sympy.Or(*kept)
 
 
+# How each mask kind puts its fill F in place of a hidden score (the theorem's words).
+FILL_FORMS = {"product": "scores * mask + F * (1 - mask)", "drop": "masked_fill(mask, F)",
+              "keep": "where(mask, scores, F)"}
+
+
 def fill_condition(s: Site) -> str:
-    """The condition under which a product mask's finite fill F equals the proven mask,
-    appended to its theorem: a masked key's weight in the model's own softmax is
-    exp(F - m), m the query's largest kept score (its own key is kept, so m exists); it
-    rounds to exactly 0 in the softmax's dtype when m > F + underflow_margin(dtype). That
-    is a fact of the scores' values, which no proof of positions decides: stated, and
-    ``check=`` runs the model against the program."""
+    """The condition under which a finite fill F in place of the hidden scores (the product
+    form, masked_fill, where) equals the proven mask, appended to its theorem: a masked
+    key's weight in the model's own softmax is exp(F - m), m the query's largest kept score
+    (its own key is kept, so m exists); it rounds to exactly 0 in the softmax's dtype when
+    m > F + underflow_margin(dtype). That is a fact of the scores' values, which no proof
+    of positions decides: stated, and ``check=`` runs the model against the program."""
     dtype = val(s.node).dtype
     fill = float(torch.tensor(s.fill, dtype=dtype))
+    if math.isinf(fill):          # finfo(float32).min in bfloat16: -inf, nothing to state
+        return ""
     bound = fill + underflow_margin(dtype)
-    return (f"; the model fills masked keys with the finite F={fill:g} (scores * mask + F * "
-            f"(1 - mask)), not -inf: equal to this mask where exp(F - m) rounds to 0 in "
-            f"{str(dtype).removeprefix('torch.')}, i.e. for every query whose largest kept "
-            f"score m > F + {underflow_margin(dtype):.2f} = {bound:.2f} (a condition on the "
-            f"scores' values, stated, not proven)")
+    return (f"; the model fills masked keys with the finite F={fill:g} "
+            f"({FILL_FORMS[s.mask_kind]}), not -inf: equal to this mask where exp(F - m) "
+            f"rounds to 0 in {str(dtype).removeprefix('torch.')}, i.e. for every query whose "
+            f"largest kept score m > F + {underflow_margin(dtype):.2f} = {bound:.6g} (a "
+            f"condition on the scores' values, stated, not proven)")

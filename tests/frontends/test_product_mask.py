@@ -7,7 +7,8 @@ fill, must be masked out (F <= MASKED_OUT = -1e4). The model's own softmax then 
 future key the weight exp(F - m), m the query's largest kept score: exactly 0 once
 m > F + underflow_margin(dtype), the condition the mask theorem states (docs/guarantees.md,
 "Finite fills"). A fill above MASKED_OUT (-5) keeps future keys in the model's softmax, which
-no KV cache holds: refused, naming F. Matches compare with the model's own forward (fp32
+no KV cache holds: refused, naming F. masked_fill / where with a finite fill state the same
+condition on their theorems. Matches compare with the model's own forward (fp32
 1e-4, greedy tokens) through the corpus cell (tests/support/hf_corpus.run_model).
 """
 
@@ -35,9 +36,10 @@ class ProductMaskLM(nn.Module):
     as OpenAI-GPT masks: ``w * b + fill * (1 - b)``, b a stored [1, 1, N, N] table (or,
     ``computed``, ``(j <= i).float()`` from arange)."""
 
-    def __init__(self, fill: float = -1e4, table=None, n: int = 64, computed: bool = False):
+    def __init__(self, fill: float = -1e4, table=None, n: int = 64, computed: bool = False,
+                 form: str = "product"):
         super().__init__()
-        self.fill, self.computed = fill, computed
+        self.fill, self.computed, self.form = fill, computed, form
         table = torch.tril(torch.ones(n, n)) if table is None else table(n)
         self.register_buffer("b", table.view(1, 1, n, n))
         self.embed = nn.Embedding(VOCAB, 64)
@@ -60,7 +62,12 @@ class ProductMaskLM(nn.Module):
             b = (i[None, :] <= i[:, None]).to(w.dtype)
         else:
             b = self.b[:, :, :s, :s]
-        w = w * b + self.fill * (1 - b)
+        if self.form == "masked_fill":
+            w = w.masked_fill(b == 0, self.fill)
+        elif self.form == "where":
+            w = torch.where(b != 0, w, self.fill)
+        else:
+            w = w * b + self.fill * (1 - b)
         out = torch.softmax(w, dim=-1) @ v
         return self.head(x + self.o(out.transpose(1, 2).reshape(bsz, s, -1)))
 
@@ -96,7 +103,23 @@ def test_the_mask_theorem_states_the_underflow_condition():
     assert theorem.proven and "iff j <= i, for all positions" in theorem.statement
     bound = -1e4 + underflow_margin(torch.float32)
     assert "finite F=-10000" in theorem.statement
-    assert f"m > F + 103.97 = {bound:.2f}" in theorem.statement, theorem.statement
+    assert f"m > F + 103.97 = {bound:.6g}" in theorem.statement, theorem.statement
+
+
+@pytest.mark.parametrize("form,fill,stated", [
+    ("masked_fill", -1e4, "F=-10000 (masked_fill(mask, F))"),
+    ("where", -1e9, "F=-1e+09 (where(mask, scores, F))"),
+    ("masked_fill", float("-inf"), None),
+], ids=["masked-fill-finite", "where-finite", "masked-fill-inf-states-nothing"])
+def test_a_finite_fill_in_place_of_the_scores_is_stated_on_its_theorem(form, fill, stated):
+    model = ProductMaskLM(fill=fill, form=form).eval()
+    program = dcp_compile.transform(model, tp=4, dcp=2, mode="prefill", block_size=4,
+                                    check=False)
+    statement = program.certificate["mask_layer_0"].statement
+    if stated is None:
+        assert "finite F" not in statement, statement
+    else:
+        assert stated in statement and "not -inf: equal to this mask where" in statement
 
 
 # ---------------------------------------------------------------------------------------
