@@ -165,16 +165,44 @@ class Tiny(nn.Module):
         return self.head(x + self.o(out)), [kc, vc]
 
 
-def _analyze(variant, tp, dcp):
+def _analyze(variant, tp, dcp, model=Tiny):
     kv = 4 if variant == "h3d" else 2
     ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
           torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, kv, 8)] * 2)
-    cap = capture(Tiny(variant), ex)
+    cap = capture(model(variant), ex)
     ctx = ctx_for(tp, dcp, "decode")
     gm = run(cap.gm, [DropExportAsserts(ctx), CanonicalizeAttention(ctx), ValidateAndProve(ctx),
                       InsertRank(ctx, cap.user_inputs[0])])
     plan = analyze(gm, ctx.config)
     return {n.name: p for n, p in plan.placements.items()}, plan
+
+
+class TinyCoefs(Tiny):
+    """Tiny ("rows") with Gemma 3n's AltUp-style coefficients: a router to 2 features, a
+    linear from those 2 (no tp of 4 divides them), and the router called again later."""
+
+    def __init__(self, variant="rows"):
+        super().__init__("rows")
+        self.router = nn.Linear(32, 2, bias=False)
+        self.coefs = nn.Linear(2, 32, bias=False)
+
+    def forward(self, ids, positions, table, caches):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        x = x * (1 + self.coefs(torch.tanh(self.router(x))))
+        q, k, v = self.qkv(x).split([64, 16, 16], -1)
+        q, k, v = q.view(b, s, 8, 8), k.view(b, s, 2, 8), v.view(b, s, 2, 8)
+        out, kc, vc = torch.ops.dcp.paged_attention(q, k, v, caches[0], caches[1], positions,
+                                                    table, 0.35)
+        h = x + self.o(out.reshape(b, s, -1))
+        h = h * self.router(h).sum(-1, keepdim=True)          # the router's second call
+        return self.head(h), [kc, vc]
+
+
+def test_a_linear_whose_input_features_do_not_split_runs_replicated():
+    got, plan = _analyze("rows", 4, 2, model=TinyCoefs)
+    assert got["p_coefs_weight"] == R and got["p_router_weight"] == R
+    assert list(plan.roles.values()).count("replicated") == 3, plan.roles  # router twice
 
 
 def test_fused_rows_weight_is_cut_segment_by_segment():
