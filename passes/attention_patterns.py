@@ -6,8 +6,8 @@ Recognised attention (rules as data: RECOGNISERS, KERNELS, CASTS, RESHAPES):
   * ``aten.scaled_dot_product_attention`` (is_causal, an explicit mask, enable_gqa) and the
     flash / efficient / cudnn kernels;
   * eager attention: ``q @ k^T`` (* or / a constant scale) (soft-cap ``tanh(s / c) * c``)
-    (+ additive mask, masked_fill or where) -> softmax over the last dim in any dtype (casts
-    around it) -> ``@ v``;
+    (+ additive mask, masked_fill or where, or OpenAI-GPT's product ``s * b + F * (1 - b)``)
+    -> softmax over the last dim in any dtype (casts around it) -> ``@ v``;
   * attention sinks (gpt-oss's eager form): the scores ``cat``'ed with one logit per q head
     (``sinks.reshape(1, -1, 1, 1).expand(...)``) on the last dim, the row max subtracted
     (optional), softmax, the sink column sliced off, ``@ v``.
@@ -19,6 +19,7 @@ softmax, attention weights returned) is a DCPTransformError naming the node.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from dcp_compile.runtime.errors import DCPTransformError
 from .infra import source_of, val
 # RESHAPES and is_call are re-exported: insert_paged_cache reads them from here.
 from .op_classes import (CASTS, CONVOLUTIONS, DIVS, MATMUL, MULS, RESHAPES,  # noqa: F401
-                         SOFTMAX, is_call, skip_casts)
+                         RSUBS, SOFTMAX, is_call, skip_casts)
 
 aten = torch.ops.aten
 
@@ -45,7 +46,11 @@ KERNELS = {
 }
 KERNEL_OF = {getattr(aten, name).default: name for name in KERNELS if hasattr(aten, name)}
 
-# Additive masks below this are "masked out": exp underflows to exactly 0 in any float dtype.
+# Fills at or below this are "masked out" (the finite fills: additive masks, masked_fill,
+# where, OpenAI-GPT's product): a masked key's weight exp(F + ... - m) rounds to 0 once the
+# query's largest kept score m is above F + finite_fills.underflow_margin(dtype)
+# (docs/guarantees.md, "Finite fills"); a fill above it (-5) keeps future keys in the
+# softmax: refused.
 MASKED_OUT = -1e4
 
 
@@ -61,7 +66,10 @@ class Site:
     scale: float
     causal: bool                 # is_causal=True (no mask)
     mask: Node | None = None     # see mask_kind
-    mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop"
+    mask_kind: str = ""          # "additive" | "keep" (bool, True attends) | "drop" |
+    #                              "product" (scores * mask + fill * (1 - mask), mask 0/1)
+    fill: float | None = None    # a finite fill in place of hidden scores (product, drop,
+    #                              keep kinds), as the softmax sees it: finite_fills states it
     softcap: float = 0.0         # scores -> tanh(scores / softcap) * softcap
     window: int = 0              # keys with q_pos - k_pos < window (0: no window)
     chunk: int = 0               # keys of the query's own chunk of C positions (0: none)
@@ -234,7 +242,7 @@ def eager_site(sm: Node) -> Site | None:
     if sink_slice is not None:
         x, sinks = sink_scores(sm, x)
     # Backward: scale, mask, casts, down to `q @ k^T`.
-    x, scale, mask, kind, softcap = skip_casts(x), 1.0, None, "", 0.0
+    x, scale, mask, kind, softcap, fill = skip_casts(x), 1.0, None, "", 0.0, None
     bias, bias_scale, mask_scale = None, 1.0, 1.0
     while not is_call(x, MATMUL):
         cap = softcap_of(x)
@@ -256,6 +264,10 @@ def eager_site(sm: Node) -> Site | None:
                                      aten.where.self, aten.where.ScalarOther}):
             fail(x, "attention mask applied before soft-capping (masked scores become "
                  "-cap, not -inf)", "Apply the mask after tanh(scores / c) * c")
+        elif mask is None and (product := product_mask(x)) is not None:
+            refuse_visible_fill(x, product[2] * scale)
+            (x, mask, fill), kind, mask_scale = product, "product", scale
+            fill *= scale
         elif is_call(x, {aten.add.Tensor}) and mask is None:
             scores_mixed(x)          # another layer's scores, or heads mixed: named limits
             a, b = x.args
@@ -278,12 +290,14 @@ def eager_site(sm: Node) -> Site | None:
         elif is_call(x, {aten.masked_fill.Scalar}) and mask is None:
             if number(x.args[2]) is None or x.args[2] > MASKED_OUT:
                 fail(x, f"masked_fill of the scores with {x.args[2]}", "Fill with -inf")
+            fill = replacing_fill(x.args[2], scale)
             x, mask, kind = x.args[0], x.args[1], "drop"
         elif is_call(x, {aten.where.self, aten.where.ScalarOther}) and mask is None:
             other = x.args[2]
             if not isinstance(x.args[1], Node) or isinstance(other, Node) \
                     or other > MASKED_OUT:
                 fail(x, "where() on the scores with a non -inf alternative", "Use -inf")
+            fill = replacing_fill(other, scale)
             x, mask, kind = x.args[1], x.args[0], "keep"
         elif is_call(x, CASTS):
             x = x.args[0]
@@ -304,7 +318,49 @@ def eager_site(sm: Node) -> Site | None:
     return Site(node=sm, out=user, q=skip_casts(q), k=strip_repeat(kt.args[0]),
                 v=strip_repeat(v), scale=scale, causal=False, mask=mask,
                 mask_kind=kind, softcap=softcap, sinks=sinks, bias=bias,
-                bias_scale=bias_scale, mask_scale=mask_scale)
+                bias_scale=bias_scale, mask_scale=mask_scale, fill=fill)
+
+
+def product_mask(x: Node):
+    """(scores, b, F) when ``x`` is OpenAI-GPT's ``scores * b + F * (1 - b)`` (either
+    operand order of each product; ``1 - b`` as ``rsub(b, 1)``) with F a number; else None.
+    That b is a 0/1 causal predicate is the mask prover's to show (``mask_predicate``)."""
+    if not is_call(x, {aten.add.Tensor}) or x.kwargs.get("alpha", 1) != 1 \
+            or not all(isinstance(a, Node) for a in x.args[:2]):
+        return None
+    for kept, filled in (x.args[:2], x.args[1::-1]):
+        if not (is_call(kept, MULS) and is_call(filled, MULS)):
+            continue
+        for comp, fill in (filled.args[:2], filled.args[1::-1]):
+            if not (is_call(comp, RSUBS) and number(fill) is not None
+                    and len(comp.args) > 1 and comp.args[1] == 1
+                    and comp.kwargs.get("alpha", 1) == 1):
+                continue
+            b = comp.args[0]
+            for scores, other in (kept.args[:2], kept.args[1::-1]):
+                if other is b and isinstance(scores, Node) and reaches_matmul(scores):
+                    return scores, b, float(fill)
+    return None
+
+
+def replacing_fill(fill, scale: float) -> float | None:
+    """The finite fill a masked_fill / where puts in place of a hidden score, as the softmax
+    sees it (times the scale applied after it); None for -inf (nothing to state)."""
+    return None if math.isinf(fill) else float(fill) * scale
+
+
+def refuse_visible_fill(x: Node, fill: float) -> None:
+    """A product mask's fill must be masked out (<= MASKED_OUT): above it the model's own
+    softmax gives every future key weight exp(F - m), and a KV cache holds no future key."""
+    if math.isinf(fill):
+        fail(x, f"scores * mask + {fill:g} * (1 - mask): an infinite fill times 0 is NaN "
+             f"where the mask keeps a key", "Fill with torch.finfo(dtype).min, or use "
+             "masked_fill(~mask, -inf)")
+    if fill > MASKED_OUT:
+        fail(x, f"a finite mask fill F={fill:g} (scores * mask + F * (1 - mask)): future "
+             f"tokens keep weight exp(F - m) (m the query's largest score), which no KV "
+             f"cache holds (a fill vanishes only at F <= {MASKED_OUT:g})",
+             "Fill with -inf or torch.finfo(dtype).min (masked_fill / where on the scores)")
 
 
 def _score_sources(n: Node) -> tuple[set[Node], bool]:

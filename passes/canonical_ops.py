@@ -41,7 +41,9 @@ from .infra import DCPPass, Property, val
 from .regroup_fused_qkv import qkv_per_group_regrouped
 from .untile_kv_heads import tiled_kv_heads_untiled
 from .memory import is_view
-from .op_classes import (ADDS, ARANGES, CASTS, EXPANDS, IDENTITY_VIEWS, IN_PLACE_TWINS,
+from .op_classes import (ADDS, ARANGES, ARITHMETIC_IN_PLACE_TWINS, CASTS, COPIES_IN_PLACE,
+                         EXPANDS, FRESH_COPIES, IDENTITY_VIEWS, IN_PLACE_TWINS, UNINITIALISED,
+                         WRITES_INTO_SLICES,
                          LAYER_NORMS, MATRIX_TRANSPOSES, MULS, RESHAPES, SCATTER_OF_VIEW,
                          SLICES, SQUEEZES, WRITES_IN_PLACE, is_call, skip_casts)
 
@@ -330,33 +332,101 @@ def _aliases(u: Node, base: Node) -> bool:
     return is_view(u) and not (is_call(u, CASTS) and val(u).dtype != val(base).dtype)
 
 
+def _view_chain(x) -> tuple[object, list[Node]]:
+    """(base, [views from base to x]) of x reached through slices and selects."""
+    views = []
+    while is_call(x, SCATTER_OF_VIEW):
+        views.append(x)
+        x = x.args[0]
+    return x, views[::-1]
+
+
+def _copied_back(u: Node, w: Node, views: list[Node]) -> bool:
+    """``u`` copies ``w``'s result back into the part ``w`` wrote: Python's
+    ``x[a:b] += y`` is ``add_`` into ``x[a:b]``, then ``copy_`` of that sum into a fresh
+    ``x[a:b]`` (the same values into the same elements)."""
+    if not (is_call(u, COPIES_IN_PLACE) and u.args[1] is w and u.args[0] is not w):
+        return False
+    base, again = _view_chain(u.args[0])
+    return base is views[0].args[0] and [(v.target, v.args[1:]) for v in again] == \
+        [(v.target, v.args[1:]) for v in views]
+
+
+def _read_after(u: Node, w: Node, order) -> bool:
+    """Some reader of the view ``u`` (or of a view of it) runs after ``w``."""
+    stack = [u]
+    while stack:
+        for r in stack.pop().users:
+            if order[r] > order[w]:
+                return True
+            if is_view(r):
+                stack.append(r)
+    return False
+
+
+def _runtime_alias_of(n) -> Node | None:
+    """The input ``n`` may share memory with at run time though no view says so: a cast to
+    its own dtype (``type_as`` of a tensor already of that dtype is that tensor), or an
+    in-place op's result (its first argument); else None."""
+    if not (isinstance(n, Node) and n.op == "call_function" and n.args
+            and isinstance(n.args[0], Node)):
+        return None
+    if is_call(n, CASTS) and n.target not in FRESH_COPIES and \
+            val(n).dtype == val(n.args[0]).dtype:
+        return n.args[0]
+    return n.args[0] if _mutates(n) else None
+
+
+def _shared_at_run_time(base: Node) -> bool:
+    """A tensor ``base`` may be at run time (through same-dtype casts and in-place results:
+    Gemma 3n's ``type_as`` of ``corrected += ...``) is read by something else, which would
+    see a write into ``base`` that a value does not show it."""
+    x = base
+    while (y := _runtime_alias_of(x)) is not None:
+        if len(y.users) != 1:
+            return True
+        x = y
+    return False
+
+
 def _written_part(w: Node) -> tuple[Node, list[Node]] | None:
     """(base, views) if the write ``w`` writes ``base`` through the chain of cutting views
     ``base -> views[0] -> ... -> views[-1]`` (each read by nothing but the next; none if it
     writes ``base`` itself), ``base`` a tensor the graph makes (not an input, not a view of
-    one), no reader of ``base`` before ``w`` a view (it would see the write later) and the
-    write's own result unread unless it is ``base``; else None."""
-    views, x = [], w.args[0]
-    while is_call(x, SCATTER_OF_VIEW):
-        views.append(x)
-        x = x.args[0]
-    base, views = x, views[::-1]
-    if not isinstance(base, Node) or base.op != "call_function" or is_view(base):
+    one, nor a tensor it may be at run time that others read), no view of ``base`` taken
+    before ``w`` read after it (it would see the write) and
+    the write's own result unread unless it is ``base`` or copied straight back into the
+    same part (``x[a:b] += y``); else None. Writes of a computed value
+    (``WRITES_INTO_SLICES``) qualify through views only, ``copy_`` not into a tensor
+    allocated without a value (MLA's key, read by absorb_latent_attention)."""
+    base, views = _view_chain(w.args[0])
+    if not isinstance(base, Node) or base.op != "call_function" or is_view(base) \
+            or _shared_at_run_time(base):
+        return None
+    if is_call(w, WRITES_INTO_SLICES) and \
+            (not views or is_call(w, COPIES_IN_PLACE) and is_call(base, UNINITIALISED)):
         return None
     chain = views + [w]
     if any(list(v.users) != [nxt] for v, nxt in zip(views, chain[1:])) or \
-            (views and w.users):
+            (views and not all(_copied_back(u, w, views) for u in w.users)):
         return None
     order = {n: i for i, n in enumerate(w.graph.nodes)}
     first = chain[0]
-    if any(u is not first and order[u] < order[w] and _aliases(u, base) for u in base.users):
+    if any(u is not first and order[u] < order[w] and _aliases(u, base)
+           and _read_after(u, w, order) for u in base.users):
         return None
     return base, views
 
 
 def _written_value(gm: GraphModule, w: Node, constants) -> Node | None:
     """The written part's new value, computed out of place (None: not rewritten)."""
-    twin, args = IN_PLACE_TWINS[w.target], list(w.args)
+    if is_call(w, COPIES_IN_PLACE):     # the source, when it is already the part's value
+        src = w.args[1]
+        same = isinstance(src, Node) and val(src).dtype == val(w.args[0]).dtype and \
+            tuple(val(src).shape) == tuple(val(w.args[0]).shape)
+        return src if same and not w.kwargs else None
+    twin = IN_PLACE_TWINS.get(w.target) or ARITHMETIC_IN_PLACE_TWINS[w.target]
+    args = list(w.args)
     if w.target == aten.fill_.Tensor:       # a lifted constant (litgpt's ``= 0.0``): a scalar
         c = skip_casts(args[1])
         value = constants().get(c.name) if c.op == "placeholder" else None
@@ -379,13 +449,13 @@ def writes_out_of_place(gm: GraphModule, weights: set[str], constants) -> int:
     count, kept = 0, set()
     while True:
         found = next(((w, part) for w in gm.graph.nodes
-                      if is_call(w, WRITES_IN_PLACE) and w not in kept
+                      if is_call(w, WRITES_IN_PLACE | WRITES_INTO_SLICES) and w not in kept
                       and (part := _written_part(w)) is not None), None)
         if found is None:
             return count
         w, (base, views) = found
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        new = _written_value(gm, w, constants)
+        part = new = _written_value(gm, w, constants)
         if new is None:
             kept.add(w)
             continue
@@ -394,7 +464,8 @@ def writes_out_of_place(gm: GraphModule, weights: set[str], constants) -> int:
         for u in list(base.users):
             if u in order and order[u] > order[w]:
                 u.replace_input_with(base, new)
-        w.replace_all_uses_with(new)
+        # The write's result is the written part (through views: its copy back reads it).
+        w.replace_all_uses_with(part if views else new)
         gm.graph.erase_node(w)
         count += 1
 

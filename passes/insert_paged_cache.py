@@ -49,6 +49,7 @@ from dcp_compile.runtime.program.facts import KVLayers, KVLayout, ModelFacts
 from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
+from .finite_fills import fill_condition
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
 from .mask_predicate import I, J, read_mask
 from .memory_key_values import memory_rows, split_memory
@@ -294,6 +295,9 @@ class InsertPagedCache(DCPPass):
                  "supported: use a causal decoder, its mask a tensor expression of positions")
         s.window = verdict.window
         s.chunk = verdict.chunk
+        if s.fill is not None:
+            verdict = replace(verdict, theorem=replace(
+                verdict.theorem, statement=verdict.theorem.statement + fill_condition(s)))
         return verdict
 
     def _read_alibi(self, s: Site, tokens: int, pos, read) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch.fx import Node
 
 from .attention_patterns import MASKED_OUT, Site, fail
+from .finite_fills import product_keep
 from .symbolic_tensors import (NotAFormula, Sym, _fold, as_bool, as_number, axis,  # noqa: F401
                                broadcast_to, constant, hidden_under_bias, pieces, relation,
                                rename)
@@ -499,6 +500,8 @@ def _keep(s: Site, m: Sym):
     if s.mask_kind in ("keep", "drop"):
         k = as_bool(m.expr, m.boolean)
         return (k if s.mask_kind == "keep" else sympy.Not(k)), sympy.Integer(0)
+    if s.mask_kind == "product":
+        return product_keep(s, m), sympy.Integer(0)
     if m.boolean:
         fail(s.mask, "a boolean tensor added to the attention scores", "Use a float mask")
     kept, values = [], []

@@ -21,6 +21,11 @@ CASTS = frozenset({aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout,
                    aten.alias.default, aten.detach.default, aten.type_as.default,
                    aten.lift_fresh_copy.default})
 
+# The casts that always return a new tensor; the other CASTS return their input itself when
+# there is nothing to convert (to, type_as, contiguous, alias, detach).
+FRESH_COPIES = frozenset({aten.clone.default, aten._to_copy.default,
+                          aten.lift_fresh_copy.default})
+
 # A lifted constant's wrappers (``torch.tensor(x)`` in a forward: lift_fresh_copy, detach_).
 CONSTANT_WRAPPERS = CASTS | {aten.detach_.default}
 
@@ -121,16 +126,37 @@ MASKED_FILLS = frozenset({aten.masked_fill.Scalar, aten.masked_fill.Tensor})
 FILLS = frozenset({aten.fill.Scalar, aten.fill.Tensor})
 
 # Writes of one value into their first argument (a tensor or a view of one), by the op that
-# computes the same value out of place. (``copy_`` and ``index_put_`` are not here: a mask
-# written so stays refused, and absorb_latent_attention reads MLA's key built by ``copy_``.)
+# computes the same value out of place. (``copy_`` and in-place arithmetic are below, made
+# out of place into slices only; ``index_put_`` is not made out of place: a mask written so
+# stays refused.)
 IN_PLACE_TWINS = {aten.fill_.Scalar: aten.fill.Scalar, aten.fill_.Tensor: aten.fill.Tensor,
                   aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
                   aten.masked_fill_.Tensor: aten.masked_fill.Tensor}
 WRITES_IN_PLACE = frozenset(IN_PLACE_TWINS)
+# Writes of a computed value into their first argument, made out of place only where they
+# write through a slice or select of a tensor the graph makes (Gemma 3n's AltUp:
+# ``corrected[1:] += x``, kept by torch.export as ``add_`` into a slice and a ``copy_`` of the
+# sum back into it): the arithmetic ones by their out-of-place twin; ``copy_`` by its source.
+ARITHMETIC_IN_PLACE_TWINS = {aten.add_.Tensor: aten.add.Tensor,
+                             aten.add_.Scalar: aten.add.Scalar,
+                             aten.sub_.Tensor: aten.sub.Tensor,
+                             aten.sub_.Scalar: aten.sub.Scalar,
+                             aten.mul_.Tensor: aten.mul.Tensor,
+                             aten.mul_.Scalar: aten.mul.Scalar,
+                             aten.div_.Tensor: aten.div.Tensor,
+                             aten.div_.Scalar: aten.div.Scalar}
+COPIES_IN_PLACE = frozenset({aten.copy_.default})
+WRITES_INTO_SLICES = frozenset(ARITHMETIC_IN_PLACE_TWINS) | COPIES_IN_PLACE
+# Tensors allocated without a value (MLA's key: ``new_empty``, then ``copy_`` into its
+# slices, which absorb_latent_attention reads as a cat).
+UNINITIALISED = frozenset({aten.empty.memory_format, aten.empty_like.default,
+                           aten.new_empty.default})
 # A view that cuts part of a tensor, by the op that writes a value back into that part
 # (same arguments, the part's new value second).
 SCATTER_OF_VIEW = {aten.slice.Tensor: aten.slice_scatter.default,
                    aten.select.int: aten.select_scatter.default}
+# A value written into a slice / select of a tensor (an in-place write made a value).
+VIEW_SCATTERS = frozenset(SCATTER_OF_VIEW.values())
 
 # Top-k selections (a router's choice of experts).
 # A top-k selection: torch.topk, or a DSA indexer captured as one op

@@ -289,7 +289,9 @@ class SequenceParallel(DCPPass):
             raise DCPTransformError(
                 f"{where} turns the residual stream into shape "
                 f"{tuple(getattr(out, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
-                f" ...] tensors between layers.")
+                f" ...] tensors between layers (it cuts the tokens of dim 1; a stack of "
+                f"residual streams, Gemma 3n's AltUp [streams, B, S, H], has them elsewhere). "
+                f"Use a decode-mode program for this model.")
         target = u.target
         if target in LITERAL_SHAPES:
             raise DCPTransformError(

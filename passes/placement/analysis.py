@@ -32,7 +32,7 @@ from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projec
 from .experts import carry_experts_sum, place_experts
 from .recurrent import place_recurrent
 from .weights import (adopt_params, adopt_tied_kind, decide_weight, lora_up, plain_lm_head,
-                      weight_placement)
+                      replicated_weight, weight_placement)
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
 from .worklist import FULL_SWEEPS_ENV, Worklist  # noqa: F401  (the env switch's name)
 
@@ -247,7 +247,7 @@ class Analysis:
         px = R if isinstance(px, Partial) else px
         kind = self.linears.get(n)
         last = len(shape_of(n)) - 1
-        if px == R and pw == R and kind == "replicated":
+        if px == R and pw == R and (kind == "replicated" or replicated_weight(self, w)):
             return R
         if px == R and isinstance(pw, Shard) and pw.dim == 0:
             if b is not None and self.P(b) != replace(pw, dim=0):
@@ -442,6 +442,17 @@ class Analysis:
         decide_weight(self, n, n.args[1], replace(px, dim=1))
         self._set_linear(n, "row")
 
+    def _decide_replicated(self, n: Node) -> None:
+        """A linear read by nothing that decides it, whose input features do not split over
+        tp (Gemma 3n's AltUp coefficients: 2 -> 4): it runs whole on every rank, like
+        vLLM's ReplicatedLinear, on a replicated input."""
+        self._check_weight(n, n.args[1])
+        decide_weight(self, n, n.args[1], R)
+        if len(n.args) > 2 and n.args[2] is not None:
+            self.decide(n.args[2], R, n)
+        self._set_linear(n, "replicated")
+        self.require(n.args[0], R, n)
+
     def _decide_lm_head(self, n: Node) -> None:
         """The linear reaching the output: vocab-parallel, all-gathered. Its input is whole
         on every rank, so a linear before it that is none of the roles (OPT's project_out)
@@ -517,8 +528,8 @@ class Analysis:
                 k = shape_of(n.args[0])[-1]
                 px = Shard(len(shape_of(n.args[0])) - 1, (Seg(k, self.cfg.tp),), "mlp")
                 if k % self.cfg.tp:
-                    raise _err(n, f"linear input features {k} do not split over "
-                                  f"tp={self.cfg.tp}", "Pick a tp that divides them")
+                    self._decide_replicated(n)
+                    continue
                 self._decide_row(n, px)
                 self.require(n.args[0], px, n)
                 continue

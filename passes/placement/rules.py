@@ -13,8 +13,8 @@ import torch
 from torch.fx import Node
 
 from ..op_classes import (BATCHED_MATMULS, JOINS, LAYER_NORMS, LOG_SOFTMAX, PADS, REDUCTIONS,
-                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS, VECTOR_NORMS, WHERES,
-                          MULTIPLY_ALIASES)
+                          SLICES, SOFTMAX, SPLITS, SUM_REDUCTIONS, VECTOR_NORMS, VIEW_SCATTERS,
+                          WHERES, MULTIPLY_ALIASES)
 from .dim_maps import COLLECTIVES, DIM_MAPS, dims_backward, dims_forward
 from .lattice import R, Partial, Refusal, Shard, canon, show
 from .node_args import fake, node_arg, norm_dim, shape_of, tensor_args
@@ -167,6 +167,50 @@ def _slice_bw(n, req):
     if k == d:
         return {}   # a run of segments: combined over all of the input's range users
     return {n.args[0]: replace(req, dim=k)}
+
+
+def _scatter_src_dim(n, dim: int) -> int:
+    """The dim of a view scatter's source indexed like its output's ``dim`` (a select
+    scatter's source has no scattered dim)."""
+    d = norm_dim(node_arg(n, 2, "dim", 0), fake(n).ndim)
+    return dim - (n.target == aten.select_scatter.default and d < dim)
+
+
+def _view_scatter_fw(n, P):
+    """``slice_scatter(x, src, dim, ...)`` / ``select_scatter(x, src, dim, i)``: x with src
+    written into a slice / select of ``dim`` (canonical_ops made an in-place write a value:
+    Gemma 3n's ``corrected[1:] += x``). Each element comes from x or from the element of src
+    at the same place along every other dim, so it is placed as x when src is placed the
+    same on those dims and ``dim`` is not the sharded one."""
+    x, src = n.args[0], n.args[1]
+    px, ps = P(x), P(src)
+    if px == R and ps == R:
+        return R
+    if not isinstance(px, Shard):
+        raise Refusal(f"writes {show(ps)} into {show(px)}")
+    d = norm_dim(node_arg(n, 2, "dim", 0), fake(n).ndim)
+    if px.dim == d:
+        raise Refusal(f"writes into the sharded dim {d}")
+    if ps != replace(px, dim=_scatter_src_dim(n, px.dim)):
+        raise Refusal(f"writes {show(ps)} into {show(px)}")
+    return px
+
+
+def _view_scatter_aligned(n, x, out_dim: int) -> int | None:
+    """x's dims are the output's; the source's skip a select scatter's dim."""
+    if x is n.args[0]:
+        return out_dim
+    d = norm_dim(node_arg(n, 2, "dim", 0), fake(n).ndim)
+    if n.target == aten.select_scatter.default and out_dim == d:
+        return None
+    return _scatter_src_dim(n, out_dim)
+
+
+def _view_scatter_bw(n, req):
+    d = norm_dim(node_arg(n, 2, "dim", 0), fake(n).ndim)
+    if req.dim == d:
+        raise Refusal(f"writes into dim {d}")
+    return {n.args[0]: req, n.args[1]: replace(req, dim=_scatter_src_dim(n, req.dim))}
 
 
 def _padded_dims(n) -> set[int]:
@@ -464,6 +508,9 @@ for _op in SLICES:
     RULES[_op] = Rule("slice (segment-aware)", _slice_fw, _slice_bw)
 for _op in JOINS:
     RULES[_op] = Rule("concatenate", _cat_fw, _cat_bw)
+for _op in VIEW_SCATTERS:
+    RULES[_op] = Rule("view scatter (a write into a slice / select)", _view_scatter_fw,
+                      _view_scatter_bw, aligned=_view_scatter_aligned)
 for _op in REDUCTIONS:
     RULES[_op] = Rule("reduction", _reduce_fw, _reduce_bw)
 for _op in SOFTMAX | LOG_SOFTMAX:

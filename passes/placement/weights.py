@@ -67,11 +67,22 @@ def lora_up(n: Node) -> bool:
     return False
 
 
+def replicated_weight(an, w: Node) -> bool:
+    """``w`` reads a parameter another linear decided to run whole on every rank (a module
+    called twice: Gemma 3n's AltUp modality router, in predict and in correct)."""
+    base, _ = weight_chain(w)
+    return base in an.params and an.decided.get(base) == R
+
+
 def adopt_tied_kind(an, n: Node) -> bool:
     """A linear no role decided whose weight another linear did (a block's tied copy called
     from several layers, Zamba2's / Zamba's shared attention): it is placed from that weight,
-    column (its output cut) or row (a pending sum); record that kind. False: not placed."""
+    column (its output cut), row (a pending sum) or replicated (whole on every rank); record
+    that kind. False: not placed."""
     p = an.P(n)
+    if p == R and replicated_weight(an, n.args[1]):
+        an._set_linear(n, "replicated")
+        return True
     if not isinstance(p, (Shard, Partial)):
         return False
     an._set_linear(n, "row" if isinstance(p, Partial) else "column")

@@ -18,6 +18,8 @@ its own forward at every step (fp32 logits within 1e-4, the same greedy tokens; 
   matches; an attention shard of 8 would cut a group, and is refused naming that.
 * StableLM's ``qk_layernorm`` (one LayerNorm module per head over ``split`` + ``cat``):
   refused naming it (which heads a rank normalises would pick other parameters per rank).
+* Gemma 3n's AltUp: its in-place ``corrected[1:] += x`` a value (decode matches); its prefill
+  refused naming the stacked residual streams sequence parallelism does not cut.
 """
 
 from __future__ import annotations
@@ -84,3 +86,16 @@ def test_hf_sharding_forms_refused_by_name(model_type, mode, tp, dcp, overrides,
     out = _cell(model_type, "sdpa", mode, tp=tp, dcp=dcp, **overrides)
     assert out.kind == "refused" and re.search(names, out.message), out
     assert out.reason != "other", out
+
+
+def test_gemma3n_altup_decode_matches_and_its_prefill_names_the_stacked_streams():
+    """Gemma 3n's AltUp writes ``corrected[1:] += x`` in place (``add_`` into a slice, then
+    ``copy_`` back): made a value (``slice_scatter``), placed off the sharded dim; its
+    coefficient linears (2 streams) run replicated. Its prefill stops at sequence
+    parallelism: the residual stream between layers is the stack [streams, B, S, H]."""
+    out = _cell("gemma3n_text", "eager", "decode")
+    assert out.kind == "matches", out
+    out = _cell("gemma3n_text", "sdpa", "prefill")
+    assert out.kind == "refused", out
+    assert "sequence parallelism needs [B, S=16, ...]" in out.message
+    assert "Gemma 3n's AltUp" in out.message and "Use a decode-mode program" in out.message

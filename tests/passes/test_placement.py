@@ -6,6 +6,8 @@ a small traced function, then run the whole analysis on small attention graphs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -163,16 +165,44 @@ class Tiny(nn.Module):
         return self.head(x + self.o(out)), [kc, vc]
 
 
-def _analyze(variant, tp, dcp):
+def _analyze(variant, tp, dcp, model=Tiny):
     kv = 4 if variant == "h3d" else 2
     ex = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
           torch.zeros(1, 2, dtype=torch.long), [torch.zeros(3, 16, kv, 8)] * 2)
-    cap = capture(Tiny(variant), ex)
+    cap = capture(model(variant), ex)
     ctx = ctx_for(tp, dcp, "decode")
     gm = run(cap.gm, [DropExportAsserts(ctx), CanonicalizeAttention(ctx), ValidateAndProve(ctx),
                       InsertRank(ctx, cap.user_inputs[0])])
     plan = analyze(gm, ctx.config)
     return {n.name: p for n, p in plan.placements.items()}, plan
+
+
+class TinyCoefs(Tiny):
+    """Tiny ("rows") with Gemma 3n's AltUp-style coefficients: a router to 2 features, a
+    linear from those 2 (no tp of 4 divides them), and the router called again later."""
+
+    def __init__(self, variant="rows"):
+        super().__init__("rows")
+        self.router = nn.Linear(32, 2, bias=False)
+        self.coefs = nn.Linear(2, 32, bias=False)
+
+    def forward(self, ids, positions, table, caches):
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        x = x * (1 + self.coefs(torch.tanh(self.router(x))))
+        q, k, v = self.qkv(x).split([64, 16, 16], -1)
+        q, k, v = q.view(b, s, 8, 8), k.view(b, s, 2, 8), v.view(b, s, 2, 8)
+        out, kc, vc = torch.ops.dcp.paged_attention(q, k, v, caches[0], caches[1], positions,
+                                                    table, 0.35)
+        h = x + self.o(out.reshape(b, s, -1))
+        h = h * self.router(h).sum(-1, keepdim=True)          # the router's second call
+        return self.head(h), [kc, vc]
+
+
+def test_a_linear_whose_input_features_do_not_split_runs_replicated():
+    got, plan = _analyze("rows", 4, 2, model=TinyCoefs)
+    assert got["p_coefs_weight"] == R and got["p_router_weight"] == R
+    assert list(plan.roles.values()).count("replicated") == 3, plan.roles  # router twice
 
 
 def test_fused_rows_weight_is_cut_segment_by_segment():
@@ -343,3 +373,57 @@ def test_a_view_merging_groups_cut_finer_than_the_groups_names_them():
     _, n = node_of(lambda x: x.reshape(2, 3, 8, 8), (2, 3, 4, 16), target=aten.view.default)
     with pytest.raises(Refusal, match="finer than the 4 groups of 16"):
         rule_for(n.target).backward(n, Shard(2, (Seg(8, 8),), "attn"))
+
+
+# -- view scatters: an in-place write into a slice, made a value (Gemma 3n's AltUp) --------
+
+SLICE_SCATTER = (lambda x, y: torch.slice_scatter(x, y, 0, 1), (2, 3, 8), (1, 3, 8),
+                 aten.slice_scatter.default)
+SELECT_SCATTER = (lambda x, y: torch.select_scatter(x, y, 0, 1), (2, 3, 8), (3, 8),
+                  aten.select_scatter.default)
+
+
+@pytest.mark.parametrize("fn,x,y,target", [SLICE_SCATTER, SELECT_SCATTER],
+                         ids=["slice-scatter", "select-scatter"])
+def test_a_write_into_a_slice_of_another_dim_keeps_the_shard(fn, x, y, target):
+    _, n = node_of(fn, x, y, target=target)
+    cut = Shard(2, (Seg(8, 4),), "attn")
+    src = cut if target == aten.slice_scatter.default else replace(cut, dim=1)
+    assert placed(n, [cut, src]) == cut
+    assert placed(n, [R, R]) == R
+
+
+@pytest.mark.parametrize("fn,x,y,target,placements,why", [
+    (lambda x, y: torch.slice_scatter(x, y, 2, 0, 4), (2, 3, 8), (2, 3, 4),
+     aten.slice_scatter.default, [Shard(2, (Seg(8, 4),), "attn")] * 2,
+     "writes into the sharded dim 2"),
+    (*SLICE_SCATTER, [Shard(2, (Seg(8, 4),), "attn"), R], "writes Replicate into"),
+    (*SLICE_SCATTER, [R, Shard(2, (Seg(8, 4),), "attn")], "into Replicate"),
+], ids=["into-the-sharded-dim", "replicated-into-sharded", "sharded-into-replicated"])
+def test_view_scatter_refusals_name_the_reason(fn, x, y, target, placements, why):
+    _, n = node_of(fn, x, y, target=target)
+    with pytest.raises(Refusal, match=why):
+        placed(n, placements)
+
+
+@pytest.mark.parametrize("fn,x,y,target", [
+    (lambda x, y: torch.slice_scatter(x, y, 0, 1), (2, 4, 6, 8), (1, 4, 6, 8),
+     aten.slice_scatter.default),
+    (lambda x, y: torch.select_scatter(x, y, 0, 1), (2, 4, 6, 8), (4, 6, 8),
+     aten.select_scatter.default),
+    (lambda x, y: torch.select_scatter(x, y, 3, 1), (4, 6, 8, 2), (4, 6, 8),
+     aten.select_scatter.default),
+], ids=["altup-slice-of-streams", "select-of-streams", "select-after-the-token-dim"])
+def test_a_write_into_a_slice_of_the_streams_is_token_wise(fn, x, y, target):
+    from dcp_compile.passes.placement import token_dim
+    _, n = node_of(fn, x, y, target=target)
+    dim = 2 if x[0] == 2 else 1
+    assert token_dim(n, {n.args[0]: dim}, 6) == dim
+
+
+def test_a_write_along_the_tokens_is_not_token_wise():
+    from dcp_compile.passes.placement import token_dim
+    _, n = node_of(lambda x, y: torch.slice_scatter(x, y, 1, 0, 3), (4, 6, 8), (4, 3, 8),
+                   target=aten.slice_scatter.default)
+    with pytest.raises(Refusal):
+        token_dim(n, {n.args[0]: 1}, 6)

@@ -255,10 +255,14 @@ REASONS = (
     # Limits of the compiler itself, named by what the message says it met:
     ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
                                                     r"survived sequence parallelism"),
+    ("prefill: residual stream not [B, S, ...] (Gemma 3n's stacked AltUp streams)",
+     r"sequence parallelism needs \[B, S="),
     ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
     ("a bias added to the scores", r"unrecognised op aten\.add\.Tensor between `q @ k\^T`"),
     ("K/V heads tiled", r"K/V heads tiled"),
-    # OpenAI-GPT's eager attention masks by a product, scores * b + -1e4 * (1 - b):
+    # A product mask scores * b + F * (1 - b) is read (OpenAI-GPT's, F = -1e4); with a
+    # fill that does not vanish it is refused naming F; other tensor scales as such:
+    ("a finite mask fill that does not vanish", r"a finite mask fill F="),
     ("mask form not recognised (scores * mask)", r"attention scores scaled by a tensor"),
     ("attention shared across calls", r"called attention twice|layer_idx=None"),
     ("prefill: attention output gated per token", r"reaches its O projection (\S+ )?through "
