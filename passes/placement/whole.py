@@ -1,5 +1,6 @@
-"""Linears that run whole on every rank, by the library module they are traced in (rules as
-data, ``WHOLE_LINEARS``: the module's class as ``nn_module_stack`` names it -> why).
+"""Linears that run whole on every rank by the module they are traced in (hyper-connections).
+
+``WHOLE_LINEARS`` (rules as data): the module's class as ``nn_module_stack`` names it -> why.
 
 The sweeps cut a linear by what reaches it: a requirement from attention (column), a sharded
 input (row), or, failing both, the first undecided linear whose input is still unknown is
