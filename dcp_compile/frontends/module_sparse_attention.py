@@ -1,7 +1,8 @@
-"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5), read at the module
+"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5, HY-V4), read at the module
 level: for the capture, the indexer's forward becomes one ``dcp.index_topk`` op.
 
-transformers' indexer (``DeepseekV32Indexer.forward``, ``GlmMoeDsaIndexer.forward``) scores
+transformers' indexer (``DeepseekV32Indexer.forward``, ``GlmMoeDsaIndexer.forward``,
+``HYV4Indexer.forward``: the same selection in another form, RULES' fields) scores
 every prior token per query and returns ``torch.topk(...).indices``; in a captured graph that
 is a matmul chain and an ``aten.topk`` whose inputs a graph rewrite would have to dig out
 again. The swap runs the indexer's own projections, norm and RoPE verbatim and hands the
