@@ -10,6 +10,8 @@ streams ``[hc_mult * hidden] -> 2 * hc_mult`` stream weights per token (``F.line
 self.fn)``), which the analysis took for the MLP's down projection and refused ("required to
 be Replicate and Shard"). Such a linear runs whole on a replicated input, as vLLM runs these
 (ReplicatedLinear): its weight is a few thousand numbers and no collective is needed.
+Running a linear whole on a replicated input is exact whatever its module computes (an input
+that is not replicated is refused by the strict check), so a row pins no source hash.
 docs/moe-mla.md: HY-V4."""
 
 from __future__ import annotations
