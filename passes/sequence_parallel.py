@@ -159,6 +159,15 @@ def _flattens_tokens(u: Node, plan) -> bool:
         tuple(out.shape) == (plan.batch * plan.tokens, *x.shape[2:])
 
 
+def _keeps_rows(u: Node) -> bool:
+    """An expand that keeps the batch and token sizes (``-1`` there, no new leading dim:
+    HY-V4's ``embeds.unsqueeze(2).expand(-1, -1, hc_mult, -1)``) names no token count: it
+    is the same op on S/TP tokens."""
+    size = u.args[1] if len(u.args) > 1 else None
+    return u.target == aten.expand.default and isinstance(size, (list, tuple)) and \
+        len(size) == val(u.args[0]).ndim and tuple(size[:2]) == (-1, -1)
+
+
 @dataclass
 class Reduction:
     all_reduce: Node
@@ -285,15 +294,21 @@ class SequenceParallel(DCPPass):
             raise DCPTransformError(f"{where} consumes the sequence-parallel residual stream "
                                     f"but is not a function call.")
         out = val(u)
-        if not isinstance(out, torch.Tensor) or out.ndim < 3 or out.shape[1] != plan.tokens:
+        # A split of the stream along another dim (HY-V4's hyper-connection mixes: pre /
+        # post weights per token) gives a tuple: each piece must still be [B, S, ...].
+        pieces = list(out) if isinstance(out, (tuple, list)) and out else [out]
+        bad = next((o for o in pieces if not isinstance(o, torch.Tensor) or o.ndim < 3
+                    or o.shape[1] != plan.tokens), None)
+        if bad is not None:
             raise DCPTransformError(
                 f"{where} turns the residual stream into shape "
-                f"{tuple(getattr(out, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
+                f"{tuple(getattr(bad, 'shape', ()))}; sequence parallelism needs [B, S={plan.tokens},"
                 f" ...] tensors between layers (it cuts the tokens of dim 1; a stack of "
                 f"residual streams, Gemma 3n's AltUp [streams, B, S, H], has them elsewhere). "
                 f"Use a decode-mode program for this model.")
+        out = pieces[0]
         target = u.target
-        if target in LITERAL_SHAPES:
+        if target in LITERAL_SHAPES and not _keeps_rows(u):
             raise DCPTransformError(
                 f"{where} ({target}) names the residual stream's shape literally; with "
                 f"sequence parallelism each rank holds S/TP tokens of it. Keep views inside "

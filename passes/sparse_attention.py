@@ -104,7 +104,7 @@ def read_index_selection(s: Site) -> IndexSelection | None:
             f"DeepSeek Sparse Attention: attention {s.node.name} ({source_of(s.node)}) keeps "
             f"the keys chosen by {top.name} but is not latent attention absorbed into one "
             f"shared K = V head (passes/absorb_latent_attention.py): the indexer's K is "
-            f"cached beside the MLA latent, so only MLA + DSA (DeepSeek-V3.2, GLM-5) is "
+            f"cached beside the MLA latent, so only MLA + DSA (DeepSeek-V3.2, GLM-5, HY-V4) is "
             f"built. docs/moe-mla.md: DeepSeek Sparse Attention")
     q, w, k, _bias, scale, topk = top.args
     s.mask = causal
@@ -133,7 +133,7 @@ def refuse_top_k_selection(s: Site) -> None:
             f"prior tokens. Under "
             f"DCP each rank holds only its shard of the keys and of the indexer's K, so a "
             f"per-rank top-k selects a different set. The exact DCP selection is emitted for "
-            f"transformers' lightning indexers (DeepSeek-V3.2, GLM-5: dcp.index_topk over "
+            f"transformers' lightning indexers (DeepSeek-V3.2, GLM-5, HY-V4: dcp.index_topk over "
             f"absorbed latent attention, its indices scattered into the mask as "
             f"'causal & ~index_mask' or 'masked_fill(index_mask, min)'); this mask is not "
             f"that form. Serve "

@@ -1,7 +1,8 @@
-"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5), read at the module
+"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5, HY-V4), read at the module
 level: for the capture, the indexer's forward becomes one ``dcp.index_topk`` op.
 
-transformers' indexer (``DeepseekV32Indexer.forward``, ``GlmMoeDsaIndexer.forward``) scores
+transformers' indexer (``DeepseekV32Indexer.forward``, ``GlmMoeDsaIndexer.forward``,
+``HYV4Indexer.forward``: the same selection in another form, RULES' fields) scores
 every prior token per query and returns ``torch.topk(...).indices``; in a captured graph that
 is a matmul chain and an ``aten.topk`` whose inputs a graph rewrite would have to dig out
 again. The swap runs the indexer's own projections, norm and RoPE verbatim and hands the
@@ -38,16 +39,30 @@ from .module_experts import changed_pins, rule_of_class, swap_sites
 @dataclass(frozen=True)
 class IndexerRule:
     """One library indexer class (``module:qualname``), the functions whose meaning the swap
-    relies on (``module:qualname`` -> accepted source hashes) and the RoPE function its
-    forward applies (a name in the class's module)."""
+    relies on (``module:qualname`` -> accepted source hashes), the RoPE function its
+    forward applies (a name in the class's module) and where its forward differs from
+    DeepSeek-V3.2's in form, not in the selection:
+
+    ``rope_last``          RoPE on the last ``qk_rope_head_dim`` columns of q and K, the
+                           unrotated ones first (HY-V4's "flipped" layout), not the first;
+    ``scale_in_weights``   ``softmax_scale`` multiplied into the head weights, the per-head
+                           products unscaled (``w * s * relu(q.k)``, not ``w * relu(s * q.k)``:
+                           one selection, s > 0); the op then gets scale 1.0, so it runs the
+                           model's own arithmetic;
+    ``k_norm_own_dtype``   K's norm run in its weight's dtype (float32), cast back after.
+    """
 
     indexer: str
     pinned: dict[str, set[str]]
     rope: str
+    rope_last: bool = False
+    scale_in_weights: bool = False
+    k_norm_own_dtype: bool = False
 
 
 _V32 = "transformers.models.deepseek_v32.modeling_deepseek_v32"
 _GLM = "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"
+_HY4 = "transformers.models.hy_v4.modeling_hy_v4"
 RULES = (
     IndexerRule(indexer=f"{_V32}:DeepseekV32Indexer",
                 pinned={f"{_V32}:DeepseekV32Indexer.forward": {"d661c778bc18"}},
@@ -55,6 +70,10 @@ RULES = (
     IndexerRule(indexer=f"{_GLM}:GlmMoeDsaIndexer",
                 pinned={f"{_GLM}:GlmMoeDsaIndexer.forward": {"5b484bc355c7"}},
                 rope="apply_rotary_pos_emb_interleave"),       # interleaved pairs
+    IndexerRule(indexer=f"{_HY4}:HYV4Indexer",
+                pinned={f"{_HY4}:HYV4Indexer.forward": {"36f7efb47d79"}},
+                rope="apply_rotary_pos_emb_interleave", rope_last=True,
+                scale_in_weights=True, k_norm_own_dtype=True),
 )
 
 
@@ -95,15 +114,25 @@ def _forward(idx: nn.Module, rule: IndexerRule):
         b, s, _ = hidden_states.shape
         cos, sin = position_embeddings
         dr = idx.qk_rope_head_dim
+        # [rot ; pass] columns, or [pass ; rot] (rope_last): index r of the split is RoPE's
+        r = int(rule.rope_last)
+        split = [dr, idx.head_dim - dr][::1 - 2 * r]
         q = idx.wq_b(q_resid).view(b, s, idx.n_heads, idx.head_dim)
-        q_rot, q_pass = torch.split(q, [dr, idx.head_dim - dr], dim=-1)
-        k = idx.k_norm(idx.wk(hidden_states)).unsqueeze(2)
-        k_rot, k_pass = torch.split(k, [dr, idx.head_dim - dr], dim=-1)
-        q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q_pass], dim=-1)
-        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        qs = list(torch.split(q, split, dim=-1))
+        k_in = idx.wk(hidden_states)
+        if rule.k_norm_own_dtype:
+            k = idx.k_norm(k_in.to(idx.k_norm.weight.dtype)).to(hidden_states.dtype)
+        else:
+            k = idx.k_norm(k_in)
+        ks = list(torch.split(k.unsqueeze(2), split, dim=-1))
+        qs[r], ks[r] = rope(qs[r], ks[r], cos, sin, unsqueeze_dim=2)
+        q = torch.cat(qs, dim=-1)
+        k = torch.cat(ks, dim=-1).squeeze(2)
         weights = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float() \
             * (idx.n_heads ** -0.5)
+        scale = float(idx.softmax_scale)
+        if rule.scale_in_weights:
+            weights, scale = weights * scale, 1.0
         if attention_mask.dtype == torch.bool:
             bias = torch.zeros(attention_mask.shape, dtype=torch.float32,
                                device=attention_mask.device).masked_fill(~attention_mask,
@@ -111,8 +140,7 @@ def _forward(idx: nn.Module, rule: IndexerRule):
         else:
             bias = attention_mask.float()
         bias = bias.expand(b, s, k.shape[1])
-        return torch.ops.dcp.index_topk(q, weights, k, bias, float(idx.softmax_scale),
-                                        int(idx.index_topk))
+        return torch.ops.dcp.index_topk(q, weights, k, bias, scale, int(idx.index_topk))
 
     return forward
 

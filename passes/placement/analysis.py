@@ -31,6 +31,7 @@ from .plan import (ATTENTION, EMBEDDING, LINEAR, PlacementPlan, attention_projec
                    head_shards, linear_roles, option_cuts, reaches_output_directly)
 from .experts import carry_experts_sum, place_experts
 from .recurrent import place_recurrent
+from .whole import place_whole_linears
 from .weights import (adopt_params, adopt_tied_kind, decide_weight, lora_up, plain_lm_head,
                       replicated_weight, weight_placement)
 from .rules import POINTWISE, rule_for, slice_bounds, split_ranges
@@ -520,6 +521,7 @@ class Analysis:
                 self._set_known(c, self.kv_shards[at])
         place_experts(self)
         place_recurrent(self)
+        place_whole_linears(self)
         while True:
             while self.forward_sweep() | self.backward_sweep():
                 pass

@@ -21,7 +21,8 @@ from dcp_compile.runtime.kernels import sparse_attention as dsa  # noqa: E402
 
 TOPK = 4
 MODELS = {"deepseek_v32": ("deepseek_v32", {}, 2),
-          "glm5-full-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}, 1)}
+          "glm5-full-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}, 1),
+          "hy_v4": ("hy_v4", {}, 2)}
 
 
 def _ids(batch: int, n: int, seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) through ``transform``: the captured
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, HY-V4) through ``transform``: the captured
 ``dcp.index_topk`` node rewritten into the exact DCP selection (passes/sparse_attention.py
 reads it off the mask; insert_paged_cache caches the indexer's K beside the MLA latent;
 dcp_decode / dcp_prefill emit index_scores, index_candidates, one all-gather, the threshold
@@ -32,10 +32,15 @@ TOPK = 4                       # below every prompt but the 1-token one: the ind
 ATOL = 1e-4
 # name -> (model type, config options); GLM-5's second layer reuses the first's selection.
 MODELS = {"deepseek_v32": ("deepseek_v32", {}), "glm_moe_dsa": ("glm_moe_dsa", {}),
-          "glm5-full-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]})}
+          "glm5-full-shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}),
+          # HY-V4: its own indexer form (RoPE on the last columns, softmax_scale in the head
+          # weights), the second layer reusing the first's selection (its indexer_types
+          # pattern), attention sinks, a sigmoid output gate and hyper-connections.
+          "hy_v4-full-shared": ("hy_v4", {"indexer_types": ["full", "shared"]})}
 LAYOUTS = ((4, 2), (8, 4))
-# The default run's slice; DCP_DSA_TRANSFORM_FULL=1 runs all twelve cells.
-SLICE = {("decode", "deepseek_v32", 4, 2), ("prefill", "glm5-full-shared", 8, 4)}
+# The default run's slice; DCP_DSA_TRANSFORM_FULL=1 runs all sixteen cells.
+SLICE = {("decode", "deepseek_v32", 4, 2), ("prefill", "glm5-full-shared", 8, 4),
+         ("prefill", "hy_v4-full-shared", 4, 2)}
 CELLS = [(mode, m, tp, dcp) for mode in ("decode", "prefill") for m in MODELS
          for tp, dcp in LAYOUTS
          if full("DCP_DSA_TRANSFORM_FULL") or (mode, m, tp, dcp) in SLICE]

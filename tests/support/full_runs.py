@@ -32,9 +32,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
                      "DeepSeek-V3.2 and GLM-5 on dcp shards: every tp/dcp layout x model x "
                      "decode/prefill (the slice: four)"),
     "DCP_DSA_TRANSFORM_FULL": ("frontends/test_dsa_transform.py",
-                               "DeepSeek-V3.2, GLM-5 and GLM-5 with a shared indexer layer "
-                               "through transform: decode and prefill x tp=4/dcp=2 and "
-                               "tp=8/dcp=4 (the slice: two), and GLM-5's chunk step"),
+                               "DeepSeek-V3.2, GLM-5 and GLM-5 / HY-V4 with a shared indexer "
+                               "layer through transform: decode and prefill x tp=4/dcp=2 and "
+                               "tp=8/dcp=4 (the slice: three), and GLM-5's chunk step"),
     "DCP_FORMS_FULL": ("frontends/test_library_attention_forms.py",
                        "every library attention form in both modes (the slice: each form "
                        "once, decode and prefill in turn)"),

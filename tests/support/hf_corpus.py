@@ -62,6 +62,7 @@ LINEAR = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_hea
 ENCODER_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)   # RoBERTa-style embeddings
 OVR.update({
     "axk2": {**MLA, "index_head_dim": 8, "index_n_heads": 2},
+    "hy_v4": {**MLA, "index_head_dim": 16, "index_n_heads": 16},
     "dots3_note_text": {**MLA, "num_key_value_heads": 8, "index_head_dim": 8, "index_n_heads": 2,
                         "shared_experts_intermediate_size": 32, "sliding_window": 8,
                         "per_layer_config": {}},
@@ -121,7 +122,7 @@ OVR.update({
     **{t: ENCODER_IDS for t in ("camembert", "data2vec-text", "roberta", "roberta-prelayernorm",
                                 "xlm-roberta", "xlm-roberta-xl", "xmod")},
 })
-for _t in ("axk1", "axk2", "deepseek_v2", "deepseek_v4", "ergo", "glm4_moe_lite",
+for _t in ("axk1", "axk2", "deepseek_v2", "deepseek_v4", "ergo", "glm4_moe_lite", "hy_v4",
            "inkling_text", "inkling2_text", "inkling2_loop_text", "kimi_linear", "kolibri1",
            "kolibri1_1", "laguna", "lara_mini", "minicpm5_moe", "mimo_v2_flash", "param2moe",
            "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "zaya",
