@@ -61,6 +61,28 @@ from .prove.masks import (MaskVerdict, describe, mask_theorem_name, prove_mask,
 aten = torch.ops.aten
 
 
+def twice_over_one_key(sites: list, layers: int) -> None:
+    """Refuse a layer that attends twice over one K (more sites than layers, two of them
+    reading the same key node), naming both calls: DiffLlama's differential attention."""
+    first = {}
+    for s in sites:
+        a = first.setdefault(s.k, s)
+        if a is s:
+            continue
+        raise DCPTransformError(
+            f"attention {s.node.name} ({source_of(s.node)}) attends over the same keys as "
+            f"attention {a.node.name} ({source_of(a.node)}): a layer computes softmax "
+            f"attention twice over one K ({len(sites)} attention sites for the {layers} "
+            f"attention layers the model declares). This is differential attention "
+            f"(DiffLlama: softmax(Q K^T) over two halves of V, then head h of the first "
+            f"minus lambda times head h + H/2 of the second, normalised per pair), which "
+            f"dcp_compile does not shard: it keeps one attention and one KV cache per layer, and the combination "
+            f"pairs heads that a TP layout by heads puts on different ranks. Not a limit of "
+            f"DCP (the two calls share Q, K and the softmax: they are one attention over "
+            f"V = cat([V1, V2], dim=-1)); until dcp_compile reads that form, serve the model "
+            f"without dcp_compile.")
+
+
 @dataclass
 class Plan:
     sites: list[Site]
@@ -128,6 +150,7 @@ class InsertPagedCache(DCPPass):
         declared = earlier if tokens == 1 and earlier is not None else \
             self.windows if self.windows is not None else earlier
         if declared is not None and len(declared) != len(sites):
+            twice_over_one_key(sites, len(declared))
             raise DCPTransformError(
                 f"the model declares {len(declared)} attention layers (config layer_types / "
                 f"num_hidden_layers, or an earlier step) but this step's graph has "

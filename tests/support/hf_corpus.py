@@ -216,6 +216,7 @@ EXCLUDED = {
 # What a DCPError says, by the feature it names (first match wins). A refusal that names
 # none of these is reported as "other" and fails the corpus test: users must learn why.
 REASONS = (
+    ("differential attention (two softmaxes over one K)", r"attends over the same keys as"),
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
     ("DeepSeek Sparse Attention (indexer top-k)", r"DeepSeek Sparse Attention"),
     ("per-layer KV layouts (hf.prepare keeps one)", r"has per-layer KV layouts or KV shared"),
