@@ -368,6 +368,34 @@ RULES = RULES + (
 )
 
 
+# --------------------------------------------------------------------- transformers JetMoE
+
+def _jetmoe_attention_experts(block: nn.Module) -> str:
+    """JetMoE's mixture of attention heads (``JetMoeMoA``) is not an MoE MLP: why not."""
+    import inspect
+    fn = type(block).map
+    where = f"{inspect.getsourcefile(fn)}, line {inspect.getsourcelines(fn)[1]}"
+    return (f"it is JetMoE's mixture of attention heads (JetMoeMoA.map at {where}): each "
+            f"token's query heads come from the top-{block.top_k} of {block.num_experts} "
+            f"query-projection experts its router picks, and its output projection is routed "
+            f"the same way (JetMoeMoA.reduce). dcp_compile shards attention by fixed heads "
+            f"(TP) and has no form for projections routed per token; dcp.moe computes gated "
+            f"MLP experts only. Not a limit of DCP (the attention itself is softmax attention "
+            f"over K/V heads repeated top-k times); use a model whose attention projections "
+            f"are plain linears")
+
+
+_JETMOE = "transformers.models.jetmoe.modeling_jetmoe"
+RULES = RULES + (
+    ExpertsRule(
+        block=f"{_JETMOE}:JetMoeMoA", library="transformers 5.25 (JetMoE)",
+        pinned={f"{_JETMOE}:JetMoeMoA.map": {"3263d7e07180"},
+                f"{_JETMOE}:JetMoeMoA.reduce": {"f8e309330b15"}},
+        parts=lambda block: [], stack=None, forward=None, state=_jetmoe_attention_experts,
+        why="per-token routed query and output projections (a mixture of attention heads)"),
+)
+
+
 def _class_key(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 

@@ -8,10 +8,17 @@ served or refused by a message that names the real reason.
   (fp32, 1e-4, greedy tokens; hf_corpus.run_model: prompts of 1, 7, 9, 16 tokens around the
   vblock, garbage block poisoned) in decode and prefill at tp=4/dcp=2 and tp=8/dcp=4; code
   that is not the pinned code is refused.
+- LongCat-Flash: its zero experts spread their dummy expert ids with ``//`` on the router's
+  integer ids (``aten.floor_divide``), token-wise like any elementwise op
+  (passes/op_classes.py, ``UNTAGGED_ELEMENTWISE``); decode matches at both layouts. Its
+  prefill stays refused: the experts' sum is reduced over tokens flattened to ``[B*S, H]``
+  (the refusal now names that sum's source line).
+- JetMoE: its mixture of attention heads (``JetMoeMoA``, query and output projections routed
+  per token) is refused by name, the module and its source line, not as an export failure.
 - DiffLlama: a layer that calls attention twice over one set of keys (differential
   attention) is refused naming both calls and what to change, not as a layer-count mismatch.
 
-The default run is one program cell; ``DCP_ODD_FULL=1`` runs every cell.
+The default run is two program cells; ``DCP_ODD_FULL=1`` runs every cell.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ FULL = full("DCP_ODD_FULL")
 
 # (type, attention, mode, tp, dcp)
 CELLS = [(t, "sdpa", mode, tp, dcp) for t in ("dbrx",) for mode in ("decode", "prefill")
-         for tp, dcp in ((4, 2), (8, 4))]
-SLICE = [("dbrx", "sdpa", "prefill", 8, 4)]
+         for tp, dcp in ((4, 2), (8, 4))] + \
+    [("longcat_flash", "sdpa", "decode", tp, dcp) for tp, dcp in ((4, 2), (8, 4))]
+SLICE = [("dbrx", "sdpa", "prefill", 8, 4), ("longcat_flash", "sdpa", "decode", 4, 2)]
 
 
 def _id(cell) -> str:
@@ -86,3 +94,25 @@ def test_differential_attention_is_refused_naming_both_calls():
     assert "attends over the same keys as" in message and "differential attention" in message
     assert message.count("modeling_diffllama.py\", line") == 2, message
     assert C.reason_of(message) == "differential attention (two softmaxes over one K)"
+
+
+def test_floor_divide_is_token_wise():
+    from passes.op_classes import UNTAGGED_ELEMENTWISE
+    from passes.placement.tokens import ROW_RULES as TOKEN_RULES
+    aten = torch.ops.aten
+    for op in (aten.floor_divide.default, aten.floor_divide.Scalar):
+        assert op in UNTAGGED_ELEMENTWISE and op in TOKEN_RULES
+
+
+def test_longcat_prefill_refusal_names_the_flattened_sum():
+    out = C.run_model(C.build("longcat_flash", "sdpa"), "prefill")
+    assert out.kind == "refused" and out.reason == "prefill: MLP over flattened tokens [B*S, H]"
+    assert "flattened to [B*S, H] at File" in out.message and ", line " in out.message
+
+
+def test_jetmoe_attention_experts_are_refused_by_name():
+    out = C.run_model(C.build("jetmoe", "sdpa"), "decode")
+    assert out.kind == "refused", out.cell()
+    assert out.reason == "mixture of attention heads (JetMoE: routed projections)", out.message
+    assert "model.layers.0.self_attention.experts (JetMoeMoA)" in out.message
+    assert "modeling_jetmoe.py, line " in out.message
