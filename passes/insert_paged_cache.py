@@ -83,6 +83,35 @@ def twice_over_one_key(sites: list, layers: int) -> None:
             f"without dcp_compile.")
 
 
+def _module_path(n) -> str | None:
+    """The innermost module a node ran in (``nn_module_stack``), by its path."""
+    stack = n.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else None
+
+
+def looped_layers(sites: list, layers: int) -> None:
+    """Refuse a model whose attention module runs more than once per step (its layers looped
+    with shared weights, Dory's ``n_recurrent_loops``), naming the module and how often it ran."""
+    runs: dict[str, list] = {}
+    for s in sites:
+        path = _module_path(s.node)
+        if path is not None:
+            runs.setdefault(path, []).append(s)
+    looped = {p: ss for p, ss in runs.items() if len(ss) > 1}
+    if not looped:
+        return
+    path, ss = next(iter(looped.items()))
+    raise DCPTransformError(
+        f"attention module {path} runs {len(ss)} times in one step ({source_of(ss[0].node)}): "
+        f"the model loops its layers with shared weights (a recurrent-depth model, e.g. "
+        f"Dory's n_recurrent_loops), {len(sites)} attention sites for the {layers} attention "
+        f"layers its config declares. dcp_compile gives each declared layer one KV cache and does not "
+        f"know which cache each loop reads or writes (Dory's cache modes: a copy per loop, "
+        f"or earlier loops reading the last loop's past). Serving it needs one declared "
+        f"layer per loop and a rule for which cache each loop reads; until then serve it "
+        f"without dcp_compile.")
+
+
 @dataclass
 class Plan:
     sites: list[Site]
@@ -151,6 +180,7 @@ class InsertPagedCache(DCPPass):
             self.windows if self.windows is not None else earlier
         if declared is not None and len(declared) != len(sites):
             twice_over_one_key(sites, len(declared))
+            looped_layers(sites, len(declared))
             raise DCPTransformError(
                 f"the model declares {len(declared)} attention layers (config layer_types / "
                 f"num_hidden_layers, or an earlier step) but this step's graph has "

@@ -15,10 +15,15 @@ served or refused by a message that names the real reason.
   (the refusal now names that sum's source line).
 - JetMoE: its mixture of attention heads (``JetMoeMoA``, query and output projections routed
   per token) is refused by name, the module and its source line, not as an export failure.
+- Beam: its attention gate is viewed ``.view_as(attn_output)``; ``canonicalize_ops`` reads it
+  as a ``view`` of that (static) shape (``view_as_as_view``): every cell matches.
+- Dory: its tiny config now adds up (input + recurrent + output layers = num_hidden_layers);
+  its recurrent layers loop with shared weights (``n_recurrent_loops``), refused naming the
+  attention module that runs more than once per step.
 - DiffLlama: a layer that calls attention twice over one set of keys (differential
   attention) is refused naming both calls and what to change, not as a layer-count mismatch.
 
-The default run is two program cells; ``DCP_ODD_FULL=1`` runs every cell.
+The default run is three program cells; ``DCP_ODD_FULL=1`` runs every cell.
 """
 
 from __future__ import annotations
@@ -39,8 +44,11 @@ FULL = full("DCP_ODD_FULL")
 # (type, attention, mode, tp, dcp)
 CELLS = [(t, "sdpa", mode, tp, dcp) for t in ("dbrx",) for mode in ("decode", "prefill")
          for tp, dcp in ((4, 2), (8, 4))] + \
-    [("longcat_flash", "sdpa", "decode", tp, dcp) for tp, dcp in ((4, 2), (8, 4))]
-SLICE = [("dbrx", "sdpa", "prefill", 8, 4), ("longcat_flash", "sdpa", "decode", 4, 2)]
+    [("longcat_flash", "sdpa", "decode", tp, dcp) for tp, dcp in ((4, 2), (8, 4))] + \
+    [("beam", attention, mode, tp, dcp) for attention in ("sdpa", "eager")
+     for mode in ("decode", "prefill") for tp, dcp in ((4, 2), (8, 4))]
+SLICE = [("dbrx", "sdpa", "prefill", 8, 4), ("longcat_flash", "sdpa", "decode", 4, 2),
+         ("beam", "eager", "prefill", 4, 2)]
 
 
 def _id(cell) -> str:
@@ -116,3 +124,34 @@ def test_jetmoe_attention_experts_are_refused_by_name():
     assert out.reason == "mixture of attention heads (JetMoE: routed projections)", out.message
     assert "model.layers.0.self_attention.experts (JetMoeMoA)" in out.message
     assert "modeling_jetmoe.py, line " in out.message
+
+
+def test_view_as_becomes_a_view_of_the_static_shape():
+    from passes.canonical_ops import canonicalize_ops
+
+    class Gate(torch.nn.Module):
+        def forward(self, x, y):
+            return x.view_as(y) * y
+
+    x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 2, 4)
+    gm = torch.export.export(Gate(), (x, y), strict=False).module()
+    gm = torch.fx.symbolic_trace(gm) if not isinstance(gm, torch.fx.GraphModule) else gm
+    found = canonicalize_ops(gm, set(), dict, forms=("view_as_as_view",))
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert found == {"view_as_as_view": 1}
+    assert torch.ops.aten.view_as.default not in targets
+    assert torch.ops.aten.view.default in targets
+    torch.testing.assert_close(gm(x, y), x.view_as(y) * y)
+
+
+def test_looped_layers_are_refused_naming_the_module():
+    import dcp_compile
+    model = C.build("dory", "sdpa")
+    assert model.config.n_recurrent_loops > 1
+    with pytest.raises(DCPTransformError) as e:
+        dcp_compile.transform(model, tp=4, dcp=2, mode="decode", block_size=4)
+    message = str(e.value)
+    assert "attention module model.model.layers.1.self_attn runs 2 times in one step" in message
+    assert "modeling_dory.py\", line" in message and "n_recurrent_loops" in message
+    assert C.reason_of(message) == "layers looped with shared weights (recurrent depth)"
