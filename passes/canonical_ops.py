@@ -8,6 +8,7 @@ insertion, so that the placement rules see the ops they have rules for (rules as
     (transformers' ``Conv1D``: GPT-2, GPT-SW3, OpenAI-GPT; a linear whose weight is stored
     ``[in, out]``) -> ``linear(x, w.t(), b)``: a linear over the unflattened tokens, its
     weight read through a transpose (the analysis places the weight itself, dims swapped).
+  * ``x.view_as(y)`` -> ``x.view(y.shape)`` (Beam's attention gate): the shape is static.
   * ``x[..., idx, :]`` with ``idx`` a constant of consecutive ascending indices (Falcon's
     ``qkv[..., [-2], :]``, a list index torch.export lifts to a constant) -> a slice of that
     dim: slices are segment-aware (a fused projection's part), gathers are not.
@@ -470,12 +471,24 @@ def writes_out_of_place(gm: GraphModule, weights: set[str], constants) -> int:
         count += 1
 
 
+def view_as_as_view(gm: GraphModule, weights: set[str], constants) -> int:
+    """``x.view_as(other)`` -> ``x.view(other.shape)`` (shapes are static: the other tensor
+    gives only its shape, so no data of it flows into the result; Beam's attention gate)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if is_call(n, {aten.view_as.default}):
+            replace_node(gm, n, aten.view.default, (n.args[0], list(val(n.args[1]).shape)))
+            count += 1
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     # first: the ops of an autocast region are read by the rows after it
     "autocast_inlined": ATTENTION_FORMS["autocast_inlined"],
     # before the slices are read: a slice written through is not a part of a value
     "writes_out_of_place": writes_out_of_place,
+    "view_as_as_view": view_as_as_view,
     "linear_from_matmul": linear_from_matmul,
     "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,

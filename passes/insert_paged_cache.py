@@ -51,6 +51,7 @@ from dcp_compile.runtime.names import BLOCK_TABLE, POSITIONS, cache_input
 from .attention_patterns import KERNEL_OF, RESHAPES, Site, fail, find_sites, is_call, site_form
 from .finite_fills import fill_condition
 from .infra import KIND_ATTENTION, DCPPass, Found, Property, ensure, placeholder, source_of, val
+from .layer_sites import looped_layers, twice_over_one_key
 from .mask_predicate import I, J, read_mask
 from .memory_key_values import memory_rows, split_memory
 from .score_bias import DistanceTable, position_bias_of, read_bias
@@ -129,6 +130,8 @@ class InsertPagedCache(DCPPass):
         declared = earlier if tokens == 1 and earlier is not None else \
             self.windows if self.windows is not None else earlier
         if declared is not None and len(declared) != len(sites):
+            twice_over_one_key(sites, len(declared))
+            looped_layers(sites, len(declared))
             raise DCPTransformError(
                 f"the model declares {len(declared)} attention layers (config layer_types / "
                 f"num_hidden_layers, or an earlier step) but this step's graph has "

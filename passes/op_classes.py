@@ -186,7 +186,9 @@ VALUES_AND_INDICES = frozenset({aten.topk.default, aten.sort.default, aten.max.d
 # Rows looked up by index tensors.
 LOOKUPS = frozenset({aten.gather.default, aten.index.Tensor})
 # Elementwise ops torch does not tag pointwise.
-UNTAGGED_ELEMENTWISE = frozenset({aten.polar.default, aten.complex.default})
+UNTAGGED_ELEMENTWISE = frozenset({aten.polar.default, aten.complex.default,
+                                  # `//` on integer tensors (LongCat-Flash's zero experts)
+                                  aten.floor_divide.default, aten.floor_divide.Scalar})
 SCATTERS = frozenset({aten.scatter.value, aten.scatter.src, aten.scatter_add.default})
 # Tensors made from another's shape only (no data of it).
 SHAPE_ONLY_FILLS = frozenset({aten.ones_like.default, aten.zeros_like.default,

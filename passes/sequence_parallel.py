@@ -226,7 +226,10 @@ class SequenceParallel(DCPPass):
             if shape[:2] != (b, s):
                 raise DCPTransformError(
                     f"all-reduce {n.name} reduces a tensor of shape {shape}, not [batch={b}, "
-                    f"tokens={s}, ...]: sequence parallelism splits dim 1 of [B, S, H].")
+                    f"tokens={s}, ...]: sequence parallelism splits dim 1 of [B, S, H]. The "
+                    f"sum it reduces is computed over tokens flattened to [B*S, H] at "
+                    f"{source_of(n.args[0])}; reshape the tokens back to [B, S, H] before "
+                    f"that sum leaves the block (prefill), or use mode='decode'.")
             reductions.append(Reduction(n, waits[0], role))
         if not any(r.role == Role.WORLD for r in reductions):
             raise DCPTransformError("no all-reduce over 'world' found: sequence parallelism "

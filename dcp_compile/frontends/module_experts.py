@@ -359,6 +359,81 @@ RULES = (
 )
 
 
+# ------------------------------------------------------------------------ transformers DBRX
+
+def _dbrx_stack(block: nn.Module) -> StackedExperts:
+    """``DbrxExperts``: each expert's ``w1`` (gate), ``v1`` (up), ``w2`` are ``[F, H]`` rows
+    of ``[E*F, H]`` parameters; ``DbrxExpertGLU`` computes ``(act(x w1^T) * x v1^T) w2``, so
+    gate and up concatenate to ``[E, 2F, H]`` and the down projection is ``w2^T [E, H, F]``
+    (copies, carried by the program)."""
+    glu = block.mlp
+    act = expert_activation(glu.activation_fn)
+    if act is None:
+        raise DCPTransformError(
+            f"DbrxExperts' activation {type(glu.activation_fn).__name__} is not one dcp.moe "
+            f"computes ({sorted(a.value for a in set(hf_expert_activations().values()))}). "
+            f"Use ffn_config.ffn_act_fn={{'name': 'silu'}}.")
+    shape = (block.num_experts, block.ffn_hidden_size, block.hidden_size)
+    gate_up = torch.cat([glu.w1.view(shape), glu.v1.view(shape)], dim=1)
+    return StackedExperts(gate_up, glu.w2.view(shape).transpose(1, 2).contiguous(),
+                          activation=act.value)
+
+
+def _dbrx_forward(block: nn.Module, stacked: StackedExperts) -> Callable:
+    """``DbrxExperts.forward`` (transformers 5.25): its loop over the hit experts (``nonzero``,
+    ``torch.where``: data-dependent token counts) computes, for each token, the sum over its
+    top-k of the routing weight times the expert's GLU, which is dcp.moe. The router and
+    its top-k / p-norm (``DbrxFFN.route_tokens_to_experts``) stay the model's own."""
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        batch_size = hidden_states.shape[0]
+        x = hidden_states.reshape(-1, block.hidden_size)
+        return stacked.moe(x, top_k_index, top_k_weights).view(batch_size, -1,
+                                                                block.hidden_size)
+    return forward
+
+
+_DBRX = "transformers.models.dbrx.modeling_dbrx"
+RULES = RULES + (
+    ExpertsRule(
+        block=f"{_DBRX}:DbrxExperts", library="transformers 5.25 (DBRX)",
+        pinned={f"{_DBRX}:DbrxExperts.forward": {"acae1549e65b"},
+                f"{_DBRX}:DbrxExpertGLU.forward": {"d4dac21b0aac"}},
+        parts=lambda block: [block.mlp], stack=_dbrx_stack, forward=_dbrx_forward,
+        replaced=lambda block: block.mlp,
+        why="a loop over the experts the batch hits (nonzero, torch.where: data-dependent "
+            "token counts)"),
+)
+
+
+# --------------------------------------------------------------------- transformers JetMoE
+
+def _jetmoe_attention_experts(block: nn.Module) -> str:
+    """JetMoE's mixture of attention heads (``JetMoeMoA``) is not an MoE MLP: why not."""
+    import inspect
+    fn = type(block).map
+    where = f"{inspect.getsourcefile(fn)}, line {inspect.getsourcelines(fn)[1]}"
+    return (f"it is JetMoE's mixture of attention heads (JetMoeMoA.map at {where}): each "
+            f"token's query heads come from the top-{block.top_k} of {block.num_experts} "
+            f"query-projection experts its router picks, and its output projection is routed "
+            f"the same way (JetMoeMoA.reduce). dcp_compile shards attention by fixed heads "
+            f"(TP) and has no form for projections routed per token; dcp.moe computes gated "
+            f"MLP experts only. Not a limit of DCP (the attention itself is softmax attention "
+            f"over K/V heads repeated top-k times); use a model whose attention projections "
+            f"are plain linears")
+
+
+_JETMOE = "transformers.models.jetmoe.modeling_jetmoe"
+RULES = RULES + (
+    ExpertsRule(
+        block=f"{_JETMOE}:JetMoeMoA", library="transformers 5.25 (JetMoE)",
+        pinned={f"{_JETMOE}:JetMoeMoA.map": {"3263d7e07180"},
+                f"{_JETMOE}:JetMoeMoA.reduce": {"f8e309330b15"}},
+        parts=lambda block: [], stack=None, forward=None, state=_jetmoe_attention_experts,
+        why="per-token routed query and output projections (a mixture of attention heads)"),
+)
+
+
 def _class_key(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 

@@ -35,3 +35,18 @@ def test_symbolic_size_is_refused_naming_the_input():
     with pytest.raises(DCPTransformError, match=r"input or node x_1 has a dynamic shape "
                                                 r"\(s\d+, s\d+\): DCP programs have static"):
         run_alone(CheckStaticShapes(context(2, 1, "decode")), gm)
+
+
+def test_data_dependent_size_is_refused_naming_the_node_and_the_fix():
+    def masked(x):
+        return aten.index.Tensor(x, [aten.gt.Scalar(x, 0)])
+
+    gm = make_fx(masked, tracing_mode="real")(torch.randn(4))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    with FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True) as mode:
+        torch.fx.passes.fake_tensor_prop.FakeTensorProp(gm, mode).propagate(
+            mode.from_tensor(torch.randn(4)))
+    with pytest.raises(DCPTransformError, match=r"node index\w* has a dynamic shape \(u\d+,\) "
+                                                r"that depends on the data .*torch\.where"):
+        run_alone(CheckStaticShapes(context(2, 1, "decode")), gm)

@@ -96,6 +96,11 @@ SWITCHES: dict[str, tuple[str, str]] = {
                        "every MoE model x mode x tp/dcp x TP/EP x experts implementation x "
                        "prepare/direct; test_moe_backend's TP experts, test_xla's gpt-oss EP "
                        "case and test_moe_libraries' rows (they read test_moe.MATRIX)"),
+    "DCP_ODD_FULL": ("frontends/test_hf_odd_forms.py",
+                     "DBRX decode and prefill, LongCat-Flash decode, Beam (sdpa, eager) "
+                     "decode and prefill, at tp=4/dcp=2 and tp=8/dcp=4 (the slice: DBRX "
+                     "prefill at tp=8/dcp=4, LongCat-Flash decode and Beam eager prefill "
+                     "at tp=4/dcp=2)"),
     "DCP_POSITIONS_FULL": ("frontends/test_positions.py",
                            "every position form in both modes, every HF family"),
     "DCP_PROOF_FULL": ("passes/test_proofs.py",

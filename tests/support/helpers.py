@@ -12,7 +12,11 @@ def seeded_weights(model, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            # A norm's own parameter (``input_layernorm.weight``, ``layer_norm1.0.weight``),
+            # not every parameter under a module whose name says norm (DBRX's attention
+            # lives in ``norm_attn_norm.attn``).
+            owner, leaf = (["", *[c for c in name.split(".") if not c.isdigit()]])[-2:]
+            if "norm" in owner or "norm" in leaf:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif p.dim() == 1:
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))

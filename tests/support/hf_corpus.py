@@ -97,6 +97,9 @@ OVR.update({
                      axial_pos_embds_dim=[32, 32], attention_head_size=8,
                      local_attn_chunk_length=8, pad_token_id=DROP),
     "cpmant": dict(dim_head=8, dim_ff=96),
+    # Dory: input, recurrent (looped n_recurrent_loops times) and output layers must add up to
+    # num_hidden_layers (its defaults are 8 + (-14) + 8 at 2 layers).
+    "dory": dict(n_input_layers=1, n_recurrent_layers=1, n_output_layers=0),
     "cohere_compass_text": dict(sliding_window=8,
                                 layer_types=["sliding_attention", "full_attention"],
                                 rope_parameters={t: dict(rope_type="default", rope_theta=1e4)
@@ -223,6 +226,12 @@ REASONS = (
     ("compressed convolutional attention (ZAYA CCA)", r"Compressed Convolutional Attention"),
     ("four short convs per layer + hidden-state position bias (Inkling)",
      r"four depthwise short convolutions"),
+    ("differential attention (two softmaxes over one K)", r"attends over the same keys as"),
+    ("layers looped with shared weights (recurrent depth)", r"loops its layers with shared"),
+    ("mixture of attention heads (JetMoE: routed projections)", r"mixture of attention heads"),
+    # (before the features: its message names the source file, e.g. integrations/moe.py)
+    ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
+                                                    r"survived sequence parallelism"),
     ("MHA: decode DCP needs tp > kv heads", r"tp > num_kv_heads"),
     ("compressed attention (DeepSeek-V4 HCA / CSA)", r"compressed attention is not served"),
     ("DeepSeek Sparse Attention (indexer top-k)", r"DeepSeek Sparse Attention"),
@@ -254,8 +263,6 @@ REASONS = (
     ("no AttentionInterface (prepare)", r"AttentionInterface"),
     ("decoder layer drops attention kwargs", r"does not pass \*\*kwargs"),
     # Limits of the compiler itself, named by what the message says it met:
-    ("prefill: MLP over flattened tokens [B*S, H]", r"sequence parallelism splits dim 1|"
-                                                    r"survived sequence parallelism"),
     ("prefill: residual stream not [B, S, ...] (Gemma 3n's stacked AltUp streams)",
      r"sequence parallelism needs \[B, S="),
     ("mask form not recognised (where on scores)", r"where\.ScalarOther between `q @ k\^T`"),
