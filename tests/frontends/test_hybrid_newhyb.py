@@ -29,13 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 import dcp_compile  # noqa: E402
 from dcp_compile import hf  # noqa: E402
 from dcp_compile.frontends import module_recurrent as mr  # noqa: E402
-from dcp_compile.frontends.module_recurrent import (allocate_states,  # noqa: E402
-                                                    recurrent_as_ops, recurrent_layers)
+from dcp_compile.frontends.module_recurrent import recurrent_layers  # noqa: E402
 from dcp_compile.runtime.errors import DCPHybridError  # noqa: E402
 from full_runs import full  # noqa: E402
 from hybrid_configs import build_hybrid  # noqa: E402
-from hybrid_runs import (SHAPES, TOL, assert_decode_matches,  # noqa: E402
-                         assert_prefill_matches, cases, program)
+from hybrid_runs import (SHAPES, assert_decode_matches, assert_prefill_matches,  # noqa: E402
+                         assert_swapped_rows_match, cases, program)
 
 FULL = full("DCP_HYBRID_FULL")
 TYPES = ("lfm3", "lara_mini")
@@ -59,18 +58,7 @@ def test_the_swapped_mixer_is_the_models_own(model_type):
     model = _model(model_type)
     layers = recurrent_layers(model)
     assert layers and {type(m).__name__ for _, m, _ in layers} == {MIXERS[model_type]}
-    lengths = (1, 5, 8)
-    ids = torch.randint(0, model.config.vocab_size, (len(lengths), max(lengths)),
-                        generator=torch.Generator().manual_seed(1))
-    states = allocate_states(model, num_slots=len(lengths))
-    states.step(list(range(len(lengths))), [True] * len(lengths), lengths)
-    with recurrent_as_ops(model, states):
-        got = model(ids, use_cache=False).logits
-    for b, n in enumerate(lengths):
-        want = model(ids[b:b + 1, :n], use_cache=False).logits[0]
-        err = (got[b, :n] - want).abs().max().item()
-        assert err < TOL, f"row {b} (len={n}): max error {err}"
-        assert torch.equal(got[b, :n].argmax(-1), want.argmax(-1))
+    assert_swapped_rows_match(model)
 
 
 @pytest.mark.parametrize("model_type,tp,dcp", cases(TYPES, {("lfm3", 4, 2)}, FULL))

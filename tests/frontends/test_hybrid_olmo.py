@@ -23,12 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
-from dcp_compile.frontends.module_recurrent import (allocate_states,  # noqa: E402
-                                                    recurrent_as_ops, recurrent_layers)
+from dcp_compile.frontends.module_recurrent import recurrent_layers  # noqa: E402
 from full_runs import full  # noqa: E402
 from hybrid_configs import build_hybrid  # noqa: E402
-from hybrid_runs import (TOL, assert_decode_matches, assert_prefill_matches,  # noqa: E402
-                         cases, program)
+from hybrid_runs import (assert_decode_matches, assert_prefill_matches,  # noqa: E402
+                         assert_swapped_rows_match, cases, program)
 
 FULL = full("DCP_HYBRID_FULL")
 TYPE = "olmo_hybrid"
@@ -43,18 +42,7 @@ def test_the_swapped_mixer_is_the_models_own(neg_eigval):
     model = build_hybrid(TYPE, linear_allow_neg_eigval=neg_eigval)
     layers = recurrent_layers(model)
     assert [type(m).__name__ for _, m, _ in layers] == ["OlmoHybridGatedDeltaNet"] * 2
-    lengths = (1, 5, 8)
-    ids = torch.randint(0, model.config.vocab_size, (len(lengths), max(lengths)),
-                        generator=torch.Generator().manual_seed(1))
-    states = allocate_states(model, num_slots=len(lengths))
-    states.step(list(range(len(lengths))), [True] * len(lengths), lengths)
-    with recurrent_as_ops(model, states):
-        got = model(ids, use_cache=False).logits
-    for b, n in enumerate(lengths):
-        want = model(ids[b:b + 1, :n], use_cache=False).logits[0]
-        err = (got[b, :n] - want).abs().max().item()
-        assert err < TOL, f"row {b} (len={n}): max error {err}"
-        assert torch.equal(got[b, :n].argmax(-1), want.argmax(-1))
+    ids = assert_swapped_rows_match(model)
     other = build_hybrid(TYPE, linear_allow_neg_eigval=not neg_eigval)
     assert (other(ids, use_cache=False).logits - model(ids, use_cache=False).logits
             ).abs().max() > 1e-3

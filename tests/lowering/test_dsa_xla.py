@@ -18,8 +18,6 @@ layer at tp=4/dcp=2.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,7 +38,7 @@ from dcp_compile.runtime.kernels.sparse_attention import (  # noqa: E402
     NEG_INF, _index_candidates_impl, _index_threshold_impl, dsa_first)
 
 from full_runs import full  # noqa: E402
-from suite_path import ROOT  # noqa: E402
+from xla_process import child_main, in_xla_process  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontends"))
 
@@ -170,24 +168,9 @@ def test_dsa_program_on_xla_is_the_models_forward(name, mode, tp, dcp, tmp_path)
           f"{report['max_abs_error']:.1e}, sorts per module {got['sorts']}")
 
 
-def _xla_ready() -> bool:
-    import jax
-    return len(jax.devices("cpu")) >= MAX_TP
-
-
-def _in_xla_process(case: str, *args, tmp_path) -> dict:
-    if _xla_ready():
-        return globals()[case](*args)
-    out = tmp_path / "case.pt"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_TP}"
-    proc = subprocess.run([sys.executable, __file__, case, repr(args), str(out)], env=env,
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+def _in_xla_process(case: str, *args, tmp_path):
+    return in_xla_process(globals(), case, *args, tmp_path=tmp_path, max_tp=MAX_TP)
 
 
 if __name__ == "__main__":        # child process of _in_xla_process
-    import ast
-    name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]
-    torch.save(globals()[name](*args), out)
+    child_main(globals())

@@ -22,10 +22,8 @@ initialised with fewer devices earlier in this process, a case runs in a fresh p
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import replace
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,7 +45,7 @@ from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 from full_runs import full  # noqa: E402
-from suite_path import ROOT  # noqa: E402
+from xla_process import child_main, in_xla_process  # noqa: E402
 
 MAX_TP = 8
 X.request_host_devices(MAX_TP)
@@ -291,21 +289,8 @@ def test_speculative_hybrid_on_xla_rolls_the_state_back(model_type, tp, dcp, tmp
           f"accepted")
 
 
-def _xla_ready() -> bool:
-    import jax
-    return len(jax.devices("cpu")) >= MAX_TP
-
-
-def _in_xla_process(case: str, *args, tmp_path) -> dict:
-    if _xla_ready():
-        return globals()[case](*args)
-    out = tmp_path / "case.pt"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_TP}"
-    proc = subprocess.run([sys.executable, __file__, case, repr(args), str(out)], env=env,
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+def _in_xla_process(case: str, *args, tmp_path):
+    return in_xla_process(globals(), case, *args, tmp_path=tmp_path, max_tp=MAX_TP)
 
 
 def _cases():
@@ -384,6 +369,4 @@ def test_a_recurrent_op_without_a_rule_is_refused_naming_it(monkeypatch):
 
 
 if __name__ == "__main__":        # child process of _in_xla_process
-    import ast
-    name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]
-    torch.save(globals()[name](*args), out)
+    child_main(globals())

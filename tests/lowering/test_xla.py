@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,7 +33,7 @@ from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 from full_runs import full  # noqa: E402
 from lowering_helpers import XLA_SHAPES, lowered_for, program_for  # noqa: E402
-from suite_path import ROOT  # noqa: E402
+from xla_process import child_main, in_xla_process  # noqa: E402
 
 MAX_TP = 8
 X.request_host_devices(MAX_TP)
@@ -161,21 +160,8 @@ def case_rejected_module() -> str:
     return "compiled"
 
 
-def _xla_ready() -> bool:
-    import jax
-    return len(jax.devices("cpu")) >= MAX_TP
-
-
-def _in_xla_process(case: str, *args, tmp_path) -> dict:
-    if _xla_ready():
-        return globals()[case](*args)
-    out = tmp_path / "case.pt"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={MAX_TP}"
-    proc = subprocess.run([sys.executable, __file__, case, repr(args), str(out)], env=env,
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+def _in_xla_process(case: str, *args, tmp_path):
+    return in_xla_process(globals(), case, *args, tmp_path=tmp_path, max_tp=MAX_TP)
 
 
 # The default run's slice: each mode in each dtype, and each layout in each mode (decode:
@@ -399,6 +385,4 @@ def test_moe_program_on_xla_matches_the_model(model_id, ep, tmp_path):
 
 
 if __name__ == "__main__":        # child process of _in_xla_process
-    import ast
-    name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]
-    torch.save(globals()[name](*args), out)
+    child_main(globals())

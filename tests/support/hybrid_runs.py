@@ -78,6 +78,25 @@ def assert_prefill_matches(model, prog, chunks: int, label: str):
     return report
 
 
+def assert_swapped_rows_match(model, lengths=(1, 5, 8)) -> torch.Tensor:
+    """The model with its mixers run as their ops (``recurrent_as_ops``, one fresh state slot
+    per row) over a batch of rows of mixed ``lengths`` equals its own forward row by row
+    (1e-4, greedy tokens); returns the batch of token ids."""
+    from dcp_compile.frontends.module_recurrent import allocate_states, recurrent_as_ops
+    ids = torch.randint(0, model.config.vocab_size, (len(lengths), max(lengths)),
+                        generator=torch.Generator().manual_seed(1))
+    states = allocate_states(model, num_slots=len(lengths))
+    states.step(list(range(len(lengths))), [True] * len(lengths), list(lengths))
+    with recurrent_as_ops(model, states):
+        got = model(ids, use_cache=False).logits
+    for b, n in enumerate(lengths):
+        want = model(ids[b:b + 1, :n], use_cache=False).logits[0]
+        err = (got[b, :n] - want).abs().max().item()
+        assert err < TOL, f"row {b} (len={n}): max error {err}"
+        assert torch.equal(got[b, :n].argmax(-1), want.argmax(-1))
+    return ids
+
+
 def collectives(nodes) -> list[str]:
     """``op@role`` of every collective among ``nodes``, sorted."""
     from dcp_compile.runtime.distributed.roles import role_of
