@@ -42,7 +42,8 @@ from .infra import DCPPass, Property, val
 from .regroup_fused_qkv import qkv_per_group_regrouped
 from .untile_kv_heads import tiled_kv_heads_untiled
 from .memory import is_view
-from .op_classes import (ADDS, ARANGES, ARITHMETIC_IN_PLACE_TWINS, CASTS, COPIES_IN_PLACE,
+from .op_classes import (ADDS, ARANGES, ARITHMETIC_IN_PLACE_TWINS, CASTS, CONCATS,
+                         COPIES_IN_PLACE,
                          EXPANDS, FRESH_COPIES, IDENTITY_VIEWS, IN_PLACE_TWINS, UNINITIALISED,
                          WRITES_INTO_SLICES,
                          LAYER_NORMS, MATRIX_TRANSPOSES, MULS, RESHAPES, SCATTER_OF_VIEW,
@@ -482,6 +483,26 @@ def view_as_as_view(gm: GraphModule, weights: set[str], constants) -> int:
     return count
 
 
+def empty_cat_parts_dropped(gm: GraphModule, weights: set[str], constants) -> int:
+    """``cat([empty, x, ...])`` without its 1-D empty parts (torch.cat skips them: XLM joins
+    one where its cache would be): a part that adds no element and no placement."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, CONCATS) or not isinstance(n.args[0], (list, tuple)):
+            continue
+        parts = list(n.args[0])
+        kept = [p for p in parts if not (isinstance(p, Node) and val(p) is not None
+                                         and val(p).dim() == 1 and val(p).numel() == 0)]
+        if len(kept) == len(parts) or not kept:
+            continue
+        if len(kept) == 1 and val(kept[0]).shape == val(n).shape:
+            n.replace_all_uses_with(kept[0])
+        else:
+            n.args = (kept, *n.args[1:])
+        count += 1
+    return count
+
+
 # name -> rewrite(gm, weight input names, constants() -> {input name: tensor}) -> count
 CANONICAL_FORMS: dict[str, Callable] = {
     # first: the ops of an autocast region are read by the rows after it
@@ -489,6 +510,7 @@ CANONICAL_FORMS: dict[str, Callable] = {
     # before the slices are read: a slice written through is not a part of a value
     "writes_out_of_place": writes_out_of_place,
     "view_as_as_view": view_as_as_view,
+    "empty_cat_parts_dropped": empty_cat_parts_dropped,
     "linear_from_matmul": linear_from_matmul,
     "conv1d_as_linear": conv1d_as_linear,
     "constant_index_as_slice": constant_index_as_slice,

@@ -37,6 +37,10 @@ def memory_join(t: Node, per_token: set) -> tuple[Node, Node] | None:
     dim = x.args[1] if len(x.args) > 1 else 0
     if dim % 4 != 2 or len(parts) != 2 or parts[0] in per_token or parts[1] not in per_token:
         return None
+    # both [B, H, *, D]: torch.cat skips a 1-D empty tensor (XLM joins one where a cache
+    # would be), which is no memory
+    if any(val(p).dim() != 4 for p in parts) or val(parts[0]).shape[2] == 0:
+        return None
     return parts[0], parts[1]
 
 

@@ -155,3 +155,27 @@ def test_looped_layers_are_refused_naming_the_module():
     assert "attention module model.model.layers.1.self_attn runs 2 times in one step" in message
     assert "modeling_dory.py\", line" in message and "n_recurrent_loops" in message
     assert C.reason_of(message) == "layers looped with shared weights (recurrent depth)"
+
+
+def test_a_cat_with_an_empty_part_is_the_cat_without_it():
+    """XLM joins a 1-D empty tensor before its keys (torch.cat skips it): the part is
+    dropped (``empty_cat_parts_dropped``), so neither the memory key/value reading nor the
+    placement meets a join of an empty learned part (XLM crashed there: an IndexError)."""
+    from passes.canonical_ops import canonicalize_ops
+
+    class Join(torch.nn.Module):
+        def forward(self, k, v):
+            return torch.cat([k.new_empty(0), k], dim=2) * 2 + torch.cat([v, v], dim=2)[:, :, :4]
+
+    k, v = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
+    gm = torch.export.export(Join(), (k, v), strict=False).module()
+    found = canonicalize_ops(gm, set(), dict, forms=("empty_cat_parts_dropped",))
+    gm.recompile()
+    cats = [n for n in gm.graph.nodes if n.target == torch.ops.aten.cat.default]
+    assert found == {"empty_cat_parts_dropped": 1} and len(cats) == 1     # v's join stays
+    torch.testing.assert_close(gm(k, v), Join()(k, v))
+
+
+def test_xlm_is_refused_by_name_not_crashed():
+    out = C.run_case("xlm", "eager", "decode")
+    assert out.kind == "refused" and "written in place" in out.message, out
