@@ -42,7 +42,7 @@ from dcp_compile.runtime.kernels.moe import (ACTIVATIONS, LAYOUTS, OPERANDS, PAR
                                              ExpertActivation, ExpertLayout, parameters_agree)
 from dcp_compile.runtime.names import MOE_ROLE_META, MOE_ROUTER, MOE_SHARED_GATE
 
-from .infra import DCPPass, Found, Property, ensure, source_of, val
+from .infra import DCPPass, Found, Property, ancestors, ensure, source_of, val
 from .op_classes import CASTS, MULS, RESHAPES, SLICES, SPLITS, TOP_K
 
 aten = torch.ops.aten
@@ -80,16 +80,6 @@ def _stacked_weight_gather(n: Node) -> bool:
     return w.op == "placeholder" and val(w).dim() == 3
 
 
-def _ancestors(n: Node) -> set[Node]:
-    seen, stack = set(), [n]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
-
-
 def _top_k_of(ids: Node) -> Node | None:
     """The top-k that chose ``ids`` (through getitem, slices, casts, views), or None."""
     n = ids
@@ -112,8 +102,8 @@ def _scaled_tokens(moe: Node) -> tuple[Node, list[Node]]:
     topks = {_top_k_of(moe.args[1])} - {None}
     a, b = x.args[:2]
     for tokens, factor in ((a, b), (b, a)):
-        if isinstance(factor, Node) and topks & (_ancestors(factor) | {factor}) \
-                and not topks & _ancestors(tokens):
+        if isinstance(factor, Node) and topks & (ancestors(factor) | {factor}) \
+                and not topks & ancestors(tokens):
             return tokens, [factor]
     return x, []
 
@@ -123,7 +113,7 @@ def _router(moe: Node) -> set[Node]:
     block's input: the backward slice of the routing stopped where it meets the tokens' own
     history."""
     x, factors = _scaled_tokens(moe)
-    stop = _ancestors(x) | {x}
+    stop = ancestors(x) | {x}
     seen, stack = set(), [moe.args[1], moe.args[2], *factors]
     while stack:
         n = stack.pop()

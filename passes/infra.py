@@ -169,6 +169,17 @@ def attention_nodes(gm: GraphModule, target=None) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
 
 
+def ancestors(n: Node) -> set[Node]:
+    """Every node ``n`` reads, directly or through others (not ``n`` itself)."""
+    seen, stack = set(), [n]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
 def linears_reached(starts: list[Node], onward, stop=frozenset()) -> list[Node]:
     """The ``aten.linear`` nodes reached from ``starts`` following ``onward`` (a node's inputs
     or its users), not going past a linear nor past a call of a target in ``stop``."""

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import dcp_compile  # noqa: E402
 from dcp_compile.frontends.ordinary import FullForwardReference  # noqa: E402
+from dcp_compile.passes.infra import ancestors  # noqa: E402
 from dcp_compile.passes.op_classes import RECURRENT_OPS  # noqa: E402
 from dcp_compile.runtime.errors import DCPHybridError  # noqa: E402
 from dcp_compile.runtime.names import STATE_FRESH, STATE_LENGTHS, STATE_SLOT  # noqa: E402
@@ -64,16 +65,6 @@ def test_prefill_under_sequence_parallelism_matches(model_type, tp, dcp, chunks)
 
 # -- the graph: inputs, collectives per recurrent layer ------------------------------------
 
-def _ancestors(n):
-    seen, stack = set(), list(n.all_input_nodes)
-    while stack:
-        x = stack.pop()
-        if x not in seen:
-            seen.add(x)
-            stack.extend(x.all_input_nodes)
-    return seen
-
-
 def _mixer_collectives(gm) -> list[tuple[list[str], list[str]]]:
     """Per recurrent op: (the collectives its inputs come through since the previous layer's
     output, the collectives between it and the mixer's residual add)."""
@@ -88,11 +79,11 @@ def _mixer_collectives(gm) -> list[tuple[list[str], list[str]]]:
         first = next(n for n in nodes if any(p == layer or p.startswith(layer + ".")
                                              for p, _ in (n.meta.get("nn_module_stack")
                                                           or {}).values()))
-        before = [n for n in _ancestors(op) if order[n] >= order[first]]
+        before = [n for n in ancestors(op) if order[n] >= order[first]]
         out_proj, = linears_reached(list(op.users), lambda x: list(x.users))
         add = next(n for n in nodes[order[out_proj]:] if n.target == torch.ops.aten.add.Tensor
-                   and out_proj in _ancestors(n) | {n})
-        after = [n for n in _ancestors(add) if order[n] > order[op]]
+                   and out_proj in ancestors(n) | {n})
+        after = [n for n in ancestors(add) if order[n] > order[op]]
         out.append((_collectives(before), _collectives(after)))
     return out
 

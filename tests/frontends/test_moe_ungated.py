@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 import dcp_compile  # noqa: E402
 from dcp_compile.frontends import huggingface as hf  # noqa: E402
 from dcp_compile.runtime.errors import DCPTransformError  # noqa: E402
+from dcp_compile.passes.infra import ancestors  # noqa: E402
 from full_runs import full  # noqa: E402
 
 T, K, E, H, I = 11, 2, 8, 16, 12
@@ -193,18 +194,8 @@ def test_nemotron_h_experts_are_cut_by_tp_with_one_all_reduce_per_moe_block():
         # the routed experts' pending sum and the shared expert's: one all-reduce after
         users = [u for u in gm.graph.nodes
                  if u.target == torch.ops._c10d_functional.all_reduce.default
-                 and u.args[2] == ROLE_PREFIX + "tp" and n in _ancestors(u)]
+                 and u.args[2] == ROLE_PREFIX + "tp" and n in ancestors(u)]
         assert users
-
-
-def _ancestors(n):
-    seen, stack = set(), [n]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
 
 
 @pytest.mark.skipif(not FULL, reason="DCP_HYBRID_FULL=1 runs it")

@@ -38,7 +38,7 @@ from dcp_compile.runtime.kernels.sparse_attention import (  # noqa: E402
     NEG_INF, _index_candidates_impl, _index_threshold_impl, dsa_first)
 
 from full_runs import full  # noqa: E402
-from xla_process import child_main, in_xla_process  # noqa: E402
+from xla_process import child_main, in_xla_process, run_lowered_alone  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontends"))
 
@@ -99,16 +99,10 @@ def _op_cases():
 def case_ops() -> dict:
     """Each op lowered alone and run on one XLA:CPU device: op -> whether its outputs equal
     the eager op's exactly, and how many stablehlo.sort ops it lowered to."""
-    from dcp_compile.lowering import lower_function
-    device = X.host_devices(1)
     out = {}
     for name, (fn, inputs) in _op_cases().items():
         want = fn(*inputs)
-        lowered = lower_function(fn, inputs, name=name)
-        executable = X.compile_module(lowered.text, device, step=name,
-                                      effort=X.VERIFY_EFFORT)
-        got = [X._to_torch(a) for a in executable.execute(
-            [X._jax().device_put(X._to_numpy(x), device[0]) for x in inputs])]
+        lowered, got = run_lowered_alone(fn, inputs, name)
         out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(got, want)),
                      "sorts": lowered.text.count("stablehlo.sort")}
     return out

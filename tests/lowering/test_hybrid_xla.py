@@ -45,7 +45,7 @@ from dcp_compile.runtime.errors import DCPLoweringError  # noqa: E402
 from dcp_compile.runtime.serving.engine import StepShapes  # noqa: E402
 
 from full_runs import full  # noqa: E402
-from xla_process import child_main, in_xla_process  # noqa: E402
+from xla_process import child_main, in_xla_process, run_lowered_alone  # noqa: E402
 
 MAX_TP = 8
 X.request_host_devices(MAX_TP)
@@ -220,16 +220,10 @@ def case_ops() -> dict:
     """Each op lowered alone (lower_function: its rule) and run on one XLA:CPU device
     against the eager op: op -> (max |error| over every output, garbage slot written,
     slot 2 and 3 (no row's) unchanged)."""
-    from dcp_compile.lowering import lower_function
-    device = X.host_devices(1)
     out = {}
     for name, (fn, inputs) in _op_cases().items():
         want = fn(*inputs)
-        lowered = lower_function(fn, inputs, name=name)
-        executable = X.compile_module(lowered.text, device, step=name,
-                                      effort=X.VERIFY_EFFORT)
-        got = [X._to_torch(a) for a in executable.execute(
-            [X._jax().device_put(X._to_numpy(x), device[0]) for x in inputs])]
+        _, got = run_lowered_alone(fn, inputs, name)
         snapshots = name.endswith("/snapshots")
         cache_in, cache_out = inputs[-5 if snapshots else -4], got[-1]
         free = slice(3, SLOTS) if snapshots else slice(2, SLOTS)   # slots no row writes

@@ -23,9 +23,9 @@ ROLES = {"linear_default": "q_proj", "linear_default_1": "k_proj",
          "linear_default_6": "lm_head"}
 
 
-def _sharded(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, tp_rank, input_ids,
-             key_cache, value_cache, positions, block_table):
-    # This rank's shard: 2 q heads and 1 KV head of 8 (dcp_tp), 4 of 16 MLP and vocab rows.
+def _attention_half(p_embed, p_q, p_k, p_v, p_o, input_ids, key_cache, value_cache,
+                    positions, block_table):
+    """The embedding and the attention block of this rank's shard: (h, new caches)."""
     e = aten.embedding.default(p_embed, input_ids)
     h = F.wait_tensor.default(F.all_reduce.default(e, "sum", "dcp_role:world"))
     q = aten.view.default(aten.linear.default(h, p_q), [2, 3, 2, 8])
@@ -36,6 +36,14 @@ def _sharded(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, tp_rank, input_i
     o = aten.linear.default(aten.view.default(out, [2, 3, 16]), p_o)
     h = aten.add.Tensor(h, F.wait_tensor.default(F.all_reduce.default(o, "sum",
                                                                       "dcp_role:dcp_tp")))
+    return h, kc, vc
+
+
+def _sharded(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, tp_rank, input_ids,
+             key_cache, value_cache, positions, block_table):
+    # This rank's shard: 2 q heads and 1 KV head of 8 (dcp_tp), 4 of 16 MLP and vocab rows.
+    h, kc, vc = _attention_half(p_embed, p_q, p_k, p_v, p_o, input_ids, key_cache,
+                                value_cache, positions, block_table)
     d = aten.linear.default(aten.relu.default(aten.linear.default(h, p_up)), p_down)
     h = aten.add.Tensor(h, F.wait_tensor.default(F.all_reduce.default(d, "sum",
                                                                       "dcp_role:world")))
@@ -177,16 +185,8 @@ def test_every_rank_computes_what_it_did_before():
 
 def _norm_layer(p_embed, p_q, p_k, p_v, p_o, p_up, p_down, p_head, input_ids, key_cache,
                 value_cache, positions, block_table, on_stream: bool):
-    e = aten.embedding.default(p_embed, input_ids)
-    h = F.wait_tensor.default(F.all_reduce.default(e, "sum", "dcp_role:world"))
-    q = aten.view.default(aten.linear.default(h, p_q), [2, 3, 2, 8])
-    k = aten.view.default(aten.linear.default(h, p_k), [2, 3, 1, 8])
-    v = aten.view.default(aten.linear.default(h, p_v), [2, 3, 1, 8])
-    out, kc, vc = dcp.attention.default(q, k, v, key_cache, value_cache, positions,
-                                        block_table, 0.5)
-    o = aten.linear.default(aten.view.default(out, [2, 3, 16]), p_o)
-    h = aten.add.Tensor(h, F.wait_tensor.default(F.all_reduce.default(o, "sum",
-                                                                      "dcp_role:dcp_tp")))
+    h, kc, vc = _attention_half(p_embed, p_q, p_k, p_v, p_o, input_ids, key_cache,
+                                value_cache, positions, block_table)
     x = h if on_stream else aten.linear.default(h, p_up)
     ms = aten.mul.Tensor(aten.mean.dim(aten.mul.Tensor(x, x), [-1], True), 0.25)
     ms = F.wait_tensor.default(F.all_reduce.default(ms, "sum", "dcp_role:world"))

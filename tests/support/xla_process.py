@@ -34,6 +34,19 @@ def in_xla_process(module_globals: dict, case: str, *args, tmp_path, max_tp: int
     return torch.load(out)
 
 
+def run_lowered_alone(fn, inputs, name: str):
+    """``fn`` lowered alone (``lower_function``) and run on one XLA:CPU device on ``inputs``:
+    (the lowered module, its outputs as torch tensors)."""
+    from dcp_compile import xla as X
+    from dcp_compile.lowering import lower_function
+    device = X.host_devices(1)
+    lowered = lower_function(fn, inputs, name=name)
+    executable = X.compile_module(lowered.text, device, step=name, effort=X.VERIFY_EFFORT)
+    got = [X._to_torch(a) for a in executable.execute(
+        [X._jax().device_put(X._to_numpy(x), device[0]) for x in inputs])]
+    return lowered, got
+
+
 def child_main(module_globals: dict) -> None:
     """The child process: run the named case on its arguments, save what it returns."""
     name, args, out = sys.argv[1], ast.literal_eval(sys.argv[2]), sys.argv[3]
